@@ -1,0 +1,47 @@
+# Make targets are the interface: CI calls the same targets a person does.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard proto/moe/*/v1/*.proto)
+STAMP := $(VENV)/.installed
+
+.PHONY: install gen-proto lint test test-unit test-integration demo clean
+
+install: $(STAMP) gen/.stamp
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@# Generated protobuf code lives in gen/ (ignored by git); put it on the venv's path.
+	$(PY) -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'expertcache_gen.pth').write_text(str(pathlib.Path('gen').resolve()) + '\n')"
+	@touch $@
+
+gen-proto: gen/.stamp
+
+gen/.stamp: $(PROTOS) $(STAMP)
+	rm -rf gen && mkdir -p gen
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
+	@for d in $$(find gen -type d); do touch $$d/__init__.py; done
+	@touch $@
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
+	$(VENV)/bin/pytest -q tests
+
+test-unit: install
+	$(VENV)/bin/pytest -q tests/unit
+
+test-integration: install
+	$(VENV)/bin/pytest -q tests/integration
+
+# MODEL=path runs a real checkpoint directory instead of the built-in tiny one.
+demo: install
+	$(PY) -m expertcache.demo $(if $(MODEL),--model $(MODEL),)
+
+clean:
+	rm -rf gen build demo-data .pytest_cache .ruff_cache
