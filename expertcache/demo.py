@@ -1,0 +1,158 @@
+"""`make demo`: the whole ExpertCache on this machine, from checkpoint to streamed tokens.
+
+    checkpoint ──convert──▶ expert store ──▶ cache_daemon (arena: 25% of experts)
+                                                   ▲ Demand (unix socket)
+    this script ──Generate (gRPC, streamed)──▶ compute_svc
+
+Without ``--model`` it builds a small random-weight Mixtral checkpoint with transformers itself
+(no download). With ``--model DIR`` it serves that checkpoint directory instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from expertcache.launch import REPO, Proc, start_compute, start_daemon
+from expertcache.manifest import read_manifest
+
+DEFAULT_PROMPT = "Once upon a time there was a small model that"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _ensure_checkpoint(data_dir: Path) -> Path:
+    from expertcache.tiny import make_checkpoint
+
+    ckpt = data_dir / "checkpoint-mixtral-demo"
+    if (ckpt / "config.json").is_file():
+        _say(f"• checkpoint: {ckpt} (already built)")
+        return ckpt
+    _say(f"• building a random-weight Mixtral checkpoint with transformers → {ckpt}")
+    make_checkpoint(
+        "mixtral",
+        ckpt,
+        hidden_size=256,
+        num_layers=4,
+        num_experts=16,
+        top_k=2,
+        intermediate_size=512,
+    )
+    return ckpt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run ExpertCache end to end and stream one generation.")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: build a tiny one)")
+    parser.add_argument("--data-dir", default=str(REPO / "demo-data"), help="where checkpoints and stores go")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--device-fraction", type=float, default=0.25, help="device arena / all experts")
+    parser.add_argument("--host-fraction", type=float, default=0.5, help="host tier / all experts")
+    args = parser.parse_args(argv)
+
+    from cache_daemon.convert import convert
+    from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+    from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(args.model) if args.model else _ensure_checkpoint(data_dir)
+    store = data_dir / f"store-{ckpt.name}"
+    _say(f"• converting {ckpt} → expert store {store}")
+    convert(ckpt, store, progress=True)
+    manifest = read_manifest(store)
+    blob = manifest.blob_bytes
+    device_slots = max(1, int(manifest.num_blobs * args.device_fraction))
+    host_slots = int(manifest.num_blobs * args.host_fraction)
+    _say(
+        f"• {manifest.model_type}: {len(manifest.moe_layers)} MoE layers × {manifest.num_experts} experts "
+        f"(top-{manifest.top_k}), {manifest.total_expert_bytes / 2**20:.1f} MiB of experts, "
+        f"{blob / 2**20:.2f} MiB each"
+    )
+    _say(f"• device arena: {device_slots} slots ({args.device_fraction:.0%}), host tier: {host_slots} slots")
+
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(prefix="expertcache-demo-") as tmp:
+        work = Path(tmp)
+        try:
+            _say("• starting cache_daemon …")
+            daemon = start_daemon(store, work, device_budget_bytes=device_slots * blob, host_budget_bytes=host_slots * blob)
+            procs.append(daemon)
+            _say(f"  serving {daemon.address}")
+            _say("• starting compute_svc …")
+            compute = start_compute(store, daemon, work)
+            procs.append(compute)
+            _say(f"  serving {compute.address}")
+
+            with grpc.insecure_channel(compute.address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30)
+                request = inference_pb2.GenerateRequest(
+                    max_new_tokens=args.max_new_tokens,
+                    sampling=inference_pb2.SamplingParams(temperature=0.0),
+                    ignore_eos=True,
+                    request_id="demo",
+                )
+                if info.has_tokenizer:
+                    request.text = args.prompt
+                    _say(f"\nprompt: {args.prompt!r}\n")
+                else:
+                    request.token_ids.extend([1, 2, 3, 4])
+                    _say("\nprompt: token ids [1, 2, 3, 4] (the checkpoint has no tokenizer)\n")
+                _say(f"{'#':>3} {'token':>6} {'latency':>9} {'hits':>5} {'miss':>5}  text")
+                latencies = []
+                hits = misses = 0
+                text = []
+                started = time.perf_counter()
+                for event in stub.Generate(request, timeout=600):
+                    if event.finish_reason and not event.token_id and not event.text and event.latency_s == 0:
+                        continue
+                    latencies.append(event.latency_s)
+                    hits += event.cache.hits
+                    misses += event.cache.misses
+                    text.append(event.text)
+                    _say(
+                        f"{event.index:>3} {event.token_id:>6} {event.latency_s * 1e3:>7.1f}ms "
+                        f"{event.cache.hits:>5} {event.cache.misses:>5}  {event.text!r}"
+                    )
+                elapsed = time.perf_counter() - started
+            with grpc.insecure_channel(daemon.address) as channel:
+                stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+
+            _say(f"\ngenerated: {''.join(text)!r}")
+            if latencies:
+                _say(
+                    f"tokens: {len(latencies)} in {elapsed:.2f}s; per-token latency p50 "
+                    f"{statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+                )
+                total = hits + misses
+                _say(f"expert acquires: {total}, hits {hits} ({hits / max(total, 1):.0%}), misses {misses}")
+            for tier in stats.tiers:
+                name = cache_pb2.Tier.Name(tier.tier).removeprefix("TIER_").lower()
+                _say(
+                    f"  {name:>6}: hits {tier.hits:>6} misses {tier.misses:>6} "
+                    f"in {tier.bytes_in / 2**20:>8.1f} MiB  resident {tier.resident}/{tier.capacity_slots} "
+                    f"evictions {tier.evictions}"
+                )
+            _say(f"  store reads: {stats.store_io_mode}, {stats.store_read_seconds:.3f}s")
+        finally:
+            _say("• shutting down")
+            for proc in reversed(procs):
+                code = proc.stop()
+                if code not in (0, -15):
+                    _say(f"  {proc.address} exited with {code}; its log:\n{proc.log()[-4000:]}")
+    _say("• done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Starting the real service processes: used by the demo, the benchmarks and the integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run from here
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    address: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def wait_healthy(address: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before serving:\n{log_path.read_text()}")
+        try:
+            with grpc.insecure_channel(address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{address} not healthy after {timeout_s}s:\n{log_path.read_text()}")
+
+
+def start(module: str, args: list[str], address: str, log_path: Path, env: dict | None = None) -> Proc:
+    log = open(log_path, "wb")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env
+    )
+    try:
+        wait_healthy(address, popen, log_path)
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    return Proc(popen, address, log_path)
+
+
+def start_daemon(store_dir: Path, work_dir: Path, *, device_budget_bytes: int, host_budget_bytes: int = 0,
+                 extra: list[str] | None = None) -> Proc:
+    sock = work_dir / "daemon.sock"
+    args = [
+        "--store-dir", str(store_dir),
+        "--socket-path", str(sock),
+        "--device-budget-bytes", str(device_budget_bytes),
+        "--host-budget-bytes", str(host_budget_bytes),
+        *(extra or []),
+    ]
+    return start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
+
+
+def start_compute(store_dir: Path, daemon: Proc, work_dir: Path, extra: list[str] | None = None) -> Proc:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    args = [
+        "--store-dir", str(store_dir),
+        "--daemon-address", daemon.address,
+        "--listen-address", address,
+        *(extra or []),
+    ]
+    return start("compute_svc", args, address, work_dir / "compute.log")
