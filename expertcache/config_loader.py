@@ -48,7 +48,9 @@ def _convert(cls, field: dataclasses.Field, value: Any, source: str) -> Any:
                 value = [v for v in value.split(",") if v]
             return tuple(value)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"config field {field.name!r} from {source}: cannot read {value!r} as {typ}") from exc
+        raise InvalidArgument(
+            f"config field {field.name!r} from {source}: cannot read {value!r} as {typ}"
+        ) from exc
     return value
 
 
@@ -60,9 +62,13 @@ def validate(config: Any) -> None:
         if value is None:
             continue
         if "min" in meta and value < meta["min"]:
-            raise InvalidArgument(f"config field {field.name!r} = {value!r} is below its minimum {meta['min']!r}")
+            raise InvalidArgument(
+                f"config field {field.name!r} = {value!r} is below its minimum {meta['min']!r}"
+            )
         if "max" in meta and value > meta["max"]:
-            raise InvalidArgument(f"config field {field.name!r} = {value!r} is above its maximum {meta['max']!r}")
+            raise InvalidArgument(
+                f"config field {field.name!r} = {value!r} is above its maximum {meta['max']!r}"
+            )
         if "choices" in meta and value not in meta["choices"]:
             raise InvalidArgument(
                 f"config field {field.name!r} = {value!r} is not one of {', '.join(map(str, meta['choices']))}"
@@ -126,7 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = field.metadata.get("help", "")
         default = field.default if field.default is not dataclasses.MISSING else None
         if hints[field.name] is bool:
-            parser.add_argument(flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(
+                flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=field.name, default=None, help=f"{help_text} (default: {default})")
 

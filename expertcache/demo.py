@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         try:
             _say("• starting cache_daemon …")
-            daemon = start_daemon(store, work, device_budget_bytes=device_slots * blob, host_budget_bytes=host_slots * blob)
+            daemon = start_daemon(
+                store, work, device_budget_bytes=device_slots * blob, host_budget_bytes=host_slots * blob
+            )
             procs.append(daemon)
             _say(f"  serving {daemon.address}")
             _say("• starting compute_svc …")
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 elapsed = time.perf_counter() - started
             with grpc.insecure_channel(daemon.address) as channel:
-                stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+                stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(
+                    cache_pb2.GetStatsRequest(), timeout=10
+                )
 
             _say(f"\ngenerated: {''.join(text)!r}")
             if latencies:

@@ -27,7 +27,7 @@ def status_code(exc: ExpertCacheError) -> grpc.StatusCode:
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str):
     if isinstance(exc, ExpertCacheError):
         context.abort(status_code(exc), str(exc))
-    logger.exception("unhandled error in %s", method)
+    logger.error("unhandled error in %s", method, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 

@@ -47,10 +47,14 @@ def wait_healthy(address: str, proc: subprocess.Popen, log_path: Path, timeout_s
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before serving:\n{log_path.read_text()}")
+            raise RuntimeError(
+                f"process exited with {proc.returncode} before serving:\n{log_path.read_text()}"
+            )
         try:
             with grpc.insecure_channel(address) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                reply = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=1
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
         except grpc.RpcError:
@@ -74,14 +78,24 @@ def start(module: str, args: list[str], address: str, log_path: Path, env: dict 
     return Proc(popen, address, log_path)
 
 
-def start_daemon(store_dir: Path, work_dir: Path, *, device_budget_bytes: int, host_budget_bytes: int = 0,
-                 extra: list[str] | None = None) -> Proc:
+def start_daemon(
+    store_dir: Path,
+    work_dir: Path,
+    *,
+    device_budget_bytes: int,
+    host_budget_bytes: int = 0,
+    extra: list[str] | None = None,
+) -> Proc:
     sock = work_dir / "daemon.sock"
     args = [
-        "--store-dir", str(store_dir),
-        "--socket-path", str(sock),
-        "--device-budget-bytes", str(device_budget_bytes),
-        "--host-budget-bytes", str(host_budget_bytes),
+        "--store-dir",
+        str(store_dir),
+        "--socket-path",
+        str(sock),
+        "--device-budget-bytes",
+        str(device_budget_bytes),
+        "--host-budget-bytes",
+        str(host_budget_bytes),
         *(extra or []),
     ]
     return start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
@@ -91,9 +105,12 @@ def start_compute(store_dir: Path, daemon: Proc, work_dir: Path, extra: list[str
     port = free_port()
     address = f"127.0.0.1:{port}"
     args = [
-        "--store-dir", str(store_dir),
-        "--daemon-address", daemon.address,
-        "--listen-address", address,
+        "--store-dir",
+        str(store_dir),
+        "--daemon-address",
+        daemon.address,
+        "--listen-address",
+        address,
         *(extra or []),
     ]
     return start("compute_svc", args, address, work_dir / "compute.log")

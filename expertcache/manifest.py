@@ -196,12 +196,16 @@ class StoreManifest:
 
     def validate(self, origin: str = "manifest") -> None:
         if self.blob_bytes <= 0 or self.blob_bytes % BLOB_ALIGN:
-            raise DataLoss(f"{origin}: blob_bytes {self.blob_bytes} is not a positive multiple of {BLOB_ALIGN}")
+            raise DataLoss(
+                f"{origin}: blob_bytes {self.blob_bytes} is not a positive multiple of {BLOB_ALIGN}"
+            )
         if set(self.layer_files) != set(self.moe_layers) or set(self.checksums) != set(self.moe_layers):
             raise DataLoss(f"{origin}: layer_files/checksums do not cover moe_layers {list(self.moe_layers)}")
         for layer, sums in self.checksums.items():
             if len(sums) != self.num_experts:
-                raise DataLoss(f"{origin}: layer {layer} has {len(sums)} checksums, expected {self.num_experts}")
+                raise DataLoss(
+                    f"{origin}: layer {layer} has {len(sums)} checksums, expected {self.num_experts}"
+                )
         for t in self.tensors:
             if t.dtype not in DTYPE_ITEMSIZE:
                 raise DataLoss(f"{origin}: tensor {t.name!r} has unknown dtype {t.dtype!r}")

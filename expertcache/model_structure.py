@@ -78,7 +78,9 @@ def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
             for name, param in module.named_parameters(recurse=False)
             if param.dim() >= 2 and param.shape[0] == num_experts
         )
-        sites.append(ExpertsSite(layer=int(match.group(1)), path=path, num_experts=num_experts, tensors=tensors))
+        sites.append(
+            ExpertsSite(layer=int(match.group(1)), path=path, num_experts=num_experts, tensors=tensors)
+        )
     return sorted(sites, key=lambda s: s.layer)
 
 

@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra = {}
     if args.intermediate_size:
-        key = "moe_intermediate_size" if "moe_intermediate_size" in ARCH_CONFIGS[args.arch] else "intermediate_size"
+        key = (
+            "moe_intermediate_size"
+            if "moe_intermediate_size" in ARCH_CONFIGS[args.arch]
+            else "intermediate_size"
+        )
         extra[key] = args.intermediate_size
     path = make_checkpoint(
         args.arch,
