@@ -1,0 +1,681 @@
+"""Streaming converter: a transformers checkpoint directory → an expert store.
+
+::
+
+    SRC/ (save_pretrained)                                  DST.partial/ ──rename──▶ DST/
+      config.json ──▶ skeleton (meta device) ──▶ experts sites, blob plan, dense key set
+      *.safetensors ─┬─ expert tensors ── recipe per (layer, tensor), one expert at a time
+      (headers only  │     └─▶ pack blob (4 KiB aligned, CRC-32) ─────────▶ experts/layer_0001.bin
+       until read)   └─ dense tensors ── rename, check against skeleton ──▶ dense.safetensors
+      tokenizer*, generation_config.json, config.json ── copy ───────────▶ (same names)
+                                                                          manifest.json (last)
+
+Nothing is written until the whole plan checks out against the skeleton (every expert tensor
+has a source of the right shape, every dense key is known, none is missing). Data is read one
+tensor, or one expert's slice of a stacked tensor, at a time: memory stays at a few experts
+plus one dense tensor. Everything is written into ``DST.partial`` and renamed onto ``DST`` at
+the end, so an interrupted run never leaves a store that looks complete; a stale partial
+directory is removed by the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import zlib
+from collections import Counter
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from cache_daemon.convert.sources import ExpertRecipe, SourceLayout, resolve_recipe, source_layout
+from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unsupported
+from expertcache.manifest import (
+    DENSE_NAME,
+    MANIFEST_NAME,
+    StoreManifest,
+    TensorLayout,
+    plan_blob,
+    read_manifest,
+)
+from expertcache.model_structure import (
+    ExpertsSite,
+    build_skeleton,
+    expert_parameter_names,
+    find_experts_sites,
+    top_k_of,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"  # the previous store, moved aside while --force replaces it
+EXPERTS_DIR = "experts"
+SUPPORTED_QUANTIZATION = ("mxfp4",)
+# Files compute needs beside the weights (config, generation defaults, tokenizer), top level only.
+SIDE_FILE_PATTERNS = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.*",
+)
+# Checkpoint keys transformers drops on load for every model (moved or non-persistent buffers).
+ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
+# Bytes per element of safetensors dtype codes, for the streamed dense file's header.
+SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+FLOAT_CODES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def layer_file_name(layer: int) -> str:
+    return f"{EXPERTS_DIR}/layer_{layer:04d}.bin"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- the source checkpoint -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory, validated, with every tensor's file (from headers only)."""
+
+    path: Path
+    config: Mapping[str, object]  # parsed config.json
+    config_bytes: bytes
+    index_bytes: bytes  # model.safetensors.index.json, or b"" for an unsharded checkpoint
+    files: tuple[str, ...]  # safetensors file names relative to ``path``
+    key_files: Mapping[str, str]  # checkpoint key → file name
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    @property
+    def declares_dtype(self) -> bool:
+        return bool(self.config.get("dtype") or self.config.get("torch_dtype"))
+
+    @property
+    def quant_method(self) -> str | None:
+        quantization = self.config.get("quantization_config")
+        return str(quantization.get("quant_method")) if isinstance(quantization, dict) else None
+
+    def source_id(self) -> str:
+        """Content hash identifying the checkpoint: config, index, and each file's name and size."""
+        digest = hashlib.sha256()
+        for part in (CONFIG_NAME.encode(), self.config_bytes, INDEX_NAME.encode(), self.index_bytes):
+            digest.update(len(part).to_bytes(8, "little") + part)
+        for name in self.files:
+            digest.update(f"{name}\0{(self.path / name).stat().st_size}\0".encode())
+        return digest.hexdigest()
+
+
+def open_checkpoint(src: Path) -> Checkpoint:
+    """Validate ``src`` and read its config and safetensors headers (no tensor data)."""
+    if not src.is_dir():
+        raise NotFound(f"checkpoint directory {src} does not exist (or is not a directory)")
+    config_path = src / CONFIG_NAME
+    if not config_path.is_file():
+        raise NotFound(f"{src} has no {CONFIG_NAME}: not a transformers checkpoint directory")
+    config_bytes = config_path.read_bytes()
+    try:
+        config = json.loads(config_bytes)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise InvalidArgument(f"{config_path} has no model_type")
+    index_bytes, files = _safetensors_files(src)
+    return Checkpoint(
+        path=src,
+        config=config,
+        config_bytes=config_bytes,
+        index_bytes=index_bytes,
+        files=files,
+        key_files=_key_files(src, files),
+    )
+
+
+def _safetensors_files(src: Path) -> tuple[bytes, tuple[str, ...]]:
+    index_path = src / INDEX_NAME
+    if index_path.is_file():
+        index_bytes = index_path.read_bytes()
+        try:
+            files = sorted(set(json.loads(index_bytes)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise InvalidArgument(
+                f"{index_path} is not a safetensors index (no weight_map): {exc!r}"
+            ) from exc
+        missing = [name for name in files if not (src / name).is_file()]
+        if missing:
+            raise NotFound(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+        return index_bytes, tuple(files)
+    if (src / SINGLE_FILE_NAME).is_file():
+        return b"", (SINGLE_FILE_NAME,)
+    files = sorted(p.name for p in src.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(others)}: re-save it with save_pretrained)" if others else ""
+        raise NotFound(f"{src} has no *.safetensors weights{hint}")
+    return b"", tuple(files)
+
+
+def _key_files(src: Path, files: tuple[str, ...]) -> dict[str, str]:
+    key_files: dict[str, str] = {}
+    for name in files:
+        try:
+            with safe_open(str(src / name), framework="pt") as handle:
+                keys = list(handle.keys())
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise DataLoss(f"{src / name} is not a readable safetensors file: {exc}") from exc
+        for key in keys:
+            if key in key_files:
+                raise InvalidArgument(f"tensor {key} appears in both {key_files[key]} and {name}")
+            key_files[key] = name
+    return key_files
+
+
+class TensorReader:
+    """Reads checkpoint tensors by *runtime* name: whole, or one expert's slice [e] of dim 0.
+
+    Files are memory-mapped by safetensors and opened once; nothing is cached, so the memory
+    held is the tensor just returned.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, layout: SourceLayout) -> None:
+        self._checkpoint = checkpoint
+        self._names: dict[str, str] = {}  # runtime name → checkpoint key
+        for key in checkpoint.key_files:
+            name = layout.runtime_name(key)
+            if name in self._names:
+                raise InvalidArgument(f"checkpoint keys {self._names[name]} and {key} both map to {name}")
+            self._names[name] = key
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    @property
+    def names(self) -> Mapping[str, str]:
+        """Runtime name → checkpoint key, for every tensor of the checkpoint."""
+        return self._names
+
+    def _handle(self, name: str):
+        file_name = self._checkpoint.key_files[self._names[name]]
+        if file_name not in self._handles:
+            path = self._checkpoint.path / file_name
+            self._handles[file_name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        return self._handles[file_name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(self._names[name])
+
+    def get_slice(self, name: str, index: int) -> torch.Tensor:
+        return self._handle(name).get_slice(self._names[name])[index]  # reads only row `index`
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(self._names[name]).get_shape())
+
+    def safetensors_dtype(self, name: str) -> str:
+        return self._handle(name).get_slice(self._names[name]).get_dtype()  # e.g. "BF16"
+
+
+# -- the plan: what goes where, checked before anything is written ----------------------
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Everything the writers need, resolved and checked against the skeleton."""
+
+    model_type: str
+    config: PretrainedConfig  # without quantization_config: the store holds dequantised experts
+    sites: tuple[ExpertsSite, ...]
+    tensors: tuple[TensorLayout, ...]  # blob layout, same for every expert
+    dtypes: tuple[torch.dtype, ...]  # runtime dtype of each of ``tensors``
+    blob_bytes: int
+    recipes: Mapping[int, tuple[ExpertRecipe, ...]]  # layer → one recipe per blob tensor
+    dense_names: tuple[str, ...]  # runtime names written to dense.safetensors, sorted
+
+    @property
+    def num_experts(self) -> int:
+        return self.sites[0].num_experts
+
+    @property
+    def num_blobs(self) -> int:
+        return len(self.sites) * self.num_experts
+
+    def source_forms(self) -> str:
+        return ",".join(sorted({r.kind for recipes in self.recipes.values() for r in recipes}))
+
+
+def load_runtime_config(checkpoint: Checkpoint, reader: TensorReader) -> PretrainedConfig:
+    """The config the runtime model is built from: quantization dropped (experts dequantised),
+    dtype that of the weights when config.json names none (as ``from_pretrained`` infers it)."""
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint.path))
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise InvalidArgument(f"transformers cannot load {checkpoint.path / CONFIG_NAME}: {exc}") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if not checkpoint.declares_dtype:
+        config.dtype = weights_dtype(reader)
+        logger.info("%s names no dtype; the weights are %s", CONFIG_NAME, dtype_name(config.dtype))
+    return config
+
+
+def weights_dtype(reader: TensorReader) -> torch.dtype:
+    """The most common floating dtype among the checkpoint's tensors (MXFP4 blocks are uint8)."""
+    counts = Counter(reader.safetensors_dtype(name) for name in reader.names)
+    floating = [code for code, _ in counts.most_common() if code in FLOAT_CODES]
+    return FLOAT_CODES[floating[0]] if floating else torch.float32
+
+
+def plan_store(checkpoint: Checkpoint, layout: SourceLayout, reader: TensorReader) -> StorePlan:
+    """Match every runtime tensor of the model to its checkpoint source; raise on any gap."""
+    config = load_runtime_config(checkpoint, reader)
+    skeleton = build_skeleton(config)
+    sites = tuple(find_experts_sites(skeleton))
+    if not sites:
+        raise Unsupported(f"the {checkpoint.model_type} model built from {checkpoint.path} has no MoE layers")
+    _check_uniform(sites)
+    experts_module = skeleton.get_submodule(sites[0].path)
+    dtypes = tuple(getattr(experts_module, spec.name).dtype for spec in sites[0].tensors)
+    tensors, blob_bytes = plan_blob(
+        [
+            (spec.name, dtype_name(dtype), spec.shape)
+            for spec, dtype in zip(sites[0].tensors, dtypes, strict=True)
+        ]
+    )
+    recipes = {site.layer: _site_recipes(layout, site, reader) for site in sites}
+    consumed = {name for rs in recipes.values() for r in rs for name in r.consumed_names()}
+    dense_names = _plan_dense(skeleton, sites, reader, consumed)
+    return StorePlan(
+        model_type=checkpoint.model_type,
+        config=config,
+        sites=sites,
+        tensors=tensors,
+        dtypes=dtypes,
+        blob_bytes=blob_bytes,
+        recipes=recipes,
+        dense_names=dense_names,
+    )
+
+
+def _check_uniform(sites: tuple[ExpertsSite, ...]) -> None:
+    # One blob layout serves every (layer, expert): the store format needs identical experts.
+    first = sites[0]
+    for site in sites[1:]:
+        if site.num_experts != first.num_experts or site.tensors != first.tensors:
+            raise Unsupported(
+                f"layer {site.layer}'s experts ({site.num_experts} × {site.tensors}) differ from layer "
+                f"{first.layer}'s ({first.num_experts} × {first.tensors}); the store needs uniform experts"
+            )
+
+
+def _site_recipes(layout: SourceLayout, site: ExpertsSite, reader: TensorReader) -> tuple[ExpertRecipe, ...]:
+    recipes = tuple(resolve_recipe(layout, site, spec, reader.names) for spec in site.tensors)
+    for recipe in recipes:
+        recipe.check_shapes(reader.shape)
+    return recipes
+
+
+def _plan_dense(
+    skeleton: torch.nn.Module, sites: tuple[ExpertsSite, ...], reader: TensorReader, consumed: set[str]
+) -> tuple[str, ...]:
+    """Runtime names of the dense tensors; every one known to the model, none missing."""
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    for name in expert_parameter_names(sites):
+        expected.pop(name, None)
+    ignored = _ignored_pattern(skeleton)
+    dense, skipped, unexpected, mismatched = [], [], [], []
+    for name in sorted(set(reader.names) - consumed):
+        if name not in expected and ignored.search(name):
+            skipped.append(name)
+        elif name not in expected:
+            unexpected.append(name)
+        elif reader.shape(name) != expected[name]:
+            mismatched.append(f"{name} {reader.shape(name)} (model: {expected[name]})")
+        else:
+            dense.append(name)
+    if skipped:  # e.g. DeepSeek-V3's multi-token-prediction layer 61, old rotary buffers
+        logger.info(
+            "%s (transformers ignores them on load)", _name_list("checkpoint tensors skipped", skipped)
+        )
+    tied = set(getattr(skeleton, "all_tied_weights_keys", {}) or {})
+    missing = sorted(set(expected) - set(dense) - tied)
+    problems = [
+        _name_list("checkpoint tensors unknown to the model", unexpected),
+        _name_list("tensors with the wrong shape", mismatched),
+        _name_list("model tensors missing from the checkpoint", missing),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise InvalidArgument(
+            "checkpoint does not match the model built from its config: " + "; ".join(problems)
+        )
+    return tuple(dense)
+
+
+def _ignored_pattern(skeleton: torch.nn.Module) -> re.Pattern[str]:
+    """Keys transformers drops on load: the model's ignore list and non-persistent buffers."""
+    patterns = list(ALWAYS_IGNORED) + list(
+        getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or ()
+    )
+    for prefix, module in skeleton.named_modules():
+        for buffer in getattr(module, "_non_persistent_buffers_set", ()):
+            patterns.append("^" + re.escape(f"{prefix}.{buffer}" if prefix else buffer) + "$")
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+def _name_list(what: str, names: list[str], limit: int = 8) -> str:
+    if not names:
+        return ""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{len(names)} {what}: {', '.join(names[:limit])}{more}"
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def pack_blob(layouts: tuple[TensorLayout, ...], tensors: list[torch.Tensor], blob_bytes: int) -> np.ndarray:
+    """One expert's tensors at their layout offsets in a zero-filled uint8 [blob_bytes] buffer."""
+    blob = np.zeros(blob_bytes, dtype=np.uint8)
+    for layout, tensor in zip(layouts, tensors, strict=True):
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()  # bytes of any dtype, bf16 too
+        if raw.nbytes != layout.nbytes:
+            raise InvalidArgument(f"{layout.name}: {raw.nbytes} bytes, the layout needs {layout.nbytes}")
+        blob[layout.offset : layout.offset + layout.nbytes] = raw
+    return blob
+
+
+def write_experts(
+    plan: StorePlan, reader: TensorReader, out_dir: Path, progress: bool
+) -> dict[int, tuple[int, ...]]:
+    """Write every MoE layer's file; returns layer → CRC-32 of each expert's full blob."""
+    (out_dir / EXPERTS_DIR).mkdir(exist_ok=True)
+    checksums = {}
+    with tqdm(
+        total=plan.num_blobs, desc="experts", unit="expert", file=sys.stderr, disable=not progress
+    ) as bar:
+        for site in plan.sites:
+            checksums[site.layer] = _write_layer(
+                plan, site, reader, out_dir / layer_file_name(site.layer), bar
+            )
+    return checksums
+
+
+def _write_layer(
+    plan: StorePlan, site: ExpertsSite, reader: TensorReader, path: Path, bar: tqdm
+) -> tuple[int, ...]:
+    sums = []
+    with open(path, "wb") as f:
+        for expert in range(site.num_experts):  # blob e lands at e * blob_bytes: written in order
+            tensors = [
+                recipe.read(expert, dtype, reader.get, reader.get_slice)
+                for recipe, dtype in zip(plan.recipes[site.layer], plan.dtypes, strict=True)
+            ]
+            blob = pack_blob(plan.tensors, tensors, plan.blob_bytes)
+            sums.append(zlib.crc32(blob))
+            f.write(blob)
+            bar.update()
+        _sync(f)
+    logger.debug("wrote layer %d: %d experts to %s", site.layer, site.num_experts, path)
+    return tuple(sums)
+
+
+def write_dense(plan: StorePlan, reader: TensorReader, path: Path) -> tuple[int, str]:
+    """Stream the dense tensors into a safetensors file; returns (data bytes, main dtype name).
+
+    The header (names, dtypes, shapes, offsets) is known from the checkpoint's headers, so it
+    is written first and each tensor follows as it is read: one dense tensor in memory at once.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in plan.dense_names:
+        code, shape = reader.safetensors_dtype(name), reader.shape(name)
+        if code not in SAFETENSORS_ITEMSIZE:
+            raise Unsupported(
+                f"dense tensor {name} has safetensors dtype {code}, which the store does not take"
+            )
+        nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[code]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors pads the header to 8 bytes
+    bytes_by_dtype: Counter[str] = Counter()
+    with open(path, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
+        for name in plan.dense_names:
+            tensor = reader.get(name)
+            raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if raw.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise DataLoss(f"checkpoint tensor {name} has {raw.nbytes} bytes, its header says otherwise")
+            f.write(raw)
+            bytes_by_dtype[dtype_name(tensor.dtype)] += raw.nbytes
+        _sync(f)
+    main_dtype = bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else dtype_name(torch.float32)
+    return offset, main_dtype
+
+
+def copy_side_files(checkpoint: Checkpoint, runtime_dtype: torch.dtype, out_dir: Path) -> list[str]:
+    """config.json, generation config and tokenizer files, so compute loads them from the store.
+
+    config.json is copied verbatim unless the store holds something it does not describe: MXFP4
+    experts are stored dequantised (``quantization_config`` dropped), and a config naming no
+    dtype gets the weights' dtype, so a model built from it matches the stored tensors.
+    """
+    config = dict(checkpoint.config)
+    dropped = config.pop("quantization_config", None) is not None
+    if not checkpoint.declares_dtype:
+        config["dtype"] = dtype_name(runtime_dtype)
+    if dropped or not checkpoint.declares_dtype:
+        (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        (out_dir / CONFIG_NAME).write_bytes(checkpoint.config_bytes)
+    copied = [CONFIG_NAME]
+    for pattern in SIDE_FILE_PATTERNS:
+        for path in sorted(checkpoint.path.glob(pattern)):
+            if path.is_file():
+                shutil.copy2(path, out_dir / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def _sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# -- the store directory: up to date, partial, publish ------------------------------------
+
+
+def partial_dir(dst: Path) -> Path:
+    return dst.with_name(dst.name + PARTIAL_SUFFIX)
+
+
+def _existing_store(dst: Path, force: bool) -> StoreManifest | None:
+    """The manifest of the store at ``dst``, None if there is none; refuse to clobber other data."""
+    if not dst.exists():
+        return None
+    if not dst.is_dir():
+        raise FailedPrecondition(f"destination {dst} exists and is not a directory")
+    if (dst / MANIFEST_NAME).is_file():
+        if force:
+            return None
+        try:
+            return read_manifest(dst)
+        except DataLoss as exc:
+            raise FailedPrecondition(f"{exc}; pass --force to replace the store at {dst}") from exc
+    if any(dst.iterdir()) and not force:
+        raise FailedPrecondition(
+            f"destination {dst} exists, is not empty and holds no expert store; pass --force to replace it"
+        )
+    return None
+
+
+def _publish(partial: Path, dst: Path) -> None:
+    """Atomically put the finished ``partial`` directory in place of ``dst``."""
+    aside = dst.with_name(dst.name + REPLACED_SUFFIX)
+    if aside.exists():
+        shutil.rmtree(aside)
+    if dst.exists():
+        os.replace(dst, aside)  # replace() cannot overwrite a non-empty directory
+    os.replace(partial, dst)
+    _sync_dir(dst.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(dst: Path) -> None:
+    for stale in (partial_dir(dst), dst.with_name(dst.name + REPLACED_SUFFIX)):
+        if stale.exists():
+            logger.warning("removing %s left by an interrupted conversion", stale)
+            shutil.rmtree(stale)
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    manifest: StoreManifest
+    converted: bool  # False: the store was already up to date and nothing was written
+
+
+def run_conversion(
+    src: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True
+) -> ConversionResult:
+    """Convert ``src`` into the store ``dst`` unless it already holds this checkpoint's store."""
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    checkpoint = open_checkpoint(src)
+    if dst == src or dst in src.parents:
+        raise InvalidArgument(f"destination {dst} must not be the checkpoint directory {src} or contain it")
+    layout = source_layout(checkpoint.model_type)
+    if checkpoint.quant_method is not None and checkpoint.quant_method not in SUPPORTED_QUANTIZATION:
+        raise Unsupported(
+            f"{src} is quantised with {checkpoint.quant_method!r}; the converter dequantises "
+            f"{', '.join(SUPPORTED_QUANTIZATION)} only"
+        )
+    model_id = checkpoint.source_id()
+    existing = _existing_store(dst, force)
+    _remove_stale(dst)
+    if existing is not None:
+        if existing.model_id == model_id:
+            logger.info("store %s is up to date with %s (model_id %s)", dst, src, model_id[:12])
+            return ConversionResult(existing, converted=False)
+        raise FailedPrecondition(
+            f"destination {dst} holds the store of another checkpoint ({existing.source.get('path', '?')}, "
+            f"model_id {existing.model_id[:12]}, this one is {model_id[:12]}); pass --force to replace it"
+        )
+    partial = partial_dir(dst)
+    partial.mkdir(parents=True)
+    try:
+        manifest = _convert_into(checkpoint, layout, model_id, partial, progress)
+        _publish(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ConversionResult(manifest, converted=True)
+
+
+def _convert_into(
+    checkpoint: Checkpoint, layout: SourceLayout, model_id: str, out: Path, progress: bool
+) -> StoreManifest:
+    with TensorReader(checkpoint, layout) as reader:
+        plan = plan_store(checkpoint, layout, reader)
+        logger.info(
+            "converting %s (%s): %d MoE layers × %d experts, %d-byte blobs (%s), %d dense tensors",
+            checkpoint.path, plan.model_type, len(plan.sites), plan.num_experts, plan.blob_bytes,
+            plan.source_forms(), len(plan.dense_names),
+        )  # fmt: skip
+        dense_bytes, dense_dtype = write_dense(plan, reader, out / DENSE_NAME)
+        checksums = write_experts(plan, reader, out, progress)
+    copy_side_files(checkpoint, plan.config.dtype, out)
+    manifest = _manifest(checkpoint, plan, model_id, checksums, dense_bytes, dense_dtype)
+    manifest.validate(str(out / MANIFEST_NAME))
+    with open(out / MANIFEST_NAME, "w") as f:  # last: its presence marks the store complete
+        f.write(manifest.to_json())
+        _sync(f)
+    return manifest
+
+
+def _manifest(
+    checkpoint: Checkpoint,
+    plan: StorePlan,
+    model_id: str,
+    checksums: dict[int, tuple[int, ...]],
+    dense_bytes: int,
+    dense_dtype: str,
+) -> StoreManifest:
+    source = {
+        "path": str(checkpoint.path),
+        "files": ",".join(checkpoint.files),
+        "expert_format": plan.source_forms(),
+    }
+    if checkpoint.quant_method is not None:
+        source["quantization"] = f"{checkpoint.quant_method} (experts dequantised)"
+    return StoreManifest(
+        model_type=plan.model_type,
+        model_id=model_id,
+        num_layers=int(plan.config.num_hidden_layers),
+        moe_layers=tuple(site.layer for site in plan.sites),
+        num_experts=plan.num_experts,
+        top_k=top_k_of(plan.config),
+        blob_bytes=plan.blob_bytes,
+        tensors=plan.tensors,
+        layer_files={site.layer: layer_file_name(site.layer) for site in plan.sites},
+        checksums=checksums,
+        dense_file=DENSE_NAME,
+        dense_dtype=dense_dtype,
+        dense_bytes=dense_bytes,
+        source=source,
+    )
+
+
+def convert(src: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True) -> StoreManifest:
+    """Convert the checkpoint directory ``src`` into the expert store ``dst``; returns its manifest.
+
+    A no-op when ``dst`` already holds the store of this very checkpoint. Raises
+    ``FailedPrecondition`` when ``dst`` holds something else, unless ``force``; ``Unsupported``
+    for an architecture or quantisation not handled; ``NotFound`` / ``InvalidArgument`` /
+    ``DataLoss`` for a missing, inconsistent or unreadable checkpoint.
+    """
+    return run_conversion(src, dst, force=force, progress=progress).manifest
