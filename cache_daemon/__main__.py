@@ -1,0 +1,89 @@
+"""``python -m cache_daemon``: serve one expert store on a unix socket.
+
+Exit codes: 0 after SIGTERM/SIGINT, 2 when the configuration, the store or the budgets are
+unusable (the message says which field or file), 1 on an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from cache_daemon.config import ENV_PREFIX, DaemonConfig
+from cache_daemon.residency import CacheDaemon
+from cache_daemon.server import SERVICE_NAME, create_server
+from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache.errors import ExpertCacheError
+
+logger = logging.getLogger("cache_daemon")
+
+STOP_GRACE_S = 1.0  # Demand streams are open for a compute process's lifetime: waiting longer gains nothing
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cache_daemon",
+        description="ExpertCache daemon: serves moe.cache.v1.ExpertCache for one expert store on a unix socket.",
+        epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config-file (CLI > env > file).",
+    )
+    parser.add_argument("--config-file", default=None, help="YAML file of config fields (the ConfigMap).")
+    add_arguments(parser, DaemonConfig)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(
+            DaemonConfig, cli=cli_values(args, DaemonConfig), env_prefix=ENV_PREFIX, file=args.config_file
+        )
+    except ExpertCacheError as exc:
+        print(f"cache_daemon: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    try:
+        daemon = CacheDaemon.start(config)
+    except (ExpertCacheError, OSError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    socket_path = Path(config.socket_path)
+    server = None
+    try:
+        try:
+            socket_path.parent.mkdir(parents=True, exist_ok=True)
+            server, health_servicer = create_server(daemon, str(socket_path))
+        except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
+            logger.error("cannot serve on unix://%s: %s", socket_path, exc)
+            return 2
+        while not stop.wait(1.0):
+            pass
+        health_servicer.enter_graceful_shutdown()
+    finally:
+        # Wake Acquires blocked on slots first, so the server's grace period is not spent on them.
+        daemon.residency.shutdown()
+        if server is not None:
+            server.stop(STOP_GRACE_S).wait()
+        daemon.close()
+        if server is not None:  # a failed bind must not remove another process's socket
+            socket_path.unlink(missing_ok=True)
+        logger.info("stopped %s", SERVICE_NAME)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

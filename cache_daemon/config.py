@@ -1,0 +1,125 @@
+"""The cache daemon's configuration: one frozen, validated ``DaemonConfig``.
+
+Loaded once in ``__main__`` by ``expertcache.config_loader.load_config`` (CLI > env
+``EXPERTCACHE_DAEMON_<FIELD>`` > ``--config-file`` YAML > default) and passed down explicitly.
+Budgets that depend on the store (at least one blob) are checked when the daemon starts, where
+the manifest is known: see ``cache_daemon.residency.CacheDaemon.start``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from cache_daemon.policy import POLICIES
+from expertcache.errors import InvalidArgument
+
+ENV_PREFIX = "EXPERTCACHE_DAEMON_"
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_SOCKET_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything the daemon needs to serve one expert store."""
+
+    store_dir: str = field(
+        default="",
+        metadata={"help": "Expert store directory written by `python -m cache_daemon.convert` (required)."},
+    )
+    """Expert store directory (holds manifest.json and experts/). Required."""
+
+    socket_path: str = field(
+        default="/run/expertcache/daemon.sock",
+        metadata={"help": "Unix socket path the daemon serves moe.cache.v1.ExpertCache on."},
+    )
+    """Unix socket the gRPC server listens on (``unix://<socket_path>``); removed at exit."""
+
+    device_budget_bytes: int = field(
+        default=1 << 30,
+        metadata={
+            "help": "Bytes of the device arena; slots = budget // blob_bytes (at least one).",
+            "min": 1,
+        },
+    )
+    """Bytes of the device arena. ``num_slots = device_budget_bytes // blob_bytes`` must be >= 1."""
+
+    host_budget_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "Bytes of the host tier below the arena (pinned with CUDA); 0 disables it.",
+            "min": 0,
+        },
+    )
+    """Bytes of the host-memory tier; ``host_budget_bytes // blob_bytes`` slots, 0 = no host tier."""
+
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the arena lives: cuda, cpu (POSIX shm), or auto (cuda if available).",
+            "choices": DEVICES,
+        },
+    )
+    """Arena device: ``cuda`` (CUDA IPC), ``cpu`` (POSIX shm file) or ``auto``."""
+
+    shm_dir: str = field(
+        default="/dev/shm",
+        metadata={"help": "Directory of the shared-memory arena file on CPU (a tmpfs shared with compute)."},
+    )
+    """Directory holding the CPU arena file ``expertcache-<daemon_id>`` (deleted at exit)."""
+
+    io_threads: int = field(
+        default=4,
+        metadata={
+            "help": "Threads that read the store and copy experts into the arena.",
+            "min": 1,
+            "max": 256,
+        },
+    )
+    """Size of the I/O thread pool: concurrent store reads and tier copies."""
+
+    acquire_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds an Acquire may wait for free slots and loads before DEADLINE_EXCEEDED.",
+            "min": 0.001,
+            "max": 86400.0,
+        },
+    )
+    """Upper bound on one Acquire (waiting for slots pinned by others, then for loads)."""
+
+    eviction_policy: str = field(
+        default="lru",
+        metadata={
+            "help": "Eviction policy of the device and host tiers.",
+            "choices": tuple(sorted(POLICIES)),
+        },
+    )
+    """Name of the eviction policy (a key of ``cache_daemon.policy.POLICIES``)."""
+
+    log_level: str = field(
+        default="INFO",
+        metadata={"help": "Logging level.", "choices": LOG_LEVELS},
+    )
+    """Level of the root logger."""
+
+    def __post_init__(self) -> None:
+        # Accept "info" as well as "INFO" from env or a ConfigMap.
+        object.__setattr__(self, "log_level", str(self.log_level).upper())
+
+    def check(self) -> None:
+        """Cross-field checks run by ``load_config`` after the per-field constraints."""
+        if not self.store_dir:
+            raise InvalidArgument(
+                f"config field 'store_dir' is required (--store-dir or {ENV_PREFIX}STORE_DIR)"
+            )
+        if not self.socket_path:
+            raise InvalidArgument("config field 'socket_path' must not be empty")
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise InvalidArgument(
+                f"config field 'socket_path' is {len(os.fsencode(self.socket_path))} bytes long; unix socket "
+                f"paths are limited to {MAX_SOCKET_PATH_BYTES} bytes: {self.socket_path}"
+            )
+        if not self.shm_dir:
+            raise InvalidArgument("config field 'shm_dir' must not be empty")

@@ -1,0 +1,106 @@
+"""The daemon's counters: plain, thread-safe, Prometheus-named.
+
+=========================================  ======  =============================================
+name                                       labels  meaning
+=========================================  ======  =============================================
+``moe_cache_hits_total``                   tier    experts served from ``tier`` (device: resident
+                                                   at Acquire; host: found in host memory on a
+                                                   device miss; store: blobs read from the store)
+``moe_cache_misses_total``                 tier    device: not resident at Acquire; host: not in
+                                                   host memory on a device miss
+``moe_cache_bytes_in_total``               tier    bytes copied into ``tier`` (never the store)
+``moe_cache_evictions_total``              tier    experts evicted to make room in ``tier``
+``moe_cache_demands_total``                        Acquire requests handled
+``moe_cache_checksum_failures_total``              store reads that failed their CRC-32
+``moe_cache_store_read_seconds_total``             seconds spent reading (and checking) store blobs
+``moe_cache_store_read_bytes_total``               bytes read from the store
+=========================================  ======  =============================================
+
+Gauges (resident experts, pinned experts) are not counters: they are read from the tiers when
+stats are taken, never kept twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+TIERS = ("device", "host", "store")
+
+
+class Counter:
+    """A monotonically increasing value per label set (``tier=...`` or none)."""
+
+    def __init__(self, name: str, help_text: str, labelnames: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help_text
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def _labels(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
+        return tuple(labels[n] for n in self.labelnames)
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name} can only increase (got {amount})")
+        key = self._labels(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0) + amount
+
+    def value(self, **labels: str) -> float:
+        key = self._labels(labels)
+        with self._lock:
+            return self._values.get(key, 0)
+
+    def samples(self) -> list[tuple[dict[str, str], float]]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [(dict(zip(self.labelnames, k, strict=True)), v) for k, v in items]
+
+
+class DaemonMetrics:
+    """Every counter the daemon keeps; one instance per daemon, shared by its components."""
+
+    def __init__(self) -> None:
+        self.hits = Counter("moe_cache_hits_total", "Experts served from each tier.", ("tier",))
+        self.misses = Counter(
+            "moe_cache_misses_total", "Experts looked up in a tier and not found.", ("tier",)
+        )
+        self.bytes_in = Counter("moe_cache_bytes_in_total", "Bytes copied into each tier.", ("tier",))
+        self.evictions = Counter("moe_cache_evictions_total", "Experts evicted from each tier.", ("tier",))
+        self.demands = Counter("moe_cache_demands_total", "Acquire requests handled.")
+        self.checksum_failures = Counter(
+            "moe_cache_checksum_failures_total", "Store reads that failed their CRC-32 check."
+        )
+        self.store_read_seconds = Counter(
+            "moe_cache_store_read_seconds_total", "Seconds spent reading and checking store blobs."
+        )
+        self.store_read_bytes = Counter("moe_cache_store_read_bytes_total", "Bytes read from the store.")
+
+    def counters(self) -> list[Counter]:
+        return [
+            self.hits,
+            self.misses,
+            self.bytes_in,
+            self.evictions,
+            self.demands,
+            self.checksum_failures,
+            self.store_read_seconds,
+            self.store_read_bytes,
+        ]
+
+    def render_text(self) -> str:
+        """The counters in the Prometheus text exposition format."""
+        lines = []
+        for counter in self.counters():
+            lines.append(f"# HELP {counter.name} {counter.help}")
+            lines.append(f"# TYPE {counter.name} counter")
+            for labels, value in counter.samples():
+                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(
+                    f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
+                )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,702 @@
+"""The device slot table and the demand logic: which expert is in which arena slot, who pins it.
+
+Glossary (worked example: an arena of 4 slots; stream A sends ``Acquire(layer=1, experts=[0, 5])``
+while L1E0 is already in slot 2 and L1E5 is nowhere):
+
+- *entry*: the slot-table row of one ``ExpertKey``: state, slot, generation, holders.
+- *state*: ``ABSENT`` (in no slot) → ``LOADING`` (slot reserved; an I/O thread is writing it) →
+  ``RESIDENT`` (the slot holds the checksum-verified blob). A failed load goes back to ABSENT.
+- *pin*: a session's (Demand stream's) claim on a key, counted per session. A key with pins is
+  never evicted and its slot never overwritten; a slot is readable only RESIDENT and pinned.
+- *generation*: incremented each time the key is loaded into a slot, so two residencies of the
+  same key can be told apart.
+- *admission*: the one step in which an Acquire pins its resident keys and reserves slots for
+  its missing ones — all of them, or nothing.
+
+::
+
+    acquire(A, layer 1, [0, 5])
+      admit (under the lock, all or nothing):
+        L1E0 RESIDENT slot 2 → pin for A                     → yield Ready(L1E0, 2, DEVICE) now
+        L1E5 ABSENT          → free slot 0 (or evict the least recently used RESIDENT key
+                               with no pins) → LOADING, pin for A, submit load to the I/O pool
+      I/O thread: host tier has L1E5? copy host slot → arena slot 0              (source HOST)
+                  else read store → host slot (CRC-32) → copy to arena slot 0    (source STORE)
+        → RESIDENT, notify                                   → yield Ready(L1E5, 0, source)
+    release(A, [L1E0, L1E5]) → no pins left → both evictable
+
+Why it never deadlocks: an Acquire takes nothing until everything it needs is available at
+once (resident keys, keys already loading, and free-or-evictable slots for the rest), so two
+Acquires never each hold part of what the other waits for. A wait ends when another stream
+releases or closes, or after ``acquire_timeout_s`` (``AcquireTimeout``). An Acquire that could
+never be admitted while its own stream keeps its pins is refused at once (``BadAcquire``): a
+layer with more experts than slots is processed in waves (acquire ≤ ``num_slots``, run,
+release, acquire the next). Two streams that demand the same missing key share one load.
+
+``CacheDaemon`` (at the end) wires the manifest, store, host tier, arena and ``Residency``
+together; the gRPC servicer (``cache_daemon.server``) only converts messages and delegates to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cache_daemon.config import DaemonConfig
+from cache_daemon.errors import AcquireTimeout, BadAcquire, SessionClosed, ShuttingDown, SlotNotReadable
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.policy import EvictionPolicy, make_policy
+from cache_daemon.tiers.base import Tier
+from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, slots_for_budget
+from cache_daemon.tiers.host import HostTier
+from cache_daemon.tiers.store import StoreReader
+from expertcache.errors import ExpertCacheError
+from expertcache.keys import ExpertKey
+from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+
+class SlotState(enum.Enum):
+    ABSENT = "absent"
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """``key`` is RESIDENT in arena ``slot`` and pinned for the session; ``source`` is the tier it
+    was found in when the Acquire arrived (DEVICE if already resident, else where its load read it)."""
+
+    key: ExpertKey
+    slot: int
+    source: Tier
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A snapshot of one entry of the slot table."""
+
+    key: ExpertKey
+    state: SlotState
+    slot: int  # -1 when ABSENT
+    pins: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    num_slots: int
+    resident: int
+    loading: int
+    pinned: int  # keys with at least one pin
+    sessions: int
+
+
+class Session:
+    """The pins of one Demand stream. Made by ``Residency.open_session``.
+
+    A session's ``acquire`` and ``release`` calls must not overlap (a stream handles one
+    request at a time); ``close_session`` may come from any thread at any time.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, name: str) -> None:
+        self.id = next(Session._ids)
+        self.name = name
+        self.closed = False
+        self.held: set[ExpertKey] = set()  # keys this session pins; guarded by the Residency lock
+
+    def __repr__(self) -> str:
+        return f"Session({self.id}, {self.name!r})"
+
+
+@dataclass(eq=False)
+class _Load:
+    """One in-flight load of ``key`` into ``slot``; shared by every Acquire waiting for it."""
+
+    key: ExpertKey
+    slot: int
+    done: bool = False
+    source: Tier = Tier.STORE
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: ExpertKey
+    state: SlotState = SlotState.ABSENT
+    slot: int = -1
+    generation: int = 0
+    holders: dict[Session, int] = field(default_factory=dict)  # session -> pins
+    load: _Load | None = None
+
+    @property
+    def pins(self) -> int:
+        return sum(self.holders.values())
+
+
+class Residency:
+    """The device tier: the slot table over a ``DeviceArena`` and the demand logic.
+
+    All state is guarded by one condition variable; loads run on a private pool of
+    ``io_threads`` threads and take the lock only to publish their result.
+    """
+
+    def __init__(
+        self,
+        manifest: StoreManifest,
+        arena: DeviceArena,
+        store: StoreReader,
+        host: HostTier | None,
+        policy: EvictionPolicy,
+        metrics: DaemonMetrics,
+        *,
+        io_threads: int = 4,
+        acquire_timeout_s: float = 60.0,
+        executor: Executor | None = None,
+    ) -> None:
+        """``executor`` runs the loads; by default a private pool of ``io_threads`` threads, shut
+        down by ``shutdown``. One passed in is left running: its owner shuts it down."""
+        if arena.slot_bytes != manifest.blob_bytes:
+            raise ValueError(
+                f"arena slots of {arena.slot_bytes} bytes cannot hold blobs of {manifest.blob_bytes}"
+            )
+        self._manifest = manifest
+        self._arena = arena
+        self._store = store
+        self._host = host if host is not None and host.enabled else None
+        self._policy = policy
+        self._metrics = metrics
+        self._timeout_s = acquire_timeout_s
+        self._cond = threading.Condition()
+        self._entries: dict[ExpertKey, _Entry] = {}
+        self._owner: list[ExpertKey | None] = [None] * arena.num_slots  # slot -> key
+        self._free: list[int] = list(range(arena.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._sessions: set[Session] = set()
+        self._closing = False
+        self._owns_pool = executor is None
+        self._pool = executor or ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="expertcache-io"
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self._arena.num_slots
+
+    # -- sessions -----------------------------------------------------------------------
+    def open_session(self, name: str = "") -> Session:
+        session = Session(name)
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("the cache daemon is shutting down")
+            self._sessions.add(session)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Drop every pin ``session`` holds and end it. Idempotent; any thread."""
+        with self._cond:
+            if session.closed:
+                return
+            session.closed = True
+            for key in session.held:
+                self._entries[key].holders.pop(session, None)
+            session.held.clear()
+            self._sessions.discard(session)
+            self._cond.notify_all()
+
+    # -- acquire ------------------------------------------------------------------------
+    def acquire(
+        self, session: Session, layer: int, experts: Iterable[int], timeout_s: float | None = None
+    ) -> Iterator[Ready]:
+        """Pin ``layer``'s ``experts`` for ``session``, yielding a ``Ready`` per expert as it is ready.
+
+        Already-resident experts come first (in request order), then the others as their loads
+        complete. Each Ready is one pin the session holds until ``release`` or
+        ``close_session``; if the iterator ends early (error, timeout, ``close()``), pins of
+        experts not yet yielded are dropped. The arguments are checked now (``BadAcquire`` /
+        ``InvalidArgument`` naming the value); waiting happens while iterating, bounded by
+        ``timeout_s`` (default ``acquire_timeout_s``) → ``AcquireTimeout``. A failed load raises
+        its ``DataLoss`` in every Acquire waiting for it.
+        """
+        experts = [int(e) for e in experts]
+        if len(experts) > self.num_slots:
+            raise BadAcquire(
+                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {self.num_slots} "
+                f"slots: acquire them in waves of at most {self.num_slots} (release each wave first)"
+            )
+        seen: set[int] = set()
+        keys = []
+        for expert in experts:
+            if expert in seen:
+                raise BadAcquire(f"Acquire for layer {layer} names expert {expert} more than once")
+            seen.add(expert)
+            key = ExpertKey(int(layer), expert)
+            self._manifest.check_key(key)
+            keys.append(key)
+        self._metrics.demands.inc()
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        return self._acquire(session, int(layer), keys, time.monotonic() + timeout, timeout)
+
+    def _acquire(
+        self, session: Session, layer: int, keys: list[ExpertKey], deadline: float, timeout: float
+    ) -> Iterator[Ready]:
+        with self._cond:
+            while True:
+                self._check_open(session)
+                admitted = self._try_admit(session, layer, keys)
+                if admitted is not None:
+                    ready, pending = admitted
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AcquireTimeout(self._timeout_message_locked(layer, keys, timeout))
+                self._cond.wait(remaining)
+        unyielded = {item.key for item in ready} | set(pending)
+        try:
+            for item in ready:
+                unyielded.discard(item.key)  # suspended at the yield = the caller has it
+                yield item
+            while pending:
+                with self._cond:
+                    while True:
+                        finished = [key for key, load in pending.items() if load.done]
+                        if finished:
+                            break
+                        self._check_open(session)
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise AcquireTimeout(
+                                f"timed out after {timeout:.3g}s (acquire_timeout_s) waiting for "
+                                f"{len(pending)} expert(s) of layer {layer} to load: "
+                                f"{', '.join(map(str, sorted(pending)))}"
+                            )
+                        self._cond.wait(remaining)
+                failed = next((key for key in finished if pending[key].error is not None), None)
+                if failed is not None:
+                    raise _fresh_error(pending[failed].error, failed)
+                for key in finished:
+                    load = pending.pop(key)
+                    unyielded.discard(key)
+                    yield Ready(key, load.slot, load.source)
+        finally:
+            if unyielded:
+                # Never handed out: the caller cannot know to release these pins, so drop them.
+                with self._cond:
+                    for key in unyielded:
+                        self._drop_pin_locked(session, key)
+                    self._cond.notify_all()
+
+    def _check_open(self, session: Session) -> None:
+        if self._closing:
+            raise ShuttingDown("the cache daemon is shutting down")
+        if session.closed:
+            raise SessionClosed(f"Demand session {session.name or session.id} is closed")
+
+    def _try_admit(
+        self, session: Session, layer: int, keys: list[ExpertKey]
+    ) -> tuple[list[Ready], dict[ExpertKey, _Load]] | None:
+        """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
+        wanted = set(keys)
+        held_elsewhere = len(session.held - wanted)
+        if held_elsewhere + len(keys) > self.num_slots:
+            raise BadAcquire(
+                f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
+                f"{held_elsewhere} other experts and the arena has {self.num_slots} slots; release them first"
+            )
+        entries = [self._entries.setdefault(key, _Entry(key)) for key in keys]
+        missing = [e for e in entries if e.state is SlotState.ABSENT]
+        need = len(missing) - len(self._free)
+        victims: list[ExpertKey] = []
+        if need > 0:
+            victims = self._policy.choose_victims(
+                need,
+                lambda k: (
+                    k not in wanted
+                    and self._entries[k].state is SlotState.RESIDENT
+                    and not self._entries[k].holders
+                ),
+            )
+            if len(victims) < need:
+                return None
+        # Admitted: from here on nothing can fail.
+        for victim in victims:
+            self._evict_locked(victim)
+        ready: list[Ready] = []
+        pending: dict[ExpertKey, _Load] = {}
+        for entry in entries:
+            entry.holders[session] = entry.holders.get(session, 0) + 1
+            session.held.add(entry.key)
+            if entry.state is SlotState.RESIDENT:
+                self._metrics.hits.inc(tier=Tier.DEVICE.value)
+                self._policy.on_access(entry.key)
+                ready.append(Ready(entry.key, entry.slot, Tier.DEVICE))
+            else:
+                self._metrics.misses.inc(tier=Tier.DEVICE.value)
+                if entry.state is SlotState.LOADING:
+                    assert entry.load is not None
+                    pending[entry.key] = entry.load
+                else:
+                    pending[entry.key] = self._start_load_locked(entry)
+        return ready, pending
+
+    def _evict_locked(self, key: ExpertKey) -> None:
+        entry = self._entries[key]
+        assert entry.state is SlotState.RESIDENT and not entry.holders, f"evicting {key} in {entry}"
+        self._owner[entry.slot] = None
+        self._free.append(entry.slot)
+        entry.state, entry.slot = SlotState.ABSENT, -1
+        self._policy.on_remove(key)
+        self._metrics.evictions.inc(tier=Tier.DEVICE.value)
+
+    def _start_load_locked(self, entry: _Entry) -> _Load:
+        slot = self._free.pop()
+        assert self._owner[slot] is None
+        self._owner[slot] = entry.key
+        entry.state, entry.slot = SlotState.LOADING, slot
+        entry.generation += 1
+        load = entry.load = _Load(entry.key, slot)
+        try:
+            self._pool.submit(self._run_load, load)
+        except RuntimeError as exc:  # the I/O pool is shut down
+            self._fail_load_locked(load, ShuttingDown(f"cannot load expert {entry.key}: {exc}"))
+        return load
+
+    def _fail_load_locked(self, load: _Load, error: BaseException) -> None:
+        """Back to ABSENT: free the slot, drop every pin on the key, wake the waiters with ``error``."""
+        entry = self._entries[load.key]
+        assert entry.load is load
+        for session in entry.holders:
+            session.held.discard(load.key)
+        entry.holders.clear()
+        entry.state, entry.slot, entry.load = SlotState.ABSENT, -1, None
+        self._owner[load.slot] = None
+        self._free.append(load.slot)
+        load.error, load.done = error, True
+        self._cond.notify_all()
+
+    def _timeout_message_locked(self, layer: int, keys: list[ExpertKey], timeout: float) -> str:
+        pinned = sum(1 for key in self._owner if key is not None and self._entries[key].holders)
+        loading = sum(
+            1 for key in self._owner if key is not None and self._entries[key].state is SlotState.LOADING
+        )
+        missing = sum(1 for key in keys if self._entries[key].state is SlotState.ABSENT)
+        return (
+            f"timed out after {timeout:.3g}s (acquire_timeout_s) waiting for {missing} free slot(s) for "
+            f"layer {layer}: {pinned} of {self.num_slots} slots are pinned ({loading} loading) by "
+            f"{len(self._sessions)} stream(s)"
+        )
+
+    # -- loads (I/O threads) ------------------------------------------------------------
+    def _run_load(self, load: _Load) -> None:
+        try:
+            source = self._fill(load.key, load.slot)
+        except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
+            logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+            with self._cond:
+                self._fail_load_locked(load, exc)
+            return
+        self._metrics.bytes_in.inc(self._arena.slot_bytes, tier=Tier.DEVICE.value)
+        with self._cond:
+            entry = self._entries[load.key]
+            assert entry.load is load and entry.slot == load.slot
+            entry.state, entry.load = SlotState.RESIDENT, None
+            self._policy.on_insert(load.key)
+            load.source, load.done = source, True
+            self._cond.notify_all()
+
+    def _fill(self, key: ExpertKey, slot: int) -> Tier:
+        """Write ``key``'s verified blob into arena ``slot``; returns the tier it came from."""
+        host = self._host
+        if host is not None:
+            if host.pin(key):
+                self._metrics.hits.inc(tier=Tier.HOST.value)
+                try:
+                    self._arena.copy_in(slot, host.get(key))
+                finally:
+                    host.unpin(key)
+                return Tier.HOST
+            self._metrics.misses.inc(tier=Tier.HOST.value)
+            view = host.put_from(key, lambda buf: self._store.read_into(key, buf))
+            if view is not None:
+                try:
+                    self._arena.copy_in(slot, view)
+                finally:
+                    host.unpin(key)
+                return Tier.STORE
+            # Every host slot is pinned by concurrent loads: skip the host tier this time.
+        direct = self._arena.host_buffer(slot)
+        if direct is not None:
+            self._store.read_into(key, direct)  # the slot is LOADING: nobody can read it yet
+        else:
+            staging = self._arena.staging_buffer()
+            self._store.read_into(key, staging)
+            self._arena.copy_in(slot, staging)
+        return Tier.STORE
+
+    # -- release / read -----------------------------------------------------------------
+    def release(self, session: Session, keys: Iterable[ExpertKey]) -> None:
+        """Drop one pin per key. A key the session does not pin raises ``BadAcquire`` and
+        releases nothing."""
+        keys = list(keys)
+        with self._cond:
+            self._check_open(session)
+            counts: dict[ExpertKey, int] = {}
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+                entry = self._entries.get(key)
+                held = entry.holders.get(session, 0) if entry is not None else 0
+                if counts[key] > held:
+                    raise BadAcquire(f"Release of expert {key}, which this stream does not pin")
+            for key in keys:
+                self._drop_pin_locked(session, key)
+            self._cond.notify_all()
+
+    def _drop_pin_locked(self, session: Session, key: ExpertKey) -> None:
+        entry = self._entries.get(key)
+        if entry is None or session not in entry.holders:
+            return  # already dropped (the load failed, or the session was closed)
+        if entry.holders[session] > 1:
+            entry.holders[session] -= 1
+        else:
+            del entry.holders[session]
+            session.held.discard(key)
+
+    def read_slot(self, session: Session, key: ExpertKey) -> torch.Tensor:
+        """``[blob_bytes]`` uint8 view of ``key``'s slot; only while RESIDENT and pinned by ``session``."""
+        with self._cond:
+            entry = self._entries.get(key)
+            state = entry.state if entry is not None else SlotState.ABSENT
+            pinned = entry is not None and session in entry.holders
+            if state is not SlotState.RESIDENT or not pinned:
+                raise SlotNotReadable(
+                    f"expert {key} is {state.value} and {'pinned' if pinned else 'not pinned'} by this stream: "
+                    "a slot is readable only while RESIDENT and pinned"
+                )
+            return self._arena.slots[entry.slot]
+
+    # -- introspection ------------------------------------------------------------------
+    def describe(self, key: ExpertKey) -> SlotInfo:
+        with self._cond:
+            entry = self._entries.get(key) or _Entry(key)
+            return SlotInfo(key, entry.state, entry.slot, entry.pins, entry.generation)
+
+    def slot_owner(self, slot: int) -> ExpertKey | None:
+        with self._cond:
+            return self._owner[slot]
+
+    def stats(self) -> ResidencyStats:
+        with self._cond:
+            states = [self._entries[k].state for k in self._owner if k is not None]
+            return ResidencyStats(
+                num_slots=self.num_slots,
+                resident=sum(1 for s in states if s is SlotState.RESIDENT),
+                loading=sum(1 for s in states if s is SlotState.LOADING),
+                pinned=sum(1 for e in self._entries.values() if e.holders),
+                sessions=len(self._sessions),
+            )
+
+    def shutdown(self) -> None:
+        """Wake and fail every waiting Acquire (``ShuttingDown``), then stop the I/O threads."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._owns_pool:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
+    """A new exception for one waiter (one object raised in several threads would share a traceback)."""
+    if isinstance(error, ExpertCacheError):
+        return type(error)(str(error))
+    return ExpertCacheError(f"loading expert {key} failed: {type(error).__name__}: {error}")
+
+
+# -- the daemon as a whole ---------------------------------------------------------------
+@dataclass(frozen=True)
+class AttachInfo:
+    """Everything ``Attach`` returns."""
+
+    arena: ArenaHandle
+    num_slots: int
+    slot_bytes: int
+    manifest_json: str  # manifest.json, verbatim
+    daemon_id: str
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: Tier
+    hits: int
+    misses: int
+    bytes_in: int
+    capacity_slots: int
+    resident: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    tiers: tuple[TierStats, ...]
+    pinned: int
+    demands: int
+    checksum_failures: int
+    store_io_mode: str
+    store_read_seconds: float
+
+
+class CacheDaemon:
+    """The daemon's domain objects wired together: manifest, store, host tier, arena, residency.
+
+    ``start`` checks the store and budgets (raising ``ExpertCacheError`` subclasses that
+    ``__main__`` turns into exit code 2); ``close`` frees everything and removes the shm file.
+    """
+
+    def __init__(
+        self,
+        *,
+        manifest: StoreManifest,
+        manifest_json: str,
+        daemon_id: str,
+        metrics: DaemonMetrics,
+        store: StoreReader,
+        host: HostTier,
+        arena: DeviceArena,
+        residency: Residency,
+    ) -> None:
+        self.manifest = manifest
+        self.manifest_json = manifest_json
+        self.daemon_id = daemon_id
+        self.metrics = metrics
+        self.store = store
+        self.host = host
+        self.arena = arena
+        self.residency = residency
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
+        manifest = read_manifest(config.store_dir)
+        manifest_json = (Path(config.store_dir) / MANIFEST_NAME).read_text()
+        blob = manifest.blob_bytes
+        num_slots = slots_for_budget(
+            config.device_budget_bytes, blob, "device_budget_bytes", cap=manifest.num_blobs
+        )
+        host_slots = (
+            slots_for_budget(config.host_budget_bytes, blob, "host_budget_bytes", cap=manifest.num_blobs)
+            if config.host_budget_bytes
+            else 0
+        )
+        daemon_id = daemon_id or uuid.uuid4().hex[:16]
+        metrics = DaemonMetrics()
+        store = StoreReader(config.store_dir, manifest, metrics)
+        arena = host = None
+        try:
+            arena = create_arena(config.device, num_slots, blob, shm_dir=config.shm_dir, daemon_id=daemon_id)
+            host = HostTier(
+                host_slots,
+                blob,
+                make_policy(config.eviction_policy),
+                metrics,
+                pin_memory=arena.pin_host_memory,
+            )
+            residency = Residency(
+                manifest,
+                arena,
+                store,
+                host,
+                make_policy(config.eviction_policy),
+                metrics,
+                io_threads=config.io_threads,
+                acquire_timeout_s=config.acquire_timeout_s,
+            )
+        except BaseException:
+            for part in (host, arena, store):
+                if part is not None:
+                    part.close()
+            raise
+        logger.info(
+            "daemon %s: %s model %s, %d MoE layers x %d experts of %d bytes; arena %d slots, host %d slots, "
+            "store reads %s",
+            daemon_id,
+            manifest.model_type,
+            manifest.model_id,
+            len(manifest.moe_layers),
+            manifest.num_experts,
+            blob,
+            num_slots,
+            host_slots,
+            store.io_mode,
+        )
+        return cls(
+            manifest=manifest,
+            manifest_json=manifest_json,
+            daemon_id=daemon_id,
+            metrics=metrics,
+            store=store,
+            host=host,
+            arena=arena,
+            residency=residency,
+        )
+
+    def attach(self, client_name: str) -> AttachInfo:
+        logger.info("attach from %s", client_name or "an unnamed client")
+        return AttachInfo(
+            arena=self.arena.handle(),
+            num_slots=self.arena.num_slots,
+            slot_bytes=self.arena.slot_bytes,
+            manifest_json=self.manifest_json,
+            daemon_id=self.daemon_id,
+        )
+
+    def stats(self) -> CacheStats:
+        m = self.metrics
+        r = self.residency.stats()
+
+        def tier_stats(tier: Tier, capacity: int, resident: int) -> TierStats:
+            label = tier.value
+            return TierStats(
+                tier=tier,
+                hits=int(m.hits.value(tier=label)),
+                misses=int(m.misses.value(tier=label)),
+                bytes_in=int(m.bytes_in.value(tier=label)),
+                capacity_slots=capacity,
+                resident=resident,
+                evictions=int(m.evictions.value(tier=label)),
+            )
+
+        num_blobs = self.manifest.num_blobs
+        return CacheStats(
+            tiers=(
+                tier_stats(Tier.DEVICE, r.num_slots, r.resident),
+                tier_stats(Tier.HOST, self.host.num_slots, self.host.resident_count()),
+                tier_stats(Tier.STORE, num_blobs, num_blobs),
+            ),
+            pinned=r.pinned,
+            demands=int(m.demands.value()),
+            checksum_failures=int(m.checksum_failures.value()),
+            store_io_mode=self.store.io_mode,
+            store_read_seconds=float(m.store_read_seconds.value()),
+        )
+
+    def close(self) -> None:
+        """Fail waiting Acquires, stop the I/O threads, free the tiers, remove the shm file."""
+        if self._closed:
+            return
+        self._closed = True
+        self.residency.shutdown()
+        self.store.close()
+        self.host.close()
+        self.arena.close()
+        logger.info("daemon %s closed", self.daemon_id)

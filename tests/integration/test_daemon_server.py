@@ -1,0 +1,256 @@
+"""The real daemon process on a synthetic store, driven over its unix socket like compute does."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+
+from expertcache.keys import ExpertKey  # noqa: E402
+from tests.procs import Proc, start_daemon  # noqa: E402
+from tests.unit.test_daemon_store import blob_of, corrupt, write_store  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+BLOB = 4096
+SLOTS = 3
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+class DemandStream:
+    """One Demand call: requests go through a queue, responses are read in order."""
+
+    def __init__(self, stub: cache_pb2_grpc.ExpertCacheStub) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self.call = stub.Demand(iter(self._requests.get, None), timeout=60)
+
+    def acquire(self, ticket: int, layer: int, experts: list[int]) -> tuple[list, cache_pb2.AcquireDone]:
+        self._requests.put(
+            cache_pb2.DemandRequest(acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=experts))
+        )
+        readies = []
+        for response in self.call:
+            if response.WhichOneof("kind") == "ready":
+                assert response.ready.ticket == ticket
+                readies.append(response.ready)
+            else:
+                assert response.done.ticket == ticket
+                return readies, response.done
+        raise AssertionError("the stream ended without AcquireDone")
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        refs = [cache_pb2.ExpertRef(layer=layer, expert=e) for e in experts]
+        self._requests.put(cache_pb2.DemandRequest(release=cache_pb2.Release(experts=refs)))
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+
+class Daemon:
+    def __init__(self, proc: Proc, store: Path, manifest) -> None:
+        self.proc, self.store, self.manifest = proc, store, manifest
+        self.channel = grpc.insecure_channel(proc.address)
+        self.stub = cache_pb2_grpc.ExpertCacheStub(self.channel)
+        self.attach = self.stub.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10)
+        self.arena_path = Path(os.path.join("/dev/shm", self.attach.arena.shm_name))
+        with open(self.arena_path, "rb") as f:
+            self.arena = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+
+    def slot_bytes(self, slot: int) -> bytes:
+        return self.arena[slot * BLOB : (slot + 1) * BLOB]
+
+    def blob(self, layer: int, expert: int) -> bytes:
+        return blob_of(self.store, self.manifest, ExpertKey(layer, expert))
+
+    def stats(self) -> cache_pb2.CacheStats:
+        return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.arena.close()
+        self.channel.close()
+
+
+def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey | None = None) -> Daemon:
+    store = work / "store"
+    manifest = write_store(store)
+    if corrupt_key is not None:
+        corrupt(store, manifest, corrupt_key)
+    shm = ["--shm-dir", str(SHM_DIR or work)]
+    proc = start_daemon(
+        store,
+        work,
+        device_budget_bytes=SLOTS * BLOB + 100,
+        host_budget_bytes=4 * BLOB,
+        extra=[*shm, *(extra or [])],
+    )
+    return Daemon(proc, store, manifest)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = launch(
+        tmp_path_factory.mktemp("daemon"), extra=["--acquire-timeout-s", "0.5"], corrupt_key=ExpertKey(3, 5)
+    )
+    yield d
+    d.close()
+    assert d.proc.stop() == 0, d.proc.log()
+
+
+def tiers(stats: cache_pb2.CacheStats) -> dict[int, cache_pb2.TierStats]:
+    return {t.tier: t for t in stats.tiers}
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_attach(daemon):
+    reply = daemon.attach
+    assert reply.arena.kind == cache_pb2.ARENA_KIND_POSIX_SHM
+    assert reply.num_slots == SLOTS and reply.slot_bytes == BLOB
+    assert reply.arena.size_bytes == SLOTS * BLOB == daemon.arena_path.stat().st_size
+    assert reply.manifest_json == (daemon.store / "manifest.json").read_text()
+    assert reply.daemon_id and reply.daemon_id in reply.arena.shm_name
+
+
+def test_demand_release_and_stats(daemon):
+    before = daemon.stats()
+    stream = DemandStream(daemon.stub)
+    try:
+        readies, done = stream.acquire(1, 1, [0, 1, 2])
+        assert sorted(r.expert.expert for r in readies) == [0, 1, 2] and done.elapsed_s > 0
+        assert {r.source for r in readies} == {cache_pb2.TIER_STORE}
+        assert len({r.slot for r in readies}) == SLOTS
+        for r in readies:
+            assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+        assert daemon.stats().pinned == before.pinned + 3
+        stream.release(1, [0, 1, 2])
+        # The next wave: L1E2 is resident and comes first; L1E3 evicts L1E0 or L1E1 (whichever
+        # finished loading first, so is least recently used).
+        readies, _ = stream.acquire(2, 1, [3, 2])
+        assert [(r.expert.expert, r.source) for r in readies] == [
+            (2, cache_pb2.TIER_DEVICE),
+            (3, cache_pb2.TIER_STORE),
+        ]
+        for r in readies:
+            assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+        stream.release(1, [2, 3])
+        # The survivor is served from the device, first; the evicted one from the host tier.
+        readies, _ = stream.acquire(3, 1, [0, 1])
+        assert [r.source for r in readies] == [cache_pb2.TIER_DEVICE, cache_pb2.TIER_HOST]
+        for r in readies:
+            assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+        stream.release(1, [0, 1])
+        wait_for(lambda: daemon.stats().pinned == before.pinned)
+    finally:
+        stream.close()
+    after, was = tiers(daemon.stats()), tiers(before)
+    device, host, store = cache_pb2.TIER_DEVICE, cache_pb2.TIER_HOST, cache_pb2.TIER_STORE
+    assert after[device].hits - was[device].hits == 2
+    assert after[device].misses - was[device].misses == 5
+    assert after[device].bytes_in - was[device].bytes_in == 5 * BLOB
+    assert after[device].evictions - was[device].evictions == 2
+    assert after[device].capacity_slots == SLOTS and after[device].resident == SLOTS
+    assert after[host].hits - was[host].hits == 1 and after[host].capacity_slots == 4
+    assert after[store].hits - was[store].hits == 4
+    assert after[store].capacity_slots == daemon.manifest.num_blobs
+    stats = daemon.stats()
+    assert stats.demands - before.demands == 3
+    assert stats.store_io_mode in ("O_DIRECT", "buffered+fadvise") and stats.store_read_seconds > 0
+
+
+def expect_error(stream: DemandStream, layer: int, experts: list[int]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stream.acquire(9, layer, experts)
+    stream.close()
+    return info.value
+
+
+def test_bad_layer_is_invalid_argument(daemon):
+    err = expect_error(DemandStream(daemon.stub), 7, [0])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "layer 7 is not a MoE layer" in err.details()
+
+
+def test_too_many_experts_is_invalid_argument(daemon):
+    err = expect_error(DemandStream(daemon.stub), 1, [0, 1, 2, 3])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "names 4 experts but the arena has 3 slots" in err.details()
+
+
+def test_corrupted_blob_is_data_loss(daemon):
+    failures = daemon.stats().checksum_failures
+    err = expect_error(DemandStream(daemon.stub), 3, [4, 5])
+    assert err.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum mismatch for expert L3E5 in experts/layer_0003.bin" in err.details()
+    assert daemon.stats().checksum_failures == failures + 1
+    wait_for(lambda: daemon.stats().pinned == 0)  # the broken stream's pins were dropped
+
+
+def test_all_slots_pinned_is_deadline_exceeded_and_cancel_releases(daemon):
+    holder = DemandStream(daemon.stub)
+    readies, _ = holder.acquire(1, 3, [0, 1, 2])
+    assert len(readies) == SLOTS
+    err = expect_error(DemandStream(daemon.stub), 3, [3])
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "3 of 3 slots are pinned" in err.details()
+    assert daemon.stats().pinned == 3
+    holder.call.cancel()  # a compute process that goes away releases everything it pinned
+    wait_for(lambda: daemon.stats().pinned == 0)
+    stream = DemandStream(daemon.stub)
+    readies, _ = stream.acquire(1, 3, [3])
+    assert daemon.slot_bytes(readies[0].slot) == daemon.blob(3, 3)
+    stream.close()
+
+
+def test_sigterm_removes_shm_file_and_socket(tmp_path):
+    d = launch(tmp_path)
+    stream = DemandStream(d.stub)
+    stream.acquire(1, 1, [0])  # an open stream holding a pin does not block the stop
+    sock = Path(d.proc.address.removeprefix("unix://"))
+    assert sock.exists() and d.arena_path.exists()
+    d.close()
+    d.proc.popen.send_signal(signal.SIGTERM)
+    assert d.proc.popen.wait(15) == 0, d.proc.log()
+    assert not d.arena_path.exists() and not sock.exists()
+    stream.close()
+
+
+def test_budget_below_one_blob_exits_2(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cache_daemon",
+            "--store-dir",
+            str(store),
+            "--socket-path",
+            str(tmp_path / "d.sock"),
+        ]
+        + ["--device-budget-bytes", "4095", "--shm-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "device_budget_bytes=4095 is smaller than one expert blob (blob_bytes=4096)" in result.stderr

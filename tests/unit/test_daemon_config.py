@@ -1,0 +1,160 @@
+"""Daemon configuration: precedence, constraints, and the start-up checks that need the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+from test_daemon_store import write_store
+
+from cache_daemon.__main__ import main
+from cache_daemon.config import ENV_PREFIX, DaemonConfig
+from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
+from cache_daemon.residency import CacheDaemon
+from expertcache.config_loader import load_config
+from expertcache.errors import DataLoss, InvalidArgument
+
+
+def load(cli=None, env=None, file=None) -> DaemonConfig:
+    return load_config(DaemonConfig, cli=cli or {}, env=env or {}, env_prefix=ENV_PREFIX, file=file)
+
+
+def test_every_field_is_documented_and_unit_suffixed():
+    hints = typing.get_type_hints(DaemonConfig)
+    for field in dataclasses.fields(DaemonConfig):
+        assert field.default is not dataclasses.MISSING, field.name
+        assert field.metadata.get("help"), field.name
+        if hints[field.name] in (int, float) and field.name != "io_threads":
+            assert field.name.endswith(("_bytes", "_s")), field.name
+
+
+def test_defaults_and_precedence(tmp_path):
+    config_file = tmp_path / "daemon.yaml"
+    config_file.write_text(
+        "store-dir: /from/file\nio_threads: 2\nhost_budget_bytes: 1000\nlog_level: debug\n"
+    )
+    config = load(
+        cli={"store_dir": "/from/cli"},
+        env={f"{ENV_PREFIX}IO_THREADS": "3", "IO_THREADS": "9"},
+        file=config_file,
+    )
+    assert config.store_dir == "/from/cli"  # CLI > file
+    assert config.io_threads == 3  # env > file; unprefixed env ignored
+    assert config.host_budget_bytes == 1000  # file > default
+    assert config.log_level == "DEBUG"
+    assert config.device == "auto" and config.shm_dir == "/dev/shm" and config.eviction_policy == "lru"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.io_threads = 5  # type: ignore[misc]
+
+
+def test_unknown_field_in_config_file(tmp_path):
+    config_file = tmp_path / "daemon.yaml"
+    config_file.write_text("store_dir: /s\ndevice_budget: 5\n")
+    with pytest.raises(
+        InvalidArgument, match=r"unknown field 'device_budget'; known fields: .*device_budget_bytes"
+    ):
+        load(file=config_file)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"device_budget_bytes": "-1"}, r"'device_budget_bytes' = -1 is below its minimum 1"),
+        ({"host_budget_bytes": -4096}, r"'host_budget_bytes' = -4096 is below its minimum 0"),
+        ({"io_threads": 0}, r"'io_threads' = 0 is below its minimum 1"),
+        ({"acquire_timeout_s": "-0.5"}, r"'acquire_timeout_s' = -0.5 is below its minimum"),
+        ({"device": "tpu"}, r"'device' = 'tpu' is not one of auto, cpu, cuda"),
+        ({"eviction_policy": "fifo"}, r"'eviction_policy' = 'fifo' is not one of lru"),
+        (
+            {"socket_path": "/run/" + "x" * 110},
+            r"'socket_path' is 115 bytes long; unix socket paths are limited to 107",
+        ),
+        ({"device_budget_bytes": "1GiB"}, r"'device_budget_bytes' from command line: cannot read '1GiB'"),
+    ],
+)
+def test_bad_values_name_the_field(values, message):
+    with pytest.raises(InvalidArgument, match=message):
+        load(cli={"store_dir": "/s", **values})
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(
+        InvalidArgument, match=r"'host_budget_bytes' from env EXPERTCACHE_DAEMON_HOST_BUDGET_BYTES"
+    ):
+        load(cli={"store_dir": "/s"}, env={f"{ENV_PREFIX}HOST_BUDGET_BYTES": "lots"})
+
+
+def test_store_dir_is_required():
+    with pytest.raises(
+        InvalidArgument, match=r"'store_dir' is required \(--store-dir or EXPERTCACHE_DAEMON_STORE_DIR\)"
+    ):
+        load()
+
+
+def daemon_config(store: Path, tmp_path: Path, **overrides) -> DaemonConfig:
+    values = {
+        "store_dir": str(store),
+        "socket_path": str(tmp_path / "d.sock"),
+        "device_budget_bytes": 2 * 4096,
+        "device": "cpu",
+        "shm_dir": str(tmp_path),
+        **overrides,
+    }
+    return load(cli=values)
+
+
+def test_budget_below_one_blob(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    with pytest.raises(
+        BudgetTooSmall, match=r"device_budget_bytes=4000 is smaller than one expert blob \(blob_bytes=4096\)"
+    ):
+        CacheDaemon.start(daemon_config(store, tmp_path, device_budget_bytes=4000))
+    with pytest.raises(BudgetTooSmall, match=r"host_budget_bytes=100 is smaller than one expert blob"):
+        CacheDaemon.start(daemon_config(store, tmp_path, host_budget_bytes=100))
+    assert not list(tmp_path.glob("expertcache-*"))  # nothing left behind
+
+
+def test_budgets_larger_than_the_model_are_capped(tmp_path):
+    store = tmp_path / "store"
+    manifest = write_store(store)
+    daemon = CacheDaemon.start(
+        daemon_config(store, tmp_path, device_budget_bytes=1 << 30, host_budget_bytes=1 << 30)
+    )
+    try:
+        assert daemon.arena.num_slots == manifest.num_blobs
+        assert daemon.host.num_slots == manifest.num_blobs
+        assert (tmp_path / f"expertcache-{daemon.daemon_id}").exists()
+    finally:
+        daemon.close()
+    assert not (tmp_path / f"expertcache-{daemon.daemon_id}").exists()
+
+
+def test_missing_or_incomplete_store(tmp_path):
+    with pytest.raises(DataLoss, match=r"manifest.json does not exist: .* is not a complete expert store"):
+        CacheDaemon.start(daemon_config(tmp_path / "nowhere", tmp_path))
+    store = tmp_path / "store"
+    manifest = write_store(store)
+    (store / manifest.layer_files[3]).unlink()
+    with pytest.raises(StoreIncomplete, match="layer_0003.bin for layer 3 is missing"):
+        CacheDaemon.start(daemon_config(store, tmp_path))
+
+
+def test_main_exits_2_with_a_clear_message(tmp_path, capsys, caplog):
+    store = tmp_path / "store"
+    write_store(store)
+    common = [
+        "--store-dir",
+        str(store),
+        "--socket-path",
+        str(tmp_path / "d.sock"),
+        "--shm-dir",
+        str(tmp_path),
+    ]
+    assert main([*common, "--device-budget-bytes", "4095"]) == 2
+    assert "device_budget_bytes=4095 is smaller than one expert blob (blob_bytes=4096)" in caplog.text
+    assert main([*common, "--device-budget-bytes", "-3"]) == 2
+    assert "'device_budget_bytes' = -3 is below its minimum 1" in capsys.readouterr().err
+    assert not (tmp_path / "d.sock").exists()

@@ -1,0 +1,318 @@
+"""The daemon's tiers on real files: the store reader (O_DIRECT / buffered), host tier, shm arena.
+
+``write_store`` builds a small synthetic expert store (the format of ``expertcache.manifest``)
+without the converter; the other daemon tests import it from here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall, ChecksumMismatch, ShortRead, StoreIncomplete
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.policy import make_policy
+from cache_daemon.tiers import ArenaKind, HostTier, StoreReader, Tier, slots_for_budget
+from cache_daemon.tiers.device import ShmArena
+from cache_daemon.tiers.store import IO_MODE_BUFFERED, IO_MODE_DIRECT, aligned_buffer
+from expertcache.errors import FailedPrecondition
+from expertcache.keys import ExpertKey
+from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob
+
+# -- a synthetic store -----------------------------------------------------------------------
+
+
+def write_store(
+    store: Path, *, layers: tuple[int, ...] = (1, 3), num_experts: int = 6, seed: int = 0
+) -> StoreManifest:
+    """A complete store of random float32 experts (4 KiB blobs, zero padding) under ``store``."""
+    tensors, blob_bytes = plan_blob([("gate_up_proj", "float32", (16, 8)), ("down_proj", "float32", (8, 8))])
+    gen = torch.Generator().manual_seed(seed)
+    (store / "experts").mkdir(parents=True, exist_ok=True)
+    layer_files, checksums = {}, {}
+    for layer in layers:
+        rel = f"experts/layer_{layer:04d}.bin"
+        blobs = []
+        for _ in range(num_experts):
+            blob = bytearray(blob_bytes)
+            for t in tensors:
+                data = torch.randn(t.shape, generator=gen).numpy().tobytes()
+                blob[t.offset : t.offset + len(data)] = data
+            blobs.append(bytes(blob))
+        (store / rel).write_bytes(b"".join(blobs))
+        layer_files[layer] = rel
+        checksums[layer] = tuple(zlib.crc32(b) for b in blobs)
+    manifest = StoreManifest(
+        model_type="synthetic",
+        model_id=f"synthetic-{seed}",
+        num_layers=max(layers) + 1,
+        moe_layers=tuple(layers),
+        num_experts=num_experts,
+        top_k=2,
+        blob_bytes=blob_bytes,
+        tensors=tensors,
+        layer_files=layer_files,
+        checksums=checksums,
+    )
+    (store / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def blob_of(store: Path, manifest: StoreManifest, key: ExpertKey) -> bytes:
+    rel, offset = manifest.blob_location(key)
+    with open(store / rel, "rb") as f:
+        f.seek(offset)
+        return f.read(manifest.blob_bytes)
+
+
+def corrupt(store: Path, manifest: StoreManifest, key: ExpertKey) -> None:
+    """Flip one byte inside ``key``'s blob."""
+    rel, offset = manifest.blob_location(key)
+    with open(store / rel, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def supports_o_direct(directory: Path) -> bool:
+    probe = directory / ".o_direct_probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    else:
+        os.close(fd)
+        return True
+    finally:
+        probe.unlink()
+
+
+# -- store reader ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[Path, StoreManifest]:
+    root = tmp_path / "store"
+    return root, write_store(root)
+
+
+def test_store_read_equals_file_bytes(store):
+    root, manifest = store
+    metrics = DaemonMetrics()
+    reader = StoreReader(root, manifest, metrics)
+    try:
+        assert reader.io_mode == (IO_MODE_DIRECT if supports_o_direct(root) else IO_MODE_BUFFERED)
+        for key in manifest.all_keys():
+            buf = aligned_buffer(manifest.blob_bytes)
+            reader.read_into(key, buf)
+            assert bytes(buf) == blob_of(root, manifest, key)
+            assert bytes(reader.get(key).numpy()) == blob_of(root, manifest, key)
+        assert metrics.hits.value(tier="store") == 2 * manifest.num_blobs
+        assert metrics.store_read_bytes.value() == 2 * manifest.num_blobs * manifest.blob_bytes
+        assert metrics.store_read_seconds.value() > 0
+        assert metrics.checksum_failures.value() == 0
+    finally:
+        reader.close()
+
+
+def test_store_on_tmpfs_falls_back_to_buffered_reads(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or supports_o_direct(shm):
+        pytest.skip("needs a /dev/shm that refuses O_DIRECT (tmpfs before Linux 6.6)")
+    root = shm / f"expertcache-test-store-{os.getpid()}"
+    try:
+        manifest = write_store(root)
+        reader = StoreReader(root, manifest, DaemonMetrics())
+        assert reader.io_mode == IO_MODE_BUFFERED
+        key = ExpertKey(3, 4)
+        assert bytes(reader.get(key).numpy()) == blob_of(root, manifest, key)
+        reader.close()
+    finally:
+        for path in sorted(root.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        root.rmdir()
+
+
+def test_o_direct_read_refused_falls_back_to_buffered(store):
+    root, manifest = store
+    if not supports_o_direct(root):
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT already")
+    reader = StoreReader(root, manifest, DaemonMetrics())
+    assert reader.io_mode == IO_MODE_DIRECT
+    backing = aligned_buffer(manifest.blob_bytes + 4096)
+    unaligned = memoryview(backing)[1 : 1 + manifest.blob_bytes]  # O_DIRECT refuses it: EINVAL
+    key = ExpertKey(1, 2)
+    reader.read_into(key, unaligned)
+    assert bytes(unaligned) == blob_of(root, manifest, key)
+    assert reader.io_mode == IO_MODE_BUFFERED  # layer 1 is read buffered (+ fadvise) from now on
+    assert bytes(reader.get(ExpertKey(1, 3)).numpy()) == blob_of(root, manifest, ExpertKey(1, 3))
+    reader.close()
+
+
+def test_checksum_mismatch_names_expert_file_and_offset(store):
+    root, manifest = store
+    key = ExpertKey(1, 3)
+    corrupt(root, manifest, key)
+    metrics = DaemonMetrics()
+    reader = StoreReader(root, manifest, metrics)
+    with pytest.raises(ChecksumMismatch) as info:
+        reader.get(key)
+    expected = manifest.checksums[1][3]
+    assert str(info.value).startswith(
+        f"checksum mismatch for expert L1E3 in experts/layer_0001.bin at offset {3 * manifest.blob_bytes}: "
+        f"expected 0x{expected:08x}, got 0x"
+    )
+    assert info.value.grpc_code == "DATA_LOSS"
+    assert metrics.checksum_failures.value() == 1
+    reader.get(ExpertKey(1, 2))  # its neighbours are intact
+    reader.close()
+
+
+def test_truncated_store_file(store):
+    root, manifest = store
+    path = root / manifest.layer_files[3]
+    reader = StoreReader(root, manifest, DaemonMetrics())
+    os.truncate(path, 4 * manifest.blob_bytes + 100)  # after the daemon opened it
+    with pytest.raises(
+        ShortRead, match=r"experts/layer_0003.bin ends at offset .*expert L3E4's blob at offset 16384"
+    ):
+        reader.get(ExpertKey(3, 4))
+    with pytest.raises(ShortRead, match="L3E5"):
+        reader.get(ExpertKey(3, 5))
+    reader.close()
+    with pytest.raises(
+        StoreIncomplete, match=r"layer_0003.bin has 16484 bytes but layer 3's 6 blobs need 24576"
+    ):
+        StoreReader(root, manifest, DaemonMetrics())
+    path.unlink()
+    with pytest.raises(StoreIncomplete, match="layer_0003.bin for layer 3 is missing"):
+        StoreReader(root, manifest, DaemonMetrics())
+
+
+def test_store_is_read_only(store):
+    root, manifest = store
+    reader = StoreReader(root, manifest, DaemonMetrics())
+    key = ExpertKey(1, 0)
+    assert reader.contains(key) and reader.pin(key) and not reader.contains(ExpertKey(2, 0))
+    with pytest.raises(FailedPrecondition, match="read-only"):
+        reader.put(key, torch.zeros(manifest.blob_bytes, dtype=torch.uint8))
+    with pytest.raises(FailedPrecondition, match="read-only"):
+        reader.remove(key)
+    reader.close()
+
+
+# -- host tier -------------------------------------------------------------------------------
+
+BLOB = 4096
+
+
+def blob(value: int) -> torch.Tensor:
+    return torch.full((BLOB,), value, dtype=torch.uint8)
+
+
+def test_host_tier_lru_and_pins():
+    metrics = DaemonMetrics()
+    host = HostTier(2, BLOB, make_policy("lru"), metrics)
+    a, b, c = ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(1, 2)
+    assert host.put(a, blob(1)) and host.put(b, blob(2))
+    assert host.pin(a)  # a is pinned and now the most recent
+    assert host.put(c, blob(3))  # evicts b (a is pinned)
+    assert host.contains(a) and not host.contains(b) and host.contains(c)
+    assert int(host.get(a)[0]) == 1 and host.get(a).data_ptr() % 4096 == 0
+    assert host.pin_count(a) == 1
+    assert not host.remove(a)  # pinned
+    assert host.pin(c)
+    assert not host.put(b, blob(2))  # every slot pinned: no room, no wait
+    host.unpin(a)
+    host.unpin(c)
+    assert host.put(b, blob(2))  # evicts a, the least recently used
+    assert not host.contains(a)
+    assert metrics.evictions.value(tier="host") == 2
+    assert metrics.bytes_in.value(tier="host") == 4 * BLOB
+    assert host.resident_count() == 2
+    with pytest.raises(ValueError, match="not pinned"):
+        host.unpin(b)
+    with pytest.raises(ValueError, match="without a pin"):
+        host.get(b)
+    assert host.remove(b) and host.resident_count() == 1
+    host.close()
+
+
+def test_host_tier_failed_fill_frees_the_slot():
+    host = HostTier(1, BLOB, make_policy("lru"), DaemonMetrics())
+    key = ExpertKey(1, 0)
+
+    def fail(_view):
+        raise ChecksumMismatch("bad blob")
+
+    with pytest.raises(ChecksumMismatch):
+        host.put_from(key, fail)
+    assert not host.contains(key)
+    view = host.put_from(key, lambda v: v.fill_(7))  # the slot is free again
+    assert view is not None and int(view[0]) == 7 and host.pin_count(key) == 1
+    host.unpin(key)
+    host.close()
+
+
+def test_disabled_host_tier():
+    host = HostTier(0, BLOB, make_policy("lru"), DaemonMetrics())
+    assert not host.enabled
+    assert host.put_from(ExpertKey(1, 0), lambda v: None) is None
+    assert not host.put(ExpertKey(1, 0), blob(1))
+
+
+# -- shm arena -------------------------------------------------------------------------------
+
+
+def test_shm_arena_is_shared_and_removed(tmp_path):
+    arena = ShmArena(3, BLOB, shm_dir=tmp_path, daemon_id="t1")
+    path = tmp_path / "expertcache-t1"
+    assert path.stat().st_size == 3 * BLOB
+    handle = arena.handle()
+    assert handle.kind is ArenaKind.POSIX_SHM and handle.size_bytes == 3 * BLOB
+    assert handle.shm_name == str(path)  # outside /dev/shm: an absolute path
+    assert os.path.join("/dev/shm", handle.shm_name) == str(path)
+    arena.copy_in(1, blob(9))
+    with open(path, "rb") as f:  # what another process sees through the file
+        data = f.read()
+    assert data[BLOB : 2 * BLOB] == bytes([9]) * BLOB and data[:BLOB] == bytes(BLOB)
+    arena.host_buffer(2)[:4] = b"abcd"
+    assert bytes(arena.slots[2, :4].numpy()) == b"abcd"
+    with pytest.raises(ArenaUnavailable, match="expertcache-t1"):
+        ShmArena(1, BLOB, shm_dir=tmp_path, daemon_id="t1")  # O_EXCL
+    arena.close()
+    assert not path.exists()
+    arena.close()  # idempotent
+
+
+def test_shm_arena_in_dev_shm_is_named_by_its_file_name():
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    arena = ShmArena(1, BLOB, shm_dir="/dev/shm", daemon_id=f"test-{os.getpid()}")
+    try:
+        assert arena.handle().shm_name == f"expertcache-test-{os.getpid()}"
+    finally:
+        arena.close()
+    assert not Path(f"/dev/shm/expertcache-test-{os.getpid()}").exists()
+
+
+def test_slots_for_budget():
+    assert slots_for_budget(10 * BLOB + 5, BLOB, "device_budget_bytes") == 10
+    assert slots_for_budget(10 * BLOB, BLOB, "device_budget_bytes", cap=4) == 4
+    with pytest.raises(
+        BudgetTooSmall, match=r"device_budget_bytes=4095 is smaller than one expert blob \(blob_bytes=4096\)"
+    ):
+        slots_for_budget(BLOB - 1, BLOB, "device_budget_bytes")
+
+
+def test_tier_names_are_metric_labels():
+    assert [t.value for t in Tier] == ["device", "host", "store"]
