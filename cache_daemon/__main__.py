@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
-from cache_daemon.residency import CacheDaemon
+from cache_daemon.daemon import CacheDaemon
 from cache_daemon.server import SERVICE_NAME, create_server
 from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError

@@ -33,8 +33,8 @@ never be admitted while its own stream keeps its pins is refused at once (``BadA
 layer with more experts than slots is processed in waves (acquire ≤ ``num_slots``, run,
 release, acquire the next). Two streams that demand the same missing key share one load.
 
-``CacheDaemon`` (at the end) wires the manifest, store, host tier, arena and ``Residency``
-together; the gRPC servicer (``cache_daemon.server``) only converts messages and delegates to it.
+``cache_daemon.daemon.CacheDaemon`` wires the manifest, store, host tier, arena and
+``Residency`` together; the gRPC servicer (``cache_daemon.server``) converts and delegates.
 """
 
 from __future__ import annotations
@@ -44,25 +44,22 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from cache_daemon.config import DaemonConfig
 from cache_daemon.errors import AcquireTimeout, BadAcquire, SessionClosed, ShuttingDown, SlotNotReadable
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import EvictionPolicy, make_policy
+from cache_daemon.policy import EvictionPolicy
 from cache_daemon.tiers.base import Tier
-from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, slots_for_budget
+from cache_daemon.tiers.device import DeviceArena
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
 from expertcache.errors import ExpertCacheError
 from expertcache.keys import ExpertKey
-from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
+from expertcache.manifest import StoreManifest
 
 logger = logging.getLogger(__name__)
 
@@ -524,179 +521,3 @@ def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
 
 
 # -- the daemon as a whole ---------------------------------------------------------------
-@dataclass(frozen=True)
-class AttachInfo:
-    """Everything ``Attach`` returns."""
-
-    arena: ArenaHandle
-    num_slots: int
-    slot_bytes: int
-    manifest_json: str  # manifest.json, verbatim
-    daemon_id: str
-
-
-@dataclass(frozen=True)
-class TierStats:
-    tier: Tier
-    hits: int
-    misses: int
-    bytes_in: int
-    capacity_slots: int
-    resident: int
-    evictions: int
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    tiers: tuple[TierStats, ...]
-    pinned: int
-    demands: int
-    checksum_failures: int
-    store_io_mode: str
-    store_read_seconds: float
-
-
-class CacheDaemon:
-    """The daemon's domain objects wired together: manifest, store, host tier, arena, residency.
-
-    ``start`` checks the store and budgets (raising ``ExpertCacheError`` subclasses that
-    ``__main__`` turns into exit code 2); ``close`` frees everything and removes the shm file.
-    """
-
-    def __init__(
-        self,
-        *,
-        manifest: StoreManifest,
-        manifest_json: str,
-        daemon_id: str,
-        metrics: DaemonMetrics,
-        store: StoreReader,
-        host: HostTier,
-        arena: DeviceArena,
-        residency: Residency,
-    ) -> None:
-        self.manifest = manifest
-        self.manifest_json = manifest_json
-        self.daemon_id = daemon_id
-        self.metrics = metrics
-        self.store = store
-        self.host = host
-        self.arena = arena
-        self.residency = residency
-        self._closed = False
-
-    @classmethod
-    def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
-        manifest = read_manifest(config.store_dir)
-        manifest_json = (Path(config.store_dir) / MANIFEST_NAME).read_text()
-        blob = manifest.blob_bytes
-        num_slots = slots_for_budget(
-            config.device_budget_bytes, blob, "device_budget_bytes", cap=manifest.num_blobs
-        )
-        host_slots = (
-            slots_for_budget(config.host_budget_bytes, blob, "host_budget_bytes", cap=manifest.num_blobs)
-            if config.host_budget_bytes
-            else 0
-        )
-        daemon_id = daemon_id or uuid.uuid4().hex[:16]
-        metrics = DaemonMetrics()
-        store = StoreReader(config.store_dir, manifest, metrics)
-        arena = host = None
-        try:
-            arena = create_arena(config.device, num_slots, blob, shm_dir=config.shm_dir, daemon_id=daemon_id)
-            host = HostTier(
-                host_slots,
-                blob,
-                make_policy(config.eviction_policy),
-                metrics,
-                pin_memory=arena.pin_host_memory,
-            )
-            residency = Residency(
-                manifest,
-                arena,
-                store,
-                host,
-                make_policy(config.eviction_policy),
-                metrics,
-                io_threads=config.io_threads,
-                acquire_timeout_s=config.acquire_timeout_s,
-            )
-        except BaseException:
-            for part in (host, arena, store):
-                if part is not None:
-                    part.close()
-            raise
-        logger.info(
-            "daemon %s: %s model %s, %d MoE layers x %d experts of %d bytes; arena %d slots, host %d slots, "
-            "store reads %s",
-            daemon_id,
-            manifest.model_type,
-            manifest.model_id,
-            len(manifest.moe_layers),
-            manifest.num_experts,
-            blob,
-            num_slots,
-            host_slots,
-            store.io_mode,
-        )
-        return cls(
-            manifest=manifest,
-            manifest_json=manifest_json,
-            daemon_id=daemon_id,
-            metrics=metrics,
-            store=store,
-            host=host,
-            arena=arena,
-            residency=residency,
-        )
-
-    def attach(self, client_name: str) -> AttachInfo:
-        logger.info("attach from %s", client_name or "an unnamed client")
-        return AttachInfo(
-            arena=self.arena.handle(),
-            num_slots=self.arena.num_slots,
-            slot_bytes=self.arena.slot_bytes,
-            manifest_json=self.manifest_json,
-            daemon_id=self.daemon_id,
-        )
-
-    def stats(self) -> CacheStats:
-        m = self.metrics
-        r = self.residency.stats()
-
-        def tier_stats(tier: Tier, capacity: int, resident: int) -> TierStats:
-            label = tier.value
-            return TierStats(
-                tier=tier,
-                hits=int(m.hits.value(tier=label)),
-                misses=int(m.misses.value(tier=label)),
-                bytes_in=int(m.bytes_in.value(tier=label)),
-                capacity_slots=capacity,
-                resident=resident,
-                evictions=int(m.evictions.value(tier=label)),
-            )
-
-        num_blobs = self.manifest.num_blobs
-        return CacheStats(
-            tiers=(
-                tier_stats(Tier.DEVICE, r.num_slots, r.resident),
-                tier_stats(Tier.HOST, self.host.num_slots, self.host.resident_count()),
-                tier_stats(Tier.STORE, num_blobs, num_blobs),
-            ),
-            pinned=r.pinned,
-            demands=int(m.demands.value()),
-            checksum_failures=int(m.checksum_failures.value()),
-            store_io_mode=self.store.io_mode,
-            store_read_seconds=float(m.store_read_seconds.value()),
-        )
-
-    def close(self) -> None:
-        """Fail waiting Acquires, stop the I/O threads, free the tiers, remove the shm file."""
-        if self._closed:
-            return
-        self._closed = True
-        self.residency.shutdown()
-        self.store.close()
-        self.host.close()
-        self.arena.close()
-        logger.info("daemon %s closed", self.daemon_id)

@@ -15,7 +15,8 @@ import grpc
 from grpc_health.v1 import health
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from cache_daemon.residency import AttachInfo, CacheDaemon, CacheStats, Ready
+from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats
+from cache_daemon.residency import Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
 from expertcache.errors import InvalidArgument

@@ -15,7 +15,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from cache_daemon.config import DaemonConfig  # noqa: E402
-from cache_daemon.residency import CacheDaemon  # noqa: E402
+from cache_daemon.daemon import CacheDaemon  # noqa: E402
 from cache_daemon.tiers import ArenaKind, Tier  # noqa: E402
 from cache_daemon.tiers.device import CudaArena  # noqa: E402
 from tests.unit.test_daemon_store import blob_of, write_store  # noqa: E402

@@ -11,8 +11,8 @@ from test_daemon_store import write_store
 
 from cache_daemon.__main__ import main
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
+from cache_daemon.daemon import CacheDaemon
 from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
-from cache_daemon.residency import CacheDaemon
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
 
