@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-fraction", type=float, default=0.5, help="host tier / all experts")
     args = parser.parse_args(argv)
 
-    from cache_daemon.convert import convert
     from moe.cache.v1 import cache_pb2, cache_pb2_grpc
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    from cache_daemon.convert import convert
 
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

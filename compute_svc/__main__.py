@@ -1,0 +1,57 @@
+"""``python -m compute_svc``: parse the config, start the server, stop on SIGTERM/SIGINT.
+
+Exit status: 0 after a clean stop, 2 when the config is invalid or start-up fails (the daemon
+cannot be reached, the store is incomplete...), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from compute_svc.config import ENV_PREFIX, ComputeConfig
+from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache.errors import ExpertCacheError
+
+EXIT_START_FAILED = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m compute_svc",
+        description="ExpertCache compute service: serves moe.inference.v1.Inference from an expert store",
+    )
+    parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")
+    add_arguments(parser, ComputeConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(
+            ComputeConfig, cli=cli_values(args, ComputeConfig), env_prefix=ENV_PREFIX, file=args.config_file
+        )
+    except ExpertCacheError as exc:
+        print(f"compute_svc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_START_FAILED
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from compute_svc.server import ComputeServer  # torch and transformers load here, after the config
+
+    try:
+        server = ComputeServer(config)
+    except (ExpertCacheError, OSError) as exc:  # OSError: the listen address cannot be bound
+        print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
+        return EXIT_START_FAILED
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

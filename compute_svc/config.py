@@ -1,0 +1,89 @@
+"""The compute service's one frozen, validated config.
+
+Loaded once in ``__main__`` (CLI > env ``EXPERTCACHE_COMPUTE_*`` > ``--config-file`` YAML >
+default, see ``expertcache.config_loader``) and passed down explicitly; nothing else in this
+package reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from expertcache.errors import InvalidArgument
+
+ENV_PREFIX = "EXPERTCACHE_COMPUTE_"
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Settings of one compute process (the GPU pod's main container)."""
+
+    store_dir: str = field(
+        default="",
+        metadata={
+            "help": "expert store directory (manifest.json, config.json, dense.safetensors, tokenizer)"
+        },
+    )
+    """Store written by ``python -m cache_daemon.convert``; compute reads only its dense part."""
+
+    daemon_address: str = field(
+        default="unix:///run/ec/daemon.sock",
+        metadata={"help": "gRPC address of the cache daemon, e.g. unix:///run/ec/daemon.sock"},
+    )
+    """Where the cache daemon serves ``moe.cache.v1.ExpertCache`` (a unix socket in the pod)."""
+
+    listen_address: str = field(
+        default="0.0.0.0:50051",
+        metadata={"help": "address the Inference gRPC service binds, host:port or unix:///path"},
+    )
+    """Address of ``moe.inference.v1.Inference`` (plus health and reflection)."""
+
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "torch device for the dense weights: auto follows the daemon's arena",
+            "choices": DEVICE_CHOICES,
+        },
+    )
+    """``auto`` runs where the daemon's arena lives (CUDA IPC → cuda, POSIX shm → cpu); an
+    explicit value must agree with the arena, since experts are read in place."""
+
+    max_new_tokens_limit: int = field(
+        default=4096,
+        metadata={"help": "largest max_new_tokens a request may ask for", "min": 1, "max": 1 << 20},
+    )
+    """Upper bound of ``GenerateRequest.max_new_tokens`` (reported in ``ModelInfo``)."""
+
+    max_queue: int = field(
+        default=64, metadata={"help": "Generate requests that may wait for the worker", "min": 0, "max": 4096}
+    )
+    """Requests waiting behind the running one; one more is refused with RESOURCE_EXHAUSTED."""
+
+    daemon_connect_timeout_s: float = field(
+        default=5.0,
+        metadata={"help": "seconds to wait for the cache daemon at start", "min": 0.1, "max": 3600.0},
+    )
+    """How long start-up waits for the daemon's socket before exiting with a clear error."""
+
+    acquire_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "seconds one layer may wait for its experts", "min": 0.1, "max": 86400.0},
+    )
+    """Limit of one Acquire (all experts of a wave); beyond it the request fails with
+    DEADLINE_EXCEEDED instead of hanging on a stuck daemon."""
+
+    log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
+    """Level of the root logger."""
+
+    def check(self) -> None:
+        """Cross-field checks beyond the per-field metadata (called by ``load_config``)."""
+        if not self.store_dir:
+            raise InvalidArgument("config field 'store_dir' is empty: pass --store-dir STORE")
+        if not self.daemon_address:
+            raise InvalidArgument(
+                "config field 'daemon_address' is empty: pass --daemon-address unix:///path"
+            )
+        if not self.listen_address:
+            raise InvalidArgument("config field 'listen_address' is empty: pass --listen-address HOST:PORT")

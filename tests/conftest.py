@@ -1,0 +1,141 @@
+"""Shared fixtures: tiny checkpoints converted to stores, built once per session.
+
+``tiny_store(arch, **config)`` → ``TinyStore(checkpoint, store, manifest)``: a random-weight
+checkpoint written by transformers (``expertcache.tiny``) and its expert store (the real
+converter). Equal arguments share one directory for the whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `from tests.procs import ...` without an installed checkout
+    sys.path.insert(0, str(REPO))
+
+from expertcache.manifest import StoreManifest, read_manifest  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TinyStore:
+    checkpoint: Path
+    store: Path
+    manifest: StoreManifest
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory):
+    built: dict[str, TinyStore] = {}
+
+    def get(arch: str, **config) -> TinyStore:
+        key = f"{arch}-{json.dumps(config, sort_keys=True, default=str)}"
+        if key not in built:
+            from cache_daemon.convert import convert
+            from expertcache.tiny import make_checkpoint
+
+            root = tmp_path_factory.mktemp(arch)
+            checkpoint = make_checkpoint(arch, root / "checkpoint", **config)
+            convert(checkpoint, root / "store")
+            built[key] = TinyStore(checkpoint, root / "store", read_manifest(root / "store"))
+        return built[key]
+
+    return get
+
+
+class LocalProvider:
+    """An in-process stand-in for the cache daemon over a real store (unit tests only).
+
+    LRU over ``arena.num_slots`` slots, blobs read from the store files, pins honoured.
+    ``reverse=True`` answers each acquire in reverse order, to exercise reordered execution.
+    """
+
+    def __init__(self, store: Path, manifest: StoreManifest, arena, *, reverse: bool = False) -> None:
+        from collections import OrderedDict
+
+        self.store = Path(store)
+        self.manifest = manifest
+        self.arena = arena
+        self.reverse = reverse
+        self.lru: OrderedDict = OrderedDict()  # ExpertKey -> slot
+        self.pins: dict = {}  # ExpertKey -> count
+        self.acquires: list[tuple[int, tuple[int, ...]]] = []
+        self.loads = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.arena.num_slots
+
+    def acquire(self, layer, experts):
+        import torch
+
+        from compute_svc.moe import ReadyExpert, Tier
+        from expertcache.keys import ExpertKey
+
+        experts = tuple(experts)
+        assert len(experts) <= self.num_slots, "compute must split a layer into waves of <= num_slots"
+        self.acquires.append((layer, experts))
+        for expert in reversed(experts) if self.reverse else experts:
+            key = ExpertKey(layer, expert)
+            if key in self.lru:
+                self.lru.move_to_end(key)
+                source = Tier.DEVICE
+            else:
+                used = set(self.lru.values())
+                free = [s for s in range(self.num_slots) if s not in used]
+                if free:
+                    slot = free[0]
+                else:
+                    victim = next(k for k in self.lru if not self.pins.get(k))
+                    slot = self.lru.pop(victim)
+                path, offset = self.manifest.blob_location(key)
+                with open(self.store / path, "rb") as f:
+                    f.seek(offset)
+                    blob = bytearray(f.read(self.manifest.blob_bytes))
+                self.arena.slots[slot].copy_(torch.frombuffer(blob, dtype=torch.uint8))
+                self.lru[key] = slot
+                self.loads += 1
+                source = Tier.STORE
+            self.pins[key] = self.pins.get(key, 0) + 1
+            yield ReadyExpert(expert, self.lru[key], source)
+
+    def release(self, layer, experts):
+        from expertcache.keys import ExpertKey
+
+        for expert in experts:
+            key = ExpertKey(layer, expert)
+            assert self.pins.get(key), f"release of unpinned {key}"
+            self.pins[key] -= 1
+
+
+@pytest.fixture(scope="session")
+def local_engine(tiny_store):
+    """``local_engine(arch, slots=..., reverse=False, **config)`` → (engine, provider, TinyStore).
+
+    The real engine (dense weights from the store, experts from an in-memory arena) fed by
+    ``LocalProvider`` instead of a daemon process.
+    """
+
+    def build(arch: str, *, slots: int | None = None, reverse: bool = False, limit: int = 256, **config):
+        import torch
+
+        from compute_svc.arena import Arena
+        from compute_svc.generation import GenerationEngine
+        from compute_svc.model_loader import load_model
+        from compute_svc.moe import ExpertRuntime, attach
+
+        tiny = tiny_store(arch, **config)
+        manifest = tiny.manifest
+        num_slots = slots if slots is not None else max(1, manifest.num_blobs // 4)
+        arena = Arena(torch.zeros(num_slots, manifest.blob_bytes, dtype=torch.uint8))
+        provider = LocalProvider(tiny.store, manifest, arena, reverse=reverse)
+        loaded = load_model(tiny.store, manifest, torch.device("cpu"))
+        runtime = ExpertRuntime(provider, arena, manifest.tensors)
+        attach(loaded.model, loaded.experts_modules, runtime)
+        return GenerationEngine(loaded, runtime, max_new_tokens_limit=limit), provider, tiny
+
+    return build

@@ -1,0 +1,184 @@
+"""DaemonClient against a real gRPC server on a unix socket serving a scripted ExpertCache."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+
+from compute_svc.arena import ArenaKind
+from compute_svc.cache_client import DaemonClient
+from compute_svc.errors import DaemonUnavailable, DataLoss, DeadlineExceeded, InvalidArgument
+from compute_svc.moe import ReadyExpert, Tier
+from expertcache.manifest import StoreManifest, plan_blob
+
+TENSORS, BLOB = plan_blob([("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))])
+MANIFEST = StoreManifest(
+    model_type="mixtral",
+    model_id="test-model",
+    num_layers=2,
+    moe_layers=(0, 1),
+    num_experts=4,
+    top_k=2,
+    blob_bytes=BLOB,
+    tensors=TENSORS,
+    layer_files={0: "experts/layer_0000.bin", 1: "experts/layer_0001.bin"},
+    checksums={0: (0, 0, 0, 0), 1: (0, 0, 0, 0)},
+)
+
+
+class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
+    """Answers each Acquire with its experts in reverse order (expert 3 is 'resident')."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int, int]] = []
+        self.streams = 0
+        self.fail_next: tuple[grpc.StatusCode, str] | None = None
+        self.hang_next = False
+        self.stream_closed = threading.Event()
+        self.daemon_id = "d1"
+
+    def Attach(self, request, context):  # noqa: N802
+        return cache_pb2.AttachResponse(
+            arena=cache_pb2.ArenaHandle(
+                kind=cache_pb2.ARENA_KIND_POSIX_SHM, shm_name="x", size_bytes=2 * BLOB
+            ),
+            num_slots=2,
+            slot_bytes=BLOB,
+            manifest_json=MANIFEST.to_json(),
+            daemon_id=self.daemon_id,
+        )
+
+    def Demand(self, request_iterator, context):  # noqa: N802
+        self.streams += 1
+        context.add_callback(self.stream_closed.set)
+        for req in request_iterator:
+            if req.WhichOneof("kind") == "release":
+                self.released += [(r.layer, r.expert) for r in req.release.experts]
+                continue
+            acq = req.acquire
+            if self.fail_next is not None:
+                code, message = self.fail_next
+                self.fail_next = None
+                context.abort(code, message)
+            if self.hang_next:
+                self.hang_next = False
+                time.sleep(1.0)
+                return
+            for slot, expert in enumerate(reversed(acq.experts)):
+                source = cache_pb2.TIER_DEVICE if expert == 3 else cache_pb2.TIER_STORE
+                yield cache_pb2.DemandResponse(
+                    ready=cache_pb2.ExpertReady(
+                        ticket=acq.ticket,
+                        expert=cache_pb2.ExpertRef(layer=acq.layer, expert=expert),
+                        slot=slot,
+                        source=source,
+                    )
+                )
+            yield cache_pb2.DemandResponse(done=cache_pb2.AcquireDone(ticket=acq.ticket, elapsed_s=0.001))
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    servicer = ScriptedCache()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    cache_pb2_grpc.add_ExpertCacheServicer_to_server(servicer, server)
+    address = f"unix://{tmp_path}/daemon.sock"
+    server.add_insecure_port(address)
+    server.start()
+    yield servicer, address
+    server.stop(0)
+
+
+def connect(address: str, **kwargs) -> DaemonClient:
+    kwargs.setdefault("connect_timeout_s", 5.0)
+    kwargs.setdefault("acquire_timeout_s", 5.0)
+    return DaemonClient.connect(address, **kwargs)
+
+
+def test_attach_converts_the_handle_and_manifest(daemon):
+    _, address = daemon
+    client = connect(address)
+    att = client.attachment
+    assert att.arena.kind is ArenaKind.POSIX_SHM and att.arena.shm_name == "x"
+    assert (att.num_slots, att.slot_bytes, att.daemon_id) == (2, BLOB, "d1")
+    assert att.manifest == MANIFEST
+    client.close()
+
+
+def test_acquire_yields_in_readiness_order_and_release_unpins(daemon):
+    servicer, address = daemon
+    client = connect(address)
+    got = list(client.acquire(1, [2, 3]))
+    assert got == [ReadyExpert(3, 0, Tier.DEVICE), ReadyExpert(2, 1, Tier.STORE)]
+    client.release(1, [2, 3])
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    deadline = time.monotonic() + 5
+    while len(servicer.released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert servicer.released == [(1, 2), (1, 3)]
+    assert servicer.streams == 1  # one long-lived stream
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [(grpc.StatusCode.DATA_LOSS, DataLoss), (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument)],
+)
+def test_stream_errors_become_domain_errors_and_the_stream_reopens(daemon, code, error):
+    servicer, address = daemon
+    client = connect(address)
+    servicer.fail_next = (code, "checksum mismatch for L1E2 in experts/layer_0001.bin")
+    with pytest.raises(error, match="checksum mismatch for L1E2"):
+        list(client.acquire(1, [2]))
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.STORE)]
+    assert servicer.streams == 2
+    client.close()
+
+
+def test_acquire_timeout_is_deadline_exceeded(daemon):
+    servicer, address = daemon
+    client = connect(address, acquire_timeout_s=0.2)
+    servicer.hang_next = True
+    with pytest.raises(DeadlineExceeded, match=r"experts \[1\] of layer 0 within 0.2s"):
+        list(client.acquire(0, [1]))
+    client.close()
+
+
+def test_closing_an_unfinished_acquire_drops_the_stream(daemon):
+    servicer, address = daemon
+    client = connect(address)
+    it = client.acquire(1, [0, 1])
+    next(it)
+    it.close()  # e.g. compute failed mid-wave: the daemon must drop this stream's pins
+    assert servicer.stream_closed.wait(5)
+    assert list(client.acquire(1, [0])) == [ReadyExpert(0, 0, Tier.STORE)]
+    client.close()
+
+
+def test_unreachable_daemon_names_the_address(tmp_path):
+    address = f"unix://{tmp_path}/nobody.sock"
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match=f"cache daemon at {address} is not reachable after 0.5s"):
+        connect(address, connect_timeout_s=0.5)
+    assert time.monotonic() - started < 3
+
+
+def test_a_restarted_daemon_is_refused_for_good(daemon):
+    servicer, address = daemon
+    client = connect(address)
+    stale: list[str] = []
+    client.on_stale = stale.append
+    servicer.fail_next = (grpc.StatusCode.UNAVAILABLE, "daemon going away")
+    with pytest.raises(DaemonUnavailable, match="daemon going away"):
+        list(client.acquire(0, [1]))
+    servicer.daemon_id = "d2"  # the daemon came back with a new arena
+    for _ in range(2):
+        with pytest.raises(DaemonUnavailable, match=r"restarted \(id d1 -> d2\); restart compute"):
+            list(client.acquire(0, [1]))
+    assert len(stale) == 1
+    client.close()

@@ -1,0 +1,83 @@
+"""The experts forward over arena views equals the plain transformers model (CPU, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compute_svc.moe import IMPLEMENTATION, route, waves
+from expertcache.model_structure import build_skeleton
+from expertcache.tiny import SUPPORTED_ARCHS, make_config
+
+# fp32 logits: the plain model runs grouped_mm/batched GEMMs, we run one GEMM per expert, so
+# the summation order inside the matmuls differs (observed max |diff| ~1e-5 on O(1) logits).
+TOL = dict(rtol=1e-4, atol=1e-4)
+PROMPT = list(range(3, 40))
+
+
+def plain_logits(checkpoint, ids):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_route_groups_pairs_by_expert():
+    # The worked example of the module docstring: T=2, K=2.
+    top_k_index = torch.tensor([[3, 1], [1, 6]])
+    top_k_weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    routing = route(top_k_index, top_k_weights)
+    assert routing.experts == (1, 3, 6)
+    assert routing.rows[1].tolist() == [1, 2]  # token 0 k=1, token 1 k=0
+    assert routing.rows[3].tolist() == [0]
+    assert routing.rows[6].tolist() == [3]
+    assert routing.weights.tolist() == pytest.approx([0.7, 0.3, 0.6, 0.4])
+
+
+def test_waves_fit_the_arena():
+    assert waves((0, 1, 2, 3, 4), 2) == [(0, 1), (2, 3), (4,)]
+    assert waves((5,), 8) == [(5,)]
+
+
+def test_implementation_is_registered_with_transformers():
+    # build_skeleton validates the name against transformers' ExpertsInterface.
+    model = build_skeleton(make_config("mixtral"), experts_implementation=IMPLEMENTATION)
+    assert model.config._experts_implementation == IMPLEMENTATION
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_logits_match_plain_model(arch, local_engine):
+    # A quarter of the experts fit: every layer evicts.
+    engine, provider, tiny = local_engine(arch)
+    got = engine.forward_logits(PROMPT)
+    torch.testing.assert_close(got, plain_logits(tiny.checkpoint, PROMPT), **TOL)
+    assert provider.loads > provider.num_slots  # eviction happened
+    assert all(not n for n in provider.pins.values())  # every pin released
+
+
+@pytest.mark.parametrize(
+    ("arch", "num_experts", "top_k"),
+    [("mixtral", 4, 1), ("mixtral", 16, 4), ("qwen3_moe", 12, 3), ("gpt_oss", 6, 1), ("deepseek_v2", 16, 6)],
+)
+def test_logits_match_across_expert_counts_and_top_k(arch, num_experts, top_k, local_engine):
+    engine, _, tiny = local_engine(arch, num_experts=num_experts, top_k=top_k)
+    torch.testing.assert_close(engine.forward_logits(PROMPT), plain_logits(tiny.checkpoint, PROMPT), **TOL)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_one_slot_and_reordered_readiness_give_the_same_output(reverse, local_engine):
+    # One slot: every expert is its own wave; reverse: experts arrive in the opposite order.
+    engine, provider, tiny = local_engine("qwen2_moe", slots=1, reverse=reverse)
+    torch.testing.assert_close(engine.forward_logits(PROMPT), plain_logits(tiny.checkpoint, PROMPT), **TOL)
+    assert all(len(experts) == 1 for _, experts in provider.acquires)
+
+
+def test_counters_count_hits_and_misses(local_engine):
+    engine, provider, _ = local_engine("mixtral", slots=64)  # everything fits after the first pass
+    engine.runtime.reset_counters()
+    engine.forward_logits(PROMPT)
+    first = engine.runtime.reset_counters()
+    engine.forward_logits(PROMPT)
+    second = engine.runtime.reset_counters()
+    assert first.misses == provider.loads and first.hits == 0
+    assert second.misses == 0 and second.hits == first.misses
