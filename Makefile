@@ -10,6 +10,10 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP) gen/.stamp
 
+# The native core (csrc/): `make native` builds build/native/expertcache_native*.so.
+include csrc/native.mk
+$(NATIVE_OBJS): | $(STAMP)
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -30,7 +34,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: install lint
+test: install native lint
 	$(VENV)/bin/pytest -q tests
 
 test-unit: install

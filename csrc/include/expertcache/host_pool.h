@@ -1,0 +1,48 @@
+// Host pool: one page-aligned anonymous mapping carved into fixed-size slots (each slot starts
+// on a 4 KiB boundary, so O_DIRECT reads can target it). Thread-safe alloc/free of slot indices.
+// Failures are exceptions: std::out_of_range (bad index), std::invalid_argument (bad argument,
+// double free), std::runtime_error (exhausted, mmap failure).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace expertcache {
+
+class HostPool {
+ public:
+  static constexpr size_t kAlignment = 4096;
+
+  HostPool(size_t num_slots, size_t slot_bytes);
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  size_t alloc();
+  void free(int64_t index);
+  bool is_allocated(int64_t index) const;
+
+  uint8_t* slot_ptr(int64_t index) const;  // checks bounds, not allocation
+  uint8_t* base() const { return base_; }
+  size_t num_slots() const { return num_slots_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  size_t stride() const { return stride_; }  // slot_bytes rounded up to kAlignment
+  size_t total_bytes() const { return total_bytes_; }
+  size_t num_free() const;
+
+ private:
+  size_t check_index(int64_t index) const;
+
+  size_t num_slots_;
+  size_t slot_bytes_;
+  size_t stride_;
+  size_t total_bytes_;
+  uint8_t* base_;
+  mutable std::mutex mu_;
+  std::vector<size_t> free_list_;  // stack; lowest index on top initially
+  std::vector<bool> in_use_;
+};
+
+}  // namespace expertcache

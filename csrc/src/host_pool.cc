@@ -1,0 +1,71 @@
+#include "expertcache/host_pool.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+namespace expertcache {
+
+HostPool::HostPool(size_t num_slots, size_t slot_bytes)
+    : num_slots_(num_slots), slot_bytes_(slot_bytes) {
+  if (num_slots == 0) throw std::invalid_argument("host pool: num_slots must be > 0");
+  if (slot_bytes == 0) throw std::invalid_argument("host pool: slot_bytes must be > 0");
+  stride_ = (slot_bytes + kAlignment - 1) / kAlignment * kAlignment;
+  if (num_slots > SIZE_MAX / stride_) throw std::invalid_argument("host pool: size overflows");
+  total_bytes_ = num_slots * stride_;
+  void* p = mmap(nullptr, total_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw std::system_error(errno, std::generic_category(),
+                            "host pool: mmap of " + std::to_string(total_bytes_) + " bytes");
+  base_ = static_cast<uint8_t*>(p);
+  in_use_.assign(num_slots, false);
+  free_list_.reserve(num_slots);
+  for (size_t i = num_slots; i-- > 0;) free_list_.push_back(i);
+}
+
+HostPool::~HostPool() { munmap(base_, total_bytes_); }
+
+size_t HostPool::check_index(int64_t index) const {
+  if (index < 0 || static_cast<uint64_t>(index) >= num_slots_)
+    throw std::out_of_range("host pool: slot " + std::to_string(index) + " out of range [0, " +
+                            std::to_string(num_slots_) + ")");
+  return static_cast<size_t>(index);
+}
+
+size_t HostPool::alloc() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (free_list_.empty())
+    throw std::runtime_error("host pool exhausted: all " + std::to_string(num_slots_) +
+                             " slots in use");
+  size_t i = free_list_.back();
+  free_list_.pop_back();
+  in_use_[i] = true;
+  return i;
+}
+
+void HostPool::free(int64_t index) {
+  size_t i = check_index(index);
+  std::lock_guard<std::mutex> g(mu_);
+  if (!in_use_[i])
+    throw std::invalid_argument("host pool: double free of slot " + std::to_string(i));
+  in_use_[i] = false;
+  free_list_.push_back(i);
+}
+
+bool HostPool::is_allocated(int64_t index) const {
+  size_t i = check_index(index);
+  std::lock_guard<std::mutex> g(mu_);
+  return in_use_[i];
+}
+
+uint8_t* HostPool::slot_ptr(int64_t index) const { return base_ + check_index(index) * stride_; }
+
+size_t HostPool::num_free() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return free_list_.size();
+}
+
+}  // namespace expertcache

@@ -1,0 +1,271 @@
+#include "expertcache/slot_table.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <system_error>
+
+namespace expertcache {
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+// Shared (non-_PRIVATE) futex ops: waiters and wakers live in different processes.
+long futex_wait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, timeout,
+                 nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+          0);
+}
+
+constexpr uint32_t kAbsent = static_cast<uint32_t>(SlotState::kAbsent);
+constexpr uint32_t kLoading = static_cast<uint32_t>(SlotState::kLoading);
+constexpr uint32_t kResident = static_cast<uint32_t>(SlotState::kResident);
+constexpr uint32_t kEvicting = static_cast<uint32_t>(SlotState::kEvicting);
+
+std::string state_str(uint32_t s) { return slot_state_name(static_cast<SlotState>(s)); }
+
+}  // namespace
+
+const char* slot_state_name(SlotState s) {
+  switch (s) {
+    case SlotState::kAbsent: return "ABSENT";
+    case SlotState::kLoading: return "LOADING";
+    case SlotState::kResident: return "RESIDENT";
+    case SlotState::kEvicting: return "EVICTING";
+  }
+  return "UNKNOWN";
+}
+
+size_t SlotTable::file_size(uint32_t num_entries) {
+  return sizeof(SlotTableHeader) + static_cast<size_t>(num_entries) * sizeof(SlotEntry);
+}
+
+SlotTable::SlotTable(std::string path, void* base, size_t size)
+    : path_(std::move(path)),
+      base_(base),
+      size_(size),
+      header_(static_cast<SlotTableHeader*>(base)),
+      entries_(reinterpret_cast<SlotEntry*>(static_cast<char*>(base) + sizeof(SlotTableHeader))) {}
+
+SlotTable::~SlotTable() { munmap(base_, size_); }
+
+std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t num_entries,
+                                             uint32_t num_slots) {
+  if (num_entries == 0) throw std::invalid_argument("slot table " + path + ": num_entries must be > 0");
+  if (num_slots == 0) throw std::invalid_argument("slot table " + path + ": num_slots must be > 0");
+  if (num_slots > static_cast<uint32_t>(INT32_MAX))
+    throw std::invalid_argument("slot table " + path + ": num_slots too large");
+  const size_t size = file_size(num_entries);
+  // Build under a temporary name and rename into place, so open() never sees a partial table.
+  const std::string tmp = path + ".tmp." + std::to_string(getpid());
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0660);
+  if (fd < 0) throw_errno("slot table " + path + ": cannot create " + tmp);
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int e = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = e;
+    throw_errno("slot table " + path + ": ftruncate");
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::unlink(tmp.c_str());
+    errno = e;
+    throw_errno("slot table " + path + ": mmap");
+  }
+  std::unique_ptr<SlotTable> t(new SlotTable(path, base, size));
+  for (uint32_t i = 0; i < num_entries; ++i) {
+    SlotEntry& en = t->entries_[i];
+    en.state.store(kAbsent, std::memory_order_relaxed);
+    en.slot.store(-1, std::memory_order_relaxed);
+    en.pins.store(0, std::memory_order_relaxed);
+    en.generation.store(0, std::memory_order_relaxed);
+  }
+  t->header_->version = kSlotTableVersion;
+  t->header_->num_entries = num_entries;
+  t->header_->num_slots = num_slots;
+  std::atomic_thread_fence(std::memory_order_release);
+  t->header_->magic = kSlotTableMagic;
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int e2 = errno;
+    ::unlink(tmp.c_str());
+    errno = e2;
+    throw_errno("slot table " + path + ": rename from " + tmp);
+  }
+  return t;
+}
+
+std::unique_ptr<SlotTable> SlotTable::open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) throw_errno("slot table " + path + ": cannot open");
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    errno = e;
+    throw_errno("slot table " + path + ": fstat");
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < sizeof(SlotTableHeader)) {
+    ::close(fd);
+    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
+                                " bytes, smaller than the " + std::to_string(sizeof(SlotTableHeader)) +
+                                "-byte header");
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    errno = e;
+    throw_errno("slot table " + path + ": mmap");
+  }
+  std::unique_ptr<SlotTable> t(new SlotTable(path, base, size));  // unmaps on throw below
+  const SlotTableHeader& h = *t->header_;
+  if (h.magic != kSlotTableMagic)
+    throw std::invalid_argument("slot table " + path + ": bad magic (not a slot table)");
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (h.version != kSlotTableVersion)
+    throw std::invalid_argument("slot table " + path + ": version " + std::to_string(h.version) +
+                                ", expected " + std::to_string(kSlotTableVersion));
+  if (h.num_entries == 0 || size != file_size(h.num_entries))
+    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
+                                " bytes, header says " + std::to_string(h.num_entries) +
+                                " entries (" + std::to_string(file_size(h.num_entries)) + " bytes)");
+  if (h.num_slots == 0 || h.num_slots > static_cast<uint32_t>(INT32_MAX))
+    throw std::invalid_argument("slot table " + path + ": bad num_slots " +
+                                std::to_string(h.num_slots));
+  return t;
+}
+
+SlotEntry& SlotTable::at(int64_t entry) const {
+  if (entry < 0 || entry >= static_cast<int64_t>(header_->num_entries))
+    throw std::out_of_range("slot table " + path_ + ": entry " + std::to_string(entry) +
+                            " out of range [0, " + std::to_string(header_->num_entries) + ")");
+  return entries_[entry];
+}
+
+std::optional<int32_t> SlotTable::try_pin(int64_t entry) {
+  SlotEntry& e = at(entry);
+  if (e.state.load() != kResident) return std::nullopt;
+  const uint32_t gen = e.generation.load();
+  e.pins.fetch_add(1);
+  // Seq-cst pin increment, then re-check: an evictor either saw our pin (and backs off) or had
+  // already left RESIDENT (and we back off). A reload in between changes the generation.
+  if (e.state.load() != kResident || e.generation.load() != gen) {
+    e.pins.fetch_sub(1);
+    return std::nullopt;
+  }
+  return e.slot.load();
+}
+
+void SlotTable::unpin(int64_t entry) {
+  SlotEntry& e = at(entry);
+  uint32_t p = e.pins.load();
+  do {
+    if (p == 0)
+      throw std::runtime_error("slot table " + path_ + ": unpin of entry " +
+                               std::to_string(entry) + " which has no pins");
+  } while (!e.pins.compare_exchange_weak(p, p - 1));
+}
+
+void SlotTable::begin_load(int64_t entry, int64_t slot) {
+  SlotEntry& e = at(entry);
+  if (slot < 0 || slot >= static_cast<int64_t>(header_->num_slots))
+    throw std::out_of_range("slot table " + path_ + ": slot " + std::to_string(slot) +
+                            " out of range [0, " + std::to_string(header_->num_slots) + ")");
+  uint32_t expected = kAbsent;
+  if (!e.state.compare_exchange_strong(expected, kLoading))
+    throw std::runtime_error("slot table " + path_ + ": begin_load of entry " +
+                             std::to_string(entry) + " in state " + state_str(expected) +
+                             ", expected ABSENT");
+  e.slot.store(static_cast<int32_t>(slot));
+}
+
+void SlotTable::finish_load(int64_t entry) {
+  SlotEntry& e = at(entry);
+  uint32_t s = e.state.load();
+  if (s != kLoading)
+    throw std::runtime_error("slot table " + path_ + ": finish_load of entry " +
+                             std::to_string(entry) + " in state " + state_str(s) +
+                             ", expected LOADING");
+  // Generation first, so a pinner that sees RESIDENT also sees the new generation.
+  e.generation.fetch_add(1);
+  uint32_t expected = kLoading;
+  if (!e.state.compare_exchange_strong(expected, kResident))
+    throw std::runtime_error("slot table " + path_ + ": finish_load of entry " +
+                             std::to_string(entry) + " raced to state " + state_str(expected));
+  futex_wake_all(&e.state);
+}
+
+void SlotTable::abort_load(int64_t entry) {
+  SlotEntry& e = at(entry);
+  uint32_t expected = kLoading;
+  if (!e.state.compare_exchange_strong(expected, kAbsent))
+    throw std::runtime_error("slot table " + path_ + ": abort_load of entry " +
+                             std::to_string(entry) + " in state " + state_str(expected) +
+                             ", expected LOADING");
+  e.slot.store(-1);
+  futex_wake_all(&e.state);
+}
+
+bool SlotTable::try_evict(int64_t entry) {
+  SlotEntry& e = at(entry);
+  if (e.pins.load() != 0) return false;
+  uint32_t expected = kResident;
+  if (!e.state.compare_exchange_strong(expected, kEvicting)) return false;
+  // A pinner may have incremented between our check and the CAS; it re-checks state and backs
+  // off on EVICTING, but we must not evict under it.
+  if (e.pins.load() != 0) {
+    e.state.store(kResident);
+    return false;
+  }
+  e.slot.store(-1);
+  e.state.store(kAbsent);
+  futex_wake_all(&e.state);
+  return true;
+}
+
+bool SlotTable::wait_resident(int64_t entry, double timeout_s) {
+  SlotEntry& e = at(entry);
+  if (!(timeout_s >= 0) || std::isinf(timeout_s))
+    throw std::invalid_argument("wait_resident: timeout_s must be finite and >= 0");
+  using clock = std::chrono::steady_clock;
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    const uint32_t s = e.state.load();
+    if (s != kLoading) return s == kResident;
+    const auto left = deadline - clock::now();
+    if (left <= clock::duration::zero()) return false;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    if (futex_wait(&e.state, kLoading, &ts) != 0 && errno != EAGAIN && errno != EINTR &&
+        errno != ETIMEDOUT)
+      throw_errno("slot table " + path_ + ": futex wait");
+  }
+}
+
+SlotState SlotTable::state(int64_t entry) const { return static_cast<SlotState>(at(entry).state.load()); }
+uint32_t SlotTable::pins(int64_t entry) const { return at(entry).pins.load(); }
+int32_t SlotTable::slot(int64_t entry) const { return at(entry).slot.load(); }
+uint32_t SlotTable::generation(int64_t entry) const { return at(entry).generation.load(); }
+
+}  // namespace expertcache
