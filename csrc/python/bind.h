@@ -1,0 +1,13 @@
+// One Python module (expertcache_native), one bind_* function per component, each in its own
+// csrc/python/bind_<component>.cc. C++ exceptions are translated by pybind11:
+// std::out_of_range -> IndexError, std::invalid_argument -> ValueError,
+// std::runtime_error (incl. std::system_error) -> RuntimeError.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+void bind_slot_table(pybind11::module_& m);
+void bind_host_pool(pybind11::module_& m);
+void bind_reader(pybind11::module_& m);
+// Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
+void bind_cuda(pybind11::module_& m);
