@@ -5,14 +5,20 @@ The extension is loaded from ``build/native/`` of this checkout. Exceptions come
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
 messages name the slot-table path where there is one.
 
-``SlotTable`` (shared memory, one entry per ``(layer, expert)`` index):
-``create(path, num_entries, num_slots)`` / ``open(path)``; ``try_pin(e) -> int | None``,
-``unpin(e)``, ``begin_load(e, slot)``, ``finish_load(e)``, ``abort_load(e)``,
-``try_evict(e) -> bool``, ``wait_resident(e, timeout_s) -> bool`` (releases the GIL),
+``SlotTable`` (shared memory, version 2, one entry per ``(layer, expert)`` index; the pin
+protocol and its races are written up in csrc/include/expertcache/slot_table.h):
+``create(path, num_entries, num_slots, num_clients=32)`` / ``open(path)``;
+``try_pin(e) -> int | None``, ``unpin(e)``, batch ``try_pin_many(entries) -> list[int]`` (slot or
+-1) and ``unpin_many(entries)`` (the compute hit path); ``begin_load(e, slot)``,
+``finish_load(e)``, ``abort_load(e)``, ``try_evict(e) -> bool``, ``wait_resident(e, timeout_s) ->
+bool`` (releases the GIL); recency: ``access_stamps(entries)``, ``stamp(e)``,
+``accessed_since(since)``, ``clock``, ``hits``; crash-safe pins: ``attach_client(client, epoch)``,
+``client_pins(c, e)``, ``reclaim_client(c) -> int`` (``StaleClient`` once a ledger was reclaimed);
 ``state(e)`` (a ``SlotState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``.
 
-``HostPool(num_slots, slot_bytes)``: 4 KiB-aligned slots; ``alloc() -> int``, ``free(i)``,
-``view(i) -> memoryview``, ``base_address``, ``slot_address(i)``, ``stride``, ``num_free``.
+``HostPool(num_slots, slot_bytes, pin=False)``: 4 KiB-aligned slots, registered with CUDA when
+``pin`` (``RuntimeError`` when it cannot be); ``alloc() -> int``, ``free(i)``, ``view(i) ->
+memoryview``, ``base_address``, ``slot_address(i)``, ``stride``, ``num_free``, ``pinned``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def _load():
 _native = _load()
 
 SlotTable = _native.SlotTable
+StaleClient = _native.StaleClient
 HostPool = _native.HostPool
 
 
@@ -52,4 +59,51 @@ class SlotState(IntEnum):
     EVICTING = _native.EVICTING
 
 
-__all__ = ["BUILD_DIR", "HostPool", "SlotState", "SlotTable"]
+__all__ = ["BUILD_DIR", "HostPool", "SlotState", "SlotTable", "StaleClient"]
+
+# ``Reader(threads=4, queue_depth=64, chunk_bytes=1 MiB, backend="auto")``: asynchronous
+# (O_DIRECT) file reads into raw addresses with priorities ``Reader.DEMAND`` (0) <
+# ``Reader.LAYER_AHEAD`` (1) < ``Reader.PREFETCH`` (2), chunk pre-emption and CRC-32 checks;
+# ``open_file``, ``submit``, ``wait`` (raises ``ReadError``, an ``OSError``; ``TimeoutError``),
+# ``poll``, ``cancel``, ``promote``, ``event_fd``, ``pause``/``resume``, ``stats``, ``close``.
+# See csrc/include/expertcache/reader.h.
+Reader = _native.Reader
+ReadError = _native.ReadError
+READ_DEMAND = Reader.DEMAND
+READ_LAYER_AHEAD = Reader.LAYER_AHEAD
+READ_PREFETCH = Reader.PREFETCH
+__all__ += ["READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "ReadError", "Reader"]
+
+# CUDA path (csrc/include/expertcache/cuda.h), present only when the extension was built with nvcc
+# (``CUDA_BUILT``). ``cuda_device_count()`` (0 without driver/device), ``cuda_device_uuid(i)``
+# ("GPU-<8-4-4-4-12 hex>"), ``cuda_device_for_uuid(uuid)`` (``ValueError`` listing visible UUIDs),
+# ``CudaArena.allocate(device, num_slots, slot_bytes)`` / ``CudaArena.open(handle, gpu_uuid,
+# num_slots, slot_bytes)`` with ``export_handle() -> bytes`` (64), ``slot_address(i)``, ``stride``
+# (slot_bytes rounded up to 256 B), ``close()`` and ``__cuda_array_interface__`` ([num_slots,
+# stride] uint8); ``CopyEngine(device, num_streams=2)`` with ``copy_h2d(dst, src, nbytes, stream=0)
+# -> ticket``, ``query``, ``wait(ticket, timeout_s=-1)`` (``TimeoutError``), ``synchronize``.
+# CUDA failures are ``RuntimeError("cudaXxx(...) failed: cudaErrorYyy: ...")``.
+CUDA_BUILT: bool = _native.CUDA_BUILT
+__all__ += ["CUDA_BUILT", "cuda_available"]
+if CUDA_BUILT:
+    CudaArena = _native.CudaArena
+    CopyEngine = _native.CopyEngine
+    cuda_device_count = _native.cuda_device_count
+    cuda_device_uuid = _native.cuda_device_uuid
+    cuda_device_for_uuid = _native.cuda_device_for_uuid
+    cuda_normalize_uuid = _native.cuda_normalize_uuid
+    cuda_no_device_reason = _native.cuda_no_device_reason
+    __all__ += [
+        "CopyEngine",
+        "CudaArena",
+        "cuda_device_count",
+        "cuda_device_for_uuid",
+        "cuda_device_uuid",
+        "cuda_no_device_reason",
+        "cuda_normalize_uuid",
+    ]
+
+
+def cuda_available() -> bool:
+    """True when the extension has the CUDA path and the CUDA runtime sees at least one device."""
+    return CUDA_BUILT and _native.cuda_device_count() > 0

@@ -3,14 +3,25 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 
+#ifdef EXPERTCACHE_WITH_CUDA
+#include "expertcache/cuda.h"
+#endif
+
 namespace expertcache {
 
-HostPool::HostPool(size_t num_slots, size_t slot_bytes)
+HostPool::HostPool(size_t num_slots, size_t slot_bytes, bool pin)
     : num_slots_(num_slots), slot_bytes_(slot_bytes) {
+#ifndef EXPERTCACHE_WITH_CUDA
+  if (pin)
+    throw std::runtime_error(
+        "cannot pin host memory: this build has no CUDA (nvcc was not found, or "
+        "EXPERTCACHE_NO_CUDA=1)");
+#endif
   if (num_slots == 0) throw std::invalid_argument("host pool: num_slots must be > 0");
   if (slot_bytes == 0) throw std::invalid_argument("host pool: slot_bytes must be > 0");
   stride_ = (slot_bytes + kAlignment - 1) / kAlignment * kAlignment;
@@ -21,12 +32,35 @@ HostPool::HostPool(size_t num_slots, size_t slot_bytes)
     throw std::system_error(errno, std::generic_category(),
                             "host pool: mmap of " + std::to_string(total_bytes_) + " bytes");
   base_ = static_cast<uint8_t*>(p);
+#ifdef EXPERTCACHE_WITH_CUDA
+  if (pin) {
+    try {
+      cuda::host_register(base_, total_bytes_);
+    } catch (const std::exception& e) {
+      munmap(base_, total_bytes_);
+      throw std::runtime_error(std::string("cannot pin host memory: ") + e.what());
+    }
+    pinned_ = true;
+  }
+#endif
   in_use_.assign(num_slots, false);
   free_list_.reserve(num_slots);
   for (size_t i = num_slots; i-- > 0;) free_list_.push_back(i);
 }
 
-HostPool::~HostPool() { munmap(base_, total_bytes_); }
+HostPool::~HostPool() {
+#ifdef EXPERTCACHE_WITH_CUDA
+  // Unregister before unmapping: the driver's record of the range must not outlive the pages.
+  if (pinned_) {
+    try {
+      cuda::host_unregister(base_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "expertcache: host pool: %s\n", e.what());
+    }
+  }
+#endif
+  munmap(base_, total_bytes_);
+}
 
 size_t HostPool::check_index(int64_t index) const {
   if (index < 0 || static_cast<uint64_t>(index) >= num_slots_)

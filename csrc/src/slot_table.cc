@@ -8,8 +8,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <thread>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -52,8 +55,14 @@ const char* slot_state_name(SlotState s) {
   return "UNKNOWN";
 }
 
-size_t SlotTable::file_size(uint32_t num_entries) {
-  return sizeof(SlotTableHeader) + static_cast<size_t>(num_entries) * sizeof(SlotEntry);
+size_t SlotTable::ledger_stride(uint32_t num_entries) {
+  const size_t raw = sizeof(LedgerHeader) + static_cast<size_t>(num_entries) * sizeof(uint32_t);
+  return (raw + 63) / 64 * 64;
+}
+
+size_t SlotTable::file_size(uint32_t num_entries, uint32_t num_clients) {
+  return sizeof(SlotTableHeader) + static_cast<size_t>(num_entries) * sizeof(SlotEntry) +
+         static_cast<size_t>(num_clients) * ledger_stride(num_entries);
 }
 
 SlotTable::SlotTable(std::string path, void* base, size_t size)
@@ -61,17 +70,21 @@ SlotTable::SlotTable(std::string path, void* base, size_t size)
       base_(base),
       size_(size),
       header_(static_cast<SlotTableHeader*>(base)),
-      entries_(reinterpret_cast<SlotEntry*>(static_cast<char*>(base) + sizeof(SlotTableHeader))) {}
+      entries_(reinterpret_cast<SlotEntry*>(static_cast<char*>(base) + sizeof(SlotTableHeader))),
+      ledgers_(nullptr) {}
 
 SlotTable::~SlotTable() { munmap(base_, size_); }
 
 std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t num_entries,
-                                             uint32_t num_slots) {
+                                             uint32_t num_slots, uint32_t num_clients) {
   if (num_entries == 0) throw std::invalid_argument("slot table " + path + ": num_entries must be > 0");
   if (num_slots == 0) throw std::invalid_argument("slot table " + path + ": num_slots must be > 0");
   if (num_slots > static_cast<uint32_t>(INT32_MAX))
     throw std::invalid_argument("slot table " + path + ": num_slots too large");
-  const size_t size = file_size(num_entries);
+  if (num_clients == 0 || num_clients > 4096)
+    throw std::invalid_argument("slot table " + path + ": num_clients must be in [1, 4096], got " +
+                                std::to_string(num_clients));
+  const size_t size = file_size(num_entries, num_clients);
   // Build under a temporary name and rename into place, so open() never sees a partial table.
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
   int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0660);
@@ -91,17 +104,25 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
     errno = e;
     throw_errno("slot table " + path + ": mmap");
   }
+  // ftruncate zero-fills: every ledger starts at epoch 0, not busy, with no pins.
   std::unique_ptr<SlotTable> t(new SlotTable(path, base, size));
+  t->ledgers_ = static_cast<char*>(base) + sizeof(SlotTableHeader) +
+                static_cast<size_t>(num_entries) * sizeof(SlotEntry);
   for (uint32_t i = 0; i < num_entries; ++i) {
     SlotEntry& en = t->entries_[i];
     en.state.store(kAbsent, std::memory_order_relaxed);
     en.slot.store(-1, std::memory_order_relaxed);
     en.pins.store(0, std::memory_order_relaxed);
     en.generation.store(0, std::memory_order_relaxed);
+    en.stamp.store(0, std::memory_order_relaxed);
   }
   t->header_->version = kSlotTableVersion;
   t->header_->num_entries = num_entries;
   t->header_->num_slots = num_slots;
+  t->header_->num_clients = num_clients;
+  t->header_->ledger_stride = ledger_stride(num_entries);
+  t->header_->clock.store(0, std::memory_order_relaxed);
+  t->header_->hits.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   t->header_->magic = kSlotTableMagic;
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -144,14 +165,26 @@ std::unique_ptr<SlotTable> SlotTable::open(const std::string& path) {
   std::atomic_thread_fence(std::memory_order_acquire);
   if (h.version != kSlotTableVersion)
     throw std::invalid_argument("slot table " + path + ": version " + std::to_string(h.version) +
-                                ", expected " + std::to_string(kSlotTableVersion));
-  if (h.num_entries == 0 || size != file_size(h.num_entries))
+                                ", expected " + std::to_string(kSlotTableVersion) +
+                                " (written by another release of expertcache: restart the cache "
+                                "daemon so it recreates the table)");
+  if (size < sizeof(SlotTableHeader))
+    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
+                                " bytes, smaller than the " +
+                                std::to_string(sizeof(SlotTableHeader)) + "-byte header");
+  if (h.num_clients == 0 || h.num_clients > 4096 || h.ledger_stride != ledger_stride(h.num_entries))
+    throw std::invalid_argument("slot table " + path + ": bad client ledger layout (" +
+                                std::to_string(h.num_clients) + " clients)");
+  if (h.num_entries == 0 || size != file_size(h.num_entries, h.num_clients))
     throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
                                 " bytes, header says " + std::to_string(h.num_entries) +
-                                " entries (" + std::to_string(file_size(h.num_entries)) + " bytes)");
+                                " entries and " + std::to_string(h.num_clients) + " clients (" +
+                                std::to_string(file_size(h.num_entries, h.num_clients)) + " bytes)");
   if (h.num_slots == 0 || h.num_slots > static_cast<uint32_t>(INT32_MAX))
     throw std::invalid_argument("slot table " + path + ": bad num_slots " +
                                 std::to_string(h.num_slots));
+  t->ledgers_ = static_cast<char*>(t->base_) + sizeof(SlotTableHeader) +
+                static_cast<size_t>(h.num_entries) * sizeof(SlotEntry);
   return t;
 }
 
@@ -162,29 +195,174 @@ SlotEntry& SlotTable::at(int64_t entry) const {
   return entries_[entry];
 }
 
-std::optional<int32_t> SlotTable::try_pin(int64_t entry) {
-  SlotEntry& e = at(entry);
-  if (e.state.load() != kResident) return std::nullopt;
+void SlotTable::check_entry(int64_t entry) const {
+  if (entry < 0 || entry >= static_cast<int64_t>(header_->num_entries))
+    throw std::out_of_range("slot table " + path_ + ": entry " + std::to_string(entry) +
+                            " out of range [0, " + std::to_string(header_->num_entries) + ")");
+}
+
+LedgerHeader& SlotTable::ledger(int64_t client) const {
+  if (client < 0 || client >= static_cast<int64_t>(header_->num_clients))
+    throw std::out_of_range("slot table " + path_ + ": client " + std::to_string(client) +
+                            " out of range [0, " + std::to_string(header_->num_clients) + ")");
+  return *reinterpret_cast<LedgerHeader*>(ledgers_ + static_cast<size_t>(client) * header_->ledger_stride);
+}
+
+std::atomic<uint32_t>* SlotTable::ledger_pins(int64_t client) const {
+  return reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<char*>(&ledger(client)) +
+                                                  sizeof(LedgerHeader));
+}
+
+void SlotTable::attach_client(int64_t client, uint32_t epoch) {
+  const uint32_t now = ledger(client).epoch.load();
+  if (now != epoch)
+    throw StaleClient("slot table " + path_ + ": client ledger " + std::to_string(client) +
+                      " is at epoch " + std::to_string(now) + ", not " + std::to_string(epoch) +
+                      " (reclaimed by the cache daemon): attach again");
+  client_ = client;
+  epoch_ = epoch;
+}
+
+std::atomic<uint32_t>* SlotTable::enter_ledger() {
+  if (client_ < 0) return nullptr;
+  LedgerHeader& l = ledger(client_);
+  l.busy.store(1);  // seq_cst: ordered before the epoch load (see the protocol in the header)
+  const uint32_t now = l.epoch.load();
+  if (now != epoch_) {
+    l.busy.store(0);
+    throw StaleClient("slot table " + path_ + ": client ledger " + std::to_string(client_) +
+                      " was reclaimed by the cache daemon (epoch " + std::to_string(epoch_) +
+                      " -> " + std::to_string(now) + "): its pins are gone, attach again");
+  }
+  return ledger_pins(client_);
+}
+
+void SlotTable::leave_ledger() {
+  if (client_ >= 0) ledger(client_).busy.store(0);
+}
+
+int32_t SlotTable::pin_one(int64_t entry, std::atomic<uint32_t>* lp) {
+  SlotEntry& e = entries_[entry];
+  if (e.state.load() != kResident) return -1;
   const uint32_t gen = e.generation.load();
+  if (lp != nullptr) lp[entry].fetch_add(1);
   e.pins.fetch_add(1);
   // Seq-cst pin increment, then re-check: an evictor either saw our pin (and backs off) or had
   // already left RESIDENT (and we back off). A reload in between changes the generation.
   if (e.state.load() != kResident || e.generation.load() != gen) {
     e.pins.fetch_sub(1);
-    return std::nullopt;
+    if (lp != nullptr) lp[entry].fetch_sub(1);
+    return -1;
   }
-  return e.slot.load();
+  const int32_t slot = e.slot.load();
+  e.stamp.store(header_->clock.fetch_add(1) + 1);
+  header_->hits.fetch_add(1);
+  return slot;
 }
 
-void SlotTable::unpin(int64_t entry) {
-  SlotEntry& e = at(entry);
-  uint32_t p = e.pins.load();
-  do {
-    if (p == 0)
-      throw std::runtime_error("slot table " + path_ + ": unpin of entry " +
-                               std::to_string(entry) + " which has no pins");
-  } while (!e.pins.compare_exchange_weak(p, p - 1));
+std::optional<int32_t> SlotTable::try_pin(int64_t entry) {
+  check_entry(entry);
+  std::atomic<uint32_t>* lp = enter_ledger();
+  const int32_t slot = pin_one(entry, lp);
+  leave_ledger();
+  if (slot < 0) return std::nullopt;
+  return slot;
 }
+
+std::vector<int32_t> SlotTable::try_pin_many(const std::vector<int64_t>& entries) {
+  for (int64_t entry : entries) check_entry(entry);
+  std::vector<int32_t> slots(entries.size(), -1);
+  std::atomic<uint32_t>* lp = enter_ledger();
+  for (size_t i = 0; i < entries.size(); ++i) slots[i] = pin_one(entries[i], lp);
+  leave_ledger();
+  return slots;
+}
+
+void SlotTable::unpin(int64_t entry) { unpin_many({entry}); }
+
+void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
+  for (int64_t entry : entries) check_entry(entry);
+  std::atomic<uint32_t>* lp = enter_ledger();
+  // Check everything first (counting repeats), so a bad entry unpins nothing.
+  std::vector<std::pair<int64_t, uint32_t>> counts;
+  for (int64_t entry : entries) {
+    auto it = std::find_if(counts.begin(), counts.end(), [&](auto& c) { return c.first == entry; });
+    if (it == counts.end()) counts.emplace_back(entry, 1);
+    else ++it->second;
+  }
+  for (const auto& [entry, n] : counts) {
+    const uint32_t have = lp != nullptr ? lp[entry].load() : entries_[entry].pins.load();
+    if (have < n) {
+      leave_ledger();
+      throw std::runtime_error("slot table " + path_ + ": unpin of entry " + std::to_string(entry) +
+                               (lp != nullptr ? " which this client has not pinned"
+                                              : " which has no pins"));
+    }
+  }
+  for (int64_t entry : entries) {
+    SlotEntry& e = entries_[entry];
+    uint32_t p = e.pins.load();
+    while (p != 0 && !e.pins.compare_exchange_weak(p, p - 1)) {
+    }
+    if (lp != nullptr) lp[entry].fetch_sub(1);
+  }
+  leave_ledger();
+}
+
+uint32_t SlotTable::client_epoch(int64_t client) const { return ledger(client).epoch.load(); }
+
+uint32_t SlotTable::client_pins(int64_t client, int64_t entry) const {
+  check_entry(entry);
+  ledger(client);
+  return ledger_pins(client)[entry].load();
+}
+
+uint64_t SlotTable::reclaim_client(int64_t client) {
+  LedgerHeader& l = ledger(client);
+  l.epoch.fetch_add(1);  // seq_cst: ordered before the busy load
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(kReclaimWaitS));
+  while (l.busy.load() != 0 && clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  l.busy.store(0);  // a client killed inside a call left it set (the known race)
+  std::atomic<uint32_t>* lp = ledger_pins(client);
+  uint64_t removed = 0;
+  for (uint32_t i = 0; i < header_->num_entries; ++i) {
+    uint32_t n = lp[i].exchange(0);
+    if (n == 0) continue;
+    SlotEntry& e = entries_[i];
+    uint32_t p = e.pins.load();
+    uint32_t take;
+    do {
+      take = std::min(n, p);
+    } while (!e.pins.compare_exchange_weak(p, p - take));
+    removed += take;
+  }
+  return removed;
+}
+
+std::vector<int64_t> SlotTable::accessed_since(uint64_t since) const {
+  std::vector<std::pair<uint64_t, int64_t>> hits;
+  for (uint32_t i = 0; i < header_->num_entries; ++i) {
+    const uint64_t s = entries_[i].stamp.load(std::memory_order_relaxed);
+    if (s > since) hits.emplace_back(s, i);
+  }
+  std::sort(hits.begin(), hits.end());
+  std::vector<int64_t> out;
+  out.reserve(hits.size());
+  for (const auto& h : hits) out.push_back(h.second);
+  return out;
+}
+
+std::vector<uint64_t> SlotTable::access_stamps(const std::vector<int64_t>& entries) const {
+  std::vector<uint64_t> out;
+  out.reserve(entries.size());
+  for (int64_t entry : entries) out.push_back(at(entry).stamp.load());
+  return out;
+}
+
+uint64_t SlotTable::stamp(int64_t entry) const { return at(entry).stamp.load(); }
 
 void SlotTable::begin_load(int64_t entry, int64_t slot) {
   SlotEntry& e = at(entry);

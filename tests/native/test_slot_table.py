@@ -263,3 +263,188 @@ def test_open_wrong_version_names_path(table_path):
         f.write((99).to_bytes(4, "little"))
     with pytest.raises(ValueError, match=f"{table_path}.*version 99"):
         SlotTable.open(table_path)
+
+
+# -- version 2: batches, access stamps, hits, client ledgers ----------------------------------------
+def test_open_v1_table_is_refused(tmp_path):
+    # A version-1 file: 64-byte header (magic, version 1, 2 entries, 2 slots) + 2 64-byte entries.
+    path = tmp_path / "v1.bin"
+    header = (0x4C42545453435845).to_bytes(8, "little") + (1).to_bytes(4, "little")
+    header += (2).to_bytes(4, "little") + (2).to_bytes(4, "little")
+    path.write_bytes(header.ljust(64, b"\0") + b"\0" * 128)
+    with pytest.raises(ValueError, match=f"{path}: version 1, expected 2.*restart the cache daemon"):
+        SlotTable.open(str(path))
+
+
+def test_try_pin_many_and_unpin_many(table_path):
+    t = SlotTable.create(table_path, 6, 4)
+    _make_resident(t, 1, 3)
+    _make_resident(t, 4, 0)
+    t.begin_load(2, 1)  # LOADING: not pinnable
+    assert t.try_pin_many([1, 2, 4, 5]) == [3, -1, 0, -1]
+    assert [t.pins(e) for e in range(6)] == [0, 1, 0, 0, 1, 0]
+    assert t.hits == 2
+    assert not t.try_evict(1) and not t.try_evict(4)
+    t.unpin_many([1, 4])
+    assert [t.pins(e) for e in range(6)] == [0] * 6
+    assert t.try_evict(4)
+    assert t.try_pin_many([]) == []
+
+
+def test_batches_check_every_index_first(table_path):
+    t = SlotTable.create(table_path, 4, 2)
+    _make_resident(t, 0, 0)
+    with pytest.raises(IndexError, match="entry 4 out of range"):
+        t.try_pin_many([0, 4])
+    assert t.pins(0) == 0  # nothing pinned
+    assert t.try_pin_many([0]) == [0]
+    with pytest.raises(RuntimeError, match="unpin of entry 1 which has no pins"):
+        t.unpin_many([0, 1])
+    with pytest.raises(RuntimeError, match="unpin of entry 0 which has no pins"):
+        t.unpin_many([0, 0])
+    assert t.pins(0) == 1  # nothing unpinned
+    with pytest.raises(IndexError, match="entry -1 out of range"):
+        t.access_stamps([0, -1])
+
+
+def test_access_stamps_follow_pin_order(table_path):
+    t = SlotTable.create(table_path, 4, 4)
+    for e in range(4):
+        _make_resident(t, e, e)
+    assert t.access_stamps([0, 1, 2, 3]) == [0, 0, 0, 0] and t.clock == 0
+    t.try_pin_many([2, 0])
+    t.try_pin(3)
+    t.try_pin(2)
+    stamps = t.access_stamps([0, 1, 2, 3])
+    assert stamps == [2, 0, 4, 3] and t.clock == 4 and t.hits == 4
+    assert t.accessed_since(0) == [0, 3, 2]  # stamp order, each entry once (its last access)
+    assert t.accessed_since(2) == [3, 2]
+    assert t.accessed_since(4) == []
+    assert t.try_pin(1) == 1 and t.stamp(1) == 5
+
+
+def test_client_ledger_tracks_and_reclaims_pins(table_path):
+    t = SlotTable.create(table_path, 4, 4, num_clients=2)
+    assert t.num_clients == 2
+    for e in range(3):
+        _make_resident(t, e, e)
+    compute = SlotTable.open(table_path)
+    epoch = t.client_epoch(1)
+    compute.attach_client(1, epoch)
+    assert compute.bound_client == 1
+    assert compute.try_pin_many([0, 1, 3]) == [0, 1, -1]
+    assert compute.try_pin(1) == 1
+    assert t.try_pin(2) == 2  # an unledgered pin of another process
+    assert [t.client_pins(1, e) for e in range(4)] == [1, 2, 0, 0]
+    assert [t.pins(e) for e in range(4)] == [1, 2, 1, 0]
+    compute.unpin_many([1])
+    with pytest.raises(RuntimeError, match="unpin of entry 2 which this client has not pinned"):
+        compute.unpin(2)
+    assert t.reclaim_client(1) == 2  # entry 0 and one pin of entry 1
+    assert [t.pins(e) for e in range(4)] == [0, 0, 1, 0]
+    assert [t.client_pins(1, e) for e in range(4)] == [0] * 4
+    assert t.client_epoch(1) == epoch + 1
+    stale = "client ledger 1 was reclaimed by the cache daemon"
+    with pytest.raises(native_stale_client(), match=stale):
+        compute.try_pin_many([0])
+    with pytest.raises(native_stale_client(), match=stale):
+        compute.unpin_many([0])  # a reclaimed pin is never dropped twice
+    assert t.pins(0) == 0
+    with pytest.raises(native_stale_client(), match="is at epoch 1, not 0.*attach again"):
+        SlotTable.open(table_path).attach_client(1, epoch)
+    with pytest.raises(IndexError, match="client 2 out of range"):
+        compute.attach_client(2, 0)
+    assert t.try_evict(0) and t.try_evict(1)
+
+
+def native_stale_client():
+    import expertcache.native as native
+
+    return native.StaleClient
+
+
+def test_sigkilled_client_pins_are_reclaimed(table_path):
+    t = SlotTable.create(table_path, 3, 3, num_clients=4)
+    for e in range(3):
+        _make_resident(t, e, e)
+    code = (
+        "t = SlotTable.open(sys.argv[1])\n"
+        "t.attach_client(3, int(sys.argv[2]))\n"
+        "assert t.try_pin_many([0, 2]) == [0, 2]\n"
+        "print('pinned', flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    child = _child(code, table_path, str(t.client_epoch(3)))
+    assert child.stdout.readline().strip() == "pinned"
+    child.kill()
+    child.wait(timeout=10)
+    assert [t.pins(e) for e in range(3)] == [1, 0, 1]
+    assert not t.try_evict(0)
+    assert t.reclaim_client(3) == 2
+    assert [t.pins(e) for e in range(3)] == [0, 0, 0]
+    assert t.try_evict(0) and t.try_evict(2)
+
+
+def test_reclaim_races_with_a_live_client_never_loses_count(table_path):
+    # A client pins/unpins in a loop while the daemon reclaims its ledger: whichever side wins,
+    # the shared count ends at 0 (no pin left behind, none subtracted twice).
+    t = SlotTable.create(table_path, 1, 1, num_clients=1)
+    _make_resident(t, 0, 0)
+    code = (
+        "import expertcache.native as n\n"
+        "t = SlotTable.open(sys.argv[1])\n"
+        "t.attach_client(0, 0)\n"
+        "print('go', flush=True)\n"
+        "try:\n"
+        "    while True:\n"
+        "        t.try_pin_many([0]); t.try_pin(0); t.unpin_many([0, 0])\n"
+        "except n._native.StaleClient:\n"
+        "    print('stale')\n"
+    )
+    child = _child(code, table_path)
+    assert child.stdout.readline().strip() == "go"
+    time.sleep(0.05)
+    t.reclaim_client(0)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    assert out.strip() == "stale"
+    assert t.pins(0) == 0 and t.client_pins(0, 0) == 0
+
+
+def test_two_processes_pin_many_with_ledgers(table_path):
+    t = SlotTable.create(table_path, 4, 4, num_clients=2)
+    for e in range(4):
+        _make_resident(t, e, e)
+    code = (
+        "t = SlotTable.open(sys.argv[1])\n"
+        "t.attach_client(int(sys.argv[2]), 0)\n"
+        "for _ in range(20_000):\n"
+        "    assert t.try_pin_many([0, 1, 2, 3]) == [0, 1, 2, 3]\n"
+        "    t.unpin_many([0, 1, 2, 3])\n"
+        "print('ok')\n"
+    )
+    children = [_child(code, table_path, str(c)) for c in range(2)]
+    for c in children:
+        out, err = c.communicate(timeout=120)
+        assert c.returncode == 0, err
+        assert out.strip() == "ok"
+    assert [t.pins(e) for e in range(4)] == [0] * 4
+    assert t.hits == 2 * 20_000 * 4
+    assert t.clock == t.hits
+
+
+def test_hit_path_pin_unpin_is_fast(table_path):
+    # The compute hit path for one layer (4 experts) must stay far below a gRPC round trip.
+    t = SlotTable.create(table_path, 64, 16)
+    for e in range(4):
+        _make_resident(t, e, e)
+    t.attach_client(0, 0)
+    entries = [0, 1, 2, 3]
+    samples = []
+    for _ in range(2000):
+        start = time.perf_counter()
+        t.try_pin_many(entries)
+        t.unpin_many(entries)
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    assert samples[len(samples) // 2] < 20e-6, samples[len(samples) // 2]

@@ -1,7 +1,11 @@
 // Host pool: one page-aligned anonymous mapping carved into fixed-size slots (each slot starts
 // on a 4 KiB boundary, so O_DIRECT reads can target it). Thread-safe alloc/free of slot indices.
+// With pin=true the whole mapping is page-locked for CUDA (cudaHostRegister, portable to every
+// context) so host->device copies from it are asynchronous DMA; it is unregistered before unmap.
 // Failures are exceptions: std::out_of_range (bad index), std::invalid_argument (bad argument,
-// double free), std::runtime_error (exhausted, mmap failure).
+// double free), std::runtime_error (exhausted, mmap failure, "cannot pin host memory: <reason>"
+// when pinning is asked for in a build without CUDA or the CUDA call fails; the caller decides
+// whether to fall back to an unpinned pool).
 #pragma once
 
 #include <cstddef>
@@ -15,7 +19,7 @@ class HostPool {
  public:
   static constexpr size_t kAlignment = 4096;
 
-  HostPool(size_t num_slots, size_t slot_bytes);
+  HostPool(size_t num_slots, size_t slot_bytes, bool pin = false);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -31,6 +35,7 @@ class HostPool {
   size_t stride() const { return stride_; }  // slot_bytes rounded up to kAlignment
   size_t total_bytes() const { return total_bytes_; }
   size_t num_free() const;
+  bool pinned() const { return pinned_; }
 
  private:
   size_t check_index(int64_t index) const;
@@ -40,6 +45,7 @@ class HostPool {
   size_t stride_;
   size_t total_bytes_;
   uint8_t* base_;
+  bool pinned_ = false;
   mutable std::mutex mu_;
   std::vector<size_t> free_list_;  // stack; lowest index on top initially
   std::vector<bool> in_use_;
