@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ExpertCacheError, OSError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
+
+    if config.predictor_address:
+        daemon.subscribe_hints(config, config.pod_name or socket.gethostname())
 
     stop = threading.Event()
 

@@ -98,6 +98,31 @@ class DaemonConfig:
     )
     """Name of the eviction policy (a key of ``cache_daemon.policy.POLICIES``)."""
 
+    predictor_address: str = field(
+        default="",
+        metadata={
+            "help": "gRPC address of the predictor (host:port) to take prefetch hints from; empty = none."
+        },
+    )
+    """Where ``moe.predictor.v1.Predictor.SubscribeHints`` is served. The subscription never
+    touches the demand path: an absent predictor only means no hints."""
+
+    pod_name: str = field(
+        default="",
+        metadata={"help": "Pod name to subscribe hints for (compute's pod_name); empty = this host's name."},
+    )
+    """Matches the ``pod`` compute reports with its activations: hints of those requests come here."""
+
+    hint_stale_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds after which a request without new hints is forgotten.",
+            "min": 0.001,
+            "max": 86400.0,
+        },
+    )
+    """A request whose hints have not changed for this long is dropped from the board."""
+
     log_level: str = field(
         default="INFO",
         metadata={"help": "Logging level.", "choices": LOG_LEVELS},

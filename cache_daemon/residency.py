@@ -33,6 +33,18 @@ never be admitted while its own stream keeps its pins is refused at once (``BadA
 layer with more experts than slots is processed in waves (acquire ≤ ``num_slots``, run,
 release, acquire the next). Two streams that demand the same missing key share one load.
 
+Shared slot table (the compute fast path). Every transition above is mirrored into the native
+``expertcache.native.SlotTable`` (one entry per ``(layer, expert)``, index
+``layer * num_experts + expert``) that compute maps: slot reserved → ``begin_load``, load done →
+``finish_load``, load failed → ``abort_load``; eviction goes only through ``try_evict``, which
+fails while compute holds a pin there (*shm pin*), and the policy then picks another victim.
+Compute pins RESIDENT entries itself (no RPC) and sends a Demand only for the others. Its shm
+accesses reach the policy as the table's access stamps, fed in stamp order before each
+admission, so LRU stays LRU. A compute process gets a client ledger at Attach
+(``claim_client``), ties it to its Demand stream (``bind_client``); when that stream ends the
+ledger's pins are reclaimed (``SlotTable.reclaim_client``), so a killed compute process never
+leaves slots pinned. The protocol is in ``csrc/include/expertcache/slot_table.h``.
+
 ``cache_daemon.daemon.CacheDaemon`` wires the manifest, store, host tier, arena and
 ``Residency`` together; the gRPC servicer (``cache_daemon.server``) converts and delegates.
 """
@@ -57,9 +69,17 @@ from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import DeviceArena
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
-from expertcache.errors import ExpertCacheError
+from expertcache.errors import ExpertCacheError, FailedPrecondition, ResourceExhausted
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
+from expertcache.native import SlotTable
+
+# While an admission waits for slots, compute may drop shm pins without telling the daemon:
+# the wait re-checks the shared table this often.
+SHM_PIN_POLL_S = 0.005
+# A client ledger claimed at Attach but never tied to a Demand stream is taken back after this
+# long, when every ledger is in use (the client died between Attach and Demand).
+UNBOUND_CLAIM_EXPIRY_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +116,22 @@ class ResidencyStats:
     num_slots: int
     resident: int
     loading: int
-    pinned: int  # keys with at least one pin
+    pinned: int  # keys with at least one pin (Demand or shm)
     sessions: int
+    shm_hits: int  # pins compute took through the shared slot table (hits without RPC)
+
+
+@dataclass(frozen=True)
+class ClientLedger:
+    """A client ledger of the shared slot table handed to one compute process at Attach."""
+
+    index: int
+    epoch: int
+
+
+def table_entries(manifest: StoreManifest) -> int:
+    """Entries of the shared slot table for ``manifest``: one per (decoder layer, expert)."""
+    return manifest.num_layers * manifest.num_experts
 
 
 class Session:
@@ -114,6 +148,7 @@ class Session:
         self.name = name
         self.closed = False
         self.held: set[ExpertKey] = set()  # keys this session pins; guarded by the Residency lock
+        self.ledger: int | None = None  # the client ledger tied to this stream (bind_client)
 
     def __repr__(self) -> str:
         return f"Session({self.id}, {self.name!r})"
@@ -160,16 +195,30 @@ class Residency:
         policy: EvictionPolicy,
         metrics: DaemonMetrics,
         *,
+        table: SlotTable,
         io_threads: int = 4,
         acquire_timeout_s: float = 60.0,
         executor: Executor | None = None,
     ) -> None:
         """``executor`` runs the loads; by default a private pool of ``io_threads`` threads, shut
-        down by ``shutdown``. One passed in is left running: its owner shuts it down."""
+        down by ``shutdown``. One passed in is left running: its owner shuts it down. ``table`` is
+        the shared slot table (``table_entries(manifest)`` entries, one per arena slot), all ABSENT;
+        its owner removes the file."""
         if arena.slot_bytes != manifest.blob_bytes:
             raise ValueError(
                 f"arena slots of {arena.slot_bytes} bytes cannot hold blobs of {manifest.blob_bytes}"
             )
+        if table.num_entries != table_entries(manifest) or table.num_slots != arena.num_slots:
+            raise ValueError(
+                f"slot table {table.path} has {table.num_entries} entries and {table.num_slots} slots; "
+                f"expected {table_entries(manifest)} entries and {arena.num_slots} slots"
+            )
+        self._table = table
+        self._num_experts = manifest.num_experts
+        self._synced_clock = table.clock  # access stamps up to here are known to the policy
+        self._ledgers: dict[
+            int, tuple[Session | None, float]
+        ] = {}  # claimed: index -> (bound session, claimed at)
         self._manifest = manifest
         self._arena = arena
         self._store = store
@@ -192,6 +241,77 @@ class Residency:
     def num_slots(self) -> int:
         return self._arena.num_slots
 
+    @property
+    def table(self) -> SlotTable:
+        return self._table
+
+    def _index(self, key: ExpertKey) -> int:
+        return key.layer * self._num_experts + key.expert
+
+    def _key_of(self, index: int) -> ExpertKey:
+        return ExpertKey(index // self._num_experts, index % self._num_experts)
+
+    # -- client ledgers (shm pins of compute processes) ----------------------------------
+    def claim_client(self) -> ClientLedger:
+        """A free client ledger for an attaching compute process (``ResourceExhausted`` if none)."""
+        with self._cond:
+            now = time.monotonic()
+            free = next((i for i in range(self._table.num_clients) if i not in self._ledgers), None)
+            if free is None:
+                # A ledger claimed long ago and never tied to a stream: its client died after Attach.
+                free = next(
+                    (
+                        i
+                        for i, (bound, since) in sorted(self._ledgers.items())
+                        if bound is None and now - since > UNBOUND_CLAIM_EXPIRY_S
+                    ),
+                    None,
+                )
+                if free is None:
+                    raise ResourceExhausted(
+                        f"all {self._table.num_clients} client ledgers of slot table {self._table.path} are in "
+                        "use by attached compute processes; detach one or attach with the shm fast path off"
+                    )
+                logger.warning(
+                    "taking back client ledger %d, claimed %.0fs ago and never used",
+                    free,
+                    now - self._ledgers[free][1],
+                )
+                self._table.reclaim_client(free)
+            self._ledgers[free] = (None, now)
+            return ClientLedger(free, self._table.client_epoch(free))
+
+    def bind_client(self, session: Session, ledger: ClientLedger) -> None:
+        """Tie ``ledger`` (claimed at Attach) to ``session``: when the session closes, the
+        ledger's shm pins are reclaimed. ``FailedPrecondition`` if it is not claimed, bound
+        elsewhere, or at another epoch."""
+        with self._cond:
+            self._check_open(session)
+            claim = self._ledgers.get(ledger.index)
+            epoch = (
+                self._table.client_epoch(ledger.index)
+                if 0 <= ledger.index < self._table.num_clients
+                else None
+            )
+            if claim is None or claim[0] is not None or epoch != ledger.epoch or session.ledger is not None:
+                raise FailedPrecondition(
+                    f"client ledger {ledger.index} (epoch {ledger.epoch}) is not an unused ledger claimed at "
+                    f"Attach (current epoch {epoch}): Attach again before opening a Demand stream"
+                )
+            self._ledgers[ledger.index] = (session, claim[1])
+            session.ledger = ledger.index
+
+    def _sync_recency_locked(self) -> None:
+        """Feed the policy the accesses compute made through the table since the last sync."""
+        clock = self._table.clock
+        if clock == self._synced_clock:
+            return
+        for index in self._table.accessed_since(self._synced_clock):
+            entry = self._entries.get(self._key_of(index))
+            if entry is not None and entry.state is SlotState.RESIDENT:
+                self._policy.on_access(entry.key)
+        self._synced_clock = clock
+
     # -- sessions -----------------------------------------------------------------------
     def open_session(self, name: str = "") -> Session:
         session = Session(name)
@@ -211,7 +331,16 @@ class Residency:
                 self._entries[key].holders.pop(session, None)
             session.held.clear()
             self._sessions.discard(session)
+            ledger, session.ledger = session.ledger, None
             self._cond.notify_all()
+        if ledger is not None:
+            # Outside the lock: reclaim may wait (bounded) for a client inside a pin call.
+            removed = self._table.reclaim_client(ledger)
+            with self._cond:
+                del self._ledgers[ledger]
+                self._cond.notify_all()
+            if removed:
+                logger.info("reclaimed %d shm pin(s) of client ledger %d (%s)", removed, ledger, session)
 
     # -- acquire ------------------------------------------------------------------------
     def acquire(
@@ -259,7 +388,8 @@ class Residency:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AcquireTimeout(self._timeout_message_locked(layer, keys, timeout))
-                self._cond.wait(remaining)
+                # Shm unpins wake nobody: poll the table while waiting.
+                self._cond.wait(min(remaining, SHM_PIN_POLL_S))
         unyielded = {item.key for item in ready} | set(pending)
         try:
             for item in ready:
@@ -312,24 +442,32 @@ class Residency:
                 f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
                 f"{held_elsewhere} other experts and the arena has {self.num_slots} slots; release them first"
             )
+        self._sync_recency_locked()
         entries = [self._entries.setdefault(key, _Entry(key)) for key in keys]
         missing = [e for e in entries if e.state is SlotState.ABSENT]
         need = len(missing) - len(self._free)
-        victims: list[ExpertKey] = []
-        if need > 0:
+        refused: set[ExpertKey] = set()  # victims whose try_evict lost to a compute shm pin
+        table = self._table
+        while need > 0:
             victims = self._policy.choose_victims(
                 need,
                 lambda k: (
                     k not in wanted
+                    and k not in refused
                     and self._entries[k].state is SlotState.RESIDENT
                     and not self._entries[k].holders
+                    and table.pins(self._index(k)) == 0
                 ),
             )
             if len(victims) < need:
-                return None
+                return None  # nothing taken; slots freed by earlier rounds simply stay free
+            for victim in victims:
+                if table.try_evict(self._index(victim)):
+                    self._evict_locked(victim)
+                    need -= 1
+                else:
+                    refused.add(victim)  # compute pinned it between the check and the evict
         # Admitted: from here on nothing can fail.
-        for victim in victims:
-            self._evict_locked(victim)
         ready: list[Ready] = []
         pending: dict[ExpertKey, _Load] = {}
         for entry in entries:
@@ -363,6 +501,7 @@ class Residency:
         self._owner[slot] = entry.key
         entry.state, entry.slot = SlotState.LOADING, slot
         entry.generation += 1
+        self._table.begin_load(self._index(entry.key), slot)
         load = entry.load = _Load(entry.key, slot)
         try:
             self._pool.submit(self._run_load, load)
@@ -378,13 +517,17 @@ class Residency:
             session.held.discard(load.key)
         entry.holders.clear()
         entry.state, entry.slot, entry.load = SlotState.ABSENT, -1, None
+        self._table.abort_load(self._index(load.key))
         self._owner[load.slot] = None
         self._free.append(load.slot)
         load.error, load.done = error, True
         self._cond.notify_all()
 
+    def _pinned_locked(self, key: ExpertKey) -> bool:
+        return bool(self._entries[key].holders) or self._table.pins(self._index(key)) > 0
+
     def _timeout_message_locked(self, layer: int, keys: list[ExpertKey], timeout: float) -> str:
-        pinned = sum(1 for key in self._owner if key is not None and self._entries[key].holders)
+        pinned = sum(1 for key in self._owner if key is not None and self._pinned_locked(key))
         loading = sum(
             1 for key in self._owner if key is not None and self._entries[key].state is SlotState.LOADING
         )
@@ -409,6 +552,7 @@ class Residency:
             entry = self._entries[load.key]
             assert entry.load is load and entry.slot == load.slot
             entry.state, entry.load = SlotState.RESIDENT, None
+            self._table.finish_load(self._index(load.key))
             self._policy.on_insert(load.key)
             load.source, load.done = source, True
             self._cond.notify_all()
@@ -487,7 +631,8 @@ class Residency:
     def describe(self, key: ExpertKey) -> SlotInfo:
         with self._cond:
             entry = self._entries.get(key) or _Entry(key)
-            return SlotInfo(key, entry.state, entry.slot, entry.pins, entry.generation)
+            pins = entry.pins + self._table.pins(self._index(key))
+            return SlotInfo(key, entry.state, entry.slot, pins, entry.generation)
 
     def slot_owner(self, slot: int) -> ExpertKey | None:
         with self._cond:
@@ -500,8 +645,9 @@ class Residency:
                 num_slots=self.num_slots,
                 resident=sum(1 for s in states if s is SlotState.RESIDENT),
                 loading=sum(1 for s in states if s is SlotState.LOADING),
-                pinned=sum(1 for e in self._entries.values() if e.holders),
+                pinned=sum(1 for k in self._entries if self._pinned_locked(k)),
                 sessions=len(self._sessions),
+                shm_hits=self._table.hits,
             )
 
     def shutdown(self) -> None:

@@ -16,7 +16,8 @@ from grpc_health.v1 import health
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats
-from cache_daemon.residency import Ready
+from cache_daemon.hints import HintStats
+from cache_daemon.residency import ClientLedger, Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
 from expertcache.errors import InvalidArgument
@@ -26,6 +27,9 @@ from expertcache.keys import ExpertKey
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["ExpertCache"].full_name
+# Demand call metadata naming the caller's client ledger (see cache.proto, Demand).
+CLIENT_INDEX_KEY = "expertcache-client-index"
+CLIENT_EPOCH_KEY = "expertcache-client-epoch"
 GRPC_MAX_WORKERS = 16  # one per concurrent Demand stream, plus room for Attach/GetStats/health
 
 _ARENA_KIND_TO_PB = {
@@ -62,7 +66,24 @@ def attach_to_pb(info: AttachInfo) -> cache_pb2.AttachResponse:
         slot_bytes=info.slot_bytes,
         manifest_json=info.manifest_json,
         daemon_id=info.daemon_id,
+        slot_table_path=info.slot_table_path,
+        client_index=info.client.index if info.client is not None else -1,
+        client_epoch=info.client.epoch if info.client is not None else 0,
     )
+
+
+def ledger_from_metadata(metadata) -> ClientLedger | None:
+    """The client ledger a Demand call names in its metadata, or None; ``InvalidArgument`` if malformed."""
+    values = {k: v for k, v in metadata or () if k in (CLIENT_INDEX_KEY, CLIENT_EPOCH_KEY)}
+    if not values:
+        return None
+    try:
+        return ClientLedger(int(values[CLIENT_INDEX_KEY]), int(values[CLIENT_EPOCH_KEY]))
+    except (KeyError, ValueError):
+        raise InvalidArgument(
+            f"Demand metadata must carry both {CLIENT_INDEX_KEY!r} and {CLIENT_EPOCH_KEY!r} as decimal "
+            f"integers, got {values}"
+        ) from None
 
 
 def key_from_pb(ref: cache_pb2.ExpertRef) -> ExpertKey:
@@ -103,6 +124,18 @@ def stats_to_pb(stats: CacheStats) -> cache_pb2.CacheStats:
         checksum_failures=stats.checksum_failures,
         store_io_mode=stats.store_io_mode,
         store_read_seconds=stats.store_read_seconds,
+        hints=hint_stats_to_pb(stats.hints) if stats.hints is not None else None,
+    )
+
+
+def hint_stats_to_pb(h: HintStats) -> cache_pb2.HintStats:
+    return cache_pb2.HintStats(
+        batches=h.batches,
+        hints=h.hints,
+        replaced=h.replaced,
+        dropped=h.dropped,
+        requests=h.requests,
+        subscribed=h.subscribed,
     )
 
 
@@ -116,7 +149,7 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
     def Attach(
         self, request: cache_pb2.AttachRequest, context: grpc.ServicerContext
     ) -> cache_pb2.AttachResponse:
-        return attach_to_pb(self._daemon.attach(request.client_name))
+        return attach_to_pb(self._daemon.attach(request.client_name, want_client=request.shm_fast_path))
 
     def Demand(
         self, request_iterator: Iterator[cache_pb2.DemandRequest], context: grpc.ServicerContext
@@ -126,6 +159,10 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         # A cancelled stream may be blocked inside an Acquire: closing the session wakes it.
         context.add_callback(lambda: residency.close_session(session))
         try:
+            ledger = ledger_from_metadata(context.invocation_metadata())
+            if ledger is not None:
+                # From now on the end of this stream reclaims the ledger's shm pins.
+                residency.bind_client(session, ledger)
             for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "acquire":

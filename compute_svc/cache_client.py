@@ -14,6 +14,20 @@ Demand stream, driven from the one scheduler worker thread::
 Requests go through a queue that the stream's request iterator drains; a reader thread moves
 responses into a queue so that each wait can have a deadline (``acquire_timeout_s``). After an
 error the stream is dropped (the daemon then releases its pins) and the next call opens a new one.
+
+Fast path (``fast_path=True``, the default, when the daemon offers a slot table): Attach also
+claims a *client ledger* in the daemon's shared slot table (``expertcache.native.SlotTable``),
+which this client maps; the Demand stream names the ledger in its metadata, so when the stream
+ends — even by this process being killed — the daemon drops every pin the ledger holds::
+
+    acquire(layer, experts)
+      try_pin_many(layer * num_experts + e for e in experts)   atomic pins in shared memory, no RPC
+        hits   → ReadyExpert(e, slot, DEVICE) at once
+        misses → Acquire(ticket, layer, misses) on the Demand stream, as above
+    release(layer, experts) → unpin_many(hits) locally; Release(misses) on the stream
+
+A dropped stream loses the ledger too (the daemon reclaims it); the next stream re-Attaches for a
+new one, which is also where a restarted daemon is detected.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from compute_svc.errors import (
     ResourceExhausted,
 )
 from compute_svc.moe import ReadyExpert, Tier
+from expertcache import native
 from expertcache.manifest import StoreManifest
 
 logger = logging.getLogger(__name__)
@@ -64,6 +79,11 @@ _TIERS = {
     cache_pb2.TIER_STORE: Tier.STORE,
 }
 
+# Demand call metadata naming this client's ledger (cache.proto, Demand).
+CLIENT_INDEX_KEY = "expertcache-client-index"
+CLIENT_EPOCH_KEY = "expertcache-client-epoch"
+_StaleClient = native.StaleClient  # RuntimeError: the daemon reclaimed our ledger
+
 _ARENA_KINDS = {
     cache_pb2.ARENA_KIND_POSIX_SHM: ArenaKind.POSIX_SHM,
     cache_pb2.ARENA_KIND_CUDA_IPC: ArenaKind.CUDA_IPC,
@@ -79,6 +99,9 @@ class Attachment:
     slot_bytes: int
     manifest: StoreManifest
     daemon_id: str
+    slot_table_path: str = ""  # empty: the daemon offers no shared slot table
+    client_index: int = -1  # our ledger in the table; -1 when none was asked for or given
+    client_epoch: int = 0
 
 
 # -- wire → domain -------------------------------------------------------------------------------
@@ -109,6 +132,9 @@ def attachment_from_pb(pb: cache_pb2.AttachResponse, address: str) -> Attachment
             pb.manifest_json, origin=f"manifest from the cache daemon at {address}"
         ),
         daemon_id=pb.daemon_id,
+        slot_table_path=pb.slot_table_path,
+        client_index=pb.client_index,
+        client_epoch=pb.client_epoch,
     )
 
 
@@ -132,10 +158,13 @@ _END = object()  # the response stream ended without an error
 class _DemandStream:
     """One open Demand call: a request queue feeding gRPC, a reader thread draining responses."""
 
-    def __init__(self, stub: cache_pb2_grpc.ExpertCacheStub) -> None:
+    def __init__(
+        self, stub: cache_pb2_grpc.ExpertCacheStub, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
-        self._call = stub.Demand(self._request_iter())
+        self.ended = False  # the response stream is over (the daemon ended it, or it broke)
+        self._call = stub.Demand(self._request_iter(), metadata=metadata or None)
         self._reader = threading.Thread(target=self._read, name="demand-reader", daemon=True)
         self._reader.start()
 
@@ -150,8 +179,10 @@ class _DemandStream:
         try:
             for response in self._call:
                 self.responses.put(response)
+            self.ended = True
             self.responses.put(_END)
         except grpc.RpcError as exc:
+            self.ended = True
             self.responses.put(exc)
 
     def send(self, request: cache_pb2.DemandRequest) -> None:
@@ -169,9 +200,22 @@ class DaemonClient:
     Not for concurrent use: the scheduler's single worker thread drives it.
     """
 
-    def __init__(self, address: str, channel: grpc.Channel, attachment: Attachment, acquire_timeout_s: float):
+    def __init__(
+        self,
+        address: str,
+        channel: grpc.Channel,
+        attachment: Attachment,
+        acquire_timeout_s: float,
+        *,
+        fast_path: bool = True,
+    ):
         self.address = address
         self.attachment = attachment
+        self.fast_path = fast_path
+        # The shared slot table (fast path only); bound to the ledger of the current stream.
+        self._table: native.SlotTable | None = None
+        self._ledger: tuple[int, int] | None = None  # (index, epoch) for the next stream
+        self._shm_held: dict[tuple[int, int], int] = {}  # (layer, expert) -> pins taken in shm
         self._channel = channel
         self._stub = cache_pb2_grpc.ExpertCacheStub(channel)
         self._acquire_timeout_s = acquire_timeout_s
@@ -181,6 +225,35 @@ class DaemonClient:
         self._stopped: str | None = None  # why this client refuses every call, once the daemon restarted
         self.on_stale: Callable[[str], None] | None = None  # told once when the daemon restarted
         self._lock = threading.Lock()
+        if fast_path:
+            self._map_table(attachment)
+            if self._table is not None:
+                with self._lock:
+                    self._open()  # ties the ledger to a stream now, so closing always frees it
+
+    def _map_table(self, attachment: Attachment) -> None:
+        """Map the daemon's slot table for the fast path, or stay on Demand-only if it has none."""
+        if not attachment.slot_table_path or attachment.client_index < 0:
+            logger.warning(
+                "cache daemon at %s offers no shared slot table: every acquire goes through Demand",
+                self.address,
+            )
+            return
+        try:
+            table = native.SlotTable.open(attachment.slot_table_path)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise FailedPrecondition(
+                f"cannot map the cache daemon's slot table {attachment.slot_table_path}: {exc} "
+                "(is its shared-memory directory mounted in this container? or pass --no-shm-fast-path)"
+            ) from None
+        manifest = attachment.manifest
+        if table.num_entries != manifest.num_layers * manifest.num_experts:
+            raise FailedPrecondition(
+                f"slot table {attachment.slot_table_path} has {table.num_entries} entries, expected "
+                f"{manifest.num_layers} layers x {manifest.num_experts} experts"
+            )
+        self._table = table
+        self._ledger = (attachment.client_index, attachment.client_epoch)
 
     @classmethod
     def connect(
@@ -190,8 +263,13 @@ class DaemonClient:
         connect_timeout_s: float,
         acquire_timeout_s: float,
         client_name: str = "compute_svc",
+        fast_path: bool = True,
     ) -> DaemonClient:
-        """Wait for the daemon (up to ``connect_timeout_s``) and Attach; ``DaemonUnavailable`` otherwise."""
+        """Wait for the daemon (up to ``connect_timeout_s``) and Attach; ``DaemonUnavailable`` otherwise.
+
+        ``fast_path``: pin resident experts through the daemon's shared slot table without any RPC
+        (``FailedPrecondition`` if the table the daemon names cannot be mapped); False sends every
+        acquire through Demand."""
         channel = grpc.insecure_channel(
             address,
             options=[
@@ -211,7 +289,7 @@ class DaemonClient:
         remaining = max(connect_timeout_s - (time.monotonic() - started), 1.0)
         try:
             reply = cache_pb2_grpc.ExpertCacheStub(channel).Attach(
-                cache_pb2.AttachRequest(client_name=client_name), timeout=remaining
+                cache_pb2.AttachRequest(client_name=client_name, shm_fast_path=fast_path), timeout=remaining
             )
         except grpc.RpcError as exc:
             channel.close()
@@ -228,7 +306,11 @@ class DaemonClient:
             attachment.manifest.num_experts,
             len(attachment.manifest.moe_layers),
         )
-        return cls(address, channel, attachment, acquire_timeout_s)
+        try:
+            return cls(address, channel, attachment, acquire_timeout_s, fast_path=fast_path)
+        except BaseException:
+            channel.close()
+            raise
 
     @property
     def num_slots(self) -> int:
@@ -241,41 +323,74 @@ class DaemonClient:
         after ``acquire_timeout_s``. Closing the iterator before its end drops the stream, which
         releases every pin of this process.
         """
+        experts = list(experts)
+        hits: list[ReadyExpert] = []
         with self._lock:
             stream = self._open()
+            if self._table is not None:
+                stream, hits = self._pin_resident(stream, layer, experts)
+            pinned = {h.expert for h in hits}
+            misses = [e for e in experts if e not in pinned]
             ticket = next(self._tickets)
-            stream.send(
-                cache_pb2.DemandRequest(
-                    acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=list(experts))
+            if misses:
+                stream.send(
+                    cache_pb2.DemandRequest(
+                        acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=misses)
+                    )
                 )
-            )
         deadline = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:
-            while True:
-                response = self._next(stream, deadline, layer, experts)
+            yield from hits  # resident experts first: compute starts on them at once
+            while misses:
+                response = self._next(stream, deadline, layer, misses)
                 kind = response.WhichOneof("kind")
                 if kind == "ready" and response.ready.ticket == ticket:
                     ready = response.ready
                     yield ReadyExpert(ready.expert.expert, ready.slot, _TIERS.get(ready.source, Tier.UNKNOWN))
                 elif kind == "done" and response.done.ticket == ticket:
-                    finished = True
-                    return
+                    break
                 else:
                     logger.debug("ignoring a demand response for another ticket: %s", response)
+            finished = True
         finally:
             if not finished:
                 self._drop(stream)
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
-        """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream)."""
+        """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).
+
+        ``DaemonUnavailable`` if the daemon took back this client's shm pins while they were held
+        (its stream ended): the slots may have been overwritten under the computation."""
         with self._lock:
-            if self._stream is None:
-                return  # the stream broke: the daemon already released its pins
+            shm, demand = [], []
+            for e in experts:
+                key = (layer, e)
+                held = self._shm_held.get(key, 0)
+                if held:
+                    shm.append(e)
+                    if held == 1:
+                        del self._shm_held[key]
+                    else:
+                        self._shm_held[key] = held - 1
+                else:
+                    demand.append(e)
+            if shm:
+                num_experts = self.attachment.manifest.num_experts
+                try:
+                    self._table.unpin_many([layer * num_experts + e for e in shm])
+                except _StaleClient as exc:
+                    self._shm_held.clear()
+                    raise DaemonUnavailable(
+                        f"cache daemon at {self.address} took back the pins of experts {shm} of layer {layer} "
+                        f"while they were in use (its Demand stream ended): {exc}"
+                    ) from None
+            if not demand or self._stream is None:
+                return  # nothing went through Demand, or the stream broke: the daemon released those
             self._stream.send(
                 cache_pb2.DemandRequest(
                     release=cache_pb2.Release(
-                        experts=[cache_pb2.ExpertRef(layer=layer, expert=e) for e in experts]
+                        experts=[cache_pb2.ExpertRef(layer=layer, expert=e) for e in demand]
                     )
                 )
             )
@@ -291,18 +406,58 @@ class DaemonClient:
     def _open(self) -> _DemandStream:
         if self._stopped is not None:
             raise DaemonUnavailable(self._stopped)
+        if self._stream is not None and self._stream.ended and self._table is not None:
+            # Hits never read the stream: notice here that it ended (daemon gone or restarted).
+            self._drop_locked(self._stream)
         if self._stream is None:
             if self._streams_opened:
                 self._check_same_daemon()
-            self._stream = _DemandStream(self._stub)
+            metadata: tuple[tuple[str, str], ...] = ()
+            if self._table is not None:
+                index, epoch = self._ledger
+                try:
+                    self._table.attach_client(index, epoch)
+                except _StaleClient as exc:
+                    raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
+                metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
+            self._stream = _DemandStream(self._stub, metadata)
             self._streams_opened += 1
             logger.debug("opened a Demand stream to %s", self.address)
         return self._stream
 
+    def _pin_resident(
+        self, stream: _DemandStream, layer: int, experts: list[int]
+    ) -> tuple[_DemandStream, list[ReadyExpert]]:
+        """Pin the resident ``experts`` through the slot table (no RPC); their ReadyExperts."""
+        manifest = self.attachment.manifest
+        num_experts = manifest.num_experts
+        if not 0 <= layer < manifest.num_layers or any(not 0 <= e < num_experts for e in experts):
+            return stream, []  # outside the table: the daemon answers the Demand with the precise error
+        if len(set(experts)) != len(experts):
+            return stream, []  # a duplicate: likewise
+        entries = [layer * num_experts + e for e in experts]
+        try:
+            slots = self._table.try_pin_many(entries)
+        except _StaleClient:
+            # The daemon ended our stream (and took back the ledger) before we read that it did.
+            self._drop_locked(stream)
+            stream = self._open()
+            slots = self._table.try_pin_many(entries)
+        hits = []
+        for expert, slot in zip(experts, slots, strict=True):
+            if slot >= 0:
+                key = (layer, expert)
+                self._shm_held[key] = self._shm_held.get(key, 0) + 1
+                hits.append(ReadyExpert(expert, slot, Tier.DEVICE))
+        return stream, hits
+
     def _check_same_daemon(self) -> None:
         """After a broken stream: a restarted daemon has a new arena, so our mapping is stale."""
         try:
-            reply = self._stub.Attach(cache_pb2.AttachRequest(client_name="compute_svc"), timeout=10)
+            reply = self._stub.Attach(
+                cache_pb2.AttachRequest(client_name="compute_svc", shm_fast_path=self._table is not None),
+                timeout=10,
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
         if reply.daemon_id != self.attachment.daemon_id:
@@ -316,12 +471,18 @@ class DaemonClient:
             if self.on_stale is not None:
                 self.on_stale(self._stopped)
             raise DaemonUnavailable(self._stopped)
+        if self._table is not None:
+            self._ledger = (reply.client_index, reply.client_epoch)  # the old one went with its stream
 
     def _drop(self, stream: _DemandStream) -> None:
         with self._lock:
-            stream.close()
-            if self._stream is stream:
-                self._stream = None
+            self._drop_locked(stream)
+
+    def _drop_locked(self, stream: _DemandStream) -> None:
+        stream.close()
+        if self._stream is stream:
+            self._stream = None
+            self._shm_held.clear()  # the daemon reclaims the stream's ledger with its shm pins
 
     def _next(self, stream: _DemandStream, deadline: float, layer: int, experts: Sequence[int]):
         try:

@@ -74,6 +74,49 @@ class ComputeConfig:
     """Limit of one Acquire (all experts of a wave); beyond it the request fails with
     DEADLINE_EXCEEDED instead of hanging on a stuck daemon."""
 
+    predictor_address: str = field(
+        default="", metadata={"help": "gRPC address of the predictor (host:port); empty = no reporting"}
+    )
+    """Where each token's routing is reported (``moe.predictor.v1.Predictor.Observe``). Reporting
+    is asynchronous and lossy: an absent or slow predictor never slows or fails a Generate."""
+
+    pod_name: str = field(
+        default="", metadata={"help": "pod name sent with each activation; empty = this host's name"}
+    )
+    """Names the cache daemon serving this process's requests: the predictor sends the hints of
+    these requests to the daemon that subscribed with the same pod name."""
+
+    report_queue_tokens: int = field(
+        default=8192,
+        metadata={"help": "tokens of routing that may wait for the predictor", "min": 1, "max": 1 << 24},
+    )
+    """Bound of the reporter's queue, in tokens; a step that does not fit is dropped and counted
+    (``moe_compute_activations_dropped_total``) instead of waiting."""
+
+    record_trace_path: str = field(
+        default="", metadata={"help": "write every request's routing to this .npz trace; empty = off"}
+    )
+    """Trace file in the format of the shared routing traces (``compute_svc.trace_recorder``),
+    rewritten atomically every ``record_trace_every_requests`` requests and at shutdown."""
+
+    record_trace_every_requests: int = field(
+        default=16,
+        metadata={
+            "help": "finished requests between two rewrites of the trace file",
+            "min": 1,
+            "max": 1 << 20,
+        },
+    )
+    """How often the trace file is rewritten while serving (it is always written at shutdown)."""
+
+    shm_fast_path: bool = field(
+        default=True,
+        metadata={"help": "pin resident experts through the daemon's shared slot table, without RPC"},
+    )
+    """On a hit compute pins the expert in the daemon's shared-memory slot table and sends no RPC;
+    only misses go to the daemon as a Demand. ``--no-shm-fast-path`` sends every acquire through
+    Demand (for comparison, or when the daemon's shm directory is not shared with compute)."""
+
     log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
     """Level of the root logger."""
 

@@ -35,7 +35,9 @@ from compute_svc.moe import ExpertProvider, ExpertRuntime, attach
 from expertcache.manifest import read_manifest
 
 if TYPE_CHECKING:
+    from compute_svc.activations import ActivationReporter, RoutingCapture
     from compute_svc.cache_client import Attachment
+    from compute_svc.trace_recorder import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +185,24 @@ class GenerationEngine:
         self.runtime = runtime
         self.max_new_tokens_limit = max_new_tokens_limit
         self.metrics = metrics or ComputeMetrics()
+        # Routing capture (off unless enable_routing): each forward's routing goes to the
+        # predictor's reporter and/or the trace recorder.
+        self.routing_capture: RoutingCapture | None = None
+        self.reporter: ActivationReporter | None = None
+        self.recorder: TraceRecorder | None = None
+        self._routing_id = ""  # id the running request is reported under
+
+    def enable_routing(
+        self,
+        capture: RoutingCapture,
+        reporter: ActivationReporter | None = None,
+        recorder: TraceRecorder | None = None,
+    ) -> None:
+        """Capture every forward's routing and hand it to ``reporter`` and ``recorder``."""
+        self.routing_capture = capture
+        self.reporter = reporter
+        self.recorder = recorder
+        self.runtime.routing_observer = capture
 
     # -- validation -------------------------------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
@@ -232,6 +252,39 @@ class GenerationEngine:
         self, prepared: PreparedRequest, should_stop: Callable[[], bool] = lambda: False
     ) -> Iterator[TokenEvent]:
         """Token events of ``prepared``; stops early (quietly) once ``should_stop()`` is true."""
+        if self.routing_capture is None:
+            yield from self._generate(prepared, should_stop)
+            return
+        # Reports need an id even when the client gave none.
+        self._routing_id = prepared.request.request_id or f"anon-{secrets.token_hex(8)}"
+        outcome = "error"
+        try:
+            for event in self._generate(prepared, should_stop):
+                if event.finish_reason is not None:
+                    outcome = event.finish_reason.value
+                yield event
+            if outcome == "error":
+                outcome = "cancelled"
+        finally:
+            # Also for cancelled and failed requests: the predictor closes the request's EAM.
+            if self.reporter is not None:
+                self.reporter.on_request_end(self._routing_id)
+            if self.recorder is not None:
+                self.recorder.on_request_end(self._routing_id, outcome)
+
+    def _routed(self, index: int, prompt_tokens: int) -> None:
+        """Hand the forward of generation step ``index`` to the reporter and the recorder."""
+        first = 0 if index == 0 else prompt_tokens + index - 1  # position of the fed tokens
+        step = self.routing_capture.take(self._routing_id, first, with_weights=self.recorder is not None)
+        if step is None:
+            logger.warning("a forward did not route every MoE layer: its routing is not reported")
+            return
+        if self.reporter is not None:
+            self.reporter.on_step(step)
+        if self.recorder is not None:
+            self.recorder.on_step(step, prompt_tokens)
+
+    def _generate(self, prepared: PreparedRequest, should_stop: Callable[[], bool]) -> Iterator[TokenEvent]:
         request = prepared.request
         model = self.loaded.model
         device = self.loaded.device
@@ -252,8 +305,12 @@ class GenerationEngine:
                     return
                 # The model builds its own DynamicCache on the first call (sliding-window layers
                 # included), exactly as model.generate does.
+                if self.routing_capture is not None:
+                    self.routing_capture.begin()
                 out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values
+                if self.routing_capture is not None:
+                    self._routed(index, len(prepared.prompt_ids))
                 token = pick(out.logits[0, -1])  # logits [V]
                 counters = self.runtime.reset_counters()
                 finish = None

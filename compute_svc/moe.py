@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -233,6 +233,10 @@ class ExpertRuntime:
         # Views are fixed per slot (same layout in every slot): build them once.
         self._slot_views = [arena.slot_views(slot, layouts) for slot in range(arena.num_slots)]
         self._sync = torch.cuda.synchronize if arena.device.type == "cuda" else None
+        # Optional ``(layer, top_k_index [T, K] int64, top_k_weights [T, K])`` callback, called
+        # once per MoE layer per forward: how generation captures each token's routing for the
+        # predictor and the trace recorder (compute_svc.activations.RoutingCapture).
+        self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -252,6 +256,8 @@ class ExpertRuntime:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
+        if self.routing_observer is not None:
+            self.routing_observer(layer, top_k_index, top_k_weights)
         routing = route(top_k_index, top_k_weights)
         combiner = Combiner(routing, hidden_states)
         for wave in waves(routing.experts, self.num_slots):

@@ -9,10 +9,12 @@ process: daemon client → engine → scheduler → gRPC server with health and 
 from __future__ import annotations
 
 import logging
+import socket
 
 from grpc_health.v1 import health_pb2
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from compute_svc.activations import ActivationReporter, RoutingCapture
 from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
 from compute_svc.generation import (
@@ -25,6 +27,7 @@ from compute_svc.generation import (
 )
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.scheduler import Scheduler
+from compute_svc.trace_recorder import TraceRecorder
 from expertcache.grpc_server import build_server, set_serving
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,7 @@ class ComputeServer:
             config.daemon_address,
             connect_timeout_s=config.daemon_connect_timeout_s,
             acquire_timeout_s=config.acquire_timeout_s,
+            fast_path=config.shm_fast_path,
         )
         try:
             self.engine = build_engine(
@@ -133,6 +137,7 @@ class ComputeServer:
         except BaseException:
             self.client.close()
             raise
+        self.reporter, self.recorder = self._enable_routing(config)
         self.scheduler = Scheduler(self.engine, max_queue=config.max_queue, metrics=self.metrics)
         servicer = InferenceServicer(self.scheduler)
         self.server, self._health = build_server(
@@ -145,6 +150,46 @@ class ComputeServer:
         # A restarted daemon leaves this process with a stale arena: report NOT_SERVING so the
         # pod's probe restarts it.
         self.client.on_stale = self._not_serving
+
+    def _enable_routing(
+        self, config: ComputeConfig
+    ) -> tuple[ActivationReporter | None, TraceRecorder | None]:
+        """Report routing to the predictor and/or record it, as configured (both off by default)."""
+        if not config.predictor_address and not config.record_trace_path:
+            return None, None
+        manifest = self.engine.loaded.manifest
+        reporter = recorder = None
+        if config.predictor_address:
+            reporter = ActivationReporter(
+                config.predictor_address,
+                manifest.model_id,
+                config.pod_name or socket.gethostname(),
+                manifest.top_k,
+                config.report_queue_tokens,
+                num_experts=manifest.num_experts,
+            )
+            logger.info("reporting routing to the predictor at %s", config.predictor_address)
+        if config.record_trace_path:
+            recorder = TraceRecorder(
+                config.record_trace_path,
+                {
+                    "model": manifest.model_id,
+                    "model_type": manifest.model_type,
+                    "num_layers": len(manifest.moe_layers),
+                    "moe_layer_ids": list(manifest.moe_layers),
+                    "num_experts": manifest.num_experts,
+                    "top_k": manifest.top_k,
+                    "phases": "prefill rows 0..decode_start-1, then one row per generated token fed back "
+                    "(the last generated token is never fed back)",
+                    "gate_weights": "router weights as the model's router returned them",
+                    "expert_id_order": "as the model's router returned them (top-k order)",
+                    "source": "expertcache compute_svc record_trace_path",
+                },
+                every_requests=config.record_trace_every_requests,
+            )
+            logger.info("recording routing traces to %s", config.record_trace_path)
+        self.engine.enable_routing(RoutingCapture(manifest.moe_layers), reporter, recorder)
+        return reporter, recorder
 
     def _not_serving(self, reason: str) -> None:
         logger.error("no longer serving: %s", reason)
@@ -164,5 +209,10 @@ class ComputeServer:
         self._health.enter_graceful_shutdown()
         self.scheduler.stop()
         self.server.stop(grace_s).wait()
+        if self.reporter is not None:
+            self.reporter.close()
+            logger.info("activation reporter:\n%s", self.reporter.render())
+        if self.recorder is not None:
+            self.recorder.close()
         self.client.close()
         logger.info("stopped; metrics:\n%s", self.metrics.render())

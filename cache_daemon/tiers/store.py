@@ -1,43 +1,68 @@
 """The store tier: expert blobs read from the layer files with O_DIRECT, checksum-verified.
 
-Each MoE layer file is opened once. O_DIRECT bypasses the page cache, so a model larger than
-RAM does not evict everything else on the node, and a read costs one DMA into our buffer.
-O_DIRECT needs the buffer, file offset and length aligned to the device's logical block size:
-offsets and lengths are multiples of ``BLOB_ALIGN`` (4 KiB) by the store format, and callers
-pass page-aligned buffers (``aligned_buffer``, host slots, arena slots). Where a filesystem
-refuses O_DIRECT (tmpfs, some overlay setups: ``EINVAL``), files are read buffered and the
-pages dropped with ``posix_fadvise(DONTNEED)`` after each read, which keeps the same effect on
-memory at the cost of one more copy; ``io_mode`` reports which is in use.
+Each MoE layer file is opened once in one shared native ``expertcache.native.Reader`` (csrc/:
+io_uring where the kernel allows it, a pread thread pool otherwise). O_DIRECT bypasses the page
+cache, so a model larger than RAM does not evict everything else on the node, and a read costs
+one DMA into our buffer. O_DIRECT needs the buffer, file offset and length aligned to 4 KiB:
+offsets and lengths are multiples of ``BLOB_ALIGN`` by the store format, callers normally pass
+page-aligned buffers (``aligned_buffer``, host slots, arena slots), and the rare unaligned
+destination is read into an aligned bounce buffer and copied. The CRC-32 of every blob is checked
+in C++ against the manifest.
 
-Reads are blocking; they run on the daemon's I/O threads (``Residency``), never on a thread
-that serves RPCs.
+Where a filesystem refuses O_DIRECT (``EINVAL`` at open: some overlay or FUSE setups), that file
+is read buffered by the same native Reader (``direct=False``) and its pages are dropped with
+``posix_fadvise(DONTNEED)`` after each read, which keeps the same effect on memory at the cost of
+one more copy. ``io_mode`` reports ``"o_direct+io_uring"``, ``"o_direct+pread"`` or ``"buffered"``.
+
+Priorities (``Priority``): a demand read overtakes queued layer-ahead and prefetch reads, chunk by
+chunk (``chunk_bytes``), even one already half read.
+
+    submit(key, out, priority) ──▶ StoreReadHandle ──wait(timeout_s)──▶ out filled and verified
+    read_into(key, out, priority=DEMAND) = submit(...).wait()
+
+``read_into`` blocks (with the GIL released) and runs on the daemon's I/O threads
+(``Residency``), never on a thread that serves RPCs.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from cache_daemon.errors import ChecksumMismatch, ShortRead, StoreIncomplete
+from cache_daemon.errors import ChecksumMismatch, ShortRead, ShuttingDown, StoreIncomplete
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.tiers.base import MemoryTier, Tier
 from expertcache.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
+from expertcache.native import Reader, ReadError
 
 logger = logging.getLogger(__name__)
 
-IO_MODE_DIRECT = "O_DIRECT"
-IO_MODE_BUFFERED = "buffered+fadvise"
+IO_MODE_URING = "o_direct+io_uring"
+IO_MODE_PREAD = "o_direct+pread"
+IO_MODE_BUFFERED = "buffered"
+_ALIGN = Reader.ALIGNMENT
+
+
+class Priority(IntEnum):
+    """Class of a store read; a lower value is read first (the native Reader's constants)."""
+
+    DEMAND = Reader.DEMAND
+    """A compute process is waiting for this expert now."""
+    LAYER_AHEAD = Reader.LAYER_AHEAD
+    """Predicted from the next layer's router: needed within a layer or two."""
+    PREFETCH = Reader.PREFETCH
+    """Predicted from the request's history or the EAMC: may never be used."""
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -46,42 +71,141 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 
 def as_writable(buf: torch.Tensor | memoryview | mmap.mmap | bytearray) -> memoryview:
-    """A flat byte ``memoryview`` over ``buf`` (a contiguous CPU uint8 tensor or a buffer)."""
+    """A flat byte ``memoryview`` over ``buf`` (a contiguous CPU tensor of any dtype, or a buffer)."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError("store reads need a contiguous CPU buffer")
-        buf = buf.numpy()
+        buf = buf.reshape(-1).view(torch.uint8).numpy()  # any dtype: the bytes are what we fill
     view = memoryview(buf)
     if view.readonly:
         raise ValueError("store reads need a writable buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _address(view: memoryview) -> int:
+    """The address of the first byte of a writable, C-contiguous ``view``."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
 @dataclass
 class _LayerFile:
     rel: str  # path relative to the store, for messages
     path: Path
-    fd: int
+    file_id: int  # in the native Reader
     direct: bool
+    fadvise_fd: int  # buffered files only (-1 otherwise): where DONTNEED is applied
+
+
+class StoreReadHandle:
+    """One submitted blob read. ``wait`` must be called (once it returns or raises, the buffer is
+    the caller's again); until then the destination buffer must stay alive and untouched."""
+
+    def __init__(
+        self,
+        store: StoreReader,
+        key: ExpertKey,
+        lf: _LayerFile,
+        offset: int,
+        out: memoryview,
+        bounce: mmap.mmap | None,
+        request_id: int,
+        priority: Priority,
+    ) -> None:
+        self.key = key
+        self.priority = priority
+        self.request_id = request_id
+        self._store = store
+        self._lf = lf
+        self._offset = offset
+        self._out = out  # [blob_bytes] uint8, the caller's buffer (kept alive until wait)
+        self._bounce = bounce  # page-aligned stand-in for an unaligned ``out`` of a direct file
+        self._start = time.perf_counter()
+        self._finished = False
+
+    @property
+    def state(self) -> dict[str, int | bool] | None:
+        """The native request's ``{"priority", "queued", "done"}``; ``None`` once waited for."""
+        return None if self._finished else self._store._reader.query(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        """Whether the read has finished (successfully or not) and ``wait`` will not block."""
+        state = self.state
+        return state is None or bool(state["done"])
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until ``key``'s blob is in the buffer and verified (``None``: no time limit).
+
+        Raises ``TimeoutError`` (the read goes on; call ``wait`` again), ``ShortRead`` or
+        ``ChecksumMismatch`` (DATA_LOSS; the buffer then holds garbage), ``ShuttingDown`` if the
+        store reader was closed first.
+        """
+        if self._finished:
+            raise FailedPrecondition(f"the read of expert {self.key} was already waited for")
+        try:
+            self._store._reader.wait(self.request_id, timeout_s)
+        except ReadError as exc:
+            self._finish()
+            raise self._store._translate(self.key, self._lf, self._offset, exc) from None
+        self._finish()
+        nbytes = len(self._out)
+        if self._bounce is not None:
+            self._out[:] = memoryview(self._bounce)[:nbytes]
+        if self._lf.fadvise_fd >= 0:
+            try:
+                os.posix_fadvise(self._lf.fadvise_fd, self._offset, nbytes, os.POSIX_FADV_DONTNEED)
+            except OSError as exc:  # the store was closed in between: only a page-cache hint is lost
+                logger.debug("posix_fadvise on %s after close: %s", self._lf.rel, exc)
+        metrics = self._store._metrics
+        metrics.store_read_seconds.inc(time.perf_counter() - self._start)
+        metrics.store_read_bytes.inc(nbytes)
+        metrics.hits.inc(tier=Tier.STORE.value)
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._store._forget(self.request_id)
 
 
 class StoreReader(MemoryTier):
     """Read-only ``MemoryTier`` over a store directory.
 
-    ``read_into`` fills a caller-owned buffer (the zero-copy path the daemon uses); ``get``
-    returns a fresh caller-owned tensor. Every read is checked against the manifest's CRC-32;
-    a mismatch raises ``ChecksumMismatch`` (DATA_LOSS) and counts a checksum failure. Store blobs
-    are immutable files, so ``pin``/``unpin`` only check presence, and ``put``/``remove`` refuse.
+    ``read_into`` / ``submit`` fill a caller-owned buffer (the zero-copy path the daemon uses);
+    ``get`` returns a fresh caller-owned tensor. Every read is checked against the manifest's
+    CRC-32; a mismatch raises ``ChecksumMismatch`` (DATA_LOSS) and counts a checksum failure.
+    Store blobs are immutable files, so ``pin``/``unpin`` only check presence, and
+    ``put``/``remove`` refuse.
+
+    ``io_threads``: pread workers (or CRC finishers with io_uring); ``queue_depth``: reads in flight
+    with io_uring; ``chunk_bytes``: the pre-emption granularity; ``backend``: ``"auto"``,
+    ``"io_uring"`` or ``"pread"`` (see ``expertcache.native.Reader``); ``direct=False`` reads
+    buffered (+ fadvise) even where O_DIRECT works.
     """
 
     tier = Tier.STORE
 
-    def __init__(self, store_dir: str | Path, manifest: StoreManifest, metrics: DaemonMetrics) -> None:
+    def __init__(
+        self,
+        store_dir: str | Path,
+        manifest: StoreManifest,
+        metrics: DaemonMetrics,
+        *,
+        io_threads: int = 4,
+        queue_depth: int = 64,
+        chunk_bytes: int = 1 << 20,
+        backend: str = "auto",
+        direct: bool = True,
+    ) -> None:
         self._store_dir = Path(store_dir)
         self._manifest = manifest
         self._metrics = metrics
-        self._lock = threading.Lock()  # guards re-opening a file in buffered mode
+        self._reader = Reader(
+            threads=io_threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes, backend=backend
+        )
+        self._lock = threading.Lock()  # guards _outstanding
+        self._outstanding: dict[int, StoreReadHandle] = {}  # submitted, not yet waited for
         self._files: dict[int, _LayerFile] = {}
+        self._closed = False
+        self._direct = direct
         try:
             for layer in manifest.moe_layers:
                 self._files[layer] = self._open(layer)
@@ -105,40 +229,53 @@ class StoreReader(MemoryTier):
                 f"layer file {path} has {size} bytes but layer {layer}'s {self._manifest.num_experts} "
                 f"blobs need {needed}: the store is incomplete or truncated"
             )
+        if self._direct:
+            try:
+                return _LayerFile(rel, path, self._reader.open_file(str(path), direct=True), True, -1)
+            except ValueError as exc:  # the filesystem refuses O_DIRECT (EINVAL)
+                logger.warning("%s; reading it buffered with posix_fadvise(DONTNEED)", exc)
+        fadvise_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return _LayerFile(rel, path, os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), direct=True)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        return _LayerFile(rel, path, os.open(path, os.O_RDONLY | os.O_CLOEXEC), direct=False)
+            return _LayerFile(rel, path, self._reader.open_file(str(path), direct=False), False, fadvise_fd)
+        except BaseException:
+            os.close(fadvise_fd)
+            raise
 
     @property
     def io_mode(self) -> str:
-        """``"O_DIRECT"`` if every layer file is read with O_DIRECT, else ``"buffered+fadvise"``."""
+        """``"o_direct+io_uring"`` / ``"o_direct+pread"`` if every layer file is read with O_DIRECT
+        (by that backend), else ``"buffered"``."""
         files = list(self._files.values())
-        return IO_MODE_DIRECT if files and all(f.direct for f in files) else IO_MODE_BUFFERED
+        if not files or not all(f.direct for f in files):
+            return IO_MODE_BUFFERED
+        return IO_MODE_URING if self._reader.backend == "io_uring" else IO_MODE_PREAD
 
     @property
     def blob_bytes(self) -> int:
         return self._manifest.blob_bytes
 
-    def _fall_back_to_buffered(self, lf: _LayerFile) -> None:
-        with self._lock:
-            if not lf.direct:
-                return
-            fd = os.open(lf.path, os.O_RDONLY | os.O_CLOEXEC)
-            old, lf.fd, lf.direct = lf.fd, fd, False
-        # ``old`` may still be in use by a concurrent read of another blob; leaking one fd per
-        # layer file (once) is cheaper than coordinating that.
-        logger.warning("%s refused an O_DIRECT read (EINVAL); reading it buffered (fd %d kept)", lf.path, old)
+    def reader_stats(self) -> dict[str, int]:
+        """The native Reader's counters (submitted, completed, failed, cancelled, bytes_read,
+        chunks, preemptions, in_flight, queued)."""
+        return self._reader.stats()
 
-    def read_into(self, key: ExpertKey, out: torch.Tensor | memoryview | mmap.mmap | bytearray) -> None:
-        """Read ``key``'s blob into the first ``blob_bytes`` of ``out`` and verify its checksum.
+    def pause(self) -> None:
+        """Stop starting new reads (those in flight finish); for draining and for tests."""
+        self._reader.pause()
 
-        ``out`` should be page-aligned for O_DIRECT (an unaligned buffer falls back to buffered
-        reads for that file). Raises ``ShortRead`` or ``ChecksumMismatch`` (both DATA_LOSS);
-        on error ``out`` holds garbage.
-        """
+    def resume(self) -> None:
+        self._reader.resume()
+
+    def submit(
+        self,
+        key: ExpertKey,
+        out: torch.Tensor | memoryview | mmap.mmap | bytearray,
+        priority: Priority = Priority.DEMAND,
+    ) -> StoreReadHandle:
+        """Start reading ``key``'s blob into the first ``blob_bytes`` of ``out`` (a contiguous CPU
+        uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it."""
+        if self._closed:
+            raise ShuttingDown(f"the store reader is closed: cannot read expert {key}")
         rel, offset = self._manifest.blob_location(key)
         nbytes = self._manifest.blob_bytes
         view = as_writable(out)
@@ -146,38 +283,56 @@ class StoreReader(MemoryTier):
             raise ValueError(f"buffer of {len(view)} bytes cannot hold a blob of {nbytes} bytes")
         view = view[:nbytes]
         lf = self._files[key.layer]
-        start = time.perf_counter()
-        done = 0
-        while done < nbytes:
-            fd, direct = lf.fd, lf.direct
-            try:
-                got = os.preadv(fd, [view[done:]], offset + done)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL and direct:
-                    self._fall_back_to_buffered(lf)
-                    continue
-                raise ShortRead(
-                    f"cannot read expert {key} from {rel} at offset {offset + done}: {exc.strerror}"
-                ) from exc
-            if got == 0:
-                raise ShortRead(
-                    f"{rel} ends at offset {offset + done}: expert {key}'s blob at offset {offset} "
-                    f"needs {nbytes} bytes (the store file is truncated)"
-                )
-            done += got
-        if not lf.direct:
-            os.posix_fadvise(lf.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        got_crc = zlib.crc32(view)  # releases the GIL for large buffers
-        self._metrics.store_read_seconds.inc(time.perf_counter() - start)
-        self._metrics.store_read_bytes.inc(nbytes)
+        bounce = None
+        address = _address(view)
+        if lf.direct and address % _ALIGN:
+            bounce = aligned_buffer(nbytes)
+            address = _address(memoryview(bounce))
         expected = self._manifest.checksums[key.layer][key.expert]
-        if got_crc != expected:
-            self._metrics.checksum_failures.inc()
-            raise ChecksumMismatch(
-                f"checksum mismatch for expert {key} in {rel} at offset {offset}: "
-                f"expected 0x{expected:08x}, got 0x{got_crc:08x}"
+        with self._lock:
+            request_id = self._reader.submit(
+                lf.file_id, offset, nbytes, address, int(priority), expected_crc=expected
             )
-        self._metrics.hits.inc(tier=Tier.STORE.value)
+            handle = StoreReadHandle(self, key, lf, offset, view, bounce, request_id, Priority(priority))
+            self._outstanding[request_id] = handle
+        return handle
+
+    def read_into(
+        self,
+        key: ExpertKey,
+        out: torch.Tensor | memoryview | mmap.mmap | bytearray,
+        priority: Priority = Priority.DEMAND,
+    ) -> None:
+        """Read ``key``'s blob into the first ``blob_bytes`` of ``out`` and verify its checksum.
+
+        ``out`` should be page-aligned for O_DIRECT (an unaligned one costs a bounce copy).
+        Raises ``ShortRead`` or ``ChecksumMismatch`` (both DATA_LOSS); on error ``out`` holds
+        garbage.
+        """
+        self.submit(key, out, priority).wait()
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._outstanding.pop(request_id, None)
+
+    def _translate(self, key: ExpertKey, lf: _LayerFile, offset: int, exc: ReadError) -> Exception:
+        """The daemon's error for a failed native read of ``key`` (at ``offset`` of ``lf``)."""
+        nbytes = self._manifest.blob_bytes
+        if exc.kind == "checksum":
+            self._metrics.checksum_failures.inc()
+            expected = self._manifest.checksums[key.layer][key.expert]
+            return ChecksumMismatch(
+                f"checksum mismatch for expert {key} in {lf.rel} at offset {offset}: "
+                f"expected 0x{expected:08x}, got 0x{exc.actual_crc:08x}"
+            )
+        if exc.kind == "short_read":
+            return ShortRead(
+                f"{lf.rel} ends at offset {offset + exc.nbytes}: expert {key}'s blob at offset {offset} "
+                f"needs {nbytes} bytes (the store file is truncated)"
+            )
+        if exc.kind == "cancelled":
+            return ShuttingDown(f"the store reader closed before expert {key} was read")
+        return ShortRead(f"cannot read expert {key} from {lf.rel}: {exc}")
 
     # -- MemoryTier ---------------------------------------------------------------------
     def contains(self, key: ExpertKey) -> bool:
@@ -204,9 +359,12 @@ class StoreReader(MemoryTier):
         raise FailedPrecondition("the expert store is read-only: blobs cannot be removed")
 
     def close(self) -> None:
+        """Cancel queued reads (their ``wait`` raises ``ShuttingDown``), wait for those in flight,
+        close the files. Idempotent."""
+        self._closed = True
+        self._reader.close()  # no read touches a caller's buffer after this
         files, self._files = self._files, {}
         for lf in files.values():
-            try:
-                os.close(lf.fd)
-            except OSError:
-                pass
+            self._reader.close_file(lf.file_id)
+            if lf.fadvise_fd >= 0:
+                os.close(lf.fadvise_fd)

@@ -12,9 +12,16 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from compute_svc.arena import ArenaKind
 from compute_svc.cache_client import DaemonClient
-from compute_svc.errors import DaemonUnavailable, DataLoss, DeadlineExceeded, InvalidArgument
+from compute_svc.errors import (
+    DaemonUnavailable,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+)
 from compute_svc.moe import ReadyExpert, Tier
 from expertcache.manifest import StoreManifest, plan_blob
+from expertcache.native import SlotTable
 
 TENSORS, BLOB = plan_blob([("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))])
 MANIFEST = StoreManifest(
@@ -41,9 +48,18 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.hang_next = False
         self.stream_closed = threading.Event()
         self.daemon_id = "d1"
+        self.table_path = ""  # a shared slot table offered at Attach (fast path), if set
+        self.attaches: list[bool] = []  # shm_fast_path of each Attach
+        self.acquired: list[tuple[int, list[int]]] = []  # every Acquire received
+        self.metadata: list[dict[str, str]] = []  # of each Demand call
 
     def Attach(self, request, context):  # noqa: N802
+        self.attaches.append(request.shm_fast_path)
+        offer = bool(self.table_path) and request.shm_fast_path
         return cache_pb2.AttachResponse(
+            slot_table_path=self.table_path,
+            client_index=len(self.attaches) - 1 if offer else -1,
+            client_epoch=0,
             arena=cache_pb2.ArenaHandle(
                 kind=cache_pb2.ARENA_KIND_POSIX_SHM, shm_name="x", size_bytes=2 * BLOB
             ),
@@ -55,12 +71,14 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
 
     def Demand(self, request_iterator, context):  # noqa: N802
         self.streams += 1
+        self.metadata.append(dict(context.invocation_metadata()))
         context.add_callback(self.stream_closed.set)
         for req in request_iterator:
             if req.WhichOneof("kind") == "release":
                 self.released += [(r.layer, r.expert) for r in req.release.experts]
                 continue
             acq = req.acquire
+            self.acquired.append((acq.layer, list(acq.experts)))
             if self.fail_next is not None:
                 code, message = self.fail_next
                 self.fail_next = None
@@ -181,4 +199,79 @@ def test_a_restarted_daemon_is_refused_for_good(daemon):
         with pytest.raises(DaemonUnavailable, match=r"restarted \(id d1 -> d2\); restart compute"):
             list(client.acquire(0, [1]))
     assert len(stale) == 1
+    client.close()
+
+
+# -- fast path: hits pinned in the shared slot table, misses through Demand ----------------------
+def offer_table(servicer: ScriptedCache, tmp_path, *, entries: int = 8, resident=((1, 3, 1),)) -> SlotTable:
+    """A table like the daemon's (layer * 4 + expert), with ``(layer, expert, slot)`` resident."""
+    table = SlotTable.create(str(tmp_path / "slots"), entries, 2, 4)
+    for layer, expert, slot in resident:
+        table.begin_load(layer * 4 + expert, slot)
+        table.finish_load(layer * 4 + expert)
+    servicer.table_path = table.path
+    return table
+
+
+def test_fast_path_pins_hits_in_shm_and_demands_only_misses(daemon, tmp_path):
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address)
+    assert servicer.attaches == [True] and client.attachment.client_index == 0
+    assert servicer.metadata[0]["expertcache-client-index"] == "0"  # the stream names its ledger
+    got = list(client.acquire(1, [2, 3]))
+    assert got[0] == ReadyExpert(3, 1, Tier.DEVICE)  # the hit comes first, without a round trip
+    assert got[1] == ReadyExpert(2, 0, Tier.STORE)
+    assert servicer.acquired == [(1, [2])]
+    assert table.pins(7) == 1 and table.client_pins(0, 7) == 1
+    client.release(1, [2, 3])
+    assert table.pins(7) == 0
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    client.release(1, [3])
+    deadline = time.monotonic() + 5
+    while not servicer.released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert servicer.released == [(1, 2)]  # only the Demand-pinned expert is released by RPC
+    assert servicer.acquired == [(1, [2])] and table.hits == 2
+    client.close()
+
+
+def test_fast_path_off_sends_every_acquire(daemon, tmp_path):
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address, fast_path=False)
+    assert servicer.attaches == [False] and client.attachment.client_index == -1
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 0, Tier.DEVICE)]
+    assert servicer.acquired == [(1, [3])] and table.hits == 0
+    client.close()
+
+
+def test_unmappable_slot_table_is_failed_precondition(daemon, tmp_path):
+    servicer, address = daemon
+    servicer.table_path = str(tmp_path / "missing.slots")
+    with pytest.raises(
+        FailedPrecondition,
+        match=r"cannot map the cache daemon's slot table .*missing.slots.*--no-shm-fast-path",
+    ):
+        connect(address)
+    offer_table(servicer, tmp_path, entries=9)
+    with pytest.raises(FailedPrecondition, match="has 9 entries, expected 2 layers x 4 experts"):
+        connect(address)
+
+
+def test_pins_reclaimed_while_in_use_fail_the_release(daemon, tmp_path):
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address)
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    table.reclaim_client(0)  # as the daemon does when the stream ends under us
+    assert table.pins(7) == 0
+    with pytest.raises(
+        DaemonUnavailable, match=r"took back the pins of experts \[3\] of layer 1 while they were in use"
+    ):
+        client.release(1, [3])
+    # The next acquire notices the stale ledger, re-attaches for a new one and pins again.
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    assert servicer.attaches == [True, True] and table.client_pins(1, 7) == 1
+    client.release(1, [3])
     client.close()

@@ -25,11 +25,13 @@ from cache_daemon.errors import (
 )
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.policy import make_policy
-from cache_daemon.residency import Ready, Residency, SlotState
+from cache_daemon.residency import ClientLedger, Ready, Residency, SlotState, table_entries
 from cache_daemon.tiers import HostTier, StoreReader, Tier
 from cache_daemon.tiers.device import ShmArena
-from expertcache.errors import DataLoss, InvalidArgument
+from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from expertcache.keys import ExpertKey
+from expertcache.native import SlotState as TableState
+from expertcache.native import SlotTable
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 
@@ -46,6 +48,7 @@ class Harness:
         self.arena = ShmArena(slots, self.manifest.blob_bytes, shm_dir=tmp_path, daemon_id="unit")
         self.host = HostTier(host_slots, self.manifest.blob_bytes, make_policy("lru"), self.metrics)
         self.executor = ThreadPoolExecutor(1 if single_io_thread else 4)
+        self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(self.manifest), slots, 4)
         self.residency = Residency(
             self.manifest,
             self.arena,
@@ -53,6 +56,7 @@ class Harness:
             self.host,
             make_policy("lru"),
             self.metrics,
+            table=self.table,
             acquire_timeout_s=5.0,
             executor=self.executor,
         )
@@ -455,3 +459,156 @@ def test_random_concurrent_streams_keep_the_invariants(make):
     assert not errors, errors
     stats = r.stats()
     assert stats.pinned == 0 and stats.loading == 0 and stats.resident == 4
+
+
+# -- the shared slot table: mirrored transitions, shm pins, recency, client ledgers ---------------
+def entry(h: Harness, key: ExpertKey) -> int:
+    return key.layer * h.manifest.num_experts + key.expert
+
+
+def compute_view(h: Harness, client: int | None = None) -> SlotTable:
+    """A second mapping of the table, as a compute process has it (bound to a claimed ledger)."""
+    table = SlotTable.open(h.table.path)
+    if client is not None:
+        table.attach_client(client, h.table.client_epoch(client))
+    return table
+
+
+def load(h: Harness, *experts: int) -> list[Ready]:
+    s = h.residency.open_session("loader")
+    got = list(h.residency.acquire(s, L1, list(experts)))
+    h.residency.close_session(s)
+    return got
+
+
+def test_transitions_are_mirrored_in_the_shared_table(make):
+    h = make(slots=2, single_io_thread=True)
+    r, t = h.residency, h.table
+    gate = h.hold_io()
+    s = r.open_session("a")
+    it = r.acquire(s, L1, [0])
+    waiter = ThreadPoolExecutor(1).submit(list, it)
+    deadline = time.monotonic() + 5
+    while t.state(entry(h, ExpertKey(L1, 0))) != TableState.LOADING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert t.state(entry(h, ExpertKey(L1, 0))) == TableState.LOADING
+    gate.set()
+    (ready,) = waiter.result(5)
+    e0 = entry(h, ready.key)
+    assert (t.state(e0), t.slot(e0), t.generation(e0)) == (TableState.RESIDENT, ready.slot, 1)
+    r.close_session(s)
+    load(h, 1)
+    load(h, 2)  # evicts L1E0 (least recently used) through try_evict
+    assert (t.state(e0), t.slot(e0)) == (TableState.ABSENT, -1)
+    assert r.describe(ready.key).state is SlotState.ABSENT
+
+
+def test_failed_load_is_aborted_in_the_shared_table(make):
+    h = make(slots=2)
+    corrupt(h.root, h.manifest, ExpertKey(L1, 3))
+    s = h.residency.open_session("a")
+    with pytest.raises(ChecksumMismatch):
+        list(h.residency.acquire(s, L1, [3]))
+    e3 = entry(h, ExpertKey(L1, 3))
+    assert (h.table.state(e3), h.table.slot(e3)) == (TableState.ABSENT, -1)
+
+
+def test_shm_pinned_expert_is_skipped_as_victim(make):
+    h = make(slots=2)
+    r = h.residency
+    (e0,) = load(h, 0)
+    (e1,) = load(h, 1)  # L1E0 is now the least recently used
+    compute = compute_view(h)
+    assert compute.try_pin_many([entry(h, e0.key)]) == [e0.slot]
+    assert r.describe(e0.key).pins == 1 and r.stats().pinned == 1
+    (e2,) = load(h, 2)  # must evict L1E1, not the shm-pinned L1E0
+    assert e2.slot == e1.slot
+    assert r.describe(e0.key).state is SlotState.RESIDENT and r.slot_owner(e0.slot) == e0.key
+    assert r.describe(e1.key).state is SlotState.ABSENT
+    compute.unpin_many([entry(h, e0.key)])
+
+
+def test_demand_waits_for_shm_pins_and_times_out_with_the_clear_message(make):
+    h = make(slots=2)
+    r = h.residency
+    readies = load(h, 0, 1)
+    compute = compute_view(h)
+    compute.try_pin_many([entry(h, x.key) for x in readies])
+    s = r.open_session("b")
+    with pytest.raises(
+        AcquireTimeout, match=r"waiting for 1 free slot\(s\) for layer 1: 2 of 2 slots are pinned"
+    ):
+        list(r.acquire(s, L1, [2], timeout_s=0.2))
+    assert all(r.describe(x.key).state is SlotState.RESIDENT for x in readies)
+    # A waiting demand proceeds once compute drops a shm pin (no RPC tells the daemon).
+    it = r.acquire(s, L1, [2], timeout_s=5)
+    waiter = ThreadPoolExecutor(1).submit(list, it)
+    time.sleep(0.05)
+    assert not waiter.done()
+    compute.unpin_many([entry(h, readies[1].key)])
+    (got,) = waiter.result(5)
+    assert got.slot == readies[1].slot
+    assert r.describe(readies[0].key).state is SlotState.RESIDENT
+    h.check_served(s, [got])
+
+
+def test_shm_hits_keep_lru_order_and_count_as_device_hits(make):
+    h = make(slots=3)
+    r = h.residency
+    e0, e1, e2 = (load(h, x)[0] for x in (0, 1, 2))
+    compute = compute_view(h)
+    for x in (e0, e1):  # hits without any RPC: L1E2 becomes the least recently used
+        compute.try_pin_many([entry(h, x.key)])
+        compute.unpin_many([entry(h, x.key)])
+    assert r.stats().shm_hits == 2
+    demands = h.metrics.demands.value()
+    (e3,) = load(h, 3)
+    assert e3.slot == e2.slot and r.describe(e2.key).state is SlotState.ABSENT
+    (e4,) = load(h, 4)
+    assert e4.slot == e0.slot  # then L1E0, whose shm hit was older than L1E1's
+    assert h.metrics.demands.value() == demands + 2
+
+
+def test_closing_a_session_reclaims_its_client_ledger(make):
+    h = make(slots=2)
+    r = h.residency
+    readies = load(h, 0, 1)
+    ledger = r.claim_client()
+    compute = compute_view(h, ledger.index)
+    s = r.open_session("compute")
+    r.bind_client(s, ledger)
+    assert compute.try_pin_many([entry(h, x.key) for x in readies]) == [x.slot for x in readies]
+    assert r.stats().pinned == 2
+    r.close_session(s)
+    assert r.stats().pinned == 0 and h.table.client_epoch(ledger.index) == ledger.epoch + 1
+    load(h, 2, 3)  # both slots are evictable again
+    with pytest.raises(RuntimeError, match="reclaimed by the cache daemon"):
+        compute.unpin_many([entry(h, readies[0].key)])
+    again = r.claim_client()
+    assert again.index == ledger.index and again.epoch == ledger.epoch + 1
+
+
+def test_bind_client_errors(make):
+    h = make(slots=2)
+    r = h.residency
+    s = r.open_session("a")
+    with pytest.raises(
+        FailedPrecondition, match=r"client ledger 0 \(epoch 0\) is not an unused ledger claimed"
+    ):
+        r.bind_client(s, ClientLedger(0, 0))
+    ledger = r.claim_client()
+    with pytest.raises(FailedPrecondition, match=r"epoch 7\) is not an unused ledger.*current epoch 0"):
+        r.bind_client(s, ClientLedger(ledger.index, 7))
+    with pytest.raises(FailedPrecondition, match="client ledger 99"):
+        r.bind_client(s, ClientLedger(99, 0))
+    r.bind_client(s, ledger)
+    with pytest.raises(FailedPrecondition, match="not an unused ledger"):
+        r.bind_client(r.open_session("b"), ledger)  # bound already
+
+
+def test_every_client_ledger_in_use(make):
+    h = make(slots=2)  # the harness table has 4 ledgers
+    r = h.residency
+    assert [r.claim_client().index for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ResourceExhausted, match="all 4 client ledgers of slot table .* are in use"):
+        r.claim_client()

@@ -1,4 +1,5 @@
-"""The daemon's tiers on real files: the store reader (O_DIRECT / buffered), host tier, shm arena.
+"""The daemon's tiers on real files: the store reader (native Reader: O_DIRECT via io_uring or
+pread, or buffered), host tier, shm arena.
 
 ``write_store`` builds a small synthetic expert store (the format of ``expertcache.manifest``)
 without the converter; the other daemon tests import it from here.
@@ -14,15 +15,38 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall, ChecksumMismatch, ShortRead, StoreIncomplete
+from cache_daemon.errors import (
+    ArenaUnavailable,
+    BudgetTooSmall,
+    ChecksumMismatch,
+    ShortRead,
+    ShuttingDown,
+    StoreIncomplete,
+)
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.policy import make_policy
 from cache_daemon.tiers import ArenaKind, HostTier, StoreReader, Tier, slots_for_budget
 from cache_daemon.tiers.device import ShmArena
-from cache_daemon.tiers.store import IO_MODE_BUFFERED, IO_MODE_DIRECT, aligned_buffer
+from cache_daemon.tiers.store import (
+    IO_MODE_BUFFERED,
+    IO_MODE_PREAD,
+    IO_MODE_URING,
+    Priority,
+    aligned_buffer,
+)
 from expertcache.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob
+from expertcache.native import Reader
+
+URING_OK, URING_WHY = Reader.uring_available()
+BACKENDS = [
+    "pread",
+    pytest.param(
+        "io_uring", marks=pytest.mark.skipif(not URING_OK, reason=f"io_uring unavailable: {URING_WHY}")
+    ),
+]
+DIRECT_MODE = {"pread": IO_MODE_PREAD, "io_uring": IO_MODE_URING}
 
 # -- a synthetic store -----------------------------------------------------------------------
 
@@ -105,12 +129,15 @@ def store(tmp_path: Path) -> tuple[Path, StoreManifest]:
     return root, write_store(root)
 
 
-def test_store_read_equals_file_bytes(store):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_store_read_equals_file_bytes(store, backend, direct):
     root, manifest = store
     metrics = DaemonMetrics()
-    reader = StoreReader(root, manifest, metrics)
+    reader = StoreReader(root, manifest, metrics, io_threads=2, backend=backend, direct=direct)
     try:
-        assert reader.io_mode == (IO_MODE_DIRECT if supports_o_direct(root) else IO_MODE_BUFFERED)
+        want = DIRECT_MODE[backend] if direct and supports_o_direct(root) else IO_MODE_BUFFERED
+        assert reader.io_mode == want
         for key in manifest.all_keys():
             buf = aligned_buffer(manifest.blob_bytes)
             reader.read_into(key, buf)
@@ -120,6 +147,8 @@ def test_store_read_equals_file_bytes(store):
         assert metrics.store_read_bytes.value() == 2 * manifest.num_blobs * manifest.blob_bytes
         assert metrics.store_read_seconds.value() > 0
         assert metrics.checksum_failures.value() == 0
+        stats = reader.reader_stats()
+        assert stats["completed"] == 2 * manifest.num_blobs and stats["failed"] == 0
     finally:
         reader.close()
 
@@ -142,52 +171,112 @@ def test_store_on_tmpfs_falls_back_to_buffered_reads(tmp_path):
         root.rmdir()
 
 
-def test_o_direct_read_refused_falls_back_to_buffered(store):
+def test_unaligned_destinations_go_through_a_bounce_buffer(store):
     root, manifest = store
     if not supports_o_direct(root):
-        pytest.skip("the filesystem of tmp_path refuses O_DIRECT already")
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
     reader = StoreReader(root, manifest, DaemonMetrics())
-    assert reader.io_mode == IO_MODE_DIRECT
+    direct_mode = reader.io_mode
+    assert direct_mode in (IO_MODE_PREAD, IO_MODE_URING)
     backing = aligned_buffer(manifest.blob_bytes + 4096)
-    unaligned = memoryview(backing)[1 : 1 + manifest.blob_bytes]  # O_DIRECT refuses it: EINVAL
+    unaligned = memoryview(backing)[1 : 1 + manifest.blob_bytes]
     key = ExpertKey(1, 2)
     reader.read_into(key, unaligned)
     assert bytes(unaligned) == blob_of(root, manifest, key)
-    assert reader.io_mode == IO_MODE_BUFFERED  # layer 1 is read buffered (+ fadvise) from now on
-    assert bytes(reader.get(ExpertKey(1, 3)).numpy()) == blob_of(root, manifest, ExpertKey(1, 3))
+    assert bytes(backing[0:1]) == b"\0" and bytes(backing[1 + manifest.blob_bytes :]) == bytes(4095)
+    tensor = torch.zeros(manifest.blob_bytes + 8, dtype=torch.uint8)[8:]  # data_ptr 8 past a boundary
+    reader.read_into(ExpertKey(3, 1), tensor)
+    assert bytes(tensor.numpy()) == blob_of(root, manifest, ExpertKey(3, 1))
+    as_bf16 = torch.empty(manifest.blob_bytes // 2, dtype=torch.bfloat16)  # any dtype: raw bytes
+    reader.read_into(ExpertKey(3, 2), as_bf16)
+    assert bytes(as_bf16.view(torch.uint8).numpy()) == blob_of(root, manifest, ExpertKey(3, 2))
+    with pytest.raises(ValueError, match="contiguous CPU buffer"):
+        reader.read_into(key, torch.zeros(2, manifest.blob_bytes, dtype=torch.uint8)[:, :8])
+    assert reader.io_mode == direct_mode  # still O_DIRECT: nothing fell back
+    with pytest.raises(ValueError, match="cannot hold a blob of 4096 bytes"):
+        reader.read_into(key, bytearray(100))
     reader.close()
 
 
-def test_checksum_mismatch_names_expert_file_and_offset(store):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_priority_reaches_the_native_reader(store, backend):
+    root, manifest = store
+    reader = StoreReader(root, manifest, DaemonMetrics(), io_threads=1, queue_depth=1, backend=backend)
+    reader.pause()
+    keys = [ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(3, 2)]
+    bufs = [aligned_buffer(manifest.blob_bytes) for _ in keys]
+    priorities = [Priority.PREFETCH, Priority.LAYER_AHEAD, Priority.DEMAND]
+    handles = [reader.submit(k, b, p) for k, b, p in zip(keys, bufs, priorities, strict=True)]
+    for handle, priority in zip(handles, priorities, strict=True):
+        assert handle.state == {"priority": int(priority), "queued": True, "done": False}
+        assert not handle.done
+    with pytest.raises(TimeoutError, match="did not complete within"):
+        handles[0].wait(0.01)  # paused: nothing is read; the read stays pending
+    assert [int(p) for p in Priority] == [Reader.DEMAND, Reader.LAYER_AHEAD, Reader.PREFETCH]
+    reader.resume()
+    for handle, key, buf in zip(reversed(handles), reversed(keys), reversed(bufs), strict=True):
+        handle.wait(10.0)
+        assert handle.done and handle.state is None
+        assert bytes(buf) == blob_of(root, manifest, key)
+    with pytest.raises(FailedPrecondition, match="the read of expert L1E0 was already waited for"):
+        handles[0].wait()
+    assert reader.reader_stats()["completed"] == 3
+    reader.close()
+
+
+def test_close_cancels_pending_reads(store):
+    root, manifest = store
+    reader = StoreReader(root, manifest, DaemonMetrics())
+    reader.pause()
+    handle = reader.submit(ExpertKey(3, 5), aligned_buffer(manifest.blob_bytes), Priority.PREFETCH)
+    reader.close()
+    with pytest.raises(ShuttingDown, match="the store reader closed before expert L3E5 was read") as info:
+        handle.wait(1.0)
+    assert info.value.grpc_code == "UNAVAILABLE"
+    with pytest.raises(ShuttingDown, match="the store reader is closed: cannot read expert L1E0"):
+        reader.read_into(ExpertKey(1, 0), aligned_buffer(manifest.blob_bytes))
+    reader.close()  # idempotent
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_checksum_mismatch_names_expert_file_and_offset(store, backend, direct):
     root, manifest = store
     key = ExpertKey(1, 3)
     corrupt(root, manifest, key)
     metrics = DaemonMetrics()
-    reader = StoreReader(root, manifest, metrics)
-    with pytest.raises(ChecksumMismatch) as info:
-        reader.get(key)
-    expected = manifest.checksums[1][3]
-    assert str(info.value).startswith(
-        f"checksum mismatch for expert L1E3 in experts/layer_0001.bin at offset {3 * manifest.blob_bytes}: "
-        f"expected 0x{expected:08x}, got 0x"
-    )
-    assert info.value.grpc_code == "DATA_LOSS"
-    assert metrics.checksum_failures.value() == 1
+    reader = StoreReader(root, manifest, metrics, backend=backend, direct=direct)
+    for priority in Priority:
+        with pytest.raises(ChecksumMismatch) as info:
+            reader.read_into(key, aligned_buffer(manifest.blob_bytes), priority)
+        expected = manifest.checksums[1][3]
+        got = zlib.crc32(blob_of(root, manifest, key))
+        assert str(info.value) == (
+            f"checksum mismatch for expert L1E3 in experts/layer_0001.bin at offset {3 * manifest.blob_bytes}: "
+            f"expected 0x{expected:08x}, got 0x{got:08x}"
+        )
+        assert info.value.grpc_code == "DATA_LOSS"
+    assert metrics.checksum_failures.value() == 3
     reader.get(ExpertKey(1, 2))  # its neighbours are intact
     reader.close()
 
 
-def test_truncated_store_file(store):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncated_store_file(store, backend):
     root, manifest = store
     path = root / manifest.layer_files[3]
-    reader = StoreReader(root, manifest, DaemonMetrics())
+    reader = StoreReader(root, manifest, DaemonMetrics(), backend=backend)
     os.truncate(path, 4 * manifest.blob_bytes + 100)  # after the daemon opened it
     with pytest.raises(
-        ShortRead, match=r"experts/layer_0003.bin ends at offset .*expert L3E4's blob at offset 16384"
+        ShortRead,
+        match=r"^experts/layer_0003.bin ends at offset 16484: expert L3E4's blob at offset 16384 needs 4096 bytes",
     ):
         reader.get(ExpertKey(3, 4))
-    with pytest.raises(ShortRead, match="L3E5"):
+    with pytest.raises(
+        ShortRead, match="^experts/layer_0003.bin ends at offset 20480: expert L3E5's"
+    ) as info:
         reader.get(ExpertKey(3, 5))
+    assert info.value.grpc_code == "DATA_LOSS"
     reader.close()
     with pytest.raises(
         StoreIncomplete, match=r"layer_0003.bin has 16484 bytes but layer 3's 6 blobs need 24576"

@@ -1,0 +1,223 @@
+"""Prefetch hints from the predictor: a subscriber thread and the board it keeps up to date.
+
+::
+
+    predictor ──SubscribeHints(model_id, pod)──▶ HintSubscriber thread ──apply──▶ HintBoard
+                 (stream broken / predictor absent: back off, reconnect)          │
+                                                          prefetch scheduler ◀────┘ snapshot() / top(n)
+
+The board holds, per live request, the latest hints of each layer: a newer batch replaces the
+layers it names and leaves the others. It is bounded (``max_requests``; the least recently
+updated request goes first) and forgets a request that has been quiet for ``stale_after_s`` or
+that the predictor reported done. Nothing here is on the demand path: a missing, slow or
+restarting predictor only leaves the board empty or stale.
+
+Example: batch(r1, {layer 0: [(5, .9)], layer 1: [(2, .8)]}) then batch(r1, {layer 1: [(7, .6)]})
+→ r1 holds layer 0: [(5, .9)], layer 1: [(7, .6)]; stats: batches 2, hints 3, replaced 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+from expertcache.keys import ExpertKey
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_INITIAL_S = 0.1
+RECONNECT_MAX_S = 5.0
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+@dataclass(frozen=True)
+class Hint:
+    layer: int  # MoE layer index (manifest order)
+    expert: int
+    score: float  # predicted probability of use, in [0, 1]
+
+
+@dataclass(frozen=True)
+class HintBatch:
+    request_id: str
+    hints: tuple[Hint, ...]
+    request_done: bool = False
+
+
+@dataclass(frozen=True)
+class HintStats:
+    batches: int  # batches applied
+    hints: int  # hints applied
+    replaced: int  # (request, layer) hint lists replaced by a newer batch
+    dropped: int  # requests forgotten: stale, over max_requests (done ones are not counted)
+    requests: int  # requests on the board now
+    subscribed: bool  # the current SubscribeHints stream has delivered a batch and is open
+
+
+class HintBoard:
+    """Latest hints per (request, layer); thread-safe (the subscriber writes, the prefetcher reads)."""
+
+    def __init__(
+        self,
+        *,
+        max_requests: int = 1024,
+        stale_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.max_requests = max_requests
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # request → (last update time, layer → ((expert, score), ...) by descending score);
+        # ordered by last update, oldest first.
+        self._requests: OrderedDict[str, tuple[float, dict[int, tuple[tuple[int, float], ...]]]] = (
+            OrderedDict()
+        )
+        self._batches = self._hints = self._replaced = self._dropped = 0
+        self.subscribed = False
+
+    def apply(self, batch: HintBatch) -> None:
+        now = self._clock()
+        with self._lock:
+            self._batches += 1
+            self._prune(now)
+            if batch.request_done:
+                self._requests.pop(batch.request_id, None)
+                return
+            by_layer: dict[int, list[tuple[int, float]]] = {}
+            for hint in batch.hints:
+                by_layer.setdefault(hint.layer, []).append((hint.expert, hint.score))
+            self._hints += len(batch.hints)
+            _, layers = self._requests.pop(batch.request_id, (now, {}))
+            for layer, hints in by_layer.items():
+                if layer in layers:
+                    self._replaced += 1
+                layers[layer] = tuple(sorted(hints, key=lambda h: -h[1]))
+            self._requests[batch.request_id] = (now, layers)
+            while len(self._requests) > self.max_requests:
+                self._requests.popitem(last=False)
+                self._dropped += 1
+
+    def _prune(self, now: float) -> None:
+        """Forget requests quiet for stale_after_s (oldest first; caller holds the lock)."""
+        while self._requests:
+            request_id, (updated, _) = next(iter(self._requests.items()))
+            if now - updated < self.stale_after_s:
+                break
+            del self._requests[request_id]
+            self._dropped += 1
+
+    def snapshot(self) -> dict[str, dict[int, tuple[tuple[int, float], ...]]]:
+        """request → layer → ((expert, score), ...) by descending score, stale requests left out."""
+        with self._lock:
+            self._prune(self._clock())
+            return {rid: dict(layers) for rid, (_, layers) in self._requests.items()}
+
+    def top(self, n: int) -> list[tuple[ExpertKey, float]]:
+        """The ``n`` highest-scored experts over all requests (an expert keeps its best score)."""
+        best: dict[ExpertKey, float] = {}
+        for layers in self.snapshot().values():
+            for layer, hints in layers.items():
+                for expert, score in hints:
+                    key = ExpertKey(layer, expert)
+                    if score > best.get(key, -1.0):
+                        best[key] = score
+        return sorted(best.items(), key=lambda kv: (-kv[1], kv[0].layer, kv[0].expert))[:n]
+
+    def stats(self) -> HintStats:
+        with self._lock:
+            return HintStats(
+                batches=self._batches,
+                hints=self._hints,
+                replaced=self._replaced,
+                dropped=self._dropped,
+                requests=len(self._requests),
+                subscribed=self.subscribed,
+            )
+
+
+def batch_from_pb(pb: predictor_pb2.HintBatch) -> HintBatch:
+    return HintBatch(
+        request_id=pb.request_id,
+        hints=tuple(Hint(h.layer, h.expert, h.score) for h in pb.hints),
+        request_done=pb.request_done,
+    )
+
+
+class HintSubscriber:
+    """Keeps one SubscribeHints stream open (reconnecting with backoff) and feeds ``board``."""
+
+    def __init__(self, address: str, model_id: str, pod: str, board: HintBoard) -> None:
+        self.address = address
+        self.model_id = model_id
+        self.pod = pod
+        self.board = board
+        self.outages = 0
+        self.streams = 0  # streams opened (1 + reconnects)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = RECONNECT_INITIAL_S
+        healthy = True  # the last stream worked: the next failure starts an outage (logged once)
+        while not self._stop.is_set():
+            request = predictor_pb2.SubscribeHintsRequest(model_id=self.model_id, pod=self.pod)
+            call = self._stub.SubscribeHints(request, wait_for_ready=True, timeout=None)
+            with self._lock:
+                if self._stop.is_set():
+                    call.cancel()
+                    return
+                self._call = call
+            try:
+                batches: Iterable[predictor_pb2.HintBatch] = call
+                for pb in batches:
+                    if not self.board.subscribed:
+                        self.board.subscribed = True
+                        self.streams += 1
+                        if not healthy:
+                            logger.info("predictor %s: hint stream restored", self.address)
+                        healthy = True
+                        backoff = RECONNECT_INITIAL_S
+                    self.board.apply(batch_from_pb(pb))
+                reason = "stream ended"
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                reason = f"{exc.code().name}: {exc.details()}"
+            self.board.subscribed = False
+            if healthy:
+                self.outages += 1
+                logger.warning(
+                    "predictor %s: hint stream lost (%s); the daemon serves without hints, retrying",
+                    self.address,
+                    reason,
+                )
+                healthy = False
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._thread.join(RECONNECT_MAX_S + 1)
+        self._channel.close()

@@ -1,0 +1,306 @@
+"""Each token's routing, captured in the forward and reported to the predictor off the hot path.
+
+::
+
+    ExpertRuntime.forward(layer l) ──routing_observer──▶ RoutingCapture   (one [T, K] per layer)
+    GenerationEngine, after each forward: capture.take() ─▶ StepRouting [T, L, K]
+        ├─▶ ActivationReporter.on_step   (bounded queue put; full → drop and count)
+        └─▶ TraceRecorder.on_step        (compute_svc.trace_recorder)
+    reporter thread: queue ─▶ Activation messages ─▶ one long Observe stream ─▶ predictor
+                     (stream broken or predictor absent → back off, reconnect; never blocks a step)
+
+Glossary: T tokens of one forward (the prompt at prefill, 1 when decoding), L MoE layers (indices
+into the manifest's ``moe_layers``, not decoder layer numbers), K = top-k. A request's token
+``i`` is its position: prompt tokens are 0..P-1, the forward of generated token ``g`` (which
+feeds it back) is position P + g. Example: prompt of 3 tokens, 2 generated → steps of T=3
+(positions 0, 1, 2) and T=1 (position 3); the last generated token is never fed back.
+
+The reporter keeps a single Observe stream open for all requests (the proto lets one stream
+carry interleaved requests); ``request_done`` rides on an extra message after the request's
+last token, which is never dropped, so the predictor learns of the end even of a cancelled or
+failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_INITIAL_S = 0.1
+RECONNECT_MAX_S = 5.0
+_WAIT_SLICE_S = 0.2  # how often a blocked request iterator checks whether its stream ended
+_CHANNEL_OPTIONS = [
+    # A restarted predictor should be found within seconds, not after gRPC's default 2-minute cap.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+# -- capture ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepRouting:
+    """Routing of one forward of one request."""
+
+    request_id: str
+    first_token: int  # position of row 0 in the request
+    experts: torch.Tensor  # [T, L, K] int64, on the CPU
+    weights: torch.Tensor | None  # [T, L, K] router weights (float), on the CPU; None unless asked
+
+
+class RoutingCapture:
+    """The ``ExpertRuntime.routing_observer``: keeps the current forward's routing per MoE layer.
+
+    Called from the single generation thread only. ``moe_layers`` are the decoder layer numbers
+    of the MoE layers (manifest order); a forward must route each exactly once.
+    """
+
+    def __init__(self, moe_layers: Sequence[int]) -> None:
+        self._index = {layer: i for i, layer in enumerate(moe_layers)}
+        self._experts: list[torch.Tensor | None] = [None] * len(moe_layers)
+        self._weights: list[torch.Tensor | None] = [None] * len(moe_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._index)
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """top_k_index [T, K] int64, top_k_weights [T, K]; ``layer`` is a decoder layer number."""
+        i = self._index[layer]
+        self._experts[i] = top_k_index
+        self._weights[i] = top_k_weights
+
+    def begin(self) -> None:
+        """Forget the previous forward (a failed forward may have left a partial one)."""
+        self._experts = [None] * len(self._experts)
+        self._weights = [None] * len(self._weights)
+
+    def take(self, request_id: str, first_token: int, with_weights: bool) -> StepRouting | None:
+        """The forward just finished as ``[T, L, K]``; None when some layer did not route."""
+        if any(e is None for e in self._experts):
+            return None
+        # The runtime has already synced these to the host (route() lists the experts), so the
+        # copy to the CPU is a small memcpy, and the reporter thread never touches the device.
+        experts = torch.stack(self._experts, dim=1).cpu()  # type: ignore[arg-type]
+        weights = torch.stack(self._weights, dim=1).cpu() if with_weights else None  # type: ignore[arg-type]
+        self.begin()
+        return StepRouting(request_id, first_token, experts, weights)
+
+
+# -- reporter -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Done:
+    request_id: str
+
+
+class ActivationReporter:
+    """Streams every token's routing to the predictor's Observe, asynchronously and lossy.
+
+    ``on_step``/``on_request_end`` are called from the generation thread and never block:
+    the queue holds at most ``queue_tokens`` tokens; a step that does not fit is dropped whole
+    and counted in ``dropped_tokens`` (``moe_compute_activations_dropped_total``). End markers
+    are not counted against the bound and never dropped (one per request).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        model_id: str,
+        pod: str,
+        top_k: int,
+        queue_tokens: int,
+        *,
+        num_experts: int = 0,
+        batch_tokens: int = 256,
+    ) -> None:
+        if queue_tokens < 1:
+            raise ValueError(f"queue_tokens must be >= 1, got {queue_tokens}")
+        self.address = address
+        self.model_id = model_id
+        self.pod = pod
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.queue_tokens = queue_tokens
+        self.batch_tokens = batch_tokens
+        self._cond = threading.Condition()
+        self._queue: deque[StepRouting | _Done] = deque()
+        self._queued_tokens = 0
+        self._reported: set[str] = set()  # requests with queued tokens and no end marker yet
+        self._next_index: dict[str, int] = {}  # request → position after its last sent token
+        self._closing = False
+        self._flush_deadline = 0.0
+        # Counters (read with stats(); written under _cond or by the sender thread only).
+        self.sent_tokens = 0
+        self.dropped_tokens = 0
+        self.requests_done = 0
+        self.outages = 0
+        self.connected = False
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
+        self._call_ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="activation-reporter", daemon=True)
+        self._thread.start()
+
+    # -- generation thread ----------------------------------------------------------------------
+    def on_step(self, step: StepRouting) -> None:
+        """Queue one forward's routing; drop it when the queue is full (never blocks)."""
+        tokens = int(step.experts.shape[0])
+        with self._cond:
+            if self._closing or self._queued_tokens + tokens > self.queue_tokens:
+                self.dropped_tokens += tokens
+                return
+            self._queue.append(step)
+            self._queued_tokens += tokens
+            self._reported.add(step.request_id)
+            self._cond.notify()
+
+    def on_request_end(self, request_id: str) -> None:
+        """The request finished, was cancelled or failed: the predictor may close its EAM."""
+        with self._cond:
+            # A request none of whose tokens was queued has nothing to close at the predictor.
+            if self._closing or request_id not in self._reported:
+                return
+            self._reported.discard(request_id)
+            self._queue.append(_Done(request_id))
+            self._cond.notify()
+
+    # -- stats ----------------------------------------------------------------------------------
+    def render(self) -> str:
+        """The reporter's counters in the Prometheus text format."""
+        with self._cond:
+            return (
+                "# TYPE moe_compute_activations_sent_total counter\n"
+                f"moe_compute_activations_sent_total {self.sent_tokens}\n"
+                "# TYPE moe_compute_activations_dropped_total counter\n"
+                f"moe_compute_activations_dropped_total {self.dropped_tokens}\n"
+                "# TYPE moe_compute_predictor_outages_total counter\n"
+                f"moe_compute_predictor_outages_total {self.outages}\n"
+            )
+
+    @property
+    def queued_tokens(self) -> int:
+        with self._cond:
+            return self._queued_tokens
+
+    # -- sender thread --------------------------------------------------------------------------
+    def _take(self) -> StepRouting | _Done | None:
+        """Next queued item, waiting in slices; None once the current call ended or we close."""
+        with self._cond:
+            while not self._queue:
+                if self._call_ended.is_set():
+                    return None
+                if self._closing:
+                    return None
+                self._cond.wait(_WAIT_SLICE_S)
+            if self._closing and time.monotonic() >= self._flush_deadline:
+                return None
+            item = self._queue.popleft()
+            if isinstance(item, StepRouting):
+                self._queued_tokens -= int(item.experts.shape[0])
+            return item
+
+    def _messages(self) -> Iterator[predictor_pb2.Activation]:
+        """The request iterator of one Observe call (runs in gRPC's request-consumer thread)."""
+        while True:
+            item = self._take()
+            if item is None:
+                return
+            if isinstance(item, _Done):
+                index = self._next_index.pop(item.request_id, 0)
+                self.requests_done += 1
+                yield predictor_pb2.Activation(
+                    request_id=item.request_id,
+                    model_id=self.model_id,
+                    pod=self.pod,
+                    token_index=index,
+                    request_done=True,
+                )
+                self._mark_connected()
+                continue
+            rows = item.experts.reshape(item.experts.shape[0], -1).tolist()  # [T, L*K]
+            layers = int(item.experts.shape[1])
+            for offset, row in enumerate(rows):
+                yield predictor_pb2.Activation(
+                    request_id=item.request_id,
+                    model_id=self.model_id,
+                    pod=self.pod,
+                    token_index=item.first_token + offset,
+                    experts=row,
+                    top_k=self.top_k,
+                    layers=layers,
+                    num_experts=self.num_experts,
+                )
+                # gRPC asks for the next message once the previous one was written: the stream works.
+                self._mark_connected()
+                self.sent_tokens += 1
+            self._next_index[item.request_id] = item.first_token + len(rows)
+
+    def _mark_connected(self) -> None:
+        if not self.connected:
+            self.connected = True
+            if self.outages:
+                logger.info("predictor %s reachable again: reporting resumed", self.address)
+
+    def _outage(self, reason: str) -> None:
+        """Log once per outage (a working stream broke, or the first attempt failed)."""
+        if self.connected or self.outages == 0:
+            self.outages += 1
+            logger.warning(
+                "predictor %s unreachable (%s); activations are dropped while it is down, "
+                "retrying with backoff",
+                self.address,
+                reason,
+            )
+        self.connected = False
+
+    def _run(self) -> None:
+        backoff = RECONNECT_INITIAL_S
+        while True:
+            with self._cond:
+                if self._closing and (not self._queue or time.monotonic() >= self._flush_deadline):
+                    return
+            # Start a stream only on a connected channel: a call on a dead one would still pull
+            # (and lose) messages from the queue, which must keep them, or drop and count them.
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=backoff)
+            except grpc.FutureTimeoutError:
+                self._outage("not connected")
+                with self._cond:
+                    if self._closing:
+                        return
+                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                continue
+            self._call_ended.clear()
+            try:
+                # One long stream: it returns when _messages ends (on close) or raises when the
+                # predictor goes away.
+                summary = self._stub.Observe(self._messages())
+                self._call_ended.set()
+                logger.debug("Observe stream closed: %d activations accepted", summary.activations)
+                backoff = RECONNECT_INITIAL_S
+            except grpc.RpcError as exc:
+                self._call_ended.set()
+                self._outage(f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc))
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._cond.wait(RECONNECT_INITIAL_S)
+
+    def close(self, flush_timeout_s: float = 2.0) -> None:
+        """Send what is queued (up to ``flush_timeout_s``), end the stream and stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._flush_deadline = time.monotonic() + flush_timeout_s
+            self._cond.notify_all()
+        self._thread.join(flush_timeout_s + 2 * _WAIT_SLICE_S + RECONNECT_MAX_S)
+        self._channel.close()

@@ -1,0 +1,174 @@
+"""Records every request's routing to an ``.npz`` routing trace (``/work/shared/traces`` format).
+
+::
+
+    generation thread: on_step(StepRouting [T, L, K]) ─▶ the request's row list (append only)
+                       on_request_end(id, prompt_tokens, finish) ─▶ finished requests
+    writer thread:     every ``every_requests`` finished requests, and on close:
+                       concatenate ─▶ np.savez to PATH.tmp ─▶ rename to PATH (atomic)
+
+File keys (readable with ``np.load(path, allow_pickle=False)``): ``expert_ids`` int8
+``[tokens, layers, top_k]`` (int16 when the model has more than 127 experts; ``meta_json``
+says which in ``expert_ids_dtype``), ``gate_weights`` float16 ``[tokens, layers, top_k]``,
+``req_offsets`` int64 ``[requests + 1]``, ``decode_start`` int32 ``[requests]`` (= the prompt
+length: rows before it are prefill tokens), ``meta_json`` and ``req_meta_json`` (0-d str).
+Every row is one fed-back token; the last generated token is never fed back, so a request of P
+prompt tokens and G generated ones has P + G - 1 rows. Layers are MoE layer indices (manifest
+order). The whole recording is kept in memory until close: it is a tool for building traces,
+not an always-on log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compute_svc.activations import StepRouting
+
+logger = logging.getLogger(__name__)
+
+INT8_MAX_EXPERTS = 127  # int8 holds expert ids 0..127; larger models are stored as int16
+
+
+@dataclass
+class _Recording:
+    prompt_tokens: int = 0
+    experts: list[np.ndarray] = field(default_factory=list)  # each [T, L, K] int64
+    weights: list[np.ndarray] = field(default_factory=list)  # each [T, L, K] float16
+
+
+class TraceRecorder:
+    """Collects requests' routing and writes them as one trace file, atomically.
+
+    ``meta`` must hold ``num_layers`` (MoE layers), ``num_experts`` and ``top_k``; it is written
+    to ``meta_json`` together with ``expert_ids_dtype``. ``on_step`` / ``on_request_end`` are
+    called from the generation thread and only append; files are written by a writer thread.
+    """
+
+    def __init__(self, path: str | Path, meta: dict[str, Any], *, every_requests: int = 16) -> None:
+        for key in ("num_layers", "num_experts", "top_k"):
+            if key not in meta:
+                raise ValueError(f"trace meta lacks {key!r}")
+        if every_requests < 1:
+            raise ValueError(f"every_requests must be >= 1, got {every_requests}")
+        self.path = Path(path)
+        self.every_requests = every_requests
+        self.expert_dtype = np.int8 if int(meta["num_experts"]) <= INT8_MAX_EXPERTS else np.int16
+        self.meta = {**meta, "expert_ids_dtype": np.dtype(self.expert_dtype).name}
+        self._lock = threading.Lock()
+        self._live: dict[str, _Recording] = {}
+        self._done: list[tuple[dict[str, Any], np.ndarray, np.ndarray]] = []  # (req meta, experts, weights)
+        self._written = 0  # requests in the file on disk
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self.files_written = 0
+        self._write_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self._thread.start()
+
+    # -- generation thread ----------------------------------------------------------------------
+    def on_step(self, step: StepRouting, prompt_tokens: int) -> None:
+        """Append one forward's routing (``step.weights`` must be set)."""
+        if step.weights is None:
+            raise ValueError("TraceRecorder needs the router weights: take() the step with_weights=True")
+        with self._lock:
+            rec = self._live.setdefault(step.request_id, _Recording(prompt_tokens=prompt_tokens))
+            rec.experts.append(step.experts.numpy())
+            rec.weights.append(step.weights.to(dtype=torch.float16).numpy())
+
+    def on_request_end(self, request_id: str, finish: str) -> None:
+        """Close the request's recording (``finish``: eos, length, stop, cancelled, error)."""
+        with self._lock:
+            rec = self._live.pop(request_id, None)
+            if rec is None or not rec.experts:
+                return
+            experts = np.concatenate(rec.experts, axis=0)
+            weights = np.concatenate(rec.weights, axis=0)
+            tokens = int(experts.shape[0])
+            self._done.append(
+                (
+                    {
+                        "request_id": request_id,
+                        "prompt_len": rec.prompt_tokens,
+                        "n_rows": tokens,
+                        "n_decode_tokens": tokens - rec.prompt_tokens,
+                        "finish": finish,
+                    },
+                    experts,
+                    weights,
+                )
+            )
+            if len(self._done) - self._written >= self.every_requests:
+                self._wake.notify()
+
+    @property
+    def requests(self) -> int:
+        with self._lock:
+            return len(self._done)
+
+    # -- writer ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and len(self._done) - self._written < self.every_requests:
+                    self._wake.wait()
+                if self._closing:
+                    return
+                done = list(self._done)
+            self._write(done)
+
+    def _write(self, done: list[tuple[dict[str, Any], np.ndarray, np.ndarray]]) -> None:
+        if not done:
+            return
+        with self._write_lock:  # flush() and the writer thread share the tmp file
+            self._write_locked(done)
+
+    def _write_locked(self, done: list[tuple[dict[str, Any], np.ndarray, np.ndarray]]) -> None:
+        layers, top_k = int(self.meta["num_layers"]), int(self.meta["top_k"])
+        experts = np.concatenate([e for _, e, _ in done], axis=0).astype(self.expert_dtype)
+        weights = np.concatenate([w for _, _, w in done], axis=0)
+        if experts.shape[1:] != (layers, top_k):
+            raise ValueError(f"routing rows have shape {experts.shape[1:]}, meta says ({layers}, {top_k})")
+        offsets = np.zeros(len(done) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([e.shape[0] for _, e, _ in done])
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                expert_ids=experts,
+                gate_weights=weights,
+                req_offsets=offsets,
+                decode_start=np.array([m["prompt_len"] for m, _, _ in done], dtype=np.int32),
+                meta_json=np.array(json.dumps(self.meta)),
+                req_meta_json=np.array(json.dumps([m for m, _, _ in done])),
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        with self._lock:
+            self._written = max(self._written, len(done))
+            self.files_written += 1
+        logger.info("trace %s: %d requests, %d tokens", self.path, len(done), experts.shape[0])
+
+    def flush(self) -> None:
+        """Write every finished request now (from the caller's thread)."""
+        with self._lock:
+            done = list(self._done)
+        self._write(done)
+
+    def close(self) -> None:
+        """Stop the writer and write the final file (requests still live are left out)."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        self._thread.join()
+        self.flush()
