@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard proto/moe/*/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: install gen-proto lint test test-unit test-integration demo clean
+.PHONY: install gen-proto lint test test-unit test-integration demo clean bench-predict bench-io bench
 
 install: $(STAMP) gen/.stamp
 
@@ -49,3 +49,15 @@ demo: install
 
 clean:
 	rm -rf gen build demo-data .pytest_cache .ruff_cache
+
+# Predictor quality (eamc / history / combined precision & recall) on the shared gpt-oss trace,
+# and the EAMC matching cost at 1 K / 10 K entries: prints them, writes bench/results/predict.json.
+bench-predict: install
+	$(PY) -m bench.predict_bench $(BENCH_PREDICT_ARGS)
+
+# Store I/O: raw O_DIRECT vs the native Reader vs safetensors on a ~1.5 GiB store (built once under
+# bench/.data/), and the cost of a cache-hit acquire+release; writes bench/results/io.json.
+bench-io: install native
+	$(PY) -m bench.io_bench $(BENCH_IO_ARGS)
+
+bench: bench-io bench-predict

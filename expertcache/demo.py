@@ -1,8 +1,9 @@
 """`make demo`: the whole ExpertCache on this machine, from checkpoint to streamed tokens.
 
     checkpoint ──convert──▶ expert store ──▶ cache_daemon (arena: 25% of experts)
-                                                   ▲ Demand (unix socket)
-    this script ──Generate (gRPC, streamed)──▶ compute_svc
+                                                   ▲ Demand (unix socket)   ▲ hints
+    this script ──Generate (gRPC, streamed)──▶ compute_svc ──activations──▶ predictor_svc
+                                                               (EAMC in an embedded store file)
 
 Without ``--model`` it builds a small random-weight Mixtral checkpoint with transformers itself
 (no download). With ``--model DIR`` it serves that checkpoint directory instead.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from expertcache.launch import REPO, Proc, start_compute, start_daemon
+from expertcache.launch import REPO, Proc, start_compute, start_daemon, start_predictor
 from expertcache.manifest import read_manifest
 
 DEFAULT_PROMPT = "Once upon a time there was a small model that"
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe.cache.v1 import cache_pb2, cache_pb2_grpc
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+    from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
     from cache_daemon.convert import convert
 
@@ -85,14 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="expertcache-demo-") as tmp:
         work = Path(tmp)
         try:
+            eamc_path = data_dir / "predictor" / f"eamc-{ckpt.name}.bin"
+            _say(f"• starting predictor_svc (embedded EAMC store {eamc_path}) …")
+            predictor = start_predictor(work, embedded_path=eamc_path)
+            procs.append(predictor)
+            _say(f"  serving {predictor.address}")
+            wiring = ["--predictor-address", predictor.address, "--pod-name", "demo"]
             _say("• starting cache_daemon …")
             daemon = start_daemon(
-                store, work, device_budget_bytes=device_slots * blob, host_budget_bytes=host_slots * blob
+                store,
+                work,
+                device_budget_bytes=device_slots * blob,
+                host_budget_bytes=host_slots * blob,
+                extra=wiring,
             )
             procs.append(daemon)
             _say(f"  serving {daemon.address}")
             _say("• starting compute_svc …")
-            compute = start_compute(store, daemon, work)
+            compute = start_compute(store, daemon, work, extra=wiring)
             procs.append(compute)
             _say(f"  serving {compute.address}")
 
@@ -128,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"{event.cache.hits:>5} {event.cache.misses:>5}  {event.text!r}"
                     )
                 elapsed = time.perf_counter() - started
+            # Activations are reported asynchronously: wait (briefly) for the request's end to land.
+            with grpc.insecure_channel(predictor.address) as channel:
+                pstub = predictor_pb2_grpc.PredictorStub(channel)
+                deadline = time.monotonic() + 10
+                while True:
+                    pstats = pstub.GetStats(predictor_pb2.GetStatsRequest(), timeout=10)
+                    if pstats.requests_done >= 1 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
             with grpc.insecure_channel(daemon.address) as channel:
                 stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(
                     cache_pb2.GetStatsRequest(), timeout=10
@@ -149,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"evictions {tier.evictions}"
                 )
             _say(f"  store reads: {stats.store_io_mode}, {stats.store_read_seconds:.3f}s")
+            _say(
+                f"  hints: {stats.hints.batches} batches, {stats.hints.hints} hints received from the predictor"
+            )
+            _say(
+                f"predictor: EAMC entries {pstats.eamc_entries} ({pstats.store_kind} store), tokens observed "
+                f"{pstats.observed_tokens}, requests done {pstats.requests_done}, hint batches published "
+                f"{pstats.hint_batches_published}, mean match {pstats.mean_match_s * 1e6:.0f} µs"
+            )
         finally:
             _say("• shutting down")
             for proc in reversed(procs):

@@ -114,3 +114,27 @@ def start_compute(store_dir: Path, daemon: Proc, work_dir: Path, extra: list[str
         *(extra or []),
     ]
     return start("compute_svc", args, address, work_dir / "compute.log")
+
+
+def start_predictor(
+    work_dir: Path,
+    extra: list[str] | None = None,
+    redis_url: str | None = None,
+    *,
+    port: int | None = None,
+    embedded_path: Path | None = None,
+    log_name: str = "predictor.log",
+) -> Proc:
+    """``python -m predictor_svc`` on a free loopback port (or ``port``), waited on until healthy.
+
+    Without ``redis_url`` the EAMC lives in the embedded store, saved to ``embedded_path``
+    (default ``work_dir/eamc.bin``) when the process stops. Compute and daemon are pointed at it
+    with ``extra=["--predictor-address", proc.address]``.
+    """
+    address = f"127.0.0.1:{port or free_port()}"
+    args = ["--listen-address", address]
+    if redis_url:
+        args += ["--redis-url", redis_url]
+    else:
+        args += ["--embedded-path", str(embedded_path or work_dir / "eamc.bin")]
+    return start("predictor_svc", [*args, *(extra or [])], address, work_dir / log_name)

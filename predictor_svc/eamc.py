@@ -1,0 +1,335 @@
+"""The EAM collection (EAMC): an in-memory similarity index kept in sync with a store.
+
+    store (Redis / embedded)  --load/changes-->  Eamc  --upsert/remove-->  EamcIndex
+          ^                                        |                        rows [N, L*E] f32
+          +------------- insert (atomic) ----------+                        (pre-normalised)
+
+Normalisation (why): every row is the entry's EAM with each layer block L2-normalised
+separately. Each layer then weighs the same in the similarity whatever its token count, and the
+norm of a row restricted to its first ``l`` layers is sqrt(number of non-empty blocks among
+them), kept as a per-row prefix count, so a query over the layers seen so far needs no
+re-normalisation: one matrix product over a column slice, divided by known norms. The result is
+exactly the cosine of the block-normalised vectors over the first ``l`` layers, which (when
+every block is non-empty, as for any request with a token) is the mean over those layers of the
+per-layer cosine of the counts.
+
+Prediction: the scores of an entry are its per-layer expert frequencies (count / tokens, in
+[0, 1]: the share of its tokens that used the expert), recovered from the normalised row and a
+per-(row, layer) scale. A query's prediction is the similarity-weighted mean of the frequencies
+of its ``top_n`` most similar entries, so it stays in [0, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from predictor_svc.eam import EamShape, decode_eam, encode_eam
+from predictor_svc.errors import Conflict, CorruptEntry, StoreUnavailable
+from predictor_svc.store.base import EamcStore
+
+logger = logging.getLogger(__name__)
+
+
+def block_normalise(eams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer L2 normalisation. ``eams`` [..., L, E] (any numeric) ->
+    (normalised float32 [..., L, E], per-layer norms float32 [..., L]); empty layers stay 0."""
+    x = np.asarray(eams, dtype=np.float32)
+    norms = np.sqrt(np.einsum("...le,...le->...l", x, x, dtype=np.float32))
+    safe = np.where(norms > 0, norms, 1.0).astype(np.float32)
+    return x / safe[..., None], norms
+
+
+class EamcIndex:
+    """Pre-normalised rows of one model's EAMC entries, for matching. Not thread-safe (Eamc locks)."""
+
+    def __init__(self, shape: EamShape, initial_rows: int = 64) -> None:
+        self.shape = shape
+        width = shape.layers * shape.experts
+        self._rows = np.zeros((max(1, initial_rows), width), dtype=np.float32)  # [cap, L*E]
+        # scale[n, l] = ||counts of layer l|| / tokens: turns a normalised block into frequencies
+        self._scale = np.zeros((self._rows.shape[0], shape.layers), dtype=np.float32)
+        # nonempty[n, l] = number of non-empty layer blocks among the first l (l = 0..L)
+        self._nonempty = np.zeros((self._rows.shape[0], shape.layers + 1), dtype=np.float32)
+        self._ids: list[str] = []
+        self._pos: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    def __contains__(self, entry_id: str) -> bool:
+        return entry_id in self._pos
+
+    def upsert(self, entry_id: str, eam: np.ndarray, tokens: int | None = None) -> None:
+        """Add or replace ``entry_id`` with ``eam`` (uint32 [L, E]); ``tokens`` defaults to the
+        largest layer total (every token routes top_k experts per layer)."""
+        eam = self._check(eam)
+        if tokens is None:
+            tokens = int(eam.sum(axis=1).max()) // self.shape.top_k
+        row = self._pos.get(entry_id)
+        if row is None:
+            row = len(self._ids)
+            if row == self._rows.shape[0]:
+                self._grow()
+            self._ids.append(entry_id)
+            self._pos[entry_id] = row
+        normalised, norms = block_normalise(eam)
+        self._rows[row] = normalised.reshape(-1)
+        self._scale[row] = norms / max(int(tokens), 1)
+        self._nonempty[row, 0] = 0
+        self._nonempty[row, 1:] = np.cumsum(norms > 0)
+
+    def remove(self, entry_id: str) -> bool:
+        """Drop ``entry_id``; the last row moves into its place. False if it was not there."""
+        row = self._pos.pop(entry_id, None)
+        if row is None:
+            return False
+        last = len(self._ids) - 1
+        if row != last:
+            moved = self._ids[last]
+            self._rows[row] = self._rows[last]
+            self._scale[row] = self._scale[last]
+            self._nonempty[row] = self._nonempty[last]
+            self._ids[row] = moved
+            self._pos[moved] = row
+        self._ids.pop()
+        self._rows[last] = 0
+        self._scale[last] = 0
+        self._nonempty[last] = 0
+        return True
+
+    def similarities(self, partial_eam: np.ndarray, layers_seen: int | None = None) -> np.ndarray:
+        """Cosine (block-normalised) of the query to every entry over the first ``layers_seen``
+        layers. ``partial_eam`` [L, E] or a batch [T, L, E] -> float32 [N] or [T, N], in the
+        order of ``ids()``. One matrix product."""
+        q = np.asarray(partial_eam)
+        single = q.ndim == 2
+        q = q[None] if single else q
+        layers = self.shape.layers if layers_seen is None else int(layers_seen)
+        if not 0 <= layers <= self.shape.layers:
+            raise ValueError(f"layers_seen must be in [0, {self.shape.layers}], got {layers}")
+        if q.shape[1:] != (self.shape.layers, self.shape.experts):
+            raise ValueError(f"query must be [{self.shape.layers}, {self.shape.experts}], got {q.shape[1:]}")
+        n = len(self._ids)
+        if n == 0 or layers == 0:
+            out = np.zeros((q.shape[0], n), dtype=np.float32)
+            return out[0] if single else out
+        width = layers * self.shape.experts
+        qn, qnorms = block_normalise(q[:, :layers])
+        q_nonempty = (qnorms > 0).sum(axis=1).astype(np.float32)  # [T]
+        rows = self._rows[:n, :width]  # a view: the product reads the prefix columns in place
+        if single:  # matrix-vector: BLAS gemv, cheaper than a 1-row gemm
+            dots = (rows @ qn.reshape(width))[None, :]  # [1, N]
+        else:
+            dots = qn.reshape(q.shape[0], width) @ rows.T  # [T, N]
+        denom = np.sqrt(q_nonempty[:, None] * self._nonempty[:n, layers][None, :])
+        sims = np.divide(dots, denom, out=np.zeros_like(dots), where=denom > 0)
+        return sims[0] if single else sims
+
+    def most_similar(self, eam: np.ndarray) -> tuple[str, float] | None:
+        """(id, similarity) of the entry most similar to ``eam`` over all layers; None if empty."""
+        if not self._ids:
+            return None
+        sims = self.similarities(eam)
+        best = int(np.argmax(sims))
+        return self._ids[best], float(sims[best])
+
+    def predict(
+        self,
+        partial_eam: np.ndarray,
+        layers_seen: int | None = None,
+        top_n: int = 8,
+        sharpness: float = 1.0,
+    ) -> np.ndarray:
+        """Per (layer, expert) score in [0, 1]: the similarity-weighted mean expert frequency of
+        the ``top_n`` best matches (weights sim**sharpness, negative sims clipped). With no
+        layer seen every entry weighs the same (the collection's mean). Query [L, E] -> float32
+        [L, E]; a batch [T, L, E] -> [T, L, E]. Zeros if the collection is empty."""
+        q = np.asarray(partial_eam)
+        single = q.ndim == 2
+        q = q[None] if single else q
+        t, n = q.shape[0], len(self._ids)
+        shape = (t, self.shape.layers, self.shape.experts)
+        if n == 0:
+            out = np.zeros(shape, dtype=np.float32)
+            return out[0] if single else out
+        sims = self.similarities(q, layers_seen)  # [T, N]
+        if layers_seen == 0:
+            sims = np.ones_like(sims)
+        k = min(top_n, n)
+        if k < n:
+            best = np.argpartition(-sims, k - 1, axis=1)[:, :k]  # [T, k]
+        else:
+            best = np.broadcast_to(np.arange(n), (t, n))
+        weights = np.clip(np.take_along_axis(sims, best, axis=1), 0.0, None) ** sharpness  # [T, k]
+        total = weights.sum(axis=1, keepdims=True)
+        # No positive match: fall back to equal weights over the chosen entries.
+        weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 1.0 / k)
+        rows = self._rows[best].reshape(t, k, self.shape.layers, self.shape.experts)
+        freqs = rows * self._scale[best][..., None]  # [T, k, L, E]
+        out = np.einsum("tk,tkle->tle", weights.astype(np.float32), freqs)
+        np.clip(out, 0.0, 1.0, out=out)
+        return out[0] if single else out
+
+    def _check(self, eam: np.ndarray) -> np.ndarray:
+        eam = np.asarray(eam)
+        if eam.shape != (self.shape.layers, self.shape.experts):
+            raise ValueError(f"eam must be [{self.shape.layers}, {self.shape.experts}], got {eam.shape}")
+        return eam
+
+    def _grow(self) -> None:
+        cap = self._rows.shape[0] * 2
+        for name in ("_rows", "_scale", "_nonempty"):
+            old = getattr(self, name)
+            new = np.zeros((cap, old.shape[1]), dtype=old.dtype)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+
+class Eamc:
+    """One model's EAM collection: an ``EamcIndex`` kept in sync with an ``EamcStore``.
+
+    Thread-safe. Store errors propagate as StoreUnavailable (callers count and log them); the
+    index keeps answering from what it has. Counters (``full_reloads``, ``incremental_syncs``,
+    ``changes_applied``, ``conflicts``, ``corrupt_entries``, ``store_errors``) are for metrics.
+    """
+
+    def __init__(
+        self,
+        store: EamcStore,
+        model_id: str,
+        shape: EamShape,
+        capacity: int,
+        max_insert_attempts: int = 32,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.store = store
+        self.model_id = model_id
+        self.shape = shape
+        self.capacity = capacity
+        self.max_insert_attempts = max_insert_attempts
+        self.index = EamcIndex(shape, initial_rows=min(capacity, 1024))
+        self._cursor: str | None = None  # guarded by _io_lock
+        self._io_lock = threading.Lock()  # serialises store I/O (sync / insert) and the cursor
+        self._lock = threading.Lock()  # guards the index; never held across store I/O
+        self.full_reloads = 0
+        self.incremental_syncs = 0
+        self.changes_applied = 0
+        self.conflicts = 0
+        self.corrupt_entries = 0
+        self.store_errors = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self.index)
+
+    def sync(self) -> int:
+        """Apply the store's changes since the cursor (full reload only when the cursor is too
+        old or absent). Returns the number of changes applied (entries, on a reload)."""
+        with self._io_lock:
+            return self._sync_locked()
+
+    def _sync_locked(self) -> int:
+        # Store I/O runs without the index lock, so queries keep answering while Redis is slow
+        # or down (a connect timeout must not stall hint computation).
+        try:
+            if self._cursor is not None:
+                delta = self.store.changes(self.model_id, self._cursor)
+                if delta is not None:
+                    changes, cursor = delta
+                    with self._lock:
+                        for change in changes:
+                            if change.op == "put":
+                                self._upsert_blob(self.index, change.entry_id, change.blob)
+                            else:
+                                self.index.remove(change.entry_id)
+                        self.incremental_syncs += 1
+                        self.changes_applied += len(changes)
+                    self._cursor = cursor
+                    return len(changes)
+                logger.info("EAMC %s: cursor %s too old, reloading", self.model_id, self._cursor)
+            entries, cursor = self.store.load(self.model_id)
+        except StoreUnavailable:
+            self.store_errors += 1
+            raise
+        index = EamcIndex(self.shape, initial_rows=max(len(entries), 64))
+        for entry_id, blob in entries.items():
+            self._upsert_blob(index, entry_id, blob)
+        with self._lock:
+            self.index = index
+            self.full_reloads += 1
+        self._cursor = cursor
+        return len(entries)
+
+    def insert(self, eam: np.ndarray, tokens: int) -> str:
+        """Insert a finished request's EAM (uint32 [L, E]); at capacity it replaces the most
+        similar entry. Retries on Conflict after a sync; raises Conflict when the attempts run
+        out and StoreUnavailable when the store cannot be reached."""
+        blob = encode_eam(self.index._check(eam), tokens)
+        with self._io_lock:
+            for _attempt in range(self.max_insert_attempts):
+                if self._cursor is None:
+                    self._sync_locked()
+                victim = None
+                with self._lock:
+                    if len(self.index) >= self.capacity:
+                        best = self.index.most_similar(eam)
+                        victim = best[0] if best else None
+                try:
+                    entry_id = self.store.insert(self.model_id, blob, self.capacity, victim)
+                except Conflict:
+                    self.conflicts += 1
+                    self._sync_locked()
+                    continue
+                except StoreUnavailable:
+                    self.store_errors += 1
+                    raise
+                # Pull our own change (and any others) through the log, keeping the cursor true.
+                try:
+                    self._sync_locked()
+                except StoreUnavailable:
+                    # Written but not read back: apply locally; the next sync re-applies
+                    # idempotently.
+                    with self._lock:
+                        if victim is not None:
+                            self.index.remove(victim)
+                        self.index.upsert(entry_id, np.asarray(eam), tokens)
+                return entry_id
+            raise Conflict(
+                f"EAMC {self.model_id!r}: insert gave up after {self.max_insert_attempts} "
+                "conflicting attempts"
+            )
+
+    def similarities(self, partial_eam: np.ndarray, layers_seen: int | None = None) -> np.ndarray:
+        with self._lock:
+            return self.index.similarities(partial_eam, layers_seen)
+
+    def predict(
+        self,
+        partial_eam: np.ndarray,
+        layers_seen: int | None = None,
+        top_n: int = 8,
+        sharpness: float = 1.0,
+    ) -> np.ndarray:
+        with self._lock:
+            return self.index.predict(partial_eam, layers_seen, top_n, sharpness)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return self.index.ids()
+
+    def _upsert_blob(self, index: EamcIndex, entry_id: str, blob: bytes | None) -> None:
+        try:
+            eam, tokens = decode_eam(blob or b"", self.shape)
+        except CorruptEntry as exc:
+            self.corrupt_entries += 1
+            logger.warning("EAMC %s: skipping entry %s: %s", self.model_id, entry_id, exc)
+            index.remove(entry_id)
+            return
+        index.upsert(entry_id, eam, tokens)

@@ -1,0 +1,102 @@
+"""The predictor's counters: plain, thread-safe, Prometheus-named (the daemon's ``Counter``).
+
+============================================  =====  ==========================================
+name                                          label  meaning
+============================================  =====  ==========================================
+``moe_predictor_observed_tokens_total``              Activation messages accepted
+``moe_predictor_requests_done_total``                requests finished with request_done
+``moe_predictor_requests_expired_total``             live requests dropped (TTL or
+                                                     max_live_requests); EAM not inserted
+``moe_predictor_entries_inserted_total``             EAMs written to the store by this replica
+``moe_predictor_inserts_dropped_total``              finished EAMs not inserted (too short, or
+                                                     the retry queue overflowed)
+``moe_predictor_store_errors_total``          op     store operations that failed
+                                                     (op = insert | sync | save)
+``moe_predictor_queries_total``                      predictions computed
+``moe_predictor_match_seconds_total``                seconds spent computing predictions
+``moe_predictor_hint_batches_total``                 hint batches handed to subscribers
+``moe_predictor_hints_replaced_total``               unsent (request, layer) hints replaced by
+                                                     newer ones (coalescing)
+``moe_predictor_hints_dropped_total``                unsent (request, layer) hints dropped
+                                                     because a subscriber's queue was full
+============================================  =====  ==========================================
+
+Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports).
+"""
+
+from __future__ import annotations
+
+from cache_daemon.metrics import Counter
+
+STORE_OPS = ("insert", "sync", "save")
+
+
+class PredictorMetrics:
+    """Every counter the predictor keeps; one instance per service."""
+
+    def __init__(self) -> None:
+        self.observed_tokens = Counter("moe_predictor_observed_tokens_total", "Activation messages accepted.")
+        self.requests_done = Counter(
+            "moe_predictor_requests_done_total", "Requests finished with request_done."
+        )
+        self.requests_expired = Counter(
+            "moe_predictor_requests_expired_total",
+            "Live requests dropped without request_done (TTL or max_live_requests); EAM not inserted.",
+        )
+        self.entries_inserted = Counter(
+            "moe_predictor_entries_inserted_total", "EAMs written to the store by this replica."
+        )
+        self.inserts_dropped = Counter(
+            "moe_predictor_inserts_dropped_total",
+            "Finished EAMs not inserted (too short or retry queue full).",
+        )
+        self.store_errors = Counter(
+            "moe_predictor_store_errors_total", "Store operations that failed.", ("op",)
+        )
+        self.queries = Counter("moe_predictor_queries_total", "Predictions computed.")
+        self.match_seconds = Counter(
+            "moe_predictor_match_seconds_total", "Seconds spent computing predictions."
+        )
+        self.hint_batches = Counter("moe_predictor_hint_batches_total", "Hint batches handed to subscribers.")
+        self.hints_replaced = Counter(
+            "moe_predictor_hints_replaced_total", "Unsent (request, layer) hints replaced by newer ones."
+        )
+        self.hints_dropped = Counter(
+            "moe_predictor_hints_dropped_total",
+            "Unsent (request, layer) hints dropped: subscriber queue full.",
+        )
+
+    def counters(self) -> list[Counter]:
+        return [
+            self.observed_tokens,
+            self.requests_done,
+            self.requests_expired,
+            self.entries_inserted,
+            self.inserts_dropped,
+            self.store_errors,
+            self.queries,
+            self.match_seconds,
+            self.hint_batches,
+            self.hints_replaced,
+            self.hints_dropped,
+        ]
+
+    def store_errors_total(self) -> int:
+        return int(sum(value for _labels, value in self.store_errors.samples()))
+
+    def mean_match_s(self) -> float:
+        queries = self.queries.value()
+        return self.match_seconds.value() / queries if queries else 0.0
+
+    def render_text(self) -> str:
+        """The counters in the Prometheus text exposition format."""
+        lines = []
+        for counter in self.counters():
+            lines.append(f"# HELP {counter.name} {counter.help}")
+            lines.append(f"# TYPE {counter.name} counter")
+            for labels, value in counter.samples():
+                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(
+                    f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
+                )
+        return "\n".join(lines) + "\n"

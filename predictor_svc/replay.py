@@ -1,0 +1,259 @@
+"""``python -m predictor_svc.replay TRACE --address HOST:PORT``: feed a routing trace through a
+running predictor as if its requests were live.
+
+The trace is the format of ``/work/shared/traces/README.md`` (``expert_ids`` [tokens, layers,
+top_k], ``req_offsets``, ``meta_json`` with ``num_experts``; read with ``allow_pickle=False``).
+Requests are replayed in file order, one ``Observe`` stream per request, one ``Activation`` per
+token (all layers), ``request_done`` on the request's last token — exactly what compute sends.
+``--speed`` paces tokens (tokens per second over the whole replay) or ``max``.
+
+Exit codes: 0 done, 2 bad trace file or arguments (the message says which), 1 the predictor
+failed (its gRPC status is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+from tqdm import tqdm
+
+REQUIRED_KEYS = ("expert_ids", "req_offsets", "meta_json")
+
+
+class TraceError(ValueError):
+    """The trace file is missing, unreadable or not in the trace format."""
+
+
+class ReplayError(RuntimeError):
+    """The predictor cannot be reached."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    expert_ids: np.ndarray  # int [tokens, layers, top_k]
+    req_offsets: np.ndarray  # int64 [requests + 1]
+    num_experts: int
+    model: str
+
+    @property
+    def requests(self) -> int:
+        return len(self.req_offsets) - 1
+
+    @property
+    def layers(self) -> int:
+        return int(self.expert_ids.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.expert_ids.shape[2])
+
+    def request(self, r: int) -> np.ndarray:
+        """int [tokens, layers, top_k] of request ``r``."""
+        return self.expert_ids[self.req_offsets[r] : self.req_offsets[r + 1]]
+
+
+def load_trace(path: Path) -> Trace:
+    """Read and check a trace file; TraceError naming the file and what is wrong."""
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise TraceError(f"trace {path} is a single .npy array, not an .npz archive")
+    with z:
+        missing = [k for k in REQUIRED_KEYS if k not in z.files]
+        if missing:
+            raise TraceError(
+                f"trace {path} lacks {', '.join(missing)} (has: {', '.join(z.files) or 'nothing'})"
+            )
+        try:
+            expert_ids = z["expert_ids"]
+            offsets = z["req_offsets"].astype(np.int64)
+            meta = json.loads(str(z["meta_json"]))
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise TraceError(f"trace {path}: {exc}") from exc
+    if expert_ids.ndim != 3 or expert_ids.dtype.kind not in "iu" or 0 in expert_ids.shape[1:]:
+        raise TraceError(
+            f"trace {path}: expert_ids must be int [tokens, layers, top_k], got {expert_ids.dtype} {expert_ids.shape}"
+        )
+    if offsets.ndim != 1 or len(offsets) < 2:
+        raise TraceError(f"trace {path}: req_offsets must be int [requests + 1], got shape {offsets.shape}")
+    if offsets[0] != 0 or offsets[-1] != len(expert_ids) or np.any(np.diff(offsets) < 0):
+        raise TraceError(
+            f"trace {path}: req_offsets must rise from 0 to {len(expert_ids)} (tokens), "
+            f"got {offsets[0]}..{offsets[-1]}"
+        )
+    if not isinstance(meta, dict) or not isinstance(meta.get("num_experts"), int) or meta["num_experts"] < 1:
+        raise TraceError(f"trace {path}: meta_json must give num_experts (a positive int)")
+    num_experts = int(meta["num_experts"])
+    if expert_ids.size and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
+        raise TraceError(
+            f"trace {path}: expert_ids range {int(expert_ids.min())}..{int(expert_ids.max())} "
+            f"is outside 0..{num_experts - 1} (num_experts)"
+        )
+    return Trace(expert_ids, offsets, num_experts, str(meta.get("model", path.stem)))
+
+
+class Pacer:
+    """Sleeps so that tokens leave at ``tokens_per_s`` overall (None = as fast as possible)."""
+
+    def __init__(self, tokens_per_s: float | None) -> None:
+        self._period = 1.0 / tokens_per_s if tokens_per_s else 0.0
+        self._next = time.monotonic()
+
+    def wait(self) -> None:
+        if not self._period:
+            return
+        self._next += self._period
+        delay = self._next - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def activations(
+    trace: Trace, r: int, model_id: str, pod: str, request_id: str, pacer: Pacer, progress: tqdm | None
+) -> Iterator[predictor_pb2.Activation]:
+    tokens = trace.request(r)
+    for t, routing in enumerate(tokens):
+        pacer.wait()
+        yield predictor_pb2.Activation(
+            request_id=request_id,
+            model_id=model_id,
+            pod=pod,
+            token_index=t,
+            experts=routing.reshape(-1).tolist(),
+            top_k=trace.top_k,
+            layers=trace.layers,
+            num_experts=trace.num_experts,
+            request_done=t == len(tokens) - 1,
+        )
+        if progress is not None:
+            progress.update(1)
+
+
+def replay(
+    trace: Trace,
+    address: str,
+    *,
+    model_id: str,
+    pod: str,
+    requests: int | None = None,
+    tokens_per_s: float | None = None,
+    run_id: str | None = None,
+    show_progress: bool = True,
+    connect_timeout_s: float = 10.0,
+) -> tuple[int, int]:
+    """Replay the first ``requests`` requests; returns (activations, requests done) acknowledged."""
+    count = trace.requests if requests is None else min(requests, trace.requests)
+    total_tokens = int(trace.req_offsets[count])
+    run_id = run_id or f"replay-{int(time.time() * 1000)}"
+    pacer = Pacer(tokens_per_s)
+    sent = done = 0
+    with (
+        grpc.insecure_channel(address) as channel,
+        tqdm(total=total_tokens, unit="tok", disable=not show_progress, file=sys.stderr) as progress,
+    ):
+        try:
+            grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ReplayError(f"no predictor answers at {address} after {connect_timeout_s:g}s") from None
+        stub = predictor_pb2_grpc.PredictorStub(channel)
+        for r in range(count):
+            if trace.req_offsets[r + 1] == trace.req_offsets[r]:
+                continue  # a request without tokens has nothing to report
+            summary = stub.Observe(activations(trace, r, model_id, pod, f"{run_id}-{r}", pacer, progress))
+            sent += summary.activations
+            done += summary.requests_done
+    return sent, done
+
+
+def parse_speed(text: str) -> float | None:
+    if text == "max":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--speed must be tokens per second (> 0) or 'max', got {text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--speed must be > 0 tokens per second or 'max', got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m predictor_svc.replay",
+        description="Feed a routing trace (.npz, see shared/traces/README.md) through a running predictor's Observe.",
+    )
+    parser.add_argument("trace", type=Path, help="trace file (.npz)")
+    parser.add_argument("--address", required=True, help="predictor host:port")
+    parser.add_argument("--model-id", default=None, help="model id to report (default: the trace's model)")
+    parser.add_argument(
+        "--pod", default="replay", help="pod whose hint subscribers get the hints (default: replay)"
+    )
+    parser.add_argument(
+        "--requests", type=positive_int, default=None, help="replay only the first N requests"
+    )
+    parser.add_argument(
+        "--speed", type=parse_speed, default=None, help="tokens per second, or 'max' (default)"
+    )
+    parser.add_argument("--run-id", default=None, help="request id prefix (default: replay-<ms since epoch>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        print(f"predictor_svc.replay: {exc}", file=sys.stderr)
+        return 2
+    model_id = args.model_id or trace.model
+    start = time.monotonic()
+    try:
+        sent, done = replay(
+            trace,
+            args.address,
+            model_id=model_id,
+            pod=args.pod,
+            requests=args.requests,
+            tokens_per_s=args.speed,
+            run_id=args.run_id,
+            show_progress=not args.no_progress,
+        )
+    except ReplayError as exc:
+        print(f"predictor_svc.replay: {exc}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        print(
+            f"predictor_svc.replay: predictor at {args.address} failed: {exc.code().name}: {exc.details()}",
+            file=sys.stderr,
+        )
+        return 1
+    elapsed = time.monotonic() - start
+    print(
+        f"replayed {done} requests, {sent} tokens of {args.trace.name} as model {model_id!r} "
+        f"in {elapsed:.1f}s ({sent / elapsed if elapsed else 0:.0f} tokens/s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

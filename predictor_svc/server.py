@@ -1,0 +1,135 @@
+"""The gRPC edge of the predictor: ``moe.predictor.v1.Predictor`` converted to and from the domain.
+
+Nothing here decides anything: each RPC converts its messages, calls ``PredictorService`` and
+converts the answer. Domain errors propagate as exceptions, which
+``expertcache.grpc_server.ErrorInterceptor`` maps to status codes (BadActivation →
+INVALID_ARGUMENT naming the field).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+from expertcache.grpc_server import build_server, set_serving
+from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = predictor_pb2.DESCRIPTOR.services_by_name["Predictor"].full_name
+SUBSCRIBE_POLL_S = 0.5  # how often a hint stream notices a cancelled client with nothing to send
+
+
+# -- wire <-> domain -------------------------------------------------------------------------
+def activation_from_pb(msg: predictor_pb2.Activation) -> Activation:
+    return Activation(
+        request_id=msg.request_id,
+        model_id=msg.model_id,
+        pod=msg.pod,
+        token_index=msg.token_index,
+        experts=msg.experts,  # repeated uint32: sized and indexable, converted once by the service
+        top_k=msg.top_k,
+        request_done=msg.request_done,
+        layers=msg.layers,
+        num_experts=msg.num_experts,
+    )
+
+
+def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
+    return predictor_pb2.HintBatch(
+        request_id=batch.request_id,
+        token_index=batch.token_index,
+        request_done=batch.request_done,
+        hints=[predictor_pb2.Hint(layer=h.layer, expert=h.expert, score=h.score) for h in batch.hints],
+    )
+
+
+def stats_to_pb(stats: ServiceStats) -> predictor_pb2.PredictorStats:
+    return predictor_pb2.PredictorStats(
+        eamc_entries=stats.eamc_entries,
+        live_requests=stats.live_requests,
+        queries=stats.queries,
+        mean_match_s=stats.mean_match_s,
+        store_kind=stats.store_kind,
+        store_errors=stats.store_errors,
+        observed_tokens=stats.observed_tokens,
+        requests_done=stats.requests_done,
+        entries_inserted=stats.entries_inserted,
+        inserts_pending=stats.inserts_pending,
+        inserts_dropped=stats.inserts_dropped,
+        requests_expired=stats.requests_expired,
+        hint_batches_published=stats.hint_batches_published,
+        hints_replaced=stats.hints_replaced,
+        hints_dropped=stats.hints_dropped,
+        subscribers=stats.subscribers,
+        store_degraded=stats.store_degraded,
+        models=[
+            predictor_pb2.ModelStats(
+                model_id=m.model_id,
+                eamc_entries=m.eamc_entries,
+                layers=m.layers,
+                num_experts=m.num_experts,
+                top_k=m.top_k,
+                live_requests=m.live_requests,
+            )
+            for m in stats.models
+        ],
+    )
+
+
+# -- the servicer ----------------------------------------------------------------------------
+class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
+    """``moe.predictor.v1.Predictor`` over one ``PredictorService``."""
+
+    def __init__(self, service: PredictorService) -> None:
+        self._service = service
+
+    def Observe(
+        self, request_iterator: Iterator[predictor_pb2.Activation], context: grpc.ServicerContext
+    ) -> predictor_pb2.ObserveSummary:
+        activations = done = 0
+        for msg in request_iterator:
+            if self._service.observe(activation_from_pb(msg)):
+                done += 1
+            activations += 1
+        return predictor_pb2.ObserveSummary(activations=activations, requests_done=done)
+
+    def SubscribeHints(
+        self, request: predictor_pb2.SubscribeHintsRequest, context: grpc.ServicerContext
+    ) -> Iterator[predictor_pb2.HintBatch]:
+        sub = self._service.subscribe(request.model_id, request.pod)
+        # A cancelled client must not leave its subscription collecting hints.
+        context.add_callback(sub.close)
+        try:
+            while context.is_active() and not sub.closed:
+                batch = sub.get(SUBSCRIBE_POLL_S)
+                if batch is not None:
+                    yield hint_batch_to_pb(batch)
+        finally:
+            sub.close()
+
+    def GetStats(
+        self, request: predictor_pb2.GetStatsRequest, context: grpc.ServicerContext
+    ) -> predictor_pb2.PredictorStats:
+        return stats_to_pb(self._service.stats())
+
+
+def create_server(
+    service: PredictorService, address: str, *, max_workers: int
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """A started server on ``address`` (host:port) with health SERVING."""
+    servicer = PredictorServicer(service)
+    server, health_servicer = build_server(
+        address,
+        [lambda s: predictor_pb2_grpc.add_PredictorServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        max_workers=max_workers,
+    )
+    server.start()
+    set_serving(health_servicer, [SERVICE_NAME])
+    logger.info("serving %s on %s", SERVICE_NAME, address)
+    return server, health_servicer

@@ -1,0 +1,696 @@
+"""The predictor's domain: live requests, EAMC insertion, hint publishing (no gRPC here).
+
+::
+
+    Observe (gRPC threads)                         background thread (every sync_interval_s)
+    ──────────────────────                         ───────────────────────────────────────────
+    activation ─▶ validate ─▶ live request         pending inserts ─▶ Eamc.insert ─▶ store
+                              (EAM += token,       Eamc.sync() per model (other replicas' inserts)
+                               RequestPredictor)   expire quiet requests (live_request_ttl_s)
+                   │ subscribers of (model, pod)?
+                   ▼
+               scores [L, E] ─▶ top hint_top_n per layer ≥ min_score ─▶ Subscription.offer
+                   (request_done: EAM queued for insertion, woken at once)      │ coalesce per
+                                                                                ▼ (request, layer)
+                                                                  SubscribeHints stream: get()
+
+Decisions:
+- ``observe`` never talks to the store: inserting a finished EAM (Redis round trips, the
+  most-similar search) happens on the background thread, woken as soon as a request ends. So a
+  store outage never slows or fails Observe.
+- Store unavailable on insert: the EAM stays in a bounded retry queue and is retried every
+  ``sync_interval_s``; beyond ``max_pending_inserts`` the oldest is dropped (counted). Each
+  failure is counted (``store_errors``) and logged once per outage, not per attempt.
+- A request quiet for ``live_request_ttl_s`` is dropped without inserting its partial EAM.
+- Hints are only computed for a token when some subscriber follows its (model, pod): nobody
+  would read them otherwise.
+- Activations carry all layers of one token; a request's tokens must arrive with increasing
+  ``token_index`` (gaps allowed: a reporter may drop tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor_svc.config import PredictorConfig
+from predictor_svc.eam import EamShape
+from predictor_svc.eamc import Eamc
+from predictor_svc.errors import BadActivation, CorruptEntry, PredictorStopping, StoreUnavailable
+from predictor_svc.metrics import PredictorMetrics
+from predictor_svc.predict import PredictionConfig, RequestPredictor
+from predictor_svc.store.base import EamcStore
+
+logger = logging.getLogger(__name__)
+
+HINT_SOURCE = "combined"  # the request's own history mixed with the EAMC match (predict.py)
+
+
+# -- domain types ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Activation:
+    """One token's routing of one request (the wire ``Activation``, converted at the edge).
+
+    ``experts``: flat ``[layers * top_k]`` ints, ``experts[l * top_k + j]`` = j-th expert of layer l.
+    """
+
+    request_id: str
+    model_id: str
+    pod: str
+    token_index: int
+    experts: Sequence[int]
+    top_k: int
+    request_done: bool = False
+    layers: int = 0
+    num_experts: int = 0
+
+
+@dataclass(frozen=True)
+class Hint:
+    layer: int
+    expert: int
+    score: float
+
+
+@dataclass(frozen=True)
+class HintBatch:
+    """Hints for some layers of one request: each layer's hints replace earlier ones for it."""
+
+    request_id: str
+    token_index: int
+    hints: tuple[Hint, ...]
+    request_done: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    eamc_entries: int
+    layers: int
+    num_experts: int
+    top_k: int
+    live_requests: int
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    eamc_entries: int
+    live_requests: int
+    queries: int
+    mean_match_s: float
+    store_kind: str
+    store_errors: int
+    observed_tokens: int
+    requests_done: int
+    entries_inserted: int
+    inserts_pending: int
+    inserts_dropped: int
+    requests_expired: int
+    hint_batches_published: int
+    hints_replaced: int
+    hints_dropped: int
+    subscribers: int
+    store_degraded: bool
+    models: tuple[ModelInfo, ...] = ()
+
+
+# -- subscribers -----------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    token_index: int
+    layers: dict[int, tuple[Hint, ...]] = field(default_factory=dict)
+    done: bool = False
+
+
+class Subscription:
+    """One SubscribeHints stream: a bounded, coalescing queue of unsent hints.
+
+    Unsent hints are kept per request and layer; a newer offer for a (request, layer) replaces
+    the older one (counted as replaced). At most ``max_requests`` requests are pending: offering
+    for one more drops the oldest request's unsent hints (counted as dropped). ``offer`` never
+    blocks on the reader, so a slow subscriber never slows Observe.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        pod: str,
+        max_requests: int,
+        metrics: PredictorMetrics,
+        on_close: Callable[[Subscription], None] | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.pod = pod
+        self._max_requests = max_requests
+        self._metrics = metrics
+        self._on_close = on_close
+        self._cond = threading.Condition()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending_requests(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def _slot(self, request_id: str, token_index: int) -> _Pending:
+        pending = self._pending.get(request_id)
+        if pending is None:
+            if len(self._pending) >= self._max_requests:
+                _old_id, old = self._pending.popitem(last=False)
+                self._metrics.hints_dropped.inc(len(old.layers))
+            pending = self._pending[request_id] = _Pending(token_index)
+        return pending
+
+    def offer(self, request_id: str, token_index: int, layers: dict[int, tuple[Hint, ...]]) -> None:
+        """Queue ``layers`` (layer → hints, best first) of ``request_id``, replacing unsent ones."""
+        with self._cond:
+            if self._closed:
+                return
+            pending = self._slot(request_id, token_index)
+            replaced = sum(1 for layer in layers if layer in pending.layers)
+            if replaced:
+                self._metrics.hints_replaced.inc(replaced)
+            pending.layers.update(layers)
+            pending.token_index = max(pending.token_index, token_index)
+            self._cond.notify()
+
+    def offer_done(self, request_id: str, token_index: int) -> None:
+        """The request ended: its unsent hints are moot; send a done marker instead."""
+        with self._cond:
+            if self._closed:
+                return
+            pending = self._slot(request_id, token_index)
+            if pending.layers:
+                self._metrics.hints_replaced.inc(len(pending.layers))
+                pending.layers.clear()
+            pending.done = True
+            pending.token_index = max(pending.token_index, token_index)
+            self._cond.notify()
+
+    def get(self, timeout_s: float | None = None) -> HintBatch | None:
+        """The oldest request's unsent hints as one batch; None on timeout or once closed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending or self._closed, timeout_s):
+                return None
+            if self._closed:
+                return None
+            request_id, pending = self._pending.popitem(last=False)
+        hints = tuple(h for layer in sorted(pending.layers) for h in pending.layers[layer])
+        self._metrics.hint_batches.inc()
+        return HintBatch(request_id, pending.token_index, hints, pending.done)
+
+    def close(self) -> None:
+        """Idempotent; wakes a reader blocked in ``get``."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify_all()
+        if self._on_close is not None:
+            self._on_close(self)
+
+
+# -- models and live requests ----------------------------------------------------------------
+class _Model:
+    """One model's geometry and EAMC (``Eamc`` is thread-safe: the background thread syncs and
+    inserts while Observe threads predict)."""
+
+    def __init__(self, model_id: str, shape: EamShape, eamc: Eamc) -> None:
+        self.model_id = model_id
+        self.shape = shape
+        self.eamc = eamc
+
+
+class _LiveRequest:
+    def __init__(
+        self, model: _Model, request_id: str, pod: str, predictor: RequestPredictor, now: float
+    ) -> None:
+        self.model = model
+        self.request_id = request_id
+        self.pod = pod
+        self.predictor = predictor  # holds the request's EAM (uint32 [L, E]) and token count
+        self.last_token_index = -1
+        self.last_seen = now
+        self.lock = threading.Lock()
+
+
+@dataclass
+class _PendingInsert:
+    model: _Model
+    request_id: str
+    eam: np.ndarray  # uint32 [L, E]
+    tokens: int
+
+
+# -- the service -----------------------------------------------------------------------------
+class PredictorService:
+    """Live EAMs, the EAMC per model, hint subscribers. Thread-safe; see the module docstring."""
+
+    def __init__(
+        self,
+        config: PredictorConfig,
+        store: EamcStore,
+        *,
+        metrics: PredictorMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics or PredictorMetrics()
+        self._clock = clock
+        self._prediction_config = _prediction_config(config)
+        self._lock = threading.Lock()  # models, live requests, subscribers, pending inserts
+        self._models: dict[str, _Model] = {}
+        self._live: OrderedDict[tuple[str, str], _LiveRequest] = OrderedDict()  # LRU order
+        self._subs: dict[tuple[str, str], list[Subscription]] = {}
+        self._inserts: deque[_PendingInsert] = deque()
+        self._degraded = False
+        self._closed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._store_lock = threading.Lock()  # one thread at a time talks to the store
+        for shape in config.shapes().values():
+            self._model(shape.model_id, EamShape(shape.layers, shape.experts, shape.top_k))
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="predictor-sync", daemon=True)
+            self._thread.start()
+
+    # -- Observe ---------------------------------------------------------------------------
+    def observe(self, activation: Activation) -> bool:
+        """Apply one token's routing; True when it ended its request.
+
+        Raises BadActivation naming the field; nothing is changed then.
+        """
+        if self._closed:
+            raise PredictorStopping("the predictor is shutting down")
+        a = activation
+        if not a.request_id:
+            raise BadActivation("Activation.request_id is empty")
+        if not a.model_id:
+            raise BadActivation(f"Activation.model_id is empty (request {a.request_id!r})")
+        experts = None
+        if len(a.experts) or not a.request_done:
+            experts = self._check_routing(a)  # int64 [L, K]
+        key = (a.model_id, a.request_id)
+        now = self._clock()
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None:
+                self._live.move_to_end(key)  # LRU order: max_live_requests drops the quietest
+        if experts is None:  # request_done with no routing
+            if live is not None:
+                with live.lock:
+                    self._check_index(a, live)
+                    live.last_token_index = max(live.last_token_index, a.token_index)
+                self._finish(live, a.token_index)
+            self.metrics.observed_tokens.inc()
+            return True
+        model = self._models_get(a.model_id)
+        if model is None:
+            shape = self._shape_from(a, experts)
+            model = self._model(a.model_id, shape)
+        self._check_shape(a, experts, model.shape)
+        if live is None:
+            live = self._open_request(model, a, now)
+        with live.lock:
+            self._check_index(a, live)
+            live.predictor.observe(experts)  # counts the token into its EAM
+            live.last_token_index = a.token_index
+            live.last_seen = now
+        self.metrics.observed_tokens.inc()
+        if not a.request_done:
+            self._publish(live, a.token_index)
+            return False
+        self._finish(live, a.token_index)
+        return True
+
+    def _check_routing(self, a: Activation) -> np.ndarray:
+        if a.top_k < 1:
+            raise BadActivation(f"Activation.top_k is {a.top_k} (request {a.request_id!r}); must be >= 1")
+        n = len(a.experts)
+        if n == 0:
+            raise BadActivation(
+                f"Activation.experts is empty (request {a.request_id!r}); only a request_done message "
+                "may carry no routing"
+            )
+        if n % a.top_k:
+            raise BadActivation(
+                f"Activation.experts has {n} entries, not a multiple of top_k={a.top_k} "
+                f"(request {a.request_id!r})"
+            )
+        layers = n // a.top_k
+        if a.layers and a.layers != layers:
+            raise BadActivation(
+                f"Activation.layers = {a.layers} but experts holds {layers} layers of top_k={a.top_k} "
+                f"(request {a.request_id!r})"
+            )
+        return np.asarray(a.experts, dtype=np.int64).reshape(layers, a.top_k)
+
+    def _shape_from(self, a: Activation, experts: np.ndarray) -> EamShape:
+        if not a.num_experts:
+            raise BadActivation(
+                f"Activation.num_experts is 0 and model {a.model_id!r} is not known yet: the first "
+                "activation of a model must give its num_experts (or configure model_shapes)"
+            )
+        try:
+            return EamShape(int(experts.shape[0]), int(a.num_experts), int(a.top_k))
+        except ValueError as exc:
+            raise BadActivation(f"Activation of model {a.model_id!r}: {exc}") from exc
+
+    def _check_shape(self, a: Activation, experts: np.ndarray, shape: EamShape) -> None:
+        layers, top_k = experts.shape
+        if layers != shape.layers or top_k != shape.top_k:
+            raise BadActivation(
+                f"Activation.experts holds {layers} layers x top_k={top_k} but model {a.model_id!r} has "
+                f"{shape.layers} layers x top_k={shape.top_k} (request {a.request_id!r})"
+            )
+        if a.num_experts and a.num_experts != shape.experts:
+            raise BadActivation(
+                f"Activation.num_experts = {a.num_experts} but model {a.model_id!r} has {shape.experts} experts"
+            )
+        if experts.size and int(experts.max()) >= shape.experts:
+            flat = int(np.argmax(experts.reshape(-1) >= shape.experts))
+            raise BadActivation(
+                f"Activation.experts[{flat}] = {int(experts.reshape(-1)[flat])} is out of range: model "
+                f"{a.model_id!r} has {shape.experts} experts (request {a.request_id!r})"
+            )
+
+    @staticmethod
+    def _check_index(a: Activation, live: _LiveRequest) -> None:
+        if a.token_index <= live.last_token_index and not (
+            a.request_done and not len(a.experts) and a.token_index == live.last_token_index
+        ):
+            raise BadActivation(
+                f"Activation.token_index = {a.token_index} does not follow the last token index "
+                f"{live.last_token_index} of request {a.request_id!r} (must increase)"
+            )
+
+    def _open_request(self, model: _Model, a: Activation, now: float) -> _LiveRequest:
+        predictor = RequestPredictor(model.eamc, model.shape, self._prediction_config)
+        live = _LiveRequest(model, a.request_id, a.pod, predictor, now)
+        evicted: list[_LiveRequest] = []
+        with self._lock:
+            existing = self._live.get((a.model_id, a.request_id))
+            if existing is not None:  # another stream opened it meanwhile
+                return existing
+            self._live[(a.model_id, a.request_id)] = live
+            while len(self._live) > self.config.max_live_requests:
+                _key, old = self._live.popitem(last=False)
+                evicted.append(old)
+        for old in evicted:
+            self.metrics.requests_expired.inc()
+            logger.warning(
+                "dropping live request %r of model %r: more than max_live_requests=%d live (EAM not inserted)",
+                old.request_id,
+                old.model.model_id,
+                self.config.max_live_requests,
+            )
+        return live
+
+    def _finish(self, live: _LiveRequest, token_index: int) -> None:
+        with self._lock:
+            if self._live.get((live.model.model_id, live.request_id)) is not live:
+                return  # finished or expired meanwhile
+            del self._live[(live.model.model_id, live.request_id)]
+            for sub in self._subs.get((live.model.model_id, live.pod), ()):
+                sub.offer_done(live.request_id, token_index)
+            self.metrics.requests_done.inc()
+            tokens = live.predictor.tokens
+            if tokens < self.config.min_request_tokens:
+                self.metrics.inserts_dropped.inc()
+                logger.debug("request %r has %d tokens: not inserted", live.request_id, tokens)
+                return
+            self._inserts.append(_PendingInsert(live.model, live.request_id, live.predictor.eam, tokens))
+            while len(self._inserts) > self.config.max_pending_inserts:
+                dropped = self._inserts.popleft()
+                self.metrics.inserts_dropped.inc()
+                logger.warning(
+                    "insert retry queue full (%d): dropping the EAM of request %r",
+                    self.config.max_pending_inserts,
+                    dropped.request_id,
+                )
+        self._wake.set()
+
+    def _publish(self, live: _LiveRequest, token_index: int) -> None:
+        with self._lock:
+            subs = list(self._subs.get((live.model.model_id, live.pod), ()))
+        if not subs:
+            return
+        start = time.perf_counter()
+        with live.lock:
+            scores = np.asarray(live.predictor.scores(HINT_SOURCE), dtype=np.float32)  # [L, E]
+        layers = top_hints(scores, self.config.hint_top_n, self.config.min_score)
+        self.metrics.match_seconds.inc(time.perf_counter() - start)
+        self.metrics.queries.inc()
+        for sub in subs:
+            sub.offer(live.request_id, token_index, layers)
+
+    # -- subscribers -----------------------------------------------------------------------
+    def subscribe(self, model_id: str, pod: str) -> Subscription:
+        """A new subscription to the hints of requests of ``model_id`` served by ``pod``."""
+        if not model_id:
+            raise BadActivation("SubscribeHintsRequest.model_id is empty")
+        if self._closed:
+            raise PredictorStopping("the predictor is shutting down")
+        sub = Subscription(
+            model_id, pod, self.config.subscriber_queue_requests, self.metrics, self._unsubscribe
+        )
+        with self._lock:
+            self._subs.setdefault((model_id, pod), []).append(sub)
+        logger.info("hint subscriber for model %r pod %r", model_id, pod)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            subs = self._subs.get((sub.model_id, sub.pod), [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._subs.pop((sub.model_id, sub.pod), None)
+
+    # -- models ------------------------------------------------------------------------------
+    def _models_get(self, model_id: str) -> _Model | None:
+        with self._lock:
+            return self._models.get(model_id)
+
+    def _model(self, model_id: str, shape: EamShape) -> _Model:
+        """The model's state, created (with its EAMC loaded from the store) on first use."""
+        with self._lock:
+            model = self._models.get(model_id)
+            if model is not None:
+                return model
+            eamc = Eamc(self.store, model_id, shape, self.config.eamc_capacity)
+            model = self._models[model_id] = _Model(model_id, shape, eamc)
+        logger.info(
+            "model %r: %d layers x %d experts, top_k %d", model_id, shape.layers, shape.experts, shape.top_k
+        )
+        self._wake.set()  # load its entries from the store soon
+        return model
+
+    # -- background: inserts, sync, expiry --------------------------------------------------
+    def _run(self) -> None:
+        next_sync = self._clock()
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_sync - self._clock()))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                ok = self.flush_inserts()
+                if self._clock() >= next_sync or not ok:
+                    self.sync_now()
+                    next_sync = self._clock() + self.config.sync_interval_s
+            except Exception:  # noqa: BLE001 - the background thread must survive anything
+                logger.exception("predictor background step failed")
+                next_sync = self._clock() + self.config.sync_interval_s
+            if not self._inserts_ok():
+                # Store down: wait a full interval before retrying, do not spin on the wake event.
+                self._stop.wait(self.config.sync_interval_s)
+
+    def _inserts_ok(self) -> bool:
+        with self._lock:
+            return not (self._inserts and self._degraded)
+
+    def flush_inserts(self) -> bool:
+        """Insert queued finished EAMs in order; False when the store failed (they stay queued)."""
+        with self._store_lock:
+            while True:
+                with self._lock:
+                    if not self._inserts:
+                        return True
+                    item = self._inserts[0]
+                try:
+                    entry_id = item.model.eamc.insert(item.eam, item.tokens)
+                except (StoreUnavailable, CorruptEntry) as exc:
+                    self._store_failed("insert", exc)
+                    return False
+                except Exception as exc:  # noqa: BLE001 - e.g. Conflict after retries: try later
+                    self._store_failed("insert", exc)
+                    return False
+                with self._lock:
+                    if self._inserts and self._inserts[0] is item:
+                        self._inserts.popleft()
+                self._store_ok()
+                self.metrics.entries_inserted.inc()
+                logger.debug(
+                    "request %r inserted as entry %s of %r", item.request_id, entry_id, item.model.model_id
+                )
+
+    def sync_now(self) -> None:
+        """One background step: sync every model's EAMC with the store, expire quiet requests."""
+        with self._lock:
+            models = list(self._models.values())
+        with self._store_lock:
+            for model in models:
+                try:
+                    model.eamc.sync()
+                except (StoreUnavailable, CorruptEntry) as exc:
+                    self._store_failed("sync", exc)
+                else:
+                    self._store_ok()
+        self.expire()
+
+    def expire(self) -> int:
+        """Drop requests quiet for longer than ``live_request_ttl_s``; their EAMs are not inserted."""
+        limit = self._clock() - self.config.live_request_ttl_s
+        with self._lock:
+            stale = [key for key, live in self._live.items() if live.last_seen < limit]
+            for key in stale:
+                del self._live[key]
+        for model_id, request_id in stale:
+            self.metrics.requests_expired.inc()
+            logger.info(
+                "live request %r of model %r quiet for %.0fs: dropped (EAM not inserted)",
+                request_id,
+                model_id,
+                self.config.live_request_ttl_s,
+            )
+        return len(stale)
+
+    def _store_failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.store_errors.inc(op=op)
+        with self._lock:
+            was, self._degraded = self._degraded, True
+        if not was:
+            logger.warning("EAMC store %s failed, predicting from memory until it is back: %s", op, exc)
+        else:
+            logger.debug("EAMC store %s still failing: %s", op, exc)
+
+    def _store_ok(self) -> None:
+        with self._lock:
+            was, self._degraded = self._degraded, False
+        if was:
+            logger.warning("EAMC store is back")
+
+    # -- stats and lifecycle -----------------------------------------------------------------
+    def stats(self) -> ServiceStats:
+        with self._lock:
+            models = list(self._models.values())
+            live_by_model: dict[str, int] = {}
+            for model_id, _request_id in self._live:
+                live_by_model[model_id] = live_by_model.get(model_id, 0) + 1
+            live = len(self._live)
+            pending = len(self._inserts)
+            subscribers = sum(len(s) for s in self._subs.values())
+            degraded = self._degraded
+        infos = []
+        for model in models:
+            entries = model.eamc.entries
+            infos.append(
+                ModelInfo(
+                    model.model_id,
+                    entries,
+                    model.shape.layers,
+                    model.shape.experts,
+                    model.shape.top_k,
+                    live_by_model.get(model.model_id, 0),
+                )
+            )
+        m = self.metrics
+        return ServiceStats(
+            eamc_entries=sum(i.eamc_entries for i in infos),
+            live_requests=live,
+            queries=int(m.queries.value()),
+            mean_match_s=m.mean_match_s(),
+            store_kind=self.config.store_kind,
+            store_errors=m.store_errors_total(),
+            observed_tokens=int(m.observed_tokens.value()),
+            requests_done=int(m.requests_done.value()),
+            entries_inserted=int(m.entries_inserted.value()),
+            inserts_pending=pending,
+            inserts_dropped=int(m.inserts_dropped.value()),
+            requests_expired=int(m.requests_expired.value()),
+            hint_batches_published=int(m.hint_batches.value()),
+            hints_replaced=int(m.hints_replaced.value()),
+            hints_dropped=int(m.hints_dropped.value()),
+            subscribers=subscribers,
+            store_degraded=degraded,
+            models=tuple(sorted(infos, key=lambda i: i.model_id)),
+        )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the background thread (after one last insert attempt) and end every subscription."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.flush_inserts()  # finished requests reach the store before it is closed or saved
+        with self._lock:
+            subs = [s for group in self._subs.values() for s in group]
+        for sub in subs:
+            sub.close()
+
+
+def top_hints(scores: np.ndarray, top_n: int, min_score: float) -> dict[int, tuple[Hint, ...]]:
+    """Per layer, the ``top_n`` highest-scoring experts with score >= ``min_score`` (and > 0), best first.
+
+    ``scores``: float32 [L, E] in [0, 1]. Every layer appears (possibly with no hints), so an
+    empty tuple replaces stale hints for a layer the prediction no longer supports.
+    """
+    layers, experts = scores.shape
+    n = min(top_n, experts)
+    # argpartition then a sort of only n columns per layer: O(L·E) instead of a full sort.
+    part = (
+        np.argpartition(-scores, n - 1, axis=1)[:, :n]
+        if n < experts
+        else np.tile(np.arange(experts), (layers, 1))
+    )
+    part_scores = np.take_along_axis(scores, part, axis=1)
+    order = np.argsort(-part_scores, axis=1, kind="stable")
+    best = np.take_along_axis(part, order, axis=1)
+    best_scores = np.take_along_axis(part_scores, order, axis=1)
+    out: dict[int, tuple[Hint, ...]] = {}
+    for layer in range(layers):
+        out[layer] = tuple(
+            Hint(layer, int(e), float(s))
+            for e, s in zip(best[layer], best_scores[layer], strict=True)
+            if s >= min_score and s > 0.0  # a zero score predicts nothing
+        )
+    return out
+
+
+def _prediction_config(config: PredictorConfig) -> PredictionConfig:
+    """The predictor's ``PredictionConfig``: its defaults, with ``match_top_n`` where it applies."""
+    base = PredictionConfig()
+    names = {f.name for f in dataclasses.fields(base)}
+    for name in ("top_n", "match_top_n", "top_n_matches"):
+        if name in names:
+            return dataclasses.replace(base, **{name: config.match_top_n})
+    return base

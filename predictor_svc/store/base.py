@@ -1,0 +1,59 @@
+"""The EAMC store interface: where the EAM collection of each model lives (Redis or embedded).
+
+Both implementations keep, per model, a map ``entry_id -> blob`` (blobs in the
+``predictor_svc.eam`` entry format) and a bounded change log. A reader holds a *cursor* (an
+opaque string) into the log and asks for the changes since it, so replicas stay in sync
+without reloading the collection; a cursor older than the log's tail gets ``None`` and must
+reload.
+
+Ownership/atomicity contract:
+- ``insert`` is atomic: below ``capacity`` it appends a new entry; at capacity it replaces
+  exactly ``victim_id`` (the caller's choice: the most similar entry). If the collection is at
+  capacity and ``victim_id`` is None or no longer present, or the collection is below capacity
+  but the caller named a victim, the store raises ``Conflict`` and changes nothing; the caller
+  re-syncs and retries. A blob is written whole or not at all (no torn entry).
+- Every call that talks to a server raises ``StoreUnavailable`` naming the URL when it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change-log record: ``op`` "put" (blob set) or "del" (blob None) of ``entry_id``."""
+
+    op: Literal["put", "del"]
+    entry_id: str
+    blob: bytes | None
+
+
+@runtime_checkable
+class EamcStore(Protocol):
+    """Per-model EAM collections with a change log. See the module docstring for semantics."""
+
+    def load(self, model_id: str) -> tuple[dict[str, bytes], str]:
+        """All entries of ``model_id`` and the cursor at which that snapshot was taken."""
+        ...
+
+    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
+        """Changes after ``cursor`` in order and the new cursor; None if ``cursor`` is too old."""
+        ...
+
+    def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:
+        """Atomically append (below capacity) or replace ``victim_id`` (at capacity).
+
+        Returns the new entry's id (the removal of the victim shows in ``changes``). Raises
+        Conflict when the collection no longer matches the caller's view.
+        """
+        ...
+
+    def count(self, model_id: str) -> int:
+        """Number of entries of ``model_id``."""
+        ...
+
+    def close(self) -> None:
+        """Release connections / flush nothing; idempotent."""
+        ...

@@ -1,0 +1,160 @@
+"""The Redis EAMC store: per-model collections shared by every predictor replica.
+
+Keys (``{m}`` = model id):
+
+    expertcache:eamc:{m}:entries   hash   entry_id -> blob (predictor_svc.eam format)
+    expertcache:eamc:{m}:log       stream change log, id "<seq>-0", fields op/id/blob, MAXLEN
+    expertcache:eamc:{m}:seq       string seq of the last change-log record
+    expertcache:eamc:{m}:epoch     string random id of this collection's incarnation
+
+Every write is one Lua script, so it is atomic on the server: two replicas inserting at once
+never exceed the capacity and never leave a torn entry, and the append-only file replays whole
+scripts. A cursor is "<epoch>:<seq>"; ``changes`` returns None (reload) when the epoch changed
+(collection wiped) or the records after the cursor were trimmed from the stream (detected by
+the seq numbers, which are consecutive by construction).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import redis
+
+from predictor_svc.errors import Conflict, StoreUnavailable
+from predictor_svc.store.base import Change
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOG_LEN = 4096
+
+# KEYS: entries, log, seq, epoch. ARGV: blob, capacity, victim ("" = none), maxlen, new epoch.
+# Returns {"ok", entry_id} or {"conflict", reason}.
+_INSERT = """
+redis.call('SETNX', KEYS[4], ARGV[5])
+local n = redis.call('HLEN', KEYS[1])
+local capacity = tonumber(ARGV[2])
+local maxlen = ARGV[4]
+if n >= capacity then
+  if ARGV[3] == '' then
+    return {'conflict', 'at capacity ' .. capacity .. ' (' .. n .. ' entries) and no victim named'}
+  end
+  if redis.call('HEXISTS', KEYS[1], ARGV[3]) == 0 then
+    return {'conflict', 'victim ' .. ARGV[3] .. ' is gone'}
+  end
+  redis.call('HDEL', KEYS[1], ARGV[3])
+  local s = redis.call('INCR', KEYS[3])
+  redis.call('XADD', KEYS[2], 'MAXLEN', maxlen, s .. '-0', 'op', 'del', 'id', ARGV[3])
+end
+local s = redis.call('INCR', KEYS[3])
+local id = tostring(s)
+redis.call('HSET', KEYS[1], id, ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', maxlen, s .. '-0', 'op', 'put', 'id', id, 'blob', ARGV[1])
+return {'ok', id}
+"""
+
+# KEYS: entries, seq, epoch. ARGV: new epoch. Returns {epoch, seq, id1, blob1, id2, blob2, ...}.
+_LOAD = """
+redis.call('SETNX', KEYS[3], ARGV[1])
+local out = {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all do out[#out + 1] = all[i] end
+return out
+"""
+
+# KEYS: log, seq, epoch. ARGV: start id (exclusive, "(<seq>-0"). Returns {epoch, seq, records}.
+_CHANGES = """
+return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0',
+        redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
+"""
+
+
+class RedisStore:
+    """``EamcStore`` on one Redis server. Errors talking to it raise StoreUnavailable."""
+
+    def __init__(
+        self,
+        url: str,
+        log_len: int = DEFAULT_LOG_LEN,
+        socket_timeout_s: float = 2.0,
+    ) -> None:
+        if log_len < 1:
+            raise ValueError(f"log_len must be >= 1, got {log_len}")
+        self.url = url
+        self._log_len = log_len
+        # Short timeouts: an outage must surface as StoreUnavailable quickly, not hang a caller.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry_on_timeout=False,
+        )
+        self._insert = self._client.register_script(_INSERT)
+        self._load = self._client.register_script(_LOAD)
+        self._changes = self._client.register_script(_CHANGES)
+
+    @staticmethod
+    def _keys(model_id: str) -> dict[str, str]:
+        base = f"expertcache:eamc:{model_id}"
+        return {k: f"{base}:{k}" for k in ("entries", "log", "seq", "epoch")}
+
+    def _call(self, what: str, script, keys: list[str], args: list) -> list:
+        try:
+            return script(keys=keys, args=args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable ({what}): {exc}") from exc
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"EAMC store redis at {self.url} failed ({what}): {exc}") from exc
+
+    def load(self, model_id: str) -> tuple[dict[str, bytes], str]:
+        k = self._keys(model_id)
+        out = self._call("load", self._load, [k["entries"], k["seq"], k["epoch"]], [uuid.uuid4().hex])
+        epoch, seq = out[0].decode(), int(out[1])
+        entries = {out[i].decode(): bytes(out[i + 1]) for i in range(2, len(out), 2)}
+        return entries, f"{epoch}:{seq}"
+
+    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
+        epoch, _, seq_text = cursor.partition(":")
+        try:
+            seq = int(seq_text)
+        except ValueError:
+            return None
+        k = self._keys(model_id)
+        out = self._call("changes", self._changes, [k["log"], k["seq"], k["epoch"]], [f"({seq}-0"])
+        cur_epoch, cur_seq, records = out[0].decode(), int(out[1]), out[2]
+        if cur_epoch != epoch or cur_seq < seq:
+            return None  # the collection was wiped or recreated
+        if cur_seq == seq:
+            return [], cursor
+        if not records or int(records[0][0].split(b"-")[0]) != seq + 1:
+            return None  # records after the cursor were trimmed from the stream
+        changes = []
+        for _record_id, fields in records:
+            f = dict(zip(fields[::2], fields[1::2], strict=True))
+            op = f[b"op"].decode()
+            changes.append(Change(op, f[b"id"].decode(), bytes(f[b"blob"]) if op == "put" else None))
+        last = int(records[-1][0].split(b"-")[0])
+        return changes, f"{epoch}:{last}"
+
+    def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        k = self._keys(model_id)
+        status, value = self._call(
+            "insert",
+            self._insert,
+            [k["entries"], k["log"], k["seq"], k["epoch"]],
+            [bytes(blob), capacity, victim_id or "", self._log_len, uuid.uuid4().hex],
+        )
+        if status == b"conflict":
+            raise Conflict(f"EAMC {model_id!r} changed under an insert: {value.decode()}")
+        return value.decode()
+
+    def count(self, model_id: str) -> int:
+        try:
+            return int(self._client.hlen(self._keys(model_id)["entries"]))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable (count): {exc}") from exc
+
+    def close(self) -> None:
+        self._client.close()

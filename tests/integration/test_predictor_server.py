@@ -1,0 +1,275 @@
+"""The predictor as real processes (``python -m predictor_svc``) on real sockets, with a real
+redis-server: shared EAMC between replicas, restarts, a Redis outage, the embedded store's
+save/load, the replay tool on the real trace, and gRPC error statuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+from expertcache.launch import REPO, Proc, free_port, start
+from expertcache.redis_server import RedisServer
+from predictor_svc.replay import ReplayError, load_trace, replay
+
+TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
+MODEL = "tiny-moe"
+L, E, K = 4, 8, 2
+SHAPE = f"{MODEL}={L}x{E}x{K}"
+
+
+def start_predictor(work_dir: Path, *extra: str, address: str | None = None, name: str = "predictor") -> Proc:
+    address = address or f"127.0.0.1:{free_port()}"
+    args = ["--listen-address", address, "--sync-interval-s", "0.1", "--model-shapes", SHAPE, *extra]
+    return start("predictor_svc", args, address, work_dir / f"{name}.log")
+
+
+def stub(proc: Proc) -> predictor_pb2_grpc.PredictorStub:
+    return predictor_pb2_grpc.PredictorStub(grpc.insecure_channel(proc.address))
+
+
+def stats(proc: Proc) -> predictor_pb2.PredictorStats:
+    return stub(proc).GetStats(predictor_pb2.GetStatsRequest(), timeout=5)
+
+
+def wait_stats(proc: Proc, predicate, timeout_s: float = 15.0) -> predictor_pb2.PredictorStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = stats(proc)
+        if predicate(current):
+            return current
+        if time.monotonic() > deadline:
+            raise AssertionError(f"predictor stats never matched: {current}\n{proc.log()[-3000:]}")
+        time.sleep(0.05)
+
+
+def pattern(token: int, alternate: bool) -> list[int]:
+    """Routing of one token: experts (0, 1) in every layer, or (2, 3) on odd tokens if alternating."""
+    base = 2 if alternate and token % 2 else 0
+    return [base + j for _layer in range(L) for j in range(K)]
+
+
+def request(request_id: str, tokens: int, *, alternate: bool = False, done: bool = True, pod: str = "pod-a"):
+    for t in range(tokens):
+        yield predictor_pb2.Activation(
+            request_id=request_id,
+            model_id=MODEL,
+            pod=pod,
+            token_index=t,
+            experts=pattern(t, alternate),
+            top_k=K,
+            num_experts=E,
+            request_done=done and t == tokens - 1,
+        )
+
+
+def first_hints(proc: Proc, request_id: str, send) -> dict[int, set[int]]:
+    """Subscribe on ``proc``, run ``send()``, return the experts hinted per layer for ``request_id``."""
+    channel = grpc.insecure_channel(proc.address)
+    stream = predictor_pb2_grpc.PredictorStub(channel).SubscribeHints(
+        predictor_pb2.SubscribeHintsRequest(model_id=MODEL, pod="pod-a"), timeout=10
+    )
+    wait_stats(proc, lambda s: s.subscribers >= 1)
+    send()
+    try:
+        for batch in stream:
+            if batch.request_id == request_id and batch.hints:
+                out: dict[int, set[int]] = {}
+                for hint in batch.hints:
+                    out.setdefault(hint.layer, set()).add(hint.expert)
+                return out
+    finally:
+        stream.cancel()
+        channel.close()
+    raise AssertionError("hint stream ended without hints")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+def test_bad_activation_and_subscription_are_invalid_argument(tmp_path):
+    proc = start_predictor(tmp_path, "--embedded-path", str(tmp_path / "eamc.bin"))
+    try:
+        bad = predictor_pb2.Activation(
+            request_id="r", model_id=MODEL, token_index=0, experts=[0, 1, 2], top_k=K
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub(proc).Observe(iter([bad]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Activation.experts has 3 entries, not a multiple of top_k=2" in info.value.details()
+        out_of_range = predictor_pb2.Activation(
+            request_id="r", model_id=MODEL, token_index=0, experts=[0, 9] * L, top_k=K
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub(proc).Observe(iter([out_of_range]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Activation.experts[1] = 9 is out of range" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(proc).SubscribeHints(predictor_pb2.SubscribeHintsRequest(pod="p"), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "SubscribeHintsRequest.model_id is empty" in info.value.details()
+        # The predictor still serves after rejecting them.
+        summary = stub(proc).Observe(request("ok", 3), timeout=10)
+        assert (summary.activations, summary.requests_done) == (3, 1)
+        assert stats(proc).store_kind == "embedded"
+    finally:
+        proc.stop()
+
+
+def test_embedded_store_saved_on_sigterm_and_loaded_on_restart(tmp_path):
+    path = tmp_path / "data" / "eamc.bin"
+    proc = start_predictor(tmp_path, "--embedded-path", str(path))
+    try:
+        stub(proc).Observe(request("a", 4), timeout=10)
+        stub(proc).Observe(request("b", 6, alternate=True), timeout=10)
+        wait_stats(proc, lambda s: s.eamc_entries == 2 and s.entries_inserted == 2)
+    finally:
+        assert proc.stop() == 0
+    assert path.is_file() and path.stat().st_size > 0
+    assert "embedded EAMC saved to" in proc.log()
+    again = start_predictor(tmp_path, "--embedded-path", str(path), name="predictor2")
+    try:
+        loaded = wait_stats(again, lambda s: s.eamc_entries == 2)
+        assert loaded.models[0].model_id == MODEL and loaded.entries_inserted == 0
+    finally:
+        again.stop()
+
+
+def test_two_replicas_share_one_eamc_and_a_restart_loses_nothing(tmp_path, redis_server):
+    a = start_predictor(tmp_path, "--redis-url", redis_server.url, name="a")
+    b = start_predictor(tmp_path, "--redis-url", redis_server.url, name="b")
+    try:
+        assert stats(a).store_kind == "redis"
+        # Control: with an empty EAMC, B hints exactly the experts the request used so far.
+        before = first_hints(b, "ctl", lambda: stub(b).Observe(request("ctl", 1, done=False), timeout=10))
+        assert all(experts == {0, 1} for experts in before.values()), before
+        # A request observed on A (alternating 0,1 / 2,3) enters the shared EAMC ...
+        stub(a).Observe(request("seen-on-a", 8, alternate=True), timeout=10)
+        wait_stats(a, lambda s: s.entries_inserted == 1)
+        # ... B sees it after its sync ...
+        wait_stats(b, lambda s: s.eamc_entries == 1)
+        # ... and it shapes B's hints: the matched entry adds experts 2, 3 to a request that has
+        # only used 0, 1 so far.
+        after = first_hints(b, "new", lambda: stub(b).Observe(request("new", 1, done=False), timeout=10))
+        assert all({2, 3} & experts for experts in after.values()), after
+        # A restart of A loses no entry: it reloads the collection from Redis.
+        address = a.address
+        assert a.stop() == 0
+        a = start_predictor(tmp_path, "--redis-url", redis_server.url, address=address, name="a2")
+        wait_stats(a, lambda s: s.eamc_entries == 1)
+        stub(a).Observe(request("second", 4), timeout=10)
+        wait_stats(b, lambda s: s.eamc_entries == 2)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_redis_outage_degrades_but_observe_and_hints_go_on(tmp_path, redis_server):
+    proc = start_predictor(tmp_path, "--redis-url", redis_server.url)
+    try:
+        stub(proc).Observe(request("before", 4, alternate=True), timeout=10)
+        wait_stats(proc, lambda s: s.eamc_entries == 1)
+        redis_server.stop()
+        hints = first_hints(proc, "during", lambda: stub(proc).Observe(request("during", 4), timeout=10))
+        assert hints  # predicted from memory while Redis is down
+        down = wait_stats(proc, lambda s: s.store_errors > 0 and s.store_degraded and s.inserts_pending == 1)
+        assert down.eamc_entries == 1 and down.requests_done == 2
+        assert "predicting from memory" in proc.log()
+        redis_server.start()
+        up = wait_stats(proc, lambda s: s.inserts_pending == 0 and s.eamc_entries == 2, timeout_s=20)
+        assert not up.store_degraded and up.entries_inserted == 2
+        assert "EAMC store is back" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_unreachable_redis_at_start_starts_degraded(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    proc = start_predictor(tmp_path, "--redis-url", url)
+    try:
+        summary = stub(proc).Observe(request("r", 3), timeout=10)
+        assert summary.requests_done == 1
+        s = wait_stats(proc, lambda s: s.store_errors > 0 and s.inserts_pending == 1)
+        assert s.store_degraded and s.store_kind == "redis"
+    finally:
+        assert proc.stop() == 0
+
+
+def test_replay_tool_feeds_the_real_trace(tmp_path):
+    proc = start_predictor(tmp_path, "--embedded-path", str(tmp_path / "eamc.bin"))
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "predictor_svc.replay",
+                str(TRACE),
+                "--address",
+                proc.address,
+                "--requests",
+                "5",
+                "--speed",
+                "max",
+                "--no-progress",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        trace = load_trace(TRACE)
+        tokens = int(trace.req_offsets[5])
+        assert f"replayed 5 requests, {tokens} tokens" in done.stdout
+        model = "openai/gpt-oss-20b"
+        s = wait_stats(proc, lambda s: s.eamc_entries == 5)
+        assert s.observed_tokens == tokens and s.requests_done == 5 and s.live_requests == 0
+        replayed = [
+            (m.layers, m.num_experts, m.top_k, m.eamc_entries) for m in s.models if m.model_id == model
+        ]
+        assert replayed == [(24, 32, 4, 5)]
+    finally:
+        proc.stop()
+
+
+def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, expert_ids=np.zeros((3, 2, 2), dtype=np.int8), req_offsets=np.array([0, 2]))
+    done = subprocess.run(
+        [sys.executable, "-m", "predictor_svc.replay", str(bad), "--address", "127.0.0.1:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "lacks meta_json" in done.stderr
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip")
+    done = subprocess.run(
+        [sys.executable, "-m", "predictor_svc.replay", str(garbage), "--address", "127.0.0.1:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "cannot read trace" in done.stderr
+    with pytest.raises(ReplayError, match="no predictor answers at 127.0.0.1:"):
+        replay(
+            load_trace(TRACE),
+            f"127.0.0.1:{free_port()}",
+            model_id="m",
+            pod="p",
+            requests=1,
+            show_progress=False,
+            connect_timeout_s=0.5,
+        )
