@@ -10,7 +10,9 @@ and never writes it. A slot holds one expert blob laid out as the manifest's ``t
     i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` == ``experts.<name>[expert]``
 
 CPU serving shares the arena through a POSIX shm file (mmap, read-only here); CUDA serving
-through CUDA IPC, rebuilt with the same storage-sharing call torch's multiprocessing uses.
+through CUDA IPC: the native core opens the daemon's 64-byte handle on the GPU named by UUID
+(``expertcache.native.CudaArena.open``; ordinals differ between containers) and torch views it
+through ``__cuda_array_interface__`` (rows ``stride`` bytes apart, cut to ``slot_bytes``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from compute_svc.errors import ArenaMismatch
+from expertcache import native
 from expertcache.manifest import TensorLayout
 
 logger = logging.getLogger(__name__)
@@ -40,18 +43,22 @@ class ArenaKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ArenaHandle:
-    """What the daemon tells compute about its arena (the domain twin of ``cache.v1.ArenaHandle``)."""
+    """What the daemon tells compute about its arena (the domain twin of ``cache.v1.ArenaHandle``).
+
+    The ``cuda_ref_counter_*`` / ``cuda_event_handle`` fields (torch storage sharing) are not
+    used: they remain only while the wire message still carries them.
+    """
 
     kind: ArenaKind
     size_bytes: int  # num_slots * slot_bytes
     shm_name: str = ""  # POSIX shm: name under /dev/shm, or an absolute path of the shm file
-    cuda_ipc_handle: bytes = b""
+    cuda_ipc_handle: bytes = b""  # 64 bytes: the daemon's native CudaArena.export_handle()
     gpu_uuid: str = ""  # "GPU-xxxxxxxx-..." of the GPU that owns the allocation
-    cuda_offset: int = 0  # bytes of the arena's start inside the exported allocation
+    cuda_offset: int = 0  # bytes of the arena's start inside the exported allocation (0)
     cuda_ref_counter_handle: bytes = b""
     cuda_ref_counter_offset: int = 0
     cuda_event_handle: bytes = b""
-    cuda_alloc_bytes: int = 0
+    cuda_alloc_bytes: int = 0  # bytes of the whole exported allocation (num_slots * stride)
 
 
 def shm_path(shm_name: str) -> Path:
@@ -140,27 +147,40 @@ class Arena:
 
     @classmethod
     def _open_cuda(cls, handle: ArenaHandle, num_slots: int, slot_bytes: int, device: torch.device) -> Arena:
+        if handle.cuda_offset:
+            raise ArenaMismatch(
+                f"the cache daemon's CUDA arena starts {handle.cuda_offset} bytes into its allocation; "
+                "this compute maps whole allocations only (daemon and compute versions differ)"
+            )
         index = cuda_device_for_uuid(handle.gpu_uuid)
         if device.index is not None and device.index != index:
             raise ArenaMismatch(
                 f"arena lives on GPU {handle.gpu_uuid} (cuda:{index}), compute runs on {device}"
             )
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            index,
-            handle.cuda_ipc_handle,
-            handle.cuda_alloc_bytes or handle.size_bytes,  # bytes of the shared storage (the arena)
-            handle.cuda_offset,  # where it starts inside the exported allocation
-            handle.cuda_ref_counter_handle,
-            handle.cuda_ref_counter_offset,
-            handle.cuda_event_handle,
-            bool(handle.cuda_event_handle),
+        try:
+            imported = native.CudaArena.open(handle.cuda_ipc_handle, handle.gpu_uuid, num_slots, slot_bytes)
+        except (RuntimeError, ValueError) as exc:
+            raise ArenaMismatch(
+                f"cannot open the cache daemon's CUDA IPC arena on GPU {handle.gpu_uuid}: {exc} "
+                "(compute and daemon must share the GPU and the IPC namespace: same pod, hostIPC or "
+                "shareProcessNamespace as the chart sets)"
+            ) from exc
+        if handle.cuda_alloc_bytes and imported.size_bytes > handle.cuda_alloc_bytes:
+            raise ArenaMismatch(
+                f"the cache daemon's CUDA arena has {handle.cuda_alloc_bytes} bytes, {num_slots} slots of "
+                f"{slot_bytes} bytes need {imported.size_bytes}"
+            )
+        # The tensor references ``imported`` (torch keeps the __cuda_array_interface__ owner),
+        # so the IPC mapping stays open as long as any view of it; ``keepalive`` pins it too.
+        full = torch.as_tensor(imported, device=f"cuda:{imported.device}")  # [num_slots, stride] uint8
+        logger.info(
+            "opened CUDA IPC arena on cuda:%d (%s): %d slots x %d bytes",
+            imported.device,
+            handle.gpu_uuid,
+            num_slots,
+            slot_bytes,
         )
-        nbytes = num_slots * slot_bytes
-        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
-        flat.set_(storage, 0, (nbytes,), (1,))  # [nbytes] uint8 aliasing the daemon's allocation
-        logger.info("opened CUDA IPC arena on cuda:%d: %d slots x %d bytes", index, num_slots, slot_bytes)
-        return cls(flat.view(num_slots, slot_bytes), keepalive=storage)
+        return cls(full[:, :slot_bytes], keepalive=imported)
 
     def slot_views(self, slot: int, layouts: tuple[TensorLayout, ...]) -> dict[str, torch.Tensor]:
         """Typed views of one slot: ``{name: tensor of layout.shape and dtype}`` aliasing the arena."""
@@ -181,20 +201,22 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def cuda_device_for_uuid(gpu_uuid: str) -> int:
-    """Index of the local CUDA device whose UUID is ``gpu_uuid`` ("GPU-..." or bare)."""
-    want = _norm_uuid(gpu_uuid)
-    seen = []
-    for index in range(torch.cuda.device_count()):
-        have = _norm_uuid(str(torch.cuda.get_device_properties(index).uuid))
-        seen.append(have)
-        if have == want:
-            return index
-    raise ArenaMismatch(
-        f"the cache daemon's arena is on GPU {gpu_uuid!r}, which this process cannot see "
-        f"(visible GPUs: {', '.join(seen) or 'none'}); give both containers the same GPU"
-    )
+    """Index of the local CUDA device whose UUID is ``gpu_uuid`` ("GPU-..." or bare, any case)."""
+    require_native_cuda()
+    try:
+        return native.cuda_device_for_uuid(gpu_uuid)
+    except ValueError as exc:
+        raise ArenaMismatch(
+            f"the cache daemon's arena is on GPU {gpu_uuid!r}, which this process cannot see ({exc}); "
+            "give both containers the same GPU"
+        ) from exc
 
 
-def _norm_uuid(uuid: str) -> str:
-    uuid = uuid.strip().lower()
-    return uuid[4:] if uuid.startswith("gpu-") else uuid
+def require_native_cuda() -> None:
+    """Fail with how to fix it when the native module has no CUDA path (built without nvcc)."""
+    if not native.CUDA_BUILT:
+        raise ArenaMismatch(
+            "the cache daemon's arena is in CUDA memory but the native module "
+            "(build/native/expertcache_native*.so) was built without CUDA: put nvcc on PATH "
+            "(e.g. export PATH=/usr/local/cuda/bin:$PATH) and rebuild with `make native`"
+        )

@@ -4,21 +4,26 @@
 
     arena  [num_slots, slot_bytes] uint8        slot i = bytes [i*slot_bytes, (i+1)*slot_bytes)
       cpu : file <shm_dir>/expertcache-<daemon_id> (tmpfs), mmap'ed MAP_SHARED by both processes
-      cuda: one torch.empty(..., device="cuda") exported by CUDA IPC (torch storage sharing)
+      cuda: one cudaMalloc by the native core (expertcache.native.CudaArena), rows ``stride``
+            bytes apart (slot_bytes rounded up to 256), exported by a 64-byte CUDA IPC handle
+            and found by GPU UUID in compute; filled by the native CopyEngine
 
 The arena is raw memory: which expert a slot holds, and whether it may be read or overwritten,
 is decided by ``cache_daemon.residency.Residency`` (the slot table). ``copy_in`` returns only
 when the bytes are in the slot, so a slot reported ready is complete.
 
 The POSIX shm file is created with ``O_CREAT|O_EXCL`` under a per-process name and removed by
-``close``. ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks
-segments behind our back when a process that merely attached exits.
+``close``. ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks segments
+behind our back when a process that merely attached exits. ``create_arena`` first claims the
+daemon's shm files (``cache_daemon.shm_files``): it removes what dead (SIGKILLed) daemons left in
+``shm_dir`` and holds a lock marking this daemon's files as live until the arena is closed.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -30,7 +35,9 @@ from pathlib import Path
 import torch
 
 from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall
-from cache_daemon.tiers.host import HostBuffer
+from cache_daemon.shm_files import ShmClaim, claim_shm_files
+from cache_daemon.tiers.host import StagingBuffer
+from expertcache import native
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +55,12 @@ class ArenaHandle:
 
     POSIX shm: ``shm_name`` is the file name under /dev/shm, or an absolute path when the arena
     lives elsewhere (``shm_dir``); ``os.path.join("/dev/shm", shm_name)`` opens both.
-    CUDA IPC: the tuple of ``UntypedStorage._share_cuda_()`` (minus the device index, replaced
-    by ``gpu_uuid``). The importer passes them to ``UntypedStorage._new_shared_cuda(device,
-    cuda_ipc_handle, cuda_alloc_bytes, cuda_offset, cuda_ref_counter_handle,
-    cuda_ref_counter_offset, cuda_event_handle, bool(cuda_event_handle))``; ``cuda_alloc_bytes``
-    is the shared storage's size, equal to ``size_bytes``.
+    CUDA IPC: ``cuda_ipc_handle`` is the native arena's ``export_handle()`` (64 bytes,
+    cudaIpcGetMemHandle) and ``gpu_uuid`` its GPU; the importer calls
+    ``native.CudaArena.open(cuda_ipc_handle, gpu_uuid, num_slots, slot_bytes)``.
+    ``cuda_alloc_bytes`` is the whole allocation (``num_slots × stride``), ``cuda_offset`` 0.
+    The ``cuda_ref_counter_*`` / ``cuda_event_handle`` fields (torch storage sharing) stay empty:
+    they remain only while the wire message still carries them.
     """
 
     kind: ArenaKind
@@ -79,14 +87,38 @@ def slots_for_budget(budget_bytes: int, blob_bytes: int, field_name: str, *, cap
 
 
 def resolve_device(device: str) -> str:
-    """``"auto"`` → ``"cuda"`` when torch sees a GPU, else ``"cpu"``; ``"cuda"`` without one fails."""
+    """The arena kind for a configured device: ``"cpu"`` or ``"cuda"``.
+
+    ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:<ordinal or GPU UUID>``. ``auto`` →
+    ``"cuda"`` when torch sees a GPU, else ``"cpu"``; ``cuda`` without one fails. A CUDA arena
+    also needs the native module built with nvcc (``native.CUDA_BUILT``); on a GPU machine
+    without it this fails rather than silently serving from CPU memory.
+    """
+    kind, _, gpu = device.partition(":")
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ArenaUnavailable("device='cuda' was configured but torch sees no CUDA device (use auto or cpu)")
-    if device not in ARENAS:
-        raise ValueError(f"unknown arena device {device!r}; known: {', '.join(sorted(ARENAS))}")
-    return device
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    elif kind not in ARENAS or (gpu and kind != "cuda"):
+        raise ValueError(
+            f"unknown arena device {device!r}; known: auto, {', '.join(sorted(ARENAS))}, "
+            "cuda:<ordinal>, cuda:<GPU UUID>"
+        )
+    elif kind == "cuda" and not torch.cuda.is_available():
+        raise ArenaUnavailable(
+            f"device={device!r} was configured but torch sees no CUDA device (use auto or cpu)"
+        )
+    if kind == "cuda":
+        require_native_cuda()
+    return kind
+
+
+def require_native_cuda() -> None:
+    """Fail with how to fix it when the native module has no CUDA path."""
+    if not native.CUDA_BUILT:
+        raise ArenaUnavailable(
+            "this machine has a CUDA device but the native module (build/native/expertcache_native*.so) "
+            "was built without CUDA: put nvcc on PATH (e.g. export PATH=/usr/local/cuda/bin:$PATH) "
+            "and rebuild with `make native`"
+        )
 
 
 class DeviceArena(ABC):
@@ -100,6 +132,9 @@ class DeviceArena(ABC):
             raise ValueError(f"an arena needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
+        # Set by create_arena: the lock that keeps this daemon's shm files safe from other
+        # daemons' sweeps; released by close().
+        self.shm_claim: ShmClaim | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -134,13 +169,27 @@ class DeviceArena(ABC):
     def close(self) -> None:
         """Free the arena (and remove the shm file). Idempotent."""
 
+    def _release_claim(self) -> None:
+        claim, self.shm_claim = self.shm_claim, None
+        if claim is not None:
+            claim.release()
+
 
 class ShmArena(DeviceArena):
     """CPU arena: a file on tmpfs mapped ``MAP_SHARED`` (compute maps the same file read-only)."""
 
     kind = ArenaKind.POSIX_SHM
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, shm_dir: str | Path, daemon_id: str) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        shm_dir: str | Path,
+        daemon_id: str,
+        gpu: int | str | None = None,
+    ) -> None:
+        del gpu  # a CUDA-arena argument; accepted so every arena is built the same way
         super().__init__(num_slots, slot_bytes)
         self.path = Path(shm_dir) / f"expertcache-{daemon_id}"
         nbytes = self.size_bytes
@@ -182,7 +231,7 @@ class ShmArena(DeviceArena):
     def staging_buffer(self) -> torch.Tensor:
         buf = getattr(self._local, "staging", None)
         if buf is None:
-            buf = self._local.staging = HostBuffer(self.slot_bytes)
+            buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=False)
         return buf.tensor
 
     def copy_in(self, slot: int, src: torch.Tensor) -> None:
@@ -198,18 +247,26 @@ class ShmArena(DeviceArena):
             self._mmap.close()
         except BufferError:
             pass  # views handed out earlier are still alive; the mapping goes with them
+        self._release_claim()
 
 
 class CudaArena(DeviceArena):
-    """GPU arena: one device allocation exported by CUDA IPC, filled on a dedicated copy stream.
+    """GPU arena: one native device allocation exported by CUDA IPC, filled by the native copy engine.
 
-    Host→device copies are issued ``non_blocking`` on ``_stream`` and waited for with an event
-    before ``copy_in`` returns, so the I/O thread, not the GPU's default stream, absorbs the
-    wait and an expert reported ready is complete. The source must stay untouched until then,
-    which holds because callers keep it pinned across ``copy_in``.
+    ``slots`` is ``torch.as_tensor`` over the native arena's ``__cuda_array_interface__``
+    (``[num_slots, stride]`` uint8) cut to ``[num_slots, slot_bytes]``; the tensor references
+    the native object, so the memory lives as long as any view of it.
+
+    ``copy_in`` queues the host→device copy on one of the engine's own streams (never torch's
+    current stream, so compute kernels do not queue behind it) and waits for its event before
+    returning: the I/O thread, not the GPU, absorbs the wait, and an expert reported ready is
+    complete. The source must stay untouched until then, which holds because callers pin it
+    across ``copy_in``; from a page-locked source (host tier, staging buffer) the copy is DMA.
     """
 
     kind = ArenaKind.CUDA_IPC
+    COPY_STREAMS = 2  # concurrent copies from the I/O threads overlap on two streams
+    COPY_TIMEOUT_S = 60.0  # a copy of one expert taking this long means the GPU is wedged
 
     def __init__(
         self,
@@ -218,31 +275,35 @@ class CudaArena(DeviceArena):
         *,
         shm_dir: str | Path = "",
         daemon_id: str = "",
-        index: int | None = None,
+        gpu: int | str | None = None,
     ) -> None:
+        """``gpu``: a CUDA ordinal, a GPU UUID ("GPU-…", case and prefix free), or None for
+        torch's current device."""
         del shm_dir, daemon_id  # CPU-arena arguments; accepted so every arena is built the same way
         super().__init__(num_slots, slot_bytes)
-        self.index = torch.cuda.current_device() if index is None else index
-        flat = torch.empty(self.size_bytes, dtype=torch.uint8, device=f"cuda:{self.index}")  # [bytes] uint8
-        self.slots = flat.view(num_slots, slot_bytes)
-        # The same call torch.multiprocessing uses to send a CUDA tensor (reductions.py).
-        (
-            _device,
-            self._ipc_handle,
-            self._storage_bytes,
-            self._storage_offset,
-            self._ref_counter_handle,
-            self._ref_counter_offset,
-            self._event_handle,
-            _event_sync_required,
-        ) = flat.untyped_storage()._share_cuda_()
-        props = torch.cuda.get_device_properties(self.index)
-        uuid = str(props.uuid)
-        self.gpu_uuid = uuid if uuid.upper().startswith("GPU-") else f"GPU-{uuid}"
-        self._stream = torch.cuda.Stream(device=self.index)
+        require_native_cuda()
+        self.index = _gpu_ordinal(gpu)
+        try:
+            self._native = native.CudaArena.allocate(self.index, num_slots, slot_bytes)
+            self._engine = native.CopyEngine(self.index, self.COPY_STREAMS)
+        except RuntimeError as exc:
+            raise ArenaUnavailable(
+                f"cannot allocate the CUDA arena ({num_slots} slots x {slot_bytes} bytes) "
+                f"on cuda:{self.index}: {exc} (lower device_budget_bytes)"
+            ) from exc
+        self.gpu_uuid: str = self._native.gpu_uuid
+        full = torch.as_tensor(self._native, device=f"cuda:{self.index}")  # [num_slots, stride] uint8
+        self.slots = full[:, :slot_bytes]  # [num_slots, slot_bytes] uint8, rows stride apart
+        self._next_stream = itertools.count()
         self._local = threading.local()
+        self._closed = False
         logger.info(
-            "arena: cuda:%d (%s), %d slots x %d bytes", self.index, self.gpu_uuid, num_slots, slot_bytes
+            "arena: cuda:%d (%s), %d slots x %d bytes (stride %d)",
+            self.index,
+            self.gpu_uuid,
+            num_slots,
+            slot_bytes,
+            self._native.stride,
         )
 
     @property
@@ -253,12 +314,9 @@ class CudaArena(DeviceArena):
         return ArenaHandle(
             kind=self.kind,
             size_bytes=self.size_bytes,
-            cuda_ipc_handle=bytes(self._ipc_handle),
-            cuda_alloc_bytes=int(self._storage_bytes),
-            cuda_offset=int(self._storage_offset),
-            cuda_ref_counter_handle=bytes(self._ref_counter_handle or b""),
-            cuda_ref_counter_offset=int(self._ref_counter_offset),
-            cuda_event_handle=bytes(self._event_handle or b""),
+            cuda_ipc_handle=bytes(self._native.export_handle()),
+            cuda_alloc_bytes=int(self._native.size_bytes),
+            cuda_offset=0,
             gpu_uuid=self.gpu_uuid,
         )
 
@@ -266,29 +324,81 @@ class CudaArena(DeviceArena):
         # One per I/O thread, kept for the thread's life (the pool lives as long as the daemon).
         buf = getattr(self._local, "staging", None)
         if buf is None:
-            buf = self._local.staging = HostBuffer(self.slot_bytes, pin_memory=True)
+            buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=True)
         return buf.tensor
 
     def copy_in(self, slot: int, src: torch.Tensor) -> None:
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self._stream):
-            self.slots[slot].copy_(src.reshape(-1), non_blocking=True)
-            done.record(self._stream)
-        done.synchronize()
+        if self._closed:
+            raise ArenaUnavailable("copy into a closed CUDA arena")
+        if src.device.type != "cpu" or src.dtype != torch.uint8 or src.numel() != self.slot_bytes:
+            raise ValueError(
+                f"copy_in takes a [{self.slot_bytes}] uint8 host tensor, got {list(src.shape)} "
+                f"{src.dtype} on {src.device}"
+            )
+        if not src.is_contiguous():
+            src = src.contiguous()  # a pageable copy; host slots and staging buffers never need it
+        stream = next(self._next_stream) % self.COPY_STREAMS
+        ticket = self._engine.copy_h2d(
+            self._native.slot_address(slot), src.data_ptr(), self.slot_bytes, stream
+        )
+        try:
+            self._engine.wait(ticket, self.COPY_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise ArenaUnavailable(
+                f"copying {self.slot_bytes} bytes into CUDA arena slot {slot} "
+                f"took over {self.COPY_TIMEOUT_S}s"
+            ) from exc
 
     def close(self) -> None:
-        if getattr(self, "_closed", False):
+        """Wait for queued copies and drop the arena. The device memory is freed when the last
+        tensor view of it goes (views hold the native object), never under a live view."""
+        if self._closed:
             return
         self._closed = True
-        self._stream.synchronize()
+        self._engine.synchronize()
         self.slots = torch.empty(0, 0, dtype=torch.uint8)
+        self._native = None
+        self._release_claim()
 
 
+def _gpu_ordinal(gpu: int | str | None) -> int:
+    """CUDA ordinal for ``gpu`` (ordinal, "GPU-…" UUID, or None for torch's current device)."""
+    if gpu is None:
+        return torch.cuda.current_device()
+    if isinstance(gpu, str) and gpu.isdigit():
+        gpu = int(gpu)
+    if isinstance(gpu, int):
+        count = native.cuda_device_count()
+        if not 0 <= gpu < count:
+            raise ArenaUnavailable(f"CUDA device {gpu} does not exist: {count} visible")
+        return gpu
+    try:
+        return native.cuda_device_for_uuid(gpu)
+    except ValueError as exc:
+        raise ArenaUnavailable(f"the configured GPU {gpu!r} is not visible: {exc}") from exc
+
+
+# Every arena class takes (num_slots, slot_bytes, *, shm_dir, daemon_id, gpu).
 ARENAS: dict[str, type[DeviceArena]] = {"cpu": ShmArena, "cuda": CudaArena}
 
 
 def create_arena(
     device: str, num_slots: int, slot_bytes: int, *, shm_dir: str | Path, daemon_id: str
 ) -> DeviceArena:
-    """The arena for ``device`` (``auto``/``cpu``/``cuda``) with ``num_slots`` slots of ``slot_bytes``."""
-    return ARENAS[resolve_device(device)](num_slots, slot_bytes, shm_dir=shm_dir, daemon_id=daemon_id)
+    """The arena for ``device`` (``auto``/``cpu``/``cuda``/``cuda:<ordinal or UUID>``) with
+    ``num_slots`` slots of ``slot_bytes``.
+
+    First claims the daemon's shm files in ``shm_dir`` (``claim_shm_files``: sweeps files of
+    dead daemons, then locks ``daemon_id``'s); the claim travels with the arena and is released
+    by its ``close``.
+    """
+    kind = resolve_device(device)
+    gpu = device.partition(":")[2] or None
+    claim = claim_shm_files(shm_dir, daemon_id)
+    try:
+        arena = ARENAS[kind](num_slots, slot_bytes, shm_dir=shm_dir, daemon_id=daemon_id, gpu=gpu)
+    except BaseException:
+        claim.release()
+        raise
+    arena.shm_claim = claim
+    return arena

@@ -1,18 +1,20 @@
 """The host tier: a fixed pool of blob-sized slots in host memory, an LRU cache below the arena.
 
-One allocation of ``num_slots × blob_bytes`` bytes, made once: an anonymous mmap, page-locked
-with ``cudaHostRegister`` when CUDA is present so host→device copies are asynchronous DMA.
-Every slot is page-aligned, so the store can read into it with O_DIRECT: a miss costs one
-read into a host slot and one copy into the arena (DESIGN §3).
+One allocation, made once: the native ``HostPool`` (csrc/include/expertcache/host_pool.h), an
+anonymous mapping cut into slots that each start on a 4 KiB boundary, so the store reads into a
+slot with O_DIRECT and no bounce buffer. Feeding a CUDA arena the pool is page-locked
+(``cudaHostRegister``) so host→device copies are asynchronous DMA; when it cannot be (no driver,
+memlock limit) the tier runs on pageable memory and logs why. A miss thus costs one read into a
+host slot and one copy into the arena (DESIGN §3).
 
-    host pool  [num_slots, blob_bytes] uint8
-    key → slot   (``_slot_of``), pins per key, free slots, slots being filled (not yet visible)
+    host pool  num_slots slots of blob_bytes, slot i at base + i*stride (stride: 4 KiB multiple)
+    _slots     [num_slots, blob_bytes] uint8 torch view over the pool (row stride = stride)
+    key → slot   (``_slot_of``), pins per key; free slots are the pool's (alloc / free)
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 from collections.abc import Callable
 
@@ -21,51 +23,58 @@ import torch
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.policy import EvictionPolicy
 from cache_daemon.tiers.base import MemoryTier, Tier
-from expertcache.errors import FailedPrecondition
+from expertcache import native
 from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
 
-CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+def make_host_pool(num_slots: int, slot_bytes: int, *, pin: bool, what: str) -> native.HostPool:
+    """A native ``HostPool``; page-locked when ``pin`` and possible, else pageable (logged).
+
+    Pinning fails without a CUDA build, without a usable driver, or over the memlock limit; the
+    pool still works unpinned (copies to the GPU are then staged by the driver), so that is a
+    warning, not an error. ``what`` names the pool in the log line.
+    """
+    if pin:
+        try:
+            return native.HostPool(num_slots, slot_bytes, pin=True)
+        except RuntimeError as exc:
+            logger.warning(
+                "%s: %d x %d bytes left pageable, host->device copies will be synchronous (%s); "
+                "raise the container's memlock limit to pin it",
+                what,
+                num_slots,
+                slot_bytes,
+                exc,
+            )
+    return native.HostPool(num_slots, slot_bytes, pin=False)
 
 
-class HostBuffer:
-    """One page-aligned host allocation (an anonymous mmap), page-locked for CUDA when asked.
+def pool_slots(pool: native.HostPool) -> torch.Tensor:
+    """``[num_slots, slot_bytes]`` uint8 view of every slot of ``pool`` (rows ``pool.stride`` apart).
 
-    Page-locking uses ``cudaHostRegister`` on the mmap rather than ``pin_memory=True``: torch's
-    pinned allocator rounds sizes up to a power of two and caches the block, which for a host
-    budget of tens of GiB would lock far more memory than configured. ``tensor`` is the
-    ``[nbytes]`` uint8 view; ``close`` unregisters and unmaps (after every copy from it ended).
+    The tensor keeps ``pool`` alive (``torch.frombuffer`` holds the buffer's owner), so the
+    memory outlives every view handed out, whatever the order of release.
+    """
+    flat = torch.frombuffer(pool, dtype=torch.uint8, count=pool.total_bytes)  # [total_bytes] uint8
+    return flat.as_strided((pool.num_slots, pool.slot_bytes), (pool.stride, 1))
+
+
+class StagingBuffer:
+    """A one-slot host pool: ``tensor`` is its ``[nbytes]`` uint8, 4 KiB-aligned view.
+
+    Used where no host-tier slot is available to read the store into before a copy to the GPU.
     """
 
-    def __init__(self, nbytes: int, *, pin_memory: bool = False) -> None:
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes)  # [nbytes]
-        self._registered: int | None = None
-        if pin_memory:
-            ptr = self.tensor.data_ptr()
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE))
-            if err != 0:
-                self.close()
-                raise FailedPrecondition(
-                    f"cannot page-lock {nbytes} bytes of host memory (cudaError {err}): raise the "
-                    "container's memlock limit or lower host_budget_bytes"
-                )
-            self._registered = ptr
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self._pool = make_host_pool(1, nbytes, pin=pin, what="staging buffer")
+        self._pool.alloc()
+        self.tensor: torch.Tensor = pool_slots(self._pool)[0]  # [nbytes] uint8
 
     @property
     def pinned(self) -> bool:
-        return self._registered is not None
-
-    def close(self) -> None:
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-            self._registered = None
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes when it does
+        return bool(self._pool.pinned)
 
 
 class HostTier(MemoryTier):
@@ -88,22 +97,24 @@ class HostTier(MemoryTier):
         *,
         pin_memory: bool = False,
     ) -> None:
+        """``pin_memory``: try to page-lock the pool (wanted when it feeds a CUDA arena);
+        ``pinned_memory`` tells whether it was."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
         self.blob_bytes = blob_bytes
-        self.pinned_memory = pin_memory and num_slots > 0
         self._policy = policy
         self._metrics = metrics
         self._lock = threading.Lock()
         self._slot_of: dict[ExpertKey, int] = {}
         self._pins: dict[ExpertKey, int] = {}
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._buffer: HostBuffer | None = None
-        self._slots: torch.Tensor | None = None  # [num_slots, blob_bytes] uint8
+        self._pool: native.HostPool | None = None
+        self._slots: torch.Tensor | None = None  # [num_slots, blob_bytes] uint8, rows 4 KiB-aligned
         if num_slots:
-            self._buffer = HostBuffer(num_slots * blob_bytes, pin_memory=self.pinned_memory)
-            self._slots = self._buffer.tensor.view(num_slots, blob_bytes)
+            self._pool = make_host_pool(num_slots, blob_bytes, pin=pin_memory, what="host tier")
+            self._slots = pool_slots(self._pool)
+        self.pinned_memory = self._pool is not None and bool(self._pool.pinned)
+        if num_slots:
             logger.info(
                 "host tier: %d slots x %d bytes (%s)",
                 num_slots,
@@ -113,7 +124,8 @@ class HostTier(MemoryTier):
 
     @property
     def enabled(self) -> bool:
-        return self.num_slots > 0
+        """False without slots, and after ``close``."""
+        return self._pool is not None
 
     def resident_count(self) -> int:
         with self._lock:
@@ -169,29 +181,31 @@ class HostTier(MemoryTier):
         it is pinned and returned without calling ``fill``. If ``fill`` raises, the slot goes
         back to the free list and the exception propagates.
         """
-        if not self.enabled:
-            return None
         with self._lock:
+            pool, slots = self._pool, self._slots
+            if pool is None or slots is None:
+                return None
             if key in self._slot_of:
                 self._pins[key] = self._pins.get(key, 0) + 1
                 self._policy.on_access(key)
-                return self._slots[self._slot_of[key]]
+                return slots[self._slot_of[key]]
             slot = self._take_slot_locked()
             if slot is None:
                 return None
-        assert self._slots is not None
-        view = self._slots[slot]
+        view = slots[slot]
         try:
             fill(view)
         except BaseException:
             with self._lock:
-                self._free.append(slot)
+                pool.free(slot)
             raise
         with self._lock:
+            if self._pool is not pool:  # closed meanwhile: the fill landed in a dropped pool
+                return None
             if key in self._slot_of:  # a concurrent put of the same key published first
-                self._free.append(slot)
+                pool.free(slot)
                 self._pins[key] = self._pins.get(key, 0) + 1
-                return self._slots[self._slot_of[key]]
+                return slots[self._slot_of[key]]
             self._slot_of[key] = slot
             self._pins[key] = self._pins.get(key, 0) + 1
             self._policy.on_insert(key)
@@ -199,8 +213,9 @@ class HostTier(MemoryTier):
         return view
 
     def _take_slot_locked(self) -> int | None:
-        if self._free:
-            return self._free.pop()
+        assert self._pool is not None
+        if self._pool.num_free:
+            return self._pool.alloc()  # lowest free index first
         victims = self._policy.choose_victims(1, lambda k: self._pins.get(k, 0) == 0)
         if not victims:
             return None
@@ -214,15 +229,16 @@ class HostTier(MemoryTier):
         with self._lock:
             if key not in self._slot_of or self._pins.get(key, 0) > 0:
                 return False
-            self._free.append(self._slot_of.pop(key))
+            assert self._pool is not None  # close() empties _slot_of
+            self._pool.free(self._slot_of.pop(key))
             self._policy.on_remove(key)
             return True
 
     def close(self) -> None:
+        """Forget every key and drop the pool. Views handed out earlier keep the memory mapped
+        (they reference the pool) until they go, so a late reader faults on nothing."""
         with self._lock:
             self._slot_of.clear()
             self._pins.clear()
             self._slots = None
-            buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            buffer.close()
+            self._pool = None

@@ -1,4 +1,5 @@
-"""Arena mapping: a real shm file, typed per-slot views, device agreement."""
+"""Arena mapping: a real shm file, typed per-slot views, device agreement, and the CUDA IPC
+path's errors that a machine without a GPU can reach (the mapping itself is in tests/gpu/)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import uuid
 import pytest
 import torch
 
-from compute_svc.arena import Arena, ArenaHandle, ArenaKind, resolve_device, shm_path
+from compute_svc.arena import Arena, ArenaHandle, ArenaKind, cuda_device_for_uuid, resolve_device, shm_path
 from compute_svc.errors import ArenaMismatch
+from expertcache import native
 from expertcache.manifest import plan_blob
 
 LAYOUT, BLOB = plan_blob(
@@ -94,3 +96,48 @@ def test_device_must_agree_with_the_arena():
         resolve_device("cuda", ArenaKind.POSIX_SHM)
     with pytest.raises(ArenaMismatch, match="sees no CUDA device"):
         resolve_device("auto", ArenaKind.CUDA_IPC, cuda_available=False)
+
+
+GPU = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+def cuda_handle(**overrides) -> ArenaHandle:
+    fields = dict(
+        kind=ArenaKind.CUDA_IPC,
+        size_bytes=2 * BLOB,
+        cuda_ipc_handle=b"\1" * 64,
+        gpu_uuid=GPU,
+        cuda_alloc_bytes=2 * BLOB,
+    )
+    return ArenaHandle(**{**fields, **overrides})
+
+
+@pytest.mark.skipif(not native.CUDA_BUILT, reason="the native module was built without nvcc")
+def test_cuda_arena_on_a_gpu_this_process_cannot_see():
+    if native.cuda_available() and GPU in {
+        native.cuda_device_uuid(i) for i in range(native.cuda_device_count())
+    }:
+        pytest.skip("a GPU with the made-up UUID exists")
+    with pytest.raises(
+        ArenaMismatch,
+        match=rf"arena is on GPU '{GPU}', which this process cannot see \(no visible CUDA device has UUID "
+        rf"{GPU}; visible: .*\); give both containers the same GPU",
+    ):
+        Arena.open(cuda_handle(), 2, BLOB, torch.device("cuda"))
+    with pytest.raises(ArenaMismatch, match="arena is on GPU 'nonsense'.*malformed GPU UUID 'nonsense'"):
+        cuda_device_for_uuid("nonsense")
+
+
+def test_cuda_arena_needs_a_native_module_built_with_nvcc(monkeypatch):
+    monkeypatch.setattr(native, "CUDA_BUILT", False)
+    with pytest.raises(
+        ArenaMismatch, match=r"built without CUDA: put nvcc on PATH .* rebuild with `make native`"
+    ):
+        Arena.open(cuda_handle(), 2, BLOB, torch.device("cuda"))
+
+
+def test_cuda_arena_must_start_at_its_allocation():
+    with pytest.raises(ArenaMismatch, match="starts 256 bytes into its allocation"):
+        Arena.open(cuda_handle(cuda_offset=256), 2, BLOB, torch.device("cuda"))
+    with pytest.raises(ArenaMismatch, match=f"arena of {2 * BLOB} bytes cannot hold 3 slots of {BLOB} bytes"):
+        Arena.open(cuda_handle(), 3, BLOB, torch.device("cuda"))

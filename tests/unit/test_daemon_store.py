@@ -1,5 +1,5 @@
 """The daemon's tiers on real files: the store reader (native Reader: O_DIRECT via io_uring or
-pread, or buffered), host tier, shm arena.
+pread, or buffered), shm arena. The host tier's tests are in test_daemon_host.py.
 
 ``write_store`` builds a small synthetic expert store (the format of ``expertcache.manifest``)
 without the converter; the other daemon tests import it from here.
@@ -24,8 +24,7 @@ from cache_daemon.errors import (
     StoreIncomplete,
 )
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import make_policy
-from cache_daemon.tiers import ArenaKind, HostTier, StoreReader, Tier, slots_for_budget
+from cache_daemon.tiers import ArenaKind, StoreReader, Tier, slots_for_budget
 from cache_daemon.tiers.device import ShmArena
 from cache_daemon.tiers.store import (
     IO_MODE_BUFFERED,
@@ -299,64 +298,13 @@ def test_store_is_read_only(store):
     reader.close()
 
 
-# -- host tier -------------------------------------------------------------------------------
+# -- arena buffers ---------------------------------------------------------------------------
 
 BLOB = 4096
 
 
 def blob(value: int) -> torch.Tensor:
     return torch.full((BLOB,), value, dtype=torch.uint8)
-
-
-def test_host_tier_lru_and_pins():
-    metrics = DaemonMetrics()
-    host = HostTier(2, BLOB, make_policy("lru"), metrics)
-    a, b, c = ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(1, 2)
-    assert host.put(a, blob(1)) and host.put(b, blob(2))
-    assert host.pin(a)  # a is pinned and now the most recent
-    assert host.put(c, blob(3))  # evicts b (a is pinned)
-    assert host.contains(a) and not host.contains(b) and host.contains(c)
-    assert int(host.get(a)[0]) == 1 and host.get(a).data_ptr() % 4096 == 0
-    assert host.pin_count(a) == 1
-    assert not host.remove(a)  # pinned
-    assert host.pin(c)
-    assert not host.put(b, blob(2))  # every slot pinned: no room, no wait
-    host.unpin(a)
-    host.unpin(c)
-    assert host.put(b, blob(2))  # evicts a, the least recently used
-    assert not host.contains(a)
-    assert metrics.evictions.value(tier="host") == 2
-    assert metrics.bytes_in.value(tier="host") == 4 * BLOB
-    assert host.resident_count() == 2
-    with pytest.raises(ValueError, match="not pinned"):
-        host.unpin(b)
-    with pytest.raises(ValueError, match="without a pin"):
-        host.get(b)
-    assert host.remove(b) and host.resident_count() == 1
-    host.close()
-
-
-def test_host_tier_failed_fill_frees_the_slot():
-    host = HostTier(1, BLOB, make_policy("lru"), DaemonMetrics())
-    key = ExpertKey(1, 0)
-
-    def fail(_view):
-        raise ChecksumMismatch("bad blob")
-
-    with pytest.raises(ChecksumMismatch):
-        host.put_from(key, fail)
-    assert not host.contains(key)
-    view = host.put_from(key, lambda v: v.fill_(7))  # the slot is free again
-    assert view is not None and int(view[0]) == 7 and host.pin_count(key) == 1
-    host.unpin(key)
-    host.close()
-
-
-def test_disabled_host_tier():
-    host = HostTier(0, BLOB, make_policy("lru"), DaemonMetrics())
-    assert not host.enabled
-    assert host.put_from(ExpertKey(1, 0), lambda v: None) is None
-    assert not host.put(ExpertKey(1, 0), blob(1))
 
 
 # -- shm arena -------------------------------------------------------------------------------
