@@ -1,0 +1,72 @@
+"""MoE-Infinity's activation-aware priorities (arXiv 2401.14361), implemented as the paper states.
+
+The paper matches the running request's Expert Activation Matrix against the EAMC and turns the
+match into a probability ``p`` per (layer, expert) — here the predictor's hints as kept by
+``ActivationSignals.hints`` (0 where the predictor gave none). With ``L`` layers and the request
+at layer ``l``:
+
+- eviction removes the resident expert of layer ``i`` with the lowest ``(p + eps) * (1 - i/L)``
+  (earlier layers are kept: the next token needs them first);
+- the prefetch score of an expert of a future layer ``i > l`` is ``p * (1 - (i - l)/L)``.
+
+Worked example (L = 24, eps = 1e-3): an expert of layer 6 with p = 0.5 keeps
+``0.501 * 0.75 = 0.37575``; at position layer 4, an expert of layer 6 with p = 0.5 gets the
+prefetch score ``0.5 * (1 - 2/24) = 0.4583``. Ties go to the least recently used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cache_daemon.policy.base import PolicyShape, ShapedPolicy
+
+if TYPE_CHECKING:
+    from cache_daemon.signals import ActivationSignals
+
+EPSILON = 1e-3
+"""The paper's ``epsilon``: keeps experts without a matched probability ordered by layer."""
+
+
+class MoEInfinityPolicy(ShapedPolicy):
+    name = "moe-infinity"
+    needs_signals = True
+
+    def __init__(
+        self,
+        shape: PolicyShape | None = None,
+        signals: ActivationSignals | None = None,
+        *,
+        epsilon: float = EPSILON,
+    ) -> None:
+        super().__init__(shape, signals)
+        self.epsilon = epsilon
+        # The paper prefetches for every later layer of the token, by priority.
+        self.prefetch_horizon_layers = self.shape.num_layers
+        L = self.shape.num_layers
+        layer_of = np.repeat(np.arange(L, dtype=np.float64), self.shape.num_experts)
+        self._layer_weight = 1.0 - layer_of / L  # (1 - i/L) per entry
+        self._layer_of = layer_of
+        self._stamp = np.zeros(self.shape.num_entries, np.int64)
+
+    def _accessed(self, entry: int) -> None:
+        self._stamp[entry] = self._clock
+
+    def _keep_scores(self, entries: np.ndarray) -> np.ndarray:
+        assert self.signals is not None
+        p = self.signals.hints[entries].astype(np.float64)
+        return (p + self.epsilon) * self._layer_weight[entries]
+
+    def _tiebreak(self, entries: np.ndarray) -> np.ndarray:
+        return self._stamp[entries].astype(np.float64)
+
+    def prefetch_scores(self) -> np.ndarray:
+        """float64 [N] the paper's prefetch score ``p * (1 - (i - l)/L)`` for the layers ``i``
+        after the current layer ``l`` of this token; 0 for the layers already passed."""
+        assert self.signals is not None
+        L = self.shape.num_layers
+        _token, layer = self.signals.position
+        ahead = self._layer_of - layer
+        p = self.signals.hints.astype(np.float64)
+        return np.where(ahead > 0, p * (1.0 - ahead / L), 0.0)

@@ -1,0 +1,230 @@
+"""Eviction policies behind one interface: registry, pinning, determinism, churn, formulas."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from cache_daemon.policy import (
+    ONLINE_POLICIES,
+    POLICIES,
+    ActivationAwarePolicy,
+    BeladyPolicy,
+    EvictionPolicy,
+    FutureUses,
+    LFUPolicy,
+    LRUPolicy,
+    MoEInfinityPolicy,
+    PolicyShape,
+    make_policy,
+)
+from cache_daemon.policy.belady import NEVER
+from cache_daemon.signals import ActivationSignals, SignalsConfig
+from expertcache.keys import ExpertKey
+
+L, E, K = 3, 6, 2
+SHAPE = PolicyShape(L, E)
+
+
+def routes(tokens: int = 40, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack(
+        [np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(tokens)]
+    ).astype(np.int16)
+
+
+def build(name: str, r: np.ndarray | None = None) -> tuple[EvictionPolicy, ActivationSignals]:
+    sig = ActivationSignals(L, E)
+    fut = FutureUses(routes() if r is None else r, E) if name == "belady" else None
+    return make_policy(name, SHAPE, sig, future=fut), sig
+
+
+def drive(name: str, seed: int, steps: int = 200) -> list[list[ExpertKey]]:
+    """Random insert/access/remove churn with hints and routing; returns every victim choice."""
+    r = routes()
+    policy, sig = build(name, r)
+    rng = random.Random(seed)
+    resident: set[ExpertKey] = set()
+    pinned: set[ExpertKey] = set()
+    chosen = []
+    step = 0
+    for token in range(len(r)):
+        sig.set_hints([(layer, rng.randrange(E), rng.random()) for layer in range(L)], token)
+        for layer in range(L):
+            sig.observe(layer, r[token, layer], token)
+            for x in r[token, layer]:
+                key = ExpertKey(layer, int(x))
+                if key in resident:
+                    policy.on_access(key)
+                else:
+                    policy.on_insert(key)
+                    resident.add(key)
+            if rng.random() < 0.3 and resident:
+                gone = rng.choice(sorted(resident))
+                policy.on_remove(gone)
+                resident.discard(gone)
+                pinned.discard(gone)
+            if rng.random() < 0.3 and resident:
+                pinned.add(rng.choice(sorted(resident)))
+            victims = policy.choose_victims(3, lambda k: k in resident and k not in pinned)
+            assert len(set(victims)) == len(victims)
+            assert not (set(victims) & pinned), "a pinned expert was chosen"
+            assert set(victims) <= resident
+            assert len(victims) == min(3, len(resident - pinned))
+            assert len(policy) == len(resident)
+            chosen.append(victims)
+            for v in victims[:1]:
+                policy.on_remove(v)
+                resident.discard(v)
+            step += 1
+            if step >= steps:
+                return chosen
+    return chosen
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_pinned_never_chosen_and_churn(name):
+    drive(name, seed=3)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_deterministic(name):
+    assert drive(name, seed=5) == drive(name, seed=5)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_nothing_evictable_and_zero(name):
+    policy, sig = build(name)
+    sig.observe(0, [0, 1], 0)
+    for e in range(3):
+        policy.on_insert(ExpertKey(0, e))
+    assert policy.choose_victims(2, lambda k: False) == []
+    assert policy.choose_victims(0, lambda k: True) == []
+    policy.on_remove(ExpertKey(2, 5))  # unknown: ignored
+    policy.on_access(ExpertKey(2, 5))  # untracked: ignored
+    assert len(policy) == 3
+
+
+def test_registry_and_errors():
+    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware", "belady"}
+    assert set(ONLINE_POLICIES) == set(POLICIES) - {"belady"}
+    assert isinstance(make_policy("lru"), LRUPolicy)  # the old call still works
+    with pytest.raises(
+        ValueError,
+        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, belady, lfu, lru, moe-infinity",
+    ):
+        make_policy("fifo")
+    with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
+        make_policy("belady", SHAPE, ActivationSignals(L, E))
+    with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
+        BeladyPolicy(SHAPE, ActivationSignals(L, E))
+    with pytest.raises(ValueError, match=r"policy 'activation-aware' needs ActivationSignals"):
+        make_policy("activation-aware", SHAPE)
+    with pytest.raises(
+        ValueError, match=r"policy 'lfu' needs the model shape \(PolicyShape\) or ActivationSignals"
+    ):
+        make_policy("lfu")
+    with pytest.raises(ValueError, match=r"signals are 4 x 6 but the policy shape is 3 x 6"):
+        make_policy("lfu", SHAPE, ActivationSignals(4, E))
+    with pytest.raises(ValueError, match=r"PolicyShape needs num_layers >= 1"):
+        PolicyShape(0, 3)
+    with pytest.raises(ValueError, match=r"L3E0 is outside 3 layers x 6 experts"):
+        make_policy("lfu", SHAPE).on_insert(ExpertKey(3, 0))
+    with pytest.raises(ValueError, match=r"FutureUses is 3 x 7 but the policy shape is 3 x 6"):
+        make_policy("belady", SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), 7))
+
+
+def test_lfu_counts_and_recency_ties():
+    lfu = LFUPolicy(SHAPE)
+    a, b, c = ExpertKey(0, 0), ExpertKey(0, 1), ExpertKey(1, 2)
+    for k in (a, b, c):
+        lfu.on_insert(k)
+    lfu.on_access(a)
+    lfu.on_access(a)
+    lfu.on_access(c)
+    assert lfu.count(0) == 3 and lfu.count(1) == 1 and lfu.count(E + 2) == 2
+    assert lfu.choose_victims(3, lambda k: True) == [b, c, a]
+    lfu.on_access(b)  # b: 2 uses, more recent than c
+    assert lfu.choose_victims(3, lambda k: True) == [c, b, a]
+    lfu.on_remove(a)
+    lfu.on_insert(a)  # counts survive eviction
+    assert lfu.count(0) == 4
+
+
+def test_moe_infinity_formulas_exactly():
+    sig = ActivationSignals(L, E)
+    pol = MoEInfinityPolicy(SHAPE, sig)
+    sig.observe(0, [0, 1], token=0)
+    sig.set_hints([(0, 2, 0.5), (1, 3, 0.2), (2, 4, 0.9)], token=0)
+    keys = [ExpertKey(0, 2), ExpertKey(1, 3), ExpertKey(2, 4), ExpertKey(2, 5)]
+    for k in keys:
+        pol.on_insert(k)
+    eps = pol.epsilon
+    expect = [(0.5 + eps) * 1.0, (0.2 + eps) * (1 - 1 / 3), (0.9 + eps) * (1 - 2 / 3), eps * (1 - 2 / 3)]
+    assert pol.keep_value(keys) == pytest.approx(expect)
+    assert pol.choose_victims(4, lambda k: True) == [keys[3], keys[1], keys[2], keys[0]]
+    # Prefetch score of layer i > l (here l = 0): p * (1 - (i - l)/L); passed layers 0.
+    scores = pol.prefetch_scores()
+    assert scores[E + 3] == pytest.approx(0.2 * (1 - 1 / 3))
+    assert scores[2 * E + 4] == pytest.approx(0.9 * (1 - 2 / 3))
+    assert scores[2] == 0.0
+    assert pol.prefetch_horizon_layers == L
+
+
+def test_belady_picks_the_furthest_next_use():
+    r = np.array([[[0, 1]], [[2, 0]], [[1, 3]], [[0, 2]]], np.int16)  # 4 tokens, 1 layer, top-2
+    fut = FutureUses(r, 4)
+    assert fut.next_use(0).tolist() == [0, 0, 1, 2]
+    sig = ActivationSignals(1, 4)
+    pol = BeladyPolicy(PolicyShape(1, 4), sig, future=fut)
+    for e in range(4):
+        pol.on_insert(ExpertKey(0, e))
+    sig.observe(0, [2, 0], token=1)  # step 1: next uses 0 -> 1 (now), 1 -> 2, 2 -> 1 (now), 3 -> 2
+    nu = pol.next_use()
+    assert nu.tolist() == [1, 2, 1, 2]
+    sig.observe(0, [1, 3], token=2)
+    assert pol.next_use().tolist() == [3, 2, 3, 2]
+    sig.observe(0, [0, 2], token=3)
+    assert pol.next_use().tolist() == [3, NEVER, 3, NEVER]
+    victims = pol.choose_victims(2, lambda k: k.expert not in (0, 2))
+    assert sorted(victims) == [ExpertKey(0, 1), ExpertKey(0, 3)]
+    with pytest.raises(ValueError, match=r"FutureUses asked for step 0 after step 3"):
+        fut.next_use(0)
+    with pytest.raises(ValueError, match=r"routes must be \[tokens, layers, top_k\]"):
+        FutureUses(np.zeros((3, 2)), 4)
+    with pytest.raises(ValueError, match=r"routes hold experts outside 0..3"):
+        FutureUses(np.full((1, 1, 1), 4), 4)
+
+
+def test_activation_aware_evicts_the_latest_expected_use():
+    sig = ActivationSignals(L, E, config=SignalsConfig(history_half_life_tokens=1.0, estimator="ema"))
+    pol = ActivationAwarePolicy(SHAPE, sig)
+    sig.begin_request("r")
+    for t in range(4):
+        for layer in range(L):
+            sig.observe(layer, [0, 1], t)
+    hot_next, cold_next, hot_far = ExpertKey(1, 0), ExpertKey(1, 5), ExpertKey(0, 1)
+    sig.observe(0, [2, 3], 4)  # position (4, 0)
+    for k in (hot_next, cold_next, hot_far):
+        pol.on_insert(k)
+    order = pol.choose_victims(3, lambda k: True)
+    assert order[0] == cold_next  # never used in this request
+    assert order.index(hot_far) < order.index(hot_next)  # same habit, layer 0 comes round last
+    assert pol.prefetch_scores()[E] > 0 and pol.prefetch_scores()[E + 5] == 0
+    with pytest.raises(ValueError, match=r"min_probability must be in \[0, 1\], got 2"):
+        ActivationAwarePolicy(SHAPE, sig, min_probability=2)
+
+
+@pytest.mark.parametrize("name", ONLINE_POLICIES)
+def test_seed_for_a_runtime_switch_keeps_everyone(name):
+    old, sig = build("lru")
+    keys = [ExpertKey(layer, e) for layer in range(L) for e in range(2)]
+    for k in keys:
+        old.on_insert(k)
+    new = make_policy(name, SHAPE, sig)
+    new.seed(keys)
+    assert len(new) == len(keys)
+    assert sorted(new.choose_victims(len(keys), lambda k: True)) == sorted(keys)
+    assert sorted(new.rank(keys)) == sorted(keys)

@@ -1,0 +1,176 @@
+"""Trace replay on a small synthetic trace: shared classes, Belady's bytes, the floor, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import replay
+from cache_daemon.policy import POLICIES
+from cache_daemon.prefetch import PrefetchScheduler
+from cache_daemon.signals import ActivationSignals
+
+L, E, K = 3, 8, 2
+
+
+def write_trace(path, requests=4, tokens=30, seed=0):
+    """Requests with locality: each request draws its experts from a few favourites per layer."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(requests):
+        fav = [rng.choice(E, 4, replace=False) for _ in range(L)]
+        for _ in range(tokens):
+            rows.append(
+                [rng.choice(fav[layer] if rng.random() < 0.8 else E, K, replace=False) for layer in range(L)]
+            )
+    ids = np.asarray(rows, np.int8)
+    np.savez(
+        path,
+        expert_ids=ids,
+        gate_weights=np.full(ids.shape, 0.5, np.float16),
+        req_offsets=np.arange(0, requests * tokens + 1, tokens, dtype=np.int64),
+        decode_start=np.zeros(requests, np.int32),
+        meta_json=np.array(json.dumps({"model": "synthetic", "layers": L, "experts": E, "top_k": K})),
+    )
+    return path
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return write_trace(tmp_path / "t.npz")
+
+
+def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
+    calls = {"decide": 0, "victims": set(), "observe": 0}
+    decide = PrefetchScheduler.decide
+    observe = ActivationSignals.observe
+
+    def counting_decide(self, state):
+        calls["decide"] += 1
+        assert isinstance(state, replay.SimTier)
+        return decide(self, state)
+
+    def counting_observe(self, *a, **kw):
+        calls["observe"] += 1
+        return observe(self, *a, **kw)
+
+    monkeypatch.setattr(PrefetchScheduler, "decide", counting_decide)
+    monkeypatch.setattr(ActivationSignals, "observe", counting_observe)
+    for name, cls in POLICIES.items():
+        orig = cls.choose_victims
+
+        def spy(self, n, evictable, _orig=orig, _name=name):
+            calls["victims"].add(_name)
+            return _orig(self, n, evictable)
+
+        monkeypatch.setattr(cls, "choose_victims", spy)
+    out = tmp_path / "out"
+    rc = replay.main(
+        [
+            "--trace",
+            str(trace),
+            "--first-request",
+            "1",
+            "--requests",
+            "2",
+            "--budgets",
+            "0.25,0.5",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    assert calls["decide"] > 0
+    assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
+    # 4 online policies x 2 layer-ahead settings + belady, x 2 budgets, 60 tokens x 3 layers each
+    assert calls["observe"] == (4 * 2 + 1) * 2 * 60 * L
+    data = json.loads((out / "replay.json").read_text())
+    assert (out / "replay.png").stat().st_size > 1000
+    assert data["tokens"] == 60 and data["layers"] == L and data["experts"] == E and data["top_k"] == K
+    timing = data["timing"]
+    bw = timing["link_bytes_per_s"]
+    all_resident_ms = (
+        L * (timing["attention_s"] + K * timing["expert_s"] + timing["layer_overhead_s"])
+        + timing["token_overhead_s"]
+    ) * 1e3
+    for budget in (0.25, 0.5):
+        rows = [r for r in data["rows"] if r["budget"] == budget]
+        assert len(rows) == 10
+        bel = [r for r in rows if r["policy"] == "belady"][0]
+        for r in rows:
+            assert bel["bytes_per_token"] <= r["bytes_per_token"] + 1e-9, r["policy"]
+            floor = max(all_resident_ms, bel["bytes_per_token"] / bw * 1e3)
+            assert r["floor_ms_per_token"] == pytest.approx(floor)
+            assert r["latency_ms_per_token"] >= floor * (1 - 1e-9)
+            assert r["latency_vs_floor"] == pytest.approx(r["latency_ms_per_token"] / floor)
+            assert 0.0 <= r["hit_rate"] <= 1.0
+    goals = {(g["layer_ahead"], g["goal"]) for g in data["goals"]}
+    assert (False, "bytes <= 1.3 x Belady") in goals and (True, "faster than moe-infinity") in goals
+
+
+def test_belady_loads_fewest_bytes_and_lru_pays_for_demand_only(trace):
+    t = replay.load_trace(trace)
+    timing = replay.default_timing(L, K)
+    res = {}
+    for p in ("belady", "lru", "activation-aware"):
+        sim = replay.Simulation(
+            t, timing, p, 0.25, requests=range(0, 4), layer_ahead_accuracy=None, hints=None
+        )
+        res[p] = sim.run().summary(timing)
+    assert res["belady"]["loads_per_token"] <= min(r["loads_per_token"] for r in res.values())
+    assert res["belady"]["hit_rate"] >= res["lru"]["hit_rate"]
+    # Demand fetching only: every stall is visible, the link never runs ahead.
+    assert res["lru"]["prefetches_per_token"] == 0
+    assert res["lru"]["stall_ms_per_token"] > 0
+
+
+def test_layer_ahead_model_accuracy(trace):
+    t = replay.load_trace(trace)
+    timing = replay.default_timing(L, K)
+    sim = replay.Simulation(t, timing, "lru", 0.5, requests=range(0, 1), layer_ahead_accuracy=1.0, hints=None)
+    sim.signals.observe(0, sim.routes[0, 0], 0)
+    sim._layer_ahead(0, 1)
+    entries, _scores, layer = sim.signals.layer_ahead_prediction()
+    assert layer == 1 and sorted(entries.tolist()) == sorted((E + sim.routes[0, 1].astype(int)).tolist())
+    sim.accuracy = 0.0
+    sim._layer_ahead(0, 2)
+    entries, _scores, layer = sim.signals.layer_ahead_prediction()
+    assert layer == 2 and not set(entries.tolist()) & set((2 * E + sim.routes[0, 2].astype(int)).tolist())
+
+
+def test_expert_bytes_stated_from_the_config():
+    # gate_up [2*2880, 2880] + bias [5760], down [2880, 2880] + bias [2880], bf16
+    assert (
+        replay.gpt_oss_20b_expert_bytes() == (2 * 2880 * 2880 + 5760 + 2880 * 2880 + 2880) * 2 == 49_783_680
+    )
+    timing = replay.default_timing(24, 4)
+    assert timing.transfer_s == pytest.approx(49_783_680 / 25e9)
+    assert any("PCIe 4.0 x16" in n for n in timing.notes)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--policies", "fifo"],
+            r"unknown policies \['fifo'\]; valid: lru, lfu, moe-infinity, activation-aware, belady",
+        ),
+        (["--budgets", "0"], r"budget 0.0 outside \(0, 1\]"),
+        (["--requests", "x"], r"--requests must be an int or 'all', got 'x'"),
+        (["--requests", "0"], r"--requests must be >= 1, got 0"),
+        (["--first-request", "9"], r"--first-request 9 outside 0..3"),
+        (["--max-inflight-experts", "0"], r"--max-inflight-experts must be >= 1, got 0"),
+        (["--layer-ahead-accuracy", "2"], r"--layer-ahead-accuracy must be in \[0, 1\], got 2.0"),
+    ],
+)
+def test_cli_errors(trace, tmp_path, args, message):
+    with pytest.raises(SystemExit, match=message):
+        replay.main(["--trace", str(trace), "--out", str(tmp_path), "--no-progress", *args])
+
+
+def test_missing_trace(tmp_path):
+    with pytest.raises(SystemExit, match=r"not found \(make bench-replay TRACE=path\)"):
+        replay.main(["--trace", str(tmp_path / "nope.npz"), "--no-progress"])
