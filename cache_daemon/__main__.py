@@ -2,12 +2,19 @@
 
 Exit codes: 0 after SIGTERM/SIGINT, 2 when the configuration, the store or the budgets are
 unusable (the message says which field or file), 1 on an unexpected error.
+
+SIGHUP, or a change of the ``--config-file`` (checked every second: a Kubernetes ConfigMap volume
+is updated in place, with no signal), reloads the configuration (CLI > env > file, as at start)
+and applies its live fields (``LIVE_FIELDS``: policy,
+prefetch, hint handling); a reload that is invalid or changes another field is logged and
+refused whole, and the old config stays.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -57,13 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         daemon.subscribe_hints(config, config.pod_name or socket.gethostname())
 
     stop = threading.Event()
+    reload = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         logger.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
+    def on_hangup(_signum: int, _frame: object) -> None:
+        reload.set()  # applied by the loop below within a second, outside the signal handler
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
 
     socket_path = Path(config.socket_path)
     server = None
@@ -74,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on unix://%s: %s", socket_path, exc)
             return 2
+        seen = _file_version(args.config_file)
         while not stop.wait(1.0):
-            pass
+            version = _file_version(args.config_file)
+            if reload.is_set() or version != seen:
+                reload.clear()
+                seen = version
+                _reload(daemon, args)
         health_servicer.enter_graceful_shutdown()
     finally:
         # Wake Acquires blocked on slots first, so the server's grace period is not spent on them.
@@ -87,6 +104,31 @@ def main(argv: list[str] | None = None) -> int:
             socket_path.unlink(missing_ok=True)
         logger.info("stopped %s", SERVICE_NAME)
     return 0
+
+
+def _file_version(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a changed config file: (inode, size, mtime) through symlinks (a ConfigMap
+    update swaps a symlink to a new file), None without a file."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _reload(daemon: CacheDaemon, args: argparse.Namespace) -> None:
+    """Load the config again and apply its live fields; any error keeps the old config."""
+    try:
+        fresh = load_config(
+            DaemonConfig, cli=cli_values(args, DaemonConfig), env_prefix=ENV_PREFIX, file=args.config_file
+        )
+        update = daemon.reload(fresh)
+    except ExpertCacheError as exc:
+        logger.error("config reload refused, config unchanged: %s", exc)
+        return
+    logger.info("config reloaded: %s", ", ".join(update.changed) or "nothing changed")
 
 
 if __name__ == "__main__":

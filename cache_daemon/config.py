@@ -20,6 +20,18 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_SOCKET_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
 
+# Fields UpdateConfig (and a config reload) may change while serving; the others size memory or
+# name resources at start.
+LIVE_FIELDS = (
+    "eviction_policy",
+    "prefetch",
+    "max_inflight_bytes",
+    "prefetch_horizon_layers",
+    "hint_stale_s",
+    "hint_ttl_tokens",
+)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """Everything the daemon needs to serve one expert store."""
@@ -57,11 +69,12 @@ class DaemonConfig:
     device: str = field(
         default="auto",
         metadata={
-            "help": "Where the arena lives: cuda, cpu (POSIX shm), or auto (cuda if available).",
-            "choices": DEVICES,
+            "help": "Where the arena lives: cuda, cuda:<ordinal>, cuda:<GPU UUID>, cpu (POSIX shm), "
+            "or auto (cuda if available).",
         },
     )
-    """Arena device: ``cuda`` (CUDA IPC), ``cpu`` (POSIX shm file) or ``auto``."""
+    """Arena device: ``cuda`` / ``cuda:<ordinal>`` / ``cuda:<GPU UUID>`` (CUDA IPC), ``cpu`` (POSIX shm
+    file) or ``auto``. A UUID names the GPU the same way in every container of the pod."""
 
     shm_dir: str = field(
         default="/dev/shm",
@@ -90,13 +103,46 @@ class DaemonConfig:
     """Upper bound on one Acquire (waiting for slots pinned by others, then for loads)."""
 
     eviction_policy: str = field(
-        default="lru",
+        default="activation-aware",
         metadata={
-            "help": "Eviction policy of the device and host tiers.",
+            "help": "Eviction policy of the device arena (live; 'belady' is trace replay only).",
             "choices": tuple(sorted(POLICIES)),
         },
     )
-    """Name of the eviction policy (a key of ``cache_daemon.policy.POLICIES``)."""
+    """Name of the device tier's eviction policy (a key of ``cache_daemon.policy.POLICIES``;
+    ``belady`` needs the future and is refused). The host tier below is an LRU cache."""
+
+    prefetch: bool = field(
+        default=True,
+        metadata={"help": "Load experts ahead of demand from predictions (live)."},
+    )
+    """Prefetch from layer-ahead predictions, the request's history and predictor hints."""
+
+    max_inflight_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "Bytes of loads in flight a prefetch may add to; 0 = four experts (live).",
+            "min": 0,
+        },
+    )
+    """Bound on bytes of loads in flight beyond which no prefetch starts (demands are never
+    bounded), so prefetch never hogs the link a demand needs. 0 = ``4 * blob_bytes``."""
+
+    prefetch_horizon_layers: int = field(
+        default=2,
+        metadata={
+            "help": "History/hint prefetch looks at most this many layers ahead (live).",
+            "min": 1,
+            "max": 1 << 16,
+        },
+    )
+    """How far ahead (in layers) the EAMC / history class prefetches."""
+
+    hint_ttl_tokens: int = field(
+        default=64,
+        metadata={"help": "Predictor hints older than this many tokens are ignored (live).", "min": 0},
+    )
+    """A hint is stale (never prefetched, never protects a slot) after this many tokens."""
 
     predictor_address: str = field(
         default="",
@@ -121,7 +167,7 @@ class DaemonConfig:
             "max": 86400.0,
         },
     )
-    """A request whose hints have not changed for this long is dropped from the board."""
+    """A request whose hints have not changed for this long is dropped from the board (live)."""
 
     log_level: str = field(
         default="INFO",
@@ -135,6 +181,17 @@ class DaemonConfig:
 
     def check(self) -> None:
         """Cross-field checks run by ``load_config`` after the per-field constraints."""
+        kind, sep, gpu = self.device.partition(":")
+        if kind not in DEVICES or (sep and (kind != "cuda" or not gpu)):
+            raise InvalidArgument(
+                f"config field 'device' = {self.device!r} is not one of {', '.join(DEVICES)}, "
+                "cuda:<ordinal>, cuda:<GPU UUID>"
+            )
+        if self.eviction_policy == "belady":
+            raise InvalidArgument(
+                "config field 'eviction_policy' = 'belady': belady is the offline optimum and needs the future: "
+                "trace replay only (make bench-replay); the daemon runs lru, lfu, moe-infinity or activation-aware"
+            )
         if not self.store_dir:
             raise InvalidArgument(
                 f"config field 'store_dir' is required (--store-dir or {ENV_PREFIX}STORE_DIR)"

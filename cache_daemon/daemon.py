@@ -6,26 +6,38 @@ CacheDaemon.start(config)
   ├─ HostTier                           host_budget_bytes // blob_bytes slots (0 = none)
   ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (shm / CUDA)
   ├─ SlotTable                          <shm_dir>/expertcache-<daemon_id>.slots, mapped by compute
-  └─ Residency                          slot table, pins, LRU, demand loads
+  ├─ ActivationSignals                  compute's routing / layer-ahead, predictor hints
+  └─ Residency                          slot table, pins, policy, demand loads, prefetch worker
+
+Live settings (``LIVE_FIELDS``: policy, prefetch, hint handling) change through ``update_config``
+(the UpdateConfig RPC, or ``reload`` of the config file on SIGHUP): validated whole, applied
+whole or not at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from cache_daemon.config import DaemonConfig
+from cache_daemon.config import LIVE_FIELDS, DaemonConfig
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import make_policy
-from cache_daemon.residency import ClientLedger, Residency, table_entries
+from cache_daemon.policy import EvictionPolicy, PolicyShape, make_policy
+from cache_daemon.prefetch import PrefetchClass, PrefetchConfig
+from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
+from cache_daemon.signals import ActivationSignals, SignalsConfig
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, slots_for_budget
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
+from expertcache.config_loader import validate
+from expertcache.errors import InvalidArgument
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
 from expertcache.native import SlotTable
 
@@ -57,6 +69,18 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class PrefetchStats:
+    """The prefetcher's counters for one prediction class."""
+
+    cls: PrefetchClass
+    started: int
+    used: int  # used before eviction (accuracy = used / (used + wasted))
+    wasted: int  # evicted unused
+    cancelled: int  # queued reads cancelled for a demand
+    promoted: int  # joined by a demand
+
+
+@dataclass(frozen=True)
 class CacheStats:
     tiers: tuple[TierStats, ...]
     pinned: int
@@ -65,6 +89,34 @@ class CacheStats:
     store_io_mode: str
     store_read_seconds: float
     hints: HintStats | None = None
+    prefetch: tuple[PrefetchStats, ...] = ()
+    config: DaemonConfig | None = None
+    signals_rejected: int = 0  # malformed Route/LayerAhead messages dropped
+
+
+@dataclass(frozen=True)
+class ConfigUpdate:
+    """What ``update_config`` did: the config now in force and the fields it changed."""
+
+    config: DaemonConfig
+    changed: tuple[str, ...]
+
+
+def signals_config(config: DaemonConfig) -> SignalsConfig:
+    return SignalsConfig(hint_ttl_tokens=config.hint_ttl_tokens)
+
+
+def prefetch_config(config: DaemonConfig) -> PrefetchConfig:
+    return PrefetchConfig(horizon_layers=config.prefetch_horizon_layers)
+
+
+def device_policy(name: str, manifest: StoreManifest, signals: ActivationSignals) -> EvictionPolicy:
+    """The device tier's policy ``name`` over ``signals`` (layers numbered as in Acquire);
+    ``InvalidArgument`` naming the field for a name the registry refuses."""
+    try:
+        return make_policy(name, PolicyShape(manifest.num_layers, manifest.num_experts), signals)
+    except ValueError as exc:
+        raise InvalidArgument(f"config field 'eviction_policy' = {name!r}: {exc}") from None
 
 
 class CacheDaemon:
@@ -86,6 +138,7 @@ class CacheDaemon:
         arena: DeviceArena,
         residency: Residency,
         table: SlotTable,
+        config: DaemonConfig | None = None,
     ) -> None:
         self.manifest = manifest
         self.manifest_json = manifest_json
@@ -96,18 +149,77 @@ class CacheDaemon:
         self.arena = arena
         self.residency = residency
         self.table = table
+        self.config = config or DaemonConfig(store_dir="(unknown)")
         self._closed = False
+        self._config_lock = threading.Lock()  # one update at a time
         # Predictor hints: kept on a board for the prefetch scheduler; empty unless subscribed.
-        self.hints = HintBoard()
+        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s)
+        self.residency.set_hint_board(self.hints)
         self.hint_subscriber: HintSubscriber | None = None
 
     def subscribe_hints(self, config: DaemonConfig, pod: str) -> None:
         """Follow the predictor's hints for ``pod`` (``config.predictor_address`` must be set)."""
-        self.hints = HintBoard(stale_after_s=config.hint_stale_s)
+        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s)
+        self.residency.set_hint_board(self.hints)
         self.hint_subscriber = HintSubscriber(
             config.predictor_address, self.manifest.model_id, pod, self.hints
         )
         logger.info("taking prefetch hints from the predictor at %s (pod %s)", config.predictor_address, pod)
+
+    # -- live configuration ------------------------------------------------------------------
+    def update_config(self, changes: dict[str, Any]) -> ConfigUpdate:
+        """Apply ``changes`` (field name → value) to the live settings, all or nothing.
+
+        ``InvalidArgument`` naming the field and value, with the old config kept, for an unknown
+        field, a field that is not live (budgets and the rest are fixed at start), a value out of
+        range, or a policy the daemon cannot run (``belady``). A policy switch keeps every
+        resident expert resident and every pin (``Residency.set_policy``).
+        """
+        with self._config_lock:
+            try:
+                new = self._validated(changes)
+                policy = None
+                if new.eviction_policy != self.config.eviction_policy:
+                    policy = device_policy(new.eviction_policy, self.manifest, self.residency.signals)
+            except InvalidArgument as exc:
+                logger.warning("config update %s refused, config unchanged: %s", changes, exc)
+                raise
+            changed = tuple(f for f in LIVE_FIELDS if getattr(new, f) != getattr(self.config, f))
+            if policy is not None:
+                self.residency.set_policy(policy)
+            self.residency.signals.config = signals_config(new)
+            self.residency.configure_prefetch(
+                enabled=new.prefetch, max_inflight_bytes=new.max_inflight_bytes, config=prefetch_config(new)
+            )
+            self.hints.stale_after_s = new.hint_stale_s
+            self.config = new
+            if changed:
+                logger.info("config updated: %s", ", ".join(f"{f}={getattr(new, f)!r}" for f in changed))
+            return ConfigUpdate(new, changed)
+
+    def _validated(self, changes: dict[str, Any]) -> DaemonConfig:
+        names = {f.name for f in dataclasses.fields(DaemonConfig)}
+        for name, value in changes.items():
+            if name not in names:
+                raise InvalidArgument(f"unknown config field {name!r}; live fields: {', '.join(LIVE_FIELDS)}")
+            if name not in LIVE_FIELDS:
+                raise InvalidArgument(
+                    f"config field {name!r} = {value!r} cannot change while the daemon runs (it is fixed "
+                    f"at start; restart the daemon); live fields: {', '.join(LIVE_FIELDS)}"
+                )
+        new = dataclasses.replace(self.config, **changes)
+        validate(new)  # InvalidArgument naming the field, its value and the allowed range
+        return new
+
+    def reload(self, fresh: DaemonConfig) -> ConfigUpdate:
+        """Adopt the live fields of ``fresh`` (the config loaded again, e.g. on SIGHUP after the
+        ConfigMap changed); a change to any other field refuses the whole reload."""
+        changes = {
+            f.name: getattr(fresh, f.name)
+            for f in dataclasses.fields(DaemonConfig)
+            if getattr(fresh, f.name) != getattr(self.config, f.name)
+        }
+        return self.update_config(changes)
 
     @classmethod
     def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
@@ -134,23 +246,25 @@ class CacheDaemon:
                 table_entries(manifest),
                 num_slots,
             )
-            host = HostTier(
-                host_slots,
-                blob,
-                make_policy(config.eviction_policy),
-                metrics,
-                pin_memory=arena.pin_host_memory,
+            # The host tier is a plain LRU cache below the arena: predictions rank the arena.
+            host = HostTier(host_slots, blob, make_policy("lru"), metrics, pin_memory=arena.pin_host_memory)
+            signals = ActivationSignals(
+                manifest.num_layers, manifest.num_experts, config=signals_config(config)
             )
             residency = Residency(
                 manifest,
                 arena,
                 store,
                 host,
-                make_policy(config.eviction_policy),
+                device_policy(config.eviction_policy, manifest, signals),
                 metrics,
                 table=table,
                 io_threads=config.io_threads,
                 acquire_timeout_s=config.acquire_timeout_s,
+                signals=signals,
+                prefetch=config.prefetch,
+                max_inflight_bytes=config.max_inflight_bytes,
+                prefetch_config=prefetch_config(config),
             )
         except BaseException:
             if table is not None:
@@ -182,6 +296,7 @@ class CacheDaemon:
             arena=arena,
             residency=residency,
             table=table,
+            config=config,
         )
 
     def attach(self, client_name: str, *, want_client: bool = False) -> AttachInfo:
@@ -231,7 +346,20 @@ class CacheDaemon:
             checksum_failures=int(m.checksum_failures.value()),
             store_io_mode=self.store.io_mode,
             store_read_seconds=float(m.store_read_seconds.value()),
+            signals_rejected=int(m.signals.value(kind="rejected")),
             hints=self.hints.stats(),
+            prefetch=tuple(
+                PrefetchStats(
+                    cls=cls,
+                    started=int(m.prefetch_started.value(kind=kind)),
+                    used=int(m.prefetch_used.value(kind=kind)),
+                    wasted=int(m.prefetch_wasted.value(kind=kind)),
+                    cancelled=int(m.prefetch_cancelled.value(kind=kind)),
+                    promoted=int(m.prefetch_promoted.value(kind=kind)),
+                )
+                for cls, kind in PREFETCH_KINDS.items()
+            ),
+            config=self.config,
         )
 
     def close(self) -> None:

@@ -14,6 +14,18 @@ name                                       labels  meaning
 ``moe_cache_checksum_failures_total``              store reads that failed their CRC-32
 ``moe_cache_store_read_seconds_total``             seconds spent reading (and checking) store blobs
 ``moe_cache_store_read_bytes_total``               bytes read from the store
+``moe_cache_prefetch_started_total``       kind    prefetch loads started (kind: layer_ahead,
+                                                   eamc = history / next token / EAMC hints)
+``moe_cache_prefetch_used_total``          kind    prefetched experts used (acquired, joined by
+                                                   a demand, or pinned by compute) before eviction
+``moe_cache_prefetch_wasted_total``        kind    prefetched experts evicted unused (accuracy =
+                                                   used / (used + wasted))
+``moe_cache_prefetch_cancelled_total``     kind    queued prefetch reads cancelled to give their
+                                                   slot to a demand
+``moe_cache_prefetch_promoted_total``      kind    prefetch loads a demand joined and promoted to
+                                                   demand priority
+``moe_cache_signals_total``                kind    one-way prediction messages from compute
+                                                   (route, layer_ahead, request_begin, request_end)
 =========================================  ======  =============================================
 
 Gauges (resident experts, pinned experts) are not counters: they are read from the tiers when
@@ -79,6 +91,28 @@ class DaemonMetrics:
             "moe_cache_store_read_seconds_total", "Seconds spent reading and checking store blobs."
         )
         self.store_read_bytes = Counter("moe_cache_store_read_bytes_total", "Bytes read from the store.")
+        self.prefetch_started = Counter(
+            "moe_cache_prefetch_started_total", "Prefetch loads started, per prediction kind.", ("kind",)
+        )
+        self.prefetch_used = Counter(
+            "moe_cache_prefetch_used_total", "Prefetched experts used before eviction.", ("kind",)
+        )
+        self.prefetch_wasted = Counter(
+            "moe_cache_prefetch_wasted_total", "Prefetched experts evicted without being used.", ("kind",)
+        )
+        self.prefetch_cancelled = Counter(
+            "moe_cache_prefetch_cancelled_total",
+            "Queued prefetch reads cancelled to give their slot to a demand.",
+            ("kind",),
+        )
+        self.prefetch_promoted = Counter(
+            "moe_cache_prefetch_promoted_total",
+            "Prefetch loads joined by a demand and promoted to demand priority.",
+            ("kind",),
+        )
+        self.signals = Counter(
+            "moe_cache_signals_total", "One-way prediction messages received from compute.", ("kind",)
+        )
 
     def counters(self) -> list[Counter]:
         return [
@@ -90,6 +124,12 @@ class DaemonMetrics:
             self.checksum_failures,
             self.store_read_seconds,
             self.store_read_bytes,
+            self.prefetch_started,
+            self.prefetch_used,
+            self.prefetch_wasted,
+            self.prefetch_cancelled,
+            self.prefetch_promoted,
+            self.signals,
         ]
 
     def render_text(self) -> str:

@@ -15,8 +15,10 @@ import grpc
 from grpc_health.v1 import health
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats
+from cache_daemon.config import DaemonConfig
+from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats, ConfigUpdate, PrefetchStats
 from cache_daemon.hints import HintStats
+from cache_daemon.prefetch import PrefetchClass
 from cache_daemon.residency import ClientLedger, Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
@@ -36,6 +38,12 @@ _ARENA_KIND_TO_PB = {
     ArenaKind.POSIX_SHM: cache_pb2.ARENA_KIND_POSIX_SHM,
     ArenaKind.CUDA_IPC: cache_pb2.ARENA_KIND_CUDA_IPC,
 }
+_PREFETCH_CLASS_TO_PB = {
+    PrefetchClass.LAYER_AHEAD: cache_pb2.PREFETCH_CLASS_LAYER_AHEAD,
+    PrefetchClass.EAMC: cache_pb2.PREFETCH_CLASS_EAMC,
+}
+# UpdateConfigRequest's optional fields, all named as DaemonConfig's fields.
+_UPDATE_FIELDS = tuple(f.name for f in cache_pb2.UpdateConfigRequest.DESCRIPTOR.fields)
 _TIER_TO_PB = {
     Tier.DEVICE: cache_pb2.TIER_DEVICE,
     Tier.HOST: cache_pb2.TIER_HOST,
@@ -125,6 +133,42 @@ def stats_to_pb(stats: CacheStats) -> cache_pb2.CacheStats:
         store_io_mode=stats.store_io_mode,
         store_read_seconds=stats.store_read_seconds,
         hints=hint_stats_to_pb(stats.hints) if stats.hints is not None else None,
+        prefetch=[prefetch_stats_to_pb(p) for p in stats.prefetch],
+        config=live_config_to_pb(stats.config) if stats.config is not None else None,
+        signals_rejected=stats.signals_rejected,
+    )
+
+
+def prefetch_stats_to_pb(p: PrefetchStats) -> cache_pb2.PrefetchStats:
+    return cache_pb2.PrefetchStats(
+        prediction=_PREFETCH_CLASS_TO_PB[p.cls],
+        started=p.started,
+        used=p.used,
+        wasted=p.wasted,
+        cancelled=p.cancelled,
+        promoted=p.promoted,
+    )
+
+
+def live_config_to_pb(config: DaemonConfig) -> cache_pb2.LiveConfig:
+    return cache_pb2.LiveConfig(
+        eviction_policy=config.eviction_policy,
+        prefetch=config.prefetch,
+        max_inflight_bytes=config.max_inflight_bytes,
+        hint_stale_s=config.hint_stale_s,
+        prefetch_horizon_layers=config.prefetch_horizon_layers,
+        hint_ttl_tokens=config.hint_ttl_tokens,
+    )
+
+
+def update_from_pb(request: cache_pb2.UpdateConfigRequest) -> dict[str, object]:
+    """The fields the request sets (proto3 ``optional``: unset = keep), by DaemonConfig name."""
+    return {name: getattr(request, name) for name in _UPDATE_FIELDS if request.HasField(name)}
+
+
+def update_to_pb(update: ConfigUpdate) -> cache_pb2.UpdateConfigResponse:
+    return cache_pb2.UpdateConfigResponse(
+        config=live_config_to_pb(update.config), changed=list(update.changed)
     )
 
 
@@ -163,6 +207,7 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
             if ledger is not None:
                 # From now on the end of this stream reclaims the ledger's shm pins.
                 residency.bind_client(session, ledger)
+            warned = False  # one warning per stream for malformed predictions
             for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "acquire":
@@ -173,8 +218,34 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                     yield done_to_pb(acquire.ticket, time.monotonic() - start)
                 elif kind == "release":
                     residency.release(session, [key_from_pb(ref) for ref in request.release.experts])
+                elif kind in ("route", "layer_ahead"):
+                    # A prediction is advice: a malformed one is dropped and counted, and the
+                    # stream (and the generation it serves) goes on.
+                    try:
+                        if kind == "route":
+                            route = request.route
+                            residency.observe(route.request_id, route.token, route.layer, route.experts)
+                        else:
+                            ahead = request.layer_ahead
+                            residency.layer_ahead(ahead.token, ahead.layer, ahead.experts, ahead.scores)
+                    except InvalidArgument as exc:
+                        self._daemon.metrics.signals.inc(kind="rejected")
+                        if not warned:
+                            warned = True
+                            logger.warning(
+                                "dropping malformed %s messages from %s (counted in signals_rejected): %s",
+                                kind,
+                                context.peer(),
+                                exc,
+                            )
+                elif kind == "request_begin":
+                    residency.begin_request(request.request_begin.request_id)
+                elif kind == "request_end":
+                    residency.end_request(request.request_end.request_id)
                 else:
-                    raise InvalidArgument("DemandRequest sets neither 'acquire' nor 'release'")
+                    raise InvalidArgument(
+                        "DemandRequest sets none of acquire, release, route, layer_ahead, request_begin, request_end"
+                    )
         finally:
             residency.close_session(session)
 
@@ -182,6 +253,11 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         self, request: cache_pb2.GetStatsRequest, context: grpc.ServicerContext
     ) -> cache_pb2.CacheStats:
         return stats_to_pb(self._daemon.stats())
+
+    def UpdateConfig(
+        self, request: cache_pb2.UpdateConfigRequest, context: grpc.ServicerContext
+    ) -> cache_pb2.UpdateConfigResponse:
+        return update_to_pb(self._daemon.update_config(update_from_pb(request)))
 
 
 def create_server(

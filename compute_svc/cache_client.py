@@ -11,6 +11,14 @@ Demand stream, driven from the one scheduler worker thread::
                      ◀─ AcquireDone(ticket)                             → iterator ends
     release(layer, experts) ─▶ Release(experts)
 
+Predictions travel the same stream one way (no reply, so no round trip on the decode step)::
+
+    begin_request(id) ─▶ RequestBegin       routed(token, layer, experts) ─▶ Route
+    end_request(id)   ─▶ RequestEnd         layer_ahead(token, layer, experts, scores) ─▶ LayerAhead
+
+They are only queued; with no stream open they are dropped and counted (``signals_dropped``):
+a lost prediction costs a prefetch, never correctness.
+
 Requests go through a queue that the stream's request iterator drains; a reader thread moves
 responses into a queue so that each wait can have a deadline (``acquire_timeout_s``). After an
 error the stream is dropped (the daemon then releases its pins) and the next call opens a new one.
@@ -225,6 +233,11 @@ class DaemonClient:
         self._stopped: str | None = None  # why this client refuses every call, once the daemon restarted
         self.on_stale: Callable[[str], None] | None = None  # told once when the daemon restarted
         self._lock = threading.Lock()
+        # One-way prediction messages (routed / layer_ahead / begin / end): sent, and dropped
+        # because no Demand stream was open (never waited for, never retried).
+        self.signals_sent = 0
+        self.signals_dropped = 0
+        self._request_id = ""  # the request begun last and not ended; re-announced on a new stream
         if fast_path:
             self._map_table(attachment)
             if self._table is not None:
@@ -395,6 +408,69 @@ class DaemonClient:
                 )
             )
 
+    # -- one-way prediction messages (no reply, never block) ---------------------------------------
+    def begin_request(self, request_id: str) -> None:
+        """A request starts: the daemon starts its routing history afresh."""
+        with self._lock:
+            self._request_id = request_id
+            self._signal_locked(
+                cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
+            )
+
+    def end_request(self, request_id: str) -> None:
+        """A request ended: the daemon drops its routing history."""
+        with self._lock:
+            if self._request_id == request_id:
+                self._request_id = ""
+            self._signal_locked(
+                cache_pb2.DemandRequest(request_end=cache_pb2.RequestEnd(request_id=request_id))
+            )
+
+    def routed(self, token: int, layer: int, experts: Sequence[int]) -> None:
+        """Layer ``layer`` of token ``token`` (position in the current request) was routed to
+        ``experts``, hits included: the daemon cannot see shared-memory hits in order."""
+        with self._lock:
+            self._signal_locked(
+                cache_pb2.DemandRequest(
+                    route=cache_pb2.Route(
+                        request_id=self._request_id,
+                        token=token,
+                        layer=layer,
+                        experts=[int(e) for e in experts],
+                    )
+                )
+            )
+
+    def layer_ahead(self, token: int, layer: int, experts: Sequence[int], scores: Sequence[float]) -> None:
+        """Predicted experts of layer ``layer`` for token ``token`` (the next layer's router applied
+        to the current hidden state) with their router probabilities, same length as ``experts``."""
+        if len(experts) != len(scores):
+            raise InvalidArgument(
+                f"layer_ahead for layer {layer}: {len(experts)} experts but {len(scores)} scores"
+            )
+        with self._lock:
+            self._signal_locked(
+                cache_pb2.DemandRequest(
+                    layer_ahead=cache_pb2.LayerAhead(
+                        token=token,
+                        layer=layer,
+                        experts=[int(e) for e in experts],
+                        scores=[float(x) for x in scores],
+                    )
+                )
+            )
+
+    def _signal_locked(self, request: cache_pb2.DemandRequest) -> None:
+        """Queue a one-way message on the open Demand stream; with none open, drop it. Opening a
+        stream may take an Attach round trip, which has no place on the decode step: the next
+        acquire opens one (and re-announces the current request)."""
+        stream = self._stream
+        if stream is None or stream.ended or self._stopped is not None:
+            self.signals_dropped += 1
+            return
+        stream.send(request)
+        self.signals_sent += 1
+
     def close(self) -> None:
         with self._lock:
             if self._stream is not None:
@@ -422,6 +498,11 @@ class DaemonClient:
                 metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
             self._stream = _DemandStream(self._stub, metadata)
             self._streams_opened += 1
+            if self._request_id:
+                # The old stream's messages may be lost (or the daemon new): say what runs now.
+                self._stream.send(
+                    cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=self._request_id))
+                )
             logger.debug("opened a Demand stream to %s", self.address)
         return self._stream
 

@@ -133,6 +133,20 @@ class StoreReadHandle:
         state = self.state
         return state is None or bool(state["done"])
 
+    def promote(self, priority: Priority) -> bool:
+        """Move the read to ``priority`` (a demand joining a prefetch): its unissued chunks go
+        to the back of that class's queue. False when every chunk is already issued or done."""
+        if self._finished or not self._store._reader.promote(self.request_id, int(priority)):
+            return False
+        self.priority = Priority(priority)
+        return True
+
+    def cancel(self) -> bool:
+        """Drop the read's unissued chunks (a demand takes its buffer); ``wait`` then raises
+        ``ShuttingDown`` once the chunks already issued have landed, and only then is the buffer
+        free. False when nothing was left to cancel (the read completes normally)."""
+        return not self._finished and bool(self._store._reader.cancel(self.request_id))
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until ``key``'s blob is in the buffer and verified (``None``: no time limit).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -384,3 +385,193 @@ def test_demand_metadata_errors(daemon):
     err = expect_error(unclaimed, 1, [0])
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "client ledger 31 (epoch 0) is not an unused ledger claimed at Attach" in err.details()
+
+
+# -- live config (UpdateConfig, SIGHUP reload) and compute's prediction messages -------------------
+@pytest.fixture
+def lone(tmp_path):
+    """A daemon of its own (tests below change its config), starting on plain LRU."""
+    d = launch(tmp_path, extra=["--eviction-policy", "lru"])
+    yield d
+    d.close()
+    assert d.proc.stop() == 0, d.proc.log()
+
+
+def update(daemon: Daemon, **fields) -> cache_pb2.UpdateConfigResponse:
+    return daemon.stub.UpdateConfig(cache_pb2.UpdateConfigRequest(**fields), timeout=10)
+
+
+def test_policy_switch_at_runtime_loses_nothing(lone):
+    holder, other = DemandStream(lone.stub), DemandStream(lone.stub)
+    try:
+        held, _ = holder.acquire(1, 1, [0, 1])  # pinned through the switch
+        loaded, _ = other.acquire(2, 3, [4])
+        other.release(3, [4])
+        slots = {(r.expert.expert, r.slot) for r in held} | {(4, loaded[0].slot)}
+        before = lone.stats()
+        assert before.config.eviction_policy == "lru" and before.config.prefetch
+
+        reply = update(lone, eviction_policy="activation-aware", prefetch=False)
+        assert list(reply.changed) == ["eviction_policy", "prefetch"]
+        assert reply.config.eviction_policy == "activation-aware" and not reply.config.prefetch
+        after = lone.stats()
+        assert after.config.eviction_policy == "activation-aware"
+        assert (
+            tiers(after)[cache_pb2.TIER_DEVICE].resident == tiers(before)[cache_pb2.TIER_DEVICE].resident == 3
+        )
+        assert after.pinned == before.pinned == 2
+        for r in held:  # the pinned slots were never touched
+            assert lone.slot_bytes(r.slot) == lone.blob(1, r.expert.expert)
+        # Later acquires of the residents are hits in the same slots, under the new policy.
+        again, _ = other.acquire(3, 3, [4])
+        assert [(r.expert.expert, r.slot, r.source) for r in again] == [
+            (4, loaded[0].slot, cache_pb2.TIER_DEVICE)
+        ]
+        other.release(3, [4])
+        holder.release(1, [0, 1])
+        hits, _ = holder.acquire(4, 1, [1, 0])
+        assert {(r.expert.expert, r.slot) for r in hits} | {(4, loaded[0].slot)} == slots
+        assert {r.source for r in hits} == {cache_pb2.TIER_DEVICE}
+        holder.release(1, [0, 1])
+        # And the new policy evicts when it must: a fourth expert still loads.
+        fresh, _ = other.acquire(5, 3, [5])
+        assert lone.slot_bytes(fresh[0].slot) == lone.blob(3, 5)
+        other.release(3, [5])
+        assert list(update(lone, eviction_policy="activation-aware").changed) == []  # no-op
+    finally:
+        holder.close()
+        other.close()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(eviction_policy="belady"),
+            r"'eviction_policy' = 'belady': belady is the offline optimum.*trace replay only",
+        ),
+        (
+            dict(eviction_policy="fifo"),
+            r"'eviction_policy' = 'fifo' is not one of activation-aware, belady, lfu, lru",
+        ),
+        (
+            dict(device_budget_bytes=1 << 20),
+            r"config field 'device_budget_bytes' = 1048576 cannot change while",
+        ),
+        (
+            dict(host_budget_bytes=0),
+            r"config field 'host_budget_bytes' = 0 cannot change while the daemon runs",
+        ),
+        (dict(hint_stale_s=0.0), r"config field 'hint_stale_s' = 0.0 is below its minimum 0.001"),
+        (
+            dict(prefetch_horizon_layers=0),
+            r"config field 'prefetch_horizon_layers' = 0 is below its minimum 1",
+        ),
+        # One bad field refuses the whole update: the good one is not applied either.
+        (
+            dict(prefetch=False, hint_ttl_tokens=8, hint_stale_s=-1.0),
+            r"'hint_stale_s' = -1.0 is below",
+        ),
+    ],
+)
+def test_invalid_update_config_is_invalid_argument_and_keeps_the_config(daemon, fields, message):
+    before = daemon.stats().config
+    with pytest.raises(grpc.RpcError) as info:
+        update(daemon, **fields)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, info.value.details()), info.value.details()
+    assert daemon.stats().config == before
+
+
+def test_prediction_messages_drive_prefetch_without_replies(lone):
+    stream = DemandStream(lone.stub)
+    try:
+        send = stream._requests.put
+        send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
+        send(
+            cache_pb2.DemandRequest(
+                route=cache_pb2.Route(request_id="req-1", token=0, layer=1, experts=[0, 1])
+            )
+        )
+        send(
+            cache_pb2.DemandRequest(
+                layer_ahead=cache_pb2.LayerAhead(token=0, layer=3, experts=[2, 3], scores=[0.9, 0.6])
+            )
+        )
+
+        def prefetched() -> int:
+            stats = lone.stats()
+            return next(
+                p.started for p in stats.prefetch if p.prediction == cache_pb2.PREFETCH_CLASS_LAYER_AHEAD
+            )
+
+        wait_for(lambda: prefetched() == 2 and lone.stats().tiers[0].resident == 2)
+        # No reply was sent for any of them: the next answer on the stream is this acquire's.
+        readies, _ = stream.acquire(7, 3, [3, 2])
+        assert {r.source for r in readies} == {cache_pb2.TIER_DEVICE}
+        for r in readies:
+            assert lone.slot_bytes(r.slot) == lone.blob(3, r.expert.expert)
+        stream.release(3, [2, 3])
+        stats = lone.stats()
+        (ahead,) = [p for p in stats.prefetch if p.prediction == cache_pb2.PREFETCH_CLASS_LAYER_AHEAD]
+        assert (ahead.started, ahead.used, ahead.wasted, ahead.cancelled) == (2, 2, 0, 0)
+        send(cache_pb2.DemandRequest(request_end=cache_pb2.RequestEnd(request_id="req-1")))
+        # A malformed prediction is advice gone wrong: dropped and counted; the stream goes on.
+        assert lone.stats().signals_rejected == 0
+        send(
+            cache_pb2.DemandRequest(route=cache_pb2.Route(request_id="req-1", token=1, layer=2, experts=[0]))
+        )
+        send(cache_pb2.DemandRequest(layer_ahead=cache_pb2.LayerAhead(token=1, layer=3, experts=[99])))
+        readies, _ = stream.acquire(8, 3, [3])
+        assert [r.expert.expert for r in readies] == [3]
+        stream.release(3, [3])
+        assert lone.stats().signals_rejected == 2
+        log = lone.proc.log()
+        assert "dropping malformed route messages" in log
+        assert "Route names layer 2, which is not a MoE layer of the store (MoE layers: [1, 3])" in log
+    finally:
+        stream.close()
+
+
+def test_client_prediction_methods_never_wait_and_count_drops(lone):
+    client = fast_client(lone)
+    try:
+        client.begin_request("req-2")
+        client.routed(0, 1, [4, 5])
+        client.layer_ahead(0, 3, [1], [0.8])
+        wait_for(lambda: lone.stats().tiers[0].resident >= 1)
+        got = list(client.acquire(3, [1]))  # prefetched: a hit through shared memory, no Demand
+        assert [(r.expert, r.source.value) for r in got] == [(1, "device")]
+        client.release(3, [1])
+        client.end_request("req-2")
+        assert (client.signals_sent, client.signals_dropped) == (4, 0)
+        with pytest.raises(Exception, match=r"layer_ahead for layer 3: 2 experts but 1 scores"):
+            client.layer_ahead(0, 3, [1, 2], [0.5])
+    finally:
+        client.close()
+    client.routed(1, 1, [0])  # no stream any more: dropped and counted, never raised or waited for
+    assert client.signals_dropped == 1
+
+
+def test_sighup_reloads_live_fields_and_refuses_the_rest(tmp_path):
+    config = tmp_path / "daemon.yaml"
+    config.write_text("eviction_policy: lru\n")
+    d = launch(tmp_path, extra=["--config-file", str(config)])
+    try:
+        assert d.stats().config.eviction_policy == "lru"
+        config.write_text("eviction_policy: lfu\nprefetch: false\n")
+        d.proc.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: d.stats().config.eviction_policy == "lfu")
+        assert not d.stats().config.prefetch
+        config.write_text("eviction_policy: moe-infinity\nio_threads: 2\n")  # io_threads is not live
+        d.proc.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: "config reload refused" in d.proc.log())
+        assert "config field 'io_threads' = 2 cannot change while the daemon runs" in d.proc.log()
+        assert d.stats().config.eviction_policy == "lfu"
+        # A ConfigMap volume changes the file with no signal: the daemon notices by itself.
+        config.write_text("eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
+        wait_for(lambda: d.stats().config.eviction_policy == "activation-aware")
+        assert d.stats().config.prefetch and d.stats().config.hint_ttl_tokens == 9
+    finally:
+        d.close()
+        assert d.proc.stop() == 0, d.proc.log()

@@ -52,6 +52,8 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.attaches: list[bool] = []  # shm_fast_path of each Attach
         self.acquired: list[tuple[int, list[int]]] = []  # every Acquire received
         self.metadata: list[dict[str, str]] = []  # of each Demand call
+        self.signals: list[tuple] = []  # one-way prediction messages, in arrival order
+        self.got_signal = threading.Event()
 
     def Attach(self, request, context):  # noqa: N802
         self.attaches.append(request.shm_fast_path)
@@ -74,8 +76,20 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         context.add_callback(self.stream_closed.set)
         for req in request_iterator:
-            if req.WhichOneof("kind") == "release":
+            kind = req.WhichOneof("kind")
+            if kind == "release":
                 self.released += [(r.layer, r.expert) for r in req.release.experts]
+                continue
+            if kind != "acquire":  # one-way: never answered
+                msg = getattr(req, kind)
+                if kind == "route":
+                    self.signals.append((kind, msg.request_id, msg.token, msg.layer, list(msg.experts)))
+                elif kind == "layer_ahead":
+                    scores = [round(x, 3) for x in msg.scores]
+                    self.signals.append((kind, msg.token, msg.layer, list(msg.experts), scores))
+                else:
+                    self.signals.append((kind, msg.request_id))
+                self.got_signal.set()
                 continue
             acq = req.acquire
             self.acquired.append((acq.layer, list(acq.experts)))
@@ -275,3 +289,54 @@ def test_pins_reclaimed_while_in_use_fail_the_release(daemon, tmp_path):
     assert servicer.attaches == [True, True] and table.client_pins(1, 7) == 1
     client.release(1, [3])
     client.close()
+
+
+# -- one-way prediction messages: queued on the Demand stream, never answered, never waited for ---
+def wait_signals(servicer: ScriptedCache, n: int) -> list[tuple]:
+    deadline = time.monotonic() + 5
+    while len(servicer.signals) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return servicer.signals
+
+
+def test_prediction_messages_travel_one_way_on_the_demand_stream(daemon, tmp_path):
+    servicer, address = daemon
+    offer_table(servicer, tmp_path)  # fast path: the stream is open from the start
+    client = connect(address)
+    client.begin_request("req-1")
+    client.routed(4, 1, [3, 0])
+    client.layer_ahead(4, 1, [2, 1], [0.7, 0.2])
+    # Interleaved with an acquire, whose answers are still its own.
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    client.end_request("req-1")
+    assert wait_signals(servicer, 4) == [
+        ("request_begin", "req-1"),
+        ("route", "req-1", 4, 1, [3, 0]),
+        ("layer_ahead", 4, 1, [2, 1], [0.7, 0.2]),
+        ("request_end", "req-1"),
+    ]
+    assert (client.signals_sent, client.signals_dropped) == (4, 0)
+    assert servicer.streams == 1
+    with pytest.raises(InvalidArgument, match=r"layer_ahead for layer 1: 2 experts but 1 scores"):
+        client.layer_ahead(5, 1, [2, 1], [0.7])
+    client.close()
+
+
+def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
+    servicer, address = daemon
+    client = connect(address, fast_path=False)  # no stream until the first acquire
+    started = time.monotonic()
+    client.begin_request("req-9")
+    client.routed(0, 0, [1])
+    client.layer_ahead(0, 1, [2], [0.5])
+    assert time.monotonic() - started < 0.5  # nothing waited for a stream or a reply
+    assert (client.signals_sent, client.signals_dropped) == (0, 3)
+    assert servicer.streams == 0
+    # The first acquire opens a stream, which is told the running request before anything else.
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    client.routed(1, 0, [1])
+    assert wait_signals(servicer, 2) == [("request_begin", "req-9"), ("route", "req-9", 1, 0, [1])]
+    client.end_request("req-9")
+    client.close()
+    client.routed(2, 0, [1])  # after close: dropped, never raised
+    assert client.signals_dropped == 4

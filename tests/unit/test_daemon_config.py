@@ -27,7 +27,8 @@ def test_every_field_is_documented_and_unit_suffixed():
         assert field.default is not dataclasses.MISSING, field.name
         assert field.metadata.get("help"), field.name
         if hints[field.name] in (int, float) and field.name != "io_threads":
-            assert field.name.endswith(("_bytes", "_s")), field.name
+            # Units: bytes, seconds, tokens, layers; a probability is dimensionless, in [0, 1].
+            assert field.name.endswith(("_bytes", "_s", "_tokens", "_layers", "_probability")), field.name
 
 
 def test_defaults_and_precedence(tmp_path):
@@ -44,7 +45,8 @@ def test_defaults_and_precedence(tmp_path):
     assert config.io_threads == 3  # env > file; unprefixed env ignored
     assert config.host_budget_bytes == 1000  # file > default
     assert config.log_level == "DEBUG"
-    assert config.device == "auto" and config.shm_dir == "/dev/shm" and config.eviction_policy == "lru"
+    assert config.device == "auto" and config.shm_dir == "/dev/shm"
+    assert config.eviction_policy == "activation-aware" and config.prefetch is True
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.io_threads = 5  # type: ignore[misc]
 
@@ -65,8 +67,19 @@ def test_unknown_field_in_config_file(tmp_path):
         ({"host_budget_bytes": -4096}, r"'host_budget_bytes' = -4096 is below its minimum 0"),
         ({"io_threads": 0}, r"'io_threads' = 0 is below its minimum 1"),
         ({"acquire_timeout_s": "-0.5"}, r"'acquire_timeout_s' = -0.5 is below its minimum"),
-        ({"device": "tpu"}, r"'device' = 'tpu' is not one of auto, cpu, cuda"),
-        ({"eviction_policy": "fifo"}, r"'eviction_policy' = 'fifo' is not one of lru"),
+        ({"device": "tpu"}, r"'device' = 'tpu' is not one of auto, cpu, cuda, cuda:<ordinal>"),
+        ({"device": "cpu:1"}, r"'device' = 'cpu:1' is not one of auto, cpu, cuda, cuda:<ordinal>"),
+        ({"device": "cuda:"}, r"'device' = 'cuda:' is not one of auto, cpu, cuda, cuda:<ordinal>"),
+        (
+            {"eviction_policy": "fifo"},
+            r"'eviction_policy' = 'fifo' is not one of activation-aware, belady, lfu, lru, moe-infinity",
+        ),
+        (
+            {"eviction_policy": "belady"},
+            r"'eviction_policy' = 'belady': belady is the offline optimum .*trace replay only",
+        ),
+        ({"max_inflight_bytes": "-1"}, r"'max_inflight_bytes' = -1 is below its minimum 0"),
+        ({"prefetch": "maybe"}, r"'prefetch' from command line: cannot read 'maybe'"),
         (
             {"socket_path": "/run/" + "x" * 110},
             r"'socket_path' is 115 bytes long; unix socket paths are limited to 107",
@@ -77,6 +90,11 @@ def test_unknown_field_in_config_file(tmp_path):
 def test_bad_values_name_the_field(values, message):
     with pytest.raises(InvalidArgument, match=message):
         load(cli={"store_dir": "/s", **values})
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:GPU-5e0c1a2b-0000-1111-2222-333344445555"])
+def test_a_gpu_can_be_named_by_ordinal_or_uuid(device):
+    assert load(cli={"store_dir": "/s", "device": device}).device == device
 
 
 def test_bad_env_value_names_the_variable():
@@ -158,3 +176,40 @@ def test_main_exits_2_with_a_clear_message(tmp_path, capsys, caplog):
     assert main([*common, "--device-budget-bytes", "-3"]) == 2
     assert "'device_budget_bytes' = -3 is below its minimum 1" in capsys.readouterr().err
     assert not (tmp_path / "d.sock").exists()
+
+
+def test_live_update_applies_whole_or_not_at_all(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    daemon = CacheDaemon.start(daemon_config(store, tmp_path, device_budget_bytes=3 * 4096))
+    try:
+        assert daemon.config.eviction_policy == "activation-aware" and daemon.residency.prefetch_enabled
+        update = daemon.update_config(
+            {"eviction_policy": "moe-infinity", "prefetch": False, "hint_ttl_tokens": 5, "hint_stale_s": 2.0}
+        )
+        assert update.changed == ("eviction_policy", "prefetch", "hint_stale_s", "hint_ttl_tokens")
+        assert daemon.residency.policy.name == "moe-infinity" and not daemon.residency.prefetch_enabled
+        assert daemon.residency.signals.config.hint_ttl_tokens == 5 and daemon.hints.stale_after_s == 2.0
+        assert daemon.stats().config == update.config
+        before = daemon.config
+        with pytest.raises(
+            InvalidArgument, match=r"unknown config field 'device_budget'; live fields: eviction_policy"
+        ):
+            daemon.update_config({"prefetch": True, "device_budget": 5})
+        with pytest.raises(InvalidArgument, match=r"'max_inflight_bytes' = -4 is below its minimum 0"):
+            daemon.update_config({"prefetch": True, "max_inflight_bytes": -4})
+        assert daemon.config is before and not daemon.residency.prefetch_enabled
+        # A reload (SIGHUP) adopts the live fields of the config loaded again ...
+        reloaded = daemon.reload(
+            dataclasses.replace(before, eviction_policy="lfu", max_inflight_bytes=1 << 20)
+        )
+        assert reloaded.changed == ("eviction_policy", "max_inflight_bytes")
+        assert daemon.residency.stats().inflight_bytes == 0 and daemon.residency.policy.name == "lfu"
+        # ... and refuses the whole reload when another field changed.
+        with pytest.raises(
+            InvalidArgument, match=r"config field 'io_threads' = 7 cannot change while the daemon runs"
+        ):
+            daemon.reload(dataclasses.replace(daemon.config, io_threads=7, prefetch=True))
+        assert daemon.config.io_threads == before.io_threads and not daemon.config.prefetch
+    finally:
+        daemon.close()
