@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard proto/moe/*/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: install gen-proto lint test test-unit test-integration demo clean bench-predict bench-io bench
+.PHONY: install gen-proto lint test test-unit test-integration demo clean bench-predict bench-io bench-replay bench-e2e bench
 
 install: $(STAMP) gen/.stamp
 
@@ -60,4 +60,17 @@ bench-predict: install
 bench-io: install native
 	$(PY) -m bench.io_bench $(BENCH_IO_ARGS)
 
-bench: bench-io bench-predict
+# Trace replay: the daemon's own policies and prefetch scheduler driven by a real routing trace
+# under a stated timing model (gpt-oss-20b bf16, PCIe 4.0 x16, A5000-class compute); prints the
+# model and the results, writes bench/results/replay.json and replay.png.
+TRACE ?= ../shared/traces/gpt-oss-20b_decode_703req.npz
+bench-replay: install
+	$(PY) -m bench.replay --trace $(TRACE) $(BENCH_REPLAY_ARGS)
+
+# End to end on a random gpt-oss-shaped checkpoint (built once under bench/.data/), routing forced
+# from the shared trace: per-token p50/p99 of ours vs plain LRU on-demand vs HF Accelerate disk
+# offload on the same memory budget; writes bench/results/e2e.json.
+bench-e2e: install native
+	$(PY) -m bench.e2e $(BENCH_E2E_ARGS)
+
+bench: bench-io bench-predict bench-replay bench-e2e

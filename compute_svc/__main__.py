@@ -26,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")
     add_arguments(parser, ComputeConfig)
+    # The benchmark's spelling of --force-routing-path (same config field).
+    parser.add_argument(
+        "--force-routing",
+        dest="force_routing_path",
+        default=None,
+        metavar="TRACE",
+        help="same as --force-routing-path",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(

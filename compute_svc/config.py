@@ -117,6 +117,46 @@ class ComputeConfig:
     only misses go to the daemon as a Demand. ``--no-shm-fast-path`` sends every acquire through
     Demand (for comparison, or when the daemon's shm directory is not shared with compute)."""
 
+    layer_ahead: bool = field(
+        default=True,
+        metadata={"help": "send the daemon each next MoE layer's experts, predicted one layer early"},
+    )
+    """In each MoE layer, the next MoE layer's router is applied to this layer's input (one
+    [T, H] x [H, E] product, ``compute_svc.layer_ahead``) and the predicted experts go to the daemon
+    as a one-way LayerAhead message, so it can fetch them during this layer. ``--no-layer-ahead``
+    turns it off (the daemon still gets each layer's actual routing)."""
+
+    force_routing_path: str = field(
+        default="",
+        metadata={"help": "BENCHMARK ONLY: take expert choices from this routing trace (.npz); empty = off"},
+    )
+    """A benchmark feature (``compute_svc.forced_routing``): the model's router still runs, but
+    the experts and weights used come from this trace (shared trace format), so a random-weight
+    checkpoint accesses experts like the real model did. Outputs are then not the model's; the
+    trace's layers, experts and top-k must equal the model's or start-up fails."""
+
+    force_routing_request: int = field(
+        default=0,
+        metadata={
+            "help": "trace request the first Generate replays (each next Generate takes the next)",
+            "min": 0,
+        },
+    )
+    """Index of the trace request used by the first Generate under forced routing; every new
+    Generate takes the following one, wrapping after the last."""
+
+    force_routing_layer_ahead_accuracy: float = field(
+        default=0.85,
+        metadata={
+            "help": "under forced routing: modelled layer-ahead accuracy (share of the trace's next-layer experts kept)",
+            "min": 0.0,
+            "max": 1.0,
+        },
+    )
+    """A random-weight router predicts nothing of the trace, so under forced routing the
+    layer-ahead message is modelled: each of the trace's next-layer experts is named with this
+    probability, otherwise replaced by the router's best other pick (``compute_svc.forced_routing``)."""
+
     log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
     """Level of the root logger."""
 

@@ -286,16 +286,34 @@ class GenerationEngine:
 
     def _generate(self, prepared: PreparedRequest, should_stop: Callable[[], bool]) -> Iterator[TokenEvent]:
         request = prepared.request
-        model = self.loaded.model
-        device = self.loaded.device
-        pick = TokenPicker(request.sampling, prepared.top_p, device)
+        pick = TokenPicker(request.sampling, prepared.top_p, self.loaded.device)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids)
         eos = frozenset() if request.ignore_eos else self.loaded.eos_token_ids
         stop_ids = eos | frozenset(request.stop_token_ids)
-        text = ""
         last = prepared.arrived_at
         self.runtime.reset_counters()
         logger.debug("request %r: %d prompt tokens", request.request_id, len(prepared.prompt_ids))
+        # The daemon keys its per-request routing history by this id (the reported one if any).
+        signal_id = self._routing_id if self.routing_capture is not None else request.request_id
+        self.runtime.begin_request(signal_id or f"anon-{secrets.token_hex(8)}")
+        try:
+            yield from self._decode_loop(prepared, should_stop, pick, detok, stop_ids, last)
+        finally:
+            self.runtime.end_request(self.runtime.request_id)
+
+    def _decode_loop(
+        self,
+        prepared: PreparedRequest,
+        should_stop: Callable[[], bool],
+        pick: TokenPicker,
+        detok: IncrementalDetokenizer,
+        stop_ids: frozenset[int],
+        last: float,
+    ) -> Iterator[TokenEvent]:
+        request = prepared.request
+        model = self.loaded.model
+        device = self.loaded.device
+        text = ""
         with torch.inference_mode():
             input_ids = torch.tensor([prepared.prompt_ids], dtype=torch.long, device=device)  # [1, P]
             cache = None
@@ -307,6 +325,9 @@ class GenerationEngine:
                 # included), exactly as model.generate does.
                 if self.routing_capture is not None:
                     self.routing_capture.begin()
+                prompt_tokens = len(prepared.prompt_ids)
+                # Position of the forward's last token: the prompt's last, then each fed-back token.
+                self.runtime.begin_step(index, prompt_tokens - 1 if index == 0 else prompt_tokens + index - 1)
                 out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values
                 if self.routing_capture is not None:

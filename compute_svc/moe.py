@@ -22,6 +22,12 @@ projections, the module's own ``_apply_gate``/``act_fn``, optional biases and po
 routing weights applied per (token, k) pair and a final reshape+sum over k, so the output equals
 the plain model's.
 
+Before the route stage, when set: forced routing (``compute_svc.forced_routing``, a benchmark
+feature) replaces the router's choice by a trace's; after it, one-way signals go to the daemon
+without a round trip: ``routed`` (this layer's distinct experts) and, from the next layer's router
+on this layer's input, ``layer_ahead`` (``compute_svc.layer_ahead``). At prefill both name the
+union over the prompt's tokens, at the position of its last token.
+
 Glossary: T tokens in the call, K = top-k, H = hidden size, S = T·K (token, k) pairs; a *row*
 is an index into the S pairs (row = token·K + k). Example: T=2, K=2, top_k_index=[[3,1],[1,6]]
 → experts (1, 3, 6); expert 1 owns rows [1, 2] (token 0 k=1, token 1 k=0).
@@ -34,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -43,6 +49,10 @@ from compute_svc.arena import Arena
 from compute_svc.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import TensorLayout
+
+if TYPE_CHECKING:
+    from compute_svc.forced_routing import ForcedRouting
+    from compute_svc.layer_ahead import LayerAheadPredictor
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,12 @@ class ExpertProvider(Protocol):
     def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[ReadyExpert]: ...
 
     def release(self, layer: int, experts: Sequence[int]) -> None: ...
+
+
+# Optional one-way provider methods (``cache_client.DaemonClient`` has them; a provider without
+# them simply gets no signals): ``begin_request(request_id)``, ``end_request(request_id)``,
+# ``routed(token, layer, experts)``, ``layer_ahead(token, layer, experts, scores)``.
+_SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 
 
 # -- route stage -------------------------------------------------------------------------------
@@ -208,6 +224,7 @@ class CacheCounters:
     hits: int = 0  # experts found in the device arena
     misses: int = 0  # experts fetched from host or store
     stall_s: float = 0.0  # time spent waiting for experts
+    layer_ahead_s: float = 0.0  # time spent predicting the next layer's experts
     by_tier: dict[Tier, int] = field(default_factory=dict)
 
     def record(self, source: Tier) -> None:
@@ -237,6 +254,16 @@ class ExpertRuntime:
         # once per MoE layer per forward: how generation captures each token's routing for the
         # predictor and the trace recorder (compute_svc.activations.RoutingCapture).
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # Layer-ahead prediction (compute_svc.layer_ahead) and forced routing from a trace
+        # (compute_svc.forced_routing, a benchmark feature); both off unless set.
+        self.layer_ahead: LayerAheadPredictor | None = None
+        self.forced: ForcedRouting | None = None
+        # Where the running forward is in its request: ``step`` counts forwards (0 = prefill),
+        # ``position`` is the request position of the forward's last token (what signals name).
+        self.step = 0
+        self.position = 0
+        self.request_id = ""  # of the running Generate, as the daemon is told
+        self._signals = {name: getattr(provider, name, None) for name in _SIGNALS}
 
     @property
     def num_slots(self) -> int:
@@ -247,6 +274,23 @@ class ExpertRuntime:
         counters, self.counters = self.counters, CacheCounters()
         return counters
 
+    def begin_request(self, request_id: str) -> None:
+        """A Generate starts: forced routing moves to its next trace request, the daemon is told."""
+        self.step = self.position = 0
+        self.request_id = request_id
+        if self.forced is not None:
+            self.forced.begin_request()
+        if self._signals["begin_request"] is not None:
+            self._signals["begin_request"](request_id)
+
+    def end_request(self, request_id: str) -> None:
+        if self._signals["end_request"] is not None:
+            self._signals["end_request"](request_id)
+
+    def begin_step(self, step: int, position: int) -> None:
+        """The next forward is the request's ``step``-th; its last token sits at ``position``."""
+        self.step, self.position = step, position
+
     def forward(
         self,
         module: torch.nn.Module,
@@ -256,13 +300,33 @@ class ExpertRuntime:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
+        if self.forced is not None:
+            top_k_index, top_k_weights = self.forced.routing(self.step, layer, top_k_index, top_k_weights)
         if self.routing_observer is not None:
             self.routing_observer(layer, top_k_index, top_k_weights)
         routing = route(top_k_index, top_k_weights)
+        self._send_signals(layer, hidden_states, routing)
         combiner = Combiner(routing, hidden_states)
         for wave in waves(routing.experts, self.num_slots):
             self._run_wave(module, layer, wave, hidden_states, routing, combiner)
         return combiner.result()
+
+    def _send_signals(self, layer: int, hidden_states: torch.Tensor, routing: Routing) -> None:
+        """Tell the daemon what layer ``layer`` routed to and, before its experts run, what the
+        next layer will likely need. One-way messages: no round trip on the step."""
+        routed = self._signals["routed"]
+        if routed is not None:
+            routed(self.position, layer, routing.experts)
+        send = self._signals["layer_ahead"]
+        if self.layer_ahead is None or send is None:
+            return
+        started = time.perf_counter()
+        prediction = self.layer_ahead.predict(layer, hidden_states)
+        if prediction is not None and self.forced is not None:
+            prediction = self.forced.layer_ahead(self.step, prediction)
+        self.counters.layer_ahead_s += time.perf_counter() - started
+        if prediction is not None and prediction.experts:
+            send(self.position, prediction.layer, prediction.experts, prediction.scores)
 
     def _run_wave(
         self,

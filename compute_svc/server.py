@@ -17,6 +17,7 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from compute_svc.activations import ActivationReporter, RoutingCapture
 from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
+from compute_svc.forced_routing import ForcedRouting, load_trace
 from compute_svc.generation import (
     FinishReason,
     GenerationRequest,
@@ -25,6 +26,7 @@ from compute_svc.generation import (
     TokenEvent,
     build_engine,
 )
+from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.scheduler import Scheduler
 from compute_svc.trace_recorder import TraceRecorder
@@ -137,6 +139,11 @@ class ComputeServer:
         except BaseException:
             self.client.close()
             raise
+        try:
+            self._enable_prediction(config)
+        except BaseException:
+            self.client.close()
+            raise
         self.reporter, self.recorder = self._enable_routing(config)
         self.scheduler = Scheduler(self.engine, max_queue=config.max_queue, metrics=self.metrics)
         servicer = InferenceServicer(self.scheduler)
@@ -150,6 +157,30 @@ class ComputeServer:
         # A restarted daemon leaves this process with a stale arena: report NOT_SERVING so the
         # pod's probe restarts it.
         self.client.on_stale = self._not_serving
+
+    def _enable_prediction(self, config: ComputeConfig) -> None:
+        """Layer-ahead prediction and forced routing (a benchmark feature), as configured."""
+        loaded = self.engine.loaded
+        runtime = self.engine.runtime
+        if config.layer_ahead:
+            runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
+        if config.force_routing_path:
+            manifest = loaded.manifest
+            runtime.forced = ForcedRouting(
+                load_trace(config.force_routing_path),
+                manifest.moe_layers,
+                manifest.num_experts,
+                manifest.top_k,
+                first_request=config.force_routing_request,
+                layer_ahead_accuracy=config.force_routing_layer_ahead_accuracy,
+            )
+            logger.warning(
+                "BENCHMARK MODE: expert routing forced from %s (first request %d, modelled layer-ahead "
+                "accuracy %.2f): outputs are not the model's",
+                config.force_routing_path,
+                config.force_routing_request,
+                config.force_routing_layer_ahead_accuracy,
+            )
 
     def _enable_routing(
         self, config: ComputeConfig

@@ -1,0 +1,506 @@
+"""End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
+
+    python -m bench.e2e [--tokens 48] [--requests 3] [--budget-mib 600] [--systems ours,lru,accelerate] ...
+    make bench-e2e [BENCH_E2E_ARGS="--tokens 48"]
+
+One run, side by side, on one random-weight checkpoint of gpt-oss shape written by transformers'
+own ``save_pretrained`` (24 layers x 32 experts, top-4, bf16; hidden and expert sizes printed),
+converted once with the real converter (``cache_daemon.convert``) into an expert store; both
+cached under bench/.data/. The expert total is several times the budget (printed, checked >= 4x).
+
+1. ours: real daemon + compute processes (``expertcache.launch``); eviction policy
+   ``activation-aware``, prefetch on, layer-ahead on;
+2. lru: the same processes, eviction policy ``lru``, prefetch off, layer-ahead off (plain LRU
+   on-demand fetch);
+3. accelerate: ``from_pretrained(device_map="auto", max_memory={"cpu": budget + dense},
+   offload_folder=...)`` on the same checkpoint, ``generate`` of the same number of tokens, in
+   its own process (``bench.e2e_accelerate``).
+
+Routing: ours and lru are forced from the real gpt-oss-20b trace (``--force-routing``, a
+benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``--request`` ..
+``--request + --requests - 1``, one Generate each; layer-ahead under forced routing is modelled
+at ``--layer-ahead-accuracy`` (printed). Accelerate routes with its own (random) routers, which
+does not change its cost: it streams whole offloaded modules, every expert of them, per forward.
+
+Budget: ours/lru get it all as the daemon's arena (this machine has no GPU: the "device" arena
+is CPU shared memory, so a host tier below it would only hold a second copy; ``--host-share``
+moves a share of it to the host tier). The store is read with O_DIRECT (checked: the daemon's
+GetStats ``store_io_mode``), so the page cache holds none of it. Accelerate's offload folder and
+the checkpoint are dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after
+loading and after every token; compute's dense file after start-up.
+
+Per-token latency: decode tokens only — the first token of each request (prefill) is left out
+for every system; ours/lru use the server's per-token ``latency_s``, accelerate the time between
+tokens in ``generate``'s streamer. Bytes per token: ours/lru the daemon's store → arena bytes
+(GetStats, prefill included) over generated tokens; accelerate ``/proc/self/io`` storage reads.
+Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 48
+tokens for ours and lru, 16 for accelerate) take about 3 minutes here on 2 cores once the model is
+built (about 1.5 minutes, once). Writes bench/results/e2e.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+
+from bench.e2e_accelerate import drop_page_cache  # noqa: E402
+from expertcache.launch import start_compute, start_daemon  # noqa: E402
+from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
+
+MIB = 1 << 20
+GIB = 1 << 30
+DATA_DIR = REPO / "bench" / ".data"
+RESULTS = REPO / "bench" / "results" / "e2e.json"
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
+GOAL_VS_ACCELERATE = 5.0
+GOAL_VS_LRU = 1.5
+SYSTEMS = ("ours", "lru", "accelerate")
+# Opt-in reference: every expert fits (the compute floor of this machine); its first request,
+# which loads them, is not measured.
+EXTRA_SYSTEMS = ("resident",)
+PROMPT = (5, 9, 17, 33, 2, 8, 1, 12)
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- the checkpoint and its store ------------------------------------------------------------------
+def build(
+    data_dir: Path, *, hidden: int, intermediate: int, layers: int, experts: int, top_k: int
+) -> tuple[Path, Path, StoreManifest]:
+    """A gpt-oss-shaped bf16 checkpoint (save_pretrained) and its store, built once and reused."""
+    import torch
+
+    from cache_daemon.convert import convert
+    from expertcache.tiny import make_checkpoint
+
+    root = data_dir / f"e2e-gpt_oss-h{hidden}-i{intermediate}-e{experts}-k{top_k}-l{layers}"
+    checkpoint, store = root / "checkpoint", root / "store"
+    if (store / MANIFEST_NAME).exists() and (checkpoint / "config.json").exists():
+        say(f"model: reusing {root}")
+        return checkpoint, store, read_manifest(store)
+    shutil.rmtree(root, ignore_errors=True)
+    say(
+        f"model: writing a random gpt_oss checkpoint ({layers} layers x {experts} experts, top-{top_k}, "
+        f"hidden {hidden}, expert intermediate {intermediate}, bf16) to {checkpoint}"
+    )
+    started = time.perf_counter()
+    make_checkpoint(
+        "gpt_oss",
+        checkpoint,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_experts=experts,
+        top_k=top_k,
+        dtype=torch.bfloat16,
+        intermediate_size=intermediate,
+        max_shard_size="1GB",
+    )
+    say(f"model: converting with cache_daemon.convert into {store}")
+    manifest = convert(checkpoint, store, progress=False)
+    say(f"model: built in {time.perf_counter() - started:.0f} s")
+    return checkpoint, store, manifest
+
+
+# -- ours / lru: real processes ------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def get_stats(address: str) -> cache_pb2.CacheStats:
+    with grpc.insecure_channel(address) as channel:
+        return cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=30)
+
+
+def device_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
+    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
+
+
+def run_processes(
+    system: str,
+    store: Path,
+    manifest: StoreManifest,
+    work: Path,
+    args: argparse.Namespace,
+    budget_bytes: int,
+) -> dict:
+    ours = system == "ours"
+    resident = system == "resident"
+    if resident:
+        budget_bytes = manifest.total_expert_bytes
+    host_bytes = 0 if resident else int(budget_bytes * args.host_share)
+    device_bytes = budget_bytes - host_bytes
+    daemon_extra = [
+        "--eviction-policy",
+        "activation-aware" if ours else "lru",
+        "--prefetch" if ours else "--no-prefetch",
+    ]
+    compute_extra = [
+        "--force-routing-path",
+        str(args.trace),
+        "--force-routing-request",
+        str(args.request),
+        "--force-routing-layer-ahead-accuracy",
+        str(args.layer_ahead_accuracy),
+        "--layer-ahead" if ours else "--no-layer-ahead",
+        "--max-new-tokens-limit",
+        str(max(args.tokens, 1)),
+    ]
+    work.mkdir(parents=True, exist_ok=True)
+    say(
+        f"[{system}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
+        f"{device_bytes / MIB:.0f} MiB ({device_bytes // manifest.blob_bytes} slots) + host tier {host_bytes / MIB:.0f} MiB; "
+        f"compute: layer-ahead {'on' if ours else 'off'}, routing forced from trace requests "
+        f"{args.request}..{args.request + args.requests - 1}"
+    )
+    daemon = start_daemon(
+        store,
+        work,
+        device_budget_bytes=device_bytes,
+        host_budget_bytes=host_bytes,
+        extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
+    )
+    compute = None
+    try:
+        compute = start_compute(store, daemon, work, extra=compute_extra)
+        drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
+        io_mode = get_stats(daemon.address).store_io_mode
+        before = get_stats(daemon.address)
+        cpu_before = {"daemon": cpu_seconds(daemon.popen.pid), "compute": cpu_seconds(compute.popen.pid)}
+        wall_before = time.perf_counter()
+        latencies: list[float] = []
+        first_token: list[float] = []
+        with grpc.insecure_channel(compute.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            for r in range(args.requests):
+                request = inference_pb2.GenerateRequest(
+                    token_ids=list(PROMPT),
+                    max_new_tokens=args.tokens,
+                    ignore_eos=True,
+                    request_id=f"{system}-{r}",
+                )
+                started = time.perf_counter()
+                for event in stub.Generate(request, timeout=3600):
+                    if resident and r == 0:
+                        pass  # the warm-up request that loads every expert
+                    elif event.index == 0:
+                        first_token.append(event.latency_s)
+                    else:
+                        latencies.append(event.latency_s)
+                    if (event.index + 1) % args.progress_every == 0:
+                        say(
+                            f"  [{system}] request {r + 1}/{args.requests}: {event.index + 1}/{args.tokens} tokens, "
+                            f"{time.perf_counter() - started:.1f} s"
+                        )
+        after = get_stats(daemon.address)
+        wall = time.perf_counter() - wall_before
+        cpu = {
+            "daemon": cpu_seconds(daemon.popen.pid) - cpu_before["daemon"],
+            "compute": cpu_seconds(compute.popen.pid) - cpu_before["compute"],
+        }
+    except BaseException:
+        for proc in (compute, daemon):
+            if proc is not None:
+                say(f"--- {proc.log_path} (tail) ---\n{proc.log()[-3000:]}")
+        raise
+    finally:
+        if compute is not None:
+            compute.stop()
+        daemon.stop()
+    d0, d1 = device_tier(before), device_tier(after)
+    hits, misses = d1.hits - d0.hits, d1.misses - d0.misses
+    decode_tokens = (args.requests - (1 if resident else 0)) * args.tokens
+    prefetch = {
+        cache_pb2.PrefetchClass.Name(p.prediction): {
+            "started": p.started,
+            "used": p.used,
+            "wasted": p.wasted,
+            "cancelled": p.cancelled,
+            "promoted": p.promoted,
+        }
+        for p in after.prefetch
+    }
+    return {
+        "latencies_s": latencies,
+        "first_token_s": first_token,
+        "store_io_mode": io_mode,
+        "hit_rate": hits / max(1, hits + misses),
+        "hits": hits,
+        "misses": misses,
+        # Store → arena bytes over all tokens (prefill included), per generated token.
+        "bytes_per_token": (d1.bytes_in - d0.bytes_in) / decode_tokens,
+        "store_read_s": after.store_read_seconds - before.store_read_seconds,
+        # CPU seconds per generated token of each process (2 cores shared by both, and any peer);
+        # for "resident" the warm-up request's loads are included.
+        "cpu_s_per_token": {name: value / decode_tokens for name, value in cpu.items()},
+        "generate_wall_s": wall,
+        "prefetch": prefetch,
+        "device_bytes": device_bytes,
+        "host_bytes": host_bytes,
+        "policy": after.config.eviction_policy,
+        "prefetch_on": after.config.prefetch,
+    }
+
+
+# -- accelerate ------------------------------------------------------------------------------------
+def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_bytes: int) -> dict:
+    offload = work / "offload"
+    out = work / "accelerate.json"
+    tokens = args.accelerate_tokens
+    say(
+        f"[accelerate] from_pretrained(device_map='auto', max_memory={{'cpu': {cpu_bytes / MIB:.0f} MiB}}, "
+        f"offload_folder={offload}); generate {tokens} tokens x {args.accelerate_requests} request(s); "
+        "posix_fadvise(DONTNEED) on the offload folder and the checkpoint after load and after every token"
+    )
+    latencies: list[float] = []
+    read_bytes: list[int] = []
+    runs = []
+    for r in range(args.accelerate_requests):
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.e2e_accelerate",
+            str(checkpoint),
+            "--cpu-budget-bytes",
+            str(cpu_bytes),
+            "--tokens",
+            str(tokens),
+            "--prompt",
+            ",".join(map(str, PROMPT)),
+            "--offload-dir",
+            str(offload),
+            "--out",
+            str(out),
+            "--progress",
+            "--threads",
+            str(args.threads),
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600)
+        progress = [line for line in proc.stderr.splitlines() if line.startswith("  accelerate token")]
+        for line in progress[-3:]:
+            say(f"  [accelerate] request {r + 1}: {line.strip()}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench.e2e_accelerate failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        run = json.loads(out.read_text())
+        runs.append(run)
+        latencies += run["latencies_s"][1:]  # the first includes prefill
+        read_bytes += run["read_bytes"][1:]
+    return {
+        "latencies_s": latencies,
+        "first_token_s": [run["latencies_s"][0] for run in runs],
+        "bytes_per_token": statistics.fmean(read_bytes) if read_bytes else None,
+        "load_s": [run["load_s"] for run in runs],
+        "device_map_modules": runs[0]["device_map_modules"],
+        "page_cache_files_dropped": runs[0]["page_cache_files"],
+        "page_cache_drop_s_mean": statistics.fmean(run["drop_s_mean"] for run in runs),
+        "cpu_budget_bytes": cpu_bytes,
+    }
+
+
+# -- report -------------------------------------------------------------------------------------------
+def summarise(result: dict) -> dict:
+    lat = np.asarray(result["latencies_s"], dtype=np.float64)
+    if not len(lat):
+        return {"p50_s": None, "p99_s": None, "tokens_per_s": None, "tokens": 0}
+    return {
+        "p50_s": float(np.percentile(lat, 50)),
+        "p99_s": float(np.percentile(lat, 99)),
+        "tokens_per_s": float(len(lat) / lat.sum()),
+        "tokens": int(len(lat)),
+    }
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per Generate for ours and lru")
+    parser.add_argument("--requests", type=int, default=3, help="Generates (trace requests) for ours and lru")
+    parser.add_argument(
+        "--accelerate-tokens", type=int, default=16, help="tokens per generate for accelerate"
+    )
+    parser.add_argument("--accelerate-requests", type=int, default=1)
+    parser.add_argument(
+        "--budget-mib", type=float, default=600.0, help="expert memory budget of every system"
+    )
+    parser.add_argument("--host-share", type=float, default=0.0, help="share of the budget in the host tier")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS + EXTRA_SYSTEMS}"
+    )
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--request", type=int, default=0, help="first trace request")
+    parser.add_argument(
+        "--layer-ahead-accuracy", type=float, default=0.85, help="modelled under forced routing"
+    )
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1280, help="expert intermediate size")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--shm-dir", default="", help="daemon's shm directory (default: the daemon's)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--progress-every", type=int, default=8)
+    parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of compute and of accelerate")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
+    if unknown or not systems:
+        parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+    if "resident" in systems and args.requests < 2:
+        parser.error("--systems resident needs --requests >= 2 (its first request only loads the experts)")
+    if not 0.0 <= args.host_share < 1.0:
+        parser.error(f"--host-share {args.host_share} is out of range [0, 1)")
+    if not args.trace.is_file():
+        parser.error(f"--trace {args.trace} does not exist")
+
+    # Every process gets the same torch threads. On a 2-core machine shared with the daemon's I/O,
+    # more than one OpenMP thread per process makes each small matmul wait for a descheduled
+    # thread (measured: 14x slower decode with 2 threads under load than with 1).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    started = time.perf_counter()
+    checkpoint, store, manifest = build(
+        args.data_dir,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+    )
+    budget = int(args.budget_mib * MIB)
+    total = manifest.total_expert_bytes
+    ratio = total / budget
+    say(
+        f"model: gpt_oss, {len(manifest.moe_layers)} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
+        f"hidden {args.hidden}, expert intermediate {args.intermediate}, bf16; expert blob {manifest.blob_bytes / MIB:.2f} MiB, "
+        f"experts {total / GIB:.2f} GiB, dense {manifest.dense_bytes / MIB:.1f} MiB"
+    )
+    say(
+        f"budget: {budget / MIB:.0f} MiB of expert memory for every system = {budget // manifest.blob_bytes} experts "
+        f"of {manifest.num_blobs} ({100 / ratio:.1f}%); experts are {ratio:.1f}x the budget"
+    )
+    if ratio < args.min_ratio:
+        parser.error(
+            f"experts ({total / MIB:.0f} MiB) are only {ratio:.1f}x the budget; need >= {args.min_ratio}x"
+        )
+    say(
+        f"routing: ours/lru forced from {args.trace.name}, requests {args.request}..{args.request + args.requests - 1}, "
+        f"{args.tokens} tokens each (prompt {len(PROMPT)} tokens, prefill rows = the trace's first decode row); "
+        f"layer-ahead accuracy modelled at {args.layer_ahead_accuracy:.2f}"
+    )
+    say(
+        f"threads: torch/OpenMP threads = {args.threads} in compute and in accelerate ({os.cpu_count()} CPUs)"
+    )
+    say(
+        "page cache: store read with O_DIRECT (checked below); accelerate's offload folder + checkpoint "
+        "posix_fadvise(DONTNEED) after load and after every token; compute's dense file after start-up"
+    )
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
+        for system in systems:
+            t0 = time.perf_counter()
+            if system == "accelerate":
+                results[system] = run_accelerate(
+                    checkpoint, Path(tmp) / system, args, budget + manifest.dense_bytes
+                )
+            else:
+                results[system] = run_processes(system, store, manifest, Path(tmp) / system, args, budget)
+                if not results[system]["store_io_mode"].lower().startswith("o_direct"):
+                    say(
+                        f"  WARNING: the daemon reads the store as {results[system]['store_io_mode']!r}, not O_DIRECT"
+                    )
+            results[system].update(summarise(results[system]))
+            results[system]["wall_s"] = time.perf_counter() - t0
+            say(f"[{system}] done in {results[system]['wall_s']:.0f} s")
+
+    say("")
+    say(
+        f"{'system':<12}{'p50 ms':>10}{'p99 ms':>10}{'tok/s':>8}{'MiB read/tok':>14}{'hit rate':>10}{'tokens':>8}  io"
+    )
+    for system in systems:
+        r = results[system]
+        bpt = r.get("bytes_per_token")
+        io = r.get("store_io_mode", "buffered+fadvise(DONTNEED) per token")
+        say(
+            f"{system:<12}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.1f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.1f'):>10}"
+            f"{fmt(r['tokens_per_s'], '>8.2f'):>8}{fmt(bpt and bpt / MIB, '>14.1f'):>14}"
+            f"{fmt(r.get('hit_rate'), '>10.3f'):>10}{r['tokens']:>8}  {io}"
+        )
+    for system in ("ours", "lru", "resident"):
+        if system in results:
+            r = results[system]
+            cpu = ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in r["cpu_s_per_token"].items())
+            say(f"{system}: CPU per token: {cpu}; store read time {r['store_read_s']:.1f} s in all")
+            say(f"{system} prefetch: {r['prefetch']}")
+    verdicts = {}
+    if "ours" in results:
+        for other, goal in (("accelerate", GOAL_VS_ACCELERATE), ("lru", GOAL_VS_LRU)):
+            if other in results and results[other]["p50_s"] and results["ours"]["p50_s"]:
+                speedup = results[other]["p50_s"] / results["ours"]["p50_s"]
+                verdict = "PASS" if speedup >= goal else "FAIL"
+                verdicts[f"ours_vs_{other}"] = {"p50_speedup": speedup, "goal": goal, "verdict": verdict}
+                say(f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}")
+    report = {
+        "model": {
+            "arch": "gpt_oss",
+            "layers": len(manifest.moe_layers),
+            "experts": manifest.num_experts,
+            "top_k": manifest.top_k,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "dtype": "bfloat16",
+            "blob_bytes": manifest.blob_bytes,
+            "total_expert_bytes": total,
+            "dense_bytes": manifest.dense_bytes,
+            "checkpoint": str(checkpoint),
+            "store": str(store),
+        },
+        "budget_bytes": budget,
+        "experts_over_budget": ratio,
+        "trace": str(args.trace),
+        "first_request": args.request,
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "accelerate_tokens": args.accelerate_tokens,
+        "layer_ahead_accuracy_modelled": args.layer_ahead_accuracy,
+        "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
+        "checkpoint after load and after every token; compute dense file after start-up",
+        "cpu_count": os.cpu_count(),
+        "torch_threads": args.threads,
+        "systems": results,
+        "verdicts": verdicts,
+        "wall_s": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    say(f"wrote {args.out} ({report['wall_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

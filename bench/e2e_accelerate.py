@@ -1,0 +1,154 @@
+"""HF Accelerate disk offload on the same checkpoint and budget: per-token decode latency.
+
+    python -m bench.e2e_accelerate CHECKPOINT --cpu-budget-bytes N --tokens T --offload-dir DIR --out result.json
+
+Run by ``bench.e2e`` in its own process (so its memory and page-cache use are its own).
+``from_pretrained(device_map="auto", max_memory={"cpu": N}, offload_folder=DIR)``: what does not
+fit in N bytes of CPU memory is offloaded to disk and streamed in, whole module by whole module,
+at every forward — its cost does not depend on routing (it uses its own router; with random
+weights that is noise, and it does not matter: every offloaded expert is read anyway).
+
+Page cache: after loading and after every generated token (in the streamer's hook, outside the
+timed interval), ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)`` is called on every file
+under the offload folder and the checkpoint, so no token finds offloaded weights cached in RAM
+beyond the budget. Bytes read per token come from ``/proc/self/io`` (``read_bytes``: storage reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def drop_page_cache(roots: list[Path]) -> int:
+    """fadvise(DONTNEED) every file under ``roots``; returns how many files."""
+    count = 0
+    for root in roots:
+        paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            count += 1
+    return count
+
+
+def storage_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+class TimingStreamer:
+    """``generate``'s streamer: timestamps each new token, then drops the page cache untimed."""
+
+    def __init__(self, roots: list[Path], progress: bool) -> None:
+        self.roots = roots
+        self.progress = progress
+        self.latencies_s: list[float] = []
+        self.read_bytes: list[int] = []
+        self.drop_s: list[float] = []
+        self._prompt_seen = False
+        self._since = 0.0
+        self._bytes_since = 0
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+        self._bytes_since = storage_read_bytes()
+
+    def put(self, value) -> None:
+        now = time.perf_counter()
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.latencies_s.append(now - self._since)
+        self.read_bytes.append(storage_read_bytes() - self._bytes_since)
+        dropped = time.perf_counter()
+        drop_page_cache(self.roots)
+        self.drop_s.append(time.perf_counter() - dropped)
+        if self.progress:
+            print(
+                f"  accelerate token {len(self.latencies_s)}: {self.latencies_s[-1]:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._since = time.perf_counter()  # the drop is not counted in the next token
+        self._bytes_since = storage_read_bytes()
+
+    def end(self) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--cpu-budget-bytes", type=int, required=True)
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--prompt", default="5,9,17,33,2,8,1,12")
+    parser.add_argument("--offload-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = Path(args.checkpoint)
+    offload = Path(args.offload_dir)
+    offload.mkdir(parents=True, exist_ok=True)
+    roots = [offload, checkpoint]
+    drop_page_cache(roots)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        device_map="auto",
+        max_memory={"cpu": args.cpu_budget_bytes},
+        offload_folder=str(offload),
+        dtype="auto",
+    ).eval()
+    load_s = time.perf_counter() - started
+    placement: dict[str, int] = {}
+    for device in getattr(model, "hf_device_map", {}).values():
+        placement[str(device)] = placement.get(str(device), 0) + 1
+    files = drop_page_cache(roots)
+    prompt = torch.tensor([[int(t) for t in args.prompt.split(",")]])
+    streamer = TimingStreamer(roots, args.progress)
+    streamer.start()
+    with torch.inference_mode():
+        model.generate(
+            prompt,
+            max_new_tokens=args.tokens,
+            min_new_tokens=args.tokens,
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=0,
+        )
+    result = {
+        "load_s": load_s,
+        "device_map_modules": placement,
+        "page_cache_files": files,
+        "latencies_s": streamer.latencies_s,
+        "read_bytes": streamer.read_bytes,
+        "drop_s_mean": sum(streamer.drop_s) / max(1, len(streamer.drop_s)),
+        "torch_threads": torch.get_num_threads(),
+    }
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

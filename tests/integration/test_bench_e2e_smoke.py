@@ -1,0 +1,107 @@
+"""A tiny, fast run of the end-to-end benchmark harness (bench.e2e), all real processes.
+
+A 24-layer x 32-expert top-4 gpt_oss model (the trace's shape) with tiny hidden sizes: the
+daemon and compute processes for ours and lru with routing forced from the real trace, and HF
+Accelerate disk offload, each a few tokens. Also: compute refuses a trace of another shape at
+start-up with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import e2e
+from expertcache.launch import REPO
+from tests.procs import start_daemon
+
+pytestmark = pytest.mark.integration
+
+TRACE = e2e.DEFAULT_TRACE
+needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"{TRACE} is not present")
+
+
+@needs_trace
+def test_e2e_harness_runs_all_three_systems(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(
+        [
+            "--hidden", "64", "--intermediate", "64",
+            "--budget-mib", "3",
+            "--tokens", "4", "--requests", "2",
+            "--accelerate-tokens", "3",
+            "--request", "5",
+            "--data-dir", str(tmp_path),
+            "--out", str(out),
+            "--progress-every", "2",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["experts_over_budget"] >= 4
+    systems = report["systems"]
+    assert set(systems) == {"ours", "lru", "accelerate"}
+    for name in ("ours", "lru"):
+        r = systems[name]
+        assert r["tokens"] == 2 * 3  # decode tokens: the first of each request (prefill) left out
+        assert r["store_io_mode"].lower().startswith("o_direct")
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["hits"] + r["misses"] > 0
+        assert r["p50_s"] > 0 and r["p99_s"] >= r["p50_s"]
+        assert r["bytes_per_token"] > 0
+    assert systems["ours"]["policy"] == "activation-aware" and systems["ours"]["prefetch_on"]
+    assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
+    assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
+    acc = systems["accelerate"]
+    assert acc["tokens"] == 2 and acc["page_cache_files_dropped"] > 0
+    assert acc["bytes_per_token"] > 0  # offloaded weights really come from storage every token
+    assert set(report["verdicts"]) == {"ours_vs_accelerate", "ours_vs_lru"}
+    for line in ("page cache:", "ours vs accelerate:", "ours vs lru:", "p50 ms"):
+        assert line in printed
+
+
+@needs_trace
+def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
+    tiny = tiny_store("mixtral")  # 3 MoE layers x 8 experts, top-2; the trace is 24 x 32, top-4
+    daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=tiny.manifest.blob_bytes * 8)
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "compute_svc",
+                "--store-dir", str(tiny.store),
+                "--daemon-address", daemon.address,
+                "--listen-address", "127.0.0.1:0",
+                "--force-routing", str(TRACE),
+            ],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        daemon.stop()
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "has 24 MoE layers x 32 experts, top-4 but the model has 3 MoE layers x 8 experts, top-2"
+        in proc.stderr
+    )
+
+
+def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
+    tiny = tiny_store("mixtral")
+    daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=tiny.manifest.blob_bytes * 8)
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "compute_svc",
+                "--store-dir", str(tiny.store),
+                "--daemon-address", daemon.address,
+                "--listen-address", "127.0.0.1:0",
+                "--force-routing-path", str(tmp_path / "nope.npz"),
+            ],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        daemon.stop()
+    assert proc.returncode == 2, proc.stderr
+    assert f"force_routing_path '{tmp_path / 'nope.npz'}' does not exist" in proc.stderr
