@@ -5,6 +5,8 @@
 # found. Optional features, detected here and recorded in build/native/features.mk:
 #   io_uring  liburing's header and library present  -> -DEXPERTCACHE_WITH_URING, -luring
 #             (otherwise the reader uses its pread thread pool only)
+#   ISA-L     libisal's header and library present   -> -DEXPERTCACHE_WITH_ISAL, -lisal
+#             (CRC-32 by carry-less multiply; otherwise zlib's crc32, same values)
 #   CUDA      nvcc on PATH (or NVCC=...), not disabled with EXPERTCACHE_NO_CUDA=1
 #             -> -DEXPERTCACHE_WITH_CUDA, csrc/cuda/*.cu compiled, cudart linked statically so
 #                the module loads on machines without a driver (CUDA calls then report an error)
@@ -27,6 +29,13 @@ NATIVE_HAVE_URING := $(shell echo 'int main(){struct io_uring r; return io_uring
 ifeq ($(NATIVE_HAVE_URING),1)
 NATIVE_DEFS += -DEXPERTCACHE_WITH_URING
 NATIVE_LIBS += -luring
+endif
+
+# -- ISA-L (CRC-32 with carry-less multiply; zlib's table-driven crc32 otherwise) -------------------
+NATIVE_HAVE_ISAL := $(shell echo 'int main(){return (int)crc32_gzip_refl(0, 0, 0);}' | $(CXX) -x c++ -include isa-l/crc.h - -lisal -o /dev/null >/dev/null 2>&1 && echo 1)
+ifeq ($(NATIVE_HAVE_ISAL),1)
+NATIVE_DEFS += -DEXPERTCACHE_WITH_ISAL
+NATIVE_LIBS += -lisal
 endif
 
 # -- CUDA ------------------------------------------------------------------------------------------

@@ -69,10 +69,13 @@ __all__ = ["BUILD_DIR", "HostPool", "SlotState", "SlotTable", "StaleClient"]
 # See csrc/include/expertcache/reader.h.
 Reader = _native.Reader
 ReadError = _native.ReadError
+# ``crc32(buffer) -> int``: zlib-compatible CRC-32 (GIL released); ``CRC32_IMPL`` "isa-l" or "zlib".
+crc32 = _native.crc32
+CRC32_IMPL: str = _native.CRC32_IMPL
 READ_DEMAND = Reader.DEMAND
 READ_LAYER_AHEAD = Reader.LAYER_AHEAD
 READ_PREFETCH = Reader.PREFETCH
-__all__ += ["READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "ReadError", "Reader"]
+__all__ += ["CRC32_IMPL", "READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "ReadError", "Reader", "crc32"]
 
 # CUDA path (csrc/include/expertcache/cuda.h), present only when the extension was built with nvcc
 # (``CUDA_BUILT``). ``cuda_device_count()`` (0 without driver/device), ``cuda_device_uuid(i)``

@@ -58,6 +58,16 @@ void bind_reader(py::module_& m) {
       "(attribute kind). str() is the message naming the path and offset.",
       PyExc_OSError, nullptr);
   m.attr("ReadError") = py::handle(g_read_error);
+  m.attr("CRC32_IMPL") = expertcache::kCrc32Impl;
+  m.def(
+      "crc32",
+      [](py::buffer data) {
+        py::buffer_info info = data.request();
+        const uint64_t nbytes = static_cast<uint64_t>(info.size) * static_cast<uint64_t>(info.itemsize);
+        py::gil_scoped_release release;
+        return expertcache::crc32(info.ptr, nbytes);
+      },
+      py::arg("data"), "zlib-compatible CRC-32 of a contiguous buffer (GIL released).");
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -12,8 +12,10 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from expertcache import native
 from expertcache.native import HostPool, Reader, ReadError
 
 KIB = 1024
@@ -401,3 +403,12 @@ def test_destructor_with_reads_in_flight_does_not_hang(tmp_path, backend):
     gc.collect()
     assert time.monotonic() - start < 10
     assert len(os.listdir("/proc/self/task")) < threads_before  # its threads are gone
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 65537, 3 << 20])
+def test_crc32_equals_zlib_whatever_the_implementation(size):
+    """The store's checksums are zlib's crc32: the compiled-in CRC (ISA-L or zlib) must agree."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert native.CRC32_IMPL in ("isa-l", "zlib")
+    assert native.crc32(data) == zlib.crc32(data.tobytes())
+    assert native.crc32(memoryview(data.tobytes())) == zlib.crc32(data.tobytes())

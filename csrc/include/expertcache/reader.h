@@ -38,6 +38,12 @@
 
 namespace expertcache {
 
+// The CRC-32 implementation compiled in: "isa-l" (carry-less multiply; when libisal is found at
+// build time) or "zlib". Both compute zlib's crc32 (the store manifest's checksum).
+extern const char* const kCrc32Impl;
+// zlib-compatible CRC-32 of nbytes at data, with the compiled-in implementation.
+uint32_t crc32(const void* data, uint64_t nbytes);
+
 // Priority classes; a lower value is dispatched first.
 enum ReadPriority : int { kDemand = 0, kLayerAhead = 1, kPrefetch = 2 };
 constexpr int kNumReadPriorities = 3;
