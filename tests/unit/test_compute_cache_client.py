@@ -232,8 +232,10 @@ def test_fast_path_pins_hits_in_shm_and_demands_only_misses(daemon, tmp_path):
     table = offer_table(servicer, tmp_path)
     client = connect(address)
     assert servicer.attaches == [True] and client.attachment.client_index == 0
-    assert servicer.metadata[0]["expertcache-client-index"] == "0"  # the stream names its ledger
     got = list(client.acquire(1, [2, 3]))
+    # The stream names its ledger (checked once the daemon has surely seen the call: the miss of
+    # the acquire went through it).
+    assert servicer.metadata[0]["expertcache-client-index"] == "0"
     assert got[0] == ReadyExpert(3, 1, Tier.DEVICE)  # the hit comes first, without a round trip
     assert got[1] == ReadyExpert(2, 0, Tier.STORE)
     assert servicer.acquired == [(1, [2])]
