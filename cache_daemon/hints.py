@@ -28,17 +28,15 @@ from dataclasses import dataclass
 import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from expertcache.grpc_client import (
+    RECONNECT_CHANNEL_OPTIONS,
+    RECONNECT_INITIAL_S,
+    RECONNECT_MAX_S,
+    next_backoff,
+)
 from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_INITIAL_S = 0.1
-RECONNECT_MAX_S = 5.0
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 @dataclass(frozen=True)
@@ -170,7 +168,7 @@ class HintSubscriber:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()
@@ -212,7 +210,7 @@ class HintSubscriber:
                 )
                 healthy = False
             self._stop.wait(backoff)
-            backoff = min(backoff * 2, RECONNECT_MAX_S)
+            backoff = next_backoff(backoff)
 
     def close(self) -> None:
         self._stop.set()

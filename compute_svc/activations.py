@@ -34,17 +34,16 @@ import grpc
 import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from expertcache.grpc_client import (
+    RECONNECT_CHANNEL_OPTIONS,
+    RECONNECT_INITIAL_S,
+    RECONNECT_MAX_S,
+    next_backoff,
+)
+
 logger = logging.getLogger(__name__)
 
-RECONNECT_INITIAL_S = 0.1
-RECONNECT_MAX_S = 5.0
 _WAIT_SLICE_S = 0.2  # how often a blocked request iterator checks whether its stream ended
-_CHANNEL_OPTIONS = [
-    # A restarted predictor should be found within seconds, not after gRPC's default 2-minute cap.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 # -- capture ------------------------------------------------------------------------------------
@@ -145,7 +144,7 @@ class ActivationReporter:
         self.requests_done = 0
         self.outages = 0
         self.connected = False
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._call_ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="activation-reporter", daemon=True)
@@ -278,7 +277,7 @@ class ActivationReporter:
                 with self._cond:
                     if self._closing:
                         return
-                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                backoff = next_backoff(backoff)
                 continue
             self._call_ended.clear()
             try:
