@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import queue
@@ -9,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +22,7 @@ if str(REPO) not in sys.path:
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 
 from expertcache.keys import ExpertKey  # noqa: E402
+from tests import waiting  # noqa: E402
 from tests.procs import Proc, start_daemon  # noqa: E402
 from tests.unit.test_daemon_store import blob_of, corrupt, write_store  # noqa: E402
 
@@ -115,11 +116,7 @@ def tiers(stats: cache_pb2.CacheStats) -> dict[int, cache_pb2.TierStats]:
     return {t.tier: t for t in stats.tiers}
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+wait_for = functools.partial(waiting.wait_for, poll_s=0.02)
 
 
 def test_attach(daemon):

@@ -6,7 +6,7 @@ board); a Redis outage and then a dead predictor never fail a Generate nor chang
 
 from __future__ import annotations
 
-import time
+import functools
 
 import grpc
 import pytest
@@ -16,6 +16,7 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache.launch import start_compute, start_daemon, start_predictor
 from expertcache.redis_server import RedisServer
+from tests import waiting
 
 pytestmark = pytest.mark.integration
 
@@ -45,15 +46,7 @@ def daemon_stats(address: str) -> cache_pb2.CacheStats:
         return cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
 
 
-def wait_for(predicate, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached after {timeout_s}s")
-        time.sleep(0.1)
+wait_for = functools.partial(waiting.wait_for, timeout_s=30.0, poll_s=0.1)
 
 
 def test_generate_feeds_the_predictor_and_survives_its_outages(tiny_store, tmp_path):

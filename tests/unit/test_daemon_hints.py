@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 from cache_daemon.hints import Hint, HintBatch, HintBoard, HintSubscriber
 from expertcache.keys import ExpertKey
 from expertcache.launch import free_port
+from tests import waiting
 
 
 class Clock:
@@ -100,12 +102,7 @@ def serve(servicer, port: int) -> grpc.Server:
     return server
 
 
-def wait_for(predicate, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
+wait_for = functools.partial(waiting.wait_for, timeout_s=15.0, poll_s=0.02)
 
 
 def pb_batch(request_id: str, *hints: tuple[int, int, float], done: bool = False) -> predictor_pb2.HintBatch:

@@ -9,6 +9,7 @@ at runtime loses nothing; compute's prediction messages reach the signals.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from expertcache.errors import InvalidArgument
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
+from tests import waiting
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers (6 experts each); layer 3 is 2 steps after layer 1
 
@@ -120,11 +122,7 @@ def make(tmp_path):
         harness.close()
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.002)
+wait_for = functools.partial(waiting.wait_for, poll_s=0.002)
 
 
 def entry(h: Harness, key: ExpertKey) -> int:
