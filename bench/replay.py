@@ -290,7 +290,7 @@ class SimTier:
         self.pinned: set[int] = set()
 
     def _e(self, key: ExpertKey) -> int:
-        return key.layer * self.num_experts + key.expert
+        return key.entry(self.num_experts)
 
     @property
     def free_slots(self) -> int:

@@ -553,10 +553,10 @@ class Residency:
         return self._table
 
     def _index(self, key: ExpertKey) -> int:
-        return key.layer * self._num_experts + key.expert
+        return key.entry(self._num_experts)
 
     def _key_of(self, index: int) -> ExpertKey:
-        return ExpertKey(index // self._num_experts, index % self._num_experts)
+        return ExpertKey.of_entry(index, self._num_experts)
 
     # -- client ledgers (shm pins of compute processes) ----------------------------------
     def claim_client(self) -> ClientLedger:

@@ -215,11 +215,11 @@ class ActivationSignals:
         """The entry index of ``key``; raises ``ValueError`` for a key outside the shape."""
         if not (0 <= key.layer < self.num_layers and 0 <= key.expert < self.num_experts):
             raise ValueError(f"{key} is outside {self.num_layers} layers x {self.num_experts} experts")
-        return key.layer * self.num_experts + key.expert
+        return key.entry(self.num_experts)
 
     def key_of(self, entry: int) -> ExpertKey:
         """The key of entry index ``entry``."""
-        return ExpertKey(int(entry) // self.num_experts, int(entry) % self.num_experts)
+        return ExpertKey.of_entry(entry, self.num_experts)
 
     # -- inputs ----------------------------------------------------------------------------------
 

@@ -132,10 +132,10 @@ class ShapedPolicy(EvictionPolicy):
     def _entry(self, key: ExpertKey) -> int:
         if not (0 <= key.layer < self.shape.num_layers and 0 <= key.expert < self._E):
             raise ValueError(f"{key} is outside {self.shape.num_layers} layers x {self._E} experts")
-        return key.layer * self._E + key.expert
+        return key.entry(self._E)
 
     def _key(self, entry: int) -> ExpertKey:
-        return ExpertKey(int(entry) // self._E, int(entry) % self._E)
+        return ExpertKey.of_entry(entry, self._E)
 
     def on_insert(self, key: ExpertKey) -> None:
         e = self._entry(key)
