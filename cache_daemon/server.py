@@ -60,9 +60,6 @@ def arena_to_pb(arena: ArenaHandle) -> cache_pb2.ArenaHandle:
         gpu_uuid=arena.gpu_uuid,
         cuda_offset=arena.cuda_offset,
         size_bytes=arena.size_bytes,
-        cuda_ref_counter_handle=arena.cuda_ref_counter_handle,
-        cuda_ref_counter_offset=arena.cuda_ref_counter_offset,
-        cuda_event_handle=arena.cuda_event_handle,
         cuda_alloc_bytes=arena.cuda_alloc_bytes,
     )
 

@@ -17,48 +17,22 @@ through ``__cuda_array_interface__`` (rows ``stride`` bytes apart, cut to ``slot
 
 from __future__ import annotations
 
-import enum
 import logging
 import mmap
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from compute_svc.errors import ArenaMismatch
 from expertcache import native
+from expertcache.arena_handle import ArenaHandle, ArenaKind
 from expertcache.manifest import TensorLayout
 
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")  # where POSIX shm_open names live on Linux
-
-
-class ArenaKind(enum.Enum):
-    POSIX_SHM = "posix_shm"
-    CUDA_IPC = "cuda_ipc"
-
-
-@dataclass(frozen=True)
-class ArenaHandle:
-    """What the daemon tells compute about its arena (the domain twin of ``cache.v1.ArenaHandle``).
-
-    The ``cuda_ref_counter_*`` / ``cuda_event_handle`` fields (torch storage sharing) are not
-    used: they remain only while the wire message still carries them.
-    """
-
-    kind: ArenaKind
-    size_bytes: int  # num_slots * slot_bytes
-    shm_name: str = ""  # POSIX shm: name under /dev/shm, or an absolute path of the shm file
-    cuda_ipc_handle: bytes = b""  # 64 bytes: the daemon's native CudaArena.export_handle()
-    gpu_uuid: str = ""  # "GPU-xxxxxxxx-..." of the GPU that owns the allocation
-    cuda_offset: int = 0  # bytes of the arena's start inside the exported allocation (0)
-    cuda_ref_counter_handle: bytes = b""
-    cuda_ref_counter_offset: int = 0
-    cuda_event_handle: bytes = b""
-    cuda_alloc_bytes: int = 0  # bytes of the whole exported allocation (num_slots * stride)
 
 
 def shm_path(shm_name: str) -> Path:

@@ -124,9 +124,6 @@ def arena_from_pb(pb: cache_pb2.ArenaHandle) -> ArenaHandle:
         cuda_ipc_handle=pb.cuda_ipc_handle,
         gpu_uuid=pb.gpu_uuid,
         cuda_offset=pb.cuda_offset,
-        cuda_ref_counter_handle=pb.cuda_ref_counter_handle,
-        cuda_ref_counter_offset=pb.cuda_ref_counter_offset,
-        cuda_event_handle=pb.cuda_event_handle,
         cuda_alloc_bytes=pb.cuda_alloc_bytes,
     )
 

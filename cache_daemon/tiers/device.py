@@ -21,7 +21,6 @@ daemon's shm files (``cache_daemon.shm_files``): it removes what dead (SIGKILLed
 
 from __future__ import annotations
 
-import enum
 import errno
 import itertools
 import logging
@@ -29,7 +28,6 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,41 +36,11 @@ from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall
 from cache_daemon.shm_files import ShmClaim, claim_shm_files
 from cache_daemon.tiers.host import StagingBuffer
 from expertcache import native
+from expertcache.arena_handle import ArenaHandle, ArenaKind
 
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")  # where shm_open names live on Linux; ArenaHandle.shm_name is relative to it
-
-
-class ArenaKind(enum.Enum):
-    POSIX_SHM = "posix_shm"
-    CUDA_IPC = "cuda_ipc"
-
-
-@dataclass(frozen=True)
-class ArenaHandle:
-    """What compute needs to map the arena (domain twin of ``moe.cache.v1.ArenaHandle``).
-
-    POSIX shm: ``shm_name`` is the file name under /dev/shm, or an absolute path when the arena
-    lives elsewhere (``shm_dir``); ``os.path.join("/dev/shm", shm_name)`` opens both.
-    CUDA IPC: ``cuda_ipc_handle`` is the native arena's ``export_handle()`` (64 bytes,
-    cudaIpcGetMemHandle) and ``gpu_uuid`` its GPU; the importer calls
-    ``native.CudaArena.open(cuda_ipc_handle, gpu_uuid, num_slots, slot_bytes)``.
-    ``cuda_alloc_bytes`` is the whole allocation (``num_slots × stride``), ``cuda_offset`` 0.
-    The ``cuda_ref_counter_*`` / ``cuda_event_handle`` fields (torch storage sharing) stay empty:
-    they remain only while the wire message still carries them.
-    """
-
-    kind: ArenaKind
-    size_bytes: int  # num_slots * slot_bytes
-    shm_name: str = ""
-    cuda_ipc_handle: bytes = b""
-    cuda_alloc_bytes: int = 0
-    cuda_offset: int = 0
-    cuda_ref_counter_handle: bytes = b""
-    cuda_ref_counter_offset: int = 0
-    cuda_event_handle: bytes = b""
-    gpu_uuid: str = ""
 
 
 def slots_for_budget(budget_bytes: int, blob_bytes: int, field_name: str, *, cap: int | None = None) -> int:
