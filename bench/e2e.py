@@ -1,7 +1,7 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
-    python -m bench.e2e [--tokens 48] [--requests 3] [--budget-mib 600] [--systems ours,lru,accelerate] ...
-    make bench-e2e [BENCH_E2E_ARGS="--tokens 48"]
+    python -m bench.e2e [--tokens 96] [--requests 3] [--budget-mib 600] [--systems ours,lru,accelerate] ...
+    make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]
 
 One run, side by side, on one random-weight checkpoint of gpt-oss shape written by transformers'
 own ``save_pretrained`` (24 layers x 32 experts, top-4, bf16; hidden and expert sizes printed),
@@ -33,9 +33,10 @@ Per-token latency: decode tokens only — the first token of each request (prefi
 for every system; ours/lru use the server's per-token ``latency_s``, accelerate the time between
 tokens in ``generate``'s streamer. Bytes per token: ours/lru the daemon's store → arena bytes
 (GetStats, prefill included) over generated tokens; accelerate ``/proc/self/io`` storage reads.
-Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 48
-tokens for ours and lru, 16 for accelerate) take about 3 minutes here on 2 cores once the model is
-built (about 1.5 minutes, once). Writes bench/results/e2e.json.
+Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
+tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
+built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (at 3 x 48
+ours led LRU by 1.09-1.16x, at 3 x 96 by 1.28x, same day), the trace's requests average 306. Writes bench/results/e2e.json.
 """
 
 from __future__ import annotations
@@ -336,7 +337,13 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=48, help="tokens per Generate for ours and lru")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=96,
+        help="tokens per Generate for ours and lru (96: past the cold start of each request; the trace's "
+        "requests average 306 decode tokens)",
+    )
     parser.add_argument("--requests", type=int, default=3, help="Generates (trace requests) for ours and lru")
     parser.add_argument(
         "--accelerate-tokens", type=int, default=16, help="tokens per generate for accelerate"

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cache_daemon.policy import ONLINE_POLICIES, FutureUses, PolicyShape, make_policy
+from cache_daemon.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES, FutureUses, PolicyShape, make_policy
 from cache_daemon.prefetch import PrefetchClass, PrefetchConfig, PrefetchScheduler
 from cache_daemon.signals import ActivationSignals, SignalsConfig
 from expertcache.keys import ExpertKey
@@ -45,7 +45,7 @@ DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-ALL_POLICIES = (*ONLINE_POLICIES, "belady")
+ALL_POLICIES = (*ONLINE_POLICIES, *REPLAY_ONLY_POLICIES)
 GOAL_BUDGET = 0.25
 GOAL_BYTES_RATIO = 1.3  # activation-aware bytes / Belady bytes
 GOAL_FLOOR_RATIO = 1.3  # activation-aware latency / floor
@@ -387,9 +387,10 @@ class Simulation:
         lo, hi = int(trace.offsets[requests.start]), int(trace.offsets[requests.stop])
         self.routes = trace.routes[lo:hi]
         self.weights = trace.weights[lo:hi]
-        future = FutureUses(self.routes, E) if policy == "belady" else None
+        replay_only = policy in REPLAY_ONLY_POLICIES
+        future = FutureUses(self.routes, E) if replay_only else None
         shape = PolicyShape(L, E)
-        if policy == "belady":
+        if replay_only:
             self.policy = make_policy(policy, shape, self.signals, future=future)
         elif policy_kwargs:
             from cache_daemon.policy import POLICIES
@@ -398,8 +399,9 @@ class Simulation:
         else:
             self.policy = make_policy(policy, shape, self.signals)
         pcfg = prefetch_config or PrefetchConfig()
-        if policy == "belady":
-            # The bytes floor: Belady's MIN is the optimum of *demand* fetching.
+        if replay_only:
+            # The bytes floor: Belady's MIN is the optimum of *demand* fetching; the oracle row
+            # measures eviction with perfect next-token knowledge, also without speculation.
             pcfg = replace(pcfg, layer_ahead=False, eamc=False)
         elif layer_ahead_accuracy is None:
             pcfg = replace(pcfg, layer_ahead=False)
@@ -761,9 +763,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  - {hints_src.notes}")
     print("  - belady: demand fetching only (the offline optimum of bytes), same row in both settings")
+    print(
+        "  - oracle-next-token: a reference, not a goal: activation-aware eviction told the exact routing of "
+        "the next token (no online predictor has it), demand fetching only, same row in both settings"
+    )
 
     runs = [
-        (p, b, la) for b in budgets for p in policies for la in ((False,) if p == "belady" else (False, True))
+        (p, b, la)
+        for b in budgets
+        for p in policies
+        for la in ((False,) if p in REPLAY_ONLY_POLICIES else (False, True))
     ]
     rows: list[dict] = []
     bar = None if args.no_progress else tqdm(total=tokens * len(runs), unit="tok", desc="replay")
@@ -781,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         st = sim.run(bar)
         row = st.summary(timing)
         rows.append(row)
-        if p == "belady":
+        if p in REPLAY_ONLY_POLICIES:
             rows.append({**row, "layer_ahead": True})
     if bar is not None:
         bar.close()
@@ -810,6 +819,20 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {'with' if g['layer_ahead'] else 'without'} layer-ahead: {g['goal']:<24} "
             f"{g['value']:.3f}  {'PASS' if g['pass'] else 'FAIL'}"
+        )
+    reference = next(
+        (
+            r
+            for r in rows
+            if r["policy"] == "oracle-next-token" and r["budget"] == GOAL_BUDGET and not r["layer_ahead"]
+        ),
+        None,
+    )
+    if reference is not None:
+        print(
+            f"reference at {GOAL_BUDGET:.0%}: oracle-next-token (the exact routing of the next token, which no online "
+            f"predictor has) loads {reference['bytes_vs_belady']:.3f} x Belady's bytes, latency "
+            f"{reference['latency_vs_floor']:.3f} x the floor"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {

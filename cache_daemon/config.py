@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cache_daemon.policy import POLICIES
+from cache_daemon.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
 from expertcache.errors import InvalidArgument
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
@@ -105,12 +105,13 @@ class DaemonConfig:
     eviction_policy: str = field(
         default="activation-aware",
         metadata={
-            "help": "Eviction policy of the device arena (live; 'belady' is trace replay only).",
+            "help": "Eviction policy of the device arena (live; 'belady' and 'oracle-next-token' are trace replay only).",
             "choices": tuple(sorted(POLICIES)),
         },
     )
     """Name of the device tier's eviction policy (a key of ``cache_daemon.policy.POLICIES``;
-    ``belady`` needs the future and is refused). The host tier below is an LRU cache."""
+    ``belady`` and ``oracle-next-token`` need the future and are refused). The host tier below is
+    an LRU cache."""
 
     prefetch: bool = field(
         default=True,
@@ -187,10 +188,10 @@ class DaemonConfig:
                 f"config field 'device' = {self.device!r} is not one of {', '.join(DEVICES)}, "
                 "cuda:<ordinal>, cuda:<GPU UUID>"
             )
-        if self.eviction_policy == "belady":
+        if self.eviction_policy in REPLAY_ONLY_POLICIES:
             raise InvalidArgument(
-                "config field 'eviction_policy' = 'belady': belady is the offline optimum and needs the future: "
-                "trace replay only (make bench-replay); the daemon runs lru, lfu, moe-infinity or activation-aware"
+                f"config field 'eviction_policy' = {self.eviction_policy!r}: it needs the future (a reference "
+                f"for trace replay only: make bench-replay); the daemon runs {', '.join(ONLINE_POLICIES)}"
             )
         if not self.store_dir:
             raise InvalidArgument(

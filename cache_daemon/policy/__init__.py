@@ -14,6 +14,7 @@ from cache_daemon.policy.belady import BeladyPolicy, FutureUses
 from cache_daemon.policy.lfu import LFUPolicy
 from cache_daemon.policy.lru import LRUPolicy
 from cache_daemon.policy.moe_infinity import MoEInfinityPolicy
+from cache_daemon.policy.oracle import NextTokenOraclePolicy
 
 if TYPE_CHECKING:
     from cache_daemon.signals import ActivationSignals
@@ -24,10 +25,14 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "moe-infinity": MoEInfinityPolicy,
     "activation-aware": ActivationAwarePolicy,
     "belady": BeladyPolicy,
+    "oracle-next-token": NextTokenOraclePolicy,
 }
 
 ONLINE_POLICIES: tuple[str, ...] = ("lru", "lfu", "moe-infinity", "activation-aware")
-"""The policies a daemon can run (``belady`` needs the future)."""
+"""The policies a daemon can run."""
+
+REPLAY_ONLY_POLICIES: tuple[str, ...] = tuple(n for n, c in POLICIES.items() if c.needs_future)
+"""References that need the future (``FutureUses`` of a trace): ``belady``, ``oracle-next-token``."""
 
 
 def make_policy(
@@ -39,10 +44,10 @@ def make_policy(
 ) -> EvictionPolicy:
     """A fresh policy object for ``name``, constructed as ``cls(shape, signals)``.
 
-    An unknown name raises ``ValueError`` listing the known ones; ``belady`` without ``future``
-    raises ``ValueError("belady is the offline optimum: trace replay only ...")``; a policy that
-    reads predictions (``moe-infinity``, ``activation-aware``, ``belady``) without ``signals``
-    raises ``ValueError`` naming what it needs.
+    An unknown name raises ``ValueError`` listing the known ones; a replay-only policy
+    (``REPLAY_ONLY_POLICIES``) without ``future`` raises ``ValueError("... trace replay only ...")``;
+    a policy that reads predictions (all but ``lru`` and ``lfu``) without ``signals`` raises
+    ``ValueError`` naming what it needs.
     """
     try:
         cls = POLICIES[name]
@@ -50,16 +55,17 @@ def make_policy(
         raise ValueError(
             f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(POLICIES))}"
         ) from None
-    if cls is BeladyPolicy:
+    if cls.needs_future:
         if future is None:
-            raise ValueError("belady is the offline optimum: trace replay only (it needs FutureUses)")
-        return BeladyPolicy(shape, signals, future=future)
+            raise ValueError(f"{name} needs the future: trace replay only (it needs FutureUses)")
+        return cls(shape, signals, future=future)  # type: ignore[call-arg]
     return cls(shape, signals)  # type: ignore[call-arg]
 
 
 __all__ = [
     "ONLINE_POLICIES",
     "POLICIES",
+    "REPLAY_ONLY_POLICIES",
     "ActivationAwarePolicy",
     "BeladyPolicy",
     "EvictionPolicy",
@@ -67,6 +73,7 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "MoEInfinityPolicy",
+    "NextTokenOraclePolicy",
     "PolicyShape",
     "ShapedPolicy",
     "make_policy",

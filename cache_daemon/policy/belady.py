@@ -75,6 +75,7 @@ class FutureUses:
 class BeladyPolicy(ShapedPolicy):
     name = "belady"
     needs_signals = True
+    needs_future = True
 
     def __init__(
         self,

@@ -445,7 +445,7 @@ def test_policy_switch_at_runtime_loses_nothing(lone):
     [
         (
             dict(eviction_policy="belady"),
-            r"'eviction_policy' = 'belady': belady is the offline optimum.*trace replay only",
+            r"'eviction_policy' = 'belady': it needs the future.*trace replay only",
         ),
         (
             dict(eviction_policy="fifo"),

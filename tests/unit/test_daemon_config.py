@@ -72,11 +72,16 @@ def test_unknown_field_in_config_file(tmp_path):
         ({"device": "cuda:"}, r"'device' = 'cuda:' is not one of auto, cpu, cuda, cuda:<ordinal>"),
         (
             {"eviction_policy": "fifo"},
-            r"'eviction_policy' = 'fifo' is not one of activation-aware, belady, lfu, lru, moe-infinity",
+            r"'eviction_policy' = 'fifo' is not one of activation-aware, belady, lfu, lru, moe-infinity, "
+            r"oracle-next-token",
         ),
         (
             {"eviction_policy": "belady"},
-            r"'eviction_policy' = 'belady': belady is the offline optimum .*trace replay only",
+            r"'eviction_policy' = 'belady': it needs the future .*trace replay only.*the daemon runs lru, lfu",
+        ),
+        (
+            {"eviction_policy": "oracle-next-token"},
+            r"'eviction_policy' = 'oracle-next-token': it needs the future .*trace replay only",
         ),
         ({"max_inflight_bytes": "-1"}, r"'max_inflight_bytes' = -1 is below its minimum 0"),
         ({"prefetch": "maybe"}, r"'prefetch' from command line: cannot read 'maybe'"),

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
-from cache_daemon.policy import POLICIES, EvictionPolicy, LRUPolicy, make_policy
+from cache_daemon.policy import LRUPolicy
 from expertcache.keys import ExpertKey
 
 A, B, C, D = (ExpertKey(1, e) for e in range(4))
-
-
-def test_registry():
-    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware", "belady"}
-    assert POLICIES["lru"] is LRUPolicy
-    policy = make_policy("lru")
-    assert isinstance(policy, EvictionPolicy) and policy.name == "lru"
-    assert make_policy("lru") is not policy  # a fresh object per tier
-    with pytest.raises(
-        ValueError,
-        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, belady, lfu, lru, moe-infinity",
-    ):
-        make_policy("fifo")
-    with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
-        make_policy("belady")
 
 
 def test_lru_order_access_and_remove():

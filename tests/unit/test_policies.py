@@ -10,6 +10,7 @@ import pytest
 from cache_daemon.policy import (
     ONLINE_POLICIES,
     POLICIES,
+    REPLAY_ONLY_POLICIES,
     ActivationAwarePolicy,
     BeladyPolicy,
     EvictionPolicy,
@@ -17,6 +18,7 @@ from cache_daemon.policy import (
     LFUPolicy,
     LRUPolicy,
     MoEInfinityPolicy,
+    NextTokenOraclePolicy,
     PolicyShape,
     make_policy,
 )
@@ -37,7 +39,7 @@ def routes(tokens: int = 40, seed: int = 1) -> np.ndarray:
 
 def build(name: str, r: np.ndarray | None = None) -> tuple[EvictionPolicy, ActivationSignals]:
     sig = ActivationSignals(L, E)
-    fut = FutureUses(routes() if r is None else r, E) if name == "belady" else None
+    fut = FutureUses(routes() if r is None else r, E) if name in REPLAY_ONLY_POLICIES else None
     return make_policy(name, SHAPE, sig, future=fut), sig
 
 
@@ -108,18 +110,29 @@ def test_nothing_evictable_and_zero(name):
 
 
 def test_registry_and_errors():
-    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware", "belady"}
-    assert set(ONLINE_POLICIES) == set(POLICIES) - {"belady"}
-    assert isinstance(make_policy("lru"), LRUPolicy)  # the old call still works
+    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware", "belady", "oracle-next-token"}
+    assert REPLAY_ONLY_POLICIES == ("belady", "oracle-next-token")
+    assert set(ONLINE_POLICIES) == set(POLICIES) - set(REPLAY_ONLY_POLICIES)
+    policy = make_policy("lru")  # the old call still works
+    assert isinstance(policy, LRUPolicy) and policy.name == "lru"
+    assert make_policy("lru") is not policy  # a fresh object per tier
     with pytest.raises(
         ValueError,
-        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, belady, lfu, lru, moe-infinity",
+        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, belady, lfu, lru, "
+        r"moe-infinity, oracle-next-token",
     ):
         make_policy("fifo")
-    with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
-        make_policy("belady", SHAPE, ActivationSignals(L, E))
+    for name in REPLAY_ONLY_POLICIES:
+        with pytest.raises(ValueError, match=rf"{name} needs the future: trace replay only"):
+            make_policy(name, SHAPE, ActivationSignals(L, E))
     with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
         BeladyPolicy(SHAPE, ActivationSignals(L, E))
+    with pytest.raises(ValueError, match=r"oracle-next-token knows the future: trace replay only"):
+        NextTokenOraclePolicy(SHAPE, ActivationSignals(L, E))
+    with pytest.raises(ValueError, match=r"horizon_tokens must be >= 1, got 0"):
+        NextTokenOraclePolicy(
+            SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), E), horizon_tokens=0
+        )
     with pytest.raises(ValueError, match=r"policy 'activation-aware' needs ActivationSignals"):
         make_policy("activation-aware", SHAPE)
     with pytest.raises(
@@ -196,6 +209,37 @@ def test_belady_picks_the_furthest_next_use():
         FutureUses(np.zeros((3, 2)), 4)
     with pytest.raises(ValueError, match=r"routes hold experts outside 0..3"):
         FutureUses(np.full((1, 1, 1), 4), 4)
+
+
+def test_oracle_next_token_exact_within_the_horizon_estimate_beyond():
+    # 1 layer x 4 experts, top-1: expert 1 next at token 2, expert 2 at token 4, 0 and 3 never.
+    r = np.array([[[0]], [[3]], [[1]], [[0]], [[2]]], np.int16)
+    sig = ActivationSignals(1, 4, config=SignalsConfig(history_half_life_tokens=1.0, estimator="ema"))
+    oracle = NextTokenOraclePolicy(PolicyShape(1, 4), sig, future=FutureUses(r, 4), horizon_tokens=1)
+    online = ActivationAwarePolicy(PolicyShape(1, 4), sig)
+    for pol in (oracle, online):
+        for e in range(4):
+            pol.on_insert(ExpertKey(0, e))
+    sig.observe(0, [0], token=0)
+    sig.observe(0, [3], token=1)  # position: token 1; horizon = 1 token = 1 layer step
+    est = online.next_use()
+    nu = oracle.next_use()
+    assert nu[1] == 1.0  # used at token 2: exact, one step away
+    assert nu[3] == 0.0  # in use now
+    for e in (0, 2):  # not used within the horizon: the online estimate pushed past it
+        assert nu[e] == pytest.approx(est[e] + 1)
+    assert oracle.choose_victims(1, lambda k: k.expert != 3) != [ExpertKey(0, 1)]
+    assert oracle.prefetch_scores() is None  # demand fetching only
+    # With a horizon covering the whole trace it orders exactly like Belady.
+    sig2 = ActivationSignals(1, 4)
+    far = NextTokenOraclePolicy(PolicyShape(1, 4), sig2, future=FutureUses(r, 4), horizon_tokens=10)
+    bel = BeladyPolicy(PolicyShape(1, 4), sig2, future=FutureUses(r, 4))
+    for pol in (far, bel):
+        for e in range(4):
+            pol.on_insert(ExpertKey(0, e))
+    sig2.observe(0, [0], token=0)
+    assert far.choose_victims(3, lambda k: True)[:1] == bel.choose_victims(3, lambda k: True)[:1]
+    assert far.next_use()[[1, 2]].tolist() == [2.0, 4.0]
 
 
 def test_activation_aware_evicts_the_latest_expected_use():

@@ -85,8 +85,8 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     assert rc == 0
     assert calls["decide"] > 0
     assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
-    # 4 online policies x 2 layer-ahead settings + belady, x 2 budgets, 60 tokens x 3 layers each
-    assert calls["observe"] == (4 * 2 + 1) * 2 * 60 * L
+    # 4 online policies x 2 layer-ahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers
+    assert calls["observe"] == (4 * 2 + 2) * 2 * 60 * L
     data = json.loads((out / "replay.json").read_text())
     assert (out / "replay.png").stat().st_size > 1000
     assert data["tokens"] == 60 and data["layers"] == L and data["experts"] == E and data["top_k"] == K
@@ -98,7 +98,7 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     ) * 1e3
     for budget in (0.25, 0.5):
         rows = [r for r in data["rows"] if r["budget"] == budget]
-        assert len(rows) == 10
+        assert len(rows) == 12
         bel = [r for r in rows if r["policy"] == "belady"][0]
         for r in rows:
             assert bel["bytes_per_token"] <= r["bytes_per_token"] + 1e-9, r["policy"]
@@ -107,6 +107,8 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
             assert r["latency_ms_per_token"] >= floor * (1 - 1e-9)
             assert r["latency_vs_floor"] == pytest.approx(r["latency_ms_per_token"] / floor)
             assert 0.0 <= r["hit_rate"] <= 1.0
+    oracle = [r for r in data["rows"] if r["policy"] == "oracle-next-token" and r["budget"] == 0.25]
+    assert len(oracle) == 2 and oracle[0]["prefetches_per_token"] == 0  # demand only, both settings
     goals = {(g["layer_ahead"], g["goal"]) for g in data["goals"]}
     assert (False, "bytes <= 1.3 x Belady") in goals and (True, "faster than moe-infinity") in goals
 
@@ -115,13 +117,15 @@ def test_belady_loads_fewest_bytes_and_lru_pays_for_demand_only(trace):
     t = replay.load_trace(trace)
     timing = replay.default_timing(L, K)
     res = {}
-    for p in ("belady", "lru", "activation-aware"):
+    for p in ("belady", "lru", "activation-aware", "oracle-next-token"):
         sim = replay.Simulation(
             t, timing, p, 0.25, requests=range(0, 4), layer_ahead_accuracy=None, hints=None
         )
         res[p] = sim.run().summary(timing)
     assert res["belady"]["loads_per_token"] <= min(r["loads_per_token"] for r in res.values())
     assert res["belady"]["hit_rate"] >= res["lru"]["hit_rate"]
+    # On this trace, knowing the next token exactly loads no more than guessing it.
+    assert res["oracle-next-token"]["loads_per_token"] <= res["activation-aware"]["loads_per_token"]
     # Demand fetching only: every stall is visible, the link never runs ahead.
     assert res["lru"]["prefetches_per_token"] == 0
     assert res["lru"]["stall_ms_per_token"] > 0
@@ -156,7 +160,7 @@ def test_expert_bytes_stated_from_the_config():
     [
         (
             ["--policies", "fifo"],
-            r"unknown policies \['fifo'\]; valid: lru, lfu, moe-infinity, activation-aware, belady",
+            r"unknown policies \['fifo'\]; valid: lru, lfu, moe-infinity, activation-aware, belady, oracle-next-token",
         ),
         (["--budgets", "0"], r"budget 0.0 outside \(0, 1\]"),
         (["--requests", "x"], r"--requests must be an int or 'all', got 'x'"),

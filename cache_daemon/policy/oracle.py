@@ -1,0 +1,71 @@
+"""``oracle-next-token``: activation-aware eviction told the exact routing of the next tokens.
+
+A reference for trace replay only, like ``belady``: it answers "how much better could eviction
+get with perfect short-term prediction?" Entries used within the next ``horizon_tokens`` tokens
+(``horizon_tokens * num_layers`` layer steps from the position) get their exact next-use step
+from the trace (``FutureUses``); every other entry keeps activation-aware's estimate, pushed
+beyond the horizon (it is known not to be used before). Victims are chosen as by
+activation-aware: largest next use first.
+
+No online predictor (EAMC match, the request's history, layer-ahead) knows the next token's
+routing exactly, so on the same trace and budget an online policy is not expected to load fewer
+bytes than this row; the replay prints it beside Belady to show how much of the gap to Belady
+short-term prediction could close at all.
+
+Example (L = 24, horizon 1): at step 100 (token 4, layer 4) an entry used next at step 110 is
+kept for 10 steps; an entry not used before step 124 with activation-aware estimate 30 gets
+``30 + 24 = 54``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cache_daemon.policy.activation_aware import ActivationAwarePolicy
+from cache_daemon.policy.base import PolicyShape
+from cache_daemon.policy.belady import FutureUses
+
+if TYPE_CHECKING:
+    from cache_daemon.signals import ActivationSignals
+
+
+class NextTokenOraclePolicy(ActivationAwarePolicy):
+    name = "oracle-next-token"
+    needs_future = True
+
+    def __init__(
+        self,
+        shape: PolicyShape | None = None,
+        signals: ActivationSignals | None = None,
+        *,
+        future: FutureUses | None = None,
+        horizon_tokens: int = 1,
+    ) -> None:
+        if future is None:
+            raise ValueError(f"{self.name} knows the future: trace replay only (it needs FutureUses)")
+        if horizon_tokens < 1:
+            raise ValueError(f"horizon_tokens must be >= 1, got {horizon_tokens}")
+        super().__init__(shape, signals)
+        if (future.num_layers, future.num_experts) != (self.shape.num_layers, self.shape.num_experts):
+            raise ValueError(
+                f"FutureUses is {future.num_layers} x {future.num_experts} but the policy shape is "
+                f"{self.shape.num_layers} x {self.shape.num_experts}"
+            )
+        self.future = future
+        self.horizon_tokens = horizon_tokens
+
+    def next_use(self) -> np.ndarray:
+        """float64 [N] layer steps to each entry's next use: exact within the horizon, else the
+        activation-aware estimate plus the horizon."""
+        assert self.signals is not None
+        step = max(self.signals.step, 0)
+        exact = self.future.next_use(step) - step
+        horizon = self.horizon_tokens * self.shape.num_layers
+        estimate = super().next_use()
+        return np.where(exact <= horizon, exact.astype(np.float64), estimate + horizon)
+
+    def prefetch_scores(self) -> None:
+        """Demand fetching only: the row measures eviction, not speculation."""
+        return None
