@@ -28,8 +28,8 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "oracle-next-token": NextTokenOraclePolicy,
 }
 
-ONLINE_POLICIES: tuple[str, ...] = ("lru", "lfu", "moe-infinity", "activation-aware")
-"""The policies a daemon can run."""
+ONLINE_POLICIES: tuple[str, ...] = tuple(n for n, c in POLICIES.items() if not c.needs_future)
+"""The policies a daemon can run: ``lru``, ``lfu``, ``moe-infinity``, ``activation-aware``."""
 
 REPLAY_ONLY_POLICIES: tuple[str, ...] = tuple(n for n, c in POLICIES.items() if c.needs_future)
 """References that need the future (``FutureUses`` of a trace): ``belady``, ``oracle-next-token``."""
