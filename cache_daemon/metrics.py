@@ -73,6 +73,20 @@ class Counter:
         return [(dict(zip(self.labelnames, k, strict=True)), v) for k, v in items]
 
 
+def render_text(counters: Iterable[Counter]) -> str:
+    """``counters`` in the Prometheus text exposition format (shared by every service's metrics)."""
+    lines = []
+    for counter in counters:
+        lines.append(f"# HELP {counter.name} {counter.help}")
+        lines.append(f"# TYPE {counter.name} counter")
+        for labels, value in counter.samples():
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(
+                f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 class DaemonMetrics:
     """Every counter the daemon keeps; one instance per daemon, shared by its components."""
 
@@ -134,13 +148,4 @@ class DaemonMetrics:
 
     def render_text(self) -> str:
         """The counters in the Prometheus text exposition format."""
-        lines = []
-        for counter in self.counters():
-            lines.append(f"# HELP {counter.name} {counter.help}")
-            lines.append(f"# TYPE {counter.name} counter")
-            for labels, value in counter.samples():
-                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                lines.append(
-                    f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
-                )
-        return "\n".join(lines) + "\n"
+        return render_text(self.counters())

@@ -26,7 +26,7 @@ Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports
 
 from __future__ import annotations
 
-from cache_daemon.metrics import Counter
+from cache_daemon.metrics import Counter, render_text
 
 STORE_OPS = ("insert", "sync", "save")
 
@@ -90,13 +90,4 @@ class PredictorMetrics:
 
     def render_text(self) -> str:
         """The counters in the Prometheus text exposition format."""
-        lines = []
-        for counter in self.counters():
-            lines.append(f"# HELP {counter.name} {counter.help}")
-            lines.append(f"# TYPE {counter.name} counter")
-            for labels, value in counter.samples():
-                label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-                lines.append(
-                    f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
-                )
-        return "\n".join(lines) + "\n"
+        return render_text(self.counters())
