@@ -56,6 +56,14 @@ class FutureUses:
         self._next = np.where(counts > 0, self._steps[np.minimum(self._ptr, len(self._steps) - 1)], NEVER)
         self._asked = -1
 
+    def require_shape(self, shape: PolicyShape) -> None:
+        """Raise ``ValueError`` unless these uses are of a model of ``shape``."""
+        if (self.num_layers, self.num_experts) != (shape.num_layers, shape.num_experts):
+            raise ValueError(
+                f"FutureUses is {self.num_layers} x {self.num_experts} but the policy shape is "
+                f"{shape.num_layers} x {shape.num_experts}"
+            )
+
     def next_use(self, step: int) -> np.ndarray:
         """int64 [N] each entry's first use at or after ``step`` (``NEVER`` if none)."""
         if step < self._asked:
@@ -87,11 +95,7 @@ class BeladyPolicy(ShapedPolicy):
         if future is None:
             raise ValueError("belady is the offline optimum: trace replay only (it needs FutureUses)")
         super().__init__(shape, signals)
-        if (future.num_layers, future.num_experts) != (self.shape.num_layers, self.shape.num_experts):
-            raise ValueError(
-                f"FutureUses is {future.num_layers} x {future.num_experts} but the policy shape is "
-                f"{self.shape.num_layers} x {self.shape.num_experts}"
-            )
+        future.require_shape(self.shape)
         self.future = future
 
     def next_use(self) -> np.ndarray:

@@ -48,11 +48,7 @@ class NextTokenOraclePolicy(ActivationAwarePolicy):
         if horizon_tokens < 1:
             raise ValueError(f"horizon_tokens must be >= 1, got {horizon_tokens}")
         super().__init__(shape, signals)
-        if (future.num_layers, future.num_experts) != (self.shape.num_layers, self.shape.num_experts):
-            raise ValueError(
-                f"FutureUses is {future.num_layers} x {future.num_experts} but the policy shape is "
-                f"{self.shape.num_layers} x {self.shape.num_experts}"
-            )
+        future.require_shape(self.shape)
         self.future = future
         self.horizon_tokens = horizon_tokens
 

@@ -145,8 +145,9 @@ def test_registry_and_errors():
         PolicyShape(0, 3)
     with pytest.raises(ValueError, match=r"L3E0 is outside 3 layers x 6 experts"):
         make_policy("lfu", SHAPE).on_insert(ExpertKey(3, 0))
-    with pytest.raises(ValueError, match=r"FutureUses is 3 x 7 but the policy shape is 3 x 6"):
-        make_policy("belady", SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), 7))
+    for name in REPLAY_ONLY_POLICIES:
+        with pytest.raises(ValueError, match=r"FutureUses is 3 x 7 but the policy shape is 3 x 6"):
+            make_policy(name, SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), 7))
 
 
 def test_lfu_counts_and_recency_ties():
