@@ -5,7 +5,8 @@ get with perfect short-term prediction?" Entries used within the next ``horizon_
 (``horizon_tokens * num_layers`` layer steps from the position) get their exact next-use step
 from the trace (``FutureUses``); every other entry keeps activation-aware's estimate, pushed
 beyond the horizon (it is known not to be used before). Victims are chosen as by
-activation-aware: largest next use first.
+activation-aware: largest next use first. The replay runs it with demand fetching only, as
+Belady: the row measures eviction, not speculation.
 
 No online predictor (EAMC match, the request's history, layer-ahead) knows the next token's
 routing exactly, so on the same trace and budget an online policy is not expected to load fewer
@@ -61,7 +62,3 @@ class NextTokenOraclePolicy(ActivationAwarePolicy):
         horizon = self.horizon_tokens * self.shape.num_layers
         estimate = super().next_use()
         return np.where(exact <= horizon, exact.astype(np.float64), estimate + horizon)
-
-    def prefetch_scores(self) -> None:
-        """Demand fetching only: the row measures eviction, not speculation."""
-        return None

@@ -230,7 +230,6 @@ def test_oracle_next_token_exact_within_the_horizon_estimate_beyond():
     for e in (0, 2):  # not used within the horizon: the online estimate pushed past it
         assert nu[e] == pytest.approx(est[e] + 1)
     assert oracle.choose_victims(1, lambda k: k.expert != 3) != [ExpertKey(0, 1)]
-    assert oracle.prefetch_scores() is None  # demand fetching only
     # With a horizon covering the whole trace it orders exactly like Belady.
     sig2 = ActivationSignals(1, 4)
     far = NextTokenOraclePolicy(PolicyShape(1, 4), sig2, future=FutureUses(r, 4), horizon_tokens=10)
