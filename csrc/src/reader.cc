@@ -61,10 +61,10 @@ uint32_t crc32_of(const uint8_t* p, uint64_t n) {
   return crc32_gzip_refl(0, p, n);
 #else
   // zlib's crc32 takes a uInt length: feed it in pieces.
-  uLong crc = crc32(0L, Z_NULL, 0);
+  uLong crc = ::crc32(0L, Z_NULL, 0);
   while (n > 0) {
     const uInt piece = static_cast<uInt>(std::min<uint64_t>(n, 1u << 30));
-    crc = crc32(crc, p, piece);
+    crc = ::crc32(crc, p, piece);
     p += piece;
     n -= piece;
   }
