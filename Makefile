@@ -3,38 +3,64 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PROTOS := $(wildcard proto/moe/*/v1/*.proto)
 STAMP := $(VENV)/.installed
+BUILD_DEPS_STAMP := $(VENV)/.build-deps
 
-.PHONY: install gen-proto lint test test-unit test-integration demo clean bench-predict bench-io bench-replay bench-e2e bench
+# Optional fast paths of the native core (csrc/): auto = on when found, 1 = required, 0 = off.
+#   make native WITH_ISAL=0    zlib's CRC-32 instead of ISA-L's
+#   make native WITH_URING=0   the pread thread pool instead of io_uring
+#   make native WITH_CUDA=0    no CUDA path even where nvcc is installed
+WITH_ISAL ?= auto
+WITH_URING ?= auto
+WITH_CUDA ?= auto
+NATIVE_SWITCHES := ISAL=$(WITH_ISAL) URING=$(WITH_URING) CUDA=$(WITH_CUDA)
+# The native core and the generated gRPC code are built by CMake through the package build
+# (CMakeLists.txt, scikit-build-core), into build/editable for the editable install below.
+BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>/dev/null)
 
-install: $(STAMP) gen/.stamp
+.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean \
+        bench-predict bench-io bench-replay bench-e2e bench
 
-# The native core (csrc/): `make native` builds build/native/expertcache_native*.so.
-include csrc/native.mk
-$(NATIVE_OBJS): | $(STAMP)
+install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The virtual environment and the package's build requirements (read from pyproject.toml), so
+# that the editable install can build without isolation and rebuild incrementally.
+$(BUILD_DEPS_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	@# Generated protobuf code lives in gen/ (ignored by git); put it on the venv's path.
-	$(PY) -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'expertcache_gen.pth').write_text(str(pathlib.Path('gen').resolve()) + '\n')"
+	$(PY) -m pip install -q $$($(PYTHON) -c "import tomllib; print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))" | tr -d "'") 'cmake>=3.18' 'ninja>=1.11'
 	@touch $@
 
-gen-proto: gen/.stamp
+# Rewritten only when the switches change, so that a change rebuilds the native core.
+build/native-switches: FORCE
+	@mkdir -p build
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(NATIVE_SWITCHES)" ]; then echo "$(NATIVE_SWITCHES)" > $@; fi
 
-gen/.stamp: $(PROTOS) $(STAMP)
-	rm -rf gen && mkdir -p gen
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
-	@for d in $$(find gen -type d); do touch $$d/__init__.py; done
+# The checkout in editable mode with its dev and bench extras; the native core (expertcache/_native)
+# and the gRPC code (package moe) are built and installed into the environment by the build backend.
+$(STAMP): $(BUILD_DEPS_STAMP) build/native-switches $(BUILD_INPUTS)
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]' \
+	    -Cbuild-dir=build/editable \
+	    -Ccmake.define.EXPERTCACHE_WITH_ISAL=$(WITH_ISAL) \
+	    -Ccmake.define.EXPERTCACHE_WITH_URING=$(WITH_URING) \
+	    -Ccmake.define.EXPERTCACHE_WITH_CUDA=$(WITH_CUDA)
+	@$(PY) -c "from expertcache import native; print(native.build_summary())"
 	@touch $@
+
+# Both are built by the package build: the targets name what a developer wants rebuilt.
+native gen-proto: install
+
+# A wheel with the native core and the gRPC code inside, built in isolation like `pip wheel .`.
+wheel:
+	$(PYTHON) -m pip wheel --no-deps -w dist .
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: install native lint
+# Everything: lint, then the unit, integration, native, build-matrix and packaging tests (tests/gpu
+# skip without CUDA). The last line counts the skipped tests by reason.
+test: install lint
 	$(VENV)/bin/pytest -q tests
 
 test-unit: install
@@ -48,7 +74,7 @@ demo: install
 	$(PY) -m expertcache.demo $(if $(MODEL),--model $(MODEL),)
 
 clean:
-	rm -rf gen build demo-data .pytest_cache .ruff_cache
+	rm -rf build dist demo-data .pytest_cache .ruff_cache
 
 # Predictor quality (eamc / history / combined precision & recall) on the shared gpt-oss trace,
 # and the EAMC matching cost at 1 K / 10 K entries: prints them, writes bench/results/predict.json.
@@ -57,7 +83,7 @@ bench-predict: install
 
 # Store I/O: raw O_DIRECT vs the native Reader vs safetensors on a ~1.5 GiB store (built once under
 # bench/.data/), and the cost of a cache-hit acquire+release; writes bench/results/io.json.
-bench-io: install native
+bench-io: install
 	$(PY) -m bench.io_bench $(BENCH_IO_ARGS)
 
 # Trace replay: the daemon's own policies and prefetch scheduler driven by a real routing trace
@@ -70,7 +96,9 @@ bench-replay: install
 # End to end on a random gpt-oss-shaped checkpoint (built once under bench/.data/), routing forced
 # from the shared trace: per-token p50/p99 of ours vs plain LRU on-demand vs HF Accelerate disk
 # offload on the same memory budget; writes bench/results/e2e.json.
-bench-e2e: install native
+bench-e2e: install
 	$(PY) -m bench.e2e $(BENCH_E2E_ARGS)
 
 bench: bench-io bench-predict bench-replay bench-e2e
+
+FORCE:

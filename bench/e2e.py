@@ -177,6 +177,7 @@ def run_processes(
     daemon = start_daemon(
         store,
         work,
+        device=args.device,
         device_budget_bytes=device_bytes,
         host_budget_bytes=host_bytes,
         extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
@@ -368,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     parser.add_argument("--shm-dir", default="", help="daemon's shm directory (default: the daemon's)")
+    parser.add_argument(
+        "--device", default="cpu", help="the daemon's arena: cpu, or cuda[:n] on a GPU machine"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=8)
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")

@@ -292,7 +292,9 @@ def daemon_hit(work: Path, top_k: int, iterations: int, grpc_iterations: int) ->
     manifest = read_manifest(store)
     layer = manifest.moe_layers[0]
     experts = list(range(min(top_k, manifest.num_experts)))
-    daemon = start_daemon(store, work, device_budget_bytes=manifest.num_blobs * manifest.blob_bytes)
+    daemon = start_daemon(
+        store, work, device="cpu", device_budget_bytes=manifest.num_blobs * manifest.blob_bytes
+    )
     results: dict[str, dict] = {}
     try:
         for name, fast_path, n in (

@@ -26,6 +26,7 @@ from cache_daemon.daemon import CacheDaemon
 from cache_daemon.server import SERVICE_NAME, create_server
 from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError
+from expertcache.paths import RUNTIME_DIR, ensure_private_dir
 
 logger = logging.getLogger("cache_daemon")
 
@@ -34,7 +35,7 @@ STOP_GRACE_S = 1.0  # Demand streams are open for a compute process's lifetime: 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m cache_daemon",
+        prog="expertcache-daemon",
         description="ExpertCache daemon: serves moe.cache.v1.ExpertCache for one expert store on a unix socket.",
         epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config-file (CLI > env > file).",
     )
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         try:
-            socket_path.parent.mkdir(parents=True, exist_ok=True)
+            if socket_path.parent == RUNTIME_DIR:
+                # The default, in a shared temporary directory: it must be ours alone.
+                ensure_private_dir(socket_path.parent)
+            else:  # a directory the deployment chose (a pod's shared volume): create it if missing
+                socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             server, health_servicer = create_server(daemon, str(socket_path))
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on unix://%s: %s", socket_path, exc)

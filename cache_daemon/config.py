@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cache_daemon.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
 from expertcache.errors import InvalidArgument
+from expertcache.paths import DEFAULT_DAEMON_SOCKET
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -43,10 +44,12 @@ class DaemonConfig:
     """Expert store directory (holds manifest.json and experts/). Required."""
 
     socket_path: str = field(
-        default="/run/expertcache/daemon.sock",
+        default=DEFAULT_DAEMON_SOCKET,
         metadata={"help": "Unix socket path the daemon serves moe.cache.v1.ExpertCache on."},
     )
-    """Unix socket the gRPC server listens on (``unix://<socket_path>``); removed at exit."""
+    """Unix socket the gRPC server listens on (``unix://<socket_path>``); removed at exit. Its
+    directory is created owner-only. The default (``expertcache.paths``) is writable without root
+    and is where compute looks by default."""
 
     device_budget_bytes: int = field(
         default=1 << 30,

@@ -36,6 +36,7 @@ from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, slots_for_budget
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
+from expertcache import native
 from expertcache.config_loader import validate
 from expertcache.errors import InvalidArgument
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
@@ -223,6 +224,8 @@ class CacheDaemon:
 
     @classmethod
     def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
+        # A build without liburing or ISA-L still works, slower: say so once.
+        logger.info("%s", native.build_summary())
         manifest = read_manifest(config.store_dir)
         manifest_json = (Path(config.store_dir) / MANIFEST_NAME).read_text()
         blob = manifest.blob_bytes

@@ -21,7 +21,7 @@ EXIT_START_FAILED = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m compute_svc",
+        prog="expertcache-compute",
         description="ExpertCache compute service: serves moe.inference.v1.Inference from an expert store",
     )
     parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")

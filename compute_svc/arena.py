@@ -190,7 +190,7 @@ def require_native_cuda() -> None:
     """Fail with how to fix it when the native module has no CUDA path (built without nvcc)."""
     if not native.CUDA_BUILT:
         raise ArenaMismatch(
-            "the cache daemon's arena is in CUDA memory but the native module "
-            "(build/native/expertcache_native*.so) was built without CUDA: put nvcc on PATH "
-            "(e.g. export PATH=/usr/local/cuda/bin:$PATH) and rebuild with `make native`"
+            "the cache daemon's arena is in CUDA memory but the native core (expertcache._native) "
+            "was built without CUDA: put nvcc on PATH (e.g. export PATH=/usr/local/cuda/bin:$PATH) "
+            "and rebuild it (`pip install .`, or `make native` in a checkout)"
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from expertcache.errors import InvalidArgument
+from expertcache.paths import DEFAULT_DAEMON_ADDRESS
 
 ENV_PREFIX = "EXPERTCACHE_COMPUTE_"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -29,10 +30,11 @@ class ComputeConfig:
     """Store written by ``python -m cache_daemon.convert``; compute reads only its dense part."""
 
     daemon_address: str = field(
-        default="unix:///run/ec/daemon.sock",
-        metadata={"help": "gRPC address of the cache daemon, e.g. unix:///run/ec/daemon.sock"},
+        default=DEFAULT_DAEMON_ADDRESS,
+        metadata={"help": "gRPC address of the cache daemon, unix:///path/daemon.sock"},
     )
-    """Where the cache daemon serves ``moe.cache.v1.ExpertCache`` (a unix socket in the pod)."""
+    """Where the cache daemon serves ``moe.cache.v1.ExpertCache`` (a unix socket in the pod). The
+    default is the daemon's default socket (``expertcache.paths``)."""
 
     listen_address: str = field(
         default="0.0.0.0:50051",

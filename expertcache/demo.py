@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=str(REPO / "demo-data"), help="where checkpoints and stores go")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--device", default="auto", help="the arena: auto (a GPU if there is one), cpu, cuda")
     parser.add_argument("--device-fraction", type=float, default=0.25, help="device arena / all experts")
     parser.add_argument("--host-fraction", type=float, default=0.5, help="host tier / all experts")
     args = parser.parse_args(argv)
@@ -64,14 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
     from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-    from cache_daemon.convert import convert
-
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.model) if args.model else _ensure_checkpoint(data_dir)
     store = data_dir / f"store-{ckpt.name}"
     _say(f"• converting {ckpt} → expert store {store}")
-    convert(ckpt, store, progress=True)
+    # The converter is a service's tool: run as users run it (expertcache-convert), not imported.
+    subprocess.run([sys.executable, "-m", "cache_daemon.convert", str(ckpt), str(store)], check=True)
     manifest = read_manifest(store)
     blob = manifest.blob_bytes
     device_slots = max(1, int(manifest.num_blobs * args.device_fraction))
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon = start_daemon(
                 store,
                 work,
+                device=args.device,
                 device_budget_bytes=device_slots * blob,
                 host_budget_bytes=host_slots * blob,
                 extra=wiring,

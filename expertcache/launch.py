@@ -82,16 +82,22 @@ def start_daemon(
     store_dir: Path,
     work_dir: Path,
     *,
+    device: str,
     device_budget_bytes: int,
     host_budget_bytes: int = 0,
     extra: list[str] | None = None,
 ) -> Proc:
+    """``python -m cache_daemon`` on ``work_dir/daemon.sock``. ``device`` (``cpu``, ``cuda``,
+    ``cuda:<n>`` or ``auto``) is required: the daemon's own default, ``auto``, takes a GPU
+    where there is one, and a caller must know which arena it gets."""
     sock = work_dir / "daemon.sock"
     args = [
         "--store-dir",
         str(store_dir),
         "--socket-path",
         str(sock),
+        "--device",
+        device,
         "--device-budget-bytes",
         str(device_budget_bytes),
         "--host-budget-bytes",

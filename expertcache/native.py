@@ -1,6 +1,8 @@
-"""Thin wrapper over the ``expertcache_native`` extension built from ``csrc/`` by ``make native``.
+"""Thin wrapper over the ``expertcache._native`` extension built from ``csrc/`` by the package build.
 
-The extension is loaded from ``build/native/`` of this checkout. Exceptions come from C++:
+The extension is installed inside this package (``pip install .``, or ``make install`` in a
+checkout, which installs the checkout in editable mode); ``FEATURES`` says which optional fast
+paths it was built with. Exceptions come from C++:
 ``IndexError`` (entry/slot index out of range), ``ValueError`` (bad argument, bad slot-table
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
 messages name the slot-table path where there is one.
@@ -23,29 +25,33 @@ memoryview``, ``base_address``, ``slot_address(i)``, ``stride``, ``num_free``, `
 
 from __future__ import annotations
 
-import importlib.util
 from enum import IntEnum
-from pathlib import Path
 
-BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "native"
+try:
+    from expertcache import _native
+except ImportError as exc:  # pragma: no cover - an install without its build
+    raise ImportError(
+        f"the native core expertcache._native cannot be loaded ({exc}); it is built by the package "
+        "build: `pip install .`, or `make install` in a checkout"
+    ) from exc
+
+# The optional features this build has (CMakeLists.txt): "io_uring", "isa-l", "cuda".
+FEATURES: frozenset[str] = frozenset(_native.FEATURES)
+# What each feature gives, and what runs instead when the build lacks it.
+_FALLBACKS = {
+    "io_uring": ("store reads through io_uring", "store reads through a pread thread pool (no liburing)"),
+    "isa-l": ("CRC-32 by ISA-L", "CRC-32 by zlib (no ISA-L)"),
+    "cuda": ("CUDA path", "no CUDA path (built without nvcc)"),
+}
 
 
-def _load():
-    candidates = sorted(BUILD_DIR.glob("expertcache_native*.so"))
-    if not candidates:
-        raise ImportError(
-            f"expertcache_native is not built (no expertcache_native*.so in {BUILD_DIR}); run `make native`"
-        )
-    spec = importlib.util.spec_from_file_location("expertcache_native", candidates[-1])
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        raise ImportError(f"cannot load {candidates[-1]} ({e}); rebuild it with `make native`") from e
-    return module
+def build_summary() -> str:
+    """One line naming what this build of the native core does, fallbacks included; the daemon
+    logs it at start, so a build without the fast paths says so."""
+    return "native core: " + "; ".join(
+        on if name in FEATURES else off for name, (on, off) in _FALLBACKS.items()
+    )
 
-
-_native = _load()
 
 SlotTable = _native.SlotTable
 StaleClient = _native.StaleClient
@@ -59,7 +65,7 @@ class SlotState(IntEnum):
     EVICTING = _native.EVICTING
 
 
-__all__ = ["BUILD_DIR", "HostPool", "SlotState", "SlotTable", "StaleClient"]
+__all__ = ["FEATURES", "HostPool", "SlotState", "SlotTable", "StaleClient", "build_summary"]
 
 # ``Reader(threads=4, queue_depth=64, chunk_bytes=1 MiB, backend="auto")``: asynchronous
 # (O_DIRECT) file reads into raw addresses with priorities ``Reader.DEMAND`` (0) <

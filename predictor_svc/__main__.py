@@ -41,7 +41,7 @@ STOP_GRACE_S = 1.0  # Observe/SubscribeHints streams live as long as their clien
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m predictor_svc",
+        prog="expertcache-predictor",
         description="ExpertCache predictor: traces EAMs, keeps the EAMC (Redis or embedded) and streams "
         "prefetch hints (moe.predictor.v1.Predictor).",
         epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config (CLI > env > file).",

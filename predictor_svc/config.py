@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from expertcache.errors import InvalidArgument
+from expertcache.paths import DEFAULT_EAMC_PATH
 
 ENV_PREFIX = "EXPERTCACHE_PREDICTOR_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -72,7 +73,7 @@ class PredictorConfig:
     """The EAMC store. Empty: the embedded in-process store saved to ``embedded_path``."""
 
     embedded_path: str = field(
-        default="demo-data/predictor/eamc.bin",
+        default=DEFAULT_EAMC_PATH,
         metadata={"help": "File the embedded store is loaded from at start and saved to at shutdown."},
     )
     """Only used when ``redis_url`` is empty. Written atomically (tmp + rename) on SIGTERM."""

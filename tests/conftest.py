@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,26 @@ if str(REPO) not in sys.path:  # `from tests.procs import ...` without an instal
     sys.path.insert(0, str(REPO))
 
 from expertcache.manifest import StoreManifest, read_manifest  # noqa: E402
+
+# -- the last line of a run: skipped tests counted by reason -------------------------------------
+_SKIPS: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        _SKIPS[reason.removeprefix("Skipped: ")] += 1
+
+
+def pytest_unconfigure(config):
+    """After pytest's own summary: which tests did not run here, and why (a machine without a
+    GPU or without an optional package skips some; this says which, every time)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not _SKIPS:
+        return
+    counts = "; ".join(f"{n} × {reason}" for reason, n in _SKIPS.most_common())
+    reporter.write_line(f"skipped {sum(_SKIPS.values())}: {counts}")
 
 
 @dataclass(frozen=True)

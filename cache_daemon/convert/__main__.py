@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m cache_daemon.convert",
+        prog="expertcache-convert",
         description="Convert a transformers MoE checkpoint directory (safetensors) into an expert store.",
         epilog=f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}",
     )

@@ -83,9 +83,9 @@ def require_native_cuda() -> None:
     """Fail with how to fix it when the native module has no CUDA path."""
     if not native.CUDA_BUILT:
         raise ArenaUnavailable(
-            "this machine has a CUDA device but the native module (build/native/expertcache_native*.so) "
-            "was built without CUDA: put nvcc on PATH (e.g. export PATH=/usr/local/cuda/bin:$PATH) "
-            "and rebuild with `make native`"
+            "this machine has a CUDA device but the native core (expertcache._native) was built without "
+            "CUDA: put nvcc on PATH (e.g. export PATH=/usr/local/cuda/bin:$PATH) and rebuild it "
+            "(`pip install .`, or `make native` in a checkout)"
         )
 
 

@@ -1,4 +1,4 @@
-// One Python module (expertcache_native), one bind_* function per component, each in its own
+// One Python module (expertcache._native), one bind_* function per component, each in its own
 // csrc/python/bind_<component>.cc. C++ exceptions are translated by pybind11:
 // std::out_of_range -> IndexError, std::invalid_argument -> ValueError,
 // std::runtime_error (incl. std::system_error) -> RuntimeError.

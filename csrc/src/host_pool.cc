@@ -19,8 +19,8 @@ HostPool::HostPool(size_t num_slots, size_t slot_bytes, bool pin)
 #ifndef EXPERTCACHE_WITH_CUDA
   if (pin)
     throw std::runtime_error(
-        "cannot pin host memory: this build has no CUDA (nvcc was not found, or "
-        "EXPERTCACHE_NO_CUDA=1)");
+        "cannot pin host memory: this build has no CUDA path (nvcc was not found when it was "
+        "built, or it was built with WITH_CUDA=0)");
 #endif
   if (num_slots == 0) throw std::invalid_argument("host pool: num_slots must be > 0");
   if (slot_bytes == 0) throw std::invalid_argument("host pool: slot_bytes must be > 0");

@@ -66,7 +66,9 @@ def test_e2e_harness_runs_all_three_systems(tmp_path, capsys):
 @needs_trace
 def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
     tiny = tiny_store("mixtral")  # 3 MoE layers x 8 experts, top-2; the trace is 24 x 32, top-4
-    daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=tiny.manifest.blob_bytes * 8)
+    daemon = start_daemon(
+        tiny.store, tmp_path, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes * 8
+    )
     try:
         proc = subprocess.run(
             [
@@ -89,7 +91,9 @@ def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
 
 def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
     tiny = tiny_store("mixtral")
-    daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=tiny.manifest.blob_bytes * 8)
+    daemon = start_daemon(
+        tiny.store, tmp_path, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes * 8
+    )
     try:
         proc = subprocess.run(
             [

@@ -40,7 +40,9 @@ def served(tiny_store, tmp_path_factory):
     """A mixtral store served by a daemon (a quarter of the experts fit) and a compute process."""
     tiny = tiny_store("mixtral")
     work = tmp_path_factory.mktemp("served")
-    daemon = start_daemon(tiny.store, work, device_budget_bytes=quarter_of_experts(tiny.manifest))
+    daemon = start_daemon(
+        tiny.store, work, device="cpu", device_budget_bytes=quarter_of_experts(tiny.manifest)
+    )
     try:
         compute = start_compute(tiny.store, daemon, work, extra=["--max-new-tokens-limit", str(LIMIT)])
     except BaseException:
@@ -193,7 +195,7 @@ def test_corrupt_expert_is_data_loss_and_no_token_is_streamed(tiny_store, tmp_pa
     manifest = read_manifest(store)
     layer = manifest.moe_layers[0]
     victim = routed_experts(tiny.checkpoint, layer, PROMPT)[0]
-    daemon = start_daemon(store, tmp_path, device_budget_bytes=quarter_of_experts(manifest))
+    daemon = start_daemon(store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest))
     compute = None
     try:
         compute = start_compute(store, daemon, tmp_path)
@@ -247,7 +249,7 @@ def test_compute_memory_stays_below_dense_plus_arena_plus_margin(tiny_store, tmp
     assert manifest.total_expert_bytes > 1.5 * RSS_MARGIN_BYTES
     arena_bytes = (manifest.total_expert_bytes // 10) // manifest.blob_bytes * manifest.blob_bytes
     assert manifest.total_expert_bytes >= 10 * arena_bytes
-    daemon = start_daemon(big.store, tmp_path, device_budget_bytes=arena_bytes)
+    daemon = start_daemon(big.store, tmp_path, device="cpu", device_budget_bytes=arena_bytes)
     compute = None
     try:
         compute = start_compute(big.store, daemon, tmp_path)

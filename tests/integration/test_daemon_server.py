@@ -95,6 +95,7 @@ def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey
     proc = start_daemon(
         store,
         work,
+        device="cpu",
         device_budget_bytes=SLOTS * BLOB + 100,
         host_budget_bytes=4 * BLOB,
         extra=[*shm, *(extra or [])],
@@ -251,7 +252,7 @@ def test_budget_below_one_blob_exits_2(tmp_path):
             "--socket-path",
             str(tmp_path / "d.sock"),
         ]
-        + ["--device-budget-bytes", "4095", "--shm-dir", str(tmp_path)],
+        + ["--device-budget-bytes", "4095", "--shm-dir", str(tmp_path), "--device", "cpu"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -24,7 +24,7 @@ BLOB = 4096
 def launch(work: Path, store: Path, shm_dir: Path) -> Proc:
     work.mkdir()
     return start_daemon(
-        store, work, device_budget_bytes=2 * BLOB, extra=["--shm-dir", str(shm_dir), "--device", "cpu"]
+        store, work, device="cpu", device_budget_bytes=2 * BLOB, extra=["--shm-dir", str(shm_dir)]
     )
 
 

@@ -45,7 +45,9 @@ def test_offloaded_model_equals_plain_model(arch, tiny_store, tmp_path):
         want_tokens = plain.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
     want_tokens = want_tokens[0, len(PROMPT) :].tolist()
 
-    daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=quarter_of_experts(tiny.manifest))
+    daemon = start_daemon(
+        tiny.store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(tiny.manifest)
+    )
     # The compute process starts (imports, loads) while the in-process engine is checked.
     pool = ThreadPoolExecutor(max_workers=1)
     starting = pool.submit(start_compute, tiny.store, daemon, tmp_path)

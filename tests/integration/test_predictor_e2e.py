@@ -59,7 +59,9 @@ def test_generate_feeds_the_predictor_and_survives_its_outages(tiny_store, tmp_p
             predictor = start_predictor(tmp_path, redis_url=redis.url, extra=["--sync-interval-s", "0.2"])
             procs.append(predictor)
             wiring = ["--predictor-address", predictor.address, "--pod-name", POD]
-            daemon = start_daemon(tiny.store, tmp_path, device_budget_bytes=budget, extra=wiring)
+            daemon = start_daemon(
+                tiny.store, tmp_path, device="cpu", device_budget_bytes=budget, extra=wiring
+            )
             procs.append(daemon)
             compute = start_compute(tiny.store, daemon, tmp_path, extra=wiring)
             procs.append(compute)

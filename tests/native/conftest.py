@@ -1,20 +1,32 @@
-"""Builds the native extension (the same recipe as `make native`) once per session, before any
-test module imports ``expertcache.native``. make is incremental, so an up-to-date build is a no-op.
+"""The native tests run against the installed native core (``expertcache._native``), or against
+another build of it given by ``--native-lib PATH`` (what tests/distribution/test_native_matrix.py does
+for each configuration of optional features). That build is loaded under the installed module's
+name before any test module imports ``expertcache.native``, so every test sees it.
 """
 
 from __future__ import annotations
 
-import subprocess
+import importlib.util
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--native-lib",
+        default=None,
+        help="path of a built expertcache._native extension to test instead of the installed one",
+    )
 
 
 def pytest_configure(config):
-    cmd = ["make", "-s", "-j4", "-f", "csrc/native.mk", "native", f"PY={sys.executable}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"building the native extension failed: {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-        )
+    path = config.getoption("--native-lib")
+    if not path:
+        return
+    if "expertcache._native" in sys.modules:
+        raise RuntimeError("--native-lib must be given before expertcache._native is imported")
+    spec = importlib.util.spec_from_file_location("expertcache._native", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"--native-lib {path}: not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["expertcache._native"] = module

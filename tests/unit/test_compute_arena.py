@@ -131,7 +131,7 @@ def test_cuda_arena_on_a_gpu_this_process_cannot_see():
 def test_cuda_arena_needs_a_native_module_built_with_nvcc(monkeypatch):
     monkeypatch.setattr(native, "CUDA_BUILT", False)
     with pytest.raises(
-        ArenaMismatch, match=r"built without CUDA: put nvcc on PATH .* rebuild with `make native`"
+        ArenaMismatch, match=r"built without CUDA: put nvcc on PATH .* rebuild it .*`make native`"
     ):
         Arena.open(cuda_handle(), 2, BLOB, torch.device("cuda"))
 

@@ -41,7 +41,7 @@ def test_a_gpu_machine_with_a_native_module_built_without_nvcc(monkeypatch, tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(native, "CUDA_BUILT", False)
     message = (
-        r"has a CUDA device but the native module .* was built without CUDA: put nvcc on PATH .*`make native`"
+        r"has a CUDA device but the native core .* was built without CUDA: put nvcc on PATH .*`make native`"
     )
     for device in ("auto", "cuda", "cuda:1"):  # auto does not fall back to CPU memory silently
         with pytest.raises(ArenaUnavailable, match=message):
@@ -68,3 +68,4 @@ def test_cuda_arena_on_a_gpu_that_is_not_there():
         ArenaUnavailable, match="the configured GPU 'GPU-xyz' is not visible: malformed GPU UUID"
     ):
         CudaArena(1, 4096, gpu="GPU-xyz")
+

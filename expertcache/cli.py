@@ -1,0 +1,221 @@
+"""``expertcache``: the client command line, talking to the services the way users' programs do.
+
+::
+
+    expertcache generate --address HOST:PORT "prompt"      stream tokens as they come (Inference.Generate)
+    expertcache info --address HOST:PORT                    the served model (Inference.GetModelInfo)
+    expertcache stats [--daemon ADDR] [--predictor ADDR]    counters of the cache daemon and the predictor
+
+Exit status: 0 on success, 1 when a service answers with an error (its status code and message
+go to stderr), 2 for a usage error (argparse) or an unreachable service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from expertcache.paths import DEFAULT_DAEMON_ADDRESS
+
+DEFAULT_INFERENCE_ADDRESS = "127.0.0.1:50051"
+DEFAULT_PREDICTOR_ADDRESS = "127.0.0.1:50070"
+EXIT_RPC_ERROR = 1
+EXIT_USAGE = 2
+
+_FINISH_NAMES = {0: "", 1: "length", 2: "eos", 3: "stop"}
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"token ids must be integers separated by commas: {text!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--token-ids is empty")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="expertcache",
+        description="Client of ExpertCache's services (inference, cache daemon, predictor).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a generation from the compute service")
+    gen.add_argument("prompt", nargs="?", default="", help="prompt text (or give --token-ids)")
+    gen.add_argument("--address", default=DEFAULT_INFERENCE_ADDRESS, help="compute service host:port")
+    gen.add_argument("--token-ids", type=_token_ids, default=None, help="prompt as token ids: 1,2,3")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = a fresh one")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    gen.add_argument("--request-id", default="", help="id echoed in the services' logs and traces")
+    gen.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the whole generation")
+    gen.add_argument(
+        "--verbose", action="store_true", help="one line per token (id, latency, cache) on stderr"
+    )
+
+    info = sub.add_parser("info", help="describe the served model")
+    info.add_argument("--address", default=DEFAULT_INFERENCE_ADDRESS, help="compute service host:port")
+    info.add_argument("--timeout-s", type=float, default=30.0)
+
+    stats = sub.add_parser("stats", help="print the cache daemon's and the predictor's counters")
+    stats.add_argument(
+        "--daemon", default=DEFAULT_DAEMON_ADDRESS, help="cache daemon address (unix:///path); '' skips it"
+    )
+    stats.add_argument(
+        "--predictor", default=DEFAULT_PREDICTOR_ADDRESS, help="predictor host:port; '' skips it"
+    )
+    stats.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    stats.add_argument("--timeout-s", type=float, default=10.0)
+    return parser
+
+
+def _fail(exc: grpc.RpcError, what: str) -> int:
+    code = exc.code()
+    print(f"expertcache: {what}: {code.name if code else 'UNKNOWN'}: {exc.details()}", file=sys.stderr)
+    return EXIT_USAGE if code is grpc.StatusCode.UNAVAILABLE else EXIT_RPC_ERROR
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    if bool(args.prompt) == bool(args.token_ids):
+        print("expertcache generate: give a prompt or --token-ids (exactly one)", file=sys.stderr)
+        return EXIT_USAGE
+    request = inference_pb2.GenerateRequest(
+        text=args.prompt,
+        token_ids=args.token_ids or [],
+        max_new_tokens=args.max_new_tokens,
+        sampling=inference_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+        request_id=args.request_id,
+    )
+    tokens = 0
+    finish = ""
+    started = time.perf_counter()
+    with grpc.insecure_channel(args.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            for event in stub.Generate(request, timeout=args.timeout_s):
+                tokens += 1
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+                if args.verbose:
+                    print(
+                        f"[{event.index}] id {event.token_id} {event.latency_s * 1e3:.1f} ms "
+                        f"hits {event.cache.hits} misses {event.cache.misses} stall {event.cache.stall_s * 1e3:.1f} ms",
+                        file=sys.stderr,
+                    )
+                finish = _FINISH_NAMES.get(event.finish_reason, finish) or finish
+        except grpc.RpcError as exc:
+            print(file=sys.stdout)
+            return _fail(exc, f"Generate at {args.address}")
+    elapsed = time.perf_counter() - started
+    print()
+    print(f"[{tokens} tokens in {elapsed:.2f} s, finish: {finish or 'none'}]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            info = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
+                inference_pb2.GetModelInfoRequest(), timeout=args.timeout_s
+            )
+        except grpc.RpcError as exc:
+            return _fail(exc, f"GetModelInfo at {args.address}")
+    print(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def _print_tree(value: object, indent: int = 0) -> None:
+    pad = "  " * indent
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, dict | list):
+                print(f"{pad}{key}:")
+                _print_tree(item, indent + 1)
+            else:
+                print(f"{pad}{key}: {item}")
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict):
+                print(
+                    f"{pad}- "
+                    + ", ".join(f"{k}={v}" for k, v in item.items() if not isinstance(v, dict | list))
+                )
+                nested = {k: v for k, v in item.items() if isinstance(v, dict | list)}
+                if nested:
+                    _print_tree(nested, indent + 2)
+            else:
+                print(f"{pad}- {item}")
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+    from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+    targets = []
+    if args.daemon:
+        targets.append(("daemon", args.daemon, cache_pb2_grpc.ExpertCacheStub, cache_pb2.GetStatsRequest))
+    if args.predictor:
+        targets.append(
+            ("predictor", args.predictor, predictor_pb2_grpc.PredictorStub, predictor_pb2.GetStatsRequest)
+        )
+    if not targets:
+        print("expertcache stats: nothing to ask: give --daemon and/or --predictor", file=sys.stderr)
+        return EXIT_USAGE
+    report: dict[str, object] = {}
+    status = 0
+    for name, address, stub_cls, request_cls in targets:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = stub_cls(channel).GetStats(request_cls(), timeout=args.timeout_s)
+            except grpc.RpcError as exc:
+                status = max(status, _fail(exc, f"GetStats of the {name} at {address}"))
+                continue
+        report[name] = json_format.MessageToDict(
+            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for name, values in report.items():
+            address = args.daemon if name == "daemon" else args.predictor
+            print(f"{name} ({address}):")
+            _print_tree(values, 1)
+    return status
+
+
+COMMANDS = {"generate": cmd_generate, "info": cmd_info, "stats": cmd_stats}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
