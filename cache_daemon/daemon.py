@@ -27,13 +27,14 @@ from typing import Any
 
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
+from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.policy import EvictionPolicy, PolicyShape, make_policy
 from cache_daemon.prefetch import PrefetchClass, PrefetchConfig
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
 from cache_daemon.signals import ActivationSignals, SignalsConfig
 from cache_daemon.tiers.base import Tier
-from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, slots_for_budget
+from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device, slots_for_budget
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
 from expertcache import native
@@ -237,6 +238,16 @@ class CacheDaemon:
             if config.host_budget_bytes
             else 0
         )
+        # Pinned host memory and a CPU arena's tmpfs pages cannot be reclaimed: they must fit in
+        # the container's memory limit, or the container is OOM-killed later under load.
+        arena_in_host_memory = resolve_device(config.device) == "cpu"
+        check_host_memory(
+            {
+                "host_budget_bytes": host_slots * blob,
+                "device_budget_bytes (CPU arena)": num_slots * blob if arena_in_host_memory else 0,
+            },
+            cgroup_memory_limit(),
+        )
         daemon_id = daemon_id or uuid.uuid4().hex[:16]
         metrics = DaemonMetrics()
         store = StoreReader(config.store_dir, manifest, metrics, io_threads=config.io_threads)
@@ -250,7 +261,14 @@ class CacheDaemon:
                 num_slots,
             )
             # The host tier is a plain LRU cache below the arena: predictions rank the arena.
-            host = HostTier(host_slots, blob, make_policy("lru"), metrics, pin_memory=arena.pin_host_memory)
+            host = HostTier(
+                host_slots,
+                blob,
+                make_policy("lru"),
+                metrics,
+                pin_memory=arena.pin_host_memory,
+                numa_node=arena.numa_node,
+            )
             signals = ActivationSignals(
                 manifest.num_layers, manifest.num_experts, config=signals_config(config)
             )

@@ -246,7 +246,13 @@ class GenerationEngine:
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [P, V] of one forward pass over ``token_ids`` (no cache): the equivalence seam."""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)
-        return self.loaded.model(input_ids=input_ids, use_cache=False).logits[0]
+        failed = True
+        try:
+            logits = self.loaded.model(input_ids=input_ids, use_cache=False).logits[0]
+            failed = False
+        finally:
+            self.runtime.end_step(failed=failed)
+        return logits
 
     def generate(
         self, prepared: PreparedRequest, should_stop: Callable[[], bool] = lambda: False
@@ -299,6 +305,8 @@ class GenerationEngine:
         try:
             yield from self._decode_loop(prepared, should_stop, pick, detok, stop_ids, last)
         finally:
+            # After a failure or a cancellation, the last forward's pins (if any) go now.
+            self.runtime.end_step(failed=True)
             self.runtime.end_request(self.runtime.request_id)
 
     def _decode_loop(
@@ -333,6 +341,8 @@ class GenerationEngine:
                 if self.routing_capture is not None:
                     self._routed(index, len(prepared.prompt_ids))
                 token = pick(out.logits[0, -1])  # logits [V]
+                # The pick waited for the device: the step's last experts may be released.
+                self.runtime.end_step()
                 counters = self.runtime.reset_counters()
                 finish = None
                 if token in stop_ids:

@@ -147,35 +147,64 @@ class LayerAheadPredictor:
         probs.scatter_(1, indices.long(), weights)
         return next_layer, probs
 
-    def _predict_one(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
-        """Decode (T = 1): the router's top-k as it returned them; one host sync, no scatter."""
+    def predict_device(self, layer: int, hidden_states: torch.Tensor) -> DevicePrediction | None:
+        """The next MoE layer's candidates for ``hidden_states`` [T, H], still on the device.
+
+        None for the last MoE layer. T = 1: the router's top-k as it returned them; T > 1: every
+        expert with its best probability over the tokens (zeros are dropped on the host, in
+        ``finish``). Nothing here waits for the device: the caller brings ``experts`` and
+        ``scores`` to the host together with whatever else it needs (one transfer per layer).
+        """
         entry = self._next.get(layer)
         if entry is None:
             return None
         next_layer, router = entry
-        _, weights, indices = type(router).forward(router, hidden_states)  # [1, K], [1, K]
-        # One transfer for both (a host sync each would double the cost on a GPU).
-        both = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
-        return _sorted_prediction(next_layer, [int(e) for e in both[0]], both[1])
+        if hidden_states.shape[0] == 1:
+            _, weights, indices = type(router).forward(router, hidden_states)  # [1, K], [1, K]
+            return DevicePrediction(next_layer, indices[0], weights[0].float(), normalise=True)
+        out = self.scores(layer, hidden_states)
+        assert out is not None
+        probs = out[1]  # [T, E] float32
+        best = probs.max(dim=0).values  # [E]: over tokens
+        experts = torch.arange(best.shape[0], device=best.device)
+        return DevicePrediction(next_layer, experts, best, normalise=False)
 
     def predict(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
         """The next MoE layer's experts for ``hidden_states`` [T, H] (layer ``layer``'s MoE input).
 
         None for the last MoE layer. T = 1: the token's top-k; T > 1: the union over tokens.
+        One host transfer; the generation hot path uses ``predict_device`` and packs it with the
+        routing instead (``compute_svc.moe``).
         """
-        if hidden_states.shape[0] == 1:
-            return self._predict_one(layer, hidden_states)
-        out = self.scores(layer, hidden_states)
-        if out is None:
+        pending = self.predict_device(layer, hidden_states)
+        if pending is None:
             return None
-        next_layer, probs = out
-        best = probs.max(dim=0).values  # [E]: over tokens
-        chosen = torch.nonzero(best > 0).flatten()
-        order = torch.argsort(best[chosen], descending=True, stable=True)
-        chosen = chosen[order]
-        experts = tuple(int(e) for e in chosen.tolist())
-        scores = tuple(min(1.0, float(s)) for s in best[chosen].tolist())
-        return Prediction(layer=next_layer, experts=experts, scores=scores)
+        both = torch.stack((pending.experts.to(torch.float64), pending.scores.to(torch.float64))).cpu()
+        return pending.finish(both[0].numpy(), both[1].numpy())
+
+
+@dataclass(frozen=True)
+class DevicePrediction:
+    """A layer-ahead prediction before its host transfer: candidate ``experts`` [n] (int) and
+    their ``scores`` [n] (float32), on the device."""
+
+    layer: int
+    experts: torch.Tensor
+    scores: torch.Tensor
+    normalise: bool  # decode: the router's top-k weights, renormalised to sum to 1
+
+    def finish(self, experts, scores) -> Prediction:
+        """The ``Prediction`` from the host copies of ``experts`` and ``scores`` (1-D arrays)."""
+        pairs = [(int(e), float(s)) for e, s in zip(experts.tolist(), scores.tolist(), strict=True)]
+        if self.normalise:
+            return _sorted_prediction(self.layer, [e for e, _ in pairs], [s for _, s in pairs])
+        # Prefill: the union over tokens, each expert scored by its best probability, best first.
+        pairs = sorted((p for p in pairs if p[1] > 0), key=lambda p: -p[1])
+        return Prediction(
+            layer=self.layer,
+            experts=tuple(e for e, _ in pairs),
+            scores=tuple(min(1.0, s) for _, s in pairs),
+        )
 
 
 def _sorted_prediction(layer: int, experts: list[int], weights: list[float]) -> Prediction:

@@ -42,17 +42,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from compute_svc.arena import Arena
-from compute_svc.errors import FailedPrecondition
+from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import TensorLayout
 
 if TYPE_CHECKING:
     from compute_svc.forced_routing import ForcedRouting
-    from compute_svc.layer_ahead import LayerAheadPredictor
+    from compute_svc.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
 
 logger = logging.getLogger(__name__)
 
@@ -109,20 +110,28 @@ class Routing:
     weights: torch.Tensor  # [S] routing weight of each row (router dtype)
 
 
-def route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routing:
+def route(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, host_index: np.ndarray | None = None
+) -> Routing:
     """Group the S = T*K (token, k) pairs by expert.
 
-    ``top_k_index`` [T, K] int64, ``top_k_weights`` [T, K] float. One host sync (the
-    ``tolist``) per call: the experts must be known on the host to ask the daemon anyway.
+    ``top_k_index`` [T, K] int64, ``top_k_weights`` [T, K] float, on the model's device;
+    ``host_index`` the same indices already on the host ([S] or [T, K] integers), as the runtime
+    fetches them (its one device→host transfer per layer). Without it they are fetched here. The
+    grouping runs on the host (the experts must be known there to ask the daemon anyway) and one
+    host→device copy of the row order gives every expert its rows as a view: no further sync.
     """
     num_tokens, top_k = top_k_index.shape
-    flat = top_k_index.reshape(-1)  # [S]
-    order = torch.argsort(flat, stable=True)  # [S] rows grouped by expert, ascending
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    if host_index is None:
+        host_index = top_k_index.reshape(-1).cpu().numpy()
+    flat = np.asarray(host_index).reshape(-1).astype(np.int64, copy=False)  # [S]
+    order = np.argsort(flat, kind="stable")  # [S] rows grouped by expert, ascending
+    experts, counts = np.unique(flat[order], return_counts=True)
+    order_dev = torch.from_numpy(order).to(top_k_index.device, non_blocking=True)  # [S] int64
     rows: dict[int, torch.Tensor] = {}
     start = 0
     for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-        rows[expert] = order[start : start + count]
+        rows[expert] = order_dev[start : start + count]
         start += count
     return Routing(
         num_tokens=num_tokens,
@@ -249,7 +258,17 @@ class ExpertRuntime:
         self.counters = CacheCounters()
         # Views are fixed per slot (same layout in every slot): build them once.
         self._slot_views = [arena.slot_views(slot, layouts) for slot in range(arena.num_slots)]
-        self._sync = torch.cuda.synchronize if arena.device.type == "cuda" else None
+        # On a GPU the experts' kernels run asynchronously: a wave's slots may be released (and
+        # overwritten by the daemon) only once its kernels are done. The wave records an event on
+        # the arena device's current stream and its release waits in ``_unreleased`` until the
+        # next host transfer of that stream (the next MoE layer's, or the step's token pick) has
+        # passed the event, so a MoE layer costs one host synchronisation, not two.
+        self._cuda = arena.device.type == "cuda"
+        self._unreleased: list[tuple[int, tuple[int, ...], torch.cuda.Event | None]] = []
+        # Host synchronisations, counted: one device→host transfer per MoE layer (routing and
+        # layer-ahead together), and event waits (only between the waves of an oversized layer).
+        self.host_transfers = 0
+        self.event_waits = 0
         # Optional ``(layer, top_k_index [T, K] int64, top_k_weights [T, K])`` callback, called
         # once per MoE layer per forward: how generation captures each token's routing for the
         # predictor and the trace recorder (compute_svc.activations.RoutingCapture).
@@ -302,30 +321,96 @@ class ExpertRuntime:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
         if self.forced is not None:
             top_k_index, top_k_weights = self.forced.routing(self.step, layer, top_k_index, top_k_weights)
+        # Layer-ahead runs on the device before the transfer, so that its result travels with it.
+        pending = None
+        if self.layer_ahead is not None and self._signals["layer_ahead"] is not None:
+            started = time.perf_counter()
+            pending = self.layer_ahead.predict_device(layer, hidden_states)
+            self.counters.layer_ahead_s += time.perf_counter() - started
+        fetched = self._fetch(
+            top_k_index, top_k_weights if self.routing_observer is not None else None, pending
+        )
+        # That transfer waited for every kernel queued before it: the previous layer's experts too.
+        self._release_unreleased()
         if self.routing_observer is not None:
-            self.routing_observer(layer, top_k_index, top_k_weights)
-        routing = route(top_k_index, top_k_weights)
-        self._send_signals(layer, hidden_states, routing)
+            self.routing_observer(layer, fetched.index, fetched.weights)
+        routing = route(top_k_index, top_k_weights, fetched.index)
+        self._send_signals(layer, routing, pending, fetched)
         combiner = Combiner(routing, hidden_states)
-        for wave in waves(routing.experts, self.num_slots):
+        for i, wave in enumerate(waves(routing.experts, self.num_slots)):
+            if i:
+                # Waves exist because the slots are short: the next wave needs the last one's.
+                self._release_unreleased()
             self._run_wave(module, layer, wave, hidden_states, routing, combiner)
         return combiner.result()
 
-    def _send_signals(self, layer: int, hidden_states: torch.Tensor, routing: Routing) -> None:
+    def end_step(self, *, failed: bool = False) -> None:
+        """The step's forward is over (the token was picked, which waited for the device):
+        release what the last MoE layers still pin. After a failed forward (``failed``) the pins
+        may be gone with the daemon stream; releasing is then best effort."""
+        try:
+            self._release_unreleased()
+        except ExpertCacheError:
+            if not failed:
+                raise
+            logger.debug("releasing the pins of a failed forward", exc_info=True)
+        finally:
+            self._unreleased.clear()
+
+    def _fetch(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None, pending: DevicePrediction | None
+    ) -> _Fetched:
+        """The one device→host transfer of a MoE layer: the routing (with its weights when they
+        are observed) and the layer-ahead candidates, packed into one float64 tensor (expert ids
+        are exact in float64)."""
+        parts = [top_k_index.reshape(-1).to(torch.float64)]
+        if top_k_weights is not None:
+            parts.append(top_k_weights.reshape(-1).to(torch.float64))
+        if pending is not None:
+            parts += [pending.experts.to(torch.float64), pending.scores.to(torch.float64)]
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        self.host_transfers += 1
+        shape = tuple(top_k_index.shape)
+        n = top_k_index.numel()
+        index = torch.from_numpy(host[:n].astype(np.int64)).view(shape)  # [T, K] int64, host
+        at = n
+        weights = None
+        if top_k_weights is not None:
+            weights = torch.from_numpy(host[at : at + n].astype(np.float32)).view(shape)  # [T, K] float32
+            at += n
+        prediction = None
+        if pending is not None:
+            m = pending.experts.numel()
+            prediction = pending.finish(host[at : at + m], host[at + m : at + 2 * m])
+        return _Fetched(index, weights, prediction)
+
+    def _release_unreleased(self) -> None:
+        """Release the waves waiting for their kernels. After a host transfer on the arena's
+        stream their events are complete and this costs nothing; otherwise (the next wave of
+        the same layer needs the slots) it waits for them, one host sync."""
+        while self._unreleased:
+            layer, wave, event = self._unreleased[0]
+            if event is not None and not event.query():
+                event.synchronize()
+                self.event_waits += 1
+            self.provider.release(layer, wave)
+            self._unreleased.pop(0)
+
+    def _send_signals(
+        self, layer: int, routing: Routing, pending: DevicePrediction | None, fetched: _Fetched
+    ) -> None:
         """Tell the daemon what layer ``layer`` routed to and, before its experts run, what the
         next layer will likely need. One-way messages: no round trip on the step."""
         routed = self._signals["routed"]
         if routed is not None:
             routed(self.position, layer, routing.experts)
         send = self._signals["layer_ahead"]
-        if self.layer_ahead is None or send is None:
+        prediction = fetched.prediction
+        if pending is None or send is None or prediction is None:
             return
-        started = time.perf_counter()
-        prediction = self.layer_ahead.predict(layer, hidden_states)
-        if prediction is not None and self.forced is not None:
+        if self.forced is not None:
             prediction = self.forced.layer_ahead(self.step, prediction)
-        self.counters.layer_ahead_s += time.perf_counter() - started
-        if prediction is not None and prediction.experts:
+        if prediction.experts:
             send(self.position, prediction.layer, prediction.experts, prediction.scores)
 
     def _run_wave(
@@ -369,11 +454,23 @@ class ExpertRuntime:
                 close = getattr(ready_iter, "close", None)
                 if close is not None:
                     close()
-        if self._sync is not None:
-            # Kernels reading the slots are asynchronous: they must finish before the daemon is
-            # allowed to overwrite the slots.
-            self._sync()
-        self.provider.release(layer, wave)
+        if self._cuda:
+            # The kernels reading the slots may still run: release after they are done.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.arena.device))
+            self._unreleased.append((layer, wave, event))
+        else:
+            self.provider.release(layer, wave)
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """What one MoE layer brought to the host: ``index`` [T, K] int64, ``weights`` [T, K] float32
+    (when observed), the finished layer-ahead ``prediction`` (when asked)."""
+
+    index: torch.Tensor
+    weights: torch.Tensor | None
+    prediction: Prediction | None
 
 
 def attach(

@@ -91,7 +91,10 @@ __all__ += ["CRC32_IMPL", "READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "R
 # (slot_bytes rounded up to 256 B), ``close()`` and ``__cuda_array_interface__`` ([num_slots,
 # stride] uint8); ``CopyEngine(device, num_streams=2)`` with ``copy_h2d(dst, src, nbytes, stream=0)
 # -> ticket``, ``query``, ``wait(ticket, timeout_s=-1)`` (``TimeoutError``), ``synchronize``.
-# CUDA failures are ``RuntimeError("cudaXxx(...) failed: cudaErrorYyy: ...")``.
+# CUDA failures are ``RuntimeError("cudaXxx(...) failed: cudaErrorYyy: ...")``. Versions:
+# ``cuda_driver_version()`` (12080 = 12.8; 0 without a driver), ``cuda_runtime_version()`` (of the
+# statically linked runtime), ``cuda_driver_mismatch(v)`` (what a driver of version v lacks, "" if
+# nothing; ``cuda_no_device_reason()`` includes it). ``cuda_device_numa_node(i)``: -1 if unknown.
 CUDA_BUILT: bool = _native.CUDA_BUILT
 __all__ += ["CUDA_BUILT", "cuda_available"]
 if CUDA_BUILT:
@@ -102,13 +105,21 @@ if CUDA_BUILT:
     cuda_device_for_uuid = _native.cuda_device_for_uuid
     cuda_normalize_uuid = _native.cuda_normalize_uuid
     cuda_no_device_reason = _native.cuda_no_device_reason
+    cuda_driver_version = _native.cuda_driver_version
+    cuda_runtime_version = _native.cuda_runtime_version
+    cuda_driver_mismatch = _native.cuda_driver_mismatch
+    cuda_device_numa_node = _native.cuda_device_numa_node
     __all__ += [
         "CopyEngine",
         "CudaArena",
         "cuda_device_count",
         "cuda_device_for_uuid",
+        "cuda_device_numa_node",
         "cuda_device_uuid",
+        "cuda_driver_mismatch",
+        "cuda_driver_version",
         "cuda_no_device_reason",
+        "cuda_runtime_version",
         "cuda_normalize_uuid",
     ]
 

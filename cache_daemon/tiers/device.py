@@ -22,6 +22,7 @@ daemon's shm files (``cache_daemon.shm_files``): it removes what dead (SIGKILLed
 from __future__ import annotations
 
 import errno
+import glob
 import itertools
 import logging
 import mmap
@@ -80,13 +81,16 @@ def resolve_device(device: str) -> str:
 
 
 def require_native_cuda() -> None:
-    """Fail with how to fix it when the native module has no CUDA path."""
+    """Fail with how to fix it when the native core cannot use the GPU torch sees: built without
+    CUDA, or linking a CUDA runtime newer than the driver (the reason names both versions)."""
     if not native.CUDA_BUILT:
         raise ArenaUnavailable(
             "this machine has a CUDA device but the native core (expertcache._native) was built without "
             "CUDA: put nvcc on PATH (e.g. export PATH=/usr/local/cuda/bin:$PATH) and rebuild it "
             "(`pip install .`, or `make native` in a checkout)"
         )
+    if native.cuda_device_count() == 0:
+        raise ArenaUnavailable(f"the native core sees no CUDA device: {native.cuda_no_device_reason()}")
 
 
 class DeviceArena(ABC):
@@ -116,6 +120,11 @@ class DeviceArena(ABC):
     def pin_host_memory(self) -> bool:
         """Whether host buffers feeding this arena should be page-locked (true for CUDA)."""
         return False
+
+    @property
+    def numa_node(self) -> int:
+        """The NUMA node host buffers feeding this arena should live on; -1: anywhere."""
+        return -1
 
     @abstractmethod
     def handle(self) -> ArenaHandle:
@@ -278,6 +287,14 @@ class CudaArena(DeviceArena):
     def pin_host_memory(self) -> bool:
         return True
 
+    @property
+    def numa_node(self) -> int:
+        """The GPU's node where the machine has several (its host pool then avoids the socket
+        interconnect on every copy), else -1."""
+        if len(glob.glob("/sys/devices/system/node/node[0-9]*")) < 2:
+            return -1
+        return int(native.cuda_device_numa_node(self.index))
+
     def handle(self) -> ArenaHandle:
         return ArenaHandle(
             kind=self.kind,
@@ -292,7 +309,7 @@ class CudaArena(DeviceArena):
         # One per I/O thread, kept for the thread's life (the pool lives as long as the daemon).
         buf = getattr(self._local, "staging", None)
         if buf is None:
-            buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=True)
+            buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=True, numa_node=self.numa_node)
         return buf.tensor
 
     def copy_in(self, slot: int, src: torch.Tensor) -> None:

@@ -29,16 +29,19 @@ from expertcache.keys import ExpertKey
 logger = logging.getLogger(__name__)
 
 
-def make_host_pool(num_slots: int, slot_bytes: int, *, pin: bool, what: str) -> native.HostPool:
+def make_host_pool(
+    num_slots: int, slot_bytes: int, *, pin: bool, what: str, numa_node: int = -1
+) -> native.HostPool:
     """A native ``HostPool``; page-locked when ``pin`` and possible, else pageable (logged).
 
     Pinning fails without a CUDA build, without a usable driver, or over the memlock limit; the
     pool still works unpinned (copies to the GPU are then staged by the driver), so that is a
-    warning, not an error. ``what`` names the pool in the log line.
+    warning, not an error. ``numa_node`` >= 0 places the pool's pages on that node (the GPU's,
+    on a machine with several). ``what`` names the pool in the log line.
     """
     if pin:
         try:
-            return native.HostPool(num_slots, slot_bytes, pin=True)
+            return native.HostPool(num_slots, slot_bytes, pin=True, numa_node=numa_node)
         except RuntimeError as exc:
             logger.warning(
                 "%s: %d x %d bytes left pageable, host->device copies will be synchronous (%s); "
@@ -48,7 +51,7 @@ def make_host_pool(num_slots: int, slot_bytes: int, *, pin: bool, what: str) -> 
                 slot_bytes,
                 exc,
             )
-    return native.HostPool(num_slots, slot_bytes, pin=False)
+    return native.HostPool(num_slots, slot_bytes, pin=False, numa_node=numa_node)
 
 
 def pool_slots(pool: native.HostPool) -> torch.Tensor:
@@ -67,8 +70,8 @@ class StagingBuffer:
     Used where no host-tier slot is available to read the store into before a copy to the GPU.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
-        self._pool = make_host_pool(1, nbytes, pin=pin, what="staging buffer")
+    def __init__(self, nbytes: int, *, pin: bool, numa_node: int = -1) -> None:
+        self._pool = make_host_pool(1, nbytes, pin=pin, what="staging buffer", numa_node=numa_node)
         self._pool.alloc()
         self.tensor: torch.Tensor = pool_slots(self._pool)[0]  # [nbytes] uint8
 
@@ -96,9 +99,10 @@ class HostTier(MemoryTier):
         metrics: DaemonMetrics,
         *,
         pin_memory: bool = False,
+        numa_node: int = -1,
     ) -> None:
         """``pin_memory``: try to page-lock the pool (wanted when it feeds a CUDA arena);
-        ``pinned_memory`` tells whether it was."""
+        ``pinned_memory`` tells whether it was. ``numa_node``: where its pages go (-1: anywhere)."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
@@ -111,15 +115,18 @@ class HostTier(MemoryTier):
         self._pool: native.HostPool | None = None
         self._slots: torch.Tensor | None = None  # [num_slots, blob_bytes] uint8, rows 4 KiB-aligned
         if num_slots:
-            self._pool = make_host_pool(num_slots, blob_bytes, pin=pin_memory, what="host tier")
+            self._pool = make_host_pool(
+                num_slots, blob_bytes, pin=pin_memory, what="host tier", numa_node=numa_node
+            )
             self._slots = pool_slots(self._pool)
         self.pinned_memory = self._pool is not None and bool(self._pool.pinned)
         if num_slots:
             logger.info(
-                "host tier: %d slots x %d bytes (%s)",
+                "host tier: %d slots x %d bytes (%s%s)",
                 num_slots,
                 blob_bytes,
                 "pinned" if self.pinned_memory else "pageable",
+                f", NUMA node {numa_node}" if numa_node >= 0 else "",
             )
 
     @property

@@ -44,9 +44,40 @@ std::string no_device_reason() {
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return detail::error_message(err, "cudaGetDeviceCount()");
+    const std::string why = detail::driver_too_old();
+    return detail::error_message(err, "cudaGetDeviceCount()") + (why.empty() ? "" : ": " + why);
   }
   return n == 0 ? "cudaGetDeviceCount() returned 0 devices" : "";
+}
+
+int driver_version() {
+  int v = 0;
+  if (cudaDriverGetVersion(&v) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return v;
+}
+
+int runtime_version() { return CUDART_VERSION; }
+
+std::string driver_mismatch(int driver_version) { return detail::driver_too_old(driver_version); }
+
+int device_numa_node(int ordinal) {
+  check_ordinal(ordinal);
+  char bus[32] = {0};
+  check(cudaDeviceGetPCIBusId(bus, sizeof(bus), ordinal),
+        "cudaDeviceGetPCIBusId(device " + std::to_string(ordinal) + ")");
+  // sysfs names PCI devices in lower case with a 4-digit domain: 0000:3b:00.0
+  std::string id(bus);
+  for (char& c : id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (id.size() > 12 && id.compare(0, 4, "0000") == 0 && id[8] == ':') id = id.substr(4);  // 8-digit domain
+  std::FILE* f = std::fopen(("/sys/bus/pci/devices/" + id + "/numa_node").c_str(), "r");
+  if (f == nullptr) return -1;
+  int node = -1;
+  if (std::fscanf(f, "%d", &node) != 1) node = -1;
+  std::fclose(f);
+  return node;  // -1: the platform does not say (one node, or a VM)
 }
 
 std::string device_uuid(int ordinal) {

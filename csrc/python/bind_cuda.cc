@@ -27,6 +27,10 @@ void bind_cuda(py::module_& m) {
   });
 
   m.def("cuda_device_count", &cu::device_count);
+  m.def("cuda_driver_version", &cu::driver_version);
+  m.def("cuda_runtime_version", &cu::runtime_version);
+  m.def("cuda_driver_mismatch", &cu::driver_mismatch, py::arg("driver_version"));
+  m.def("cuda_device_numa_node", &cu::device_numa_node, py::arg("ordinal"));
   m.def("cuda_no_device_reason", &cu::no_device_reason);
   m.def("cuda_device_uuid", &cu::device_uuid, py::arg("ordinal"));
   m.def("cuda_normalize_uuid", &cu::normalize_uuid, py::arg("uuid"));

@@ -12,8 +12,9 @@ void bind_host_pool(py::module_& m) {
   py::class_<HostPool>(m, "HostPool", py::buffer_protocol())
       // pin=True page-locks the pool for CUDA copies; RuntimeError "cannot pin host memory: ..."
       // without CUDA in the build or without a usable device (the caller may retry unpinned).
-      .def(py::init<size_t, size_t, bool>(), py::arg("num_slots"), py::arg("slot_bytes"),
-           py::arg("pin") = false)
+      // numa_node >= 0 places its pages on that node (RuntimeError naming mbind's error if not).
+      .def(py::init<size_t, size_t, bool, int>(), py::arg("num_slots"), py::arg("slot_bytes"),
+           py::arg("pin") = false, py::arg("numa_node") = -1)
       .def("alloc", &HostPool::alloc)
       .def("free", &HostPool::free, py::arg("index"))
       .def("is_allocated", &HostPool::is_allocated, py::arg("index"))
@@ -43,6 +44,7 @@ void bind_host_pool(py::module_& m) {
       .def_property_readonly("total_bytes", &HostPool::total_bytes)
       .def_property_readonly("num_free", &HostPool::num_free)
       .def_property_readonly("pinned", &HostPool::pinned)
+      .def_property_readonly("numa_node", &HostPool::numa_node)
       .def_buffer([](HostPool& p) {
         return py::buffer_info(p.base(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(p.total_bytes())}, {1});

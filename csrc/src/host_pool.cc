@@ -1,12 +1,15 @@
 #include "expertcache/host_pool.h"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #ifdef EXPERTCACHE_WITH_CUDA
 #include "expertcache/cuda.h"
@@ -14,7 +17,27 @@
 
 namespace expertcache {
 
-HostPool::HostPool(size_t num_slots, size_t slot_bytes, bool pin)
+namespace {
+
+// mbind(2) without libnuma: MPOL_PREFERRED (1) puts pages on `node` when it has memory and
+// elsewhere rather than failing when it has none. Must run before the pages are first touched.
+constexpr int kMpolPreferred = 1;
+
+void prefer_node(void* p, size_t bytes, int node) {
+  constexpr size_t kBitsPerWord = 8 * sizeof(unsigned long);
+  if (node < 0 || node >= 1024)
+    throw std::invalid_argument("host pool: NUMA node " + std::to_string(node) +
+                                " out of range [0, 1024)");
+  std::vector<unsigned long> mask(1024 / kBitsPerWord, 0);
+  mask[static_cast<size_t>(node) / kBitsPerWord] |= 1UL << (static_cast<size_t>(node) % kBitsPerWord);
+  if (syscall(SYS_mbind, p, bytes, kMpolPreferred, mask.data(), 1024 + 1, 0) != 0)
+    throw std::system_error(errno, std::generic_category(),
+                            "host pool: mbind to NUMA node " + std::to_string(node));
+}
+
+}  // namespace
+
+HostPool::HostPool(size_t num_slots, size_t slot_bytes, bool pin, int numa_node)
     : num_slots_(num_slots), slot_bytes_(slot_bytes) {
 #ifndef EXPERTCACHE_WITH_CUDA
   if (pin)
@@ -32,6 +55,15 @@ HostPool::HostPool(size_t num_slots, size_t slot_bytes, bool pin)
     throw std::system_error(errno, std::generic_category(),
                             "host pool: mmap of " + std::to_string(total_bytes_) + " bytes");
   base_ = static_cast<uint8_t*>(p);
+  if (numa_node >= 0) {
+    try {
+      prefer_node(base_, total_bytes_, numa_node);
+    } catch (...) {
+      munmap(base_, total_bytes_);
+      throw;
+    }
+    numa_node_ = numa_node;
+  }
 #ifdef EXPERTCACHE_WITH_CUDA
   if (pin) {
     try {

@@ -163,3 +163,18 @@ def test_malformed_uuids_are_rejected_by_name(given):
     with pytest.raises(ValueError, match=r"malformed GPU UUID"):
         native.cuda_device_for_uuid(given)
 
+
+@needs_cuda_build
+def test_a_driver_older_than_the_linked_runtime_is_named_with_the_fix():
+    runtime = native.cuda_runtime_version()
+    major = runtime // 1000
+    older = (major - 1) * 1000 + 80  # the last minor release of the previous major version
+    message = native.cuda_driver_mismatch(older)
+    assert (
+        f"the NVIDIA driver supports CUDA {major - 1}.8, older than the CUDA runtime {major}.{runtime % 1000 // 10}"
+        in message
+    )
+    assert f"install a driver for CUDA {major}" in message and "rebuild the native core" in message
+    # Same major version (minor-version compatibility), newer, or no driver at all: nothing wrong.
+    for fine in (major * 1000, major * 1000 + 90, (major + 1) * 1000, 0):
+        assert native.cuda_driver_mismatch(fine) == ""

@@ -74,3 +74,20 @@ def test_view_keeps_pool_alive():
     del pool
     gc.collect()
     assert bytes(v[:4]) == b"abcd"
+
+
+def test_a_pool_can_be_placed_on_a_numa_node():
+    # Node 0 exists on every Linux machine; the kernel records the placement policy of the mapping.
+    pool = HostPool(4, 8192, numa_node=0)
+    assert pool.numa_node == 0
+    start = f"{pool.base_address:x} "
+    (line,) = [line for line in open("/proc/self/numa_maps") if line.startswith(start)]
+    assert " prefer:0" in line or " prefer (many):0" in line
+    assert HostPool(2, 4096).numa_node == -1
+
+
+def test_a_numa_node_that_does_not_exist_is_refused_by_name():
+    with pytest.raises(RuntimeError, match=r"host pool: mbind to NUMA node 1023: Invalid argument"):
+        HostPool(2, 4096, numa_node=1023)
+    with pytest.raises(ValueError, match=r"NUMA node 5000 out of range"):
+        HostPool(2, 4096, numa_node=5000)

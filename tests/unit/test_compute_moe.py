@@ -81,3 +81,34 @@ def test_counters_count_hits_and_misses(local_engine):
     second = engine.runtime.reset_counters()
     assert first.misses == provider.loads and first.hits == 0
     assert second.misses == 0 and second.hits == first.misses
+
+
+def test_route_takes_the_host_copy_of_the_indices():
+    top_k_index = torch.tensor([[3, 1], [1, 6]])
+    routing = route(top_k_index, torch.ones(2, 2), top_k_index.reshape(-1).numpy())
+    assert routing.experts == (1, 3, 6)
+    assert routing.rows[1].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("layer_ahead", [False, True])
+def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine):
+    # On a GPU each device→host transfer blocks the host: one per MoE layer carries the routing
+    # and the layer-ahead prediction together; event waits happen only between waves.
+    from compute_svc.activations import RoutingCapture
+    from compute_svc.generation import GenerationRequest
+    from compute_svc.layer_ahead import LayerAheadPredictor
+
+    engine, provider, tiny = local_engine("mixtral", slots=64)
+    runtime = engine.runtime
+    if layer_ahead:
+        loaded = engine.loaded
+        runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
+        runtime._signals["layer_ahead"] = lambda *args: None
+    engine.enable_routing(RoutingCapture(tiny.manifest.moe_layers))  # routing observed with weights
+    runtime.host_transfers = runtime.event_waits = 0
+    prepared = engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3, ignore_eos=True))
+    events = list(engine.generate(prepared))
+    assert len(events) == 3
+    assert runtime.host_transfers == 3 * len(tiny.manifest.moe_layers)
+    assert runtime.event_waits == 0
+    assert all(not n for n in provider.pins.values())

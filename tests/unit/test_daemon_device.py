@@ -54,6 +54,12 @@ def test_a_gpu_machine_with_a_native_module_built_without_nvcc(monkeypatch, tmp_
 @needs_native_cuda
 def test_cuda_arena_on_a_gpu_that_is_not_there():
     count = native.cuda_device_count()
+    if count == 0:  # no driver or no GPU here: refused before any allocation, with the reason
+        with pytest.raises(
+            ArenaUnavailable, match=r"the native core sees no CUDA device: cudaGetDeviceCount\(\)"
+        ):
+            CudaArena(1, 4096, gpu=0)
+        return
     with pytest.raises(ArenaUnavailable, match=rf"CUDA device {count} does not exist: {count} visible"):
         CudaArena(1, 4096, gpu=count)
     with pytest.raises(ArenaUnavailable, match=rf"CUDA device {count} does not exist"):
@@ -69,3 +75,20 @@ def test_cuda_arena_on_a_gpu_that_is_not_there():
     ):
         CudaArena(1, 4096, gpu="GPU-xyz")
 
+
+def test_a_gpu_the_native_core_cannot_use_is_refused_with_the_reason(monkeypatch):
+    # E.g. a driver older than the CUDA runtime the native core links: torch (its own runtime)
+    # sees the GPU, the native core does not.
+    if not native.CUDA_BUILT:
+        pytest.skip("native core built without CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(
+        native, "cuda_no_device_reason", lambda: "the NVIDIA driver supports CUDA 12.8, older"
+    )
+    for device in ("auto", "cuda"):
+        with pytest.raises(
+            ArenaUnavailable,
+            match=r"the native core sees no CUDA device: the NVIDIA driver supports CUDA 12\.8",
+        ):
+            resolve_device(device)

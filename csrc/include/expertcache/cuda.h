@@ -46,6 +46,16 @@ int device_count();
 // Why device_count() is 0 ("cudaGetDeviceCount() failed: cudaErrorNoDevice: ..."), or "" when
 // devices are present.
 std::string no_device_reason();
+// The CUDA version the installed driver supports (12080 = 12.8), 0 without a driver; and the
+// version of the CUDA runtime this module links. A driver older (by major version) than the
+// runtime cannot run it: device_count() is then 0 and no_device_reason() says what to do.
+int driver_version();
+int runtime_version();
+// What is wrong with a driver of `driver_version` for this runtime, and how to fix it; "" if
+// nothing is (what no_device_reason() adds when the installed driver is too old).
+std::string driver_mismatch(int driver_version);
+// The NUMA node the device is attached to (sysfs of its PCI bus id), -1 when unknown.
+int device_numa_node(int ordinal);
 // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", lower-case hex: the form nvidia-smi prints;
 // torch's str(get_device_properties(i).uuid) is the same without the "GPU-" prefix.
 std::string device_uuid(int ordinal);

@@ -2,6 +2,9 @@
 // on a 4 KiB boundary, so O_DIRECT reads can target it). Thread-safe alloc/free of slot indices.
 // With pin=true the whole mapping is page-locked for CUDA (cudaHostRegister, portable to every
 // context) so host->device copies from it are asynchronous DMA; it is unregistered before unmap.
+// With numa_node >= 0 the mapping's pages are placed on that NUMA node (mbind MPOL_PREFERRED
+// before the first touch): a pool that feeds a GPU lives on the GPU's node, so host->device DMA
+// does not cross the socket interconnect. -1 leaves placement to the kernel (first touch).
 // Failures are exceptions: std::out_of_range (bad index), std::invalid_argument (bad argument,
 // double free), std::runtime_error (exhausted, mmap failure, "cannot pin host memory: <reason>"
 // when pinning is asked for in a build without CUDA or the CUDA call fails; the caller decides
@@ -19,7 +22,7 @@ class HostPool {
  public:
   static constexpr size_t kAlignment = 4096;
 
-  HostPool(size_t num_slots, size_t slot_bytes, bool pin = false);
+  HostPool(size_t num_slots, size_t slot_bytes, bool pin = false, int numa_node = -1);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -36,6 +39,7 @@ class HostPool {
   size_t total_bytes() const { return total_bytes_; }
   size_t num_free() const;
   bool pinned() const { return pinned_; }
+  int numa_node() const { return numa_node_; }  // -1: no placement asked for
 
  private:
   size_t check_index(int64_t index) const;
@@ -46,6 +50,7 @@ class HostPool {
   size_t total_bytes_;
   uint8_t* base_;
   bool pinned_ = false;
+  int numa_node_ = -1;
   mutable std::mutex mu_;
   std::vector<size_t> free_list_;  // stack; lowest index on top initially
   std::vector<bool> in_use_;
