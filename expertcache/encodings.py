@@ -304,11 +304,7 @@ def dequantize_mxfp4(
     # Index of each table entry: the next 2 bytes (1 for float32) as an unsigned integer.
     packed = blocks.contiguous().view(-1)
     index = scratch.get(f"{key}.index", (entries,), torch.int32)
-    if per_entry == 4:
-        index.copy_(packed.view(torch.int16))  # sign-extends: keep the low 16 bits
-        index.bitwise_and_(0xFFFF)
-    else:
-        index.copy_(packed)
+    index.copy_(packed.view(torch.uint16) if per_entry == 4 else packed)  # zero-extends
     values = scratch.get(f"{key}.work" if work is not dtype else f"{key}.values", (entries,), torch.int64)
     torch.index_select(codes, 0, index, out=values)
     values = values.view(work).view(rows, groups, MXFP4_GROUP)
@@ -448,8 +444,7 @@ def _e4m3_to_float32(values: torch.Tensor, out: torch.Tensor, scratch: Scratch, 
         out.copy_(values)
         return
     index = scratch.get(f"{key}.index", (raw.numel() // 2,), torch.int32)
-    index.copy_(raw.view(torch.int16))  # sign-extends: keep the low 16 bits
-    index.bitwise_and_(0xFFFF)
+    index.copy_(raw.view(torch.uint16))  # zero-extends
     pairs = out.view(-1).view(torch.int64)  # [numel / 2] pairs of float32
     torch.index_select(_table("fp8", torch.float32, values.device), 0, index, out=pairs)
 

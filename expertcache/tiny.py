@@ -240,7 +240,9 @@ def _mxfp4_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _fp8_rewriter(block_size: tuple[int, int]):
     """transformers' own FP8 quantiser over every linear weight it would quantise (2-D
-    ``*.weight`` but embeddings, routers and the LM head); untileable ones stay as they are."""
+    ``*.weight`` but embeddings, routers and the LM head, and stacked experts such as GPT-OSS's
+    ``mlp.experts.gate_up_proj`` [E, R, C] → ``…_scale_inv`` [E, R/bm, C/bn]); untileable ones
+    stay as they are."""
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
@@ -250,7 +252,9 @@ def _fp8_rewriter(block_size: tuple[int, int]):
 
     def rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         skip = ("embed_tokens.", "lm_head.", ".gate.weight", ".router.weight")
-        if tensor.dim() != 2 or not name.endswith(".weight") or any(s in name for s in skip):
+        stacked = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))  # [E, R, C]
+        linear = tensor.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip)
+        if not (stacked or linear):
             return {name: tensor}
         return {k: v.contiguous() for k, v in quantizer._quantize_one(name, tensor).items()}
 

@@ -27,7 +27,7 @@ from cache_daemon.tiers.device import slots_for_budget
 from expertcache.errors import FailedPrecondition, InvalidArgument, NotFound, Unsupported
 from expertcache.manifest import read_manifest
 from expertcache.tiny import make_checkpoint, make_config
-from tests.stores import assert_store_matches, model_tensors, read_parts
+from tests.stores import assert_store_matches, bits, model_tensors, read_expert, read_parts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -222,6 +222,27 @@ def test_fp8_store_layout(tmp_path):
     dense = load_file(tmp_path / "store" / "dense.safetensors")
     assert not any(n.endswith("_scale_inv") for n in dense)
     assert dense["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+
+
+def test_stacked_fp8_experts_decode_as_transformers_fp8_dequantize(tmp_path):
+    # transformers 5's own layout quantised by its FineGrainedFP8 (``<param>_scale_inv``): its
+    # GPT-OSS loader does not read these scales, so each expert is checked against transformers'
+    # Fp8Dequantize applied to the checkpoint's own slices.
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    src = quantized_checkpoint("gpt_oss", "fp8", torch.bfloat16, tmp_path / "ckpt")
+    manifest = convert(src, tmp_path / "store", progress=False)
+    assert manifest.source["expert_format"] == "stacked,stacked-fp8"
+    raw = load_file(src / "model.safetensors")
+    for layer in manifest.moe_layers:
+        for e in (0, manifest.num_experts - 1):
+            stored = read_expert(tmp_path / "store", manifest, layer, e)
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"model.layers.{layer}.mlp.experts.{proj}"
+                want = Fp8Dequantize(None)._dequantize_one(
+                    raw[name][e], raw[name + "_scale_inv"][e], output_dtype=torch.bfloat16
+                )
+                assert torch.equal(bits(stored[proj]), bits(want))
 
 
 # -- bytes: the store is the checkpoint's size, and a budget holds ~3.8x as many experts ----------
