@@ -114,13 +114,6 @@ class ExpertTensor:
     def decoded_nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
-    def part(self, suffix: str) -> TensorLayout:
-        name = self.name + suffix
-        for p in self.parts:
-            if p.name == name:
-                return p
-        raise ValueError(f"expert tensor {self.name!r} has no stored part {name!r}")
-
     def describe(self) -> str:
         """e.g. ``gate_up_proj mxfp4 (blocks 1x32, ue8m0 scales) → bfloat16 [64, 128]``."""
         how = self.encoding
@@ -138,7 +131,10 @@ class Scratch:
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compare equal to tensors' cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

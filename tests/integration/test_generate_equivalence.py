@@ -101,6 +101,8 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
             stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
         device = next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
         assert device.evictions > 0 and stats.checksum_failures == 0
+        # Every copy into the arena is one whole blob of encoded bytes (the slot size).
+        assert device.bytes_in > 0 and device.bytes_in % tiny.manifest.blob_bytes == 0
     finally:
         client.close()
         if starting.exception() is None:
