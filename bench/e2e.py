@@ -373,7 +373,36 @@ def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def compare_runs(results: dict, precision: str, baseline: dict, path: Path) -> dict:
+def write_comparison_png(results: dict, baseline: dict, precision: str, other: str, path: Path) -> None:
+    """Bars of MiB read per token and p50 per token, per system, this run beside the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in results if s in baseline]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, scale, label in (
+        (axes[0], "bytes_per_token", 1 / MIB, "MiB read per token (log)"),
+        (axes[1], "p50_s", 1e3, "per-token p50, ms (log)"),
+    ):
+        x = np.arange(len(systems))
+        for i, (runs, name) in enumerate(((baseline, other), (results, precision))):
+            vals = [(runs[s].get(key) or np.nan) * scale for s in systems]
+            bars = ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=f"experts {name}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(x, systems)
+        ax.set_yscale("log")
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle("bench.e2e: gpt-oss shape, budget 25% of the encoded experts, 2-core CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare_runs(results: dict, precision: str, baseline: dict, path: Path, out: Path) -> dict:
     """Print this run's MiB read per token and p50 beside ``baseline``'s (a previous run's JSON,
     e.g. the bf16 run), per system; returns the verdict on ours' bytes per token."""
     other = baseline.get("precision") or baseline.get("model", {}).get("precision", "bf16")
@@ -396,6 +425,9 @@ def compare_runs(results: dict, precision: str, baseline: dict, path: Path) -> d
             f"{fmt(share, '>8.3f'):>8}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>16.1f'):>16}"
             f"{fmt(b['p50_s'] and b['p50_s'] * 1e3, '>16.1f'):>16}"
         )
+    png = out.with_name(f"{out.stem}-{precision}-vs-{other}.png")  # next to the JSON results
+    write_comparison_png(results, baseline["systems"], precision, other, png)
+    say(f"wrote {png}")
     share = rows.get("ours", {}).get("bytes_per_token_ratio")
     if share is None:
         return {"compared": rows}
@@ -581,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts[f"ours_vs_{other}"] = {"p50_speedup": speedup, "goal": goal, "verdict": verdict}
                 say(f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}")
     if baseline is not None:
-        verdicts.update(compare_runs(results, args.precision, baseline, args.compare_with))
+        verdicts.update(compare_runs(results, args.precision, baseline, args.compare_with, args.out))
     report = {
         "model": {
             "arch": "gpt_oss",

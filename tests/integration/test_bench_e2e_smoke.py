@@ -62,6 +62,7 @@ def test_e2e_harness_runs_all_three_systems(tmp_path, capsys):
     assert set(report["verdicts"]) == {"ours_vs_accelerate", "ours_vs_lru", "compared", "ours_bytes_vs_bf16"}
     assert report["verdicts"]["ours_vs_accelerate"]["goal"] == 15.0  # at the checkpoint's precision
     assert 0 < report["verdicts"]["ours_bytes_vs_bf16"]["ratio"] < 0.6
+    assert (tmp_path / "e2e-mxfp4-vs-bf16.png").stat().st_size > 0  # the plot, next to the JSON
     for line in ("page cache:", "ours vs accelerate:", "ours vs lru:", "p50 ms", "beside the bf16 run"):
         assert line in printed
 
