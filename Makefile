@@ -87,17 +87,22 @@ bench-io: install
 	$(PY) -m bench.io_bench $(BENCH_IO_ARGS)
 
 # Trace replay: the daemon's own policies and prefetch scheduler driven by a real routing trace
-# under a stated timing model (gpt-oss-20b bf16, PCIe 4.0 x16, A5000-class compute); prints the
+# under a stated timing model (gpt-oss-20b, experts mxfp4 as it ships unless BENCH_REPLAY_ARGS has
+# --precision bf16|fp8, PCIe 4.0 x16, A5000-class compute); prints the
 # model and the results, writes bench/results/replay.json and replay.png.
 TRACE ?= ../shared/traces/gpt-oss-20b_decode_703req.npz
 bench-replay: install
 	$(PY) -m bench.replay --trace $(TRACE) $(BENCH_REPLAY_ARGS)
 
-# End to end on a random gpt-oss-shaped checkpoint (built once under bench/.data/), routing forced
-# from the shared trace: per-token p50/p99 of ours vs plain LRU on-demand vs HF Accelerate disk
-# offload on the same memory budget; writes bench/results/e2e.json.
+# End to end on a random gpt-oss-shaped checkpoint (built once per precision under bench/.data/),
+# routing forced from the shared trace: per-token p50/p99 and MiB read per token of ours vs plain
+# LRU on-demand vs HF Accelerate disk offload on the same budget (25% of the encoded experts).
+# First with bf16 experts (bench/results/e2e-bf16.json), then with MXFP4 experts as gpt-oss ships
+# them (bench/results/e2e.json), printed beside the bf16 run. BENCH_E2E_PRECISION picks the second.
+BENCH_E2E_PRECISION ?= mxfp4
 bench-e2e: install
-	$(PY) -m bench.e2e $(BENCH_E2E_ARGS)
+	$(PY) -m bench.e2e --precision bf16 --out bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
+	$(PY) -m bench.e2e --precision $(BENCH_E2E_PRECISION) --compare-with bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 
 bench: bench-io bench-predict bench-replay bench-e2e
 

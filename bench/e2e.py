@@ -1,12 +1,22 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
-    python -m bench.e2e [--tokens 96] [--requests 3] [--budget-mib 600] [--systems ours,lru,accelerate] ...
-    make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]
+    python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--budget-share 0.25] ...
+                        [--systems ours,lru,accelerate] [--compare-with bench/results/e2e-bf16.json]
+    make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]   # a bf16 run, then an mxfp4 run printed beside it
 
 One run, side by side, on one random-weight checkpoint of gpt-oss shape written by transformers'
-own ``save_pretrained`` (24 layers x 32 experts, top-4, bf16; hidden and expert sizes printed),
-converted once with the real converter (``cache_daemon.convert``) into an expert store; both
-cached under bench/.data/. The expert total is several times the budget (printed, checked >= 4x).
+own ``save_pretrained`` (24 layers x 32 experts, top-4, bf16 dense; hidden and expert sizes
+printed), converted once with the real converter (``cache_daemon.convert``) into an expert store;
+both cached under bench/.data/. ``--precision`` is the experts' precision in the checkpoint and
+so in the store and every tier: ``mxfp4`` (the default: gpt-oss ships its experts in MXFP4;
+``expertcache.tiny`` quantises the random experts and writes the published ``*_blocks`` /
+``*_scales`` layout), ``bf16``, or ``fp8`` (e4m3 with 128 x 128 blocks, transformers' own
+quantiser; gpt-oss does not ship in FP8, and transformers' loader ignores stacked FP8 scales, so
+accelerate then runs unscaled weights at the same cost). The budget is ``--budget-share`` of the
+expert total in encoded bytes (25%: the same share of experts at every precision; ``--budget-mib``
+overrides), and the expert total is several times the budget (printed, checked >= 4x).
+``--compare-with`` prints a previous run's figures (the bf16 run) beside this one's, with ours'
+MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
 
 1. ours: real daemon + compute processes (``expertcache.launch``); eviction policy
    ``activation-aware``, prefetch on, layer-ahead on;
@@ -21,6 +31,8 @@ benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``
 ``--request + --requests - 1``, one Generate each; layer-ahead under forced routing is modelled
 at ``--layer-ahead-accuracy`` (printed). Accelerate routes with its own (random) routers, which
 does not change its cost: it streams whole offloaded modules, every expert of them, per forward.
+On an MXFP4 checkpoint transformers dequantises the experts to bf16 when it loads (no Triton or
+kernels on CPU), so Accelerate holds and offloads bf16 experts within the same byte budget.
 
 Budget: ours/lru get it all as the daemon's arena (this machine has no GPU: the "device" arena
 is CPU shared memory, so a host tier below it would only hold a second copy; ``--host-share``
@@ -71,7 +83,12 @@ DATA_DIR = REPO / "bench" / ".data"
 RESULTS = REPO / "bench" / "results" / "e2e.json"
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
 GOAL_VS_ACCELERATE = 5.0
+GOAL_VS_ACCELERATE_BY_PRECISION = {"mxfp4": 15.0}  # experts at the checkpoint's precision
 GOAL_VS_LRU = 1.5
+GOAL_BYTES_VS_BF16 = 0.3  # ours' MiB read per token, mxfp4 run / bf16 run
+# --precision → expertcache.tiny's quantization of the checkpoint (bf16: none).
+PRECISIONS = {"bf16": None, "mxfp4": "mxfp4", "fp8": "fp8"}
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's blocks
 SYSTEMS = ("ours", "lru", "accelerate")
 # Opt-in reference: every expert fits (the compute floor of this machine); its first request,
 # which loads them, is not measured.
@@ -85,40 +102,61 @@ def say(msg: str) -> None:
 
 # -- the checkpoint and its store ------------------------------------------------------------------
 def build(
-    data_dir: Path, *, hidden: int, intermediate: int, layers: int, experts: int, top_k: int
+    data_dir: Path,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    experts: int,
+    top_k: int,
+    precision: str = "bf16",
 ) -> tuple[Path, Path, StoreManifest]:
-    """A gpt-oss-shaped bf16 checkpoint (save_pretrained) and its store, built once and reused."""
+    """A gpt-oss-shaped checkpoint (save_pretrained; experts at ``precision``) and its store,
+    built once and reused."""
     import torch
 
-    from cache_daemon.convert import convert
+    from cache_daemon.convert import run_conversion
+    from cache_daemon.convert.__main__ import expert_bytes_line
+    from expertcache.errors import DataLoss
     from expertcache.tiny import make_checkpoint
 
-    root = data_dir / f"e2e-gpt_oss-h{hidden}-i{intermediate}-e{experts}-k{top_k}-l{layers}"
+    suffix = "" if precision == "bf16" else f"-{precision}"
+    root = data_dir / f"e2e-gpt_oss-h{hidden}-i{intermediate}-e{experts}-k{top_k}-l{layers}{suffix}"
     checkpoint, store = root / "checkpoint", root / "store"
     if (store / MANIFEST_NAME).exists() and (checkpoint / "config.json").exists():
-        say(f"model: reusing {root}")
-        return checkpoint, store, read_manifest(store)
-    shutil.rmtree(root, ignore_errors=True)
-    say(
-        f"model: writing a random gpt_oss checkpoint ({layers} layers x {experts} experts, top-{top_k}, "
-        f"hidden {hidden}, expert intermediate {intermediate}, bf16) to {checkpoint}"
-    )
+        try:
+            manifest = read_manifest(store)
+        except DataLoss as exc:  # e.g. a store of an older format: build it again
+            say(f"model: {exc}; rebuilding the store")
+        else:
+            say(f"model: reusing {root}")
+            return checkpoint, store, manifest
+    if not (checkpoint / "config.json").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        say(
+            f"model: writing a random gpt_oss checkpoint ({layers} layers x {experts} experts, top-{top_k}, "
+            f"hidden {hidden}, expert intermediate {intermediate}, bf16, experts {precision}) to {checkpoint}"
+        )
     started = time.perf_counter()
-    make_checkpoint(
-        "gpt_oss",
-        checkpoint,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_experts=experts,
-        top_k=top_k,
-        dtype=torch.bfloat16,
-        intermediate_size=intermediate,
-        max_shard_size="1GB",
-    )
+    if not (checkpoint / "config.json").exists():
+        make_checkpoint(
+            "gpt_oss",
+            checkpoint,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_experts=experts,
+            top_k=top_k,
+            dtype=torch.bfloat16,
+            intermediate_size=intermediate,
+            max_shard_size="1GB",
+            quantization=PRECISIONS[precision],
+            fp8_block_size=FP8_BLOCK,
+        )
     say(f"model: converting with cache_daemon.convert into {store}")
-    manifest = convert(checkpoint, store, progress=False)
+    result = run_conversion(checkpoint, store, progress=False, force=True)
+    say(f"model: {expert_bytes_line(result)}")
     say(f"model: built in {time.perf_counter() - started:.0f} s")
-    return checkpoint, store, manifest
+    return checkpoint, store, result.manifest
 
 
 # -- ours / lru: real processes ------------------------------------------------------------------
@@ -336,6 +374,74 @@ def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def write_comparison_png(results: dict, baseline: dict, precision: str, other: str, path: Path) -> None:
+    """Bars of MiB read per token and p50 per token, per system, this run beside the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in results if s in baseline]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, scale, label in (
+        (axes[0], "bytes_per_token", 1 / MIB, "MiB read per token (log)"),
+        (axes[1], "p50_s", 1e3, "per-token p50, ms (log)"),
+    ):
+        x = np.arange(len(systems))
+        for i, (runs, name) in enumerate(((baseline, other), (results, precision))):
+            vals = [(runs[s].get(key) or np.nan) * scale for s in systems]
+            bars = ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=f"experts {name}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(x, systems)
+        ax.set_yscale("log")
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle("bench.e2e: gpt-oss shape, budget 25% of the encoded experts, 2-core CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare_runs(results: dict, precision: str, baseline: dict, path: Path, out: Path) -> dict:
+    """Print this run's MiB read per token and p50 beside ``baseline``'s (a previous run's JSON,
+    e.g. the bf16 run), per system; returns the verdict on ours' bytes per token."""
+    other = baseline.get("precision") or baseline.get("model", {}).get("precision", "bf16")
+    say("")
+    say(f"beside the {other} run ({path}, budget {baseline['budget_bytes'] / MIB:.0f} MiB):")
+    say(
+        f"{'system':<12}{'MiB/tok ' + precision:>16}{'MiB/tok ' + other:>16}{'ratio':>8}"
+        f"{'p50 ms ' + precision:>16}{'p50 ms ' + other:>16}"
+    )
+    rows = {}
+    for system, r in results.items():
+        b = baseline["systems"].get(system)
+        if b is None:
+            continue
+        mine, theirs = r.get("bytes_per_token"), b.get("bytes_per_token")
+        share = mine / theirs if mine and theirs else None
+        rows[system] = {"bytes_per_token_ratio": share, "p50_s": (r["p50_s"], b["p50_s"])}
+        say(
+            f"{system:<12}{fmt(mine and mine / MIB, '>16.1f'):>16}{fmt(theirs and theirs / MIB, '>16.1f'):>16}"
+            f"{fmt(share, '>8.3f'):>8}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>16.1f'):>16}"
+            f"{fmt(b['p50_s'] and b['p50_s'] * 1e3, '>16.1f'):>16}"
+        )
+    png = out.with_name(f"{out.stem}-{precision}-vs-{other}.png")  # next to the JSON results
+    write_comparison_png(results, baseline["systems"], precision, other, png)
+    say(f"wrote {png}")
+    share = rows.get("ours", {}).get("bytes_per_token_ratio")
+    if share is None:
+        return {"compared": rows}
+    verdict = "PASS" if share <= GOAL_BYTES_VS_BF16 else "FAIL"
+    say(
+        f"ours reads {share:.3f}x the MiB per token of the {other} run (goal <= {GOAL_BYTES_VS_BF16:g}x) {verdict}"
+    )
+    return {
+        "compared": rows,
+        f"ours_bytes_vs_{other}": {"ratio": share, "goal": GOAL_BYTES_VS_BF16, "verdict": verdict},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -351,7 +457,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--accelerate-requests", type=int, default=1)
     parser.add_argument(
-        "--budget-mib", type=float, default=600.0, help="expert memory budget of every system"
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="mxfp4",
+        help="the experts' precision in the checkpoint, the store and every tier (gpt-oss ships mxfp4)",
+    )
+    parser.add_argument(
+        "--budget-share",
+        type=float,
+        default=0.25,
+        help="expert memory budget of every system, as a share of the expert total in encoded bytes",
+    )
+    parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="expert memory budget in MiB (overrides --budget-share)",
+    )
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        default=None,
+        help="a previous run's JSON (e.g. the bf16 run) whose figures are printed beside this run's",
     )
     parser.add_argument("--host-share", type=float, default=0.0, help="share of the budget in the host tier")
     parser.add_argument(
@@ -387,6 +514,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--host-share {args.host_share} is out of range [0, 1)")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
+    if not 0.0 < args.budget_share <= 1.0:
+        parser.error(f"--budget-share {args.budget_share} is out of range (0, 1]")
+    baseline = None
+    if args.compare_with is not None:
+        try:
+            baseline = json.loads(args.compare_with.read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--compare-with {args.compare_with}: {exc}")
 
     # Every process gets the same torch threads. On a 2-core machine shared with the daemon's I/O,
     # more than one OpenMP thread per process makes each small matmul wait for a descheduled
@@ -401,18 +536,22 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers,
         experts=args.experts,
         top_k=args.top_k,
+        precision=args.precision,
     )
-    budget = int(args.budget_mib * MIB)
     total = manifest.total_expert_bytes
+    budget = int(args.budget_mib * MIB) if args.budget_mib is not None else int(args.budget_share * total)
     ratio = total / budget
     say(
         f"model: gpt_oss, {len(manifest.moe_layers)} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
-        f"hidden {args.hidden}, expert intermediate {args.intermediate}, bf16; expert blob {manifest.blob_bytes / MIB:.2f} MiB, "
-        f"experts {total / GIB:.2f} GiB, dense {manifest.dense_bytes / MIB:.1f} MiB"
+        f"hidden {args.hidden}, expert intermediate {args.intermediate}, bf16 dense, experts {args.precision} "
+        f"({', '.join(manifest.encodings)}); expert blob {manifest.blob_bytes / MIB:.2f} MiB encoded "
+        f"({manifest.decoded_blob_bytes / MIB:.2f} MiB decoded), experts {total / GIB:.2f} GiB, "
+        f"dense {manifest.dense_bytes / MIB:.1f} MiB"
     )
     say(
-        f"budget: {budget / MIB:.0f} MiB of expert memory for every system = {budget // manifest.blob_bytes} experts "
-        f"of {manifest.num_blobs} ({100 / ratio:.1f}%); experts are {ratio:.1f}x the budget"
+        f"budget: {budget / MIB:.0f} MiB of expert memory (encoded bytes) for every system = "
+        f"{budget // manifest.blob_bytes} experts of {manifest.num_blobs} ({100 / ratio:.1f}%); experts are "
+        f"{ratio:.1f}x the budget"
     )
     if ratio < args.min_ratio:
         parser.error(
@@ -470,12 +609,15 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{system} prefetch: {r['prefetch']}")
     verdicts = {}
     if "ours" in results:
-        for other, goal in (("accelerate", GOAL_VS_ACCELERATE), ("lru", GOAL_VS_LRU)):
+        goal_accelerate = GOAL_VS_ACCELERATE_BY_PRECISION.get(args.precision, GOAL_VS_ACCELERATE)
+        for other, goal in (("accelerate", goal_accelerate), ("lru", GOAL_VS_LRU)):
             if other in results and results[other]["p50_s"] and results["ours"]["p50_s"]:
                 speedup = results[other]["p50_s"] / results["ours"]["p50_s"]
                 verdict = "PASS" if speedup >= goal else "FAIL"
                 verdicts[f"ours_vs_{other}"] = {"p50_speedup": speedup, "goal": goal, "verdict": verdict}
                 say(f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}")
+    if baseline is not None:
+        verdicts.update(compare_runs(results, args.precision, baseline, args.compare_with, args.out))
     report = {
         "model": {
             "arch": "gpt_oss",
@@ -485,14 +627,20 @@ def main(argv: list[str] | None = None) -> int:
             "hidden": args.hidden,
             "intermediate": args.intermediate,
             "dtype": "bfloat16",
+            "precision": args.precision,
+            "expert_encodings": list(manifest.encodings),
             "blob_bytes": manifest.blob_bytes,
+            "decoded_blob_bytes": manifest.decoded_blob_bytes,
             "total_expert_bytes": total,
             "dense_bytes": manifest.dense_bytes,
             "checkpoint": str(checkpoint),
             "store": str(store),
         },
+        "precision": args.precision,
         "budget_bytes": budget,
+        "budget_share": budget / total,
         "experts_over_budget": ratio,
+        "compared_with": str(args.compare_with) if args.compare_with else None,
         "trace": str(args.trace),
         "first_request": args.request,
         "requests": args.requests,

@@ -129,7 +129,7 @@ def build_safetensors(store: Path, manifest: StoreManifest) -> Path:
         data = (store / manifest.layer_files[layer]).read_bytes()
         for expert in range(manifest.num_experts):
             base = expert * manifest.blob_bytes
-            for t in manifest.tensors:
+            for t in manifest.parts:
                 raw = bytearray(data[base + t.offset : base + t.offset + t.nbytes])
                 tensors[f"layers.{layer}.experts.{expert}.{t.name}"] = torch.frombuffer(
                     raw, dtype=getattr(torch, t.dtype)
@@ -234,7 +234,7 @@ def safetensors_read(path: Path, manifest: StoreManifest) -> tuple[int, float]:
     started = time.perf_counter()
     with safe_open(str(path), framework="pt") as f:
         for key in manifest.all_keys():
-            for t in manifest.tensors:
+            for t in manifest.parts:
                 src = f.get_tensor(f"layers.{key.layer}.experts.{key.expert}.{t.name}")
                 dest[t.offset : t.offset + t.nbytes].copy_(src.reshape(-1).view(torch.uint8))
                 total += t.nbytes

@@ -16,8 +16,10 @@ experts compute first and the others as they arrive (reordered execution); trans
 compute. A layer stalls until its experts are resident. Latency per token is simulated time.
 
 Usage: ``python -m bench.replay [--trace PATH] [--requests N|all] [--budgets 0.1,0.25,0.5]
-[--policies lru,lfu,...] [--layer-ahead-accuracy 0.9] [--link-gbps 25] [--expert-mib ...]
-[--layer-compute-ms ...]``.
+[--policies lru,lfu,...] [--layer-ahead-accuracy 0.9] [--link-gbps 25] [--precision mxfp4]
+[--expert-mib ...] [--layer-compute-ms ...]``. ``--precision`` is the experts' precision in
+the store and on the link (gpt-oss-20b ships MXFP4, the default): expert bytes are the encoded
+bytes the store lays out (``expertcache.encodings``), and compute pays for decoding them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,26 @@ def gpt_oss_20b_expert_bytes(hidden: int = 2880, intermediate: int = 2880, dtype
     """Bytes of one gpt-oss-20b expert in bf16: gate_up [2I, H] + bias [2I], down [H, I] + bias [H]."""
     params = 2 * intermediate * hidden + 2 * intermediate + hidden * intermediate + hidden
     return params * dtype_bytes
+
+
+# --precision → (encoding, its parameters) of gpt-oss-20b's expert weights in the store.
+EXPERT_PRECISIONS = {
+    "bf16": ("plain", {}),
+    "mxfp4": ("mxfp4", {}),  # as gpt-oss-20b ships its experts
+    "fp8": ("fp8", {"block_size": (128, 128)}),  # as DeepSeek-V3 / Qwen3-FP8 ship theirs
+}
+
+
+def gpt_oss_20b_expert_tensors(precision: str, hidden: int = 2880, intermediate: int = 2880) -> list:
+    """One gpt-oss-20b expert's tensors as the store encodes them at ``precision`` (biases bf16)."""
+    from expertcache.encodings import get_encoding
+
+    encoding, params = EXPERT_PRECISIONS[precision]
+    tensors = []
+    for name, shape in (("gate_up_proj", (hidden, 2 * intermediate)), ("down_proj", (intermediate, hidden))):
+        tensors.append(get_encoding(encoding).plan(name, "bfloat16", shape, **params))  # runtime [in, out]
+        tensors.append(get_encoding("plain").plan(f"{name}_bias", "bfloat16", (shape[1],)))
+    return tensors
 
 
 def gpt_oss_20b_attention_bytes(
@@ -106,20 +128,28 @@ def default_timing(
     expert_mib: float | None = None,
     layer_compute_ms: float | None = None,
     chunk_mib: float = 4.0,
+    precision: str = "bf16",
 ) -> TimingModel:
-    """gpt-oss-20b in bf16 on PCIe 4.0 x16 with an A5000-class GPU (768 GB/s GDDR6)."""
+    """gpt-oss-20b, experts at ``precision``, on PCIe 4.0 x16 with an A5000-class GPU (768 GB/s GDDR6)."""
     hbm_bytes_per_s = 768e9 * 0.8  # decode GEMVs reach ~80% of peak memory bandwidth
-    expert_bytes = gpt_oss_20b_expert_bytes()
+    tensors = gpt_oss_20b_expert_tensors(precision)
+    expert_bytes = sum(t.nbytes for t in tensors)  # encoded: what the link moves
+    decoded_bytes = sum(t.decoded_nbytes for t in tensors)
+    # Encoded experts are decoded into a bf16 scratch (read encoded, write bf16) before the GEMV
+    # reads the bf16 weights: compute moves the encoded bytes plus twice the decoded ones.
+    decode_bytes = 0 if expert_bytes == decoded_bytes else expert_bytes + decoded_bytes
     notes = [
-        f"expert: gpt-oss-20b bf16, hidden 2880, intermediate 2880: gate_up [5760, 2880] + bias [5760], "
-        f"down [2880, 2880] + bias [2880] = {expert_bytes} bytes ({expert_bytes / 2**20:.2f} MiB)",
+        f"expert: gpt-oss-20b, hidden 2880, intermediate 2880: gate_up [5760, 2880] + bias [5760], "
+        f"down [2880, 2880] + bias [2880]; experts {precision} "
+        f"({', '.join(sorted({t.encoding for t in tensors}))}): {expert_bytes} bytes "
+        f"({expert_bytes / 2**20:.2f} MiB) on the link, {decoded_bytes} bytes decoded (bf16)",
     ]
     if expert_mib is not None:
         expert_bytes = int(expert_mib * 2**20)
         notes.append(f"expert bytes overridden: {expert_bytes} bytes ({expert_mib} MiB)")
     attn_bytes = gpt_oss_20b_attention_bytes()
     attention_s = attn_bytes / hbm_bytes_per_s + 10e-6  # + router / norms / rope kernels
-    expert_s = gpt_oss_20b_expert_bytes() / hbm_bytes_per_s
+    expert_s = (decoded_bytes + decode_bytes) / hbm_bytes_per_s
     layer_overhead_s = 50e-6  # ~10 kernel launches at ~5 us each at batch 1
     lm_head_bytes = 201088 * 2880 * 2  # vocab x hidden bf16 (embedding lookup is one row)
     token_overhead_s = lm_head_bytes / hbm_bytes_per_s + 50e-6
@@ -129,7 +159,8 @@ def default_timing(
         f"chunks of {chunk_mib:g} MiB: a demand pre-empts a prefetch at the next chunk boundary",
         "compute: A5000-class, 768 GB/s GDDR6 at 80% for batch-1 GEMVs (614 GB/s); "
         f"attention q/k/v/o + biases {attn_bytes} bytes -> {attention_s * 1e6:.1f} us incl. 10 us router/norms; "
-        f"one expert {expert_s * 1e6:.1f} us; per-layer launch overhead {layer_overhead_s * 1e6:.0f} us; "
+        f"one expert {expert_s * 1e6:.1f} us (decode into bf16 scratch included: "
+        f"{decode_bytes / 2**20:.1f} MiB); per-layer launch overhead {layer_overhead_s * 1e6:.0f} us; "
         f"per token LM head 201088 x 2880 bf16 + 50 us -> {token_overhead_s * 1e3:.2f} ms",
     ]
     timing = TimingModel(
@@ -676,6 +707,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--policies", default=",".join(ALL_POLICIES))
     ap.add_argument("--layer-ahead-accuracy", type=float, default=0.9)
     ap.add_argument("--link-gbps", type=float, default=25.0)
+    ap.add_argument(
+        "--precision",
+        choices=tuple(EXPERT_PRECISIONS),
+        default="mxfp4",
+        help="experts' precision in the store and on the link (gpt-oss-20b ships mxfp4)",
+    )
     ap.add_argument("--expert-mib", type=float, default=None)
     ap.add_argument("--layer-compute-ms", type=float, default=None)
     ap.add_argument("--chunk-mib", type=float, default=4.0)
@@ -730,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         expert_mib=args.expert_mib,
         layer_compute_ms=args.layer_compute_ms,
         chunk_mib=args.chunk_mib,
+        precision=args.precision,
     )
     if args.max_inflight_experts is not None and args.max_inflight_experts < 1:
         raise SystemExit(f"--max-inflight-experts must be >= 1, got {args.max_inflight_experts}")
@@ -842,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": trace.num_layers,
         "experts": trace.num_experts,
         "top_k": trace.top_k,
+        "precision": args.precision,
         "timing": {k: v for k, v in asdict(timing).items()},
         "max_inflight_bytes": max_inflight,
         "layer_ahead_accuracy": acc,

@@ -1,13 +1,17 @@
 """Reading the daemon's device arena in place: typed tensor views of one slot.
 
 The daemon owns the arena (``num_slots × slot_bytes`` bytes, one allocation); compute maps it
-and never writes it. A slot holds one expert blob laid out as the manifest's ``tensors``::
+and never writes it. A slot holds one expert blob laid out as the stored parts of the
+manifest's ``tensors`` (encoded as the checkpoint was: ``expertcache.encodings``)::
 
     arena  [num_slots, slot_bytes] uint8
-    slot s ├─ gate_up_proj   offset 0      → view(float32).view([2*I, H])
+    slot s ├─ gate_up_proj   offset 0      → view(float32).view([2*I, H])       (plain)
            ├─ down_proj      offset 256·k  → view(float32).view([H, I])
            └─ (biases)       ...
-    i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` == ``experts.<name>[expert]``
+    or     ├─ gate_up_proj_blocks  → view(uint8).view([2I, H/32, 16])       (MXFP4)
+           ├─ gate_up_proj_scales  → view(uint8).view([2I, H/32])  ...
+    i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` is each stored part;
+    ``compute_svc.expert_weights`` turns the parts into ``experts.<name>[expert]``.
 
 CPU serving shares the arena through a POSIX shm file (mmap, read-only here); CUDA serving
 through CUDA IPC: the native core opens the daemon's 64-byte handle on the GPU named by UUID
@@ -28,7 +32,7 @@ import torch
 from compute_svc.errors import ArenaMismatch
 from expertcache import native
 from expertcache.arena_handle import ArenaHandle, ArenaKind
-from expertcache.manifest import TensorLayout
+from expertcache.manifest import ExpertTensor
 
 logger = logging.getLogger(__name__)
 
@@ -156,14 +160,16 @@ class Arena:
         )
         return cls(full[:, :slot_bytes], keepalive=imported)
 
-    def slot_views(self, slot: int, layouts: tuple[TensorLayout, ...]) -> dict[str, torch.Tensor]:
-        """Typed views of one slot: ``{name: tensor of layout.shape and dtype}`` aliasing the arena."""
+    def slot_views(self, slot: int, tensors: tuple[ExpertTensor, ...]) -> dict[str, torch.Tensor]:
+        """Typed views of one slot: ``{part name: tensor of its shape and dtype}`` for every
+        stored part of ``tensors``, aliasing the arena."""
         if not 0 <= slot < self.num_slots:
             raise ArenaMismatch(f"slot {slot} is outside the arena's {self.num_slots} slots")
         row = self.slots[slot]  # [slot_bytes] uint8
         return {
-            t.name: row[t.offset : t.offset + t.nbytes].view(_torch_dtype(t.dtype)).view(t.shape)
-            for t in layouts
+            p.name: row[p.offset : p.offset + p.nbytes].view(_torch_dtype(p.dtype)).view(p.shape)
+            for t in tensors
+            for p in t.parts
         }
 
 

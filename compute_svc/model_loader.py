@@ -56,6 +56,7 @@ def load_model(store_dir: str | Path, manifest: StoreManifest, device: torch.dev
     model = build_skeleton(config, experts_implementation=IMPLEMENTATION)
     sites = find_experts_sites(model)
     _check_store_matches(manifest, sites, store)
+    _check_compute_dtypes(manifest, model, sites, store)
     expert_names = expert_parameter_names(sites)
 
     dense_path = store / manifest.dense_file
@@ -138,6 +139,18 @@ def _check_store_matches(manifest: StoreManifest, sites, store: Path) -> None:
             raise FailedPrecondition(
                 f"store {store} lays out experts as {want} x {manifest.num_experts} but layer {site.layer} "
                 f"of the model expects {have} x {site.num_experts}: convert the checkpoint again"
+            )
+
+
+def _check_compute_dtypes(manifest: StoreManifest, model: torch.nn.Module, sites, store: Path) -> None:
+    """Experts decode into the dtype of the model's expert parameters (e.g. MXFP4 → bfloat16)."""
+    module = model.get_submodule(sites[0].path)
+    for tensor in manifest.tensors:
+        want = str(getattr(module, tensor.name).dtype).removeprefix("torch.")
+        if tensor.dtype != want:
+            raise FailedPrecondition(
+                f"store {store} decodes expert tensor {tensor.name} into {tensor.dtype} but the model built "
+                f"from its config holds {want}: convert the checkpoint again"
             )
 
 

@@ -48,8 +48,9 @@ from transformers.integrations.moe import ExpertsInterface
 
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
+from compute_svc.expert_weights import ExpertDecoder
 from expertcache.keys import ExpertKey
-from expertcache.manifest import TensorLayout
+from expertcache.manifest import ExpertTensor
 
 if TYPE_CHECKING:
     from compute_svc.forced_routing import ForcedRouting
@@ -251,13 +252,15 @@ class ExpertRuntime:
     scheduler worker thread only, so its counters need no lock.
     """
 
-    def __init__(self, provider: ExpertProvider, arena: Arena, layouts: tuple[TensorLayout, ...]) -> None:
+    def __init__(self, provider: ExpertProvider, arena: Arena, layouts: tuple[ExpertTensor, ...]) -> None:
         self.provider = provider
         self.arena = arena
         self.layouts = layouts
         self.counters = CacheCounters()
         # Views are fixed per slot (same layout in every slot): build them once.
         self._slot_views = [arena.slot_views(slot, layouts) for slot in range(arena.num_slots)]
+        # Stored parts → compute-dtype weights, at the last moment (encoded experts: MXFP4, FP8).
+        self.decoder = ExpertDecoder(layouts, arena.device)
         # On a GPU the experts' kernels run asynchronously: a wave's slots may be released (and
         # overwritten by the daemon) only once its kernels are done. The wave records an event on
         # the arena device's current stream and its release waits in ``_unreleased`` until the
@@ -440,9 +443,8 @@ class ExpertRuntime:
                 pending.discard(ready.expert)
                 self.counters.record(ready.source)
                 # Reordered execution: run each expert as soon as it is pinned.
-                combiner.add(
-                    compute_expert(module, ready.expert, self._slot_views[ready.slot], hidden_states, routing)
-                )
+                weights = self.decoder.weights(self._slot_views[ready.slot])
+                combiner.add(compute_expert(module, ready.expert, weights, hidden_states, routing))
             if pending:
                 raise FailedPrecondition(
                     f"cache daemon finished the acquire of layer {layer} without experts {sorted(pending)}"

@@ -45,15 +45,40 @@ def build_skeleton(config: PretrainedConfig, experts_implementation: str | None 
     """The model with every parameter on the meta device and real buffers (rotary tables).
 
     Nothing of the weights is allocated; dense weights are loaded into it afterwards and the
-    expert parameters stay on meta for ever.
+    expert parameters stay on meta for ever. Parameters that ``from_pretrained`` keeps in
+    float32 whatever the model's dtype (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's
+    ``e_score_correction_bias`` in a bf16 model) are float32 here too.
     """
     kwargs = {}
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
+    dtype = _config_dtype(config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config), **kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    _apply_dtype_plan(model, dtype)
     model.eval()
     return model
+
+
+def _apply_dtype_plan(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give parameters the dtypes ``from_pretrained`` loads them in (its ``_get_dtype_plan``:
+    glob patterns searched in parameter names → dtype)."""
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    plan = get_plan(dtype) if get_plan is not None else {}
+    if not plan:
+        return
+    patterns = [(re.compile(glob.replace("*", ".*")), wanted) for glob, wanted in plan.items()]
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                full = f"{prefix}.{name}" if prefix else name
+                wanted = next((w for pattern, w in patterns if pattern.search(full)), None)
+                if tensor is None or wanted is None or tensor.dtype == wanted:
+                    continue
+                if isinstance(tensor, torch.nn.Parameter):
+                    tensor.data = tensor.data.to(wanted)  # meta tensors: a dtype change only
+                else:
+                    table[name] = tensor.to(wanted)
 
 
 def _config_dtype(config: PretrainedConfig) -> torch.dtype:

@@ -2,8 +2,9 @@
 
 A 24-layer x 32-expert top-4 gpt_oss model (the trace's shape) with tiny hidden sizes: the
 daemon and compute processes for ours and lru with routing forced from the real trace, and HF
-Accelerate disk offload, each a few tokens. Also: compute refuses a trace of another shape at
-start-up with exit status 2.
+Accelerate disk offload, each a few tokens, with the experts in MXFP4 as gpt-oss ships them,
+beside a bf16 run of ours. Also: compute refuses a trace of another shape at start-up with exit
+status 2.
 """
 
 from __future__ import annotations
@@ -26,23 +27,23 @@ needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"{TRACE} is not pr
 
 @needs_trace
 def test_e2e_harness_runs_all_three_systems(tmp_path, capsys):
+    common = [
+        "--hidden", "64", "--intermediate", "64",
+        "--tokens", "4", "--requests", "2",
+        "--request", "5",
+        "--data-dir", str(tmp_path),
+        "--progress-every", "2",
+    ]  # fmt: skip
+    bf16 = tmp_path / "e2e-bf16.json"
+    assert e2e.main([*common, "--precision", "bf16", "--systems", "ours", "--out", str(bf16)]) == 0
     out = tmp_path / "e2e.json"
-    rc = e2e.main(
-        [
-            "--hidden", "64", "--intermediate", "64",
-            "--budget-mib", "3",
-            "--tokens", "4", "--requests", "2",
-            "--accelerate-tokens", "3",
-            "--request", "5",
-            "--data-dir", str(tmp_path),
-            "--out", str(out),
-            "--progress-every", "2",
-        ]
-    )  # fmt: skip
+    rc = e2e.main([*common, "--accelerate-tokens", "3", "--out", str(out), "--compare-with", str(bf16)])
     assert rc == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert report["experts_over_budget"] >= 4
+    assert report["precision"] == "mxfp4" and report["model"]["expert_encodings"] == ["mxfp4", "plain"]
+    assert report["experts_over_budget"] >= 4 and report["budget_share"] == pytest.approx(0.25, abs=1e-3)
+    assert report["model"]["blob_bytes"] < json.loads(bf16.read_text())["model"]["blob_bytes"] / 2
     systems = report["systems"]
     assert set(systems) == {"ours", "lru", "accelerate"}
     for name in ("ours", "lru"):
@@ -58,8 +59,11 @@ def test_e2e_harness_runs_all_three_systems(tmp_path, capsys):
     acc = systems["accelerate"]
     assert acc["tokens"] == 2 and acc["page_cache_files_dropped"] > 0
     assert acc["bytes_per_token"] > 0  # offloaded weights really come from storage every token
-    assert set(report["verdicts"]) == {"ours_vs_accelerate", "ours_vs_lru"}
-    for line in ("page cache:", "ours vs accelerate:", "ours vs lru:", "p50 ms"):
+    assert set(report["verdicts"]) == {"ours_vs_accelerate", "ours_vs_lru", "compared", "ours_bytes_vs_bf16"}
+    assert report["verdicts"]["ours_vs_accelerate"]["goal"] == 15.0  # at the checkpoint's precision
+    assert 0 < report["verdicts"]["ours_bytes_vs_bf16"]["ratio"] < 0.6
+    assert (tmp_path / "e2e-mxfp4-vs-bf16.png").stat().st_size > 0  # the plot, next to the JSON
+    for line in ("page cache:", "ours vs accelerate:", "ours vs lru:", "p50 ms", "beside the bf16 run"):
         assert line in printed
 
 

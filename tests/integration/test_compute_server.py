@@ -201,7 +201,7 @@ def test_corrupt_expert_is_data_loss_and_no_token_is_streamed(tiny_store, tmp_pa
         compute = start_compute(store, daemon, tmp_path)
         # After both started, before first use: flip one byte inside the victim's blob.
         path = store / manifest.layer_files[layer]
-        offset = victim * manifest.blob_bytes + manifest.tensors[0].offset + 10
+        offset = victim * manifest.blob_bytes + manifest.parts[0].offset + 10
         with open(path, "r+b") as f:
             f.seek(offset)
             byte = f.read(1)

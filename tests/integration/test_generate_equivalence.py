@@ -5,6 +5,10 @@ whose arena holds about a quarter of the experts (so experts are evicted on ever
 (1) an in-process engine on that daemon: forward logits ``assert_close`` to the plain model and
 greedy tokens equal to ``model.generate``; (2) a real compute process: the same tokens through
 the gRPC Generate stream.
+
+Quantized checkpoints in their published layout (GPT-OSS MXFP4, DeepSeek-V3 block-FP8) are
+served with their experts kept encoded in every tier; the reference is transformers' own load
+of the same checkpoint on CPU, which dequantises it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,24 @@ def quarter_of_experts(manifest) -> int:
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_offloaded_model_equals_plain_model(arch, tiny_store, tmp_path):
-    tiny = tiny_store(arch)
+    check_offloaded_equals_plain(tiny_store(arch), tmp_path, TOL)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("gpt_oss", dict(quantization="mxfp4", intermediate_size=64, dtype=torch.bfloat16)),
+        ("deepseek_v3", dict(quantization="fp8", dtype=torch.bfloat16)),
+    ],
+    ids=["gpt_oss-mxfp4", "deepseek_v3-fp8"],
+)
+def test_quantized_checkpoint_served_encoded_equals_transformers(arch, config, tiny_store, tmp_path):
+    tiny = tiny_store(arch, **config)
+    assert {t.encoding for t in tiny.manifest.tensors if t.name == "down_proj"} == {config["quantization"]}
+    check_offloaded_equals_plain(tiny, tmp_path, dict(rtol=1.6e-2, atol=1e-5))  # bf16 default
+
+
+def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
     plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()
     with torch.no_grad():
         want_logits = plain(input_ids=torch.tensor([PROMPT])).logits[0]
@@ -55,7 +76,7 @@ def test_offloaded_model_equals_plain_model(arch, tiny_store, tmp_path):
     try:
         assert client.num_slots * 4 <= tiny.manifest.num_blobs
         engine = build_engine(str(tiny.store), client.attachment, client)
-        torch.testing.assert_close(engine.forward_logits(PROMPT), want_logits, **TOL)
+        torch.testing.assert_close(engine.forward_logits(PROMPT), want_logits, **tol)
         prepared = engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS))
         events = list(engine.generate(prepared))
         assert [e.token_id for e in events] == want_tokens
@@ -82,6 +103,8 @@ def test_offloaded_model_equals_plain_model(arch, tiny_store, tmp_path):
             stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
         device = next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
         assert device.evictions > 0 and stats.checksum_failures == 0
+        # Every copy into the arena is one whole blob of encoded bytes (the slot size).
+        assert device.bytes_in > 0 and device.bytes_in % tiny.manifest.blob_bytes == 0
     finally:
         client.close()
         if starting.exception() is None:

@@ -38,8 +38,9 @@ def write_arena(path, num_slots: int) -> list[dict[str, torch.Tensor]]:
             "b": torch.full((4,), float(slot)),
         }
         for t in LAYOUT:
+            (part,) = t.parts  # plain tensors: one stored part each
             data = tensors[t.name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-            start = slot * BLOB + t.offset
+            start = slot * BLOB + part.offset
             raw[start : start + len(data)] = data
         expected.append(tensors)
     path.write_bytes(bytes(raw))
@@ -60,7 +61,7 @@ def test_shm_arena_views_alias_the_daemon_bytes(shm_file):
     # The mapping is shared: a later write by the daemon is seen through the same views.
     views = arena.slot_views(1, LAYOUT)
     with open(path, "r+b") as f:
-        f.seek(1 * BLOB + LAYOUT[2].offset)
+        f.seek(1 * BLOB + LAYOUT[2].parts[0].offset)
         f.write(torch.full((4,), 7.0).numpy().tobytes())
     assert views["b"].tolist() == [7.0] * 4
 

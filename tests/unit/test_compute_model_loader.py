@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compute_svc.errors import DataLoss
+from compute_svc.errors import DataLoss, FailedPrecondition
 from compute_svc.model_loader import load_model
 from compute_svc.moe import LAYER_ATTR
 from expertcache.model_structure import expert_parameter_names, find_experts_sites
@@ -42,4 +43,19 @@ def test_a_missing_dense_weight_is_data_loss(tiny_store, tmp_path):
     del state[victim]
     save_file(state, store / "dense.safetensors")
     with pytest.raises(DataLoss, match=f"lacks dense weights \\['{victim}'\\]"):
+        load_model(store, tiny.manifest, torch.device("cpu"))
+
+
+def test_quantized_store_loads_dense_only_and_checks_the_compute_dtype(tiny_store, tmp_path):
+    tiny = tiny_store("gpt_oss", quantization="mxfp4", intermediate_size=64, dtype=torch.bfloat16)
+    loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.is_meta for _, m in loaded.experts_modules for p in m.parameters())
+    # A store whose config names another dtype than its experts decode into is refused.
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store, store)
+    config = json.loads((store / "config.json").read_text())
+    config["dtype"] = "float32"
+    (store / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FailedPrecondition, match="decodes expert tensor gate_up_proj into bfloat16.*float32"):
         load_model(store, tiny.manifest, torch.device("cpu"))

@@ -112,3 +112,40 @@ def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine)
     assert runtime.host_transfers == 3 * len(tiny.manifest.moe_layers)
     assert runtime.event_waits == 0
     assert all(not n for n in provider.pins.values())
+
+
+# -- experts stored at their checkpoint's precision ---------------------------------------------
+
+# (arch, quantization, dtype, tolerance). fp32: as above. bf16: torch's default bf16 tolerance
+# (rtol 1.6e-2, one bf16 rounding); observed equal to the last bit on these models.
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-5)
+QUANTIZED = [
+    pytest.param("gpt_oss", "mxfp4", torch.float32, TOL, id="gpt_oss-mxfp4-fp32"),
+    pytest.param("gpt_oss", "mxfp4", torch.bfloat16, BF16_TOL, id="gpt_oss-mxfp4-bf16"),
+    pytest.param("deepseek_v3", "fp8", torch.float32, TOL, id="deepseek_v3-fp8-fp32"),
+    pytest.param("deepseek_v3", "fp8", torch.bfloat16, BF16_TOL, id="deepseek_v3-fp8-bf16"),
+    pytest.param("qwen3_moe", "fp8", torch.float32, TOL, id="qwen3_moe-fp8-fp32"),
+]
+
+
+def quantized_config(arch: str, quantization: str, dtype: torch.dtype) -> dict:
+    extra = {"intermediate_size": 64} if arch == "gpt_oss" else {}  # MXFP4 groups of 32
+    return dict(quantization=quantization, dtype=dtype, **extra)
+
+
+@pytest.mark.parametrize(("arch", "quantization", "dtype", "tol"), QUANTIZED)
+def test_quantized_experts_match_transformers_dequantised_model(arch, quantization, dtype, tol, local_engine):
+    # The reference: transformers' own load of the quantized checkpoint on CPU (it dequantises).
+    engine, provider, tiny = local_engine(arch, **quantized_config(arch, quantization, dtype))
+    encodings = {t.name: t.encoding for t in tiny.manifest.tensors}
+    assert encodings["gate_up_proj"] == encodings["down_proj"] == quantization
+    # The arena's slots hold the encoded blobs: that is all that moves.
+    assert provider.arena.slot_bytes == tiny.manifest.blob_bytes
+    assert tiny.manifest.blob_bytes < tiny.manifest.decoded_blob_bytes
+    got = engine.forward_logits(PROMPT)
+    want = plain_logits(tiny.checkpoint, PROMPT)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert provider.loads > provider.num_slots
+    assert engine.runtime.decoder.scratch_bytes > 0

@@ -63,9 +63,9 @@ def write_store(
         blobs = []
         for _ in range(num_experts):
             blob = bytearray(blob_bytes)
-            for t in tensors:
-                data = torch.randn(t.shape, generator=gen).numpy().tobytes()
-                blob[t.offset : t.offset + len(data)] = data
+            for part in (p for t in tensors for p in t.parts):
+                data = torch.randn(part.shape, generator=gen).numpy().tobytes()
+                blob[part.offset : part.offset + len(data)] = data
             blobs.append(bytes(blob))
         (store / rel).write_bytes(b"".join(blobs))
         layer_files[layer] = rel

@@ -178,3 +178,18 @@ def test_cli_errors(trace, tmp_path, args, message):
 def test_missing_trace(tmp_path):
     with pytest.raises(SystemExit, match=r"not found \(make bench-replay TRACE=path\)"):
         replay.main(["--trace", str(tmp_path / "nope.npz"), "--no-progress"])
+
+
+def test_precision_sets_the_encoded_expert_bytes():
+    # Bytes on the link are the store's encoded bytes; compute pays for decoding into bf16.
+    bf16, mxfp4, fp8 = (replay.default_timing(24, 4, precision=p) for p in ("bf16", "mxfp4", "fp8"))
+    assert bf16.expert_bytes == replay.gpt_oss_20b_expert_bytes() == 49_783_680
+    # MXFP4: 4.25 bits per weight (a byte of scale per 32 values) + bf16 biases.
+    weights = 2 * 2880 * 2880 + 2880 * 2880
+    assert mxfp4.expert_bytes == weights // 2 + weights // 32 + (5760 + 2880) * 2
+    # FP8: a byte per weight + a float32 scale per 128 x 128 block (ceil) + bf16 biases.
+    assert fp8.expert_bytes == weights + (23 * 45 + 23 * 23) * 4 + (5760 + 2880) * 2
+    assert bf16.expert_bytes / mxfp4.expert_bytes > 3.7
+    assert mxfp4.transfer_s < bf16.transfer_s / 3.7
+    assert mxfp4.expert_s > bf16.expert_s  # the decode into a bf16 scratch is not free
+    assert any("experts mxfp4 (mxfp4, plain)" in n for n in mxfp4.notes)

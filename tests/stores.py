@@ -1,0 +1,92 @@
+"""Reading expert stores back in tests: stored parts, decoded experts, comparison with a model."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from expertcache.encodings import decode, torch_dtype
+from expertcache.manifest import BLOB_ALIGN, StoreManifest, read_manifest
+from expertcache.model_structure import expert_parameter_names, find_experts_sites
+
+
+def read_parts(store: Path, manifest: StoreManifest, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    """One expert's stored parts, read from the blob at the manifest's offsets."""
+    rel, base = manifest.layer_files[layer], expert * manifest.blob_bytes
+    with open(store / rel, "rb") as f:
+        f.seek(base)
+        blob = bytearray(f.read(manifest.blob_bytes))
+    assert len(blob) == manifest.blob_bytes
+    assert zlib.crc32(blob) == manifest.checksums[layer][expert], f"checksum of L{layer}E{expert}"
+    out = {}
+    for p in manifest.parts:
+        dtype = torch_dtype(p.dtype)
+        count = p.nbytes // dtype.itemsize
+        out[p.name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=p.offset).reshape(p.shape)
+    return out
+
+
+def read_expert(store: Path, manifest: StoreManifest, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    """One expert's runtime tensors: its stored parts, decoded as the manifest says."""
+    parts = read_parts(store, manifest, layer, expert)
+    return {t.name: decode(t, parts).contiguous() for t in manifest.tensors}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (NaNs compare equal when their bits do)."""
+    return tensor.contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    )
+
+
+def assert_store_matches(
+    store: Path, experts: dict[int, dict[str, torch.Tensor]], dense: dict[str, torch.Tensor]
+):
+    """``experts``: layer → name → stacked [E, ...] tensor; ``dense``: every other tensor."""
+    manifest = read_manifest(store)
+    assert manifest.blob_bytes % BLOB_ALIGN == 0
+    assert sorted(manifest.moe_layers) == sorted(experts)
+    for layer, params in experts.items():
+        assert (
+            store / manifest.layer_files[layer]
+        ).stat().st_size == manifest.num_experts * manifest.blob_bytes
+        assert sorted(t.name for t in manifest.tensors) == sorted(params)
+        for e in range(manifest.num_experts):
+            stored = read_expert(store, manifest, layer, e)
+            for name, param in params.items():
+                assert stored[name].dtype == param.dtype, name
+                assert torch.equal(bits(stored[name]), bits(param[e])), f"layer {layer} expert {e} {name}"
+    stored_dense = load_file(store / manifest.dense_file)
+    assert sorted(stored_dense) == sorted(dense)
+    for name, tensor in dense.items():
+        assert stored_dense[name].dtype == tensor.dtype, name
+        assert torch.equal(stored_dense[name], tensor), name
+    assert manifest.dense_bytes == sum(t.nbytes for t in stored_dense.values())
+    return manifest
+
+
+def model_tensors(
+    model: torch.nn.Module,
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """(layer → experts params, dense state dict) of a loaded transformers model."""
+    sites = find_experts_sites(model)
+    experts = {
+        s.layer: {t.name: getattr(model.get_submodule(s.path), t.name).detach() for t in s.tensors}
+        for s in sites
+    }
+    skip = expert_parameter_names(sites) | set(getattr(model, "all_tied_weights_keys", {}) or {})
+    dense = {k: v for k, v in model.state_dict().items() if k not in skip}
+    return experts, dense
+
+
+def assert_store_matches_model(store: Path, src: Path) -> StoreManifest:
+    model = AutoModelForCausalLM.from_pretrained(src)
+    experts, dense = model_tensors(model)
+    manifest = assert_store_matches(store, experts, dense)
+    assert manifest.model_type == model.config.model_type
+    assert manifest.num_layers == model.config.num_hidden_layers
+    return manifest
