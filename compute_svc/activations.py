@@ -3,7 +3,7 @@
 ::
 
     ExpertRuntime.forward(layer l) ──routing_observer──▶ RoutingCapture   (one [T, K] per layer)
-    GenerationEngine, after each forward: capture.take() ─▶ StepRouting [T, L, K]
+    GenerationEngine, after each forward: capture.take(segments) ─▶ StepRouting [t, L, K] per request
         ├─▶ ActivationReporter.on_step   (bounded queue put; full → drop and count)
         └─▶ TraceRecorder.on_step        (compute_svc.trace_recorder)
     reporter thread: queue ─▶ Activation messages ─▶ one long Observe stream ─▶ predictor
@@ -73,8 +73,9 @@ class RoutingCapture:
     def num_layers(self) -> int:
         return len(self._index)
 
-    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """top_k_index [T, K] int64, top_k_weights [T, K]; ``layer`` is a decoder layer number."""
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None) -> None:
+        """top_k_index [T, K] int64, top_k_weights [T, K] (None when not asked), both on the host
+        (the runtime's one transfer of the layer); ``layer`` is a decoder layer number."""
         i = self._index[layer]
         self._experts[i] = top_k_index
         self._weights[i] = top_k_weights
@@ -84,16 +85,25 @@ class RoutingCapture:
         self._experts = [None] * len(self._experts)
         self._weights = [None] * len(self._weights)
 
-    def take(self, request_id: str, first_token: int, with_weights: bool) -> StepRouting | None:
-        """The forward just finished as ``[T, L, K]``; None when some layer did not route."""
+    def take(self, segments: Sequence, with_weights: bool) -> list[StepRouting]:
+        """The forward just finished, one ``StepRouting`` [t, L, K] per request of ``segments``
+        (``compute_svc.moe.StepSegment``: whose rows are where, at which positions); [] when some
+        layer did not route."""
         if any(e is None for e in self._experts):
-            return None
-        # The runtime has already synced these to the host (route() lists the experts), so the
-        # copy to the CPU is a small memcpy, and the reporter thread never touches the device.
-        experts = torch.stack(self._experts, dim=1).cpu()  # type: ignore[arg-type]
-        weights = torch.stack(self._weights, dim=1).cpu() if with_weights else None  # type: ignore[arg-type]
+            logger.warning("a forward did not route every MoE layer: its routing is not reported")
+            return []
+        experts = torch.stack(self._experts, dim=1)  # type: ignore[arg-type]  # [T, L, K], host
+        weights = torch.stack(self._weights, dim=1) if with_weights else None  # type: ignore[arg-type]
         self.begin()
-        return StepRouting(request_id, first_token, experts, weights)
+        return [
+            StepRouting(
+                seg.request_id,
+                seg.position,
+                experts[seg.start : seg.start + seg.rows],
+                weights[seg.start : seg.start + seg.rows] if weights is not None else None,
+            )
+            for seg in segments
+        ]
 
 
 # -- reporter -----------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from compute_svc.arena import ArenaHandle, ArenaKind
 from compute_svc.errors import (
+    Cancelled,
     DaemonUnavailable,
     DataLoss,
     DeadlineExceeded,
@@ -158,17 +159,23 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> ExpertCacheError:
 
 # -- the Demand stream ----------------------------------------------------------------------------
 _END = object()  # the response stream ended without an error
+_INTERRUPT = object()  # interrupt(): the step waiting for experts lost all its requests
 
 
 class _DemandStream:
     """One open Demand call: a request queue feeding gRPC, a reader thread draining responses."""
 
     def __init__(
-        self, stub: cache_pb2_grpc.ExpertCacheStub, metadata: tuple[tuple[str, str], ...] = ()
+        self,
+        stub: cache_pb2_grpc.ExpertCacheStub,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_end: Callable[[str], None] | None = None,
     ) -> None:
         self._requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
         self.ended = False  # the response stream is over (the daemon ended it, or it broke)
+        self._closing = False  # we closed it (then its end is no news)
+        self._on_end = on_end
         self._call = stub.Demand(self._request_iter(), metadata=metadata or None)
         self._reader = threading.Thread(target=self._read, name="demand-reader", daemon=True)
         self._reader.start()
@@ -186,15 +193,20 @@ class _DemandStream:
                 self.responses.put(response)
             self.ended = True
             self.responses.put(_END)
+            reason = "the cache daemon closed the Demand stream"
         except grpc.RpcError as exc:
             self.ended = True
             self.responses.put(exc)
+            reason = f"the Demand stream to the cache daemon broke: {exc.code().name if exc.code() else exc}"
+        if not self._closing and self._on_end is not None:
+            self._on_end(reason)
 
     def send(self, request: cache_pb2.DemandRequest) -> None:
         self._requests.put(request)
 
     def close(self) -> None:
         """Half-close and cancel: the daemon releases every pin this stream holds."""
+        self._closing = True
         self._requests.put(None)
         self._call.cancel()
 
@@ -227,14 +239,16 @@ class DaemonClient:
         self._tickets = itertools.count(1)
         self._stream: _DemandStream | None = None
         self._streams_opened = 0
-        self._stopped: str | None = None  # why this client refuses every call, once the daemon restarted
-        self.on_stale: Callable[[str], None] | None = None  # told once when the daemon restarted
+        # Told when the Demand stream ends on its own (the daemon died or ended it), so the
+        # service can stop serving and re-attach without waiting for a request to fail.
+        self.on_stream_end: Callable[[str], None] | None = None
+        self._interrupted = False  # interrupt() since the step began
         self._lock = threading.Lock()
         # One-way prediction messages (routed / layer_ahead / begin / end): sent, and dropped
         # because no Demand stream was open (never waited for, never retried).
         self.signals_sent = 0
         self.signals_dropped = 0
-        self._request_id = ""  # the request begun last and not ended; re-announced on a new stream
+        self._live_requests: set[str] = set()  # begun and not ended; re-announced on a new stream
         if fast_path:
             self._map_table(attachment)
             if self._table is not None:
@@ -326,12 +340,15 @@ class DaemonClient:
     def num_slots(self) -> int:
         return self.attachment.num_slots
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[ReadyExpert]:
+    def acquire(
+        self, layer: int, experts: Sequence[int], *, deadline: float | None = None
+    ) -> Iterator[ReadyExpert]:
         """Pin ``experts`` of ``layer``; yields each as it becomes resident, ends at AcquireDone.
 
-        Raises the daemon's error (``DataLoss``, ``InvalidArgument``, ...) or ``DeadlineExceeded``
-        after ``acquire_timeout_s``. Closing the iterator before its end drops the stream, which
-        releases every pin of this process.
+        Raises the daemon's error (``DataLoss``, ``InvalidArgument``, ...), ``DeadlineExceeded``
+        after ``acquire_timeout_s`` or at ``deadline`` (``time.monotonic()``: the step's requests
+        are all past theirs), or ``Cancelled`` once ``interrupt`` was called in this step. Closing
+        the iterator before its end drops the stream, which releases every pin of this process.
         """
         experts = list(experts)
         hits: list[ReadyExpert] = []
@@ -348,12 +365,12 @@ class DaemonClient:
                         acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=misses)
                     )
                 )
-        deadline = time.monotonic() + self._acquire_timeout_s
+        limit = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:
             yield from hits  # resident experts first: compute starts on them at once
             while misses:
-                response = self._next(stream, deadline, layer, misses)
+                response = self._next(stream, limit, deadline, layer, misses)
                 kind = response.WhichOneof("kind")
                 if kind == "ready" and response.ready.ticket == ticket:
                     ready = response.ready
@@ -409,7 +426,7 @@ class DaemonClient:
     def begin_request(self, request_id: str) -> None:
         """A request starts: the daemon starts its routing history afresh."""
         with self._lock:
-            self._request_id = request_id
+            self._live_requests.add(request_id)
             self._signal_locked(
                 cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
             )
@@ -417,20 +434,19 @@ class DaemonClient:
     def end_request(self, request_id: str) -> None:
         """A request ended: the daemon drops its routing history."""
         with self._lock:
-            if self._request_id == request_id:
-                self._request_id = ""
+            self._live_requests.discard(request_id)
             self._signal_locked(
                 cache_pb2.DemandRequest(request_end=cache_pb2.RequestEnd(request_id=request_id))
             )
 
-    def routed(self, token: int, layer: int, experts: Sequence[int]) -> None:
-        """Layer ``layer`` of token ``token`` (position in the current request) was routed to
+    def routed(self, request_id: str, token: int, layer: int, experts: Sequence[int]) -> None:
+        """Layer ``layer`` of token ``token`` (position in request ``request_id``) was routed to
         ``experts``, hits included: the daemon cannot see shared-memory hits in order."""
         with self._lock:
             self._signal_locked(
                 cache_pb2.DemandRequest(
                     route=cache_pb2.Route(
-                        request_id=self._request_id,
+                        request_id=request_id,
                         token=token,
                         layer=layer,
                         experts=[int(e) for e in experts],
@@ -438,9 +454,12 @@ class DaemonClient:
                 )
             )
 
-    def layer_ahead(self, token: int, layer: int, experts: Sequence[int], scores: Sequence[float]) -> None:
-        """Predicted experts of layer ``layer`` for token ``token`` (the next layer's router applied
-        to the current hidden state) with their router probabilities, same length as ``experts``."""
+    def layer_ahead(
+        self, request_id: str, token: int, layer: int, experts: Sequence[int], scores: Sequence[float]
+    ) -> None:
+        """Predicted experts of layer ``layer`` for token ``token`` of ``request_id`` (the next
+        layer's router applied to the current hidden state) with their router probabilities,
+        same length as ``experts``."""
         if len(experts) != len(scores):
             raise InvalidArgument(
                 f"layer_ahead for layer {layer}: {len(experts)} experts but {len(scores)} scores"
@@ -449,6 +468,7 @@ class DaemonClient:
             self._signal_locked(
                 cache_pb2.DemandRequest(
                     layer_ahead=cache_pb2.LayerAhead(
+                        request_id=request_id,
                         token=token,
                         layer=layer,
                         experts=[int(e) for e in experts],
@@ -462,7 +482,7 @@ class DaemonClient:
         stream may take an Attach round trip, which has no place on the decode step: the next
         acquire opens one (and re-announces the current request)."""
         stream = self._stream
-        if stream is None or stream.ended or self._stopped is not None:
+        if stream is None or stream.ended:
             self.signals_dropped += 1
             return
         stream.send(request)
@@ -477,8 +497,6 @@ class DaemonClient:
 
     # -- internals --------------------------------------------------------------------------------
     def _open(self) -> _DemandStream:
-        if self._stopped is not None:
-            raise DaemonUnavailable(self._stopped)
         if self._stream is not None and self._stream.ended and self._table is not None:
             # Hits never read the stream: notice here that it ended (daemon gone or restarted).
             self._drop_locked(self._stream)
@@ -493,12 +511,12 @@ class DaemonClient:
                 except _StaleClient as exc:
                     raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
                 metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
-            self._stream = _DemandStream(self._stub, metadata)
+            self._stream = _DemandStream(self._stub, metadata, on_end=self._stream_ended)
             self._streams_opened += 1
-            if self._request_id:
+            for request_id in sorted(self._live_requests):
                 # The old stream's messages may be lost (or the daemon new): say what runs now.
                 self._stream.send(
-                    cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=self._request_id))
+                    cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
                 )
             logger.debug("opened a Demand stream to %s", self.address)
         return self._stream
@@ -540,17 +558,17 @@ class DaemonClient:
             raise error_from_rpc(exc, self.address) from None
         if reply.daemon_id != self.attachment.daemon_id:
             # Slots of the new daemon index an arena this process has not mapped: reading them
-            # would compute with the wrong bytes. Refuse for good; the process must restart.
-            self._stopped = (
-                f"cache daemon at {self.address} restarted (id {self.attachment.daemon_id} -> "
-                f"{reply.daemon_id}); restart compute to map its new arena"
+            # would compute with the wrong bytes. The service re-attaches (reattach) and maps it.
+            raise DaemonUnavailable(
+                f"cache daemon at {self.address} restarted (id {self.attachment.daemon_id} -> {reply.daemon_id}): "
+                "re-attaching to its new arena"
             )
-            logger.error("%s", self._stopped)
-            if self.on_stale is not None:
-                self.on_stale(self._stopped)
-            raise DaemonUnavailable(self._stopped)
         if self._table is not None:
             self._ledger = (reply.client_index, reply.client_epoch)  # the old one went with its stream
+
+    def _stream_ended(self, reason: str) -> None:
+        if self.on_stream_end is not None:
+            self.on_stream_end(f"cache daemon at {self.address}: {reason}")
 
     def _drop(self, stream: _DemandStream) -> None:
         with self._lock:
@@ -562,16 +580,82 @@ class DaemonClient:
             self._stream = None
             self._shm_held.clear()  # the daemon reclaims the stream's ledger with its shm pins
 
-    def _next(self, stream: _DemandStream, deadline: float, layer: int, experts: Sequence[int]):
-        try:
-            item = stream.responses.get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            raise DeadlineExceeded(
-                f"cache daemon at {self.address} did not deliver experts {list(experts)} of layer {layer} "
-                f"within {self._acquire_timeout_s:g}s"
-            ) from None
-        if isinstance(item, grpc.RpcError):
-            raise error_from_rpc(item, self.address)
-        if item is _END:
-            raise DaemonUnavailable(f"cache daemon at {self.address} closed the Demand stream")
-        return item
+    def _next(
+        self, stream: _DemandStream, limit: float, deadline: float | None, layer: int, experts: Sequence[int]
+    ):
+        """The stream's next response; waits until ``limit`` (acquire_timeout_s) or ``deadline``."""
+        while True:
+            until = limit if deadline is None else min(limit, deadline)
+            try:
+                item = stream.responses.get(timeout=max(until - time.monotonic(), 0.0))
+            except queue.Empty:
+                if deadline is not None and deadline <= limit:
+                    raise DeadlineExceeded(
+                        f"the requests of this step passed their deadlines while waiting for experts "
+                        f"{list(experts)} of layer {layer}"
+                    ) from None
+                raise DeadlineExceeded(
+                    f"cache daemon at {self.address} did not deliver experts {list(experts)} of layer {layer} "
+                    f"within {self._acquire_timeout_s:g}s"
+                ) from None
+            if item is _INTERRUPT:
+                if self._interrupted:
+                    raise Cancelled(
+                        f"the requests of this step were all cancelled while it waited for experts of layer {layer}"
+                    )
+                continue  # left over from an earlier step
+            if isinstance(item, grpc.RpcError):
+                raise error_from_rpc(item, self.address)
+            if item is _END:
+                raise DaemonUnavailable(f"cache daemon at {self.address} closed the Demand stream")
+            return item
+
+    # -- steps: interruption ------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step starts: an interrupt of an earlier one no longer applies."""
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """Wake a wait for experts of the current step (its requests are all gone): it raises
+        ``Cancelled``. Thread-safe; called from a gRPC thread."""
+        self._interrupted = True
+        stream = self._stream
+        if stream is not None:
+            stream.responses.put(_INTERRUPT)
+
+    # -- re-attaching to a restarted daemon ---------------------------------------------------------
+    def reattach(self) -> Attachment:
+        """Attach again (the daemon restarted, or its stream ended): a new arena, slot table and
+        ledger. ``DaemonUnavailable`` while it is not back; ``FailedPrecondition`` if it now serves
+        another model. The caller maps the new arena (``attachment``) before the next acquire."""
+        with self._lock:
+            if self._stream is not None:
+                self._drop_locked(self._stream)
+            try:
+                reply = self._stub.Attach(
+                    cache_pb2.AttachRequest(client_name="compute_svc", shm_fast_path=self.fast_path),
+                    timeout=10,
+                )
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, self.address) from None
+            attachment = attachment_from_pb(reply, self.address)
+            if attachment.manifest.model_id != self.attachment.manifest.model_id:
+                raise FailedPrecondition(
+                    f"the cache daemon at {self.address} now serves model {attachment.manifest.model_id}, "
+                    f"not {self.attachment.manifest.model_id}: restart compute with its store"
+                )
+            self.attachment = attachment
+            self._table, self._ledger = None, None
+            self._shm_held.clear()
+            self._streams_opened = 0
+            if self.fast_path:
+                self._map_table(attachment)
+                if self._table is not None:
+                    self._open()
+        logger.info(
+            "re-attached to cache daemon %s at %s: %d slots",
+            attachment.daemon_id,
+            self.address,
+            attachment.num_slots,
+        )
+        return attachment

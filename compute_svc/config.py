@@ -58,10 +58,68 @@ class ComputeConfig:
     )
     """Upper bound of ``GenerateRequest.max_new_tokens`` (reported in ``ModelInfo``)."""
 
-    max_queue: int = field(
-        default=64, metadata={"help": "Generate requests that may wait for the worker", "min": 0, "max": 4096}
+    max_prompt_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "largest prompt in tokens; 0 = the model's maximum positions",
+            "min": 0,
+            "max": 1 << 24,
+        },
     )
-    """Requests waiting behind the running one; one more is refused with RESOURCE_EXHAUSTED."""
+    """A longer prompt is refused with INVALID_ARGUMENT naming the limit (never above the model's
+    ``max_position_embeddings``)."""
+
+    max_total_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "largest prompt + max_new_tokens of one request; 0 = the model's maximum positions",
+            "min": 0,
+            "max": 1 << 24,
+        },
+    )
+    """Bounds each request's KV cache; refused with INVALID_ARGUMENT beyond it."""
+
+    max_prompt_bytes: int = field(
+        default=1 << 20,
+        metadata={
+            "help": "largest prompt text (or chat messages) in bytes, checked before tokenising",
+            "min": 1,
+        },
+    )
+    """A bigger text is refused before any tokenisation work (a hostile client's 1 GB prompt)."""
+
+    max_batch_size: int = field(
+        default=16, metadata={"help": "requests batched in one step", "min": 1, "max": 4096}
+    )
+    """Continuous batching: at most this many requests advance together; the rest wait."""
+
+    max_batched_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "tokens in one step (decode tokens + prompt chunks); 0 = no limit (whole prompts)",
+            "min": 0,
+            "max": 1 << 20,
+        },
+    )
+    """Bounds a step's work: a long prompt is fed in chunks, so other requests' next tokens wait
+    one chunk at most. Must be at least ``max_batch_size`` (or 0)."""
+
+    max_waiting_requests: int = field(
+        default=64,
+        metadata={"help": "requests that may wait for a place in the batch", "min": 0, "max": 1 << 16},
+    )
+    """One more is refused at once with RESOURCE_EXHAUSTED (retry later) instead of queueing
+    without bound."""
+
+    max_cache_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "prompt + max_new_tokens of the running requests together (the KV budget); 0 = no limit",
+            "min": 0,
+            "max": 1 << 30,
+        },
+    )
+    """A request whose tokens would exceed this waits until running ones finish."""
 
     daemon_connect_timeout_s: float = field(
         default=5.0,
@@ -172,3 +230,8 @@ class ComputeConfig:
             )
         if not self.listen_address:
             raise InvalidArgument("config field 'listen_address' is empty: pass --listen-address HOST:PORT")
+        if self.max_batched_tokens and self.max_batched_tokens < self.max_batch_size:
+            raise InvalidArgument(
+                f"config field 'max_batched_tokens' = {self.max_batched_tokens} is below max_batch_size "
+                f"{self.max_batch_size}: a full batch feeds one token per request (use 0 for no limit)"
+            )

@@ -42,7 +42,7 @@ class DaemonUnavailable(Unavailable):
 
 
 class QueueFull(ResourceExhausted):
-    """``max_queue`` requests already wait for the worker. gRPC ``RESOURCE_EXHAUSTED``."""
+    """``max_waiting_requests`` requests already wait for a place in the batch. gRPC ``RESOURCE_EXHAUSTED``."""
 
 
 class ArenaMismatch(FailedPrecondition):

@@ -15,7 +15,7 @@ Which trace row a forward takes::
     trace layer j ─▶ the model's j-th MoE layer (manifest ``moe_layers[j]``)
 
 Each new Generate takes the next trace request, starting at ``--force-routing-request N`` and
-wrapping after the last one. The trace's layers, experts and top-k must equal the model's; a
+wrapping after the last one; requests batched together each follow their own trace request. The trace's layers, experts and top-k must equal the model's; a
 mismatch stops the process at start-up with both shapes named.
 
 Layer-ahead under forced routing: the next layer's router still runs, but it predicts what the
@@ -115,9 +115,9 @@ def load_trace(path: str | Path) -> RoutingTrace:
 
 
 class ForcedRouting:
-    """Replaces the router's choice by the trace's, per (forward of the request, MoE layer).
+    """Replaces the router's choice by the trace's, per (request, forward of the request, MoE layer).
 
-    Used from the generation thread only. ``begin_request`` moves to the next trace request.
+    Used from the generation thread only. ``begin_request`` gives a request the next trace request.
     """
 
     def __init__(
@@ -149,66 +149,85 @@ class ForcedRouting:
         self.trace = trace
         self._layer_index = {layer: j for j, layer in enumerate(moe_layers)}
         self._next_request = first_request
-        self.request = -1  # trace request of the running Generate
-        self._rows: tuple[int, int] = (0, 0)
+        self._live: dict[str, _Replay] = {}  # request id -> its trace request
         self.layer_ahead_accuracy = layer_ahead_accuracy
         self._seed = seed
-        self._wrapped = False
 
-    def begin_request(self) -> int:
-        """Take the next trace request with decode rows (wrapping); returns its index."""
+    def begin_request(self, request_id: str) -> int:
+        """Give ``request_id`` the next trace request with decode rows (wrapping); its index."""
         for _ in range(self.trace.num_requests):
             request = self._next_request
             self._next_request = (request + 1) % self.trace.num_requests
             start, end = self.trace.decode_rows(request)
             if end > start:
-                self.request, self._rows, self._wrapped = request, (start, end), False
-                logger.debug("forced routing: trace request %d (%d decode rows)", request, end - start)
+                self._live[request_id] = _Replay(request, start, end)
+                logger.debug(
+                    "forced routing: %s replays trace request %d (%d decode rows)",
+                    request_id,
+                    request,
+                    end - start,
+                )
                 return request
         raise AssertionError("load_trace guarantees decode rows")  # pragma: no cover
 
-    def row(self, step: int) -> int:
-        """Trace row of forward ``step`` of the running request (wrapping past its end)."""
-        if self.request < 0:
-            self.begin_request()
-        start, end = self._rows
-        if step >= end - start and not self._wrapped:
-            self._wrapped = True
+    def end_request(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def request_of(self, request_id: str) -> int:
+        """The trace request ``request_id`` replays (given one on first use)."""
+        if request_id not in self._live:
+            self.begin_request(request_id)
+        return self._live[request_id].request
+
+    def row(self, request_id: str, step: int) -> int:
+        """Trace row of forward ``step`` of ``request_id`` (wrapping past its request's end)."""
+        self.request_of(request_id)
+        replay = self._live[request_id]
+        span = replay.end - replay.start
+        if step >= span and not replay.wrapped:
+            replay.wrapped = True
             logger.info(
                 "forced routing: request %d of %s has %d decode rows; forward %d wraps to its first row",
-                self.request,
+                replay.request,
                 self.trace.path,
-                end - start,
+                span,
                 step,
             )
-        return start + step % (end - start)
+        return replay.start + step % span
 
-    def experts(self, step: int, layer: int) -> np.ndarray:
-        """[top_k] int64 experts of decoder layer ``layer`` at forward ``step``."""
-        return self.trace.expert_ids[self.row(step), self._layer_index[layer]].astype(np.int64)
+    def experts(self, request_id: str, step: int, layer: int) -> np.ndarray:
+        """[top_k] int64 experts of decoder layer ``layer`` at forward ``step`` of ``request_id``."""
+        return self.trace.expert_ids[self.row(request_id, step), self._layer_index[layer]].astype(np.int64)
 
     def routing(
-        self, step: int, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self, segments: Sequence, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's (top_k_index [T, K] int64, top_k_weights [T, K]) in place of the router's.
 
-        Every token of the forward gets the same row (T > 1 only at prefill, see the module doc);
-        weights keep the router's dtype and device.
+        ``segments`` (``compute_svc.moe.StepSegment``) say whose rows are where: every token of
+        one request's rows gets that request's trace row of its forward (several tokens only
+        while its prompt is fed, see the module doc); weights keep the router's dtype and device.
         """
-        row, j = self.row(step), self._layer_index[layer]
-        tokens = top_k_index.shape[0]
-        index = torch.from_numpy(self.trace.expert_ids[row, j].astype(np.int64))
-        weights = torch.from_numpy(self.trace.gate_weights[row, j].astype(np.float32))
-        index = index.to(top_k_index.device).unsqueeze(0).expand(tokens, -1).contiguous()
-        weights = weights.to(device=top_k_weights.device, dtype=top_k_weights.dtype)
-        return index, weights.unsqueeze(0).expand(tokens, -1).contiguous()
+        j = self._layer_index[layer]
+        index = np.empty(tuple(top_k_index.shape), dtype=np.int64)
+        weights = np.empty(tuple(top_k_index.shape), dtype=np.float32)
+        for seg in segments:
+            row = self.row(seg.request_id, seg.step)
+            index[seg.start : seg.start + seg.rows] = self.trace.expert_ids[row, j]
+            weights[seg.start : seg.start + seg.rows] = self.trace.gate_weights[row, j]
+        return (
+            torch.from_numpy(index).to(top_k_index.device),
+            torch.from_numpy(weights).to(device=top_k_weights.device, dtype=top_k_weights.dtype),
+        )
 
-    def layer_ahead(self, step: int, predicted: Prediction) -> Prediction:
-        """The modelled layer-ahead prediction for ``predicted.layer`` (see the module doc)."""
-        row, j = self.row(step), self._layer_index[predicted.layer]
+    def layer_ahead(self, segment, predicted: Prediction) -> Prediction:
+        """The modelled layer-ahead prediction of ``segment``'s request for ``predicted.layer``
+        (see the module doc)."""
+        row, j = self.row(segment.request_id, segment.step), self._layer_index[predicted.layer]
         truth = self.trace.expert_ids[row, j].astype(np.int64)
         truth_weights = self.trace.gate_weights[row, j].astype(np.float32)
-        rng = np.random.default_rng((self._seed, self.request, step, predicted.layer))
+        request = self.request_of(segment.request_id)
+        rng = np.random.default_rng((self._seed, request, segment.step, predicted.layer))
         keep = rng.random(len(truth)) < self.layer_ahead_accuracy
         truth_set = set(truth.tolist())
         router_scores = dict(zip(predicted.experts, predicted.scores, strict=True))
@@ -233,3 +252,13 @@ class ForcedRouting:
             experts=tuple(experts[i] for i in order),
             scores=tuple(scores[i] for i in order),
         )
+
+
+@dataclass
+class _Replay:
+    """A request's trace request and its decode rows [start, end)."""
+
+    request: int
+    start: int
+    end: int
+    wrapped: bool = False

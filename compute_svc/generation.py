@@ -1,24 +1,29 @@
-"""The generation engine: one request at a time, prefill then a decode loop, token events out.
+"""The generation engine: requests validated, then advanced together, one packed forward per step.
 
 ::
 
-    GenerationRequest ─prepare─▶ PreparedRequest (validated prompt ids, limits)
+    GenerationRequest ─prepare─▶ PreparedRequest (prompt ids resolved, every limit checked)
+        │ start
+        ▼
+    RunningRequest: its KV (compute_svc.kv_cache.SequenceKV), sampler, detokenizer, stop rules;
+              input still to feed: the prompt (in chunks), then each generated token
         │
-        ▼  generate()
-    prefill: model(prompt [1, P]) ──▶ logits [V] + DynamicCache (made by the model itself)
-    decode:  pick token (greedy argmax | temperature + top-p sampling with the request's
-             torch.Generator) ─▶ detokenise incrementally ─▶ TokenEvent ─▶ stop? ─▶
-             model(token [1, 1], cache) ──▶ logits [V] ─▶ …
+        ▼ step([(seq A, 1), (seq B, 1), (seq C, 48)])     one forward over every request of a step
+    input_ids [1, 50] ─model─▶ logits of the last token of each request whose input is all fed
+        ─▶ Sampler.pick (its own RNG) ─▶ detokenise ─▶ stop? ─▶ TokenEvent per request
 
-Each forward runs the MoE layers through ``compute_svc.moe`` (experts from the daemon's arena);
-the runtime's counters give each token its hits, misses and stall. Nothing here knows gRPC.
+Every MoE layer of that forward sees the 50 tokens at once (``compute_svc.moe``): the union of
+their experts is acquired once and every expert runs once over all rows routed to it. Attention
+stays per request (``compute_svc.kv_cache``), so a request's tokens do not depend on what it is
+batched with. The scheduler (``compute_svc.scheduler``) decides which requests each step holds;
+``generate`` drives one request alone through the same ``step`` (tests, the equivalence seam).
+Nothing here knows gRPC.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,9 +34,11 @@ import torch
 
 from compute_svc.arena import Arena, resolve_device
 from compute_svc.errors import FailedPrecondition, InvalidArgument
+from compute_svc.kv_cache import Segment, SequenceKV, packed_forward, use_packed_attention
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
-from compute_svc.moe import ExpertProvider, ExpertRuntime, attach
+from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
+from compute_svc.sampling import Sampler, SamplingParams, check_sampling
 from expertcache.manifest import read_manifest
 
 if TYPE_CHECKING:
@@ -41,28 +48,47 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_TEMPERATURE = 100.0
+__all__ = ["SamplingParams"]  # re-exported: the request's sampling options live with the sampler
+
 _DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first piece decodes like the rest
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 1024
+MAX_ROLE_CHARS = 64
+MAX_REQUEST_ID_CHARS = 256
 
 
 # -- domain types ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 0 is read as 1
-    seed: int = 0  # 0 = draw a fresh seed
+class ChatMessage:
+    role: str
+    content: str
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()  # instead of text: the model's chat template applies
     max_new_tokens: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     request_id: str = ""
+    logprobs: bool = False  # report the chosen token's log-probability
+    deadline: float | None = None  # time.monotonic() by which the request must be over
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (the service's configuration; ``ModelInfo`` reports them)."""
+
+    max_new_tokens: int = 4096
+    max_prompt_tokens: int = 0  # 0: the model's maximum positions
+    max_total_tokens: int = 0  # prompt + new tokens; 0: the model's maximum positions
+    max_prompt_bytes: int = 1 << 20  # text (or messages) before tokenisation
 
 
 class FinishReason(enum.Enum):
@@ -73,6 +99,8 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class TokenStats:
+    """Expert cache activity of the step that produced the token (shared by the step's requests)."""
+
     hits: int = 0
     misses: int = 0
     stall_s: float = 0.0
@@ -87,6 +115,7 @@ class TokenEvent:
     cache: TokenStats
     finish_reason: FinishReason | None = None  # set on the last event only
     prompt_tokens: int | None = None  # set on the first event only
+    logprob: float | None = None  # set when the request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -103,19 +132,24 @@ class ModelInfo:
     has_tokenizer: bool
     max_new_tokens_limit: int
     dtype: str
+    max_prompt_tokens: int = 0
+    max_total_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request: prompt ids resolved, sampling normalised."""
+    """A validated request: prompt ids resolved, every limit checked."""
 
     request: GenerationRequest
     prompt_ids: tuple[int, ...]
-    top_p: float  # 1.0 when the request said 0
     arrived_at: float = field(default_factory=time.perf_counter)
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
-# -- pieces of the decode loop --------------------------------------------------------------------
+
+# -- pieces of a request's decode ------------------------------------------------------------------
 class IncrementalDetokenizer:
     """Text pieces from a growing id sequence, holding back incomplete UTF-8 characters.
 
@@ -144,53 +178,83 @@ class IncrementalDetokenizer:
         return ""
 
 
-class TokenPicker:
-    """Greedy argmax, or temperature + top-p sampling from the request's own generator."""
+class RunningRequest:
+    """One running request: what it has fed, what it must still feed, how it chooses and stops.
 
-    def __init__(self, sampling: SamplingParams, top_p: float, device: torch.device) -> None:
-        self.temperature = sampling.temperature
-        self.top_p = top_p
-        self.generator: torch.Generator | None = None
-        if self.temperature > 0:
-            seed = sampling.seed or secrets.randbits(63)
-            self.generator = torch.Generator(device=device).manual_seed(seed)
+    Made by ``GenerationEngine.start``; advanced by ``GenerationEngine.step``; owned by one thread
+    (the scheduler's)."""
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits [V] → token id."""
-        if self.generator is None:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [V] float32
-        if self.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)  # [V], [V] int64
-            # Drop a token when the mass before it already reaches top_p (the first always stays).
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def __init__(self, prepared: PreparedRequest, routing_id: str, sampler: Sampler, detok, stop_ids) -> None:
+        self.prepared = prepared
+        self.routing_id = routing_id  # the id the daemon, predictor and trace know it by
+        self.kv = SequenceKV()
+        self.sampler = sampler
+        self.detok = detok
+        self.stop_ids: frozenset[int] = stop_ids
+        self.pending: list[int] = list(prepared.prompt_ids)  # input not fed yet
+        self.generated = 0
+        self.text = ""  # generated text, kept only when stop strings need it
+        self.last_event_at = prepared.arrived_at
+        self.finish: FinishReason | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.prepared.request
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.generated == 0
+
+    @property
+    def position(self) -> int:
+        """Request position of the next token fed."""
+        return self.kv.length
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes
 
 
 # -- the engine -----------------------------------------------------------------------------------
 class GenerationEngine:
-    """Runs one request at a time on the loaded model (driven by the scheduler's worker)."""
+    """Runs steps of many requests on the loaded model (driven by the scheduler's one thread)."""
 
     def __init__(
         self,
         loaded: LoadedModel,
         runtime: ExpertRuntime,
         *,
-        max_new_tokens_limit: int,
+        max_new_tokens_limit: int = 4096,
+        limits: RequestLimits | None = None,
         metrics: ComputeMetrics | None = None,
     ) -> None:
         self.loaded = loaded
         self.runtime = runtime
-        self.max_new_tokens_limit = max_new_tokens_limit
+        limits = limits or RequestLimits(max_new_tokens=max_new_tokens_limit)
+        max_positions = int(getattr(loaded.config, "max_position_embeddings", 0) or 0) or (1 << 31)
+        # Configured limits never exceed what the model's positions allow.
+        self.limits = RequestLimits(
+            max_new_tokens=limits.max_new_tokens,
+            max_prompt_tokens=min(limits.max_prompt_tokens or max_positions, max_positions),
+            max_total_tokens=min(limits.max_total_tokens or max_positions, max_positions),
+            max_prompt_bytes=limits.max_prompt_bytes,
+        )
+        self.max_new_tokens_limit = self.limits.max_new_tokens
         self.metrics = metrics or ComputeMetrics()
-        # Routing capture (off unless enable_routing): each forward's routing goes to the
-        # predictor's reporter and/or the trace recorder.
+        # Routing capture (off unless enable_routing): each step's routing goes to the predictor's
+        # reporter and/or the trace recorder, per request.
         self.routing_capture: RoutingCapture | None = None
         self.reporter: ActivationReporter | None = None
         self.recorder: TraceRecorder | None = None
-        self._routing_id = ""  # id the running request is reported under
+        self.attention = use_packed_attention(loaded.model)
 
     def enable_routing(
         self,
@@ -206,46 +270,291 @@ class GenerationEngine:
 
     # -- validation -------------------------------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Validate ``request``; ``InvalidArgument`` names the bad field and value."""
-        if request.text and request.token_ids:
-            raise InvalidArgument("set only one of text and token_ids, not both")
-        if not request.text and not request.token_ids:
-            raise InvalidArgument("prompt is empty: set text or token_ids")
-        limit = self.max_new_tokens_limit
-        if not 1 <= request.max_new_tokens <= limit:
-            raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} is out of range [1, {limit}]")
-        sampling = request.sampling
-        if not (math.isfinite(sampling.temperature) and 0.0 <= sampling.temperature <= MAX_TEMPERATURE):
+        """Validate ``request``; ``InvalidArgument`` names the bad field, its value and the limit.
+
+        Sizes are checked before any work that grows with them (tokenisation, id conversion), so
+        a huge prompt is refused at once."""
+        limits = self.limits
+        given = sum(bool(x) for x in (request.text, request.token_ids, request.messages))
+        if given > 1:
+            raise InvalidArgument("set only one of text, token_ids and messages")
+        if given == 0:
+            raise InvalidArgument("prompt is empty: set text, token_ids or messages")
+        if not 1 <= request.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument(
-                f"sampling.temperature {sampling.temperature} is out of range [0, {MAX_TEMPERATURE:g}]"
+                f"max_new_tokens {request.max_new_tokens} is out of range [1, {limits.max_new_tokens}]"
             )
-        if not (math.isfinite(sampling.top_p) and 0.0 <= sampling.top_p <= 1.0):
-            raise InvalidArgument(f"sampling.top_p {sampling.top_p} is out of range (0, 1] (0 means 1)")
+        problems = check_sampling(request.sampling)
+        if problems:
+            raise InvalidArgument("; ".join(problems))
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(
+                f"request_id is {len(request.request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+            )
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(f"stop holds {len(request.stop)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not s for s in request.stop):
+            raise InvalidArgument("stop holds an empty string")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in request.stop):
+            raise InvalidArgument(f"stop holds a string longer than {MAX_STOP_STRING_CHARS} characters")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"stop_token_ids holds {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         tokenizer = self.loaded.tokenizer
-        if request.text:
-            if tokenizer is None:
-                raise InvalidArgument("text was given but the model has no tokenizer: send token_ids instead")
-            prompt_ids = tuple(tokenizer.encode(request.text))
-            if not prompt_ids:
-                raise InvalidArgument("prompt is empty: text encodes to no tokens")
-        else:
-            prompt_ids = tuple(int(t) for t in request.token_ids)
+        if request.stop and tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer, which this model lacks: use stop_token_ids")
+        prompt_ids = self._prompt_ids(request)
         vocab = self.loaded.vocab_size
         for field_name, ids in (("token_ids", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
             for i, token in enumerate(ids):
                 if not 0 <= token < vocab:
                     raise InvalidArgument(f"{field_name}[{i}] = {token} is out of range [0, {vocab})")
-        if request.stop and tokenizer is None:
-            raise InvalidArgument("stop strings need a tokenizer, which this model lacks: use stop_token_ids")
-        if any(not s for s in request.stop):
-            raise InvalidArgument("stop holds an empty string")
-        return PreparedRequest(request=request, prompt_ids=prompt_ids, top_p=sampling.top_p or 1.0)
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt_ids)} tokens; this service takes at most {limits.max_prompt_tokens} "
+                "(max_prompt_tokens, and the model's maximum positions)"
+            )
+        total = len(prompt_ids) + request.max_new_tokens
+        if total > limits.max_total_tokens:
+            raise InvalidArgument(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} exceeds "
+                f"{limits.max_total_tokens} (max_total_tokens, and the model's maximum positions): ask for fewer tokens"
+            )
+        return PreparedRequest(request=request, prompt_ids=prompt_ids)
 
-    # -- generation -------------------------------------------------------------------------------
+    def _prompt_ids(self, request: GenerationRequest) -> tuple[int, ...]:
+        limits = self.limits
+        tokenizer = self.loaded.tokenizer
+        if request.token_ids:
+            if len(request.token_ids) > limits.max_prompt_tokens:
+                raise InvalidArgument(
+                    f"token_ids holds {len(request.token_ids)} ids; this service takes at most "
+                    f"{limits.max_prompt_tokens} prompt tokens (max_prompt_tokens)"
+                )
+            return tuple(int(t) for t in request.token_ids)
+        if tokenizer is None:
+            raise InvalidArgument(
+                "text or messages were given but the model has no tokenizer: send token_ids instead"
+            )
+        if request.messages:
+            if len(request.messages) > MAX_MESSAGES:
+                raise InvalidArgument(
+                    f"messages holds {len(request.messages)} messages; at most {MAX_MESSAGES}"
+                )
+            size = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
+            if size > limits.max_prompt_bytes:
+                raise InvalidArgument(
+                    f"messages hold {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
+                )
+            for i, m in enumerate(request.messages):
+                if not m.role or len(m.role) > MAX_ROLE_CHARS:
+                    raise InvalidArgument(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} characters")
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidArgument(
+                    "the model has no chat template: send text or token_ids instead of messages"
+                )
+            try:
+                ids = tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in request.messages],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+                raise InvalidArgument(f"messages: the chat template failed on them: {exc}") from None
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            size = len(request.text.encode())
+            if size > limits.max_prompt_bytes:
+                raise InvalidArgument(
+                    f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
+                )
+            ids = tokenizer.encode(request.text)
+        if not ids:
+            raise InvalidArgument("prompt is empty: text encodes to no tokens")
+        return tuple(int(t) for t in ids)
+
+    # -- running requests -------------------------------------------------------------------------
+    def start(self, prepared: PreparedRequest) -> RunningRequest:
+        """A request's running state; the daemon and the reporter learn of it."""
+        request = prepared.request
+        # Reports need an id even when the client gave none; ids of concurrent requests must differ.
+        routing_id = request.request_id or f"anon-{secrets.token_hex(8)}"
+        eos = frozenset() if request.ignore_eos else self.loaded.eos_token_ids
+        seq = RunningRequest(
+            prepared,
+            routing_id,
+            Sampler(request.sampling, prepared.prompt_ids, self.loaded.vocab_size, self.loaded.device),
+            IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids),
+            eos | frozenset(request.stop_token_ids),
+        )
+        self.runtime.begin_request(routing_id)
+        logger.debug("request %r: %d prompt tokens", request.request_id, seq.prompt_tokens)
+        return seq
+
+    def finish(self, seq: RunningRequest, outcome: str) -> None:
+        """``seq`` leaves (``outcome``: a finish reason, cancelled, expired or error): its KV goes,
+        the daemon and the predictor are told (a cancelled request too: the predictor closes its
+        EAM)."""
+        self.runtime.end_request(seq.routing_id)
+        if self.reporter is not None:
+            self.reporter.on_request_end(seq.routing_id)
+        if self.recorder is not None:
+            self.recorder.on_request_end(seq.routing_id, outcome)
+        seq.kv = SequenceKV()
+        self.metrics.record_finish(outcome)
+        if outcome in {r.value for r in FinishReason}:
+            logger.info(
+                "request %r: %d prompt + %d generated tokens in %.3fs, finish %s",
+                seq.request.request_id,
+                seq.prompt_tokens,
+                seq.generated,
+                time.perf_counter() - seq.prepared.arrived_at,
+                outcome,
+            )
+
+    @torch.inference_mode()
+    def step(
+        self, plan: Sequence[tuple[RunningRequest, int]], *, deadline: float | None = None
+    ) -> list[tuple[RunningRequest, TokenEvent]]:
+        """One forward over ``plan`` (each request with how many of its pending tokens to feed:
+        all of a decode token, or a chunk of its prompt); returns a token event for every request
+        whose input is then all fed. A failure leaves every request's KV as it was. ``deadline``
+        (``time.monotonic()``): no wait for experts goes beyond it (``DeadlineExceeded``)."""
+        device = self.loaded.device
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        step_segments: list[StepSegment] = []
+        logits_rows: list[int] = []
+        emitting: list[RunningRequest] = []
+        for seq, n in plan:
+            if not 0 < n <= len(seq.pending):
+                raise ValueError(
+                    f"plan feeds {n} of the {len(seq.pending)} pending tokens of {seq.routing_id}"
+                )
+            chunk = seq.pending[:n]
+            first = seq.position
+            step_segments.append(StepSegment(seq.routing_id, len(ids), n, first, seq.generated))
+            ids += chunk
+            positions += range(first, first + n)
+            segments.append(Segment(seq.kv, n))
+            if n == len(seq.pending):  # its input is all fed: this forward chooses its next token
+                logits_rows.append(len(ids) - 1)
+                emitting.append(seq)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
+        keep = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        if self.routing_capture is not None:
+            self.routing_capture.begin()
+        self.runtime.begin_step(step_segments, deadline=deadline)
+        failed = True
+        try:
+            with packed_forward(segments) as cache:
+                out = self.loaded.model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=keep if logits_rows else 1,
+                )
+            failed = False
+        finally:
+            if failed:
+                self.runtime.end_step(failed=True)
+        for seq, n in plan:
+            seq.kv.commit(n)
+            del seq.pending[:n]
+        if self.routing_capture is not None:
+            self._report_routing(step_segments, {seq.routing_id: seq.prompt_tokens for seq, _ in plan})
+        events = []
+        logits = out.logits[0] if logits_rows else None  # [rows, V]
+        for row, seq in enumerate(emitting):
+            events.append((seq, self._emit(seq, logits[row])))
+        # Token picks waited for the device: the step's last experts may be released.
+        self.runtime.end_step()
+        counters = self.runtime.reset_counters()
+        stats = TokenStats(counters.hits, counters.misses, counters.stall_s)
+        events = [(seq, _with_stats(event, stats)) for seq, event in events]
+        self.metrics.record_step(counters)
+        for _, event in events:
+            self.metrics.record_token(event.latency_s)
+        return events
+
+    def _emit(self, seq: RunningRequest, logits: torch.Tensor) -> TokenEvent:
+        """Choose ``seq``'s next token from ``logits`` [V] and advance its text and stop state."""
+        request = seq.request
+        token, logprob = seq.sampler.pick(logits, want_logprob=request.logprobs)
+        index = seq.generated
+        seq.generated += 1
+        finish = None
+        if token in seq.stop_ids:
+            finish = FinishReason.EOS
+        elif seq.generated == request.max_new_tokens:
+            finish = FinishReason.LENGTH
+        piece = seq.detok.add(token, final=finish is not None)
+        if request.stop and finish is None:
+            seq.text += piece
+            window = seq.text[-(len(piece) + max(map(len, request.stop))) :]
+            if any(s in window for s in request.stop):
+                finish = FinishReason.STOP
+        now = time.perf_counter()
+        event = TokenEvent(
+            index=index,
+            token_id=token,
+            text=piece,
+            latency_s=now - seq.last_event_at,
+            cache=TokenStats(),
+            finish_reason=finish,
+            prompt_tokens=seq.prompt_tokens if index == 0 else None,
+            logprob=logprob,
+        )
+        seq.last_event_at = now
+        seq.finish = finish
+        if finish is None:
+            seq.pending.append(token)  # fed back by its next step
+        return event
+
+    def _report_routing(self, segments: Sequence[StepSegment], prompt_tokens: dict[str, int]) -> None:
+        for step in self.routing_capture.take(segments, with_weights=self.recorder is not None):
+            if self.reporter is not None:
+                self.reporter.on_step(step)
+            if self.recorder is not None:
+                self.recorder.on_step(step, prompt_tokens[step.request_id])
+
+    # -- one request alone (tests, the equivalence seam) ------------------------------------------
+    def generate(
+        self,
+        prepared: PreparedRequest,
+        should_stop: Callable[[], bool] = lambda: False,
+        *,
+        prefill_chunk_tokens: int = 0,
+    ) -> Iterator[TokenEvent]:
+        """Token events of ``prepared`` run alone; stops early (quietly) once ``should_stop()`` is
+        true. ``prefill_chunk_tokens`` feeds the prompt in chunks of that many tokens (0: whole)."""
+        seq = self.start(prepared)
+        outcome = "error"
+        try:
+            while not seq.done:
+                if should_stop():
+                    outcome = "cancelled"
+                    logger.info("request %r cancelled after %d tokens", seq.request.request_id, seq.generated)
+                    return
+                n = len(seq.pending)
+                if prefill_chunk_tokens and seq.in_prefill:
+                    n = min(n, prefill_chunk_tokens)
+                for _, event in self.step([(seq, n)]):
+                    yield event
+            outcome = seq.finish.value
+        finally:
+            self.finish(seq, outcome)
+
     @torch.inference_mode()
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [P, V] of one forward pass over ``token_ids`` (no cache): the equivalence seam."""
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)
+        self.runtime.begin_step([StepSegment("", 0, len(token_ids), 0, 0)])
         failed = True
         try:
             logits = self.loaded.model(input_ids=input_ids, use_cache=False).logits[0]
@@ -253,133 +562,6 @@ class GenerationEngine:
         finally:
             self.runtime.end_step(failed=failed)
         return logits
-
-    def generate(
-        self, prepared: PreparedRequest, should_stop: Callable[[], bool] = lambda: False
-    ) -> Iterator[TokenEvent]:
-        """Token events of ``prepared``; stops early (quietly) once ``should_stop()`` is true."""
-        if self.routing_capture is None:
-            yield from self._generate(prepared, should_stop)
-            return
-        # Reports need an id even when the client gave none.
-        self._routing_id = prepared.request.request_id or f"anon-{secrets.token_hex(8)}"
-        outcome = "error"
-        try:
-            for event in self._generate(prepared, should_stop):
-                if event.finish_reason is not None:
-                    outcome = event.finish_reason.value
-                yield event
-            if outcome == "error":
-                outcome = "cancelled"
-        finally:
-            # Also for cancelled and failed requests: the predictor closes the request's EAM.
-            if self.reporter is not None:
-                self.reporter.on_request_end(self._routing_id)
-            if self.recorder is not None:
-                self.recorder.on_request_end(self._routing_id, outcome)
-
-    def _routed(self, index: int, prompt_tokens: int) -> None:
-        """Hand the forward of generation step ``index`` to the reporter and the recorder."""
-        first = 0 if index == 0 else prompt_tokens + index - 1  # position of the fed tokens
-        step = self.routing_capture.take(self._routing_id, first, with_weights=self.recorder is not None)
-        if step is None:
-            logger.warning("a forward did not route every MoE layer: its routing is not reported")
-            return
-        if self.reporter is not None:
-            self.reporter.on_step(step)
-        if self.recorder is not None:
-            self.recorder.on_step(step, prompt_tokens)
-
-    def _generate(self, prepared: PreparedRequest, should_stop: Callable[[], bool]) -> Iterator[TokenEvent]:
-        request = prepared.request
-        pick = TokenPicker(request.sampling, prepared.top_p, self.loaded.device)
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids)
-        eos = frozenset() if request.ignore_eos else self.loaded.eos_token_ids
-        stop_ids = eos | frozenset(request.stop_token_ids)
-        last = prepared.arrived_at
-        self.runtime.reset_counters()
-        logger.debug("request %r: %d prompt tokens", request.request_id, len(prepared.prompt_ids))
-        # The daemon keys its per-request routing history by this id (the reported one if any).
-        signal_id = self._routing_id if self.routing_capture is not None else request.request_id
-        self.runtime.begin_request(signal_id or f"anon-{secrets.token_hex(8)}")
-        try:
-            yield from self._decode_loop(prepared, should_stop, pick, detok, stop_ids, last)
-        finally:
-            # After a failure or a cancellation, the last forward's pins (if any) go now.
-            self.runtime.end_step(failed=True)
-            self.runtime.end_request(self.runtime.request_id)
-
-    def _decode_loop(
-        self,
-        prepared: PreparedRequest,
-        should_stop: Callable[[], bool],
-        pick: TokenPicker,
-        detok: IncrementalDetokenizer,
-        stop_ids: frozenset[int],
-        last: float,
-    ) -> Iterator[TokenEvent]:
-        request = prepared.request
-        model = self.loaded.model
-        device = self.loaded.device
-        text = ""
-        with torch.inference_mode():
-            input_ids = torch.tensor([prepared.prompt_ids], dtype=torch.long, device=device)  # [1, P]
-            cache = None
-            for index in range(request.max_new_tokens):
-                if should_stop():
-                    logger.info("request %r cancelled after %d tokens", request.request_id, index)
-                    return
-                # The model builds its own DynamicCache on the first call (sliding-window layers
-                # included), exactly as model.generate does.
-                if self.routing_capture is not None:
-                    self.routing_capture.begin()
-                prompt_tokens = len(prepared.prompt_ids)
-                # Position of the forward's last token: the prompt's last, then each fed-back token.
-                self.runtime.begin_step(index, prompt_tokens - 1 if index == 0 else prompt_tokens + index - 1)
-                out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                if self.routing_capture is not None:
-                    self._routed(index, len(prepared.prompt_ids))
-                token = pick(out.logits[0, -1])  # logits [V]
-                # The pick waited for the device: the step's last experts may be released.
-                self.runtime.end_step()
-                counters = self.runtime.reset_counters()
-                finish = None
-                if token in stop_ids:
-                    finish = FinishReason.EOS
-                elif index == request.max_new_tokens - 1:
-                    finish = FinishReason.LENGTH
-                piece = detok.add(token, final=finish is not None)
-                if request.stop and finish is None:
-                    text += piece
-                    window = text[-(len(piece) + max(map(len, request.stop))) :]
-                    if any(s in window for s in request.stop):
-                        finish = FinishReason.STOP
-                now = time.perf_counter()
-                event = TokenEvent(
-                    index=index,
-                    token_id=token,
-                    text=piece,
-                    latency_s=now - last,
-                    cache=TokenStats(counters.hits, counters.misses, counters.stall_s),
-                    finish_reason=finish,
-                    prompt_tokens=len(prepared.prompt_ids) if index == 0 else None,
-                )
-                last = now
-                self.metrics.record_token(event.latency_s, counters)
-                yield event
-                if finish is not None:
-                    self.metrics.record_finish(finish.value)
-                    logger.info(
-                        "request %r: %d prompt + %d generated tokens in %.3fs, finish %s",
-                        request.request_id,
-                        len(prepared.prompt_ids),
-                        index + 1,
-                        now - prepared.arrived_at,
-                        finish.value,
-                    )
-                    return
-                input_ids = torch.tensor([[token]], dtype=torch.long, device=device)  # [1, 1]
 
     def model_info(self) -> ModelInfo:
         manifest = self.loaded.manifest
@@ -394,9 +576,24 @@ class GenerationEngine:
             total_expert_bytes=manifest.total_expert_bytes,
             device_slots=self.runtime.num_slots,
             has_tokenizer=self.loaded.tokenizer is not None,
-            max_new_tokens_limit=self.max_new_tokens_limit,
+            max_new_tokens_limit=self.limits.max_new_tokens,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
+            max_prompt_tokens=self.limits.max_prompt_tokens,
+            max_total_tokens=self.limits.max_total_tokens,
         )
+
+
+def _with_stats(event: TokenEvent, stats: TokenStats) -> TokenEvent:
+    return TokenEvent(
+        index=event.index,
+        token_id=event.token_id,
+        text=event.text,
+        latency_s=event.latency_s,
+        cache=stats,
+        finish_reason=event.finish_reason,
+        prompt_tokens=event.prompt_tokens,
+        logprob=event.logprob,
+    )
 
 
 def build_engine(
@@ -406,6 +603,7 @@ def build_engine(
     *,
     device: str = "auto",
     max_new_tokens_limit: int = 4096,
+    limits: RequestLimits | None = None,
     metrics: ComputeMetrics | None = None,
 ) -> GenerationEngine:
     """Map the arena, load the dense model and wire the experts forward to ``provider``."""
@@ -421,4 +619,6 @@ def build_engine(
     loaded = load_model(store_dir, attachment.manifest, arena.device)
     runtime = ExpertRuntime(provider, arena, attachment.manifest.tensors)
     attach(loaded.model, loaded.experts_modules, runtime)
-    return GenerationEngine(loaded, runtime, max_new_tokens_limit=max_new_tokens_limit, metrics=metrics)
+    return GenerationEngine(
+        loaded, runtime, max_new_tokens_limit=max_new_tokens_limit, limits=limits, metrics=metrics
+    )

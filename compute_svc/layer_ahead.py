@@ -147,74 +147,63 @@ class LayerAheadPredictor:
         probs.scatter_(1, indices.long(), weights)
         return next_layer, probs
 
-    def predict_device(self, layer: int, hidden_states: torch.Tensor) -> DevicePrediction | None:
-        """The next MoE layer's candidates for ``hidden_states`` [T, H], still on the device.
+    def predict_device(
+        self, layer: int, hidden_states: torch.Tensor, segments: Sequence[tuple[int, int]] | None = None
+    ) -> DevicePrediction | None:
+        """The next MoE layer's expert scores for each request of a step, still on the device.
 
-        None for the last MoE layer. T = 1: the router's top-k as it returned them; T > 1: every
-        expert with its best probability over the tokens (zeros are dropped on the host, in
-        ``finish``). Nothing here waits for the device: the caller brings ``experts`` and
-        ``scores`` to the host together with whatever else it needs (one transfer per layer).
+        ``hidden_states`` [T, H] holds the rows of every request; ``segments`` gives each
+        request's ``(first row, rows)`` (default: one request, all rows). A request's score of an
+        expert is its best router probability over the request's rows (a decode token: its top-k
+        weights renormalised; a prefill chunk: the union over its tokens). None for the last MoE
+        layer. Nothing here waits for the device: the caller brings ``scores`` to the host with
+        whatever else it needs (one transfer per layer) and calls ``finish``.
         """
-        entry = self._next.get(layer)
-        if entry is None:
-            return None
-        next_layer, router = entry
-        if hidden_states.shape[0] == 1:
-            _, weights, indices = type(router).forward(router, hidden_states)  # [1, K], [1, K]
-            return DevicePrediction(next_layer, indices[0], weights[0].float(), normalise=True)
         out = self.scores(layer, hidden_states)
-        assert out is not None
-        probs = out[1]  # [T, E] float32
-        best = probs.max(dim=0).values  # [E]: over tokens
-        experts = torch.arange(best.shape[0], device=best.device)
-        return DevicePrediction(next_layer, experts, best, normalise=False)
+        if out is None:
+            return None
+        next_layer, probs = out  # [T, E] float32
+        if segments is None or len(segments) == 1:
+            return DevicePrediction(next_layer, probs.max(dim=0, keepdim=True).values)  # [1, E]
+        owner = torch.empty(probs.shape[0], dtype=torch.long)
+        for i, (start, rows) in enumerate(segments):
+            owner[start : start + rows] = i
+        owner = owner.to(probs.device).unsqueeze(1).expand_as(probs)  # [T, E]
+        best = probs.new_zeros(len(segments), probs.shape[1])  # [B, E]
+        return DevicePrediction(next_layer, best.scatter_reduce_(0, owner, probs, reduce="amax"))
 
     def predict(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
-        """The next MoE layer's experts for ``hidden_states`` [T, H] (layer ``layer``'s MoE input).
-
-        None for the last MoE layer. T = 1: the token's top-k; T > 1: the union over tokens.
-        One host transfer; the generation hot path uses ``predict_device`` and packs it with the
-        routing instead (``compute_svc.moe``).
-        """
+        """The next MoE layer's experts for ``hidden_states`` [T, H] of one request (layer
+        ``layer``'s MoE input). None for the last MoE layer. One host transfer; the generation
+        hot path uses ``predict_device`` and packs it with the routing (``compute_svc.moe``)."""
         pending = self.predict_device(layer, hidden_states)
         if pending is None:
             return None
-        both = torch.stack((pending.experts.to(torch.float64), pending.scores.to(torch.float64))).cpu()
-        return pending.finish(both[0].numpy(), both[1].numpy())
+        return pending.finish(pending.scores.cpu().numpy())[0]
 
 
 @dataclass(frozen=True)
 class DevicePrediction:
-    """A layer-ahead prediction before its host transfer: candidate ``experts`` [n] (int) and
-    their ``scores`` [n] (float32), on the device."""
+    """Layer-ahead scores before their host transfer: ``scores`` [B, E] float32 on the device,
+    one row per request of the step."""
 
     layer: int
-    experts: torch.Tensor
     scores: torch.Tensor
-    normalise: bool  # decode: the router's top-k weights, renormalised to sum to 1
 
-    def finish(self, experts, scores) -> Prediction:
-        """The ``Prediction`` from the host copies of ``experts`` and ``scores`` (1-D arrays)."""
-        pairs = [(int(e), float(s)) for e, s in zip(experts.tolist(), scores.tolist(), strict=True)]
-        if self.normalise:
-            return _sorted_prediction(self.layer, [e for e, _ in pairs], [s for _, s in pairs])
-        # Prefill: the union over tokens, each expert scored by its best probability, best first.
-        pairs = sorted((p for p in pairs if p[1] > 0), key=lambda p: -p[1])
-        return Prediction(
-            layer=self.layer,
-            experts=tuple(e for e, _ in pairs),
-            scores=tuple(min(1.0, s) for _, s in pairs),
-        )
-
-
-def _sorted_prediction(layer: int, experts: list[int], weights: list[float]) -> Prediction:
-    total = sum(weights) or 1.0
-    pairs = sorted(zip(experts, weights, strict=True), key=lambda p: -p[1])
-    return Prediction(
-        layer=layer,
-        experts=tuple(int(e) for e, _ in pairs),
-        scores=tuple(min(1.0, max(0.0, w / total)) for _, w in pairs),
-    )
+    def finish(self, scores) -> list[Prediction]:
+        """One ``Prediction`` per row of the host copy of ``scores`` ([B, E] array): the experts
+        with a score above zero, best first (ties by expert number)."""
+        out = []
+        for row in scores:
+            pairs = sorted(((e, float(p)) for e, p in enumerate(row.tolist()) if p > 0), key=lambda x: -x[1])
+            out.append(
+                Prediction(
+                    layer=self.layer,
+                    experts=tuple(e for e, _ in pairs),
+                    scores=tuple(min(1.0, p) for _, p in pairs),
+                )
+            )
+        return out
 
 
 def accuracy(predicted: Sequence[int], actual: Sequence[int]) -> float:

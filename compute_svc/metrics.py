@@ -7,7 +7,7 @@ Names carry their unit and no colons (STYLE.md):
 - ``moe_compute_expert_acquires_total{tier}``  experts used, by the tier they were found in
 - ``moe_compute_stall_seconds_total``          time spent waiting for experts
 - ``moe_compute_requests_total{finish_reason}`` finished requests (``error``, ``cancelled`` too)
-- ``moe_compute_queue_depth``                  requests waiting for the worker
+- ``moe_compute_queue_depth``                  requests waiting for a place in the batch
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ class ComputeMetrics:
         self.requests_total: Counter[str] = Counter()
         self.queue_depth = 0
 
-    def record_token(self, latency_s: float, counters: CacheCounters) -> None:
+    def record_token(self, latency_s: float) -> None:
         with self._lock:
             self.tokens_total += 1
             self.token_latency_seconds_sum += latency_s
+
+    def record_step(self, counters: CacheCounters) -> None:
+        """One forward's expert cache activity (shared by the requests of the step)."""
+        with self._lock:
             self.stall_seconds_total += counters.stall_s
             for tier, count in counters.by_tier.items():
                 self.expert_acquires_total[tier.value] += count

@@ -85,17 +85,19 @@ class ExpertProvider(Protocol):
     """Hands out pinned arena slots (implemented by ``cache_client.DaemonClient``).
 
     ``acquire`` yields one ``ReadyExpert`` per requested expert in readiness order; the slot
-    stays pinned until ``release``. Closing the iterator early drops every pin it holds.
+    stays pinned until ``release``. A wait never goes beyond ``deadline`` (``time.monotonic()``). Closing the iterator early drops every pin it holds.
     """
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[ReadyExpert]: ...
+    def acquire(
+        self, layer: int, experts: Sequence[int], *, deadline: float | None = None
+    ) -> Iterator[ReadyExpert]: ...
 
     def release(self, layer: int, experts: Sequence[int]) -> None: ...
 
 
 # Optional one-way provider methods (``cache_client.DaemonClient`` has them; a provider without
 # them simply gets no signals): ``begin_request(request_id)``, ``end_request(request_id)``,
-# ``routed(token, layer, experts)``, ``layer_ahead(token, layer, experts, scores)``.
+# ``routed(request_id, token, layer, experts)``, ``layer_ahead(request_id, token, layer, experts, scores)``.
 _SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 
 
@@ -227,6 +229,23 @@ class Combiner:
 
 
 # -- the runtime the experts modules are tagged with ---------------------------------------------
+@dataclass(frozen=True)
+class StepSegment:
+    """One request's rows in a forward: ``rows`` tokens from row ``start``, at request positions
+    ``position .. position + rows - 1``. ``step`` counts the request's generated tokens fed
+    before (0 while its prompt is fed, i when feeding its generated token i - 1)."""
+
+    request_id: str
+    start: int
+    rows: int
+    position: int
+    step: int
+
+    @property
+    def last_position(self) -> int:
+        return self.position + self.rows - 1
+
+
 @dataclass
 class CacheCounters:
     """Expert cache activity since the last ``reset`` (one token, for the engine)."""
@@ -280,12 +299,12 @@ class ExpertRuntime:
         # (compute_svc.forced_routing, a benchmark feature); both off unless set.
         self.layer_ahead: LayerAheadPredictor | None = None
         self.forced: ForcedRouting | None = None
-        # Where the running forward is in its request: ``step`` counts forwards (0 = prefill),
-        # ``position`` is the request position of the forward's last token (what signals name).
-        self.step = 0
-        self.position = 0
-        self.request_id = ""  # of the running Generate, as the daemon is told
+        # The requests of the running forward: which rows are whose, at which positions
+        # (``begin_step``); signals, forced routing and routing capture are per request.
+        self.segments: tuple[StepSegment, ...] = ()
+        self.deadline: float | None = None
         self._signals = {name: getattr(provider, name, None) for name in _SIGNALS}
+        self._begin_step = getattr(provider, "begin_step", None)
 
     @property
     def num_slots(self) -> int:
@@ -297,21 +316,36 @@ class ExpertRuntime:
         return counters
 
     def begin_request(self, request_id: str) -> None:
-        """A Generate starts: forced routing moves to its next trace request, the daemon is told."""
-        self.step = self.position = 0
-        self.request_id = request_id
+        """A request starts: forced routing gives it its trace request, the daemon is told."""
         if self.forced is not None:
-            self.forced.begin_request()
+            self.forced.begin_request(request_id)
         if self._signals["begin_request"] is not None:
             self._signals["begin_request"](request_id)
 
     def end_request(self, request_id: str) -> None:
+        if self.forced is not None:
+            self.forced.end_request(request_id)
         if self._signals["end_request"] is not None:
             self._signals["end_request"](request_id)
 
-    def begin_step(self, step: int, position: int) -> None:
-        """The next forward is the request's ``step``-th; its last token sits at ``position``."""
-        self.step, self.position = step, position
+    def begin_step(self, segments: Sequence[StepSegment], *, deadline: float | None = None) -> None:
+        """The next forward holds ``segments``, in row order (one per request); its waits for
+        experts end at ``deadline`` (``time.monotonic()``) at the latest."""
+        self.segments = tuple(segments)
+        self.deadline = deadline
+        if self._begin_step is not None:
+            self._begin_step()  # the provider forgets an interrupt of an earlier step
+
+    def remap(self, arena: Arena) -> None:
+        """Read experts from ``arena`` from now on (a restarted daemon's; same layout and device)."""
+        if arena.device != self.arena.device:
+            raise FailedPrecondition(
+                f"the cache daemon's new arena is on {arena.device}, the model on {self.arena.device}: "
+                "restart compute"
+            )
+        self._unreleased.clear()  # those pins went with the old daemon
+        self.arena = arena
+        self._slot_views = [arena.slot_views(slot, self.layouts) for slot in range(arena.num_slots)]
 
     def forward(
         self,
@@ -323,12 +357,14 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
         if self.forced is not None:
-            top_k_index, top_k_weights = self.forced.routing(self.step, layer, top_k_index, top_k_weights)
+            top_k_index, top_k_weights = self.forced.routing(self.segments, layer, top_k_index, top_k_weights)
         # Layer-ahead runs on the device before the transfer, so that its result travels with it.
         pending = None
         if self.layer_ahead is not None and self._signals["layer_ahead"] is not None:
             started = time.perf_counter()
-            pending = self.layer_ahead.predict_device(layer, hidden_states)
+            pending = self.layer_ahead.predict_device(
+                layer, hidden_states, [(g.start, g.rows) for g in self.segments]
+            )
             self.counters.layer_ahead_s += time.perf_counter() - started
         fetched = self._fetch(
             top_k_index, top_k_weights if self.routing_observer is not None else None, pending
@@ -370,7 +406,7 @@ class ExpertRuntime:
         if top_k_weights is not None:
             parts.append(top_k_weights.reshape(-1).to(torch.float64))
         if pending is not None:
-            parts += [pending.experts.to(torch.float64), pending.scores.to(torch.float64)]
+            parts.append(pending.scores.reshape(-1).to(torch.float64))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
         self.host_transfers += 1
         shape = tuple(top_k_index.shape)
@@ -381,11 +417,10 @@ class ExpertRuntime:
         if top_k_weights is not None:
             weights = torch.from_numpy(host[at : at + n].astype(np.float32)).view(shape)  # [T, K] float32
             at += n
-        prediction = None
+        predictions = None
         if pending is not None:
-            m = pending.experts.numel()
-            prediction = pending.finish(host[at : at + m], host[at + m : at + 2 * m])
-        return _Fetched(index, weights, prediction)
+            predictions = pending.finish(host[at:].reshape(pending.scores.shape))
+        return _Fetched(index, weights, predictions)
 
     def _release_unreleased(self) -> None:
         """Release the waves waiting for their kernels. After a host transfer on the arena's
@@ -402,19 +437,28 @@ class ExpertRuntime:
     def _send_signals(
         self, layer: int, routing: Routing, pending: DevicePrediction | None, fetched: _Fetched
     ) -> None:
-        """Tell the daemon what layer ``layer`` routed to and, before its experts run, what the
-        next layer will likely need. One-way messages: no round trip on the step."""
+        """Tell the daemon, per request of the step, what layer ``layer`` routed it to and, before
+        the experts run, what the next layer will likely need. One-way messages: no round trip."""
         routed = self._signals["routed"]
         if routed is not None:
-            routed(self.position, layer, routing.experts)
+            if len(self.segments) == 1:
+                seg = self.segments[0]
+                routed(seg.request_id, seg.last_position, layer, routing.experts)
+            else:
+                index = fetched.index.reshape(routing.num_tokens, -1)
+                for seg in self.segments:
+                    experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
+                    routed(seg.request_id, seg.last_position, layer, tuple(experts))
         send = self._signals["layer_ahead"]
-        prediction = fetched.prediction
-        if pending is None or send is None or prediction is None:
+        if pending is None or send is None or fetched.predictions is None:
             return
-        if self.forced is not None:
-            prediction = self.forced.layer_ahead(self.step, prediction)
-        if prediction.experts:
-            send(self.position, prediction.layer, prediction.experts, prediction.scores)
+        for seg, prediction in zip(self.segments, fetched.predictions, strict=True):
+            if self.forced is not None:
+                prediction = self.forced.layer_ahead(seg, prediction)
+            if prediction.experts:
+                send(
+                    seg.request_id, seg.last_position, prediction.layer, prediction.experts, prediction.scores
+                )
 
     def _run_wave(
         self,
@@ -425,7 +469,7 @@ class ExpertRuntime:
         routing: Routing,
         combiner: Combiner,
     ) -> None:
-        ready_iter = self.provider.acquire(layer, wave)
+        ready_iter = self.provider.acquire(layer, wave, deadline=self.deadline)
         done = False
         try:
             pending = set(wave)
@@ -468,11 +512,11 @@ class ExpertRuntime:
 @dataclass(frozen=True)
 class _Fetched:
     """What one MoE layer brought to the host: ``index`` [T, K] int64, ``weights`` [T, K] float32
-    (when observed), the finished layer-ahead ``prediction`` (when asked)."""
+    (when observed), the finished layer-ahead ``predictions``, one per segment (when asked)."""
 
     index: torch.Tensor
     weights: torch.Tensor | None
-    prediction: Prediction | None
+    predictions: list[Prediction] | None
 
 
 def attach(

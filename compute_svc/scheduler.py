@@ -1,14 +1,27 @@
-"""One worker thread runs Generate requests one at a time; the others wait in a bounded queue.
+"""Continuous batching: every step runs one forward over the requests that can advance.
 
 ::
 
-    gRPC thread:  submit(request) ─ prepare (validate) ─▶ [ waiting ≤ max_queue ] ─▶ worker
-                  iterate handle ◀── TokenEvent … ◀── engine.generate(prepared) ◀──┘
-                  cancel() on client disconnect ──▶ worker stops before the next token
+    gRPC threads:  submit(request) ─ prepare (validate, limits) ─▶ waiting (≤ max_waiting_requests)
+                                                                      │ admitted while the batch
+                                                                      ▼ and the KV budget allow
+    worker thread: loop ─ drop cancelled / expired ─ plan ─ engine.step(plan) ─ events to handles
+                   plan: every decoding request feeds its 1 token; prefilling requests feed
+                         prompt chunks in arrival order until max_batched_tokens are taken
+    cancel(), a deadline, the daemon's loss: the request leaves at the next step; a step whose
+    requests are all gone is interrupted inside its wait for experts
 
-Requests arriving together are queued, never dropped; the queue's bound turns overload into an
-immediate RESOURCE_EXHAUSTED instead of an unbounded wait. Validation errors are raised by
-``submit`` in the caller's thread, before a request takes a place in the queue.
+A new request joins the running batch at the next step and a finished one leaves at once. A long
+prompt is fed in chunks, so it delays the others' next token by one chunk's compute at most,
+never by its whole prefill; a request never holds the engine past its deadline by more than one
+step. Overload is refused at ``submit`` with RESOURCE_EXHAUSTED saying what to retry, instead of
+letting every caller time out.
+
+Daemon loss: a step failing with ``DaemonUnavailable`` fails the requests it held (UNAVAILABLE)
+and the scheduler re-attaches (``DaemonClient.reattach``, with backoff) before admitting more;
+meanwhile submits are refused with UNAVAILABLE and health reports NOT_SERVING
+(``on_serving``). Once re-attached to the restarted daemon (new arena, new slot table) serving
+resumes with no restart of this process.
 """
 
 from __future__ import annotations
@@ -16,37 +29,75 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from compute_svc.errors import Cancelled, ExpertCacheError, QueueFull, Unavailable
-from compute_svc.generation import GenerationEngine, GenerationRequest, PreparedRequest, TokenEvent
+from compute_svc.errors import (
+    Cancelled,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    ExpertCacheError,
+    QueueFull,
+    Unavailable,
+)
+from compute_svc.generation import (
+    GenerationEngine,
+    GenerationRequest,
+    PreparedRequest,
+    RunningRequest,
+    TokenEvent,
+)
 from compute_svc.metrics import ComputeMetrics
 
 logger = logging.getLogger(__name__)
 
 _DONE = object()  # end of a request's event stream
+RECOVERY_INITIAL_S = 0.1
+RECOVERY_MAX_S = 2.0
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How much the engine takes on at once (the service's configuration)."""
+
+    max_batch_size: int = 16  # requests in one step
+    max_batched_tokens: int = 256  # tokens in one step (decode tokens + prompt chunks); 0 = no limit
+    max_waiting_requests: int = 64  # admitted requests waiting for a place in the batch
+    max_cache_tokens: int = 0  # prompt + max_new_tokens of the running requests together; 0 = no limit
 
 
 class RequestHandle:
     """A submitted request: iterate it for its TokenEvents (raises the request's error)."""
 
-    def __init__(self, prepared: PreparedRequest) -> None:
+    def __init__(self, prepared: PreparedRequest, wake: Callable[[], None]) -> None:
         self.prepared = prepared
         self._events: queue.Queue = queue.Queue()  # TokenEvent | Exception | _DONE
         self._cancelled = threading.Event()
+        self._wake = wake
+        self.seq: RunningRequest | None = None  # set by the worker once admitted
 
     @property
     def request_id(self) -> str:
         return self.prepared.request.request_id
 
+    @property
+    def deadline(self) -> float | None:
+        return self.prepared.request.deadline
+
     def cancel(self) -> None:
         """Stop the request (the client went away); a finished one is unaffected."""
-        self._cancelled.set()
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._wake()
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
     def _put(self, item: object) -> None:
         self._events.put(item)
@@ -62,96 +113,300 @@ class RequestHandle:
 
 
 class Scheduler:
-    """Bounded FIFO in front of a single worker that owns the engine (and the daemon stream)."""
+    """The continuous-batching loop on one worker thread, which alone drives the engine."""
 
     def __init__(
-        self, engine: GenerationEngine, *, max_queue: int, metrics: ComputeMetrics | None = None
+        self,
+        engine: GenerationEngine,
+        *,
+        limits: BatchLimits | None = None,
+        metrics: ComputeMetrics | None = None,
+        recover: Callable[[], None] | None = None,
+        on_serving: Callable[[bool, str], None] | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
+        """``recover``: re-attach to a restarted cache daemon (raises while it is not back);
+        ``on_serving(serving, reason)``: told when serving stops and resumes; ``interrupt``: wakes
+        a step waiting for experts (the daemon client's), when all its requests are gone."""
         self.engine = engine
-        self.max_queue = max_queue
+        self.limits = limits or BatchLimits()
+        if self.limits.max_batched_tokens and self.limits.max_batched_tokens < self.limits.max_batch_size:
+            raise ValueError(
+                f"max_batched_tokens {self.limits.max_batched_tokens} must be at least max_batch_size "
+                f"{self.limits.max_batch_size} (every request of a full batch feeds one token)"
+            )
         self.metrics = metrics or engine.metrics
+        self._recover = recover
+        self._on_serving = on_serving
+        self._interrupt = interrupt
         self._waiting: deque[RequestHandle] = deque()
+        self._running: list[RequestHandle] = []
+        self._stepping: tuple[RequestHandle, ...] = ()  # the requests of the step in flight
         self._cond = threading.Condition()
         self._stopping = False
-        self._busy = False  # the worker is running a request (guarded by _cond)
+        self._down: str | None = None  # why the daemon is unusable (recovering), else None
         self._worker = threading.Thread(target=self._run, name="generate-worker", daemon=True)
 
+    # -- the API of the gRPC threads ---------------------------------------------------------------
     def start(self) -> None:
         self._worker.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Refuse new requests, fail the waiting ones, stop the running one, join the worker."""
+        """Refuse new requests, fail the waiting ones, stop the running ones, join the worker."""
         with self._cond:
             self._stopping = True
             waiting = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
         for handle in waiting:
-            handle._put(Unavailable("the compute service is shutting down"))
-            handle._put(_DONE)
+            self._fail(handle, Unavailable("the compute service is shutting down"))
+        if self._interrupt is not None:
+            self._interrupt()
         if self._worker.is_alive():
             self._worker.join(timeout_s)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Validate and enqueue; ``InvalidArgument`` or ``QueueFull`` are raised here."""
+        """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here."""
         prepared = self.engine.prepare(request)
-        handle = RequestHandle(prepared)
+        handle = RequestHandle(prepared, self._wake)
         with self._cond:
             if self._stopping:
                 raise Unavailable("the compute service is shutting down")
-            # Capacity is one running request plus max_queue waiting ones; while the worker is
-            # idle, the head of the deque is the request it is about to run.
-            if len(self._waiting) + int(self._busy) >= self.max_queue + 1:
+            if self._down is not None:
+                raise Unavailable(f"{self._down}; retry shortly")
+            # Room: the free places of the batch (the worker admits them at its next step) plus
+            # max_waiting_requests.
+            room = max(0, self.limits.max_batch_size - len(self._running)) + self.limits.max_waiting_requests
+            if len(self._waiting) >= room:
                 raise QueueFull(
-                    f"{len(self._waiting) + int(self._busy) - 1} Generate requests already wait (max_queue {self.max_queue}): retry later"
+                    f"{len(self._waiting)} Generate requests already wait for a place in the batch "
+                    f"(max_waiting_requests {self.limits.max_waiting_requests}, {len(self._running)} running): "
+                    "retry later, with backoff"
                 )
             self._waiting.append(handle)
             self.metrics.set_queue_depth(len(self._waiting))
-            self._cond.notify()
+            self._cond.notify_all()
         return handle
 
+    @property
+    def serving(self) -> bool:
+        return self._down is None and not self._stopping
+
+    def _wake(self) -> None:
+        """A request was cancelled: the worker looks at once; a step waiting for experts whose
+        requests are all gone is interrupted."""
+        with self._cond:
+            self._cond.notify_all()
+            stepping = self._stepping
+        if stepping and self._interrupt is not None and all(h.cancelled for h in stepping):
+            self._interrupt()
+
+    # -- the worker -------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._busy = False
-                while not self._waiting and not self._stopping:
+                while not self._stopping and self._down is None and not (self._waiting or self._running):
                     self._cond.wait()
                 if self._stopping:
-                    return
-                handle = self._waiting.popleft()
-                self._busy = True
-                self.metrics.set_queue_depth(len(self._waiting))
-            self._execute(handle)
+                    break
+                if self._down is None:
+                    self._admit_locked()
+            if self._down is not None:
+                self._recover_daemon()
+                continue
+            self._drop_finished(time.monotonic())
+            plan = self._plan()
+            if plan:
+                self._step(plan)
+        for handle in list(self._running):
+            self._leave(
+                handle,
+                "error",
+                Unavailable(
+                    f"request {handle.request_id!r} was stopped: the compute service is shutting down"
+                ),
+            )
 
-    def _execute(self, handle: RequestHandle) -> None:
-        if handle.cancelled:
-            self.metrics.record_finish("cancelled")
-            handle._put(Cancelled(f"request {handle.request_id!r} was cancelled before it started"))
-            handle._put(_DONE)
-            return
-        try:
-            finished = False
-            for event in self.engine.generate(
-                handle.prepared, should_stop=lambda: handle.cancelled or self._stopping
-            ):
-                handle._put(event)
-                finished = event.finish_reason is not None
-            if not finished and handle.cancelled:
-                self.metrics.record_finish("cancelled")
-                handle._put(Cancelled(f"request {handle.request_id!r} was cancelled"))
-            elif not finished:
-                self.metrics.record_finish("error")
-                handle._put(
-                    Unavailable(
-                        f"request {handle.request_id!r} was stopped: the compute service is shutting down"
-                    )
+    def _admit_locked(self) -> None:
+        """Move waiting requests into the batch, in arrival order, while it has room."""
+        now = time.monotonic()
+        budget = self.limits.max_cache_tokens
+        used = sum(self._footprint(h) for h in self._running)
+        while self._waiting and len(self._running) < self.limits.max_batch_size:
+            head = self._waiting[0]
+            if head.cancelled or head.expired(now):
+                self._waiting.popleft()
+                self._fail(head, self._gone_error(head, now, started=False))
+                continue
+            if budget and self._running and used + self._footprint(head) > budget:
+                break  # the KV budget is full: it waits for a running request to finish
+            self._waiting.popleft()
+            try:
+                head.seq = self.engine.start(head.prepared)
+            except ExpertCacheError as exc:
+                self._fail(head, exc)
+                continue
+            self._running.append(head)
+            used += self._footprint(head)
+        self.metrics.set_queue_depth(len(self._waiting))
+
+    @staticmethod
+    def _footprint(handle: RequestHandle) -> int:
+        return len(handle.prepared.prompt_ids) + handle.prepared.request.max_new_tokens
+
+    def _drop_finished(self, now: float) -> None:
+        for handle in list(self._running):
+            if handle.cancelled or handle.expired(now):
+                self._leave(
+                    handle,
+                    "cancelled" if handle.cancelled else "expired",
+                    self._gone_error(handle, now, started=True),
                 )
-        except Exception as exc:  # noqa: BLE001 - the error travels to the request's caller
-            self.metrics.record_finish("error")
-            if isinstance(exc, ExpertCacheError):
-                logger.warning("request %r failed: %s", handle.request_id, exc)
-            else:
-                logger.exception("request %r failed", handle.request_id)
-            handle._put(exc)
+
+    def _plan(self) -> list[tuple[RunningRequest, int]]:
+        """Decode tokens first (one per decoding request), then prompt chunks in arrival order,
+        within ``max_batched_tokens``."""
+        budget = self.limits.max_batched_tokens or None
+        plan: list[tuple[RunningRequest, int]] = []
+        taken = 0
+        for handle in self._running:
+            if not handle.seq.in_prefill:
+                plan.append((handle.seq, 1))
+                taken += 1
+        for handle in self._running:
+            seq = handle.seq
+            if seq.in_prefill:
+                n = len(seq.pending)
+                if budget is not None:
+                    n = min(n, budget - taken)
+                if n <= 0:
+                    break
+                plan.append((seq, n))
+                taken += n
+        return plan
+
+    def _step(self, plan: list[tuple[RunningRequest, int]]) -> None:
+        by_seq = {id(h.seq): h for h in self._running}
+        stepping = tuple(by_seq[id(seq)] for seq, _ in plan)
+        deadlines = [h.deadline for h in stepping]
+        # The step may wait for experts until its last request's deadline, not beyond.
+        step_deadline = None if any(d is None for d in deadlines) else max(deadlines)
+        with self._cond:
+            self._stepping = stepping
+        try:
+            events = self.engine.step(plan, deadline=step_deadline)
+        except DaemonUnavailable as exc:
+            logger.warning("cache daemon lost during a step of %d requests: %s", len(stepping), exc)
+            for handle in list(self._running):  # every request's pins went with the stream
+                self._leave(handle, "error", Unavailable(f"request {handle.request_id!r} failed: {exc}"))
+            self._set_down(str(exc))
+            return
+        except ExpertCacheError as exc:
+            now = time.monotonic()
+            for handle in stepping:
+                if handle.cancelled or handle.expired(now):
+                    self._leave(
+                        handle,
+                        "cancelled" if handle.cancelled else "expired",
+                        self._gone_error(handle, now, started=True),
+                    )
+                else:
+                    logger.warning("request %r failed: %s", handle.request_id, exc)
+                    self._leave(handle, "error", type(exc)(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug in one step fails its requests, not the service
+            logger.exception("a step of %d requests failed", len(stepping))
+            for handle in stepping:
+                self._leave(handle, "error", exc)
+            return
         finally:
-            handle._put(_DONE)
+            with self._cond:
+                self._stepping = ()
+        for seq, event in events:
+            handle = by_seq[id(seq)]
+            handle._put(event)
+            if event.finish_reason is not None:
+                self._leave(handle, event.finish_reason.value, None)
+
+    def _leave(self, handle: RequestHandle, outcome: str, error: BaseException | None) -> None:
+        """``handle`` leaves the batch: the engine forgets it, its caller gets ``error`` or the end."""
+        if outcome in ("cancelled", "expired"):
+            generated = handle.seq.generated if handle.seq is not None else 0
+            logger.info(
+                "request %r stopped (%s) after %d generated tokens", handle.request_id, outcome, generated
+            )
+        if handle in self._running:
+            self._running.remove(handle)
+        if handle.seq is not None:
+            self.engine.finish(handle.seq, outcome)
+            handle.seq = None
+        if error is not None:
+            handle._put(error)
+        handle._put(_DONE)
+        with self._cond:
+            self._cond.notify_all()  # room for a waiting request
+
+    def _fail(self, handle: RequestHandle, error: BaseException) -> None:
+        self.metrics.record_finish("cancelled" if isinstance(error, Cancelled) else "error")
+        handle._put(error)
+        handle._put(_DONE)
+
+    @staticmethod
+    def _gone_error(handle: RequestHandle, now: float, *, started: bool) -> ExpertCacheError:
+        if handle.cancelled:
+            return Cancelled(
+                f"request {handle.request_id!r} was cancelled{'' if started else ' before it started'}"
+            )
+        done = handle.seq.generated if handle.seq is not None else 0
+        return DeadlineExceeded(
+            f"request {handle.request_id!r} passed its deadline after {done} generated tokens"
+            f"{'' if started else ', before it started'}: it was stopped"
+        )
+
+    # -- the daemon's loss and return ---------------------------------------------------------------
+    def _set_down(self, reason: str) -> None:
+        with self._cond:
+            self._down = reason
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for handle in waiting:
+            self._fail(handle, Unavailable(f"{reason}; retry shortly"))
+        if self._on_serving is not None:
+            self._on_serving(False, reason)
+
+    def _recover_daemon(self) -> None:
+        """Re-attach with backoff until the daemon is back or the service stops."""
+        started = time.monotonic()
+        backoff = RECOVERY_INITIAL_S
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+            try:
+                if self._recover is None:
+                    raise DaemonUnavailable("no way to re-attach to the cache daemon")
+                self._recover()
+            except ExpertCacheError as exc:
+                logger.debug("cache daemon not back yet: %s", exc)
+                with self._cond:
+                    self._cond.wait(backoff)  # woken early only by stop()
+                backoff = min(backoff * 2, RECOVERY_MAX_S)
+                continue
+            break
+        with self._cond:
+            self._down = None
+            self._cond.notify_all()
+        logger.info("cache daemon re-attached after %.2fs: serving again", time.monotonic() - started)
+        if self._on_serving is not None:
+            self._on_serving(True, "")
+
+    def daemon_lost(self, reason: str) -> None:
+        """Called when the daemon's stream ends while idle: stop serving now, recover in the worker."""
+        with self._cond:
+            if self._down is not None or self._stopping:
+                return
+            if self._running or self._stepping:
+                return  # the step in flight sees it and handles it
+        self._set_down(reason)
+        with self._cond:
+            self._cond.notify_all()

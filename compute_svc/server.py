@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 from grpc_health.v1 import health_pb2
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from compute_svc.activations import ActivationReporter, RoutingCapture
+from compute_svc.arena import Arena
 from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
 from compute_svc.forced_routing import ForcedRouting, load_trace
 from compute_svc.generation import (
+    ChatMessage,
     FinishReason,
     GenerationRequest,
     ModelInfo,
+    RequestLimits,
     SamplingParams,
     TokenEvent,
     build_engine,
 )
 from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
-from compute_svc.scheduler import Scheduler
+from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache.grpc_server import build_server, set_serving
 
@@ -45,18 +49,27 @@ _FINISH_TO_PB = {
 
 
 # -- wire ↔ domain --------------------------------------------------------------------------------
-def request_from_pb(pb: inference_pb2.GenerateRequest) -> GenerationRequest:
+def request_from_pb(pb: inference_pb2.GenerateRequest, deadline: float | None = None) -> GenerationRequest:
+    """``deadline``: the call's, on the ``time.monotonic()`` clock (None: the call has none)."""
     return GenerationRequest(
         text=pb.text,
         token_ids=tuple(pb.token_ids),
+        messages=tuple(ChatMessage(m.role, m.content) for m in pb.messages),
         max_new_tokens=pb.max_new_tokens,
         sampling=SamplingParams(
-            temperature=pb.sampling.temperature, top_p=pb.sampling.top_p, seed=pb.sampling.seed
+            temperature=pb.sampling.temperature,
+            top_p=pb.sampling.top_p,
+            seed=pb.sampling.seed,
+            top_k=pb.sampling.top_k,
+            repetition_penalty=pb.sampling.repetition_penalty,
+            presence_penalty=pb.sampling.presence_penalty,
         ),
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         request_id=pb.request_id,
+        logprobs=pb.logprobs,
+        deadline=deadline,
     )
 
 
@@ -74,6 +87,8 @@ def event_to_pb(event: TokenEvent) -> inference_pb2.GenerateResponse:
         pb.finish_reason = _FINISH_TO_PB[event.finish_reason]
     if event.prompt_tokens is not None:
         pb.prompt_tokens = event.prompt_tokens
+    if event.logprob is not None:
+        pb.logprob = event.logprob
     return pb
 
 
@@ -91,6 +106,8 @@ def model_info_to_pb(info: ModelInfo) -> inference_pb2.ModelInfo:
         has_tokenizer=info.has_tokenizer,
         max_new_tokens_limit=info.max_new_tokens_limit,
         dtype=info.dtype,
+        max_prompt_tokens=info.max_prompt_tokens,
+        max_total_tokens=info.max_total_tokens,
     )
 
 
@@ -100,7 +117,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._scheduler = scheduler
 
     def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        handle = self._scheduler.submit(request_from_pb(request))
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        handle = self._scheduler.submit(request_from_pb(request, deadline))
         # Fires when the RPC ends for any reason; for a finished request it changes nothing.
         context.add_callback(handle.cancel)
         try:
@@ -133,7 +152,12 @@ class ComputeServer:
                 self.client.attachment,
                 self.client,
                 device=config.device,
-                max_new_tokens_limit=config.max_new_tokens_limit,
+                limits=RequestLimits(
+                    max_new_tokens=config.max_new_tokens_limit,
+                    max_prompt_tokens=config.max_prompt_tokens,
+                    max_total_tokens=config.max_total_tokens,
+                    max_prompt_bytes=config.max_prompt_bytes,
+                ),
                 metrics=self.metrics,
             )
         except BaseException:
@@ -145,18 +169,29 @@ class ComputeServer:
             self.client.close()
             raise
         self.reporter, self.recorder = self._enable_routing(config)
-        self.scheduler = Scheduler(self.engine, max_queue=config.max_queue, metrics=self.metrics)
+        self.scheduler = Scheduler(
+            self.engine,
+            limits=BatchLimits(
+                max_batch_size=config.max_batch_size,
+                max_batched_tokens=config.max_batched_tokens,
+                max_waiting_requests=config.max_waiting_requests,
+                max_cache_tokens=config.max_cache_tokens,
+            ),
+            metrics=self.metrics,
+            recover=self._reattach,
+            on_serving=self._set_serving,
+            interrupt=self.client.interrupt,
+        )
         servicer = InferenceServicer(self.scheduler)
         self.server, self._health = build_server(
             config.listen_address,
             [lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)],
             [SERVICE_NAME],
-            # Every queued Generate holds a server thread while it waits for its turn.
-            max_workers=config.max_queue + 1 + _EXTRA_RPC_THREADS,
+            # Every running or waiting Generate holds a server thread while it streams.
+            max_workers=config.max_batch_size + config.max_waiting_requests + _EXTRA_RPC_THREADS,
         )
-        # A restarted daemon leaves this process with a stale arena: report NOT_SERVING so the
-        # pod's probe restarts it.
-        self.client.on_stale = self._not_serving
+        # The daemon's stream ending while idle (it died): stop serving now and re-attach.
+        self.client.on_stream_end = self.scheduler.daemon_lost
 
     def _enable_prediction(self, config: ComputeConfig) -> None:
         """Layer-ahead prediction and forced routing (a benchmark feature), as configured."""
@@ -222,10 +257,23 @@ class ComputeServer:
         self.engine.enable_routing(RoutingCapture(manifest.moe_layers), reporter, recorder)
         return reporter, recorder
 
-    def _not_serving(self, reason: str) -> None:
-        logger.error("no longer serving: %s", reason)
+    def _reattach(self) -> None:
+        """Attach to the (restarted) cache daemon and read experts from its new arena."""
+        attachment = self.client.reattach()
+        runtime = self.engine.runtime
+        arena = Arena.open(
+            attachment.arena, attachment.num_slots, attachment.slot_bytes, runtime.arena.device
+        )
+        runtime.remap(arena)
+
+    def _set_serving(self, serving: bool, reason: str) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if not serving:
+            logger.error("not serving until the cache daemon is back: %s", reason)
         for name in (SERVICE_NAME, ""):
-            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._health.set(name, status)
 
     def start(self) -> None:
         self.scheduler.start()

@@ -101,7 +101,17 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    # A chat template in the usual shape (role headers, the assistant's turn opened at the end), so
+    # requests carrying messages are served as with a real chat model.
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|endoftext|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def make_config(

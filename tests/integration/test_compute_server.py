@@ -105,7 +105,7 @@ def test_text_generation_streams_pieces_and_stats(served):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(max_new_tokens=4), "prompt is empty: set text or token_ids"),
+        (dict(max_new_tokens=4), "prompt is empty: set text, token_ids or messages"),
         (dict(token_ids=PROMPT, max_new_tokens=0), f"max_new_tokens 0 is out of range [1, {LIMIT}]"),
         (
             dict(token_ids=PROMPT, max_new_tokens=LIMIT + 1),

@@ -535,8 +535,8 @@ def test_client_prediction_methods_never_wait_and_count_drops(lone):
     client = fast_client(lone)
     try:
         client.begin_request("req-2")
-        client.routed(0, 1, [4, 5])
-        client.layer_ahead(0, 3, [1], [0.8])
+        client.routed("req-2", 0, 1, [4, 5])
+        client.layer_ahead("req-2", 0, 3, [1], [0.8])
         wait_for(lambda: lone.stats().tiers[0].resident >= 1)
         got = list(client.acquire(3, [1]))  # prefetched: a hit through shared memory, no Demand
         assert [(r.expert, r.source.value) for r in got] == [(1, "device")]
@@ -544,10 +544,10 @@ def test_client_prediction_methods_never_wait_and_count_drops(lone):
         client.end_request("req-2")
         assert (client.signals_sent, client.signals_dropped) == (4, 0)
         with pytest.raises(Exception, match=r"layer_ahead for layer 3: 2 experts but 1 scores"):
-            client.layer_ahead(0, 3, [1, 2], [0.5])
+            client.layer_ahead("req-2", 0, 3, [1, 2], [0.5])
     finally:
         client.close()
-    client.routed(1, 1, [0])  # no stream any more: dropped and counted, never raised or waited for
+    client.routed("req-2", 1, 1, [0])  # no stream any more: dropped and counted, never raised or waited for
     assert client.signals_dropped == 1
 
 

@@ -93,17 +93,27 @@ def generate(engine, request_id: str, **kwargs) -> list[int]:
     return [e.token_id for e in engine.generate(engine.prepare(request))]
 
 
-def test_capture_stacks_layers_in_manifest_order():
+def test_capture_stacks_layers_in_manifest_order_and_splits_requests():
+    from compute_svc.moe import StepSegment
+
     capture = RoutingCapture([1, 3])
     capture.begin()
+    one = [StepSegment("r", 0, 1, 7, 1)]
     capture(3, torch.tensor([[4, 5]]), torch.tensor([[0.6, 0.4]]))
-    assert capture.take("r", 0, with_weights=False) is None  # layer 1 never routed
+    assert capture.take(one, with_weights=False) == []  # layer 1 never routed
     capture(1, torch.tensor([[0, 2]]), torch.tensor([[0.9, 0.1]]))
     capture(3, torch.tensor([[4, 5]]), torch.tensor([[0.6, 0.4]]))
-    step = capture.take("r", 7, with_weights=True)
+    (step,) = capture.take(one, with_weights=True)
     assert step.experts.tolist() == [[[0, 2], [4, 5]]]  # [T=1, L=2, K=2]
     assert step.weights.shape == (1, 2, 2)
-    assert step.first_token == 7
+    assert step.first_token == 7 and step.request_id == "r"
+    # A step of two requests: a decode token of "a" (position 9) and a 2-token prompt chunk of "b".
+    capture(1, torch.tensor([[0, 1], [2, 3], [4, 5]]), None)
+    capture(3, torch.tensor([[6, 7], [0, 2], [1, 3]]), None)
+    a, b = capture.take([StepSegment("a", 0, 1, 9, 3), StepSegment("b", 1, 2, 0, 0)], with_weights=False)
+    assert (a.request_id, a.first_token, a.experts.tolist()) == ("a", 9, [[[0, 1], [6, 7]]])
+    assert (b.request_id, b.first_token, b.experts.tolist()) == ("b", 0, [[[2, 3], [0, 2]], [[4, 5], [1, 3]]])
+    assert a.weights is None
 
 
 def test_every_token_arrives_in_order_with_request_done(engine):

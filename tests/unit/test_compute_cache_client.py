@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent import futures
@@ -13,6 +14,7 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from compute_svc.arena import ArenaKind
 from compute_svc.cache_client import DaemonClient
 from compute_svc.errors import (
+    Cancelled,
     DaemonUnavailable,
     DataLoss,
     DeadlineExceeded,
@@ -54,6 +56,8 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.metadata: list[dict[str, str]] = []  # of each Demand call
         self.signals: list[tuple] = []  # one-way prediction messages, in arrival order
         self.got_signal = threading.Event()
+        self.hold: threading.Event | None = None  # when set: answer acquires only once it is set
+        self.model_id = MANIFEST.model_id
 
     def Attach(self, request, context):  # noqa: N802
         self.attaches.append(request.shm_fast_path)
@@ -67,7 +71,7 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
             ),
             num_slots=2,
             slot_bytes=BLOB,
-            manifest_json=MANIFEST.to_json(),
+            manifest_json=dataclasses.replace(MANIFEST, model_id=self.model_id).to_json(),
             daemon_id=self.daemon_id,
         )
 
@@ -86,7 +90,9 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
                     self.signals.append((kind, msg.request_id, msg.token, msg.layer, list(msg.experts)))
                 elif kind == "layer_ahead":
                     scores = [round(x, 3) for x in msg.scores]
-                    self.signals.append((kind, msg.token, msg.layer, list(msg.experts), scores))
+                    self.signals.append(
+                        (kind, msg.request_id, msg.token, msg.layer, list(msg.experts), scores)
+                    )
                 else:
                     self.signals.append((kind, msg.request_id))
                 self.got_signal.set()
@@ -101,6 +107,8 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
                 self.hang_next = False
                 time.sleep(1.0)
                 return
+            if self.hold is not None:
+                self.hold.wait(10)
             for slot, expert in enumerate(reversed(acq.experts)):
                 source = cache_pb2.TIER_DEVICE if expert == 3 else cache_pb2.TIER_STORE
                 yield cache_pb2.DemandResponse(
@@ -200,19 +208,60 @@ def test_unreachable_daemon_names_the_address(tmp_path):
     assert time.monotonic() - started < 3
 
 
-def test_a_restarted_daemon_is_refused_for_good(daemon):
+def test_a_restarted_daemon_is_detected_and_reattached(daemon):
     servicer, address = daemon
     client = connect(address)
-    stale: list[str] = []
-    client.on_stale = stale.append
+    ended: list[str] = []
+    client.on_stream_end = ended.append
     servicer.fail_next = (grpc.StatusCode.UNAVAILABLE, "daemon going away")
     with pytest.raises(DaemonUnavailable, match="daemon going away"):
         list(client.acquire(0, [1]))
+    assert ended and "Demand stream" in ended[0]  # told without waiting for the next request
     servicer.daemon_id = "d2"  # the daemon came back with a new arena
-    for _ in range(2):
-        with pytest.raises(DaemonUnavailable, match=r"restarted \(id d1 -> d2\); restart compute"):
-            list(client.acquire(0, [1]))
-    assert len(stale) == 1
+    # Its slots index an arena this process has not mapped: refused until re-attached.
+    with pytest.raises(DaemonUnavailable, match=r"restarted \(id d1 -> d2\): re-attaching to its new arena"):
+        list(client.acquire(0, [1]))
+    attachment = client.reattach()
+    assert attachment.daemon_id == "d2" and client.attachment is attachment
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    client.close()
+
+
+def test_reattach_refuses_a_daemon_serving_another_model(daemon):
+    servicer, address = daemon
+    client = connect(address)
+    servicer.model_id = "other-model"
+    with pytest.raises(FailedPrecondition, match=r"now serves model other-model, not .*: restart compute"):
+        client.reattach()
+    client.close()
+
+
+def test_interrupt_wakes_a_wait_for_experts_with_cancelled(daemon):
+    servicer, address = daemon
+    client = connect(address, fast_path=False)
+    servicer.hold = threading.Event()  # the daemon does not answer until released
+    client.begin_step()
+    waiting = client.acquire(0, [2])
+    threading.Timer(0.2, client.interrupt).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled, match="all cancelled while it waited for experts of layer 0"):
+        next(waiting)
+    assert time.monotonic() - started < 5
+    servicer.hold.set()
+    client.begin_step()  # a later step: the old interrupt no longer applies
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    client.close()
+
+
+def test_a_step_deadline_bounds_the_wait_for_experts(daemon):
+    servicer, address = daemon
+    client = connect(address, fast_path=False)
+    servicer.hold = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="passed their deadlines while waiting for experts"):
+        list(client.acquire(0, [2], deadline=time.monotonic() + 0.3))
+    assert time.monotonic() - started < 5
+    servicer.hold.set()
     client.close()
 
 
@@ -306,21 +355,21 @@ def test_prediction_messages_travel_one_way_on_the_demand_stream(daemon, tmp_pat
     offer_table(servicer, tmp_path)  # fast path: the stream is open from the start
     client = connect(address)
     client.begin_request("req-1")
-    client.routed(4, 1, [3, 0])
-    client.layer_ahead(4, 1, [2, 1], [0.7, 0.2])
+    client.routed("req-1", 4, 1, [3, 0])
+    client.layer_ahead("req-1", 4, 1, [2, 1], [0.7, 0.2])
     # Interleaved with an acquire, whose answers are still its own.
     assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.end_request("req-1")
     assert wait_signals(servicer, 4) == [
         ("request_begin", "req-1"),
         ("route", "req-1", 4, 1, [3, 0]),
-        ("layer_ahead", 4, 1, [2, 1], [0.7, 0.2]),
+        ("layer_ahead", "req-1", 4, 1, [2, 1], [0.7, 0.2]),
         ("request_end", "req-1"),
     ]
     assert (client.signals_sent, client.signals_dropped) == (4, 0)
     assert servicer.streams == 1
     with pytest.raises(InvalidArgument, match=r"layer_ahead for layer 1: 2 experts but 1 scores"):
-        client.layer_ahead(5, 1, [2, 1], [0.7])
+        client.layer_ahead("req-1", 5, 1, [2, 1], [0.7])
     client.close()
 
 
@@ -329,16 +378,16 @@ def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
     client = connect(address, fast_path=False)  # no stream until the first acquire
     started = time.monotonic()
     client.begin_request("req-9")
-    client.routed(0, 0, [1])
-    client.layer_ahead(0, 1, [2], [0.5])
+    client.routed("req-9", 0, 0, [1])
+    client.layer_ahead("req-9", 0, 1, [2], [0.5])
     assert time.monotonic() - started < 0.5  # nothing waited for a stream or a reply
     assert (client.signals_sent, client.signals_dropped) == (0, 3)
     assert servicer.streams == 0
     # The first acquire opens a stream, which is told the running request before anything else.
     assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
-    client.routed(1, 0, [1])
+    client.routed("req-9", 1, 0, [1])
     assert wait_signals(servicer, 2) == [("request_begin", "req-9"), ("route", "req-9", 1, 0, [1])]
     client.end_request("req-9")
     client.close()
-    client.routed(2, 0, [1])  # after close: dropped, never raised
+    client.routed("req-9", 2, 0, [1])  # after close: dropped, never raised
     assert client.signals_dropped == 4

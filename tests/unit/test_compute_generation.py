@@ -8,12 +8,13 @@ from transformers import AutoModelForCausalLM
 
 from compute_svc.errors import InvalidArgument
 from compute_svc.generation import (
+    ChatMessage,
     FinishReason,
     GenerationRequest,
     IncrementalDetokenizer,
     SamplingParams,
-    TokenPicker,
 )
+from compute_svc.sampling import Sampler
 
 PROMPT = tuple(range(5, 25))
 
@@ -21,6 +22,12 @@ PROMPT = tuple(range(5, 25))
 @pytest.fixture(scope="module")
 def mixtral(local_engine):
     engine, provider, tiny = local_engine("mixtral", limit=64)
+    engine.limits = type(engine.limits)(
+        max_new_tokens=64,
+        max_prompt_tokens=min(engine.limits.max_prompt_tokens, 256),
+        max_total_tokens=min(engine.limits.max_total_tokens, 256),
+        max_prompt_bytes=4096,
+    )
     return engine, tiny
 
 
@@ -33,8 +40,12 @@ def run(engine, **kwargs):
 @pytest.mark.parametrize(
     ("request_kwargs", "message"),
     [
-        (dict(max_new_tokens=4), "prompt is empty: set text or token_ids"),
-        (dict(text="hi", token_ids=(1,), max_new_tokens=4), "set only one of text and token_ids"),
+        (dict(max_new_tokens=4), "prompt is empty: set text, token_ids or messages"),
+        (dict(text="hi", token_ids=(1,), max_new_tokens=4), "set only one of text, token_ids and messages"),
+        (
+            dict(text="hi", messages=(ChatMessage("user", "hi"),), max_new_tokens=4),
+            "set only one of text, token_ids and messages",
+        ),
         (dict(token_ids=(1,), max_new_tokens=0), "max_new_tokens 0 is out of range [1, 64]"),
         (dict(token_ids=(1,), max_new_tokens=65), "max_new_tokens 65 is out of range [1, 64]"),
         (dict(token_ids=(1, 320), max_new_tokens=4), "token_ids[1] = 320 is out of range [0, 320)"),
@@ -48,6 +59,34 @@ def run(engine, **kwargs):
             "sampling.top_p 1.5 is out of range",
         ),
         (dict(token_ids=(1,), max_new_tokens=4, stop=("",)), "stop holds an empty string"),
+        (dict(token_ids=(1,), max_new_tokens=4, stop=("x",) * 17), "stop holds 17 strings; at most 16"),
+        (
+            dict(token_ids=(1,), max_new_tokens=4, sampling=SamplingParams(temperature=1, top_k=1 << 21)),
+            "sampling.top_k 2097152 is out of range [0, 1048576]",
+        ),
+        (
+            dict(token_ids=(1,), max_new_tokens=4, sampling=SamplingParams(repetition_penalty=-1)),
+            "sampling.repetition_penalty -1 is out of range (0, 10]",
+        ),
+        (
+            dict(token_ids=(1,), max_new_tokens=4, sampling=SamplingParams(presence_penalty=float("nan"))),
+            "sampling.presence_penalty nan is out of range [-2, 2]",
+        ),
+        (dict(token_ids=(1,), max_new_tokens=4, request_id="r" * 257), "request_id is 257 characters long"),
+        (
+            dict(messages=(ChatMessage("", "hi"),), max_new_tokens=4),
+            "messages[0].role must be 1 to 64 characters",
+        ),
+        # Limits: the model's positions (tiny mixtral: 256 here) and the configured sizes.
+        (
+            dict(token_ids=(1,) * 300, max_new_tokens=4),
+            "token_ids holds 300 ids; this service takes at most 256",
+        ),
+        (
+            dict(token_ids=(1,) * 250, max_new_tokens=10),
+            "prompt (250 tokens) + max_new_tokens (10) = 260 exceeds 256 (max_total_tokens",
+        ),
+        (dict(text="x" * 5000, max_new_tokens=4), "text is 5000 bytes; this service takes at most 4096"),
     ],
 )
 def test_prepare_rejects_bad_requests(mixtral, request_kwargs, message):
@@ -133,13 +172,71 @@ def test_cancel_stops_before_the_next_token(mixtral):
     assert len(seen) == 3
 
 
-def test_token_picker_top_p_keeps_the_nucleus():
+def test_sampler_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    pick = TokenPicker(SamplingParams(temperature=1.0, seed=1), top_p=0.75, device=torch.device("cpu"))
-    drawn = {pick(logits) for _ in range(200)}
+    pick = Sampler(SamplingParams(temperature=1.0, seed=1, top_p=0.75), (), 4, torch.device("cpu"))
+    drawn = {pick.pick(logits)[0] for _ in range(200)}
     assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are cut
-    greedy = TokenPicker(SamplingParams(), top_p=1.0, device=torch.device("cpu"))
-    assert greedy(logits) == 0
+    greedy = Sampler(SamplingParams(), (), 4, torch.device("cpu"))
+    assert greedy.pick(logits)[0] == 0
+
+
+def test_sampler_top_k_and_logprobs():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    pick = Sampler(SamplingParams(temperature=1.0, seed=2, top_k=2), (), 4, torch.device("cpu"))
+    drawn = {pick.pick(logits)[0] for _ in range(200)}
+    assert drawn == {0, 1}
+    token, logprob = Sampler(SamplingParams(), (), 4, torch.device("cpu")).pick(logits, want_logprob=True)
+    assert token == 0 and logprob == pytest.approx(torch.log(torch.tensor(0.5)).item(), abs=1e-6)
+
+
+def test_sampler_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 1.5, 0.0])
+    rep = Sampler(SamplingParams(repetition_penalty=2.0), (0, 1), 4, torch.device("cpu"))
+    # Seen tokens 0 and 1: 2.0 / 2 = 1.0 and -1.0 * 2 = -2.0; token 2 (1.5) now wins.
+    assert rep.penalised(logits).tolist() == [1.0, -2.0, 1.5, 0.0]
+    assert rep.pick(logits)[0] == 2
+    presence = Sampler(SamplingParams(presence_penalty=1.0), (0,), 4, torch.device("cpu"))
+    assert presence.penalised(logits).tolist() == logits.tolist()  # the prompt does not count
+    assert presence.pick(logits)[0] == 0
+    assert presence.penalised(logits).tolist() == [1.0, -1.0, 1.5, 0.0]  # generated once: penalised
+
+
+def test_penalties_and_logprobs_through_the_engine(mixtral):
+    engine, _ = mixtral
+    plain = run(engine, max_new_tokens=12, ignore_eos=True, logprobs=True)
+    assert all(e.logprob is not None and e.logprob <= 0 for e in plain)
+    assert all(e.logprob is None for e in run(engine, max_new_tokens=3, ignore_eos=True))
+    # A strong repetition penalty never repeats a token of the prompt or its own output greedily.
+    penalised = run(
+        engine, max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(repetition_penalty=10.0)
+    )
+    ids = [e.token_id for e in penalised]
+    assert len(set(ids)) == len(ids) and not set(ids) & set(PROMPT)
+
+
+def test_chat_messages_use_the_models_template(mixtral):
+    engine, _ = mixtral
+    tokenizer = engine.loaded.tokenizer
+    messages = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there"))
+    events = run(engine, token_ids=(), messages=messages, max_new_tokens=4, ignore_eos=True)
+    want = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert events[0].prompt_tokens == len(want)
+    text_run = run(engine, token_ids=tuple(want), max_new_tokens=4, ignore_eos=True)
+    assert [e.token_id for e in events] == [e.token_id for e in text_run]
+
+
+def test_chunked_prefill_gives_the_same_tokens(mixtral):
+    engine, _ = mixtral
+    whole = [e.token_id for e in run(engine, max_new_tokens=8, ignore_eos=True)]
+    prepared = engine.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=8, ignore_eos=True))
+    chunked = [e.token_id for e in engine.generate(prepared, prefill_chunk_tokens=3)]
+    assert chunked == whole
 
 
 def test_detokenizer_holds_back_incomplete_characters(mixtral):

@@ -1,4 +1,6 @@
-"""The scheduler: one request at a time, a bounded queue, cancellation, errors reach the caller."""
+"""Continuous batching on the real engine (tiny models, in-process experts): requests batched
+together each get exactly what they would get alone, join and leave mid-way, and the limits, the
+cancellations, the deadlines and the daemon's loss behave as the scheduler promises."""
 
 from __future__ import annotations
 
@@ -7,157 +9,256 @@ import time
 
 import pytest
 
-from compute_svc.errors import Cancelled, DataLoss, InvalidArgument, QueueFull, Unavailable
-from compute_svc.generation import FinishReason, GenerationRequest, PreparedRequest, TokenEvent, TokenStats
-from compute_svc.metrics import ComputeMetrics
-from compute_svc.scheduler import Scheduler
+from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, QueueFull, Unavailable
+from compute_svc.generation import GenerationRequest, SamplingParams
+from compute_svc.scheduler import BatchLimits, Scheduler
+from expertcache.tiny import SUPPORTED_ARCHS
+
+PROMPTS = [tuple(range(5, 5 + n)) for n in (3, 17, 9, 26)]
 
 
-class ScriptedEngine:
-    """Generates ``max_new_tokens`` events; blocks on ``gate`` before each one when given."""
+def request(i: int, n: int = 6, **kw) -> GenerationRequest:
+    return GenerationRequest(
+        token_ids=PROMPTS[i % len(PROMPTS)], max_new_tokens=n, ignore_eos=True, request_id=f"r{i}", **kw
+    )
 
-    def __init__(self) -> None:
-        self.metrics = ComputeMetrics()
-        self.gate: threading.Event | None = None
-        self.running = 0
-        self.max_running = 0
-        self.order: list[str] = []
-        self.fail_with: Exception | None = None
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        if not request.token_ids:
-            raise InvalidArgument("prompt is empty: set text or token_ids")
-        return PreparedRequest(request=request, prompt_ids=request.token_ids, top_p=1.0)
+def alone(engine, req: GenerationRequest) -> list[int]:
+    return [e.token_id for e in engine.generate(engine.prepare(req))]
 
-    def generate(self, prepared, should_stop=lambda: False):
-        self.running += 1
-        self.max_running = max(self.max_running, self.running)
-        self.order.append(prepared.request.request_id)
+
+class StepLog:
+    """Wraps ``engine.step`` to record every plan (request ids and tokens fed) it runs."""
+
+    def __init__(self, engine) -> None:
+        self.plans: list[list[tuple[str, int]]] = []
+        self._step = engine.step
+        self.gate: threading.Event | None = None  # when set: each step waits for it
+        engine.step = self
+
+    def __call__(self, plan, **kwargs):
+        self.plans.append([(seq.prepared.request_id, n) for seq, n in plan])
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self._step(plan, **kwargs)
+
+
+@pytest.fixture
+def batching(local_engine):
+    started = []
+
+    def make(arch="mixtral", limits=None, **kw):
+        engine, provider, tiny = local_engine(arch)
+        log = StepLog(engine)
+        scheduler = Scheduler(
+            engine, limits=limits or BatchLimits(max_batch_size=4, max_batched_tokens=16), **kw
+        )
+        scheduler.start()
+        started.append((scheduler, engine, log))
+        return scheduler, engine, provider, log
+
+    yield make
+    for scheduler, engine, log in started:
+        scheduler.stop()
+        engine.step = log._step  # the engine is shared by the session: unwrap it
+
+
+def collect(handles) -> dict[str, list[int]]:
+    out = {}
+    threads = []
+
+    def drain(h):
+        out[h.request_id] = [e.token_id for e in h]
+
+    for h in handles:
+        t = threading.Thread(target=drain, args=(h,))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_batched_requests_equal_each_request_alone(arch, batching):
+    scheduler, engine, provider, log = batching(arch)
+    reqs = [request(i, n=4 + i) for i in range(4)]
+    want = {r.request_id: alone(engine, r) for r in reqs}
+    log.plans.clear()
+    log.gate = threading.Event()
+    handles = [scheduler.submit(reqs[0]), scheduler.submit(reqs[1])]
+    log.gate.set()
+    # The others join while the first ones run; they all leave at different steps.
+    while len(log.plans) < 3:
+        time.sleep(0.01)
+    handles += [scheduler.submit(reqs[2]), scheduler.submit(reqs[3])]
+    got = collect(handles)
+    assert got == want
+    sizes = [len(p) for p in log.plans]
+    assert max(sizes) > 1, "requests were never batched"
+    assert all(sum(n for _, n in p) <= 16 for p in log.plans)  # max_batched_tokens
+    assert all(len(p) <= 4 for p in log.plans)  # max_batch_size
+    assert any(n > 1 for p in log.plans for _, n in p) and any(
+        n < len(PROMPTS[3]) for p in log.plans for rid, n in p if rid == "r3"
+    ), "the 26-token prompt should be fed in chunks"
+    assert all(not n for n in provider.pins.values())
+
+
+def test_seeded_sampling_is_the_same_batched_or_alone(batching):
+    scheduler, engine, _, _ = batching()
+    reqs = [
+        request(i, n=8, sampling=SamplingParams(temperature=1.3, top_k=50, seed=100 + i)) for i in range(3)
+    ]
+    want = {r.request_id: alone(engine, r) for r in reqs}
+    assert collect([scheduler.submit(r) for r in reqs]) == want
+
+
+def test_a_long_prompt_is_chunked_and_does_not_hold_back_the_others(batching):
+    scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=4, max_batched_tokens=8))
+    short = scheduler.submit(
+        GenerationRequest(token_ids=PROMPTS[0], max_new_tokens=60, ignore_eos=True, request_id="r0")
+    )
+    stream = iter(short)
+    next(stream)  # the short one decodes
+    log.plans.clear()
+    long_req = GenerationRequest(
+        token_ids=tuple(range(3, 60)), max_new_tokens=2, ignore_eos=True, request_id="long"
+    )
+    assert len(collect([scheduler.submit(long_req)])["long"]) == 2
+    short.cancel()
+    # The 57-token prompt was fed 7 tokens at a time (8 minus the short request's decode token),
+    # and the short request decoded a token in every one of those steps.
+    prefill = [p for p in log.plans if any(rid == "long" for rid, _ in p)][:9]  # ceil(57 / 7) steps
+    assert [n for p in prefill for rid, n in p if rid == "long"] == [7] * 8 + [1]
+    assert all(("r0", 1) in p and sum(n for _, n in p) <= 8 for p in prefill)
+
+
+def test_cancelling_one_request_leaves_the_others_untouched(batching):
+    scheduler, engine, provider, log = batching()
+    reqs = [request(i, n=10) for i in range(3)]
+    want = {r.request_id: alone(engine, r) for r in reqs}
+    log.gate = threading.Event()
+    handles = [scheduler.submit(r) for r in reqs]
+    log.gate.set()
+    victim = handles[1]
+    it = iter(victim)
+    next(it)
+    victim.cancel()
+    with pytest.raises(Cancelled, match="'r1' was cancelled"):
+        list(it)
+    got = collect([handles[0], handles[2]])
+    assert got == {"r0": want["r0"], "r2": want["r2"]}
+    assert all(not n for n in provider.pins.values())
+
+
+def test_a_deadline_stops_a_request_within_a_step(batching):
+    scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=4, max_batched_tokens=4))
+    keeps = scheduler.submit(request(0, n=6))
+    log.gate = threading.Event()
+    late = scheduler.submit(
+        GenerationRequest(
+            token_ids=tuple(range(3, 200)),
+            max_new_tokens=4,
+            request_id="late",
+            deadline=time.monotonic() + 0.3,
+        )
+    )
+    log.gate.set()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="'late' passed its deadline"):
+        list(late)
+    assert time.monotonic() - started < 5  # not the ~50 steps its prefill would take
+    assert len(list(keeps)) == 6
+    expired = scheduler.submit(
+        GenerationRequest(token_ids=(1, 2), max_new_tokens=2, deadline=time.monotonic() - 1)
+    )
+    with pytest.raises(DeadlineExceeded, match="before it started"):
+        list(expired)
+
+
+def test_more_clients_than_the_limits_complete_or_are_refused(batching):
+    limits = BatchLimits(max_batch_size=2, max_batched_tokens=8, max_waiting_requests=3, max_cache_tokens=40)
+    scheduler, engine, provider, log = batching(limits=limits)
+    outcomes: dict[int, str] = {}
+
+    def client(i):
         try:
-            for i in range(prepared.request.max_new_tokens):
-                if self.gate is not None:
-                    self.gate.wait(5)
-                if should_stop():
-                    return
-                if self.fail_with is not None:
-                    raise self.fail_with
-                last = i == prepared.request.max_new_tokens - 1
-                yield TokenEvent(
-                    index=i,
-                    token_id=i,
-                    text="",
-                    latency_s=0.0,
-                    cache=TokenStats(),
-                    finish_reason=FinishReason.LENGTH if last else None,
-                )
-        finally:
-            self.running -= 1
+            n = len(list(scheduler.submit(request(i, n=3))))
+            outcomes[i] = "ok" if n == 3 else f"short {n}"
+        except QueueFull as exc:
+            assert "retry later" in str(exc)
+            outcomes[i] = "refused"
 
-
-def request(rid: str, n: int = 3) -> GenerationRequest:
-    return GenerationRequest(token_ids=(1, 2), max_new_tokens=n, request_id=rid)
-
-
-@pytest.fixture
-def engine():
-    return ScriptedEngine()
-
-
-@pytest.fixture
-def scheduler(engine):
-    s = Scheduler(engine, max_queue=2)
-    s.start()
-    yield s
-    if engine.gate is not None:
-        engine.gate.set()
-    s.stop()
-
-
-def test_requests_run_one_at_a_time_in_arrival_order(engine, scheduler):
-    handles = [scheduler.submit(request(f"r{i}")) for i in range(3)]
-    results = [[e.token_id for e in h] for h in handles]
-    assert results == [[0, 1, 2]] * 3
-    assert engine.order == ["r0", "r1", "r2"]
-    assert engine.max_running == 1
-
-
-def test_concurrent_submitters_are_all_served(engine):
-    scheduler = Scheduler(engine, max_queue=8)
-    scheduler.start()
-    out: dict[int, list[int]] = {}
-
-    def client(i: int) -> None:
-        out[i] = [e.token_id for e in scheduler.submit(request(f"c{i}", n=4))]
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
-    scheduler.stop()
-    assert out == {i: [0, 1, 2, 3] for i in range(6)}
-    assert engine.max_running == 1
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert set(outcomes.values()) <= {"ok", "refused"} and len(outcomes) == 24
+    assert "ok" in outcomes.values()
+    assert all(not n for n in provider.pins.values())
+    assert all(len(p) <= 2 for p in log.plans)
+    # The KV budget (prompt + new tokens of running requests <= 40) held: r3's 26 + 3 never ran with r1's 17 + 3.
+    assert not any({"r1", "r3"} <= {rid for rid, _ in p} for p in log.plans)
+    assert scheduler._running == [] and not scheduler._waiting  # every request's state is gone
 
 
-def test_a_full_queue_refuses_with_resource_exhausted(engine, scheduler):
-    engine.gate = threading.Event()
-    running = scheduler.submit(request("running"))
-    deadline = time.monotonic() + 5
-    while engine.running == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiting = [scheduler.submit(request(f"w{i}")) for i in range(2)]
-    with pytest.raises(QueueFull, match=r"2 Generate requests already wait \(max_queue 2\)"):
-        scheduler.submit(request("one too many"))
-    engine.gate.set()
-    assert [len(list(h)) for h in (running, *waiting)] == [3, 3, 3]
+def test_validation_errors_are_raised_by_submit(batching):
+    scheduler, *_ = batching()
+    from compute_svc.errors import InvalidArgument
 
-
-def test_validation_errors_are_raised_by_submit(scheduler):
     with pytest.raises(InvalidArgument, match="prompt is empty"):
         scheduler.submit(GenerationRequest(max_new_tokens=3))
 
 
-def test_engine_errors_reach_the_caller(engine, scheduler):
-    engine.fail_with = DataLoss("checksum mismatch in L1E3")
-    with pytest.raises(DataLoss, match="L1E3"):
-        list(scheduler.submit(request("bad")))
-    engine.fail_with = None
-    assert len(list(scheduler.submit(request("next")))) == 3  # the worker survived
+def test_losing_the_daemon_fails_the_step_then_recovers(batching):
+    recovered = threading.Event()
+    serving: list[bool] = []
+    attempts = []
+
+    def recover():
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise DaemonUnavailable("not back yet")
+        recovered.set()
+
+    scheduler, engine, provider, log = batching(
+        recover=recover, on_serving=lambda ok, why: serving.append(ok)
+    )
+    original = provider.acquire
+    broken = {"on": True}
+
+    def acquire(layer, experts, deadline=None):
+        if broken.pop("on", False):
+            raise DaemonUnavailable("cache daemon at unix:///x: the Demand stream broke")
+        return original(layer, experts, deadline)
+
+    provider.acquire = acquire
+    try:
+        with pytest.raises(Unavailable, match="the Demand stream broke"):
+            list(scheduler.submit(request(0)))
+        assert recovered.wait(10) and len(attempts) == 3
+        while not scheduler.serving:
+            time.sleep(0.01)
+        assert serving == [False, True]
+        assert len(list(scheduler.submit(request(1, n=3)))) == 3  # serving again, no restart
+    finally:
+        provider.acquire = original
 
 
-def test_cancel_stops_a_running_request_and_skips_a_waiting_one(engine, scheduler):
-    engine.gate = threading.Event()
-    running = scheduler.submit(request("running", n=100))
-    waiting = scheduler.submit(request("waiting"))
-    deadline = time.monotonic() + 5
-    while engine.running == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiting.cancel()
-    running.cancel()
-    engine.gate.set()
-    with pytest.raises(Cancelled, match="'running' was cancelled"):
-        list(running)
-    with pytest.raises(Cancelled, match="'waiting' was cancelled before it started"):
-        list(waiting)
-    assert "waiting" not in engine.order
-
-
-def test_stop_fails_waiting_and_running_requests_with_unavailable(engine):
-    scheduler = Scheduler(engine, max_queue=2)
-    scheduler.start()
-    engine.gate = threading.Event()
-    running = scheduler.submit(request("running", n=100))
-    deadline = time.monotonic() + 5
-    while engine.running == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiting = scheduler.submit(request("waiting"))
+def test_stop_fails_waiting_and_running_requests_with_unavailable(batching):
+    scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=1, max_batched_tokens=8))
+    log.gate = threading.Event()
+    running = scheduler.submit(request(0, n=50))
+    waiting = scheduler.submit(request(1))
     stopper = threading.Thread(target=scheduler.stop)
     stopper.start()
+    time.sleep(0.1)
+    log.gate.set()
+    stopper.join(30)
+    for handle in (running, waiting):
+        with pytest.raises(Unavailable, match="shutting down"):
+            list(handle)
     with pytest.raises(Unavailable, match="shutting down"):
-        list(waiting)
-    engine.gate.set()
-    with pytest.raises(Unavailable, match="'running' was stopped"):
-        list(running)
-    stopper.join(5)
-    with pytest.raises(Unavailable):
-        scheduler.submit(request("late"))
+        scheduler.submit(request(2))

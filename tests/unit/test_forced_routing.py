@@ -13,6 +13,7 @@ from compute_svc.errors import InvalidArgument
 from compute_svc.forced_routing import ForcedRouting, load_trace
 from compute_svc.generation import GenerationRequest
 from compute_svc.layer_ahead import Prediction
+from compute_svc.moe import StepSegment
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -60,11 +61,16 @@ def test_requests_cycle_and_rows_wrap(tmp_path):
     # Request 1 is prefill only (no decode rows): skipped. Request 2 has one prefill row.
     trace = load_trace(write_trace(tmp_path / "t.npz", [3, 2, 4], decode_start=[0, 2, 1]))
     forced = ForcedRouting(trace, [0, 1, 2], 8, 2, first_request=2)
-    assert forced.begin_request() == 2
-    assert [forced.row(s) for s in range(5)] == [6, 7, 8, 6, 7]  # rows 5 (prefill) skipped, wrap after 3
-    assert forced.begin_request() == 0
-    assert forced.begin_request() == 2  # 1 has no decode rows
-    assert forced.begin_request() == 0
+    assert forced.begin_request("a") == 2
+    assert [forced.row("a", s) for s in range(5)] == [6, 7, 8, 6, 7]  # rows 5 (prefill) skipped, wrap after 3
+    assert forced.begin_request("b") == 0
+    assert forced.begin_request("c") == 2  # 1 has no decode rows
+    assert forced.begin_request("d") == 0
+    # Requests batched together each keep their own trace request.
+    assert (forced.request_of("a"), forced.request_of("b"), forced.request_of("c")) == (2, 0, 2)
+    assert forced.row("b", 1) == 1
+    forced.end_request("a")
+    assert forced.request_of("a") == 2  # a new request of that id takes the next one
 
 
 def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
@@ -72,11 +78,11 @@ def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
     router = Prediction(layer=1, experts=(0, 1), scores=(0.6, 0.4))
     for acc, lo, hi in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (0.5, 0.4, 0.6)):
         forced = ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=acc)
-        forced.begin_request()
+        forced.begin_request("r")
         kept = []
         for step in range(200):
-            p = forced.layer_ahead(step, router)
-            truth = set(forced.experts(step, 1).tolist())
+            p = forced.layer_ahead(StepSegment("r", 0, 1, step, step), router)
+            truth = set(forced.experts("r", step, 1).tolist())
             assert len(set(p.experts)) == 2 and p.layer == 1
             kept.append(len(truth & set(p.experts)) / 2)
         assert lo <= np.mean(kept) <= hi
@@ -130,26 +136,34 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
     forced = ForcedRouting(trace, manifest.moe_layers, manifest.num_experts, manifest.top_k, first_request=1)
     engine.runtime.forced = forced
     prompt = (3, 4, 5)
-    events = list(engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4))))
-    assert forced.request == 1
+    seen = []
+    original_begin = forced.begin_request
+    forced.begin_request = lambda rid: seen.append(original_begin(rid)) or seen[-1]
+    events = list(
+        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a")))
+    )
+    assert seen == [1]
     # Every acquire asked exactly for the trace's experts of that forward and layer.
     per_forward = len(manifest.moe_layers)
     acquires = provider.acquires[-4 * per_forward :]
+    start, _ = trace.decode_rows(1)
     for n, (layer, experts) in enumerate(acquires):
         step, j = divmod(n, per_forward)
         assert layer == manifest.moe_layers[j]
-        assert sorted(experts) == sorted(forced.experts(step, layer).tolist())
+        assert sorted(experts) == sorted(trace.expert_ids[start + step, j].tolist())
     # The generated tokens are those of the plain model forced the same way (a direct computation).
     ids = [list(prompt)] + [[e.token_id] for e in events[:-1]]
     reference = plain_forced_logits(tiny.checkpoint, ids, trace, 1, manifest.moe_layers)
     assert [e.token_id for e in events] == [int(r.argmax()) for r in reference]
-    # And the logits of the prefill equal the reference's (forward_logits runs step 0's row).
-    engine.runtime.begin_step(0, len(prompt) - 1)
-    torch.testing.assert_close(engine.forward_logits(prompt)[-1], reference[0], **TOL)
     # Each new Generate takes the next trace request (wrapping after the last).
-    list(engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1))))
-    assert forced.request == 0
-    assert sorted(provider.acquires[-1][1]) == sorted(forced.experts(0, manifest.moe_layers[-1]).tolist())
+    list(
+        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b")))
+    )
+    assert seen == [1, 0]
+    first, _ = trace.decode_rows(0)
+    assert sorted(provider.acquires[-1][1]) == sorted(
+        trace.expert_ids[first, len(manifest.moe_layers) - 1].tolist()
+    )
 
 
 def test_config_fields_and_their_bounds():

@@ -20,6 +20,7 @@ class SignalProvider(LocalProvider):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.signals: list[tuple] = []
+        self.request_ids: set[str] = set()  # named by routed / layer_ahead
 
     def begin_request(self, request_id):
         self.signals.append(("begin", request_id))
@@ -27,10 +28,12 @@ class SignalProvider(LocalProvider):
     def end_request(self, request_id):
         self.signals.append(("end", request_id))
 
-    def routed(self, token, layer, experts):
+    def routed(self, request_id, token, layer, experts):
+        self.request_ids.add(request_id)
         self.signals.append(("routed", token, layer, tuple(experts)))
 
-    def layer_ahead(self, token, layer, experts, scores):
+    def layer_ahead(self, request_id, token, layer, experts, scores):
+        self.request_ids.add(request_id)
         assert len(experts) == len(scores)
         assert all(0.0 <= s <= 1.0 for s in scores)
         assert list(scores) == sorted(scores, reverse=True)
@@ -150,6 +153,7 @@ def test_runtime_sends_routing_and_layer_ahead_before_each_layer(arch, tiny_stor
     )
     assert len(events) == 3
     assert provider.signals[0][0] == "begin" and provider.signals[-1] == ("end", provider.signals[0][1])
+    assert provider.request_ids == {provider.signals[0][1]}  # every message names the request
     body = provider.signals[1:-1]
     routed = [s for s in body if s[0] == "routed"]
     ahead = [s for s in body if s[0] == "ahead"]

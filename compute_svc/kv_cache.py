@@ -1,0 +1,237 @@
+"""Many requests in one forward: packed tokens, per-request KV caches, per-request attention.
+
+Continuous batching runs one forward over the tokens of every request of a step, packed into one
+sequence ``[1, T]`` (decode tokens and prefill chunks side by side); the MoE layers then see all
+``T`` tokens at once and acquire the union of their experts once per layer. What must stay per
+request is attention: each request attends to its own past only. Two seams of transformers make
+that possible without touching the models' code:
+
+- the KV cache (``Cache.update``, called by every attention layer with the layer's new keys and
+  values): ``PackedCache`` appends each request's slice to that request's own buffers
+  (``SequenceKV``) and hands back every request's full keys and values, concatenated;
+- the attention function (``AttentionInterface``, selected by ``config._attn_implementation``):
+  ``packed_attention`` splits queries and keys by request and calls the model's *own* attention
+  function (sdpa, or the model's eager one, e.g. gpt-oss's with sinks) once per request, with the
+  mask a lone request would get. Each request's attention is thus computed exactly as if it ran
+  alone; only the dense and expert matmuls see the packed rows.
+
+::
+
+    step: [ A: 1 decode token | B: 1 decode token | C: prefill chunk of 6 ]   → input_ids [1, 8]
+    layer l:  q/k/v [1, h, 8, d] ──PackedCache.update──▶ A: k[0:L_A+1]  B: k[0:L_B+1]  C: k[0:L_C+6]
+              packed_attention: sdpa(q_A, k_A) | sdpa(q_B, k_B) | sdpa(q_C, k_C, causal from L_C)
+              → [1, 8, h, d] → o_proj → MoE over 8 rows (one acquire of the union)
+
+Glossary: a *segment* is one request's tokens in the step (``t`` tokens at positions ``past ..
+past + t - 1``); ``past`` is how many tokens of that request the cache already holds.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+IMPLEMENTATION = "expertcache_packed"
+_INITIAL_CAPACITY = 64
+
+
+class SequenceKV:
+    """One request's keys and values, per attention layer, in buffers that grow by doubling.
+
+    ``length`` tokens are committed; a step writes ``t`` more in every layer and ``commit(t)``
+    makes them part of the past once the whole forward succeeded (a failed forward leaves the
+    sequence as it was)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._keys: dict[int, torch.Tensor] = {}  # layer -> [1, h, capacity, d]
+        self._values: dict[int, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))
+
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``keys``/``values`` [1, h, t, d] after the committed past; the past and them as views."""
+        end = self.length + keys.shape[2]
+        self._keys[layer] = k = _ensure(self._keys.get(layer), keys, end)
+        self._values[layer] = v = _ensure(self._values.get(layer), values, end)
+        k[:, :, self.length : end] = keys
+        v[:, :, self.length : end] = values
+        return k[:, :, :end], v[:, :, :end]
+
+    def commit(self, tokens: int) -> None:
+        self.length += tokens
+
+
+def _ensure(buf: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:
+    """``buf`` with room for ``needed`` tokens (dim 2), grown by doubling and keeping its contents."""
+    if buf is not None and buf.shape[2] >= needed:
+        return buf
+    capacity = max(_INITIAL_CAPACITY, needed, 2 * (buf.shape[2] if buf is not None else 0))
+    grown = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+    if buf is not None:
+        grown[:, :, : buf.shape[2]] = buf
+    return grown
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's ``tokens`` in the step, at request positions ``past .. past + tokens - 1``."""
+
+    kv: SequenceKV
+    tokens: int
+
+    @property
+    def past(self) -> int:
+        return self.kv.length
+
+
+class PackedCache(Cache):
+    """The ``past_key_values`` of a packed forward (see the module docstring).
+
+    ``update`` splits the new keys/values [1, h, T, d] by segment, appends each to its request's
+    ``SequenceKV`` and returns every request's past + new keys/values concatenated along the
+    sequence ([1, h, Σ(past + t), d]); ``packed_attention`` splits them back by the same layout.
+    One segment: its buffers' views, no copy."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        super().__init__(layers=[])
+        self.segments = tuple(segments)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ARG002 - Cache API
+        keys, values = [], []
+        start = 0
+        for seg in self.segments:
+            k, v = seg.kv.write(
+                layer_idx,
+                key_states[:, :, start : start + seg.tokens],
+                value_states[:, :, start : start + seg.tokens],
+            )
+            keys.append(k)
+            values.append(v)
+            start += seg.tokens
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # noqa: ARG002 - Cache API
+        # Positions are given explicitly (position_ids); the model asks only to derive defaults.
+        return 0
+
+    def get_mask_sizes(self, query_length, layer_idx=0):  # noqa: ARG002 - Cache API
+        return query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+# The segments of the forward running on this thread (None: a plain forward over one sequence).
+_SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.ContextVar(
+    "expertcache_segments", default=None
+)
+
+
+@contextmanager
+def packed_forward(segments: Sequence[Segment]) -> Iterator[PackedCache]:
+    """The ``past_key_values`` for a forward over ``segments``, and their layout for attention."""
+    cache = PackedCache(segments)
+    token = _SEGMENTS.set(cache.segments)
+    try:
+        yield cache
+    finally:
+        _SEGMENTS.reset(token)
+
+
+class PackedAttention:
+    """Per-request attention over packed tokens, delegating to the model's own implementation."""
+
+    def __init__(self, original: str) -> None:
+        self.original = original
+
+    def function(self, module: torch.nn.Module) -> Callable:
+        if self.original == "eager":
+            # Models keep their eager attention in their own module (gpt-oss's adds sinks).
+            return sys.modules[type(module).__module__].eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS[self.original]
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):  # noqa: ARG002 - mask is ours
+        """query [1, hq, T, d], key/value [1, hk, Σ(past + t), d] → ([1, T, hq, dv], None)."""
+        segments = _SEGMENTS.get()
+        if segments is None:  # no cache (forward_logits): one sequence, all of it new
+            segments = (Segment(SequenceKV(), query.shape[2]),)
+        fn = self.function(module)
+        if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
+            # Keys already expanded to every query head (DeepSeek's MLA): sdpa must not repeat them
+            # again, which it would do on the masked path a lone request never takes.
+            module = _ExpandedHeads(module)
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        outs = []
+        q0 = k0 = 0
+        for seg in segments:
+            kv_len = seg.past + seg.tokens
+            q = query[:, :, q0 : q0 + seg.tokens]
+            k = key[:, :, k0 : k0 + kv_len]
+            v = value[:, :, k0 : k0 + kv_len]
+            mask = self.mask(seg.past, seg.tokens, window, query)
+            out, _ = fn(module, q, k, v, mask, **kwargs)
+            outs.append(out)
+            q0 += seg.tokens
+            k0 += kv_len
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+    def mask(self, past: int, tokens: int, window: int | None, query: torch.Tensor) -> torch.Tensor | None:
+        """The mask a lone request gets from transformers: queries at ``past .. past+tokens-1``
+        over keys ``0 .. past+tokens-1``, causal and within ``window``. sdpa is given None where
+        nothing is masked beyond plain causality from position 0 (as transformers skips it);
+        eager always gets an additive float mask."""
+        q_pos = torch.arange(past, past + tokens, device=query.device).unsqueeze(1)  # [t, 1]
+        k_pos = torch.arange(past + tokens, device=query.device).unsqueeze(0)  # [1, kv]
+        allowed = k_pos <= q_pos
+        windowed = window is not None and past + tokens > window
+        if windowed:
+            allowed &= k_pos > q_pos - window
+        if self.original == "eager":
+            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            neg = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+            return torch.where(allowed, zero, neg)[None, None]
+        if not windowed and (tokens == 1 or past == 0):
+            return None  # decode over everything, or a whole prompt from 0: is_causal covers it
+        return allowed[None, None]
+
+
+class _ExpandedHeads:
+    """``module`` as attention sees it, with one query head per key head."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def use_packed_attention(model: torch.nn.Module) -> PackedAttention:
+    """Route ``model``'s attention through ``packed_attention`` (registered once per original
+    implementation); forwards then need ``packed_forward`` for their cache."""
+    original = model.config._attn_implementation
+    if original not in ("sdpa", "eager"):
+        raise ValueError(f"packed attention wraps sdpa or eager attention, not {original!r}")
+    packed = PackedAttention(original)
+    name = f"{IMPLEMENTATION}_{original}"
+    AttentionInterface.register(name, packed)
+    assert name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping  # transformers then builds no mask
+    model.set_attn_implementation(name)
+    return packed
