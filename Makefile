@@ -19,7 +19,7 @@ NATIVE_SWITCHES := ISAL=$(WITH_ISAL) URING=$(WITH_URING) CUDA=$(WITH_CUDA)
 BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>/dev/null)
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean \
-        bench-predict bench-io bench-replay bench-e2e bench
+        bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench
 
 install: $(STAMP)
 
@@ -104,6 +104,16 @@ bench-e2e: install
 	$(PY) -m bench.e2e --precision bf16 --out bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 	$(PY) -m bench.e2e --precision $(BENCH_E2E_PRECISION) --compare-with bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 
-bench: bench-io bench-predict bench-replay bench-e2e
+# Serving: N concurrent streams (1, 4, 16, 64) against continuous batching and against the
+# one-at-a-time scheduler on the e2e benchmark's model; writes bench/results/serve.json and .png.
+bench-serve: install
+	$(PY) -m bench.serve $(BENCH_SERVE_ARGS)
+
+# Load: 16 streams with cancellations for a bounded time, with and without long prompts; the short
+# requests' p99s in both, pins after each; writes bench/results/load.json.
+bench-load: install
+	$(PY) -m bench.serve --mode load $(BENCH_LOAD_ARGS)
+
+bench: bench-io bench-predict bench-replay bench-e2e bench-serve bench-load
 
 FORCE:

@@ -43,6 +43,13 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _message(text: str):
+    role, sep, content = text.partition(":")
+    if not sep or not role:
+        raise argparse.ArgumentTypeError(f"a message is ROLE:CONTENT (e.g. user:Hello), got {text!r}")
+    return role, content
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertcache",
@@ -57,7 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed; 0 = a fresh one")
+    gen.add_argument(
+        "--message",
+        action="append",
+        default=[],
+        type=_message,
+        metavar="ROLE:CONTENT",
+        help="a chat message instead of a prompt (repeatable, in order); the model's chat template applies",
+    )
+    gen.add_argument("--logprobs", action="store_true", help="with --verbose: each token's log-probability")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
         "--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)"
@@ -94,18 +113,30 @@ def _fail(exc: grpc.RpcError, what: str) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-    if bool(args.prompt) == bool(args.token_ids):
-        print("expertcache generate: give a prompt or --token-ids (exactly one)", file=sys.stderr)
+    if sum(map(bool, (args.prompt, args.token_ids, args.message))) != 1:
+        print(
+            "expertcache generate: give a prompt, --token-ids or --message (exactly one kind)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     request = inference_pb2.GenerateRequest(
         text=args.prompt,
         token_ids=args.token_ids or [],
+        messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in args.message],
         max_new_tokens=args.max_new_tokens,
-        sampling=inference_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        sampling=inference_pb2.SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            seed=args.seed,
+        ),
         stop=args.stop,
         stop_token_ids=args.stop_token_id,
         ignore_eos=args.ignore_eos,
         request_id=args.request_id,
+        logprobs=args.logprobs,
     )
     tokens = 0
     finish = ""
@@ -120,7 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 if args.verbose:
                     print(
                         f"[{event.index}] id {event.token_id} {event.latency_s * 1e3:.1f} ms "
-                        f"hits {event.cache.hits} misses {event.cache.misses} stall {event.cache.stall_s * 1e3:.1f} ms",
+                        f"hits {event.cache.hits} misses {event.cache.misses} stall {event.cache.stall_s * 1e3:.1f} ms"
+                        + (f" logprob {event.logprob:.4f}" if event.HasField("logprob") else ""),
                         file=sys.stderr,
                     )
                 finish = _FINISH_NAMES.get(event.finish_reason, finish) or finish

@@ -72,6 +72,16 @@ def test_generate_with_token_ids_and_sampling_options(stack):
     assert sampled[0].stdout == sampled[1].stdout  # same seed, same tokens
 
 
+def test_chat_messages_and_logprobs(stack):
+    _, _, compute = stack
+    out = run_cli(
+        "generate", "--address", compute.address, "--message", "system:Be brief.", "--message", "user:Hello",
+        "--max-new-tokens", "3", "--ignore-eos", "--verbose", "--logprobs",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count(" logprob -") + out.stderr.count(" logprob 0.0000") == 3
+
+
 def test_info_and_stats_print_what_the_services_report(stack):
     predictor, daemon, compute = stack
     info = run_cli("info", "--address", compute.address)
@@ -101,7 +111,11 @@ def test_usage_errors_and_unreachable_services_exit_2():
     out = run_cli("generate", "--address", nowhere, "--timeout-s", "3", PROMPT)
     assert out.returncode == 2 and f"Generate at {nowhere}: UNAVAILABLE" in out.stderr
     both = run_cli("generate", "--token-ids", "1,2", PROMPT)
-    assert both.returncode == 2 and "give a prompt or --token-ids (exactly one)" in both.stderr
+    assert (
+        both.returncode == 2 and "give a prompt, --token-ids or --message (exactly one kind)" in both.stderr
+    )
+    bad_message = run_cli("generate", "--message", "no-colon")
+    assert bad_message.returncode == 2 and "a message is ROLE:CONTENT" in bad_message.stderr
     bad_ids = run_cli("generate", "--token-ids", "1,x")
     assert bad_ids.returncode == 2 and "token ids must be integers" in bad_ids.stderr
     stats = run_cli("stats", "--daemon", "", "--predictor", "")

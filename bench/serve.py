@@ -1,0 +1,446 @@
+"""Serving: N concurrent streams against continuous batching, beside the one-at-a-time scheduler.
+
+    python -m bench.serve [--concurrency 1,4,16,64] [--tokens 16] [--precision mxfp4] ...   (make bench-serve)
+    python -m bench.serve --mode load [--duration-s 60] ...                                 (make bench-load)
+
+The model is the e2e benchmark's (``bench.e2e.build``: a random gpt-oss-shaped checkpoint written
+by ``save_pretrained``, converted by the real converter, experts at ``--precision``), served by
+real daemon and compute processes (``expertcache.launch``) with routing forced from the shared
+gpt-oss-20b trace (every request replays its own trace request), the daemon's arena holding
+``--budget-share`` of the experts (encoded bytes).
+
+sweep (bench-serve): for each N, N client threads each stream ``--requests-per-client`` Generates
+of ``--tokens`` tokens, back to back, against two compute configurations on the same daemon
+settings: ``batching`` (``--max-batch-size`` N or more, ``--max-batched-tokens``) and
+``one-at-a-time`` (``--max-batch-size 1 --max-batched-tokens 0``: the former scheduler, one
+request at a time, whole prompts). Per N and system it prints tokens per second (all generated
+tokens over the wall time of the run), time to first token p50/p99 (client side, from sending the
+request), per-token latency p50/p99 (client side, between tokens of a request) and bytes read from
+the store per generated token (the daemon's store→arena bytes over the run). Goals (issue
+"Serve many requests at once"): N=16 ≥ 1.3x the one-at-a-time throughput, N=64 ≥ 3x; at N=16
+the p99 time to first token below one at a time's. Writes bench/results/serve.json and a PNG of
+throughput against N.
+
+load (bench-load): 16 streams of short requests for ``--duration-s``, a tenth of them cancelled
+after a few tokens, twice: alone, and with one more stream sending long prompts
+(``--long-prompt-tokens``) all along. Prints throughput and p50/p99 of time to first token and of
+request latency of the short requests in both runs, and the daemon's pinned slots after each run
+(must be 0). Goal (issue "Faults, hostile input and load"): the long prompts raise the short
+requests' p99 per-token latency and p99 time to first token by at most 2x. Writes
+bench/results/load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from bench.e2e import DATA_DIR, DEFAULT_TRACE, GIB, MIB, PRECISIONS, build, say
+from expertcache.launch import start_compute, start_daemon
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL_N16 = 1.3
+GOAL_N64 = 3.0
+GOAL_LOAD_P99 = 2.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def daemon_stats(address: str) -> cache_pb2.CacheStats:
+    with grpc.insecure_channel(address) as channel:
+        return cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=30)
+
+
+def store_bytes(stats: cache_pb2.CacheStats) -> int:
+    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE).bytes_in
+
+
+@dataclass
+class Tally:
+    """What the clients of one run saw."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    refused: int = 0
+    cancelled: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, ttft: float | None, gaps: list[float], total: float | None, tokens: int) -> None:
+        with self.lock:
+            if ttft is not None:
+                self.ttft_s.append(ttft)
+            self.token_s += gaps
+            if total is not None:
+                self.request_s.append(total)
+            self.tokens += tokens
+
+
+def stream_one(
+    stub, request: inference_pb2.GenerateRequest, tally: Tally, cancel_after: int | None = None
+) -> None:
+    sent = time.perf_counter()
+    last = sent
+    ttft = None
+    gaps: list[float] = []
+    n = 0
+    call = stub.Generate(request, timeout=3600)
+    try:
+        for _ in call:
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - sent
+            else:
+                gaps.append(now - last)
+            last = now
+            n += 1
+            if cancel_after is not None and n >= cancel_after:
+                call.cancel()
+                with tally.lock:
+                    tally.cancelled += 1
+                tally.add(ttft, gaps, None, n)
+                return
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            with tally.lock:
+                tally.refused += 1
+            return
+        if exc.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
+            return
+        with tally.lock:
+            tally.errors.append(f"{exc.code().name}: {exc.details()}")
+        return
+    tally.add(ttft, gaps, time.perf_counter() - sent, n)
+
+
+def serve(args, store, manifest, work: Path, compute_extra: list[str], budget: int):
+    """Daemon + compute for one configuration (context: the caller stops them)."""
+    daemon = start_daemon(
+        store,
+        work,
+        device=args.device,
+        device_budget_bytes=budget,
+        extra=["--eviction-policy", args.policy, "--prefetch" if args.prefetch else "--no-prefetch"],
+    )
+    try:
+        compute = start_compute(
+            store,
+            daemon,
+            work,
+            extra=[
+                "--force-routing-path",
+                str(args.trace),
+                "--force-routing-layer-ahead-accuracy",
+                str(args.layer_ahead_accuracy),
+                "--max-new-tokens-limit",
+                str(max(args.tokens, args.long_tokens, 1)),
+                *compute_extra,
+            ],
+        )
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon, compute
+
+
+def summary(tally: Tally, wall: float, bytes_read: int) -> dict:
+    return {
+        "tokens": tally.tokens,
+        "tokens_per_s": tally.tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_s": percentile(tally.ttft_s, 50),
+        "ttft_p99_s": percentile(tally.ttft_s, 99),
+        "token_p50_s": percentile(tally.token_s, 50),
+        "token_p99_s": percentile(tally.token_s, 99),
+        "request_p50_s": percentile(tally.request_s, 50),
+        "request_p99_s": percentile(tally.request_s, 99),
+        "mib_read_per_token": bytes_read / MIB / max(1, tally.tokens),
+        "refused": tally.refused,
+        "cancelled": tally.cancelled,
+        "errors": tally.errors[:5],
+        "wall_s": wall,
+    }
+
+
+# -- sweep -----------------------------------------------------------------------------------------
+SYSTEM_FLAGS = {
+    "one-at-a-time": lambda n, args: ["--max-batch-size", "1", "--max-batched-tokens", "0", "--max-waiting-requests", str(max(n, 1) * 2)],
+    "batching": lambda n, args: [
+        "--max-batch-size", str(max(n, args.max_batch_size)),
+        "--max-batched-tokens", str(max(args.max_batched_tokens, n, args.max_batch_size)),
+        "--max-waiting-requests", str(max(n, 1) * 2),
+    ],
+}  # fmt: skip
+
+
+def run_sweep(args, store, manifest, budget: int) -> dict:
+    results: dict[str, dict[int, dict]] = {name: {} for name in args.systems}
+    prompt = list(range(5, 5 + args.prompt_tokens))
+    for name in args.systems:
+        for n in args.concurrency:
+            work = args.data_dir / "serve-work" / f"{name}-{n}"
+            work.mkdir(parents=True, exist_ok=True)
+            daemon, compute = serve(args, store, manifest, work, SYSTEM_FLAGS[name](n, args), budget)
+            try:
+                tally = Tally()
+                before = store_bytes(daemon_stats(daemon.address))
+                with grpc.insecure_channel(compute.address) as channel:
+                    stub = inference_pb2_grpc.InferenceStub(channel)
+
+                    def client(i: int, stub=stub, tally=tally) -> None:
+                        for r in range(args.requests_per_client):
+                            request = inference_pb2.GenerateRequest(
+                                token_ids=prompt,
+                                max_new_tokens=args.tokens,
+                                ignore_eos=True,
+                                request_id=f"c{i}-{r}",
+                            )
+                            stream_one(stub, request, tally)
+
+                    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+                    started = time.perf_counter()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    wall = time.perf_counter() - started
+                after = daemon_stats(daemon.address)
+                result = summary(tally, wall, store_bytes(after) - before)
+                result["pinned_after"] = after.pinned
+            finally:
+                compute.stop()
+                daemon.stop()
+            results[name][n] = result
+            say(
+                f"[{name:>13}] N={n:>3}: {result['tokens_per_s']:7.2f} tok/s, TTFT p50/p99 "
+                f"{result['ttft_p50_s'] * 1e3:8.0f}/{result['ttft_p99_s'] * 1e3:8.0f} ms, per-token p50/p99 "
+                f"{result['token_p50_s'] * 1e3:7.0f}/{result['token_p99_s'] * 1e3:7.0f} ms, "
+                f"{result['mib_read_per_token']:6.1f} MiB read/token, {result['tokens']} tokens in {wall:.0f} s"
+                + (f", errors {result['errors']}" if result["errors"] else "")
+            )
+    return results
+
+
+def verdicts_sweep(results: dict) -> dict:
+    out = {}
+    one, batch = results.get("one-at-a-time", {}), results.get("batching", {})
+    for n, goal in ((16, GOAL_N16), (64, GOAL_N64)):
+        if n in one and n in batch and one[n]["tokens_per_s"] > 0:
+            ratio = batch[n]["tokens_per_s"] / one[n]["tokens_per_s"]
+            out[f"N{n}_throughput_vs_one_at_a_time"] = {"ratio": ratio, "goal": goal, "pass": ratio >= goal}
+    if 16 in one and 16 in batch:
+        out["N16_ttft_p99_below_one_at_a_time"] = {
+            "batching_s": batch[16]["ttft_p99_s"],
+            "one_at_a_time_s": one[16]["ttft_p99_s"],
+            "pass": batch[16]["ttft_p99_s"] < one[16]["ttft_p99_s"],
+        }
+    return out
+
+
+def plot_sweep(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, by_n in results.items():
+        ns = sorted(by_n)
+        ax.plot(ns, [by_n[n]["tokens_per_s"] for n in ns], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams N")
+    ax.set_ylabel("generated tokens per second")
+    ax.set_title("Throughput against concurrency (gpt-oss shape, forced routing)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- load ------------------------------------------------------------------------------------------
+def run_load(args, store, manifest, budget: int) -> dict:
+    runs = {}
+    flags = SYSTEM_FLAGS["batching"](args.load_streams + 1, args)
+    for label, with_long in (("without long prompts", False), ("with long prompts", True)):
+        work = args.data_dir / "serve-work" / f"load-{int(with_long)}"
+        work.mkdir(parents=True, exist_ok=True)
+        daemon, compute = serve(args, store, manifest, work, flags, budget)
+        try:
+            short, long_tally = Tally(), Tally()
+            stop = threading.Event()
+            rng = random.Random(7)
+            before = store_bytes(daemon_stats(daemon.address))
+            with grpc.insecure_channel(compute.address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+
+                def client(i: int, stub=stub, short=short, stop=stop, rng=rng) -> None:
+                    r = 0
+                    while not stop.is_set():
+                        cancel = 3 if rng.random() < args.cancel_share else None
+                        request = inference_pb2.GenerateRequest(
+                            token_ids=list(range(5, 5 + args.prompt_tokens)),
+                            max_new_tokens=args.tokens,
+                            ignore_eos=True,
+                            request_id=f"s{i}-{r}",
+                        )
+                        stream_one(stub, request, short, cancel_after=cancel)
+                        r += 1
+
+                def long_client(stub=stub, tally=long_tally, stop=stop) -> None:
+                    r = 0
+                    while not stop.is_set():
+                        request = inference_pb2.GenerateRequest(
+                            token_ids=[7] * args.long_prompt_tokens,
+                            max_new_tokens=args.long_tokens,
+                            ignore_eos=True,
+                            request_id=f"long-{r}",
+                        )
+                        stream_one(stub, request, tally)
+                        r += 1
+
+                threads = [threading.Thread(target=client, args=(i,)) for i in range(args.load_streams)]
+                if with_long:
+                    threads.append(threading.Thread(target=long_client))
+                started = time.perf_counter()
+                for t in threads:
+                    t.start()
+                stop.wait(args.duration_s)
+                stop.set()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - started
+            time.sleep(0.5)  # the last cancellations reach the daemon
+            after = daemon_stats(daemon.address)
+        finally:
+            compute.stop()
+            daemon.stop()
+        result = summary(short, wall, store_bytes(after) - before)
+        result["pinned_after"] = after.pinned
+        result["long_requests"] = len(long_tally.request_s)
+        result["long_ttft_p50_s"] = percentile(long_tally.ttft_s, 50)
+        runs[label] = result
+        say(
+            f"[load {label}] {result['tokens_per_s']:.2f} tok/s of short requests; short TTFT p50/p99 "
+            f"{result['ttft_p50_s'] * 1e3:.0f}/{result['ttft_p99_s'] * 1e3:.0f} ms, per-token p50/p99 "
+            f"{result['token_p50_s'] * 1e3:.0f}/{result['token_p99_s'] * 1e3:.0f} ms, request p50/p99 "
+            f"{result['request_p50_s']:.2f}/{result['request_p99_s']:.2f} s; {result['cancelled']} cancelled, "
+            f"{result['refused']} refused, long requests done {result['long_requests']}; pinned after: "
+            f"{result['pinned_after']}" + (f"; errors {result['errors']}" if result["errors"] else "")
+        )
+    base, loaded = runs["without long prompts"], runs["with long prompts"]
+    verdict = {}
+    for key in ("token_p99_s", "ttft_p99_s"):
+        ratio = loaded[key] / base[key] if base[key] > 0 else float("inf")
+        verdict[key] = {"ratio": ratio, "goal": GOAL_LOAD_P99, "pass": ratio <= GOAL_LOAD_P99}
+        say(
+            f"long prompts raise the short requests' {key} by {ratio:.2f}x (goal <= {GOAL_LOAD_P99}x): "
+            f"{'PASS' if ratio <= GOAL_LOAD_P99 else 'FAIL'}"
+        )
+    pins = all(r["pinned_after"] == 0 for r in runs.values())
+    say(f"pins after each run: {[r['pinned_after'] for r in runs.values()]}: {'PASS' if pins else 'FAIL'}")
+    return {"runs": runs, "verdicts": {**verdict, "pins_return_to_zero": pins}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("sweep", "load"), default="sweep")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="N values of the sweep")
+    parser.add_argument("--systems", default="batching,one-at-a-time")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per Generate")
+    parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--requests-per-client", type=int, default=1)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=256)
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="mxfp4")
+    parser.add_argument("--budget-share", type=float, default=0.25)
+    parser.add_argument("--policy", default="activation-aware")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--layer-ahead-accuracy", type=float, default=0.85)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1280)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of compute")
+    # load mode
+    parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument("--load-streams", type=int, default=16)
+    parser.add_argument("--cancel-share", type=float, default=0.1)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1500)
+    parser.add_argument("--long-tokens", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = set(args.systems) - set(SYSTEM_FLAGS)
+    if unknown:
+        parser.error(f"--systems: unknown {sorted(unknown)}; choose from {sorted(SYSTEM_FLAGS)}")
+    if not args.trace.is_file():
+        parser.error(f"--trace {args.trace} does not exist")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    _, store, manifest = build(
+        args.data_dir,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        precision=args.precision,
+    )
+    budget = int(args.budget_share * manifest.total_expert_bytes)
+    say(
+        f"model: gpt_oss {len(manifest.moe_layers)} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
+        f"experts {args.precision} ({manifest.total_expert_bytes / GIB:.2f} GiB); arena {budget / MIB:.0f} MiB "
+        f"({budget // manifest.blob_bytes} experts, {args.budget_share:.0%}); policy {args.policy}, prefetch "
+        f"{'on' if args.prefetch else 'off'}; routing forced from {args.trace.name}; {args.tokens} tokens per "
+        f"request, prompt {args.prompt_tokens} tokens; compute threads {args.threads}"
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.mode == "sweep":
+        results = run_sweep(args, store, manifest, budget)
+        verdicts = verdicts_sweep(results)
+        for name, v in verdicts.items():
+            say(
+                f"{name}: {json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in v.items()})}"
+            )
+        out = args.out or RESULTS / "serve.json"
+        out.write_text(
+            json.dumps({"settings": vars_of(args), "results": results, "verdicts": verdicts}, indent=2)
+        )
+        plot_sweep(results, out.with_suffix(".png"))
+        say(f"wrote {out} and {out.with_suffix('.png')}")
+    else:
+        report = run_load(args, store, manifest, budget)
+        out = args.out or RESULTS / "load.json"
+        out.write_text(json.dumps({"settings": vars_of(args), **report}, indent=2))
+        say(f"wrote {out}")
+    return 0
+
+
+def vars_of(args) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
