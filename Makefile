@@ -110,9 +110,10 @@ bench-serve: install
 	$(PY) -m bench.serve $(BENCH_SERVE_ARGS)
 
 # Load: 16 streams with cancellations for a bounded time, with and without long prompts; the short
-# requests' p99s in both, pins after each; writes bench/results/load.json.
+# requests' p99s in both, pins after each; writes bench/results/load.json. 64 tokens per step: on
+# this 2-core machine a 256-token chunk of a long prompt doubles the others' step time.
 bench-load: install
-	$(PY) -m bench.serve --mode load $(BENCH_LOAD_ARGS)
+	$(PY) -m bench.serve --mode load --max-batched-tokens 64 $(BENCH_LOAD_ARGS)
 
 bench: bench-io bench-predict bench-replay bench-e2e bench-serve bench-load
 

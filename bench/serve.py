@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         f"experts {args.precision} ({manifest.total_expert_bytes / GIB:.2f} GiB); arena {budget / MIB:.0f} MiB "
         f"({budget // manifest.blob_bytes} experts, {args.budget_share:.0%}); policy {args.policy}, prefetch "
         f"{'on' if args.prefetch else 'off'}; routing forced from {args.trace.name}; {args.tokens} tokens per "
-        f"request, prompt {args.prompt_tokens} tokens; compute threads {args.threads}"
+        f"request, prompt {args.prompt_tokens} tokens; compute threads {args.threads}; batching: max batch "
+        f"size >= {args.max_batch_size}, max batched tokens {args.max_batched_tokens}"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":

@@ -264,8 +264,10 @@ class Scheduler:
                 )
 
     def _plan(self) -> list[tuple[RunningRequest, int]]:
-        """Decode tokens first (one per decoding request), then prompt chunks in arrival order,
-        within ``max_batched_tokens``."""
+        """Decode tokens first (one per decoding request), then prompt chunks, the prompts with
+        the fewest tokens left first, within ``max_batched_tokens``: a short prompt arriving
+        behind a long one gets its first token at the next step instead of after the long
+        prompt's whole prefill, and the long one still advances by what the others leave."""
         budget = self.limits.max_batched_tokens or None
         plan: list[tuple[RunningRequest, int]] = []
         taken = 0
@@ -273,16 +275,15 @@ class Scheduler:
             if not handle.seq.in_prefill:
                 plan.append((handle.seq, 1))
                 taken += 1
-        for handle in self._running:
-            seq = handle.seq
-            if seq.in_prefill:
-                n = len(seq.pending)
-                if budget is not None:
-                    n = min(n, budget - taken)
-                if n <= 0:
-                    break
-                plan.append((seq, n))
-                taken += n
+        prefilling = sorted(
+            (h.seq for h in self._running if h.seq.in_prefill), key=lambda seq: len(seq.pending)
+        )
+        for seq in prefilling:
+            n = len(seq.pending) if budget is None else min(len(seq.pending), budget - taken)
+            if n <= 0:
+                break
+            plan.append((seq, n))
+            taken += n
         return plan
 
     def _step(self, plan: list[tuple[RunningRequest, int]]) -> None:

@@ -290,3 +290,22 @@ def test_bf16_batched_logprobs_stay_within_tolerance_of_alone(arch, local_engine
         assert n >= 1, f"{rid}: the first token already differs"
         for a, b in zip(events[:n], ours[:n], strict=True):
             assert abs(a.logprob - b.logprob) <= 0.05, (rid, a.logprob, b.logprob)
+
+
+def test_a_short_prompt_behind_a_long_one_is_not_held_for_its_whole_prefill(batching):
+    scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=4, max_batched_tokens=8))
+    log.gate = threading.Event()
+    long_handle = scheduler.submit(
+        GenerationRequest(token_ids=tuple(range(3, 60)), max_new_tokens=2, ignore_eos=True, request_id="long")
+    )
+    log.gate.set()
+    while not log.plans:
+        time.sleep(0.005)
+    short = scheduler.submit(GenerationRequest(token_ids=(1, 2, 3), max_new_tokens=1, request_id="short"))
+    assert len(list(short)) == 1
+    collect([long_handle])
+    steps_with_long = [i for i, p in enumerate(log.plans) if any(rid == "long" for rid, _ in p)]
+    short_step = next(i for i, p in enumerate(log.plans) if ("short", 3) in p)
+    # The short prompt went in whole at its first step, ahead of the long prompt's remaining chunks.
+    assert short_step < steps_with_long[7]
+    assert [rid for rid, _ in log.plans[short_step]][0] == "short"
