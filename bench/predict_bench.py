@@ -30,13 +30,14 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from expertcache.trace import RoutingTrace, TraceError, read_trace  # noqa: E402
 from predictor_svc.config import PredictorConfig  # noqa: E402
 from predictor_svc.eam import EamShape  # noqa: E402
 from predictor_svc.eamc import Eamc, EamcIndex  # noqa: E402
 from predictor_svc.predict import SOURCES, PredictionConfig, predict_request  # noqa: E402
 from predictor_svc.store import EmbeddedStore  # noqa: E402
 
-DEFAULT_TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
 # The service's default eamc_capacity, read from its config class (not a copy of the number).
 DEFAULT_CAPACITY = next(f.default for f in fields(PredictorConfig) if f.name == "eamc_capacity")
 PAPER_US = {1000: 21.0, 10000: 226.0}
@@ -47,16 +48,13 @@ INFORMATION = (
 )
 
 
-def load_trace(path: Path) -> tuple[EamShape, np.ndarray, np.ndarray, np.ndarray, dict]:
-    """(shape, expert_ids int8 [tokens, L, K], req_offsets [R+1], decode_start [R], meta)."""
-    z = np.load(path, allow_pickle=False)
-    meta = json.loads(str(z["meta_json"]))
-    experts = z["expert_ids"]  # int8 [tokens, layers, top_k]
-    _, layers, top_k = experts.shape
-    n_experts = int(meta.get("num_experts") or meta.get("experts") or int(experts.max()) + 1)
-    offsets = z["req_offsets"]
-    decode_start = z["decode_start"] if "decode_start" in z.files else np.zeros(len(offsets) - 1, np.int32)
-    return EamShape(int(layers), n_experts, int(top_k)), experts, offsets, decode_start, meta
+def load_trace(path: Path) -> tuple[EamShape, RoutingTrace]:
+    """The trace at ``path`` (``expertcache.trace``) and its EAM shape."""
+    try:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise SystemExit(str(exc)) from None
+    return EamShape(trace.num_layers, trace.num_experts, trace.top_k), trace
 
 
 def hits_at(scores: np.ndarray, routed: np.ndarray, k: int) -> np.ndarray:
@@ -159,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/predict.json"))
     args = ap.parse_args(argv)
 
-    shape, experts, offsets, decode_start, meta = load_trace(args.trace)
+    shape, trace = load_trace(args.trace)
+    experts, offsets, decode_start, meta = trace.expert_ids, trace.req_offsets, trace.decode_start, trace.meta
     k = args.top_k or shape.top_k
     if not 1 <= k <= shape.experts:
         ap.error(f"--top-k must be in [1, {shape.experts}], got {k}")

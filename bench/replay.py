@@ -38,6 +38,7 @@ from cache_daemon.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES, FutureUse
 from cache_daemon.prefetch import PrefetchClass, PrefetchConfig, PrefetchScheduler
 from cache_daemon.signals import ActivationSignals, SignalsConfig
 from expertcache.keys import ExpertKey
+from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
 
@@ -162,55 +163,13 @@ def default_timing(
 # -- the trace ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TraceData:
-    routes: np.ndarray  # int16 [tokens, layers, top_k], requests concatenated
-    weights: np.ndarray  # float32 [tokens, layers, top_k]
-    offsets: np.ndarray  # int64 [requests + 1]
-    num_experts: int
-    path: str
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.routes.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.routes.shape[2])
-
-    @property
-    def requests(self) -> int:
-        return len(self.offsets) - 1
-
-
-def load_trace(path: Path) -> TraceData:
-    """A trace in the ../shared/traces/README.md format (decode rows only)."""
+def load_trace(path: Path) -> RoutingTrace:
+    """The decode rows of the trace at ``path`` (``expertcache.trace``); prefill is batched and
+    has another cost model."""
     try:
-        z = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise SystemExit(f"trace {path} not found (make bench-replay TRACE=path)") from None
-    missing = [k for k in ("expert_ids", "req_offsets", "meta_json") if k not in z.files]
-    if missing:
-        raise SystemExit(f"trace {path} lacks {missing}: not the ../shared/traces/README.md format")
-    meta = json.loads(str(z["meta_json"]))
-    ids = z["expert_ids"].astype(np.int16)
-    num_experts = int(meta.get("experts") or meta.get("num_experts") or int(ids.max()) + 1)
-    offsets = z["req_offsets"].astype(np.int64)
-    weights = (
-        z["gate_weights"].astype(np.float32)
-        if "gate_weights" in z.files
-        else np.full(ids.shape, 1.0 / ids.shape[2], np.float32)
-    )
-    if "decode_start" in z.files and np.any(z["decode_start"] != 0):
-        # Keep decode rows only: prefill is batched and has another cost model.
-        keep = np.zeros(len(ids), bool)
-        starts = z["decode_start"].astype(np.int64)
-        new_off = [0]
-        for r in range(len(offsets) - 1):
-            keep[offsets[r] + starts[r] : offsets[r + 1]] = True
-            new_off.append(new_off[-1] + int(offsets[r + 1] - offsets[r] - starts[r]))
-        ids, weights, offsets = ids[keep], weights[keep], np.asarray(new_off, np.int64)
-    return TraceData(ids, weights, offsets, num_experts, str(path))
+        return read_trace(path).decode_only()
+    except TraceError as exc:
+        raise SystemExit(f"{exc} (make bench-replay TRACE=path)") from None
 
 
 # -- hints from the predictor's own code ---------------------------------------------------------
@@ -220,7 +179,7 @@ class HintSource:
     """The hints the daemon would receive: predictor_svc's Eamc (embedded store) and its request
     predictor, warmed only by requests before the one replayed."""
 
-    def __init__(self, trace: TraceData, *, capacity: int = 512, top_n: int | None = None) -> None:
+    def __init__(self, trace: RoutingTrace, *, capacity: int = 512, top_n: int | None = None) -> None:
         from predictor_svc.config import PredictorConfig
         from predictor_svc.eam import EamShape, add_token, new_eam
         from predictor_svc.eamc import Eamc
@@ -359,7 +318,7 @@ class Simulation:
 
     def __init__(
         self,
-        trace: TraceData,
+        trace: RoutingTrace,
         timing: TimingModel,
         policy: str,
         budget: float,
@@ -384,9 +343,9 @@ class Simulation:
         n = L * E
         slots = max(int(round(budget * n)), self.K + 1)
         self.signals = ActivationSignals(L, E, config=signals_config)
-        lo, hi = int(trace.offsets[requests.start]), int(trace.offsets[requests.stop])
-        self.routes = trace.routes[lo:hi]
-        self.weights = trace.weights[lo:hi]
+        lo, hi = int(trace.req_offsets[requests.start]), int(trace.req_offsets[requests.stop])
+        self.routes = trace.expert_ids[lo:hi]
+        self.weights = trace.gate_weights[lo:hi]
         replay_only = policy in REPLAY_ONLY_POLICIES
         future = FutureUses(self.routes, E) if replay_only else None
         shape = PolicyShape(L, E)
@@ -535,7 +494,7 @@ class Simulation:
         wall = time.perf_counter()
         t = self.timing
         now = 0.0
-        offs = self.trace.offsets
+        offs = self.trace.req_offsets
         base = int(offs[self.requests.start])
         st = self.stats
         for r in self.requests:
@@ -694,13 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.trace)
     if args.first_request is None:
-        first = 0 if args.requests == "all" else min(64, trace.requests // 2)
+        first = 0 if args.requests == "all" else min(64, trace.num_requests // 2)
     else:
         first = args.first_request
-    if not 0 <= first < trace.requests:
-        raise SystemExit(f"--first-request {first} outside 0..{trace.requests - 1}")
+    if not 0 <= first < trace.num_requests:
+        raise SystemExit(f"--first-request {first} outside 0..{trace.num_requests - 1}")
     if args.requests == "all":
-        last = trace.requests
+        last = trace.num_requests
     else:
         try:
             n = int(args.requests)
@@ -708,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--requests must be an int or 'all', got {args.requests!r}") from None
         if n < 1:
             raise SystemExit(f"--requests must be >= 1, got {n}")
-        last = min(first + n, trace.requests)
+        last = min(first + n, trace.num_requests)
     requests = range(first, last)
     budgets = [float(b) for b in args.budgets.split(",") if b]
     for b in budgets:
@@ -734,14 +693,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_inflight_experts is not None and args.max_inflight_experts < 1:
         raise SystemExit(f"--max-inflight-experts must be >= 1, got {args.max_inflight_experts}")
     max_inflight = (args.max_inflight_experts or 1) * timing.expert_bytes
-    tokens = int(trace.offsets[last] - trace.offsets[first])
+    tokens = int(trace.req_offsets[last] - trace.req_offsets[first])
 
     hints_src = HintSource(trace)
     for r in range(first):
-        hints_src.insert(trace.routes[trace.offsets[r] : trace.offsets[r + 1]])
+        hints_src.insert(trace.expert_ids[trace.req_offsets[r] : trace.req_offsets[r + 1]])
     hints: dict[int, list] = {}
     for r in requests:
-        rows_r = trace.routes[trace.offsets[r] : trace.offsets[r + 1]]
+        rows_r = trace.expert_ids[trace.req_offsets[r] : trace.req_offsets[r + 1]]
         hints[r] = hints_src.request_hints(rows_r)
         hints_src.insert(rows_r)
 

@@ -39,15 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     trace = load_trace(args.trace)
-    first, last = args.first_request, min(args.first_request + args.requests, trace.requests)
+    first, last = args.first_request, min(args.first_request + args.requests, trace.num_requests)
     requests = range(first, last)
     timing = default_timing(trace.num_layers, trace.top_k)
     src = HintSource(trace)
     for r in range(first):
-        src.insert(trace.routes[trace.offsets[r] : trace.offsets[r + 1]])
+        src.insert(trace.expert_ids[trace.req_offsets[r] : trace.req_offsets[r + 1]])
     hints = {}
     for r in requests:
-        rows = trace.routes[trace.offsets[r] : trace.offsets[r + 1]]
+        rows = trace.expert_ids[trace.req_offsets[r] : trace.req_offsets[r + 1]]
         hints[r] = src.request_hints(rows)
         src.insert(rows)
     la = args.layer_ahead_accuracy

@@ -28,10 +28,8 @@ layer-ahead the trace replay uses (DESIGN §7), made concrete in a real process.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,77 +37,23 @@ import torch
 
 from compute_svc.errors import InvalidArgument
 from compute_svc.layer_ahead import Prediction
+from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
 
-_KEYS = ("expert_ids", "gate_weights", "req_offsets")
-
-
-@dataclass(frozen=True)
-class RoutingTrace:
-    """A routing trace in the shared format (``/work/shared/traces/README.md``)."""
-
-    path: str
-    expert_ids: np.ndarray  # [rows, layers, top_k] int8/int16
-    gate_weights: np.ndarray  # [rows, layers, top_k] float16/float32
-    req_offsets: np.ndarray  # [requests + 1] int64
-    decode_start: np.ndarray  # [requests] int32: first decode row within each request
-    num_experts: int
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.expert_ids.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.expert_ids.shape[2])
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.req_offsets) - 1
-
-    def decode_rows(self, request: int) -> tuple[int, int]:
-        """[start, end) rows of ``request``'s decode tokens."""
-        start = int(self.req_offsets[request]) + int(self.decode_start[request])
-        return start, int(self.req_offsets[request + 1])
-
-    def shape_text(self) -> str:
-        return f"{self.num_layers} MoE layers x {self.num_experts} experts, top-{self.top_k}"
-
 
 def load_trace(path: str | Path) -> RoutingTrace:
-    """Read ``path`` (.npz, no pickles); ``InvalidArgument`` names the file and what is wrong."""
-    path = Path(path)
+    """Read ``path`` for forced routing (``expertcache.trace``); ``InvalidArgument`` names the file
+    and what is wrong: forced routing also needs the router weights and some decode rows."""
     try:
-        z = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise InvalidArgument(f"force_routing_path {str(path)!r} does not exist") from None
-    except (OSError, ValueError) as exc:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise InvalidArgument(f"force_routing_path {str(path)!r}: {exc}") from None
+    if not trace.has_gate_weights:
         raise InvalidArgument(
-            f"force_routing_path {str(path)!r} is not a routing trace (.npz): {exc}"
-        ) from None
-    with z:
-        missing = [k for k in _KEYS if k not in z.files]
-        if missing:
-            raise InvalidArgument(f"routing trace {path} lacks {missing} (has {sorted(z.files)})")
-        expert_ids = z["expert_ids"]
-        gate_weights = z["gate_weights"]
-        offsets = z["req_offsets"].astype(np.int64)
-        requests = len(offsets) - 1
-        decode_start = (
-            z["decode_start"].astype(np.int64) if "decode_start" in z.files else np.zeros(requests, np.int64)
+            f"routing trace {path} lacks gate_weights: forced routing needs the router weights"
         )
-        meta = json.loads(str(z["meta_json"])) if "meta_json" in z.files else {}
-    if expert_ids.ndim != 3 or gate_weights.shape != expert_ids.shape:
-        raise InvalidArgument(
-            f"routing trace {path}: expert_ids {expert_ids.shape} and gate_weights {gate_weights.shape} "
-            "must both be [tokens, layers, top_k]"
-        )
-    if requests < 1 or offsets[0] != 0 or offsets[-1] != len(expert_ids) or np.any(np.diff(offsets) < 0):
-        raise InvalidArgument(f"routing trace {path}: req_offsets do not split its {len(expert_ids)} rows")
-    num_experts = int(meta.get("num_experts", int(expert_ids.max()) + 1 if expert_ids.size else 0))
-    trace = RoutingTrace(str(path), expert_ids, gate_weights, offsets, decode_start, num_experts)
-    if not any(trace.decode_rows(r)[1] > trace.decode_rows(r)[0] for r in range(requests)):
+    if not any(trace.decode_rows(r)[1] > trace.decode_rows(r)[0] for r in range(trace.num_requests)):
         raise InvalidArgument(f"routing trace {path} has no decode rows")
     return trace
 

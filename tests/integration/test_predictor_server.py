@@ -16,7 +16,8 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache.launch import REPO, Proc, free_port, start
 from expertcache.redis_server import RedisServer
-from predictor_svc.replay import ReplayError, load_trace, replay
+from expertcache.trace import read_trace
+from predictor_svc.replay import ReplayError, replay
 
 TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
 MODEL = "tiny-moe"
@@ -227,7 +228,7 @@ def test_replay_tool_feeds_the_real_trace(tmp_path):
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-        trace = load_trace(TRACE)
+        trace = read_trace(TRACE)
         tokens = int(trace.req_offsets[5])
         assert f"replayed 5 requests, {tokens} tokens" in done.stdout
         model = "openai/gpt-oss-20b"
@@ -252,7 +253,7 @@ def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2
-    assert "lacks meta_json" in done.stderr
+    assert "lacks ['meta_json']" in done.stderr
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
     done = subprocess.run(
@@ -262,10 +263,10 @@ def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
         text=True,
         timeout=60,
     )
-    assert done.returncode == 2 and "cannot read trace" in done.stderr
+    assert done.returncode == 2 and "is not a routing trace" in done.stderr
     with pytest.raises(ReplayError, match="no predictor answers at 127.0.0.1:"):
         replay(
-            load_trace(TRACE),
+            read_trace(TRACE),
             f"127.0.0.1:{free_port()}",
             model_id="m",
             pod="p",

@@ -32,7 +32,7 @@ def write_trace(path, requests=4, tokens=30, seed=0):
         gate_weights=np.full(ids.shape, 0.5, np.float16),
         req_offsets=np.arange(0, requests * tokens + 1, tokens, dtype=np.int64),
         decode_start=np.zeros(requests, np.int32),
-        meta_json=np.array(json.dumps({"model": "synthetic", "layers": L, "experts": E, "top_k": K})),
+        meta_json=np.array(json.dumps({"model": "synthetic", "num_layers": L, "num_experts": E, "top_k": K})),
     )
     return path
 
@@ -176,5 +176,5 @@ def test_cli_errors(trace, tmp_path, args, message):
 
 
 def test_missing_trace(tmp_path):
-    with pytest.raises(SystemExit, match=r"not found \(make bench-replay TRACE=path\)"):
+    with pytest.raises(SystemExit, match=r"does not exist \(make bench-replay TRACE=path\)"):
         replay.main(["--trace", str(tmp_path / "nope.npz"), "--no-progress"])
