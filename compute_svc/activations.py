@@ -236,7 +236,7 @@ class ActivationReporter:
                     token_index=item.first_token + offset,
                     experts=row,
                     top_k=self.top_k,
-                    layers=layers,
+                    num_moe_layers=layers,
                     num_experts=self.num_experts,
                 )
                 # gRPC asks for the next message once the previous one was written: the stream works.

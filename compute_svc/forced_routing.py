@@ -18,12 +18,13 @@ Each new Generate takes the next trace request, starting at ``--force-routing-re
 wrapping after the last one. The trace's layers, experts and top-k must equal the model's; a
 mismatch stops the process at start-up with both shapes named.
 
-Layer-ahead under forced routing: the next layer's router still runs, but it predicts what the
-random router would pick, which says nothing of the trace. The prediction sent to the daemon is
-therefore modelled: each of the trace's top-k experts of the next layer is kept with probability
-``layer_ahead_accuracy`` (a stated parameter, seeded per request, step and layer) and otherwise
-replaced by the router's highest-scored expert outside the trace's set — the same model of
-layer-ahead the trace replay uses (DESIGN §7), made concrete in a real process.
+Lookahead under forced routing: the later layers' routers still run, but they predict what the
+random routers would pick, which says nothing of the trace. Each prediction sent to the daemon
+is therefore modelled: each of the trace's top-k experts of the predicted layer is kept with the
+accuracy of its depth, ``layer_ahead_accuracy - (depth - 1) * accuracy_drop_per_depth`` (stated
+parameters, seeded per request, step, layer and depth), and otherwise replaced by the router's
+highest-scored expert outside the trace's set — the same model of lookahead the trace replay
+uses (``cache_daemon.decisions.simulator``), made concrete in a real process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 def load_trace(path: str | Path) -> RoutingTrace:
     """Read ``path`` for forced routing (``expertcache.trace``); ``InvalidArgument`` names the file
     and what is wrong: forced routing also needs the router weights and some decode rows."""
+    if not Path(path).exists():
+        raise InvalidArgument(f"force_routing_path {str(path)!r} does not exist")
     try:
         trace = read_trace(path)
     except TraceError as exc:
@@ -73,6 +76,7 @@ class ForcedRouting:
         *,
         first_request: int = 0,
         layer_ahead_accuracy: float = 1.0,
+        accuracy_drop_per_depth: float = 0.0,
         seed: int = 0,
     ) -> None:
         model_shape = f"{len(moe_layers)} MoE layers x {num_experts} experts, top-{top_k}"
@@ -90,12 +94,17 @@ class ForcedRouting:
             raise InvalidArgument(
                 f"force_routing_layer_ahead_accuracy {layer_ahead_accuracy} is out of range [0, 1]"
             )
+        if not 0.0 <= accuracy_drop_per_depth <= 1.0:
+            raise InvalidArgument(
+                f"force_routing_accuracy_drop_per_depth {accuracy_drop_per_depth} is out of range [0, 1]"
+            )
         self.trace = trace
         self._layer_index = {layer: j for j, layer in enumerate(moe_layers)}
         self._next_request = first_request
         self.request = -1  # trace request of the running Generate
         self._rows: tuple[int, int] = (0, 0)
         self.layer_ahead_accuracy = layer_ahead_accuracy
+        self.accuracy_drop_per_depth = accuracy_drop_per_depth
         self._seed = seed
         self._wrapped = False
 
@@ -147,13 +156,17 @@ class ForcedRouting:
         weights = weights.to(device=top_k_weights.device, dtype=top_k_weights.dtype)
         return index, weights.unsqueeze(0).expand(tokens, -1).contiguous()
 
+    def accuracy(self, depth: int) -> float:
+        """The modelled accuracy of a prediction made ``depth`` MoE layers ahead."""
+        return max(0.0, self.layer_ahead_accuracy - (depth - 1) * self.accuracy_drop_per_depth)
+
     def layer_ahead(self, step: int, predicted: Prediction) -> Prediction:
-        """The modelled layer-ahead prediction for ``predicted.layer`` (see the module doc)."""
+        """The modelled prediction for ``predicted.layer`` at its depth (see the module doc)."""
         row, j = self.row(step), self._layer_index[predicted.layer]
         truth = self.trace.expert_ids[row, j].astype(np.int64)
         truth_weights = self.trace.gate_weights[row, j].astype(np.float32)
-        rng = np.random.default_rng((self._seed, self.request, step, predicted.layer))
-        keep = rng.random(len(truth)) < self.layer_ahead_accuracy
+        rng = np.random.default_rng((self._seed, self.request, step, predicted.layer, predicted.depth))
+        keep = rng.random(len(truth)) < self.accuracy(predicted.depth)
         truth_set = set(truth.tolist())
         router_scores = dict(zip(predicted.experts, predicted.scores, strict=True))
         # The router's own picks outside the trace's set, best first, then any other expert.
@@ -176,4 +189,5 @@ class ForcedRouting:
             layer=predicted.layer,
             experts=tuple(experts[i] for i in order),
             scores=tuple(scores[i] for i in order),
+            depth=predicted.depth,
         )

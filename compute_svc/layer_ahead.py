@@ -1,17 +1,23 @@
-"""Layer-ahead prediction: layer l+1's router applied to layer l's MoE input, one layer early.
+"""Lookahead: the routers of the next MoE layers applied to layer l's MoE input, d layers early.
 
 ::
 
     MoE layer l: hidden [T, H] ──router(l)──▶ top_k(l) ──▶ acquire / compute experts of l
                      │
-                     └──router(l+1) (same [T, H]) ──▶ predicted top_k(l+1) + probabilities
-                                                      ──▶ provider.layer_ahead(token, l+1, …)
+                     ├──router(l+1) (same [T, H]) ──▶ predicted top_k(l+1)  depth 1 ┐ on the device,
+                     ├──router(l+2) ─────────────────▶ predicted top_k(l+2)  depth 2 ├ one transfer
+                     └── ... up to depth d                                           ┘ for all depths
+                                                      ──▶ provider.layer_ahead(token, [Prediction ...])
 
-The residual stream changes little from one layer to the next, so the next layer's router, fed
-the current layer's MoE input, mostly picks what it will pick one layer later; the daemon gets
-the whole of layer l's attention + experts time to fetch those experts. The cost is one
-``[T, H] × [H, E]`` product per MoE layer (E = experts), no extra weights: the routers are
-already resident with the dense model.
+The residual stream changes little from one layer to the next, so a later layer's router, fed the
+current layer's MoE input, mostly picks what it will pick when its turn comes — the more so the
+nearer the layer (ProMoE's stride prefetch, here without a trained predictor). The daemon gets
+whole layers of attention + experts time to fetch what the deeper layers will want; it measures
+each depth's precision as the layers are routed and stops prefetching a depth that does not pay.
+The cost is one ``[T, H] × [H, E]`` product per depth per MoE layer (E = experts), no extra
+weights: the routers are already resident with the dense model. The predictions stay on the
+device until one host transfer of all depths together (``DevicePrediction``): a GPU pays one
+synchronisation per MoE layer for them, not one per depth.
 
 Finding the routers is generic, not a table per architecture: a MoE block holds the experts
 module (``expertcache.model_structure.is_experts_module``) and, beside it, the router — the
@@ -21,13 +27,14 @@ hooks), so group-limited selection, score correction, softmax-before or after to
 the model's own code. Every transformers router returns ``(logits [T, E], weights [T, K],
 indices [T, K])``; that contract is checked once at construction.
 
-Prefill (T > 1): the prediction is the union over the prompt's tokens of their predicted
+Prefill (T > 1): each depth's prediction is the union over the prompt's tokens of their predicted
 experts, each scored by its largest probability across tokens, highest first — every one of
-them is needed at layer l+1 of the prefill. Decode (T = 1) predicts the token's top-k.
+them is needed at that layer of the prefill. Decode (T = 1) predicts the token's top-k.
 
 Glossary: "layer" is a decoder layer number (the manifest's ``moe_layers``); "next" is the next
-MoE layer in that list (DeepSeek's dense first layers are skipped). Example: moe_layers
-(1, 2, 3): the router of layer 2 runs inside layer 1; layer 3 predicts nothing.
+MoE layer in that list (DeepSeek's dense first layers are skipped); "depth" counts MoE layers
+ahead. Example: moe_layers (1, 2, 3, 5), depth 2: inside layer 1 the routers of layers 2 (depth
+1) and 3 (depth 2) run; inside layer 3 only layer 5's (depth 1); layer 5 predicts nothing.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted experts of MoE layer ``layer`` with their router probabilities, highest first."""
+    """Predicted experts of MoE layer ``layer`` with their router probabilities, highest first,
+    made ``depth`` MoE layers before it."""
 
     layer: int
     experts: tuple[int, ...]
     scores: tuple[float, ...]  # in [0, 1], same length as experts
+    depth: int = 1
 
 
 def find_router(block: torch.nn.Module, experts_module: torch.nn.Module) -> torch.nn.Module:
@@ -84,19 +93,26 @@ def _parent(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
 
 
 class LayerAheadPredictor:
-    """Predicts each MoE layer's successor's experts from the current layer's MoE input.
+    """Predicts the experts of the next ``depth`` MoE layers from the current layer's MoE input.
 
     ``experts_modules``: ``(decoder layer, experts module)`` in layer order, as
     ``compute_svc.model_loader.LoadedModel.experts_modules``. Used from the generation thread.
     """
 
     def __init__(
-        self, model: torch.nn.Module, experts_modules: Sequence[tuple[int, torch.nn.Module]]
+        self,
+        model: torch.nn.Module,
+        experts_modules: Sequence[tuple[int, torch.nn.Module]],
+        *,
+        depth: int = 1,
     ) -> None:
+        if depth < 1:
+            raise ValueError(f"lookahead depth must be >= 1, got {depth}")
         routers = [(layer, find_router(_parent(model, module), module)) for layer, module in experts_modules]
-        # layer l -> (next MoE layer, its router)
-        self._next: dict[int, tuple[int, torch.nn.Module]] = {
-            layer: routers[i + 1] for i, (layer, _) in enumerate(routers[:-1])
+        self.depth = depth
+        # layer l -> ((layer l + 1, its router), ..., (layer l + depth, its router)), fewer at the end
+        self._ahead: dict[int, tuple[tuple[int, torch.nn.Module], ...]] = {
+            layer: tuple(routers[i + 1 : i + 1 + depth]) for i, (layer, _) in enumerate(routers[:-1])
         }
         for _, router in routers[:1]:
             self._check_contract(router)
@@ -121,23 +137,29 @@ class LayerAheadPredictor:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        """MoE layers that predict their successor (all but the last)."""
-        return tuple(self._next)
+        """MoE layers that predict their successors (all but the last)."""
+        return tuple(self._ahead)
 
     def next_layer(self, layer: int) -> int | None:
-        entry = self._next.get(layer)
-        return None if entry is None else entry[0]
+        ahead = self._ahead.get(layer)
+        return ahead[0][0] if ahead else None
 
-    def scores(self, layer: int, hidden_states: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """(next layer, probabilities [T, E] float32) of the next layer's router on ``hidden_states`` [T, H].
+    def ahead(self, layer: int) -> tuple[int, ...]:
+        """The layers predicted inside ``layer``, depth 1 first."""
+        return tuple(target for target, _ in self._ahead.get(layer, ()))
+
+    def scores(
+        self, layer: int, hidden_states: torch.Tensor, depth: int = 1
+    ) -> tuple[int, torch.Tensor] | None:
+        """(layer ``depth`` ahead, probabilities [T, E] float32) of its router on ``hidden_states`` [T, H].
 
         Probabilities: the router's top-k weights renormalised to sum to 1 per token, zero
-        elsewhere (the router's own notion of "chosen"); None for the last MoE layer.
+        elsewhere (the router's own notion of "chosen"); None past the last MoE layer.
         """
-        entry = self._next.get(layer)
-        if entry is None:
+        ahead = self._ahead.get(layer, ())
+        if not 1 <= depth <= len(ahead):
             return None
-        next_layer, router = entry
+        next_layer, router = ahead[depth - 1]
         _, weights, indices = type(router).forward(router, hidden_states)  # [T, K], [T, K] int64
         weights = weights.float()
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -147,44 +169,92 @@ class LayerAheadPredictor:
         probs.scatter_(1, indices.long(), weights)
         return next_layer, probs
 
-    def _predict_one(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
-        """Decode (T = 1): the router's top-k as it returned them; one host sync, no scatter."""
-        entry = self._next.get(layer)
-        if entry is None:
-            return None
-        next_layer, router = entry
-        _, weights, indices = type(router).forward(router, hidden_states)  # [1, K], [1, K]
-        # One transfer for both (a host sync each would double the cost on a GPU).
-        both = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
-        return _sorted_prediction(next_layer, [int(e) for e in both[0]], both[1])
+    def predict_device(self, layer: int, hidden_states: torch.Tensor) -> DevicePrediction | None:
+        """Every depth's candidates for ``hidden_states`` [T, H], still on the device.
 
-    def predict(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
-        """The next MoE layer's experts for ``hidden_states`` [T, H] (layer ``layer``'s MoE input).
-
-        None for the last MoE layer. T = 1: the token's top-k; T > 1: the union over tokens.
+        None for the last MoE layer. T = 1: each router's top-k as it returned them; T > 1: every
+        expert with its best probability over the tokens (zeros are dropped on the host, in
+        ``finish``). Nothing here waits for the device: the caller brings ``experts`` and
+        ``scores`` of all depths to the host together (one transfer), with whatever else it needs.
         """
-        if hidden_states.shape[0] == 1:
-            return self._predict_one(layer, hidden_states)
-        out = self.scores(layer, hidden_states)
-        if out is None:
+        ahead = self._ahead.get(layer)
+        if not ahead:
             return None
-        next_layer, probs = out
-        best = probs.max(dim=0).values  # [E]: over tokens
-        chosen = torch.nonzero(best > 0).flatten()
-        order = torch.argsort(best[chosen], descending=True, stable=True)
-        chosen = chosen[order]
-        experts = tuple(int(e) for e in chosen.tolist())
-        scores = tuple(min(1.0, float(s)) for s in best[chosen].tolist())
-        return Prediction(layer=next_layer, experts=experts, scores=scores)
+        experts: list[torch.Tensor] = []
+        scores: list[torch.Tensor] = []
+        for depth, (_target, router) in enumerate(ahead, start=1):
+            if hidden_states.shape[0] == 1:
+                _, weights, indices = type(router).forward(router, hidden_states)  # [1, K], [1, K]
+                experts.append(indices[0])
+                scores.append(weights[0].float())
+            else:
+                out = self.scores(layer, hidden_states, depth)
+                assert out is not None
+                best = out[1].max(dim=0).values  # [E]: over tokens
+                experts.append(torch.arange(best.shape[0], device=best.device))
+                scores.append(best)
+        return DevicePrediction(
+            layers=tuple(target for target, _ in ahead),
+            sizes=tuple(int(e.numel()) for e in experts),
+            experts=torch.cat(experts),
+            scores=torch.cat(scores),
+            normalise=hidden_states.shape[0] == 1,
+        )
+
+    def predict(self, layer: int, hidden_states: torch.Tensor) -> tuple[Prediction, ...]:
+        """Every depth's prediction for ``hidden_states`` [T, H] (layer ``layer``'s MoE input),
+        depth 1 first; empty for the last MoE layer. One host transfer for all depths."""
+        pending = self.predict_device(layer, hidden_states)
+        if pending is None:
+            return ()
+        both = torch.stack((pending.experts.to(torch.float64), pending.scores.to(torch.float64))).cpu()
+        return pending.finish(both[0].numpy(), both[1].numpy())
 
 
-def _sorted_prediction(layer: int, experts: list[int], weights: list[float]) -> Prediction:
+@dataclass(frozen=True)
+class DevicePrediction:
+    """The lookahead of one MoE layer before its host transfer: each depth's candidate experts
+    and scores, concatenated depth by depth (``sizes[d - 1]`` of depth d) into ``experts`` [n]
+    (int) and ``scores`` [n] (float32), on the device."""
+
+    layers: tuple[int, ...]  # the predicted layer of each depth, depth 1 first
+    sizes: tuple[int, ...]
+    experts: torch.Tensor
+    scores: torch.Tensor
+    normalise: bool  # decode: the routers' top-k weights, renormalised to sum to 1
+
+    def finish(self, experts, scores) -> tuple[Prediction, ...]:
+        """The predictions from the host copies of ``experts`` and ``scores`` (1-D arrays)."""
+        out = []
+        at = 0
+        for depth, (layer, size) in enumerate(zip(self.layers, self.sizes, strict=True), start=1):
+            ex = [int(e) for e in experts[at : at + size].tolist()]
+            sc = [float(x) for x in scores[at : at + size].tolist()]
+            at += size
+            if self.normalise:
+                out.append(_sorted_prediction(layer, ex, sc, depth))
+                continue
+            # Prefill: the union over tokens, each expert scored by its best probability, best first.
+            pairs = sorted(((e, x) for e, x in zip(ex, sc, strict=True) if x > 0), key=lambda p: -p[1])
+            out.append(
+                Prediction(
+                    layer=layer,
+                    experts=tuple(e for e, _ in pairs),
+                    scores=tuple(min(1.0, x) for _, x in pairs),
+                    depth=depth,
+                )
+            )
+        return tuple(out)
+
+
+def _sorted_prediction(layer: int, experts: list[int], weights: list[float], depth: int = 1) -> Prediction:
     total = sum(weights) or 1.0
     pairs = sorted(zip(experts, weights, strict=True), key=lambda p: -p[1])
     return Prediction(
         layer=layer,
         experts=tuple(int(e) for e, _ in pairs),
         scores=tuple(min(1.0, max(0.0, w / total)) for _, w in pairs),
+        depth=depth,
     )
 
 

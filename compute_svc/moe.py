@@ -313,7 +313,8 @@ class ExpertRuntime:
 
     def _send_signals(self, layer: int, hidden_states: torch.Tensor, routing: Routing) -> None:
         """Tell the daemon what layer ``layer`` routed to and, before its experts run, what the
-        next layer will likely need. One-way messages: no round trip on the step."""
+        next layers will likely need (one prediction per lookahead depth, all brought to the
+        host in one transfer). One-way messages: no round trip on the step."""
         routed = self._signals["routed"]
         if routed is not None:
             routed(self.position, layer, routing.experts)
@@ -321,12 +322,13 @@ class ExpertRuntime:
         if self.layer_ahead is None or send is None:
             return
         started = time.perf_counter()
-        prediction = self.layer_ahead.predict(layer, hidden_states)
-        if prediction is not None and self.forced is not None:
-            prediction = self.forced.layer_ahead(self.step, prediction)
+        predictions = self.layer_ahead.predict(layer, hidden_states)
+        if self.forced is not None:
+            predictions = tuple(self.forced.layer_ahead(self.step, p) for p in predictions)
         self.counters.layer_ahead_s += time.perf_counter() - started
-        if prediction is not None and prediction.experts:
-            send(self.position, prediction.layer, prediction.experts, prediction.scores)
+        predictions = tuple(p for p in predictions if p.experts)
+        if predictions:
+            send(self.position, predictions)
 
     def _run_wave(
         self,

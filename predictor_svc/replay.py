@@ -57,7 +57,7 @@ def activations(
             token_index=t,
             experts=routing.reshape(-1).tolist(),
             top_k=trace.top_k,
-            layers=trace.num_layers,
+            num_moe_layers=trace.num_layers,
             num_experts=trace.num_experts,
             request_done=t == len(tokens) - 1,
         )

@@ -83,7 +83,7 @@ def first_hints(proc: Proc, request_id: str, send) -> dict[int, set[int]]:
             if batch.request_id == request_id and batch.hints:
                 out: dict[int, set[int]] = {}
                 for hint in batch.hints:
-                    out.setdefault(hint.layer, set()).add(hint.expert)
+                    out.setdefault(hint.moe_layer, set()).add(hint.expert)
                 return out
     finally:
         stream.cancel()
@@ -235,7 +235,9 @@ def test_replay_tool_feeds_the_real_trace(tmp_path):
         s = wait_stats(proc, lambda s: s.eamc_entries == 5)
         assert s.observed_tokens == tokens and s.requests_done == 5 and s.live_requests == 0
         replayed = [
-            (m.layers, m.num_experts, m.top_k, m.eamc_entries) for m in s.models if m.model_id == model
+            (m.num_moe_layers, m.num_experts, m.top_k, m.eamc_entries)
+            for m in s.models
+            if m.model_id == model
         ]
         assert replayed == [(24, 32, 4, 5)]
     finally:
