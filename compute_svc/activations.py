@@ -40,6 +40,7 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
+from expertcache.layers import LayerMap
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +66,17 @@ class RoutingCapture:
     """
 
     def __init__(self, moe_layers: Sequence[int]) -> None:
-        self._index = {layer: i for i, layer in enumerate(moe_layers)}
+        self._layers = LayerMap(tuple(moe_layers))  # the predictor numbers MoE layers, not decoder ones
         self._experts: list[torch.Tensor | None] = [None] * len(moe_layers)
         self._weights: list[torch.Tensor | None] = [None] * len(moe_layers)
 
     @property
     def num_layers(self) -> int:
-        return len(self._index)
+        return self._layers.num_moe
 
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         """top_k_index [T, K] int64, top_k_weights [T, K]; ``layer`` is a decoder layer number."""
-        i = self._index[layer]
+        i = self._layers.moe_index(layer)
         self._experts[i] = top_k_index
         self._weights[i] = top_k_weights
 

@@ -38,6 +38,7 @@ import torch
 
 from compute_svc.errors import InvalidArgument
 from compute_svc.layer_ahead import Prediction
+from expertcache.layers import LayerMap
 from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class ForcedRouting:
                 f"force_routing_accuracy_drop_per_depth {accuracy_drop_per_depth} is out of range [0, 1]"
             )
         self.trace = trace
-        self._layer_index = {layer: j for j, layer in enumerate(moe_layers)}
+        self._layers = LayerMap(tuple(moe_layers))  # trace layers are MoE layer indices
         self._next_request = first_request
         self.request = -1  # trace request of the running Generate
         self._rows: tuple[int, int] = (0, 0)
@@ -138,7 +139,7 @@ class ForcedRouting:
 
     def experts(self, step: int, layer: int) -> np.ndarray:
         """[top_k] int64 experts of decoder layer ``layer`` at forward ``step``."""
-        return self.trace.expert_ids[self.row(step), self._layer_index[layer]].astype(np.int64)
+        return self.trace.expert_ids[self.row(step), self._layers.moe_index(layer)].astype(np.int64)
 
     def routing(
         self, step: int, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -148,7 +149,7 @@ class ForcedRouting:
         Every token of the forward gets the same row (T > 1 only at prefill, see the module doc);
         weights keep the router's dtype and device.
         """
-        row, j = self.row(step), self._layer_index[layer]
+        row, j = self.row(step), self._layers.moe_index(layer)
         tokens = top_k_index.shape[0]
         index = torch.from_numpy(self.trace.expert_ids[row, j].astype(np.int64))
         weights = torch.from_numpy(self.trace.gate_weights[row, j].astype(np.float32))
@@ -162,7 +163,7 @@ class ForcedRouting:
 
     def layer_ahead(self, step: int, predicted: Prediction) -> Prediction:
         """The modelled prediction for ``predicted.layer`` at its depth (see the module doc)."""
-        row, j = self.row(step), self._layer_index[predicted.layer]
+        row, j = self.row(step), self._layers.moe_index(predicted.layer)
         truth = self.trace.expert_ids[row, j].astype(np.int64)
         truth_weights = self.trace.gate_weights[row, j].astype(np.float32)
         rng = np.random.default_rng((self._seed, self.request, step, predicted.layer, predicted.depth))
