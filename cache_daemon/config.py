@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cache_daemon.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
+from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET
 
@@ -112,7 +112,7 @@ class DaemonConfig:
             "choices": tuple(sorted(POLICIES)),
         },
     )
-    """Name of the device tier's eviction policy (a key of ``cache_daemon.policy.POLICIES``;
+    """Name of the device tier's eviction policy (a key of ``cache_daemon.decisions.policy.POLICIES``;
     ``belady`` and ``oracle-next-token`` need the future and are refused). The host tier below is
     an LRU cache."""
 

@@ -6,8 +6,9 @@ CacheDaemon.start(config)
   ├─ HostTier                           host_budget_bytes // blob_bytes slots (0 = none)
   ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (shm / CUDA)
   ├─ SlotTable                          <shm_dir>/expertcache-<daemon_id>.slots, mapped by compute
-  ├─ ActivationSignals                  compute's routing / layer-ahead, predictor hints
-  └─ Residency                          slot table, pins, policy, demand loads, prefetch worker
+  ├─ ActivationSignals                  compute's routing / lookahead, predictor hints
+  ├─ Residency                          slot table, pins, policy, demand loads, prefetch worker
+  └─ HintBoard (+ HintSubscriber)       predictor hints, pushed to the residency as they arrive
 
 Live settings (``LIVE_FIELDS``: policy, prefetch, hint handling) change through ``update_config``
 (the UpdateConfig RPC, or ``reload`` of the config file on SIGHUP): validated whole, applied
@@ -26,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
+from cache_daemon.decisions.policy import EvictionPolicy, PolicyShape, make_policy
+from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
+from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import EvictionPolicy, PolicyShape, make_policy
-from cache_daemon.prefetch import PrefetchClass, PrefetchConfig
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
-from cache_daemon.signals import ActivationSignals, SignalsConfig
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device, slots_for_budget
 from cache_daemon.tiers.host import HostTier
@@ -40,6 +41,7 @@ from cache_daemon.tiers.store import StoreReader
 from expertcache import native
 from expertcache.config_loader import validate
 from expertcache.errors import InvalidArgument
+from expertcache.layers import LayerMap
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
 from expertcache.native import SlotTable
 
@@ -154,15 +156,14 @@ class CacheDaemon:
         self.config = config or DaemonConfig(store_dir="(unknown)")
         self._closed = False
         self._config_lock = threading.Lock()  # one update at a time
-        # Predictor hints: kept on a board for the prefetch scheduler; empty unless subscribed.
-        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s)
-        self.residency.set_hint_board(self.hints)
+        # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
+        # the prefetcher); the board keeps the latest per request for GetStats. Empty unless
+        # subscribed.
+        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s, on_batch=self.residency.apply_hints)
         self.hint_subscriber: HintSubscriber | None = None
 
     def subscribe_hints(self, config: DaemonConfig, pod: str) -> None:
         """Follow the predictor's hints for ``pod`` (``config.predictor_address`` must be set)."""
-        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s)
-        self.residency.set_hint_board(self.hints)
         self.hint_subscriber = HintSubscriber(
             config.predictor_address, self.manifest.model_id, pod, self.hints
         )
@@ -270,7 +271,10 @@ class CacheDaemon:
                 numa_node=arena.numa_node,
             )
             signals = ActivationSignals(
-                manifest.num_layers, manifest.num_experts, config=signals_config(config)
+                manifest.num_layers,
+                manifest.num_experts,
+                config=signals_config(config),
+                layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
             )
             residency = Residency(
                 manifest,

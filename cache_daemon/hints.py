@@ -3,8 +3,14 @@
 ::
 
     predictor ──SubscribeHints(model_id, pod)──▶ HintSubscriber thread ──apply──▶ HintBoard
-                 (stream broken / predictor absent: back off, reconnect)          │
-                                                          prefetch scheduler ◀────┘ snapshot() / top(n)
+                 (stream broken / predictor absent: back off, reconnect)          │ on_batch(batch)
+                                                                                  ▼
+                                           the residency: the request's hints (MoE layers mapped to
+                                           decoder layers) into its signals, prefetcher woken
+
+Hints name MoE layer indices (``moe_layer``), as the predictor numbers layers; the residency maps
+them to decoder layers through the manifest (``expertcache.layers.LayerMap``), the one place
+that translates.
 
 The board holds, per live request, the latest hints of each layer: a newer batch replaces the
 layers it names and leaves the others. It is bounded (``max_requests``; the least recently
@@ -12,7 +18,7 @@ updated request goes first) and forgets a request that has been quiet for ``stal
 that the predictor reported done. Nothing here is on the demand path: a missing, slow or
 restarting predictor only leaves the board empty or stale.
 
-Example: batch(r1, {layer 0: [(5, .9)], layer 1: [(2, .8)]}) then batch(r1, {layer 1: [(7, .6)]})
+Example: batch(r1, {MoE layer 0: [(5, .9)], 1: [(2, .8)]}) then batch(r1, {1: [(7, .6)]})
 → r1 holds layer 0: [(5, .9)], layer 1: [(7, .6)]; stats: batches 2, hints 3, replaced 1.
 """
 
@@ -34,14 +40,13 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
-from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Hint:
-    layer: int  # MoE layer index (manifest order)
+    moe_layer: int  # index among the model's MoE layers (manifest order), not a decoder layer
     expert: int
     score: float  # predicted probability of use, in [0, 1]
 
@@ -72,7 +77,10 @@ class HintBoard:
         max_requests: int = 1024,
         stale_after_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_batch: Callable[[HintBatch], None] | None = None,
     ) -> None:
+        """``on_batch`` is called with every batch after it is applied (outside the board's lock,
+        on the subscriber's thread): how hints reach the prefetcher as events."""
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.max_requests = max_requests
@@ -86,8 +94,17 @@ class HintBoard:
         )
         self._batches = self._hints = self._replaced = self._dropped = 0
         self.subscribed = False
+        self._on_batch = on_batch
 
     def apply(self, batch: HintBatch) -> None:
+        self._apply(batch)
+        if self._on_batch is not None:
+            try:
+                self._on_batch(batch)
+            except Exception:  # noqa: BLE001 - a consumer bug must not stop the subscription
+                logger.exception("hint batch of request %r was not taken by its consumer", batch.request_id)
+
+    def _apply(self, batch: HintBatch) -> None:
         now = self._clock()
         with self._lock:
             self._batches += 1
@@ -97,7 +114,7 @@ class HintBoard:
                 return
             by_layer: dict[int, list[tuple[int, float]]] = {}
             for hint in batch.hints:
-                by_layer.setdefault(hint.layer, []).append((hint.expert, hint.score))
+                by_layer.setdefault(hint.moe_layer, []).append((hint.expert, hint.score))
             self._hints += len(batch.hints)
             _, layers = self._requests.pop(batch.request_id, (now, {}))
             for layer, hints in by_layer.items():
@@ -119,21 +136,10 @@ class HintBoard:
             self._dropped += 1
 
     def snapshot(self) -> dict[str, dict[int, tuple[tuple[int, float], ...]]]:
-        """request → layer → ((expert, score), ...) by descending score, stale requests left out."""
+        """request → MoE layer → ((expert, score), ...) by descending score, stale requests left out."""
         with self._lock:
             self._prune(self._clock())
             return {rid: dict(layers) for rid, (_, layers) in self._requests.items()}
-
-    def top(self, n: int) -> list[tuple[ExpertKey, float]]:
-        """The ``n`` highest-scored experts over all requests (an expert keeps its best score)."""
-        best: dict[ExpertKey, float] = {}
-        for layers in self.snapshot().values():
-            for layer, hints in layers.items():
-                for expert, score in hints:
-                    key = ExpertKey(layer, expert)
-                    if score > best.get(key, -1.0):
-                        best[key] = score
-        return sorted(best.items(), key=lambda kv: (-kv[1], kv[0].layer, kv[0].expert))[:n]
 
     def stats(self) -> HintStats:
         with self._lock:
@@ -150,7 +156,7 @@ class HintBoard:
 def batch_from_pb(pb: predictor_pb2.HintBatch) -> HintBatch:
     return HintBatch(
         request_id=pb.request_id,
-        hints=tuple(Hint(h.layer, h.expert, h.score) for h in pb.hints),
+        hints=tuple(Hint(h.moe_layer, h.expert, h.score) for h in pb.hints),
         request_done=pb.request_done,
     )
 

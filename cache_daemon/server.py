@@ -12,13 +12,15 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.config import DaemonConfig
 from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats, ConfigUpdate, PrefetchStats
+from cache_daemon.decisions.scheduler import PrefetchClass
+from cache_daemon.decisions.signals import LayerPrediction
 from cache_daemon.hints import HintStats
-from cache_daemon.prefetch import PrefetchClass
 from cache_daemon.residency import ClientLedger, Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
@@ -92,14 +94,26 @@ def ledger_from_metadata(metadata) -> ClientLedger | None:
 
 
 def key_from_pb(ref: cache_pb2.ExpertRef) -> ExpertKey:
-    return ExpertKey(int(ref.layer), int(ref.expert))
+    return ExpertKey(int(ref.decoder_layer), int(ref.expert))
+
+
+def lookahead_from_pb(pb: cache_pb2.LayerAhead) -> list[LayerPrediction]:
+    return [
+        LayerPrediction(
+            int(p.decoder_layer),
+            int(p.depth),
+            np.asarray(p.experts, np.int64),
+            np.asarray(p.scores, np.float32),
+        )
+        for p in pb.predictions
+    ]
 
 
 def ready_to_pb(ticket: int, ready: Ready) -> cache_pb2.DemandResponse:
     return cache_pb2.DemandResponse(
         ready=cache_pb2.ExpertReady(
             ticket=ticket,
-            expert=cache_pb2.ExpertRef(layer=ready.key.layer, expert=ready.key.expert),
+            expert=cache_pb2.ExpertRef(decoder_layer=ready.key.layer, expert=ready.key.expert),
             slot=ready.slot,
             source=_TIER_TO_PB[ready.source],
         )
@@ -210,7 +224,7 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                 if kind == "acquire":
                     acquire = request.acquire
                     start = time.monotonic()
-                    for ready in residency.acquire(session, acquire.layer, acquire.experts):
+                    for ready in residency.acquire(session, acquire.decoder_layer, acquire.experts):
                         yield ready_to_pb(acquire.ticket, ready)
                     yield done_to_pb(acquire.ticket, time.monotonic() - start)
                 elif kind == "release":
@@ -221,10 +235,12 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                     try:
                         if kind == "route":
                             route = request.route
-                            residency.observe(route.request_id, route.token, route.layer, route.experts)
+                            residency.observe(
+                                route.request_id, route.token, route.decoder_layer, route.experts
+                            )
                         else:
                             ahead = request.layer_ahead
-                            residency.layer_ahead(ahead.token, ahead.layer, ahead.experts, ahead.scores)
+                            residency.layer_ahead(ahead.token, lookahead_from_pb(ahead), ahead.request_id or None)
                     except InvalidArgument as exc:
                         self._daemon.metrics.signals.inc(kind="rejected")
                         if not warned:

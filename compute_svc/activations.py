@@ -40,6 +40,7 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
+from expertcache.layers import LayerMap
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +66,18 @@ class RoutingCapture:
     """
 
     def __init__(self, moe_layers: Sequence[int]) -> None:
-        self._index = {layer: i for i, layer in enumerate(moe_layers)}
+        self._layers = LayerMap(tuple(moe_layers))  # the predictor numbers MoE layers, not decoder ones
         self._experts: list[torch.Tensor | None] = [None] * len(moe_layers)
         self._weights: list[torch.Tensor | None] = [None] * len(moe_layers)
 
     @property
     def num_layers(self) -> int:
-        return len(self._index)
+        return self._layers.num_moe
 
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None) -> None:
         """top_k_index [T, K] int64, top_k_weights [T, K] (None when not asked), both on the host
         (the runtime's one transfer of the layer); ``layer`` is a decoder layer number."""
-        i = self._index[layer]
+        i = self._layers.moe_index(layer)
         self._experts[i] = top_k_index
         self._weights[i] = top_k_weights
 
@@ -246,7 +247,7 @@ class ActivationReporter:
                     token_index=item.first_token + offset,
                     experts=row,
                     top_k=self.top_k,
-                    layers=layers,
+                    num_moe_layers=layers,
                     num_experts=self.num_experts,
                 )
                 # gRPC asks for the next message once the previous one was written: the stream works.

@@ -14,7 +14,7 @@ Demand stream, driven from the one scheduler worker thread::
 Predictions travel the same stream one way (no reply, so no round trip on the decode step)::
 
     begin_request(id) ─▶ RequestBegin       routed(token, layer, experts) ─▶ Route
-    end_request(id)   ─▶ RequestEnd         layer_ahead(token, layer, experts, scores) ─▶ LayerAhead
+    end_request(id)   ─▶ RequestEnd         layer_ahead(token, [Prediction per depth]) ─▶ LayerAhead
 
 They are only queued; with no stream open they are dropped and counted (``signals_dropped``):
 a lost prediction costs a prefetch, never correctness.
@@ -63,6 +63,7 @@ from compute_svc.errors import (
     NotFound,
     ResourceExhausted,
 )
+from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ReadyExpert, Tier
 from expertcache import native
 from expertcache.manifest import StoreManifest
@@ -362,7 +363,7 @@ class DaemonClient:
             if misses:
                 stream.send(
                     cache_pb2.DemandRequest(
-                        acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=misses)
+                        acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
                     )
                 )
         limit = time.monotonic() + self._acquire_timeout_s
@@ -417,7 +418,7 @@ class DaemonClient:
             self._stream.send(
                 cache_pb2.DemandRequest(
                     release=cache_pb2.Release(
-                        experts=[cache_pb2.ExpertRef(layer=layer, expert=e) for e in demand]
+                        experts=[cache_pb2.ExpertRef(decoder_layer=layer, expert=e) for e in demand]
                     )
                 )
             )
@@ -448,34 +449,37 @@ class DaemonClient:
                     route=cache_pb2.Route(
                         request_id=request_id,
                         token=token,
-                        layer=layer,
+                        decoder_layer=layer,
                         experts=[int(e) for e in experts],
                     )
                 )
             )
 
-    def layer_ahead(
-        self, request_id: str, token: int, layer: int, experts: Sequence[int], scores: Sequence[float]
-    ) -> None:
-        """Predicted experts of layer ``layer`` for token ``token`` of ``request_id`` (the next
-        layer's router applied to the current hidden state) with their router probabilities,
-        same length as ``experts``."""
-        if len(experts) != len(scores):
-            raise InvalidArgument(
-                f"layer_ahead for layer {layer}: {len(experts)} experts but {len(scores)} scores"
-            )
-        with self._lock:
-            self._signal_locked(
-                cache_pb2.DemandRequest(
-                    layer_ahead=cache_pb2.LayerAhead(
-                        request_id=request_id,
-                        token=token,
-                        layer=layer,
-                        experts=[int(e) for e in experts],
-                        scores=[float(x) for x in scores],
-                    )
+    def layer_ahead(self, request_id: str, token: int, predictions: Sequence[Prediction]) -> None:
+        """Lookahead for token ``token`` of ``request_id``: per depth, the predicted experts of a
+        later layer (its router applied to the current hidden state) with their router
+        probabilities."""
+        for p in predictions:
+            if len(p.experts) != len(p.scores):
+                raise InvalidArgument(
+                    f"layer_ahead for layer {p.layer} at depth {p.depth}: {len(p.experts)} experts but "
+                    f"{len(p.scores)} scores"
                 )
-            )
+        message = cache_pb2.LayerAhead(
+            request_id=request_id,
+            token=token,
+            predictions=[
+                cache_pb2.LayerPrediction(
+                    decoder_layer=p.layer,
+                    depth=p.depth,
+                    experts=[int(e) for e in p.experts],
+                    scores=[float(x) for x in p.scores],
+                )
+                for p in predictions
+            ],
+        )
+        with self._lock:
+            self._signal_locked(cache_pb2.DemandRequest(layer_ahead=message))
 
     def _signal_locked(self, request: cache_pb2.DemandRequest) -> None:
         """Queue a one-way message on the open Demand stream; with none open, drop it. Opening a

@@ -179,12 +179,36 @@ class ComputeConfig:
 
     layer_ahead: bool = field(
         default=True,
-        metadata={"help": "send the daemon each next MoE layer's experts, predicted one layer early"},
+        metadata={"help": "send the daemon the next MoE layers' experts, predicted layers early"},
     )
-    """In each MoE layer, the next MoE layer's router is applied to this layer's input (one
-    [T, H] x [H, E] product, ``compute_svc.layer_ahead``) and the predicted experts go to the daemon
-    as a one-way LayerAhead message, so it can fetch them during this layer. ``--no-layer-ahead``
-    turns it off (the daemon still gets each layer's actual routing)."""
+    """In each MoE layer, the routers of the next ``layer_ahead_depth`` MoE layers are applied to
+    this layer's input (one [T, H] x [H, E] product each, ``compute_svc.layer_ahead``) and the
+    predicted experts go to the daemon as one one-way LayerAhead message, so it can fetch them
+    during this and the following layers. ``--no-layer-ahead`` turns it off (the daemon still gets
+    each layer's actual routing)."""
+
+    layer_ahead_depth: int = field(
+        default=3,
+        metadata={
+            "help": "MoE layers predicted ahead by the lookahead (1 = the next layer only)",
+            "min": 1,
+            "max": 64,
+        },
+    )
+    """How many MoE layers ahead the lookahead predicts. The daemon measures each depth's
+    precision and prefetches only the depths that pay for their bytes; 3 was best in the trace
+    replay at the modelled accuracies (bench.replay's depth sweep, in the issue's closing note)."""
+
+    force_routing_accuracy_drop_per_depth: float = field(
+        default=0.1,
+        metadata={
+            "help": "under forced routing: modelled lookahead accuracy lost per MoE layer of depth",
+            "min": 0.0,
+            "max": 1.0,
+        },
+    )
+    """Under forced routing a prediction made ``d`` MoE layers ahead is modelled at accuracy
+    ``force_routing_layer_ahead_accuracy - (d - 1) * this``, as the trace replay models it."""
 
     force_routing_path: str = field(
         default="",
@@ -206,7 +230,7 @@ class ComputeConfig:
     Generate takes the following one, wrapping after the last."""
 
     force_routing_layer_ahead_accuracy: float = field(
-        default=0.85,
+        default=0.9,
         metadata={
             "help": "under forced routing: modelled layer-ahead accuracy (share of the trace's next-layer experts kept)",
             "min": 0.0,
@@ -214,8 +238,10 @@ class ComputeConfig:
         },
     )
     """A random-weight router predicts nothing of the trace, so under forced routing the
-    layer-ahead message is modelled: each of the trace's next-layer experts is named with this
-    probability, otherwise replaced by the router's best other pick (``compute_svc.forced_routing``)."""
+    lookahead is modelled: each of the trace's experts of the next layer (depth 1) is named with
+    this probability, otherwise replaced by the router's best other pick
+    (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
+    per depth. 0.9 at depth 1 is the trace replay's default model."""
 
     log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
     """Level of the root logger."""

@@ -18,20 +18,19 @@ Each new Generate takes the next trace request, starting at ``--force-routing-re
 wrapping after the last one; requests batched together each follow their own trace request. The trace's layers, experts and top-k must equal the model's; a
 mismatch stops the process at start-up with both shapes named.
 
-Layer-ahead under forced routing: the next layer's router still runs, but it predicts what the
-random router would pick, which says nothing of the trace. The prediction sent to the daemon is
-therefore modelled: each of the trace's top-k experts of the next layer is kept with probability
-``layer_ahead_accuracy`` (a stated parameter, seeded per request, step and layer) and otherwise
-replaced by the router's highest-scored expert outside the trace's set — the same model of
-layer-ahead the trace replay uses (DESIGN §7), made concrete in a real process.
+Lookahead under forced routing: the later layers' routers still run, but they predict what the
+random routers would pick, which says nothing of the trace. Each prediction sent to the daemon
+is therefore modelled: each of the trace's top-k experts of the predicted layer is kept with the
+accuracy of its depth, ``layer_ahead_accuracy - (depth - 1) * accuracy_drop_per_depth`` (stated
+parameters, seeded per request, step, layer and depth), and otherwise replaced by the router's
+highest-scored expert outside the trace's set — the same model of lookahead the trace replay
+uses (``cache_daemon.decisions.simulator``), made concrete in a real process.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,77 +38,26 @@ import torch
 
 from compute_svc.errors import InvalidArgument
 from compute_svc.layer_ahead import Prediction
+from expertcache.layers import LayerMap
+from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
 
-_KEYS = ("expert_ids", "gate_weights", "req_offsets")
-
-
-@dataclass(frozen=True)
-class RoutingTrace:
-    """A routing trace in the shared format (``/work/shared/traces/README.md``)."""
-
-    path: str
-    expert_ids: np.ndarray  # [rows, layers, top_k] int8/int16
-    gate_weights: np.ndarray  # [rows, layers, top_k] float16/float32
-    req_offsets: np.ndarray  # [requests + 1] int64
-    decode_start: np.ndarray  # [requests] int32: first decode row within each request
-    num_experts: int
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.expert_ids.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.expert_ids.shape[2])
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.req_offsets) - 1
-
-    def decode_rows(self, request: int) -> tuple[int, int]:
-        """[start, end) rows of ``request``'s decode tokens."""
-        start = int(self.req_offsets[request]) + int(self.decode_start[request])
-        return start, int(self.req_offsets[request + 1])
-
-    def shape_text(self) -> str:
-        return f"{self.num_layers} MoE layers x {self.num_experts} experts, top-{self.top_k}"
-
 
 def load_trace(path: str | Path) -> RoutingTrace:
-    """Read ``path`` (.npz, no pickles); ``InvalidArgument`` names the file and what is wrong."""
-    path = Path(path)
+    """Read ``path`` for forced routing (``expertcache.trace``); ``InvalidArgument`` names the file
+    and what is wrong: forced routing also needs the router weights and some decode rows."""
+    if not Path(path).exists():
+        raise InvalidArgument(f"force_routing_path {str(path)!r} does not exist")
     try:
-        z = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise InvalidArgument(f"force_routing_path {str(path)!r} does not exist") from None
-    except (OSError, ValueError) as exc:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise InvalidArgument(f"force_routing_path {str(path)!r}: {exc}") from None
+    if not trace.has_gate_weights:
         raise InvalidArgument(
-            f"force_routing_path {str(path)!r} is not a routing trace (.npz): {exc}"
-        ) from None
-    with z:
-        missing = [k for k in _KEYS if k not in z.files]
-        if missing:
-            raise InvalidArgument(f"routing trace {path} lacks {missing} (has {sorted(z.files)})")
-        expert_ids = z["expert_ids"]
-        gate_weights = z["gate_weights"]
-        offsets = z["req_offsets"].astype(np.int64)
-        requests = len(offsets) - 1
-        decode_start = (
-            z["decode_start"].astype(np.int64) if "decode_start" in z.files else np.zeros(requests, np.int64)
+            f"routing trace {path} lacks gate_weights: forced routing needs the router weights"
         )
-        meta = json.loads(str(z["meta_json"])) if "meta_json" in z.files else {}
-    if expert_ids.ndim != 3 or gate_weights.shape != expert_ids.shape:
-        raise InvalidArgument(
-            f"routing trace {path}: expert_ids {expert_ids.shape} and gate_weights {gate_weights.shape} "
-            "must both be [tokens, layers, top_k]"
-        )
-    if requests < 1 or offsets[0] != 0 or offsets[-1] != len(expert_ids) or np.any(np.diff(offsets) < 0):
-        raise InvalidArgument(f"routing trace {path}: req_offsets do not split its {len(expert_ids)} rows")
-    num_experts = int(meta.get("num_experts", int(expert_ids.max()) + 1 if expert_ids.size else 0))
-    trace = RoutingTrace(str(path), expert_ids, gate_weights, offsets, decode_start, num_experts)
-    if not any(trace.decode_rows(r)[1] > trace.decode_rows(r)[0] for r in range(requests)):
+    if not any(trace.decode_rows(r)[1] > trace.decode_rows(r)[0] for r in range(trace.num_requests)):
         raise InvalidArgument(f"routing trace {path} has no decode rows")
     return trace
 
@@ -129,6 +77,7 @@ class ForcedRouting:
         *,
         first_request: int = 0,
         layer_ahead_accuracy: float = 1.0,
+        accuracy_drop_per_depth: float = 0.0,
         seed: int = 0,
     ) -> None:
         model_shape = f"{len(moe_layers)} MoE layers x {num_experts} experts, top-{top_k}"
@@ -146,11 +95,16 @@ class ForcedRouting:
             raise InvalidArgument(
                 f"force_routing_layer_ahead_accuracy {layer_ahead_accuracy} is out of range [0, 1]"
             )
+        if not 0.0 <= accuracy_drop_per_depth <= 1.0:
+            raise InvalidArgument(
+                f"force_routing_accuracy_drop_per_depth {accuracy_drop_per_depth} is out of range [0, 1]"
+            )
         self.trace = trace
-        self._layer_index = {layer: j for j, layer in enumerate(moe_layers)}
+        self._layers = LayerMap(tuple(moe_layers))  # trace layers are MoE layer indices
         self._next_request = first_request
         self._live: dict[str, _Replay] = {}  # request id -> its trace request
         self.layer_ahead_accuracy = layer_ahead_accuracy
+        self.accuracy_drop_per_depth = accuracy_drop_per_depth
         self._seed = seed
 
     def begin_request(self, request_id: str) -> int:
@@ -197,7 +151,7 @@ class ForcedRouting:
 
     def experts(self, request_id: str, step: int, layer: int) -> np.ndarray:
         """[top_k] int64 experts of decoder layer ``layer`` at forward ``step`` of ``request_id``."""
-        return self.trace.expert_ids[self.row(request_id, step), self._layer_index[layer]].astype(np.int64)
+        return self.trace.expert_ids[self.row(request_id, step), self._layers.moe_index(layer)].astype(np.int64)
 
     def routing(
         self, segments: Sequence, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -208,7 +162,7 @@ class ForcedRouting:
         one request's rows gets that request's trace row of its forward (several tokens only
         while its prompt is fed, see the module doc); weights keep the router's dtype and device.
         """
-        j = self._layer_index[layer]
+        j = self._layers.moe_index(layer)
         index = np.empty(tuple(top_k_index.shape), dtype=np.int64)
         weights = np.empty(tuple(top_k_index.shape), dtype=np.float32)
         for seg in segments:
@@ -220,15 +174,19 @@ class ForcedRouting:
             torch.from_numpy(weights).to(device=top_k_weights.device, dtype=top_k_weights.dtype),
         )
 
+    def accuracy(self, depth: int) -> float:
+        """The modelled accuracy of a prediction made ``depth`` MoE layers ahead."""
+        return max(0.0, self.layer_ahead_accuracy - (depth - 1) * self.accuracy_drop_per_depth)
+
     def layer_ahead(self, segment, predicted: Prediction) -> Prediction:
-        """The modelled layer-ahead prediction of ``segment``'s request for ``predicted.layer``
+        """The modelled prediction of ``segment``'s request for ``predicted.layer`` at its depth
         (see the module doc)."""
-        row, j = self.row(segment.request_id, segment.step), self._layer_index[predicted.layer]
+        row, j = self.row(segment.request_id, segment.step), self._layers.moe_index(predicted.layer)
         truth = self.trace.expert_ids[row, j].astype(np.int64)
         truth_weights = self.trace.gate_weights[row, j].astype(np.float32)
         request = self.request_of(segment.request_id)
-        rng = np.random.default_rng((self._seed, request, segment.step, predicted.layer))
-        keep = rng.random(len(truth)) < self.layer_ahead_accuracy
+        rng = np.random.default_rng((self._seed, request, segment.step, predicted.layer, predicted.depth))
+        keep = rng.random(len(truth)) < self.accuracy(predicted.depth)
         truth_set = set(truth.tolist())
         router_scores = dict(zip(predicted.experts, predicted.scores, strict=True))
         # The router's own picks outside the trace's set, best first, then any other expert.
@@ -251,6 +209,7 @@ class ForcedRouting:
             layer=predicted.layer,
             experts=tuple(experts[i] for i in order),
             scores=tuple(scores[i] for i in order),
+            depth=predicted.depth,
         )
 
 

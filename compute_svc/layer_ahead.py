@@ -1,17 +1,23 @@
-"""Layer-ahead prediction: layer l+1's router applied to layer l's MoE input, one layer early.
+"""Lookahead: the routers of the next MoE layers applied to layer l's MoE input, d layers early.
 
 ::
 
     MoE layer l: hidden [T, H] ──router(l)──▶ top_k(l) ──▶ acquire / compute experts of l
                      │
-                     └──router(l+1) (same [T, H]) ──▶ predicted top_k(l+1) + probabilities
-                                                      ──▶ provider.layer_ahead(token, l+1, …)
+                     ├──router(l+1) (same [T, H]) ──▶ predicted top_k(l+1)  depth 1 ┐ on the device,
+                     ├──router(l+2) ─────────────────▶ predicted top_k(l+2)  depth 2 ├ one transfer
+                     └── ... up to depth d                                           ┘ for all depths
+                                                      ──▶ provider.layer_ahead(token, [Prediction ...])
 
-The residual stream changes little from one layer to the next, so the next layer's router, fed
-the current layer's MoE input, mostly picks what it will pick one layer later; the daemon gets
-the whole of layer l's attention + experts time to fetch those experts. The cost is one
-``[T, H] × [H, E]`` product per MoE layer (E = experts), no extra weights: the routers are
-already resident with the dense model.
+The residual stream changes little from one layer to the next, so a later layer's router, fed the
+current layer's MoE input, mostly picks what it will pick when its turn comes — the more so the
+nearer the layer (ProMoE's stride prefetch, here without a trained predictor). The daemon gets
+whole layers of attention + experts time to fetch what the deeper layers will want; it measures
+each depth's precision as the layers are routed and stops prefetching a depth that does not pay.
+The cost is one ``[T, H] × [H, E]`` product per depth per MoE layer (E = experts), no extra
+weights: the routers are already resident with the dense model. The predictions stay on the
+device until one host transfer of all depths together (``DevicePrediction``): a GPU pays one
+synchronisation per MoE layer for them, not one per depth.
 
 Finding the routers is generic, not a table per architecture: a MoE block holds the experts
 module (``expertcache.model_structure.is_experts_module``) and, beside it, the router — the
@@ -21,13 +27,14 @@ hooks), so group-limited selection, score correction, softmax-before or after to
 the model's own code. Every transformers router returns ``(logits [T, E], weights [T, K],
 indices [T, K])``; that contract is checked once at construction.
 
-Prefill (T > 1): the prediction is the union over the prompt's tokens of their predicted
+Prefill (T > 1): each depth's prediction is the union over the prompt's tokens of their predicted
 experts, each scored by its largest probability across tokens, highest first — every one of
-them is needed at layer l+1 of the prefill. Decode (T = 1) predicts the token's top-k.
+them is needed at that layer of the prefill. Decode (T = 1) predicts the token's top-k.
 
 Glossary: "layer" is a decoder layer number (the manifest's ``moe_layers``); "next" is the next
-MoE layer in that list (DeepSeek's dense first layers are skipped). Example: moe_layers
-(1, 2, 3): the router of layer 2 runs inside layer 1; layer 3 predicts nothing.
+MoE layer in that list (DeepSeek's dense first layers are skipped); "depth" counts MoE layers
+ahead. Example: moe_layers (1, 2, 3, 5), depth 2: inside layer 1 the routers of layers 2 (depth
+1) and 3 (depth 2) run; inside layer 3 only layer 5's (depth 1); layer 5 predicts nothing.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted experts of MoE layer ``layer`` with their router probabilities, highest first."""
+    """Predicted experts of MoE layer ``layer`` with their router probabilities, highest first,
+    made ``depth`` MoE layers before it."""
 
     layer: int
     experts: tuple[int, ...]
     scores: tuple[float, ...]  # in [0, 1], same length as experts
+    depth: int = 1
 
 
 def find_router(block: torch.nn.Module, experts_module: torch.nn.Module) -> torch.nn.Module:
@@ -84,19 +93,26 @@ def _parent(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
 
 
 class LayerAheadPredictor:
-    """Predicts each MoE layer's successor's experts from the current layer's MoE input.
+    """Predicts the experts of the next ``depth`` MoE layers from the current layer's MoE input.
 
     ``experts_modules``: ``(decoder layer, experts module)`` in layer order, as
     ``compute_svc.model_loader.LoadedModel.experts_modules``. Used from the generation thread.
     """
 
     def __init__(
-        self, model: torch.nn.Module, experts_modules: Sequence[tuple[int, torch.nn.Module]]
+        self,
+        model: torch.nn.Module,
+        experts_modules: Sequence[tuple[int, torch.nn.Module]],
+        *,
+        depth: int = 1,
     ) -> None:
+        if depth < 1:
+            raise ValueError(f"lookahead depth must be >= 1, got {depth}")
         routers = [(layer, find_router(_parent(model, module), module)) for layer, module in experts_modules]
-        # layer l -> (next MoE layer, its router)
-        self._next: dict[int, tuple[int, torch.nn.Module]] = {
-            layer: routers[i + 1] for i, (layer, _) in enumerate(routers[:-1])
+        self.depth = depth
+        # layer l -> ((layer l + 1, its router), ..., (layer l + depth, its router)), fewer at the end
+        self._ahead: dict[int, tuple[tuple[int, torch.nn.Module], ...]] = {
+            layer: tuple(routers[i + 1 : i + 1 + depth]) for i, (layer, _) in enumerate(routers[:-1])
         }
         for _, router in routers[:1]:
             self._check_contract(router)
@@ -121,23 +137,29 @@ class LayerAheadPredictor:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        """MoE layers that predict their successor (all but the last)."""
-        return tuple(self._next)
+        """MoE layers that predict their successors (all but the last)."""
+        return tuple(self._ahead)
 
     def next_layer(self, layer: int) -> int | None:
-        entry = self._next.get(layer)
-        return None if entry is None else entry[0]
+        ahead = self._ahead.get(layer)
+        return ahead[0][0] if ahead else None
 
-    def scores(self, layer: int, hidden_states: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """(next layer, probabilities [T, E] float32) of the next layer's router on ``hidden_states`` [T, H].
+    def ahead(self, layer: int) -> tuple[int, ...]:
+        """The layers predicted inside ``layer``, depth 1 first."""
+        return tuple(target for target, _ in self._ahead.get(layer, ()))
+
+    def scores(
+        self, layer: int, hidden_states: torch.Tensor, depth: int = 1
+    ) -> tuple[int, torch.Tensor] | None:
+        """(layer ``depth`` ahead, probabilities [T, E] float32) of its router on ``hidden_states`` [T, H].
 
         Probabilities: the router's top-k weights renormalised to sum to 1 per token, zero
-        elsewhere (the router's own notion of "chosen"); None for the last MoE layer.
+        elsewhere (the router's own notion of "chosen"); None past the last MoE layer.
         """
-        entry = self._next.get(layer)
-        if entry is None:
+        ahead = self._ahead.get(layer, ())
+        if not 1 <= depth <= len(ahead):
             return None
-        next_layer, router = entry
+        next_layer, router = ahead[depth - 1]
         _, weights, indices = type(router).forward(router, hidden_states)  # [T, K], [T, K] int64
         weights = weights.float()
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -150,59 +172,71 @@ class LayerAheadPredictor:
     def predict_device(
         self, layer: int, hidden_states: torch.Tensor, segments: Sequence[tuple[int, int]] | None = None
     ) -> DevicePrediction | None:
-        """The next MoE layer's expert scores for each request of a step, still on the device.
+        """Every depth's expert scores for each request of a step, still on the device.
 
-        ``hidden_states`` [T, H] holds the rows of every request; ``segments`` gives each
-        request's ``(first row, rows)`` (default: one request, all rows). A request's score of an
-        expert is its best router probability over the request's rows (a decode token: its top-k
-        weights renormalised; a prefill chunk: the union over its tokens). None for the last MoE
-        layer. Nothing here waits for the device: the caller brings ``scores`` to the host with
-        whatever else it needs (one transfer per layer) and calls ``finish``.
+        ``hidden_states`` [T, H] holds the rows of every request; ``segments`` gives each request's
+        ``(first row, rows)`` (default: one request, all rows). A request's score of an expert at
+        a depth is its best router probability over the request's rows (a decode token: that
+        router's top-k weights renormalised; a prompt chunk: the union over its tokens). None for
+        the last MoE layer. Nothing here waits for the device: the caller brings ``scores`` of
+        all depths and requests to the host together (one transfer) and calls ``finish``.
         """
-        out = self.scores(layer, hidden_states)
-        if out is None:
+        ahead = self._ahead.get(layer)
+        if not ahead:
             return None
-        next_layer, probs = out  # [T, E] float32
-        if segments is None or len(segments) == 1:
-            return DevicePrediction(next_layer, probs.max(dim=0, keepdim=True).values)  # [1, E]
-        owner = torch.empty(probs.shape[0], dtype=torch.long)
-        for i, (start, rows) in enumerate(segments):
-            owner[start : start + rows] = i
-        owner = owner.to(probs.device).unsqueeze(1).expand_as(probs)  # [T, E]
-        best = probs.new_zeros(len(segments), probs.shape[1])  # [B, E]
-        return DevicePrediction(next_layer, best.scatter_reduce_(0, owner, probs, reduce="amax"))
+        owner = None
+        if segments is not None and len(segments) > 1:
+            rows = torch.empty(hidden_states.shape[0], dtype=torch.long)
+            for i, (start, n) in enumerate(segments):
+                rows[start : start + n] = i
+            owner = rows.to(hidden_states.device)
+        per_depth = []
+        for depth in range(1, len(ahead) + 1):
+            _, probs = self.scores(layer, hidden_states, depth)  # [T, E] float32
+            if owner is None:
+                per_depth.append(probs.max(dim=0, keepdim=True).values)  # [1, E]
+            else:
+                best = probs.new_zeros(len(segments), probs.shape[1])  # [B, E]
+                per_depth.append(best.scatter_reduce_(0, owner.unsqueeze(1).expand_as(probs), probs, reduce="amax"))
+        return DevicePrediction(layers=tuple(target for target, _ in ahead), scores=torch.stack(per_depth))
 
-    def predict(self, layer: int, hidden_states: torch.Tensor) -> Prediction | None:
-        """The next MoE layer's experts for ``hidden_states`` [T, H] of one request (layer
-        ``layer``'s MoE input). None for the last MoE layer. One host transfer; the generation
-        hot path uses ``predict_device`` and packs it with the routing (``compute_svc.moe``)."""
+    def predict(self, layer: int, hidden_states: torch.Tensor) -> tuple[Prediction, ...]:
+        """Every depth's prediction for ``hidden_states`` [T, H] of one request (layer ``layer``'s
+        MoE input), depth 1 first; empty for the last MoE layer. One host transfer for all depths."""
         pending = self.predict_device(layer, hidden_states)
         if pending is None:
-            return None
+            return ()
         return pending.finish(pending.scores.cpu().numpy())[0]
 
 
 @dataclass(frozen=True)
 class DevicePrediction:
-    """Layer-ahead scores before their host transfer: ``scores`` [B, E] float32 on the device,
-    one row per request of the step."""
+    """The lookahead of one MoE layer before its host transfer: ``scores`` [D, B, E] float32 on the
+    device, depth by depth (``layers[d - 1]`` is depth d's layer), one row per request of the step."""
 
-    layer: int
+    layers: tuple[int, ...]
     scores: torch.Tensor
 
-    def finish(self, scores) -> list[Prediction]:
-        """One ``Prediction`` per row of the host copy of ``scores`` ([B, E] array): the experts
-        with a score above zero, best first (ties by expert number)."""
+    def finish(self, scores) -> list[tuple[Prediction, ...]]:
+        """Per request, its prediction at every depth (depth 1 first), from the host copy of
+        ``scores`` ([D, B, E] array): the experts scored above zero, best first (ties by expert)."""
+        depths, requests, _ = scores.shape
         out = []
-        for row in scores:
-            pairs = sorted(((e, float(p)) for e, p in enumerate(row.tolist()) if p > 0), key=lambda x: -x[1])
-            out.append(
-                Prediction(
-                    layer=self.layer,
-                    experts=tuple(e for e, _ in pairs),
-                    scores=tuple(min(1.0, p) for _, p in pairs),
+        for b in range(requests):
+            preds = []
+            for d in range(depths):
+                pairs = sorted(
+                    ((e, float(p)) for e, p in enumerate(scores[d, b].tolist()) if p > 0), key=lambda x: -x[1]
                 )
-            )
+                preds.append(
+                    Prediction(
+                        layer=self.layers[d],
+                        experts=tuple(e for e, _ in pairs),
+                        scores=tuple(min(1.0, p) for _, p in pairs),
+                        depth=d + 1,
+                    )
+                )
+            out.append(tuple(preds))
         return out
 
 

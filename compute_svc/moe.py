@@ -97,7 +97,7 @@ class ExpertProvider(Protocol):
 
 # Optional one-way provider methods (``cache_client.DaemonClient`` has them; a provider without
 # them simply gets no signals): ``begin_request(request_id)``, ``end_request(request_id)``,
-# ``routed(request_id, token, layer, experts)``, ``layer_ahead(request_id, token, layer, experts, scores)``.
+# ``routed(request_id, token, layer, experts)``, ``layer_ahead(request_id, token, predictions)``.
 _SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 
 
@@ -438,7 +438,8 @@ class ExpertRuntime:
         self, layer: int, routing: Routing, pending: DevicePrediction | None, fetched: _Fetched
     ) -> None:
         """Tell the daemon, per request of the step, what layer ``layer`` routed it to and, before
-        the experts run, what the next layer will likely need. One-way messages: no round trip."""
+        the experts run, what the next layers will likely need (one prediction per lookahead
+        depth, brought to the host with the routing in one transfer). One-way messages."""
         routed = self._signals["routed"]
         if routed is not None:
             if len(self.segments) == 1:
@@ -452,13 +453,12 @@ class ExpertRuntime:
         send = self._signals["layer_ahead"]
         if pending is None or send is None or fetched.predictions is None:
             return
-        for seg, prediction in zip(self.segments, fetched.predictions, strict=True):
+        for seg, predictions in zip(self.segments, fetched.predictions, strict=True):
             if self.forced is not None:
-                prediction = self.forced.layer_ahead(seg, prediction)
-            if prediction.experts:
-                send(
-                    seg.request_id, seg.last_position, prediction.layer, prediction.experts, prediction.scores
-                )
+                predictions = tuple(self.forced.layer_ahead(seg, p) for p in predictions)
+            predictions = tuple(p for p in predictions if p.experts)
+            if predictions:
+                send(seg.request_id, seg.last_position, predictions)
 
     def _run_wave(
         self,
@@ -516,7 +516,7 @@ class _Fetched:
 
     index: torch.Tensor
     weights: torch.Tensor | None
-    predictions: list[Prediction] | None
+    predictions: list[tuple[Prediction, ...]] | None  # per segment, per depth
 
 
 def attach(

@@ -198,7 +198,9 @@ class ComputeServer:
         loaded = self.engine.loaded
         runtime = self.engine.runtime
         if config.layer_ahead:
-            runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
+            runtime.layer_ahead = LayerAheadPredictor(
+                loaded.model, loaded.experts_modules, depth=config.layer_ahead_depth
+            )
         if config.force_routing_path:
             manifest = loaded.manifest
             runtime.forced = ForcedRouting(
@@ -208,13 +210,15 @@ class ComputeServer:
                 manifest.top_k,
                 first_request=config.force_routing_request,
                 layer_ahead_accuracy=config.force_routing_layer_ahead_accuracy,
+                accuracy_drop_per_depth=config.force_routing_accuracy_drop_per_depth,
             )
             logger.warning(
-                "BENCHMARK MODE: expert routing forced from %s (first request %d, modelled layer-ahead "
-                "accuracy %.2f): outputs are not the model's",
+                "BENCHMARK MODE: expert routing forced from %s (first request %d, modelled lookahead "
+                "accuracy %.2f at depth 1, %.2f less per depth): outputs are not the model's",
                 config.force_routing_path,
                 config.force_routing_request,
                 config.force_routing_layer_ahead_accuracy,
+                config.force_routing_accuracy_drop_per_depth,
             )
 
     def _enable_routing(

@@ -1,18 +1,14 @@
-"""Records every request's routing to an ``.npz`` routing trace (``/work/shared/traces`` format).
+"""Records every request's routing to an ``.npz`` routing trace (format: ``expertcache.trace``).
 
 ::
 
     generation thread: on_step(StepRouting [T, L, K]) ─▶ the request's row list (append only)
                        on_request_end(id, prompt_tokens, finish) ─▶ finished requests
     writer thread:     every ``every_requests`` finished requests, and on close:
-                       concatenate ─▶ np.savez to PATH.tmp ─▶ rename to PATH (atomic)
+                       expertcache.trace.write_trace ─▶ PATH.tmp ─▶ rename to PATH (atomic)
 
-File keys (readable with ``np.load(path, allow_pickle=False)``): ``expert_ids`` int8
-``[tokens, layers, top_k]`` (int16 when the model has more than 127 experts; ``meta_json``
-says which in ``expert_ids_dtype``), ``gate_weights`` float16 ``[tokens, layers, top_k]``,
-``req_offsets`` int64 ``[requests + 1]``, ``decode_start`` int32 ``[requests]`` (= the prompt
-length: rows before it are prefill tokens), ``meta_json`` and ``req_meta_json`` (0-d str).
-Every row is one fed-back token; the last generated token is never fed back, so a request of P
+``decode_start`` of each request is its prompt length (rows before it are prefill tokens);
+``req_meta_json`` holds its id, prompt length, rows and finish reason. Every row is one fed-back token; the last generated token is never fed back, so a request of P
 prompt tokens and G generated ones has P + G - 1 rows. Layers are MoE layer indices (manifest
 order). The whole recording is kept in memory until close: it is a tool for building traces,
 not an always-on log.
@@ -20,9 +16,7 @@ not an always-on log.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +26,9 @@ import numpy as np
 import torch
 
 from compute_svc.activations import StepRouting
+from expertcache.trace import TraceRequest, expert_dtype, write_trace
 
 logger = logging.getLogger(__name__)
-
-INT8_MAX_EXPERTS = 127  # int8 holds expert ids 0..127; larger models are stored as int16
 
 
 @dataclass
@@ -61,8 +54,8 @@ class TraceRecorder:
             raise ValueError(f"every_requests must be >= 1, got {every_requests}")
         self.path = Path(path)
         self.every_requests = every_requests
-        self.expert_dtype = np.int8 if int(meta["num_experts"]) <= INT8_MAX_EXPERTS else np.int16
-        self.meta = {**meta, "expert_ids_dtype": np.dtype(self.expert_dtype).name}
+        self.expert_dtype = expert_dtype(int(meta["num_experts"]))
+        self.meta = dict(meta)
         self._lock = threading.Lock()
         self._live: dict[str, _Recording] = {}
         self._done: list[tuple[dict[str, Any], np.ndarray, np.ndarray]] = []  # (req meta, experts, weights)
@@ -132,32 +125,12 @@ class TraceRecorder:
             self._write_locked(done)
 
     def _write_locked(self, done: list[tuple[dict[str, Any], np.ndarray, np.ndarray]]) -> None:
-        layers, top_k = int(self.meta["num_layers"]), int(self.meta["top_k"])
-        experts = np.concatenate([e for _, e, _ in done], axis=0).astype(self.expert_dtype)
-        weights = np.concatenate([w for _, _, w in done], axis=0)
-        if experts.shape[1:] != (layers, top_k):
-            raise ValueError(f"routing rows have shape {experts.shape[1:]}, meta says ({layers}, {top_k})")
-        offsets = np.zeros(len(done) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([e.shape[0] for _, e, _ in done])
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                expert_ids=experts,
-                gate_weights=weights,
-                req_offsets=offsets,
-                decode_start=np.array([m["prompt_len"] for m, _, _ in done], dtype=np.int32),
-                meta_json=np.array(json.dumps(self.meta)),
-                req_meta_json=np.array(json.dumps([m for m, _, _ in done])),
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        requests = [TraceRequest(e, w, int(m["prompt_len"]), m) for m, e, w in done]
+        write_trace(self.path, requests, self.meta)
         with self._lock:
             self._written = max(self._written, len(done))
             self.files_written += 1
-        logger.info("trace %s: %d requests, %d tokens", self.path, len(done), experts.shape[0])
+        logger.info("trace %s: %d requests, %d tokens", self.path, len(done), sum(len(e) for _, e, _ in done))
 
     def flush(self) -> None:
         """Write every finished request now (from the caller's thread)."""

@@ -7,7 +7,7 @@ paths it was built with. Exceptions come from C++:
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
 messages name the slot-table path where there is one.
 
-``SlotTable`` (shared memory, version 2, one entry per ``(layer, expert)`` index; the pin
+``SlotTable`` (shared memory, version 3, one entry per ``(layer, expert)`` index; the pin
 protocol and its races are written up in csrc/include/expertcache/slot_table.h):
 ``create(path, num_entries, num_slots, num_clients=32)`` / ``open(path)``;
 ``try_pin(e) -> int | None``, ``unpin(e)``, batch ``try_pin_many(entries) -> list[int]`` (slot or

@@ -1,4 +1,4 @@
-"""The predictor's counters: plain, thread-safe, Prometheus-named (the daemon's ``Counter``).
+"""The predictor's counters: plain, thread-safe, Prometheus-named (``expertcache.counters``).
 
 ============================================  =====  ==========================================
 name                                          label  meaning
@@ -26,7 +26,7 @@ Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports
 
 from __future__ import annotations
 
-from cache_daemon.metrics import Counter, render_text
+from expertcache.counters import Counter, render_text
 
 STORE_OPS = ("insert", "sync", "save")
 

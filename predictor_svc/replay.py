@@ -1,9 +1,7 @@
 """``python -m predictor_svc.replay TRACE --address HOST:PORT``: feed a routing trace through a
 running predictor as if its requests were live.
 
-The trace is the format of ``/work/shared/traces/README.md`` (``expert_ids`` [tokens, layers,
-top_k], ``req_offsets``, ``meta_json`` with ``num_experts``; read with ``allow_pickle=False``).
-Requests are replayed in file order, one ``Observe`` stream per request, one ``Activation`` per
+The trace is read by ``expertcache.trace`` (its format is documented there). Requests are replayed in file order, one ``Observe`` stream per request, one ``Activation`` per
 token (all layers), ``request_done`` on the request's last token — exactly what compute sends.
 ``--speed`` paces tokens (tokens per second over the whole replay) or ``max``.
 
@@ -14,93 +12,20 @@ failed (its gRPC status is printed).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 from tqdm import tqdm
 
-REQUIRED_KEYS = ("expert_ids", "req_offsets", "meta_json")
-
-
-class TraceError(ValueError):
-    """The trace file is missing, unreadable or not in the trace format."""
+from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 
 class ReplayError(RuntimeError):
     """The predictor cannot be reached."""
-
-
-@dataclass(frozen=True)
-class Trace:
-    expert_ids: np.ndarray  # int [tokens, layers, top_k]
-    req_offsets: np.ndarray  # int64 [requests + 1]
-    num_experts: int
-    model: str
-
-    @property
-    def requests(self) -> int:
-        return len(self.req_offsets) - 1
-
-    @property
-    def layers(self) -> int:
-        return int(self.expert_ids.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.expert_ids.shape[2])
-
-    def request(self, r: int) -> np.ndarray:
-        """int [tokens, layers, top_k] of request ``r``."""
-        return self.expert_ids[self.req_offsets[r] : self.req_offsets[r + 1]]
-
-
-def load_trace(path: Path) -> Trace:
-    """Read and check a trace file; TraceError naming the file and what is wrong."""
-    try:
-        z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from exc
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise TraceError(f"trace {path} is a single .npy array, not an .npz archive")
-    with z:
-        missing = [k for k in REQUIRED_KEYS if k not in z.files]
-        if missing:
-            raise TraceError(
-                f"trace {path} lacks {', '.join(missing)} (has: {', '.join(z.files) or 'nothing'})"
-            )
-        try:
-            expert_ids = z["expert_ids"]
-            offsets = z["req_offsets"].astype(np.int64)
-            meta = json.loads(str(z["meta_json"]))
-        except (ValueError, json.JSONDecodeError) as exc:
-            raise TraceError(f"trace {path}: {exc}") from exc
-    if expert_ids.ndim != 3 or expert_ids.dtype.kind not in "iu" or 0 in expert_ids.shape[1:]:
-        raise TraceError(
-            f"trace {path}: expert_ids must be int [tokens, layers, top_k], got {expert_ids.dtype} {expert_ids.shape}"
-        )
-    if offsets.ndim != 1 or len(offsets) < 2:
-        raise TraceError(f"trace {path}: req_offsets must be int [requests + 1], got shape {offsets.shape}")
-    if offsets[0] != 0 or offsets[-1] != len(expert_ids) or np.any(np.diff(offsets) < 0):
-        raise TraceError(
-            f"trace {path}: req_offsets must rise from 0 to {len(expert_ids)} (tokens), "
-            f"got {offsets[0]}..{offsets[-1]}"
-        )
-    if not isinstance(meta, dict) or not isinstance(meta.get("num_experts"), int) or meta["num_experts"] < 1:
-        raise TraceError(f"trace {path}: meta_json must give num_experts (a positive int)")
-    num_experts = int(meta["num_experts"])
-    if expert_ids.size and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
-        raise TraceError(
-            f"trace {path}: expert_ids range {int(expert_ids.min())}..{int(expert_ids.max())} "
-            f"is outside 0..{num_experts - 1} (num_experts)"
-        )
-    return Trace(expert_ids, offsets, num_experts, str(meta.get("model", path.stem)))
 
 
 class Pacer:
@@ -120,7 +45,7 @@ class Pacer:
 
 
 def activations(
-    trace: Trace, r: int, model_id: str, pod: str, request_id: str, pacer: Pacer, progress: tqdm | None
+    trace: RoutingTrace, r: int, model_id: str, pod: str, request_id: str, pacer: Pacer, progress: tqdm | None
 ) -> Iterator[predictor_pb2.Activation]:
     tokens = trace.request(r)
     for t, routing in enumerate(tokens):
@@ -132,7 +57,7 @@ def activations(
             token_index=t,
             experts=routing.reshape(-1).tolist(),
             top_k=trace.top_k,
-            layers=trace.layers,
+            num_moe_layers=trace.num_layers,
             num_experts=trace.num_experts,
             request_done=t == len(tokens) - 1,
         )
@@ -141,7 +66,7 @@ def activations(
 
 
 def replay(
-    trace: Trace,
+    trace: RoutingTrace,
     address: str,
     *,
     model_id: str,
@@ -153,7 +78,7 @@ def replay(
     connect_timeout_s: float = 10.0,
 ) -> tuple[int, int]:
     """Replay the first ``requests`` requests; returns (activations, requests done) acknowledged."""
-    count = trace.requests if requests is None else min(requests, trace.requests)
+    count = trace.num_requests if requests is None else min(requests, trace.num_requests)
     total_tokens = int(trace.req_offsets[count])
     run_id = run_id or f"replay-{int(time.time() * 1000)}"
     pacer = Pacer(tokens_per_s)
@@ -203,7 +128,7 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m predictor_svc.replay",
-        description="Feed a routing trace (.npz, see shared/traces/README.md) through a running predictor's Observe.",
+        description="Feed a routing trace (.npz, format in expertcache.trace) through a running predictor's Observe.",
     )
     parser.add_argument("trace", type=Path, help="trace file (.npz)")
     parser.add_argument("--address", required=True, help="predictor host:port")
@@ -221,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        trace = load_trace(args.trace)
+        trace = read_trace(args.trace)
     except TraceError as exc:
         print(f"predictor_svc.replay: {exc}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ def activation_from_pb(msg: predictor_pb2.Activation) -> Activation:
         experts=msg.experts,  # repeated uint32: sized and indexable, converted once by the service
         top_k=msg.top_k,
         request_done=msg.request_done,
-        layers=msg.layers,
+        num_moe_layers=msg.num_moe_layers,
         num_experts=msg.num_experts,
     )
 
@@ -44,7 +44,9 @@ def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
         request_id=batch.request_id,
         token_index=batch.token_index,
         request_done=batch.request_done,
-        hints=[predictor_pb2.Hint(layer=h.layer, expert=h.expert, score=h.score) for h in batch.hints],
+        hints=[
+            predictor_pb2.Hint(moe_layer=h.moe_layer, expert=h.expert, score=h.score) for h in batch.hints
+        ],
     )
 
 
@@ -71,7 +73,7 @@ def stats_to_pb(stats: ServiceStats) -> predictor_pb2.PredictorStats:
             predictor_pb2.ModelStats(
                 model_id=m.model_id,
                 eamc_entries=m.eamc_entries,
-                layers=m.layers,
+                num_moe_layers=m.layers,
                 num_experts=m.num_experts,
                 top_k=m.top_k,
                 live_requests=m.live_requests,

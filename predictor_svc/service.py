@@ -58,7 +58,8 @@ HINT_SOURCE = "combined"  # the request's own history mixed with the EAMC match 
 class Activation:
     """One token's routing of one request (the wire ``Activation``, converted at the edge).
 
-    ``experts``: flat ``[layers * top_k]`` ints, ``experts[l * top_k + j]`` = j-th expert of layer l.
+    ``experts``: flat ``[layers * top_k]`` ints, ``experts[l * top_k + j]`` = j-th expert of MoE
+    layer l (an index among the model's MoE layers, as everywhere in the predictor).
     """
 
     request_id: str
@@ -68,13 +69,13 @@ class Activation:
     experts: Sequence[int]
     top_k: int
     request_done: bool = False
-    layers: int = 0
+    num_moe_layers: int = 0
     num_experts: int = 0
 
 
 @dataclass(frozen=True)
 class Hint:
-    layer: int
+    moe_layer: int  # index among the model's MoE layers
     expert: int
     score: float
 
@@ -353,9 +354,9 @@ class PredictorService:
                 f"(request {a.request_id!r})"
             )
         layers = n // a.top_k
-        if a.layers and a.layers != layers:
+        if a.num_moe_layers and a.num_moe_layers != layers:
             raise BadActivation(
-                f"Activation.layers = {a.layers} but experts holds {layers} layers of top_k={a.top_k} "
+                f"Activation.num_moe_layers = {a.num_moe_layers} but experts holds {layers} layers of top_k={a.top_k} "
                 f"(request {a.request_id!r})"
             )
         return np.asarray(a.experts, dtype=np.int64).reshape(layers, a.top_k)

@@ -11,8 +11,9 @@
 A tier maps ``ExpertKey`` → bytes of one blob (``blob_bytes`` long). ``MemoryTier`` is the
 keyed contract shared by the host tier and the store, after LMCache's
 ``StorageBackendInterface``. The device tier is ``cache_daemon.residency.Residency`` over a
-``DeviceArena``: it keeps the same rules, but its pins belong to Demand sessions and its
-Acquire can wait, so it has its own richer API.
+``DeviceArena``: it keeps the same rules, but its pins belong to Demand sessions and compute's
+shared-memory pins, its Acquire can wait, and it loads ahead of demand (prefetch), so it has its
+own richer API.
 
 Ownership contract (every tier):
 
@@ -74,8 +75,9 @@ class MemoryTier(ABC):
         """Copy ``data`` (``[blob_bytes]`` uint8) in as ``key``; False when there is no room."""
 
     def prefetch(self, key: ExpertKey) -> None:  # noqa: B027 - an optional hook, no-op by default
-        """Hint that ``key`` will be needed soon. A no-op for now: prefetch from predictor hints
-        (DESIGN §2) will hook in here; demand loads never depend on it."""
+        """Hint that ``key`` will be needed soon; a no-op in the host tier and the store. The
+        daemon's prefetching is the device tier's (``cache_daemon.residency.prefetcher``), which
+        reads through these tiers; demand loads never depend on this hook."""
 
     @abstractmethod
     def remove(self, key: ExpertKey) -> bool:

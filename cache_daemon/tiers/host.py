@@ -5,7 +5,7 @@ anonymous mapping cut into slots that each start on a 4 KiB boundary, so the sto
 slot with O_DIRECT and no bounce buffer. Feeding a CUDA arena the pool is page-locked
 (``cudaHostRegister``) so host→device copies are asynchronous DMA; when it cannot be (no driver,
 memlock limit) the tier runs on pageable memory and logs why. A miss thus costs one read into a
-host slot and one copy into the arena (DESIGN §3).
+host slot and one copy into the arena.
 
     host pool  num_slots slots of blob_bytes, slot i at base + i*stride (stride: 4 KiB multiple)
     _slots     [num_slots, blob_bytes] uint8 torch view over the pool (row stride = stride)
@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import EvictionPolicy
 from cache_daemon.tiers.base import MemoryTier, Tier
 from expertcache import native
 from expertcache.keys import ExpertKey
@@ -80,13 +81,25 @@ class StagingBuffer:
         return bool(self._pool.pinned)
 
 
+@dataclass(frozen=True, eq=False)
+class HostReservation:
+    """A host slot reserved for ``key`` (``HostTier.reserve``): ``view`` is its ``[blob_bytes]``
+    uint8 memory; ``present``: the key was already there and ``view`` is pinned, read-only."""
+
+    key: ExpertKey
+    slot: int
+    view: torch.Tensor
+    present: bool
+    pool: native.HostPool
+
+
 class HostTier(MemoryTier):
     """LRU cache of blobs in one host allocation. See ``tiers.base`` for the ownership contract.
 
-    ``put_from`` is the zero-copy put: it reserves a slot (evicting an unpinned victim if
-    needed), lets the caller fill it (e.g. a store read), and only then makes the key visible,
-    pinned for the caller. A slot being filled is invisible to ``contains``/``pin`` and never a
-    victim.
+    ``reserve`` / ``commit`` is the zero-copy put: a slot is reserved (evicting an unpinned
+    victim if needed) and handed to the caller to fill (a store read), and only the commit makes
+    the key visible, pinned for the caller. A slot being filled is invisible to
+    ``contains``/``pin`` and never a victim.
     """
 
     tier = Tier.HOST
@@ -180,14 +193,14 @@ class HostTier(MemoryTier):
         self.unpin(key)
         return True
 
-    def put_from(self, key: ExpertKey, fill: Callable[[torch.Tensor], None]) -> torch.Tensor | None:
-        """Reserve a slot, call ``fill(slot_view)`` outside the lock, then publish ``key`` pinned.
+    def reserve(self, key: ExpertKey) -> HostReservation | None:
+        """The first half of a zero-copy put: a slot for ``key`` to fill outside any lock.
 
-        Returns the pinned ``[blob_bytes]`` view (the caller must ``unpin``), or None when the
-        tier is disabled or every slot is pinned or being filled. If ``key`` is already present
-        it is pinned and returned without calling ``fill``. If ``fill`` raises, the slot goes
-        back to the free list and the exception propagates.
-        """
+        Returns None when the tier is disabled or every slot is pinned or being filled. If ``key``
+        is already present the reservation is ``present``: its ``view`` is pinned for the caller
+        (``unpin`` it) and must not be written. Otherwise the caller writes the blob into
+        ``view`` (a slot invisible to ``contains``/``pin``, never a victim), then ``commit``s it
+        (or ``abandon``s it when the fill failed)."""
         with self._lock:
             pool, slots = self._pool, self._slots
             if pool is None or slots is None:
@@ -195,29 +208,51 @@ class HostTier(MemoryTier):
             if key in self._slot_of:
                 self._pins[key] = self._pins.get(key, 0) + 1
                 self._policy.on_access(key)
-                return slots[self._slot_of[key]]
+                return HostReservation(key, self._slot_of[key], slots[self._slot_of[key]], True, pool)
             slot = self._take_slot_locked()
             if slot is None:
                 return None
-        view = slots[slot]
-        try:
-            fill(view)
-        except BaseException:
-            with self._lock:
-                pool.free(slot)
-            raise
+            return HostReservation(key, slot, slots[slot], False, pool)
+
+    def commit(self, reservation: HostReservation) -> torch.Tensor | None:
+        """Publish a filled reservation: ``key`` is present and pinned for the caller (who must
+        ``unpin``); returns its view, or None if the tier was closed meanwhile."""
+        key, slot = reservation.key, reservation.slot
         with self._lock:
-            if self._pool is not pool:  # closed meanwhile: the fill landed in a dropped pool
-                return None
+            if self._pool is not reservation.pool or self._slots is None:
+                return None  # closed meanwhile: the fill landed in a dropped pool
             if key in self._slot_of:  # a concurrent put of the same key published first
-                pool.free(slot)
+                self._pool.free(slot)
                 self._pins[key] = self._pins.get(key, 0) + 1
-                return slots[self._slot_of[key]]
+                return self._slots[self._slot_of[key]]
             self._slot_of[key] = slot
             self._pins[key] = self._pins.get(key, 0) + 1
             self._policy.on_insert(key)
         self._metrics.bytes_in.inc(self.blob_bytes, tier=Tier.HOST.value)
-        return view
+        return reservation.view
+
+    def abandon(self, reservation: HostReservation) -> None:
+        """The fill of a reservation failed: its slot goes back to the free list."""
+        with self._lock:
+            if self._pool is reservation.pool:
+                self._pool.free(reservation.slot)
+
+    def put_from(self, key: ExpertKey, fill: Callable[[torch.Tensor], None]) -> torch.Tensor | None:
+        """``reserve``, ``fill(slot_view)`` outside the lock, ``commit``: the pinned
+        ``[blob_bytes]`` view (the caller must ``unpin``), or None when there is no room. A present
+        key is pinned and returned without calling ``fill``; if ``fill`` raises, the slot goes back
+        to the free list and the exception propagates."""
+        reservation = self.reserve(key)
+        if reservation is None:
+            return None
+        if reservation.present:
+            return reservation.view
+        try:
+            fill(reservation.view)
+        except BaseException:
+            self.abandon(reservation)
+            raise
+        return self.commit(reservation)
 
     def _take_slot_locked(self) -> int | None:
         assert self._pool is not None

@@ -1,14 +1,16 @@
 // Host->device copies on dedicated non-blocking streams, completion tracked by pooled events.
+// A waiter sleeps on a condition variable that a host function, queued on the stream right after
+// the copy, signals when the copy is done (no polling).
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "check.cuh"
@@ -29,8 +31,10 @@ struct CopyEngine::Impl {
   int device = 0;
   std::vector<cudaStream_t> streams;
   mutable std::mutex mu;  // guards everything below
+  std::condition_variable done_cv;  // notified by on_copied
   uint64_t next_ticket = 1;
   std::unordered_map<uint64_t, cudaEvent_t> inflight;  // ticket -> event recorded after its copy
+  std::unordered_set<uint64_t> copied;  // in flight, and its stream has run past the copy
   std::vector<cudaEvent_t> free_events;
 
   // Under mu. A pooled event, or a new one (the device must be current).
@@ -59,7 +63,27 @@ struct CopyEngine::Impl {
     check(err, "cudaEventQuery(ticket " + std::to_string(ticket) + ")");
     free_events.push_back(it->second);
     inflight.erase(it);
+    copied.erase(ticket);
     return true;
+  }
+
+  // What the host function queued after a copy needs: the engine and the ticket.
+  struct Copied {
+    Impl* impl;
+    uint64_t ticket;
+  };
+
+  // Runs on a CUDA driver thread once the stream has passed the copy (no CUDA calls allowed
+  // here). The engine outlives it: its destructor synchronizes every stream first.
+  static void CUDART_CB on_copied(void* arg) {
+    Copied* c = static_cast<Copied*>(arg);
+    {
+      std::lock_guard<std::mutex> g(c->impl->mu);
+      // Released meanwhile by a query that saw the event complete: nothing to record.
+      if (c->impl->inflight.count(c->ticket) != 0) c->impl->copied.insert(c->ticket);
+    }
+    c->impl->done_cv.notify_all();
+    delete c;
   }
 };
 
@@ -106,9 +130,11 @@ uint64_t CopyEngine::copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int s
                                 ", src=" + std::to_string(src) + ")");
   DeviceGuard guard(impl_->device);
   cudaEvent_t ev;
+  uint64_t ticket;
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     ev = impl_->take_event();
+    ticket = impl_->next_ticket++;
   }
   cudaStream_t s = impl_->streams[stream];
   // Outside the lock: from pageable memory the call blocks until the bytes are staged.
@@ -121,13 +147,26 @@ uint64_t CopyEngine::copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int s
     err = cudaEventRecord(ev, s);
     call = "cudaEventRecord(stream " + std::to_string(stream) + ")";
   }
-  std::lock_guard<std::mutex> g(impl_->mu);
-  if (err != cudaSuccess) {
-    impl_->free_events.push_back(ev);
-    check(err, call);
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    if (err != cudaSuccess) {
+      impl_->free_events.push_back(ev);
+      check(err, call);
+    }
+    impl_->inflight.emplace(ticket, ev);
   }
-  const uint64_t ticket = impl_->next_ticket++;
-  impl_->inflight.emplace(ticket, ev);
+  // Queued after the event: when it runs, the copy is done and wait() is woken.
+  auto* c = new Impl::Copied{impl_.get(), ticket};
+  err = cudaLaunchHostFunc(s, &Impl::on_copied, c);
+  if (err != cudaSuccess) {
+    delete c;
+    // The copy is queued and its event recorded: only its wake-up is missing. Wait for the
+    // stream (a failure here is rare and the copy short), so no waiter can sleep forever.
+    report(cudaStreamSynchronize(s), "cudaStreamSynchronize after a failed cudaLaunchHostFunc");
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->copied.insert(ticket);
+    check(err, "cudaLaunchHostFunc(stream " + std::to_string(stream) + ")");
+  }
   return ticket;
 }
 
@@ -139,19 +178,26 @@ bool CopyEngine::query(uint64_t ticket) {
 
 void CopyEngine::wait(uint64_t ticket, double timeout_s) {
   using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  auto sleep = std::chrono::microseconds(10);
-  for (;;) {
-    if (query(ticket)) return;
-    const double waited = std::chrono::duration<double>(clock::now() - start).count();
-    if (timeout_s >= 0 && waited >= timeout_s)
-      throw CopyTimeout("copy ticket " + std::to_string(ticket) + " not complete after " +
-                        std::to_string(timeout_s) + " s");
-    // Polling with short sleeps instead of cudaEventSynchronize: the latter has no timeout, and
-    // holding the event outside the lock would race with its recycling by another thread.
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+  DeviceGuard guard(impl_->device);
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  if (impl_->query_locked(ticket)) return;  // also checks that the ticket was issued
+  // Sleep until the host function queued after the copy says the stream passed it.
+  auto passed = [&] { return impl_->copied.count(ticket) != 0 || impl_->inflight.count(ticket) == 0; };
+  if (timeout_s < 0) {
+    impl_->done_cv.wait(lock, passed);
+  } else if (!impl_->done_cv.wait_until(
+                 lock,
+                 clock::now() + std::chrono::duration_cast<clock::duration>(
+                                    std::chrono::duration<double>(timeout_s)),
+                 passed)) {
+    throw CopyTimeout("copy ticket " + std::to_string(ticket) + " not complete after " +
+                      std::to_string(timeout_s) + " s");
   }
+  // The event was recorded before the host function ran, so it is complete: release it and
+  // surface any error of the copy.
+  if (!impl_->query_locked(ticket))
+    throw std::runtime_error("copy ticket " + std::to_string(ticket) +
+                             ": the stream passed the copy but its event is not complete");
 }
 
 void CopyEngine::synchronize() {

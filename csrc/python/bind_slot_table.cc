@@ -47,8 +47,15 @@ void bind_slot_table(py::module_& m) {
       .def("finish_load", &SlotTable::finish_load, py::arg("entry"))
       .def("abort_load", &SlotTable::abort_load, py::arg("entry"))
       .def("try_evict", &SlotTable::try_evict, py::arg("entry"))
+      .def("hold", &SlotTable::hold, py::arg("entry"), py::arg("n") = 1)
       .def("wait_resident", &SlotTable::wait_resident, py::arg("entry"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("unpin_seq", &SlotTable::unpin_seq)
+      .def("wait_unpin", &SlotTable::wait_unpin, py::arg("seen"), py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("wake_unpin_waiters", &SlotTable::wake_unpin_waiters)
+      .def("states", &SlotTable::states)
+      .def("slots", &SlotTable::slots)
       .def("state", [](const SlotTable& t, int64_t e) { return static_cast<uint32_t>(t.state(e)); },
            py::arg("entry"))
       .def("pins", &SlotTable::pins, py::arg("entry"))

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <thread>
 #include <utility>
 #include <cmath>
 #include <cstring>
@@ -123,6 +122,8 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
   t->header_->ledger_stride = ledger_stride(num_entries);
   t->header_->clock.store(0, std::memory_order_relaxed);
   t->header_->hits.store(0, std::memory_order_relaxed);
+  t->header_->unpin_seq.store(0, std::memory_order_relaxed);
+  t->header_->unpin_waiters.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   t->header_->magic = kSlotTableMagic;
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -229,7 +230,7 @@ std::atomic<uint32_t>* SlotTable::enter_ledger() {
   l.busy.store(1);  // seq_cst: ordered before the epoch load (see the protocol in the header)
   const uint32_t now = l.epoch.load();
   if (now != epoch_) {
-    l.busy.store(0);
+    leave_ledger();
     throw StaleClient("slot table " + path_ + ": client ledger " + std::to_string(client_) +
                       " was reclaimed by the cache daemon (epoch " + std::to_string(epoch_) +
                       " -> " + std::to_string(now) + "): its pins are gone, attach again");
@@ -238,7 +239,64 @@ std::atomic<uint32_t>* SlotTable::enter_ledger() {
 }
 
 void SlotTable::leave_ledger() {
-  if (client_ >= 0) ledger(client_).busy.store(0);
+  if (client_ < 0) return;
+  LedgerHeader& l = ledger(client_);
+  // 2: a reclaim waits for us to leave (it set 2 while we were inside).
+  if (l.busy.exchange(0) == 2) futex_wake_all(&l.busy);
+}
+
+void SlotTable::notify_unpinned() {
+  header_->unpin_seq.fetch_add(1);  // seq_cst: ordered before the waiters load
+  if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_seq);
+}
+
+bool SlotTable::wait_unpin(uint32_t seen, double timeout_s) {
+  if (std::isnan(timeout_s)) throw std::invalid_argument("wait_unpin: timeout_s is NaN");
+  using clock = std::chrono::steady_clock;
+  const bool forever = timeout_s < 0 || std::isinf(timeout_s);
+  const auto deadline = forever ? clock::time_point::max()
+                                : clock::now() + std::chrono::duration_cast<clock::duration>(
+                                                     std::chrono::duration<double>(timeout_s));
+  // Registered before the word is read (both seq_cst): an unpinner either sees a waiter and
+  // wakes, or bumped the word before our read and we return at once.
+  header_->unpin_waiters.fetch_add(1);
+  bool changed = false;
+  for (;;) {
+    if (header_->unpin_seq.load() != seen) {
+      changed = true;
+      break;
+    }
+    timespec ts{};
+    const timespec* tp = nullptr;
+    if (!forever) {
+      const auto left = deadline - clock::now();
+      if (left <= clock::duration::zero()) break;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      ts = timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      tp = &ts;
+    }
+    if (futex_wait(&header_->unpin_seq, seen, tp) != 0 && errno != EAGAIN && errno != EINTR &&
+        errno != ETIMEDOUT) {
+      header_->unpin_waiters.fetch_sub(1);
+      throw_errno("slot table " + path_ + ": futex wait (unpin)");
+    }
+  }
+  header_->unpin_waiters.fetch_sub(1);
+  return changed;
+}
+
+void SlotTable::wake_unpin_waiters() { notify_unpinned(); }
+
+std::vector<uint32_t> SlotTable::states() const {
+  std::vector<uint32_t> out(header_->num_entries);
+  for (uint32_t i = 0; i < header_->num_entries; ++i) out[i] = entries_[i].state.load();
+  return out;
+}
+
+std::vector<int32_t> SlotTable::slots() const {
+  std::vector<int32_t> out(header_->num_entries);
+  for (uint32_t i = 0; i < header_->num_entries; ++i) out[i] = entries_[i].slot.load();
+  return out;
 }
 
 int32_t SlotTable::pin_one(int64_t entry, std::atomic<uint32_t>* lp) {
@@ -299,14 +357,17 @@ void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
                                               : " which has no pins"));
     }
   }
+  bool zero = false;
   for (int64_t entry : entries) {
     SlotEntry& e = entries_[entry];
     uint32_t p = e.pins.load();
     while (p != 0 && !e.pins.compare_exchange_weak(p, p - 1)) {
     }
+    zero = zero || p == 1;
     if (lp != nullptr) lp[entry].fetch_sub(1);
   }
   leave_ledger();
+  if (zero) notify_unpinned();  // the entry may be evicted now: a waiting daemon re-checks
 }
 
 uint32_t SlotTable::client_epoch(int64_t client) const { return ledger(client).epoch.load(); }
@@ -323,8 +384,18 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(kReclaimWaitS));
-  while (l.busy.load() != 0 && clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // A client inside a call leaves it within a few instructions; mark that we wait (busy = 2) so
+  // its leave wakes us, and sleep on the word.
+  for (;;) {
+    uint32_t b = l.busy.load();
+    if (b == 0) break;
+    const auto left = deadline - clock::now();
+    if (left <= clock::duration::zero()) break;
+    if (b == 1 && !l.busy.compare_exchange_strong(b, 2)) continue;  // it left or changed: re-read
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    futex_wait(&l.busy, 2, &ts);  // EAGAIN / EINTR / ETIMEDOUT: the loop re-checks
+  }
   l.busy.store(0);  // a client killed inside a call left it set (the known race)
   std::atomic<uint32_t>* lp = ledger_pins(client);
   uint64_t removed = 0;
@@ -339,6 +410,7 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
     } while (!e.pins.compare_exchange_weak(p, p - take));
     removed += take;
   }
+  if (removed != 0) notify_unpinned();
   return removed;
 }
 
@@ -419,6 +491,15 @@ bool SlotTable::try_evict(int64_t entry) {
   e.state.store(kAbsent);
   futex_wake_all(&e.state);
   return true;
+}
+
+void SlotTable::hold(int64_t entry, uint32_t n) {
+  SlotEntry& e = at(entry);
+  const uint32_t s = e.state.load();
+  if (s != kLoading && s != kResident)
+    throw std::runtime_error("slot table " + path_ + ": hold of entry " + std::to_string(entry) +
+                             " in state " + state_str(s) + ", expected LOADING or RESIDENT");
+  e.pins.fetch_add(n);
 }
 
 bool SlotTable::wait_resident(int64_t entry, double timeout_s) {

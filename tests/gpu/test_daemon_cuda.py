@@ -18,8 +18,8 @@ if str(REPO) not in sys.path:
 
 from cache_daemon.config import DaemonConfig  # noqa: E402
 from cache_daemon.daemon import CacheDaemon  # noqa: E402
+from cache_daemon.decisions.policy import make_policy  # noqa: E402
 from cache_daemon.metrics import DaemonMetrics  # noqa: E402
-from cache_daemon.policy import make_policy  # noqa: E402
 from cache_daemon.tiers import ArenaKind, HostTier, Tier  # noqa: E402
 from cache_daemon.tiers.device import CudaArena, create_arena  # noqa: E402
 from expertcache import native  # noqa: E402

@@ -21,6 +21,7 @@ if str(REPO) not in sys.path:
 
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 
+from compute_svc.layer_ahead import Prediction  # noqa: E402
 from expertcache.keys import ExpertKey  # noqa: E402
 from tests import waiting  # noqa: E402
 from tests.procs import Proc, start_daemon  # noqa: E402
@@ -42,7 +43,9 @@ class DemandStream:
 
     def acquire(self, ticket: int, layer: int, experts: list[int]) -> tuple[list, cache_pb2.AcquireDone]:
         self._requests.put(
-            cache_pb2.DemandRequest(acquire=cache_pb2.Acquire(ticket=ticket, layer=layer, experts=experts))
+            cache_pb2.DemandRequest(
+                acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=experts)
+            )
         )
         readies = []
         for response in self.call:
@@ -55,7 +58,7 @@ class DemandStream:
         raise AssertionError("the stream ended without AcquireDone")
 
     def release(self, layer: int, experts: list[int]) -> None:
-        refs = [cache_pb2.ExpertRef(layer=layer, expert=e) for e in experts]
+        refs = [cache_pb2.ExpertRef(decoder_layer=layer, expert=e) for e in experts]
         self._requests.put(cache_pb2.DemandRequest(release=cache_pb2.Release(experts=refs)))
 
     def close(self) -> None:
@@ -488,12 +491,17 @@ def test_prediction_messages_drive_prefetch_without_replies(lone):
         send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
         send(
             cache_pb2.DemandRequest(
-                route=cache_pb2.Route(request_id="req-1", token=0, layer=1, experts=[0, 1])
+                route=cache_pb2.Route(request_id="req-1", token=0, decoder_layer=1, experts=[0, 1])
             )
         )
         send(
             cache_pb2.DemandRequest(
-                layer_ahead=cache_pb2.LayerAhead(token=0, layer=3, experts=[2, 3], scores=[0.9, 0.6])
+                layer_ahead=cache_pb2.LayerAhead(
+                    token=0,
+                    predictions=[
+                        cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[2, 3], scores=[0.9, 0.6])
+                    ],
+                )
             )
         )
 
@@ -517,9 +525,12 @@ def test_prediction_messages_drive_prefetch_without_replies(lone):
         # A malformed prediction is advice gone wrong: dropped and counted; the stream goes on.
         assert lone.stats().signals_rejected == 0
         send(
-            cache_pb2.DemandRequest(route=cache_pb2.Route(request_id="req-1", token=1, layer=2, experts=[0]))
+            cache_pb2.DemandRequest(
+                route=cache_pb2.Route(request_id="req-1", token=1, decoder_layer=2, experts=[0])
+            )
         )
-        send(cache_pb2.DemandRequest(layer_ahead=cache_pb2.LayerAhead(token=1, layer=3, experts=[99])))
+        bad = cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[99])
+        send(cache_pb2.DemandRequest(layer_ahead=cache_pb2.LayerAhead(token=1, predictions=[bad])))
         readies, _ = stream.acquire(8, 3, [3])
         assert [r.expert.expert for r in readies] == [3]
         stream.release(3, [3])
@@ -536,15 +547,15 @@ def test_client_prediction_methods_never_wait_and_count_drops(lone):
     try:
         client.begin_request("req-2")
         client.routed("req-2", 0, 1, [4, 5])
-        client.layer_ahead("req-2", 0, 3, [1], [0.8])
+        client.layer_ahead("req-2", 0, [Prediction(3, (1,), (0.8,))])
         wait_for(lambda: lone.stats().tiers[0].resident >= 1)
         got = list(client.acquire(3, [1]))  # prefetched: a hit through shared memory, no Demand
         assert [(r.expert, r.source.value) for r in got] == [(1, "device")]
         client.release(3, [1])
         client.end_request("req-2")
         assert (client.signals_sent, client.signals_dropped) == (4, 0)
-        with pytest.raises(Exception, match=r"layer_ahead for layer 3: 2 experts but 1 scores"):
-            client.layer_ahead("req-2", 0, 3, [1, 2], [0.5])
+        with pytest.raises(Exception, match=r"layer_ahead for layer 3 at depth 1: 2 experts but 1 scores"):
+            client.layer_ahead("req-2", 0, [Prediction(3, (1, 2), (0.5,))])
     finally:
         client.close()
     client.routed("req-2", 1, 1, [0])  # no stream any more: dropped and counted, never raised or waited for

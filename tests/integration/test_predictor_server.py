@@ -16,7 +16,8 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache.launch import REPO, Proc, free_port, start
 from expertcache.redis_server import RedisServer
-from predictor_svc.replay import ReplayError, load_trace, replay
+from expertcache.trace import read_trace
+from predictor_svc.replay import ReplayError, replay
 
 TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
 MODEL = "tiny-moe"
@@ -82,7 +83,7 @@ def first_hints(proc: Proc, request_id: str, send) -> dict[int, set[int]]:
             if batch.request_id == request_id and batch.hints:
                 out: dict[int, set[int]] = {}
                 for hint in batch.hints:
-                    out.setdefault(hint.layer, set()).add(hint.expert)
+                    out.setdefault(hint.moe_layer, set()).add(hint.expert)
                 return out
     finally:
         stream.cancel()
@@ -227,14 +228,16 @@ def test_replay_tool_feeds_the_real_trace(tmp_path):
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-        trace = load_trace(TRACE)
+        trace = read_trace(TRACE)
         tokens = int(trace.req_offsets[5])
         assert f"replayed 5 requests, {tokens} tokens" in done.stdout
         model = "openai/gpt-oss-20b"
         s = wait_stats(proc, lambda s: s.eamc_entries == 5)
         assert s.observed_tokens == tokens and s.requests_done == 5 and s.live_requests == 0
         replayed = [
-            (m.layers, m.num_experts, m.top_k, m.eamc_entries) for m in s.models if m.model_id == model
+            (m.num_moe_layers, m.num_experts, m.top_k, m.eamc_entries)
+            for m in s.models
+            if m.model_id == model
         ]
         assert replayed == [(24, 32, 4, 5)]
     finally:
@@ -252,7 +255,7 @@ def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2
-    assert "lacks meta_json" in done.stderr
+    assert "lacks ['meta_json']" in done.stderr
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
     done = subprocess.run(
@@ -262,10 +265,10 @@ def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
         text=True,
         timeout=60,
     )
-    assert done.returncode == 2 and "cannot read trace" in done.stderr
+    assert done.returncode == 2 and "is not a routing trace" in done.stderr
     with pytest.raises(ReplayError, match="no predictor answers at 127.0.0.1:"):
         replay(
-            load_trace(TRACE),
+            read_trace(TRACE),
             f"127.0.0.1:{free_port()}",
             model_id="m",
             pod="p",

@@ -272,7 +272,7 @@ def test_open_v1_table_is_refused(tmp_path):
     header = (0x4C42545453435845).to_bytes(8, "little") + (1).to_bytes(4, "little")
     header += (2).to_bytes(4, "little") + (2).to_bytes(4, "little")
     path.write_bytes(header.ljust(64, b"\0") + b"\0" * 128)
-    with pytest.raises(ValueError, match=f"{path}: version 1, expected 2.*restart the cache daemon"):
+    with pytest.raises(ValueError, match=f"{path}: version 1, expected 3.*restart the cache daemon"):
         SlotTable.open(str(path))
 
 
@@ -431,3 +431,87 @@ def test_two_processes_pin_many_with_ledgers(table_path):
     assert [t.pins(e) for e in range(4)] == [0] * 4
     assert t.hits == 2 * 20_000 * 4
     assert t.clock == t.hits
+
+
+# -- version 3: the unpin word (a daemon waiting for slots sleeps until compute unpins) -------------
+def test_unpin_to_zero_bumps_the_word_and_nothing_else_does(table_path):
+    t = SlotTable.create(table_path, 4, 4)
+    _make_resident(t, 0, 0)
+    seq = t.unpin_seq
+    assert t.try_pin_many([0, 0]) == [0, 0]
+    t.unpin(0)  # one pin left: the entry is still pinned
+    assert t.unpin_seq == seq
+    assert not t.wait_unpin(seq, 0.01)  # times out: nothing changed
+    t.unpin(0)  # the last pin: evictable now
+    assert t.unpin_seq == seq + 1
+    assert t.wait_unpin(seq, 10.0)  # already moved on: returns at once
+    t.wake_unpin_waiters()
+    assert t.unpin_seq == seq + 2
+    assert [s for s in t.states()] == [SlotState.RESIDENT, 0, 0, 0] and t.slots() == [0, -1, -1, -1]
+    with pytest.raises(ValueError, match="timeout_s is NaN"):
+        t.wait_unpin(seq, float("nan"))
+
+
+def test_a_waiting_daemon_is_woken_by_another_process_unpinning(table_path):
+    t = SlotTable.create(table_path, 2, 2, num_clients=1)
+    _make_resident(t, 1, 0)
+    code = (
+        "t = SlotTable.open(sys.argv[1])\n"
+        "t.attach_client(0, 0)\n"
+        "t.try_pin(1)\n"
+        "print('pinned', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "t.unpin(1)\n"
+        "print('unpinned', flush=True)\n"
+    )
+    prelude = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom expertcache.native import SlotTable\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", prelude + code, table_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "pinned"
+    seq = t.unpin_seq
+    assert not t.try_evict(1)  # compute pins it
+    woken = []
+    waiter = threading.Thread(target=lambda: woken.append(t.wait_unpin(seq, 30.0)))
+    waiter.start()
+    time.sleep(0.05)
+    assert not woken  # asleep on the futex, not polling
+    child.stdin.write("\n")
+    child.stdin.flush()
+    waiter.join(30)
+    assert woken == [True] and t.try_evict(1)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+
+
+def test_reclaim_wakes_a_waiter_and_waits_for_a_client_inside_a_call(table_path):
+    t = SlotTable.create(table_path, 1, 1, num_clients=1)
+    _make_resident(t, 0, 0)
+    client = SlotTable.open(table_path)
+    client.attach_client(0, 0)
+    client.try_pin(0)
+    seq = t.unpin_seq
+    assert t.reclaim_client(0) == 1
+    assert t.unpin_seq == seq + 1  # its pins dropped: a waiting admission re-checks
+    # A reclaim with no client inside a call does not wait (the busy word is 0).
+    started = time.perf_counter()
+    t.reclaim_client(0)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_daemon_holds_count_with_compute_pins(table_path):
+    t = SlotTable.create(table_path, 3, 3)
+    t.begin_load(0, 0)
+    t.hold(0, 2)  # two Demand sessions wait for the load
+    t.finish_load(0)
+    assert t.pins(0) == 2 and t.hits == 0 and t.stamp(0) == 0  # no access stamp, no table hit
+    assert not t.try_evict(0)
+    seq = t.unpin_seq
+    t.unpin_many([0, 0])
+    assert t.pins(0) == 0 and t.unpin_seq == seq + 1 and t.try_evict(0)
+    with pytest.raises(RuntimeError, match="hold of entry 0 in state ABSENT, expected LOADING or RESIDENT"):
+        t.hold(0)

@@ -146,7 +146,7 @@ def test_every_token_arrives_in_order_with_request_done(engine):
     assert messages[-1].request_done and not messages[-1].experts
     assert sum(m.request_done for m in messages) == 1
     for m in tokens:
-        assert (m.model_id, m.pod, m.top_k, m.layers) == (manifest.model_id, "pod-a", top_k, layers)
+        assert (m.model_id, m.pod, m.top_k, m.num_moe_layers) == (manifest.model_id, "pod-a", top_k, layers)
         assert m.num_experts == manifest.num_experts
         assert len(m.experts) == layers * top_k
     # The experts reported are exactly those the router chose: prefill's forward first ([P, K]

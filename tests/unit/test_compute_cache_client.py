@@ -21,6 +21,7 @@ from compute_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
+from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ReadyExpert, Tier
 from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.native import SlotTable
@@ -82,23 +83,26 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         for req in request_iterator:
             kind = req.WhichOneof("kind")
             if kind == "release":
-                self.released += [(r.layer, r.expert) for r in req.release.experts]
+                self.released += [(r.decoder_layer, r.expert) for r in req.release.experts]
                 continue
             if kind != "acquire":  # one-way: never answered
                 msg = getattr(req, kind)
                 if kind == "route":
-                    self.signals.append((kind, msg.request_id, msg.token, msg.layer, list(msg.experts)))
-                elif kind == "layer_ahead":
-                    scores = [round(x, 3) for x in msg.scores]
                     self.signals.append(
-                        (kind, msg.request_id, msg.token, msg.layer, list(msg.experts), scores)
+                        (kind, msg.request_id, msg.token, msg.decoder_layer, list(msg.experts))
                     )
+                elif kind == "layer_ahead":
+                    preds = [
+                        (p.decoder_layer, p.depth, list(p.experts), [round(x, 3) for x in p.scores])
+                        for p in msg.predictions
+                    ]
+                    self.signals.append((kind, msg.request_id, msg.token, preds))
                 else:
                     self.signals.append((kind, msg.request_id))
                 self.got_signal.set()
                 continue
             acq = req.acquire
-            self.acquired.append((acq.layer, list(acq.experts)))
+            self.acquired.append((acq.decoder_layer, list(acq.experts)))
             if self.fail_next is not None:
                 code, message = self.fail_next
                 self.fail_next = None
@@ -114,7 +118,7 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
                 yield cache_pb2.DemandResponse(
                     ready=cache_pb2.ExpertReady(
                         ticket=acq.ticket,
-                        expert=cache_pb2.ExpertRef(layer=acq.layer, expert=expert),
+                        expert=cache_pb2.ExpertRef(decoder_layer=acq.decoder_layer, expert=expert),
                         slot=slot,
                         source=source,
                     )
@@ -356,20 +360,20 @@ def test_prediction_messages_travel_one_way_on_the_demand_stream(daemon, tmp_pat
     client = connect(address)
     client.begin_request("req-1")
     client.routed("req-1", 4, 1, [3, 0])
-    client.layer_ahead("req-1", 4, 1, [2, 1], [0.7, 0.2])
+    client.layer_ahead("req-1", 4, [Prediction(1, (2, 1), (0.7, 0.2)), Prediction(2, (5,), (0.5,), depth=2)])
     # Interleaved with an acquire, whose answers are still its own.
     assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.end_request("req-1")
     assert wait_signals(servicer, 4) == [
         ("request_begin", "req-1"),
         ("route", "req-1", 4, 1, [3, 0]),
-        ("layer_ahead", "req-1", 4, 1, [2, 1], [0.7, 0.2]),
+        ("layer_ahead", "req-1", 4, [(1, 1, [2, 1], [0.7, 0.2]), (2, 2, [5], [0.5])]),
         ("request_end", "req-1"),
     ]
     assert (client.signals_sent, client.signals_dropped) == (4, 0)
     assert servicer.streams == 1
-    with pytest.raises(InvalidArgument, match=r"layer_ahead for layer 1: 2 experts but 1 scores"):
-        client.layer_ahead("req-1", 5, 1, [2, 1], [0.7])
+    with pytest.raises(InvalidArgument, match=r"layer_ahead for layer 1 at depth 1: 2 experts but 1 scores"):
+        client.layer_ahead("req-1", 5, [Prediction(1, (2, 1), (0.7,))])
     client.close()
 
 
@@ -379,7 +383,7 @@ def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
     started = time.monotonic()
     client.begin_request("req-9")
     client.routed("req-9", 0, 0, [1])
-    client.layer_ahead("req-9", 0, 1, [2], [0.5])
+    client.layer_ahead("req-9", 0, [Prediction(1, (2,), (0.5,))])
     assert time.monotonic() - started < 0.5  # nothing waited for a stream or a reply
     assert (client.signals_sent, client.signals_dropped) == (0, 3)
     assert servicer.streams == 0

@@ -13,7 +13,6 @@ import pytest
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from cache_daemon.hints import Hint, HintBatch, HintBoard, HintSubscriber
-from expertcache.keys import ExpertKey
 from expertcache.launch import free_port
 from tests import waiting
 
@@ -64,12 +63,21 @@ def test_the_board_is_bounded_least_recently_updated_first():
     assert board.stats().dropped == 1
 
 
-def test_top_keeps_each_experts_best_score():
-    board = HintBoard()
-    board.apply(batch("a", (0, 1, 0.4), (0, 2, 0.9), (1, 5, 0.3)))
-    board.apply(batch("b", (0, 1, 0.8)))
-    assert board.top(2) == [(ExpertKey(0, 2), pytest.approx(0.9)), (ExpertKey(0, 1), pytest.approx(0.8))]
-    assert len(board.top(10)) == 3
+def test_every_batch_is_pushed_to_the_consumer_after_it_is_applied():
+    got = []
+    board = HintBoard(
+        on_batch=lambda b: got.append((b.request_id, dict(board.snapshot().get(b.request_id, {}))))
+    )
+    board.apply(batch("a", (0, 1, 0.4)))
+    board.apply(batch("a", done=True))
+    assert got == [("a", {0: ((1, 0.4),)}), ("a", {})]  # the board was up to date at each push
+
+    def broken(_batch):
+        raise RuntimeError("consumer bug")
+
+    resilient = HintBoard(on_batch=broken)
+    resilient.apply(batch("b", (0, 2, 0.5)))  # logged, the board keeps working
+    assert resilient.stats().batches == 1
 
 
 def test_bad_bound_is_named():
@@ -108,7 +116,7 @@ wait_for = functools.partial(waiting.wait_for, timeout_s=15.0, poll_s=0.02)
 def pb_batch(request_id: str, *hints: tuple[int, int, float], done: bool = False) -> predictor_pb2.HintBatch:
     return predictor_pb2.HintBatch(
         request_id=request_id,
-        hints=[predictor_pb2.Hint(layer=la, expert=e, score=s) for la, e, s in hints],
+        hints=[predictor_pb2.Hint(moe_layer=la, expert=e, score=s) for la, e, s in hints],
         request_done=done,
     )
 

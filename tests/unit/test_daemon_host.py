@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
+from cache_daemon.decisions.policy import make_policy
 from cache_daemon.errors import ChecksumMismatch
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import make_policy
 from cache_daemon.tiers import HostTier, StoreReader
 from cache_daemon.tiers.host import StagingBuffer, make_host_pool, pool_slots
 from cache_daemon.tiers.store import IO_MODE_PREAD, IO_MODE_URING

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cache_daemon.policy import LRUPolicy
+from cache_daemon.decisions.policy import LRUPolicy
 from expertcache.keys import ExpertKey
 
 A, B, C, D = (ExpertKey(1, e) for e in range(4))

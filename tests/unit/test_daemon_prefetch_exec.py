@@ -18,16 +18,17 @@ from pathlib import Path
 import pytest
 from test_daemon_store import blob_of, write_store
 
+from cache_daemon.decisions.policy import PolicyShape, make_policy
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from cache_daemon.hints import Hint, HintBatch, HintBoard
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import PolicyShape, make_policy
 from cache_daemon.residency import Residency, SlotState, table_entries
-from cache_daemon.signals import ActivationSignals, SignalsConfig
 from cache_daemon.tiers import HostTier, StoreReader, Tier
 from cache_daemon.tiers.device import ShmArena
 from cache_daemon.tiers.store import Priority
 from expertcache.errors import InvalidArgument
 from expertcache.keys import ExpertKey
+from expertcache.layers import LayerMap
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
 from tests import waiting
@@ -58,9 +59,11 @@ class Harness:
         self.host = HostTier(0, m.blob_bytes, make_policy("lru"), self.metrics)
         self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(m), slots, 4)
         self.signals = ActivationSignals(
-            m.num_layers, m.num_experts, config=SignalsConfig(hint_ttl_tokens=hint_ttl_tokens)
+            m.num_layers,
+            m.num_experts,
+            config=SignalsConfig(hint_ttl_tokens=hint_ttl_tokens),
+            layer_map=LayerMap(tuple(m.moe_layers), m.num_layers),
         )
-        self.board = HintBoard()
         self.residency = Residency(
             m,
             self.arena,
@@ -73,8 +76,9 @@ class Harness:
             signals=self.signals,
             prefetch=True,
             max_inflight_bytes=max_inflight_bytes,
-            hints=self.board,
         )
+        # Hint batches are pushed to the residency as they arrive, as in the daemon.
+        self.board = HintBoard(on_batch=self.residency.apply_hints)
 
     def policy(self, name: str):
         return make_policy(
@@ -125,6 +129,11 @@ def make(tmp_path):
 wait_for = functools.partial(waiting.wait_for, poll_s=0.002)
 
 
+def ahead(r: Residency, token: int, layer: int, experts, scores, depth: int = 1) -> None:
+    """Compute's LayerAhead with one prediction (``depth`` MoE layers early)."""
+    r.layer_ahead(token, [LayerPrediction(layer, depth, experts, scores)])
+
+
 def entry(h: Harness, key: ExpertKey) -> int:
     return key.layer * h.manifest.num_experts + key.expert
 
@@ -134,7 +143,7 @@ def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     r = h.residency
     r.begin_request("req")
     r.observe("req", 0, L1, [0, 1])
-    r.layer_ahead(0, L3, [2, 4], [0.8, 0.6])
+    ahead(r, 0, L3, [2, 4], [0.8, 0.6])
     wait_for(lambda: h.state(L3, 2) is SlotState.RESIDENT and h.state(L3, 4) is SlotState.RESIDENT)
     assert h.count(h.metrics.prefetch_started) == 2
     for e in (2, 4):  # mirrored in the shared table: compute pins it without any RPC
@@ -168,7 +177,7 @@ def test_pinned_experts_are_never_evicted_by_prefetch(make):
     before = {held.slot: h.slot_bytes(held.slot), shm_slot: h.slot_bytes(shm_slot)}
 
     r.observe("req", 5, L1, [2])  # the pinned ones are no longer even needed now
-    r.layer_ahead(5, L3, [0, 1, 2], [0.9, 0.9, 0.9])
+    ahead(r, 5, L3, [0, 1, 2], [0.9, 0.9, 0.9])
     assert r.run_prefetch() == 0
     assert h.count(h.metrics.prefetch_started) == 0
     for slot, data in before.items():
@@ -191,7 +200,7 @@ def test_demand_joins_a_queued_prefetch_and_promotes_it_to_demand_priority(make)
     r = h.residency
     h.store.pause()  # reads stay queued in the native reader until resumed
     r.observe("req", 0, L1, [0])
-    r.layer_ahead(0, L3, [4, 5], [0.9, 0.8])
+    ahead(r, 0, L3, [4, 5], [0.9, 0.8])
     wait_for(lambda: h.store.reader_stats()["queued"] == 2)
     for e in (4, 5):
         info = r.describe(ExpertKey(L3, e))
@@ -217,7 +226,7 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     r = h.residency
     h.store.pause()
     r.observe("req", 0, L1, [0])
-    r.layer_ahead(0, L3, [0, 1], [0.9, 0.5])
+    ahead(r, 0, L3, [0, 1], [0.9, 0.5])
     wait_for(lambda: h.state(L3, 0) is SlotState.LOADING and h.state(L3, 1) is SlotState.LOADING)
     s = r.open_session("compute")
     waiter = ThreadPoolExecutor(1).submit(lambda: list(r.acquire(s, L1, [2])))
@@ -231,7 +240,7 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     assert ready.key == ExpertKey(L1, 2) and h.slot_bytes(ready.slot) == h.blob(ready.key)
     wait_for(lambda: h.state(L3, 0) is SlotState.RESIDENT)
     assert h.store.reader_stats()["cancelled"] == 1
-    assert r.describe(ExpertKey(L3, 1)).generation == 1  # it was started once and dropped
+    assert r.describe(ExpertKey(L3, 1)).generation == 0  # its read was cut short: no load completed
     assert h.table.state(entry(h, ExpertKey(L3, 1))) == TableState.ABSENT
     r.close_session(s)
 
@@ -245,7 +254,7 @@ def test_a_demand_waiting_for_slots_is_never_overtaken_by_prefetch(make):
     waiter = ThreadPoolExecutor(1).submit(lambda: list(r.acquire(b, L1, [2])))
     wait_for(lambda: r.stats().demands_waiting == 1)  # b waits for a slot
     r.observe("req", 0, L1, [0, 1])
-    r.layer_ahead(0, L3, [3], [0.99])
+    ahead(r, 0, L3, [3], [0.99])
     r.release(a, [pinned[0].key])  # one slot comes free: it must go to b, not to the prefetch
     (ready,) = waiter.result(5)
     assert ready.slot == pinned[0].slot
@@ -261,8 +270,7 @@ def test_a_stale_hint_never_displaces_a_needed_expert(make):
     r.begin_request("req")
     r.observe("req", 0, L1, [0, 1])
     needed = h.load(L1, 0, 1)  # resident, unpinned, routed at the current position
-    h.board.apply(HintBatch("req", tuple(Hint(layer3, e, 1.0) for e in range(6))))
-    r.observe("req", 0, L1, [0, 1])  # wakes the worker, which takes the hints (fresh now)
+    h.board.apply(HintBatch("req", tuple(Hint(layer3, e, 1.0) for e in range(6))))  # wakes the worker
     # A fresh hint fills the free slot, and displaces nothing needed.
     wait_for(lambda: h.count(h.metrics.prefetch_started, "eamc") == 1)
     wait_for(lambda: r.stats().loading == 0)
@@ -308,9 +316,9 @@ def test_prediction_messages_reach_the_signals_and_bad_ones_name_the_value(make)
     r.observe("r1", 7, L1, [4, 2, 4])  # duplicates (several tokens of a prefill) are merged
     assert h.signals.position == (7, L1)
     assert sorted(h.signals.needed.tolist()) == [entry(h, ExpertKey(L1, 2)), entry(h, ExpertKey(L1, 4))]
-    r.layer_ahead(7, L3, [5], [0.75])
-    entries, scores, layer = h.signals.layer_ahead_prediction()
-    assert (entries.tolist(), scores.tolist(), layer) == ([entry(h, ExpertKey(L3, 5))], [0.75], L3)
+    ahead(r, 7, L3, [5], [0.75])
+    [(layer, depth, entries, scores)] = h.signals.lookahead()
+    assert (entries.tolist(), scores.tolist(), layer, depth) == ([entry(h, ExpertKey(L3, 5))], [0.75], L3, 1)
     r.observe("r2", 0, L3, [1])  # a Route of another request: its RequestBegin was lost
     assert h.signals.request_id == "r2"
     r.end_request("r2")
@@ -318,17 +326,26 @@ def test_prediction_messages_reach_the_signals_and_bad_ones_name_the_value(make)
     with pytest.raises(InvalidArgument, match=r"Route names layer 2, which is not a MoE layer .*\[1, 3\]"):
         r.observe("r2", 1, 2, [0])
     with pytest.raises(
-        InvalidArgument, match=r"LayerAhead for layer 3 names expert 6; the store has experts 0..5"
+        InvalidArgument,
+        match=r"LayerAhead prediction at depth 1 for layer 3 names expert 6; the store has experts 0..5",
     ):
-        r.layer_ahead(1, L3, [6], [0.5])
-    with pytest.raises(InvalidArgument, match=r"LayerAhead for layer 3 has 2 experts but 1 scores"):
-        r.layer_ahead(1, L3, [0, 1], [0.5])
-    with pytest.raises(InvalidArgument, match=r"LayerAhead scores must be finite probabilities, got \[nan\]"):
-        r.layer_ahead(1, L3, [0], [float("nan")])
-    r.layer_ahead(8, L3, [0, 1], [1.0000001, -0.25])  # rounding / bias-corrected scores: clamped
-    assert h.signals.layer_ahead_prediction()[1].tolist() == [1.0, 0.0]
-    with pytest.raises(InvalidArgument, match=r"LayerAhead for layer 3 names an expert twice: \[0, 0\]"):
-        r.layer_ahead(1, L3, [0, 0], [0.5, 0.5])
+        ahead(r, 1, L3, [6], [0.5])
+    with pytest.raises(
+        InvalidArgument, match=r"LayerAhead prediction at depth 1 for layer 3 has 2 experts but 1 scores"
+    ):
+        ahead(r, 1, L3, [0, 1], [0.5])
+    with pytest.raises(InvalidArgument, match=r"scores must be finite probabilities, got \[nan\]"):
+        ahead(r, 1, L3, [0], [float("nan")])
+    ahead(r, 8, L3, [0, 1], [1.0000001, -0.25])  # rounding / bias-corrected scores: clamped
+    assert h.signals.lookahead()[0][3].tolist() == [1.0, 0.0]
+    with pytest.raises(InvalidArgument, match=r"for layer 3 names an expert twice: \[0, 0\]"):
+        ahead(r, 1, L3, [0, 0], [0.5, 0.5])
+    with pytest.raises(
+        InvalidArgument, match=r"LayerAhead depth 3 is outside 1..2 \(the store's MoE layers\)"
+    ):
+        ahead(r, 1, L3, [0], [0.5], depth=3)
+    with pytest.raises(InvalidArgument, match=r"LayerAhead names depth 1 twice"):
+        r.layer_ahead(1, [LayerPrediction(L3, 1, [0], [0.5]), LayerPrediction(L1, 1, [0], [0.5])])
 
 
 def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
@@ -349,7 +366,7 @@ def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
             for layer in (L1, L3):
                 r.observe("req", token, layer, rng.sample(range(6), 2))
                 nxt = L3 if layer == L1 else L1
-                r.layer_ahead(token if layer == L1 else token + 1, nxt, rng.sample(range(6), 2), [0.9, 0.5])
+                ahead(r, token if layer == L1 else token + 1, nxt, rng.sample(range(6), 2), [0.9, 0.5])
             time.sleep(0.001)
 
     def stream(seed: int) -> None:

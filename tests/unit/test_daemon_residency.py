@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_daemon_store import blob_of, corrupt, write_store
 
+from cache_daemon.decisions.policy import make_policy
 from cache_daemon.errors import (
     AcquireTimeout,
     BadAcquire,
@@ -24,7 +25,6 @@ from cache_daemon.errors import (
     SlotNotReadable,
 )
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.policy import make_policy
 from cache_daemon.residency import ClientLedger, Ready, Residency, SlotState, table_entries
 from cache_daemon.tiers import HostTier, StoreReader, Tier
 from cache_daemon.tiers.device import ShmArena

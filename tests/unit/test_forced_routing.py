@@ -53,8 +53,17 @@ def test_bad_trace_files(tmp_path):
     with pytest.raises(InvalidArgument, match="is not a routing trace"):
         load_trace(tmp_path / "junk.npz")
     np.savez(tmp_path / "partial.npz", expert_ids=np.zeros((2, 3, 2), np.int8))
-    with pytest.raises(InvalidArgument, match=r"lacks \['gate_weights', 'req_offsets'\]"):
+    with pytest.raises(InvalidArgument, match=r"lacks \['req_offsets', 'meta_json'\]"):
         load_trace(tmp_path / "partial.npz")
+    meta = json.dumps({"num_experts": 8})
+    np.savez(
+        tmp_path / "unweighted.npz",
+        expert_ids=np.zeros((2, 3, 2), np.int8),
+        req_offsets=[0, 2],
+        meta_json=meta,
+    )
+    with pytest.raises(InvalidArgument, match="lacks gate_weights: forced routing needs the router weights"):
+        load_trace(tmp_path / "unweighted.npz")
 
 
 def test_requests_cycle_and_rows_wrap(tmp_path):
@@ -88,6 +97,22 @@ def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
         assert lo <= np.mean(kept) <= hi
     with pytest.raises(InvalidArgument, match=r"accuracy 1.5 is out of range \[0, 1\]"):
         ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=1.5)
+    with pytest.raises(InvalidArgument, match=r"force_routing_accuracy_drop_per_depth -0.1 is out of range"):
+        ForcedRouting(trace, [0, 1, 2], 8, 2, accuracy_drop_per_depth=-0.1)
+
+
+def test_modelled_lookahead_loses_accuracy_by_depth(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.npz", [400], layers=3, experts=8, top_k=2))
+    forced = ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=0.9, accuracy_drop_per_depth=0.4)
+    forced.begin_request()
+    assert [forced.accuracy(d) for d in (1, 2, 3, 4)] == [0.9, pytest.approx(0.5), pytest.approx(0.1), 0.0]
+    kept = {1: [], 2: []}
+    for step in range(400):
+        for depth in (1, 2):
+            p = forced.layer_ahead(step, Prediction(layer=2, experts=(0, 1), scores=(0.6, 0.4), depth=depth))
+            assert p.depth == depth and p.layer == 2
+            kept[depth].append(len(set(forced.experts(step, 2).tolist()) & set(p.experts)) / 2)
+    assert 0.85 <= np.mean(kept[1]) <= 0.95 and 0.42 <= np.mean(kept[2]) <= 0.58
 
 
 def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
@@ -173,7 +198,12 @@ def test_config_fields_and_their_bounds():
     config = load_config(ComputeConfig, cli={"store_dir": "s"}, env={}, env_prefix=ENV_PREFIX)
     assert config.layer_ahead is True
     assert (config.force_routing_path, config.force_routing_request) == ("", 0)
-    assert config.force_routing_layer_ahead_accuracy == 0.85
+    assert config.force_routing_layer_ahead_accuracy == 0.9
+    assert config.force_routing_accuracy_drop_per_depth == 0.1 and config.layer_ahead_depth == 3
+    with pytest.raises(InvalidArgument, match="layer_ahead_depth.*below its minimum 1"):
+        load_config(
+            ComputeConfig, cli={"store_dir": "s", "layer_ahead_depth": "0"}, env={}, env_prefix=ENV_PREFIX
+        )
     with pytest.raises(InvalidArgument, match="force_routing_layer_ahead_accuracy.*above its maximum 1.0"):
         load_config(
             ComputeConfig,

@@ -1,4 +1,5 @@
-"""Layer-ahead prediction: the next MoE layer's router on the current MoE input, sent one layer early."""
+"""Lookahead: the next MoE layers' routers on the current MoE input, one prediction per depth, all
+sent before the current layer's experts run."""
 
 from __future__ import annotations
 
@@ -32,15 +33,18 @@ class SignalProvider(LocalProvider):
         self.request_ids.add(request_id)
         self.signals.append(("routed", token, layer, tuple(experts)))
 
-    def layer_ahead(self, request_id, token, layer, experts, scores):
+    def layer_ahead(self, request_id, token, predictions):
         self.request_ids.add(request_id)
-        assert len(experts) == len(scores)
-        assert all(0.0 <= s <= 1.0 for s in scores)
-        assert list(scores) == sorted(scores, reverse=True)
-        self.signals.append(("ahead", token, layer, tuple(experts)))
+        for p in predictions:
+            assert len(p.experts) == len(p.scores)
+            assert all(0.0 <= s <= 1.0 for s in p.scores)
+            assert list(p.scores) == sorted(p.scores, reverse=True)
+        self.signals.append(
+            ("ahead", token, tuple((p.layer, p.depth, tuple(p.experts)) for p in predictions))
+        )
 
 
-def signal_engine(tiny, *, layer_ahead=True):
+def signal_engine(tiny, *, layer_ahead=True, depth=1):
     manifest = tiny.manifest
     arena = Arena(torch.zeros(manifest.num_blobs, manifest.blob_bytes, dtype=torch.uint8))
     provider = SignalProvider(tiny.store, manifest, arena)
@@ -48,7 +52,7 @@ def signal_engine(tiny, *, layer_ahead=True):
     runtime = ExpertRuntime(provider, arena, manifest.tensors)
     attach(loaded.model, loaded.experts_modules, runtime)
     if layer_ahead:
-        runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
+        runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=depth)
     return GenerationEngine(loaded, runtime, max_new_tokens_limit=64), provider
 
 
@@ -61,29 +65,36 @@ def test_prediction_is_the_next_layers_own_router(arch, tiny_store):
     # next block's router exactly as the model does (bias, correction bias, groups included).
     tiny = tiny_store(arch)
     loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
-    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules)
+    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=2)
     layers = [layer for layer, _ in loaded.experts_modules]
     assert predictor.layers == tuple(layers[:-1])
     assert predictor.next_layer(layers[-1]) is None
-    next_module = loaded.experts_modules[1][1]
-    block = next(m for m in loaded.model.modules() if any(c is next_module for c in m.children()))
-    router = find_router(block, next_module)
-    assert tuple(router.weight.shape) == (tiny.manifest.num_experts, loaded.config.hidden_size)
+    assert predictor.ahead(layers[0]) == tuple(layers[1:3]) and predictor.ahead(layers[-2]) == (layers[-1],)
     torch.manual_seed(1)
     x = torch.randn(1, loaded.config.hidden_size)
-    with torch.inference_mode():
-        _, weights, indices = router(x)
-        prediction = predictor.predict(layers[0], x)
-    assert prediction.layer == layers[1]
-    assert sorted(prediction.experts) == sorted(indices[0].tolist())
-    assert sum(prediction.scores) == pytest.approx(1.0, abs=1e-5)
-    # Prefill: the union over tokens.
     xs = torch.randn(5, loaded.config.hidden_size)
     with torch.inference_mode():
-        union = predictor.predict(layers[0], xs)
-        _, _, idx = router(xs)
-    assert set(union.experts) == set(idx.flatten().tolist())
-    assert len(union.experts) == len(set(union.experts))
+        predictions = predictor.predict(layers[0], x)
+        unions = predictor.predict(layers[0], xs)
+    assert [p.depth for p in predictions] == list(range(1, len(predictor.ahead(layers[0])) + 1))
+    for depth, (prediction, union) in enumerate(zip(predictions, unions, strict=True), start=1):
+        next_module = loaded.experts_modules[depth][1]
+        block = next(m for m in loaded.model.modules() if any(c is next_module for c in m.children()))
+        router = find_router(block, next_module)
+        assert tuple(router.weight.shape) == (tiny.manifest.num_experts, loaded.config.hidden_size)
+        with torch.inference_mode():
+            _, weights, indices = router(x)
+            _, _, idx = router(xs)
+        assert prediction.layer == layers[depth] and prediction.depth == depth
+        assert sorted(prediction.experts) == sorted(indices[0].tolist())
+        assert sum(prediction.scores) == pytest.approx(1.0, abs=1e-5)
+        # Prefill: the union over tokens.
+        assert union.layer == layers[depth] and union.depth == depth
+        assert set(union.experts) == set(idx.flatten().tolist())
+        assert len(union.experts) == len(set(union.experts))
+    assert predictor.predict(layers[-1], x) == ()
+    with pytest.raises(ValueError, match="lookahead depth must be >= 1, got 0"):
+        LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=0)
 
 
 def test_two_router_candidates_are_refused():
@@ -139,7 +150,7 @@ def test_accuracy_is_recall_of_the_true_set():
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v2"])
 def test_runtime_sends_routing_and_layer_ahead_before_each_layer(arch, tiny_store):
     tiny = tiny_store(arch)
-    engine, provider = signal_engine(tiny)
+    engine, provider = signal_engine(tiny, depth=2)
     moe_layers = list(tiny.manifest.moe_layers)
     prompt = [3, 4, 5, 6]
     # Capture each MoE layer's input and routing to check the predictions against.
@@ -165,16 +176,21 @@ def test_runtime_sends_routing_and_layer_ahead_before_each_layer(arch, tiny_stor
     for (_, _token, layer, experts), (seen_layer, _, index) in zip(routed, seen, strict=True):
         assert layer == seen_layer
         assert experts == tuple(sorted(set(index.flatten().tolist())))
-    # The layer-ahead message for l+1 precedes l+1's routing and equals the next router on l's input.
+    # Layer l's one message predicts l+1 (depth 1) and l+2 (depth 2), before l+1 is routed, and
+    # equals those layers' routers on l's input.
     predictor = engine.runtime.layer_ahead
     inputs = {(i // len(moe_layers), layer): x for i, (layer, x, _) in enumerate(seen)}
-    for n, (_, token, layer, experts) in enumerate(ahead):
+    for n, (_, token, preds) in enumerate(ahead):
         forward, i = divmod(n, len(moe_layers) - 1)
-        assert token == positions[forward] and layer == moe_layers[i + 1]
+        assert token == positions[forward]
+        assert [(layer, depth) for layer, depth, _ in preds] == [
+            (moe_layers[i + d], d) for d in (1, 2) if i + d < len(moe_layers)
+        ]
         with torch.inference_mode():
-            assert experts == predictor.predict(moe_layers[i], inputs[(forward, moe_layers[i])]).experts
-        assert body.index(("ahead", token, layer, experts)) < body.index(
-            next(s for s in routed if s[1] == token and s[2] == layer)
+            expected = predictor.predict(moe_layers[i], inputs[(forward, moe_layers[i])])
+        assert [experts for _, _, experts in preds] == [p.experts for p in expected]
+        assert body.index(("ahead", token, preds)) < body.index(
+            next(s for s in routed if s[1] == token and s[2] == moe_layers[i + 1])
         )
     assert engine.runtime.counters.layer_ahead_s >= 0.0
 

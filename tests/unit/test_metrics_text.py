@@ -1,10 +1,11 @@
-"""The Prometheus text rendering shared by the daemon's and the predictor's counters."""
+"""The Prometheus text rendering (expertcache.counters) shared by the daemon's and the predictor's counters."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_daemon.metrics import Counter, DaemonMetrics, render_text
+from cache_daemon.metrics import DaemonMetrics
+from expertcache.counters import Counter, render_text
 from predictor_svc.metrics import PredictorMetrics
 
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from cache_daemon.policy import (
+from cache_daemon.decisions.policy import (
     ONLINE_POLICIES,
     POLICIES,
     REPLAY_ONLY_POLICIES,
@@ -22,8 +22,8 @@ from cache_daemon.policy import (
     PolicyShape,
     make_policy,
 )
-from cache_daemon.policy.belady import NEVER
-from cache_daemon.signals import ActivationSignals, SignalsConfig
+from cache_daemon.decisions.policy.belady import NEVER
+from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from expertcache.keys import ExpertKey
 
 L, E, K = 3, 6, 2
@@ -215,7 +215,7 @@ def test_belady_picks_the_furthest_next_use():
 def test_oracle_next_token_exact_within_the_horizon_estimate_beyond():
     # 1 layer x 4 experts, top-1: expert 1 next at token 2, expert 2 at token 4, 0 and 3 never.
     r = np.array([[[0]], [[3]], [[1]], [[0]], [[2]]], np.int16)
-    sig = ActivationSignals(1, 4, config=SignalsConfig(history_half_life_tokens=1.0, estimator="ema"))
+    sig = ActivationSignals(1, 4, config=SignalsConfig(history_half_life_tokens=1.0))
     oracle = NextTokenOraclePolicy(PolicyShape(1, 4), sig, future=FutureUses(r, 4), horizon_tokens=1)
     online = ActivationAwarePolicy(PolicyShape(1, 4), sig)
     for pol in (oracle, online):
@@ -243,7 +243,7 @@ def test_oracle_next_token_exact_within_the_horizon_estimate_beyond():
 
 
 def test_activation_aware_evicts_the_latest_expected_use():
-    sig = ActivationSignals(L, E, config=SignalsConfig(history_half_life_tokens=1.0, estimator="ema"))
+    sig = ActivationSignals(L, E, config=SignalsConfig(history_half_life_tokens=1.0))
     pol = ActivationAwarePolicy(SHAPE, sig)
     sig.begin_request("r")
     for t in range(4):

@@ -360,3 +360,51 @@ def test_queries_answer_while_the_store_hangs():
     release.set()
     syncing.join(5)
     assert answered and answered[0].shape == (3,)
+
+
+def exact_predict(
+    index: EamcIndex, query: np.ndarray, layers: int, top_n: int, sharpness: float
+) -> np.ndarray:
+    """The prediction from the exact scan of every entry (the reference of the two-stage match)."""
+    sims = index.similarities(query, layers)
+    best = np.argsort(-sims, kind="stable")[:top_n]
+    weights = np.clip(sims[best], 0.0, None) ** sharpness
+    weights = weights / weights.sum()
+    n = len(index)
+    freqs = index._rows[:n].reshape(n, *query.shape) * index._scale[:n][..., None]
+    return np.einsum("k,kle->le", weights, freqs[best])
+
+
+@pytest.mark.parametrize("layers_seen", [1, 3, 4])
+def test_two_stage_match_chooses_the_exact_top_n(layers_seen):
+    # 600 entries: more than the candidates rescored, so the int8 scan runs first.
+    rng = np.random.default_rng(7)
+    index = EamcIndex(SHAPE)
+    entries = [random_eam(rng, tokens=int(rng.integers(5, 60))) for _ in range(600)]
+    index.upsert_many(
+        [f"e{i}" for i in range(600)], np.stack(entries), np.array([e.sum(1).max() // 2 for e in entries])
+    )
+    assert len(index) == 600 and index.candidates(8) < 600
+    for _ in range(20):
+        query = random_eam(rng, tokens=4)
+        query[layers_seen:] = 0
+        got = index.predict(query, layers_seen, top_n=8, sharpness=4.0)
+        assert_allclose(got, exact_predict(index, query, layers_seen, 8, 4.0), rtol=1e-4, atol=1e-6)
+    batch = np.stack([random_eam(rng, tokens=3) for _ in range(40)])  # two query chunks
+    many = index.predict(batch, 4, top_n=8, sharpness=4.0)
+    for t in (0, 33, 39):
+        assert_allclose(many[t], exact_predict(index, batch[t], 4, 8, 4.0), rtol=1e-4, atol=1e-6)
+
+
+def test_upsert_many_equals_one_by_one():
+    rng = np.random.default_rng(3)
+    eams = np.stack([random_eam(rng) for _ in range(10)])
+    one, many = EamcIndex(SHAPE, initial_rows=1), EamcIndex(SHAPE, initial_rows=1)
+    for i, eam in enumerate(eams):
+        one.upsert(f"e{i}", eam, 20)
+    many.upsert_many([f"e{i}" for i in range(10)], eams, np.full(10, 20))
+    query = random_eam(rng, 3)
+    assert_allclose(many.similarities(query, 4), one.similarities(query, 4))
+    assert_allclose(many.predict(query, 4, top_n=3), one.predict(query, 4, top_n=3))
+    with pytest.raises(ValueError, match=r"eams must be \[2, 4, 6\]"):
+        many.upsert_many(["a", "b"], eams[:3], np.full(3, 20))

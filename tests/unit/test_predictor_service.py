@@ -63,7 +63,7 @@ def test_hints_reach_only_the_subscriber_of_that_model_and_pod():
     assert batch is not None and batch.request_id == "r1" and batch.token_index == 0
     # After one token the history predicts exactly that token's experts for every layer.
     for layer in range(L):
-        hinted = {h.expert for h in batch.hints if h.layer == layer}
+        hinted = {h.expert for h in batch.hints if h.moe_layer == layer}
         assert hinted == {(0 + j + layer) % E for j in range(K)}
     assert all(0.0 <= h.score <= 1.0 for h in batch.hints)
     assert other_pod.get(0.05) is None and other_model.get(0.05) is None
@@ -85,7 +85,7 @@ def test_newer_hints_replace_unsent_ones_per_layer():
         svc.observe(act("r1", t, [t % E] * (L * K)))
     batch = sub.get(1.0)
     assert batch.token_index == 2
-    assert sorted({h.layer for h in batch.hints}) == list(range(L))
+    assert sorted({h.moe_layer for h in batch.hints}) == list(range(L))
     # One batch per request: nothing older left behind.
     assert sub.get(0.05) is None
     assert svc.stats().hints_replaced == 2 * L
@@ -154,7 +154,7 @@ def test_eamc_entries_shape_the_hints_of_a_new_request():
     sub.get(0.5)  # the done marker of "old"
     svc.observe(act("new", 0, pattern))
     batch = sub.get(1.0)
-    eamc_top = {h.expert for h in batch.hints if h.layer == 2}
+    eamc_top = {h.expert for h in batch.hints if h.moe_layer == 2}
     assert eamc_top == {6, 7}
     assert svc.stats().eamc_entries == 1
 
@@ -167,7 +167,7 @@ def test_eamc_entries_shape_the_hints_of_a_new_request():
         (act("r", 0, top_k=0), "Activation.top_k is 0"),
         (act("r", 0, []), "Activation.experts is empty"),
         (act("r", 0, [1, 2, 3]), "Activation.experts has 3 entries, not a multiple of top_k=2"),
-        (act("r", 0, layers=5), "Activation.layers = 5 but experts holds 3 layers"),
+        (act("r", 0, num_moe_layers=5), "Activation.num_moe_layers = 5 but experts holds 3 layers"),
         (act("r", 0, num_experts=0), "Activation.num_experts is 0 and model 'm' is not known yet"),
         (
             act("r", 0, [0, 1, 2, 3, 4, 8]),

@@ -1,12 +1,21 @@
-"""PrefetchScheduler: class order, pre-emption, the bytes-in-flight bound, staleness, protection."""
+"""PrefetchScheduler and PrefetchQueue: (deadline, confidence) order, depths turned off by their
+measured precision, pre-emption, the bytes-in-flight bound, staleness, protection."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from cache_daemon.policy import PolicyShape, make_policy
-from cache_daemon.prefetch import PrefetchClass, PrefetchConfig, PrefetchScheduler, PrefetchStart
-from cache_daemon.signals import ActivationSignals, SignalsConfig
+from cache_daemon.decisions.policy import PolicyShape, make_policy
+from cache_daemon.decisions.scheduler import (
+    PrefetchClass,
+    PrefetchConfig,
+    PrefetchQueue,
+    PrefetchScheduler,
+    PrefetchStart,
+    QueuedLoad,
+)
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
 
 L, E = 4, 8
@@ -14,27 +23,20 @@ BLOB = 10
 
 
 class FakeTier:
-    """A TierState over plain sets: ``capacity`` slots, some resident, some loading, some pinned."""
+    """A TierState over plain sets: ``capacity`` slots, some resident, some pinned, a queue."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.resident: set[ExpertKey] = set()
-        self.loading: set[ExpertKey] = set()
         self.pinned: set[ExpertKey] = set()
+        self.queue = PrefetchQueue(BLOB)
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - len(self.resident) - len(self.loading)
-
-    @property
-    def inflight_bytes(self) -> int:
-        return len(self.loading) * BLOB
+        return self.capacity - len(self.resident) - len(self.queue)
 
     def is_resident(self, key):
         return key in self.resident
-
-    def is_loading(self, key):
-        return key in self.loading
 
     def evictable(self, key):
         return key in self.resident and key not in self.pinned
@@ -45,12 +47,21 @@ class FakeTier:
                 assert self.evictable(s.victim)
                 self.resident.discard(s.victim)
                 policy.on_remove(s.victim)
-            self.loading.add(s.key)
+            self.queue.add(QueuedLoad(s.key, s.cls, s.score, s.depth))
+
+    def finish(self, key, policy) -> None:
+        self.queue.remove(key)
+        self.resident.add(key)
+        policy.on_insert(key)
 
 
-def setup(policy="activation-aware", capacity=8, inflight=10 * BLOB, **cfg):
+def setup(policy="activation-aware", capacity=8, inflight=10 * BLOB, precision=0.9, **cfg):
     sig = ActivationSignals(
-        L, E, config=SignalsConfig(prior_weight=0.0, history_half_life_tokens=1.0, estimator="ema")
+        L,
+        E,
+        config=SignalsConfig(
+            prior_weight=0.0, history_half_life_tokens=1.0, lookahead_prior_precision=precision
+        ),
     )
     pol = make_policy(policy, PolicyShape(L, E), sig)
     sched = PrefetchScheduler(
@@ -59,81 +70,115 @@ def setup(policy="activation-aware", capacity=8, inflight=10 * BLOB, **cfg):
     return sig, pol, sched, FakeTier(capacity)
 
 
+def ahead(sig, token, *preds):
+    sig.set_lookahead(
+        [
+            LayerPrediction(layer, depth, np.asarray(ex), np.asarray(sc, np.float32))
+            for layer, depth, ex, sc in preds
+        ],
+        token,
+    )
+
+
 def fill(tier: FakeTier, pol, keys) -> None:
     for k in keys:
         tier.resident.add(k)
         pol.on_insert(k)
 
 
-def test_layer_ahead_comes_before_eamc_and_by_score():
-    sig, pol, sched, tier = setup()
+def test_nearest_layer_first_then_likeliest():
+    sig, pol, sched, tier = setup(horizon_layers=3)
     sig.begin_request("r")
     for t in range(3):
         for layer in range(L):
             sig.observe(layer, [0, 1], t)  # a strong habit: experts 0 and 1 everywhere
     sig.observe(0, [0, 1], 3)
-    sig.set_layer_ahead(1, [5, 6], [0.4, 0.6], 3)
+    ahead(sig, 3, (3, 3, [5], [0.9]), (1, 1, [5, 6], [0.4, 0.6]))
     starts = sched.decide(tier)
-    classes = [s.cls for s in starts]
-    assert classes[:2] == [PrefetchClass.LAYER_AHEAD] * 2
-    assert [s.key for s in starts[:2]] == [ExpertKey(1, 6), ExpertKey(1, 5)]
-    assert PrefetchClass.EAMC in classes[2:]
-    assert classes == sorted(classes)
+    # Deadline first, whatever the class: layer 1 (1 away, lookahead), then layer 2 (2 away: the
+    # history's habit, class EAMC), then layer 3 (3 away, lookahead at depth 3). A predicted
+    # layer's other experts keep only 1 - precision of their estimate: experts 0 and 1 of layer
+    # 1 are no candidates. Within a layer, equally likely predictions go by router score.
+    assert [(s.key, s.cls, s.depth) for s in starts] == [
+        (ExpertKey(1, 6), PrefetchClass.LAYER_AHEAD, 1),
+        (ExpertKey(1, 5), PrefetchClass.LAYER_AHEAD, 1),
+        (ExpertKey(2, 0), PrefetchClass.EAMC, 0),
+        (ExpertKey(2, 1), PrefetchClass.EAMC, 0),
+        (ExpertKey(3, 5), PrefetchClass.LAYER_AHEAD, 3),
+    ]
     assert all(s.victim is None for s in starts)  # free slots first
-    assert set(sched.queued()) == {s.key for s in starts}
+
+
+def test_a_depth_below_min_precision_is_not_prefetched():
+    sig, pol, sched, tier = setup(min_precision=0.5)
+    sig.observe(0, [0], 0)
+    ahead(sig, 0, (2, 2, [3], [0.9]))
+    assert [s.key for s in sched.decide(tier)] == [ExpertKey(2, 3)]
+    # Depth 2 keeps guessing wrong: its measured precision falls, and it stops being prefetched,
+    # while its predictions are still scored (it comes back if they improve).
+    for t in range(1, 40):
+        ahead(sig, t, (2, 2, [3], [0.9]))
+        for layer in range(L):
+            sig.observe(layer, [0], t)
+    assert sig.precision(2) < 0.5 and not sched.depth_enabled(2)
+    sig.observe(0, [0], 40)
+    ahead(sig, 40, (2, 2, [4], [0.9]))
+    assert all(s.cls is not PrefetchClass.LAYER_AHEAD for s in sched.decide(FakeTier(8)))
+    sig2, _pol, sched2, _ = setup(max_depth=1)
+    assert sched2.depth_enabled(1) and not sched2.depth_enabled(2)
 
 
 def test_bytes_in_flight_bound():
-    sig, pol, sched, tier = setup(inflight=3 * BLOB)
+    sig, pol, sched, tier = setup(inflight=3 * BLOB, eamc=False)
     sig.observe(0, [0], 0)
-    sig.set_layer_ahead(1, [1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6], 0)
-    tier.loading.add(ExpertKey(3, 7))  # 10 bytes already in flight
+    ahead(sig, 0, (1, 1, [1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6]))
+    tier.queue.add(QueuedLoad(ExpertKey(3, 7), PrefetchClass.DEMAND))  # 10 bytes already in flight
     starts = sched.decide(tier)
-    assert [s.key for s in starts] == [ExpertKey(1, 1), ExpertKey(1, 2)]
+    assert len(starts) == 2
     tier.apply(starts, pol)
     assert sched.decide(tier) == []  # at the bound: nothing until a load finishes
-    tier.loading.discard(ExpertKey(1, 1))
-    tier.resident.add(ExpertKey(1, 1))
-    sched.on_done(ExpertKey(1, 1))
-    assert [s.key for s in sched.decide(tier)] == [ExpertKey(1, 3)]
+    tier.finish(starts[0].key, pol)
+    third = sched.decide(tier)
+    assert len(third) == 1 and third[0].key not in {s.key for s in starts}
 
 
-def test_demand_preempts_prefetch():
+def test_demand_preempts_prefetch_and_the_queue_orders_cancellations():
     sig, pol, sched, tier = setup(capacity=3)
     sig.observe(0, [0], 0)
-    sig.set_layer_ahead(1, [1, 2], [0.9, 0.5], 0)
+    ahead(sig, 0, (1, 1, [1, 2], [0.9, 0.5]))
     sig.set_hints([(2, 3, 0.95)], 0)
-    tier.resident.add(ExpertKey(0, 0))
-    pol.on_insert(ExpertKey(0, 0))
+    fill(tier, pol, [ExpertKey(0, 0)])
     tier.pinned.add(ExpertKey(0, 0))
     starts = sched.decide(tier)
     assert [s.key for s in starts] == [ExpertKey(1, 1), ExpertKey(1, 2)]  # 2 free slots
     tier.apply(starts, pol)
+    q = tier.queue
+    q.get(ExpertKey(1, 1)).score = 0.9
+    q.get(ExpertKey(1, 2)).score = 0.5
     # A demand short of slots may take the slot of a queued prefetch, lowest class/score first.
-    assert sched.cancel_candidates(tier) == [ExpertKey(1, 2), ExpertKey(1, 1)]
-    sched.on_demand(ExpertKey(1, 1))  # a demand joins the load of L1E1: no longer cancellable
-    assert sched.cancel_candidates(tier) == [ExpertKey(1, 2)]
-    tier.loading.discard(ExpertKey(1, 2))
-    sched.on_dropped(ExpertKey(1, 2))  # dropped, never awaited
-    assert sched.cancelled == 1 and ExpertKey(1, 2) not in sched.queued()
+    assert [ld.key for ld in q.cancel_candidates()] == [ExpertKey(1, 2), ExpertKey(1, 1)]
+    assert q.promote(ExpertKey(1, 1)) is not None  # a demand joins L1E1: no longer cancellable
+    assert q.promote(ExpertKey(1, 1)) is None and q.prefetching() == 1
+    assert [ld.key for ld in q.cancel_candidates()] == [ExpertKey(1, 2)]
+    assert q.cancel_candidates(keep={ExpertKey(1, 2)}) == []
+    q.remove(ExpertKey(1, 2))  # dropped, never awaited
+    assert q.inflight_bytes == BLOB
     # A demanded key is never started as a prefetch nor displaced.
     sched.on_demand(ExpertKey(2, 3))
     assert all(s.key != ExpertKey(2, 3) for s in sched.decide(tier))
+    with pytest.raises(ValueError, match="L1E1 is already loading"):
+        q.add(QueuedLoad(ExpertKey(1, 1), PrefetchClass.EAMC))
 
 
-def test_cancel_order_eamc_before_layer_ahead():
-    sig, pol, sched, tier = setup(capacity=10)
-    sig.begin_request("r")
-    for t in range(3):
-        for layer in range(L):
-            sig.observe(layer, [0, 1], t)
-    sig.observe(0, [0, 1], 3)
-    sig.set_layer_ahead(1, [5], [0.99], 3)
-    starts = sched.decide(tier)
-    tier.apply(starts, pol)
-    order = sched.cancel_candidates(tier)
-    assert order[-1] == ExpertKey(1, 5)  # the layer-ahead load is cancelled last
-    assert sched.queued()[order[0]][0] == PrefetchClass.EAMC
+def test_cancel_order_eamc_before_layer_ahead_deep_before_near_unstarted_first():
+    q = PrefetchQueue(BLOB)
+    near = q.add(QueuedLoad(ExpertKey(1, 1), PrefetchClass.LAYER_AHEAD, 0.9, 1))
+    deep = q.add(QueuedLoad(ExpertKey(3, 1), PrefetchClass.LAYER_AHEAD, 0.9, 3))
+    eamc = q.add(QueuedLoad(ExpertKey(2, 1), PrefetchClass.EAMC, 0.99))
+    started = q.add(QueuedLoad(ExpertKey(2, 2), PrefetchClass.EAMC, 0.1, started=True))
+    q.add(QueuedLoad(ExpertKey(0, 0), PrefetchClass.DEMAND))
+    assert q.cancel_candidates() == [eamc, deep, near, started]
+    assert eamc.prefetch is PrefetchClass.EAMC and q.get(ExpertKey(0, 0)).prefetch is None
 
 
 def test_stale_hint_never_displaces_a_needed_expert():
@@ -156,24 +201,23 @@ def test_stale_hint_never_displaces_a_needed_expert():
     assert starts[0].victim == ExpertKey(1, 1)
 
 
-def test_never_displaces_a_higher_scored_layer_ahead_prediction_or_pinned():
-    sig, pol, sched, tier = setup(capacity=2)
+def test_never_displaces_an_expert_predicted_sooner_or_pinned():
+    sig, pol, sched, tier = setup(capacity=2, eamc=False)
     sig.observe(0, [0], 0)
-    fill(tier, pol, [ExpertKey(1, 1), ExpertKey(1, 2)])
-    tier.pinned.add(ExpertKey(1, 2))
-    sig.set_layer_ahead(1, [1, 3], [0.9, 0.5], 0)  # L1E1 resident and predicted higher than L1E3
-    assert sched.decide(tier) == []  # the only unpinned resident is the better prediction
+    fill(tier, pol, [ExpertKey(1, 1), ExpertKey(2, 2)])
+    tier.pinned.add(ExpertKey(2, 2))
+    # L1E1 resident and predicted for the next layer; L3E3 is predicted two layers later.
+    ahead(sig, 0, (1, 1, [1], [0.9]), (3, 3, [3], [0.9]))
+    assert sched.decide(tier) == []  # the only unpinned resident is needed sooner
     tier.pinned.clear()
-    sig.set_layer_ahead(1, [1, 3], [0.3, 0.5], 0)  # now L1E3 scores higher than L1E1
-    starts = sched.decide(tier)
-    assert len(starts) == 1 and starts[0].key == ExpertKey(1, 3)
-    assert starts[0].victim in (ExpertKey(1, 1), ExpertKey(1, 2))
+    starts = sched.decide(tier)  # L2E2 is predicted nowhere: it may go for L3E3
+    assert [(s.key, s.victim) for s in starts] == [(ExpertKey(3, 3), ExpertKey(2, 2))]
 
 
-def test_layer_ahead_for_a_passed_layer_is_ignored():
+def test_lookahead_for_a_passed_layer_is_ignored():
     sig, pol, sched, tier = setup()
     sig.observe(0, [0], 5)
-    sig.set_layer_ahead(1, [3], [0.9], 5)
+    ahead(sig, 5, (1, 1, [3], [0.9]))
     sig.observe(1, [0], 5)
     sig.observe(2, [0], 5)  # layer 1 has passed
     assert all(s.key != ExpertKey(1, 3) for s in sched.decide(tier))
@@ -188,12 +232,12 @@ def test_speculation_must_beat_its_victim_and_policies_without_it_do_not_specula
     sig.observe(0, [0, 1], 4)
     fill(tier, pol, [ExpertKey(1, 0), ExpertKey(1, 1)])  # both hot for the next layer
     assert sched.decide(tier) == []  # no candidate beats a hot resident
-    # lru has no speculative strategy: only layer-ahead.
+    # lru has no speculative strategy: only lookahead.
     sig2, pol2, sched2, tier2 = setup(policy="lru", capacity=8)
     for layer in range(L):
         sig2.observe(layer, [0, 1], 0)
     assert sched2.decide(tier2) == []
-    sig2.set_layer_ahead(0, [4], [0.8], 1)
+    ahead(sig2, 1, (0, 1, [4], [0.8]))
     assert [s.key for s in sched2.decide(tier2)] == [ExpertKey(0, 4)]
 
 
@@ -208,3 +252,7 @@ def test_policy_switch_and_errors():
         PrefetchScheduler(sig, pol, blob_bytes=1, max_inflight_bytes=-1)
     with pytest.raises(ValueError, match=r"PrefetchConfig.horizon_layers must be in \[1, 65536\], got 0"):
         PrefetchConfig(horizon_layers=0)
+    with pytest.raises(ValueError, match=r"PrefetchConfig.min_precision must be in \[0.0, 1.0\], got 2"):
+        PrefetchConfig(min_precision=2)
+    with pytest.raises(ValueError, match=r"blob_bytes must be >= 1, got 0"):
+        PrefetchQueue(0)

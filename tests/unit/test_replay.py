@@ -1,4 +1,5 @@
-"""Trace replay on a small synthetic trace: shared classes, Belady's bytes, the floor, errors."""
+"""Trace replay on a small synthetic trace: the daemon's decision classes driven by the simulator,
+Belady's bytes, the floor, the shares of Belady's gain, the ablation, lookahead by depth, errors."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import numpy as np
 import pytest
 
 from bench import replay
-from cache_daemon.policy import POLICIES
-from cache_daemon.prefetch import PrefetchScheduler
-from cache_daemon.signals import ActivationSignals
+from cache_daemon.decisions import simulator
+from cache_daemon.decisions.policy import POLICIES
+from cache_daemon.decisions.scheduler import PrefetchScheduler
+from cache_daemon.decisions.signals import ActivationSignals
 
 L, E, K = 3, 8, 2
 
@@ -32,7 +34,7 @@ def write_trace(path, requests=4, tokens=30, seed=0):
         gate_weights=np.full(ids.shape, 0.5, np.float16),
         req_offsets=np.arange(0, requests * tokens + 1, tokens, dtype=np.int64),
         decode_start=np.zeros(requests, np.int32),
-        meta_json=np.array(json.dumps({"model": "synthetic", "layers": L, "experts": E, "top_k": K})),
+        meta_json=np.array(json.dumps({"model": "synthetic", "num_layers": L, "num_experts": E, "top_k": K})),
     )
     return path
 
@@ -49,7 +51,7 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
 
     def counting_decide(self, state):
         calls["decide"] += 1
-        assert isinstance(state, replay.SimTier)
+        assert isinstance(state, simulator.SimTier)
         return decide(self, state)
 
     def counting_observe(self, *a, **kw):
@@ -85,8 +87,9 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     assert rc == 0
     assert calls["decide"] > 0
     assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
-    # 4 online policies x 2 layer-ahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers
-    assert calls["observe"] == (4 * 2 + 2) * 2 * 60 * L
+    # 4 online policies x 2 lookahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers;
+    # the ablation (activation-aware without hints, x 2) at 25%; observe_cost over the trace's 120 rows
+    assert calls["observe"] == ((4 * 2 + 2) * 2 + 2) * 60 * L + 120 * L
     data = json.loads((out / "replay.json").read_text())
     assert (out / "replay.png").stat().st_size > 1000
     assert data["tokens"] == 60 and data["layers"] == L and data["experts"] == E and data["top_k"] == K
@@ -98,7 +101,7 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     ) * 1e3
     for budget in (0.25, 0.5):
         rows = [r for r in data["rows"] if r["budget"] == budget]
-        assert len(rows) == 12
+        assert len(rows) == 12 + (2 if budget == 0.25 else 0)  # + the ablation's two at 25%
         bel = [r for r in rows if r["policy"] == "belady"][0]
         for r in rows:
             assert bel["bytes_per_token"] <= r["bytes_per_token"] + 1e-9, r["policy"]
@@ -110,17 +113,50 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     oracle = [r for r in data["rows"] if r["policy"] == "oracle-next-token" and r["budget"] == 0.25]
     assert len(oracle) == 2 and oracle[0]["prefetches_per_token"] == 0  # demand only, both settings
     goals = {(g["layer_ahead"], g["goal"]) for g in data["goals"]}
-    assert (False, "bytes <= 1.3 x Belady") in goals and (True, "faster than moe-infinity") in goals
+    assert (False, "bytes <= 1.6 x Belady") in goals and (True, "faster than moe-infinity") in goals
+    # Speed-ups over plain LRU beside Belady's, and the share of Belady's gain, from the same rows.
+    for share in data["belady_shares"]:
+        rows = [r for r in data["rows"] if r["budget"] == share["budget"] and r["group"] == "main"]
+        lru = next(r for r in rows if r["policy"] == "lru" and not r["layer_ahead"])
+        bel = next(r for r in rows if r["policy"] == "belady")
+        mine = next(
+            r for r in rows if r["policy"] == share["policy"] and r["layer_ahead"] == share["layer_ahead"]
+        )
+        x = lru["latency_ms_per_token"] / mine["latency_ms_per_token"]
+        b = lru["latency_ms_per_token"] / bel["latency_ms_per_token"]
+        assert share["speedup_vs_lru"] == pytest.approx(x) and share[
+            "belady_speedup_vs_lru"
+        ] == pytest.approx(b)
+        assert share["share_of_belady_gain"] == pytest.approx((x - 1) / (b - 1))
+    # The ablation: activation-aware at 25% with and without hints, with and without lookahead.
+    ablation = {
+        (r["hints"], r["layer_ahead"])
+        for r in data["rows"]
+        if r["policy"] == "activation-aware" and r["budget"] == 0.25
+    }
+    assert ablation == {(False, False), (False, True), (True, False), (True, True)}
+    # Recall by depth, measured in the activation-aware runs at 25%.
+    assert [d["depth"] for d in data["depth"]] == [1, 2, 3, 4]
+    assert data["depth"][0]["modelled_router_accuracy"] == 0.9
+    assert 0.0 <= data["depth"][0]["signals_recall_without_lookahead"] <= 1.0
+    assert data["observe_cost"]["calls"] == 120 * L and data["observe_cost"]["observe_median_us"] > 0
+
+
+def _sim(t, policy, budget, requests, **kw):
+    timing = simulator.gpu_timing(L, K)
+    lo, hi = int(t.req_offsets[requests.start]), int(t.req_offsets[requests.stop])
+    offsets = t.req_offsets[requests.start : requests.stop + 1] - lo
+    sim = simulator.Simulation(
+        t.expert_ids[lo:hi], t.gate_weights[lo:hi], offsets, t.num_experts, timing, policy, budget, **kw
+    )
+    return sim, timing
 
 
 def test_belady_loads_fewest_bytes_and_lru_pays_for_demand_only(trace):
     t = replay.load_trace(trace)
-    timing = replay.default_timing(L, K)
     res = {}
     for p in ("belady", "lru", "activation-aware", "oracle-next-token"):
-        sim = replay.Simulation(
-            t, timing, p, 0.25, requests=range(0, 4), layer_ahead_accuracy=None, hints=None
-        )
+        sim, timing = _sim(t, p, 0.25, range(0, 4), lookahead_accuracy=None)
         res[p] = sim.run().summary(timing)
     assert res["belady"]["loads_per_token"] <= min(r["loads_per_token"] for r in res.values())
     assert res["belady"]["hit_rate"] >= res["lru"]["hit_rate"]
@@ -131,18 +167,26 @@ def test_belady_loads_fewest_bytes_and_lru_pays_for_demand_only(trace):
     assert res["lru"]["stall_ms_per_token"] > 0
 
 
-def test_layer_ahead_model_accuracy(trace):
+def test_lookahead_model_accuracy_by_depth(trace):
     t = replay.load_trace(trace)
-    timing = replay.default_timing(L, K)
-    sim = replay.Simulation(t, timing, "lru", 0.5, requests=range(0, 1), layer_ahead_accuracy=1.0, hints=None)
+    sim, _timing = _sim(t, "lru", 0.5, range(0, 1), lookahead_accuracy=(1.0, 0.0))
     sim.signals.observe(0, sim.routes[0, 0], 0)
-    sim._layer_ahead(0, 1)
-    entries, _scores, layer = sim.signals.layer_ahead_prediction()
-    assert layer == 1 and sorted(entries.tolist()) == sorted((E + sim.routes[0, 1].astype(int)).tolist())
-    sim.accuracy = 0.0
-    sim._layer_ahead(0, 2)
-    entries, _scores, layer = sim.signals.layer_ahead_prediction()
-    assert layer == 2 and not set(entries.tolist()) & set((2 * E + sim.routes[0, 2].astype(int)).tolist())
+    sim._lookahead(0, 0)
+    got = {layer: (depth, set(entries.tolist())) for layer, depth, entries, _s in sim.signals.lookahead()}
+    assert got[1] == (1, set((E + sim.routes[0, 1].astype(int)).tolist()))  # depth 1: all right
+    assert got[2][0] == 2 and not got[2][1] & set(
+        (2 * E + sim.routes[0, 2].astype(int)).tolist()
+    )  # depth 2: all wrong
+    # Replayed with those accuracies, depth 1 is measured precise and prefetched, depth 2 is not.
+    sim, timing = _sim(t, "activation-aware", 0.25, range(0, 2), lookahead_accuracy=(1.0, 0.0))
+    row = sim.run(measure_depths=True).summary(timing)
+    assert sim.signals.precision(1) > 0.9 and sim.signals.precision(2) < 0.1
+    by_depth = row["prefetch_by_depth"]
+    assert (
+        by_depth["1"]["started"] > 0
+        and by_depth.get("2", {"started": 0})["started"] < by_depth["1"]["started"] / 10
+    )
+    assert row["depth_recall"]["1"] > 0.9
 
 
 def test_expert_bytes_stated_from_the_config():
@@ -150,7 +194,7 @@ def test_expert_bytes_stated_from_the_config():
     assert (
         replay.gpt_oss_20b_expert_bytes() == (2 * 2880 * 2880 + 5760 + 2880 * 2880 + 2880) * 2 == 49_783_680
     )
-    timing = replay.default_timing(24, 4)
+    timing = simulator.timing_model("gpu", 24, 4)
     assert timing.transfer_s == pytest.approx(49_783_680 / 25e9)
     assert any("PCIe 4.0 x16" in n for n in timing.notes)
 
@@ -167,7 +211,10 @@ def test_expert_bytes_stated_from_the_config():
         (["--requests", "0"], r"--requests must be >= 1, got 0"),
         (["--first-request", "9"], r"--first-request 9 outside 0..3"),
         (["--max-inflight-experts", "0"], r"--max-inflight-experts must be >= 1, got 0"),
-        (["--layer-ahead-accuracy", "2"], r"--layer-ahead-accuracy must be in \[0, 1\], got 2.0"),
+        (["--lookahead-accuracy", "2"], r"--lookahead-accuracy values must be in \[0, 1\], got '2'"),
+        (["--lookahead-depth", "5"], r"--lookahead-depth must be in \[1, 4\] \(accuracies given\), got 5"),
+        (["--timing", "tpu"], r"--timing: unknown timing model 'tpu'; known: gpu, cpu-e2e"),
+        (["--timing", "cpu-e2e", "--link-gbps", "3"], r"apply to --timing gpu, not cpu-e2e"),
     ],
 )
 def test_cli_errors(trace, tmp_path, args, message):
@@ -176,13 +223,15 @@ def test_cli_errors(trace, tmp_path, args, message):
 
 
 def test_missing_trace(tmp_path):
-    with pytest.raises(SystemExit, match=r"not found \(make bench-replay TRACE=path\)"):
+    with pytest.raises(SystemExit, match=r"does not exist \(make bench-replay TRACE=path\)"):
         replay.main(["--trace", str(tmp_path / "nope.npz"), "--no-progress"])
 
 
 def test_precision_sets_the_encoded_expert_bytes():
     # Bytes on the link are the store's encoded bytes; compute pays for decoding into bf16.
-    bf16, mxfp4, fp8 = (replay.default_timing(24, 4, precision=p) for p in ("bf16", "mxfp4", "fp8"))
+    from cache_daemon.decisions.simulator import gpu_timing
+
+    bf16, mxfp4, fp8 = (gpu_timing(24, 4, precision=p) for p in ("bf16", "mxfp4", "fp8"))
     assert bf16.expert_bytes == replay.gpt_oss_20b_expert_bytes() == 49_783_680
     # MXFP4: 4.25 bits per weight (a byte of scale per 32 values) + bf16 biases.
     weights = 2 * 2880 * 2880 + 2880 * 2880

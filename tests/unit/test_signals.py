@@ -1,18 +1,26 @@
-"""ActivationSignals: positions, history, layer-ahead and hint staleness, next-use estimates."""
+"""ActivationSignals: positions, history, lookahead by depth and its precision, hint staleness,
+per-request state combined over live requests, next-use estimates, the pluggable estimator."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cache_daemon.signals import ActivationSignals, SignalsConfig
+from cache_daemon.decisions.estimators import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
+from expertcache.layers import LayerMap
 
 L, E = 4, 8
 
 
-def make(**kw) -> ActivationSignals:
-    return ActivationSignals(L, E, config=SignalsConfig(**kw))
+def make(estimator=None, **kw) -> ActivationSignals:
+    return ActivationSignals(L, E, config=SignalsConfig(**kw), estimator=estimator)
+
+
+def pred(layer, depth, experts, scores=None):
+    scores = [0.5] * len(experts) if scores is None else scores
+    return LayerPrediction(layer, depth, np.asarray(experts), np.asarray(scores, np.float32))
 
 
 def test_entries_and_keys():
@@ -30,10 +38,6 @@ def test_config_validation_names_the_field():
         SignalsConfig(hint_weight=2)
     with pytest.raises(ValueError, match=r"SignalsConfig.history_half_life_tokens must be in"):
         SignalsConfig(history_half_life_tokens=0.0)
-    with pytest.raises(
-        ValueError, match=r"SignalsConfig.estimator must be one of \['hazard', 'ema'\], got 'x'"
-    ):
-        SignalsConfig(estimator="x")
 
 
 def test_observe_moves_position_and_history():
@@ -48,8 +52,7 @@ def test_observe_moves_position_and_history():
     assert h[E + 2] == pytest.approx(0.5) and h[E + 4] == 0.0  # half-life 1 token: gain 1 - 0.5
     s.observe(1, [2], token=1)
     assert s.history[E + 2] == pytest.approx(0.75) and s.history[E + 3] == pytest.approx(0.25)
-    assert s.last_use[E + 3] == 0 and s.uses[E + 2] == 2
-    with pytest.raises(ValueError, match=r"layer 4 outside 0..3"):
+    with pytest.raises(ValueError, match=r"layer 4 is not a MoE layer of \[0, 1, 2, 3\]"):
         s.observe(4, [0], token=2)
     with pytest.raises(ValueError, match=r"experts \[9\] outside 0..7"):
         s.observe(0, [9], token=2)
@@ -57,44 +60,75 @@ def test_observe_moves_position_and_history():
         s.history[0] = 1.0  # read-only view
 
 
-def test_layer_distance():
+def test_layer_distance_counts_moe_layers_only():
     s = make()
     s.observe(1, [0], token=5)
     d = s.layer_distance()
     assert d[2 * E] == 1 and d[3 * E] == 2 and d[0] == 3 and d[E] == L
+    # DeepSeek-like: decoder layer 0 is dense. Distances skip it; its entries are never visited.
+    dense = ActivationSignals(4, E, layer_map=LayerMap((1, 2, 3)))
+    dense.observe(3, [0], token=0)
+    dd = dense.layer_distance()
+    assert dd[E] == 1 and dd[2 * E] == 2 and dd[3 * E] == 3 and dd[0] == 4
+    assert dense.step == 2  # token 0, MoE layer index 2
+    with pytest.raises(ValueError, match="layer 0 is not a MoE layer"):
+        dense.observe(0, [1], token=1)
 
 
-def test_layer_ahead_for_a_passed_layer_is_ignored():
+def test_lookahead_by_depth_staleness_and_nearer_wins():
     s = make()
     s.observe(2, [0], token=3)
-    s.set_layer_ahead(2, [5], [0.9], token=3)  # the current layer: passed
-    s.set_layer_ahead(1, [5], [0.9], token=3)  # before it
-    assert s.layer_ahead_prediction() is None and not s.layer_ahead.any()
-    s.set_layer_ahead(3, [5, 6], [0.7, 0.3], token=3)
-    entries, scores, layer = s.layer_ahead_prediction()
-    assert layer == 3 and entries.tolist() == [3 * E + 5, 3 * E + 6]
-    assert s.layer_ahead[3 * E + 5] == pytest.approx(0.7)
-    s.observe(3, [1], token=3)  # the predicted layer happens: the prediction goes stale
-    assert s.layer_ahead_prediction() is None
-    with pytest.raises(ValueError, match=r"layer-ahead experts \(2,\) and scores \(1,\) differ"):
-        s.set_layer_ahead(0, [1, 2], [0.5], token=4)
+    s.set_lookahead([pred(2, 1, [5]), pred(1, 1, [5])], token=3)  # the current layer and one before: passed
+    assert s.lookahead() == []
+    s.set_lookahead([pred(3, 1, [5, 6], [0.7, 0.3]), pred(0, 2, [1])], token=3)  # layer 0 of token 3: passed
+    [(layer, depth, entries, scores)] = s.lookahead()
+    assert (layer, depth, entries.tolist()) == (3, 1, [3 * E + 5, 3 * E + 6])
+    s.set_lookahead([pred(0, 2, [1])], token=4)  # the next token's layer 0, two MoE layers on
+    assert [(la[0], la[1]) for la in s.lookahead()] == [(3, 1), (0, 2)]  # nearest first
+    s.set_lookahead([pred(0, 3, [2])], token=4)  # a deeper guess never replaces a nearer one
+    assert s.lookahead()[1][2].tolist() == [1]
+    s.observe(3, [5, 1], token=3)  # the predicted layer happens: scored, then gone
+    assert [la[0] for la in s.lookahead()] == [0]
+    # One of two predicted experts was routed: precision of depth 1 moves from the prior (0.5)
+    # towards 0.5 — and a perfect depth-2 prediction moves towards 1.
+    assert s.precision(1) == pytest.approx(0.5)
+    s.observe(0, [1, 7], token=4)
+    assert s.precision(2) > 0.5
+    with pytest.raises(ValueError, match=r"lookahead experts \(2,\) and scores \(1,\) differ"):
+        s.set_lookahead([pred(1, 1, [1, 2], [0.5])], token=4)
+    with pytest.raises(ValueError, match="lookahead depth must be >= 1, got 0"):
+        s.set_lookahead([pred(1, 0, [1])], token=4)
 
 
-def test_layer_ahead_overrides_next_visit_probability():
-    s = make(layer_ahead_confidence=0.9, prior_weight=0.0, estimator="ema")
+def test_precision_is_a_running_estimate_per_depth():
+    s = make(precision_half_life=4.0, lookahead_prior_precision=0.5)
+    for t in range(40):
+        s.set_lookahead([pred(1, 1, [1, 2])], token=t)  # always right
+        s.set_lookahead([pred(2, 2, [5, 6])], token=t)  # always wrong
+        s.observe(0, [0], token=t)
+        s.observe(1, [1, 2], token=t)
+        s.observe(2, [1, 2], token=t)
+        s.observe(3, [1, 2], token=t)
+    assert s.precision(1) > 0.9 and s.precision(2) < 0.1
+    assert s.precision(3) == pytest.approx(0.5)  # never scored: the prior
+    assert set(s.precisions()) == {1, 2}
+
+
+def test_lookahead_overrides_next_visit_probability_by_depth_precision():
+    s = make(prior_weight=0.0, lookahead_prior_precision=0.8)
     s.observe(0, [1, 2], token=0)
     s.observe(1, [1, 2], token=0)
     before = s.use_probability().copy()
-    s.set_layer_ahead(1, [3], [1.0], token=1)  # passed? no: (1, 1) > (0, 1)
+    s.set_lookahead([pred(1, 1, [3], [1.0])], token=1)
     s.observe(0, [1], token=1)
     p = s.use_probability()
-    assert p[E + 3] == pytest.approx(0.9)
-    assert p[E + 1] == pytest.approx(s.long_run_probability()[E + 1] * 0.1)
+    assert p[E + 3] == pytest.approx(0.8)
+    assert p[E + 1] == pytest.approx(s.long_run_probability()[E + 1] * 0.2)
     assert before[E + 3] == 0.0
 
 
 def test_hints_expire_after_ttl_and_replace_per_layer():
-    s = make(hint_ttl_tokens=2, hint_weight=0.5, prior_weight=0.0, estimator="ema")
+    s = make(hint_ttl_tokens=2, hint_weight=0.5, prior_weight=0.0)
     s.observe(0, [0], token=0)
     s.set_hints([(1, 3, 0.8), (1, 4, 0.6), (2, 1, 0.5)], token=0)
     assert s.hints[E + 3] == pytest.approx(0.8)
@@ -107,46 +141,64 @@ def test_hints_expire_after_ttl_and_replace_per_layer():
     assert s.hints[E + 5] == pytest.approx(0.9)  # 2 tokens old: still fresh
     s.observe(0, [0], token=3)
     assert s.hints[E + 5] == 0.0  # stale
-    with pytest.raises(ValueError, match=r"layer 9 outside 0..3"):
+    with pytest.raises(ValueError, match=r"hint for layer 9 outside 0..3"):
         s.set_hints([(1, 1, 0.5), (9, 0, 1.0)], token=3)
     assert s.hints[E + 1] == 0.0  # nothing applied from a bad batch
     with pytest.raises(ValueError, match=r"L1E8 is outside 4 layers x 8 experts"):
         s.set_hints([(1, 8, 0.5)], token=3)
 
 
-@pytest.mark.parametrize("estimator", ["hazard", "ema"])
-def test_next_use_orders_like_belady_would_guess(estimator):
-    s = make(prior_weight=0.0, estimator=estimator)
-    s.begin_request("r")
-    for t in range(3):
-        for layer in range(L):
-            s.observe(layer, [1, 2], token=t)
-    s.observe(0, [1, 2], token=3)
-    nu = s.next_use_layers()
-    assert nu[1] == 0.0 and nu[2] == 0.0  # in use now
-    # A frequently used entry of the next layer comes before one never used.
-    assert nu[E + 1] < nu[E + 5]
-    # Same probability: the nearer layer first.
-    assert nu[E + 1] < nu[3 * E + 1]
-    assert np.all(np.isfinite(nu))
+def test_next_use_orders_like_belady_would_guess():
+    for estimator in (None, HazardEstimator(prior_count=8.0)):
+        s = make(estimator=estimator, prior_weight=0.0)
+        s.begin_request("r")
+        for t in range(3):
+            for layer in range(L):
+                s.observe(layer, [1, 2], token=t)
+        s.observe(0, [1, 2], token=3)
+        nu = s.next_use_layers()
+        assert nu[1] == 0.0 and nu[2] == 0.0  # in use now
+        # A frequently used entry of the next layer comes before one never used.
+        assert nu[E + 1] < nu[E + 5]
+        # Same probability: the nearer layer first.
+        assert nu[E + 1] < nu[3 * E + 1]
+        assert np.all(np.isfinite(nu))
 
 
-def test_begin_request_restarts_history_from_the_prior():
-    s = make(prior_weight=0.5)
+def test_requests_have_their_own_state_and_combine():
+    s = make(prior_weight=0.5, history_half_life_tokens=1.0)
     s.begin_request("a")
     for t in range(5):
-        s.observe(0, [1], token=t)
-    s.set_hints([(0, 2, 0.5)], token=4)
-    s.end_request("a")
-    assert s.request_id is None and not s.hints.any()
+        s.observe(0, [1], token=t, request_id="a")
+    s.set_hints([(0, 2, 0.5)], token=4, request_id="a")
+    assert s.live_requests == ("a",)
     s.begin_request("b")
-    assert s.request_id == "b"
-    assert 0 < s.history[1] < 0.5  # prior * weight: the model-wide habit, damped
-    assert s.uses[1] == 0
+    assert s.request_id == "b" and 0 < s.history[1] < 0.5  # prior * weight: the model-wide habit, damped
+    s.observe(0, [3], token=0, request_id="b")
+    # Two live requests: an entry either may use is likelier than for each alone.
+    pa, pb = s.request_probabilities()
+    p = s.long_run_probability()
+    assert p[1] == pytest.approx(1 - (1 - pa[1]) * (1 - pb[1]), rel=1e-5)
+    assert p[1] > max(pa[1], pb[1]) and p[3] >= pb[3]
+    assert s.hints[2] == pytest.approx(0.5)  # a's hint, still fresh
+    s.end_request("a")
+    assert s.live_requests == ("b",) and not s.hints.any()
+    s.end_request("b")
+    assert s.request_id is None and s.live_requests == ()
+    # Routing that names no request (or an unknown one) starts it.
+    s.observe(1, [0], token=0)
+    assert s.live_requests == ("",)
 
 
-def test_hazard_table_learns_from_visits_only():
-    s = make(estimator="hazard", hazard_prior_count=1.0)
+def test_live_requests_are_bounded():
+    s = make(max_live_requests=2)
+    for r in ("a", "b", "c"):
+        s.observe(0, [0], token=0, request_id=r)
+    assert s.live_requests == ("b", "c")
+
+
+def test_hazard_estimator_learns_from_visits_only():
+    s = make(estimator=HazardEstimator(prior_count=1.0))
     s.begin_request("r")
     # Expert 1 of every layer is used on every token; expert 5 never.
     for t in range(30):
@@ -158,8 +210,6 @@ def test_hazard_table_learns_from_visits_only():
     nu = s.next_use_layers()
     assert nu[E + 1] < nu[E + 5]
     # Waits follow the recursion W(d) = (1 - h(d)) (1 + W(d + 1)).
-    from cache_daemon.signals import MAX_RECENCY, HazardTable, recency_bucket
-
     tab = HazardTable(prior_count=4.0)
     tab.base_rate = 0.25
     tab.refresh()

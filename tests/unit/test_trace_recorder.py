@@ -12,6 +12,7 @@ import torch
 from compute_svc.activations import RoutingCapture, StepRouting
 from compute_svc.generation import GenerationRequest
 from compute_svc.trace_recorder import TraceRecorder
+from expertcache.trace import read_trace
 
 PROMPTS = (tuple(range(5, 17)), tuple(range(40, 47)))  # 12 and 7 tokens
 NEW_TOKENS = (5, 3)
@@ -75,10 +76,8 @@ def test_two_requests_through_the_engine_match_the_router(local_engine, tmp_path
     np.testing.assert_array_equal(z["gate_weights"], expected_w)
     assert not (tmp_path / "trace.npz.tmp").exists()
 
-    # The predictor's replay tool reads it as it reads the shared traces.
-    from predictor_svc.replay import load_trace
-
-    trace = load_trace(path)
+    # The one trace reader reads it as it reads the shared traces.
+    trace = read_trace(path)
     assert trace.num_experts == manifest.num_experts
     assert trace.expert_ids.shape == z["expert_ids"].shape
 

@@ -121,9 +121,11 @@ class DeviceArena {
 // a ticket whose copy was seen complete (by query or wait) is released and its event reused, and
 // later calls with it report it complete. Thread-safe.
 //
-// wait() does not burn a core: it polls cudaEventQuery with sleeps growing from 10 us to 200 us
-// (cudaEventSynchronize has no timeout, and blocking on an event outside the lock would race with
-// its recycling). A wait thus returns at most ~200 us after the copy completes.
+// wait() does not poll: a host function queued on the stream right after each copy
+// (cudaLaunchHostFunc) notifies a condition variable the waiter sleeps on, with the timeout
+// (cudaEventSynchronize has none, and blocking on an event outside the lock would race with its
+// recycling). The engine's destructor synchronizes every stream before the state the host
+// functions touch goes away.
 class CopyEngine {
  public:
   explicit CopyEngine(int device, int num_streams = 2);

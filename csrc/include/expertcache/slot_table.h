@@ -1,12 +1,16 @@
 // Shared-memory slot table: per (layer, expert) entry state, slot, pin count, generation and
 // last-access stamp, plus one pin ledger per attached compute client.
 // One process (the cache daemon) creates the table file; others open it. All mutation is done
-// with lock-free atomics on a MAP_SHARED mapping; waiters block on the state word with futex.
+// with lock-free atomics on a MAP_SHARED mapping. Nobody polls: waiters block with futex on
+//   - an entry's state word, for a load to finish (wait_resident; finish_load/abort_load wake);
+//   - the header's unpin word, for shared pins to drop (wait_unpin: an unpin that takes an
+//     entry's pin count to zero bumps the word and wakes the daemon when it waits for slots);
+//   - a client ledger's busy word, for a client inside a pin call to leave it (reclaim_client).
 // Failures are reported as exceptions: std::out_of_range (bad index), std::invalid_argument
 // (bad file / bad argument), std::runtime_error (illegal state transition, system errors),
 // StaleClient (this handle's client ledger was reclaimed by the daemon).
 //
-// File layout (version 2):
+// File layout (version 3; version 2 had no unpin word and nobody woke a waiting daemon):
 //   SlotTableHeader (128 B) | SlotEntry[num_entries] (64 B each) | ledger[num_clients]
 //   ledger = LedgerHeader (64 B) + uint32 pins[num_entries], padded to a multiple of 64 B.
 //
@@ -21,7 +25,8 @@
 //   client, unpin:       busy := 1; if epoch != E { busy := 0; throw StaleClient };
 //                        pins[e] -= 1; ledger[e] -= 1; busy := 0.
 //   daemon, reclaim(c):  when the client's Demand stream ends (close, cancel, process death):
-//                        epoch += 1 (seq_cst); wait while busy == 1 (bounded, kReclaimWaitS);
+//                        epoch += 1 (seq_cst); wait while busy != 0 (bounded, kReclaimWaitS;
+//                        futex on busy = 2, which the client's leave wakes);
 //                        for every entry: n = ledger[e].exchange(0); pins[e] -= min(n, pins[e]).
 //   Why it is safe: the client's "busy := 1; read epoch" and the daemon's "epoch += 1; read busy"
 //   are both seq_cst, so at least one side sees the other: either the client sees the new epoch
@@ -77,17 +82,23 @@ struct alignas(64) SlotTableHeader {
   // Second cache line: written by every pin of every client.
   alignas(64) std::atomic<uint64_t> clock;  // last access stamp handed out
   std::atomic<uint64_t> hits;               // successful pins through the table
+  // Bumped whenever an unpin (or a reclaim) takes an entry's pins to zero; futex word.
+  std::atomic<uint32_t> unpin_seq;
+  // Threads blocked in wait_unpin: an unpin makes the wake syscall only when there are some.
+  std::atomic<uint32_t> unpin_waiters;
 };
 static_assert(sizeof(SlotTableHeader) == 128, "header must be two cache lines");
 
 struct alignas(64) LedgerHeader {
   std::atomic<uint32_t> epoch;  // bumped by every reclaim
-  std::atomic<uint32_t> busy;   // 1 while the client is inside a pin/unpin call
+  // 1 while the client is inside a pin/unpin call; 2 when, in addition, a reclaim waits for it
+  // to leave (futex word: the client's leave wakes the reclaim).
+  std::atomic<uint32_t> busy;
 };
 static_assert(sizeof(LedgerHeader) == 64, "ledger header must be one cache line");
 
 constexpr uint64_t kSlotTableMagic = 0x4C42545453435845ULL;  // "EXCSTTBL" little-endian
-constexpr uint32_t kSlotTableVersion = 2;
+constexpr uint32_t kSlotTableVersion = 3;
 constexpr uint32_t kDefaultClients = 32;
 constexpr double kReclaimWaitS = 1.0;  // how long reclaim waits for a client inside a call
 
@@ -124,6 +135,7 @@ class SlotTable {
   // are checked before anything is pinned.
   std::vector<int32_t> try_pin_many(const std::vector<int64_t>& entries);
   // Drops one pin; throws if the entry has no pins (or, with a bound client, none of its own).
+  // A pin count that reaches zero bumps the unpin word and wakes wait_unpin.
   void unpin(int64_t entry);
   // unpin for each entry; all are checked (index, own pin) before anything is unpinned.
   void unpin_many(const std::vector<int64_t>& entries);
@@ -137,6 +149,11 @@ class SlotTable {
   void abort_load(int64_t entry);
   // RESIDENT -> EVICTING -> ABSENT if unpinned; false (and no change) otherwise.
   bool try_evict(int64_t entry);
+  // Adds `n` pins to a LOADING or RESIDENT entry for the daemon's own sessions (not ledgered,
+  // no access stamp): the shared count then holds every pin, the daemon's and compute's, so
+  // try_evict checks one number. Dropped with unpin/unpin_many on the daemon's handle. Throws if
+  // the entry is ABSENT or EVICTING.
+  void hold(int64_t entry, uint32_t n);
   // Blocks while the entry is LOADING; true iff it is RESIDENT on return. timeout_s >= 0.
   bool wait_resident(int64_t entry, double timeout_s);
   // Current epoch of ledger `client`.
@@ -148,6 +165,17 @@ class SlotTable {
   uint64_t reclaim_client(int64_t client);
   // Entries whose stamp is > `since`, in increasing stamp order (the recency of table pins).
   std::vector<int64_t> accessed_since(uint64_t since) const;
+  // The unpin word: changes whenever some entry's pin count drops to zero.
+  uint32_t unpin_seq() const { return header_->unpin_seq.load(); }
+  // Blocks while the unpin word still equals `seen` (read it, check what you wait for, then call
+  // this: an unpin in between makes it return at once). True when it changed, false after
+  // timeout_s (< 0: no limit).
+  bool wait_unpin(uint32_t seen, double timeout_s);
+  // Bumps the unpin word and wakes every wait_unpin (the daemon's own shutdown).
+  void wake_unpin_waiters();
+  // Every entry's state and slot, in entry order (one call instead of one per entry).
+  std::vector<uint32_t> states() const;
+  std::vector<int32_t> slots() const;
 
   // -- introspection --------------------------------------------------------------------------
   SlotState state(int64_t entry) const;
@@ -179,6 +207,8 @@ class SlotTable {
   // null when no client is bound.
   std::atomic<uint32_t>* enter_ledger();
   void leave_ledger();
+  // The unpin word moved on: bump it and wake waiters, if any.
+  void notify_unpinned();
 
   std::string path_;
   void* base_;

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.policy.base import EvictionPolicy, PolicyShape
+from cache_daemon.decisions.policy.base import EvictionPolicy, PolicyShape
 from expertcache.keys import ExpertKey
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 
 class LRUPolicy(EvictionPolicy):

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.policy.base import PolicyShape, ShapedPolicy
+from cache_daemon.decisions.policy.base import PolicyShape, ShapedPolicy
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 EPSILON = 1e-3
 """The paper's ``epsilon``: keeps experts without a matched probability ordered by layer."""
@@ -32,6 +32,7 @@ EPSILON = 1e-3
 class MoEInfinityPolicy(ShapedPolicy):
     name = "moe-infinity"
     needs_signals = True
+    prefetch_order = "score"  # the paper's priorities, not deadlines
 
     def __init__(
         self,

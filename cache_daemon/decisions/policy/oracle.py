@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.policy.activation_aware import ActivationAwarePolicy
-from cache_daemon.policy.base import PolicyShape
-from cache_daemon.policy.belady import FutureUses
+from cache_daemon.decisions.policy.activation_aware import ActivationAwarePolicy
+from cache_daemon.decisions.policy.base import PolicyShape
+from cache_daemon.decisions.policy.belady import FutureUses
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 
 class NextTokenOraclePolicy(ActivationAwarePolicy):

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.policy.base import PolicyShape, ShapedPolicy
+from cache_daemon.decisions.policy.base import PolicyShape, ShapedPolicy
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 NEVER = np.iinfo(np.int64).max // 4
 """Next-use step of an entry with no further use."""

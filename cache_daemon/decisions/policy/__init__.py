@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache_daemon.policy.activation_aware import ActivationAwarePolicy
-from cache_daemon.policy.base import EvictionPolicy, PolicyShape, ShapedPolicy
-from cache_daemon.policy.belady import BeladyPolicy, FutureUses
-from cache_daemon.policy.lfu import LFUPolicy
-from cache_daemon.policy.lru import LRUPolicy
-from cache_daemon.policy.moe_infinity import MoEInfinityPolicy
-from cache_daemon.policy.oracle import NextTokenOraclePolicy
+from cache_daemon.decisions.policy.activation_aware import ActivationAwarePolicy
+from cache_daemon.decisions.policy.base import EvictionPolicy, PolicyShape, ShapedPolicy
+from cache_daemon.decisions.policy.belady import BeladyPolicy, FutureUses
+from cache_daemon.decisions.policy.lfu import LFUPolicy
+from cache_daemon.decisions.policy.lru import LRUPolicy
+from cache_daemon.decisions.policy.moe_infinity import MoEInfinityPolicy
+from cache_daemon.decisions.policy.oracle import NextTokenOraclePolicy
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,

@@ -1,8 +1,8 @@
 """The eviction policy interface: which unpinned expert leaves a full tier.
 
 A policy only orders keys; it never owns memory and never decides whether a key *may* leave.
-The tier (``Residency`` for the device arena, ``HostTier`` for host memory, ``SimTier`` in the
-trace replay) tells it what entered and left, and asks it for victims among the keys it says are
+The tier (the daemon's residency for the device arena, ``HostTier`` for host memory, ``SimTier``
+in the trace replay) tells it what entered and left, and asks it for victims among the keys it says are
 evictable (resident and unpinned), so "a pinned expert is never evicted" is enforced in one place,
 by the tier.
 
@@ -27,7 +27,7 @@ import numpy as np
 from expertcache.keys import ExpertKey
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class EvictionPolicy(ABC):
     prefetch_horizon_layers: int | None = None
     """How far ahead (layer steps) ``prefetch_scores`` candidates are taken; None = the
     scheduler's ``horizon_layers``."""
+    prefetch_order: str = "deadline"
+    """How the scheduler orders this policy's candidates: ``deadline`` (nearest layer first, then
+    likeliest) or ``score`` (its own ``prefetch_scores``, highest first, after lookahead)."""
 
     @abstractmethod
     def on_insert(self, key: ExpertKey) -> None:

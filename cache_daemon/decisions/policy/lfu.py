@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.policy.base import PolicyShape, ShapedPolicy
+from cache_daemon.decisions.policy.base import PolicyShape, ShapedPolicy
 
 if TYPE_CHECKING:
-    from cache_daemon.signals import ActivationSignals
+    from cache_daemon.decisions.signals import ActivationSignals
 
 
 class LFUPolicy(ShapedPolicy):

@@ -1,0 +1,552 @@
+"""Activation signals: what the daemon knows about the experts the live requests will use next.
+
+Three predictions, each with its own horizon, land here and are read by the eviction policies and
+the prefetch scheduler (the daemon and the trace replay run this same code):
+
+::
+
+    compute ──observe(layer, experts, token)────────▶ history    (each request's own routing, with recency)
+    compute ──set_lookahead([LayerPrediction])──────▶ lookahead  (routers of layers l+1 .. l+d on layer l's
+                                                                   state, one prediction per depth d)
+    predictor ──set_hints([(layer, expert, score)])─▶ hints      (EAMC match of the request)
+                                                          │
+             use_probability(), next_use_layers(), lookahead() ▼  policies · PrefetchScheduler
+
+State is kept per live request (``RequestSignals``: its history, hints and lookahead), and the
+outputs combine the live requests: an entry's use probability is the chance that *any* of them
+uses it, ``1 - prod_r (1 - p_r)``, so an expert several requests want is worth more. A daemon
+serving one request at a time has one live request; a batch of them is the same code.
+
+Glossary (worked example with 4 MoE layers × 8 experts, all layers MoE):
+
+- *entry*: ``layer * num_experts + expert`` (``ExpertKey.entry``); every array here is
+  ``[num_layers * num_experts]`` indexed by entry. ``ExpertKey(2, 5)`` is entry 21.
+- *layer*: the tier's own layer numbering (decoder layers in the daemon, trace layers in the
+  replay); ``LayerMap`` gives the order in which the MoE layers are visited, so DeepSeek's dense
+  layers are skipped when distances are counted.
+- *position*: ``(token, layer)`` of the last ``observe``; before any, ``(-1, last MoE layer)``.
+- *layer distance* of an entry: MoE layers until its layer is visited next, in ``1..M``
+  (M = MoE layers). At position ``(7, 1)``: layer 2 is 1 away, layer 1 is 4 away.
+- *depth*: for a lookahead prediction, how many MoE layers ahead of the layer whose hidden state
+  it used (1 = the next layer). Each depth's *precision* (share of its predicted experts that
+  were then routed) is measured online from the ``observe`` of the predicted layer.
+- *use probability*: estimated probability that an entry is routed at its layer's next visit.
+- *next use* (in layer steps): an online stand-in for Belady's "time of next use",
+  ``distance + M * (1 - p_next) / max(p_long, floor)``: the expected wait of a geometric process
+  whose first trial has probability ``p_next`` and later ones ``p_long`` (the recency-weighted
+  history blended with fresh hints).
+
+Staleness: a lookahead prediction for a ``(token, layer)`` at or before its request's position is
+dropped; hints older than ``hint_ttl_tokens`` tokens are ignored.
+
+Not thread-safe and does no I/O: callers (the daemon's residency lock, the replay loop) serialise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from expertcache.keys import ExpertKey
+from expertcache.layers import LayerMap
+
+if TYPE_CHECKING:
+    from cache_daemon.decisions.estimators import Estimator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST = ""  # the request of routing that names none
+PRIOR_WEIGHT = 4.0  # predicted experts' worth of the lookahead precision prior
+
+
+@dataclass(frozen=True)
+class SignalsConfig:
+    """Tuning of ``ActivationSignals``; few and generic on purpose (no per-trace constants)."""
+
+    history_half_life_tokens: float = field(default=8.0, metadata={"min": 0.05, "max": 1e6})
+    """Half-life, in tokens, of a request's recency-weighted use estimate of an entry: after
+    ``h`` tokens without use an entry's estimate halves (recency and in-request frequency at
+    once; swept on a tuning window separate from the reported one, bench/replay_tune.py)."""
+
+    prior_half_life_tokens: float = field(default=2000.0, metadata={"min": 1.0, "max": 1e9})
+    """Half-life, in tokens, of the slow cross-request estimate a new request starts from."""
+
+    prior_weight: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
+    """Weight of the cross-request estimate in the history of a request that just began (it then
+    decays with the request's own half-life as the request's routing accumulates)."""
+
+    hint_weight: float = field(default=0.3, metadata={"min": 0.0, "max": 1.0})
+    """Weight of a fresh EAMC hint score blended into the history estimate."""
+
+    hint_ttl_tokens: int = field(default=64, metadata={"min": 0, "max": 1 << 30})
+    """Hints older than this many tokens are ignored (stale)."""
+
+    lookahead_prior_precision: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
+    """Precision assumed for a lookahead depth before any of its predictions was scored."""
+
+    precision_half_life: float = field(default=64.0, metadata={"min": 1.0, "max": 1e9})
+    """Half-life, in scored predictions, of each depth's running precision estimate."""
+
+    probability_floor: float = field(default=1e-3, metadata={"min": 1e-9, "max": 1.0})
+    """Lower bound on a long-run use probability (keeps next-use estimates finite)."""
+
+    max_live_requests: int = field(default=256, metadata={"min": 1, "max": 1 << 20})
+    """Live requests kept; beyond it the least recently observed one is dropped (its end was
+    lost)."""
+
+    def __post_init__(self) -> None:
+        for name, spec in self.__dataclass_fields__.items():
+            value = getattr(self, name)
+            lo, hi = spec.metadata["min"], spec.metadata["max"]
+            if not (lo <= value <= hi):
+                raise ValueError(f"SignalsConfig.{name} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerPrediction:
+    """One depth of lookahead: ``experts`` (int64 [n], distinct) of layer ``layer`` predicted
+    ``depth`` MoE layers early, with router ``scores`` (float32 [n], in [0, 1])."""
+
+    layer: int
+    depth: int
+    experts: np.ndarray
+    scores: np.ndarray
+
+
+@dataclass
+class _Lookahead:
+    token: int
+    depth: int
+    entries: np.ndarray  # int64 [n]
+    scores: np.ndarray  # float32 [n]
+
+
+class RequestSignals:
+    """The per-request part of the signals: history, hints, lookahead, position in the request."""
+
+    def __init__(self, request_id: str, n: int, history: np.ndarray) -> None:
+        self.request_id = request_id
+        self.token = -1  # token of the last observe
+        self.layer = -1
+        self.history = history  # float32 [N]: recency-weighted use per visit
+        self.hints = np.zeros(n, np.float32)
+        self.hint_token = np.full(n, np.iinfo(np.int64).min // 2, np.int64)
+        self.has_hints = False
+        self.lookahead: dict[int, _Lookahead] = {}  # predicted layer → its nearest prediction
+        self.scoring: dict[int, list[_Lookahead]] = {}  # predicted layer → every depth's, to score
+
+
+class ActivationSignals:
+    """Prediction state of one tier's model: history, lookahead and hints, per live request.
+
+    ``num_layers`` × ``num_experts`` is the tier's entry grid; ``layer_map`` says which of the
+    ``num_layers`` layers are MoE layers and in which order they are visited (default: all of
+    them, in order). ``estimator`` plugs in another use-probability estimate (the replay's
+    ``HazardEstimator``); the daemon runs the built-in one.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        *,
+        config: SignalsConfig | None = None,
+        layer_map: LayerMap | None = None,
+        estimator: Estimator | None = None,
+    ) -> None:
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"num_layers and num_experts must be >= 1, got {num_layers} and {num_experts}")
+        layer_map = layer_map or LayerMap.dense(num_layers)
+        if layer_map.num_layers != num_layers:
+            raise ValueError(f"layer map covers {layer_map.num_layers} layers, the signals {num_layers}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.num_entries = num_layers * num_experts
+        self.layer_map = layer_map
+        self.num_moe = layer_map.num_moe
+        self.config = config or SignalsConfig()
+        n = self.num_entries
+        self._rank = layer_map.ranks()  # [num_layers] MoE index per layer, -1 dense
+        self._rank_of = np.repeat(self._rank, num_experts)  # [N]
+        self._prior = np.zeros(n, np.float32)  # slow cross-request estimate
+        self._requests: OrderedDict[str, RequestSignals] = OrderedDict()  # live, least recent first
+        self._current: RequestSignals | None = None  # the request of the last observe
+        self._token = -1
+        self._layer = layer_map.moe_layers[-1]
+        self._needed = np.zeros(0, np.int64)  # entries routed at the current position
+        self.version = 0  # bumped on every change, so a waiting prefetcher knows to re-decide
+        self._cache: dict[str, object] = {}  # derived values of the current version
+        # Running precision of lookahead per depth: [hits, predicted] with exponential decay.
+        self._precision: dict[int, list[float]] = {}
+        self._precision_decay = float(0.5 ** (1.0 / self.config.precision_half_life))
+        self.estimator = estimator
+        if estimator is not None:
+            estimator.attach(self)
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._cache.clear()
+
+    def _cached(self, name: str, compute):
+        v = self._cache.get(name)
+        if v is None:
+            v = compute()
+            if isinstance(v, np.ndarray):
+                v.flags.writeable = False
+            self._cache[name] = v
+        return v
+
+    # -- keys ------------------------------------------------------------------------------------
+
+    def entry_of(self, key: ExpertKey) -> int:
+        """The entry index of ``key``; raises ``ValueError`` for a key outside the shape."""
+        if not (0 <= key.layer < self.num_layers and 0 <= key.expert < self.num_experts):
+            raise ValueError(f"{key} is outside {self.num_layers} layers x {self.num_experts} experts")
+        return key.entry(self.num_experts)
+
+    def key_of(self, entry: int) -> ExpertKey:
+        """The key of entry index ``entry``."""
+        return ExpertKey.of_entry(entry, self.num_experts)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def begin_request(self, request_id: str) -> RequestSignals:
+        """A request starts: its history starts from the cross-request prior."""
+        state = self._requests.pop(request_id, None)
+        state = RequestSignals(request_id, self.num_entries, self._prior * self.config.prior_weight)
+        self._requests[request_id] = state
+        while len(self._requests) > self.config.max_live_requests:
+            dropped, _ = self._requests.popitem(last=False)
+            logger.debug("signals: request %r dropped (over max_live_requests)", dropped)
+        self._current = state
+        if self.estimator is not None:
+            self.estimator.begin_request(request_id)
+        self._bump()
+        return state
+
+    def end_request(self, request_id: str) -> None:
+        """The request ended: its history, hints and lookahead go (the cross-request prior keeps
+        what it taught)."""
+        state = self._requests.pop(request_id, None)
+        if state is not None and state is self._current:
+            self._current = None
+        self._bump()
+
+    def _request(self, request_id: str | None) -> RequestSignals:
+        """The state of ``request_id``; None: the request of the last observe, or else the most
+        recently observed live one (messages that name no request, like LayerAhead)."""
+        if request_id is None:
+            if self._current is not None:
+                return self._current
+            if self._requests:
+                return next(reversed(self._requests.values()))
+            request_id = DEFAULT_REQUEST
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self.begin_request(request_id)  # its begin was lost, or it named none
+        return state
+
+    @property
+    def request_id(self) -> str | None:
+        """The request of the last ``observe`` (None when it ended)."""
+        return None if self._current is None else self._current.request_id
+
+    @property
+    def live_requests(self) -> tuple[str, ...]:
+        return tuple(self._requests)
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def observe(
+        self, layer: int, experts: Sequence[int] | np.ndarray, token: int, request_id: str | None = None
+    ) -> None:
+        """Layer ``layer`` of token ``token`` of the request was routed to ``experts`` (distinct).
+
+        Moves the position to ``(token, layer)``, updates the request's history (each entry of
+        the layer decays by one visit, the routed ones gain ``1 - decay``) and scores the
+        lookahead predictions made for this layer.
+        """
+        rank = self._rank[layer] if 0 <= layer < self.num_layers else -1
+        if rank < 0:
+            raise ValueError(f"layer {layer} is not a MoE layer of {list(self.layer_map.moe_layers)}")
+        ex = np.asarray(experts, dtype=np.int64).reshape(-1)
+        if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
+            raise ValueError(f"experts {ex.tolist()} outside 0..{self.num_experts - 1}")
+        req = self._request(request_id)
+        self._current = req
+        self._requests.move_to_end(req.request_id)
+        base = layer * self.num_experts
+        entries = base + ex
+        cfg = self.config
+        decay = 0.5 ** (1.0 / cfg.history_half_life_tokens)
+        prior_decay = 0.5 ** (1.0 / cfg.prior_half_life_tokens)
+        h = req.history[base : base + self.num_experts]
+        h *= decay
+        h[ex] += 1.0 - decay
+        p = self._prior[base : base + self.num_experts]
+        p *= prior_decay
+        p[ex] += 1.0 - prior_decay
+        req.lookahead.pop(layer, None)
+        for la in req.scoring.pop(layer, ()):
+            if la.token == token:
+                self._score_lookahead(la.depth, la.entries, entries)
+        if self.estimator is not None:
+            self.estimator.observe(req.request_id, layer, entries, int(token))
+        req.token, req.layer = int(token), int(layer)
+        self._token, self._layer = int(token), int(layer)
+        self._needed = entries
+        self._bump()
+
+    def _score_lookahead(self, depth: int, predicted: np.ndarray, routed: np.ndarray) -> None:
+        hits = len(set(predicted.tolist()) & set(routed.tolist()))
+        prior = self.config.lookahead_prior_precision
+        # The prior starts as PRIOR_WEIGHT experts' worth and fades with the same half-life.
+        acc = self._precision.setdefault(depth, [prior * PRIOR_WEIGHT, PRIOR_WEIGHT])
+        d = self._precision_decay
+        acc[0] = acc[0] * d + hits
+        acc[1] = acc[1] * d + len(predicted)
+
+    def set_lookahead(
+        self, predictions: Iterable[LayerPrediction], token: int, request_id: str | None = None
+    ) -> None:
+        """Compute's lookahead for token ``token``: one prediction per depth. A prediction for a
+        position the request has passed is dropped; for a layer already predicted at this token,
+        the nearer depth wins (it saw a later hidden state)."""
+        req = self._request(request_id)
+        changed = False
+        for pred in predictions:
+            layer = int(pred.layer)
+            rank = self._rank[layer] if 0 <= layer < self.num_layers else -1
+            if rank < 0:
+                raise ValueError(f"lookahead for layer {layer}, not a MoE layer")
+            if int(pred.depth) < 1:
+                raise ValueError(f"lookahead depth must be >= 1, got {pred.depth}")
+            ex = np.asarray(pred.experts, dtype=np.int64).reshape(-1)
+            sc = np.asarray(pred.scores, dtype=np.float32).reshape(-1)
+            if ex.shape != sc.shape:
+                raise ValueError(f"lookahead experts {ex.shape} and scores {sc.shape} differ in length")
+            if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
+                raise ValueError(f"lookahead experts {ex.tolist()} outside 0..{self.num_experts - 1}")
+            if self._passed(req, int(token), layer):
+                continue
+            la = _Lookahead(int(token), int(pred.depth), layer * self.num_experts + ex, sc)
+            scoring = req.scoring.setdefault(layer, [])
+            if scoring and scoring[0].token != la.token:
+                scoring.clear()  # left from a token whose layer was never observed
+            scoring.append(la)  # every depth is scored when the layer is routed
+            old = req.lookahead.get(layer)
+            if old is not None and old.token == token and old.depth < la.depth:
+                continue
+            req.lookahead[layer] = la
+            changed = True
+        if changed:
+            self._bump()
+
+    def _passed(self, req: RequestSignals, token: int, layer: int) -> bool:
+        """Whether ``(token, layer)`` is at or before the request's position (visit order)."""
+        if token != req.token:
+            return token < req.token
+        return req.layer >= 0 and self._rank[layer] <= self._rank[req.layer]
+
+    def set_hints(
+        self,
+        hints: Iterable[tuple[int, int, float]],
+        token: int | None = None,
+        *,
+        layers: Iterable[int] | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """EAMC hints ``(layer, expert, score)`` for the request, received at token ``token``
+        (default: the request's position).
+
+        As on the predictor's board, newer hints for a layer replace older ones: the layers in
+        ``layers`` (default: those the hints name) are cleared first, so a layer sent with no
+        hints drops its stale ones.
+        """
+        hints = list(hints)
+        names = {int(h[0]) for h in hints} if layers is None else {int(x) for x in layers}
+        for layer in names:  # validate everything before changing anything
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"hint for layer {layer} outside 0..{self.num_layers - 1}")
+        entries = [self.entry_of(ExpertKey(int(layer), int(expert))) for layer, expert, _s in hints]
+        req = self._request(request_id)
+        token = req.token if token is None else int(token)
+        E = self.num_experts
+        for layer in names:
+            req.hints[layer * E : (layer + 1) * E] = 0.0
+        for e, (_layer, _expert, score) in zip(entries, hints, strict=True):
+            req.hints[e] = float(score)
+            req.hint_token[e] = token
+        req.has_hints = bool(hints) or req.has_hints
+        if names:
+            self._bump()
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(token, layer)`` of the last ``observe``."""
+        return (self._token, self._layer)
+
+    @property
+    def step(self) -> int:
+        """The position as one number, ``token * M + MoE index of the layer``."""
+        return self._token * self.num_moe + int(self._rank[self._layer])
+
+    @property
+    def needed(self) -> np.ndarray:
+        """int64 [k] entries routed at the current position (in use now)."""
+        return self._needed
+
+    @property
+    def history(self) -> np.ndarray:
+        """float32 [N] recency-weighted use estimate of the current request (the prior, scaled, when
+        there is none); read-only."""
+        req = self._current
+        v = (req.history if req is not None else self._prior * self.config.prior_weight).view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def hints(self) -> np.ndarray:
+        """float32 [N] fresh hint scores, the best over the live requests (0 where none or stale)."""
+
+        def compute() -> np.ndarray:
+            out = np.zeros(self.num_entries, np.float32)
+            for req in self._requests.values():
+                if req.has_hints:
+                    fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
+                    np.maximum(out, np.where(fresh, req.hints, np.float32(0.0)), out=out)
+            return out
+
+        return self._cached("hints", compute)
+
+    def lookahead(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Fresh lookahead predictions of the live requests, nearest first: ``(layer, depth,
+        entries int64 [n], scores float32 [n])``."""
+
+        def compute() -> list:
+            out = []
+            for req in self._requests.values():
+                for layer, la in req.lookahead.items():
+                    if not self._passed(req, la.token, layer):
+                        out.append((layer, la.depth, la.entries, la.scores))
+            dist = self.layer_distance_of
+            out.sort(key=lambda t: (dist(t[0]), t[1]))
+            return out
+
+        return self._cached("lookahead", compute)
+
+    def precision(self, depth: int) -> float:
+        """Running precision of lookahead at ``depth``: the share of its predicted experts that the
+        layer then routed (``lookahead_prior_precision`` until some were scored)."""
+        acc = self._precision.get(depth)
+        if acc is None:
+            return self.config.lookahead_prior_precision
+        return acc[0] / acc[1]
+
+    def precisions(self) -> dict[int, float]:
+        return {d: self.precision(d) for d in sorted(self._precision)}
+
+    def layer_distance_of(self, layer: int) -> int:
+        """MoE layers until ``layer`` is visited next, in ``1..M``."""
+        M = self.num_moe
+        return int((self._rank[layer] - self._rank[self._layer] - 1) % M + 1)
+
+    def layer_distance(self) -> np.ndarray:
+        """int64 [N] MoE layers until each entry's layer is visited next, in ``1..M`` (dense
+        layers, never visited: M + 1)."""
+
+        def compute() -> np.ndarray:
+            M = self.num_moe
+            d = (self._rank_of - self._rank[self._layer] - 1) % M + 1
+            return np.where(self._rank_of >= 0, d, M + 1)
+
+        return self._cached("distance", compute)
+
+    def request_probabilities(self) -> list[np.ndarray]:
+        """Per live request, float32 [N] its per-visit use probability beyond the next visit:
+        its history blended with its fresh hints."""
+
+        def compute() -> list:
+            if self.estimator is not None:
+                return self.estimator.long_run(self)
+            w = self.config.hint_weight
+            out = []
+            for req in self._requests.values():
+                p = req.history
+                if w > 0.0 and req.has_hints:
+                    fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
+                    h = np.where(fresh, req.hints, np.float32(0.0))
+                    p = np.where(h > 0.0, (1.0 - w) * p + w * h, p).astype(np.float32)
+                out.append(p)
+            if not out:
+                out.append(self._prior * self.config.prior_weight)
+            return out
+
+        return self._cached("per_request", compute)
+
+    def long_run_probability(self) -> np.ndarray:
+        """float32 [N] per-visit probability that any live request uses each entry, beyond the
+        next visit."""
+
+        def compute() -> np.ndarray:
+            ps = self.request_probabilities()
+            if len(ps) == 1:
+                return ps[0].view()  # a view: the cache marks it read-only, not the request's array
+            miss = np.ones(self.num_entries, np.float32)
+            for p in ps:
+                miss *= 1.0 - np.clip(p, 0.0, 1.0)
+            return (1.0 - miss).astype(np.float32)
+
+        return self._cached("long_run", compute)
+
+    def use_probability(self) -> np.ndarray:
+        """float32 [N] estimated probability that each entry is used at its layer's next visit:
+        the long-run estimate, overridden for each predicted layer by its lookahead (a predicted
+        expert gets the depth's measured precision, the layer's others keep ``1 - precision``
+        of their estimate)."""
+
+        def compute() -> np.ndarray:
+            p = self.long_run_probability()
+            la = self.lookahead()
+            if not la:
+                return p
+            p = p.copy()
+            E = self.num_experts
+            for layer, depth, entries, _scores in la:
+                conf = self.precision(depth)
+                sl = slice(layer * E, (layer + 1) * E)
+                p[sl] *= 1.0 - conf
+                p[entries] = np.maximum(p[entries], conf)
+            return p
+
+        return self._cached("use_p", compute)
+
+    def next_use_layers(self) -> np.ndarray:
+        """float64 [N] expected layer steps until each entry's next use (see the glossary); the
+        entries in use now get 0."""
+
+        def compute() -> np.ndarray:
+            if self.estimator is not None:
+                t = self.estimator.next_use(self)
+            else:
+                M = self.num_moe
+                p_next = self.use_probability().astype(np.float64)
+                p_long = np.maximum(
+                    self.long_run_probability().astype(np.float64), self.config.probability_floor
+                )
+                t = self.layer_distance().astype(np.float64) + M * (1.0 - p_next) / p_long
+            if self._needed.size:
+                t[self._needed] = 0.0
+            return t
+
+        return self._cached("next_use", compute)
+
+
+__all__ = ["ActivationSignals", "LayerPrediction", "RequestSignals", "SignalsConfig"]

@@ -1,0 +1,801 @@
+"""The device tier: acquire, release and admission over the arena's slots.
+
+``Residency`` wires the parts (``slots``, ``clients``, ``loader``, ``prefetcher``) under one
+condition variable and implements the scheduler's ``TierState``. Its state, each with one owner:
+
+- entry state, slot, generation and every pin: the native slot table (``Slots``);
+- free slots: ``Slots``' allocator;
+- loads in flight, demand and prefetch: one ``PrefetchQueue`` of ``Load`` records;
+- which session holds which pins (to give them back): each ``Session``;
+- predictions: ``ActivationSignals``; eviction order: the policy.
+
+Waiting is event-driven: an Acquire waiting for slots sleeps on the condition, woken by a
+release, a finished or cancelled load, or (through the unpin watcher thread, asleep on the slot
+table's futex word) compute dropping the last shared-memory pin of an entry; an Acquire waiting
+for a load is woken when the load completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from cache_daemon.decisions.policy import EvictionPolicy
+from cache_daemon.decisions.scheduler import (
+    PrefetchClass,
+    PrefetchConfig,
+    PrefetchQueue,
+    PrefetchScheduler,
+    PrefetchStart,
+)
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction
+from cache_daemon.errors import AcquireTimeout, BadAcquire, SessionClosed, ShuttingDown, SlotNotReadable
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.residency.clients import ClientLedger, ClientLedgers, Recency, Session
+from cache_daemon.residency.loader import PRIORITY, Load, Loader
+from cache_daemon.residency.prefetcher import PREFETCH_KINDS, Prefetcher
+from cache_daemon.residency.slots import Slots, SlotState
+from cache_daemon.tiers.base import Tier
+from cache_daemon.tiers.device import DeviceArena
+from cache_daemon.tiers.host import HostTier
+from cache_daemon.tiers.store import Priority, StoreReader
+from expertcache.errors import ExpertCacheError, InvalidArgument
+from expertcache.keys import ExpertKey
+from expertcache.layers import LayerMap
+from expertcache.manifest import StoreManifest
+from expertcache.native import SlotTable
+
+if TYPE_CHECKING:  # the board's module also holds the gRPC subscriber, which domain code never imports
+    from cache_daemon.hints import HintBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """``key`` is RESIDENT in arena ``slot`` and pinned for the session; ``source`` is the tier it
+    was found in when the Acquire arrived (DEVICE if already resident, else where its load read it)."""
+
+    key: ExpertKey
+    slot: int
+    source: Tier
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A snapshot of one entry of the slot table."""
+
+    key: ExpertKey
+    state: SlotState
+    slot: int  # -1 when ABSENT
+    pins: int  # every pin: Demand sessions' and compute's shared-memory ones
+    generation: int  # loads completed into a slot so far (the table's)
+    load_priority: Priority | None = None  # its load's read priority (the reader's) while LOADING
+    prefetched: bool = False  # loaded (or loading) by a prefetch and not used yet
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    num_slots: int
+    resident: int
+    loading: int
+    pinned: int  # keys with at least one pin (Demand or shm)
+    sessions: int
+    shm_hits: int  # pins compute took through the shared slot table (hits without RPC)
+    prefetching: int = 0  # prefetch loads in flight that no demand has joined
+    inflight_bytes: int = 0  # bytes of every load in flight (prefetch adds only below the bound)
+    demands_waiting: int = 0  # admissions waiting for slots (prefetch stands aside meanwhile)
+    hints_dropped: int = 0  # predictor hints naming no live request or no MoE layer
+
+
+def table_entries(manifest: StoreManifest) -> int:
+    """Entries of the shared slot table for ``manifest``: one per (decoder layer, expert)."""
+    return manifest.num_layers * manifest.num_experts
+
+
+class Residency:
+    """The device tier: the slot table over a ``DeviceArena``, the demand logic and the prefetcher.
+
+    All state is guarded by one condition variable — the sessions, the queue of loads, the
+    policy, the activation signals and the prefetch scheduler alike; loads run on a private pool
+    of ``io_threads`` threads (prefetch loads on a second pool of as many) and take the lock only
+    to publish their result.
+    """
+
+    def __init__(
+        self,
+        manifest: StoreManifest,
+        arena: DeviceArena,
+        store: StoreReader,
+        host: HostTier | None,
+        policy: EvictionPolicy,
+        metrics: DaemonMetrics,
+        *,
+        table: SlotTable,
+        io_threads: int = 4,
+        acquire_timeout_s: float = 60.0,
+        executor: Executor | None = None,
+        signals: ActivationSignals | None = None,
+        prefetch: bool = False,
+        max_inflight_bytes: int = 0,
+        prefetch_config: PrefetchConfig | None = None,
+    ) -> None:
+        """``executor`` runs the demand loads; by default a private pool of ``io_threads``
+        threads, shut down by ``shutdown`` (one passed in is left running). ``table`` is the
+        shared slot table (``table_entries(manifest)`` entries, one per arena slot), all ABSENT;
+        its owner removes the file.
+
+        ``signals``: the predictions ``policy`` reads (``ActivationSignals(manifest.num_layers,
+        manifest.num_experts, layer_map=...)``, layers numbered as in Acquire); a fresh one when
+        None. ``prefetch``: start prefetch loads; ``max_inflight_bytes`` bounds the bytes of loads
+        in flight a prefetch may add to (0: four blobs); ``prefetch_config`` tunes the scheduler."""
+        if arena.slot_bytes != manifest.blob_bytes:
+            raise ValueError(
+                f"arena slots of {arena.slot_bytes} bytes cannot hold blobs of {manifest.blob_bytes}"
+            )
+        if table.num_entries != table_entries(manifest) or table.num_slots != arena.num_slots:
+            raise ValueError(
+                f"slot table {table.path} has {table.num_entries} entries and {table.num_slots} slots; "
+                f"expected {table_entries(manifest)} entries and {arena.num_slots} slots"
+            )
+        self._manifest = manifest
+        self._layers = LayerMap(tuple(manifest.moe_layers), manifest.num_layers)
+        self._num_experts = manifest.num_experts
+        self._arena = arena
+        self._policy = policy
+        self._metrics = metrics
+        self._timeout_s = acquire_timeout_s
+        self._blob_bytes = manifest.blob_bytes
+        self._cond = threading.Condition()
+        self._table = table
+        self.slots = Slots(table, arena.num_slots, manifest.num_experts)
+        self.queue = PrefetchQueue(manifest.blob_bytes)
+        self._ledgers = ClientLedgers(table)
+        self._recency = Recency(table, self.slots)
+        self._sessions: set[Session] = set()
+        self._closing = False
+        self.demand_waiting = 0  # admissions waiting for slots: prefetch stands aside
+        self._unpin_seen: int | None = None  # the unpin word as the oldest waiting admission read it
+        self._hints_dropped = 0
+        self.signals = signals or ActivationSignals(
+            manifest.num_layers, manifest.num_experts, layer_map=self._layers
+        )
+        if (self.signals.num_layers, self.signals.num_experts) != (manifest.num_layers, manifest.num_experts):
+            raise ValueError(
+                f"signals cover {self.signals.num_layers} layers x {self.signals.num_experts} experts; the store "
+                f"has {manifest.num_layers} x {manifest.num_experts}"
+            )
+        self._loader = Loader(
+            self._cond,
+            arena,
+            store,
+            host,
+            metrics,
+            io_threads=io_threads,
+            executor=executor,
+            on_done=self._load_done,
+            on_failed=self._load_failed,
+            on_cancelled=self._drop_cancelled,
+        )
+        self._max_inflight_bytes = max_inflight_bytes or 4 * manifest.blob_bytes
+        scheduler = PrefetchScheduler(
+            self.signals,
+            policy,
+            blob_bytes=manifest.blob_bytes,
+            max_inflight_bytes=self._max_inflight_bytes,
+            config=prefetch_config,
+        )
+        self._prefetcher = Prefetcher(self, self._cond, scheduler, metrics)
+        self._prefetcher.enabled = prefetch
+        self._watcher = threading.Thread(
+            target=self._watch_unpins, name="expertcache-unpin-watch", daemon=True
+        )
+        self._watcher.start()
+
+    @property
+    def num_slots(self) -> int:
+        return self._arena.num_slots
+
+    @property
+    def table(self) -> SlotTable:
+        return self._table
+
+    @property
+    def layers(self) -> LayerMap:
+        return self._layers
+
+    # -- TierState (read by the prefetch scheduler, under the lock) ---------------------
+    @property
+    def free_slots(self) -> int:
+        # While a demand waits for slots, none is free for prefetch.
+        return 0 if self.demand_waiting else self.slots.free
+
+    def is_resident(self, key: ExpertKey) -> bool:
+        return self.slots.is_resident(key)
+
+    def is_loading(self, key: ExpertKey) -> bool:
+        return key in self.queue
+
+    def evictable(self, key: ExpertKey) -> bool:
+        return not self.demand_waiting and self.slots.evictable(key)
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.queue.inflight_bytes
+
+    # -- live settings ------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Switch the device tier's eviction policy at runtime, losing nothing.
+
+        ``policy`` (fresh, over ``self.signals``) is seeded with every resident expert, in the
+        old policy's eviction order (best victim first = oldest), so each stays resident and
+        ranked; pins are the tier's, untouched; loads in flight complete and are inserted into
+        the new policy when they do."""
+        if getattr(policy, "signals", None) not in (None, self.signals):
+            raise ValueError(f"policy {policy.name!r} reads other ActivationSignals than this tier's")
+        with self._cond:
+            self.sync_recency()  # the old policy's order is complete before it is read
+            resident = [key for key, state in self.slots.occupied().values() if state is SlotState.RESIDENT]
+            order = self._policy.choose_victims(len(resident), lambda k: True)
+            ranked = set(order)
+            seed = order + [key for key in resident if key not in ranked]
+            policy.seed(key for key in seed if self.slots.is_resident(key))
+            old, self._policy = self._policy, policy
+            self._prefetcher.scheduler.set_policy(policy)
+            self._prefetcher.kick()
+        logger.info("eviction policy %s -> %s (%d resident experts kept)", old.name, policy.name, len(seed))
+
+    def configure_prefetch(
+        self, *, enabled: bool, max_inflight_bytes: int, config: PrefetchConfig | None = None
+    ) -> None:
+        """Turn prefetch on/off and retune it at runtime (loads already started complete)."""
+        if max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+        with self._cond:
+            self._prefetcher.enabled = enabled
+            self._max_inflight_bytes = max_inflight_bytes or 4 * self._blob_bytes
+            self._prefetcher.scheduler.max_inflight_bytes = self._max_inflight_bytes
+            if config is not None:
+                self._prefetcher.scheduler.config = config
+            self._prefetcher.kick()
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self._prefetcher.enabled
+
+    # -- prediction inputs (compute's one-way messages, the predictor's hints) -----------
+    def begin_request(self, request_id: str) -> None:
+        with self._cond:
+            self.signals.begin_request(request_id)
+            self._prefetcher.kick()
+        self._metrics.signals.inc(kind="request_begin")
+
+    def end_request(self, request_id: str) -> None:
+        with self._cond:
+            self.signals.end_request(request_id)
+            self._prefetcher.kick()
+        self._metrics.signals.inc(kind="request_end")
+
+    def observe(self, request_id: str, token: int, layer: int, experts: Iterable[int]) -> None:
+        """Decoder layer ``layer`` of token ``token`` was routed to ``experts`` (hits included).
+        ``InvalidArgument`` naming the value if the layer or an expert is not in the store."""
+        ex = self._check_prediction("Route", layer, experts)
+        with self._cond:
+            self.signals.observe(int(layer), ex, int(token), request_id or None)
+            self._prefetcher.kick()
+        self._metrics.signals.inc(kind="route")
+
+    def layer_ahead(
+        self, token: int, predictions: Iterable[LayerPrediction], request_id: str | None = None
+    ) -> None:
+        """Compute's lookahead for token ``token`` of ``request_id`` (None: the request last
+        routed): one prediction per depth, layers as in Acquire. ``InvalidArgument`` naming the
+        value for a malformed one (nothing applied)."""
+        checked = []
+        depths: set[int] = set()
+        for pred in predictions:
+            what = f"LayerAhead prediction at depth {pred.depth}"
+            if not 1 <= int(pred.depth) <= self._layers.num_moe:
+                raise InvalidArgument(
+                    f"LayerAhead depth {pred.depth} is outside 1..{self._layers.num_moe} (the store's MoE layers)"
+                )
+            if int(pred.depth) in depths:
+                raise InvalidArgument(f"LayerAhead names depth {pred.depth} twice")
+            depths.add(int(pred.depth))
+            ex = self._check_prediction(what, pred.layer, pred.experts, unique=False)
+            sc = np.asarray(list(pred.scores), dtype=np.float32)
+            if sc.shape != ex.shape:
+                raise InvalidArgument(
+                    f"{what} for layer {pred.layer} has {ex.size} experts but {sc.size} scores: they must pair up"
+                )
+            if not np.isfinite(sc).all():
+                raise InvalidArgument(f"{what} scores must be finite probabilities, got {sc.tolist()}")
+            # Router outputs are probabilities up to rounding (and bias-corrected scores may stray):
+            # a prediction is a hint, so clamp rather than fail compute's stream over it.
+            checked.append(LayerPrediction(int(pred.layer), int(pred.depth), ex, np.clip(sc, 0.0, 1.0)))
+        with self._cond:
+            self.signals.set_lookahead(checked, int(token), request_id)
+            self._prefetcher.kick()
+        self._metrics.signals.inc(kind="layer_ahead")
+
+    def apply_hints(self, batch: HintBatch) -> None:
+        """A predictor hint batch (pushed by the hint board as it arrives): the request's hints,
+        MoE layers translated to decoder layers, reach the signals and wake the prefetcher. Hints
+        for a request that is not live here, or naming no MoE layer of the store, are dropped."""
+        if batch.request_done:
+            return
+        layers = self._layers
+        hints = []
+        named: set[int] = set()
+        dropped = 0
+        for hint in batch.hints:
+            if not 0 <= hint.moe_layer < layers.num_moe or not 0 <= hint.expert < self._num_experts:
+                dropped += 1
+                continue
+            layer = layers.decoder(hint.moe_layer)
+            named.add(layer)
+            hints.append((layer, int(hint.expert), float(hint.score)))
+        with self._cond:
+            if batch.request_id not in self.signals.live_requests:
+                self._hints_dropped += len(batch.hints)
+                return
+            self._hints_dropped += dropped
+            self.signals.set_hints(hints, layers=named, request_id=batch.request_id)
+            self._prefetcher.kick()
+
+    def _check_prediction(
+        self, what: str, layer: int, experts: Iterable[int], *, unique: bool = True
+    ) -> np.ndarray:
+        layer = int(layer)
+        if not self._layers.is_moe(layer):
+            raise InvalidArgument(
+                f"{what} names layer {layer}, which is not a MoE layer of the store "
+                f"(MoE layers: {list(self._layers.moe_layers)})"
+            )
+        ex = np.asarray([int(e) for e in experts], dtype=np.int64)
+        bad = ex[(ex < 0) | (ex >= self._num_experts)]
+        if bad.size:
+            raise InvalidArgument(
+                f"{what} for layer {layer} names expert {int(bad[0])}; the store has experts 0..{self._num_experts - 1}"
+            )
+        if not unique and np.unique(ex).size != ex.size:
+            raise InvalidArgument(f"{what} for layer {layer} names an expert twice: {ex.tolist()}")
+        return np.unique(ex) if unique else ex
+
+    # -- the prefetcher's side -----------------------------------------------------------
+    def run_prefetch(self) -> int:
+        """Decide and start prefetches now, in the calling thread (what the worker does when
+        woken); returns the number of loads started. Nothing while prefetch is off or a demand
+        waits for slots."""
+        with self._cond:
+            return self._prefetcher.run()
+
+    def sync_recency(self) -> None:
+        """Feed the policy compute's table hits since the last sync (under the lock)."""
+        self._recency.sync(self._policy, self._prefetcher.used)
+
+    def start_prefetch(self, start: PrefetchStart) -> bool:
+        """Execute one decision if the tier still allows it (a victim must still be evictable)."""
+        key = start.key
+        if self.slots.state(key) is not SlotState.ABSENT or key in self.queue:
+            return False
+        if start.victim is not None and not self.slots.free:
+            if not self.evictable(start.victim) or not self.slots.try_evict(start.victim):
+                return False  # pinned meanwhile: never displaced
+            self._evicted(start.victim)
+        if not self.slots.free:
+            return False
+        self._prefetcher.started(start)
+        self._start_load(key, start.cls, start.score, start.depth)
+        return True
+
+    # -- client ledgers (shm pins of compute processes) ----------------------------------
+    def claim_client(self) -> ClientLedger:
+        """A free client ledger for an attaching compute process (``ResourceExhausted`` if none)."""
+        with self._cond:
+            return self._ledgers.claim()
+
+    def bind_client(self, session: Session, ledger: ClientLedger) -> None:
+        """Tie ``ledger`` (claimed at Attach) to ``session``: when the session closes, the
+        ledger's shm pins are reclaimed. ``FailedPrecondition`` if it is not claimed, bound
+        elsewhere, or at another epoch."""
+        with self._cond:
+            self._check_open(session)
+            self._ledgers.bind(session, ledger)
+
+    # -- sessions -----------------------------------------------------------------------
+    def open_session(self, name: str = "") -> Session:
+        session = Session(name)
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("the cache daemon is shutting down")
+            self._sessions.add(session)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Drop every pin ``session`` holds and end it. Idempotent; any thread."""
+        with self._cond:
+            if session.closed:
+                return
+            session.closed = True
+            for key, n in session.held.items():
+                self.slots.unhold(key, n)
+            session.held.clear()
+            self._sessions.discard(session)
+            ledger, session.ledger = session.ledger, None
+            self._prefetcher.kick()
+        if ledger is not None:
+            # Outside the lock: reclaim may wait (bounded) for a client inside a pin call.
+            removed = self._ledgers.reclaim(ledger)
+            with self._cond:
+                self._ledgers.release(ledger)
+                self._cond.notify_all()
+            if removed:
+                logger.info("reclaimed %d shm pin(s) of client ledger %d (%s)", removed, ledger, session)
+
+    # -- acquire ------------------------------------------------------------------------
+    def acquire(
+        self, session: Session, layer: int, experts: Iterable[int], timeout_s: float | None = None
+    ) -> Iterator[Ready]:
+        """Pin ``layer``'s ``experts`` for ``session``, yielding a ``Ready`` per expert as it is ready.
+
+        Already-resident experts come first (in request order), then the others as their loads
+        complete. Each Ready is one pin the session holds until ``release`` or
+        ``close_session``; if the iterator ends early (error, timeout, ``close()``), pins of
+        experts not yet yielded are dropped. The arguments are checked now (``BadAcquire`` /
+        ``InvalidArgument`` naming the value); waiting happens while iterating, bounded by
+        ``timeout_s`` (default ``acquire_timeout_s``) → ``AcquireTimeout``. A failed load raises
+        its ``DataLoss`` in every Acquire waiting for it.
+        """
+        experts = [int(e) for e in experts]
+        if len(experts) > self.num_slots:
+            raise BadAcquire(
+                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {self.num_slots} "
+                f"slots: acquire them in waves of at most {self.num_slots} (release each wave first)"
+            )
+        seen: set[int] = set()
+        keys = []
+        for expert in experts:
+            if expert in seen:
+                raise BadAcquire(f"Acquire for layer {layer} names expert {expert} more than once")
+            seen.add(expert)
+            key = ExpertKey(int(layer), expert)
+            self._manifest.check_key(key)
+            keys.append(key)
+        self._metrics.demands.inc()
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        return self._acquire(session, int(layer), keys, time.monotonic() + timeout, timeout)
+
+    def _acquire(
+        self, session: Session, layer: int, keys: list[ExpertKey], deadline: float, timeout: float
+    ) -> Iterator[Ready]:
+        with self._cond:
+            waiting = False
+            try:
+                while True:
+                    self._check_open(session)
+                    # Read before the check: an unpin after it changes the word and wakes us.
+                    seen = self._table.unpin_seq
+                    admitted = self._try_admit(session, layer, keys)
+                    if admitted is not None:
+                        ready, pending = admitted
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise AcquireTimeout(self._timeout_message(layer, keys, timeout))
+                    if not waiting:
+                        waiting = True
+                        self.demand_waiting += 1  # the prefetcher takes no slot meanwhile
+                    if self._unpin_seen is None:
+                        self._unpin_seen = seen  # the watcher wakes us when compute unpins
+                    self._cond.notify_all()
+                    self._cond.wait(remaining)
+            finally:
+                if waiting:
+                    self.demand_waiting -= 1
+                    if not self.demand_waiting:
+                        self._unpin_seen = None
+                    self._prefetcher.kick()
+        unyielded = {item.key for item in ready} | set(pending)
+        try:
+            for item in ready:
+                unyielded.discard(item.key)  # suspended at the yield = the caller has it
+                yield item
+            while pending:
+                with self._cond:
+                    while True:
+                        finished = [key for key, load in pending.items() if load.done]
+                        if finished:
+                            break
+                        self._check_open(session)
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise AcquireTimeout(
+                                f"timed out after {timeout:.3g}s (acquire_timeout_s) waiting for "
+                                f"{len(pending)} expert(s) of layer {layer} to load: "
+                                f"{', '.join(map(str, sorted(pending)))}"
+                            )
+                        self._cond.wait(remaining)
+                failed = next((key for key in finished if pending[key].error is not None), None)
+                if failed is not None:
+                    raise _fresh_error(pending[failed].error, failed)
+                for key in finished:
+                    load = pending.pop(key)
+                    unyielded.discard(key)
+                    yield Ready(key, load.slot, load.source)
+        finally:
+            if unyielded:
+                # Never handed out: the caller cannot know to release these pins, so drop them.
+                with self._cond:
+                    for key in unyielded:
+                        self._drop_pin(session, key)
+                    self._cond.notify_all()
+
+    def _check_open(self, session: Session) -> None:
+        if self._closing:
+            raise ShuttingDown("the cache daemon is shutting down")
+        if session.closed:
+            raise SessionClosed(f"Demand session {session.name or session.id} is closed")
+
+    def _try_admit(
+        self, session: Session, layer: int, keys: list[ExpertKey]
+    ) -> tuple[list[Ready], dict[ExpertKey, Load]] | None:
+        """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
+        wanted = set(keys)
+        held_elsewhere = len(set(session.held) - wanted)
+        if held_elsewhere + len(keys) > self.num_slots:
+            raise BadAcquire(
+                f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
+                f"{held_elsewhere} other experts and the arena has {self.num_slots} slots; release them first"
+            )
+        self.sync_recency()
+        slots = self.slots
+        loads = [self.queue.get(key) for key in keys]
+        if any(ld is not None and ld.cancelled for ld in loads):
+            return None  # a cancelled prefetch of a key still holds its slot: wait until it lets go
+        missing = [
+            key for key, ld in zip(keys, loads, strict=True) if ld is None and not slots.is_resident(key)
+        ]
+        refused: set[ExpertKey] = set()  # victims whose try_evict lost to a compute shm pin
+        while (need := len(missing) - slots.free) > 0:
+            victims = self._policy.choose_victims(
+                need, lambda k: k not in wanted and k not in refused and slots.evictable(k)
+            )
+            if len(victims) < need:
+                # Short of slots: queued prefetches give way. A cancelled one frees its slot now,
+                # or once the chunks its read already issued land; the admission is retried.
+                if self._cancel_prefetches(need - len(victims), wanted):
+                    continue  # some slots came free at once: choose again
+                return None  # nothing taken; slots freed by earlier rounds simply stay free
+            for victim in victims:
+                if slots.try_evict(victim):
+                    self._evicted(victim)
+                else:
+                    refused.add(victim)  # compute pinned it between the check and the evict
+        # Admitted: from here on nothing can fail.
+        ready: list[Ready] = []
+        pending: dict[ExpertKey, Load] = {}
+        scheduler = self._prefetcher.scheduler
+        for key in keys:
+            self._prefetcher.used(key)
+            scheduler.on_demand(key)
+            load = self.queue.get(key)
+            if load is None and slots.is_resident(key):
+                slots.hold(key)
+                session.add(key)
+                self._metrics.hits.inc(tier=Tier.DEVICE.value)
+                self._policy.on_access(key)
+                ready.append(Ready(key, slots.slot(key), Tier.DEVICE))
+                continue
+            self._metrics.misses.inc(tier=Tier.DEVICE.value)
+            if load is not None:
+                self._promote(load)
+            else:
+                load = self._start_load(key, PrefetchClass.DEMAND)
+            slots.hold(key)
+            session.add(key)
+            pending[key] = load
+        return ready, pending
+
+    def _start_load(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> Load:
+        slot = self.slots.begin_load(key)
+        load = self.queue.add(Load(key, cls, score, depth, slot=slot, priority=PRIORITY[cls]))
+        self._loader.submit(load)  # type: ignore[arg-type]
+        return load  # type: ignore[return-value]
+
+    def _promote(self, load: Load) -> None:
+        """A demand joined ``load``: from now on it is a demand load, read at demand priority."""
+        if self.queue.promote(load.key) is None:
+            return  # already a demand load
+        if load.prefetch is not None:
+            self._metrics.prefetch_promoted.inc(kind=PREFETCH_KINDS[load.prefetch])
+        self._loader.promote(load)
+
+    def _cancel_prefetches(self, n: int, wanted: set[ExpertKey]) -> int:
+        """Cancel up to ``n`` queued prefetch loads no demand holds; returns the slots freed now.
+
+        Lowest class first (EAMC before layer-ahead), unstarted before started. A load whose read
+        is submitted loses only its unissued chunks: its slot comes free when the read ends."""
+        freed = cancelled = 0
+        for load in self.queue.cancel_candidates(keep=wanted):
+            if cancelled >= n:
+                break
+            assert isinstance(load, Load)
+            if not load.started:
+                load.cancelled = True
+                self._drop_cancelled(load)
+                freed += 1
+            elif load.handle is not None and load.handle.cancel():
+                load.cancelled = True  # the I/O thread's wait ends with it; the slot frees then
+            else:
+                continue  # every chunk already issued: it completes soon anyway
+            cancelled += 1
+            if load.prefetch is not None:
+                self._metrics.prefetch_cancelled.inc(kind=PREFETCH_KINDS[load.prefetch])
+        return freed
+
+    def _evicted(self, key: ExpertKey) -> None:
+        """``key`` left the arena through ``try_evict``: tell the policy and the accounting."""
+        self._prefetcher.gone(key, evicted=True)
+        self._policy.on_remove(key)
+        self._metrics.evictions.inc(tier=Tier.DEVICE.value)
+
+    # -- load results (the loader's callbacks, under the lock) --------------------------------
+    def _load_done(self, load: Load, source: Tier) -> None:
+        self.queue.remove(load.key)
+        self.slots.finish_load(load.key)
+        self._policy.on_insert(load.key)
+        load.source, load.done = source, True
+        self._prefetcher.kick()
+
+    def _load_failed(self, load: Load, error: BaseException) -> None:
+        """Back to ABSENT: free the slot, drop every pin on the key, wake the waiters with ``error``."""
+        key = load.key
+        for session in self._sessions:
+            n = session.held.pop(key, 0)
+            self.slots.unhold(key, n)
+        self.queue.remove(key)
+        self.slots.abort_load(key, load.slot)
+        self._prefetcher.gone(key, evicted=False)
+        load.error, load.done = error, True
+        self._prefetcher.kick()
+
+    def _drop_cancelled(self, load: Load) -> None:
+        """A cancelled prefetch load lets go of its slot (no holder waits for it)."""
+        self.queue.remove(load.key)
+        self.slots.abort_load(load.key, load.slot)
+        self._prefetcher.gone(load.key, evicted=False)
+        load.done = True
+        self._prefetcher.kick()
+
+    def _timeout_message(self, layer: int, keys: list[ExpertKey], timeout: float) -> str:
+        occupied = self.slots.occupied()
+        pinned = sum(1 for key, _state in occupied.values() if self.slots.pins(key) > 0)
+        loading = sum(1 for _key, state in occupied.values() if state is SlotState.LOADING)
+        missing = sum(1 for key in keys if self.slots.state(key) is SlotState.ABSENT)
+        return (
+            f"timed out after {timeout:.3g}s (acquire_timeout_s) waiting for {missing} free slot(s) for "
+            f"layer {layer}: {pinned} of {self.num_slots} slots are pinned ({loading} loading) by "
+            f"{len(self._sessions)} stream(s)"
+        )
+
+    def _watch_unpins(self) -> None:
+        """Turns compute's unpins (the slot table's futex word) into wake-ups of waiting admissions;
+        asleep unless an admission waits."""
+        while True:
+            with self._cond:
+                while not self._closing and not (self.demand_waiting and self._unpin_seen is not None):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                seen, self._unpin_seen = self._unpin_seen, None
+            self._table.wait_unpin(seen)  # no timeout: an unpin, or shutdown's wake, ends it
+            with self._cond:
+                self._cond.notify_all()
+
+    # -- release / read -----------------------------------------------------------------
+    def release(self, session: Session, keys: Iterable[ExpertKey]) -> None:
+        """Drop one pin per key. A key the session does not pin raises ``BadAcquire`` and
+        releases nothing."""
+        keys = list(keys)
+        with self._cond:
+            self._check_open(session)
+            counts: dict[ExpertKey, int] = {}
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+                if counts[key] > session.pins(key):
+                    raise BadAcquire(f"Release of expert {key}, which this stream does not pin")
+            for key in keys:
+                self._drop_pin(session, key)
+            self._prefetcher.kick()
+
+    def _drop_pin(self, session: Session, key: ExpertKey) -> None:
+        if session.drop(key):  # not already dropped (the load failed, or the session was closed)
+            self.slots.unhold(key)
+
+    def read_slot(self, session: Session, key: ExpertKey) -> torch.Tensor:
+        """``[blob_bytes]`` uint8 view of ``key``'s slot; only while RESIDENT and pinned by ``session``."""
+        with self._cond:
+            state = self.slots.state(key)
+            pinned = session.pins(key) > 0
+            if state is not SlotState.RESIDENT or not pinned:
+                raise SlotNotReadable(
+                    f"expert {key} is {state.value} and {'pinned' if pinned else 'not pinned'} by this stream: "
+                    "a slot is readable only while RESIDENT and pinned"
+                )
+            return self._arena.slots[self.slots.slot(key)]
+
+    # -- introspection ------------------------------------------------------------------
+    def describe(self, key: ExpertKey) -> SlotInfo:
+        with self._cond:
+            state = self.slots.state(key)
+            load = self.queue.get(key)
+            priority = None
+            if isinstance(load, Load):
+                # The native reader's own view when the read is submitted (what it serves by).
+                native = load.handle.state if load.handle is not None else None
+                priority = Priority(native["priority"]) if native else load.priority
+            return SlotInfo(
+                key,
+                state,
+                self.slots.slot(key) if state is not SlotState.ABSENT else -1,
+                self.slots.pins(key),
+                self.slots.generation(key),
+                priority,
+                self._prefetcher.is_unused_prefetch(key),
+            )
+
+    def slot_owner(self, slot: int) -> ExpertKey | None:
+        with self._cond:
+            owner = self.slots.occupied().get(slot)
+            return None if owner is None else owner[0]
+
+    def stats(self) -> ResidencyStats:
+        with self._cond:
+            occupied = self.slots.occupied()
+            return ResidencyStats(
+                num_slots=self.num_slots,
+                resident=sum(1 for _k, s in occupied.values() if s is SlotState.RESIDENT),
+                loading=sum(1 for _k, s in occupied.values() if s is SlotState.LOADING),
+                pinned=sum(1 for k, _s in occupied.values() if self.slots.pins(k) > 0),
+                sessions=len(self._sessions),
+                shm_hits=self._table.hits,
+                prefetching=self.queue.prefetching(),
+                inflight_bytes=self.queue.inflight_bytes,
+                demands_waiting=self.demand_waiting,
+                hints_dropped=self._hints_dropped,
+            )
+
+    def shutdown(self) -> None:
+        """Wake and fail every waiting Acquire (``ShuttingDown``), then stop the prefetcher, the
+        unpin watcher and the I/O threads."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._table.wake_unpin_waiters()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
+        self._prefetcher.close()
+        self._loader.shutdown()
+
+
+def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
+    """A new exception for one waiter (one object raised in several threads would share a traceback)."""
+    if isinstance(error, ExpertCacheError):
+        return type(error)(str(error))
+    return ExpertCacheError(f"loading expert {key} failed: {type(error).__name__}: {error}")
+
+
+__all__ = ["Ready", "Residency", "ResidencyStats", "SlotInfo", "table_entries"]

@@ -1,0 +1,202 @@
+"""Loads: an expert's blob from the host tier or the store into its arena slot, on I/O threads.
+
+::
+
+    Loader.submit(load) ─▶ demand pool (io_threads)   or   prefetch pool (io_threads)
+                               │ _run: host tier has it? copy host slot → arena slot   (source HOST)
+                               │       else reserve a host slot, read the store into it at the
+                               │       load's priority, commit, copy to the arena      (source STORE)
+                               │       (no host slot free: read into the arena slot or a staging
+                               │       buffer directly)
+                               ▼
+                          on_done(load, source) / on_failed(load, error) / on_cancelled(load)
+                          (the residency's callbacks, under its lock: they publish the result)
+
+Prefetch loads never occupy a demand I/O thread, so a demand load never queues behind one. A
+demand that joins a prefetch load promotes it: the store read's priority rises to DEMAND, or a
+demand I/O thread takes it if no prefetch thread has yet (whichever thread starts first runs it).
+A cancelled load that has not started never reads; one whose read is submitted loses its
+unissued chunks and ends with ``Cancelled``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from cache_daemon.decisions.scheduler import PrefetchClass, QueuedLoad
+from cache_daemon.errors import ShuttingDown
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.tiers.base import Tier
+from cache_daemon.tiers.device import DeviceArena
+from cache_daemon.tiers.host import HostTier
+from cache_daemon.tiers.store import Priority, StoreReader
+
+logger = logging.getLogger(__name__)
+
+# The store read priority of each load class.
+PRIORITY = {
+    PrefetchClass.DEMAND: Priority.DEMAND,
+    PrefetchClass.LAYER_AHEAD: Priority.LAYER_AHEAD,
+    PrefetchClass.EAMC: Priority.PREFETCH,
+}
+
+
+class Cancelled(Exception):
+    """A prefetch load was cancelled before its store read was submitted."""
+
+
+@dataclass(eq=False)
+class Load(QueuedLoad):
+    """One load of ``key`` into arena ``slot``, shared by every Acquire waiting for it; its entry
+    in the residency's ``PrefetchQueue`` (``handle``: its store read while one is submitted)."""
+
+    slot: int = -1
+    priority: Priority = Priority.DEMAND
+    done: bool = False
+    source: Tier = Tier.STORE
+    error: BaseException | None = None
+
+
+class Loader:
+    """The two I/O pools and the fill of an arena slot. ``cond`` is the residency's lock."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        arena: DeviceArena,
+        store: StoreReader,
+        host: HostTier | None,
+        metrics: DaemonMetrics,
+        *,
+        io_threads: int,
+        executor: Executor | None,
+        on_done: Callable[[Load, Tier], None],
+        on_failed: Callable[[Load, BaseException], None],
+        on_cancelled: Callable[[Load], None],
+    ) -> None:
+        self._cond = cond
+        self._arena = arena
+        self._store = store
+        self._host = host if host is not None and host.enabled else None
+        self._metrics = metrics
+        self._on_done = on_done
+        self._on_failed = on_failed
+        self._on_cancelled = on_cancelled
+        self._owns_pool = executor is None
+        self._pool = executor or ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="expertcache-io"
+        )
+        self._prefetch_pool = ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="expertcache-prefetch"
+        )
+
+    # -- under the residency lock ------------------------------------------------------------------
+    def submit(self, load: Load) -> None:
+        """Queue ``load`` on its class's pool (a failure to queue fails the load)."""
+        pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
+        try:
+            pool.submit(self._run, load)
+        except RuntimeError as exc:  # the I/O pool is shut down
+            if not load.started and not load.done:
+                self._on_failed(load, ShuttingDown(f"cannot load expert {load.key}: {exc}"))
+
+    def promote(self, load: Load) -> None:
+        """A demand joined ``load``: read it at demand priority from now on."""
+        if load.priority is Priority.DEMAND:
+            return
+        load.priority = Priority.DEMAND
+        if not load.started:
+            self.submit(load)  # a demand thread takes it unless a prefetch thread already has
+        elif load.handle is not None:
+            load.handle.promote(Priority.DEMAND)
+
+    # -- I/O threads -------------------------------------------------------------------------------
+    def _run(self, load: Load) -> None:
+        with self._cond:
+            if load.started or load.done or load.cancelled:
+                return  # promoted: the other pool's thread runs it (or it was cancelled unstarted)
+            load.started = True
+        try:
+            source = self._fill(load)
+        except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
+            with self._cond:
+                if load.cancelled:
+                    self._on_cancelled(load)
+                    return
+                logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+                self._on_failed(load, exc)
+            return
+        self._metrics.bytes_in.inc(self._arena.slot_bytes, tier=Tier.DEVICE.value)
+        with self._cond:
+            self._on_done(load, source)
+
+    def _read(self, load: Load, out: torch.Tensor | memoryview) -> None:
+        """Read ``load.key``'s blob into ``out`` at the load's priority, cancellable meanwhile."""
+        with self._cond:
+            if load.cancelled:
+                raise Cancelled(f"prefetch of {load.key} cancelled")
+            handle = load.handle = self._store.submit(load.key, out, load.priority)
+        try:
+            handle.wait()
+        finally:
+            with self._cond:
+                load.handle = None
+
+    def _fill(self, load: Load) -> Tier:
+        """Write ``load.key``'s verified blob into arena slot ``load.slot``; returns the tier it
+        came from."""
+        key, slot = load.key, load.slot
+        host = self._host
+        if host is not None:
+            if host.pin(key):
+                self._metrics.hits.inc(tier=Tier.HOST.value)
+                try:
+                    self._arena.copy_in(slot, host.get(key))
+                finally:
+                    host.unpin(key)
+                return Tier.HOST
+            self._metrics.misses.inc(tier=Tier.HOST.value)
+            reservation = host.reserve(key)
+            if reservation is not None:
+                if reservation.present:  # another load put it there meanwhile
+                    try:
+                        self._arena.copy_in(slot, reservation.view)
+                    finally:
+                        host.unpin(key)
+                    return Tier.HOST
+                try:
+                    self._read(load, reservation.view)
+                except BaseException:
+                    host.abandon(reservation)
+                    raise
+                view = host.commit(reservation)
+                if view is not None:
+                    try:
+                        self._arena.copy_in(slot, view)
+                    finally:
+                        host.unpin(key)
+                    return Tier.STORE
+            # Every host slot is pinned by concurrent loads (or the tier closed): skip it this time.
+        direct = self._arena.host_buffer(slot)
+        if direct is not None:
+            self._read(load, direct)  # the slot is LOADING: nobody can read it yet
+        else:
+            staging = self._arena.staging_buffer()
+            self._read(load, staging)
+            self._arena.copy_in(slot, staging)
+        return Tier.STORE
+
+    def shutdown(self) -> None:
+        """Stop the I/O threads (queued loads are dropped; running ones finish)."""
+        self._prefetch_pool.shutdown(wait=True, cancel_futures=True)
+        if self._owns_pool:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["PRIORITY", "Cancelled", "Load", "Loader"]

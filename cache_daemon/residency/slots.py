@@ -1,0 +1,125 @@
+"""The arena's slots as the shared slot table records them, and the allocator of free slots.
+
+The native ``SlotTable`` is the only record of each entry's state, slot, generation and pins —
+compute's shared-memory pins and the daemon's Demand pins (``hold``) alike — so eviction checks
+one number and nothing here mirrors it. The only state kept beside it is the allocator's list
+of free slots (slots no entry names), changed only through this class.
+
+Every method is called under the residency lock (the table's atomics make each call safe
+against compute's concurrent pins; the lock orders the daemon's own transitions).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from expertcache.keys import ExpertKey
+from expertcache.native import SlotState as TableState
+from expertcache.native import SlotTable
+
+
+class SlotState(enum.Enum):
+    ABSENT = "absent"
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+# EVICTING exists only inside the daemon's own try_evict call, under its lock.
+_STATE = {
+    int(TableState.ABSENT): SlotState.ABSENT,
+    int(TableState.LOADING): SlotState.LOADING,
+    int(TableState.RESIDENT): SlotState.RESIDENT,
+    int(TableState.EVICTING): SlotState.RESIDENT,
+}
+
+
+class Slots:
+    """Entry state and slot (read from ``table``) and the free-slot allocator over ``num_slots``."""
+
+    def __init__(self, table: SlotTable, num_slots: int, num_experts: int) -> None:
+        self.table = table
+        self.num_slots = num_slots
+        self.num_experts = num_experts
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    # -- keys ------------------------------------------------------------------------------------
+    def index(self, key: ExpertKey) -> int:
+        return key.entry(self.num_experts)
+
+    def key_of(self, index: int) -> ExpertKey:
+        return ExpertKey.of_entry(index, self.num_experts)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def state(self, key: ExpertKey) -> SlotState:
+        return _STATE[int(self.table.state(self.index(key)))]
+
+    def slot(self, key: ExpertKey) -> int:
+        return int(self.table.slot(self.index(key)))
+
+    def generation(self, key: ExpertKey) -> int:
+        return int(self.table.generation(self.index(key)))
+
+    def pins(self, key: ExpertKey) -> int:
+        """Every pin on ``key``: compute's shared-memory pins and the daemon's sessions' holds."""
+        return int(self.table.pins(self.index(key)))
+
+    def is_resident(self, key: ExpertKey) -> bool:
+        return int(self.table.state(self.index(key))) == int(TableState.RESIDENT)
+
+    def evictable(self, key: ExpertKey) -> bool:
+        """RESIDENT with no pin of anyone (the same check ``try_evict`` makes atomically)."""
+        i = self.index(key)
+        return int(self.table.state(i)) == int(TableState.RESIDENT) and self.table.pins(i) == 0
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def occupied(self) -> dict[int, tuple[ExpertKey, SlotState]]:
+        """slot → (key, state) of every slot in use (one pass over the table)."""
+        out = {}
+        for i, (state, slot) in enumerate(zip(self.table.states(), self.table.slots(), strict=True)):
+            if slot >= 0 and state != int(TableState.ABSENT):
+                out[int(slot)] = (self.key_of(i), _STATE[int(state)])
+        return out
+
+    # -- transitions -----------------------------------------------------------------------------
+    def begin_load(self, key: ExpertKey) -> int:
+        """ABSENT → LOADING into a free slot (the caller made sure there is one); returns it."""
+        slot = self._free.pop()
+        try:
+            self.table.begin_load(self.index(key), slot)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        return slot
+
+    def finish_load(self, key: ExpertKey) -> None:
+        """LOADING → RESIDENT (wakes compute threads waiting on the entry)."""
+        self.table.finish_load(self.index(key))
+
+    def abort_load(self, key: ExpertKey, slot: int) -> None:
+        """LOADING → ABSENT; ``slot`` is free again."""
+        self.table.abort_load(self.index(key))
+        self._free.append(slot)
+
+    def try_evict(self, key: ExpertKey) -> bool:
+        """RESIDENT → ABSENT unless pinned (compute may pin concurrently: the table decides)."""
+        i = self.index(key)
+        slot = int(self.table.slot(i))
+        if not self.table.try_evict(i):
+            return False
+        self._free.append(slot)
+        return True
+
+    def hold(self, key: ExpertKey, n: int = 1) -> None:
+        """Add ``n`` daemon pins (a session's) to a LOADING or RESIDENT entry."""
+        self.table.hold(self.index(key), n)
+
+    def unhold(self, key: ExpertKey, n: int = 1) -> None:
+        """Drop ``n`` daemon pins (wakes a daemon waiting for slots when the count reaches 0)."""
+        if n > 0:
+            self.table.unpin_many([self.index(key)] * n)
+
+
+__all__ = ["SlotState", "Slots"]

@@ -1,0 +1,64 @@
+"""Plain, thread-safe, Prometheus-named counters and their text rendering, shared by the services.
+
+Each service keeps its own counters (``cache_daemon.metrics``, ``predictor_svc.metrics``) built
+from this ``Counter``; ``render_text`` writes them in the Prometheus text exposition format.
+
+>>> c = Counter("moe_example_total", "Example.", ("kind",))
+>>> c.inc(2, kind="a")
+>>> print(render_text([c]), end="")
+# HELP moe_example_total Example.
+# TYPE moe_example_total counter
+moe_example_total{kind="a"} 2
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+
+class Counter:
+    """A monotonically increasing value per label set (``tier=...`` or none)."""
+
+    def __init__(self, name: str, help_text: str, labelnames: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help_text
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def _labels(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
+        return tuple(labels[n] for n in self.labelnames)
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name} can only increase (got {amount})")
+        key = self._labels(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0) + amount
+
+    def value(self, **labels: str) -> float:
+        key = self._labels(labels)
+        with self._lock:
+            return self._values.get(key, 0)
+
+    def samples(self) -> list[tuple[dict[str, str], float]]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [(dict(zip(self.labelnames, k, strict=True)), v) for k, v in items]
+
+
+def render_text(counters: Iterable[Counter]) -> str:
+    """``counters`` in the Prometheus text exposition format (shared by every service's metrics)."""
+    lines = []
+    for counter in counters:
+        lines.append(f"# HELP {counter.name} {counter.help}")
+        lines.append(f"# TYPE {counter.name} counter")
+        for labels, value in counter.samples():
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(
+                f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
+            )
+    return "\n".join(lines) + "\n"
