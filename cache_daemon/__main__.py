@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
-from cache_daemon.daemon import CacheDaemon
+from cache_daemon.daemon import DETACH_GRACE_S, CacheDaemon
 from cache_daemon.server import SERVICE_NAME, create_server
 from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError
@@ -100,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 _reload(daemon, args)
         health_servicer.enter_graceful_shutdown()
     finally:
-        # Wake Acquires blocked on slots first, so the server's grace period is not spent on them.
+        # Wake Acquires blocked on slots first, so the server's grace period is not spent on them;
+        # then let compute release what it still reads (its kernels finish) before its streams end.
         daemon.residency.shutdown()
+        daemon.residency.drain(DETACH_GRACE_S)
         if server is not None:
             server.stop(STOP_GRACE_S).wait()
         daemon.close()

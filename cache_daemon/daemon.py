@@ -47,6 +47,9 @@ from expertcache.native import SlotTable
 
 logger = logging.getLogger(__name__)
 
+# How long close() waits for compute to release the arena's slots before freeing it anyway.
+DETACH_GRACE_S = 10.0
+
 
 @dataclass(frozen=True)
 class AttachInfo:
@@ -387,14 +390,26 @@ class CacheDaemon:
             config=self.config,
         )
 
-    def close(self) -> None:
-        """Fail waiting Acquires, stop the I/O threads, free the tiers, remove the shm files."""
+    def close(self, detach_grace_s: float = DETACH_GRACE_S) -> None:
+        """Fail waiting Acquires, stop the I/O threads, free the tiers, remove the shm files.
+
+        The arena is freed only once no compute process pins a slot of it (waiting at most
+        ``detach_grace_s``): compute releases a pin after the kernels reading the slot are done,
+        and every expert is evicted meanwhile so that no new hit pins one. A CUDA arena freed
+        under a kernel still reading it would fault compute's GPU context."""
         if self._closed:
             return
         self._closed = True
         if self.hint_subscriber is not None:
             self.hint_subscriber.close()
         self.residency.shutdown()
+        pinned = self.residency.drain(detach_grace_s)
+        if pinned:
+            logger.warning(
+                "%d experts are still pinned by compute after %.1fs: freeing the arena anyway",
+                pinned,
+                detach_grace_s,
+            )
         self.store.close()
         self.host.close()
         self.arena.close()

@@ -46,3 +46,16 @@ class ArenaUnavailable(FailedPrecondition):
 
 class ShuttingDown(Unavailable):
     """The daemon is stopping; waiting Acquires end with this. ``UNAVAILABLE``."""
+
+
+class CopyInFlight(ArenaUnavailable):
+    """A host→device copy into an arena slot outlived its timeout and is still queued on the GPU.
+
+    The load's waiters fail with this (FAILED_PRECONDITION), but the slot and the copy's source
+    must stay untouched until the copy lands: ``wait_done()`` blocks until it has, and
+    ``cleanups`` are what the loader runs then (unpinning the source)."""
+
+    def __init__(self, message: str, wait_done=None) -> None:
+        super().__init__(message)
+        self.wait_done = wait_done or (lambda: None)
+        self.cleanups: list = []

@@ -240,7 +240,9 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                             )
                         else:
                             ahead = request.layer_ahead
-                            residency.layer_ahead(ahead.token, lookahead_from_pb(ahead), ahead.request_id or None)
+                            residency.layer_ahead(
+                                ahead.token, lookahead_from_pb(ahead), ahead.request_id or None
+                            )
                     except InvalidArgument as exc:
                         self._daemon.metrics.signals.inc(kind="rejected")
                         if not warned:

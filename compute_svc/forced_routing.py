@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,9 @@ class ForcedRouting:
 
     def experts(self, request_id: str, step: int, layer: int) -> np.ndarray:
         """[top_k] int64 experts of decoder layer ``layer`` at forward ``step`` of ``request_id``."""
-        return self.trace.expert_ids[self.row(request_id, step), self._layers.moe_index(layer)].astype(np.int64)
+        return self.trace.expert_ids[self.row(request_id, step), self._layers.moe_index(layer)].astype(
+            np.int64
+        )
 
     def routing(
         self, segments: Sequence, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -197,7 +197,9 @@ class LayerAheadPredictor:
                 per_depth.append(probs.max(dim=0, keepdim=True).values)  # [1, E]
             else:
                 best = probs.new_zeros(len(segments), probs.shape[1])  # [B, E]
-                per_depth.append(best.scatter_reduce_(0, owner.unsqueeze(1).expand_as(probs), probs, reduce="amax"))
+                per_depth.append(
+                    best.scatter_reduce_(0, owner.unsqueeze(1).expand_as(probs), probs, reduce="amax")
+                )
         return DevicePrediction(layers=tuple(target for target, _ in ahead), scores=torch.stack(per_depth))
 
     def predict(self, layer: int, hidden_states: torch.Tensor) -> tuple[Prediction, ...]:

@@ -184,6 +184,7 @@ class Residency:
             on_done=self._load_done,
             on_failed=self._load_failed,
             on_cancelled=self._drop_cancelled,
+            on_slot_settled=self._slot_settled,
         )
         self._max_inflight_bytes = max_inflight_bytes or 4 * manifest.blob_bytes
         scheduler = PrefetchScheduler(
@@ -660,17 +661,24 @@ class Residency:
         load.source, load.done = source, True
         self._prefetcher.kick()
 
-    def _load_failed(self, load: Load, error: BaseException) -> None:
-        """Back to ABSENT: free the slot, drop every pin on the key, wake the waiters with ``error``."""
+    def _load_failed(self, load: Load, error: BaseException, keep_slot: bool = False) -> None:
+        """Back to ABSENT: free the slot (unless ``keep_slot``: a late copy may still write it),
+        drop every pin on the key, wake the waiters with ``error``."""
         key = load.key
         for session in self._sessions:
             n = session.held.pop(key, 0)
             self.slots.unhold(key, n)
         self.queue.remove(key)
-        self.slots.abort_load(key, load.slot)
+        self.slots.abort_load(key, load.slot, free_slot=not keep_slot)
         self._prefetcher.gone(key, evicted=False)
         load.error, load.done = error, True
         self._prefetcher.kick()
+
+    def _slot_settled(self, slot: int) -> None:
+        """The late copy into ``slot`` landed: it is free for loads again."""
+        self.slots.release_slot(slot)
+        self._prefetcher.kick()
+        self._cond.notify_all()
 
     def _drop_cancelled(self, load: Load) -> None:
         """A cancelled prefetch load lets go of its slot (no holder waits for it)."""
@@ -789,6 +797,27 @@ class Residency:
             self._watcher.join()
         self._prefetcher.close()
         self._loader.shutdown()
+
+    def drain(self, timeout_s: float) -> int:
+        """After ``shutdown``: evict every expert nobody pins, and wait (at most ``timeout_s``) for
+        the pinned ones to be released, evicting each as it is. Compute releases a pin only once
+        the kernels reading the slot are done, so when this returns 0 no compute process reads the
+        arena and its memory may go. Returns how many entries are still pinned."""
+        deadline = time.monotonic() + timeout_s
+        entries = range(self._table.num_entries)
+        while True:
+            seen = self._table.unpin_seq
+            with self._cond:
+                pinned = 0
+                for index in entries:
+                    if self._table.pins(index) > 0:
+                        pinned += 1
+                    elif self.slots.is_resident(key := self.slots.key_of(index)):
+                        self.slots.try_evict(key)  # compute cannot pin it any more: its hits miss
+            remaining = deadline - time.monotonic()
+            if pinned == 0 or remaining <= 0:
+                return pinned
+            self._table.wait_unpin(seen, remaining)  # an unpin (or the deadline) ends the wait
 
 
 def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_daemon.decisions.scheduler import PrefetchClass, QueuedLoad
-from cache_daemon.errors import ShuttingDown
+from cache_daemon.errors import CopyInFlight, ShuttingDown
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import DeviceArena
@@ -79,6 +79,7 @@ class Loader:
         on_done: Callable[[Load, Tier], None],
         on_failed: Callable[[Load, BaseException], None],
         on_cancelled: Callable[[Load], None],
+        on_slot_settled: Callable[[int], None],
     ) -> None:
         self._cond = cond
         self._arena = arena
@@ -88,6 +89,7 @@ class Loader:
         self._on_done = on_done
         self._on_failed = on_failed
         self._on_cancelled = on_cancelled
+        self._on_slot_settled = on_slot_settled
         self._owns_pool = executor is None
         self._pool = executor or ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="expertcache-io"
@@ -124,6 +126,21 @@ class Loader:
             load.started = True
         try:
             source = self._fill(load)
+        except CopyInFlight as exc:
+            # The waiters fail now; the slot and the copy's source stay reserved until the copy
+            # lands (this I/O thread waits for it), so nothing reuses memory the GPU still writes.
+            logger.error("loading expert %s into slot %d: %s", load.key, load.slot, exc)
+            with self._cond:
+                self._on_failed(load, exc, keep_slot=True)
+            try:
+                exc.wait_done()
+            finally:
+                for cleanup in exc.cleanups:
+                    cleanup()
+                with self._cond:
+                    self._on_slot_settled(load.slot)
+            logger.warning("the late copy into slot %d landed: the slot is free again", load.slot)
+            return
         except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
             with self._cond:
                 if load.cancelled:
@@ -148,6 +165,22 @@ class Loader:
             with self._cond:
                 load.handle = None
 
+    def _copy_in(self, slot: int, src, release: Callable[[], None] | None = None) -> None:
+        """Copy ``src`` into arena ``slot``, then ``release`` it (unpin its host slot). A copy
+        still in flight keeps ``src``: its release then runs when the copy lands."""
+        try:
+            self._arena.copy_in(slot, src)
+        except CopyInFlight as exc:
+            if release is not None:
+                exc.cleanups.append(release)
+            raise
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            release()
+
     def _fill(self, load: Load) -> Tier:
         """Write ``load.key``'s verified blob into arena slot ``load.slot``; returns the tier it
         came from."""
@@ -156,19 +189,13 @@ class Loader:
         if host is not None:
             if host.pin(key):
                 self._metrics.hits.inc(tier=Tier.HOST.value)
-                try:
-                    self._arena.copy_in(slot, host.get(key))
-                finally:
-                    host.unpin(key)
+                self._copy_in(slot, host.get(key), lambda: host.unpin(key))
                 return Tier.HOST
             self._metrics.misses.inc(tier=Tier.HOST.value)
             reservation = host.reserve(key)
             if reservation is not None:
                 if reservation.present:  # another load put it there meanwhile
-                    try:
-                        self._arena.copy_in(slot, reservation.view)
-                    finally:
-                        host.unpin(key)
+                    self._copy_in(slot, reservation.view, lambda: host.unpin(key))
                     return Tier.HOST
                 try:
                     self._read(load, reservation.view)
@@ -177,19 +204,16 @@ class Loader:
                     raise
                 view = host.commit(reservation)
                 if view is not None:
-                    try:
-                        self._arena.copy_in(slot, view)
-                    finally:
-                        host.unpin(key)
+                    self._copy_in(slot, view, lambda: host.unpin(key))
                     return Tier.STORE
             # Every host slot is pinned by concurrent loads (or the tier closed): skip it this time.
         direct = self._arena.host_buffer(slot)
         if direct is not None:
             self._read(load, direct)  # the slot is LOADING: nobody can read it yet
         else:
-            staging = self._arena.staging_buffer()
+            staging = self._arena.staging_buffer()  # this thread's: it waits for a late copy itself
             self._read(load, staging)
-            self._arena.copy_in(slot, staging)
+            self._copy_in(slot, staging)
         return Tier.STORE
 
     def shutdown(self) -> None:

@@ -98,9 +98,15 @@ class Slots:
         """LOADING → RESIDENT (wakes compute threads waiting on the entry)."""
         self.table.finish_load(self.index(key))
 
-    def abort_load(self, key: ExpertKey, slot: int) -> None:
-        """LOADING → ABSENT; ``slot`` is free again."""
+    def abort_load(self, key: ExpertKey, slot: int, *, free_slot: bool = True) -> None:
+        """LOADING → ABSENT; ``slot`` is free again, unless ``free_slot`` is False (a copy into it
+        may still land: ``release_slot`` frees it once it has)."""
         self.table.abort_load(self.index(key))
+        if free_slot:
+            self._free.append(slot)
+
+    def release_slot(self, slot: int) -> None:
+        """A slot held back by ``abort_load(free_slot=False)`` is free again."""
         self._free.append(slot)
 
     def try_evict(self, key: ExpertKey) -> bool:

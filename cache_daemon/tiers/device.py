@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall
+from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall, CopyInFlight
 from cache_daemon.shm_files import ShmClaim, claim_shm_files
 from cache_daemon.tiers.host import StagingBuffer
 from expertcache import native
@@ -140,7 +140,9 @@ class DeviceArena(ABC):
 
     @abstractmethod
     def copy_in(self, slot: int, src: torch.Tensor) -> None:
-        """Copy ``src`` (``[slot_bytes]`` uint8, host) into ``slot``; returns once it is there."""
+        """Copy ``src`` (``[slot_bytes]`` uint8, host) into ``slot``; returns once it is there.
+        ``CopyInFlight`` if it is not there in time and still may be written (slot and source
+        stay reserved until ``wait_done()``)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -329,9 +331,11 @@ class CudaArena(DeviceArena):
         try:
             self._engine.wait(ticket, self.COPY_TIMEOUT_S)
         except TimeoutError as exc:
-            raise ArenaUnavailable(
-                f"copying {self.slot_bytes} bytes into CUDA arena slot {slot} "
-                f"took over {self.COPY_TIMEOUT_S}s"
+            # The copy is still queued: its slot and its source must not be reused until it lands.
+            raise CopyInFlight(
+                f"copying {self.slot_bytes} bytes into CUDA arena slot {slot} took over {self.COPY_TIMEOUT_S}s "
+                "(the GPU is stalled); the slot stays reserved until the copy lands",
+                wait_done=lambda: self._engine.wait(ticket, -1),
             ) from exc
 
     def close(self) -> None:

@@ -612,3 +612,70 @@ def test_every_client_ledger_in_use(make):
     assert [r.claim_client().index for _ in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ResourceExhausted, match="all 4 client ledgers of slot table .* are in use"):
         r.claim_client()
+
+
+def test_a_copy_that_outlives_its_timeout_keeps_its_slot_and_source_until_it_lands(make, monkeypatch):
+    # A GPU copy stalled past its timeout is still queued: its waiters fail, but neither the arena
+    # slot it writes nor the host slot it reads may be reused before it lands.
+    from cache_daemon.errors import CopyInFlight
+
+    h = make(slots=1, host_slots=2)
+    r = h.residency
+    landed = threading.Event()
+    real_copy = h.arena.copy_in
+    stalled = {"first": True}
+
+    def copy_in(slot, src):
+        if stalled.pop("first", False):
+
+            def wait_done():
+                landed.wait(10)
+                real_copy(slot, src)  # the late copy finally writes the slot
+
+            raise CopyInFlight("copy into slot 0 took over 60s", wait_done=wait_done)
+        real_copy(slot, src)
+
+    monkeypatch.setattr(h.arena, "copy_in", copy_in)
+    a = r.open_session("a")
+    with pytest.raises(CopyInFlight, match="took over 60s"):
+        list(r.acquire(a, L1, [0]))
+    assert r.slots.free == 0  # the only slot is held back for the copy
+    assert h.host.pin_count(ExpertKey(L1, 0)) == 1  # its source stays pinned
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(r.acquire(a, L1, [1])))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the held-back slot was handed to another load"
+    landed.set()
+    waiter.join(10)
+    assert [x.key for x in got] == keys(1)
+    h.check_served(a, got)  # the new load's bytes, not the late copy's
+    assert h.host.pin_count(ExpertKey(L1, 0)) == 0
+
+
+def test_drain_evicts_everything_and_waits_for_compute_to_release_before_the_arena_goes(make):
+    # At shutdown the arena may be freed only once no compute process reads a slot: compute
+    # releases a pin after its kernels are done, so drain waits for the pins and evicts the rest.
+    h = make(slots=4)
+    r = h.residency
+    readies = load(h, 0, 1, 2)
+    compute = compute_view(h)
+    assert compute.try_pin_many([entry(h, readies[0].key)]) == [readies[0].slot]
+    r.shutdown()
+    result: list[int] = []
+    drainer = threading.Thread(target=lambda: result.append(r.drain(10.0)))
+    drainer.start()
+    drainer.join(0.3)
+    assert drainer.is_alive(), "drain returned while compute still pinned a slot"
+    assert [r.slots.state(x.key) for x in readies[1:]] == [SlotState.ABSENT] * 2  # nobody's: evicted
+    assert compute.try_pin_many([entry(h, readies[1].key)]) == [-1]  # no new hit can pin one
+    compute.unpin_many([entry(h, readies[0].key)])
+    drainer.join(5)
+    assert result == [0] and r.slots.state(readies[0].key) is SlotState.ABSENT
+    # A compute that never lets go: drain gives up after its grace and says how many are pinned.
+    h2 = make(slots=2)
+    (ready,) = load(h2, 3)
+    stuck = compute_view(h2)
+    stuck.try_pin_many([entry(h2, ready.key)])
+    h2.residency.shutdown()
+    assert h2.residency.drain(0.2) == 1

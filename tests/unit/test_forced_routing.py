@@ -104,14 +104,17 @@ def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
 def test_modelled_lookahead_loses_accuracy_by_depth(tmp_path):
     trace = load_trace(write_trace(tmp_path / "t.npz", [400], layers=3, experts=8, top_k=2))
     forced = ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=0.9, accuracy_drop_per_depth=0.4)
-    forced.begin_request()
+    forced.begin_request("r")
     assert [forced.accuracy(d) for d in (1, 2, 3, 4)] == [0.9, pytest.approx(0.5), pytest.approx(0.1), 0.0]
     kept = {1: [], 2: []}
     for step in range(400):
         for depth in (1, 2):
-            p = forced.layer_ahead(step, Prediction(layer=2, experts=(0, 1), scores=(0.6, 0.4), depth=depth))
+            segment = StepSegment("r", 0, 1, step, step)
+            p = forced.layer_ahead(
+                segment, Prediction(layer=2, experts=(0, 1), scores=(0.6, 0.4), depth=depth)
+            )
             assert p.depth == depth and p.layer == 2
-            kept[depth].append(len(set(forced.experts(step, 2).tolist()) & set(p.experts)) / 2)
+            kept[depth].append(len(set(forced.experts("r", step, 2).tolist()) & set(p.experts)) / 2)
     assert 0.85 <= np.mean(kept[1]) <= 0.95 and 0.42 <= np.mean(kept[2]) <= 0.58
 
 

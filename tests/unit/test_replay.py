@@ -194,7 +194,7 @@ def test_expert_bytes_stated_from_the_config():
     assert (
         replay.gpt_oss_20b_expert_bytes() == (2 * 2880 * 2880 + 5760 + 2880 * 2880 + 2880) * 2 == 49_783_680
     )
-    timing = simulator.timing_model("gpu", 24, 4)
+    timing = simulator.timing_model("gpu", 24, 4, precision="bf16")
     assert timing.transfer_s == pytest.approx(49_783_680 / 25e9)
     assert any("PCIe 4.0 x16" in n for n in timing.notes)
 
