@@ -17,6 +17,9 @@ NATIVE_SWITCHES := ISAL=$(WITH_ISAL) URING=$(WITH_URING) CUDA=$(WITH_CUDA)
 # The native core and the generated gRPC code are built by CMake through the package build
 # (CMakeLists.txt, scikit-build-core), into build/editable for the editable install below.
 BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>/dev/null)
+# Installing an optional package later (its header appears) rebuilds too: what is found is part
+# of the recorded switches.
+OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean \
         bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench
@@ -34,7 +37,8 @@ $(BUILD_DEPS_STAMP): pyproject.toml
 # Rewritten only when the switches change, so that a change rebuilds the native core.
 build/native-switches: FORCE
 	@mkdir -p build
-	@if [ "$$(cat $@ 2>/dev/null)" != "$(NATIVE_SWITCHES)" ]; then echo "$(NATIVE_SWITCHES)" > $@; fi
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(NATIVE_SWITCHES) found: $(OPTIONAL_FOUND)" ]; then \
+	  echo "$(NATIVE_SWITCHES) found: $(OPTIONAL_FOUND)" > $@; fi
 
 # The checkout in editable mode with its dev and bench extras; the native core (expertcache/_native)
 # and the gRPC code (package moe) are built and installed into the environment by the build backend.
