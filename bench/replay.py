@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from cache_daemon.decisions.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES
 from cache_daemon.decisions.scheduler import PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
@@ -349,6 +350,49 @@ def parse_floats(text: str, what: str) -> tuple[float, ...]:
     return values
 
 
+def print_batch_ceilings(
+    trace: RoutingTrace,
+    timing: TimingModel,
+    requests: list[int],
+    sizes: list[int],
+    tokens: int,
+    budgets: list[float],
+    out: Path,
+) -> int:
+    """``--batch-size``: the bandwidth-bound ceiling of throughput (``decisions.batch_ceiling``)."""
+    total = trace.num_layers * trace.num_experts
+    print(
+        f"bandwidth-bound ceiling: requests {requests[0]}..{requests[-1]} in waves of B, {tokens} tokens each, "
+        f"per-layer union loaded once per step, Belady's bytes (cold start) over the {timing.name} link "
+        f"({timing.link_bytes_per_s / 1e9:.2f} GB/s, {timing.expert_bytes / 2**20:.2f} MiB per expert)"
+    )
+    print(f"{'budget':>7} {'B':>4} {'union':>6} {'MiB/token':>10} {'ceiling tok/s':>14}")
+    rows = []
+    for budget in budgets:
+        capacity = max(trace.num_experts, int(budget * total))
+        for b in sizes:
+            c = batch_ceiling(
+                trace,
+                batch=b,
+                tokens=tokens,
+                capacity=capacity,
+                expert_bytes=timing.expert_bytes,
+                link_bytes_per_s=timing.link_bytes_per_s,
+                first_request=requests[0],
+                num_requests=max(b, len(requests) // b * b),  # whole waves, at least one
+            )
+            rows.append(
+                {"budget": budget, "capacity": capacity, **asdict(c), "ceiling_tokens_per_s": c.tokens_per_s}
+            )
+            print(
+                f"{budget:>7.0%} {b:>4} {c.mean_union:>6.1f} {c.bytes_per_token / 2**20:>10.2f} {c.tokens_per_s:>14.1f}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batch_ceiling.json").write_text(json.dumps({"timing": timing.name, "rows": rows}, indent=2))
+    print(f"wrote {out / 'batch_ceiling.json'}")
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -403,6 +447,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bytes-in-flight bound in experts (default 1: a prefetch starts only on an idle link)",
     )
     ap.add_argument("--no-ablation", action="store_true", help="skip the hints x lookahead ablation at 25%%")
+    ap.add_argument(
+        "--batch-size",
+        default=None,
+        help="instead of the policies: the bandwidth-bound ceiling of throughput of the replayed "
+        "requests served in batches of this size (comma-separated sizes), at each budget",
+    )
+    ap.add_argument(
+        "--batch-tokens", type=int, default=16, help="with --batch-size: tokens generated per request"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -470,6 +523,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--max-inflight-experts must be >= 1, got {args.max_inflight_experts}")
     max_inflight = (args.max_inflight_experts or 1) * timing.expert_bytes
     tokens = int(trace.req_offsets[last] - trace.req_offsets[first])
+    if args.batch_size is not None:
+        sizes = [int(b) for b in parse_floats(args.batch_size, "--batch-size")]
+        if not sizes or min(sizes) < 1 or args.batch_tokens < 1:
+            raise SystemExit(
+                f"--batch-size and --batch-tokens must be >= 1, got {args.batch_size!r}, {args.batch_tokens}"
+            )
+        return print_batch_ceilings(
+            trace, timing, list(requests), sizes, args.batch_tokens, budgets, args.out
+        )
 
     hints, hint_notes = warm_hints(trace, first, requests)
 

@@ -16,10 +16,13 @@ settings: ``batching`` (``--max-batch-size`` N or more, ``--max-batched-tokens``
 request at a time, whole prompts). Per N and system it prints tokens per second (all generated
 tokens over the wall time of the run), time to first token p50/p99 (client side, from sending the
 request), per-token latency p50/p99 (client side, between tokens of a request) and bytes read from
-the store per generated token (the daemon's store→arena bytes over the run). Goals (issue
-"Serve many requests at once"): N=16 ≥ 1.3x the one-at-a-time throughput, N=64 ≥ 3x; at N=16
-the p99 time to first token below one at a time's. Writes bench/results/serve.json and a PNG of
-throughput against N.
+the store per generated token (the daemon's store→arena bytes over the run). Beside each batching
+run it prints the replay's bandwidth-bound ceiling of throughput for the same run
+(``cache_daemon.decisions.batch_ceiling``: the same trace requests, tokens and arena slots, Belady's
+bytes over the store's read bandwidth measured at the start). Goals (issue "Serve many requests at
+once"): N=16 ≥ 1.3x the one-at-a-time throughput, N=64 ≥ 3x and ≥ 0.8x the ceiling; at N=16 the
+p99 time to first token below one at a time's. Writes bench/results/serve.json and a PNG of
+throughput against N with the ceiling.
 
 load (bench-load): 16 streams of short requests for ``--duration-s``, a tenth of them cancelled
 after a few tokens, twice: alone, and with one more stream sending long prompts
@@ -46,12 +49,45 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from bench.e2e import DATA_DIR, DEFAULT_TRACE, GIB, MIB, PRECISIONS, build, say
+from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from expertcache.launch import start_compute, start_daemon
+from expertcache.trace import read_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_N16 = 1.3
 GOAL_N64 = 3.0
 GOAL_LOAD_P99 = 2.0
+GOAL_N64_CEILING = 0.8  # batching at N=64 against the replay's bandwidth-bound ceiling
+
+
+def measure_link(store: Path, manifest) -> float:
+    """The store's read bandwidth through the daemon's reader (its defaults: 4 threads, queue
+    depth 64, 1 MiB chunks, auto backend), every expert blob read once, cold (O_DIRECT)."""
+    from bench.io_bench import native_store_read
+
+    nbytes, seconds, _ = native_store_read(store, manifest, "auto", 4, 64, 1 << 20)
+    return nbytes / seconds
+
+
+def ceiling_of(args, manifest, budget: int, link_bytes_per_s: float, n: int) -> dict:
+    """The replay's bandwidth-bound ceiling of the batching run at ``n`` streams: the same trace
+    requests (compute hands out 0, 1, ... in arrival order), tokens, arena slots and blob bytes,
+    over the measured link (``cache_daemon.decisions.batch_ceiling``)."""
+    c = batch_ceiling(
+        read_trace(args.trace),
+        batch=n,
+        tokens=args.tokens,
+        capacity=budget // manifest.blob_bytes,
+        expert_bytes=manifest.blob_bytes,
+        link_bytes_per_s=link_bytes_per_s,
+        num_requests=n * args.requests_per_client,
+    )
+    return {
+        "tokens_per_s": c.tokens_per_s,
+        "mib_per_token": c.bytes_per_token / MIB,
+        "mean_union": c.mean_union,
+        "link_gbps": link_bytes_per_s / 1e9,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -191,6 +227,8 @@ SYSTEM_FLAGS = {
 
 def run_sweep(args, store, manifest, budget: int) -> dict:
     results: dict[str, dict[int, dict]] = {name: {} for name in args.systems}
+    link = measure_link(store, manifest)
+    say(f"store read bandwidth through the daemon's reader: {link / 1e9:.2f} GB/s (the ceiling's link)")
     prompt = list(range(5, 5 + args.prompt_tokens))
     for name in args.systems:
         for n in args.concurrency:
@@ -226,6 +264,8 @@ def run_sweep(args, store, manifest, budget: int) -> dict:
             finally:
                 compute.stop()
                 daemon.stop()
+            if name == "batching":
+                result["ceiling"] = ceiling_of(args, manifest, budget, link, n)
             results[name][n] = result
             say(
                 f"[{name:>13}] N={n:>3}: {result['tokens_per_s']:7.2f} tok/s, TTFT p50/p99 "
@@ -233,6 +273,13 @@ def run_sweep(args, store, manifest, budget: int) -> dict:
                 f"{result['token_p50_s'] * 1e3:7.0f}/{result['token_p99_s'] * 1e3:7.0f} ms, "
                 f"{result['mib_read_per_token']:6.1f} MiB read/token, {result['tokens']} tokens in {wall:.0f} s"
                 + (f", errors {result['errors']}" if result["errors"] else "")
+                + (
+                    f"; bandwidth-bound ceiling {result['ceiling']['tokens_per_s']:.1f} tok/s "
+                    f"({result['ceiling']['mib_per_token']:.1f} MiB/token, Belady), measured / ceiling "
+                    f"{result['tokens_per_s'] / result['ceiling']['tokens_per_s']:.2f}"
+                    if "ceiling" in result
+                    else ""
+                )
             )
     return results
 
@@ -244,6 +291,13 @@ def verdicts_sweep(results: dict) -> dict:
         if n in one and n in batch and one[n]["tokens_per_s"] > 0:
             ratio = batch[n]["tokens_per_s"] / one[n]["tokens_per_s"]
             out[f"N{n}_throughput_vs_one_at_a_time"] = {"ratio": ratio, "goal": goal, "pass": ratio >= goal}
+    if 64 in batch and "ceiling" in batch[64]:
+        share = batch[64]["tokens_per_s"] / batch[64]["ceiling"]["tokens_per_s"]
+        out["N64_within_ceiling"] = {
+            "ratio": share,
+            "goal": GOAL_N64_CEILING,
+            "pass": share >= GOAL_N64_CEILING,
+        }
     if 16 in one and 16 in batch:
         out["N16_ttft_p99_below_one_at_a_time"] = {
             "batching_s": batch[16]["ttft_p99_s"],
@@ -263,6 +317,18 @@ def plot_sweep(results: dict, path: Path) -> None:
     for name, by_n in results.items():
         ns = sorted(by_n)
         ax.plot(ns, [by_n[n]["tokens_per_s"] for n in ns], marker="o", label=name)
+    ceiling = {
+        n: r["ceiling"]["tokens_per_s"] for n, r in results.get("batching", {}).items() if "ceiling" in r
+    }
+    if ceiling:
+        ns = sorted(ceiling)
+        ax.plot(
+            ns,
+            [ceiling[n] for n in ns],
+            linestyle="--",
+            color="grey",
+            label="bandwidth-bound ceiling (replay)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams N")
     ax.set_ylabel("generated tokens per second")
