@@ -377,3 +377,20 @@ def test_pending_inserts_and_subscribers_are_bounded(tmp_path):
         channel.close()
     finally:
         proc.stop()
+
+
+def test_redis_holds_at_most_the_capacity_and_a_log_of_the_same_length(tmp_path, redis_server):
+    proc = start_predictor(tmp_path, "--redis-url", redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        register(proc.address)
+        for r in range(3 * CAPACITY):
+            stub(proc.address).Observe(request(f"r{r}", 2, alternate=r % 2 == 1), timeout=10)
+        wait_stats(proc, lambda s: s.entries_inserted == 3 * CAPACITY)
+        assert client.hlen(f"expertcache:eamc:{MODEL}:entries") == CAPACITY
+        assert client.xlen(f"expertcache:eamc:{MODEL}:log") == CAPACITY  # trimmed to eamc_capacity
+        s = stats(proc)
+        assert s.eamc_entries == CAPACITY and s.eamc_bytes == CAPACITY * ENTRY_BYTES
+    finally:
+        client.close()
+        proc.stop()
