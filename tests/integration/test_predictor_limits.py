@@ -394,3 +394,48 @@ def test_redis_holds_at_most_the_capacity_and_a_log_of_the_same_length(tmp_path,
     finally:
         client.close()
         proc.stop()
+
+
+def test_compute_and_daemon_register_their_model_on_connect(tiny_store, tmp_path):
+    """Real daemon and compute, each pointed at its own predictor that knows no model: each
+    registers the manifest's shape before streaming (the daemon's hint stream then opens)."""
+    from expertcache.launch import start_compute, start_daemon  # noqa: PLC0415
+    from expertcache.launch import start_predictor as launch_predictor  # noqa: PLC0415
+
+    tiny = tiny_store("mixtral")
+    manifest = tiny.manifest
+    budget = max(1, manifest.num_blobs // 4) * manifest.blob_bytes
+    expected = [(manifest.model_id, len(manifest.moe_layers), manifest.num_experts, manifest.top_k)]
+    procs = []
+
+    def shapes(s):
+        return [(m.model_id, m.num_moe_layers, m.num_experts, m.top_k) for m in s.models]
+
+    try:
+        for_daemon = launch_predictor(tmp_path, log_name="p-daemon.log")
+        procs.append(for_daemon)
+        for_compute = launch_predictor(tmp_path, embedded_path=tmp_path / "c.bin", log_name="p-compute.log")
+        procs.append(for_compute)
+        daemon = start_daemon(
+            tiny.store,
+            tmp_path,
+            device="cpu",
+            device_budget_bytes=budget,
+            extra=["--predictor-address", for_daemon.address, "--pod-name", "pod-reg"],
+        )
+        procs.append(daemon)
+        s = wait_stats(for_daemon, lambda s: s.subscribers == 1, timeout_s=60)
+        assert shapes(s) == expected and dict(s.refused) == {}
+        procs.append(
+            start_compute(
+                tiny.store,
+                daemon,
+                tmp_path,
+                extra=["--predictor-address", for_compute.address, "--pod-name", "pod-reg"],
+            )
+        )
+        s = wait_stats(for_compute, lambda s: len(s.models) == 1, timeout_s=60)
+        assert shapes(s) == expected and dict(s.refused) == {}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
