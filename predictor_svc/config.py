@@ -188,6 +188,16 @@ class PredictorConfig:
     """Per subscriber, unsent hints are coalesced per (request, layer); this bounds the number of
     requests pending, so a stalled subscriber never grows an unbounded backlog."""
 
+    subscriber_queue_bytes: int = field(
+        default=8 * MIB,
+        metadata={
+            "help": "Bytes of unsent hints per subscriber; the oldest request's are dropped beyond.",
+            "min": 1,
+        },
+    )
+    """With ``max_subscribers`` this bounds the memory of every hint queue together (an estimate:
+    96 bytes per hint, 128 per (request, layer))."""
+
     model_shapes: tuple[str, ...] = field(
         default=(),
         metadata={"help": "Comma-separated MODEL_ID=LAYERSxEXPERTSxTOP_K known before any activation."},
@@ -264,7 +274,7 @@ class PredictorConfig:
     """The insert retry queue in bytes; the oldest is dropped beyond (counted)."""
 
     max_subscribers: int = field(
-        default=256,
+        default=128,
         metadata={"help": "Open SubscribeHints streams; one more gets RESOURCE_EXHAUSTED.", "min": 1},
     )
     """Each subscriber holds a bounded queue (subscriber_queue_requests); this bounds how many."""

@@ -117,7 +117,7 @@ class Activation:
     client: str = ""  # who sent it (server.client_of): the key of the per-client limits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Hint:
     moe_layer: int  # index among the model's MoE layers
     expert: int
@@ -172,11 +172,22 @@ class ServiceStats:
 
 
 # -- subscribers -----------------------------------------------------------------------------
+# Memory of unsent hints, as the subscriber queue bound counts it: per hint (a slotted Hint,
+# its float, its tuple slot) and per (request, layer) entry.
+HINT_BYTES = 96
+LAYER_BYTES = 128
+
+
+def _layer_bytes(hints: tuple[Hint, ...]) -> int:
+    return LAYER_BYTES + HINT_BYTES * len(hints)
+
+
 @dataclass
 class _Pending:
     token_index: int
     layers: dict[int, tuple[Hint, ...]] = field(default_factory=dict)
     done: bool = False
+    nbytes: int = LAYER_BYTES
 
 
 class Subscription:
@@ -184,8 +195,9 @@ class Subscription:
 
     Unsent hints are kept per request and layer; a newer offer for a (request, layer) replaces
     the older one (counted as replaced). At most ``max_requests`` requests are pending: offering
-    for one more drops the oldest request's unsent hints (counted as dropped). ``offer`` never
-    blocks on the reader, so a slow subscriber never slows Observe.
+    for one more drops the oldest request's unsent hints (counted as dropped), and so does going
+    beyond ``max_bytes`` of unsent hints (0 = no byte bound; the newest request is always kept).
+    ``offer`` never blocks on the reader, so a slow subscriber never slows Observe.
     """
 
     def __init__(
@@ -195,10 +207,13 @@ class Subscription:
         max_requests: int,
         metrics: PredictorMetrics,
         on_close: Callable[[Subscription], None] | None = None,
+        max_bytes: int = 0,
     ) -> None:
         self.model_id = model_id
         self.pod = pod
         self._max_requests = max_requests
+        self._max_bytes = max_bytes
+        self._bytes = 0  # estimated bytes of the unsent hints (HINT_BYTES, LAYER_BYTES)
         self._metrics = metrics
         self._on_close = on_close
         self._cond = threading.Condition()
@@ -213,14 +228,31 @@ class Subscription:
         with self._cond:
             return len(self._pending)
 
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._bytes
+
+    def _drop_oldest(self) -> None:
+        _old_id, old = self._pending.popitem(last=False)
+        self._bytes -= old.nbytes
+        self._metrics.hints_dropped.inc(len(old.layers))
+
     def _slot(self, request_id: str, token_index: int) -> _Pending:
         pending = self._pending.get(request_id)
         if pending is None:
             if len(self._pending) >= self._max_requests:
-                _old_id, old = self._pending.popitem(last=False)
-                self._metrics.hints_dropped.inc(len(old.layers))
+                self._drop_oldest()
             pending = self._pending[request_id] = _Pending(token_index)
+            self._bytes += pending.nbytes
         return pending
+
+    def _trim(self, keep: _Pending) -> None:
+        """Drop the oldest requests' unsent hints while beyond ``max_bytes`` (never ``keep``)."""
+        while self._max_bytes and self._bytes > self._max_bytes and len(self._pending) > 1:
+            if next(iter(self._pending.values())) is keep:
+                self._pending.move_to_end(next(iter(self._pending)))
+                continue
+            self._drop_oldest()
 
     def offer(self, request_id: str, token_index: int, layers: dict[int, tuple[Hint, ...]]) -> None:
         """Queue ``layers`` (layer → hints, best first) of ``request_id``, replacing unsent ones."""
@@ -228,11 +260,20 @@ class Subscription:
             if self._closed:
                 return
             pending = self._slot(request_id, token_index)
-            replaced = sum(1 for layer in layers if layer in pending.layers)
+            replaced = 0
+            for layer, hints in layers.items():
+                old = pending.layers.get(layer)
+                if old is not None:
+                    replaced += 1
+                    pending.nbytes -= _layer_bytes(old)
+                    self._bytes -= _layer_bytes(old)
+                pending.nbytes += _layer_bytes(hints)
+                self._bytes += _layer_bytes(hints)
             if replaced:
                 self._metrics.hints_replaced.inc(replaced)
             pending.layers.update(layers)
             pending.token_index = max(pending.token_index, token_index)
+            self._trim(pending)
             self._cond.notify()
 
     def offer_done(self, request_id: str, token_index: int) -> None:
@@ -244,6 +285,8 @@ class Subscription:
             if pending.layers:
                 self._metrics.hints_replaced.inc(len(pending.layers))
                 pending.layers.clear()
+                self._bytes -= pending.nbytes - LAYER_BYTES
+                pending.nbytes = LAYER_BYTES
             pending.done = True
             pending.token_index = max(pending.token_index, token_index)
             self._cond.notify()
@@ -256,6 +299,7 @@ class Subscription:
             if self._closed:
                 return None
             request_id, pending = self._pending.popitem(last=False)
+            self._bytes -= pending.nbytes
         hints = tuple(h for layer in sorted(pending.layers) for h in pending.layers[layer])
         self._metrics.hint_batches.inc()
         return HintBatch(request_id, pending.token_index, hints, pending.done)
@@ -267,6 +311,7 @@ class Subscription:
                 return
             self._closed = True
             self._pending.clear()
+            self._bytes = 0
             self._cond.notify_all()
         if self._on_close is not None:
             self._on_close(self)
@@ -592,7 +637,12 @@ class PredictorService:
                 "(or configure model_shapes)"
             )
         sub = Subscription(
-            model_id, pod, self.config.subscriber_queue_requests, self.metrics, self._unsubscribe
+            model_id,
+            pod,
+            self.config.subscriber_queue_requests,
+            self.metrics,
+            self._unsubscribe,
+            max_bytes=self.config.subscriber_queue_bytes,
         )
         with self._lock:
             open_subs = sum(len(group) for group in self._subs.values())

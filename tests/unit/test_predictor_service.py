@@ -344,3 +344,29 @@ def test_concurrent_observers_and_a_slow_subscriber():
     assert svc.stats().requests_done == 4 and svc.stats().observed_tokens == 200
     assert sub.pending_requests() == 4
     assert svc.flush_inserts() and svc.stats().eamc_entries == 4
+
+
+def test_subscriber_queue_is_bounded_in_bytes_too():
+    from predictor_svc.service import HINT_BYTES, LAYER_BYTES
+
+    per_request = LAYER_BYTES + L * (LAYER_BYTES + HINT_BYTES * 2)  # 2 hints per layer (top_n 2)
+    svc = make(subscriber_queue_bytes=2 * per_request + 1, hint_top_n=2)
+    sub = svc.subscribe("m", "p")  # never read
+    for r in range(5):
+        svc.observe(act(f"r{r}", 0))
+    assert sub.pending_requests() == 2 and sub.pending_bytes() <= 2 * per_request + 1
+    assert svc.stats().hints_dropped == 3 * L
+    assert sub.get(0.1).request_id == "r3"  # the newest two are kept, oldest first
+    assert sub.pending_bytes() == per_request
+
+
+def test_max_subscribers_refuses_one_more():
+    from predictor_svc.errors import LimitReached
+
+    svc = make(max_subscribers=2)
+    a, _b = svc.subscribe("m", "p"), svc.subscribe("n", "p")
+    with pytest.raises(LimitReached, match="2 hint subscribers are open, the limit max_subscribers=2"):
+        svc.subscribe("m", "q")
+    a.close()
+    svc.subscribe("m", "q")  # a closed one frees its place
+    assert svc.stats().refused == {"max_subscribers": 1}
