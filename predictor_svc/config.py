@@ -231,6 +231,13 @@ class PredictorConfig:
     """The registry (shared by replicas through the store) holds at most this many models;
     RegisterModel of one more: RESOURCE_EXHAUSTED."""
 
+    max_client_models: int = field(
+        default=4,
+        metadata={"help": "Models one client may register (new ones; re-registering is free).", "min": 1},
+    )
+    """Per client (as for the live caps): one client cannot fill the registry (``max_models``)
+    and lock every other model out. Counted per replica since it started."""
+
     max_eamc_bytes: int = field(
         default=2 * GIB,
         metadata={

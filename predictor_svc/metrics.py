@@ -41,6 +41,7 @@ REFUSAL_REASONS = (
     "max_models",
     "max_eamc_bytes",
     "registration_disabled",
+    "client_models",
     "client_live_requests",
     "client_live_bytes",
     "max_subscribers",

@@ -119,7 +119,7 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
         self, request: predictor_pb2.RegisterModelRequest, context: grpc.ServicerContext
     ) -> predictor_pb2.RegisterModelResponse:
         shape, created = self._service.register_model(
-            request.model_id, request.num_moe_layers, request.num_experts, request.top_k
+            request.model_id, request.num_moe_layers, request.num_experts, request.top_k, client_of(context)
         )
         if created:
             logger.info("model %r registered by %s", request.model_id, client_of(context))

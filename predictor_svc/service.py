@@ -387,6 +387,7 @@ class PredictorService:
         self._configured: dict[str, EamShape] = {}
         self._persisted: set[str] = set()  # configured models written to the store's registry
         self._skipped: set[str] = set()  # store registry entries not loaded (logged once)
+        self._created_by: dict[str, int] = {}  # client -> models it registered here
         self._degraded = False
         self._closed = False
         self._wake = threading.Event()
@@ -665,12 +666,15 @@ class PredictorService:
                 self._subs.pop((sub.model_id, sub.pod), None)
 
     # -- registration --------------------------------------------------------------------------
-    def register_model(self, model_id: str, layers: int, experts: int, top_k: int) -> tuple[EamShape, bool]:
+    def register_model(
+        self, model_id: str, layers: int, experts: int, top_k: int, client: str = ""
+    ) -> tuple[EamShape, bool]:
         """Register ``model_id``'s shape (RegisterModel): (shape, created). Idempotent for the same
         shape. Raises, changing nothing: InvalidArgument (BadActivation) for a bad field or
         beyond max_layers / max_experts, ModelConflict for another shape, RegistrationDisabled,
-        LimitReached for max_models / max_eamc_bytes, StoreUnavailable when the registry cannot
-        be written (the client retries)."""
+        LimitReached for max_models / max_eamc_bytes / max_client_models (models ``client`` created
+        on this replica since it started), StoreUnavailable when the registry cannot be written
+        (the client retries)."""
         if self._closed:
             raise PredictorStopping("the predictor is shutting down")
         cfg = self.config
@@ -714,6 +718,13 @@ class PredictorService:
                     "(allow_registration=false)"
                 )
             self._check_room(model_id, shape)
+            created_by = self._created_by.get(client, 0)
+            if created_by >= cfg.max_client_models:
+                self._refuse("client_models")
+                raise LimitReached(
+                    f"client {client!r} has registered {created_by} models, the limit max_client_models="
+                    f"{cfg.max_client_models}: model {model_id!r} not registered"
+                )
             status, value = self.store.register_model(model_id, shape_text(shape), cfg.max_models)
             if status == "full":
                 self._refuse("max_models")
@@ -728,6 +739,8 @@ class PredictorService:
                         f"model {model_id!r} is registered with an unreadable shape {value!r}"
                     )
                 self._same_shape(model_id, registered, shape)
+            else:
+                self._created_by[client] = created_by + 1
             self._model(model_id, shape)
         logger.info("registered model %r: %s", model_id, shape_text(shape))
         return shape, status == "created"

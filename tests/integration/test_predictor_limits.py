@@ -439,3 +439,26 @@ def test_compute_and_daemon_register_their_model_on_connect(tiny_store, tmp_path
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_one_client_cannot_fill_the_model_registry(tmp_path):
+    port = free_port()
+    proc = start_predictor(
+        tmp_path,
+        "--embedded-path", str(tmp_path / "eamc.bin"),
+        "--max-client-models", "2",
+        address=f"[::]:{port}",
+    )  # fmt: skip
+    v4, v6 = f"127.0.0.1:{port}", f"[::1]:{port}"
+    try:
+        assert register(v4, "a", 1, 2, 1).created and register(v4, "b", 1, 2, 1).created
+        err = refused(lambda: register(v4, "c", 1, 2, 1))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "has registered 2 models, the limit max_client_models=2: model 'c'" in err.details()
+        assert register(v4, "a", 1, 2, 1).created is False  # re-registering costs nothing
+        assert register(v6, "c", 1, 2, 1).created  # another client still can
+        s = stats(proc)
+        assert sorted(m.model_id for m in s.models) == ["a", "b", "c"]
+        assert dict(s.refused) == {"client_models": 1}
+    finally:
+        proc.stop()
