@@ -168,7 +168,11 @@ class CacheDaemon:
     def subscribe_hints(self, config: DaemonConfig, pod: str) -> None:
         """Follow the predictor's hints for ``pod`` (``config.predictor_address`` must be set)."""
         self.hint_subscriber = HintSubscriber(
-            config.predictor_address, self.manifest.model_id, pod, self.hints
+            config.predictor_address,
+            self.manifest.model_id,
+            pod,
+            self.hints,
+            shape=(len(self.manifest.moe_layers), self.manifest.num_experts, self.manifest.top_k),
         )
         logger.info("taking prefetch hints from the predictor at %s (pod %s)", config.predictor_address, pod)
 

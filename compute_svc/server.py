@@ -237,6 +237,7 @@ class ComputeServer:
                 manifest.top_k,
                 config.report_queue_tokens,
                 num_experts=manifest.num_experts,
+                num_moe_layers=len(manifest.moe_layers),
             )
             logger.info("reporting routing to the predictor at %s", config.predictor_address)
         if config.record_trace_path:

@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         embedded_path = None if config.redis_url else Path(config.embedded_path)
         if embedded_path is not None:
             embedded_path.parent.mkdir(parents=True, exist_ok=True)
-        store = open_store(config.redis_url or None, embedded_path)
+        # The change log keeps eamc_capacity records per model: with the entries, a model's
+        # collection in the store holds at most twice its reservation (max_eamc_bytes).
+        store = open_store(config.redis_url or None, embedded_path, log_len=config.eamc_capacity)
     except (ExpertCacheError, OSError, ValueError) as exc:
         # A corrupt embedded file or an unusable path: starting would silently lose the EAMC.
         logger.error("cannot open the EAMC store: %s", exc)

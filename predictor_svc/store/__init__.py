@@ -11,40 +11,44 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from predictor_svc.store.base import Change, EamcStore
+from predictor_svc.store.embedded import DEFAULT_LOG_LEN as DEFAULT_EMBEDDED_LOG_LEN
 from predictor_svc.store.embedded import EmbeddedStore
 
 
-def _open_redis(url: str) -> EamcStore:
-    from predictor_svc.store.redis_store import RedisStore  # noqa: PLC0415 - only with a URL
+def _open_redis(url: str, log_len: int | None = None) -> EamcStore:
+    from predictor_svc.store.redis_store import DEFAULT_LOG_LEN, RedisStore  # noqa: PLC0415 - only with a URL
 
-    return RedisStore(url)
+    return RedisStore(url, log_len or DEFAULT_LOG_LEN)
 
 
 # URL scheme -> factory. redis-py understands all three.
-_URL_STORES: dict[str, Callable[[str], EamcStore]] = {
+_URL_STORES: dict[str, Callable[..., EamcStore]] = {
     "redis": _open_redis,
     "rediss": _open_redis,
     "unix": _open_redis,
 }
 
 
-def open_store(redis_url: str | None, embedded_path: Path | None = None) -> EamcStore:
+def open_store(
+    redis_url: str | None, embedded_path: Path | None = None, log_len: int | None = None
+) -> EamcStore:
     """The store for this configuration: Redis at ``redis_url``, else the embedded store.
 
     The embedded store is loaded from ``embedded_path`` when the file exists and saved there on
-    ``close()``; without a path it lives in memory only.
+    ``close()``; without a path it lives in memory only. ``log_len``: change-log records kept per
+    model (each carries a blob, so it bounds the log's memory; default the store's).
     """
     if not redis_url:
         if embedded_path is None:
-            return EmbeddedStore()
-        return EmbeddedStore.load_file(Path(embedded_path))
+            return EmbeddedStore(log_len=log_len or DEFAULT_EMBEDDED_LOG_LEN)
+        return EmbeddedStore.load_file(Path(embedded_path), log_len or DEFAULT_EMBEDDED_LOG_LEN)
     scheme = urlparse(redis_url).scheme
     factory = _URL_STORES.get(scheme)
     if factory is None:
         raise ValueError(
             f"unknown EAMC store URL scheme {scheme!r} in {redis_url!r}; valid: {sorted(_URL_STORES)}"
         )
-    return factory(redis_url)
+    return factory(redis_url, log_len)
 
 
 __all__ = ["Change", "EamcStore", "EmbeddedStore", "open_store"]
