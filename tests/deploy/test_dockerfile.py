@@ -197,7 +197,7 @@ def test_the_checker_refuses_a_renamed_script_a_root_target_and_a_shell_command(
         "target 'predictor' runs 'expertcache-predict', which is not a console script of pyproject.toml "
         f"({', '.join(sorted(scripts))})"
     ]
-    root = good.replace('FROM cuda-runtime AS daemon\n', "FROM cuda-runtime AS daemon\nUSER root\n")
+    root = good.replace("FROM cuda-runtime AS daemon\n", "FROM cuda-runtime AS daemon\nUSER root\n")
     assert check_image_targets(root, scripts) == ["target 'daemon' runs as root (USER root)"]
     shell = good.replace('ENTRYPOINT ["expertcache-convert"]', "ENTRYPOINT expertcache-convert")
     assert check_image_targets(shell, scripts) == [
@@ -235,7 +235,9 @@ def test_compute_and_daemon_share_one_uid_and_nothing_is_written_to_the_root_fil
     users = {target: last(stages, target, "USER") for target in TARGETS}
     assert set(users.values()) == {f"{SERVICE_UID}:{SERVICE_UID}"}, users
     for target in TARGETS:
-        env = " ".join(rest for stage in chain(stages, target) for ins, rest in stage.instructions if ins == "ENV")
+        env = " ".join(
+            rest for stage in chain(stages, target) for ins, rest in stage.instructions if ins == "ENV"
+        )
         # Bytecode compiled at build time; HOME and caches in /tmp (an emptyDir in the chart).
         assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env, target
 
@@ -247,7 +249,11 @@ def _ignored(path: str, patterns: list[str]) -> bool:
         negate = pattern.startswith("!")
         body = pattern[1:] if negate else pattern
         body = body.rstrip("/")
-        if fnmatch.fnmatch(path, body) or path.startswith(body + "/") or fnmatch.fnmatch(path, body.replace("**/", "*/")):
+        if (
+            fnmatch.fnmatch(path, body)
+            or path.startswith(body + "/")
+            or fnmatch.fnmatch(path, body.replace("**/", "*/"))
+        ):
             ignored = not negate
     return ignored
 
