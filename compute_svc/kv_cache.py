@@ -109,7 +109,8 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = tuple(segments)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ARG002 - Cache API
+    # transformers < 5.24 passes ``cache_kwargs``, 5.24 ``kwargs=``: both are accepted and unused.
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, kwargs=None):  # noqa: ARG002 - Cache API
         keys, values = [], []
         start = 0
         for seg in self.segments:
