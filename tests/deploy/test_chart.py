@@ -624,6 +624,11 @@ def test_declared_inference_clients_replace_the_default(example_docs):
             "compute.drainTimeoutSeconds (35)",
         ),
         (
+            ("compute.drainTimeoutSeconds=60", "gpuPod.terminationGracePeriodSeconds=100"),
+            "compute.livenessProbe periodSeconds x failureThreshold (60 s) must exceed "
+            "compute.drainTimeoutSeconds (60)",
+        ),
+        (
             ("redis.enabled=false",),
             "redis.enabled is false, so redis.external.url must name the Redis to use",
         ),
