@@ -158,6 +158,7 @@ class Scheduler:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._draining = True
+            self._cond.notify_all()
             while self._waiting or self._running:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
