@@ -243,6 +243,19 @@ class ComputeConfig:
     (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
     per depth. 0.9 at depth 1 is the trace replay's default model."""
 
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM: seconds the Generate streams in progress may take to finish",
+            "min": 0.0,
+            "max": 86400.0,
+        },
+    )
+    """On SIGTERM (a pod being stopped) health turns NOT_SERVING and new Generates are refused
+    with UNAVAILABLE at once (a client retries another replica); the running and queued ones go
+    on until they finish or this many seconds pass, and only those still running then are
+    stopped (UNAVAILABLE). The chart sets the pod's terminationGracePeriodSeconds above it."""
+
     log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
     """Level of the root logger."""
 

@@ -289,8 +289,13 @@ class ComputeServer:
     def wait(self) -> None:
         self.server.wait_for_termination()
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, drain_timeout_s: float = 0.0) -> None:
+        """NOT_SERVING at once; the streams in progress get ``drain_timeout_s`` to finish (new
+        Generates are refused meanwhile), then whatever still runs is stopped."""
         self._health.enter_graceful_shutdown()
+        if drain_timeout_s > 0:
+            drained = self.scheduler.drain(drain_timeout_s)
+            logger.info("drain %s", "complete" if drained else f"cut off after {drain_timeout_s:g}s")
         self.scheduler.stop()
         self.server.stop(grace_s).wait()
         if self.reporter is not None:

@@ -93,7 +93,8 @@ def build_server(
 
     ``register`` holds callables ``f(server)`` that add servicers; ``service_names`` are the
     full names of those services (for health and reflection). Health starts NOT_SERVING for
-    each name; call ``set_serving`` once the service is ready.
+    each name and for the server as a whole (``""``, what a Kubernetes gRPC probe asks by
+    default): call ``set_serving`` once the service is ready.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -108,7 +109,7 @@ def build_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    for name in names:
+    for name in [*names, ""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
