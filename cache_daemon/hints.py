@@ -40,6 +40,7 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
+from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,15 @@ def batch_from_pb(pb: predictor_pb2.HintBatch) -> HintBatch:
 class HintSubscriber:
     """Keeps one SubscribeHints stream open (reconnecting with backoff) and feeds ``board``."""
 
-    def __init__(self, address: str, model_id: str, pod: str, board: HintBoard) -> None:
+    def __init__(
+        self,
+        address: str,
+        model_id: str,
+        pod: str,
+        board: HintBoard,
+        *,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.address = address
         self.model_id = model_id
         self.pod = pod
@@ -174,7 +183,7 @@ class HintSubscriber:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
+        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()
