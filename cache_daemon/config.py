@@ -159,7 +159,8 @@ class DaemonConfig:
     touches the demand path: an absent predictor only means no hints."""
 
     predictor_tls_ca_file: str = field(
-        default="", metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor."}
+        default="",
+        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor."},
     )
     """Turns TLS on for the hint subscription (``ca.crt`` of the Secret)."""
 

@@ -54,7 +54,10 @@ class ComputeConfig:
     """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
 
     tls_client_ca_file: str = field(
-        default="", metadata={"help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"}
+        default="",
+        metadata={
+            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
+        },
     )
     """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
     handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
@@ -167,7 +170,8 @@ class ComputeConfig:
     is asynchronous and lossy: an absent or slow predictor never slows or fails a Generate."""
 
     predictor_tls_ca_file: str = field(
-        default="", metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor"}
+        default="",
+        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor"},
     )
     """Turns TLS on for the predictor channel (``ca.crt`` of the Secret)."""
 

@@ -114,19 +114,27 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer
+                wrap_unary(handler.unary_unary),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer), handler.response_serializer
+                wrap_stream(handler.unary_stream),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary), _tolerant(handler.request_deserializer), handler.response_serializer
+                wrap_unary(handler.stream_unary),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream), _tolerant(handler.request_deserializer), handler.response_serializer
+                wrap_stream(handler.stream_stream),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         return handler
 

@@ -169,4 +169,6 @@ def start_predictor(
         args += ["--redis-url", redis_url]
     else:
         args += ["--embedded-path", str(embedded_path or work_dir / "eamc.bin")]
-    return start("predictor_svc", [*args, *(extra or [])], address, work_dir / log_name, credentials=credentials)
+    return start(
+        "predictor_svc", [*args, *(extra or [])], address, work_dir / log_name, credentials=credentials
+    )

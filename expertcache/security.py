@@ -230,12 +230,20 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
         context.abort(code, message)
 
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            abort, handler.request_deserializer, handler.response_serializer
+        )
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            abort, handler.request_deserializer, handler.response_serializer
+        )
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(
+            abort, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        abort, handler.request_deserializer, handler.response_serializer
+    )
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -449,6 +457,8 @@ class ClientSecurity:
         return channel
 
 
-def client_channel(address: str, security: ClientSecurity | None = None, options: list | None = None) -> grpc.Channel:
+def client_channel(
+    address: str, security: ClientSecurity | None = None, options: list | None = None
+) -> grpc.Channel:
     """``security.channel`` or a plaintext channel without security settings."""
     return (security or ClientSecurity()).channel(address, options)

@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             "predictor on %s, store %s%s, eamc_capacity %d",
             config.listen_address,
             config.store_kind,
-            f" at {redact_url(config.redis_url)}" if config.redis_url else f" saved to {config.embedded_path}",
+            f" at {redact_url(config.redis_url)}"
+            if config.redis_url
+            else f" saved to {config.embedded_path}",
             config.eamc_capacity,
         )
         while not stop.wait(1.0):

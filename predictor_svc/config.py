@@ -77,7 +77,10 @@ class PredictorConfig:
     """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
 
     tls_client_ca_file: str = field(
-        default="", metadata={"help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"}
+        default="",
+        metadata={
+            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
+        },
     )
     """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
     handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""

@@ -1,8 +1,8 @@
 """Certificates made in the test (``cryptography``, a dev dependency): a CA, server and client pairs.
 
-    pki = Pki.create(tmp_path)                 # CA "test-ca", server for localhost/127.0.0.1, client
-    pki.ca_file, pki.server_cert, pki.server_key, pki.client_cert, pki.client_key
-    other = Pki.create(tmp_path / "other")     # an unrelated CA: its certificates must be refused
+pki = Pki.create(tmp_path)                 # CA "test-ca", server for localhost/127.0.0.1, client
+pki.ca_file, pki.server_cert, pki.server_key, pki.client_cert, pki.client_key
+other = Pki.create(tmp_path / "other")     # an unrelated CA: its certificates must be refused
 """
 
 from __future__ import annotations

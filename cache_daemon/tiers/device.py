@@ -174,9 +174,7 @@ class ShmArena(DeviceArena):
         nbytes = self.size_bytes
         try:
             # Owner-only, and never through a planted file or symlink (O_EXCL, O_NOFOLLOW).
-            fd = os.open(
-                self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ArenaUnavailable(f"cannot create the arena file {self.path}: {exc.strerror}") from exc
         try:

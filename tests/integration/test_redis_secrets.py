@@ -73,13 +73,23 @@ def test_config_checks_redis_secrets(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(InvalidArgument, match="'redis_password_file': the secret file .* is empty"):
-        load_config(PredictorConfig, cli={"redis_url": "redis://db", "redis_password_file": str(empty)}, env={})
-    with pytest.raises(InvalidArgument, match="'redis_tls_ca_file' is set but 'redis_url' does not start with rediss://"):
-        load_config(PredictorConfig, cli={"redis_url": "redis://:pw@db", "redis_tls_ca_file": str(empty)}, env={})
+        load_config(
+            PredictorConfig, cli={"redis_url": "redis://db", "redis_password_file": str(empty)}, env={}
+        )
+    with pytest.raises(
+        InvalidArgument, match="'redis_tls_ca_file' is set but 'redis_url' does not start with rediss://"
+    ):
+        load_config(
+            PredictorConfig, cli={"redis_url": "redis://:pw@db", "redis_tls_ca_file": str(empty)}, env={}
+        )
     with pytest.raises(InvalidArgument) as err:
-        load_config(PredictorConfig, cli={"redis_url": "redis://:hunter2@db", "redis_tls_ca_file": str(empty)}, env={})
+        load_config(
+            PredictorConfig, cli={"redis_url": "redis://:hunter2@db", "redis_tls_ca_file": str(empty)}, env={}
+        )
     assert "hunter2" not in str(err.value)
-    with pytest.raises(InvalidArgument, match="'redis_password_file' / 'redis_username' are set but 'redis_url' is empty"):
+    with pytest.raises(
+        InvalidArgument, match="'redis_password_file' / 'redis_username' are set but 'redis_url' is empty"
+    ):
         load_config(PredictorConfig, cli={"redis_username": "eamc"}, env={})
 
 
@@ -93,7 +103,9 @@ def test_predictor_process_uses_the_password_file(locked_redis, tmp_path):
     )
     try:
         with grpc.insecure_channel(proc.address) as channel:
-            stats = predictor_pb2_grpc.PredictorStub(channel).GetStats(predictor_pb2.GetStatsRequest(), timeout=10)
+            stats = predictor_pb2_grpc.PredictorStub(channel).GetStats(
+                predictor_pb2.GetStatsRequest(), timeout=10
+            )
         assert stats.store_kind == "redis"
         assert not stats.store_degraded and stats.store_errors == 0
     finally:
@@ -112,7 +124,9 @@ def test_rediss_verifies_the_server_against_the_ca(tmp_path):
         "--tls-auth-clients", "no",
     ]  # fmt: skip
     try:
-        server = RedisServer(tmp_path / "redis-tls", password=PASSWORD, extra_args=tls_args).start(timeout_s=5)
+        server = RedisServer(tmp_path / "redis-tls", password=PASSWORD, extra_args=tls_args).start(
+            timeout_s=5
+        )
     except RuntimeError as exc:
         if "TLS" in str(exc) or "tls" in str(exc):
             pytest.skip(f"this redis-server was built without TLS: {str(exc)[-200:]}")

@@ -176,6 +176,7 @@ def test_clients_reach_the_predictor_over_mtls_with_token(stack):
         generate(channel, auth(), "tls-feeds-predictor")
     # compute's reporter got through: the finished request entered the EAMC.
     wait_for(lambda: predictor_stats(predictor.address, pki).requests_done >= 1, "EAM reported over mTLS")
+
     # the daemon's hint subscription got through.
     def subscribed() -> bool:
         with grpc.insecure_channel(stack["daemon"].address) as channel:

@@ -37,7 +37,9 @@ FUZZ = settings(
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
     max_leaves=20,
 )
 
@@ -153,7 +155,10 @@ NUMERIC = [f.name for f in dataclasses.fields(ComputeConfig) if f.type in ("int"
 
 
 @FUZZ
-@given(name=st.sampled_from(NUMERIC), value=st.text(max_size=30) | st.sampled_from(["nan", "inf", "-inf", "1e309"]))
+@given(
+    name=st.sampled_from(NUMERIC),
+    value=st.text(max_size=30) | st.sampled_from(["nan", "inf", "-inf", "1e309"]),
+)
 def test_fuzz_config_numbers(name, value):
     try:
         config = load_config(ComputeConfig, cli={"store_dir": "s", name: value}, env={})

@@ -66,7 +66,11 @@ def _refused(channel, **fields) -> str:
 def test_undecodable_generate_is_invalid_argument(compute):
     channel, _ = compute
     raw = channel.unary_stream("/moe.inference.v1.Inference/Generate")
-    for payload in (b"\xff" * 16, b"\x12\xff\xff\xff\xff\x0f", b"\x0a\x05ab"):  # bad tag, huge length, truncated
+    for payload in (
+        b"\xff" * 16,
+        b"\x12\xff\xff\xff\xff\x0f",
+        b"\x0a\x05ab",
+    ):  # bad tag, huge length, truncated
         with pytest.raises(grpc.RpcError) as err:
             list(raw(payload, timeout=10))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -86,7 +90,9 @@ def test_out_of_bounds_fields_name_the_field_and_limit(compute):
     too_many = list(range(1, 2)) * (limits.max_prompt_tokens + 1)
     assert "max_prompt_tokens" in _refused(channel, token_ids=too_many)
     assert "max_prompt_bytes" in _refused(channel, text="x" * (PROMPT_BYTES_LIMIT + 1))
-    assert f"at most {MAX_STOP_STRINGS}" in _refused(channel, token_ids=[1], stop=["a"] * (MAX_STOP_STRINGS + 1))
+    assert f"at most {MAX_STOP_STRINGS}" in _refused(
+        channel, token_ids=[1], stop=["a"] * (MAX_STOP_STRINGS + 1)
+    )
     assert "stop_token_ids" in _refused(channel, token_ids=[1], stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))
     assert "stop_token_ids[0]" in _refused(channel, token_ids=[1], stop_token_ids=[vocab])
     assert "request_id" in _refused(channel, token_ids=[1], request_id="r" * (MAX_REQUEST_ID_CHARS + 1))

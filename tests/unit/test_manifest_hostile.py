@@ -87,12 +87,32 @@ def test_binary_truncated_and_non_object(tmp_path):
         (lambda r: r.update(moe_layers=[0, 7]), "moe_layers[1]", "out of range [0, 1]"),
         (lambda r: r.update(moe_layers=[0, 0]), "moe_layers", "names a layer twice"),
         (lambda r: r.update(tensors={"w1": 1}), "tensors", "must be a list"),
-        (lambda r: r["tensors"][0]["parts"][0].update(shape="8x4"), "tensors[0].parts[0].shape", "must be a list"),
-        (lambda r: r["tensors"][1].update(transposed="yes"), "tensors[1].transposed", "must be true or false"),
-        (lambda r: r["tensors"][0]["parts"][0].update(offset=-256), "tensors[0].parts[0].offset", "out of range"),
+        (
+            lambda r: r["tensors"][0]["parts"][0].update(shape="8x4"),
+            "tensors[0].parts[0].shape",
+            "must be a list",
+        ),
+        (
+            lambda r: r["tensors"][1].update(transposed="yes"),
+            "tensors[1].transposed",
+            "must be true or false",
+        ),
+        (
+            lambda r: r["tensors"][0]["parts"][0].update(offset=-256),
+            "tensors[0].parts[0].offset",
+            "out of range",
+        ),
         (lambda r: r["checksums"]["0"].__setitem__(0, 1 << 40), "checksums.0[0]", "out of range"),
-        (lambda r: r["checksums"].update({"zero": [1, 2, 3, 4]}), "checksums.'zero'", "non-numeric layer key"),
-        (lambda r: r["layer_files"].update({"0": "../../../../etc/passwd"}), "layer_files.0", "inside the store"),
+        (
+            lambda r: r["checksums"].update({"zero": [1, 2, 3, 4]}),
+            "checksums.'zero'",
+            "non-numeric layer key",
+        ),
+        (
+            lambda r: r["layer_files"].update({"0": "../../../../etc/passwd"}),
+            "layer_files.0",
+            "inside the store",
+        ),
         (lambda r: r["layer_files"].update({"1": "/etc/passwd"}), "layer_files.1", "inside the store"),
         (lambda r: r["layer_files"].update({"1": "experts/./x.bin"}), "layer_files.1", "inside the store"),
         (lambda r: r.update(dense_file="../dense.safetensors"), "dense_file", "inside the store"),
@@ -108,7 +128,9 @@ def test_malformed_fields_name_the_key(tmp_path, edit, key, problem):
 
 
 def test_semantic_checks_name_the_key(tmp_path):
-    assert "key 'layer_files' names layers [0]" in refused(tmp_path, mutated(lambda r: r["layer_files"].pop("1")))
+    assert "key 'layer_files' names layers [0]" in refused(
+        tmp_path, mutated(lambda r: r["layer_files"].pop("1"))
+    )
     assert "key 'tensors' is empty" in refused(tmp_path, mutated(lambda r: r.update(tensors=[])))
     assert "unknown dtype" in refused(
         tmp_path, mutated(lambda r: r["tensors"][0]["parts"][0].update(dtype="float128"))

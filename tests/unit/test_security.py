@@ -98,19 +98,25 @@ def test_server_settings_name_the_bad_field(pki, tmp_path):
     garbage.write_bytes(b"\x00\x01 not pem")
     with pytest.raises(InvalidArgument, match="'tls_client_ca_file' .*not a PEM CA"):
         ServerSecurity(
-            tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), tls_client_ca_file=str(garbage)
+            tls_cert_file=str(pki.server_cert),
+            tls_key_file=str(pki.server_key),
+            tls_client_ca_file=str(garbage),
         ).check()
     empty = tmp_path / "empty-token"
     empty.write_text("\n")
     with pytest.raises(InvalidArgument, match="'auth_token_file': the token file .* is empty"):
         ServerSecurity(auth_token_file=str(empty)).check()
     ServerSecurity(
-        tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), tls_client_ca_file=str(pki.ca_file)
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_client_ca_file=str(pki.ca_file),
     ).check()
 
 
 def test_client_settings_name_the_prefixed_field(pki, tmp_path):
-    with pytest.raises(InvalidArgument, match="'predictor_tls_cert_file' is set but 'predictor_tls_key_file'"):
+    with pytest.raises(
+        InvalidArgument, match="'predictor_tls_cert_file' is set but 'predictor_tls_key_file'"
+    ):
         ClientSecurity(tls_cert_file=str(pki.client_cert), field_prefix="predictor_").check()
     with pytest.raises(InvalidArgument, match="'predictor_auth_token_file': cannot read"):
         ClientSecurity(auth_token_file=str(tmp_path / "missing"), field_prefix="predictor_").check()
@@ -127,10 +133,16 @@ def test_service_configs_check_security_fields(pki, tmp_path):
     assert ComputeConfig().reflection is False and PredictorConfig().reflection is False
     with pytest.raises(InvalidArgument, match="'tls_cert_file' is set but 'tls_key_file'"):
         load_config(ComputeConfig, cli={"store_dir": "s", "tls_cert_file": str(pki.server_cert)}, env={})
-    with pytest.raises(InvalidArgument, match="'predictor_tls_key_file' is set but 'predictor_tls_cert_file'"):
-        load_config(ComputeConfig, cli={"store_dir": "s", "predictor_tls_key_file": str(pki.client_key)}, env={})
+    with pytest.raises(
+        InvalidArgument, match="'predictor_tls_key_file' is set but 'predictor_tls_cert_file'"
+    ):
+        load_config(
+            ComputeConfig, cli={"store_dir": "s", "predictor_tls_key_file": str(pki.client_key)}, env={}
+        )
     with pytest.raises(InvalidArgument, match="'predictor_tls_cert_file' is set but"):
-        load_config(DaemonConfig, cli={"store_dir": "s", "predictor_tls_cert_file": str(pki.client_cert)}, env={})
+        load_config(
+            DaemonConfig, cli={"store_dir": "s", "predictor_tls_cert_file": str(pki.client_cert)}, env={}
+        )
     with pytest.raises(InvalidArgument, match="not a matching"):
         load_config(
             PredictorConfig,
@@ -194,7 +206,9 @@ def test_token_auth_accepts_the_token_and_refuses_others(serve, tmp_path):
             channel.stream_unary(f"/{SERVICE}/Collect")(iter([b"a"]), timeout=5)
         assert stream.value.code() is grpc.StatusCode.UNAUTHENTICATED
         # Probes need no token.
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
     # The client side adds the token to every call, unary and streaming.
@@ -240,9 +254,7 @@ def test_undecodable_request_is_invalid_argument(serve, payload):
         def GetModelInfo(self, request, context):  # noqa: N802
             return inference_pb2.ModelInfo(model_type="x")
 
-    address = serve(
-        register=[lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(Inference(), s)]
-    )
+    address = serve(register=[lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(Inference(), s)])
     with grpc.insecure_channel(address) as channel:
         raw = channel.unary_unary("/moe.inference.v1.Inference/GetModelInfo")
         with pytest.raises(grpc.RpcError) as err:
@@ -251,7 +263,9 @@ def test_undecodable_request_is_invalid_argument(serve, payload):
         assert "not a valid protobuf message" in err.value.details()
         assert "/moe.inference.v1.Inference/GetModelInfo" in err.value.details()
         # A well-formed request still works on the same server.
-        ok = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=5)
+        ok = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
+            inference_pb2.GetModelInfoRequest(), timeout=5
+        )
         assert ok.model_type == "x"
 
 
@@ -261,7 +275,9 @@ def test_reflection_only_when_asked(serve):
     def list_services(address: str):
         with grpc.insecure_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             return [s.name for r in replies for s in r.list_services_response.service]
 
     with pytest.raises(grpc.RpcError) as off:
