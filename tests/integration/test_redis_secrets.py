@@ -2,10 +2,14 @@
 
 The password comes from a file (a mounted Secret), an ACL user name may go with it, and neither
 the password nor a password inside the URL ever shows in an error. ``rediss://`` verifies the
-server against ``redis_tls_ca_file`` (run where redis-server was built with TLS).
+server against ``redis_tls_ca_file`` (through a TLS terminator in front of the same redis-server).
 """
 
 from __future__ import annotations
+
+import socket
+import ssl
+import threading
 
 import grpc
 import pytest
@@ -13,7 +17,7 @@ import redis
 
 from expertcache.config_loader import load_config
 from expertcache.errors import InvalidArgument
-from expertcache.launch import free_port, start_predictor
+from expertcache.launch import start_predictor
 from expertcache.redis_server import RedisServer
 from predictor_svc.config import PredictorConfig
 from predictor_svc.errors import StoreUnavailable
@@ -113,32 +117,78 @@ def test_predictor_process_uses_the_password_file(locked_redis, tmp_path):
     assert PASSWORD not in proc.log()
 
 
-def test_rediss_verifies_the_server_against_the_ca(tmp_path):
+class TlsTerminator:
+    """TLS in front of the real redis-server (the bundled one is built without TLS): each
+    connection's handshake is real, then bytes are copied both ways to Redis's plain port."""
+
+    def __init__(self, backend_port: int, cert: str, key: str) -> None:
+        self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._ctx.load_cert_chain(cert, key)
+        self._backend_port = backend_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.handshake_failures = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            tls = self._ctx.wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError):
+            self.handshake_failures += 1
+            conn.close()
+            return
+        backend = socket.create_connection(("127.0.0.1", self._backend_port))
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pump, args=(backend, tls), daemon=True).start()
+        pump(tls, backend)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_rediss_verifies_the_server_against_the_ca(locked_redis, tmp_path):
     pki = Pki.create(tmp_path / "pki")
-    tls_port = free_port()
-    tls_args = [
-        "--tls-port", str(tls_port),
-        "--tls-cert-file", str(pki.server_cert),
-        "--tls-key-file", str(pki.server_key),
-        "--tls-ca-cert-file", str(pki.ca_file),
-        "--tls-auth-clients", "no",
-    ]  # fmt: skip
+    proxy = TlsTerminator(locked_redis.port, str(pki.server_cert), str(pki.server_key))
     try:
-        server = RedisServer(tmp_path / "redis-tls", password=PASSWORD, extra_args=tls_args).start(
-            timeout_s=5
-        )
-    except RuntimeError as exc:
-        if "TLS" in str(exc) or "tls" in str(exc):
-            pytest.skip(f"this redis-server was built without TLS: {str(exc)[-200:]}")
-        raise
-    try:
-        url = f"rediss://127.0.0.1:{tls_port}/0"
+        url = f"rediss://127.0.0.1:{proxy.port}/0"
         password_file = _password_file(tmp_path, PASSWORD)
         good = RedisOptions(password_file=password_file, tls_ca_file=str(pki.ca_file))
         assert open_store(url, redis=good).load("model-t")[0] == {}
         other = Pki.create(tmp_path / "other", "other-ca")
         wrong_ca = RedisOptions(password_file=password_file, tls_ca_file=str(other.ca_file))
-        with pytest.raises(StoreUnavailable, match="(?i)certificate"):
+        with pytest.raises(StoreUnavailable, match="(?i)certificate verify failed"):
             open_store(url, redis=wrong_ca).load("model-t")
+        # Through the config: a rediss:// predictor config with the CA file is accepted.
+        config = load_config(
+            PredictorConfig,
+            cli={
+                "redis_url": url,
+                "redis_tls_ca_file": str(pki.ca_file),
+                "redis_password_file": password_file,
+            },
+            env={},
+        )
+        assert open_store(config.redis_url, redis=RedisOptions.from_config(config)).load("model-u")[0] == {}
     finally:
-        server.stop()
+        proxy.close()
