@@ -70,7 +70,7 @@ def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
         getattr(args, "tls_cert_file", ""),
         getattr(args, "tls_key_file", ""),
         getattr(args, "auth_token_file", ""),
-        field_prefix="--",
+        field_prefix="",  # messages name tls_cert_file etc. (the --tls-cert-file options)
     )
     security.check()
     return security.channel(address)

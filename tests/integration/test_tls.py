@@ -154,6 +154,22 @@ def test_generate_over_tls_with_token(stack):
         assert _code(lambda: generate(wrong_ca, auth())) is grpc.StatusCode.UNAVAILABLE
 
 
+def test_cli_takes_the_security_options(stack, capsys):
+    from expertcache.cli import main
+
+    pki, address = stack["pki"], stack["tls"].address
+    token = str(stack["work"] / "token")
+    assert (
+        main(["info", "--address", address, "--tls-ca-file", str(pki.ca_file), "--auth-token-file", token])
+        == 0
+    )
+    assert '"model_type"' in capsys.readouterr().out
+    assert main(["info", "--address", address, "--tls-ca-file", str(pki.ca_file)]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(["info", "--address", address, "--tls-cert-file", str(pki.client_cert)]) == 2
+    assert "is set but" in capsys.readouterr().err
+
+
 def test_generate_over_mtls_refuses_clients_without_a_certificate(stack):
     pki, address = stack["pki"], stack["mtls"].address
     with grpc.secure_channel(address, creds(pki, client_cert=True)) as channel:
