@@ -128,3 +128,25 @@ def test_undecodable_predictor_requests_are_invalid_argument(predictor):
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     reply = predictor_pb2_grpc.PredictorStub(predictor).GetStats(predictor_pb2.GetStatsRequest(), timeout=10)
     assert reply.store_kind == "embedded"
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        ("compute_svc.config.ComputeConfig", "acquire_timeout_s", "nan"),
+        ("compute_svc.config.ComputeConfig", "daemon_connect_timeout_s", "inf"),
+        ("predictor_svc.config.PredictorConfig", "min_score", "nan"),
+        ("predictor_svc.config.PredictorConfig", "live_request_ttl_s", "-inf"),
+    ],
+)
+def test_config_numbers_reject_nan_and_infinities(cls, field, value):
+    import importlib
+
+    from expertcache.config_loader import load_config
+    from expertcache.errors import InvalidArgument
+
+    module, _, name = cls.rpartition(".")
+    config_cls = getattr(importlib.import_module(module), name)
+    cli = {field: value, **({"store_dir": "s"} if name == "ComputeConfig" else {})}
+    with pytest.raises(InvalidArgument, match=f"config field '{field}' = .* is not a finite number"):
+        load_config(config_cls, cli=cli, env={})
