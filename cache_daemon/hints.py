@@ -40,6 +40,7 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
+from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class HintSubscriber:
         board: HintBoard,
         *,
         shape: tuple[int, int, int] | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         """``shape`` (MoE layers, experts, top_k): registered with RegisterModel before each
         stream (the predictor serves only registered models); None: the predictor must know the
@@ -186,7 +188,7 @@ class HintSubscriber:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
+        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()

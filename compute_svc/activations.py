@@ -45,6 +45,7 @@ from expertcache.grpc_client import (
     next_backoff,
 )
 from expertcache.layers import LayerMap
+from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class ActivationReporter:
         num_experts: int = 0,
         num_moe_layers: int = 0,
         batch_tokens: int = 256,
+        security: ClientSecurity | None = None,
     ) -> None:
         if queue_tokens < 1:
             raise ValueError(f"queue_tokens must be >= 1, got {queue_tokens}")
@@ -161,7 +163,7 @@ class ActivationReporter:
         self.requests_done = 0
         self.outages = 0
         self.connected = False
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
+        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._call_ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="activation-reporter", daemon=True)

@@ -35,6 +35,7 @@ from compute_svc.metrics import ComputeMetrics
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class ComputeServer:
             [SERVICE_NAME],
             # Every running or waiting Generate holds a server thread while it streams.
             max_workers=config.max_batch_size + config.max_waiting_requests + _EXTRA_RPC_THREADS,
+            security=ServerSecurity.from_config(config),
+            reflection_enabled=config.reflection,
         )
         # The daemon's stream ending while idle (it died): stop serving now and re-attach.
         self.client.on_stream_end = self.scheduler.daemon_lost
@@ -238,6 +241,7 @@ class ComputeServer:
                 config.report_queue_tokens,
                 num_experts=manifest.num_experts,
                 num_moe_layers=len(manifest.moe_layers),
+                security=ClientSecurity.from_config(config),
             )
             logger.info("reporting routing to the predictor at %s", config.predictor_address)
         if config.record_trace_path:

@@ -27,7 +27,9 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_ADDRESS
+from expertcache.security import ClientSecurity
 
 DEFAULT_INFERENCE_ADDRESS = "127.0.0.1:50051"
 DEFAULT_PREDICTOR_ADDRESS = "127.0.0.1:50070"
@@ -54,6 +56,30 @@ def _message(text: str):
     if not sep or not role:
         raise argparse.ArgumentTypeError(f"a message is ROLE:CONTENT (e.g. user:Hello), got {text!r}")
     return role, content
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS / mTLS / token options of a client (the servers' ``--tls-*`` / ``--auth-token-file``)."""
+    group = parser.add_argument_group("security (TCP services)")
+    group.add_argument("--tls-ca-file", default="", help="PEM CA bundle to verify the server; set = TLS")
+    group.add_argument("--tls-cert-file", default="", help="PEM client certificate (mTLS)")
+    group.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    group.add_argument("--auth-token-file", default="", help="file holding the bearer token to send")
+
+
+def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
+    """A channel to ``address`` with the security options (a unix socket is always plaintext)."""
+    if address.startswith("unix:"):
+        return grpc.insecure_channel(address)
+    security = ClientSecurity(
+        getattr(args, "tls_ca_file", ""),
+        getattr(args, "tls_cert_file", ""),
+        getattr(args, "tls_key_file", ""),
+        getattr(args, "auth_token_file", ""),
+        field_prefix="",  # messages name tls_cert_file etc. (the --tls-cert-file options)
+    )
+    security.check()
+    return security.channel(address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,10 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--verbose", action="store_true", help="one line per token (id, latency, cache) on stderr"
     )
+    add_security_arguments(gen)
 
     info = sub.add_parser("info", help="describe the served model")
     info.add_argument("--address", default=DEFAULT_INFERENCE_ADDRESS, help="compute service host:port")
     info.add_argument("--timeout-s", type=float, default=30.0)
+    add_security_arguments(info)
 
     stats = sub.add_parser("stats", help="print the cache daemon's and the predictor's counters")
     stats.add_argument(
@@ -107,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("--json", action="store_true", help="one JSON object instead of text")
     stats.add_argument("--timeout-s", type=float, default=10.0)
+    add_security_arguments(stats)
 
     health = sub.add_parser(
         "health",
@@ -174,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokens = 0
     finish = ""
     started = time.perf_counter()
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args, args.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for event in stub.Generate(request, timeout=args.timeout_s):
@@ -201,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args, args.address) as channel:
         try:
             info = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
                 inference_pb2.GetModelInfoRequest(), timeout=args.timeout_s
@@ -252,7 +281,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     report: dict[str, object] = {}
     status = 0
     for name, address, stub_cls, request_cls in targets:
-        with grpc.insecure_channel(address) as channel:
+        with client_channel(args, address) as channel:
             try:
                 reply = stub_cls(channel).GetStats(request_cls(), timeout=args.timeout_s)
             except grpc.RpcError as exc:
@@ -358,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except InvalidArgument as exc:  # unusable --tls-* / --auth-token-file
+        print(f"expertcache: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
+from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
 from predictor_svc.eam import HEADER_BYTES as EAM_HEADER_BYTES
 
 ENV_PREFIX = "EXPERTCACHE_PREDICTOR_"
@@ -81,11 +82,55 @@ class PredictorConfig:
     )
     """Address of ``moe.predictor.v1.Predictor`` (TCP; the predictor is its own Deployment)."""
 
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate chain of this server; with tls_key_file turns on TLS"}
+    )
+    """TLS server certificate (a Secret's ``tls.crt``, /etc/expertcache/tls/tls.crt in a pod). The
+    file is watched: a rotated certificate is used from the next connection on, no restart."""
+
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
+    """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
+
+    tls_client_ca_file: str = field(
+        default="",
+        metadata={
+            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
+        },
+    )
+    """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
+    handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
+
+    auth_token_file: str = field(
+        default="", metadata={"help": "file holding the bearer token every call must carry; empty = no token"}
+    )
+    """Set: every call but the health checks needs metadata ``authorization: Bearer <token>``,
+    else UNAUTHENTICATED. Re-read when the file changes."""
+
+    reflection: bool = field(default=False, metadata={"help": "serve gRPC reflection (off by default)"})
+    """gRPC server reflection, for grpcurl and the like; off unless asked for."""
+
     redis_url: str = field(
         default="",
         metadata={"help": "Redis URL of the shared EAMC (redis://host:port/db); empty = embedded store."},
     )
     """The EAMC store. Empty: the embedded in-process store saved to ``embedded_path``."""
+
+    redis_username: str = field(
+        default="", metadata={"help": "Redis ACL user name; empty = the default user."}
+    )
+    """User of Redis 6 ACLs (with ``redis_password_file``); a name in ``redis_url`` also works."""
+
+    redis_password_file: str = field(
+        default="", metadata={"help": "File holding the Redis password (a mounted Secret); empty = none."}
+    )
+    """Read at start; the password is never logged. Prefer it to a password inside ``redis_url``,
+    which would show in the process's arguments and environment."""
+
+    redis_tls_ca_file: str = field(
+        default="", metadata={"help": "PEM CA bundle to verify Redis's certificate (rediss:// URLs)."}
+    )
+    """With a ``rediss://`` URL: Redis's certificate is verified against this CA (the system's
+    roots when empty). Setting it with a plain ``redis://`` URL is refused as a likely mistake."""
 
     embedded_path: str = field(
         default=DEFAULT_EAMC_PATH,
@@ -319,6 +364,20 @@ class PredictorConfig:
             raise InvalidArgument(
                 f"config field 'redis_url' = {self.redis_url!r} must start with redis://, rediss:// or unix://"
             )
+        ServerSecurity.from_config(self).check()
+        if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
+            raise InvalidArgument(
+                "config field 'redis_tls_ca_file' is set but 'redis_url' does not start with rediss:// "
+                f"(it is {redact_url(self.redis_url)!r}): use rediss:// for TLS to Redis"
+            )
+        if (self.redis_password_file or self.redis_username) and not self.redis_url:
+            raise InvalidArgument(
+                "config fields 'redis_password_file' / 'redis_username' are set but 'redis_url' is empty"
+            )
+        if self.redis_password_file:
+            read_secret(self.redis_password_file, "redis_password_file")
+        if self.redis_tls_ca_file:
+            check_ca_file(self.redis_tls_ca_file, "redis_tls_ca_file")
         if not self.redis_url and not self.embedded_path:
             raise InvalidArgument("config field 'embedded_path' must not be empty when 'redis_url' is empty")
         shapes = self.shapes()  # raises naming the bad entry

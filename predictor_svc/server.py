@@ -16,6 +16,7 @@ from grpc_health.v1 import health
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.security import ServerSecurity
 from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
 
 logger = logging.getLogger(__name__)
@@ -163,15 +164,23 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
 
 
 def create_server(
-    service: PredictorService, address: str, *, max_workers: int
+    service: PredictorService,
+    address: str,
+    *,
+    max_workers: int,
+    security: ServerSecurity | None = None,
+    reflection_enabled: bool = False,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A started server on ``address`` (host:port) with health SERVING."""
+    """A started server on ``address`` (host:port) with health SERVING; TLS / mTLS / bearer
+    token as ``security`` says (``expertcache.security``)."""
     servicer = PredictorServicer(service)
     server, health_servicer = build_server(
         address,
         [lambda s: predictor_pb2_grpc.add_PredictorServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         max_workers=max_workers,
+        security=security,
+        reflection_enabled=reflection_enabled,
     )
     server.start()
     set_serving(health_servicer, [SERVICE_NAME])

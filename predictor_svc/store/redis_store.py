@@ -22,6 +22,7 @@ import uuid
 
 import redis
 
+from expertcache.security import redact_url
 from predictor_svc.errors import Conflict, StoreUnavailable
 from predictor_svc.store.base import Change
 
@@ -90,17 +91,33 @@ class RedisStore:
         url: str,
         log_len: int = DEFAULT_LOG_LEN,
         socket_timeout_s: float = 2.0,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
+        """``username`` / ``password`` (from a Secret) override those in ``url``; ``tls_ca_file``
+        verifies the server of a ``rediss://`` URL."""
         if log_len < 1:
             raise ValueError(f"log_len must be >= 1, got {log_len}")
-        self.url = url
+        self.url = redact_url(url)  # what errors and logs show: never the password
         self._log_len = log_len
+        secrets: dict = {}
+        if username:
+            secrets["username"] = username
+        if password is not None:
+            secrets["password"] = password
+        if tls_ca_file:
+            if not url.startswith("rediss://"):
+                raise ValueError(f"a Redis CA file needs a rediss:// URL, got {self.url!r}")
+            secrets["ssl_ca_certs"] = tls_ca_file
         # Short timeouts: an outage must surface as StoreUnavailable quickly, not hang a caller.
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
             retry_on_timeout=False,
+            **secrets,
         )
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
