@@ -1,7 +1,8 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
-    python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--budget-share 0.25] ...
-                        [--systems ours,lru,accelerate] [--compare-with bench/results/e2e-bf16.json]
+    python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--repeats 1] ...
+                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate]
+                        [--compare-with bench/results/e2e-bf16.json]
     make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]   # a bf16 run, then an mxfp4 run printed beside it
 
 One run, side by side, on one random-weight checkpoint of gpt-oss shape written by transformers'
