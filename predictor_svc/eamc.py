@@ -21,7 +21,7 @@ of its ``top_n`` most similar entries, so it stays in [0, 1].
 Matching cost (why two stages): the exact scan reads every row in float32 (30 MB at 10 K entries
 of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict`` first scans an
 int8 copy of the rows (each row quantised with its own scale when it is upserted; one integer
-matrix product, ``torch._int_mm``, over the layers seen so far: 7.7 MB), takes the
+pass over the layers seen so far, 7.7 MB, by the first-stage scan below), takes the
 ``candidates(top_n)`` best by that approximate cosine (a partial top-k, no sort), and rescores
 only those exactly in float32 before choosing the ``top_n``. The quantisation error of a cosine
 is about 1e-3, far below the gap between the best matches and the rest, so the chosen entries
