@@ -243,7 +243,9 @@ class ComputeConfig:
     (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
     per depth. 0.9 at depth 1 is the trace replay's default model."""
 
-    log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
+    log_level: str = field(
+        default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES, "upper": True}
+    )
     """Level of the root logger."""
 
     def check(self) -> None:

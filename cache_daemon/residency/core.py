@@ -203,7 +203,31 @@ class Residency:
 
     @property
     def num_slots(self) -> int:
-        return self._arena.num_slots
+        """Slots the cache may fill now (the live device budget; the arena may have more)."""
+        return self.slots.limit
+
+    def set_slot_limit(self, limit: int) -> int:
+        """Change how many of the arena's slots the cache may fill (the live device budget).
+
+        Shrinking evicts the experts the policy ranks last until the rest fits; a pinned or
+        loading expert is never evicted under its reader: its slot is reclaimed by later
+        admissions once it is released. Growing lets more stay resident. Every expert that
+        still fits stays. Returns how many were evicted now."""
+        if not 1 <= limit <= self._arena.num_slots:
+            raise ValueError(f"slot limit must be in [1, {self._arena.num_slots}], got {limit}")
+        evicted = 0
+        with self._cond:
+            self.slots.limit = limit
+            self.sync_recency()
+            excess = self.slots.used - limit
+            if excess > 0:
+                for victim in self._policy.choose_victims(excess, self.slots.evictable):
+                    if self.slots.try_evict(victim):
+                        self._evicted(victim)
+                        evicted += 1
+            self._cond.notify_all()
+            self._prefetcher.kick()
+        return evicted
 
     @property
     def table(self) -> SlotTable:
