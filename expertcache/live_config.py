@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import watchfiles
+import yaml
 
-from expertcache.config_loader import load_config
+from expertcache.config_loader import env_name, load_config
 from expertcache.errors import ExpertCacheError
 
 logger = logging.getLogger(__name__)
@@ -163,6 +165,7 @@ class LiveConfig:
         self._env_prefix = env_prefix
         self._config_file = config_file
         self._apply = apply
+        self._overridden: set[tuple[str, str]] = set()
         self._reloader = LiveReloader(self._reload)
         self._file_watcher = (
             ConfigFileWatcher(config_file, lambda: self._reloader.trigger(f"file {config_file}"))
@@ -194,11 +197,40 @@ class LiveConfig:
                 fresh = load_config(
                     self._cls, cli=self._cli, env_prefix=self._env_prefix, file=self._config_file
                 )
+            self._warn_overridden(origin, data)
             self._apply(fresh, origin)
         except ExpertCacheError as exc:
             logger.error("config change from %s refused, the running config stays: %s", origin, exc)
             if self.config_map is not None:
                 self.config_map.post_warning(f"config change from {origin} refused: {exc}")
+
+    def _warn_overridden(self, origin: str, data: object) -> None:
+        """A key set in the file but also on the command line or in the environment is not
+        applied (CLI > env > file): say so once per key and value, or an edit looks ignored."""
+        try:
+            if data is not None:
+                raw = yaml.safe_load(str(data)) or {}
+            elif self._config_file:
+                raw = yaml.safe_load(Path(self._config_file).read_text()) or {}
+            else:
+                return
+        except (OSError, yaml.YAMLError):
+            return  # changed again meanwhile: the next reload tells
+        for key, value in raw.items() if isinstance(raw, dict) else ():
+            name = str(key).replace("-", "_")
+            var = env_name(self._env_prefix, name)
+            where = "the command line" if self._cli.get(name) is not None else None
+            if where is None and var in os.environ:
+                where = f"env {var}"
+            if where is not None and (name, repr(value)) not in self._overridden:
+                self._overridden.add((name, repr(value)))
+                logger.warning(
+                    "config key %r = %r in %s is not applied: %s sets it, and wins over the file",
+                    name,
+                    value,
+                    origin,
+                    where,
+                )
 
     def close(self) -> None:
         if self.config_map is not None:

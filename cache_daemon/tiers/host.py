@@ -257,10 +257,20 @@ class HostTier(MemoryTier):
 
     def _take_slot_locked(self) -> int | None:
         assert self._pool is not None
+        # Above the limit (a shrink met pinned experts): shed unpinned ones first.
+        while self._pool.num_slots - self._pool.num_free > self.limit:
+            victim = self._evict_locked()
+            if victim is None:
+                return None
+            self._pool.free(victim)
         if self._pool.num_free and self._pool.num_slots - self._pool.num_free < self.limit:
             return self._pool.alloc()  # lowest free index first
         if self.limit == 0:
             return None
+        return self._evict_locked()
+
+    def _evict_locked(self) -> int | None:
+        """Evict the policy's first unpinned victim; its slot, or None when all are pinned."""
         victims = self._policy.choose_victims(1, lambda k: self._pins.get(k, 0) == 0)
         if not victims:
             return None

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from moe.cache.v1 import cache_pb2
 
-from expertcache.launch import start_daemon
+from expertcache.launch import start, start_daemon
 from tests import waiting
 from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, DemandStream, tiers
 from tests.integration.test_predictor_server import request, start_predictor, stats, stub
@@ -26,6 +26,8 @@ from tests.unit.test_daemon_store import write_store
 pytestmark = pytest.mark.integration
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.02, timeout_s=15.0)
+# The fixture's starting budgets: an edit that leaves a key out sets it back to its default.
+BUDGETS = f"device_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n"
 
 
 class KubeletVolume:
@@ -108,24 +110,17 @@ def host(daemon: Daemon) -> cache_pb2.TierStats:
 def live_daemon(tmp_path):
     store = tmp_path / "store"
     manifest = write_store(store)  # 2 MoE layers x 6 experts of 4 KiB
-    volume = KubeletVolume(tmp_path / "config", "daemon.yaml", "eviction_policy: lru\n")
-    proc = start_daemon(
-        store,
-        tmp_path,
-        device="cpu",
-        device_budget_bytes=3 * BLOB,
-        host_budget_bytes=2 * BLOB,
-        extra=[
-            "--shm-dir",
-            str(SHM_DIR or tmp_path),
-            "--config-file",
-            str(volume.path),
-            "--device-budget-max-bytes",
-            str(8 * BLOB),
-            "--host-budget-max-bytes",
-            str(6 * BLOB),
-        ],
+    # The budgets come from the file (a flag or env variable would override it: CLI > env > file).
+    volume = KubeletVolume(
+        tmp_path / "config",
+        "daemon.yaml",
+        f"eviction_policy: lru\ndevice_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n",
     )
+    sock = tmp_path / "daemon.sock"
+    args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
+    args += ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(volume.path)]
+    args += ["--device-budget-max-bytes", str(8 * BLOB), "--host-budget-max-bytes", str(6 * BLOB)]
+    proc = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
     d = Daemon(proc, store, manifest)
     yield d, volume
     d.close()
@@ -154,13 +149,15 @@ def test_kubelet_edit_retunes_budgets_and_policy_while_streaming(live_daemon):
         volume.write(f"eviction_policy: lfu\ndevice_budget_bytes: {2 * BLOB}\nhost_budget_bytes: {BLOB}\n")
         wait_for(lambda: device(d).capacity_slots == 2, "the shrunk device budget")
         wait_for(lambda: device(d).resident <= 2, "residents within the shrunk budget")
-        assert device(d).resident >= 1  # what still fits was kept
-        assert host(d).capacity_slots == 1 and host(d).resident <= 1
+        assert host(d).capacity_slots == 1
+        wait_for(lambda: host(d).resident <= 1, "the host tier within its shrunk budget")
         seen = streamer.acquires
         wait_for(lambda: streamer.acquires >= seen + 10 or streamer.errors, "acquires after shrinking")
     finally:
         streamer.stop()
     assert not streamer.errors, streamer.errors
+    # Once the stream is gone, the last experts it used stay resident: exactly the budget.
+    assert device(d).resident == 2 and d.stats().pinned == 0
     assert d.proc.popen.pid == pid and d.proc.popen.poll() is None  # never restarted
     assert "config reloaded from file" in d.proc.log()
 
@@ -172,7 +169,10 @@ def test_kubelet_edit_retunes_budgets_and_policy_while_streaming(live_daemon):
             f"device_budget_bytes: {100 * BLOB}\n",
             f"is above its ceiling device_budget_max_bytes = {8 * BLOB}",
         ),
-        (f"host_budget_bytes: {7 * BLOB}\n", f"is above its ceiling host_budget_max_bytes = {6 * BLOB}"),
+        (
+            f"device_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {7 * BLOB}\n",
+            f"is above its ceiling host_budget_max_bytes = {6 * BLOB}",
+        ),
         ("eviction_policy: lfu\nhint_stale_s: .nan\n", "'hint_stale_s' = nan from file"),
         ("eviction_policy: fifo\n", "'eviction_policy' = 'fifo' is not one of"),
         ("eviction_policy: [lfu\n", "config file"),
@@ -192,13 +192,13 @@ def test_invalid_edit_is_refused_whole_and_the_old_config_stays(live_daemon, tex
     assert after.config == before.config
     assert [t.capacity_slots for t in after.tiers] == [t.capacity_slots for t in before.tiers]
     # The next valid edit still applies.
-    volume.write("eviction_policy: moe-infinity\n")
+    volume.write("eviction_policy: moe-infinity\n" + BUDGETS)
     wait_for(lambda: d.stats().config.eviction_policy == "moe-infinity", "a valid edit after a refused one")
 
 
 def test_restart_only_key_is_logged_and_not_applied(live_daemon):
     d, volume = live_daemon
-    volume.write("eviction_policy: lfu\nio_threads: 9\nprefetch: false\n")
+    volume.write("eviction_policy: lfu\nio_threads: 9\nprefetch: false\n" + BUDGETS)
     wait_for(lambda: d.stats().config.eviction_policy == "lfu", "the live keys")
     assert not d.stats().config.prefetch
     log = d.proc.log()
@@ -206,10 +206,24 @@ def test_restart_only_key_is_logged_and_not_applied(live_daemon):
     assert "not applied until the service restarts" in log
 
 
+def test_a_file_key_overridden_by_a_flag_is_named(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    volume = KubeletVolume(tmp_path / "config", "daemon.yaml", "eviction_policy: lru\n")
+    extra = ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(volume.path)]
+    proc = start_daemon(store, tmp_path, device="cpu", device_budget_bytes=3 * BLOB, extra=extra)
+    try:
+        volume.write(f"eviction_policy: lfu\ndevice_budget_bytes: {2 * BLOB}\n")
+        wait_for(lambda: "is not applied: the command line sets it" in proc.log(), "the override warning")
+        assert f"config key 'device_budget_bytes' = {2 * BLOB} in file {volume.path}" in proc.log()
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
 def test_sighup_reloads_too(live_daemon):
     d, volume = live_daemon
     # Written in place under the symlink (no swap): the watch sees it; SIGHUP forces it anyway.
-    (volume.root / "..data" / "daemon.yaml").write_text("eviction_policy: activation-aware\n")
+    (volume.root / "..data" / "daemon.yaml").write_text("eviction_policy: activation-aware\n" + BUDGETS)
     d.proc.popen.send_signal(signal.SIGHUP)
     wait_for(lambda: d.stats().config.eviction_policy == "activation-aware", "the SIGHUP reload")
 
