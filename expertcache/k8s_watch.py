@@ -51,7 +51,8 @@ def api_client() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # Read $KUBECONFIG now: the client reads it once, when it is first imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
     return client.ApiClient()
 
 
@@ -96,6 +97,8 @@ class ConfigMapWatcher:
                 self._list_and_watch(self._api)
                 failures = 0
             except ApiException as exc:
+                if self._stop.is_set():
+                    return
                 failures += 1
                 if exc.status in (401, 403):
                     logger.error(
@@ -108,6 +111,8 @@ class ConfigMapWatcher:
                 else:
                     logger.warning("watch of %s failed: %s %s", self.origin, exc.status, exc.reason)
             except Exception as exc:  # noqa: BLE001 - connection errors, bad kubeconfig: retry
+                if self._stop.is_set():
+                    return  # close() cut the watch
                 failures += 1
                 logger.warning("watch of %s failed: %s", self.origin, exc)
             if failures:

@@ -36,7 +36,7 @@ class FakeKubeApi:
         api = self
 
         class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"  # a watch body ends when the connection closes
+            protocol_version = "HTTP/1.1"  # a watch streams its events as chunks, as the API server does
 
             def log_message(self, *_args) -> None:
                 pass
@@ -179,17 +179,23 @@ class FakeKubeApi:
         try:
             h.send_response(200)
             h.send_header("Content-Type", "application/json")
+            h.send_header("Transfer-Encoding", "chunked")
             h.end_headers()
             h.wfile.flush()
+            h.close_connection = True
             try:
                 while not self._stopped.is_set():
-                    event = q.get(timeout=timeout_s)
+                    try:
+                        event = q.get(timeout=timeout_s)
+                    except queue.Empty:
+                        break  # timeoutSeconds: the server ends the watch, the client watches again
                     if event is None:
-                        return
-                    h.wfile.write(json.dumps(event).encode() + b"\n")
+                        break
+                    line = json.dumps(event).encode() + b"\n"
+                    h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))  # one chunk per event
                     h.wfile.flush()
-            except queue.Empty:
-                return  # timeoutSeconds: the server ends the watch, the client watches again
+                h.wfile.write(b"0\r\n\r\n")
+                h.wfile.flush()
             except OSError:
                 return  # the client went away
         finally:

@@ -12,7 +12,7 @@ import pytest
 from moe.cache.v1 import cache_pb2
 
 from expertcache.k8s_watch import EVENT_REASON, ConfigMapWatcher
-from expertcache.launch import free_port, start, start_daemon
+from expertcache.launch import free_port, start
 from tests import waiting
 from tests.integration.fake_kube_api import FakeKubeApi
 from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, tiers
@@ -71,7 +71,8 @@ def test_predictor_follows_its_configmap_and_posts_an_event_when_refusing(kube, 
         assert stats(proc).live_requests == 3
         kube.set_configmap(NAME, {"predictor.yaml": "max_live_requests: 1\nhint_top_n: 3\n"})
         origin = f"ConfigMap {NAMESPACE}/{NAME} key predictor.yaml"
-        wait_for(lambda: f"config updated from {origin}: max_live_requests=1" in proc.log(), "the change")
+        wait_for(lambda: "hint_top_n=3, max_live_requests=1\n" in proc.log(), "the change")
+        assert f"config updated from {origin}: hint_top_n=3, max_live_requests=1\n" in proc.log()
         s.Observe(request("r3", 2, done=False), timeout=10)
         assert stats(proc).live_requests == 1
         assert not refusal_events(kube)
@@ -99,21 +100,17 @@ def test_predictor_follows_its_configmap_and_posts_an_event_when_refusing(kube, 
 def test_daemon_follows_its_configmap(kube, tmp_path):
     store = tmp_path / "store"
     manifest = write_store(store)
-    kube.set_configmap(NAME, {"daemon.yaml": "eviction_policy: lru\n"})
-    proc = start_daemon(
-        store,
-        tmp_path,
-        device="cpu",
-        device_budget_bytes=3 * BLOB,
-        extra=[
-            "--shm-dir",
-            str(SHM_DIR or tmp_path),
-            "--config-map-name",
-            NAME,
-            "--device-budget-max-bytes",
-            str(6 * BLOB),
-        ],
-    )
+    first = f"eviction_policy: lru\ndevice_budget_bytes: {3 * BLOB}\n"
+    kube.set_configmap(NAME, {"daemon.yaml": first})
+    # The pod mounts the same ConfigMap as its --config-file; the kubelet refreshes that copy
+    # only later (here: never), the API watch at once.
+    mounted = tmp_path / "daemon.yaml"
+    mounted.write_text(first)
+    sock = tmp_path / "daemon.sock"
+    args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
+    args += ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(mounted)]
+    args += ["--config-map-name", NAME, "--device-budget-max-bytes", str(6 * BLOB)]
+    proc = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
     d = Daemon(proc, store, manifest)
     try:
         wait_for(lambda: kube.watchers(NAME) == 1, "the daemon's watch")
@@ -122,6 +119,7 @@ def test_daemon_follows_its_configmap(kube, tmp_path):
         wait_for(lambda: d.stats().config.eviction_policy == "lfu", "the new policy")
         wait_for(lambda: tiers(d.stats())[cache_pb2.TIER_DEVICE].capacity_slots == 5, "the new budget")
         kube.set_configmap(NAME, {"daemon.yaml": f"eviction_policy: lru\ndevice_budget_bytes: {9 * BLOB}\n"})
+        # (refused: the ceiling is 6 blobs)
         wait_for(lambda: refusal_events(kube), "the Warning Event")
         message = refusal_events(kube)[0]["message"]
         assert (
