@@ -199,7 +199,8 @@ def test_live_update_applies_whole_or_not_at_all(tmp_path):
         assert daemon.stats().config == update.config
         before = daemon.config
         with pytest.raises(
-            InvalidArgument, match=r"unknown config field 'device_budget'; live fields: device_budget_bytes, host_budget_bytes, eviction_policy"
+            InvalidArgument,
+            match=r"unknown config field 'device_budget'; live fields: device_budget_bytes, host_budget_bytes, eviction_policy",
         ):
             daemon.update_config({"prefetch": True, "device_budget": 5})
         with pytest.raises(InvalidArgument, match=r"'max_inflight_bytes' = -4 is below its minimum 0"):
@@ -259,7 +260,9 @@ def test_live_budgets_shrink_and_grow_within_their_ceilings(tmp_path):
             match=r"'device_budget_bytes' = 36864 is above its ceiling device_budget_max_bytes = 32768",
         ):
             daemon.update_config({"device_budget_bytes": 9 * 4096, "prefetch": True})
-        with pytest.raises(InvalidArgument, match=r"'host_budget_bytes' = 100 is smaller than one expert blob"):
+        with pytest.raises(
+            InvalidArgument, match=r"'host_budget_bytes' = 100 is smaller than one expert blob"
+        ):
             daemon.update_config({"host_budget_bytes": 100})
         assert daemon.residency.num_slots == 8 and not daemon.config.prefetch and daemon.host.limit == 1
         daemon.residency.close_session(session)
