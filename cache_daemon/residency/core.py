@@ -485,10 +485,12 @@ class Residency:
         its ``DataLoss`` in every Acquire waiting for it.
         """
         experts = [int(e) for e in experts]
-        if len(experts) > self.num_slots:
+        # Compute sizes its waves by the arena (Attach's num_slots), not by the live budget.
+        arena_slots = self._arena.num_slots
+        if len(experts) > arena_slots:
             raise BadAcquire(
-                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {self.num_slots} "
-                f"slots: acquire them in waves of at most {self.num_slots} (release each wave first)"
+                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {arena_slots} "
+                f"slots: acquire them in waves of at most {arena_slots} (release each wave first)"
             )
         seen: set[int] = set()
         keys = []
@@ -580,10 +582,11 @@ class Residency:
         """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
         wanted = set(keys)
         held_elsewhere = len(set(session.held) - wanted)
-        if held_elsewhere + len(keys) > self.num_slots:
+        if held_elsewhere + len(keys) > self._arena.num_slots:
             raise BadAcquire(
                 f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
-                f"{held_elsewhere} other experts and the arena has {self.num_slots} slots; release them first"
+                f"{held_elsewhere} other experts and the arena has {self._arena.num_slots} slots; release them "
+                "first"
             )
         self.sync_recency()
         slots = self.slots
@@ -594,7 +597,8 @@ class Residency:
             key for key, ld in zip(keys, loads, strict=True) if ld is None and not slots.is_resident(key)
         ]
         refused: set[ExpertKey] = set()  # victims whose try_evict lost to a compute shm pin
-        while (need := len(missing) - slots.free) > 0:
+
+        while (need := len(missing) - slots.free_for(len(missing))) > 0:
             victims = self._policy.choose_victims(
                 need, lambda k: k not in wanted and k not in refused and slots.evictable(k)
             )

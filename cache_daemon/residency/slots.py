@@ -79,6 +79,13 @@ class Slots:
         """Slots a load may take now: free ones, within ``limit``."""
         return max(0, self.limit - self.used)
 
+    def free_for(self, n: int) -> int:
+        """Slots a demand for ``n`` new experts may take now. A demand wider than ``limit``
+        (compute sizes its waves by the arena, not by the live budget) may overshoot it by what
+        it needs, after everything else is evicted: demand beats the budget, and later
+        admissions evict back below it."""
+        return min(len(self._free), max(0, max(self.limit, n) - self.used))
+
     @property
     def used(self) -> int:
         """Slots some entry names, or held back for a late copy."""

@@ -248,11 +248,21 @@ def test_live_budgets_shrink_and_grow_within_their_ceilings(tmp_path):
         assert update.changed == ("device_budget_bytes", "host_budget_bytes")
         assert daemon.residency.stats().resident == 2 and daemon.residency.num_slots == 2
         assert daemon.host.limit == 1 and daemon.host.resident_count() <= 1
+        # Compute sized its waves by the arena (8 slots): a wave wider than the budget is still
+        # admitted (demand beats the budget), and the next admission evicts back below it.
+        wide = [ExpertKey(3, e) for e in range(4)]
+        assert len(list(daemon.residency.acquire(session, 3, [k.expert for k in wide]))) == 4
+        daemon.residency.release(session, wide)
+        assert daemon.residency.stats().resident == 4
+        list(daemon.residency.acquire(session, 1, [5]))
+        daemon.residency.release(session, [ExpertKey(1, 5)])
+        assert daemon.residency.stats().resident == 2
         # Grow up to the ceiling: more stay resident.
         daemon.update_config({"device_budget_bytes": 8 * 4096})
-        for expert in range(6):
-            list(daemon.residency.acquire(session, 3, [expert]))
-            daemon.residency.release(session, [ExpertKey(3, expert)])
+        for layer in (1, 3):
+            for expert in range(6):
+                list(daemon.residency.acquire(session, layer, [expert]))
+                daemon.residency.release(session, [ExpertKey(layer, expert)])
         assert daemon.residency.stats().resident == 8
         # Above the ceiling: refused naming both values, nothing changed.
         with pytest.raises(
