@@ -109,7 +109,9 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = tuple(segments)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ARG002 - Cache API
+    # transformers >= 5.24 passes the attention call's kwargs as ``kwargs=``; older releases
+    # pass ``cache_kwargs``. Neither carries anything this cache needs.
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **_kwargs):  # noqa: ARG002
         keys, values = [], []
         start = 0
         for seg in self.segments:

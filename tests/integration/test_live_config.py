@@ -15,9 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from moe.cache.v1 import cache_pb2
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from expertcache.launch import start, start_daemon
+from expertcache.launch import start, start_compute, start_daemon
 from tests import waiting
 from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, DemandStream, tiers
 from tests.integration.test_predictor_server import request, start_predictor, stats, stub
@@ -268,3 +269,53 @@ def test_predictor_applies_live_keys_and_refuses_a_bad_file(tmp_path):
         raise AssertionError(f"{exc}\n{proc.log()}") from exc
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+# -- a real generation streaming through the edits -----------------------------------------------
+def test_budget_and_policy_edits_while_a_generation_streams(tiny_store, tmp_path):
+    """compute + daemon as real processes; the daemon's budgets and policy change through its
+    mounted file while a Generate streams: no failed request, the same tokens as before the edits
+    (greedy decoding: the cache never changes an answer), and no restart."""
+
+    tiny = tiny_store("mixtral")
+    blob, blobs = tiny.manifest.blob_bytes, tiny.manifest.num_blobs
+    quarter = max(2, blobs // 4)
+    volume = KubeletVolume(
+        tmp_path / "config", "daemon.yaml", f"eviction_policy: lru\ndevice_budget_bytes: {quarter * blob}\n"
+    )
+    sock = tmp_path / "daemon.sock"
+    args = ["--store-dir", str(tiny.store), "--socket-path", str(sock), "--device", "cpu"]
+    args += ["--config-file", str(volume.path), "--device-budget-max-bytes", str(blobs * blob)]
+    daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    compute = None
+    try:
+        compute = start_compute(tiny.store, daemon, tmp_path)
+        channel = grpc.insecure_channel(compute.address)
+        infer = inference_pb2_grpc.InferenceStub(channel)
+        cache_stub = cache_pb2_grpc.ExpertCacheStub(grpc.insecure_channel(daemon.address))
+
+        def device_slots() -> tuple[int, str]:
+            s = cache_stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            return tiers(s)[cache_pb2.TIER_DEVICE].capacity_slots, s.config.eviction_policy
+
+        request = dict(token_ids=list(range(5, 30)), max_new_tokens=48, ignore_eos=True)
+        reference = [
+            r.token_id for r in infer.Generate(inference_pb2.GenerateRequest(**request), timeout=120)
+        ]
+        assert device_slots() == (quarter, "lru")
+        got: list[int] = []
+        for reply in infer.Generate(inference_pb2.GenerateRequest(**request), timeout=120):
+            got.append(reply.token_id)
+            if len(got) == 4:  # mid-stream: grow the budget, switch the policy
+                volume.write(f"eviction_policy: lfu\ndevice_budget_bytes: {blobs * blob}\n")
+                wait_for(lambda: device_slots() == (blobs, "lfu"), "grown budget and new policy")
+            elif len(got) == 20:  # shrink below one layer's experts: waves overshoot, nothing fails
+                volume.write(f"eviction_policy: activation-aware\ndevice_budget_bytes: {blob}\n")
+                wait_for(lambda: device_slots() == (1, "activation-aware"), "shrunk budget")
+        assert got == reference
+        assert daemon.popen.poll() is None and compute.popen.poll() is None
+        channel.close()
+    finally:
+        if compute is not None:
+            assert compute.stop() == 0, compute.log()
+        assert daemon.stop() == 0, daemon.log()
