@@ -76,7 +76,7 @@ class LiveReloader:
 
 
 class ConfigFileWatcher:
-    """Watches the directory of ``path`` (watchfiles: inotify, polling where inotify is missing)
+    """Watches the directory of ``path`` (watchfiles: inotify; polling only when inotify fails)
     and calls ``on_change()`` when the bytes of ``path`` (through symlinks) change."""
 
     def __init__(self, path: str | Path, on_change: Callable[[], None]) -> None:
@@ -95,23 +95,39 @@ class ConfigFileWatcher:
 
     def _run(self) -> None:
         directory = self.path.parent
-        try:
-            for _changes in watchfiles.watch(
-                directory,
-                stop_event=self._stop,
-                recursive=False,
-                debounce=200,
-                step=50,
-                raise_interrupt=False,
-            ):
-                content = self._read()
-                if content is None or content == self._last:
-                    continue  # another file of the directory, or mid-swap: the next event tells
-                self._last = content
-                logger.info("config file %s changed", self.path)
-                self._on_change()
-        except Exception:
-            logger.exception("watching %s stopped; SIGHUP still reloads the config", directory)
+        # inotify first; polling only where it cannot be had (no inotify, the watch limit
+        # reached, a filesystem without events), so that an edit is still noticed.
+        for polling in (False, True):
+            try:
+                self._watch(directory, polling)
+                return
+            except Exception as exc:  # noqa: BLE001 - fall back, then give up to SIGHUP alone
+                if self._stop.is_set():
+                    return
+                if polling:
+                    logger.error("cannot watch %s (%s); only SIGHUP reloads the config", directory, exc)
+                else:
+                    logger.warning(
+                        "cannot watch %s with inotify (%s); polling it every second", directory, exc
+                    )
+
+    def _watch(self, directory: Path, polling: bool) -> None:
+        for _changes in watchfiles.watch(
+            directory,
+            stop_event=self._stop,
+            recursive=False,
+            debounce=200,
+            step=50,
+            force_polling=True if polling else None,
+            poll_delay_ms=1000,
+            raise_interrupt=False,
+        ):
+            content = self._read()
+            if content is None or content == self._last:
+                continue  # another file of the directory, or mid-swap: the next event tells
+            self._last = content
+            logger.info("config file %s changed", self.path)
+            self._on_change()
 
     def close(self) -> None:
         self._stop.set()
