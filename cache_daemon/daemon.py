@@ -10,9 +10,10 @@ CacheDaemon.start(config)
   ├─ Residency                          slot table, pins, policy, demand loads, prefetch worker
   └─ HintBoard (+ HintSubscriber)       predictor hints, pushed to the residency as they arrive
 
-Live settings (``LIVE_FIELDS``: policy, prefetch, hint handling) change through ``update_config``
-(the UpdateConfig RPC, or ``reload`` of the config file on SIGHUP): validated whole, applied
-whole or not at all.
+Live settings (``LIVE_FIELDS``: budgets, policy, prefetch, hint handling) change through
+``update_config`` (the UpdateConfig RPC, or ``reload`` of the config file or ConfigMap):
+validated whole, applied whole or not at all. Budgets move within the ceilings allocated at start
+(``device_budget_max_bytes`` / ``host_budget_max_bytes``).
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ class CacheDaemon:
         """Apply ``changes`` (field name → value) to the live settings, all or nothing.
 
         ``InvalidArgument`` naming the field and value, with the old config kept, for an unknown
-        field, a field that is not live (budgets and the rest are fixed at start), a value out of
-        range, or a policy the daemon cannot run (``belady``). A policy switch keeps every
+        field, a field that is not live (sizes and resources fixed at start), a value out of
+        range or not finite, a budget above its ceiling, or a policy the daemon cannot run
+        (``belady``). A policy switch keeps every
         resident expert resident and every pin (``Residency.set_policy``).
         """
         with self._config_lock:
