@@ -1,5 +1,9 @@
 """``python -m compute_svc``: parse the config, start the server, stop on SIGTERM/SIGINT.
 
+On SIGTERM health turns NOT_SERVING, new Generates are refused (UNAVAILABLE) and the streams in
+progress get ``drain_timeout_s`` to finish before the process stops (a Kubernetes pod's
+termination: the chart's terminationGracePeriodSeconds covers the preStop pause and the drain).
+
 Exit status: 0 after a clean stop, 2 when the config is invalid or start-up fails (the daemon
 cannot be reached, the store is incomplete...), with the reason on stderr.
 """
@@ -17,6 +21,7 @@ from expertcache.config_loader import add_arguments, cli_values, load_config, pr
 from expertcache.errors import ExpertCacheError
 
 EXIT_START_FAILED = 2
+logger = logging.getLogger("compute_svc")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     stop.wait()
-    server.stop()
+    logger.info("stopping: draining the streams in progress (up to %gs)", config.drain_timeout_s)
+    server.stop(drain_timeout_s=config.drain_timeout_s)
     return 0
 
 
