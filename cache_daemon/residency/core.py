@@ -603,6 +603,14 @@ class Residency:
                 need, lambda k: k not in wanted and k not in refused and slots.evictable(k)
             )
             if len(victims) < need:
+                if slots.limit < slots.num_slots and len(missing) <= slots.unbudgeted_free:
+                    # Below a shrunk budget everything evictable is gone and pins (compute's
+                    # own, often) hold the rest: demand beats the budget and takes arena slots
+                    # beyond it rather than wait on its own pins; later admissions evict back.
+                    for victim in victims:
+                        if slots.try_evict(victim):
+                            self._evicted(victim)
+                    break
                 # Short of slots: queued prefetches give way. A cancelled one frees its slot now,
                 # or once the chunks its read already issued land; the admission is retried.
                 if self._cancel_prefetches(need - len(victims), wanted):

@@ -79,6 +79,11 @@ class Slots:
         """Slots a load may take now: free ones, within ``limit``."""
         return max(0, self.limit - self.used)
 
+    @property
+    def unbudgeted_free(self) -> int:
+        """Free slots of the arena, ignoring ``limit``."""
+        return len(self._free)
+
     def free_for(self, n: int) -> int:
         """Slots a demand for ``n`` new experts may take now. A demand wider than ``limit``
         (compute sizes its waves by the arena, not by the live budget) may overshoot it by what

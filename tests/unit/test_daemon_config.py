@@ -305,3 +305,29 @@ def test_starting_budget_is_the_ceiling_by_default(tmp_path):
             daemon.update_config({"host_budget_bytes": 4096})  # no host tier was allocated
     finally:
         daemon.close()
+
+
+def test_a_demand_under_a_shrunk_budget_is_not_held_up_by_pins(tmp_path):
+    """Budget 1 slot, one expert pinned by the same stream: a 1-expert demand would wait forever
+    for that pin inside the budget; it takes an arena slot beyond it instead."""
+    store = tmp_path / "store"
+    write_store(store)
+    daemon = CacheDaemon.start(
+        daemon_config(
+            store, tmp_path, device_budget_bytes=4 * 4096, device_budget_max_bytes=4 * 4096, prefetch=False
+        )
+    )
+    try:
+        session = daemon.residency.open_session("t")
+        list(daemon.residency.acquire(session, 1, [0]))  # pinned, kept
+        daemon.update_config({"device_budget_bytes": 4096})
+        got = list(daemon.residency.acquire(session, 1, [1], timeout_s=2.0))
+        assert [r.key for r in got] == [ExpertKey(1, 1)]
+        assert daemon.residency.stats().resident == 2  # one over the budget while both are pinned
+        daemon.residency.release(session, [ExpertKey(1, 0), ExpertKey(1, 1)])
+        list(daemon.residency.acquire(session, 3, [2]))
+        daemon.residency.release(session, [ExpertKey(3, 2)])
+        assert daemon.residency.stats().resident == 1  # back within the budget
+        daemon.residency.close_session(session)
+    finally:
+        daemon.close()
