@@ -38,6 +38,8 @@ STOP_GRACE_S = 1.0  # Demand streams are open for a compute process's lifetime: 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="expertcache-daemon",
+        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
+        allow_abbrev=False,
         description="ExpertCache daemon: serves moe.cache.v1.ExpertCache for one expert store on a unix socket.",
         epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config-file (CLI > env > file).",
     )

@@ -27,6 +27,8 @@ logger = logging.getLogger("compute_svc")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="expertcache-compute",
+        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
+        allow_abbrev=False,
         description="ExpertCache compute service: serves moe.inference.v1.Inference from an expert store",
     )
     parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")

@@ -47,6 +47,8 @@ STOP_GRACE_S = 1.0  # Observe/SubscribeHints streams live as long as their clien
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="expertcache-predictor",
+        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
+        allow_abbrev=False,
         description="ExpertCache predictor: traces EAMs, keeps the EAMC (Redis or embedded) and streams "
         "prefetch hints (moe.predictor.v1.Predictor).",
         epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config (CLI > env > file).",

@@ -26,6 +26,8 @@ MIB = 1 << 20
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="expertcache-convert",
+        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
+        allow_abbrev=False,
         description="Convert a transformers MoE checkpoint directory (safetensors) into an expert store.",
         epilog=f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}",
     )

