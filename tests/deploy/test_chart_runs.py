@@ -17,7 +17,9 @@ Only what a pod has and this machine does not is remapped, and every remap is ch
 - the image's /opt/venv/bin → this venv's bin, its WORKDIR → the pod's /tmp volume.
 
 Values: the chart's own CPU variant (daemon.device cpu, gpu.mode none), with budgets that fit the
-tiny store. Not started: the Redis StatefulSet (a local redis-server takes its place: the
+tiny store; metrics.enabled=false only while a service lacks the metrics flags (see ``rendered``).
+Checked: every container becomes healthy, one Generate streams its tokens, the predictor saw the
+request and wrote its EAM to the Redis the chart names, each /metrics answers. Not started: the Redis StatefulSet (a local redis-server takes its place: the
 image is not Python, and redis-server is what it runs) and the convert init container (off by
 default; the store is built by the tiny_store fixture, through the same converter).
 
@@ -33,6 +35,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -294,11 +297,13 @@ def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, ti
     root = tmp_path_factory.mktemp("pods")
     with RedisServer(root / "redis") as redis:
         started: list[tuple[dict, subprocess.Popen, str, Path]] = []
+        metrics: list[tuple[str, str]] = []  # (container, local metrics port)
         try:
             # All at once, as the kubelet starts a pod's containers; compute waits for the daemon.
             for c, argv, env, cwd in commands(rendered, root, tiny.store, redis):
                 log = root / f"{c['name']}.log"
                 started.append((c, launch(argv, env, cwd, log), address_of(c, argv), log))
+                metrics += [(c["name"], a.partition("=")[2]) for a in argv if a.startswith("--metrics-port=")]
             for _, popen, address, log in started:
                 wait_healthy(address, popen, log, timeout_s=150)
             compute = next(address for c, _, address, _ in started if c["name"] == "compute")
@@ -330,6 +335,9 @@ def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, ti
                     assert time.monotonic() < deadline, f"the predictor never saw the request: {stats}"
                     time.sleep(0.1)
             assert stats.store_kind == "redis" and stats.store_errors == 0
+            for name, port in metrics:  # with metrics.enabled, each serves Prometheus text
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+                    assert reply.status == 200 and b"# TYPE" in reply.read(), name
             for c, popen, _, log in started:
                 assert popen.poll() is None, f"{c['name']} exited {popen.returncode}:\n{log.read_text()}"
         finally:
