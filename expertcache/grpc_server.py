@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertcache import telemetry
 from expertcache.errors import ExpertCacheError
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,13 @@ def build_server(
 
     ``register`` holds callables ``f(server)`` that add servicers; ``service_names`` are the
     full names of those services (for health and reflection). Health starts NOT_SERVING for
-    each name; call ``set_serving`` once the service is ready.
+    each name; call ``set_serving`` once the service is ready. With tracing on, the RPCs that are
+    not long-lived streams get a server span with the caller's context from the metadata
+    (``opentelemetry-instrumentation-grpc``; ``expertcache.telemetry``).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

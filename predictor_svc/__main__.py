@@ -28,8 +28,12 @@ import threading
 from pathlib import Path
 
 from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache import telemetry
 from expertcache.errors import ExpertCacheError
+from expertcache.logs import setup_logging
+from expertcache.prom import serve
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
+from predictor_svc.metrics import registry as metrics_registry
 from predictor_svc.server import SERVICE_NAME, create_server
 from predictor_svc.service import PredictorService
 from predictor_svc.store import open_store
@@ -69,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExpertCacheError as exc:
         print(f"predictor_svc: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
+    try:
+        telemetry.setup("expertcache-predictor")
+    except ExpertCacheError as exc:
+        print(f"predictor_svc: invalid tracing environment: {exc}", file=sys.stderr)
+        return 2
 
     try:
         embedded_path = None if config.redis_url else Path(config.embedded_path)
@@ -81,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot open the EAMC store: %s", exc)
         return 2
     service = PredictorService(config, store)
+    try:
+        metrics_server = serve(
+            metrics_registry(service), config.metrics_address, config.metrics_port, "predictor"
+        )
+    except OSError as exc:
+        logger.error("cannot start: %s", exc)
+        service.close()
+        store.close()
+        return 2
 
     stop = threading.Event()
 
@@ -121,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if embedded_path is not None:
                 logger.info("embedded EAMC saved to %s", embedded_path)
+        if metrics_server is not None:
+            metrics_server.close()
+        telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
 
