@@ -25,12 +25,12 @@ from cache_daemon.config import ENV_PREFIX, DaemonConfig
 from cache_daemon.daemon import DETACH_GRACE_S, CacheDaemon
 from cache_daemon.metrics import registry as metrics_registry
 from cache_daemon.server import SERVICE_NAME, create_server
-from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache import telemetry
+from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
-from expertcache.prom import serve
 from expertcache.paths import RUNTIME_DIR, ensure_private_dir
+from expertcache.prom import serve
 
 logger = logging.getLogger("cache_daemon")
 
@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        metrics_server = serve(metrics_registry(daemon), config.metrics_address, config.metrics_port, "daemon")
+        metrics_server = serve(
+            metrics_registry(daemon), config.metrics_address, config.metrics_port, "daemon"
+        )
     except OSError as exc:
         logger.error("cannot start: %s", exc)
         daemon.close()

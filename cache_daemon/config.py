@@ -174,7 +174,8 @@ class DaemonConfig:
     """A request whose hints have not changed for this long is dropped from the board (live)."""
 
     metrics_port: int = field(
-        default=0, metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535}
+        default=0,
+        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
     )
     """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
 
@@ -185,7 +186,10 @@ class DaemonConfig:
 
     log_format: str = field(
         default="auto",
-        metadata={"help": "log format: json, text, or auto (json when stderr is not a terminal)", "choices": ("auto", "json", "text")},
+        metadata={
+            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
+            "choices": ("auto", "json", "text"),
+        },
     )
     """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
 

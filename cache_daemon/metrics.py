@@ -170,16 +170,26 @@ class _DaemonCollector(CountersCollector):
                 continue
             labels = {"tier": t.tier.value}
             gauges.append(Gauge("moe_cache_capacity_slots", "Slots of each tier.", t.capacity_slots, labels))
-            gauges.append(Gauge("moe_cache_resident_slots", "Experts resident in each tier now.", t.resident, labels))
+            gauges.append(
+                Gauge("moe_cache_resident_slots", "Experts resident in each tier now.", t.resident, labels)
+            )
         daemon = self._daemon
         gauges.append(
-            Gauge("moe_cache_inflight_bytes", "Bytes of every expert load in flight.", daemon.residency.inflight_bytes)
+            Gauge(
+                "moe_cache_inflight_bytes",
+                "Bytes of every expert load in flight.",
+                daemon.residency.inflight_bytes,
+            )
         )
         reader = daemon.store.reader_stats()
         gauges.append(Gauge("moe_cache_reader_queued", "Store read chunks queued.", reader.get("queued", 0)))
-        gauges.append(Gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0)))
+        gauges.append(
+            Gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0))
+        )
         if stats.hints is not None:
-            gauges.append(Gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests))
+            gauges.append(
+                Gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests)
+            )
         return gauges
 
 
@@ -190,4 +200,3 @@ def registry(daemon: CacheDaemon) -> Registry:
     reg.add(daemon.metrics.acquire_wait)
     reg.add(daemon.metrics.acquire_experts)
     return reg
-

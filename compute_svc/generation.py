@@ -337,7 +337,9 @@ class GenerationEngine:
         if telemetry.ENABLED:  # the Generate RPC's span (opentelemetry-instrumentation-grpc)
             from opentelemetry import context as otel_context
 
-            return PreparedRequest(request=request, prompt_ids=prompt_ids, trace_parent=otel_context.get_current())
+            return PreparedRequest(
+                request=request, prompt_ids=prompt_ids, trace_parent=otel_context.get_current()
+            )
         return PreparedRequest(request=request, prompt_ids=prompt_ids)
 
     def _prompt_ids(self, request: GenerationRequest) -> tuple[int, ...]:
@@ -424,8 +426,9 @@ class GenerationEngine:
         seq.kv = SequenceKV()
         duration_s = time.perf_counter() - seq.prepared.arrived_at
         self.metrics.record_finish(outcome, duration_s if seq.generated else None)
-        if seq.span is not None:
-            seq.span.set_attributes(
+        span, seq.span = seq.span, None
+        if span is not None:
+            span.set_attributes(
                 {
                     "expertcache.generated_tokens": seq.generated,
                     "expertcache.finish": outcome,
@@ -434,8 +437,7 @@ class GenerationEngine:
                     "expertcache.stall_s": seq.stall_s,
                 }
             )
-            seq.span.end()
-            seq.span = None
+            span.end()
         # One line per finished request (fields also as structured extras for JSON logs).
         fields = {
             "request_id": seq.routing_id,
@@ -458,7 +460,7 @@ class GenerationEngine:
             seq.hits,
             seq.misses,
             outcome,
-            extra={"request": fields},
+            extra={"request": fields, "span": span},
         )
 
     def _start_span(self, seq: RunningRequest, routing_id: str) -> None:

@@ -41,7 +41,8 @@ class ComputeMetrics:
         r = self.registry.registry
         self.tokens = Counter("moe_compute_tokens", "Generated tokens.", registry=r)
         self.token_latency = self.registry.histogram(
-            "moe_compute_token_latency_seconds", "Time from a request's previous token (or arrival) to a token."
+            "moe_compute_token_latency_seconds",
+            "Time from a request's previous token (or arrival) to a token.",
         )
         self.ttft = self.registry.histogram(
             "moe_compute_time_to_first_token_seconds", "Time from a request's arrival to its first token."
@@ -58,13 +59,20 @@ class ComputeMetrics:
             "moe_compute_step_batch_requests", "Requests advanced together in one step.", BATCH_BUCKETS
         )
         self.expert_acquires = Counter(
-            "moe_compute_expert_acquires", "Experts used, by the tier they were found in.", ["tier"], registry=r
+            "moe_compute_expert_acquires",
+            "Experts used, by the tier they were found in.",
+            ["tier"],
+            registry=r,
         )
-        self.stall_seconds = Counter("moe_compute_stall_seconds", "Time spent waiting for experts.", registry=r)
+        self.stall_seconds = Counter(
+            "moe_compute_stall_seconds", "Time spent waiting for experts.", registry=r
+        )
         self.requests = Counter(
             "moe_compute_requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
         )
-        self.queue_depth = Gauge("moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r)
+        self.queue_depth = Gauge(
+            "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
+        )
 
     def record_token(self, latency_s: float, *, first: bool = False) -> None:
         self.tokens.inc()
@@ -119,4 +127,3 @@ class _ReporterCollector:
 
     def describe(self) -> Iterator:
         return iter(())
-

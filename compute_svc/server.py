@@ -32,11 +32,11 @@ from compute_svc.generation import (
 )
 from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
-from expertcache import telemetry
-from expertcache.prom import serve
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
+from expertcache import telemetry
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.prom import serve
 
 logger = logging.getLogger(__name__)
 
@@ -311,5 +311,3 @@ class ComputeServer:
         if self.metrics_server is not None:
             self.metrics_server.close()
         logger.info("stopped; %d tokens generated", int(self.metrics.value("moe_compute_tokens_total")))
-
-        )

@@ -47,4 +47,3 @@ class Counter:
         with self._lock:
             items = sorted(self._values.items())
         return [(dict(zip(self.labelnames, k, strict=True)), v) for k, v in items]
-

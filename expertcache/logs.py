@@ -33,7 +33,10 @@ class JsonFormatter(logging.Formatter):
         if telemetry.ENABLED:
             from opentelemetry import trace
 
-            ctx = trace.get_current_span().get_span_context()
+            # A record may name its span (``extra={"span": span}``: a request's line, logged on
+            # the scheduler's thread where its span is not current); else the current one.
+            span = getattr(record, "span", None) or trace.get_current_span()
+            ctx = span.get_span_context()
             if ctx.is_valid:
                 entry["trace_id"] = f"{ctx.trace_id:032x}"
                 entry["span_id"] = f"{ctx.span_id:016x}"

@@ -27,8 +27,8 @@ import sys
 import threading
 from pathlib import Path
 
-from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache import telemetry
+from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
 from expertcache.prom import serve

@@ -191,7 +191,8 @@ class PredictorConfig:
     """Thread pool of the server: open streams hold a thread each."""
 
     metrics_port: int = field(
-        default=0, metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535}
+        default=0,
+        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
     )
     """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
 
@@ -202,7 +203,10 @@ class PredictorConfig:
 
     log_format: str = field(
         default="auto",
-        metadata={"help": "log format: json, text, or auto (json when stderr is not a terminal)", "choices": ("auto", "json", "text")},
+        metadata={
+            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
+            "choices": ("auto", "json", "text"),
+        },
     )
     """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
 

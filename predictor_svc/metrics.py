@@ -108,7 +108,6 @@ class PredictorMetrics:
         return self.match_seconds.value() / queries if queries else 0.0
 
 
-
 def _gauges(service: PredictorService) -> list[Gauge]:
     stats = service.stats()
     gauges = [
@@ -117,7 +116,9 @@ def _gauges(service: PredictorService) -> list[Gauge]:
     ]
     gauges += [
         Gauge("moe_predictor_live_requests", "Requests observed and not finished.", stats.live_requests),
-        Gauge("moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending),
+        Gauge(
+            "moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending
+        ),
         Gauge("moe_predictor_subscribers", "Open SubscribeHints streams.", stats.subscribers),
         Gauge("moe_predictor_store_degraded", "1 while the EAMC store fails.", float(stats.store_degraded)),
     ]

@@ -459,7 +459,9 @@ class PredictorService:
                 )
         self._wake.set()
 
-    def _publish(self, live: _LiveRequest, token_index: int, trace_context: Mapping[str, str] | None = None) -> None:
+    def _publish(
+        self, live: _LiveRequest, token_index: int, trace_context: Mapping[str, str] | None = None
+    ) -> None:
         with self._lock:
             subs = list(self._subs.get((live.model.model_id, live.pod), ()))
         if not subs:
