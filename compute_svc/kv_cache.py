@@ -109,7 +109,7 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = tuple(segments)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ARG002 - Cache API
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):  # noqa: ARG002 - Cache API (transformers >= 5.24 passes kwargs=)
         keys, values = [], []
         start = 0
         for seg in self.segments:

@@ -18,7 +18,13 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,6 +32,9 @@ from expertcache.counters import Counter
 from expertcache.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
+
+# No ``*_created`` series beside each counter and histogram: Prometheus does not need them.
+disable_created_metrics()
 
 # Acquire waits and token latencies: from a device hit (tens of microseconds) to a store read
 # of a large expert under load (seconds).

@@ -53,7 +53,6 @@ __all__ = [
     "Link",
     "SpanKind",
     "LayerSampler",
-    "client_interceptors",
     "context_of",
     "extract",
     "inject",
@@ -232,11 +231,3 @@ def server_interceptors() -> list:
 
     return [server_interceptor(tracer_provider=_provider, filter_=_method_filter())]
 
-
-def client_interceptors() -> list:
-    """The matching client interceptor (context into gRPC metadata), or nothing when off."""
-    if not ENABLED:
-        return []
-    from opentelemetry.instrumentation.grpc import client_interceptor
-
-    return [client_interceptor(tracer_provider=_provider, filter_=_method_filter())]

@@ -46,7 +46,8 @@ def test_layer_sampler_ratio():
         telemetry.LayerSampler(1.5)
     assert not any(telemetry.LayerSampler(0.0).sample() for _ in range(100))
     assert all(telemetry.LayerSampler(1.0).sample() for _ in range(100))
-    share = sum(telemetry.LayerSampler(0.05, random.Random(1)).sample() for _ in range(10_000)) / 10_000
+    sampler = telemetry.LayerSampler(0.05, random.Random(1))
+    share = sum(sampler.sample() for _ in range(10_000)) / 10_000
     assert 0.04 < share < 0.06
 
 
