@@ -61,13 +61,16 @@ def resolve_format(fmt: str, stream=None) -> str:
 
 
 def setup_logging(level: str, fmt: str = "auto") -> str:
-    """Configure the root logger (stderr) at ``level`` in ``fmt``; returns the format chosen."""
+    """Configure the root logger (stderr) at ``level`` in ``fmt``; returns the format chosen.
+
+    Like ``logging.basicConfig``, it leaves a root logger that already has handlers as it is
+    (a service's ``main`` called in-process by tests, under pytest's log capture)."""
     chosen = resolve_format(fmt)
+    root = logging.getLogger()
+    if root.handlers:
+        return chosen
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if chosen == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
     return chosen
