@@ -230,4 +230,3 @@ def server_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import server_interceptor
 
     return [server_interceptor(tracer_provider=_provider, filter_=_method_filter())]
-
