@@ -260,7 +260,9 @@ class ActivationReporter:
                     num_moe_layers=layers,
                     num_experts=self.num_experts,
                 )
-                if carrier:
+                if carrier and offset == len(rows) - 1:
+                    # One traced activation per step (its last row): a long prompt's chunk makes
+                    # one predictor span, not one per prompt token.
                     message.trace_context.update(carrier)
                 yield message
                 # gRPC asks for the next message once the previous one was written: the stream works.
