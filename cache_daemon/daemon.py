@@ -44,6 +44,7 @@ from expertcache.errors import InvalidArgument
 from expertcache.layers import LayerMap
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
 from expertcache.native import SlotTable
+from expertcache.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,12 @@ class CacheDaemon:
     def subscribe_hints(self, config: DaemonConfig, pod: str) -> None:
         """Follow the predictor's hints for ``pod`` (``config.predictor_address`` must be set)."""
         self.hint_subscriber = HintSubscriber(
-            config.predictor_address, self.manifest.model_id, pod, self.hints
+            config.predictor_address,
+            self.manifest.model_id,
+            pod,
+            self.hints,
+            shape=(len(self.manifest.moe_layers), self.manifest.num_experts, self.manifest.top_k),
+            security=ClientSecurity.from_config(config),
         )
         logger.info("taking prefetch hints from the predictor at %s (pod %s)", config.predictor_address, pod)
 

@@ -41,6 +41,7 @@ from expertcache.grpc_client import (
     RECONNECT_MAX_S,
     next_backoff,
 )
+from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +166,22 @@ def batch_from_pb(pb: predictor_pb2.HintBatch) -> HintBatch:
 class HintSubscriber:
     """Keeps one SubscribeHints stream open (reconnecting with backoff) and feeds ``board``."""
 
-    def __init__(self, address: str, model_id: str, pod: str, board: HintBoard) -> None:
+    def __init__(
+        self,
+        address: str,
+        model_id: str,
+        pod: str,
+        board: HintBoard,
+        *,
+        shape: tuple[int, int, int] | None = None,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        """``shape`` (MoE layers, experts, top_k): registered with RegisterModel before each
+        stream (the predictor serves only registered models); None: the predictor must know the
+        model already (configured, or registered by compute)."""
         self.address = address
         self.model_id = model_id
+        self.shape = shape
         self.pod = pod
         self.board = board
         self.outages = 0
@@ -175,7 +189,7 @@ class HintSubscriber:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
+        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()
@@ -203,7 +217,22 @@ class HintSubscriber:
         healthy = True  # the last stream worked: the next failure starts an outage (logged once)
         while not self._stop.is_set():
             request = predictor_pb2.SubscribeHintsRequest(model_id=self.model_id, pod=self.pod)
-            call = self._stub.SubscribeHints(request, wait_for_ready=True, timeout=None)
+            try:
+                self._register()
+                call = self._stub.SubscribeHints(request, wait_for_ready=True, timeout=None)
+            except grpc.RpcError as exc:  # the registration failed: retried like a lost stream
+                call = None
+                reason = f"{exc.code().name}: {exc.details()}"
+            if call is None:
+                if healthy:
+                    self.outages += 1
+                    logger.warning(
+                        "predictor %s: %s; the daemon serves without hints, retrying", self.address, reason
+                    )
+                    healthy = False
+                self._stop.wait(backoff)
+                backoff = next_backoff(backoff)
+                continue
             with self._lock:
                 if self._stop.is_set():
                     call.cancel()
@@ -239,6 +268,20 @@ class HintSubscriber:
                 healthy = False
             self._stop.wait(backoff)
             backoff = next_backoff(backoff)
+
+    def _register(self) -> None:
+        """RegisterModel; RpcError when the predictor is unreachable or refuses (the caller retries)."""
+        if self.shape is None:
+            return
+        layers, experts, top_k = self.shape
+        request = predictor_pb2.RegisterModelRequest(
+            model_id=self.model_id, num_moe_layers=layers, num_experts=experts, top_k=top_k
+        )
+        try:
+            self._stub.RegisterModel(request, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # UNIMPLEMENTED: a predictor without a registry
+                raise
 
     def close(self) -> None:
         self._stop.set()

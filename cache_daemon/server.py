@@ -8,6 +8,7 @@ Nothing here decides anything: each RPC converts its request, calls ``CacheDaemo
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -30,6 +31,7 @@ from expertcache.grpc_server import build_server, set_serving
 from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
+SOCKET_MODE = 0o600
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["ExpertCache"].full_name
 # Demand call metadata naming the caller's client ledger (see cache.proto, Demand).
@@ -349,14 +351,22 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
 def create_server(
     daemon: CacheDaemon, socket_path: str, *, max_workers: int = GRPC_MAX_WORKERS
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A started server on ``unix://socket_path`` with health SERVING."""
+    """A started server on ``unix://socket_path`` with health SERVING.
+
+    The socket is owner-only (0600) whatever the umask: it is created under umask 077 and
+    chmod'ed after the bind (its directory is 0700 as well, see ``__main__``)."""
     servicer = ExpertCacheServicer(daemon)
-    server, health_servicer = build_server(
-        f"unix://{socket_path}",
-        [lambda s: cache_pb2_grpc.add_ExpertCacheServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
-        max_workers=max_workers,
-    )
+    old_umask = os.umask(0o077)
+    try:
+        server, health_servicer = build_server(
+            f"unix://{socket_path}",
+            [lambda s: cache_pb2_grpc.add_ExpertCacheServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+            max_workers=max_workers,
+        )
+    finally:
+        os.umask(old_umask)
+    os.chmod(socket_path, SOCKET_MODE)  # just bound by this process, in a directory only we can write
     server.start()
     set_serving(health_servicer, [SERVICE_NAME])
     logger.info("serving %s on unix://%s", SERVICE_NAME, socket_path)

@@ -1,5 +1,9 @@
 """``python -m compute_svc``: parse the config, start the server, stop on SIGTERM/SIGINT.
 
+On SIGTERM health turns NOT_SERVING, new Generates are refused (UNAVAILABLE) and the streams in
+progress get ``drain_timeout_s`` to finish before the process stops (a Kubernetes pod's
+termination: the chart's terminationGracePeriodSeconds covers the preStop pause and the drain).
+
 Exit status: 0 after a clean stop, 2 when the config is invalid or start-up fails (the daemon
 cannot be reached, the store is incomplete...), with the reason on stderr.
 """
@@ -7,6 +11,7 @@ cannot be reached, the store is incomplete...), with the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -18,6 +23,7 @@ from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
 
 EXIT_START_FAILED = 2
+logger = logging.getLogger("compute_svc")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         return EXIT_START_FAILED
     stop.wait()
-    server.stop()
+    logger.info("stopping: draining the streams in progress (up to %gs)", config.drain_timeout_s)
+    server.stop(drain_timeout_s=config.drain_timeout_s)
     telemetry.shutdown()
     return 0
 

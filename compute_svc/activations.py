@@ -15,6 +15,10 @@ into the manifest's ``moe_layers``, not decoder layer numbers), K = top-k. A req
 feeds it back) is position P + g. Example: prompt of 3 tokens, 2 generated → steps of T=3
 (positions 0, 1, 2) and T=1 (position 3); the last generated token is never fed back.
 
+Before each Observe stream (on every connect) the reporter registers the model's shape with
+``RegisterModel`` (the predictor takes shapes only from its registry); a refusal is logged and
+retried with backoff, and tokens queued meanwhile are dropped as in an outage.
+
 The reporter keeps a single Observe stream open for all requests (the proto lets one stream
 carry interleaved requests); ``request_done`` rides on an extra message after the request's
 last token, which is never dropped, so the predictor learns of the end even of a cancelled or
@@ -41,6 +45,7 @@ from expertcache.grpc_client import (
     next_backoff,
 )
 from expertcache.layers import LayerMap
+from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +136,9 @@ class ActivationReporter:
         queue_tokens: int,
         *,
         num_experts: int = 0,
+        num_moe_layers: int = 0,
         batch_tokens: int = 256,
+        security: ClientSecurity | None = None,
     ) -> None:
         if queue_tokens < 1:
             raise ValueError(f"queue_tokens must be >= 1, got {queue_tokens}")
@@ -140,6 +147,7 @@ class ActivationReporter:
         self.pod = pod
         self.top_k = top_k
         self.num_experts = num_experts
+        self.num_moe_layers = num_moe_layers  # with num_experts: registered on connect (0: not)
         self.queue_tokens = queue_tokens
         self.batch_tokens = batch_tokens
         self._cond = threading.Condition()
@@ -156,7 +164,7 @@ class ActivationReporter:
         self.requests_done = 0
         self.outages = 0
         self.connected = False
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_CHANNEL_OPTIONS)
+        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._call_ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="activation-reporter", daemon=True)
@@ -305,6 +313,15 @@ class ActivationReporter:
                         return
                 backoff = next_backoff(backoff)
                 continue
+            refused = self._register()
+            if refused:
+                self._outage(refused)
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._cond.wait(backoff)
+                backoff = next_backoff(backoff)
+                continue
             self._call_ended.clear()
             try:
                 # One long stream: it returns when _messages ends (on close) or raises when the
@@ -320,6 +337,27 @@ class ActivationReporter:
                     if self._closing:
                         return
                     self._cond.wait(RECONNECT_INITIAL_S)
+
+    def _register(self) -> str:
+        """RegisterModel before a stream; "" when registered (or nothing to register), else why not."""
+        if not (self.num_moe_layers and self.num_experts):
+            return ""  # the predictor must have the model configured (model_shapes)
+        request = predictor_pb2.RegisterModelRequest(
+            model_id=self.model_id,
+            num_moe_layers=self.num_moe_layers,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+        )
+        try:
+            self._stub.RegisterModel(request, timeout=10)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return ""  # a predictor from before the registry: shapes travel in the activations
+            return f"RegisterModel {self.model_id!r}: {code.name if code else exc}: " + (
+                exc.details() if hasattr(exc, "details") else ""
+            )
+        return ""
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout_s``), end the stream and stop the thread."""

@@ -101,7 +101,7 @@ class Arena:
         path = shm_path(handle.shm_name)
         nbytes = num_slots * slot_bytes
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symlink there is refused
         except OSError as exc:
             raise ArenaMismatch(
                 f"cannot open the cache daemon's arena {path}: {exc.strerror} "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_ADDRESS
+from expertcache.security import ClientSecurity, ServerSecurity
 
 ENV_PREFIX = "EXPERTCACHE_COMPUTE_"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -37,10 +38,38 @@ class ComputeConfig:
     default is the daemon's default socket (``expertcache.paths``)."""
 
     listen_address: str = field(
-        default="0.0.0.0:50051",
+        default="127.0.0.1:50051",
         metadata={"help": "address the Inference gRPC service binds, host:port or unix:///path"},
     )
-    """Address of ``moe.inference.v1.Inference`` (plus health and reflection)."""
+    """Address of ``moe.inference.v1.Inference`` (plus health, and reflection when asked for).
+    Loopback by default: a pod passes ``0.0.0.0:50051`` (the chart does)."""
+
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate chain of this server; with tls_key_file turns on TLS"}
+    )
+    """TLS server certificate (a Secret's ``tls.crt``, /etc/expertcache/tls/tls.crt in a pod). The
+    file is watched: a rotated certificate is used from the next connection on, no restart."""
+
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
+    """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
+
+    tls_client_ca_file: str = field(
+        default="",
+        metadata={
+            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
+        },
+    )
+    """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
+    handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
+
+    auth_token_file: str = field(
+        default="", metadata={"help": "file holding the bearer token every call must carry; empty = no token"}
+    )
+    """Set: every call but the health checks needs metadata ``authorization: Bearer <token>``,
+    else UNAUTHENTICATED. Re-read when the file changes."""
+
+    reflection: bool = field(default=False, metadata={"help": "serve gRPC reflection (off by default)"})
+    """gRPC server reflection, for grpcurl and the like; off unless asked for."""
 
     device: str = field(
         default="auto",
@@ -139,6 +168,27 @@ class ComputeConfig:
     )
     """Where each token's routing is reported (``moe.predictor.v1.Predictor.Observe``). Reporting
     is asynchronous and lossy: an absent or slow predictor never slows or fails a Generate."""
+
+    predictor_tls_ca_file: str = field(
+        default="",
+        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor"},
+    )
+    """Turns TLS on for the predictor channel (``ca.crt`` of the Secret)."""
+
+    predictor_tls_cert_file: str = field(
+        default="", metadata={"help": "PEM client certificate presented to the predictor (mTLS)"}
+    )
+    """With ``predictor_tls_key_file``: the client certificate an mTLS predictor asks for."""
+
+    predictor_tls_key_file: str = field(
+        default="", metadata={"help": "PEM private key of predictor_tls_cert_file"}
+    )
+    """The key of ``predictor_tls_cert_file``; both or neither."""
+
+    predictor_auth_token_file: str = field(
+        default="", metadata={"help": "file holding the bearer token sent to the predictor"}
+    )
+    """Sent as ``authorization: Bearer <token>`` on every predictor call; re-read when it changes."""
 
     pod_name: str = field(
         default="", metadata={"help": "pod name sent with each activation; empty = this host's name"}
@@ -273,6 +323,18 @@ class ComputeConfig:
     )
     """Only with tracing on (``OTEL_*`` environment, ``expertcache.telemetry``): per-layer spans
     of every step would cost more than the step; a sampled step's layers are all traced."""
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM: seconds the Generate streams in progress may take to finish",
+            "min": 0.0,
+            "max": 86400.0,
+        },
+    )
+    """On SIGTERM (a pod being stopped) health turns NOT_SERVING and new Generates are refused
+    with UNAVAILABLE at once (a client retries another replica); the running and queued ones go
+    on until they finish or this many seconds pass, and only those still running then are
+    stopped (UNAVAILABLE). The chart sets the pod's terminationGracePeriodSeconds above it."""
 
     log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
     """Level of the root logger."""
@@ -287,6 +349,8 @@ class ComputeConfig:
             )
         if not self.listen_address:
             raise InvalidArgument("config field 'listen_address' is empty: pass --listen-address HOST:PORT")
+        ServerSecurity.from_config(self).check()
+        ClientSecurity.from_config(self).check()
         if self.max_batched_tokens and self.max_batched_tokens < self.max_batch_size:
             raise InvalidArgument(
                 f"config field 'max_batched_tokens' = {self.max_batched_tokens} is below max_batch_size "

@@ -34,7 +34,7 @@ import torch
 
 from compute_svc.arena import Arena, resolve_device
 from compute_svc.errors import FailedPrecondition, InvalidArgument
-from compute_svc.kv_cache import Segment, SequenceKV, packed_forward, use_packed_attention
+from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forward, use_packed_attention
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
 from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
@@ -247,6 +247,7 @@ class GenerationEngine:
         metrics: ComputeMetrics | None = None,
     ) -> None:
         self.loaded = loaded
+        self._cache_keyword = cache_keyword(loaded.model)
         self.runtime = runtime
         limits = limits or RequestLimits(max_new_tokens=max_new_tokens_limit)
         max_positions = int(getattr(loaded.config, "max_position_embeddings", 0) or 0) or (1 << 31)
@@ -523,8 +524,8 @@ class GenerationEngine:
                 out = self.loaded.model(
                     input_ids=input_ids,
                     position_ids=position_ids,
-                    past_key_values=cache,
                     use_cache=True,
+                    **{self._cache_keyword: cache},
                     logits_to_keep=keep if logits_rows else 1,
                 )
             failed = False

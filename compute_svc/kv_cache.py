@@ -29,6 +29,7 @@ past + t - 1``); ``past`` is how many tokens of that request the cache already h
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -109,7 +110,9 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = tuple(segments)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):  # noqa: ARG002 - Cache API (transformers >= 5.24 passes kwargs=)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: ARG002 - Cache API
+        # transformers up to 5.23 passes ``cache_kwargs``; 5.24 renamed it ``kwargs=``. Neither
+        # carries anything a packed cache needs (positions come with the segments).
         keys, values = [], []
         start = 0
         for seg in self.segments:
@@ -141,6 +144,12 @@ class PackedCache(Cache):
 _SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.ContextVar(
     "expertcache_segments", default=None
 )
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` from transformers 5.24
+    (``past_key_values`` still works there, with a deprecation warning), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextmanager

@@ -144,12 +144,30 @@ class Scheduler:
         self._stepping: tuple[RequestHandle, ...] = ()  # the requests of the step in flight
         self._cond = threading.Condition()
         self._stopping = False
+        self._draining = False  # drain(): new requests refused, those admitted go on
         self._down: str | None = None  # why the daemon is unusable (recovering), else None
         self._worker = threading.Thread(target=self._run, name="generate-worker", daemon=True)
 
     # -- the API of the gRPC threads ---------------------------------------------------------------
     def start(self) -> None:
         self._worker.start()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to ``timeout_s`` for the running and waiting ones to
+        finish; True when none is left. ``stop`` then ends whatever remains."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while self._waiting or self._running:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)  # notified by every request that leaves
+            left = len(self._waiting) + len(self._running)
+        if left:
+            logger.warning("drain: %d requests still in progress after %.1fs; stopping them", left, timeout_s)
+        return left == 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Refuse new requests, fail the waiting ones, stop the running ones, join the worker."""
@@ -170,8 +188,8 @@ class Scheduler:
         prepared = self.engine.prepare(request)
         handle = RequestHandle(prepared, self._wake)
         with self._cond:
-            if self._stopping:
-                raise Unavailable("the compute service is shutting down")
+            if self._stopping or self._draining:
+                raise Unavailable("the compute service is shutting down: retry on another replica")
             if self._down is not None:
                 raise Unavailable(f"{self._down}; retry shortly")
             # Room: the free places of the batch (the worker admits them at its next step) plus
@@ -190,7 +208,7 @@ class Scheduler:
 
     @property
     def serving(self) -> bool:
-        return self._down is None and not self._stopping
+        return self._down is None and not self._stopping and not self._draining
 
     def _wake(self) -> None:
         """A request was cancelled: the worker looks at once; a step waiting for experts whose
@@ -249,6 +267,8 @@ class Scheduler:
             self._running.append(head)
             used += self._footprint(head)
         self.metrics.set_queue_depth(len(self._waiting))
+        if not self._waiting and not self._running:
+            self._cond.notify_all()  # a drain waiting for the last request
 
     @staticmethod
     def _footprint(handle: RequestHandle) -> int:
@@ -370,6 +390,7 @@ class Scheduler:
             self._down = reason
             waiting = list(self._waiting)
             self._waiting.clear()
+            self._cond.notify_all()
         for handle in waiting:
             self._fail(handle, Unavailable(f"{reason}; retry shortly"))
         if self._on_serving is not None:

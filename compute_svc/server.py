@@ -37,6 +37,7 @@ from compute_svc.trace_recorder import TraceRecorder
 from expertcache import telemetry
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.prom import serve
+from expertcache.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ class ComputeServer:
             [SERVICE_NAME],
             # Every running or waiting Generate holds a server thread while it streams.
             max_workers=config.max_batch_size + config.max_waiting_requests + _EXTRA_RPC_THREADS,
+            security=ServerSecurity.from_config(config),
+            reflection_enabled=config.reflection,
         )
         # The daemon's stream ending while idle (it died): stop serving now and re-attach.
         self.client.on_stream_end = self.scheduler.daemon_lost
@@ -244,6 +247,8 @@ class ComputeServer:
                 manifest.top_k,
                 config.report_queue_tokens,
                 num_experts=manifest.num_experts,
+                num_moe_layers=len(manifest.moe_layers),
+                security=ClientSecurity.from_config(config),
             )
             logger.info("reporting routing to the predictor at %s", config.predictor_address)
         if config.record_trace_path:
@@ -299,8 +304,13 @@ class ComputeServer:
     def wait(self) -> None:
         self.server.wait_for_termination()
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, drain_timeout_s: float = 0.0) -> None:
+        """NOT_SERVING at once; the streams in progress get ``drain_timeout_s`` to finish (new
+        Generates are refused meanwhile), then whatever still runs is stopped."""
         self._health.enter_graceful_shutdown()
+        if drain_timeout_s > 0:
+            drained = self.scheduler.drain(drain_timeout_s)
+            logger.info("drain %s", "complete" if drained else f"cut off after {drain_timeout_s:g}s")
         self.scheduler.stop()
         self.server.stop(grace_s).wait()
         if self.reporter is not None:

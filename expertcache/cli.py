@@ -5,9 +5,14 @@
     expertcache generate --address HOST:PORT "prompt"      stream tokens as they come (Inference.Generate)
     expertcache info --address HOST:PORT                    the served model (Inference.GetModelInfo)
     expertcache stats [--daemon ADDR] [--predictor ADDR]    counters of the cache daemon and the predictor
+    expertcache health [--address ADDR] [--service NAME]    grpc.health.v1 Check of any service
 
 Exit status: 0 on success, 1 when a service answers with an error (its status code and message
-go to stderr), 2 for a usage error (argparse) or an unreachable service.
+go to stderr), 2 for a usage error (argparse) or an unreachable service. ``health`` exits 0 only
+when the service reports SERVING (the line ``ADDR: SERVING`` on stdout), 1 when it answers with
+another status (NOT_SERVING, SERVICE_UNKNOWN) or does not know the service name, 2 when it cannot
+be reached: Kubernetes' exec probes of the cache daemon (a unix socket, which native gRPC probes
+cannot reach) and of a TLS port run it.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 
+from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_ADDRESS
+from expertcache.security import ClientSecurity
 
 DEFAULT_INFERENCE_ADDRESS = "127.0.0.1:50051"
 DEFAULT_PREDICTOR_ADDRESS = "127.0.0.1:50070"
@@ -48,6 +56,30 @@ def _message(text: str):
     if not sep or not role:
         raise argparse.ArgumentTypeError(f"a message is ROLE:CONTENT (e.g. user:Hello), got {text!r}")
     return role, content
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS / mTLS / token options of a client (the servers' ``--tls-*`` / ``--auth-token-file``)."""
+    group = parser.add_argument_group("security (TCP services)")
+    group.add_argument("--tls-ca-file", default="", help="PEM CA bundle to verify the server; set = TLS")
+    group.add_argument("--tls-cert-file", default="", help="PEM client certificate (mTLS)")
+    group.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    group.add_argument("--auth-token-file", default="", help="file holding the bearer token to send")
+
+
+def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
+    """A channel to ``address`` with the security options (a unix socket is always plaintext)."""
+    if address.startswith("unix:"):
+        return grpc.insecure_channel(address)
+    security = ClientSecurity(
+        getattr(args, "tls_ca_file", ""),
+        getattr(args, "tls_cert_file", ""),
+        getattr(args, "tls_key_file", ""),
+        getattr(args, "auth_token_file", ""),
+        field_prefix="",  # messages name tls_cert_file etc. (the --tls-cert-file options)
+    )
+    security.check()
+    return security.channel(address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,10 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--verbose", action="store_true", help="one line per token (id, latency, cache) on stderr"
     )
+    add_security_arguments(gen)
 
     info = sub.add_parser("info", help="describe the served model")
     info.add_argument("--address", default=DEFAULT_INFERENCE_ADDRESS, help="compute service host:port")
     info.add_argument("--timeout-s", type=float, default=30.0)
+    add_security_arguments(info)
 
     stats = sub.add_parser("stats", help="print the cache daemon's and the predictor's counters")
     stats.add_argument(
@@ -101,6 +135,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("--json", action="store_true", help="one JSON object instead of text")
     stats.add_argument("--timeout-s", type=float, default=10.0)
+    add_security_arguments(stats)
+
+    health = sub.add_parser(
+        "health",
+        help="ask a service's grpc.health.v1 Check (exit 0 only when SERVING): a probe's command",
+    )
+    health.add_argument(
+        "--address",
+        default=DEFAULT_DAEMON_ADDRESS,
+        help="unix:///path/daemon.sock or host:port (default: the cache daemon's socket)",
+    )
+    health.add_argument(
+        "--service", default="", help="service name to check; '' = the server as a whole (default)"
+    )
+    health.add_argument("--timeout-s", type=float, default=5.0, help="deadline of the check")
+    health.add_argument("--tls-ca-file", default="", help="CA bundle: check over TLS (server certificate)")
+    health.add_argument(
+        "--tls-cert-file", default="", help="client certificate for mTLS (with --tls-key-file)"
+    )
+    health.add_argument("--tls-key-file", default="", help="client key for mTLS (with --tls-cert-file)")
+    health.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name to verify the server certificate against, when it differs from the address's host",
+    )
+    health.add_argument(
+        "--auth-token-file", default="", help="file holding a bearer token sent as 'authorization'"
+    )
     return parser
 
 
@@ -141,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokens = 0
     finish = ""
     started = time.perf_counter()
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args, args.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for event in stub.Generate(request, timeout=args.timeout_s):
@@ -168,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args, args.address) as channel:
         try:
             info = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
                 inference_pb2.GetModelInfoRequest(), timeout=args.timeout_s
@@ -219,7 +281,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     report: dict[str, object] = {}
     status = 0
     for name, address, stub_cls, request_cls in targets:
-        with grpc.insecure_channel(address) as channel:
+        with client_channel(args, address) as channel:
             try:
                 reply = stub_cls(channel).GetStats(request_cls(), timeout=args.timeout_s)
             except grpc.RpcError as exc:
@@ -238,13 +300,96 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return status
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "stats": cmd_stats}
+class _UsageError(Exception):
+    """A problem with the command's arguments (exit 2, message on stderr)."""
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise _UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+
+
+def _health_channel(args: argparse.Namespace) -> grpc.Channel:
+    """An insecure channel, or a TLS one when a CA file is given (mTLS with cert and key)."""
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise _UsageError("--tls-cert-file and --tls-key-file go together")
+    if args.tls_cert_file and not args.tls_ca_file:
+        raise _UsageError("--tls-cert-file needs --tls-ca-file (the check is then made over TLS)")
+    if not args.tls_ca_file:
+        return grpc.insecure_channel(args.address)
+    if args.address.startswith("unix:"):
+        raise _UsageError("TLS options apply to a host:port address, not to a unix socket")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read_file(args.tls_ca_file, "CA file"),
+        private_key=_read_file(args.tls_key_file, "client key") if args.tls_key_file else None,
+        certificate_chain=_read_file(args.tls_cert_file, "client certificate")
+        if args.tls_cert_file
+        else None,
+    )
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.address, credentials, options=options)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    where = f"{args.address}" + (f" (service {args.service!r})" if args.service else "")
+    if args.address.startswith("unix:"):
+        path = args.address.removeprefix("unix://").removeprefix("unix:")
+        if not Path(path).exists():
+            print(f"expertcache health: {where}: no socket at {path} (is the service up?)", file=sys.stderr)
+            return EXIT_USAGE
+    if args.timeout_s <= 0:
+        print(f"expertcache health: --timeout-s must be > 0, got {args.timeout_s}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        metadata = ()
+        if args.auth_token_file:
+            token = _read_file(args.auth_token_file, "token file").decode().strip()
+            if not token:
+                raise _UsageError(f"the token file {args.auth_token_file} is empty")
+            metadata = (("authorization", f"Bearer {token}"),)
+        channel = _health_channel(args)
+    except _UsageError as exc:
+        print(f"expertcache health: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code is grpc.StatusCode.NOT_FOUND:
+                print(f"expertcache health: {where}: the server does not know this service", file=sys.stderr)
+                return EXIT_RPC_ERROR
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(
+                    f"expertcache health: {where}: unreachable: {code.name}: {exc.details()}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            return _fail(exc, f"health Check at {where}")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"expertcache health: {where}: {status}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    print(f"{where}: {status}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "info": cmd_info, "stats": cmd_stats, "health": cmd_health}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except InvalidArgument as exc:  # unusable --tls-* / --auth-token-file
+        print(f"expertcache: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -61,6 +62,9 @@ def validate(config: Any) -> None:
         meta = field.metadata
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            # NaN compares false with every bound, so it would pass the range checks below.
+            raise InvalidArgument(f"config field {field.name!r} = {value!r} is not a finite number")
         if "min" in meta and value < meta["min"]:
             raise InvalidArgument(
                 f"config field {field.name!r} = {value!r} is below its minimum {meta['min']!r}"

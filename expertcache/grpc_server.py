@@ -1,8 +1,13 @@
-"""The gRPC edge shared by every service: error mapping, health, reflection.
+"""The gRPC edge shared by every service: error mapping, health, reflection, security.
 
 Domain code raises ``expertcache.errors`` exceptions; ``ErrorInterceptor`` turns them into a
 status with their message. Anything else becomes ``INTERNAL`` with the traceback logged, so a
-client never sees an empty status or an empty reply on failure.
+client never sees an empty status or an empty reply on failure. Request bytes that do not decode
+as the method's message get ``INVALID_ARGUMENT`` (gRPC's own answer would be INTERNAL).
+
+Interceptors run outermost first: the security ones (``expertcache.security``: the bearer token)
+before ``ErrorInterceptor``, so an unauthenticated call never reaches a handler. Reflection is
+served only when asked for (``reflection=True``; the services' ``--reflection`` flag).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expertcache import telemetry
-from expertcache.errors import ExpertCacheError
+from expertcache.errors import ExpertCacheError, InvalidArgument
+from expertcache.security import ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +38,63 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str):
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
+class _Undecodable:
+    """Stands for a request message whose bytes did not parse (gRPC would answer INTERNAL)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def inner(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+            return _Undecodable(exc)
+
+    return inner
+
+
+def _undecodable(method: str, bad: _Undecodable) -> InvalidArgument:
+    return InvalidArgument(
+        f"the request to {method} is not a valid protobuf message of its type: {type(bad.error).__name__}: {bad.error}"
+    )
+
+
+def _checked_stream(requests, method: str):
+    for request in requests:
+        if isinstance(request, _Undecodable):
+            raise _undecodable(method, request)
+        yield request
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps domain exceptions to gRPC status codes for unary and streaming handlers."""
+    """Maps domain exceptions to gRPC status codes for unary and streaming handlers, and
+    undecodable request bytes to INVALID_ARGUMENT."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        streaming_requests = bool(handler.stream_unary or handler.stream_stream)
+
+        def checked(request):
+            if streaming_requests:
+                return _checked_stream(request, method)
+            if isinstance(request, _Undecodable):
+                raise _undecodable(method, request)
+            return request
 
         def wrap_unary(fn):
             def inner(request, context):
                 try:
-                    return fn(request, context)
+                    return fn(checked(request), context)
                 except Exception as exc:  # noqa: BLE001 - the edge maps every failure
                     if isinstance(exc, grpc.RpcError) and context.code() is not None:
                         raise
@@ -55,7 +105,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         def wrap_stream(fn):
             def inner(request, context):
                 try:
-                    yield from fn(request, context)
+                    yield from fn(checked(request), context)
                 except Exception as exc:  # noqa: BLE001
                     if isinstance(exc, grpc.RpcError) and context.code() is not None:
                         raise
@@ -65,19 +115,27 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                wrap_unary(handler.unary_unary),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                wrap_stream(handler.unary_stream),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+                wrap_unary(handler.stream_unary),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+                wrap_stream(handler.stream_stream),
+                _tolerant(handler.request_deserializer),
+                handler.response_serializer,
             )
         return handler
 
@@ -89,18 +147,23 @@ def build_server(
     *,
     max_workers: int = 8,
     max_message_bytes: int = 64 << 20,
+    security: ServerSecurity | None = None,
+    reflection_enabled: bool = False,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A started-later server on ``address`` with health, reflection and error mapping.
+    """A started-later server on ``address`` with health, error mapping, and the configured
+    security (TLS / mTLS / bearer token, ``expertcache.security``) and reflection.
 
     ``register`` holds callables ``f(server)`` that add servicers; ``service_names`` are the
     full names of those services (for health and reflection). Health starts NOT_SERVING for
-    each name; call ``set_serving`` once the service is ready. With tracing on, the RPCs that are
-    not long-lived streams get a server span with the caller's context from the metadata
+    each name and for the server as a whole (``""``, what a Kubernetes gRPC probe asks by
+    default): call ``set_serving`` once the service is ready. With tracing on, the RPCs that
+    are not long-lived streams get a server span with the caller's context from the metadata
     (``opentelemetry-instrumentation-grpc``; ``expertcache.telemetry``).
     """
+    security = security or ServerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), *security.interceptors(), ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -111,10 +174,11 @@ def build_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    for name in names:
+    for name in [*names, ""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+    if reflection_enabled:
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if security.add_port(server, address) == 0 and not address.startswith("unix:"):
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, health_servicer
 

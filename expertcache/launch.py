@@ -43,7 +43,14 @@ class Proc:
         return self.popen.returncode
 
 
-def wait_healthy(address: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
+def wait_healthy(
+    address: str,
+    proc: subprocess.Popen,
+    log_path: Path,
+    timeout_s: float = 120.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Until ``address`` answers SERVING; ``credentials`` for a TLS server (health needs no token)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -51,7 +58,10 @@ def wait_healthy(address: str, proc: subprocess.Popen, log_path: Path, timeout_s
                 f"process exited with {proc.returncode} before serving:\n{log_path.read_text()}"
             )
         try:
-            with grpc.insecure_channel(address) as ch:
+            channel = (
+                grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+            )
+            with channel as ch:
                 reply = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=1
                 )
@@ -63,14 +73,21 @@ def wait_healthy(address: str, proc: subprocess.Popen, log_path: Path, timeout_s
     raise TimeoutError(f"{address} not healthy after {timeout_s}s:\n{log_path.read_text()}")
 
 
-def start(module: str, args: list[str], address: str, log_path: Path, env: dict | None = None) -> Proc:
+def start(
+    module: str,
+    args: list[str],
+    address: str,
+    log_path: Path,
+    env: dict | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Proc:
     log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     popen = subprocess.Popen(
         [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env
     )
     try:
-        wait_healthy(address, popen, log_path)
+        wait_healthy(address, popen, log_path, credentials=credentials)
     except BaseException:
         popen.kill()
         popen.wait()
@@ -107,7 +124,15 @@ def start_daemon(
     return start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
 
 
-def start_compute(store_dir: Path, daemon: Proc, work_dir: Path, extra: list[str] | None = None) -> Proc:
+def start_compute(
+    store_dir: Path,
+    daemon: Proc,
+    work_dir: Path,
+    extra: list[str] | None = None,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    log_name: str = "compute.log",
+) -> Proc:
     port = free_port()
     address = f"127.0.0.1:{port}"
     args = [
@@ -119,7 +144,7 @@ def start_compute(store_dir: Path, daemon: Proc, work_dir: Path, extra: list[str
         address,
         *(extra or []),
     ]
-    return start("compute_svc", args, address, work_dir / "compute.log")
+    return start("compute_svc", args, address, work_dir / log_name, credentials=credentials)
 
 
 def start_predictor(
@@ -130,6 +155,7 @@ def start_predictor(
     port: int | None = None,
     embedded_path: Path | None = None,
     log_name: str = "predictor.log",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Proc:
     """``python -m predictor_svc`` on a free loopback port (or ``port``), waited on until healthy.
 
@@ -143,4 +169,6 @@ def start_predictor(
         args += ["--redis-url", redis_url]
     else:
         args += ["--embedded-path", str(embedded_path or work_dir / "eamc.bin")]
-    return start("predictor_svc", [*args, *(extra or [])], address, work_dir / log_name)
+    return start(
+        "predictor_svc", [*args, *(extra or [])], address, work_dir / log_name, credentials=credentials
+    )

@@ -101,24 +101,113 @@ def _tensor_json(t: ExpertTensor) -> dict:
     }
 
 
-def _tensor_from_json(raw: dict) -> ExpertTensor:
-    return ExpertTensor(
-        name=str(raw["name"]),
-        dtype=str(raw["dtype"]),
-        shape=tuple(int(s) for s in raw["shape"]),
-        encoding=str(raw["encoding"]),
-        block_size=tuple(int(b) for b in raw["block_size"]),
-        scale_layout=str(raw["scale_layout"]),
-        transposed=bool(raw["transposed"]),
-        parts=tuple(
+# -- reading untrusted JSON: every error names the key path ("tensors[0].parts[1].shape") ------
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_COUNT = 1 << 20  # layers, experts, tensors, parts, dimensions: far beyond any real model
+MAX_DIM = 1 << 40
+MAX_BLOB_BYTES = 1 << 40
+
+
+class _Malformed(ValueError):
+    """A manifest value of the wrong type or range; ``key`` is its path in the JSON."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"key {key!r}: {problem}")
+        self.key = key
+
+
+def _get(raw: dict, key: str, path: str):
+    if key not in raw:
+        raise _Malformed(f"{path}{key}", "is missing")
+    return raw[key]
+
+
+def _int(value, key: str, lo: int = 0, hi: int = MAX_DIM) -> int:
+    # bool is an int in Python, and JSON floats (1.0, NaN) are not counts: both are refused.
+    if type(value) is not int:
+        raise _Malformed(key, f"must be an integer, got {type(value).__name__} {_short(value)}")
+    if not lo <= value <= hi:
+        raise _Malformed(key, f"= {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _str(value, key: str, max_len: int = 4096) -> str:
+    if not isinstance(value, str):
+        raise _Malformed(key, f"must be a string, got {type(value).__name__} {_short(value)}")
+    if len(value) > max_len or "\0" in value:
+        raise _Malformed(key, f"must be a string of at most {max_len} characters without NUL")
+    return value
+
+
+def _list(value, key: str, max_len: int = MAX_COUNT) -> list:
+    if not isinstance(value, list):
+        raise _Malformed(key, f"must be a list, got {type(value).__name__} {_short(value)}")
+    if len(value) > max_len:
+        raise _Malformed(key, f"has {len(value)} items, at most {max_len}")
+    return value
+
+
+def _dict(value, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise _Malformed(key, f"must be an object, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _bool(value, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _Malformed(key, f"must be true or false, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int_key(value: str, key: str) -> int:
+    if not value.isdigit() or len(value) > 9:
+        raise _Malformed(key, f"has a non-numeric layer key {_short(value)}")
+    return int(value)
+
+
+def _store_path(value, key: str) -> str:
+    """A path inside the store: relative, no '..', no empty or odd components."""
+    text = _str(value, key)
+    parts = text.split("/")
+    if not text or text.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in text:
+        raise _Malformed(key, f"= {_short(text)} is not a relative path inside the store")
+    return text
+
+
+def _shape(value, key: str) -> tuple[int, ...]:
+    return tuple(_int(d, f"{key}[{i}]", 0, MAX_DIM) for i, d in enumerate(_list(value, key, 16)))
+
+
+def _tensor_from_json(raw, key: str) -> ExpertTensor:
+    raw = _dict(raw, key)
+    p = key + "."
+    parts_raw = _list(_get(raw, "parts", p), p + "parts", 64)
+    parts = []
+    for i, part in enumerate(parts_raw):
+        pk = f"{p}parts[{i}]"
+        part = _dict(part, pk)
+        parts.append(
             TensorLayout(
-                name=str(p["name"]),
-                dtype=str(p["dtype"]),
-                shape=tuple(int(s) for s in p["shape"]),
-                offset=int(p["offset"]),
+                name=_str(_get(part, "name", pk + "."), pk + ".name", 256),
+                dtype=_str(_get(part, "dtype", pk + "."), pk + ".dtype", 64),
+                shape=_shape(_get(part, "shape", pk + "."), pk + ".shape"),
+                offset=_int(_get(part, "offset", pk + "."), pk + ".offset", 0, MAX_BLOB_BYTES),
             )
-            for p in raw["parts"]
-        ),
+        )
+    return ExpertTensor(
+        name=_str(_get(raw, "name", p), p + "name", 256),
+        dtype=_str(_get(raw, "dtype", p), p + "dtype", 64),
+        shape=_shape(_get(raw, "shape", p), p + "shape"),
+        encoding=_str(_get(raw, "encoding", p), p + "encoding", 64),
+        block_size=_shape(_get(raw, "block_size", p), p + "block_size"),
+        scale_layout=_str(_get(raw, "scale_layout", p), p + "scale_layout", 64),
+        transposed=_bool(_get(raw, "transposed", p), p + "transposed"),
+        parts=tuple(parts),
     )
 
 
@@ -212,59 +301,110 @@ class StoreManifest:
         )
 
     @classmethod
-    def from_json(cls, text: str, origin: str = "manifest") -> StoreManifest:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataLoss(f"{origin} is not valid JSON: {exc}") from exc
-        try:
-            version = int(raw["format_version"])
-            if version != FORMAT_VERSION:
+    def from_json(cls, text: str | bytes, origin: str = "manifest") -> StoreManifest:
+        """Parse and validate; any malformed input raises ``DataLoss`` naming ``origin`` and the key."""
+        if isinstance(text, bytes | bytearray):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
                 raise DataLoss(
-                    f"{origin} has format_version {version}; this ExpertCache reads version "
-                    f"{FORMAT_VERSION}: convert the checkpoint again"
-                )
-            manifest = cls(
-                format_version=version,
-                model_type=str(raw["model_type"]),
-                model_id=str(raw["model_id"]),
-                num_layers=int(raw["num_layers"]),
-                moe_layers=tuple(int(x) for x in raw["moe_layers"]),
-                num_experts=int(raw["num_experts"]),
-                top_k=int(raw["top_k"]),
-                blob_bytes=int(raw["blob_bytes"]),
-                tensors=tuple(_tensor_from_json(t) for t in raw["tensors"]),
-                layer_files={int(k): str(v) for k, v in raw["layer_files"].items()},
-                checksums={int(k): tuple(int(c) for c in v) for k, v in raw["checksums"].items()},
-                dense_file=str(raw["dense_file"]),
-                dense_dtype=str(raw["dense_dtype"]),
-                dense_bytes=int(raw.get("dense_bytes", 0)),
-                source={str(k): str(v) for k, v in raw.get("source", {}).items()},
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+                    f"{origin} is not UTF-8 text (byte {exc.start}): not a manifest, or a corrupted one"
+                ) from None
+        try:
+            raw = json.loads(text, parse_constant=_refuse_constant)
+        except _Malformed as exc:
+            raise DataLoss(f"{origin}: {exc}") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of thousands of digits
+            raise DataLoss(f"{origin} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise DataLoss(f"{origin} is not a manifest: its JSON nests too deeply") from None
+        try:
+            manifest = cls._from_raw(raw)
+        except _Malformed as exc:
+            raise DataLoss(f"{origin}: {exc}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a check below missed a case
             raise DataLoss(f"{origin} is missing or has a malformed field: {exc!r}") from exc
         manifest.validate(origin)
         return manifest
+
+    @classmethod
+    def _from_raw(cls, raw) -> StoreManifest:
+        raw = _dict(raw, "(top level)")
+        version = _int(_get(raw, "format_version", ""), "format_version", 0, 1 << 20)
+        if version != FORMAT_VERSION:
+            raise _Malformed(
+                "format_version",
+                f"is {version}; this ExpertCache reads version {FORMAT_VERSION}: convert the checkpoint again",
+            )
+        num_layers = _int(_get(raw, "num_layers", ""), "num_layers", 1, MAX_COUNT)
+        moe_layers = tuple(
+            _int(x, f"moe_layers[{i}]", 0, num_layers - 1)
+            for i, x in enumerate(_list(_get(raw, "moe_layers", ""), "moe_layers"))
+        )
+        if not moe_layers:
+            raise _Malformed("moe_layers", "is empty: a store holds at least one MoE layer")
+        if len(set(moe_layers)) != len(moe_layers):
+            raise _Malformed("moe_layers", "names a layer twice")
+        num_experts = _int(_get(raw, "num_experts", ""), "num_experts", 1, MAX_COUNT)
+        top_k = _int(_get(raw, "top_k", ""), "top_k", 1, num_experts)
+        layer_files = {
+            _int_key(k, f"layer_files.{_short(k)}"): _store_path(v, f"layer_files.{k}")
+            for k, v in _dict(_get(raw, "layer_files", ""), "layer_files").items()
+        }
+        checksums = {
+            _int_key(k, f"checksums.{_short(k)}"): tuple(
+                _int(c, f"checksums.{k}[{i}]", 0, 0xFFFFFFFF)
+                for i, c in enumerate(_list(v, f"checksums.{k}", num_experts))
+            )
+            for k, v in _dict(_get(raw, "checksums", ""), "checksums").items()
+        }
+        source = _dict(raw.get("source", {}), "source")
+        return cls(
+            format_version=version,
+            model_type=_str(_get(raw, "model_type", ""), "model_type", 256),
+            model_id=_str(_get(raw, "model_id", ""), "model_id", 256),
+            num_layers=num_layers,
+            moe_layers=moe_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            blob_bytes=_int(_get(raw, "blob_bytes", ""), "blob_bytes", 1, MAX_BLOB_BYTES),
+            tensors=tuple(
+                _tensor_from_json(t, f"tensors[{i}]")
+                for i, t in enumerate(_list(_get(raw, "tensors", ""), "tensors", 64))
+            ),
+            layer_files=layer_files,
+            checksums=checksums,
+            dense_file=_store_path(_get(raw, "dense_file", ""), "dense_file"),
+            dense_dtype=_str(_get(raw, "dense_dtype", ""), "dense_dtype", 64),
+            dense_bytes=_int(raw.get("dense_bytes", 0), "dense_bytes", 0, 1 << 50),
+            source={_str(k, "source"): _str(v, f"source.{k}") for k, v in source.items()},
+        )
 
     def validate(self, origin: str = "manifest") -> None:
         if self.blob_bytes <= 0 or self.blob_bytes % BLOB_ALIGN:
             raise DataLoss(
                 f"{origin}: blob_bytes {self.blob_bytes} is not a positive multiple of {BLOB_ALIGN}"
             )
-        if set(self.layer_files) != set(self.moe_layers) or set(self.checksums) != set(self.moe_layers):
-            raise DataLoss(f"{origin}: layer_files/checksums do not cover moe_layers {list(self.moe_layers)}")
+        for key, table in (("layer_files", self.layer_files), ("checksums", self.checksums)):
+            if set(table) != set(self.moe_layers):
+                raise DataLoss(
+                    f"{origin}: key {key!r} names layers {sorted(table)}, not the moe_layers "
+                    f"{list(self.moe_layers)}"
+                )
         for layer, sums in self.checksums.items():
             if len(sums) != self.num_experts:
                 raise DataLoss(
                     f"{origin}: layer {layer} has {len(sums)} checksums, expected {self.num_experts}"
                 )
+        if not self.tensors:
+            raise DataLoss(f"{origin}: key 'tensors' is empty: an expert has at least one tensor")
         names = [p.name for p in self.parts]
         if len(set(names)) != len(names) or len({t.name for t in self.tensors}) != len(self.tensors):
             raise DataLoss(f"{origin}: tensor or part names repeat: {names}")
         for t in self.tensors:
             try:
                 check_tensor(t)
-            except ValueError as exc:
+            except (ValueError, KeyError, TypeError, ZeroDivisionError, OverflowError) as exc:
                 raise DataLoss(f"{origin}: {exc}") from exc
             for p in t.parts:
                 if p.offset % TENSOR_ALIGN or p.offset < 0 or p.offset + p.nbytes > self.blob_bytes:
@@ -275,12 +415,26 @@ class StoreManifest:
                 raise DataLoss(f"{origin}: stored parts {a.name!r} and {b.name!r} overlap")
 
 
+def _refuse_constant(name: str):
+    raise _Malformed("(value)", f"{name} is not valid in a manifest")
+
+
 def read_manifest(store_dir: str | Path) -> StoreManifest:
-    """Read ``STORE/manifest.json``; a missing one means the store is absent or incomplete."""
+    """Read ``STORE/manifest.json``; a missing one means the store is absent or incomplete.
+
+    Whatever the file holds (binary, truncated, wrong types, paths leaving the store), the error
+    is a ``DataLoss`` naming the file and the key."""
     path = Path(store_dir) / MANIFEST_NAME
     if not path.is_file():
         raise DataLoss(
             f"{path} does not exist: {store_dir} is not a complete expert store "
             "(run `python -m cache_daemon.convert CHECKPOINT STORE` first)"
         )
-    return StoreManifest.from_json(path.read_text(), origin=str(path))
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise DataLoss(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise DataLoss(f"{path} is over {MAX_MANIFEST_BYTES} bytes: not a manifest")
+    return StoreManifest.from_json(data, origin=str(path))

@@ -45,11 +45,22 @@ def redis_server_binary() -> str:
 class RedisServer:
     """One redis-server with its data (append-only file, fsync always) in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        password: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        """``password``: ``--requirepass`` (the default user's password); ``extra_args`` go to
+        redis-server as they are (TLS ports, ACL files)."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.binary = redis_server_binary()
+        self.password = password
+        self.extra_args = list(extra_args or [])
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -81,12 +92,14 @@ class RedisServer:
                 "",
                 "--protected-mode",
                 "no",
+                *(["--requirepass", self.password] if self.password else []),
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         log.close()
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0, password=self.password)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:

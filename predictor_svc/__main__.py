@@ -32,11 +32,12 @@ from expertcache.config_loader import add_arguments, cli_values, load_config
 from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
 from expertcache.prom import serve
+from expertcache.security import ServerSecurity, redact_url
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
 from predictor_svc.metrics import registry as metrics_registry
 from predictor_svc.server import SERVICE_NAME, create_server
 from predictor_svc.service import PredictorService
-from predictor_svc.store import open_store
+from predictor_svc.store import RedisOptions, open_store
 
 logger = logging.getLogger("predictor_svc")
 
@@ -84,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         embedded_path = None if config.redis_url else Path(config.embedded_path)
         if embedded_path is not None:
             embedded_path.parent.mkdir(parents=True, exist_ok=True)
-        store = open_store(config.redis_url or None, embedded_path)
+        # The change log keeps eamc_capacity records per model: with the entries, a model's
+        # collection in the store holds at most twice its reservation (max_eamc_bytes).
+        store = open_store(
+            config.redis_url or None,
+            embedded_path,
+            log_len=config.eamc_capacity,
+            redis=RedisOptions.from_config(config),
+        )
     except (ExpertCacheError, OSError, ValueError) as exc:
         # A corrupt embedded file or an unusable path: starting would silently lose the EAMC.
         logger.error("cannot open the EAMC store: %s", exc)
@@ -113,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             server, health_servicer = create_server(
-                service, config.listen_address, max_workers=config.grpc_max_workers
+                service,
+                config.listen_address,
+                max_workers=config.grpc_max_workers,
+                security=ServerSecurity.from_config(config),
+                reflection_enabled=config.reflection,
             )
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on %s: %s", config.listen_address, exc)
@@ -122,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             "predictor on %s, store %s%s, eamc_capacity %d",
             config.listen_address,
             config.store_kind,
-            f" at {config.redis_url}" if config.redis_url else f" saved to {config.embedded_path}",
+            f" at {redact_url(config.redis_url)}"
+            if config.redis_url
+            else f" saved to {config.embedded_path}",
             config.eamc_capacity,
         )
         while not stop.wait(1.0):

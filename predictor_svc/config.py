@@ -13,7 +13,18 @@ Decisions recorded here (the fields' docstrings repeat them):
   ``request_done``) is dropped and its partial EAM is **not** inserted: a truncated EAM would
   enter the EAMC looking like a short request and replace a complete, more similar one.
 - A finished EAM whose insert fails with the store down is kept in a bounded retry queue
-  (``max_pending_inserts``) and retried on every sync tick; the oldest is dropped when full.
+  (``max_pending_inserts`` EAMs and ``max_pending_insert_bytes``) and retried on every sync tick;
+  the oldest is dropped when full.
+- Model shapes are *registered* (RegisterModel, or ``model_shapes``), never inferred from an
+  activation: a client cannot make the predictor allocate for a shape it merely claims. The
+  limits ``max_layers``/``max_experts`` (INVALID_ARGUMENT beyond) and ``max_models`` /
+  ``max_eamc_bytes`` (RESOURCE_EXHAUSTED beyond) bound what registration may reserve:
+  ``eamc_capacity`` full entries per model, in memory and in the store alike.
+- A client (the peer's address without its port, or its certificate's common name under mTLS)
+  holds at most ``max_client_live_requests`` live requests and ``max_client_live_bytes`` of
+  their state: opening one more fails its Observe stream with RESOURCE_EXHAUSTED. All clients
+  together are bounded by ``max_live_requests`` and ``max_live_bytes`` (the least recently
+  active request is dropped beyond, as before).
 """
 
 from __future__ import annotations
@@ -23,9 +34,14 @@ from dataclasses import dataclass, field
 
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
+from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
+from predictor_svc.eam import HEADER_BYTES as EAM_HEADER_BYTES
 
 ENV_PREFIX = "EXPERTCACHE_PREDICTOR_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+GIB = 1 << 30
+MIB = 1 << 20
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _SHAPE_RE = re.compile(r"^(?P<model>[^=\s]+)=(?P<layers>\d+)x(?P<experts>\d+)x(?P<top_k>\d+)$")
 
 
@@ -42,7 +58,7 @@ class ModelShape:
 def parse_model_shape(text: str) -> ModelShape:
     """``"gpt-oss-20b=24x32x4"`` → ModelShape; InvalidArgument naming the field otherwise."""
     match = _SHAPE_RE.match(text.strip())
-    if not match:
+    if not match or not MODEL_ID_RE.match(match["model"]):
         raise InvalidArgument(
             f"config field 'model_shapes' entry {text!r} is not MODEL_ID=LAYERSxEXPERTSxTOP_K "
             "(e.g. gpt-oss-20b=24x32x4)"
@@ -66,11 +82,55 @@ class PredictorConfig:
     )
     """Address of ``moe.predictor.v1.Predictor`` (TCP; the predictor is its own Deployment)."""
 
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate chain of this server; with tls_key_file turns on TLS"}
+    )
+    """TLS server certificate (a Secret's ``tls.crt``, /etc/expertcache/tls/tls.crt in a pod). The
+    file is watched: a rotated certificate is used from the next connection on, no restart."""
+
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
+    """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
+
+    tls_client_ca_file: str = field(
+        default="",
+        metadata={
+            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
+        },
+    )
+    """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
+    handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
+
+    auth_token_file: str = field(
+        default="", metadata={"help": "file holding the bearer token every call must carry; empty = no token"}
+    )
+    """Set: every call but the health checks needs metadata ``authorization: Bearer <token>``,
+    else UNAUTHENTICATED. Re-read when the file changes."""
+
+    reflection: bool = field(default=False, metadata={"help": "serve gRPC reflection (off by default)"})
+    """gRPC server reflection, for grpcurl and the like; off unless asked for."""
+
     redis_url: str = field(
         default="",
         metadata={"help": "Redis URL of the shared EAMC (redis://host:port/db); empty = embedded store."},
     )
     """The EAMC store. Empty: the embedded in-process store saved to ``embedded_path``."""
+
+    redis_username: str = field(
+        default="", metadata={"help": "Redis ACL user name; empty = the default user."}
+    )
+    """User of Redis 6 ACLs (with ``redis_password_file``); a name in ``redis_url`` also works."""
+
+    redis_password_file: str = field(
+        default="", metadata={"help": "File holding the Redis password (a mounted Secret); empty = none."}
+    )
+    """Read at start; the password is never logged. Prefer it to a password inside ``redis_url``,
+    which would show in the process's arguments and environment."""
+
+    redis_tls_ca_file: str = field(
+        default="", metadata={"help": "PEM CA bundle to verify Redis's certificate (rediss:// URLs)."}
+    )
+    """With a ``rediss://`` URL: Redis's certificate is verified against this CA (the system's
+    roots when empty). Setting it with a plain ``redis://`` URL is refused as a likely mistake."""
 
     embedded_path: str = field(
         default=DEFAULT_EAMC_PATH,
@@ -173,12 +233,103 @@ class PredictorConfig:
     """Per subscriber, unsent hints are coalesced per (request, layer); this bounds the number of
     requests pending, so a stalled subscriber never grows an unbounded backlog."""
 
+    subscriber_queue_bytes: int = field(
+        default=8 * MIB,
+        metadata={
+            "help": "Bytes of unsent hints per subscriber; the oldest request's are dropped beyond.",
+            "min": 1,
+        },
+    )
+    """With ``max_subscribers`` this bounds the memory of every hint queue together (an estimate:
+    96 bytes per hint, 128 per (request, layer))."""
+
     model_shapes: tuple[str, ...] = field(
         default=(),
         metadata={"help": "Comma-separated MODEL_ID=LAYERSxEXPERTSxTOP_K known before any activation."},
     )
-    """Models whose geometry is fixed by configuration; others take it from their first
-    activation (``layers``/``num_experts``/``top_k`` fields)."""
+    """Models whose geometry is fixed by configuration (registered at start, counted against
+    ``max_models``); others must be registered with RegisterModel before use."""
+
+    allow_registration: bool = field(
+        default=True,
+        metadata={"help": "Accept RegisterModel for models not in model_shapes (false: only those)."},
+    )
+    """False: the configured ``model_shapes`` (and models already in the store's registry) are
+    the only models; RegisterModel of another gets PERMISSION_DENIED."""
+
+    max_layers: int = field(
+        default=256,
+        metadata={"help": "Largest num_moe_layers a model may register.", "min": 1, "max": 4096},
+    )
+    """RegisterModel beyond it: INVALID_ARGUMENT naming the limit."""
+
+    max_experts: int = field(
+        default=1024,
+        metadata={"help": "Largest num_experts a model may register.", "min": 1, "max": 65536},
+    )
+    """RegisterModel beyond it: INVALID_ARGUMENT naming the limit."""
+
+    max_models: int = field(
+        default=16,
+        metadata={"help": "Most models registered (configured ones included).", "min": 1, "max": 4096},
+    )
+    """The registry (shared by replicas through the store) holds at most this many models;
+    RegisterModel of one more: RESOURCE_EXHAUSTED."""
+
+    max_client_models: int = field(
+        default=4,
+        metadata={"help": "Models one client may register (new ones; re-registering is free).", "min": 1},
+    )
+    """Per client (as for the live caps): one client cannot fill the registry (``max_models``)
+    and lock every other model out. Counted per replica since it started."""
+
+    max_eamc_bytes: int = field(
+        default=2 * GIB,
+        metadata={
+            "help": "Bytes the registered models' EAMCs may reserve (eamc_capacity full entries each).",
+            "min": 1,
+        },
+    )
+    """Each registered model reserves ``eamc_capacity`` entries of 24 + 4·layers·experts bytes;
+    RegisterModel beyond the sum: RESOURCE_EXHAUSTED naming the limit and the value. In memory
+    the index holds about 1.25x that (float32 and int8 rows); in the store the entries plus a
+    change log of at most ``eamc_capacity`` blobs per model, so at most 2x."""
+
+    max_live_bytes: int = field(
+        default=1 * GIB,
+        metadata={
+            "help": "Bytes of live request state in all; the least recently active is dropped beyond.",
+            "min": 1,
+        },
+    )
+    """Total bound on live request state (the LRU request dropped beyond, as max_live_requests)."""
+
+    max_client_live_requests: int = field(
+        default=1024,
+        metadata={"help": "Live requests one client may hold; one more fails its stream.", "min": 1},
+    )
+    """Per client (peer address without port, or mTLS common name): RESOURCE_EXHAUSTED beyond."""
+
+    max_client_live_bytes: int = field(
+        default=256 * MIB,
+        metadata={
+            "help": "Bytes of live request state one client may hold; more fails its stream.",
+            "min": 1,
+        },
+    )
+    """Per client: RESOURCE_EXHAUSTED beyond, naming the limit."""
+
+    max_pending_insert_bytes: int = field(
+        default=256 * MIB,
+        metadata={"help": "Bytes of finished EAMs kept for retry while the store is down.", "min": 1},
+    )
+    """The insert retry queue in bytes; the oldest is dropped beyond (counted)."""
+
+    max_subscribers: int = field(
+        default=128,
+        metadata={"help": "Open SubscribeHints streams; one more gets RESOURCE_EXHAUSTED.", "min": 1},
+    )
+    """Each subscriber holds a bounded queue (subscriber_queue_requests); this bounds how many."""
 
     grpc_max_workers: int = field(
         default=32,
@@ -233,11 +384,51 @@ class PredictorConfig:
             raise InvalidArgument(
                 f"config field 'redis_url' = {self.redis_url!r} must start with redis://, rediss:// or unix://"
             )
+        ServerSecurity.from_config(self).check()
+        if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
+            raise InvalidArgument(
+                "config field 'redis_tls_ca_file' is set but 'redis_url' does not start with rediss:// "
+                f"(it is {redact_url(self.redis_url)!r}): use rediss:// for TLS to Redis"
+            )
+        if (self.redis_password_file or self.redis_username) and not self.redis_url:
+            raise InvalidArgument(
+                "config fields 'redis_password_file' / 'redis_username' are set but 'redis_url' is empty"
+            )
+        if self.redis_password_file:
+            read_secret(self.redis_password_file, "redis_password_file")
+        if self.redis_tls_ca_file:
+            check_ca_file(self.redis_tls_ca_file, "redis_tls_ca_file")
         if not self.redis_url and not self.embedded_path:
             raise InvalidArgument("config field 'embedded_path' must not be empty when 'redis_url' is empty")
         shapes = self.shapes()  # raises naming the bad entry
         if len(shapes) != len(self.model_shapes):
             raise InvalidArgument("config field 'model_shapes' names a model twice")
+        if len(shapes) > self.max_models:
+            raise InvalidArgument(
+                f"config field 'model_shapes' names {len(shapes)} models, more than max_models={self.max_models}"
+            )
+        reserved = 0
+        for shape in shapes.values():
+            if shape.layers > self.max_layers:
+                raise InvalidArgument(
+                    f"config field 'model_shapes': model {shape.model_id!r} has {shape.layers} layers, "
+                    f"more than max_layers={self.max_layers}"
+                )
+            if shape.experts > self.max_experts:
+                raise InvalidArgument(
+                    f"config field 'model_shapes': model {shape.model_id!r} has {shape.experts} experts, "
+                    f"more than max_experts={self.max_experts}"
+                )
+            reserved += self.eamc_reservation(shape.layers, shape.experts)
+        if reserved > self.max_eamc_bytes:
+            raise InvalidArgument(
+                f"config field 'model_shapes' reserves {reserved} EAMC bytes (eamc_capacity={self.eamc_capacity} "
+                f"entries per model), more than max_eamc_bytes={self.max_eamc_bytes}"
+            )
+
+    def eamc_reservation(self, layers: int, experts: int) -> int:
+        """Bytes one model's full EAMC holds: ``eamc_capacity`` entries of header + uint32 cells."""
+        return self.eamc_capacity * (EAM_HEADER_BYTES + 4 * layers * experts)
 
     @property
     def store_kind(self) -> str:

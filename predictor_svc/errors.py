@@ -7,7 +7,14 @@ URL or byte range.
 
 from __future__ import annotations
 
-from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from expertcache.errors import (
+    DataLoss,
+    ExpertCacheError,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 
 
 class StoreUnavailable(Unavailable):
@@ -38,3 +45,27 @@ class BadActivation(InvalidArgument):
 
 class PredictorStopping(Unavailable):
     """The predictor is shutting down; open streams end with this. gRPC ``UNAVAILABLE`` (H6)."""
+
+
+class ModelNotRegistered(FailedPrecondition):
+    """An Observe or SubscribeHints names a model that was never registered (RegisterModel or
+    ``model_shapes``). gRPC ``FAILED_PRECONDITION``; nothing is stored."""
+
+
+class ModelConflict(ExpertCacheError):
+    """RegisterModel of a registered model with another shape. gRPC ``ALREADY_EXISTS``."""
+
+    grpc_code = "ALREADY_EXISTS"
+
+
+class RegistrationDisabled(ExpertCacheError):
+    """RegisterModel of an unconfigured model with ``allow_registration`` false. gRPC
+    ``PERMISSION_DENIED``."""
+
+    grpc_code = "PERMISSION_DENIED"
+
+
+class LimitReached(ResourceExhausted):
+    """A configured bound (max_models, max_eamc_bytes, per-client live requests or bytes,
+    max_subscribers) would be exceeded; the message names the limit and its value. gRPC
+    ``RESOURCE_EXHAUSTED``; nothing is changed."""

@@ -19,6 +19,9 @@ name                                          label  meaning
                                                      newer ones (coalescing)
 ``moe_predictor_hints_dropped_total``                unsent (request, layer) hints dropped
                                                      because a subscriber's queue was full
+``moe_predictor_refused_total``               reason registrations, activations and
+                                                     subscriptions refused (reason: see
+                                                     ``REFUSAL_REASONS``)
 ============================================  =====  ==========================================
 
 Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports).
@@ -42,6 +45,20 @@ if TYPE_CHECKING:
     from predictor_svc.service import PredictorService
 
 STORE_OPS = ("insert", "sync", "save")
+REFUSAL_REASONS = (
+    "unregistered_model",  # Observe / SubscribeHints of a model nobody registered
+    "bad_shape",  # an activation or registration disagreeing with the registered shape
+    "out_of_range",  # an expert index >= the model's num_experts
+    "max_layers",
+    "max_experts",
+    "max_models",
+    "max_eamc_bytes",
+    "registration_disabled",
+    "client_models",
+    "client_live_requests",
+    "client_live_bytes",
+    "max_subscribers",
+)
 
 
 class PredictorMetrics:
@@ -84,6 +101,11 @@ class PredictorMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=None,
         )
+        self.refused = Counter(
+            "moe_predictor_refused_total",
+            "Registrations, activations and subscriptions refused, by reason.",
+            ("reason",),
+        )
 
     def counters(self) -> list[Counter]:
         return [
@@ -98,7 +120,11 @@ class PredictorMetrics:
             self.hint_batches,
             self.hints_replaced,
             self.hints_dropped,
+            self.refused,
         ]
+
+    def refused_by_reason(self) -> dict[str, int]:
+        return {labels["reason"]: int(value) for labels, value in self.refused.samples()}
 
     def store_errors_total(self) -> int:
         return int(sum(value for _labels, value in self.store_errors.samples()))

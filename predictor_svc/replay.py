@@ -1,7 +1,7 @@
 """``python -m predictor_svc.replay TRACE --address HOST:PORT``: feed a routing trace through a
 running predictor as if its requests were live.
 
-The trace is read by ``expertcache.trace`` (its format is documented there). Requests are replayed in file order, one ``Observe`` stream per request, one ``Activation`` per
+The trace is read by ``expertcache.trace`` (its format is documented there). Requests are replayed in file order, after one ``RegisterModel`` of the trace's shape, one ``Observe`` stream per request, one ``Activation`` per
 token (all layers), ``request_done`` on the request's last token — exactly what compute sends.
 ``--speed`` paces tokens (tokens per second over the whole replay) or ``max``.
 
@@ -92,6 +92,20 @@ def replay(
         except grpc.FutureTimeoutError:
             raise ReplayError(f"no predictor answers at {address} after {connect_timeout_s:g}s") from None
         stub = predictor_pb2_grpc.PredictorStub(channel)
+        try:  # the predictor takes shapes only from its registry
+            stub.RegisterModel(
+                predictor_pb2.RegisterModelRequest(
+                    model_id=model_id,
+                    num_moe_layers=trace.num_layers,
+                    num_experts=trace.num_experts,
+                    top_k=trace.top_k,
+                ),
+                timeout=connect_timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise ReplayError(
+                f"the predictor at {address} refused model {model_id!r}: {exc.code().name}: {exc.details()}"
+            ) from None
         for r in range(count):
             if trace.req_offsets[r + 1] == trace.req_offsets[r]:
                 continue  # a request without tokens has nothing to report

@@ -17,6 +17,7 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache import telemetry
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.security import ServerSecurity
 from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,26 @@ SUBSCRIBE_POLL_S = 0.5  # how often a hint stream notices a cancelled client wit
 
 
 # -- wire <-> domain -------------------------------------------------------------------------
-def activation_from_pb(msg: predictor_pb2.Activation) -> Activation:
+def client_of(context: grpc.ServicerContext) -> str:
+    """Who is calling: the certificate's common name under mTLS, else the peer's address without
+    its port (one pod = one client; a new connection does not make a new client). The key of the
+    per-client limits. Metadata is not trusted: any client could claim any name there."""
+    try:
+        names = context.auth_context().get("x509_common_name") or []
+    except Exception:  # noqa: BLE001 - no auth context on this transport
+        names = []
+    if names:
+        name = names[0]
+        return "cn:" + (name.decode(errors="replace") if isinstance(name, bytes) else str(name))
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, sep, port = rest.rpartition(":")
+        return f"{kind}:{host}" if sep and port.isdigit() else peer
+    return peer
+
+
+def activation_from_pb(msg: predictor_pb2.Activation, client: str = "") -> Activation:
     return Activation(
         request_id=msg.request_id,
         model_id=msg.model_id,
@@ -37,6 +57,7 @@ def activation_from_pb(msg: predictor_pb2.Activation) -> Activation:
         request_done=msg.request_done,
         num_moe_layers=msg.num_moe_layers,
         num_experts=msg.num_experts,
+        client=client,
         trace_context=msg.trace_context,
     )
 
@@ -74,6 +95,11 @@ def stats_to_pb(stats: ServiceStats) -> predictor_pb2.PredictorStats:
         hints_dropped=stats.hints_dropped,
         subscribers=stats.subscribers,
         store_degraded=stats.store_degraded,
+        live_bytes=stats.live_bytes,
+        eamc_bytes=stats.eamc_bytes,
+        eamc_reserved_bytes=stats.eamc_reserved_bytes,
+        pending_insert_bytes=stats.pending_insert_bytes,
+        refused=stats.refused,
         models=[
             predictor_pb2.ModelStats(
                 model_id=m.model_id,
@@ -95,21 +121,38 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
     def __init__(self, service: PredictorService) -> None:
         self._service = service
 
+    def RegisterModel(
+        self, request: predictor_pb2.RegisterModelRequest, context: grpc.ServicerContext
+    ) -> predictor_pb2.RegisterModelResponse:
+        shape, created = self._service.register_model(
+            request.model_id, request.num_moe_layers, request.num_experts, request.top_k, client_of(context)
+        )
+        if created:
+            logger.info("model %r registered by %s", request.model_id, client_of(context))
+        return predictor_pb2.RegisterModelResponse(
+            model_id=request.model_id,
+            num_moe_layers=shape.layers,
+            num_experts=shape.experts,
+            top_k=shape.top_k,
+            created=created,
+        )
+
     def Observe(
         self, request_iterator: Iterator[predictor_pb2.Activation], context: grpc.ServicerContext
     ) -> predictor_pb2.ObserveSummary:
         activations = done = 0
+        client = client_of(context)
         for msg in request_iterator:
             if telemetry.ENABLED and msg.trace_context:
-                finished = self._observe_traced(msg)
+                finished = self._observe_traced(msg, client)
             else:
-                finished = self._service.observe(activation_from_pb(msg))
+                finished = self._service.observe(activation_from_pb(msg, client))
             if finished:
                 done += 1
             activations += 1
         return predictor_pb2.ObserveSummary(activations=activations, requests_done=done)
 
-    def _observe_traced(self, msg: predictor_pb2.Activation) -> bool:
+    def _observe_traced(self, msg: predictor_pb2.Activation, client: str) -> bool:
         """One traced activation: an ``observe`` span under the request's Generate span (from
         ``Activation.trace_context``), linked to it too, current while the service publishes hints."""
         parent = telemetry.extract(msg.trace_context)
@@ -125,7 +168,7 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
                 "expertcache.request_done": msg.request_done,
             },
         ):
-            return self._service.observe(activation_from_pb(msg))
+            return self._service.observe(activation_from_pb(msg, client))
 
     def SubscribeHints(
         self, request: predictor_pb2.SubscribeHintsRequest, context: grpc.ServicerContext
@@ -162,15 +205,23 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
 
 
 def create_server(
-    service: PredictorService, address: str, *, max_workers: int
+    service: PredictorService,
+    address: str,
+    *,
+    max_workers: int,
+    security: ServerSecurity | None = None,
+    reflection_enabled: bool = False,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A started server on ``address`` (host:port) with health SERVING."""
+    """A started server on ``address`` (host:port) with health SERVING; TLS / mTLS / bearer
+    token as ``security`` says (``expertcache.security``)."""
     servicer = PredictorServicer(service)
     server, health_servicer = build_server(
         address,
         [lambda s: predictor_pb2_grpc.add_PredictorServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         max_workers=max_workers,
+        security=security,
+        reflection_enabled=reflection_enabled,
     )
     server.start()
     set_serving(health_servicer, [SERVICE_NAME])

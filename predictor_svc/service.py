@@ -26,6 +26,18 @@ Decisions:
   would read them otherwise.
 - Activations carry all layers of one token; a request's tokens must arrive with increasing
   ``token_index`` (gaps allowed: a reporter may drop tokens).
+- Shapes are registered (``register_model``; ``model_shapes`` at start), never taken from an
+  activation: an unregistered model fails with ModelNotRegistered before anything is allocated,
+  and an activation is checked against the registered shape (lengths first, then values) before
+  it touches any state. The registry lives in the store (shared by replicas, reloaded every
+  sync) and within the limits of the config (max_layers, max_experts, max_models,
+  max_eamc_bytes).
+- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: the
+  stream opening one more request fails, LimitReached), in all (``max_live_requests`` /
+  ``max_live_bytes``: the least recently active request is dropped), the insert retry queue
+  (``max_pending_inserts`` / ``max_pending_insert_bytes``: the oldest dropped), subscribers
+  (``max_subscribers``, each queue bounded by ``subscriber_queue_requests``). Every refusal is
+  counted by reason (``moe_predictor_refused_total``, GetStats ``refused``).
 """
 
 from __future__ import annotations
@@ -41,10 +53,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from expertcache import telemetry
-from predictor_svc.config import PredictorConfig
-from predictor_svc.eam import EamShape
+from predictor_svc.config import MODEL_ID_RE, PredictorConfig
+from predictor_svc.eam import HEADER_BYTES, EamShape
 from predictor_svc.eamc import Eamc
-from predictor_svc.errors import BadActivation, CorruptEntry, PredictorStopping, StoreUnavailable
+from predictor_svc.errors import (
+    BadActivation,
+    CorruptEntry,
+    LimitReached,
+    ModelConflict,
+    ModelNotRegistered,
+    PredictorStopping,
+    RegistrationDisabled,
+    StoreUnavailable,
+)
 from predictor_svc.metrics import PredictorMetrics
 from predictor_svc.predict import PredictionConfig, RequestPredictor
 from predictor_svc.store.base import EamcStore
@@ -52,6 +73,28 @@ from predictor_svc.store.base import EamcStore
 logger = logging.getLogger(__name__)
 
 HINT_SOURCE = "combined"  # the request's own history mixed with the EAMC match (predict.py)
+# Live state per (layer, expert) cell of a request: its EAM (uint32), its history (float32) and
+# up to three cached score maps (float32) of RequestPredictor; plus a fixed overhead.
+LIVE_BYTES_PER_CELL = 20
+LIVE_BYTES_FIXED = 2048
+
+
+def live_request_bytes(shape: EamShape) -> int:
+    """Bytes one live request of ``shape`` may hold (what the live-byte limits count)."""
+    return LIVE_BYTES_FIXED + LIVE_BYTES_PER_CELL * shape.cells
+
+
+def shape_text(shape: EamShape) -> str:
+    return f"{shape.layers}x{shape.experts}x{shape.top_k}"
+
+
+def parse_shape_text(text: str) -> EamShape | None:
+    """``"24x32x4"`` -> EamShape; None when malformed (a registry entry written by something else)."""
+    try:
+        layers, experts, top_k = (int(part) for part in text.split("x"))
+        return EamShape(layers, experts, top_k)
+    except ValueError:
+        return None
 
 
 # -- domain types ----------------------------------------------------------------------------
@@ -72,10 +115,11 @@ class Activation:
     request_done: bool = False
     num_moe_layers: int = 0
     num_experts: int = 0
+    client: str = ""  # who sent it (server.client_of): the key of the per-client limits
     trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C, of the request's trace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Hint:
     moe_layer: int  # index among the model's MoE layers
     expert: int
@@ -123,14 +167,30 @@ class ServiceStats:
     subscribers: int
     store_degraded: bool
     models: tuple[ModelInfo, ...] = ()
+    live_bytes: int = 0
+    eamc_bytes: int = 0
+    eamc_reserved_bytes: int = 0
+    pending_insert_bytes: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 # -- subscribers -----------------------------------------------------------------------------
+# Memory of unsent hints, as the subscriber queue bound counts it: per hint (a slotted Hint,
+# its float, its tuple slot) and per (request, layer) entry.
+HINT_BYTES = 96
+LAYER_BYTES = 128
+
+
+def _layer_bytes(hints: tuple[Hint, ...]) -> int:
+    return LAYER_BYTES + HINT_BYTES * len(hints)
+
+
 @dataclass
 class _Pending:
     token_index: int
     layers: dict[int, tuple[Hint, ...]] = field(default_factory=dict)
     done: bool = False
+    nbytes: int = LAYER_BYTES
     trace_context: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -139,8 +199,9 @@ class Subscription:
 
     Unsent hints are kept per request and layer; a newer offer for a (request, layer) replaces
     the older one (counted as replaced). At most ``max_requests`` requests are pending: offering
-    for one more drops the oldest request's unsent hints (counted as dropped). ``offer`` never
-    blocks on the reader, so a slow subscriber never slows Observe.
+    for one more drops the oldest request's unsent hints (counted as dropped), and so does going
+    beyond ``max_bytes`` of unsent hints (0 = no byte bound; the newest request is always kept).
+    ``offer`` never blocks on the reader, so a slow subscriber never slows Observe.
     """
 
     def __init__(
@@ -150,10 +211,13 @@ class Subscription:
         max_requests: int,
         metrics: PredictorMetrics,
         on_close: Callable[[Subscription], None] | None = None,
+        max_bytes: int = 0,
     ) -> None:
         self.model_id = model_id
         self.pod = pod
         self._max_requests = max_requests
+        self._max_bytes = max_bytes
+        self._bytes = 0  # estimated bytes of the unsent hints (HINT_BYTES, LAYER_BYTES)
         self._metrics = metrics
         self._on_close = on_close
         self._cond = threading.Condition()
@@ -168,14 +232,31 @@ class Subscription:
         with self._cond:
             return len(self._pending)
 
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._bytes
+
+    def _drop_oldest(self) -> None:
+        _old_id, old = self._pending.popitem(last=False)
+        self._bytes -= old.nbytes
+        self._metrics.hints_dropped.inc(len(old.layers))
+
     def _slot(self, request_id: str, token_index: int) -> _Pending:
         pending = self._pending.get(request_id)
         if pending is None:
             if len(self._pending) >= self._max_requests:
-                _old_id, old = self._pending.popitem(last=False)
-                self._metrics.hints_dropped.inc(len(old.layers))
+                self._drop_oldest()
             pending = self._pending[request_id] = _Pending(token_index)
+            self._bytes += pending.nbytes
         return pending
+
+    def _trim(self, keep: _Pending) -> None:
+        """Drop the oldest requests' unsent hints while beyond ``max_bytes`` (never ``keep``)."""
+        while self._max_bytes and self._bytes > self._max_bytes and len(self._pending) > 1:
+            if next(iter(self._pending.values())) is keep:
+                self._pending.move_to_end(next(iter(self._pending)))
+                continue
+            self._drop_oldest()
 
     def offer(
         self,
@@ -190,13 +271,22 @@ class Subscription:
             if self._closed:
                 return
             pending = self._slot(request_id, token_index)
-            replaced = sum(1 for layer in layers if layer in pending.layers)
+            replaced = 0
+            for layer, hints in layers.items():
+                old = pending.layers.get(layer)
+                if old is not None:
+                    replaced += 1
+                    pending.nbytes -= _layer_bytes(old)
+                    self._bytes -= _layer_bytes(old)
+                pending.nbytes += _layer_bytes(hints)
+                self._bytes += _layer_bytes(hints)
             if replaced:
                 self._metrics.hints_replaced.inc(replaced)
             pending.layers.update(layers)
             pending.token_index = max(pending.token_index, token_index)
             if trace_context:
                 pending.trace_context = trace_context
+            self._trim(pending)
             self._cond.notify()
 
     def offer_done(self, request_id: str, token_index: int) -> None:
@@ -208,6 +298,8 @@ class Subscription:
             if pending.layers:
                 self._metrics.hints_replaced.inc(len(pending.layers))
                 pending.layers.clear()
+                self._bytes -= pending.nbytes - LAYER_BYTES
+                pending.nbytes = LAYER_BYTES
             pending.done = True
             pending.token_index = max(pending.token_index, token_index)
             self._cond.notify()
@@ -220,6 +312,7 @@ class Subscription:
             if self._closed:
                 return None
             request_id, pending = self._pending.popitem(last=False)
+            self._bytes -= pending.nbytes
         hints = tuple(h for layer in sorted(pending.layers) for h in pending.layers[layer])
         self._metrics.hint_batches.inc()
         return HintBatch(request_id, pending.token_index, hints, pending.done, pending.trace_context)
@@ -231,6 +324,7 @@ class Subscription:
                 return
             self._closed = True
             self._pending.clear()
+            self._bytes = 0
             self._cond.notify_all()
         if self._on_close is not None:
             self._on_close(self)
@@ -249,11 +343,19 @@ class _Model:
 
 class _LiveRequest:
     def __init__(
-        self, model: _Model, request_id: str, pod: str, predictor: RequestPredictor, now: float
+        self,
+        model: _Model,
+        request_id: str,
+        pod: str,
+        predictor: RequestPredictor,
+        now: float,
+        client: str = "",
     ) -> None:
         self.model = model
         self.request_id = request_id
         self.pod = pod
+        self.client = client
+        self.nbytes = live_request_bytes(model.shape)
         self.predictor = predictor  # holds the request's EAM (uint32 [L, E]) and token count
         self.last_token_index = -1
         self.last_seen = now
@@ -289,15 +391,29 @@ class PredictorService:
         self._lock = threading.Lock()  # models, live requests, subscribers, pending inserts
         self._models: dict[str, _Model] = {}
         self._live: OrderedDict[tuple[str, str], _LiveRequest] = OrderedDict()  # LRU order
+        self._live_bytes = 0
+        self._clients: dict[str, list[int]] = {}  # client -> [live requests, live bytes]
         self._subs: dict[tuple[str, str], list[Subscription]] = {}
         self._inserts: deque[_PendingInsert] = deque()
+        self._insert_bytes = 0
+        self._register_lock = threading.Lock()  # one registration at a time (store round trip)
+        self._configured: dict[str, EamShape] = {}
+        self._persisted: set[str] = set()  # configured models written to the store's registry
+        self._skipped: set[str] = set()  # store registry entries not loaded (logged once)
+        self._created_by: dict[str, int] = {}  # client -> models it registered here
         self._degraded = False
         self._closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._store_lock = threading.Lock()  # one thread at a time talks to the store
         for shape in config.shapes().values():
-            self._model(shape.model_id, EamShape(shape.layers, shape.experts, shape.top_k))
+            eam_shape = EamShape(shape.layers, shape.experts, shape.top_k)
+            self._configured[shape.model_id] = eam_shape
+            self._model(shape.model_id, eam_shape)
+        try:
+            self.sync_registry()
+        except (StoreUnavailable, CorruptEntry) as exc:  # degraded: the background thread retries
+            self._store_failed("sync", exc)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="predictor-sync", daemon=True)
@@ -316,9 +432,16 @@ class PredictorService:
             raise BadActivation("Activation.request_id is empty")
         if not a.model_id:
             raise BadActivation(f"Activation.model_id is empty (request {a.request_id!r})")
+        model = self._models_get(a.model_id)
+        if model is None:
+            self._refuse("unregistered_model")
+            raise ModelNotRegistered(
+                f"Activation.model_id {a.model_id!r} is not registered (request {a.request_id!r}): "
+                "call RegisterModel first (or configure model_shapes)"
+            )
         experts = None
         if len(a.experts) or not a.request_done:
-            experts = self._check_routing(a)  # int64 [L, K]
+            experts = self._check_routing(a, model.shape)  # int64 [L, K]
         key = (a.model_id, a.request_id)
         now = self._clock()
         with self._lock:
@@ -333,11 +456,6 @@ class PredictorService:
                 self._finish(live, a.token_index)
             self.metrics.observed_tokens.inc()
             return True
-        model = self._models_get(a.model_id)
-        if model is None:
-            shape = self._shape_from(a, experts)
-            model = self._model(a.model_id, shape)
-        self._check_shape(a, experts, model.shape)
         if live is None:
             live = self._open_request(model, a, now)
         with live.lock:
@@ -352,56 +470,37 @@ class PredictorService:
         self._finish(live, a.token_index)
         return True
 
-    def _check_routing(self, a: Activation) -> np.ndarray:
-        if a.top_k < 1:
-            raise BadActivation(f"Activation.top_k is {a.top_k} (request {a.request_id!r}); must be >= 1")
-        n = len(a.experts)
-        if n == 0:
+    def _check_routing(self, a: Activation, shape: EamShape) -> np.ndarray:
+        """The routing of ``a`` as int64 [L, K] of the registered ``shape``; BadActivation naming
+        the field otherwise. Sizes are checked before anything is converted or allocated."""
+        m, r = a.model_id, a.request_id
+        for name, value, registered in (
+            ("top_k", a.top_k, shape.top_k),
+            ("num_moe_layers", a.num_moe_layers, shape.layers),
+            ("num_experts", a.num_experts, shape.experts),
+        ):
+            if value and value != registered:
+                self._refuse("bad_shape")
+                raise BadActivation(
+                    f"Activation.{name} = {value} but model {m!r} is registered with {name}={registered} "
+                    f"(request {r!r})"
+                )
+        n, expected = len(a.experts), shape.layers * shape.top_k
+        if n != expected:
+            self._refuse("bad_shape")
             raise BadActivation(
-                f"Activation.experts is empty (request {a.request_id!r}); only a request_done message "
-                "may carry no routing"
+                f"Activation.experts has {n} entries but model {m!r} is registered with {shape.layers} "
+                f"layers x top_k={shape.top_k} = {expected} (request {r!r})"
             )
-        if n % a.top_k:
-            raise BadActivation(
-                f"Activation.experts has {n} entries, not a multiple of top_k={a.top_k} "
-                f"(request {a.request_id!r})"
-            )
-        layers = n // a.top_k
-        if a.num_moe_layers and a.num_moe_layers != layers:
-            raise BadActivation(
-                f"Activation.num_moe_layers = {a.num_moe_layers} but experts holds {layers} layers of top_k={a.top_k} "
-                f"(request {a.request_id!r})"
-            )
-        return np.asarray(a.experts, dtype=np.int64).reshape(layers, a.top_k)
-
-    def _shape_from(self, a: Activation, experts: np.ndarray) -> EamShape:
-        if not a.num_experts:
-            raise BadActivation(
-                f"Activation.num_experts is 0 and model {a.model_id!r} is not known yet: the first "
-                "activation of a model must give its num_experts (or configure model_shapes)"
-            )
-        try:
-            return EamShape(int(experts.shape[0]), int(a.num_experts), int(a.top_k))
-        except ValueError as exc:
-            raise BadActivation(f"Activation of model {a.model_id!r}: {exc}") from exc
-
-    def _check_shape(self, a: Activation, experts: np.ndarray, shape: EamShape) -> None:
-        layers, top_k = experts.shape
-        if layers != shape.layers or top_k != shape.top_k:
-            raise BadActivation(
-                f"Activation.experts holds {layers} layers x top_k={top_k} but model {a.model_id!r} has "
-                f"{shape.layers} layers x top_k={shape.top_k} (request {a.request_id!r})"
-            )
-        if a.num_experts and a.num_experts != shape.experts:
-            raise BadActivation(
-                f"Activation.num_experts = {a.num_experts} but model {a.model_id!r} has {shape.experts} experts"
-            )
-        if experts.size and int(experts.max()) >= shape.experts:
+        experts = np.asarray(a.experts, dtype=np.int64).reshape(shape.layers, shape.top_k)
+        if int(experts.max()) >= shape.experts:
             flat = int(np.argmax(experts.reshape(-1) >= shape.experts))
+            self._refuse("out_of_range")
             raise BadActivation(
                 f"Activation.experts[{flat}] = {int(experts.reshape(-1)[flat])} is out of range: model "
-                f"{a.model_id!r} has {shape.experts} experts (request {a.request_id!r})"
+                f"{m!r} has {shape.experts} experts (request {r!r})"
             )
+        return experts
 
     @staticmethod
     def _check_index(a: Activation, live: _LiveRequest) -> None:
@@ -413,33 +512,91 @@ class PredictorService:
                 f"{live.last_token_index} of request {a.request_id!r} (must increase)"
             )
 
+    def _admit(self, client: str, nbytes: int, a: Activation) -> None:
+        """Raise LimitReached when ``client`` may not open one more live request (holds _lock)."""
+        count, held = self._clients.get(client, (0, 0))
+        cfg = self.config
+        who = f"client {client!r}" if client else "this client"
+        if count >= cfg.max_client_live_requests:
+            self._refuse("client_live_requests")
+            raise LimitReached(
+                f"{who} already has {count} live requests, the limit max_client_live_requests="
+                f"{cfg.max_client_live_requests}: request {a.request_id!r} of model {a.model_id!r} refused "
+                "(finish requests with request_done)"
+            )
+        if held + nbytes > cfg.max_client_live_bytes:
+            self._refuse("client_live_bytes")
+            raise LimitReached(
+                f"{who} holds {held} bytes of live requests; request {a.request_id!r} of model "
+                f"{a.model_id!r} needs {nbytes} more, beyond max_client_live_bytes={cfg.max_client_live_bytes}"
+            )
+        if nbytes > cfg.max_live_bytes:
+            self._refuse("client_live_bytes")
+            raise LimitReached(
+                f"request {a.request_id!r} of model {a.model_id!r} needs {nbytes} bytes of live state, "
+                f"beyond max_live_bytes={cfg.max_live_bytes}"
+            )
+
     def _open_request(self, model: _Model, a: Activation, now: float) -> _LiveRequest:
+        nbytes = live_request_bytes(model.shape)
+        with self._lock:  # refuse before allocating anything
+            if (a.model_id, a.request_id) not in self._live:
+                self._admit(a.client, nbytes, a)
         predictor = RequestPredictor(model.eamc, model.shape, self._prediction_config)
-        live = _LiveRequest(model, a.request_id, a.pod, predictor, now)
+        live = _LiveRequest(model, a.request_id, a.pod, predictor, now, a.client)
         evicted: list[_LiveRequest] = []
         with self._lock:
             existing = self._live.get((a.model_id, a.request_id))
             if existing is not None:  # another stream opened it meanwhile
                 return existing
-            self._live[(a.model_id, a.request_id)] = live
-            while len(self._live) > self.config.max_live_requests:
+            self._admit(a.client, nbytes, a)  # again: other streams of the client meanwhile
+            self._add_live(live)
+            while (
+                len(self._live) > self.config.max_live_requests
+                or self._live_bytes > self.config.max_live_bytes
+            ):
                 _key, old = self._live.popitem(last=False)
+                self._forget_live(old)
                 evicted.append(old)
         for old in evicted:
             self.metrics.requests_expired.inc()
             logger.warning(
-                "dropping live request %r of model %r: more than max_live_requests=%d live (EAM not inserted)",
+                "dropping live request %r of model %r: more than max_live_requests=%d or max_live_bytes=%d "
+                "live (EAM not inserted)",
                 old.request_id,
                 old.model.model_id,
                 self.config.max_live_requests,
+                self.config.max_live_bytes,
             )
         return live
+
+    def _add_live(self, live: _LiveRequest) -> None:
+        """Track ``live`` and its bytes (holds _lock)."""
+        self._live[(live.model.model_id, live.request_id)] = live
+        self._live_bytes += live.nbytes
+        usage = self._clients.setdefault(live.client, [0, 0])
+        usage[0] += 1
+        usage[1] += live.nbytes
+
+    def _forget_live(self, live: _LiveRequest) -> None:
+        """Release the accounting of ``live``, already removed from ``_live`` (holds _lock)."""
+        self._live_bytes -= live.nbytes
+        usage = self._clients.get(live.client)
+        if usage is not None:
+            usage[0] -= 1
+            usage[1] -= live.nbytes
+            if usage[0] <= 0:
+                del self._clients[live.client]
+
+    def _refuse(self, reason: str) -> None:
+        self.metrics.refused.inc(reason=reason)
 
     def _finish(self, live: _LiveRequest, token_index: int) -> None:
         with self._lock:
             if self._live.get((live.model.model_id, live.request_id)) is not live:
                 return  # finished or expired meanwhile
             del self._live[(live.model.model_id, live.request_id)]
+            self._forget_live(live)
             for sub in self._subs.get((live.model.model_id, live.pod), ()):
                 sub.offer_done(live.request_id, token_index)
             self.metrics.requests_done.inc()
@@ -449,12 +606,19 @@ class PredictorService:
                 logger.debug("request %r has %d tokens: not inserted", live.request_id, tokens)
                 return
             self._inserts.append(_PendingInsert(live.model, live.request_id, live.predictor.eam, tokens))
-            while len(self._inserts) > self.config.max_pending_inserts:
+            self._insert_bytes += live.predictor.eam.nbytes
+            while len(self._inserts) > 1 and (
+                len(self._inserts) > self.config.max_pending_inserts
+                or self._insert_bytes > self.config.max_pending_insert_bytes
+            ):
                 dropped = self._inserts.popleft()
+                self._insert_bytes -= dropped.eam.nbytes
                 self.metrics.inserts_dropped.inc()
                 logger.warning(
-                    "insert retry queue full (%d): dropping the EAM of request %r",
+                    "insert retry queue full (max_pending_inserts=%d, max_pending_insert_bytes=%d): "
+                    "dropping the EAM of request %r",
                     self.config.max_pending_inserts,
+                    self.config.max_pending_insert_bytes,
                     dropped.request_id,
                 )
         self._wake.set()
@@ -499,10 +663,28 @@ class PredictorService:
             raise BadActivation("SubscribeHintsRequest.model_id is empty")
         if self._closed:
             raise PredictorStopping("the predictor is shutting down")
+        if self._models_get(model_id) is None:
+            self._refuse("unregistered_model")
+            raise ModelNotRegistered(
+                f"SubscribeHintsRequest.model_id {model_id!r} is not registered: call RegisterModel first "
+                "(or configure model_shapes)"
+            )
         sub = Subscription(
-            model_id, pod, self.config.subscriber_queue_requests, self.metrics, self._unsubscribe
+            model_id,
+            pod,
+            self.config.subscriber_queue_requests,
+            self.metrics,
+            self._unsubscribe,
+            max_bytes=self.config.subscriber_queue_bytes,
         )
         with self._lock:
+            open_subs = sum(len(group) for group in self._subs.values())
+            if open_subs >= self.config.max_subscribers:
+                self._refuse("max_subscribers")
+                raise LimitReached(
+                    f"{open_subs} hint subscribers are open, the limit max_subscribers="
+                    f"{self.config.max_subscribers}: subscription to model {model_id!r} refused"
+                )
             self._subs.setdefault((model_id, pod), []).append(sub)
         logger.info("hint subscriber for model %r pod %r", model_id, pod)
         return sub
@@ -514,6 +696,154 @@ class PredictorService:
                 subs.remove(sub)
             if not subs:
                 self._subs.pop((sub.model_id, sub.pod), None)
+
+    # -- registration --------------------------------------------------------------------------
+    def register_model(
+        self, model_id: str, layers: int, experts: int, top_k: int, client: str = ""
+    ) -> tuple[EamShape, bool]:
+        """Register ``model_id``'s shape (RegisterModel): (shape, created). Idempotent for the same
+        shape. Raises, changing nothing: InvalidArgument (BadActivation) for a bad field or
+        beyond max_layers / max_experts, ModelConflict for another shape, RegistrationDisabled,
+        LimitReached for max_models / max_eamc_bytes / max_client_models (models ``client`` created
+        on this replica since it started), StoreUnavailable when the registry cannot be written
+        (the client retries)."""
+        if self._closed:
+            raise PredictorStopping("the predictor is shutting down")
+        cfg = self.config
+        if not model_id:
+            raise BadActivation("RegisterModelRequest.model_id is empty")
+        if not MODEL_ID_RE.match(model_id):
+            raise BadActivation(
+                f"RegisterModelRequest.model_id {model_id[:160]!r} is not 1-128 characters of "
+                "[A-Za-z0-9._:/@+-] starting with a letter or digit"
+            )
+        for name, value in (("num_moe_layers", layers), ("num_experts", experts), ("top_k", top_k)):
+            if value < 1:
+                raise BadActivation(
+                    f"RegisterModelRequest.{name} is {value} (model {model_id!r}); must be >= 1"
+                )
+        if layers > cfg.max_layers:
+            self._refuse("max_layers")
+            raise BadActivation(
+                f"RegisterModelRequest.num_moe_layers = {layers} (model {model_id!r}) exceeds the limit "
+                f"max_layers={cfg.max_layers}"
+            )
+        if experts > cfg.max_experts:
+            self._refuse("max_experts")
+            raise BadActivation(
+                f"RegisterModelRequest.num_experts = {experts} (model {model_id!r}) exceeds the limit "
+                f"max_experts={cfg.max_experts}"
+            )
+        if top_k > experts:
+            raise BadActivation(
+                f"RegisterModelRequest.top_k = {top_k} exceeds num_experts = {experts} (model {model_id!r})"
+            )
+        shape = EamShape(layers, experts, top_k)
+        with self._register_lock:
+            known = self._models_get(model_id)
+            if known is not None:
+                return self._same_shape(model_id, known.shape, shape), False
+            if not cfg.allow_registration:
+                self._refuse("registration_disabled")
+                raise RegistrationDisabled(
+                    f"model {model_id!r} is not configured (model_shapes) and registration is disabled "
+                    "(allow_registration=false)"
+                )
+            self._check_room(model_id, shape)
+            created_by = self._created_by.get(client, 0)
+            if created_by >= cfg.max_client_models:
+                self._refuse("client_models")
+                raise LimitReached(
+                    f"client {client!r} has registered {created_by} models, the limit max_client_models="
+                    f"{cfg.max_client_models}: model {model_id!r} not registered"
+                )
+            status, value = self.store.register_model(model_id, shape_text(shape), cfg.max_models)
+            if status == "full":
+                self._refuse("max_models")
+                raise LimitReached(
+                    f"the model registry already holds {value} models, the limit max_models={cfg.max_models}: "
+                    f"model {model_id!r} not registered"
+                )
+            if status == "exists":  # another replica registered it meanwhile
+                registered = parse_shape_text(value)
+                if registered is None:
+                    raise ModelConflict(
+                        f"model {model_id!r} is registered with an unreadable shape {value!r}"
+                    )
+                self._same_shape(model_id, registered, shape)
+            else:
+                self._created_by[client] = created_by + 1
+            self._model(model_id, shape)
+        logger.info("registered model %r: %s", model_id, shape_text(shape))
+        return shape, status == "created"
+
+    def _same_shape(self, model_id: str, registered: EamShape, asked: EamShape) -> EamShape:
+        if registered != asked:
+            self._refuse("bad_shape")
+            raise ModelConflict(
+                f"model {model_id!r} is registered as {shape_text(registered)} (layers x experts x top_k), "
+                f"not {shape_text(asked)}"
+            )
+        return registered
+
+    def _check_room(self, model_id: str, shape: EamShape) -> None:
+        """LimitReached when registering ``shape`` would pass max_models or max_eamc_bytes."""
+        cfg = self.config
+        with self._lock:
+            count = len(self._models)
+            reserved = sum(
+                cfg.eamc_reservation(m.shape.layers, m.shape.experts) for m in self._models.values()
+            )
+        if count >= cfg.max_models:
+            self._refuse("max_models")
+            raise LimitReached(
+                f"{count} models are registered, the limit max_models={cfg.max_models}: model {model_id!r} "
+                "not registered"
+            )
+        need = cfg.eamc_reservation(shape.layers, shape.experts)
+        if reserved + need > cfg.max_eamc_bytes:
+            self._refuse("max_eamc_bytes")
+            raise LimitReached(
+                f"model {model_id!r} ({shape_text(shape)}) reserves {need} EAMC bytes (eamc_capacity="
+                f"{cfg.eamc_capacity} entries), {reserved} are reserved already: beyond the limit "
+                f"max_eamc_bytes={cfg.max_eamc_bytes}"
+            )
+
+    def sync_registry(self) -> None:
+        """Write the configured models to the store's registry (once each) and take the models
+        other replicas registered (unless registration is disabled here). StoreUnavailable
+        propagates (the caller counts it)."""
+        for model_id, shape in self._configured.items():
+            if model_id in self._persisted:
+                continue
+            status, value = self.store.register_model(model_id, shape_text(shape), 1 << 30)
+            if status == "exists" and parse_shape_text(value) != shape:
+                logger.error(
+                    "configured model %r is %s but the store's registry has %s: using the configured shape",
+                    model_id,
+                    shape_text(shape),
+                    value,
+                )
+            self._persisted.add(model_id)
+        if not self.config.allow_registration:
+            return
+        for model_id, text in self.store.models().items():
+            if self._models_get(model_id) is not None or model_id in self._skipped:
+                continue
+            shape = parse_shape_text(text)
+            try:
+                if shape is None or not MODEL_ID_RE.match(model_id):
+                    raise BadActivation(f"unreadable registry entry {text!r}")
+                if shape.layers > self.config.max_layers or shape.experts > self.config.max_experts:
+                    raise BadActivation(
+                        f"{text} is beyond max_layers={self.config.max_layers} / max_experts={self.config.max_experts}"
+                    )
+                with self._register_lock:
+                    self._check_room(model_id, shape)
+                    self._model(model_id, shape)
+            except (BadActivation, LimitReached) as exc:
+                self._skipped.add(model_id)
+                logger.warning("not loading registered model %r: %s", model_id, exc)
 
     # -- models ------------------------------------------------------------------------------
     def _models_get(self, model_id: str) -> _Model | None:
@@ -577,6 +907,7 @@ class PredictorService:
                 with self._lock:
                     if self._inserts and self._inserts[0] is item:
                         self._inserts.popleft()
+                        self._insert_bytes -= item.eam.nbytes
                 self._store_ok()
                 self.metrics.entries_inserted.inc()
                 logger.debug(
@@ -584,7 +915,13 @@ class PredictorService:
                 )
 
     def sync_now(self) -> None:
-        """One background step: sync every model's EAMC with the store, expire quiet requests."""
+        """One background step: sync the model registry and every model's EAMC with the store,
+        expire quiet requests."""
+        with self._store_lock:
+            try:
+                self.sync_registry()
+            except (StoreUnavailable, CorruptEntry) as exc:
+                self._store_failed("sync", exc)
         with self._lock:
             models = list(self._models.values())
         with self._store_lock:
@@ -603,7 +940,7 @@ class PredictorService:
         with self._lock:
             stale = [key for key, live in self._live.items() if live.last_seen < limit]
             for key in stale:
-                del self._live[key]
+                self._forget_live(self._live.pop(key))
         for model_id, request_id in stale:
             self.metrics.requests_expired.inc()
             logger.info(
@@ -638,11 +975,16 @@ class PredictorService:
                 live_by_model[model_id] = live_by_model.get(model_id, 0) + 1
             live = len(self._live)
             pending = len(self._inserts)
+            pending_bytes = self._insert_bytes
+            live_bytes = self._live_bytes
             subscribers = sum(len(s) for s in self._subs.values())
             degraded = self._degraded
         infos = []
+        eamc_bytes = reserved = 0
         for model in models:
             entries = model.eamc.entries
+            eamc_bytes += entries * (HEADER_BYTES + 4 * model.shape.cells)
+            reserved += self.config.eamc_reservation(model.shape.layers, model.shape.experts)
             infos.append(
                 ModelInfo(
                     model.model_id,
@@ -673,6 +1015,11 @@ class PredictorService:
             subscribers=subscribers,
             store_degraded=degraded,
             models=tuple(sorted(infos, key=lambda i: i.model_id)),
+            live_bytes=live_bytes,
+            eamc_bytes=eamc_bytes,
+            eamc_reserved_bytes=reserved,
+            pending_insert_bytes=pending_bytes,
+            refused=m.refused_by_reason(),
         )
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -173,10 +173,12 @@ class ShmArena(DeviceArena):
         self.path = Path(shm_dir) / f"expertcache-{daemon_id}"
         nbytes = self.size_bytes
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            # Owner-only, and never through a planted file or symlink (O_EXCL, O_NOFOLLOW).
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ArenaUnavailable(f"cannot create the arena file {self.path}: {exc.strerror}") from exc
         try:
+            os.fchmod(fd, 0o600)  # the mode above is already owner-only; this states it whatever the umask
             try:
                 # Reserve the pages now: on a full tmpfs this fails here with ENOSPC instead of
                 # killing the daemon with SIGBUS on the first write into a sparse file.

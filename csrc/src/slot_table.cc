@@ -85,9 +85,19 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
                                 std::to_string(num_clients));
   const size_t size = file_size(num_entries, num_clients);
   // Build under a temporary name and rename into place, so open() never sees a partial table.
+  // Owner-only whatever the umask, and never through a planted file or symlink: O_EXCL (a stale
+  // temporary of a dead daemon with this pid is removed first, only if it is not a directory).
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0660);
+  ::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw_errno("slot table " + path + ": cannot create " + tmp);
+  if (fchmod(fd, 0600) != 0) {
+    int e = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = e;
+    throw_errno("slot table " + path + ": fchmod");
+  }
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     int e = errno;
     ::close(fd);
@@ -136,7 +146,8 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
 }
 
 std::unique_ptr<SlotTable> SlotTable::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  // O_NOFOLLOW: a symlink planted at the table's name is refused (ELOOP), never followed.
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) throw_errno("slot table " + path + ": cannot open");
   struct stat st;
   if (fstat(fd, &st) != 0) {

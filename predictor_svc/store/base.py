@@ -13,6 +13,10 @@ Ownership/atomicity contract:
   but the caller named a victim, the store raises ``Conflict`` and changes nothing; the caller
   re-syncs and retries. A blob is written whole or not at all (no torn entry).
 - Every call that talks to a server raises ``StoreUnavailable`` naming the URL when it cannot.
+
+The model registry (``models`` / ``register_model``) is shared by every replica: a model's
+routing shape, ``"LAYERSxEXPERTSxTOP_K"``, registered once. ``register_model`` is atomic: it
+never overwrites a registered shape and never registers more than ``max_models`` models.
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ class EamcStore(Protocol):
 
         Returns the new entry's id (the removal of the victim shows in ``changes``). Raises
         Conflict when the collection no longer matches the caller's view.
+        """
+        ...
+
+    def models(self) -> dict[str, str]:
+        """The registry: model id -> ``"LAYERSxEXPERTSxTOP_K"``."""
+        ...
+
+    def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:
+        """Atomically register ``model_id`` with ``shape`` (``"LxExK"``) unless it is registered.
+
+        Returns ``("created", shape)``, ``("exists", registered shape)`` (nothing changed, the
+        caller compares) or ``("full", number registered)`` when ``max_models`` are registered.
         """
         ...
 

@@ -4,10 +4,14 @@ Thread-safe (one lock). Saved to one file on shutdown, written atomically (tmp f
 rename), so a crash mid-save leaves the previous file intact. File format (little-endian, raw,
 never pickle):
 
-    magic b"EAMCSTO1" | u32 model count
+    magic b"EAMCSTO2" | u32 registry count
+    per registered model: u32 len + model_id utf-8 | u32 len + shape utf-8 ("LxExK")
+    u32 model count
     per model: u32 len + model_id utf-8 | u32 len + epoch utf-8 | u64 seq | u32 entry count
         per entry: u32 len + entry_id utf-8 | u32 len + blob (the predictor_svc.eam format)
     u32 crc32 of everything before it
+
+A file of the first format (magic b"EAMCSTO1": no registry section) still loads.
 
 The change log is not saved: a cursor taken before a reload is older than the log and the reader
 reloads, exactly as with a trimmed Redis stream.
@@ -31,7 +35,8 @@ from predictor_svc.store.base import Change
 
 logger = logging.getLogger(__name__)
 
-FILE_MAGIC = b"EAMCSTO1"
+FILE_MAGIC = b"EAMCSTO2"
+FILE_MAGIC_V1 = b"EAMCSTO1"  # before the model registry
 DEFAULT_LOG_LEN = 4096
 
 
@@ -61,6 +66,7 @@ class EmbeddedStore:
         self._log_len = log_len
         self._lock = threading.Lock()
         self._models: dict[str, _Collection] = {}
+        self._registry: dict[str, str] = {}  # model id -> "LxExK"
         self._closed = False
 
     # -- EamcStore ---------------------------------------------------------------------------
@@ -104,6 +110,20 @@ class EmbeddedStore:
             self._append(coll, Change("put", entry_id, blob))
             return entry_id
 
+    def models(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._registry)
+
+    def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:
+        with self._lock:
+            current = self._registry.get(model_id)
+            if current is not None:
+                return "exists", current
+            if len(self._registry) >= max_models:
+                return "full", str(len(self._registry))
+            self._registry[model_id] = shape
+            return "created", shape
+
     def count(self, model_id: str) -> int:
         with self._lock:
             coll = self._models.get(model_id)
@@ -124,6 +144,10 @@ class EmbeddedStore:
         buf = io.BytesIO()
         with self._lock:
             buf.write(FILE_MAGIC)
+            buf.write(struct.pack("<I", len(self._registry)))
+            for model_id, shape in self._registry.items():
+                _put_str(buf, model_id)
+                _put_str(buf, shape)
             buf.write(struct.pack("<I", len(self._models)))
             for model_id, coll in self._models.items():
                 _put_str(buf, model_id)
@@ -161,7 +185,8 @@ class EmbeddedStore:
         data = path.read_bytes()
         if len(data) < len(FILE_MAGIC) + 8:
             raise CorruptEntry(f"embedded EAMC file {path} is truncated ({len(data)} bytes)")
-        if data[: len(FILE_MAGIC)] != FILE_MAGIC:
+        magic = data[: len(FILE_MAGIC)]
+        if magic not in (FILE_MAGIC, FILE_MAGIC_V1):
             raise CorruptEntry(
                 f"embedded EAMC file {path} has bad magic {data[:8]!r}, expected {FILE_MAGIC!r}"
             )
@@ -169,6 +194,10 @@ class EmbeddedStore:
         if zlib.crc32(data[:-4]) != crc:
             raise CorruptEntry(f"embedded EAMC file {path} checksum mismatch (truncated or corrupt)")
         reader = _Reader(data[:-4], len(FILE_MAGIC), path)
+        if magic == FILE_MAGIC:
+            for _ in range(reader.u32()):
+                model_id = reader.string()
+                store._registry[model_id] = reader.string()
         for _ in range(reader.u32()):
             model_id = reader.string()
             coll = _Collection(epoch=reader.string())

@@ -6,6 +6,7 @@ Keys (``{m}`` = model id):
     expertcache:eamc:{m}:log       stream change log, id "<seq>-0", fields op/id/blob, MAXLEN
     expertcache:eamc:{m}:seq       string seq of the last change-log record
     expertcache:eamc:{m}:epoch     string random id of this collection's incarnation
+    expertcache:models             hash   model id -> "LAYERSxEXPERTSxTOP_K" (the registry)
 
 Every write is one Lua script, so it is atomic on the server: two replicas inserting at once
 never exceed the capacity and never leave a torn entry, and the append-only file replays whole
@@ -21,6 +22,7 @@ import uuid
 
 import redis
 
+from expertcache.security import redact_url
 from predictor_svc.errors import Conflict, StoreUnavailable
 from predictor_svc.store.base import Change
 
@@ -68,6 +70,18 @@ return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0',
         redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
 """
 
+# KEYS: registry. ARGV: model id, shape, max models. Returns {status, value} (base.register_model).
+_REGISTER = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then return {'exists', cur} end
+local n = redis.call('HLEN', KEYS[1])
+if n >= tonumber(ARGV[3]) then return {'full', tostring(n)} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return {'created', ARGV[2]}
+"""
+
+MODELS_KEY = "expertcache:models"
+
 
 class RedisStore:
     """``EamcStore`` on one Redis server. Errors talking to it raise StoreUnavailable."""
@@ -77,21 +91,38 @@ class RedisStore:
         url: str,
         log_len: int = DEFAULT_LOG_LEN,
         socket_timeout_s: float = 2.0,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
+        """``username`` / ``password`` (from a Secret) override those in ``url``; ``tls_ca_file``
+        verifies the server of a ``rediss://`` URL."""
         if log_len < 1:
             raise ValueError(f"log_len must be >= 1, got {log_len}")
-        self.url = url
+        self.url = redact_url(url)  # what errors and logs show: never the password
         self._log_len = log_len
+        secrets: dict = {}
+        if username:
+            secrets["username"] = username
+        if password is not None:
+            secrets["password"] = password
+        if tls_ca_file:
+            if not url.startswith("rediss://"):
+                raise ValueError(f"a Redis CA file needs a rediss:// URL, got {self.url!r}")
+            secrets["ssl_ca_certs"] = tls_ca_file
         # Short timeouts: an outage must surface as StoreUnavailable quickly, not hang a caller.
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
             retry_on_timeout=False,
+            **secrets,
         )
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
         self._changes = self._client.register_script(_CHANGES)
+        self._register = self._client.register_script(_REGISTER)
 
     @staticmethod
     def _keys(model_id: str) -> dict[str, str]:
@@ -149,6 +180,17 @@ class RedisStore:
         if status == b"conflict":
             raise Conflict(f"EAMC {model_id!r} changed under an insert: {value.decode()}")
         return value.decode()
+
+    def models(self) -> dict[str, str]:
+        try:
+            raw = self._client.hgetall(MODELS_KEY)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable (models): {exc}") from exc
+        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
+
+    def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:
+        status, value = self._call("register", self._register, [MODELS_KEY], [model_id, shape, max_models])
+        return status.decode(), value.decode()
 
     def count(self, model_id: str) -> int:
         try:

@@ -172,7 +172,9 @@ def test_unreachable_daemon_exits_with_a_clear_message(tiny_store, tmp_path):
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr
     assert f"cache daemon at {address} is not reachable after 1s" in proc.stderr
-    assert elapsed < 15, f"took {elapsed:.1f}s to give up"
+    # Interpreter start and imports take most of it (20 s seen on a loaded 2-core machine); a
+    # compute that kept retrying would reach the 60 s timeout above.
+    assert elapsed < 45, f"took {elapsed:.1f}s to give up"
 
 
 def routed_experts(checkpoint: Path, layer: int, prompt: list[int]) -> list[int]:

@@ -409,7 +409,8 @@ def test_policy_switch_at_runtime_loses_nothing(lone):
         loaded, _ = other.acquire(2, 3, [4])
         other.release(3, [4])
         slots = {(r.expert.expert, r.slot) for r in held} | {(4, loaded[0].slot)}
-        before = lone.stats()
+        # Release is one-way: wait until the daemon has applied it before reading the counts.
+        before = waiting.wait_for(lambda: (s := lone.stats()).pinned == 2 and s, "the release of expert 4")
         assert before.config.eviction_policy == "lru" and before.config.prefetch
 
         reply = update(lone, eviction_policy="activation-aware", prefetch=False)

@@ -106,7 +106,9 @@ def test_bad_activation_and_subscription_are_invalid_argument(tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             stub(proc).Observe(iter([bad]), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "Activation.experts has 3 entries, not a multiple of top_k=2" in info.value.details()
+        assert f"Activation.experts has 3 entries but model '{MODEL}' is registered with {L} layers" in (
+            info.value.details()
+        )
         out_of_range = predictor_pb2.Activation(
             request_id="r", model_id=MODEL, token_index=0, experts=[0, 9] * L, top_k=K
         )

@@ -16,7 +16,7 @@ import pytest
 import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from compute_svc.activations import ActivationReporter, RoutingCapture
+from compute_svc.activations import ActivationReporter, RoutingCapture, StepRouting
 from compute_svc.generation import GenerationRequest
 from expertcache.launch import free_port
 
@@ -27,10 +27,25 @@ NEW_TOKENS = 6
 class RecordingPredictor(predictor_pb2_grpc.PredictorServicer):
     """Keeps every Activation it receives; ``delay_s`` makes it a slow consumer."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, refuse: str = "") -> None:
         self.delay_s = delay_s
-        self.messages: list[predictor_pb2.Activation] = []
+        self.refuse = refuse  # non-empty: RegisterModel answers RESOURCE_EXHAUSTED with it
+        self.messages: list[predictor_pb2.Activation | predictor_pb2.RegisterModelRequest] = []
         self.cond = threading.Condition()
+
+    def RegisterModel(self, request, context):  # noqa: N802 - gRPC method name
+        with self.cond:
+            self.messages.append(request)
+            self.cond.notify_all()
+        if self.refuse:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
+        return predictor_pb2.RegisterModelResponse(
+            model_id=request.model_id,
+            num_moe_layers=request.num_moe_layers,
+            num_experts=request.num_experts,
+            top_k=request.top_k,
+            created=True,
+        )
 
     def Observe(self, request_iterator, context):  # noqa: N802 - gRPC method name
         accepted = 0
@@ -45,12 +60,14 @@ class RecordingPredictor(predictor_pb2_grpc.PredictorServicer):
 
     def of(self, request_id: str) -> list[predictor_pb2.Activation]:
         with self.cond:
-            return [m for m in self.messages if m.request_id == request_id]
+            return [m for m in self.messages if getattr(m, "request_id", None) == request_id]
 
     def wait_done(self, request_id: str, timeout_s: float = 10.0) -> list[predictor_pb2.Activation]:
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while not any(m.request_id == request_id and m.request_done for m in self.messages):
+            while not any(
+                getattr(m, "request_id", None) == request_id and m.request_done for m in self.messages
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(f"request_done of {request_id!r} never arrived")
@@ -83,6 +100,7 @@ def make_reporter(tiny, port: int, queue_tokens: int = 4096) -> ActivationReport
         manifest.top_k,
         queue_tokens,
         num_experts=manifest.num_experts,
+        num_moe_layers=len(manifest.moe_layers),
     )
 
 
@@ -252,3 +270,47 @@ def test_reporting_resumes_after_a_predictor_restart(engine):
 def test_reporter_rejects_an_empty_queue():
     with pytest.raises(ValueError, match="queue_tokens must be >= 1, got 0"):
         ActivationReporter("127.0.0.1:1", "m", "p", 2, 0)
+
+
+def _step(request_id: str, first: int, tokens: int, layers: int = 2, top_k: int = 2) -> StepRouting:
+    experts = torch.arange(tokens * layers * top_k, dtype=torch.int64).reshape(tokens, layers, top_k) % 4
+    return StepRouting(request_id, first, experts, None)
+
+
+def test_the_model_is_registered_before_any_activation_is_streamed():
+    port = free_port()
+    predictor = RecordingPredictor()
+    server = serve(predictor, port)
+    reporter = ActivationReporter(f"127.0.0.1:{port}", "m", "pod-a", 2, 64, num_experts=4, num_moe_layers=2)
+    try:
+        reporter.on_step(_step("r", 0, 3))
+        reporter.on_request_end("r")
+        predictor.wait_done("r")
+        with predictor.cond:
+            first = predictor.messages[0]
+        assert isinstance(first, predictor_pb2.RegisterModelRequest)
+        assert (first.model_id, first.num_moe_layers, first.num_experts, first.top_k) == ("m", 2, 4, 2)
+        assert [m.token_index for m in predictor.of("r")] == [0, 1, 2, 3]
+    finally:
+        reporter.close(flush_timeout_s=0.5)
+        server.stop(0)
+
+
+def test_a_refused_registration_streams_nothing_and_counts_an_outage():
+    port = free_port()
+    predictor = RecordingPredictor(refuse="max_models=16 reached")
+    server = serve(predictor, port)
+    reporter = ActivationReporter(f"127.0.0.1:{port}", "m", "pod-a", 2, 64, num_experts=4, num_moe_layers=2)
+    try:
+        reporter.on_step(_step("r", 0, 2))
+        deadline = time.monotonic() + 10
+        while reporter.outages == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reporter.outages == 1 and not reporter.connected
+        with predictor.cond:
+            assert predictor.messages and all(
+                isinstance(m, predictor_pb2.RegisterModelRequest) for m in predictor.messages
+            )
+    finally:
+        reporter.close(flush_timeout_s=0.2)
+        server.stop(0)

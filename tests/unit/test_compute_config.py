@@ -18,7 +18,7 @@ def test_defaults_and_env_prefix():
     )
     assert config.max_waiting_requests == 3 and config.device == "cpu"
     assert config.max_new_tokens_limit == 4096
-    assert config.listen_address == "0.0.0.0:50051"
+    assert config.listen_address == "127.0.0.1:50051"  # loopback by default; the chart passes 0.0.0.0
 
 
 def test_cli_beats_env_beats_file(tmp_path):

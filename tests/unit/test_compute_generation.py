@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -109,6 +111,16 @@ def test_greedy_matches_model_generate(mixtral):
     assert all(e.finish_reason is None for e in events[:-1])
     assert all(e.latency_s > 0 for e in events)
     assert events[0].cache.hits + events[0].cache.misses > 0
+
+
+def test_forward_uses_the_installed_transformers_cache_keyword(mixtral):
+    # transformers 5.24 renamed the KV cache argument (``cache``) and the keyword ``Cache.update``
+    # passes (``kwargs=``); the packed forward must run on either release without a deprecation.
+    engine, _ = mixtral
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        events = run(engine, max_new_tokens=3)
+    assert len(events) == 3
 
 
 def test_text_prompt_and_pieces_concatenate_to_the_decoded_text(mixtral):

@@ -264,6 +264,42 @@ def test_stop_fails_waiting_and_running_requests_with_unavailable(batching):
         scheduler.submit(request(2))
 
 
+def test_drain_refuses_new_requests_and_lets_running_and_waiting_ones_finish(batching):
+    scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=1, max_batched_tokens=8))
+    log.gate = threading.Event()  # holds the first step until the drain has begun
+    running = scheduler.submit(request(0, n=8))
+    waiting = scheduler.submit(request(1, n=4))
+    result: list[bool] = []
+    drainer = threading.Thread(target=lambda: result.append(scheduler.drain(60)))
+    drainer.start()
+    with scheduler._cond:  # the drain has begun once new requests are refused
+        scheduler._cond.wait_for(lambda: scheduler._draining, timeout=10)
+    assert not scheduler.serving
+    with pytest.raises(Unavailable, match="shutting down: retry on another replica"):
+        scheduler.submit(request(2))
+    log.gate.set()
+    drainer.join(60)
+    assert result == [True]
+    assert [e.token_id for e in running] == alone(engine, request(0, n=8))
+    assert [e.token_id for e in waiting] == alone(engine, request(1, n=4))
+    scheduler.stop()
+
+
+def test_drain_gives_up_after_its_timeout_and_stop_ends_the_rest(batching):
+    scheduler, _, _, log = batching(limits=BatchLimits(max_batch_size=1, max_batched_tokens=8))
+    log.gate = threading.Event()  # never set: the running request cannot finish
+    running = scheduler.submit(request(0, n=50))
+    started = time.monotonic()
+    assert scheduler.drain(0.3) is False
+    assert 0.3 <= time.monotonic() - started < 5
+    stopper = threading.Thread(target=scheduler.stop)
+    stopper.start()
+    log.gate.set()
+    stopper.join(30)
+    with pytest.raises(Unavailable, match="shutting down"):
+        list(running)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 def test_bf16_batched_logprobs_stay_within_tolerance_of_alone(arch, local_engine):
     # bf16: batching changes the shapes of the dense and expert GEMMs, so results may differ in the

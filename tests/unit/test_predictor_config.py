@@ -42,6 +42,12 @@ def test_precedence_cli_env_file(tmp_path):
         ({"log_level": "loud"}, "'log_level' = 'LOUD' is not one of"),
         ({"embedded_path": ""}, "'embedded_path' must not be empty"),
         ({"sync_interval_s": "soon"}, "'sync_interval_s' from command line: cannot read 'soon'"),
+        ({"model_shapes": "m=257x8x2"}, "model 'm' has 257 layers, more than max_layers=256"),
+        ({"model_shapes": "m=2x2048x2"}, "model 'm' has 2048 experts, more than max_experts=1024"),
+        ({"model_shapes": "a=1x2x1,b=1x2x1", "max_models": "1"}, "names 2 models, more than max_models=1"),
+        ({"model_shapes": "m=256x1024x2", "eamc_capacity": "4096"}, "more than max_eamc_bytes=2147483648"),
+        ({"model_shapes": "../x=1x2x1"}, "is not MODEL_ID=LAYERSxEXPERTSxTOP_K"),
+        ({"max_client_live_bytes": "0"}, "'max_client_live_bytes' = 0 is below its minimum 1"),
     ],
 )
 def test_bad_values_name_the_field(values, message):

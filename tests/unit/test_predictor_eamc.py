@@ -408,3 +408,25 @@ def test_upsert_many_equals_one_by_one():
     assert_allclose(many.predict(query, 4, top_n=3), one.predict(query, 4, top_n=3))
     with pytest.raises(ValueError, match=r"eams must be \[2, 4, 6\]"):
         many.upsert_many(["a", "b"], eams[:3], np.full(3, 20))
+
+
+def test_embedded_registry_is_atomic_bounded_and_saved(tmp_path):
+    store = EmbeddedStore()
+    assert store.register_model("a", "2x4x1", max_models=2) == ("created", "2x4x1")
+    assert store.register_model("a", "9x9x9", max_models=2) == ("exists", "2x4x1")  # never overwritten
+    assert store.register_model("b", "1x2x1", max_models=2) == ("created", "1x2x1")
+    assert store.register_model("c", "1x2x1", max_models=2) == ("full", "2")
+    path = tmp_path / "eamc.bin"
+    store.save(path)
+    again = EmbeddedStore.load_file(path)
+    assert again.models() == {"a": "2x4x1", "b": "1x2x1"}
+
+
+def test_embedded_file_of_the_first_format_still_loads(tmp_path):
+    import struct  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    body = b"EAMCSTO1" + struct.pack("<I", 0)  # no models, no registry section
+    path = tmp_path / "old.bin"
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    assert EmbeddedStore.load_file(path).models() == {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from predictor_svc.config import PredictorConfig
-from predictor_svc.errors import BadActivation, StoreUnavailable
+from predictor_svc.errors import BadActivation, ModelNotRegistered, StoreUnavailable
 from predictor_svc.service import Activation, PredictorService, Subscription, top_hints
 from predictor_svc.store import EmbeddedStore
 
@@ -26,8 +26,17 @@ def act(
     )
 
 
+SHAPES = (f"m={L}x{E}x{K}", f"n={L}x{E}x{K}")  # the models the tests use, configured
+
+
 def make(store=None, **overrides) -> PredictorService:
-    values = {"min_score": 0.0, "hint_top_n": 4, "sync_interval_s": 3600.0, **overrides}
+    values = {
+        "min_score": 0.0,
+        "hint_top_n": 4,
+        "sync_interval_s": 3600.0,
+        "model_shapes": SHAPES,
+        **overrides,
+    }
     return PredictorService(PredictorConfig(**values), store or EmbeddedStore(), background=False)
 
 
@@ -164,16 +173,21 @@ def test_eamc_entries_shape_the_hints_of_a_new_request():
     [
         (act("", 0), "Activation.request_id is empty"),
         (act("r", 0, model=""), "Activation.model_id is empty"),
-        (act("r", 0, top_k=0), "Activation.top_k is 0"),
-        (act("r", 0, []), "Activation.experts is empty"),
-        (act("r", 0, [1, 2, 3]), "Activation.experts has 3 entries, not a multiple of top_k=2"),
-        (act("r", 0, num_moe_layers=5), "Activation.num_moe_layers = 5 but experts holds 3 layers"),
-        (act("r", 0, num_experts=0), "Activation.num_experts is 0 and model 'm' is not known yet"),
+        (act("r", 0, top_k=1), "Activation.top_k = 1 but model 'm' is registered with top_k=2"),
+        (act("r", 0, []), "Activation.experts has 0 entries but model 'm' is registered with 3 layers"),
+        (
+            act("r", 0, [1, 2, 3]),
+            "Activation.experts has 3 entries but model 'm' is registered with 3 layers",
+        ),
+        (act("r", 0, num_moe_layers=5), "Activation.num_moe_layers = 5 but model 'm' is registered with"),
         (
             act("r", 0, [0, 1, 2, 3, 4, 8]),
             "Activation.experts[5] = 8 is out of range: model 'm' has 8 experts",
         ),
-        (act("r", 0, num_experts=1), "top_k (2) must not exceed experts (1)"),
+        (
+            act("r", 0, num_experts=1),
+            "Activation.num_experts = 1 but model 'm' is registered with num_experts=8",
+        ),
     ],
 )
 def test_bad_activation_names_the_field(activation, message):
@@ -188,16 +202,19 @@ def test_shape_and_order_errors_against_known_model_and_request():
     svc = make()
     svc.observe(act("r", 3))
     with pytest.raises(
-        BadActivation, match="Activation.experts holds 2 layers x top_k=2 but model 'm' has 3 layers"
+        BadActivation,
+        match="Activation.experts has 4 entries but model 'm' is registered with 3 layers x top_k=2",
     ):
         svc.observe(act("r", 4, [0, 1, 2, 3]))
-    with pytest.raises(BadActivation, match="Activation.num_experts = 16 but model 'm' has 8 experts"):
+    with pytest.raises(
+        BadActivation, match="Activation.num_experts = 16 but model 'm' is registered with num_experts=8"
+    ):
         svc.observe(act("r", 4, num_experts=16))
     with pytest.raises(
         BadActivation, match="Activation.token_index = 3 does not follow the last token index 3"
     ):
         svc.observe(act("r", 3))
-    svc.observe(act("r", 7, num_experts=0))  # gaps allowed; the model's shape is known now
+    svc.observe(act("r", 7, act("r", 7).experts, num_experts=0, top_k=0))  # gaps allowed; 0 = registered
     assert svc.stats().observed_tokens == 2
 
 
@@ -219,7 +236,8 @@ def test_store_down_keeps_observe_working_and_retries_inserts():
     assert not svc.flush_inserts()
     svc.sync_now()
     stats = svc.stats()
-    assert stats.store_errors == 2 and stats.store_degraded and stats.inserts_pending == 1
+    # one failed insert, one failed sync per configured model (m, n)
+    assert stats.store_errors == 3 and stats.store_degraded and stats.inserts_pending == 1
     assert stats.eamc_entries == 1
     store.down = False
     assert svc.flush_inserts()
@@ -242,7 +260,10 @@ def test_quiet_requests_expire_without_insertion():
     now = [100.0]
     store = EmbeddedStore()
     svc = PredictorService(
-        PredictorConfig(live_request_ttl_s=10.0), store, clock=lambda: now[0], background=False
+        PredictorConfig(live_request_ttl_s=10.0, model_shapes=SHAPES),
+        store,
+        clock=lambda: now[0],
+        background=False,
     )
     svc.observe(act("r", 0))
     now[0] += 5
@@ -270,9 +291,25 @@ def test_configured_model_shape_needs_no_num_experts():
     assert svc.stats().models[0].layers == 3
 
 
+def test_an_unregistered_model_is_refused_before_anything_is_allocated():
+    svc = make(model_shapes=())
+    with pytest.raises(ModelNotRegistered, match="Activation.model_id 'm' is not registered"):
+        svc.observe(act("r", 0, num_experts=4096, num_moe_layers=3))
+    with pytest.raises(ModelNotRegistered, match="SubscribeHintsRequest.model_id 'm' is not registered"):
+        svc.subscribe("m", "p")
+    stats = svc.stats()
+    assert stats.models == () and stats.live_requests == 0 and stats.live_bytes == 0
+    assert stats.refused == {"unregistered_model": 2}
+    shape, created = svc.register_model("m", L, E, K)
+    assert created and (shape.layers, shape.experts, shape.top_k) == (L, E, K)
+    assert svc.register_model("m", L, E, K)[1] is False  # idempotent
+    svc.observe(act("r", 0))
+    assert svc.stats().live_requests == 1 and svc.stats().live_bytes > 0
+
+
 def test_background_thread_inserts_promptly_and_close_ends_subscriptions():
     store = EmbeddedStore()
-    svc = PredictorService(PredictorConfig(sync_interval_s=3600.0), store)
+    svc = PredictorService(PredictorConfig(sync_interval_s=3600.0, model_shapes=SHAPES), store)
     sub = svc.subscribe("m", "p")
     got: list = []
     reader = threading.Thread(target=lambda: got.append(sub.get(None)))
@@ -307,3 +344,29 @@ def test_concurrent_observers_and_a_slow_subscriber():
     assert svc.stats().requests_done == 4 and svc.stats().observed_tokens == 200
     assert sub.pending_requests() == 4
     assert svc.flush_inserts() and svc.stats().eamc_entries == 4
+
+
+def test_subscriber_queue_is_bounded_in_bytes_too():
+    from predictor_svc.service import HINT_BYTES, LAYER_BYTES
+
+    per_request = LAYER_BYTES + L * (LAYER_BYTES + HINT_BYTES * 2)  # 2 hints per layer (top_n 2)
+    svc = make(subscriber_queue_bytes=2 * per_request + 1, hint_top_n=2)
+    sub = svc.subscribe("m", "p")  # never read
+    for r in range(5):
+        svc.observe(act(f"r{r}", 0))
+    assert sub.pending_requests() == 2 and sub.pending_bytes() <= 2 * per_request + 1
+    assert svc.stats().hints_dropped == 3 * L
+    assert sub.get(0.1).request_id == "r3"  # the newest two are kept, oldest first
+    assert sub.pending_bytes() == per_request
+
+
+def test_max_subscribers_refuses_one_more():
+    from predictor_svc.errors import LimitReached
+
+    svc = make(max_subscribers=2)
+    a, _b = svc.subscribe("m", "p"), svc.subscribe("n", "p")
+    with pytest.raises(LimitReached, match="2 hint subscribers are open, the limit max_subscribers=2"):
+        svc.subscribe("m", "q")
+    a.close()
+    svc.subscribe("m", "q")  # a closed one frees its place
+    assert svc.stats().refused == {"max_subscribers": 1}

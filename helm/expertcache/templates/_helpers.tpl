@@ -1,0 +1,204 @@
+{{/* Names, labels and shared pieces of the expertcache chart. */}}
+
+{{- define "expertcache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "expertcache.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels that select one component: dict "ctx" $ "component" "gpu|predictor|redis". */}}
+{{- define "expertcache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "expertcache.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "expertcache.labels" -}}
+{{ include "expertcache.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: expertcache
+{{- end -}}
+
+{{- define "expertcache.image" -}}
+{{- printf "%s:%s" (index .ctx.Values.images .name) (default .ctx.Chart.AppVersion .ctx.Values.images.tag) -}}
+{{- end -}}
+
+{{- define "expertcache.serviceAccountName" -}}
+{{- if .Values.liveConfig.watchApi -}}{{ include "expertcache.fullname" . }}{{- else -}}default{{- end -}}
+{{- end -}}
+
+{{/* Address of the predictor Service as compute and the daemon dial it. */}}
+{{- define "expertcache.predictorAddress" -}}
+{{- printf "%s-predictor:%d" (include "expertcache.fullname" .) (int .Values.predictor.port) -}}
+{{- end -}}
+
+{{- define "expertcache.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis-0.%s-redis:%d/0" (include "expertcache.fullname" .) (include "expertcache.fullname" .) (int .Values.redis.port) -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding the Redis password (name and key), or nothing. */}}
+{{- define "expertcache.redisPasswordSecret" -}}
+{{- if .Values.redis.enabled -}}
+{{- with .Values.redis.auth.existingSecret -}}{{ . }}{{- end -}}
+{{- else -}}
+{{- with .Values.redis.external.passwordSecret.name -}}{{ . }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "expertcache.redisPasswordKey" -}}
+{{- if .Values.redis.enabled -}}{{ .Values.redis.auth.secretKey }}{{- else -}}{{ .Values.redis.external.passwordSecret.key }}{{- end -}}
+{{- end -}}
+
+{{/* A Kubernetes memory quantity ("24Gi", "512M", "1.5Gi", "1073741824") in bytes, as an int64:
+dict "name" <the value's name, for messages> "value" <the quantity>. */}}
+{{- define "expertcache.bytes" -}}
+{{- $q := toString .value -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q -}}
+{{- if not $num -}}{{- fail (printf "%s: cannot read %q as a memory quantity (e.g. 24Gi)" .name $q) -}}{{- end -}}
+{{- $unit := trimPrefix $num $q -}}
+{{- $mult := dict "" 1 "k" 1000 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if not (hasKey $mult $unit) -}}{{- fail (printf "%s: cannot read %q as a memory quantity: unknown unit %q (use Ki, Mi, Gi, Ti, k, M, G, T)" .name $q $unit) -}}{{- end -}}
+{{- mulf (float64 $num) (index $mult $unit) | int64 -}}
+{{- end -}}
+
+{{/* securityContext of every container. */}}
+{{- define "expertcache.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* A probe: dict "probe" <values> "action" <yaml of the handler>. */}}
+{{- define "expertcache.probe" -}}
+{{ .action }}
+periodSeconds: {{ .probe.periodSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+{{- end -}}
+
+{{/* Probe handler of a gRPC server on `port`: native gRPC, or `expertcache health` over TLS. */}}
+{{- define "expertcache.grpcProbeAction" -}}
+{{- if .ctx.Values.tls.enabled -}}
+exec:
+  command:
+    - expertcache
+    - health
+    - --address=127.0.0.1:{{ .port }}
+    - --tls-ca-file=/etc/expertcache/tls/ca.crt
+    {{- if .ctx.Values.tls.mutual }}
+    - --tls-cert-file=/etc/expertcache/tls/tls.crt
+    - --tls-key-file=/etc/expertcache/tls/tls.key
+    {{- end }}
+    {{- with .ctx.Values.tls.serverName }}
+    - --tls-server-name={{ . }}
+    {{- end }}
+    {{- if .ctx.Values.tls.authTokenSecret }}
+    - --auth-token-file=/etc/expertcache/auth/token
+    {{- end }}
+{{- else -}}
+grpc:
+  port: {{ .port }}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes and mounts of TLS material (contract paths /etc/expertcache/tls, /etc/expertcache/auth). */}}
+{{- define "expertcache.tlsVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if .Values.tls.authTokenSecret }}
+- name: auth
+  secret:
+    secretName: {{ .Values.tls.authTokenSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "expertcache.tlsMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/expertcache/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.authTokenSecret }}
+- name: auth
+  mountPath: /etc/expertcache/auth
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Flags of a TLS server (compute, predictor). */}}
+{{- define "expertcache.tlsServerArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert-file=/etc/expertcache/tls/tls.crt
+- --tls-key-file=/etc/expertcache/tls/tls.key
+{{- if .Values.tls.mutual }}
+- --tls-client-ca-file=/etc/expertcache/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- if .Values.tls.authTokenSecret }}
+- --auth-token-file=/etc/expertcache/auth/token
+{{- end }}
+{{- end -}}
+
+{{/* Flags of a predictor client (compute, daemon). */}}
+{{- define "expertcache.predictorClientArgs" -}}
+{{- if .Values.tls.enabled }}
+- --predictor-tls-ca-file=/etc/expertcache/tls/ca.crt
+{{- if .Values.tls.mutual }}
+- --predictor-tls-cert-file=/etc/expertcache/tls/tls.crt
+- --predictor-tls-key-file=/etc/expertcache/tls/tls.key
+{{- end }}
+{{- end }}
+{{- if .Values.tls.authTokenSecret }}
+- --predictor-auth-token-file=/etc/expertcache/auth/token
+{{- end }}
+{{- end -}}
+
+{{/* Environment shared by every service container. */}}
+{{- define "expertcache.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- end -}}
+
+{{/* A config map as YAML, whole numbers written as integers (values files read them as floats). */}}
+{{- define "expertcache.configYaml" -}}
+{{- $out := dict -}}
+{{- range $key, $value := . -}}
+{{- $_ := set $out $key $value -}}
+{{- if kindIs "float64" $value -}}
+{{- if eq (floor $value) $value -}}
+{{- $_ = set $out $key (int64 $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
