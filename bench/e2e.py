@@ -1,7 +1,8 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
-    python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--budget-share 0.25] ...
-                        [--systems ours,lru,accelerate] [--compare-with bench/results/e2e-bf16.json]
+    python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--repeats 1] ...
+                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate]
+                        [--compare-with bench/results/e2e-bf16.json]
     make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]   # a bf16 run, then an mxfp4 run printed beside it
 
 One run, side by side, on one random-weight checkpoint of gpt-oss shape written by transformers'
@@ -25,6 +26,17 @@ MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
 3. accelerate: ``from_pretrained(device_map="auto", max_memory={"cpu": budget + dense},
    offload_folder=...)`` on the same checkpoint, ``generate`` of the same number of tokens, in
    its own process (``bench.e2e_accelerate``).
+4. resident: the same processes as lru with an arena that holds every expert, warmed up by one
+   unmeasured request (an expert it did not route to loads on first use, counted in its bytes):
+   the compute-bound floor. Each system's share of the gap between lru and resident,
+   (lru - system) / (lru - resident) in per-token p50, is printed: lru 0, resident 1.
+
+Interleaved: every system's daemon and compute are up at once, and they take turns request by
+request (ours, lru, resident, ours, ...; accelerate, a process per run, once per repeat), the
+order rotated each repeat, so that the machine's and the disk's drift hits all alike.
+``--repeats N`` runs N such rounds, each on the next trace requests; every ratio is printed with
+its spread over the rounds (median, min, max of the per-round p50 ratios), and
+bench/results/e2e.png plots the p50s with their spread and the shares of the gap.
 
 Routing: ours and lru are forced from the real gpt-oss-20b trace (``--force-routing``, a
 benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``--request`` ..
@@ -89,10 +101,10 @@ GOAL_BYTES_VS_BF16 = 0.3  # ours' MiB read per token, mxfp4 run / bf16 run
 # --precision → expertcache.tiny's quantization of the checkpoint (bf16: none).
 PRECISIONS = {"bf16": None, "mxfp4": "mxfp4", "fp8": "fp8"}
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's blocks
-SYSTEMS = ("ours", "lru", "accelerate")
-# Opt-in reference: every expert fits (the compute floor of this machine); its first request,
-# which loads them, is not measured.
-EXTRA_SYSTEMS = ("resident",)
+# resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
+# measured, loads them first.
+SYSTEMS = ("ours", "lru", "resident", "accelerate")
+EXTRA_SYSTEMS: tuple[str, ...] = ()
 PROMPT = (5, 9, 17, 33, 2, 8, 1, 12)
 
 
@@ -175,131 +187,170 @@ def device_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
     return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
 
 
-def run_processes(
-    system: str,
-    store: Path,
-    manifest: StoreManifest,
-    work: Path,
-    args: argparse.Namespace,
-    budget_bytes: int,
-) -> dict:
-    ours = system == "ours"
-    resident = system == "resident"
-    if resident:
-        budget_bytes = manifest.total_expert_bytes
-    host_bytes = 0 if resident else int(budget_bytes * args.host_share)
-    device_bytes = budget_bytes - host_bytes
-    daemon_extra = [
-        "--eviction-policy",
-        "activation-aware" if ours else "lru",
-        "--prefetch" if ours else "--no-prefetch",
-    ]
-    compute_extra = [
-        "--force-routing-path",
-        str(args.trace),
-        "--force-routing-request",
-        str(args.request),
-        "--force-routing-layer-ahead-accuracy",
-        str(args.layer_ahead_accuracy),
-        "--layer-ahead" if ours else "--no-layer-ahead",
-        "--max-new-tokens-limit",
-        str(max(args.tokens, 1)),
-    ]
-    work.mkdir(parents=True, exist_ok=True)
-    say(
-        f"[{system}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
-        f"{device_bytes / MIB:.0f} MiB ({device_bytes // manifest.blob_bytes} slots) + host tier {host_bytes / MIB:.0f} MiB; "
-        f"compute: layer-ahead {'on' if ours else 'off'}, routing forced from trace requests "
-        f"{args.request}..{args.request + args.requests - 1}"
-    )
-    daemon = start_daemon(
-        store,
-        work,
-        device=args.device,
-        device_budget_bytes=device_bytes,
-        host_budget_bytes=host_bytes,
-        extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
-    )
-    compute = None
-    try:
-        compute = start_compute(store, daemon, work, extra=compute_extra)
-        drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
-        io_mode = get_stats(daemon.address).store_io_mode
-        before = get_stats(daemon.address)
-        cpu_before = {"daemon": cpu_seconds(daemon.popen.pid), "compute": cpu_seconds(compute.popen.pid)}
-        wall_before = time.perf_counter()
-        latencies: list[float] = []
-        first_token: list[float] = []
-        with grpc.insecure_channel(compute.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            for r in range(args.requests):
-                request = inference_pb2.GenerateRequest(
-                    token_ids=list(PROMPT),
-                    max_new_tokens=args.tokens,
-                    ignore_eos=True,
-                    request_id=f"{system}-{r}",
-                )
-                started = time.perf_counter()
-                for event in stub.Generate(request, timeout=3600):
-                    if resident and r == 0:
-                        pass  # the warm-up request that loads every expert
-                    elif event.index == 0:
-                        first_token.append(event.latency_s)
-                    else:
-                        latencies.append(event.latency_s)
-                    if (event.index + 1) % args.progress_every == 0:
-                        say(
-                            f"  [{system}] request {r + 1}/{args.requests}: {event.index + 1}/{args.tokens} tokens, "
-                            f"{time.perf_counter() - started:.1f} s"
-                        )
-        after = get_stats(daemon.address)
-        wall = time.perf_counter() - wall_before
+class ProcessSystem:
+    """One system served by real daemon + compute processes (ours, lru, resident), started once
+    and kept up while the systems take turns request by request; ``stop`` ends both."""
+
+    def __init__(
+        self,
+        system: str,
+        store: Path,
+        manifest: StoreManifest,
+        work: Path,
+        args: argparse.Namespace,
+        budget_bytes: int,
+    ) -> None:
+        self.system, self.args = system, args
+        ours = system == "ours"
+        self.resident = system == "resident"
+        if self.resident:
+            budget_bytes = manifest.total_expert_bytes
+        self.host_bytes = 0 if self.resident else int(budget_bytes * args.host_share)
+        self.device_bytes = budget_bytes - self.host_bytes
+        daemon_extra = [
+            "--eviction-policy",
+            "activation-aware" if ours else "lru",
+            "--prefetch" if ours else "--no-prefetch",
+        ]
+        compute_extra = [
+            "--force-routing-path",
+            str(args.trace),
+            "--force-routing-request",
+            str(args.request),
+            "--force-routing-layer-ahead-accuracy",
+            str(args.layer_ahead_accuracy),
+            "--layer-ahead" if ours else "--no-layer-ahead",
+            "--max-new-tokens-limit",
+            str(max(args.tokens, 1)),
+        ]
+        work.mkdir(parents=True, exist_ok=True)
+        say(
+            f"[{system}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
+            f"{self.device_bytes / MIB:.0f} MiB ({self.device_bytes // manifest.blob_bytes} slots) + host tier "
+            f"{self.host_bytes / MIB:.0f} MiB; compute: layer-ahead {'on' if ours else 'off'}, routing forced "
+            f"from the trace from request {args.request} on (each Generate takes the next)"
+        )
+        self.daemon = start_daemon(
+            store,
+            work,
+            device=args.device,
+            device_budget_bytes=self.device_bytes,
+            host_budget_bytes=self.host_bytes,
+            extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
+        )
+        self.compute = None
+        try:
+            self.compute = start_compute(store, self.daemon, work, extra=compute_extra)
+            drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
+            self.io_mode = get_stats(self.daemon.address).store_io_mode
+        except BaseException:
+            self.stop(dump_logs=True)
+            raise
+        self.channel = grpc.insecure_channel(self.compute.address)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.generated = 0
+        self.latencies: list[float] = []
+        self.first_token: list[float] = []
+        self.by_repeat: dict[int, list[float]] = {}
+
+    def generate(self, label: str) -> tuple[list[float], float]:
+        """One Generate of ``--tokens`` tokens: (decode latencies, first-token latency)."""
+        request = inference_pb2.GenerateRequest(
+            token_ids=list(PROMPT), max_new_tokens=self.args.tokens, ignore_eos=True, request_id=label
+        )
+        started = time.perf_counter()
+        decode, first = [], 0.0
+        try:
+            for event in self.stub.Generate(request, timeout=3600):
+                if event.index == 0:
+                    first = event.latency_s
+                else:
+                    decode.append(event.latency_s)
+                if (event.index + 1) % self.args.progress_every == 0:
+                    say(
+                        f"  [{self.system}] {label}: {event.index + 1}/{self.args.tokens} tokens, "
+                        f"{time.perf_counter() - started:.1f} s"
+                    )
+        except BaseException:
+            self.stop(dump_logs=True)
+            raise
+        return decode, first
+
+    def begin(self) -> None:
+        """Start counting: what ``finish`` reports is what happened after this."""
+        if self.resident:  # the warm-up request that loads every expert, not measured
+            self.generate(f"{self.system}-warm-up")
+        self.before = get_stats(self.daemon.address)
+        self.cpu_before = {
+            "daemon": cpu_seconds(self.daemon.popen.pid),
+            "compute": cpu_seconds(self.compute.popen.pid),
+        }
+        self.wall = 0.0
+
+    def measure(self, repeat: int, r: int) -> None:
+        """One measured Generate (trace request taken in turn), kept under ``repeat``."""
+        t0 = time.perf_counter()
+        decode, first = self.generate(f"{self.system}-{repeat}-{r}")
+        self.wall += time.perf_counter() - t0
+        self.generated += self.args.tokens
+        self.latencies += decode
+        self.first_token.append(first)
+        self.by_repeat.setdefault(repeat, []).extend(decode)
+
+    def finish(self) -> dict:
+        after = get_stats(self.daemon.address)
         cpu = {
-            "daemon": cpu_seconds(daemon.popen.pid) - cpu_before["daemon"],
-            "compute": cpu_seconds(compute.popen.pid) - cpu_before["compute"],
+            "daemon": cpu_seconds(self.daemon.popen.pid) - self.cpu_before["daemon"],
+            "compute": cpu_seconds(self.compute.popen.pid) - self.cpu_before["compute"],
         }
-    except BaseException:
-        for proc in (compute, daemon):
-            if proc is not None:
+        d0, d1 = device_tier(self.before), device_tier(after)
+        hits, misses = d1.hits - d0.hits, d1.misses - d0.misses
+        tokens = max(1, self.generated)
+        prefetch = {
+            cache_pb2.PrefetchClass.Name(p.prediction): {
+                "started": p.started,
+                "used": p.used,
+                "wasted": p.wasted,
+                "cancelled": p.cancelled,
+                "promoted": p.promoted,
+            }
+            for p in after.prefetch
+        }
+        return {
+            "latencies_s": self.latencies,
+            "latencies_by_repeat_s": [self.by_repeat[k] for k in sorted(self.by_repeat)],
+            "first_token_s": self.first_token,
+            "store_io_mode": self.io_mode,
+            "hit_rate": hits / max(1, hits + misses),
+            "hits": hits,
+            "misses": misses,
+            # Store -> arena bytes over the measured tokens (prefill included), per generated token.
+            "bytes_per_token": (d1.bytes_in - d0.bytes_in) / tokens,
+            "store_read_s": after.store_read_seconds - self.before.store_read_seconds,
+            # CPU seconds per generated token of each process (2 cores shared by both, and any
+            # peer: while the systems take turns, the others' processes are idle).
+            "cpu_s_per_token": {name: value / tokens for name, value in cpu.items()},
+            "generate_wall_s": self.wall,
+            "prefetch": prefetch,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "policy": after.config.eviction_policy,
+            "prefetch_on": after.config.prefetch,
+        }
+
+    def stop(self, dump_logs: bool = False) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+            self.channel = None
+        for proc in (self.compute, self.daemon):
+            if proc is not None and dump_logs:
                 say(f"--- {proc.log_path} (tail) ---\n{proc.log()[-3000:]}")
-        raise
-    finally:
-        if compute is not None:
-            compute.stop()
-        daemon.stop()
-    d0, d1 = device_tier(before), device_tier(after)
-    hits, misses = d1.hits - d0.hits, d1.misses - d0.misses
-    decode_tokens = (args.requests - (1 if resident else 0)) * args.tokens
-    prefetch = {
-        cache_pb2.PrefetchClass.Name(p.prediction): {
-            "started": p.started,
-            "used": p.used,
-            "wasted": p.wasted,
-            "cancelled": p.cancelled,
-            "promoted": p.promoted,
-        }
-        for p in after.prefetch
-    }
-    return {
-        "latencies_s": latencies,
-        "first_token_s": first_token,
-        "store_io_mode": io_mode,
-        "hit_rate": hits / max(1, hits + misses),
-        "hits": hits,
-        "misses": misses,
-        # Store → arena bytes over all tokens (prefill included), per generated token.
-        "bytes_per_token": (d1.bytes_in - d0.bytes_in) / decode_tokens,
-        "store_read_s": after.store_read_seconds - before.store_read_seconds,
-        # CPU seconds per generated token of each process (2 cores shared by both, and any peer);
-        # for "resident" the warm-up request's loads are included.
-        "cpu_s_per_token": {name: value / decode_tokens for name, value in cpu.items()},
-        "generate_wall_s": wall,
-        "prefetch": prefetch,
-        "device_bytes": device_bytes,
-        "host_bytes": host_bytes,
-        "policy": after.config.eviction_policy,
-        "prefetch_on": after.config.prefetch,
-    }
+        if self.compute is not None:
+            self.compute.stop()
+            self.compute = None
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
 
 
 # -- tracing costs ---------------------------------------------------------------------------------
@@ -330,31 +381,48 @@ class _SpanSink:
 
 
 def tracing_costs(store: Path, manifest: StoreManifest, args: argparse.Namespace, budget: int) -> int:
-    """``ours`` three times: tracing off, on at the default layer ratio, on at full sampling."""
+    """``ours`` three times side by side (tracing off, on at the default layer ratio, on at full
+    sampling), started together and taking turns request by request, so that the machine's other
+    load falls on all three alike."""
     sink = _SpanSink()
-    saved = {k: os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                                             "OTEL_EXPORTER_OTLP_PROTOCOL", "EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO")}  # fmt: skip
+    keys = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO")  # fmt: skip
+    saved = {k: os.environ.get(k) for k in keys}
+    systems: dict[str, ProcessSystem] = {}
     results = {}
     try:
         with tempfile.TemporaryDirectory(prefix="e2e-tracing-", dir=args.data_dir) as tmp:
-            for mode, ratio in TRACING_MODES:
-                for key in saved:
-                    os.environ.pop(key, None)
-                if mode != "off":
-                    os.environ.update(
-                        OTEL_TRACES_EXPORTER="otlp",
-                        OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
-                        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-                    )
-                if ratio is not None:
-                    os.environ["EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO"] = ratio
+            try:
+                for mode, ratio in TRACING_MODES:  # the environment at start decides a process's tracing
+                    for key in keys:
+                        os.environ.pop(key, None)
+                    if mode != "off":
+                        os.environ.update(
+                            OTEL_TRACES_EXPORTER="otlp",
+                            OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
+                            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                        )
+                    if ratio is not None:
+                        os.environ["EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO"] = ratio
+                    systems[mode] = ProcessSystem("ours", store, manifest, Path(tmp) / mode, args, budget)
+                for proc in systems.values():
+                    proc.begin()
                 before = sink.spans
-                result = run_processes("ours", store, manifest, Path(tmp) / mode, args, budget)
-                result.update(summarise(result))
-                result["spans_exported"] = sink.spans - before
-                results[mode] = result
-                say(f"[tracing {mode}] p50 {fmt(result['p50_s'] and result['p50_s'] * 1e3, '.1f')} ms, "
-                    f"{result['spans_exported']} spans exported")  # fmt: skip
+                spans = dict.fromkeys(systems, 0)
+                for r in range(args.requests):
+                    for mode, proc in systems.items():
+                        before = sink.spans
+                        proc.measure(0, r)
+                        spans[mode] += sink.spans - before  # exports lag a little: approximate
+                for mode, proc in systems.items():
+                    result = proc.finish()
+                    result.update(summarise(result))
+                    result["spans_exported"] = spans[mode]
+                    results[mode] = result
+                    say(f"[tracing {mode}] p50 {fmt(result['p50_s'] and result['p50_s'] * 1e3, '.1f')} ms")
+            finally:
+                for proc in systems.values():
+                    proc.stop()
     finally:
         for key, value in saved.items():
             if value is None:
@@ -432,6 +500,18 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
     }
 
 
+def merge_accelerate(runs: list[dict]) -> dict:
+    """One result of several ``run_accelerate`` calls (one per repeat)."""
+    out = dict(runs[0])
+    out["latencies_s"] = [x for run in runs for x in run["latencies_s"]]
+    out["latencies_by_repeat_s"] = [run["latencies_s"] for run in runs]
+    out["first_token_s"] = [x for run in runs for x in run["first_token_s"]]
+    out["load_s"] = [x for run in runs for x in run["load_s"]]
+    per_token = [run["bytes_per_token"] for run in runs if run["bytes_per_token"] is not None]
+    out["bytes_per_token"] = statistics.fmean(per_token) if per_token else None
+    return out
+
+
 # -- report -------------------------------------------------------------------------------------------
 def summarise(result: dict) -> dict:
     lat = np.asarray(result["latencies_s"], dtype=np.float64)
@@ -443,6 +523,86 @@ def summarise(result: dict) -> dict:
         "tokens_per_s": float(len(lat) / lat.sum()),
         "tokens": int(len(lat)),
     }
+
+
+def repeat_p50s(result: dict) -> list[float]:
+    """The per-token p50 of each repeat, seconds."""
+    return [float(np.percentile(lat, 50)) for lat in result.get("latencies_by_repeat_s", []) if len(lat)]
+
+
+def repeat_ratios(numerator: dict, denominator: dict) -> list[float]:
+    """numerator's p50 over denominator's, repeat by repeat (both ran in the same rounds)."""
+    return [a / b for a, b in zip(repeat_p50s(numerator), repeat_p50s(denominator), strict=False) if b > 0]
+
+
+def spread_text(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} (one repeat: no spread)"
+    return (
+        f"median {statistics.median(values):.2f}, min {min(values):.2f}, max {max(values):.2f} "
+        f"over {len(values)} repeats"
+    )
+
+
+def gap_shares(results: dict) -> dict:
+    """Each system's share of the p50 gap between lru (0) and resident (1), overall and per
+    repeat; empty unless both ran and resident is the faster."""
+    if "lru" not in results or "resident" not in results:
+        return {}
+    lru, resident = results["lru"]["p50_s"], results["resident"]["p50_s"]
+    if not lru or not resident or lru <= resident:
+        return {}
+    lru_r, res_r = repeat_p50s(results["lru"]), repeat_p50s(results["resident"])
+    out = {}
+    for system, r in results.items():
+        if not r.get("p50_s"):
+            continue
+        per = [
+            (a - x) / (a - b)
+            for a, b, x in zip(lru_r, res_r, repeat_p50s(r), strict=False)
+            if a > b  # a repeat where resident was not the faster has no gap to share
+        ]
+        out[system] = {"share": (lru - r["p50_s"]) / (lru - resident), "per_repeat": per}
+    return out
+
+
+def write_e2e_png(results: dict, shares: dict, precision: str, path: Path) -> None:
+    """Per-token p50 per system (bars; whiskers: the lowest and highest repeat) and each
+    system's share of the lru-resident gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in results if results[s].get("p50_s")]
+    fig, axes = plt.subplots(1, 2 if shares else 1, figsize=(11 if shares else 6, 4.2), squeeze=False)
+    ax = axes[0][0]
+    p50 = np.array([results[s]["p50_s"] * 1e3 for s in systems])
+    lo = np.array([min(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
+    hi = np.array([max(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
+    bars = ax.bar(systems, p50, yerr=[np.maximum(p50 - lo, 0), np.maximum(hi - p50, 0)], capsize=4)
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_title("per-token p50, ms (log; whiskers: lowest / highest repeat)")
+    if shares:
+        ax = axes[0][1]
+        names = [s for s in systems if s in shares]
+        vals = [shares[s]["share"] for s in names]
+        bars = ax.bar(names, vals, color="tab:green")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        for i, s in enumerate(names):
+            if shares[s]["per_repeat"]:
+                ax.plot([i] * len(shares[s]["per_repeat"]), shares[s]["per_repeat"], "k.", ms=5)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.axhline(1, color="grey", lw=0.8, ls="--")
+        ax.set_title("share of the lru -> resident gap closed (dots: repeats)")
+    fig.suptitle(f"bench.e2e: gpt-oss shape, experts {precision}, interleaved systems, 2-core CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def fmt(value, spec: str, missing: str = "-") -> str:
@@ -526,7 +686,19 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens per Generate for ours and lru (96: past the cold start of each request; the trace's "
         "requests average 306 decode tokens)",
     )
-    parser.add_argument("--requests", type=int, default=3, help="Generates (trace requests) for ours and lru")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=3,
+        help="Generates (trace requests) per repeat for ours, lru and resident",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of --requests Generates per system, interleaved; each ratio is printed with its spread "
+        "over the rounds (each round takes the next trace requests)",
+    )
     parser.add_argument(
         "--accelerate-tokens", type=int, default=16, help="tokens per generate for accelerate"
     )
@@ -589,8 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
-    if "resident" in systems and args.requests < 2:
-        parser.error("--systems resident needs --requests >= 2 (its first request only loads the experts)")
+    if args.repeats < 1 or args.requests < 1:
+        parser.error(f"--repeats and --requests must be >= 1, got {args.repeats} and {args.requests}")
     if not 0.0 <= args.host_share < 1.0:
         parser.error(f"--host-share {args.host_share} is out of range [0, 1)")
     if not args.trace.is_file():
@@ -656,21 +828,43 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
-        for system in systems:
-            t0 = time.perf_counter()
-            if system == "accelerate":
-                results[system] = run_accelerate(
-                    checkpoint, Path(tmp) / system, args, budget + manifest.dense_bytes
-                )
-            else:
-                results[system] = run_processes(system, store, manifest, Path(tmp) / system, args, budget)
-                if not results[system]["store_io_mode"].lower().startswith("o_direct"):
-                    say(
-                        f"  WARNING: the daemon reads the store as {results[system]['store_io_mode']!r}, not O_DIRECT"
-                    )
-            results[system].update(summarise(results[system]))
-            results[system]["wall_s"] = time.perf_counter() - t0
-            say(f"[{system}] done in {results[system]['wall_s']:.0f} s")
+        started_systems: dict[str, ProcessSystem] = {}
+        accelerate_runs: list[dict] = []
+        try:
+            for system in systems:  # all up at once: they take turns below
+                if system != "accelerate":
+                    proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
+                    started_systems[system] = proc
+                    if not proc.io_mode.lower().startswith("o_direct"):
+                        say(f"  WARNING: the daemon reads the store as {proc.io_mode!r}, not O_DIRECT")
+            for proc in started_systems.values():
+                proc.begin()
+            # Interleaved: request r of every system before request r + 1 of any, the order of the
+            # systems rotated each repeat, so that drift of the machine and the disk hits all alike.
+            for repeat in range(args.repeats):
+                order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+                say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
+                for r in range(args.requests):
+                    for system in order:
+                        if system == "accelerate":
+                            if r == 0:  # its own process per run: one run (of its requests) per repeat
+                                run = run_accelerate(
+                                    checkpoint, Path(tmp) / system, args, budget + manifest.dense_bytes
+                                )
+                                run["repeat"] = repeat
+                                accelerate_runs.append(run)
+                        else:
+                            started_systems[system].measure(repeat, r)
+            for system, proc in started_systems.items():
+                results[system] = proc.finish()
+        finally:
+            for proc in started_systems.values():
+                proc.stop()
+        if accelerate_runs:
+            results["accelerate"] = merge_accelerate(accelerate_runs)
+        results = {system: results[system] for system in systems}
+        for r in results.values():
+            r.update(summarise(r))
 
     say("")
     say(
@@ -698,8 +892,30 @@ def main(argv: list[str] | None = None) -> int:
             if other in results and results[other]["p50_s"] and results["ours"]["p50_s"]:
                 speedup = results[other]["p50_s"] / results["ours"]["p50_s"]
                 verdict = "PASS" if speedup >= goal else "FAIL"
-                verdicts[f"ours_vs_{other}"] = {"p50_speedup": speedup, "goal": goal, "verdict": verdict}
-                say(f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}")
+                per_repeat = repeat_ratios(results[other], results["ours"])
+                verdicts[f"ours_vs_{other}"] = {
+                    "p50_speedup": speedup,
+                    "per_repeat": per_repeat,
+                    "goal": goal,
+                    "verdict": verdict,
+                }
+                say(
+                    f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}; "
+                    f"per repeat {spread_text(per_repeat)}"
+                )
+    shares = gap_shares(results)
+    if shares:
+        verdicts["share_of_lru_resident_gap"] = shares
+        lru_ms, res_ms = results["lru"]["p50_s"] * 1e3, results["resident"]["p50_s"] * 1e3
+        say(
+            f"share of the gap between lru ({lru_ms:.1f} ms) and resident ({res_ms:.1f} ms, every expert in "
+            "memory: the compute-bound floor) that each system closes, (lru - system) / (lru - resident), p50:"
+        )
+        for system, share in shares.items():
+            say(f"  {system:<12}{share['share']:>7.2f}   per repeat {spread_text(share['per_repeat'])}")
+    png = args.out.with_suffix(".png")
+    write_e2e_png(results, shares, args.precision, png)
+    say(f"wrote {png}")
     if baseline is not None:
         verdicts.update(compare_runs(results, args.precision, baseline, args.compare_with, args.out))
     report = {
@@ -728,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         "trace": str(args.trace),
         "first_request": args.request,
         "requests": args.requests,
+        "repeats": args.repeats,
+        "interleaved": True,
         "tokens": args.tokens,
         "accelerate_tokens": args.accelerate_tokens,
         "layer_ahead_accuracy_modelled": args.layer_ahead_accuracy,

@@ -11,7 +11,12 @@ Cost: median time of one match — ``EamcIndex.predict`` over every layer, the q
 runs per token (an int8 scan, then the best candidates rescored exactly) — and of the exact
 ``similarities`` scan, at 1 K and 10 K synthetic entries of the trace's shape (paper: 21 µs and
 226 µs per match), one BLAS / torch thread; plus how often the two-stage match chose exactly the
-entries the exact scan would.
+entries the exact scan would. The match is timed with each first-stage scan (``eamc.SCANS``:
+the native int8 kernel on the CPU's fastest path, its numpy fallback, and ``exact``, every row
+in float32), the calls interleaved query by query so that the machine's drift hits all alike;
+each with its wall-clock median and its CPU-time median (what the thread itself ran, less
+inflated by other processes on a shared machine). Quality is computed with the default scan and,
+with ``--compare-exact``, again with the exact one: the precision at k each gives.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 from expertcache.trace import RoutingTrace, TraceError, read_trace  # noqa: E402
 from predictor_svc.config import PredictorConfig  # noqa: E402
 from predictor_svc.eam import EamShape  # noqa: E402
-from predictor_svc.eamc import Eamc, EamcIndex  # noqa: E402
+from predictor_svc.eamc import DEFAULT_SCAN, Eamc, EamcIndex  # noqa: E402
 from predictor_svc.predict import SOURCES, PredictionConfig, predict_request  # noqa: E402
 from predictor_svc.store import EmbeddedStore  # noqa: E402
 
@@ -78,8 +83,10 @@ def quality(
     config: PredictionConfig,
     limit: int | None,
     k: int,
+    scan: str = DEFAULT_SCAN,
 ) -> dict:
     eamc = Eamc(EmbeddedStore(), "trace", shape, capacity)
+    eamc.index.scan = scan  # the first stage of every match (predictor_svc.eamc.SCANS)
     k2 = min(2 * k, shape.experts)
     n_req = len(offsets) - 1 if limit is None else min(limit, len(offsets) - 1)
     hits = {s: np.zeros(shape.layers) for s in SOURCES}
@@ -100,7 +107,12 @@ def quality(
         pairs_per_layer += len(req) - d0
         eam = routed.sum(axis=0, dtype=np.uint32)  # [L, E]
         eamc.insert(eam, len(req))  # only now may later requests match it
-    out: dict = {"requests": n_req, "tokens": pairs_per_layer, "eamc_entries_at_end": eamc.entries}
+    out: dict = {
+        "requests": n_req,
+        "tokens": pairs_per_layer,
+        "eamc_entries_at_end": eamc.entries,
+        "scan": scan,
+    }
     for s in SOURCES:
         routed_per_layer = pairs_per_layer * shape.top_k
         p_layer = hits[s] / (pairs_per_layer * k)
@@ -134,8 +146,21 @@ def synthetic_index(shape: EamShape, n: int, rng: np.random.Generator) -> tuple[
     return index, probs
 
 
+def native_scan_path() -> str | None:
+    """The int8 kernel's path on this CPU (what ``int8_topk`` runs by default), None without it."""
+    try:
+        from expertcache import _native
+    except ImportError:
+        return None
+    paths = getattr(_native, "INT8_SCAN_PATHS", None)
+    return paths[0] if paths else None
+
+
 def matching_cost(shape: EamShape, sizes: list[int], queries: int, top_n: int, seed: int = 0) -> dict:
+    """Per size: wall and CPU-time median / p99 of one match with each scan and of the exact
+    ``similarities`` scan, timed interleaved query by query; and the two-stage agreement."""
     rng = np.random.default_rng(seed)
+    scans = ["native", "numpy"] if DEFAULT_SCAN == "native" else ["numpy"]
     out = {}
     for n in sizes:
         index, probs = synthetic_index(shape, n, rng)
@@ -143,24 +168,33 @@ def matching_cost(shape: EamShape, sizes: list[int], queries: int, top_n: int, s
             rng.multinomial(40 * shape.top_k, probs[rng.integers(n), 0], size=shape.layers).astype(np.uint32)
             for _ in range(queries)
         ]
-        timings = {}
-        calls = (
-            (
-                "match",
-                lambda q, index=index: index.predict(q, shape.layers, top_n, PredictionConfig.sharpness),
-            ),
-            ("similarities", lambda q, index=index: index.similarities(q, shape.layers)),
-        )
-        for name, fn in calls:
+
+        def match(q, scan, index=index):
+            index.scan = scan
+            return index.predict(q, shape.layers, top_n, PredictionConfig.sharpness)
+
+        calls = {f"match_{scan}": (lambda q, scan=scan: match(q, scan)) for scan in scans}
+        calls["similarities"] = lambda q, index=index: index.similarities(q, shape.layers)
+        wall = {name: [] for name in calls}
+        cpu = {name: [] for name in calls}
+        for fn in calls.values():
             fn(qs[0])  # warm
-            t = []
-            for q in qs:
-                t0 = time.perf_counter()
+        for q in qs:
+            for name, fn in calls.items():
+                c0, t0 = time.thread_time(), time.perf_counter()
                 fn(q)
-                t.append(time.perf_counter() - t0)
-            timings[f"{name}_median_us"] = float(np.median(t) * 1e6)
-            timings[f"{name}_p99_us"] = float(np.percentile(t, 99) * 1e6)
-        # The two-stage match against the exact scan: the same top_n entries?
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
+        timings: dict = {}
+        for name in calls:
+            timings[f"{name}_median_us"] = float(np.median(wall[name]) * 1e6)
+            timings[f"{name}_p99_us"] = float(np.percentile(wall[name], 99) * 1e6)
+            timings[f"{name}_cpu_median_us"] = float(np.median(cpu[name]) * 1e6)
+        # The service's match: the default scan (the native kernel where the build has it).
+        for suffix in ("median_us", "p99_us", "cpu_median_us"):
+            timings[f"match_{suffix}"] = timings[f"match_{DEFAULT_SCAN}_{suffix}"]
+        # The two-stage match (default scan) against the exact scan: the same top_n entries?
+        index.scan = DEFAULT_SCAN
         same = 0
         for q in qs:
             exact = np.argsort(-index.similarities(q, shape.layers), kind="stable")[:top_n]
@@ -182,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-n", type=int, default=PredictionConfig.top_n)
     ap.add_argument("--cost-queries", type=int, default=300)
     ap.add_argument("--cost-sizes", type=int, nargs="+", default=[1000, 10000])
+    ap.add_argument(
+        "--compare-exact",
+        action="store_true",
+        help="compute the quality again with the exact scan (no int8 first stage) and print both",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/predict.json"))
     args = ap.parse_args(argv)
 
@@ -201,25 +240,42 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     q = quality(shape, experts, offsets, decode_start, args.capacity, config, args.requests, k)
     q["seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"\nprecision / recall of the top-{k} (means over {q['tokens']} tokens x {shape.layers} layers):")
+    q_exact = None
+    if args.compare_exact:
+        t0 = time.perf_counter()
+        q_exact = quality(
+            shape, experts, offsets, decode_start, args.capacity, config, args.requests, k, "exact"
+        )
+        q_exact["seconds"] = round(time.perf_counter() - t0, 1)
+    print(
+        f"\nprecision / recall of the top-{k} (means over {q['tokens']} tokens x {shape.layers} layers; "
+        f"EAMC scan {q['scan']}):"
+    )
     for s in SOURCES:
         r = q[s]
         print(
             f"  {s:9s} P@{k} {r['precision_at_k']:.4f}  R@{k} {r['recall_at_k']:.4f}   "
             f"P@{2 * k} {r['precision_at_2k']:.4f}  R@{2 * k} {r['recall_at_2k']:.4f}"
+            + (f"   (exact scan: P@{k} {q_exact[s]['precision_at_k']:.4f})" if q_exact else "")
         )
     match_top_n = PredictorConfig().match_top_n  # what the service mixes per prediction
     cost = matching_cost(shape, args.cost_sizes, args.cost_queries, match_top_n)
+    path = native_scan_path()
     print(
         f"\nmatching cost per query ({shape.layers}x{shape.experts}, every layer seen, top_n {match_top_n} as "
-        f"the service, "
-        f"median of {args.cost_queries}, 1 thread):"
+        f"the service, median of {args.cost_queries}, 1 thread, interleaved; wall / CPU time of the thread); "
+        f"native int8 kernel: {path + ' path' if path else 'not in this build'}:"
     )
     for n, c in cost.items():
+        scans = [s for s in ("native", "numpy") if f"match_{s}_median_us" in c]
         print(
-            f"  {int(n):>6} entries: match {c['match_median_us']:8.1f} us (p99 {c['match_p99_us']:.1f}), "
-            f"exact scan {c['similarities_median_us']:8.1f} us; same top-{match_top_n} as the exact scan in "
-            f"{c['top_n_agreement']:.1%} of queries"
+            f"  {int(n):>6} entries: "
+            + ", ".join(
+                f"match [{s}] {c[f'match_{s}_median_us']:7.1f} / {c[f'match_{s}_cpu_median_us']:7.1f} us"
+                for s in scans
+            )
+            + f", exact scan {c['similarities_median_us']:7.1f} / {c['similarities_cpu_median_us']:7.1f} us; "
+            f"same top-{match_top_n} as the exact scan in {c['top_n_agreement']:.1%} of queries"
             + (f"   (paper {PAPER_US[int(n)]:.0f} us)" if int(n) in PAPER_US else "")
         )
     goals = []
@@ -240,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {f: getattr(config, f) for f in config.__dataclass_fields__},
         "information": INFORMATION,
         "quality": q,
+        "quality_exact_scan": q_exact,
+        "native_scan_path": path,
         "matching_cost_us": cost,
         "goals": [{"goal": g, "value": v, "pass": bool(ok)} for g, v, ok in goals],
         "paper_matching_cost_us": {str(n): v for n, v in PAPER_US.items()},

@@ -3,18 +3,18 @@
 Exit codes: 0 after SIGTERM/SIGINT, 2 when the configuration, the store or the budgets are
 unusable (the message says which field or file), 1 on an unexpected error.
 
-SIGHUP, or a change of the ``--config-file`` (checked every second: a Kubernetes ConfigMap volume
-is updated in place, with no signal), reloads the configuration (CLI > env > file, as at start)
-and applies its live fields (``LIVE_FIELDS``: policy,
-prefetch, hint handling); a reload that is invalid or changes another field is logged and
-refused whole, and the old config stays.
+SIGHUP, a change of the ``--config-file`` (its directory is watched: a ConfigMap volume swaps a
+``..data`` symlink), or a change of the ConfigMap ``config_map_name`` seen through the Kubernetes
+API reloads the configuration (CLI > env > file, as at start) and applies its live fields
+(``LIVE_FIELDS``: budgets, policy, prefetch, hint handling; ``expertcache.live_config``). An
+invalid reload is refused whole with an ERROR log, and the old config stays; a changed
+restart-only field is logged as a warning and not applied.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
@@ -26,14 +26,16 @@ from cache_daemon.daemon import DETACH_GRACE_S, CacheDaemon
 from cache_daemon.metrics import registry as metrics_registry
 from cache_daemon.server import SERVICE_NAME, create_server
 from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
+from expertcache.live_config import LiveConfig
 from expertcache.logs import setup_logging
 from expertcache.paths import RUNTIME_DIR, ensure_private_dir
 from expertcache.prom import serve
 
 logger = logging.getLogger("cache_daemon")
 
+CONFIG_MAP_KEY = "daemon.yaml"  # the ConfigMap key holding this service's config file
 STOP_GRACE_S = 1.0  # Demand streams are open for a compute process's lifetime: waiting longer gains nothing
 
 
@@ -50,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_config_schema:
+        print_config_schema(DaemonConfig, ENV_PREFIX)
+        return 0
     try:
         config = load_config(
             DaemonConfig, cli=cli_values(args, DaemonConfig), env_prefix=ENV_PREFIX, file=args.config_file
@@ -83,18 +88,30 @@ def main(argv: list[str] | None = None) -> int:
         daemon.subscribe_hints(config, config.pod_name or socket.gethostname())
 
     stop = threading.Event()
-    reload = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         logger.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
-    def on_hangup(_signum: int, _frame: object) -> None:
-        reload.set()  # applied by the loop below within a second, outside the signal handler
+    def apply(fresh: DaemonConfig, origin: str) -> None:
+        update = daemon.reload(fresh, origin)
+        logger.info("config reloaded from %s: %s", origin, ", ".join(update.changed) or "nothing changed")
+
+    live = LiveConfig(
+        DaemonConfig,
+        cli=cli_values(args, DaemonConfig),
+        env_prefix=ENV_PREFIX,
+        config_file=args.config_file,
+        apply=apply,
+        config_map_name=config.config_map_name,
+        config_map_key=CONFIG_MAP_KEY,
+        service="expertcache-daemon",
+    )
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    # Applied by the reload thread, outside the signal handler.
+    signal.signal(signal.SIGHUP, lambda *_: live.trigger(f"file {args.config_file} (SIGHUP)"))
 
     socket_path = Path(config.socket_path)
     server = None
@@ -109,15 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on unix://%s: %s", socket_path, exc)
             return 2
-        seen = _file_version(args.config_file)
-        while not stop.wait(1.0):
-            version = _file_version(args.config_file)
-            if reload.is_set() or version != seen:
-                reload.clear()
-                seen = version
-                _reload(daemon, args)
+        while not stop.wait(1.0):  # wakes for the signal handlers; reloads run on their own thread
+            pass
         health_servicer.enter_graceful_shutdown()
     finally:
+        live.close()
         # Wake Acquires blocked on slots first, so the server's grace period is not spent on them;
         # then let compute release what it still reads (its kernels finish) before its streams end.
         daemon.residency.shutdown()
@@ -132,31 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
-
-
-def _file_version(path: str | None) -> tuple[int, int, int] | None:
-    """What tells a changed config file: (inode, size, mtime) through symlinks (a ConfigMap
-    update swaps a symlink to a new file), None without a file."""
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _reload(daemon: CacheDaemon, args: argparse.Namespace) -> None:
-    """Load the config again and apply its live fields; any error keeps the old config."""
-    try:
-        fresh = load_config(
-            DaemonConfig, cli=cli_values(args, DaemonConfig), env_prefix=ENV_PREFIX, file=args.config_file
-        )
-        update = daemon.reload(fresh)
-    except ExpertCacheError as exc:
-        logger.error("config reload refused, config unchanged: %s", exc)
-        return
-    logger.info("config reloaded: %s", ", ".join(update.changed) or "nothing changed")
 
 
 if __name__ == "__main__":

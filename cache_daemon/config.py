@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
+from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET
 from expertcache.security import ClientSecurity
@@ -20,18 +21,6 @@ ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_SOCKET_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
-
-
-# Fields UpdateConfig (and a config reload) may change while serving; the others size memory or
-# name resources at start.
-LIVE_FIELDS = (
-    "eviction_policy",
-    "prefetch",
-    "max_inflight_bytes",
-    "prefetch_horizon_layers",
-    "hint_stale_s",
-    "hint_ttl_tokens",
-)
 
 
 @dataclass(frozen=True)
@@ -55,20 +44,49 @@ class DaemonConfig:
     device_budget_bytes: int = field(
         default=1 << 30,
         metadata={
-            "help": "Bytes of the device arena; slots = budget // blob_bytes (at least one).",
+            "live": True,
+            "help": "Bytes of the device arena in use; slots = budget // blob_bytes (at least one). "
+            "Live up to device_budget_max_bytes.",
             "min": 1,
         },
     )
-    """Bytes of the device arena. ``num_slots = device_budget_bytes // blob_bytes`` must be >= 1."""
+    """Bytes of the device arena the cache may fill: ``device_budget_bytes // blob_bytes`` slots,
+    at least one. Live: shrinking evicts the experts the policy ranks last (pinned ones as soon
+    as they are released), growing lets more stay resident; the arena itself is sized at start
+    for ``device_budget_max_bytes``."""
+
+    device_budget_max_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "Ceiling of device_budget_bytes while running: the arena is allocated this large "
+            "at start; 0 = the starting device_budget_bytes.",
+            "min": 0,
+        },
+    )
+    """Memory reserved for the arena at start (restart-only): a live ``device_budget_bytes``
+    above it is refused. 0: the starting budget is the ceiling (no growth without a restart)."""
 
     host_budget_bytes: int = field(
         default=0,
         metadata={
-            "help": "Bytes of the host tier below the arena (pinned with CUDA); 0 disables it.",
+            "live": True,
+            "help": "Bytes of the host tier below the arena (pinned with CUDA); 0 disables it. "
+            "Live up to host_budget_max_bytes.",
             "min": 0,
         },
     )
-    """Bytes of the host-memory tier; ``host_budget_bytes // blob_bytes`` slots, 0 = no host tier."""
+    """Bytes of the host-memory tier in use; ``host_budget_bytes // blob_bytes`` slots, 0 = none.
+    Live like ``device_budget_bytes``, within ``host_budget_max_bytes``."""
+
+    host_budget_max_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "Ceiling of host_budget_bytes while running: the host pool is allocated this large "
+            "at start (and must fit the memory limit); 0 = the starting host_budget_bytes.",
+            "min": 0,
+        },
+    )
+    """Host memory reserved at start (restart-only); 0: the starting budget is the ceiling."""
 
     device: str = field(
         default="auto",
@@ -109,6 +127,7 @@ class DaemonConfig:
     eviction_policy: str = field(
         default="activation-aware",
         metadata={
+            "live": True,
             "help": "Eviction policy of the device arena (live; 'belady' and 'oracle-next-token' are trace replay only).",
             "choices": tuple(sorted(POLICIES)),
         },
@@ -119,13 +138,14 @@ class DaemonConfig:
 
     prefetch: bool = field(
         default=True,
-        metadata={"help": "Load experts ahead of demand from predictions (live)."},
+        metadata={"live": True, "help": "Load experts ahead of demand from predictions (live)."},
     )
     """Prefetch from layer-ahead predictions, the request's history and predictor hints."""
 
     max_inflight_bytes: int = field(
         default=0,
         metadata={
+            "live": True,
             "help": "Bytes of loads in flight a prefetch may add to; 0 = four experts (live).",
             "min": 0,
         },
@@ -136,6 +156,7 @@ class DaemonConfig:
     prefetch_horizon_layers: int = field(
         default=2,
         metadata={
+            "live": True,
             "help": "History/hint prefetch looks at most this many layers ahead (live).",
             "min": 1,
             "max": 1 << 16,
@@ -145,7 +166,11 @@ class DaemonConfig:
 
     hint_ttl_tokens: int = field(
         default=64,
-        metadata={"help": "Predictor hints older than this many tokens are ignored (live).", "min": 0},
+        metadata={
+            "live": True,
+            "help": "Predictor hints older than this many tokens are ignored (live).",
+            "min": 0,
+        },
     )
     """A hint is stale (never prefetched, never protects a slot) after this many tokens."""
 
@@ -188,6 +213,7 @@ class DaemonConfig:
     hint_stale_s: float = field(
         default=30.0,
         metadata={
+            "live": True,
             "help": "Seconds after which a request without new hints is forgotten.",
             "min": 0.001,
             "max": 86400.0,
@@ -217,9 +243,19 @@ class DaemonConfig:
 
     log_level: str = field(
         default="INFO",
-        metadata={"help": "Logging level.", "choices": LOG_LEVELS},
+        metadata={"help": "Logging level.", "choices": LOG_LEVELS, "upper": True},
     )
     """Level of the root logger."""
+
+    config_map_name: str = field(
+        default="",
+        metadata={
+            "help": "ConfigMap to watch through the Kubernetes API (namespace from POD_NAMESPACE); "
+            "its daemon.yaml key is applied live. Empty: only --config-file is watched."
+        },
+    )
+    """With permission to get/list/watch ConfigMaps, changes arrive at once (the kubelet refreshes
+    a mounted ConfigMap only every minute or so). A refused change posts a Warning Event on it."""
 
     def __post_init__(self) -> None:
         # Accept "info" as well as "INFO" from env or a ConfigMap.
@@ -239,6 +275,13 @@ class DaemonConfig:
                 f"config field 'eviction_policy' = {self.eviction_policy!r}: it needs the future (a reference "
                 f"for trace replay only: make bench-replay); the daemon runs {', '.join(ONLINE_POLICIES)}"
             )
+        for budget in ("device_budget_bytes", "host_budget_bytes"):
+            ceiling = getattr(self, budget.replace("_bytes", "_max_bytes"))
+            if ceiling and getattr(self, budget) > ceiling:
+                raise InvalidArgument(
+                    f"config field {budget!r} = {getattr(self, budget)} is above its ceiling "
+                    f"{budget.replace('_bytes', '_max_bytes')} = {ceiling}"
+                )
         if not self.store_dir:
             raise InvalidArgument(
                 f"config field 'store_dir' is required (--store-dir or {ENV_PREFIX}STORE_DIR)"
@@ -252,3 +295,8 @@ class DaemonConfig:
             )
         if not self.shm_dir:
             raise InvalidArgument("config field 'shm_dir' must not be empty")
+
+
+# Fields UpdateConfig (and a config reload) may change while serving (``metadata["live"]``); the
+# others size memory or name resources at start.
+LIVE_FIELDS = live_fields(DaemonConfig)

@@ -10,9 +10,10 @@ CacheDaemon.start(config)
   ├─ Residency                          slot table, pins, policy, demand loads, prefetch worker
   └─ HintBoard (+ HintSubscriber)       predictor hints, pushed to the residency as they arrive
 
-Live settings (``LIVE_FIELDS``: policy, prefetch, hint handling) change through ``update_config``
-(the UpdateConfig RPC, or ``reload`` of the config file on SIGHUP): validated whole, applied
-whole or not at all.
+Live settings (``LIVE_FIELDS``: budgets, policy, prefetch, hint handling) change through
+``update_config`` (the UpdateConfig RPC, or ``reload`` of the config file or ConfigMap):
+validated whole, applied whole or not at all. Budgets move within the ceilings allocated at start
+(``device_budget_max_bytes`` / ``host_budget_max_bytes``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cache_daemon.config import LIVE_FIELDS, DaemonConfig
 from cache_daemon.decisions.policy import EvictionPolicy, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
+from cache_daemon.errors import BudgetTooSmall
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
@@ -42,6 +44,7 @@ from expertcache import native
 from expertcache.config_loader import validate
 from expertcache.errors import InvalidArgument
 from expertcache.layers import LayerMap
+from expertcache.live_config import live_changes
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
 from expertcache.native import SlotTable
 from expertcache.security import ClientSecurity
@@ -158,6 +161,11 @@ class CacheDaemon:
         self.residency = residency
         self.table = table
         self.config = config or DaemonConfig(store_dir="(unknown)")
+        # The most each live budget may grow to: the memory allocated at start.
+        self.budget_ceilings = {
+            name: getattr(self.config, name.replace("_bytes", "_max_bytes")) or getattr(self.config, name)
+            for name in ("device_budget_bytes", "host_budget_bytes")
+        }
         self._closed = False
         self._config_lock = threading.Lock()  # one update at a time
         # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
@@ -179,24 +187,32 @@ class CacheDaemon:
         logger.info("taking prefetch hints from the predictor at %s (pod %s)", config.predictor_address, pod)
 
     # -- live configuration ------------------------------------------------------------------
-    def update_config(self, changes: dict[str, Any]) -> ConfigUpdate:
+    def update_config(self, changes: dict[str, Any], source: str = "UpdateConfig") -> ConfigUpdate:
         """Apply ``changes`` (field name → value) to the live settings, all or nothing.
 
         ``InvalidArgument`` naming the field and value, with the old config kept, for an unknown
-        field, a field that is not live (budgets and the rest are fixed at start), a value out of
-        range, or a policy the daemon cannot run (``belady``). A policy switch keeps every
+        field, a field that is not live (sizes and resources fixed at start), a value out of
+        range or not finite, a budget above its ceiling, or a policy the daemon cannot run
+        (``belady``). A policy switch keeps every
         resident expert resident and every pin (``Residency.set_policy``).
         """
         with self._config_lock:
             try:
-                new = self._validated(changes)
+                new = self._validated(changes, source)
+                device_limit, host_limit = self._budget_slots(new)
                 policy = None
                 if new.eviction_policy != self.config.eviction_policy:
                     policy = device_policy(new.eviction_policy, self.manifest, self.residency.signals)
             except InvalidArgument as exc:
-                logger.warning("config update %s refused, config unchanged: %s", changes, exc)
+                logger.warning("config update from %s refused, config unchanged: %s", source, exc)
                 raise
             changed = tuple(f for f in LIVE_FIELDS if getattr(new, f) != getattr(self.config, f))
+            if "device_budget_bytes" in changed:
+                evicted = self.residency.set_slot_limit(device_limit)
+                logger.info("device budget %d slots (%d evicted)", device_limit, evicted)
+            if "host_budget_bytes" in changed:
+                evicted = self.host.set_limit(host_limit)
+                logger.info("host budget %d slots (%d evicted)", host_limit, evicted)
             if policy is not None:
                 self.residency.set_policy(policy)
             self.residency.signals.config = signals_config(new)
@@ -209,7 +225,7 @@ class CacheDaemon:
                 logger.info("config updated: %s", ", ".join(f"{f}={getattr(new, f)!r}" for f in changed))
             return ConfigUpdate(new, changed)
 
-    def _validated(self, changes: dict[str, Any]) -> DaemonConfig:
+    def _validated(self, changes: dict[str, Any], source: str) -> DaemonConfig:
         names = {f.name for f in dataclasses.fields(DaemonConfig)}
         for name, value in changes.items():
             if name not in names:
@@ -220,18 +236,41 @@ class CacheDaemon:
                     f"at start; restart the daemon); live fields: {', '.join(LIVE_FIELDS)}"
                 )
         new = dataclasses.replace(self.config, **changes)
-        validate(new)  # InvalidArgument naming the field, its value and the allowed range
+        validate(new, source)  # InvalidArgument naming the field, its value and the allowed range
         return new
 
-    def reload(self, fresh: DaemonConfig) -> ConfigUpdate:
-        """Adopt the live fields of ``fresh`` (the config loaded again, e.g. on SIGHUP after the
-        ConfigMap changed); a change to any other field refuses the whole reload."""
-        changes = {
-            f.name: getattr(fresh, f.name)
-            for f in dataclasses.fields(DaemonConfig)
-            if getattr(fresh, f.name) != getattr(self.config, f.name)
-        }
-        return self.update_config(changes)
+    def _budget_slots(self, new: DaemonConfig) -> tuple[int, int]:
+        """Device and host slots for ``new``'s budgets; ``InvalidArgument`` naming both values
+        when a budget is above its ceiling (the memory allocated at start)."""
+        blob = self.manifest.blob_bytes
+        out = []
+        for name, slots_allocated, least in (
+            ("device_budget_bytes", self.arena.num_slots, 1),
+            ("host_budget_bytes", self.host.num_slots, 0),
+        ):
+            value = getattr(new, name)
+            ceiling_name = name.replace("_bytes", "_max_bytes")
+            ceiling = self.budget_ceilings[name]
+            if value > ceiling:
+                raise InvalidArgument(
+                    f"config field {name!r} = {value} is above its ceiling {ceiling_name} = {ceiling} "
+                    f"(memory allocated at start; {ceiling_name} = 0 makes the starting {name} the "
+                    f"ceiling): raise {ceiling_name} and restart the daemon to grow further"
+                )
+            slots = min(value // blob, slots_allocated)  # the store may hold fewer blobs
+            if slots < least or (value and not slots):
+                raise BudgetTooSmall(
+                    f"config field {name!r} = {value} is smaller than one expert blob (blob_bytes={blob})"
+                )
+            out.append(slots)
+        return out[0], out[1]
+
+    def reload(self, fresh: DaemonConfig, source: str = "the config file") -> ConfigUpdate:
+        """Adopt the live fields of ``fresh`` (the config loaded again after the ConfigMap
+        changed, already validated whole). A changed restart-only field is logged as a warning
+        naming it and left unapplied (it takes effect at the next start)."""
+        changes = live_changes(DaemonConfig, self.config, fresh, source)
+        return self.update_config(changes, source)
 
     @classmethod
     def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
@@ -240,14 +279,26 @@ class CacheDaemon:
         manifest = read_manifest(config.store_dir)
         manifest_json = (Path(config.store_dir) / MANIFEST_NAME).read_text()
         blob = manifest.blob_bytes
-        num_slots = slots_for_budget(
+        # The arena and the host pool are allocated at their ceilings (restart-only); the live
+        # budgets choose how many of their slots the cache fills.
+        device_slots = slots_for_budget(
             config.device_budget_bytes, blob, "device_budget_bytes", cap=manifest.num_blobs
         )
-        host_slots = (
+        num_slots = device_slots
+        if config.device_budget_max_bytes:
+            num_slots = slots_for_budget(
+                config.device_budget_max_bytes, blob, "device_budget_max_bytes", cap=manifest.num_blobs
+            )
+        host_in_use = (
             slots_for_budget(config.host_budget_bytes, blob, "host_budget_bytes", cap=manifest.num_blobs)
             if config.host_budget_bytes
             else 0
         )
+        host_slots = host_in_use
+        if config.host_budget_max_bytes:
+            host_slots = slots_for_budget(
+                config.host_budget_max_bytes, blob, "host_budget_max_bytes", cap=manifest.num_blobs
+            )
         # Pinned host memory and a CPU arena's tmpfs pages cannot be reclaimed: they must fit in
         # the container's memory limit, or the container is OOM-killed later under load.
         arena_in_host_memory = resolve_device(config.device) == "cpu"
@@ -285,6 +336,7 @@ class CacheDaemon:
                 config=signals_config(config),
                 layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
             )
+            host.set_limit(host_in_use)
             residency = Residency(
                 manifest,
                 arena,
@@ -300,6 +352,7 @@ class CacheDaemon:
                 max_inflight_bytes=config.max_inflight_bytes,
                 prefetch_config=prefetch_config(config),
             )
+            residency.set_slot_limit(device_slots)
         except BaseException:
             if table is not None:
                 _remove(table.path)
@@ -308,15 +361,17 @@ class CacheDaemon:
                     part.close()
             raise
         logger.info(
-            "daemon %s: %s model %s, %d MoE layers x %d experts of %d bytes; arena %d slots, host %d slots, "
-            "store reads %s",
+            "daemon %s: %s model %s, %d MoE layers x %d experts of %d bytes; arena %d of %d slots, "
+            "host %d of %d slots, store reads %s",
             daemon_id,
             manifest.model_type,
             manifest.model_id,
             len(manifest.moe_layers),
             manifest.num_experts,
             blob,
+            device_slots,
             num_slots,
+            host_in_use,
             host_slots,
             store.io_mode,
         )
@@ -372,7 +427,7 @@ class CacheDaemon:
             tiers=(
                 # Device hits include the pins compute took through the slot table (no Demand).
                 tier_stats(Tier.DEVICE, r.num_slots, r.resident, extra_hits=r.shm_hits),
-                tier_stats(Tier.HOST, self.host.num_slots, self.host.resident_count()),
+                tier_stats(Tier.HOST, self.host.limit, self.host.resident_count()),
                 tier_stats(Tier.STORE, num_blobs, num_blobs),
             ),
             pinned=r.pinned,

@@ -18,7 +18,7 @@ import threading
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
 from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
 
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         help="same as --force-routing-path",
     )
     args = parser.parse_args(argv)
+    if args.print_config_schema:
+        print_config_schema(ComputeConfig, ENV_PREFIX)
+        return 0
     try:
         config = load_config(
             ComputeConfig, cli=cli_values(args, ComputeConfig), env_prefix=ENV_PREFIX, file=args.config_file

@@ -336,7 +336,9 @@ class ComputeConfig:
     on until they finish or this many seconds pass, and only those still running then are
     stopped (UNAVAILABLE). The chart sets the pod's terminationGracePeriodSeconds above it."""
 
-    log_level: str = field(default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES})
+    log_level: str = field(
+        default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES, "upper": True}
+    )
     """Level of the root logger."""
 
     def check(self) -> None:

@@ -6,7 +6,9 @@ field) or the address cannot be bound, 1 on an unexpected error.
 An unreachable Redis at start is *not* fatal: the predictor starts degraded (logged, counted
 in GetStats ``store_errors``/``store_degraded``), predicts from memory, and catches up when Redis
 answers — a Kubernetes Deployment should come up and report rather than crash-loop on its
-dependency. With the embedded store (no ``redis_url``) the collection is loaded from
+dependency. SIGHUP, a change of ``--config-file`` (its directory is watched) or of the ConfigMap
+``config_map_name`` (Kubernetes API) applies the live fields (``expertcache.live_config``); an
+invalid change is refused whole and logged, and the running config stays. With the embedded store (no ``redis_url``) the collection is loaded from
 ``embedded_path`` at start and saved there (atomically) on SIGTERM/SIGINT.
 """
 
@@ -28,8 +30,9 @@ import threading
 from pathlib import Path
 
 from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config
+from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
+from expertcache.live_config import LiveConfig
 from expertcache.logs import setup_logging
 from expertcache.prom import serve
 from expertcache.security import ServerSecurity, redact_url
@@ -41,6 +44,7 @@ from predictor_svc.store import RedisOptions, open_store
 
 logger = logging.getLogger("predictor_svc")
 
+CONFIG_MAP_KEY = "predictor.yaml"  # the ConfigMap key holding this service's config file
 STOP_GRACE_S = 1.0  # Observe/SubscribeHints streams live as long as their clients: waiting gains nothing
 
 
@@ -64,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_config_schema:
+        print_config_schema(PredictorConfig, ENV_PREFIX)
+        return 0
     try:
         config = load_config(
             PredictorConfig,
@@ -114,8 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
+    live = LiveConfig(
+        PredictorConfig,
+        cli=cli_values(args, PredictorConfig),
+        env_prefix=ENV_PREFIX,
+        config_file=args.config_file,
+        apply=lambda fresh, origin: service.reload(fresh, origin),
+        config_map_name=config.config_map_name,
+        config_map_key=CONFIG_MAP_KEY,
+        service="expertcache-predictor",
+    )
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Applied by the reload thread, outside the signal handler.
+    signal.signal(signal.SIGHUP, lambda *_: live.trigger(f"file {args.config_file} (SIGHUP)"))
 
     server = None
     try:
@@ -143,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         health_servicer.enter_graceful_shutdown()
     finally:
+        live.close()
         service.close()  # ends hint streams, last insert attempt
         if server is not None:
             server.stop(STOP_GRACE_S).wait()

@@ -141,6 +141,7 @@ class PredictorConfig:
     eamc_capacity: int = field(
         default=512,
         metadata={
+            "live": True,
             "help": "Entries per model in the EAMC; when full a new EAM replaces the most similar.",
             "min": 1,
             "max": 1_000_000,
@@ -151,6 +152,7 @@ class PredictorConfig:
     hint_top_n: int = field(
         default=8,
         metadata={
+            "live": True,
             "help": "Hinted experts per layer and token (highest scores first).",
             "min": 1,
             "max": 4096,
@@ -160,13 +162,14 @@ class PredictorConfig:
 
     min_score: float = field(
         default=0.05,
-        metadata={"help": "Hints scoring below this are not sent.", "min": 0.0, "max": 1.0},
+        metadata={"live": True, "help": "Hints scoring below this are not sent.", "min": 0.0, "max": 1.0},
     )
     """Score threshold in [0, 1]: a hint below it is noise to the prefetcher."""
 
     match_top_n: int = field(
         default=16,
         metadata={
+            "live": True,
             "help": "EAMC entries (most similar first) that a prediction mixes.",
             "min": 1,
             "max": 100_000,
@@ -177,6 +180,7 @@ class PredictorConfig:
     max_live_requests: int = field(
         default=4096,
         metadata={
+            "live": True,
             "help": "Live requests tracked; the least recently active is dropped beyond it.",
             "min": 1,
             "max": 10_000_000,
@@ -188,6 +192,7 @@ class PredictorConfig:
     live_request_ttl_s: float = field(
         default=600.0,
         metadata={
+            "live": True,
             "help": "Seconds without activity after which a live request is dropped (EAM not inserted).",
             "min": 0.1,
             "max": 86400.0 * 7,
@@ -198,13 +203,18 @@ class PredictorConfig:
 
     min_request_tokens: int = field(
         default=1,
-        metadata={"help": "Finished requests with fewer tokens are not inserted into the EAMC.", "min": 1},
+        metadata={
+            "live": True,
+            "help": "Finished requests with fewer tokens are not inserted into the EAMC.",
+            "min": 1,
+        },
     )
     """A request of fewer observed tokens carries too little routing to be a useful entry."""
 
     sync_interval_s: float = field(
         default=1.0,
         metadata={
+            "live": True,
             "help": "Seconds between EAMC syncs with the store (and retries of failed inserts).",
             "min": 0.01,
             "max": 3600.0,
@@ -215,6 +225,7 @@ class PredictorConfig:
     max_pending_inserts: int = field(
         default=1024,
         metadata={
+            "live": True,
             "help": "Finished EAMs kept for retry while the store is down; oldest dropped beyond.",
             "min": 1,
             "max": 1_000_000,
@@ -363,9 +374,19 @@ class PredictorConfig:
 
     log_level: str = field(
         default="INFO",
-        metadata={"help": "Logging level.", "choices": LOG_LEVELS},
+        metadata={"help": "Logging level.", "choices": LOG_LEVELS, "upper": True},
     )
     """Level of the root logger."""
+
+    config_map_name: str = field(
+        default="",
+        metadata={
+            "help": "ConfigMap to watch through the Kubernetes API (namespace from POD_NAMESPACE); "
+            "its predictor.yaml key is applied live. Empty: only --config-file is watched."
+        },
+    )
+    """With permission to get/list/watch ConfigMaps, changes arrive at once (the kubelet refreshes
+    a mounted ConfigMap only every minute or so). A refused change posts a Warning Event on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "log_level", str(self.log_level).upper())

@@ -21,12 +21,21 @@ of its ``top_n`` most similar entries, so it stays in [0, 1].
 Matching cost (why two stages): the exact scan reads every row in float32 (30 MB at 10 K entries
 of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict`` first scans an
 int8 copy of the rows (each row quantised with its own scale when it is upserted; one integer
-matrix product, ``torch._int_mm``, over the layers seen so far: 7.7 MB), takes the
+pass over the layers seen so far, 7.7 MB, by the first-stage scan below), takes the
 ``candidates(top_n)`` best by that approximate cosine (a partial top-k, no sort), and rescores
 only those exactly in float32 before choosing the ``top_n``. The quantisation error of a cosine
 is about 1e-3, far below the gap between the best matches and the rest, so the chosen entries
 and their weights are the exact ones unless a true top-``n`` entry ranks below the candidates
 (``bench.predict_bench`` counts how often: it prints the agreement with the exact scan).
+
+First-stage scans (``EamcIndex.scan``, from ``SCANS``): ``native`` (the default where the native
+core has it) is ``expertcache._native.int8_topk`` (csrc/src/int8_scan.cc): the int8 dots with
+AVX-512 VNNI or AVX2 as the CPU offers, the ranking and a bounded top-C in one pass over the
+rows, which it reads in place. ``numpy`` is the same ranking by ``torch._int_mm`` and
+``torch.topk``, what runs when the native core lacks the kernel. Both rank by the same float32
+score, so they pick the same candidates except where scores tie at the C-th place (the kernel
+keeps the lower row, ``torch.topk`` either). ``exact`` skips the first stage and scans every row
+in float32: the reference the benchmark compares the others with.
 """
 
 from __future__ import annotations
@@ -41,11 +50,21 @@ from predictor_svc.eam import EamShape, decode_eam, encode_eam
 from predictor_svc.errors import Conflict, CorruptEntry, StoreUnavailable
 from predictor_svc.store.base import EamcStore
 
+try:  # the native core's int8 scan; an install without it (or an older build) uses numpy
+    from expertcache import _native
+
+    _NATIVE_INT8_TOPK = getattr(_native, "int8_topk", None)
+except ImportError:  # pragma: no cover - an install without its build
+    _NATIVE_INT8_TOPK = None
+
 logger = logging.getLogger(__name__)
 
 CANDIDATE_FACTOR = 4  # entries rescored exactly per query: CANDIDATE_FACTOR * top_n, at least ...
 MIN_CANDIDATES = 32  # ... this many
 QUERY_CHUNK = 32  # queries of a batch rescored together (bounds the gathered rows' memory)
+# The first-stage scans an index can use (module docstring), and the default one.
+SCANS = ("native", "numpy", "exact")
+DEFAULT_SCAN = "native" if _NATIVE_INT8_TOPK is not None else "numpy"
 
 
 def block_normalise(eams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +79,9 @@ def block_normalise(eams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class EamcIndex:
     """Pre-normalised rows of one model's EAMC entries, for matching. Not thread-safe (Eamc locks)."""
 
-    def __init__(self, shape: EamShape, initial_rows: int = 64) -> None:
+    def __init__(self, shape: EamShape, initial_rows: int = 64, scan: str = DEFAULT_SCAN) -> None:
         self.shape = shape
+        self.scan = scan
         width = shape.layers * shape.experts
         self._rows = np.zeros((max(1, initial_rows), width), dtype=np.float32)  # [cap, L*E]
         # The same rows in int8, each scaled by 127 / its largest value (q8 * qscale ~ row):
@@ -78,6 +98,22 @@ class EamcIndex:
         self._ids: list[str] = []
         self._pos: dict[str, int] = {}
         self._mean: np.ndarray | None = None  # the collection's mean frequencies, until it changes
+
+    @property
+    def scan(self) -> str:
+        """The first-stage scan of ``predict`` (one of ``SCANS``); settable."""
+        return self._scan
+
+    @scan.setter
+    def scan(self, name: str) -> None:
+        if name not in self._FIRST_STAGES and name != "exact":
+            raise ValueError(f"unknown EAMC scan {name!r}: use one of {', '.join(SCANS)}")
+        if name == "native" and _NATIVE_INT8_TOPK is None:
+            raise ValueError(
+                "EAMC scan 'native': this build of expertcache._native has no int8_topk "
+                "(rebuild it with `make install`), use 'numpy'"
+            )
+        self._scan = name
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -249,24 +285,21 @@ class EamcIndex:
         qflat = qn.reshape(len(q), width)  # [T, width] float32
         q_nonempty = (qnorms > 0).sum(axis=1).astype(np.float32)  # [T]
         c = self.candidates(k)
-        if n <= c:  # small collection: the exact scan is the cheapest
+        if n <= c or self._scan == "exact":  # a small collection: the exact scan is the cheapest
             dots = qflat @ self._rows[:n, :width].T  # [T, N]
             denom = np.sqrt(q_nonempty[:, None] * self._nonempty[:n, layers][None, :])
             sims = np.divide(dots, denom, out=np.zeros_like(dots), where=denom > 0)
             best = np.argsort(-sims, axis=1, kind="stable")[:, :k]
             return best, np.take_along_axis(sims, best, axis=1)
-        rows8 = torch.from_numpy(self._q8[:n, :width])  # a strided view: the seen layers' columns
-        rank = torch.from_numpy(self._rank[:n, layers])  # [N]
+        first_stage = self._FIRST_STAGES[self._scan]
         best_out = np.empty((len(q), k), np.int64)
         sims_out = np.empty((len(q), k), np.float32)
         for lo in range(0, len(q), QUERY_CHUNK):
             hi = min(lo + QUERY_CHUNK, len(q))
             qc = qflat[lo:hi]
             top = qc.max(axis=1, keepdims=True)
-            q8 = torch.from_numpy(np.rint(qc * (127.0 / np.where(top > 0, top, 1.0))).astype(np.int8))
-            idots = torch._int_mm(q8, rows8.t())  # [t, N] int32: exact integer dot products
-            # Approximate cosine up to a positive factor per query: enough to rank the entries.
-            cand = torch.topk(idots * rank, c, dim=1).indices.numpy()  # [t, C]: a partial top-k
+            q8 = np.rint(qc * (127.0 / np.where(top > 0, top, 1.0))).astype(np.int8)  # [t, width] in [0, 127]
+            cand = first_stage(self, q8, n, layers, c)  # [t, C] rows
             exact = np.einsum("tcw,tw->tc", self._rows[cand, :width], qc)  # [t, C] float32
             d = np.sqrt(q_nonempty[lo:hi, None] * self._nonempty[cand, layers])
             exact = np.divide(exact, d, out=np.zeros_like(exact), where=d > 0)
@@ -274,6 +307,24 @@ class EamcIndex:
             best_out[lo:hi] = np.take_along_axis(cand, pick, axis=1)
             sims_out[lo:hi] = np.take_along_axis(exact, pick, axis=1)
         return best_out, sims_out
+
+    # First stages: q8 int8 [t, width] -> the c rows [t, c] int64 with the highest approximate
+    # cosine, int8 dot * rank[:, layers] (the rows' own scale over their norm over ``layers``).
+    def _candidates_native(self, q8: np.ndarray, n: int, layers: int, c: int) -> np.ndarray:
+        width = layers * self.shape.experts
+        # Column slices read in place: the seen layers' int8 columns and the rank column.
+        cand, _scores = _NATIVE_INT8_TOPK(q8, self._q8[:n, :width], self._rank[:n, layers], c)
+        return cand
+
+    def _candidates_numpy(self, q8: np.ndarray, n: int, layers: int, c: int) -> np.ndarray:
+        width = layers * self.shape.experts
+        rows8 = torch.from_numpy(self._q8[:n, :width])  # a strided view: the seen layers' columns
+        rank = torch.from_numpy(self._rank[:n, layers])  # [N]
+        idots = torch._int_mm(torch.from_numpy(q8), rows8.t())  # [t, N] int32: exact integer dots
+        # Approximate cosine up to a positive factor per query: enough to rank the entries.
+        return torch.topk(idots * rank, c, dim=1).indices.numpy()  # [t, C]: a partial top-k
+
+    _FIRST_STAGES = {"native": _candidates_native, "numpy": _candidates_numpy}
 
     def _mean_frequencies(self) -> np.ndarray:
         """float32 [L, E]: the mean over every entry of its expert frequencies (cached)."""

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from expertcache import telemetry
+from expertcache.live_config import live_changes
 from predictor_svc.config import MODEL_ID_RE, PredictorConfig
 from predictor_svc.eam import HEADER_BYTES, EamShape
 from predictor_svc.eamc import Eamc
@@ -965,6 +966,25 @@ class PredictorService:
             was, self._degraded = self._degraded, False
         if was:
             logger.warning("EAMC store is back")
+
+    # -- live configuration ------------------------------------------------------------------
+    def reload(self, fresh: PredictorConfig, origin: str) -> tuple[str, ...]:
+        """Adopt the live fields of ``fresh`` (validated whole already; a changed restart-only
+        field is logged and left out); returns the fields changed. A smaller ``eamc_capacity``
+        keeps the entries already stored: the collection stops growing, and each new insert
+        replaces its most similar entry."""
+        changes = live_changes(PredictorConfig, self.config, fresh, origin)
+        if not changes:
+            return ()
+        with self._lock:
+            new = dataclasses.replace(self.config, **changes)
+            self.config = new
+            self._prediction_config = _prediction_config(new)
+            for model in self._models.values():
+                model.eamc.capacity = new.eamc_capacity
+        self._wake.set()  # the sync loop picks up sync_interval_s and the live-request bounds now
+        logger.info("config updated from %s: %s", origin, ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+        return tuple(changes)
 
     # -- stats and lifecycle -----------------------------------------------------------------
     def stats(self) -> ServiceStats:

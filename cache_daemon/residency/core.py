@@ -206,7 +206,31 @@ class Residency:
 
     @property
     def num_slots(self) -> int:
-        return self._arena.num_slots
+        """Slots the cache may fill now (the live device budget; the arena may have more)."""
+        return self.slots.limit
+
+    def set_slot_limit(self, limit: int) -> int:
+        """Change how many of the arena's slots the cache may fill (the live device budget).
+
+        Shrinking evicts the experts the policy ranks last until the rest fits; a pinned or
+        loading expert is never evicted under its reader: its slot is reclaimed by later
+        admissions once it is released. Growing lets more stay resident. Every expert that
+        still fits stays. Returns how many were evicted now."""
+        if not 1 <= limit <= self._arena.num_slots:
+            raise ValueError(f"slot limit must be in [1, {self._arena.num_slots}], got {limit}")
+        evicted = 0
+        with self._cond:
+            self.slots.limit = limit
+            self.sync_recency()
+            excess = self.slots.used - limit
+            if excess > 0:
+                for victim in self._policy.choose_victims(excess, self.slots.evictable):
+                    if self.slots.try_evict(victim):
+                        self._evicted(victim)
+                        evicted += 1
+            self._cond.notify_all()
+            self._prefetcher.kick()
+        return evicted
 
     @property
     def table(self) -> SlotTable:
@@ -464,10 +488,12 @@ class Residency:
         its ``DataLoss`` in every Acquire waiting for it.
         """
         experts = [int(e) for e in experts]
-        if len(experts) > self.num_slots:
+        # Compute sizes its waves by the arena (Attach's num_slots), not by the live budget.
+        arena_slots = self._arena.num_slots
+        if len(experts) > arena_slots:
             raise BadAcquire(
-                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {self.num_slots} "
-                f"slots: acquire them in waves of at most {self.num_slots} (release each wave first)"
+                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {arena_slots} "
+                f"slots: acquire them in waves of at most {arena_slots} (release each wave first)"
             )
         seen: set[int] = set()
         keys = []
@@ -559,10 +585,11 @@ class Residency:
         """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
         wanted = set(keys)
         held_elsewhere = len(set(session.held) - wanted)
-        if held_elsewhere + len(keys) > self.num_slots:
+        if held_elsewhere + len(keys) > self._arena.num_slots:
             raise BadAcquire(
                 f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
-                f"{held_elsewhere} other experts and the arena has {self.num_slots} slots; release them first"
+                f"{held_elsewhere} other experts and the arena has {self._arena.num_slots} slots; release them "
+                "first"
             )
         self.sync_recency()
         slots = self.slots
@@ -573,11 +600,20 @@ class Residency:
             key for key, ld in zip(keys, loads, strict=True) if ld is None and not slots.is_resident(key)
         ]
         refused: set[ExpertKey] = set()  # victims whose try_evict lost to a compute shm pin
-        while (need := len(missing) - slots.free) > 0:
+
+        while (need := len(missing) - slots.free_for(len(missing))) > 0:
             victims = self._policy.choose_victims(
                 need, lambda k: k not in wanted and k not in refused and slots.evictable(k)
             )
             if len(victims) < need:
+                if slots.limit < slots.num_slots and len(missing) <= slots.unbudgeted_free:
+                    # Below a shrunk budget everything evictable is gone and pins (compute's
+                    # own, often) hold the rest: demand beats the budget and takes arena slots
+                    # beyond it rather than wait on its own pins; later admissions evict back.
+                    for victim in victims:
+                        if slots.try_evict(victim):
+                            self._evicted(victim)
+                    break
                 # Short of slots: queued prefetches give way. A cancelled one frees its slot now,
                 # or once the chunks its read already issued land; the admission is retried.
                 if self._cancel_prefetches(need - len(victims), wanted):

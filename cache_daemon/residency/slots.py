@@ -41,6 +41,9 @@ class Slots:
         self.num_slots = num_slots
         self.num_experts = num_experts
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # Slots that may be in use at once (the live device budget); the arena has num_slots.
+        # Above it (after a shrink) no slot is free until enough entries have left.
+        self.limit = num_slots
 
     # -- keys ------------------------------------------------------------------------------------
     def index(self, key: ExpertKey) -> int:
@@ -73,7 +76,25 @@ class Slots:
 
     @property
     def free(self) -> int:
+        """Slots a load may take now: free ones, within ``limit``."""
+        return max(0, self.limit - self.used)
+
+    @property
+    def unbudgeted_free(self) -> int:
+        """Free slots of the arena, ignoring ``limit``."""
         return len(self._free)
+
+    def free_for(self, n: int) -> int:
+        """Slots a demand for ``n`` new experts may take now. A demand wider than ``limit``
+        (compute sizes its waves by the arena, not by the live budget) may overshoot it by what
+        it needs, after everything else is evicted: demand beats the budget, and later
+        admissions evict back below it."""
+        return min(len(self._free), max(0, max(self.limit, n) - self.used))
+
+    @property
+    def used(self) -> int:
+        """Slots some entry names, or held back for a late copy."""
+        return self.num_slots - len(self._free)
 
     def occupied(self) -> dict[int, tuple[ExpertKey, SlotState]]:
         """slot → (key, state) of every slot in use (one pass over the table)."""

@@ -119,6 +119,7 @@ class HostTier(MemoryTier):
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
+        self.limit = num_slots  # slots that may be in use at once (the live host budget)
         self.blob_bytes = blob_bytes
         self._policy = policy
         self._metrics = metrics
@@ -256,8 +257,20 @@ class HostTier(MemoryTier):
 
     def _take_slot_locked(self) -> int | None:
         assert self._pool is not None
-        if self._pool.num_free:
+        # Above the limit (a shrink met pinned experts): shed unpinned ones first.
+        while self._pool.num_slots - self._pool.num_free > self.limit:
+            victim = self._evict_locked()
+            if victim is None:
+                return None
+            self._pool.free(victim)
+        if self._pool.num_free and self._pool.num_slots - self._pool.num_free < self.limit:
             return self._pool.alloc()  # lowest free index first
+        if self.limit == 0:
+            return None
+        return self._evict_locked()
+
+    def _evict_locked(self) -> int | None:
+        """Evict the policy's first unpinned victim; its slot, or None when all are pinned."""
         victims = self._policy.choose_victims(1, lambda k: self._pins.get(k, 0) == 0)
         if not victims:
             return None
@@ -266,6 +279,26 @@ class HostTier(MemoryTier):
         self._policy.on_remove(victim)
         self._metrics.evictions.inc(tier=Tier.HOST.value)
         return slot
+
+    def set_limit(self, limit: int) -> int:
+        """Change how many slots may be in use (the live host budget, at most ``num_slots``).
+        Shrinking evicts the unpinned experts the policy ranks last until the rest fits (a
+        pinned one leaves when a later put needs its slot); returns how many were evicted."""
+        if not 0 <= limit <= self.num_slots:
+            raise ValueError(f"host slot limit must be in [0, {self.num_slots}], got {limit}")
+        evicted = 0
+        with self._lock:
+            self.limit = limit
+            if self._pool is None:
+                return 0
+            excess = (self._pool.num_slots - self._pool.num_free) - limit
+            if excess > 0:
+                for victim in self._policy.choose_victims(excess, lambda k: self._pins.get(k, 0) == 0):
+                    self._pool.free(self._slot_of.pop(victim))
+                    self._policy.on_remove(victim)
+                    self._metrics.evictions.inc(tier=Tier.HOST.value)
+                    evicted += 1
+        return evicted
 
     def remove(self, key: ExpertKey) -> bool:
         with self._lock:

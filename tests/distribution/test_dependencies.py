@@ -30,6 +30,9 @@ PROVIDES = {
     "redis": {"redis"},
     "pyyaml": {"yaml"},
     "tqdm": {"tqdm"},
+    "pydantic": {"pydantic"},
+    "watchfiles": {"watchfiles"},
+    "kubernetes": {"kubernetes"},
     # One namespace package for all of OpenTelemetry's distributions.
     "opentelemetry-api": {"opentelemetry"},
     "opentelemetry-sdk": {"opentelemetry"},

@@ -458,13 +458,19 @@ def test_policy_switch_at_runtime_loses_nothing(lone):
         ),
         (
             dict(device_budget_bytes=1 << 20),
-            r"config field 'device_budget_bytes' = 1048576 cannot change while",
+            r"config field 'device_budget_bytes' = 1048576 is above its ceiling device_budget_max_bytes = 12388",
         ),
         (
-            dict(host_budget_bytes=0),
-            r"config field 'host_budget_bytes' = 0 cannot change while the daemon runs",
+            dict(host_budget_bytes=1 << 20),
+            r"config field 'host_budget_bytes' = 1048576 is above its ceiling host_budget_max_bytes = 16384",
+        ),
+        (
+            dict(device_budget_bytes=100),
+            r"config field 'device_budget_bytes' = 100 is smaller than one expert blob \(blob_bytes=4096\)",
         ),
         (dict(hint_stale_s=0.0), r"config field 'hint_stale_s' = 0.0 is below its minimum 0.001"),
+        (dict(hint_stale_s=float("nan")), r"'hint_stale_s' = nan from UpdateConfig is not a finite number"),
+        (dict(hint_stale_s=float("inf")), r"'hint_stale_s' = inf from UpdateConfig is not a finite number"),
         (
             dict(prefetch_horizon_layers=0),
             r"config field 'prefetch_horizon_layers' = 0 is below its minimum 1",
@@ -575,9 +581,14 @@ def test_sighup_reloads_live_fields_and_refuses_the_rest(tmp_path):
         assert not d.stats().config.prefetch
         config.write_text("eviction_policy: moe-infinity\nio_threads: 2\n")  # io_threads is not live
         d.proc.popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: "config reload refused" in d.proc.log())
-        assert "config field 'io_threads' = 2 cannot change while the daemon runs" in d.proc.log()
-        assert d.stats().config.eviction_policy == "lfu"
+        wait_for(lambda: d.stats().config.eviction_policy == "moe-infinity")
+        assert "config field 'io_threads' changed in file" in d.proc.log()
+        assert "applies only at start: not applied until the service restarts" in d.proc.log()
+        config.write_text("eviction_policy: fifo\n")  # invalid: refused whole
+        d.proc.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: "refused, the running config stays" in d.proc.log())
+        assert "'eviction_policy' = 'fifo' is not one of" in d.proc.log()
+        assert d.stats().config.eviction_policy == "moe-infinity"
         # A ConfigMap volume changes the file with no signal: the daemon notices by itself.
         config.write_text("eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
         wait_for(lambda: d.stats().config.eviction_policy == "activation-aware")

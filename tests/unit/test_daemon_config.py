@@ -15,6 +15,7 @@ from cache_daemon.daemon import CacheDaemon
 from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
+from expertcache.keys import ExpertKey
 
 
 def load(cli=None, env=None, file=None) -> DaemonConfig:
@@ -193,13 +194,14 @@ def test_live_update_applies_whole_or_not_at_all(tmp_path):
         update = daemon.update_config(
             {"eviction_policy": "moe-infinity", "prefetch": False, "hint_ttl_tokens": 5, "hint_stale_s": 2.0}
         )
-        assert update.changed == ("eviction_policy", "prefetch", "hint_stale_s", "hint_ttl_tokens")
+        assert update.changed == ("eviction_policy", "prefetch", "hint_ttl_tokens", "hint_stale_s")
         assert daemon.residency.policy.name == "moe-infinity" and not daemon.residency.prefetch_enabled
         assert daemon.residency.signals.config.hint_ttl_tokens == 5 and daemon.hints.stale_after_s == 2.0
         assert daemon.stats().config == update.config
         before = daemon.config
         with pytest.raises(
-            InvalidArgument, match=r"unknown config field 'device_budget'; live fields: eviction_policy"
+            InvalidArgument,
+            match=r"unknown config field 'device_budget'; live fields: device_budget_bytes, host_budget_bytes, eviction_policy",
         ):
             daemon.update_config({"prefetch": True, "device_budget": 5})
         with pytest.raises(InvalidArgument, match=r"'max_inflight_bytes' = -4 is below its minimum 0"):
@@ -211,11 +213,122 @@ def test_live_update_applies_whole_or_not_at_all(tmp_path):
         )
         assert reloaded.changed == ("eviction_policy", "max_inflight_bytes")
         assert daemon.residency.stats().inflight_bytes == 0 and daemon.residency.policy.name == "lfu"
-        # ... and refuses the whole reload when another field changed.
+        # ... and leaves a changed restart-only field unapplied (logged as a warning).
+        reloaded = daemon.reload(dataclasses.replace(daemon.config, io_threads=7, prefetch=True))
+        assert reloaded.changed == ("prefetch",)
+        assert daemon.config.io_threads == before.io_threads and daemon.config.prefetch
+    finally:
+        daemon.close()
+
+
+def test_live_budgets_shrink_and_grow_within_their_ceilings(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)  # 12 blobs of 4 KiB
+    daemon = CacheDaemon.start(
+        daemon_config(
+            store,
+            tmp_path,
+            device_budget_bytes=4 * 4096,
+            device_budget_max_bytes=8 * 4096,
+            host_budget_bytes=2 * 4096,
+            host_budget_max_bytes=4 * 4096,
+            prefetch=False,  # residency changes only through the acquires below
+        )
+    )
+    try:
+        assert (daemon.arena.num_slots, daemon.residency.num_slots) == (8, 4)
+        assert (daemon.host.num_slots, daemon.host.limit) == (4, 2)
+        session = daemon.residency.open_session("t")
+        keys = [(1, e) for e in range(4)]
+        for layer, expert in keys:
+            list(daemon.residency.acquire(session, layer, [expert]))
+            daemon.residency.release(session, [ExpertKey(layer, expert)])
+        assert daemon.residency.stats().resident == 4
+        # Shrink: two evicted now, two kept.
+        update = daemon.update_config({"device_budget_bytes": 2 * 4096, "host_budget_bytes": 4096})
+        assert update.changed == ("device_budget_bytes", "host_budget_bytes")
+        assert daemon.residency.stats().resident == 2 and daemon.residency.num_slots == 2
+        assert daemon.host.limit == 1 and daemon.host.resident_count() <= 1
+        # Compute sized its waves by the arena (8 slots): a wave wider than the budget is still
+        # admitted (demand beats the budget), and the next admission evicts back below it.
+        wide = [ExpertKey(3, e) for e in range(4)]
+        assert len(list(daemon.residency.acquire(session, 3, [k.expert for k in wide]))) == 4
+        daemon.residency.release(session, wide)
+        assert daemon.residency.stats().resident == 4
+        list(daemon.residency.acquire(session, 1, [5]))
+        daemon.residency.release(session, [ExpertKey(1, 5)])
+        assert daemon.residency.stats().resident == 2
+        # Grow up to the ceiling: more stay resident.
+        daemon.update_config({"device_budget_bytes": 8 * 4096})
+        for layer in (1, 3):
+            for expert in range(6):
+                list(daemon.residency.acquire(session, layer, [expert]))
+                daemon.residency.release(session, [ExpertKey(layer, expert)])
+        assert daemon.residency.stats().resident == 8
+        # Above the ceiling: refused naming both values, nothing changed.
         with pytest.raises(
-            InvalidArgument, match=r"config field 'io_threads' = 7 cannot change while the daemon runs"
+            InvalidArgument,
+            match=r"'device_budget_bytes' = 36864 is above its ceiling device_budget_max_bytes = 32768",
         ):
-            daemon.reload(dataclasses.replace(daemon.config, io_threads=7, prefetch=True))
-        assert daemon.config.io_threads == before.io_threads and not daemon.config.prefetch
+            daemon.update_config({"device_budget_bytes": 9 * 4096, "prefetch": True})
+        with pytest.raises(
+            InvalidArgument, match=r"'host_budget_bytes' = 100 is smaller than one expert blob"
+        ):
+            daemon.update_config({"host_budget_bytes": 100})
+        assert daemon.residency.num_slots == 8 and not daemon.config.prefetch and daemon.host.limit == 1
+        daemon.residency.close_session(session)
+    finally:
+        daemon.close()
+
+
+def test_budget_ceiling_below_the_budget_is_refused_at_start():
+    with pytest.raises(
+        InvalidArgument,
+        match=r"'device_budget_bytes' = 8192 is above its ceiling device_budget_max_bytes = 4096",
+    ):
+        load(cli={"store_dir": "/s", "device_budget_bytes": 8192, "device_budget_max_bytes": 4096})
+
+
+def test_starting_budget_is_the_ceiling_by_default(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    daemon = CacheDaemon.start(daemon_config(store, tmp_path, device_budget_bytes=3 * 4096))
+    try:
+        assert daemon.arena.num_slots == 3
+        daemon.update_config({"device_budget_bytes": 2 * 4096})
+        daemon.update_config({"device_budget_bytes": 3 * 4096})  # back up to the start: allowed
+        with pytest.raises(
+            InvalidArgument,
+            match=r"'device_budget_bytes' = 16384 is above its ceiling device_budget_max_bytes = 12288",
+        ):
+            daemon.update_config({"device_budget_bytes": 4 * 4096})
+        with pytest.raises(InvalidArgument, match=r"'host_budget_bytes' = 4096 is above its ceiling"):
+            daemon.update_config({"host_budget_bytes": 4096})  # no host tier was allocated
+    finally:
+        daemon.close()
+
+
+def test_a_demand_under_a_shrunk_budget_is_not_held_up_by_pins(tmp_path):
+    """Budget 1 slot, one expert pinned by the same stream: a 1-expert demand would wait forever
+    for that pin inside the budget; it takes an arena slot beyond it instead."""
+    store = tmp_path / "store"
+    write_store(store)
+    daemon = CacheDaemon.start(
+        daemon_config(
+            store, tmp_path, device_budget_bytes=4 * 4096, device_budget_max_bytes=4 * 4096, prefetch=False
+        )
+    )
+    try:
+        session = daemon.residency.open_session("t")
+        list(daemon.residency.acquire(session, 1, [0]))  # pinned, kept
+        daemon.update_config({"device_budget_bytes": 4096})
+        got = list(daemon.residency.acquire(session, 1, [1], timeout_s=2.0))
+        assert [r.key for r in got] == [ExpertKey(1, 1)]
+        assert daemon.residency.stats().resident == 2  # one over the budget while both are pinned
+        daemon.residency.release(session, [ExpertKey(1, 0), ExpertKey(1, 1)])
+        list(daemon.residency.acquire(session, 3, [2]))
+        daemon.residency.release(session, [ExpertKey(3, 2)])
+        assert daemon.residency.stats().resident == 1  # back within the budget
+        daemon.residency.close_session(session)
     finally:
         daemon.close()

@@ -7,7 +7,8 @@ DataLoss): no other exception (a crash) and no example past its deadline (a hang
   ``prepare`` on whatever decoded, and on structured requests with extreme values;
 - the manifest loader: arbitrary bytes, arbitrary JSON, and valid manifests with one value
   replaced by arbitrary JSON;
-- config loading: arbitrary strings for every numeric field of the compute config.
+- config loading: arbitrary strings for every numeric field of the compute config;
+- EAM entries as the store hands them back: arbitrary bytes, and valid entries mutated.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +29,8 @@ from compute_svc.server import request_from_pb
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
 from expertcache.manifest import StoreManifest
+from predictor_svc.eam import EamShape, add_token, decode_eam, encode_eam, new_eam
+from predictor_svc.errors import CorruptEntry
 from tests.unit.test_manifest_hostile import valid_raw
 
 FUZZ = settings(
@@ -167,3 +171,41 @@ def test_fuzz_config_numbers(name, value):
         return
     number = getattr(config, name)
     assert number == number and number not in (float("inf"), float("-inf"))
+
+
+# -- EAM entries (what Redis or the embedded file hands the predictor back) -------------------
+EAM_SHAPE = EamShape(layers=3, experts=8, top_k=2)
+
+
+def _valid_entry() -> bytes:
+    eam = new_eam(EAM_SHAPE)
+    add_token(eam, np.array([[0, 1], [2, 3], [7, 4]]))
+    return encode_eam(eam, 1)
+
+
+def _decode(blob: bytes) -> None:
+    try:
+        eam, tokens = decode_eam(blob, EAM_SHAPE)
+    except CorruptEntry as exc:
+        assert str(exc)  # a refusal always says why
+        return
+    assert eam.shape == (EAM_SHAPE.layers, EAM_SHAPE.experts) and eam.dtype == np.uint32
+    assert 0 <= tokens <= 0xFFFFFFFF
+
+
+@FUZZ
+@given(blob=st.binary(max_size=256))
+def test_fuzz_eam_entry_bytes(blob):
+    _decode(blob)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_eam_entry_mutated(data):
+    """A valid entry with bytes flipped, truncated or extended: decoded whole or refused."""
+    blob = bytearray(_valid_entry())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob) + 8))
+    _decode(bytes(blob[:cut]) + bytes(max(0, cut - len(blob))))

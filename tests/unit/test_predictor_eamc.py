@@ -430,3 +430,46 @@ def test_embedded_file_of_the_first_format_still_loads(tmp_path):
     path = tmp_path / "old.bin"
     path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
     assert EmbeddedStore.load_file(path).models() == {}
+
+
+@pytest.mark.parametrize("layers_seen", [1, 3, 4])
+def test_every_first_stage_scan_gives_the_same_match(layers_seen):
+    # The native int8 kernel, its numpy fallback and the exact scan choose the same entries, with
+    # the same exact weights, on a collection larger than the candidates.
+    from predictor_svc.eamc import DEFAULT_SCAN, SCANS
+
+    rng = np.random.default_rng(21)
+    index = EamcIndex(SHAPE)
+    entries = np.stack([random_eam(rng, tokens=int(rng.integers(5, 60))) for _ in range(500)])
+    index.upsert_many([f"e{i}" for i in range(500)], entries, entries.sum(2).max(1) // 2)
+    queries = np.stack([random_eam(rng, tokens=4) for _ in range(12)])
+    queries[:, layers_seen:] = 0
+    available = [s for s in SCANS if s != "native" or DEFAULT_SCAN == "native"]
+    got = {}
+    for scan in available:
+        index.scan = scan
+        best, sims = index.best_matches(queries, layers_seen, 8)
+        order = np.argsort(-sims, axis=1, kind="stable")
+        got[scan] = (np.take_along_axis(best, order, axis=1), np.take_along_axis(sims, order, axis=1))
+    for scan in available:
+        assert_allclose(got[scan][1], got["exact"][1], rtol=1e-6, atol=1e-7)
+        assert np.array_equal(np.sort(got[scan][0], axis=1), np.sort(got["exact"][0], axis=1)), scan
+
+
+def test_scan_names_are_checked():
+    from predictor_svc import eamc
+
+    with pytest.raises(ValueError, match=r"unknown EAMC scan 'fast': use one of native, numpy, exact"):
+        EamcIndex(SHAPE, scan="fast")
+    index = EamcIndex(SHAPE, scan="numpy")
+    assert index.scan == "numpy"
+    if eamc.DEFAULT_SCAN == "native":  # the build has the kernel: it is the default
+        assert EamcIndex(SHAPE).scan == "native"
+
+
+def test_native_scan_refused_without_the_kernel(monkeypatch):
+    from predictor_svc import eamc
+
+    monkeypatch.setattr(eamc, "_NATIVE_INT8_TOPK", None)
+    with pytest.raises(ValueError, match=r"has no int8_topk .* use 'numpy'"):
+        EamcIndex(SHAPE, scan="native")
