@@ -152,7 +152,11 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, collector):
             ("expertcache-predictor", "publish_hints"),
             ("expertcache-daemon", "apply_hints"),
         }
-        return wanted <= names and spans
+        # Each service exports in its own batches: wait until every parent has arrived too.
+        ids = {sp.span_id for _, sp in spans}
+        orphans = [sp for _, sp in spans if sp.parent_span_id and sp.parent_span_id not in ids]
+        roots = [sp for sp in orphans if sp.name == "/moe.inference.v1.Inference/Generate"]
+        return wanted <= names and orphans == roots and spans
 
     spans = wait_for(complete, "one trace with spans of compute, daemon and predictor")
     by_id = {s.span_id: (svc, s) for svc, s in spans}
