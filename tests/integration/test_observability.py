@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 import threading
 import urllib.request
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,6 +36,7 @@ PROMPT = list(range(5, 30))
 NEW_TOKENS = 6
 POD = "pod-obs"
 REQUEST_ID = "obs-1"
+REPO = Path(__file__).resolve().parents[2]
 wait_for = functools.partial(waiting.wait_for, timeout_s=60.0, poll_s=0.2)
 
 
@@ -300,3 +305,30 @@ def test_compute_logs_one_json_line_per_request_with_its_trace(stack, collector)
     )
     assert entry["trace_id"] == generate.trace_id.hex()
     assert entry["span_id"] == generate.span_id.hex()
+
+
+def test_make_demo_exports_its_spans_from_the_environment_alone(collector, tmp_path):
+    """``OTEL_EXPORTER_OTLP_ENDPOINT=… OTEL_TRACES_EXPORTER=otlp make demo``: nothing else set, the
+    demo's generation reaches the collector as one trace of the three services."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=collector.endpoint)
+    done = subprocess.run(
+        [sys.executable, "-m", "expertcache.demo", "--data-dir", str(tmp_path), "--max-new-tokens", "4"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+    def demo_trace():
+        spans = collector.trace_of("demo")
+        services = {svc for svc, _ in spans}
+        return services >= {"expertcache-compute", "expertcache-daemon", "expertcache-predictor"} and spans
+
+    spans = wait_for(demo_trace, "the demo's trace with spans of compute, daemon and predictor")
+    names = {s.name for _, s in spans}
+    # Per-layer spans (moe_layer, acquire) follow the default trace_layer_ratio (0.05) and may be
+    # absent from 4 tokens; the request's own spans are always there.
+    assert {"Generate", "step", "observe", "publish_hints"} <= names, names
