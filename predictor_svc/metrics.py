@@ -29,7 +29,9 @@ Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports
 ``/metrics`` (``expertcache.prom``, ``registry``) shows these very counters, gauges read from the
 stats at scrape time (``moe_predictor_eamc_entries{model}``, ``moe_predictor_live_requests``,
 ``moe_predictor_inserts_pending``, ``moe_predictor_subscribers``, ``moe_predictor_store_degraded``)
-and the histogram ``moe_predictor_match_duration_seconds`` (one prediction).
+and the histograms ``moe_predictor_match_duration_seconds`` (one prediction) and
+``moe_predictor_store_round_trip_seconds{op}`` (one Redis call: insert, load, changes, register,
+models, count; the embedded store has no round trip).
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ class PredictorMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=None,
         )
+        self.store_round_trip = Histogram(
+            "moe_predictor_store_round_trip_seconds",
+            "Time of one round trip to the EAMC store (Redis), by operation.",
+            ("op",),
+            buckets=LATENCY_BUCKETS_S,
+            registry=None,
+        )
         self.refused = Counter(
             "moe_predictor_refused_total",
             "Registrations, activations and subscriptions refused, by reason.",
@@ -156,4 +165,5 @@ def registry(service: PredictorService) -> Registry:
     reg = Registry()
     reg.add(CountersCollector(service.metrics.counters, lambda: _gauges(service)))
     reg.add(service.metrics.match_duration)
+    reg.add(service.metrics.store_round_trip)
     return reg

@@ -387,6 +387,10 @@ class PredictorService:
         self.config = config
         self.store = store
         self.metrics = metrics or PredictorMetrics()
+        if hasattr(store, "round_trip"):  # a store over the network (Redis): time its calls
+            store.round_trip = lambda op, seconds: self.metrics.store_round_trip.labels(op=op).observe(
+                seconds
+            )
         self._clock = clock
         self._prediction_config = _prediction_config(config)
         self._lock = threading.Lock()  # models, live requests, subscribers, pending inserts
