@@ -353,6 +353,98 @@ class ProcessSystem:
             self.daemon = None
 
 
+# -- tracing costs ---------------------------------------------------------------------------------
+# Tracing off; on with the default trace_layer_ratio (ComputeConfig); on with every layer traced.
+TRACING_MODES = (("off", None), ("on-default-ratio", None), ("on-full", "1.0"))
+
+
+class _SpanSink:
+    """An in-process OTLP trace receiver (a real gRPC server) that counts the spans it is sent."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        sink = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802 - gRPC method name
+                sink.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.spans = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.endpoint = f"http://127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+def tracing_costs(store: Path, manifest: StoreManifest, args: argparse.Namespace, budget: int) -> int:
+    """``ours`` three times side by side (tracing off, on at the default layer ratio, on at full
+    sampling), started together and taking turns request by request, so that the machine's other
+    load falls on all three alike."""
+    sink = _SpanSink()
+    keys = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO")  # fmt: skip
+    saved = {k: os.environ.get(k) for k in keys}
+    systems: dict[str, ProcessSystem] = {}
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="e2e-tracing-", dir=args.data_dir) as tmp:
+            try:
+                for mode, ratio in TRACING_MODES:  # the environment at start decides a process's tracing
+                    for key in keys:
+                        os.environ.pop(key, None)
+                    if mode != "off":
+                        os.environ.update(
+                            OTEL_TRACES_EXPORTER="otlp",
+                            OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint,
+                            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                        )
+                    if ratio is not None:
+                        os.environ["EXPERTCACHE_COMPUTE_TRACE_LAYER_RATIO"] = ratio
+                    systems[mode] = ProcessSystem("ours", store, manifest, Path(tmp) / mode, args, budget)
+                for proc in systems.values():
+                    proc.begin()
+                before = sink.spans
+                spans = dict.fromkeys(systems, 0)
+                for r in range(args.requests):
+                    for mode, proc in systems.items():
+                        before = sink.spans
+                        proc.measure(0, r)
+                        spans[mode] += sink.spans - before  # exports lag a little: approximate
+                for mode, proc in systems.items():
+                    result = proc.finish()
+                    result.update(summarise(result))
+                    result["spans_exported"] = spans[mode]
+                    results[mode] = result
+                    say(f"[tracing {mode}] p50 {fmt(result['p50_s'] and result['p50_s'] * 1e3, '.1f')} ms")
+            finally:
+                for proc in systems.values():
+                    proc.stop()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        sink.server.stop(0)
+    off = results["off"]["p50_s"]
+    say("")
+    say(f"{'tracing':<18}{'p50 ms':>10}{'p99 ms':>10}{'vs off':>8}{'spans':>8}")
+    for mode, _ in TRACING_MODES:
+        r = results[mode]
+        rel = r["p50_s"] / off if off and r["p50_s"] else None
+        say(f"{mode:<18}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.2f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.2f'):>10}"
+            f"{fmt(rel, '>8.3f'):>8}{r['spans_exported']:>8}")  # fmt: skip
+    out = args.out.with_name(args.out.stem + "-tracing.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"tokens": args.tokens, "requests": args.requests, "modes": results}, indent=1))
+    say(f"wrote {out}")
+    return 0
+
+
 # -- accelerate ------------------------------------------------------------------------------------
 def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_bytes: int) -> dict:
     offload = work / "offload"
@@ -658,6 +750,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress-every", type=int, default=8)
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of compute and of accelerate")
+    parser.add_argument(
+        "--tracing-costs",
+        action="store_true",
+        help="instead of the systems: ours with tracing off, on at the default layer ratio, on at full "
+        "sampling (OTLP/gRPC to an in-process receiver); prints the per-token p50 of each",
+    )
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
@@ -724,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         "page cache: store read with O_DIRECT (checked below); accelerate's offload folder + checkpoint "
         "posix_fadvise(DONTNEED) after load and after every token; compute's dense file after start-up"
     )
+
+    if args.tracing_costs:
+        return tracing_costs(store, manifest, args, budget)
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:

@@ -23,11 +23,15 @@ from pathlib import Path
 
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
 from cache_daemon.daemon import DETACH_GRACE_S, CacheDaemon
+from cache_daemon.metrics import registry as metrics_registry
 from cache_daemon.server import SERVICE_NAME, create_server
+from expertcache import telemetry
 from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
 from expertcache.live_config import LiveConfig
+from expertcache.logs import setup_logging
 from expertcache.paths import RUNTIME_DIR, ensure_private_dir
+from expertcache.prom import serve
 
 logger = logging.getLogger("cache_daemon")
 
@@ -60,12 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     except ExpertCacheError as exc:
         print(f"cache_daemon: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
+    try:
+        telemetry.setup("expertcache-daemon")
+    except ExpertCacheError as exc:
+        print(f"cache_daemon: invalid tracing environment: {exc}", file=sys.stderr)
+        return 2
 
     try:
         daemon = CacheDaemon.start(config)
     except (ExpertCacheError, OSError) as exc:
         logger.error("cannot start: %s", exc)
+        return 2
+
+    try:
+        metrics_server = serve(
+            metrics_registry(daemon), config.metrics_address, config.metrics_port, "daemon"
+        )
+    except OSError as exc:
+        logger.error("cannot start: %s", exc)
+        daemon.close()
         return 2
 
     if config.predictor_address:
@@ -124,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         daemon.close()
         if server is not None:  # a failed bind must not remove another process's socket
             socket_path.unlink(missing_ok=True)
+        if metrics_server is not None:
+            metrics_server.close()
+        telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
 

@@ -221,6 +221,26 @@ class DaemonConfig:
     )
     """A request whose hints have not changed for this long is dropped from the board (live)."""
 
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
+    )
+    """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
+
+    metrics_address: str = field(
+        default="127.0.0.1", metadata={"help": "address the /metrics endpoint binds (0.0.0.0 in a pod)"}
+    )
+    """Loopback by default: only what runs beside the service can scrape it."""
+
+    log_format: str = field(
+        default="auto",
+        metadata={
+            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
+            "choices": ("auto", "json", "text"),
+        },
+    )
+    """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
+
     log_level: str = field(
         default="INFO",
         metadata={"help": "Logging level.", "choices": LOG_LEVELS, "upper": True},

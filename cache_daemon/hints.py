@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from expertcache import telemetry
 from expertcache.grpc_client import (
     RECONNECT_CHANNEL_OPTIONS,
     RECONNECT_INITIAL_S,
@@ -193,6 +194,24 @@ class HintSubscriber:
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()
 
+    def _apply_traced(self, pb: predictor_pb2.HintBatch) -> None:
+        """An ``apply_hints`` span under the predictor's publish_hints (HintBatch.trace_context),
+        which is in the trace of the request that caused the hints; linked to it too."""
+        parent = telemetry.extract(pb.trace_context)
+        with telemetry.tracer().start_as_current_span(
+            "apply_hints",
+            context=parent,
+            kind=telemetry.SpanKind.CONSUMER,
+            links=telemetry.link_to(parent),
+            attributes={
+                "expertcache.request_id": pb.request_id,
+                "expertcache.token_index": pb.token_index,
+                "expertcache.hints": len(pb.hints),
+                "expertcache.request_done": pb.request_done,
+            },
+        ):
+            self.board.apply(batch_from_pb(pb))
+
     def _run(self) -> None:
         backoff = RECONNECT_INITIAL_S
         healthy = True  # the last stream worked: the next failure starts an outage (logged once)
@@ -229,7 +248,10 @@ class HintSubscriber:
                             logger.info("predictor %s: hint stream restored", self.address)
                         healthy = True
                         backoff = RECONNECT_INITIAL_S
-                    self.board.apply(batch_from_pb(pb))
+                    if telemetry.ENABLED and pb.trace_context:
+                        self._apply_traced(pb)
+                    else:
+                        self.board.apply(batch_from_pb(pb))
                 reason = "stream ended"
             except grpc.RpcError as exc:
                 if self._stop.is_set():

@@ -30,15 +30,32 @@ name                                       labels  meaning
 
 Gauges (resident experts, pinned experts) are not counters: they are read from the tiers when
 stats are taken, never kept twice.
+
+``/metrics`` (``expertcache.prom``, ``registry``) shows these very counters, with the per-tier
+ones (hits, misses, bytes in, evictions) exactly as ``GetStats`` reports them (device hits
+include the pins compute took through the shared slot table), and adds gauges read at scrape
+time (``moe_cache_capacity_slots``, ``moe_cache_resident_slots``, ``moe_cache_pinned_slots``,
+``moe_cache_inflight_bytes``, ``moe_cache_reader_queued``, ``moe_cache_reader_in_flight``,
+``moe_cache_hint_requests``) and the histograms ``moe_cache_acquire_wait_seconds`` (one
+Acquire, arrival to AcquireDone) and ``moe_cache_acquire_experts`` (experts per Acquire).
 """
 
 from __future__ import annotations
 
-from expertcache.counters import Counter, render_text
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import Histogram
+
+from expertcache.counters import Counter
+from expertcache.prom import LATENCY_BUCKETS_S, CountersCollector, Gauge, Registry
+
+if TYPE_CHECKING:
+    from cache_daemon.daemon import CacheDaemon
 
 TIERS = ("device", "host", "store")
 
-__all__ = ["TIERS", "Counter", "DaemonMetrics", "render_text"]
+__all__ = ["TIERS", "Counter", "DaemonMetrics", "registry"]
 
 
 class DaemonMetrics:
@@ -81,6 +98,19 @@ class DaemonMetrics:
         self.signals = Counter(
             "moe_cache_signals_total", "One-way prediction messages received from compute.", ("kind",)
         )
+        # Histograms (not in GetStats): registered in the /metrics registry by ``registry``.
+        self.acquire_wait = Histogram(
+            "moe_cache_acquire_wait_seconds",
+            "Time from an Acquire's arrival to its AcquireDone.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=None,
+        )
+        self.acquire_experts = Histogram(
+            "moe_cache_acquire_experts",
+            "Experts named by one Acquire.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=None,
+        )
 
     def counters(self) -> list[Counter]:
         return [
@@ -100,6 +130,73 @@ class DaemonMetrics:
             self.signals,
         ]
 
-    def render_text(self) -> str:
-        """The counters in the Prometheus text exposition format."""
-        return render_text(self.counters())
+    def tier_counters(self) -> tuple[Counter, ...]:
+        """The per-tier counters, which ``/metrics`` takes from the stats (as GetStats reports them)."""
+        return (self.hits, self.misses, self.bytes_in, self.evictions)
+
+
+_TIER_COUNTERS = (
+    ("moe_cache_hits", "Experts served from each tier.", "hits"),
+    ("moe_cache_misses", "Experts looked up in a tier and not found.", "misses"),
+    ("moe_cache_bytes_in", "Bytes copied into each tier.", "bytes_in"),
+    ("moe_cache_evictions", "Experts evicted from each tier.", "evictions"),
+)
+
+
+class _DaemonCollector(CountersCollector):
+    def __init__(self, daemon: CacheDaemon) -> None:
+        metrics = daemon.metrics
+        per_tier = {id(c) for c in metrics.tier_counters()}
+        super().__init__(lambda: [c for c in metrics.counters() if id(c) not in per_tier], self._gauges)
+        self._daemon = daemon
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._daemon.stats()
+        for name, help_text, attr in _TIER_COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=("tier",))
+            for t in stats.tiers:
+                family.add_metric([t.tier.value], getattr(t, attr))
+            yield family
+        self._stats = stats
+        yield from super().collect()
+
+    def _gauges(self) -> list[Gauge]:
+        stats = self._stats
+        gauges = [Gauge("moe_cache_pinned_slots", "Device slots pinned by compute now.", stats.pinned)]
+        for t in stats.tiers:
+            if t.tier.value == "store":
+                continue
+            labels = {"tier": t.tier.value}
+            gauges.append(Gauge("moe_cache_capacity_slots", "Slots of each tier.", t.capacity_slots, labels))
+            gauges.append(
+                Gauge("moe_cache_resident_slots", "Experts resident in each tier now.", t.resident, labels)
+            )
+        daemon = self._daemon
+        gauges.append(
+            Gauge(
+                "moe_cache_inflight_bytes",
+                "Bytes of every expert load in flight.",
+                daemon.residency.inflight_bytes,
+            )
+        )
+        reader = daemon.store.reader_stats()
+        gauges.append(Gauge("moe_cache_reader_queued", "Store read chunks queued.", reader.get("queued", 0)))
+        gauges.append(
+            Gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0))
+        )
+        if stats.hints is not None:
+            gauges.append(
+                Gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests)
+            )
+        return gauges
+
+
+def registry(daemon: CacheDaemon) -> Registry:
+    """The daemon's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
+    reg = Registry()
+    reg.add(_DaemonCollector(daemon))
+    reg.add(daemon.metrics.acquire_wait)
+    reg.add(daemon.metrics.acquire_experts)
+    return reg

@@ -25,6 +25,7 @@ from cache_daemon.hints import HintStats
 from cache_daemon.residency import ClientLedger, Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
+from expertcache import telemetry
 from expertcache.errors import InvalidArgument
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.keys import ExpertKey
@@ -212,6 +213,7 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         self, request_iterator: Iterator[cache_pb2.DemandRequest], context: grpc.ServicerContext
     ) -> Iterator[cache_pb2.DemandResponse]:
         residency = self._daemon.residency
+        metrics = self._daemon.metrics
         session = residency.open_session(context.peer())
         # A cancelled stream may be blocked inside an Acquire: closing the session wakes it.
         context.add_callback(lambda: residency.close_session(session))
@@ -226,9 +228,15 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                 if kind == "acquire":
                     acquire = request.acquire
                     start = time.monotonic()
-                    for ready in residency.acquire(session, acquire.decoder_layer, acquire.experts):
-                        yield ready_to_pb(acquire.ticket, ready)
-                    yield done_to_pb(acquire.ticket, time.monotonic() - start)
+                    if telemetry.ENABLED and acquire.trace_context:
+                        yield from self._traced_acquire(session, acquire)
+                    else:
+                        for ready in residency.acquire(session, acquire.decoder_layer, acquire.experts):
+                            yield ready_to_pb(acquire.ticket, ready)
+                    elapsed = time.monotonic() - start
+                    metrics.acquire_wait.observe(elapsed)
+                    metrics.acquire_experts.observe(len(acquire.experts))
+                    yield done_to_pb(acquire.ticket, elapsed)
                 elif kind == "release":
                     residency.release(session, [key_from_pb(ref) for ref in request.release.experts])
                 elif kind in ("route", "layer_ahead"):
@@ -265,6 +273,69 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                     )
         finally:
             residency.close_session(session)
+
+    def _traced_acquire(self, session, acquire: cache_pb2.Acquire) -> Iterator[cache_pb2.DemandResponse]:
+        """An Acquire whose compute span sent its trace context: an ``acquire`` span under it, a
+        ``fetch`` span per expert that was not resident (its tier, bytes, whether and by which
+        signal it was prefetched) and a ``wait`` span until the last of them was ready."""
+        tracer = telemetry.tracer()
+        parent = telemetry.extract(acquire.trace_context)
+        started_ns = time.time_ns()
+        span = tracer.start_span(
+            "acquire",
+            context=parent,
+            kind=telemetry.SpanKind.SERVER,
+            start_time=started_ns,
+            attributes={
+                "expertcache.layer": acquire.decoder_layer,
+                "expertcache.experts": list(acquire.experts),
+            },
+        )
+        ctx = telemetry.context_of(span)
+        blob_bytes = self._daemon.manifest.blob_bytes
+        hits = prefetch_hits = moved = 0
+        last_ns = None
+        try:
+            for ready in self._daemon.residency.acquire(session, acquire.decoder_layer, acquire.experts):
+                if ready.source is Tier.DEVICE:
+                    hits += 1
+                    prefetch_hits += bool(ready.prefetch)
+                else:
+                    last_ns = time.time_ns()
+                    moved += blob_bytes
+                    prefetch_hits += bool(ready.prefetch)
+                    tracer.start_span(
+                        "fetch",
+                        context=ctx,
+                        start_time=started_ns,
+                        attributes={
+                            "expertcache.layer": ready.key.layer,
+                            "expertcache.expert": ready.key.expert,
+                            "expertcache.tier": ready.source.value,
+                            "expertcache.bytes": blob_bytes,
+                            "expertcache.prefetch_hit": bool(ready.prefetch),
+                            "expertcache.prefetch_kind": ready.prefetch,
+                        },
+                    ).end(end_time=last_ns)
+                yield ready_to_pb(acquire.ticket, ready)
+            if last_ns is not None:
+                tracer.start_span(
+                    "wait",
+                    context=ctx,
+                    start_time=started_ns,
+                    attributes={"expertcache.wait_s": (last_ns - started_ns) / 1e9},
+                ).end(end_time=last_ns)
+        finally:
+            span.set_attributes(
+                {
+                    "expertcache.device_hits": hits,
+                    "expertcache.misses": len(acquire.experts) - hits,
+                    "expertcache.prefetch_hits": prefetch_hits,
+                    "expertcache.bytes_moved": moved,
+                    "expertcache.wait_s": (time.time_ns() - started_ns) / 1e9,
+                }
+            )
+            span.end()
 
     def GetStats(
         self, request: cache_pb2.GetStatsRequest, context: grpc.ServicerContext

@@ -17,8 +17,10 @@ import sys
 import threading
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
+from expertcache import telemetry
 from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
+from expertcache.logs import setup_logging
 
 EXIT_START_FAILED = 2
 logger = logging.getLogger("compute_svc")
@@ -52,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExpertCacheError as exc:
         print(f"compute_svc: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_START_FAILED
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
+    try:
+        telemetry.setup("expertcache-compute")
+    except ExpertCacheError as exc:
+        print(f"compute_svc: invalid tracing environment: {exc}", file=sys.stderr)
+        return EXIT_START_FAILED
 
     from compute_svc.server import ComputeServer  # torch and transformers load here, after the config
 
@@ -65,10 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    try:
+        server.start()
+    except OSError as exc:  # the metrics port cannot be bound
+        print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
+        server.stop()
+        return EXIT_START_FAILED
     stop.wait()
     logger.info("stopping: draining the streams in progress (up to %gs)", config.drain_timeout_s)
     server.stop(drain_timeout_s=config.drain_timeout_s)
+    telemetry.shutdown()
     return 0
 
 

@@ -155,6 +155,7 @@ class ActivationReporter:
         self._queued_tokens = 0
         self._reported: set[str] = set()  # requests with queued tokens and no end marker yet
         self._next_index: dict[str, int] = {}  # request → position after its last sent token
+        self._trace: dict[str, dict[str, str]] = {}  # traced request → its W3C trace context
         self._closing = False
         self._flush_deadline = 0.0
         # Counters (read with stats(); written under _cond or by the sender thread only).
@@ -193,17 +194,20 @@ class ActivationReporter:
             self._cond.notify()
 
     # -- stats ----------------------------------------------------------------------------------
-    def render(self) -> str:
-        """The reporter's counters in the Prometheus text format."""
+    def counter_values(self) -> dict[str, int]:
+        """The reporter's counters, by metric name (without ``_total``; ``compute_svc.metrics``)."""
         with self._cond:
-            return (
-                "# TYPE moe_compute_activations_sent_total counter\n"
-                f"moe_compute_activations_sent_total {self.sent_tokens}\n"
-                "# TYPE moe_compute_activations_dropped_total counter\n"
-                f"moe_compute_activations_dropped_total {self.dropped_tokens}\n"
-                "# TYPE moe_compute_predictor_outages_total counter\n"
-                f"moe_compute_predictor_outages_total {self.outages}\n"
-            )
+            return {
+                "moe_compute_activations_sent": self.sent_tokens,
+                "moe_compute_activations_dropped": self.dropped_tokens,
+                "moe_compute_predictor_outages": self.outages,
+            }
+
+    def set_trace_context(self, request_id: str, carrier: dict[str, str]) -> None:
+        """The request is traced: its activations carry ``carrier`` (W3C) so that the predictor's
+        spans join its trace (``expertcache.telemetry``). Forgotten at its end marker."""
+        with self._cond:
+            self._trace[request_id] = carrier
 
     @property
     def queued_tokens(self) -> int:
@@ -236,19 +240,25 @@ class ActivationReporter:
             if isinstance(item, _Done):
                 index = self._next_index.pop(item.request_id, 0)
                 self.requests_done += 1
-                yield predictor_pb2.Activation(
+                message = predictor_pb2.Activation(
                     request_id=item.request_id,
                     model_id=self.model_id,
                     pod=self.pod,
                     token_index=index,
                     request_done=True,
                 )
+                with self._cond:
+                    carrier = self._trace.pop(item.request_id, None)
+                if carrier:
+                    message.trace_context.update(carrier)
+                yield message
                 self._mark_connected()
                 continue
             rows = item.experts.reshape(item.experts.shape[0], -1).tolist()  # [T, L*K]
             layers = int(item.experts.shape[1])
+            carrier = self._trace.get(item.request_id) if self._trace else None
             for offset, row in enumerate(rows):
-                yield predictor_pb2.Activation(
+                message = predictor_pb2.Activation(
                     request_id=item.request_id,
                     model_id=self.model_id,
                     pod=self.pod,
@@ -258,6 +268,11 @@ class ActivationReporter:
                     num_moe_layers=layers,
                     num_experts=self.num_experts,
                 )
+                if carrier and offset == len(rows) - 1:
+                    # One traced activation per step (its last row): a long prompt's chunk makes
+                    # one predictor span, not one per prompt token.
+                    message.trace_context.update(carrier)
+                yield message
                 # gRPC asks for the next message once the previous one was written: the stream works.
                 self._mark_connected()
                 self.sent_tokens += 1

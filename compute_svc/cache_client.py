@@ -342,7 +342,12 @@ class DaemonClient:
         return self.attachment.num_slots
 
     def acquire(
-        self, layer: int, experts: Sequence[int], *, deadline: float | None = None
+        self,
+        layer: int,
+        experts: Sequence[int],
+        *,
+        deadline: float | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> Iterator[ReadyExpert]:
         """Pin ``experts`` of ``layer``; yields each as it becomes resident, ends at AcquireDone.
 
@@ -350,6 +355,7 @@ class DaemonClient:
         after ``acquire_timeout_s`` or at ``deadline`` (``time.monotonic()``: the step's requests
         are all past theirs), or ``Cancelled`` once ``interrupt`` was called in this step. Closing
         the iterator before its end drops the stream, which releases every pin of this process.
+        ``trace_context`` (W3C, from ``expertcache.telemetry``) travels in the Acquire: the daemon's spans join it.
         """
         experts = list(experts)
         hits: list[ReadyExpert] = []
@@ -361,11 +367,12 @@ class DaemonClient:
             misses = [e for e in experts if e not in pinned]
             ticket = next(self._tickets)
             if misses:
-                stream.send(
-                    cache_pb2.DemandRequest(
-                        acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
-                    )
+                request = cache_pb2.DemandRequest(
+                    acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
                 )
+                if trace_context:
+                    request.acquire.trace_context.update(trace_context)
+                stream.send(request)
         limit = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:

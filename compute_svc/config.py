@@ -293,6 +293,36 @@ class ComputeConfig:
     (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
     per depth. 0.9 at depth 1 is the trace replay's default model."""
 
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
+    )
+    """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
+
+    metrics_address: str = field(
+        default="127.0.0.1", metadata={"help": "address the /metrics endpoint binds (0.0.0.0 in a pod)"}
+    )
+    """Loopback by default: only what runs beside the service can scrape it."""
+
+    log_format: str = field(
+        default="auto",
+        metadata={
+            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
+            "choices": ("auto", "json", "text"),
+        },
+    )
+    """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
+
+    trace_layer_ratio: float = field(
+        default=0.05,
+        metadata={
+            "help": "share of traced steps whose MoE layers get spans (moe_layer, acquire)",
+            "min": 0.0,
+            "max": 1.0,
+        },
+    )
+    """Only with tracing on (``OTEL_*`` environment, ``expertcache.telemetry``): per-layer spans
+    of every step would cost more than the step; a sampled step's layers are all traced."""
     drain_timeout_s: float = field(
         default=30.0,
         metadata={

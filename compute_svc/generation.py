@@ -39,6 +39,7 @@ from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
 from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
 from compute_svc.sampling import Sampler, SamplingParams, check_sampling
+from expertcache import telemetry
 from expertcache.manifest import read_manifest
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ class PreparedRequest:
     request: GenerationRequest
     prompt_ids: tuple[int, ...]
     arrived_at: float = field(default_factory=time.perf_counter)
+    # The caller's trace context (the Generate RPC's span) when tracing is on; else None.
+    trace_parent: object = field(default=None, compare=False, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -196,6 +199,13 @@ class RunningRequest:
         self.text = ""  # generated text, kept only when stop strings need it
         self.last_event_at = prepared.arrived_at
         self.finish: FinishReason | None = None
+        # For the request's log line and span: cache activity of the steps it took part in
+        # (a step's counters are shared by its requests, as in TokenStats), time to first token.
+        self.hits = 0
+        self.misses = 0
+        self.stall_s = 0.0
+        self.ttft_s: float | None = None
+        self.span = None  # its Generate span while tracing is on and the request is sampled
 
     @property
     def request(self) -> GenerationRequest:
@@ -250,6 +260,9 @@ class GenerationEngine:
         )
         self.max_new_tokens_limit = self.limits.max_new_tokens
         self.metrics = metrics or ComputeMetrics()
+        self.model_id = ""  # names the model in spans and logs (set by build_engine)
+        # Steps whose MoE layers get spans (moe_layer, acquire) while tracing: trace_layer_ratio.
+        self.layer_sampler = telemetry.LayerSampler(0.05)
         # Routing capture (off unless enable_routing): each step's routing goes to the predictor's
         # reporter and/or the trace recorder, per request.
         self.routing_capture: RoutingCapture | None = None
@@ -322,6 +335,12 @@ class GenerationEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} exceeds "
                 f"{limits.max_total_tokens} (max_total_tokens, and the model's maximum positions): ask for fewer tokens"
             )
+        if telemetry.ENABLED:  # the Generate RPC's span (opentelemetry-instrumentation-grpc)
+            from opentelemetry import context as otel_context
+
+            return PreparedRequest(
+                request=request, prompt_ids=prompt_ids, trace_parent=otel_context.get_current()
+            )
         return PreparedRequest(request=request, prompt_ids=prompt_ids)
 
     def _prompt_ids(self, request: GenerationRequest) -> tuple[int, ...]:
@@ -390,6 +409,8 @@ class GenerationEngine:
             IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids),
             eos | frozenset(request.stop_token_ids),
         )
+        if telemetry.ENABLED:
+            self._start_span(seq, routing_id)
         self.runtime.begin_request(routing_id)
         logger.debug("request %r: %d prompt tokens", request.request_id, seq.prompt_tokens)
         return seq
@@ -404,16 +425,62 @@ class GenerationEngine:
         if self.recorder is not None:
             self.recorder.on_request_end(seq.routing_id, outcome)
         seq.kv = SequenceKV()
-        self.metrics.record_finish(outcome)
-        if outcome in {r.value for r in FinishReason}:
-            logger.info(
-                "request %r: %d prompt + %d generated tokens in %.3fs, finish %s",
-                seq.request.request_id,
-                seq.prompt_tokens,
-                seq.generated,
-                time.perf_counter() - seq.prepared.arrived_at,
-                outcome,
+        duration_s = time.perf_counter() - seq.prepared.arrived_at
+        self.metrics.record_finish(outcome, duration_s if seq.generated else None)
+        span, seq.span = seq.span, None
+        if span is not None:
+            span.set_attributes(
+                {
+                    "expertcache.generated_tokens": seq.generated,
+                    "expertcache.finish": outcome,
+                    "expertcache.hits": seq.hits,
+                    "expertcache.misses": seq.misses,
+                    "expertcache.stall_s": seq.stall_s,
+                }
             )
+            span.end()
+        # One line per finished request (fields also as structured extras for JSON logs).
+        fields = {
+            "request_id": seq.routing_id,
+            "prompt_tokens": seq.prompt_tokens,
+            "tokens": seq.generated,
+            "ttft_s": round(seq.ttft_s, 6) if seq.ttft_s is not None else None,
+            "duration_s": round(duration_s, 6),
+            "hits": seq.hits,
+            "misses": seq.misses,
+            "stall_s": round(seq.stall_s, 6),
+            "finish": outcome,
+        }
+        logger.info(
+            "request %s: %d prompt + %d generated tokens in %.3fs (ttft %s), hits %d, misses %d, finish %s",
+            seq.routing_id,
+            seq.prompt_tokens,
+            seq.generated,
+            duration_s,
+            f"{seq.ttft_s:.3f}s" if seq.ttft_s is not None else "-",
+            seq.hits,
+            seq.misses,
+            outcome,
+            extra={"request": fields, "span": span},
+        )
+
+    def _start_span(self, seq: RunningRequest, routing_id: str) -> None:
+        started_ns = time.time_ns() - int((time.perf_counter() - seq.prepared.arrived_at) * 1e9)
+        span = telemetry.tracer().start_span(
+            "Generate",
+            context=seq.prepared.trace_parent,
+            kind=telemetry.SpanKind.INTERNAL,
+            start_time=started_ns,
+            attributes={
+                "expertcache.model": self.model_id,
+                "expertcache.request_id": routing_id,
+                "expertcache.prompt_tokens": seq.prompt_tokens,
+            },
+        )
+        if span.is_recording():
+            seq.span = span
+            if self.reporter is not None:  # the predictor's spans join this request's trace
+                self.reporter.set_trace_context(routing_id, telemetry.inject(span))
 
     @torch.inference_mode()
     def step(
@@ -450,6 +517,7 @@ class GenerationEngine:
         if self.routing_capture is not None:
             self.routing_capture.begin()
         self.runtime.begin_step(step_segments, deadline=deadline)
+        step_span = self._start_step_span(plan) if telemetry.ENABLED else None
         failed = True
         try:
             with packed_forward(segments) as cache:
@@ -464,6 +532,9 @@ class GenerationEngine:
         finally:
             if failed:
                 self.runtime.end_step(failed=True)
+                if step_span is not None:
+                    self.runtime.trace_parent = None
+                    step_span.end()
         for seq, n in plan:
             seq.kv.commit(n)
             del seq.pending[:n]
@@ -478,10 +549,51 @@ class GenerationEngine:
         counters = self.runtime.reset_counters()
         stats = TokenStats(counters.hits, counters.misses, counters.stall_s)
         events = [(seq, _with_stats(event, stats)) for seq, event in events]
-        self.metrics.record_step(counters)
-        for _, event in events:
-            self.metrics.record_token(event.latency_s)
+        self.metrics.record_step(counters, len(plan), sum(n for _, n in plan))
+        for seq, _ in plan:
+            seq.hits += counters.hits
+            seq.misses += counters.misses
+            seq.stall_s += counters.stall_s
+        for seq, event in events:
+            self.metrics.record_token(event.latency_s, first=event.index == 0)
+            if event.index == 0:
+                seq.ttft_s = event.latency_s
+        if step_span is not None:
+            self.runtime.trace_parent = None
+            step_span.set_attributes(
+                {
+                    "expertcache.hits": counters.hits,
+                    "expertcache.misses": counters.misses,
+                    "expertcache.stall_s": counters.stall_s,
+                }
+            )
+            step_span.end()
         return events
+
+    def _start_step_span(self, plan: Sequence[tuple[RunningRequest, int]]):
+        """The step's span, under the Generate span of its first traced request and linked to the
+        others' (a batched step serves several requests); None when none of them is traced. A
+        share ``layer_sampler.ratio`` of the steps also get their MoE layers traced."""
+        traced = [seq for seq, _ in plan if seq.span is not None]
+        if not traced:
+            return None
+        first = traced[0]
+        span = telemetry.tracer().start_span(
+            "step",
+            context=telemetry.context_of(first.span),
+            links=[telemetry.Link(seq.span.get_span_context()) for seq in traced[1:]],
+            attributes={
+                "expertcache.model": self.model_id,
+                "expertcache.request_id": first.routing_id,
+                "expertcache.token_index": first.generated,
+                "expertcache.batch_requests": len(plan),
+                "expertcache.batch_tokens": sum(n for _, n in plan),
+                "expertcache.prefill": first.in_prefill,
+            },
+        )
+        if self.layer_sampler.sample():
+            self.runtime.trace_parent = telemetry.context_of(span)
+        return span
 
     def _emit(self, seq: RunningRequest, logits: torch.Tensor) -> TokenEvent:
         """Choose ``seq``'s next token from ``logits`` [V] and advance its text and stop state."""

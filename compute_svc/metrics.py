@@ -1,79 +1,129 @@
-"""Compute-service metrics: in-process counters, rendered in the Prometheus text format.
+"""Compute-service metrics, in a ``prometheus_client`` registry (``expertcache.prom``).
 
 Names carry their unit and no colons (STYLE.md):
 
-- ``moe_compute_tokens_total``                 generated tokens
-- ``moe_compute_token_latency_seconds``        per-token latency (``_sum`` / ``_count``)
-- ``moe_compute_expert_acquires_total{tier}``  experts used, by the tier they were found in
-- ``moe_compute_stall_seconds_total``          time spent waiting for experts
-- ``moe_compute_requests_total{finish_reason}`` finished requests (``error``, ``cancelled`` too)
-- ``moe_compute_queue_depth``                  requests waiting for a place in the batch
+- ``moe_compute_tokens_total``                   generated tokens
+- ``moe_compute_token_latency_seconds``          per-token latency (histogram)
+- ``moe_compute_time_to_first_token_seconds``    arrival to first token (histogram)
+- ``moe_compute_request_duration_seconds``       arrival to last token of requests that produced one
+- ``moe_compute_acquire_wait_seconds``           one wait for a MoE layer's experts (histogram)
+- ``moe_compute_step_batch_requests``            requests in one step (histogram)
+- ``moe_compute_expert_acquires_total{tier}``    experts used, by the tier they were found in
+- ``moe_compute_stall_seconds_total``            time spent waiting for experts
+- ``moe_compute_requests_total{finish_reason}``  finished requests (``error``, ``cancelled`` too)
+- ``moe_compute_queue_depth``                    requests waiting for a place in the batch
+- ``moe_compute_activations_sent_total`` / ``_dropped_total``, ``moe_compute_predictor_outages_total``
+  (the activation reporter's, when one runs)
+
+Tokens per second is ``rate(moe_compute_tokens_total[1m])``.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter, Gauge
+
+from expertcache.prom import BATCH_BUCKETS, REQUEST_BUCKETS_S, Registry
+
 if TYPE_CHECKING:
+    from compute_svc.activations import ActivationReporter
     from compute_svc.moe import CacheCounters
 
 
 class ComputeMetrics:
-    """Thread-safe counters shared by the worker (tokens) and gRPC threads (queue, requests)."""
+    """Thread-safe (``prometheus_client``'s own locking): written by the worker (tokens, steps)
+    and gRPC threads (queue, refused requests), read by the ``/metrics`` server."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.tokens_total = 0
-        self.token_latency_seconds_sum = 0.0
-        self.stall_seconds_total = 0.0
-        self.expert_acquires_total: Counter[str] = Counter()
-        self.requests_total: Counter[str] = Counter()
-        self.queue_depth = 0
+        self.registry = Registry()
+        r = self.registry.registry
+        self.tokens = Counter("moe_compute_tokens", "Generated tokens.", registry=r)
+        self.token_latency = self.registry.histogram(
+            "moe_compute_token_latency_seconds",
+            "Time from a request's previous token (or arrival) to a token.",
+        )
+        self.ttft = self.registry.histogram(
+            "moe_compute_time_to_first_token_seconds", "Time from a request's arrival to its first token."
+        )
+        self.request_duration = self.registry.histogram(
+            "moe_compute_request_duration_seconds",
+            "Time from a request's arrival to its end (requests that produced a token).",
+            REQUEST_BUCKETS_S,
+        )
+        self.acquire_wait = self.registry.histogram(
+            "moe_compute_acquire_wait_seconds", "Time one MoE layer waited for its experts (one acquire)."
+        )
+        self.batch_requests = self.registry.histogram(
+            "moe_compute_step_batch_requests", "Requests advanced together in one step.", BATCH_BUCKETS
+        )
+        self.expert_acquires = Counter(
+            "moe_compute_expert_acquires",
+            "Experts used, by the tier they were found in.",
+            ["tier"],
+            registry=r,
+        )
+        self.stall_seconds = Counter(
+            "moe_compute_stall_seconds", "Time spent waiting for experts.", registry=r
+        )
+        self.requests = Counter(
+            "moe_compute_requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
+        )
 
-    def record_token(self, latency_s: float) -> None:
-        with self._lock:
-            self.tokens_total += 1
-            self.token_latency_seconds_sum += latency_s
+    def record_token(self, latency_s: float, *, first: bool = False) -> None:
+        self.tokens.inc()
+        self.token_latency.observe(latency_s)
+        if first:
+            self.ttft.observe(latency_s)
 
-    def record_step(self, counters: CacheCounters) -> None:
+    def record_step(self, counters: CacheCounters, batch_requests: int = 1, batch_tokens: int = 1) -> None:
         """One forward's expert cache activity (shared by the requests of the step)."""
-        with self._lock:
-            self.stall_seconds_total += counters.stall_s
-            for tier, count in counters.by_tier.items():
-                self.expert_acquires_total[tier.value] += count
+        self.stall_seconds.inc(counters.stall_s)
+        for tier, count in counters.by_tier.items():
+            self.expert_acquires.labels(tier=tier.value).inc(count)
+        for wait_s in counters.acquire_waits:
+            self.acquire_wait.observe(wait_s)
+        self.batch_requests.observe(batch_requests)
 
-    def record_finish(self, reason: str) -> None:
-        with self._lock:
-            self.requests_total[reason] += 1
+    def record_finish(self, reason: str, duration_s: float | None = None) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+        if duration_s is not None:
+            self.request_duration.observe(duration_s)
 
     def set_queue_depth(self, depth: int) -> None:
-        with self._lock:
-            self.queue_depth = depth
+        self.queue_depth.set(depth)
+
+    def watch_reporter(self, reporter: ActivationReporter) -> None:
+        """Expose the activation reporter's counters (read from it at each scrape)."""
+        self.registry.add(_ReporterCollector(reporter))
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's current value (tests, logs); 0 when absent."""
+        return self.registry.registry.get_sample_value(name, labels) or 0.0
 
     def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
-        with self._lock:
-            lines = [
-                "# TYPE moe_compute_tokens_total counter",
-                f"moe_compute_tokens_total {self.tokens_total}",
-                "# TYPE moe_compute_token_latency_seconds summary",
-                f"moe_compute_token_latency_seconds_sum {self.token_latency_seconds_sum}",
-                f"moe_compute_token_latency_seconds_count {self.tokens_total}",
-                "# TYPE moe_compute_stall_seconds_total counter",
-                f"moe_compute_stall_seconds_total {self.stall_seconds_total}",
-                "# TYPE moe_compute_expert_acquires_total counter",
-                *(
-                    f'moe_compute_expert_acquires_total{{tier="{tier}"}} {n}'
-                    for tier, n in sorted(self.expert_acquires_total.items())
-                ),
-                "# TYPE moe_compute_requests_total counter",
-                *(
-                    f'moe_compute_requests_total{{finish_reason="{reason}"}} {n}'
-                    for reason, n in sorted(self.requests_total.items())
-                ),
-                "# TYPE moe_compute_queue_depth gauge",
-                f"moe_compute_queue_depth {self.queue_depth}",
-            ]
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition of every metric (what ``/metrics`` serves)."""
+        return self.registry.render()
+
+
+class _ReporterCollector:
+    def __init__(self, reporter: ActivationReporter) -> None:
+        self._reporter = reporter
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._reporter.counter_values()
+        for name, help_text in (
+            ("moe_compute_activations_sent", "Token activations sent to the predictor."),
+            ("moe_compute_activations_dropped", "Token activations dropped (reporter queue full)."),
+            ("moe_compute_predictor_outages", "Observe streams to the predictor that ended in an outage."),
+        ):
+            yield CounterMetricFamily(name, help_text, value=stats[name])
+
+    def describe(self) -> Iterator:
+        return iter(())

@@ -49,6 +49,7 @@ from transformers.integrations.moe import ExpertsInterface
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
+from expertcache import telemetry
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
 
@@ -89,7 +90,12 @@ class ExpertProvider(Protocol):
     """
 
     def acquire(
-        self, layer: int, experts: Sequence[int], *, deadline: float | None = None
+        self,
+        layer: int,
+        experts: Sequence[int],
+        *,
+        deadline: float | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> Iterator[ReadyExpert]: ...
 
     def release(self, layer: int, experts: Sequence[int]) -> None: ...
@@ -255,6 +261,7 @@ class CacheCounters:
     stall_s: float = 0.0  # time spent waiting for experts
     layer_ahead_s: float = 0.0  # time spent predicting the next layer's experts
     by_tier: dict[Tier, int] = field(default_factory=dict)
+    acquire_waits: list[float] = field(default_factory=list)  # seconds, one per acquire (wave)
 
     def record(self, source: Tier) -> None:
         if source is Tier.DEVICE:
@@ -303,6 +310,9 @@ class ExpertRuntime:
         # (``begin_step``); signals, forced routing and routing capture are per request.
         self.segments: tuple[StepSegment, ...] = ()
         self.deadline: float | None = None
+        # The step span's context while this step's MoE layers are traced (expertcache.telemetry:
+        # set by the engine for a share trace_layer_ratio of the steps); None = no layer spans.
+        self.trace_parent = None
         self._signals = {name: getattr(provider, name, None) for name in _SIGNALS}
         self._begin_step = getattr(provider, "begin_step", None)
 
@@ -376,11 +386,26 @@ class ExpertRuntime:
         routing = route(top_k_index, top_k_weights, fetched.index)
         self._send_signals(layer, routing, pending, fetched)
         combiner = Combiner(routing, hidden_states)
-        for i, wave in enumerate(waves(routing.experts, self.num_slots)):
-            if i:
-                # Waves exist because the slots are short: the next wave needs the last one's.
-                self._release_unreleased()
-            self._run_wave(module, layer, wave, hidden_states, routing, combiner)
+        layer_span = None
+        if self.trace_parent is not None:
+            layer_span = telemetry.tracer().start_span(
+                "moe_layer",
+                context=self.trace_parent,
+                attributes={
+                    "expertcache.layer": layer,
+                    "expertcache.experts": len(routing.experts),
+                    "expertcache.tokens": routing.num_tokens,
+                },
+            )
+        try:
+            for i, wave in enumerate(waves(routing.experts, self.num_slots)):
+                if i:
+                    # Waves exist because the slots are short: the next wave needs the last one's.
+                    self._release_unreleased()
+                self._run_wave(module, layer, wave, hidden_states, routing, combiner, layer_span)
+        finally:
+            if layer_span is not None:
+                layer_span.end()
         return combiner.result()
 
     def end_step(self, *, failed: bool = False) -> None:
@@ -468,15 +493,30 @@ class ExpertRuntime:
         hidden_states: torch.Tensor,
         routing: Routing,
         combiner: Combiner,
+        layer_span=None,
     ) -> None:
-        ready_iter = self.provider.acquire(layer, wave, deadline=self.deadline)
+        acquire_span = None
+        if layer_span is None:
+            ready_iter = self.provider.acquire(layer, wave, deadline=self.deadline)
+        else:
+            acquire_span = telemetry.tracer().start_span(
+                "acquire",
+                context=telemetry.context_of(layer_span),
+                kind=telemetry.SpanKind.CLIENT,
+                attributes={"expertcache.layer": layer, "expertcache.experts": list(wave)},
+            )
+            ready_iter = self.provider.acquire(
+                layer, wave, deadline=self.deadline, trace_context=telemetry.inject(acquire_span)
+            )
         done = False
+        wait_s = 0.0
+        device_hits = 0
         try:
             pending = set(wave)
             while True:
                 waited = time.perf_counter()
                 ready = next(ready_iter, None)
-                self.counters.stall_s += time.perf_counter() - waited
+                wait_s += time.perf_counter() - waited
                 if ready is None:
                     break
                 if ready.expert not in pending:
@@ -486,6 +526,7 @@ class ExpertRuntime:
                     )
                 pending.discard(ready.expert)
                 self.counters.record(ready.source)
+                device_hits += ready.source is Tier.DEVICE
                 # Reordered execution: run each expert as soon as it is pinned.
                 weights = self.decoder.weights(self._slot_views[ready.slot])
                 combiner.add(compute_expert(module, ready.expert, weights, hidden_states, routing))
@@ -495,6 +536,17 @@ class ExpertRuntime:
                 )
             done = True
         finally:
+            self.counters.stall_s += wait_s
+            self.counters.acquire_waits.append(wait_s)
+            if acquire_span is not None:
+                acquire_span.set_attributes(
+                    {
+                        "expertcache.device_hits": device_hits,
+                        "expertcache.misses": len(wave) - device_hits,
+                        "expertcache.wait_s": wait_s,
+                    }
+                )
+                acquire_span.end()
             if not done:
                 # Closing the iterator drops the stream and with it every pin it holds.
                 close = getattr(ready_iter, "close", None)

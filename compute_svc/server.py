@@ -34,7 +34,9 @@ from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
+from expertcache import telemetry
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.prom import serve
 from expertcache.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
@@ -164,12 +166,17 @@ class ComputeServer:
         except BaseException:
             self.client.close()
             raise
+        self.engine.model_id = self.engine.loaded.manifest.model_id
+        self.engine.layer_sampler = telemetry.LayerSampler(config.trace_layer_ratio)
+        self.metrics_server = None
         try:
             self._enable_prediction(config)
         except BaseException:
             self.client.close()
             raise
         self.reporter, self.recorder = self._enable_routing(config)
+        if self.reporter is not None:
+            self.metrics.watch_reporter(self.reporter)
         self.scheduler = Scheduler(
             self.engine,
             limits=BatchLimits(
@@ -285,6 +292,10 @@ class ComputeServer:
             self._health.set(name, status)
 
     def start(self) -> None:
+        """Serve; ``OSError`` when the metrics port cannot be bound."""
+        self.metrics_server = serve(
+            self.metrics.registry, self.config.metrics_address, self.config.metrics_port, "compute"
+        )
         self.scheduler.start()
         self.server.start()
         set_serving(self._health, [SERVICE_NAME])
@@ -304,8 +315,9 @@ class ComputeServer:
         self.server.stop(grace_s).wait()
         if self.reporter is not None:
             self.reporter.close()
-            logger.info("activation reporter:\n%s", self.reporter.render())
         if self.recorder is not None:
             self.recorder.close()
         self.client.close()
-        logger.info("stopped; metrics:\n%s", self.metrics.render())
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        logger.info("stopped; %d tokens generated", int(self.metrics.value("moe_compute_tokens_total")))

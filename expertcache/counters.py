@@ -1,14 +1,13 @@
-"""Plain, thread-safe, Prometheus-named counters and their text rendering, shared by the services.
+"""Plain, thread-safe, Prometheus-named counters, shared by the services.
 
 Each service keeps its own counters (``cache_daemon.metrics``, ``predictor_svc.metrics``) built
-from this ``Counter``; ``render_text`` writes them in the Prometheus text exposition format.
+from this ``Counter``; ``GetStats`` reads them, and ``expertcache.prom`` exposes the same objects
+on ``/metrics`` (one source of truth).
 
 >>> c = Counter("moe_example_total", "Example.", ("kind",))
 >>> c.inc(2, kind="a")
->>> print(render_text([c]), end="")
-# HELP moe_example_total Example.
-# TYPE moe_example_total counter
-moe_example_total{kind="a"} 2
+>>> c.samples()
+[({'kind': 'a'}, 2)]
 """
 
 from __future__ import annotations
@@ -48,17 +47,3 @@ class Counter:
         with self._lock:
             items = sorted(self._values.items())
         return [(dict(zip(self.labelnames, k, strict=True)), v) for k, v in items]
-
-
-def render_text(counters: Iterable[Counter]) -> str:
-    """``counters`` in the Prometheus text exposition format (shared by every service's metrics)."""
-    lines = []
-    for counter in counters:
-        lines.append(f"# HELP {counter.name} {counter.help}")
-        lines.append(f"# TYPE {counter.name} counter")
-        for labels, value in counter.samples():
-            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(
-                f"{counter.name}{{{label_text}}} {value:g}" if label_text else f"{counter.name} {value:g}"
-            )
-    return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertcache import telemetry
 from expertcache.errors import ExpertCacheError, InvalidArgument
 from expertcache.security import ServerSecurity
 
@@ -155,12 +156,14 @@ def build_server(
     ``register`` holds callables ``f(server)`` that add servicers; ``service_names`` are the
     full names of those services (for health and reflection). Health starts NOT_SERVING for
     each name and for the server as a whole (``""``, what a Kubernetes gRPC probe asks by
-    default): call ``set_serving`` once the service is ready.
+    default): call ``set_serving`` once the service is ready. With tracing on, the RPCs that
+    are not long-lived streams get a server span with the caller's context from the metadata
+    (``opentelemetry-instrumentation-grpc``; ``expertcache.telemetry``).
     """
     security = security or ServerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*security.interceptors(), ErrorInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), *security.interceptors(), ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -29,11 +29,15 @@ import sys
 import threading
 from pathlib import Path
 
+from expertcache import telemetry
 from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
 from expertcache.live_config import LiveConfig
+from expertcache.logs import setup_logging
+from expertcache.prom import serve
 from expertcache.security import ServerSecurity, redact_url
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
+from predictor_svc.metrics import registry as metrics_registry
 from predictor_svc.server import SERVICE_NAME, create_server
 from predictor_svc.service import PredictorService
 from predictor_svc.store import RedisOptions, open_store
@@ -79,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExpertCacheError as exc:
         print(f"predictor_svc: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
+    try:
+        telemetry.setup("expertcache-predictor")
+    except ExpertCacheError as exc:
+        print(f"predictor_svc: invalid tracing environment: {exc}", file=sys.stderr)
+        return 2
 
     try:
         embedded_path = None if config.redis_url else Path(config.embedded_path)
@@ -98,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot open the EAMC store: %s", exc)
         return 2
     service = PredictorService(config, store)
+    try:
+        metrics_server = serve(
+            metrics_registry(service), config.metrics_address, config.metrics_port, "predictor"
+        )
+    except OSError as exc:
+        logger.error("cannot start: %s", exc)
+        service.close()
+        store.close()
+        return 2
 
     stop = threading.Event()
 
@@ -157,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if embedded_path is not None:
                 logger.info("embedded EAMC saved to %s", embedded_path)
+        if metrics_server is not None:
+            metrics_server.close()
+        telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
 

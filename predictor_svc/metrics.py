@@ -25,11 +25,26 @@ name                                          label  meaning
 ============================================  =====  ==========================================
 
 Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports).
+
+``/metrics`` (``expertcache.prom``, ``registry``) shows these very counters, gauges read from the
+stats at scrape time (``moe_predictor_eamc_entries{model}``, ``moe_predictor_live_requests``,
+``moe_predictor_inserts_pending``, ``moe_predictor_subscribers``, ``moe_predictor_store_degraded``)
+and the histograms ``moe_predictor_match_duration_seconds`` (one prediction) and
+``moe_predictor_store_round_trip_seconds{op}`` (one Redis call: insert, load, changes, register,
+models, count; the embedded store has no round trip).
 """
 
 from __future__ import annotations
 
-from expertcache.counters import Counter, render_text
+from typing import TYPE_CHECKING
+
+from prometheus_client import Histogram
+
+from expertcache.counters import Counter
+from expertcache.prom import LATENCY_BUCKETS_S, CountersCollector, Gauge, Registry
+
+if TYPE_CHECKING:
+    from predictor_svc.service import PredictorService
 
 STORE_OPS = ("insert", "sync", "save")
 REFUSAL_REASONS = (
@@ -82,6 +97,19 @@ class PredictorMetrics:
             "moe_predictor_hints_dropped_total",
             "Unsent (request, layer) hints dropped: subscriber queue full.",
         )
+        self.match_duration = Histogram(
+            "moe_predictor_match_duration_seconds",
+            "Time to compute one prediction (EAMC match and top hints).",
+            buckets=LATENCY_BUCKETS_S,
+            registry=None,
+        )
+        self.store_round_trip = Histogram(
+            "moe_predictor_store_round_trip_seconds",
+            "Time of one round trip to the EAMC store (Redis), by operation.",
+            ("op",),
+            buckets=LATENCY_BUCKETS_S,
+            registry=None,
+        )
         self.refused = Counter(
             "moe_predictor_refused_total",
             "Registrations, activations and subscriptions refused, by reason.",
@@ -114,6 +142,28 @@ class PredictorMetrics:
         queries = self.queries.value()
         return self.match_seconds.value() / queries if queries else 0.0
 
-    def render_text(self) -> str:
-        """The counters in the Prometheus text exposition format."""
-        return render_text(self.counters())
+
+def _gauges(service: PredictorService) -> list[Gauge]:
+    stats = service.stats()
+    gauges = [
+        Gauge("moe_predictor_eamc_entries", "EAMC entries per model.", m.eamc_entries, {"model": m.model_id})
+        for m in stats.models
+    ]
+    gauges += [
+        Gauge("moe_predictor_live_requests", "Requests observed and not finished.", stats.live_requests),
+        Gauge(
+            "moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending
+        ),
+        Gauge("moe_predictor_subscribers", "Open SubscribeHints streams.", stats.subscribers),
+        Gauge("moe_predictor_store_degraded", "1 while the EAMC store fails.", float(stats.store_degraded)),
+    ]
+    return gauges
+
+
+def registry(service: PredictorService) -> Registry:
+    """The predictor's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
+    reg = Registry()
+    reg.add(CountersCollector(service.metrics.counters, lambda: _gauges(service)))
+    reg.add(service.metrics.match_duration)
+    reg.add(service.metrics.store_round_trip)
+    return reg

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from expertcache import telemetry
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.security import ServerSecurity
 from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
@@ -57,11 +58,12 @@ def activation_from_pb(msg: predictor_pb2.Activation, client: str = "") -> Activ
         num_moe_layers=msg.num_moe_layers,
         num_experts=msg.num_experts,
         client=client,
+        trace_context=msg.trace_context,
     )
 
 
 def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
-    return predictor_pb2.HintBatch(
+    pb = predictor_pb2.HintBatch(
         request_id=batch.request_id,
         token_index=batch.token_index,
         request_done=batch.request_done,
@@ -69,6 +71,9 @@ def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
             predictor_pb2.Hint(moe_layer=h.moe_layer, expert=h.expert, score=h.score) for h in batch.hints
         ],
     )
+    if batch.trace_context:
+        pb.trace_context.update(batch.trace_context)
+    return pb
 
 
 def stats_to_pb(stats: ServiceStats) -> predictor_pb2.PredictorStats:
@@ -138,10 +143,32 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
         activations = done = 0
         client = client_of(context)
         for msg in request_iterator:
-            if self._service.observe(activation_from_pb(msg, client)):
+            if telemetry.ENABLED and msg.trace_context:
+                finished = self._observe_traced(msg, client)
+            else:
+                finished = self._service.observe(activation_from_pb(msg, client))
+            if finished:
                 done += 1
             activations += 1
         return predictor_pb2.ObserveSummary(activations=activations, requests_done=done)
+
+    def _observe_traced(self, msg: predictor_pb2.Activation, client: str) -> bool:
+        """One traced activation: an ``observe`` span under the request's Generate span (from
+        ``Activation.trace_context``), linked to it too, current while the service publishes hints."""
+        parent = telemetry.extract(msg.trace_context)
+        with telemetry.tracer().start_as_current_span(
+            "observe",
+            context=parent,
+            kind=telemetry.SpanKind.CONSUMER,
+            links=telemetry.link_to(parent),
+            attributes={
+                "expertcache.model": msg.model_id,
+                "expertcache.request_id": msg.request_id,
+                "expertcache.token_index": msg.token_index,
+                "expertcache.request_done": msg.request_done,
+            },
+        ):
+            return self._service.observe(activation_from_pb(msg, client))
 
     def SubscribeHints(
         self, request: predictor_pb2.SubscribeHintsRequest, context: grpc.ServicerContext
@@ -153,9 +180,23 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
             while context.is_active() and not sub.closed:
                 batch = sub.get(SUBSCRIBE_POLL_S)
                 if batch is not None:
+                    if batch.trace_context and telemetry.ENABLED:
+                        self._traced_send(batch)
                     yield hint_batch_to_pb(batch)
         finally:
             sub.close()
+
+    @staticmethod
+    def _traced_send(batch: HintBatch) -> None:
+        """A ``send_hints`` span: the batch leaves on a SubscribeHints stream (linked to its request)."""
+        parent = telemetry.extract(batch.trace_context)
+        telemetry.tracer().start_span(
+            "send_hints",
+            context=parent,
+            kind=telemetry.SpanKind.PRODUCER,
+            links=telemetry.link_to(parent),
+            attributes={"expertcache.request_id": batch.request_id, "expertcache.hints": len(batch.hints)},
+        ).end()
 
     def GetStats(
         self, request: predictor_pb2.GetStatsRequest, context: grpc.ServicerContext

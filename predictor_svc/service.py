@@ -47,11 +47,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from expertcache import telemetry
 from expertcache.live_config import live_changes
 from predictor_svc.config import MODEL_ID_RE, PredictorConfig
 from predictor_svc.eam import HEADER_BYTES, EamShape
@@ -116,6 +117,7 @@ class Activation:
     num_moe_layers: int = 0
     num_experts: int = 0
     client: str = ""  # who sent it (server.client_of): the key of the per-client limits
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C, of the request's trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,7 @@ class HintBatch:
     token_index: int
     hints: tuple[Hint, ...]
     request_done: bool = False
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C: the span that published it
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ class _Pending:
     layers: dict[int, tuple[Hint, ...]] = field(default_factory=dict)
     done: bool = False
     nbytes: int = LAYER_BYTES
+    trace_context: Mapping[str, str] = field(default_factory=dict)
 
 
 class Subscription:
@@ -255,8 +259,15 @@ class Subscription:
                 continue
             self._drop_oldest()
 
-    def offer(self, request_id: str, token_index: int, layers: dict[int, tuple[Hint, ...]]) -> None:
-        """Queue ``layers`` (layer → hints, best first) of ``request_id``, replacing unsent ones."""
+    def offer(
+        self,
+        request_id: str,
+        token_index: int,
+        layers: dict[int, tuple[Hint, ...]],
+        trace_context: Mapping[str, str] | None = None,
+    ) -> None:
+        """Queue ``layers`` (layer → hints, best first) of ``request_id``, replacing unsent ones.
+        ``trace_context`` (the publishing span's, when traced) goes out with the batch."""
         with self._cond:
             if self._closed:
                 return
@@ -274,6 +285,8 @@ class Subscription:
                 self._metrics.hints_replaced.inc(replaced)
             pending.layers.update(layers)
             pending.token_index = max(pending.token_index, token_index)
+            if trace_context:
+                pending.trace_context = trace_context
             self._trim(pending)
             self._cond.notify()
 
@@ -303,7 +316,7 @@ class Subscription:
             self._bytes -= pending.nbytes
         hints = tuple(h for layer in sorted(pending.layers) for h in pending.layers[layer])
         self._metrics.hint_batches.inc()
-        return HintBatch(request_id, pending.token_index, hints, pending.done)
+        return HintBatch(request_id, pending.token_index, hints, pending.done, pending.trace_context)
 
     def close(self) -> None:
         """Idempotent; wakes a reader blocked in ``get``."""
@@ -374,6 +387,10 @@ class PredictorService:
         self.config = config
         self.store = store
         self.metrics = metrics or PredictorMetrics()
+        if hasattr(store, "round_trip"):  # a store over the network (Redis): time its calls
+            store.round_trip = lambda op, seconds: self.metrics.store_round_trip.labels(op=op).observe(
+                seconds
+            )
         self._clock = clock
         self._prediction_config = _prediction_config(config)
         self._lock = threading.Lock()  # models, live requests, subscribers, pending inserts
@@ -453,7 +470,7 @@ class PredictorService:
             live.last_seen = now
         self.metrics.observed_tokens.inc()
         if not a.request_done:
-            self._publish(live, a.token_index)
+            self._publish(live, a.token_index, a.trace_context)
             return False
         self._finish(live, a.token_index)
         return True
@@ -611,7 +628,9 @@ class PredictorService:
                 )
         self._wake.set()
 
-    def _publish(self, live: _LiveRequest, token_index: int) -> None:
+    def _publish(
+        self, live: _LiveRequest, token_index: int, trace_context: Mapping[str, str] | None = None
+    ) -> None:
         with self._lock:
             subs = list(self._subs.get((live.model.model_id, live.pod), ()))
         if not subs:
@@ -620,10 +639,27 @@ class PredictorService:
         with live.lock:
             scores = np.asarray(live.predictor.scores(HINT_SOURCE), dtype=np.float32)  # [L, E]
         layers = top_hints(scores, self.config.hint_top_n, self.config.min_score)
-        self.metrics.match_seconds.inc(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.metrics.match_seconds.inc(elapsed)
+        self.metrics.match_duration.observe(elapsed)
         self.metrics.queries.inc()
+        carrier = None
+        if telemetry.ENABLED and trace_context:
+            # Under the observe span (current): the daemon's apply_hints span joins the trace.
+            span = telemetry.tracer().start_span(
+                "publish_hints",
+                attributes={
+                    "expertcache.request_id": live.request_id,
+                    "expertcache.token_index": token_index,
+                    "expertcache.hint_layers": len(layers),
+                    "expertcache.hints": sum(len(h) for h in layers.values()),
+                    "expertcache.match_s": elapsed,
+                },
+            )
+            carrier = telemetry.inject(span)
+            span.end()
         for sub in subs:
-            sub.offer(live.request_id, token_index, layers)
+            sub.offer(live.request_id, token_index, layers, carrier)
 
     # -- subscribers -----------------------------------------------------------------------
     def subscribe(self, model_id: str, pod: str) -> Subscription:

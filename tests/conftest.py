@@ -91,7 +91,7 @@ class LocalProvider:
     def num_slots(self) -> int:
         return self.arena.num_slots
 
-    def acquire(self, layer, experts, deadline=None):  # noqa: ARG002 - nothing here waits
+    def acquire(self, layer, experts, deadline=None, trace_context=None):  # noqa: ARG002 - nothing here waits
         import torch
 
         from compute_svc.moe import ReadyExpert, Tier

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,6 +67,9 @@ class Ready:
     key: ExpertKey
     slot: int
     source: Tier
+    # The prefetch that brought it (or was bringing it) into the arena: its kind (layer_ahead,
+    # eamc), "" for none. For traces (prefetch hit, by which signal); not part of equality.
+    prefetch: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -517,7 +520,7 @@ class Residency:
                     seen = self._table.unpin_seq
                     admitted = self._try_admit(session, layer, keys)
                     if admitted is not None:
-                        ready, pending = admitted
+                        ready, pending, prefetched = admitted
                         break
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -561,7 +564,7 @@ class Residency:
                 for key in finished:
                     load = pending.pop(key)
                     unyielded.discard(key)
-                    yield Ready(key, load.slot, load.source)
+                    yield Ready(key, load.slot, load.source, prefetched.get(key, ""))
         finally:
             if unyielded:
                 # Never handed out: the caller cannot know to release these pins, so drop them.
@@ -578,7 +581,7 @@ class Residency:
 
     def _try_admit(
         self, session: Session, layer: int, keys: list[ExpertKey]
-    ) -> tuple[list[Ready], dict[ExpertKey, Load]] | None:
+    ) -> tuple[list[Ready], dict[ExpertKey, Load], dict[ExpertKey, str]] | None:
         """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
         wanted = set(keys)
         held_elsewhere = len(set(session.held) - wanted)
@@ -624,9 +627,10 @@ class Residency:
         # Admitted: from here on nothing can fail.
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
+        prefetched: dict[ExpertKey, str] = {}  # pending keys a prefetch was already loading
         scheduler = self._prefetcher.scheduler
         for key in keys:
-            self._prefetcher.used(key)
+            kind = self._prefetcher.used(key)
             scheduler.on_demand(key)
             load = self.queue.get(key)
             if load is None and slots.is_resident(key):
@@ -634,17 +638,21 @@ class Residency:
                 session.add(key)
                 self._metrics.hits.inc(tier=Tier.DEVICE.value)
                 self._policy.on_access(key)
-                ready.append(Ready(key, slots.slot(key), Tier.DEVICE))
+                ready.append(Ready(key, slots.slot(key), Tier.DEVICE, kind or ""))
                 continue
             self._metrics.misses.inc(tier=Tier.DEVICE.value)
             if load is not None:
+                if kind is None and load.prefetch is not None:
+                    kind = PREFETCH_KINDS[load.prefetch]
+                if kind:
+                    prefetched[key] = kind
                 self._promote(load)
             else:
                 load = self._start_load(key, PrefetchClass.DEMAND)
             slots.hold(key)
             session.add(key)
             pending[key] = load
-        return ready, pending
+        return ready, pending, prefetched
 
     def _start_load(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> Load:
         slot = self.slots.begin_load(key)

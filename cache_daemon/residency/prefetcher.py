@@ -79,11 +79,15 @@ class Prefetcher:
         self._unused[start.key] = start.cls
         self._metrics.prefetch_started.inc(kind=PREFETCH_KINDS[start.cls])
 
-    def used(self, key: ExpertKey) -> None:
-        """``key`` was used (acquired, joined, pinned by compute): a prefetch of it paid off."""
+    def used(self, key: ExpertKey) -> str | None:
+        """``key`` was used (acquired, joined, pinned by compute): a prefetch of it paid off.
+        Returns that prefetch's kind (``PREFETCH_KINDS``), None if ``key`` was not prefetched."""
         cls = self._unused.pop(key, None)
-        if cls is not None:
-            self._metrics.prefetch_used.inc(kind=PREFETCH_KINDS[cls])
+        if cls is None:
+            return None
+        kind = PREFETCH_KINDS[cls]
+        self._metrics.prefetch_used.inc(kind=kind)
+        return kind
 
     def gone(self, key: ExpertKey, *, evicted: bool) -> None:
         """``key`` left the arena (evicted, or its load failed or was cancelled)."""

@@ -18,7 +18,10 @@ the seq numbers, which are consecutive by construction).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -119,6 +122,8 @@ class RedisStore:
             retry_on_timeout=False,
             **secrets,
         )
+        # Called with (operation, seconds) after every round trip; the predictor's metrics set it.
+        self.round_trip: Callable[[str, float], None] | None = None
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
         self._changes = self._client.register_script(_CHANGES)
@@ -130,12 +135,20 @@ class RedisStore:
         return {k: f"{base}:{k}" for k in ("entries", "log", "seq", "epoch")}
 
     def _call(self, what: str, script, keys: list[str], args: list) -> list:
+        return self._timed(what, lambda: script(keys=keys, args=args))
+
+    def _timed(self, what: str, call: Callable[[], Any]) -> Any:
+        """One round trip to Redis, timed for ``round_trip`` (failed ones too)."""
+        started = time.perf_counter()
         try:
-            return script(keys=keys, args=args)
+            return call()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable ({what}): {exc}") from exc
         except redis.RedisError as exc:
             raise StoreUnavailable(f"EAMC store redis at {self.url} failed ({what}): {exc}") from exc
+        finally:
+            if self.round_trip is not None:
+                self.round_trip(what, time.perf_counter() - started)
 
     def load(self, model_id: str) -> tuple[dict[str, bytes], str]:
         k = self._keys(model_id)
@@ -182,10 +195,7 @@ class RedisStore:
         return value.decode()
 
     def models(self) -> dict[str, str]:
-        try:
-            raw = self._client.hgetall(MODELS_KEY)
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable (models): {exc}") from exc
+        raw = self._timed("models", lambda: self._client.hgetall(MODELS_KEY))
         return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
     def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:
@@ -193,10 +203,7 @@ class RedisStore:
         return status.decode(), value.decode()
 
     def count(self, model_id: str) -> int:
-        try:
-            return int(self._client.hlen(self._keys(model_id)["entries"]))
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"EAMC store redis at {self.url} unavailable (count): {exc}") from exc
+        return int(self._timed("count", lambda: self._client.hlen(self._keys(model_id)["entries"])))
 
     def close(self) -> None:
         self._client.close()

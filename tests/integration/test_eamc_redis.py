@@ -170,3 +170,28 @@ def test_unreachable_url_names_it():
         store.load("gpt")
     with pytest.raises(StoreUnavailable, match=r"unavailable \(count\)"):
         store.count("gpt")
+
+
+def test_every_redis_round_trip_is_timed_for_the_metrics(server):
+    from predictor_svc.config import PredictorConfig
+    from predictor_svc.metrics import registry
+    from predictor_svc.service import PredictorService
+
+    store = RedisStore(server.url)
+    service = PredictorService(PredictorConfig(redis_url=server.url), store, background=False)
+    rng = np.random.default_rng(3)
+    a = Eamc(store, "gpt", SHAPE, 20)
+    a.insert(random_eam(rng), 10)
+    a.sync()
+    text = registry(service).render()
+    counts = {
+        line.split('op="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("moe_predictor_store_round_trip_seconds_count{")
+    }
+    assert counts.get("insert", 0) >= 1 and counts.get("load", 0) >= 1, text
+    server.stop()
+    with pytest.raises(StoreUnavailable):
+        store.count("gpt")
+    failed = registry(service).render()
+    assert 'moe_predictor_store_round_trip_seconds_count{op="count"} 1.0' in failed  # failures are timed too

@@ -27,7 +27,8 @@ def test_every_field_is_documented_and_unit_suffixed():
     for field in dataclasses.fields(DaemonConfig):
         assert field.default is not dataclasses.MISSING, field.name
         assert field.metadata.get("help"), field.name
-        if hints[field.name] in (int, float) and field.name != "io_threads":
+        # A count of threads and a TCP port have no unit.
+        if hints[field.name] in (int, float) and field.name not in ("io_threads", "metrics_port"):
             # Units: bytes, seconds, tokens, layers; a probability is dimensionless, in [0, 1].
             assert field.name.endswith(("_bytes", "_s", "_tokens", "_layers", "_probability")), field.name
 
