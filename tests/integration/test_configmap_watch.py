@@ -6,6 +6,7 @@ once; a refused change keeps the running config and posts a Warning Event on the
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
@@ -43,6 +44,17 @@ def refusal_events(api: FakeKubeApi) -> list[dict]:
     return [e for e in api.events if e.get("reason") == EVENT_REASON]
 
 
+def log_messages(proc) -> list[str]:
+    """The messages of a service's log, JSON lines (``log_format`` auto off a terminal) or text."""
+    out = []
+    for line in proc.log().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line)["message"])
+        else:
+            out.append(line)
+    return out
+
+
 def test_predictor_follows_its_configmap_and_posts_an_event_when_refusing(kube, tmp_path):
     kube.set_configmap(
         NAME, {"predictor.yaml": "max_live_requests: 100\n", "daemon.yaml": "prefetch: false\n"}
@@ -71,8 +83,8 @@ def test_predictor_follows_its_configmap_and_posts_an_event_when_refusing(kube, 
         assert stats(proc).live_requests == 3
         kube.set_configmap(NAME, {"predictor.yaml": "max_live_requests: 1\nhint_top_n: 3\n"})
         origin = f"ConfigMap {NAMESPACE}/{NAME} key predictor.yaml"
-        wait_for(lambda: "hint_top_n=3, max_live_requests=1\n" in proc.log(), "the change")
-        assert f"config updated from {origin}: hint_top_n=3, max_live_requests=1\n" in proc.log()
+        updated = f"config updated from {origin}: hint_top_n=3, max_live_requests=1"
+        wait_for(lambda: any(m.endswith(updated) for m in log_messages(proc)), "the change")
         s.Observe(request("r3", 2, done=False), timeout=10)
         assert stats(proc).live_requests == 1
         assert not refusal_events(kube)

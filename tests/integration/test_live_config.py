@@ -7,6 +7,7 @@ the old values stay; a changed restart-only key is logged and left unapplied."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import signal
@@ -163,6 +164,15 @@ def test_kubelet_edit_retunes_budgets_and_policy_while_streaming(live_daemon):
     assert "config reloaded from file" in d.proc.log()
 
 
+def log_record(line: str) -> tuple[str, str]:
+    """(level, message) of a service's log line: JSON (``log_format`` auto off a terminal) or text."""
+    if line.startswith("{"):
+        record = json.loads(line)
+        return record["level"], record["message"]
+    level = next((w for w in ("ERROR", "WARNING", "INFO", "DEBUG") if f" {w} " in line), "")
+    return level, line
+
+
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
@@ -188,7 +198,8 @@ def test_invalid_edit_is_refused_whole_and_the_old_config_stays(live_daemon, tex
     wait_for(lambda: "refused, the running config stays" in d.proc.log(), "the refusal in the log")
     log = d.proc.log()
     line = next(x for x in log.splitlines() if "refused, the running config stays" in x)
-    assert " ERROR " in line and str(volume.path) in line and reason in line, line
+    level, message = log_record(line)
+    assert level == "ERROR" and str(volume.path) in message and reason in message, line
     after = d.stats()
     assert after.config == before.config
     assert [t.capacity_slots for t in after.tiers] == [t.capacity_slots for t in before.tiers]
