@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
+from expertcache.config_fields import ObservabilityFields, PredictorClientFields
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET
@@ -24,7 +25,7 @@ MAX_SOCKET_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
 
 @dataclass(frozen=True)
-class DaemonConfig:
+class DaemonConfig(PredictorClientFields, ObservabilityFields):
     """Everything the daemon needs to serve one expert store."""
 
     store_dir: str = field(
@@ -183,27 +184,6 @@ class DaemonConfig:
     """Where ``moe.predictor.v1.Predictor.SubscribeHints`` is served. The subscription never
     touches the demand path: an absent predictor only means no hints."""
 
-    predictor_tls_ca_file: str = field(
-        default="",
-        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor."},
-    )
-    """Turns TLS on for the hint subscription (``ca.crt`` of the Secret)."""
-
-    predictor_tls_cert_file: str = field(
-        default="", metadata={"help": "PEM client certificate presented to the predictor (mTLS)."}
-    )
-    """With ``predictor_tls_key_file``: the client certificate an mTLS predictor asks for."""
-
-    predictor_tls_key_file: str = field(
-        default="", metadata={"help": "PEM private key of predictor_tls_cert_file."}
-    )
-    """The key of ``predictor_tls_cert_file``; both or neither."""
-
-    predictor_auth_token_file: str = field(
-        default="", metadata={"help": "File holding the bearer token sent to the predictor."}
-    )
-    """Sent as ``authorization: Bearer <token>`` on every predictor call; re-read when it changes."""
-
     pod_name: str = field(
         default="",
         metadata={"help": "Pod name to subscribe hints for (compute's pod_name); empty = this host's name."},
@@ -220,26 +200,6 @@ class DaemonConfig:
         },
     )
     """A request whose hints have not changed for this long is dropped from the board (live)."""
-
-    metrics_port: int = field(
-        default=0,
-        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
-    )
-    """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
-
-    metrics_address: str = field(
-        default="127.0.0.1", metadata={"help": "address the /metrics endpoint binds (0.0.0.0 in a pod)"}
-    )
-    """Loopback by default: only what runs beside the service can scrape it."""
-
-    log_format: str = field(
-        default="auto",
-        metadata={
-            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
-            "choices": ("auto", "json", "text"),
-        },
-    )
-    """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
 
     log_level: str = field(
         default="INFO",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from expertcache.config_fields import ObservabilityFields, PredictorClientFields, ServerSecurityFields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_ADDRESS
 from expertcache.security import ClientSecurity, ServerSecurity
@@ -19,7 +20,7 @@ LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
-class ComputeConfig:
+class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFields):
     """Settings of one compute process (the GPU pod's main container)."""
 
     store_dir: str = field(
@@ -43,33 +44,6 @@ class ComputeConfig:
     )
     """Address of ``moe.inference.v1.Inference`` (plus health, and reflection when asked for).
     Loopback by default: a pod passes ``0.0.0.0:50051`` (the chart does)."""
-
-    tls_cert_file: str = field(
-        default="", metadata={"help": "PEM certificate chain of this server; with tls_key_file turns on TLS"}
-    )
-    """TLS server certificate (a Secret's ``tls.crt``, /etc/expertcache/tls/tls.crt in a pod). The
-    file is watched: a rotated certificate is used from the next connection on, no restart."""
-
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
-    """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
-
-    tls_client_ca_file: str = field(
-        default="",
-        metadata={
-            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
-        },
-    )
-    """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
-    handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
-
-    auth_token_file: str = field(
-        default="", metadata={"help": "file holding the bearer token every call must carry; empty = no token"}
-    )
-    """Set: every call but the health checks needs metadata ``authorization: Bearer <token>``,
-    else UNAUTHENTICATED. Re-read when the file changes."""
-
-    reflection: bool = field(default=False, metadata={"help": "serve gRPC reflection (off by default)"})
-    """gRPC server reflection, for grpcurl and the like; off unless asked for."""
 
     device: str = field(
         default="auto",
@@ -168,27 +142,6 @@ class ComputeConfig:
     )
     """Where each token's routing is reported (``moe.predictor.v1.Predictor.Observe``). Reporting
     is asynchronous and lossy: an absent or slow predictor never slows or fails a Generate."""
-
-    predictor_tls_ca_file: str = field(
-        default="",
-        metadata={"help": "PEM CA bundle to verify the predictor's certificate; set = TLS to the predictor"},
-    )
-    """Turns TLS on for the predictor channel (``ca.crt`` of the Secret)."""
-
-    predictor_tls_cert_file: str = field(
-        default="", metadata={"help": "PEM client certificate presented to the predictor (mTLS)"}
-    )
-    """With ``predictor_tls_key_file``: the client certificate an mTLS predictor asks for."""
-
-    predictor_tls_key_file: str = field(
-        default="", metadata={"help": "PEM private key of predictor_tls_cert_file"}
-    )
-    """The key of ``predictor_tls_cert_file``; both or neither."""
-
-    predictor_auth_token_file: str = field(
-        default="", metadata={"help": "file holding the bearer token sent to the predictor"}
-    )
-    """Sent as ``authorization: Bearer <token>`` on every predictor call; re-read when it changes."""
 
     pod_name: str = field(
         default="", metadata={"help": "pod name sent with each activation; empty = this host's name"}
@@ -292,26 +245,6 @@ class ComputeConfig:
     this probability, otherwise replaced by the router's best other pick
     (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
     per depth. 0.9 at depth 1 is the trace replay's default model."""
-
-    metrics_port: int = field(
-        default=0,
-        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
-    )
-    """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
-
-    metrics_address: str = field(
-        default="127.0.0.1", metadata={"help": "address the /metrics endpoint binds (0.0.0.0 in a pod)"}
-    )
-    """Loopback by default: only what runs beside the service can scrape it."""
-
-    log_format: str = field(
-        default="auto",
-        metadata={
-            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
-            "choices": ("auto", "json", "text"),
-        },
-    )
-    """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
 
     trace_layer_ratio: float = field(
         default=0.05,

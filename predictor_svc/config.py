@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from expertcache.config_fields import ObservabilityFields, ServerSecurityFields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
 from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
@@ -73,7 +74,7 @@ def parse_model_shape(text: str) -> ModelShape:
 
 
 @dataclass(frozen=True)
-class PredictorConfig:
+class PredictorConfig(ServerSecurityFields, ObservabilityFields):
     """Everything one predictor replica needs."""
 
     listen_address: str = field(
@@ -81,33 +82,6 @@ class PredictorConfig:
         metadata={"help": "host:port the gRPC server listens on (0.0.0.0:50070 in a pod)."},
     )
     """Address of ``moe.predictor.v1.Predictor`` (TCP; the predictor is its own Deployment)."""
-
-    tls_cert_file: str = field(
-        default="", metadata={"help": "PEM certificate chain of this server; with tls_key_file turns on TLS"}
-    )
-    """TLS server certificate (a Secret's ``tls.crt``, /etc/expertcache/tls/tls.crt in a pod). The
-    file is watched: a rotated certificate is used from the next connection on, no restart."""
-
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
-    """The key of ``tls_cert_file`` (``tls.key``); both or neither."""
-
-    tls_client_ca_file: str = field(
-        default="",
-        metadata={
-            "help": "PEM CA bundle that client certificates must chain to (mTLS); empty = no client certificates"
-        },
-    )
-    """Set: mutual TLS, a client without a certificate signed by this CA is refused at the
-    handshake. Needs ``tls_cert_file``. Reloaded on rotation like the pair."""
-
-    auth_token_file: str = field(
-        default="", metadata={"help": "file holding the bearer token every call must carry; empty = no token"}
-    )
-    """Set: every call but the health checks needs metadata ``authorization: Bearer <token>``,
-    else UNAUTHENTICATED. Re-read when the file changes."""
-
-    reflection: bool = field(default=False, metadata={"help": "serve gRPC reflection (off by default)"})
-    """gRPC server reflection, for grpcurl and the like; off unless asked for."""
 
     redis_url: str = field(
         default="",
@@ -351,26 +325,6 @@ class PredictorConfig:
         },
     )
     """Thread pool of the server: open streams hold a thread each."""
-
-    metrics_port: int = field(
-        default=0,
-        metadata={"help": "port of the Prometheus /metrics endpoint; 0 = off", "min": 0, "max": 65535},
-    )
-    """Prometheus ``/metrics`` over HTTP (``expertcache.prom``); 0 serves none."""
-
-    metrics_address: str = field(
-        default="127.0.0.1", metadata={"help": "address the /metrics endpoint binds (0.0.0.0 in a pod)"}
-    )
-    """Loopback by default: only what runs beside the service can scrape it."""
-
-    log_format: str = field(
-        default="auto",
-        metadata={
-            "help": "log format: json, text, or auto (json when stderr is not a terminal)",
-            "choices": ("auto", "json", "text"),
-        },
-    )
-    """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
 
     log_level: str = field(
         default="INFO",
