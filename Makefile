@@ -81,18 +81,24 @@ test-deploy: install
 	-@$(MAKE) --no-print-directory helm || echo "make helm failed: the chart tests will skip (they say why)"
 	$(VENV)/bin/pytest -q tests/deploy
 
+# The suite runs in PYTEST_WORKERS pytest processes (pytest-xdist), a test file per worker at a
+# time (module fixtures stay shared): most tests wait on real servers and processes, so two
+# workers halve the suite on a 2-core machine. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 # Everything: lint, then the unit, integration, native, build-matrix, packaging and deployment tests
 # (tests/gpu skip without CUDA; tests/deploy's chart tests skip, saying why, when Helm cannot be
 # installed). The last line counts the skipped tests by reason.
 test: install lint
 	-@$(MAKE) --no-print-directory helm || echo "make helm failed: the chart tests will skip (they say why)"
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q $(PYTEST_PARALLEL) tests
 
 test-unit: install
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q $(PYTEST_PARALLEL) tests/unit
 
 test-integration: install
-	$(VENV)/bin/pytest -q tests/integration
+	$(VENV)/bin/pytest -q $(PYTEST_PARALLEL) tests/integration
 
 # MODEL=path runs a real checkpoint directory instead of the built-in tiny one.
 demo: install

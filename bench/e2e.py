@@ -86,6 +86,7 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 from bench.e2e_accelerate import drop_page_cache  # noqa: E402
+from compute_svc.config import ComputeConfig  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 
@@ -220,6 +221,11 @@ class ProcessSystem:
             "--force-routing-layer-ahead-accuracy",
             str(args.layer_ahead_accuracy),
             "--layer-ahead" if ours else "--no-layer-ahead",
+            *(
+                ["--layer-ahead-depth", str(args.layer_ahead_depth)]
+                if ours and args.layer_ahead_depth
+                else []
+            ),
             "--max-new-tokens-limit",
             str(max(args.tokens, 1)),
         ]
@@ -736,6 +742,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layer-ahead-accuracy", type=float, default=0.85, help="modelled under forced routing"
     )
+    parser.add_argument(
+        "--layer-ahead-depth",
+        type=int,
+        default=0,
+        help="ours' lookahead depth in MoE layers (default: compute's own default)",
+    )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1280, help="expert intermediate size")
     parser.add_argument("--layers", type=int, default=24)
@@ -761,6 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+    if not 0 <= args.layer_ahead_depth <= 64:
+        parser.error(
+            f"--layer-ahead-depth must be in [1, 64] (0: compute's default), got {args.layer_ahead_depth}"
+        )
     if args.repeats < 1 or args.requests < 1:
         parser.error(f"--repeats and --requests must be >= 1, got {args.repeats} and {args.requests}")
     if not 0.0 <= args.host_share < 1.0:
@@ -813,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"routing: ours/lru forced from {args.trace.name}, requests {args.request}..{args.request + args.requests - 1}, "
         f"{args.tokens} tokens each (prompt {len(PROMPT)} tokens, prefill rows = the trace's first decode row); "
-        f"layer-ahead accuracy modelled at {args.layer_ahead_accuracy:.2f}"
+        f"layer-ahead accuracy modelled at {args.layer_ahead_accuracy:.2f}, ours' lookahead depth "
+        f"{args.layer_ahead_depth or ComputeConfig().layer_ahead_depth} MoE layers"
     )
     say(
         f"threads: torch/OpenMP threads = {args.threads} in compute and in accelerate ({os.cpu_count()} CPUs)"
@@ -949,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "accelerate_tokens": args.accelerate_tokens,
         "layer_ahead_accuracy_modelled": args.layer_ahead_accuracy,
+        "layer_ahead_depth": args.layer_ahead_depth or ComputeConfig().layer_ahead_depth,
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
         "checkpoint after load and after every token; compute dense file after start-up",
         "cpu_count": os.cpu_count(),

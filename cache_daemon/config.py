@@ -15,13 +15,12 @@ from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY
 from expertcache.config_fields import ObservabilityFields, PredictorClientFields
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
-from expertcache.paths import DEFAULT_DAEMON_SOCKET
+from expertcache.paths import DEFAULT_DAEMON_SOCKET, MAX_UNIX_SOCKET_PATH_BYTES
 from expertcache.security import ClientSecurity
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-MAX_SOCKET_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
 
 @dataclass(frozen=True)
@@ -248,10 +247,10 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields):
             )
         if not self.socket_path:
             raise InvalidArgument("config field 'socket_path' must not be empty")
-        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+        if len(os.fsencode(self.socket_path)) > MAX_UNIX_SOCKET_PATH_BYTES:
             raise InvalidArgument(
                 f"config field 'socket_path' is {len(os.fsencode(self.socket_path))} bytes long; unix socket "
-                f"paths are limited to {MAX_SOCKET_PATH_BYTES} bytes: {self.socket_path}"
+                f"paths are limited to {MAX_UNIX_SOCKET_PATH_BYTES} bytes: {self.socket_path}"
             )
         if not self.shm_dir:
             raise InvalidArgument("config field 'shm_dir' must not be empty")

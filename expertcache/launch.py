@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,20 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from expertcache.paths import MAX_UNIX_SOCKET_PATH_BYTES, RUNTIME_DIR, ensure_private_dir
+
 REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run from here
+
+
+def daemon_socket_path(work_dir: Path) -> Path:
+    """``work_dir/daemon.sock``, or where that path is too long for a unix socket (a deep
+    benchmark or test directory), a socket in a new private directory under the runtime
+    directory (``expertcache.paths``)."""
+    sock = work_dir / "daemon.sock"
+    if len(os.fsencode(sock)) <= MAX_UNIX_SOCKET_PATH_BYTES:
+        return sock
+    short = tempfile.mkdtemp(prefix="launch-", dir=ensure_private_dir(RUNTIME_DIR))
+    return Path(short) / "daemon.sock"
 
 
 def free_port() -> int:
@@ -104,10 +118,10 @@ def start_daemon(
     host_budget_bytes: int = 0,
     extra: list[str] | None = None,
 ) -> Proc:
-    """``python -m cache_daemon`` on ``work_dir/daemon.sock``. ``device`` (``cpu``, ``cuda``,
+    """``python -m cache_daemon`` on ``work_dir/daemon.sock`` (``daemon_socket_path``). ``device`` (``cpu``, ``cuda``,
     ``cuda:<n>`` or ``auto``) is required: the daemon's own default, ``auto``, takes a GPU
     where there is one, and a caller must know which arena it gets."""
-    sock = work_dir / "daemon.sock"
+    sock = daemon_socket_path(work_dir)
     args = [
         "--store-dir",
         str(store_dir),

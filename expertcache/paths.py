@@ -31,6 +31,10 @@ def _state_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".local" / "state") / "expertcache"
 
 
+# The longest unix socket path gRPC binds: sun_path has 108 bytes, but gRPC's bind fails from 106
+# on (measured with grpcio 1.85: 105 binds, 106 and 107 give "Failed to bind to address").
+MAX_UNIX_SOCKET_PATH_BYTES = 105
+
 RUNTIME_DIR = _runtime_dir()
 DEFAULT_DAEMON_SOCKET = str(RUNTIME_DIR / "daemon.sock")
 DEFAULT_DAEMON_ADDRESS = f"unix://{DEFAULT_DAEMON_SOCKET}"

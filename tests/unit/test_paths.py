@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,43 @@ def test_a_dir_another_user_owns_is_refused(tmp_path):
     os.chown(theirs, 12345, 12345)
     with pytest.raises(PermissionError, match=r"belongs to uid 12345, not to this user"):
         paths.ensure_private_dir(theirs)
+
+
+def _socket_path_of(root, length: int) -> str:
+    base = str(root) + "/"
+    return base + "s" * (length - len(os.fsencode(base)))
+
+
+def test_grpc_binds_a_socket_path_of_the_longest_length_the_daemon_accepts(tmp_path):
+    """The daemon's config refuses longer socket paths than MAX_UNIX_SOCKET_PATH_BYTES: gRPC
+    itself must bind that length, and one byte more must really fail (else the bound is wrong)."""
+    from concurrent import futures
+
+    import grpc
+
+    root = tmp_path if len(os.fsencode(str(tmp_path))) < 60 else Path(tempfile.mkdtemp(prefix="s-"))
+    for length, binds in (
+        (paths.MAX_UNIX_SOCKET_PATH_BYTES, True),
+        (paths.MAX_UNIX_SOCKET_PATH_BYTES + 1, False),
+    ):
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        try:
+            if binds:
+                server.add_insecure_port(f"unix://{_socket_path_of(root, length)}")
+            else:
+                with pytest.raises(RuntimeError):
+                    server.add_insecure_port(f"unix://{_socket_path_of(root, length)}")
+        finally:
+            server.stop(0)
+
+
+def test_launch_moves_a_socket_too_deep_for_grpc_to_a_private_runtime_dir(tmp_path):
+    from expertcache.launch import daemon_socket_path
+
+    assert daemon_socket_path(tmp_path) == tmp_path / "daemon.sock"
+    deep = tmp_path / ("d" * 120)
+    sock = daemon_socket_path(deep)
+    assert len(os.fsencode(str(sock))) <= paths.MAX_UNIX_SOCKET_PATH_BYTES
+    assert sock.name == "daemon.sock" and sock.parent.parent == paths.RUNTIME_DIR
+    assert (sock.parent.stat().st_mode & 0o777) == 0o700
+    sock.parent.rmdir()
