@@ -191,7 +191,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     each layer's actual routing)."""
 
     layer_ahead_depth: int = field(
-        default=3,
+        default=1,
         metadata={
             "help": "MoE layers predicted ahead by the lookahead (1 = the next layer only)",
             "min": 1,
@@ -199,8 +199,12 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         },
     )
     """How many MoE layers ahead the lookahead predicts. The daemon measures each depth's
-    precision and prefetches only the depths that pay for their bytes; 3 was best in the trace
-    replay at the modelled accuracies (bench.replay's depth sweep, in the issue's closing note)."""
+    precision and prefetches only the depths above ``min_precision``. 1 by measurement end to end
+    (``python -m bench.e2e --layer-ahead-depth D``, gpt-oss shape, 25% budget, 2 x 64 tokens on the
+    2-core development machine): at depth 3, 44% of the prefetches were evicted unused and ours
+    read 1.41x LRU's bytes per token, at depth 1 17% and 1.03x, with a lower p50 (203 against
+    226 ms) and a third less daemon CPU per token. The trace replay's GPU timing model gains
+    latency from depth 3 (its ``--lookahead-depth`` sweep) at the cost of those bytes."""
 
     force_routing_accuracy_drop_per_depth: float = field(
         default=0.1,

@@ -202,7 +202,7 @@ def test_config_fields_and_their_bounds():
     assert config.layer_ahead is True
     assert (config.force_routing_path, config.force_routing_request) == ("", 0)
     assert config.force_routing_layer_ahead_accuracy == 0.9
-    assert config.force_routing_accuracy_drop_per_depth == 0.1 and config.layer_ahead_depth == 3
+    assert config.force_routing_accuracy_drop_per_depth == 0.1 and config.layer_ahead_depth == 1
     with pytest.raises(InvalidArgument, match="layer_ahead_depth.*below its minimum 1"):
         load_config(
             ComputeConfig, cli={"store_dir": "s", "layer_ahead_depth": "0"}, env={}, env_prefix=ENV_PREFIX
