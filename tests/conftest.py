@@ -21,6 +21,25 @@ if str(REPO) not in sys.path:  # `from tests.procs import ...` without an instal
 
 from expertcache.manifest import StoreManifest, read_manifest  # noqa: E402
 
+# -- the order of a run: the longest files first ----------------------------------------------
+# They build the native core four times and a wheel, or run the whole e2e benchmark: started
+# first, they overlap the rest in a parallel run (make test: pytest-xdist, a file per worker at a
+# time) instead of leaving one worker busy on them alone at the end.
+LONGEST_FIRST = (
+    "tests/distribution/test_native_matrix.py",
+    "tests/distribution/test_wheel.py",
+    "tests/integration/test_bench_e2e_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        rel = item.path.relative_to(REPO).as_posix() if item.path.is_relative_to(REPO) else ""
+        return LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every other test keeps its place
+
+
 # -- the last line of a run: skipped tests counted by reason -------------------------------------
 _SKIPS: Counter[str] = Counter()
 
