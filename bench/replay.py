@@ -11,7 +11,8 @@ lookahead: hit rate, bytes per token (and × Belady's), stall and latency per to
 floor ``max(all-resident compute, Belady's bytes / link bandwidth)``), prefetch accuracy; then
 each policy's speed-up over plain LRU beside Belady's and the share of Belady's gain captured,
 the recall of the signals' prediction at each lookahead depth, an ablation of the EAMC hints and
-the lookahead at 25%, and the cost of ``ActivationSignals.observe`` per routed layer.
+the lookahead at 25%, the EAMC class's prefetches at a lowered use-probability threshold (with and
+without hints: what they buy once it issues some), and the cost of ``ActivationSignals.observe`` per routed layer.
 
 Usage: ``python -m bench.replay [--trace PATH] [--timing gpu|cpu-e2e] [--requests N|all]
 [--budgets 0.1,0.25,0.5] [--policies lru,...] [--lookahead-accuracy 0.9,0.8,...]
@@ -36,6 +37,7 @@ from tqdm import tqdm
 
 from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from cache_daemon.decisions.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES
+from cache_daemon.decisions.policy.activation_aware import MIN_PREFETCH_PROBABILITY
 from cache_daemon.decisions.scheduler import PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from cache_daemon.decisions.simulator import (
@@ -57,6 +59,7 @@ DEFAULT_TRACE = (
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ALL_POLICIES = (*ONLINE_POLICIES, *REPLAY_ONLY_POLICIES)
 GOAL_BUDGET = 0.25
+SPECULATIVE_MIN_PROBABILITY = 0.2  # the ablation's lowered threshold of the EAMC class
 GOAL_BYTES_RATIO = 1.6  # activation-aware bytes / Belady bytes
 GOAL_FLOOR_RATIO = 1.6  # activation-aware latency / floor
 GOAL_OBSERVE_US = 20.0  # ActivationSignals.observe per routed layer
@@ -567,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_ablation and GOAL_BUDGET in budgets:
         runs += [("activation-aware", GOAL_BUDGET, la, False, "ablation") for la in (False, True)]
+        # The EAMC class with a lower threshold, with and without hints: what its prefetches buy
+        # once it issues some (at the default threshold its candidates are already resident).
+        runs += [("activation-aware", GOAL_BUDGET, False, h, "speculative") for h in (True, False)]
     rows: list[dict] = []
     bar = None if args.no_progress else tqdm(total=tokens * len(runs), unit="tok", desc="replay")
     for p, b, la, with_hints, group in runs:
@@ -579,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
             lookahead=lookahead if la else None,
             hints=hints if with_hints else None,
             max_inflight_bytes=max_inflight,
+            policy_kwargs={"min_probability": SPECULATIVE_MIN_PROBABILITY}
+            if group == "speculative"
+            else None,
             progress=bar,
             measure_depths=p == "activation-aware" and b == GOAL_BUDGET and group == "main",
         )
@@ -687,6 +696,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['bytes_per_token'] / 2**20:>8.1f} {r['latency_ms_per_token']:>8.2f} "
                 f"{r['prefetches_per_token']:>7.2f} {r['prefetch_accuracy']:>7.3f} {la['started'] / t:>9.2f} "
                 f"{la['used'] / max(la['started'], 1):>7.3f} {ea['started'] / t:>11.2f} {ea['used'] / max(ea['started'], 1):>8.3f}"
+            )
+    speculative = sorted((r for r in rows if r["group"] == "speculative"), key=lambda x: not x["hints"])
+    if speculative:
+        print(
+            f"EAMC class at {GOAL_BUDGET:.0%} with its use-probability threshold lowered from "
+            f"{MIN_PREFETCH_PROBABILITY} to {SPECULATIVE_MIN_PROBABILITY} (no lookahead; at "
+            f"{MIN_PREFETCH_PROBABILITY} the experts it would fetch are already resident):"
+        )
+        base = next((r for r in ablation if r["hints"] and not r["layer_ahead"]), None)
+        for r in speculative:
+            t = max(r["tokens"], 1)
+            ea = r["prefetch_by_class"].get("eamc", {"started": 0, "used": 0})
+            vs = (
+                f" ({r['bytes_per_token'] / base['bytes_per_token']:.3f}x the bytes, "
+                f"{r['latency_ms_per_token'] / base['latency_ms_per_token']:.3f}x the latency of "
+                f"threshold {MIN_PREFETCH_PROBABILITY} with hints)"
+                if base
+                else ""
+            )
+            print(
+                f"  hints {'on ' if r['hints'] else 'off'}: {r['bytes_per_token'] / 2**20:.1f} MiB/tok, "
+                f"{r['latency_ms_per_token']:.2f} ms, EAMC prefetches {ea['started'] / t:.2f}/tok at accuracy "
+                f"{ea['used'] / max(ea['started'], 1):.3f}{vs}"
             )
     cost = observe_cost(trace, min(256, trace.num_rows), len(lookahead), hints.get(first))
     print(

@@ -88,8 +88,9 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     assert calls["decide"] > 0
     assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
     # 4 online policies x 2 lookahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers;
-    # the ablation (activation-aware without hints, x 2) at 25%; observe_cost over the trace's 120 rows
-    assert calls["observe"] == ((4 * 2 + 2) * 2 + 2) * 60 * L + 120 * L
+    # the ablation (activation-aware without hints, x 2) and the EAMC class at a lower threshold
+    # (with and without hints, x 2) at 25%; observe_cost over the trace's 120 rows
+    assert calls["observe"] == ((4 * 2 + 2) * 2 + 2 + 2) * 60 * L + 120 * L
     data = json.loads((out / "replay.json").read_text())
     assert (out / "replay.png").stat().st_size > 1000
     assert data["tokens"] == 60 and data["layers"] == L and data["experts"] == E and data["top_k"] == K
@@ -101,7 +102,11 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     ) * 1e3
     for budget in (0.25, 0.5):
         rows = [r for r in data["rows"] if r["budget"] == budget]
-        assert len(rows) == 12 + (2 if budget == 0.25 else 0)  # + the ablation's two at 25%
+        # + the ablation's two and the lowered EAMC threshold's two at 25%
+        assert len(rows) == 12 + (4 if budget == 0.25 else 0)
+        speculative = [r for r in rows if r["group"] == "speculative"]
+        assert sorted(r["hints"] for r in speculative) == ([False, True] if budget == 0.25 else [])
+        assert not any(r["layer_ahead"] for r in speculative)
         bel = [r for r in rows if r["policy"] == "belady"][0]
         for r in rows:
             assert bel["bytes_per_token"] <= r["bytes_per_token"] + 1e-9, r["policy"]
