@@ -699,12 +699,18 @@ def main(argv: list[str] | None = None) -> int:
             )
     speculative = sorted((r for r in rows if r["group"] == "speculative"), key=lambda x: not x["hints"])
     if speculative:
+        base = next((r for r in ablation if r["hints"] and not r["layer_ahead"]), None)
+        base_eamc = base["prefetch_by_class"].get("eamc", {"started": 0}) if base else None
         print(
             f"EAMC class at {GOAL_BUDGET:.0%} with its use-probability threshold lowered from "
-            f"{MIN_PREFETCH_PROBABILITY} to {SPECULATIVE_MIN_PROBABILITY} (no lookahead; at "
-            f"{MIN_PREFETCH_PROBABILITY} the experts it would fetch are already resident):"
+            f"{MIN_PREFETCH_PROBABILITY} to {SPECULATIVE_MIN_PROBABILITY} (no lookahead"
+            + (
+                f"; at {MIN_PREFETCH_PROBABILITY} it started {base_eamc['started'] / max(base['tokens'], 1):.2f}/tok"
+                if base
+                else ""
+            )
+            + "):"
         )
-        base = next((r for r in ablation if r["hints"] and not r["layer_ahead"]), None)
         for r in speculative:
             t = max(r["tokens"], 1)
             ea = r["prefetch_by_class"].get("eamc", {"started": 0, "used": 0})
