@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run
 def daemon_socket_path(work_dir: Path) -> Path:
     """``work_dir/daemon.sock``, or where that path is too long for a unix socket (a deep
     benchmark or test directory), a socket in a new private directory under the runtime
-    directory (``expertcache.paths``)."""
+    directory (``expertcache.paths``), which ``Proc.stop`` of the daemon removes."""
     sock = work_dir / "daemon.sock"
     if len(os.fsencode(sock)) <= MAX_UNIX_SOCKET_PATH_BYTES:
         return sock
@@ -42,6 +43,7 @@ class Proc:
     popen: subprocess.Popen
     address: str
     log_path: Path
+    owned_dir: Path | None = None  # a directory made for this process alone, removed by ``stop``
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -54,6 +56,8 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+        if self.owned_dir is not None:
+            shutil.rmtree(self.owned_dir, ignore_errors=True)
         return self.popen.returncode
 
 
@@ -135,7 +139,15 @@ def start_daemon(
         str(host_budget_bytes),
         *(extra or []),
     ]
-    return start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
+    owned = sock.parent if sock.parent != work_dir else None
+    try:
+        proc = start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
+    except BaseException:
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
+        raise
+    proc.owned_dir = owned
+    return proc
 
 
 def start_compute(

@@ -81,3 +81,19 @@ def test_launch_moves_a_socket_too_deep_for_grpc_to_a_private_runtime_dir(tmp_pa
     assert sock.name == "daemon.sock" and sock.parent.parent == paths.RUNTIME_DIR
     assert (sock.parent.stat().st_mode & 0o777) == 0o700
     sock.parent.rmdir()
+
+
+def test_a_daemon_started_in_a_deep_dir_serves_and_its_socket_dir_goes_with_it(tiny_store, tmp_path):
+    from expertcache.launch import start_daemon
+
+    tiny = tiny_store("mixtral")
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    daemon = start_daemon(tiny.store, deep, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes * 8)
+    sock_dir = daemon.owned_dir
+    try:
+        assert sock_dir is not None and daemon.address == f"unix://{sock_dir / 'daemon.sock'}"
+        assert (sock_dir / "daemon.sock").exists() and (deep / "daemon.log").exists()
+    finally:
+        assert daemon.stop() == 0
+    assert not sock_dir.exists()
