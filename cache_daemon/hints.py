@@ -197,13 +197,11 @@ class HintSubscriber:
     def _apply_traced(self, pb: predictor_pb2.HintBatch) -> None:
         """An ``apply_hints`` span under the predictor's publish_hints (HintBatch.trace_context),
         which is in the trace of the request that caused the hints; linked to it too."""
-        parent = telemetry.extract(pb.trace_context)
-        with telemetry.tracer().start_as_current_span(
+        with telemetry.span_from_message(
             "apply_hints",
-            context=parent,
-            kind=telemetry.SpanKind.CONSUMER,
-            links=telemetry.link_to(parent),
-            attributes={
+            pb.trace_context,
+            telemetry.SpanKind.CONSUMER,
+            {
                 "expertcache.request_id": pb.request_id,
                 "expertcache.token_index": pb.token_index,
                 "expertcache.hints": len(pb.hints),

@@ -39,6 +39,7 @@ import logging
 import os
 import random
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -58,6 +59,7 @@ __all__ = [
     "inject",
     "install",
     "link_to",
+    "span_from_message",
     "server_interceptors",
     "setup",
     "shutdown",
@@ -199,6 +201,18 @@ def link_to(ctx: Context | None) -> list[Link]:
     if ctx is None:
         return []
     return [Link(trace.get_current_span(ctx).get_span_context())]
+
+
+def span_from_message(
+    name: str, carrier: Mapping[str, str], kind: SpanKind, attributes: Mapping
+) -> AbstractContextManager[Span]:
+    """A current span ``name`` in the trace a message's ``trace_context`` (``carrier``) carries: its
+    span is the parent and is linked too (so a backend shows the hop either way); a new trace when
+    the message carries none."""
+    parent = extract(carrier)
+    return tracer().start_as_current_span(
+        name, context=parent, kind=kind, links=link_to(parent), attributes=dict(attributes)
+    )
 
 
 class LayerSampler:

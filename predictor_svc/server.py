@@ -155,13 +155,11 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
     def _observe_traced(self, msg: predictor_pb2.Activation, client: str) -> bool:
         """One traced activation: an ``observe`` span under the request's Generate span (from
         ``Activation.trace_context``), linked to it too, current while the service publishes hints."""
-        parent = telemetry.extract(msg.trace_context)
-        with telemetry.tracer().start_as_current_span(
+        with telemetry.span_from_message(
             "observe",
-            context=parent,
-            kind=telemetry.SpanKind.CONSUMER,
-            links=telemetry.link_to(parent),
-            attributes={
+            msg.trace_context,
+            telemetry.SpanKind.CONSUMER,
+            {
                 "expertcache.model": msg.model_id,
                 "expertcache.request_id": msg.request_id,
                 "expertcache.token_index": msg.token_index,
@@ -189,14 +187,13 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
     @staticmethod
     def _traced_send(batch: HintBatch) -> None:
         """A ``send_hints`` span: the batch leaves on a SubscribeHints stream (linked to its request)."""
-        parent = telemetry.extract(batch.trace_context)
-        telemetry.tracer().start_span(
+        with telemetry.span_from_message(
             "send_hints",
-            context=parent,
-            kind=telemetry.SpanKind.PRODUCER,
-            links=telemetry.link_to(parent),
-            attributes={"expertcache.request_id": batch.request_id, "expertcache.hints": len(batch.hints)},
-        ).end()
+            batch.trace_context,
+            telemetry.SpanKind.PRODUCER,
+            {"expertcache.request_id": batch.request_id, "expertcache.hints": len(batch.hints)},
+        ):
+            pass
 
     def GetStats(
         self, request: predictor_pb2.GetStatsRequest, context: grpc.ServicerContext
