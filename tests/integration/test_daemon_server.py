@@ -589,10 +589,13 @@ def test_sighup_reloads_live_fields_and_refuses_the_rest(tmp_path):
         wait_for(lambda: "refused, the running config stays" in d.proc.log())
         assert "'eviction_policy' = 'fifo' is not one of" in d.proc.log()
         assert d.stats().config.eviction_policy == "moe-infinity"
-        # A ConfigMap volume changes the file with no signal: the daemon notices by itself.
-        config.write_text("eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
-        wait_for(lambda: d.stats().config.eviction_policy == "activation-aware")
-        assert d.stats().config.prefetch and d.stats().config.hint_ttl_tokens == 9
+        # A ConfigMap volume changes the file with no signal, and atomically (a rename: an in-place
+        # write could be read empty, i.e. all defaults): the daemon notices by itself.
+        staged = tmp_path / "daemon.yaml.new"
+        staged.write_text("eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
+        os.replace(staged, config)
+        wait_for(lambda: d.stats().config.hint_ttl_tokens == 9)
+        assert d.stats().config.eviction_policy == "activation-aware" and d.stats().config.prefetch
     finally:
         d.close()
         assert d.proc.stop() == 0, d.proc.log()
