@@ -19,23 +19,26 @@ per-(row, layer) scale. A query's prediction is the similarity-weighted mean of 
 of its ``top_n`` most similar entries, so it stays in [0, 1].
 
 Matching cost (why two stages): the exact scan reads every row in float32 (30 MB at 10 K entries
-of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict`` first scans an
-int8 copy of the rows (each row quantised with its own scale when it is upserted; one integer
-pass over the layers seen so far, 7.7 MB, by the first-stage scan below), takes the
+of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict`` first scans a
+4-bit copy of the rows (each row quantised to 0..15 with its own scale when it is upserted, two
+values to a byte: 3.8 MB at 10 K entries; one integer pass over the layers seen so far), takes the
 ``candidates(top_n)`` best by that approximate cosine (a partial top-k, no sort), and rescores
 only those exactly in float32 before choosing the ``top_n``. The quantisation error of a cosine
-is about 1e-3, far below the gap between the best matches and the rest, so the chosen entries
-and their weights are the exact ones unless a true top-``n`` entry ranks below the candidates
-(``bench.predict_bench`` counts how often: it prints the agreement with the exact scan).
+is about 1e-2 at 4 bits, below the gap between the best matches and the rest, so the chosen
+entries and their weights are the exact ones unless a true top-``n`` entry ranks below the
+candidates (``bench.predict_bench`` counts how often: it prints the agreement with the exact
+scan). The 4-bit layout is ``expertcache/_native``'s (csrc/include/expertcache/eamc_match.h):
+``pack_q4`` writes it, ``unpack_q4`` reads it back.
 
-First-stage scans (``EamcIndex.scan``, from ``SCANS``): ``native`` (the default where the native
-core has it) is ``expertcache._native.int8_topk`` (csrc/src/int8_scan.cc): the int8 dots with
-AVX-512 VNNI or AVX2 as the CPU offers, the ranking and a bounded top-C in one pass over the
-rows, which it reads in place. ``numpy`` is the same ranking by ``torch._int_mm`` and
-``torch.topk``, what runs when the native core lacks the kernel. Both rank by the same float32
-score, so they pick the same candidates except where scores tie at the C-th place (the kernel
-keeps the lower row, ``torch.topk`` either). ``exact`` skips the first stage and scans every row
-in float32: the reference the benchmark compares the others with.
+Scans (``EamcIndex.scan``, from ``SCANS``): ``native`` (the default where the native core has it)
+is ``expertcache._native.eamc_match`` (csrc/src/eamc_match.cc): the whole match of a query in
+one call without Python, its first stage with AVX2 where the CPU has it; its formulas are the
+ones below. ``numpy`` is the same match in numpy and torch (``torch._int_mm`` over the unpacked
+rows, ``torch.topk``), what runs when the native core lacks it, and the reference the tests hold
+the native match to. The two agree on the chosen entries except where scores tie (the native
+match keeps the lower row) and on cosines and predictions to float32 rounding (sums run in
+another order). ``exact`` skips the first stage and scans every row in float32: the reference the
+benchmark compares the others with.
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ from predictor_svc.eam import EamShape, decode_eam, encode_eam
 from predictor_svc.errors import Conflict, CorruptEntry, StoreUnavailable
 from predictor_svc.store.base import EamcStore
 
-try:  # the native core's int8 scan; an install without it (or an older build) uses numpy
+try:  # the native core's match; an install without it (or an older build) uses numpy
     from expertcache import _native
 
-    _NATIVE_INT8_TOPK = getattr(_native, "int8_topk", None)
+    _NATIVE_MATCH = getattr(_native, "eamc_match", None)
 except ImportError:  # pragma: no cover - an install without its build
-    _NATIVE_INT8_TOPK = None
+    _NATIVE_MATCH = None
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,35 @@ MIN_CANDIDATES = 32  # ... this many
 QUERY_CHUNK = 32  # queries of a batch rescored together (bounds the gathered rows' memory)
 # The first-stage scans an index can use (module docstring), and the default one.
 SCANS = ("native", "numpy", "exact")
-DEFAULT_SCAN = "native" if _NATIVE_INT8_TOPK is not None else "numpy"
+DEFAULT_SCAN = "native" if _NATIVE_MATCH is not None else "numpy"
+
+
+Q4_GROUP = 64  # values per 32-byte group of the 4-bit layout (module docstring)
+
+
+def q4_row_bytes(width: int) -> int:
+    """Bytes of a 4-bit row of ``width`` values: whole 32-byte groups."""
+    return -(-width // Q4_GROUP) * (Q4_GROUP // 2)
+
+
+def pack_q4(values: np.ndarray) -> np.ndarray:
+    """uint8 [B, W] with values in [0, 15] -> the 4-bit layout uint8 [B, q4_row_bytes(W)]: byte i
+    of group g holds value 64g + i in its low nibble and 64g + 32 + i in its high one."""
+    b, w = values.shape
+    groups = -(-w // Q4_GROUP)
+    padded = np.zeros((b, groups * Q4_GROUP), np.uint8)
+    padded[:, :w] = values
+    runs = padded.reshape(b, groups, 2, Q4_GROUP // 2)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(b, groups * (Q4_GROUP // 2))
+
+
+def unpack_q4(packed: np.ndarray, width: int) -> np.ndarray:
+    """The first ``width`` values of each 4-bit row: uint8 [N, bytes] -> int8 [N, width]."""
+    n = packed.shape[0]
+    groups = -(-width // Q4_GROUP)
+    runs = packed[:, : groups * (Q4_GROUP // 2)].reshape(n, groups, 1, Q4_GROUP // 2)
+    values = np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(n, groups * Q4_GROUP)
+    return values[:, :width].view(np.int8)
 
 
 def block_normalise(eams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,13 +115,15 @@ class EamcIndex:
         self.scan = scan
         width = shape.layers * shape.experts
         self._rows = np.zeros((max(1, initial_rows), width), dtype=np.float32)  # [cap, L*E]
-        # The same rows in int8, each scaled by 127 / its largest value (q8 * qscale ~ row):
-        # what predict scans first.
-        self._q8 = np.zeros((self._rows.shape[0], width), dtype=np.int8)  # [cap, L*E]
+        # The same rows in 4 bits, each scaled by 15 / its largest value (q4 * qscale ~ row), in
+        # the packed layout (pack_q4): what predict scans first.
+        self._q4 = np.zeros((self._rows.shape[0], q4_row_bytes(width)), dtype=np.uint8)  # [cap, bytes]
         self._qscale = np.zeros(self._rows.shape[0], dtype=np.float32)  # [cap]
-        # rank[n, l] = qscale[n] / sqrt(nonempty[n, l]): an int8 dot over l layers times this is
+        # rank[l, n] = qscale[n] / sqrt(nonempty[n, l]): a 4-bit dot over l layers times this is
         # the entry's cosine up to the query's own (constant) factor, all the ranking needs.
-        self._rank = np.zeros((self._rows.shape[0], shape.layers + 1), dtype=np.float32)
+        # Layer-major, so that the first stage reads one contiguous [N] column per query: a
+        # strided column (one cache line per entry) cost as much as the first-stage scan itself.
+        self._rank = np.zeros((shape.layers + 1, self._rows.shape[0]), dtype=np.float32)
         # scale[n, l] = ||counts of layer l|| / tokens: turns a normalised block into frequencies
         self._scale = np.zeros((self._rows.shape[0], shape.layers), dtype=np.float32)
         # nonempty[n, l] = number of non-empty layer blocks among the first l (l = 0..L)
@@ -106,11 +139,11 @@ class EamcIndex:
 
     @scan.setter
     def scan(self, name: str) -> None:
-        if name not in self._FIRST_STAGES and name != "exact":
+        if name not in SCANS:
             raise ValueError(f"unknown EAMC scan {name!r}: use one of {', '.join(SCANS)}")
-        if name == "native" and _NATIVE_INT8_TOPK is None:
+        if name == "native" and _NATIVE_MATCH is None:
             raise ValueError(
-                "EAMC scan 'native': this build of expertcache._native has no int8_topk "
+                "EAMC scan 'native': this build of expertcache._native has no eamc_match "
                 "(rebuild it with `make install`), use 'numpy'"
             )
         self._scan = name
@@ -160,7 +193,7 @@ class EamcIndex:
         self._write_rows(np.asarray(rows, np.int64), eams, np.asarray(tokens))
 
     def _write_rows(self, rows: np.ndarray, eams: np.ndarray, tokens: np.ndarray) -> None:
-        """Normalise ``eams`` [B, L, E] into ``rows`` [B] (float32 and int8 copies, scales)."""
+        """Normalise ``eams`` [B, L, E] into ``rows`` [B] (float32 and 4-bit copies, scales)."""
         normalised, norms = block_normalise(eams)  # [B, L, E], [B, L]
         flat = normalised.reshape(len(rows), -1)
         self._rows[rows] = flat
@@ -169,12 +202,12 @@ class EamcIndex:
         self._nonempty[rows, 1:] = np.cumsum(norms > 0, axis=1)
         top = flat.max(axis=1)  # >= 0: counts are non-negative
         safe = np.where(top > 0, top, 1.0).astype(np.float32)
-        self._q8[rows] = np.rint(flat * (127.0 / safe)[:, None]).astype(np.int8)
-        self._qscale[rows] = np.where(top > 0, top / 127.0, 0.0)
+        self._q4[rows] = pack_q4(np.rint(flat * (15.0 / safe)[:, None]).astype(np.uint8))
+        self._qscale[rows] = np.where(top > 0, top / 15.0, 0.0)
         ne = self._nonempty[rows]
-        self._rank[rows] = np.divide(
+        self._rank[:, rows] = np.divide(
             self._qscale[rows][:, None], np.sqrt(ne), out=np.zeros_like(ne), where=ne > 0
-        )
+        ).T
         self._mean = None
 
     def remove(self, entry_id: str) -> bool:
@@ -188,11 +221,13 @@ class EamcIndex:
             for name in self._ARRAYS:
                 arr = getattr(self, name)
                 arr[row] = arr[last]
+            self._rank[:, row] = self._rank[:, last]
             self._ids[row] = moved
             self._pos[moved] = row
         self._ids.pop()
         for name in self._ARRAYS:
             getattr(self, name)[last] = 0
+        self._rank[:, last] = 0
         self._mean = None
         return True
 
@@ -261,14 +296,16 @@ class EamcIndex:
             out = np.broadcast_to(self._mean_frequencies(), (t, L, E)).copy()
             return out[0] if single else out
         k = min(top_n, n)
-        best, sims = self.best_matches(q, layers, k)  # [T, k] rows, [T, k] exact cosines
+        if self._native_applies(n, k):
+            return self._native_match(q, layers, k, sharpness)[2][0 if single else slice(None)]
+        best, sims, rows = self._match(q, layers, k)  # [T, k] rows, exact cosines, [T, k, L*E]
         weights = np.clip(sims, 0.0, None) ** sharpness
         total = weights.sum(axis=1, keepdims=True)
         # No positive match: fall back to equal weights over the chosen entries.
         weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), 1.0 / k).astype(np.float32)
-        rows = self._rows[best].reshape(t, k, L, E)
-        freqs = rows * self._scale[best][..., None]  # [T, k, L, E]
-        out = np.einsum("tk,tkle->tle", weights, freqs)
+        # frequency = normalised block * its scale: the weight and the scale folded first ([T, k, L])
+        wscale = weights[:, :, None] * self._scale[best]
+        out = np.einsum("tkl,tkle->tle", wscale, rows.reshape(t, k, L, E))
         np.clip(out, 0.0, 1.0, out=out)
         return out[0] if single else out
 
@@ -279,6 +316,48 @@ class EamcIndex:
     def best_matches(self, q: np.ndarray, layers: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` most similar entries to each query of ``q`` [T, L, E] over ``layers`` layers:
         (rows int64 [T, k], exact cosines float32 [T, k]), best first is not guaranteed."""
+        if self._native_applies(len(self._ids), k):
+            best, sims, _prediction = self._native_match(q, layers, k, 1.0)
+        else:
+            best, sims, _rows = self._match(q, layers, k)
+        return best, sims
+
+    def _native_applies(self, n: int, k: int) -> bool:
+        """Whether a ``k``-match over ``n`` entries runs natively (below the candidate count the
+        exact scan is the cheapest, in numpy)."""
+        return self._scan == "native" and n > self.candidates(k)
+
+    def _native_match(
+        self, q: np.ndarray, layers: int, k: int, sharpness: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The whole match in ``_native.eamc_match``: (best [T, k], cosines [T, k], prediction
+        [T, L, E]), in chunks of QUERY_CHUNK queries. The arrays are read in place."""
+        n, (L, E) = len(self._ids), (self.shape.layers, self.shape.experts)
+        counts = np.ascontiguousarray(q, dtype=np.float32)
+        collection = (
+            self._q4[:n],
+            self._rank[layers, :n],
+            self._rows[:n],
+            self._nonempty[:n, layers],  # a strided column, read in place
+            self._scale[:n],
+        )
+        c = self.candidates(k)
+        if len(q) <= QUERY_CHUNK:
+            return _NATIVE_MATCH(counts, layers, *collection, c, k, float(sharpness))
+        best = np.empty((len(q), k), np.int64)
+        sims = np.empty((len(q), k), np.float32)
+        prediction = np.empty((len(q), L, E), np.float32)
+        for lo in range(0, len(q), QUERY_CHUNK):
+            hi = min(lo + QUERY_CHUNK, len(q))
+            best[lo:hi], sims[lo:hi], prediction[lo:hi] = _NATIVE_MATCH(
+                counts[lo:hi], layers, *collection, c, k, float(sharpness)
+            )
+        return best, sims, prediction
+
+    def _match(self, q: np.ndarray, layers: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``best_matches`` in numpy (the exact scan, or the numpy two-stage match) plus the
+        chosen entries' normalised rows (float32 [T, k, L*E]), which the rescoring has gathered
+        already."""
         n, E = len(self._ids), self.shape.experts
         width = layers * E
         qn, qnorms = block_normalise(q[:, :layers])
@@ -290,41 +369,36 @@ class EamcIndex:
             denom = np.sqrt(q_nonempty[:, None] * self._nonempty[:n, layers][None, :])
             sims = np.divide(dots, denom, out=np.zeros_like(dots), where=denom > 0)
             best = np.argsort(-sims, axis=1, kind="stable")[:, :k]
-            return best, np.take_along_axis(sims, best, axis=1)
-        first_stage = self._FIRST_STAGES[self._scan]
+            return best, np.take_along_axis(sims, best, axis=1), self._rows[best]
         best_out = np.empty((len(q), k), np.int64)
         sims_out = np.empty((len(q), k), np.float32)
+        rows_out = np.empty((len(q), k, self._rows.shape[1]), np.float32)
         for lo in range(0, len(q), QUERY_CHUNK):
             hi = min(lo + QUERY_CHUNK, len(q))
             qc = qflat[lo:hi]
             top = qc.max(axis=1, keepdims=True)
             q8 = np.rint(qc * (127.0 / np.where(top > 0, top, 1.0))).astype(np.int8)  # [t, width] in [0, 127]
-            cand = first_stage(self, q8, n, layers, c)  # [t, C] rows
-            exact = np.einsum("tcw,tw->tc", self._rows[cand, :width], qc)  # [t, C] float32
+            cand = self._candidates_numpy(q8, n, layers, c)  # [t, C] rows
+            rows = self._rows[cand]  # [t, C, L*E]: whole rows, the chosen ones are returned
+            exact = np.matmul(rows[:, :, :width], qc[:, :, None])[:, :, 0]  # [t, C] float32
             d = np.sqrt(q_nonempty[lo:hi, None] * self._nonempty[cand, layers])
             exact = np.divide(exact, d, out=np.zeros_like(exact), where=d > 0)
             pick = np.argpartition(-exact, k - 1, axis=1)[:, :k]
             best_out[lo:hi] = np.take_along_axis(cand, pick, axis=1)
             sims_out[lo:hi] = np.take_along_axis(exact, pick, axis=1)
-        return best_out, sims_out
+            rows_out[lo:hi] = np.take_along_axis(rows, pick[:, :, None], axis=1)
+        return best_out, sims_out, rows_out
 
-    # First stages: q8 int8 [t, width] -> the c rows [t, c] int64 with the highest approximate
-    # cosine, int8 dot * rank[:, layers] (the rows' own scale over their norm over ``layers``).
-    def _candidates_native(self, q8: np.ndarray, n: int, layers: int, c: int) -> np.ndarray:
-        width = layers * self.shape.experts
-        # Column slices read in place: the seen layers' int8 columns and the rank column.
-        cand, _scores = _NATIVE_INT8_TOPK(q8, self._q8[:n, :width], self._rank[:n, layers], c)
-        return cand
-
+    # The first stage in numpy: q8 int8 [t, width] -> the c rows [t, c] int64 with the highest
+    # approximate cosine, 4-bit dot * rank[layers] (the rows' own scale over their norm over
+    # ``layers``). The native match ranks by the same float32 score.
     def _candidates_numpy(self, q8: np.ndarray, n: int, layers: int, c: int) -> np.ndarray:
         width = layers * self.shape.experts
-        rows8 = torch.from_numpy(self._q8[:n, :width])  # a strided view: the seen layers' columns
-        rank = torch.from_numpy(self._rank[:n, layers])  # [N]
+        rows8 = torch.from_numpy(unpack_q4(self._q4[:n], width))  # [N, width] int8 in [0, 15]
+        rank = torch.from_numpy(self._rank[layers, :n])  # [N]
         idots = torch._int_mm(torch.from_numpy(q8), rows8.t())  # [t, N] int32: exact integer dots
         # Approximate cosine up to a positive factor per query: enough to rank the entries.
         return torch.topk(idots * rank, c, dim=1).indices.numpy()  # [t, C]: a partial top-k
-
-    _FIRST_STAGES = {"native": _candidates_native, "numpy": _candidates_numpy}
 
     def _mean_frequencies(self) -> np.ndarray:
         """float32 [L, E]: the mean over every entry of its expert frequencies (cached)."""
@@ -340,7 +414,8 @@ class EamcIndex:
             raise ValueError(f"eam must be [{self.shape.layers}, {self.shape.experts}], got {eam.shape}")
         return eam
 
-    _ARRAYS = ("_rows", "_q8", "_qscale", "_rank", "_scale", "_nonempty")  # one row each per entry
+    # One row each per entry (entry-major); ``_rank`` is the one layer-major array (a column each).
+    _ARRAYS = ("_rows", "_q4", "_qscale", "_scale", "_nonempty")
 
     def _grow(self) -> None:
         cap = self._rows.shape[0] * 2
@@ -349,6 +424,9 @@ class EamcIndex:
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
             new[: old.shape[0]] = old
             setattr(self, name, new)
+        rank = np.zeros((self._rank.shape[0], cap), dtype=np.float32)
+        rank[:, : self._rank.shape[1]] = self._rank
+        self._rank = rank
 
 
 class Eamc:

@@ -9,7 +9,7 @@
 void bind_slot_table(pybind11::module_& m);
 void bind_host_pool(pybind11::module_& m);
 void bind_reader(pybind11::module_& m);
-// int8_topk / int8_dots / INT8_SCAN_PATHS: the first stage of the EAMC match.
-void bind_int8_scan(pybind11::module_& m);
+// eamc_match / q4_topk / q4_dots / Q4_SCAN_PATHS: the predictor's EAMC match.
+void bind_eamc_match(pybind11::module_& m);
 // Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
 void bind_cuda(pybind11::module_& m);

@@ -8,7 +8,7 @@
 #include "bind.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, int8 scan";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -25,6 +25,6 @@ PYBIND11_MODULE(_native, m) {
   bind_slot_table(m);
   bind_host_pool(m);
   bind_reader(m);
-  bind_int8_scan(m);
+  bind_eamc_match(m);
   bind_cuda(m);
 }

@@ -15,6 +15,7 @@ from predictor_svc.errors import Conflict, CorruptEntry
 from predictor_svc.store import EmbeddedStore, open_store
 
 SHAPE = EamShape(layers=4, experts=6, top_k=2)
+SHAPE_LE = (SHAPE.layers, SHAPE.experts)
 
 
 def random_eam(rng: np.random.Generator, tokens: int = 20, shape: EamShape = SHAPE) -> np.ndarray:
@@ -377,7 +378,7 @@ def exact_predict(
 
 @pytest.mark.parametrize("layers_seen", [1, 3, 4])
 def test_two_stage_match_chooses_the_exact_top_n(layers_seen):
-    # 600 entries: more than the candidates rescored, so the int8 scan runs first.
+    # 600 entries: more than the candidates rescored, so the 4-bit scan runs first.
     rng = np.random.default_rng(7)
     index = EamcIndex(SHAPE)
     entries = [random_eam(rng, tokens=int(rng.integers(5, 60))) for _ in range(600)]
@@ -434,8 +435,8 @@ def test_embedded_file_of_the_first_format_still_loads(tmp_path):
 
 @pytest.mark.parametrize("layers_seen", [1, 3, 4])
 def test_every_first_stage_scan_gives_the_same_match(layers_seen):
-    # The native int8 kernel, its numpy fallback and the exact scan choose the same entries, with
-    # the same exact weights, on a collection larger than the candidates.
+    # The native match, its numpy fallback and the exact scan choose the same entries, with the
+    # same exact weights, on a collection larger than the candidates.
     from predictor_svc.eamc import DEFAULT_SCAN, SCANS
 
     rng = np.random.default_rng(21)
@@ -470,6 +471,59 @@ def test_scan_names_are_checked():
 def test_native_scan_refused_without_the_kernel(monkeypatch):
     from predictor_svc import eamc
 
-    monkeypatch.setattr(eamc, "_NATIVE_INT8_TOPK", None)
-    with pytest.raises(ValueError, match=r"has no int8_topk .* use 'numpy'"):
+    monkeypatch.setattr(eamc, "_NATIVE_MATCH", None)
+    with pytest.raises(ValueError, match=r"has no eamc_match .* use 'numpy'"):
         EamcIndex(SHAPE, scan="native")
+
+
+@pytest.mark.parametrize("layers_seen", [1, 3, 4])
+def test_native_and_numpy_predictions_agree(layers_seen):
+    # The native match is held to the numpy one: the same prediction (to float32 rounding) for
+    # single queries and batches across query chunks, at several sharpness values (0: equal
+    # weights of the matches).
+    from predictor_svc import eamc
+
+    if eamc.DEFAULT_SCAN != "native":
+        pytest.skip("this build has no native match")
+    rng = np.random.default_rng(33)
+    index = EamcIndex(SHAPE)
+    entries = np.stack([random_eam(rng, tokens=int(rng.integers(5, 60))) for _ in range(300)])
+    index.upsert_many([f"e{i}" for i in range(300)], entries, entries.sum(2).max(1) // 2)
+    queries = np.stack([random_eam(rng, tokens=int(rng.integers(1, 9))) for _ in range(70)])
+    queries[:, layers_seen:] = 0
+    for sharpness in (0.0, 1.0, 4.0):
+        got = {}
+        for scan in ("native", "numpy"):
+            index.scan = scan
+            got[scan] = index.predict(queries, layers_seen, top_n=8, sharpness=sharpness)
+            assert got[scan].shape == (70, *SHAPE_LE) and got[scan].dtype == np.float32
+            single = index.predict(queries[3], layers_seen, top_n=8, sharpness=sharpness)
+            assert_allclose(single, got[scan][3], rtol=1e-6, atol=1e-7)
+        assert_allclose(got["native"], got["numpy"], rtol=1e-5, atol=1e-6)
+    # A query with no count at all: every score ties at 0, and the native match keeps the lowest
+    # rows (numpy's torch.topk keeps any), with equal weights.
+    index.scan = "native"
+    best, sims = index.best_matches(np.zeros((1, *SHAPE_LE), np.uint32), layers_seen, 8)
+    assert best.tolist() == [list(range(8))] and not sims.any()
+    freqs = index._rows[:8].reshape(8, *SHAPE_LE) * index._scale[:8][..., None]
+    assert_allclose(
+        index.predict(np.zeros(SHAPE_LE, np.uint32), layers_seen, top_n=8, sharpness=2.0),
+        np.clip(freqs.mean(axis=0), 0, 1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_q4_layout_round_trips():
+    from predictor_svc.eamc import pack_q4, q4_row_bytes, unpack_q4
+
+    rng = np.random.default_rng(2)
+    for width in (1, 31, 32, 33, 64, 65, 100, 768):
+        values = rng.integers(0, 16, size=(7, width), dtype=np.uint8)
+        packed = pack_q4(values)
+        assert packed.shape == (7, q4_row_bytes(width)) and q4_row_bytes(width) % 32 == 0
+        assert np.array_equal(unpack_q4(packed, width), values.astype(np.int8))
+        # byte i of group 0 holds value i (low nibble) and value 32 + i (high nibble)
+        if width >= 64:
+            assert np.array_equal(packed[:, :32] & 0x0F, values[:, :32])
+            assert np.array_equal(packed[:, :32] >> 4, values[:, 32:64])

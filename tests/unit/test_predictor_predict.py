@@ -165,4 +165,11 @@ def test_bench_runs_on_any_trace_in_the_format(tmp_path):
         assert 0 <= q[source]["precision_at_k"] <= 1 and len(q[source]["per_layer_precision_at_k"]) == 4
         assert q[source]["precision_at_k"] == pytest.approx(q[source]["recall_at_k"])
     assert q["history"]["precision_at_k"] > 0.25  # skewed per-layer preferences: above chance (2/8)
-    assert result["matching_cost_us"]["20"]["similarities_median_us"] > 0
+    cost = result["matching_cost_us"]["20"]
+    assert (
+        cost["similarities_median_us"] > 0
+        and cost["match_median_us"] > 0
+        and cost["match_cold_median_us"] > 0
+    )
+    with pytest.raises(SystemExit):
+        main(["--trace", str(trace), "--out", str(out), "--cost-queries", "1"])
