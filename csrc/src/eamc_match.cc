@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -161,13 +162,54 @@ void check_stride(size_t num_rows, size_t ld, size_t width) {
 }
 
 // Top-k of float(dot) * scale over every row for each query (queries already padded).
+// The best `keep` candidates of a stream of rows that come in increasing index: a buffer of up to
+// 2 * keep, cut back to the best `keep` (nth_element) whenever it fills. Once cut, a row enters
+// only with a score strictly above the worst kept one (it has a higher index, so an equal score
+// loses the tie). Amortised O(1) per row that enters, against a heap's O(log keep).
+class TopC {
+ public:
+  explicit TopC(size_t keep) : keep_(keep) { buf_.reserve(2 * keep); }
+
+  // Offers rows first, first + 1, ... with these scores.
+  void offer(const float* scores, size_t n, int64_t first) {
+    float floor = floor_;  // a local: the loop's one compare needs no reload after each store
+    for (size_t i = 0; i < n; ++i) {
+      if (!(scores[i] > floor)) continue;  // -inf until the first cut
+      buf_.push_back({scores[i], first + static_cast<int64_t>(i)});
+      if (buf_.size() == 2 * keep_) {
+        cut();
+        floor = floor_;
+      }
+    }
+  }
+
+  // The kept candidates, best first.
+  std::vector<Candidate>& result() {
+    if (buf_.size() > keep_) cut();
+    std::sort(buf_.begin(), buf_.end(), better);
+    return buf_;
+  }
+
+ private:
+  void cut() {
+    std::nth_element(buf_.begin(), buf_.begin() + (keep_ - 1), buf_.end(), better);
+    buf_.resize(keep_);
+    floor_ = buf_[keep_ - 1].score;  // the worst kept: nth_element puts it at keep - 1
+  }
+
+  size_t keep_;
+  float floor_ = -std::numeric_limits<float>::infinity();
+  std::vector<Candidate> buf_;
+};
+
+// Top-k of float(dot) * scale over every row for each query (queries already padded), best first.
 void topk_padded(const std::vector<std::vector<int8_t>>& queries, const uint8_t* rows, size_t num_rows,
                  size_t ld, size_t groups, const float* scale, size_t k, DotsFn fn,
-                 std::vector<std::vector<Candidate>>& heaps) {
+                 std::vector<std::vector<Candidate>>& out) {
   const size_t kk = std::min(k, num_rows);
-  heaps.assign(queries.size(), {});
-  for (auto& h : heaps) h.reserve(kk);
+  out.assign(queries.size(), {});
   if (kk == 0) return;
+  std::vector<TopC> tops(queries.size(), TopC(kk));
   int32_t dots[kBlockRows];
   float scores[kBlockRows];
   for (size_t b0 = 0; b0 < num_rows; b0 += kBlockRows) {
@@ -177,23 +219,10 @@ void topk_padded(const std::vector<std::vector<int8_t>>& queries, const uint8_t*
       // float(dot) * scale: one correctly rounded float32 multiply, as numpy computes it (a
       // plain loop the compiler vectorises).
       for (size_t i = 0; i < bn; ++i) scores[i] = static_cast<float>(dots[i]) * scale[b0 + i];
-      std::vector<Candidate>& h = heaps[t];
-      size_t i = 0;
-      for (; i < bn && h.size() < kk; ++i) {
-        h.push_back({scores[i], static_cast<int64_t>(b0 + i)});
-        std::push_heap(h.begin(), h.end(), better);
-      }
-      // Full: rows come in increasing index, so a row ties no kept one in its favour; only a
-      // strictly higher score than the worst kept enters.
-      for (; i < bn; ++i) {
-        if (!(scores[i] > h.front().score)) continue;
-        std::pop_heap(h.begin(), h.end(), better);
-        h.back() = {scores[i], static_cast<int64_t>(b0 + i)};
-        std::push_heap(h.begin(), h.end(), better);
-      }
+      tops[t].offer(scores, bn, static_cast<int64_t>(b0));
     }
   }
-  for (auto& h : heaps) std::sort_heap(h.begin(), h.end(), better);  // best first
+  for (size_t t = 0; t < queries.size(); ++t) out[t] = std::move(tops[t].result());
 }
 
 void check_scale(const float* scale, size_t num_rows, const char* name) {
