@@ -272,3 +272,47 @@ def test_seed_for_a_runtime_switch_keeps_everyone(name):
     assert len(new) == len(keys)
     assert sorted(new.choose_victims(len(keys), lambda k: True)) == sorted(keys)
     assert sorted(new.rank(keys)) == sorted(keys)
+
+
+def fresh_victim_order(policy) -> np.ndarray:
+    """The victim order recomputed from the policy's state, bypassing its cache."""
+    entries = np.flatnonzero(policy._resident)
+    if entries.size == 0:
+        return entries
+    return entries[np.lexsort((policy._tiebreak(entries), policy._keep_scores(entries)))]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "lru"))
+def test_cached_victim_order_follows_every_change(name):
+    # The vectorised policies sort once per state (policy changes and signals version): through
+    # churn, hints, routing and removals the cached order always equals a fresh one, and a repeat
+    # call with nothing changed returns the same array without sorting again.
+    r = routes()
+    policy, sig = build(name, r)
+    rng = random.Random(8)
+    resident: set[ExpertKey] = set()
+    for token in range(len(r)):
+        sig.set_hints([(layer, rng.randrange(E), rng.random()) for layer in range(L)], token)
+        assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+        for layer in range(L):
+            sig.observe(layer, r[token, layer], token)
+            assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+            for x in r[token, layer]:
+                key = ExpertKey(layer, int(x))
+                if key in resident:
+                    policy.on_access(key)
+                else:
+                    policy.on_insert(key)
+                    resident.add(key)
+                assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+            if rng.random() < 0.4 and resident:
+                gone = rng.choice(sorted(resident))
+                policy.on_remove(gone)
+                resident.discard(gone)
+                assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+            order = policy.victim_order()
+            assert policy.victim_order() is order and not order.flags.writeable
+            absent = [ExpertKey(i, j) for i in range(L) for j in range(E) if ExpertKey(i, j) not in resident]
+            if absent:
+                policy.on_remove(absent[0])  # not resident: nothing changed, nothing re-sorted
+                assert policy.victim_order() is order

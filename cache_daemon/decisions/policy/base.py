@@ -132,6 +132,12 @@ class ShapedPolicy(EvictionPolicy):
         self._resident = np.zeros(shape.num_entries, bool)
         self._count = 0
         self._clock = 0  # bumped per insert/access: a total recency order
+        # victim_order of the state it was computed in: (changes, signals version, order). The
+        # keep-scores read only this policy's state (changed through on_insert / on_access /
+        # on_remove, each of which bumps _changes) and the signals (whose version bumps on every
+        # change), so one decision round asking for many victims sorts once.
+        self._changes = 0
+        self._order_cache: tuple[int, int, np.ndarray] | None = None
 
     def _entry(self, key: ExpertKey) -> int:
         if not (0 <= key.layer < self.shape.num_layers and 0 <= key.expert < self._E):
@@ -147,12 +153,14 @@ class ShapedPolicy(EvictionPolicy):
             self._resident[e] = True
             self._count += 1
         self._clock += 1
+        self._changes += 1
         self._inserted(e)
 
     def on_access(self, key: ExpertKey) -> None:
         e = self._entry(key)
         if self._resident[e]:
             self._clock += 1
+            self._changes += 1
             self._accessed(e)
 
     def on_remove(self, key: ExpertKey) -> None:
@@ -163,6 +171,7 @@ class ShapedPolicy(EvictionPolicy):
         if self._resident[e]:
             self._resident[e] = False
             self._count -= 1
+            self._changes += 1
             self._removed(e)
 
     def __len__(self) -> int:
@@ -189,13 +198,18 @@ class ShapedPolicy(EvictionPolicy):
         return entries.astype(np.float64)
 
     def victim_order(self) -> np.ndarray:
-        """int64 [resident] resident entries, best victim first (lowest keep-score)."""
+        """int64 [resident] resident entries, best victim first (lowest keep-score); read-only,
+        recomputed only when the policy or the signals changed since the last call."""
+        version = self.signals.version if self.signals is not None else -1
+        cached = self._order_cache
+        if cached is not None and cached[0] == self._changes and cached[1] == version:
+            return cached[2]
         entries = np.flatnonzero(self._resident)
-        if entries.size == 0:
-            return entries
-        scores = self._keep_scores(entries)
-        order = np.lexsort((self._tiebreak(entries), scores))
-        return entries[order]
+        if entries.size:
+            entries = entries[np.lexsort((self._tiebreak(entries), self._keep_scores(entries)))]
+        entries.flags.writeable = False
+        self._order_cache = (self._changes, version, entries)
+        return entries
 
     def choose_victims(self, n: int, evictable: Callable[[ExpertKey], bool]) -> list[ExpertKey]:
         victims: list[ExpertKey] = []
