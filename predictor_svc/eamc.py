@@ -23,11 +23,10 @@ of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict``
 4-bit copy of the rows (each row quantised to 0..15 with its own scale when it is upserted, two
 values to a byte: 3.8 MB at 10 K entries; one integer pass over the layers seen so far), takes the
 ``candidates(top_n)`` best by that approximate cosine (a partial top-k, no sort), and rescores
-only those exactly in float32 before choosing the ``top_n``. The quantisation error of a cosine
-is about 1e-2 at 4 bits, below the gap between the best matches and the rest, so the chosen
-entries and their weights are the exact ones unless a true top-``n`` entry ranks below the
+only those exactly in float32 before choosing the ``top_n``. The chosen entries and their
+weights are the exact ones unless the 4-bit rounding ranks a true top-``n`` entry below the
 candidates (``bench.predict_bench`` counts how often: it prints the agreement with the exact
-scan). The 4-bit layout is ``expertcache/_native``'s (csrc/include/expertcache/eamc_match.h):
+scan; see CANDIDATE_FACTOR). The 4-bit layout is ``expertcache/_native``'s (csrc/include/expertcache/eamc_match.h):
 ``pack_q4`` writes it, ``unpack_q4`` reads it back.
 
 Scans (``EamcIndex.scan``, from ``SCANS``): ``native`` (the default where the native core has it)
