@@ -30,6 +30,9 @@ constexpr size_t kBlockRows = 256;
 // Groups whose int16 partial sums may add up before they widen (header: 4 * 7620 < 32767).
 constexpr size_t kInt16Groups = 4;
 
+// Groups a width of `width` values spans (the last one padded).
+size_t groups_of(size_t width) { return (width + kGroupValues - 1) / kGroupValues; }
+
 void dots_portable(const int8_t* query, const uint8_t* rows, size_t num_rows, size_t ld,
                    size_t groups, int32_t* dots) {
   for (size_t n = 0; n < num_rows; ++n) {
@@ -143,7 +146,7 @@ constexpr Better better{};
 
 // The query padded with zeros to whole groups, after checking its values.
 std::vector<int8_t> padded_query(const int8_t* query, size_t width, size_t t) {
-  std::vector<int8_t> out((width + kGroupValues - 1) / kGroupValues * kGroupValues, 0);
+  std::vector<int8_t> out(groups_of(width) * kGroupValues, 0);
   for (size_t j = 0; j < width; ++j) {
     if (query[j] < 0)
       throw std::invalid_argument("q4 scan: query values must be in [0, 127] (the unsigned operand of "
@@ -161,7 +164,6 @@ void check_stride(size_t num_rows, size_t ld, size_t width) {
                                 " values take");
 }
 
-// Top-k of float(dot) * scale over every row for each query (queries already padded).
 // The best `keep` candidates of a stream of rows that come in increasing index: a buffer of up to
 // 2 * keep, cut back to the best `keep` (nth_element) whenever it fills. Once cut, a row enters
 // only with a score strictly above the worst kept one (it has a higher index, so an equal score
@@ -300,13 +302,13 @@ void q4_topk(const int8_t* queries, size_t num_queries, size_t q_ld, const uint8
   for (size_t t = 0; t < num_queries; ++t) padded.push_back(padded_query(queries + t * q_ld, width, t));
   check_scale(scale, num_rows, "scale");
   const DotsFn fn = dots_fn(path);
-  std::vector<std::vector<Candidate>> heaps;
-  topk_padded(padded, rows, num_rows, ld, (width + kGroupValues - 1) / kGroupValues, scale, k, fn, heaps);
+  std::vector<std::vector<Candidate>> best;
+  topk_padded(padded, rows, num_rows, ld, groups_of(width), scale, k, fn, best);
   const size_t kk = std::min(k, num_rows);
   for (size_t t = 0; t < num_queries; ++t)
     for (size_t i = 0; i < kk; ++i) {
-      out_index[t * kk + i] = heaps[t][i].index;
-      out_score[t * kk + i] = heaps[t][i].score;
+      out_index[t * kk + i] = best[t][i].index;
+      out_score[t * kk + i] = best[t][i].score;
     }
 }
 
@@ -356,18 +358,17 @@ void eamc_match(const EamcRows& rows, const float* counts, size_t num_queries, s
         top = std::max(top, v);
       }
     }
+    // In [0, 127] by construction, written straight into the zero-padded groups of the scan.
     const float f = 127.0f / (top > 0 ? top : 1.0f);
-    std::vector<int8_t> q(width);
-    for (size_t j = 0; j < width; ++j) q[j] = static_cast<int8_t>(std::nearbyint(qn[t][j] * f));
-    q8[t] = padded_query(q.data(), width, t);
+    q8[t].assign(groups_of(width) * kGroupValues, 0);
+    for (size_t j = 0; j < width; ++j) q8[t][j] = static_cast<int8_t>(std::nearbyint(qn[t][j] * f));
   }
 
   // First stage, then the exact cosine of each candidate.
-  std::vector<std::vector<Candidate>> heaps;
-  topk_padded(q8, rows.q4, N, rows.q4_ld, (width + kGroupValues - 1) / kGroupValues, rows.rank, candidates,
-              dots_fn(path), heaps);
+  std::vector<std::vector<Candidate>> best;
+  topk_padded(q8, rows.q4, N, rows.q4_ld, groups_of(width), rows.rank, candidates, dots_fn(path), best);
   for (size_t t = 0; t < num_queries; ++t) {
-    std::vector<Candidate>& cand = heaps[t];
+    std::vector<Candidate>& cand = best[t];
     // The candidates' float rows are scattered over a matrix far larger than the caches: each
     // row's lines are asked for while the row before it is read, so that its first misses
     // overlap that work (measured: ~5 of ~30 us at 10 K entries of 24 x 32; asking for every
