@@ -43,6 +43,21 @@ def build(name: str, r: np.ndarray | None = None) -> tuple[EvictionPolicy, Activ
     return make_policy(name, SHAPE, sig, future=fut), sig
 
 
+def use_routed(
+    policy: EvictionPolicy, resident: set[ExpertKey], layer: int, experts, after=lambda: None
+) -> None:
+    """Layer ``layer`` routed ``experts``: each resident one is accessed, the others inserted
+    (and added to ``resident``); ``after`` runs after each."""
+    for x in experts:
+        key = ExpertKey(layer, int(x))
+        if key in resident:
+            policy.on_access(key)
+        else:
+            policy.on_insert(key)
+            resident.add(key)
+        after()
+
+
 def drive(name: str, seed: int, steps: int = 200) -> list[list[ExpertKey]]:
     """Random insert/access/remove churn with hints and routing; returns every victim choice."""
     r = routes()
@@ -56,13 +71,7 @@ def drive(name: str, seed: int, steps: int = 200) -> list[list[ExpertKey]]:
         sig.set_hints([(layer, rng.randrange(E), rng.random()) for layer in range(L)], token)
         for layer in range(L):
             sig.observe(layer, r[token, layer], token)
-            for x in r[token, layer]:
-                key = ExpertKey(layer, int(x))
-                if key in resident:
-                    policy.on_access(key)
-                else:
-                    policy.on_insert(key)
-                    resident.add(key)
+            use_routed(policy, resident, layer, r[token, layer])
             if rng.random() < 0.3 and resident:
                 gone = rng.choice(sorted(resident))
                 policy.on_remove(gone)
@@ -291,25 +300,22 @@ def test_cached_victim_order_follows_every_change(name):
     policy, sig = build(name, r)
     rng = random.Random(8)
     resident: set[ExpertKey] = set()
+
+    def check() -> None:
+        assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+
     for token in range(len(r)):
         sig.set_hints([(layer, rng.randrange(E), rng.random()) for layer in range(L)], token)
-        assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+        check()
         for layer in range(L):
             sig.observe(layer, r[token, layer], token)
-            assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
-            for x in r[token, layer]:
-                key = ExpertKey(layer, int(x))
-                if key in resident:
-                    policy.on_access(key)
-                else:
-                    policy.on_insert(key)
-                    resident.add(key)
-                assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+            check()
+            use_routed(policy, resident, layer, r[token, layer], after=check)
             if rng.random() < 0.4 and resident:
                 gone = rng.choice(sorted(resident))
                 policy.on_remove(gone)
                 resident.discard(gone)
-                assert np.array_equal(policy.victim_order(), fresh_victim_order(policy))
+                check()
             order = policy.victim_order()
             assert policy.victim_order() is order and not order.flags.writeable
             absent = [ExpertKey(i, j) for i in range(L) for j in range(E) if ExpertKey(i, j) not in resident]
