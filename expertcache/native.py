@@ -67,9 +67,11 @@ class SlotState(IntEnum):
 
 __all__ = ["FEATURES", "HostPool", "SlotState", "SlotTable", "StaleClient", "build_summary"]
 
-# ``Reader(threads=4, queue_depth=64, chunk_bytes=1 MiB, backend="auto")``: asynchronous
-# (O_DIRECT) file reads into raw addresses with priorities ``Reader.DEMAND`` (0) <
+# ``Reader(threads=4, queue_depth=64, chunk_bytes=1 MiB, backend="auto", background_depth=0)``:
+# asynchronous (O_DIRECT) file reads into raw addresses with priorities ``Reader.DEMAND`` (0) <
 # ``Reader.LAYER_AHEAD`` (1) < ``Reader.PREFETCH`` (2), chunk pre-emption and CRC-32 checks;
+# demand first: no LAYER_AHEAD or PREFETCH chunk is issued while a demand is queued or in flight,
+# and at most ``background_depth`` of theirs are in flight (0: half the backend's concurrency);
 # ``open_file``, ``submit``, ``wait`` (raises ``ReadError``, an ``OSError``; ``TimeoutError``),
 # ``poll``, ``cancel``, ``promote``, ``event_fd``, ``pause``/``resume``, ``stats``, ``close``.
 # See csrc/include/expertcache/reader.h.

@@ -15,7 +15,9 @@ is read buffered by the same native Reader (``direct=False``) and its pages are 
 one more copy. ``io_mode`` reports ``"o_direct+io_uring"``, ``"o_direct+pread"`` or ``"buffered"``.
 
 Priorities (``Priority``): a demand read overtakes queued layer-ahead and prefetch reads, chunk by
-chunk (``chunk_bytes``), even one already half read.
+chunk (``chunk_bytes``), even one already half read; no layer-ahead or prefetch chunk starts while
+a demand read is queued or in flight, and at most half the reader's concurrency of them run at
+once (parallel reads share the device's bandwidth: each one in flight slows a demand beside it).
 
     submit(key, out, priority) ──▶ StoreReadHandle ──wait(timeout_s)──▶ out filled and verified
     read_into(key, out, priority=DEMAND) = submit(...).wait()

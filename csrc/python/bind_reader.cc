@@ -86,9 +86,9 @@ void bind_reader(py::module_& m) {
   cls.attr("LAYER_AHEAD") = static_cast<int>(expertcache::kLayerAhead);
   cls.attr("PREFETCH") = static_cast<int>(expertcache::kPrefetch);
   cls.attr("ALIGNMENT") = Reader::kAlignment;
-  cls.def(py::init<int, int, size_t, const std::string&>(), py::arg("threads") = 4,
+  cls.def(py::init<int, int, size_t, const std::string&, int>(), py::arg("threads") = 4,
           py::arg("queue_depth") = 64, py::arg("chunk_bytes") = size_t{1} << 20,
-          py::arg("backend") = "auto")
+          py::arg("backend") = "auto", py::arg("background_depth") = 0)
       .def_static("uring_available",
                   [] {
                     std::string why;
@@ -167,9 +167,11 @@ void bind_reader(py::module_& m) {
       .def_property_readonly("chunk_bytes", &Reader::chunk_bytes)
       .def_property_readonly("threads", &Reader::threads)
       .def_property_readonly("queue_depth", &Reader::queue_depth)
+      .def_property_readonly("background_depth", &Reader::background_depth)
       .def("__repr__", [](const Reader& r) {
         return "<Reader backend=" + r.backend() + " threads=" + std::to_string(r.threads()) +
                " queue_depth=" + std::to_string(r.queue_depth()) +
-               " chunk_bytes=" + std::to_string(r.chunk_bytes()) + ">";
+               " chunk_bytes=" + std::to_string(r.chunk_bytes()) +
+               " background_depth=" + std::to_string(r.background_depth()) + ">";
       });
 }

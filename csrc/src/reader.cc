@@ -102,6 +102,7 @@ struct Request {
 
 struct Chunk {
   std::shared_ptr<Request> req;
+  int priority;     // the request's class when the chunk was issued (a promote may change it)
   uint64_t offset;  // absolute file offset
   uint64_t len;
   uint8_t* dest;
@@ -131,6 +132,7 @@ struct Reader::Impl {
   bool stopping = false;  // threads exit once their work drains
   bool dispatcher_done = false;
   uint64_t in_flight_chunks = 0;
+  uint64_t in_flight_by_priority[kNumReadPriorities] = {};
   ReaderStats st;
 
   std::mutex close_mu;  // serialises close() (joins)
@@ -145,10 +147,24 @@ struct Reader::Impl {
 #endif
 
   // -- scheduling (mu held) --------------------------------------------------------------
-  bool has_queued() const {
-    for (const auto& q : queues)
-      if (!q.empty()) return true;
-    return false;
+  // The class whose next chunk may be issued now, or -1: DEMAND whenever it has one; the
+  // background classes (LAYER_AHEAD, PREFETCH) only while no demand is queued or in flight and
+  // fewer than background_depth of their chunks are in flight.
+  int issuable_priority() const {
+    if (!queues[kDemand].empty()) return kDemand;
+    int first = -1;
+    for (int p = kDemand + 1; p < kNumReadPriorities; ++p)
+      if (!queues[p].empty()) {
+        first = p;
+        break;
+      }
+    if (first < 0) return -1;
+    uint64_t background = 0;
+    for (int p = kDemand + 1; p < kNumReadPriorities; ++p) background += in_flight_by_priority[p];
+    if (in_flight_by_priority[kDemand] > 0 ||
+        background >= static_cast<uint64_t>(owner->background_depth_))
+      return -1;
+    return first;
   }
 
   void unqueue(const std::shared_ptr<Request>& r) {
@@ -157,36 +173,33 @@ struct Reader::Impl {
     r->queued = false;
   }
 
-  // The next chunk of the highest-priority queued request.
-  Chunk next_chunk() {
-    for (int p = 0; p < kNumReadPriorities; ++p) {
-      auto& q = queues[p];
-      if (q.empty()) continue;
-      std::shared_ptr<Request> r = q.front();
-      if (r->next_issue == 0) {
-        // Its first chunk: does it overtake a lower-priority request already being read?
-        bool overtakes = false;
-        for (int lower = p + 1; lower < kNumReadPriorities && !overtakes; ++lower)
-          for (const auto& o : queues[lower])
-            if (o->next_issue > 0) {
-              overtakes = true;
-              break;
-            }
-        if (overtakes) ++st.preemptions;
-      }
-      const uint64_t rel = r->next_issue;
-      const uint64_t len = std::min<uint64_t>(owner->chunk_bytes_, r->length - rel);
-      r->next_issue += len;
-      ++r->in_flight;
-      if (r->next_issue == r->length) {
-        q.pop_front();
-        r->queued = false;
-      }
-      ++in_flight_chunks;
-      ++st.chunks;
-      return Chunk{r, r->offset + rel, len, r->dest + rel};
+  // The next chunk of the front request of class p (issuable_priority()).
+  Chunk next_chunk(int p) {
+    auto& q = queues[p];
+    std::shared_ptr<Request> r = q.front();
+    if (r->next_issue == 0) {
+      // Its first chunk: does it overtake a lower-priority request already being read?
+      bool overtakes = false;
+      for (int lower = p + 1; lower < kNumReadPriorities && !overtakes; ++lower)
+        for (const auto& o : queues[lower])
+          if (o->next_issue > 0) {
+            overtakes = true;
+            break;
+          }
+      if (overtakes) ++st.preemptions;
     }
-    throw std::logic_error("reader: next_chunk with nothing queued");
+    const uint64_t rel = r->next_issue;
+    const uint64_t len = std::min<uint64_t>(owner->chunk_bytes_, r->length - rel);
+    r->next_issue += len;
+    ++r->in_flight;
+    if (r->next_issue == r->length) {
+      q.pop_front();
+      r->queued = false;
+    }
+    ++in_flight_chunks;
+    ++in_flight_by_priority[p];
+    ++st.chunks;
+    return Chunk{r, p, r->offset + rel, len, r->dest + rel};
   }
 
   // Records a chunk's outcome. Returns true when its request has nothing left in flight and
@@ -195,6 +208,10 @@ struct Reader::Impl {
     Request& r = *c.req;
     --r.in_flight;
     --in_flight_chunks;
+    // The last demand chunk back: the background chunks held for it may go now (the pread
+    // workers that found nothing to issue are asleep; io_uring's dispatcher looks again itself).
+    if (--in_flight_by_priority[c.priority] == 0 && c.priority == kDemand && !uring)
+      work_cv.notify_all();
     r.bytes_got += c.done;
     st.bytes_read += c.done;
     if (r.result.kind == ReadErrorKind::kNone && (err != 0 || eof)) {
@@ -313,9 +330,10 @@ struct Reader::Impl {
   void pread_worker() {
     std::unique_lock<std::mutex> lk(mu);
     for (;;) {
-      work_cv.wait(lk, [&] { return stopping || (!paused && has_queued()); });
+      int p = -1;
+      work_cv.wait(lk, [&] { return stopping || (!paused && (p = issuable_priority()) >= 0); });
       if (stopping) return;
-      Chunk c = next_chunk();
+      Chunk c = next_chunk(p);
       lk.unlock();
       int err;
       bool eof;
@@ -349,9 +367,10 @@ struct Reader::Impl {
     for (;;) {
       {
         std::unique_lock<std::mutex> lk(mu);
+        int p;
         while (!paused && !stopping && in_flight_chunks < static_cast<uint64_t>(depth) &&
-               has_queued()) {
-          prep_chunk(new Chunk(next_chunk()));
+               (p = issuable_priority()) >= 0) {
+          prep_chunk(new Chunk(next_chunk(p)));
           ++to_submit;
         }
         if (stopping && in_flight_chunks == 0) break;
@@ -456,7 +475,8 @@ bool Reader::uring_available(std::string* why) {
 #endif
 }
 
-Reader::Reader(int threads, int queue_depth, size_t chunk_bytes, const std::string& backend)
+Reader::Reader(int threads, int queue_depth, size_t chunk_bytes, const std::string& backend,
+               int background_depth)
     : chunk_bytes_(chunk_bytes), threads_(threads), queue_depth_(queue_depth) {
   if (threads < 1 || threads > 256)
     throw std::invalid_argument("reader: threads=" + std::to_string(threads) +
@@ -482,6 +502,13 @@ Reader::Reader(int threads, int queue_depth, size_t chunk_bytes, const std::stri
                                 "'; valid: auto, io_uring, pread");
   }
   backend_name_ = use_uring ? "io_uring" : "pread";
+  const int concurrency = use_uring ? queue_depth : threads;
+  if (background_depth < 0 || background_depth > concurrency)
+    throw std::invalid_argument("reader: background_depth=" + std::to_string(background_depth) +
+                                " must be in [1, " + std::to_string(concurrency) + "] (the " +
+                                backend_name_ + " backend's " +
+                                (use_uring ? "queue_depth" : "threads") + "), or 0 for half that");
+  background_depth_ = background_depth > 0 ? background_depth : std::max(1, concurrency / 2);
   event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (event_fd_ < 0) throw OsError(errno, std::string("reader: eventfd: ") + std::strerror(errno));
   impl_ = std::make_unique<Impl>();

@@ -187,6 +187,50 @@ def test_demand_preempts_a_large_prefetch(tmp_path, backend):
         assert bytes(pool.view(small)[: 16 * KIB]) == path.read_bytes()[32 * MIB : 32 * MIB + 16 * KIB]
 
 
+def test_no_background_read_runs_beside_a_demand(tmp_path, backend):
+    """Demand first: with four workers free, the prefetch and layer-ahead reads submitted after a
+    demand still wait for it to finish (they would share the device's bandwidth with it), so
+    the 32 MiB demand completes before the 4 KiB reads behind it."""
+    path = tmp_path / "big.bin"
+    data = make_file(path, 32 * MIB)
+    pool = HostPool(4, 32 * MIB)
+    slots = [pool.alloc() for _ in range(4)]
+    addr = [pool.slot_address(slot) for slot in slots]
+    with Reader(threads=4, queue_depth=4, chunk_bytes=32 * MIB, backend=backend) as reader:
+        assert reader.background_depth == 2  # half the concurrency by default
+        fid = reader.open_file(str(path), direct=False)
+        reader.pause()
+        demand = reader.submit(fid, 0, 32 * MIB, addr[0], Reader.DEMAND)
+        ahead = reader.submit(fid, 0, 4 * KIB, addr[1], Reader.LAYER_AHEAD)
+        p1 = reader.submit(fid, 4 * KIB, 4 * KIB, addr[2], Reader.PREFETCH)
+        p2 = reader.submit(fid, 8 * KIB, 4 * KIB, addr[3], Reader.PREFETCH)
+        reader.resume()
+        order = [c[0] for c in collect(reader, 4, timeout_s=60)]
+        assert order[0] == demand, order
+        assert sorted(order[1:]) == sorted([ahead, p1, p2])
+        # The background reads ran once the demand was done.
+        assert bytes(pool.view(slots[2])[: 4 * KIB]) == data[4 * KIB : 8 * KIB]
+        assert bytes(pool.view(slots[0])[: 32 * MIB]) == data
+
+
+def test_background_reads_are_capped_at_background_depth(tmp_path, backend):
+    """background_depth=1: a second prefetch waits for the first, though three workers are free."""
+    path = tmp_path / "big.bin"
+    make_file(path, 32 * MIB)
+    pool = HostPool(2, 32 * MIB)
+    addr = [pool.slot_address(pool.alloc()) for _ in range(2)]
+    with Reader(
+        threads=4, queue_depth=4, chunk_bytes=32 * MIB, backend=backend, background_depth=1
+    ) as reader:
+        assert reader.background_depth == 1
+        fid = reader.open_file(str(path), direct=False)
+        reader.pause()
+        first = reader.submit(fid, 0, 32 * MIB, addr[0], Reader.PREFETCH)
+        second = reader.submit(fid, 0, 4 * KIB, addr[1], Reader.PREFETCH)
+        reader.resume()
+        assert [c[0] for c in collect(reader, 2, timeout_s=60)] == [first, second]
+
+
 def test_cancel_and_promote(tmp_path, backend):
     path = tmp_path / "data.bin"
     make_file(path, 256 * KIB)
@@ -322,6 +366,12 @@ def test_constructor_errors():
         Reader(threads=0)
     with pytest.raises(ValueError, match=r"queue_depth=0 must be in \[1, 4096\]"):
         Reader(queue_depth=0)
+    with pytest.raises(ValueError, match=r"background_depth=5 must be in \[1, 4\] \(the pread backend's threads\)"):
+        Reader(threads=4, background_depth=5, backend="pread")
+    with pytest.raises(ValueError, match=r"background_depth=-1 must be in \[1, 2\]"):
+        Reader(threads=2, background_depth=-1, backend="pread")
+    assert Reader(threads=1, backend="pread").background_depth == 1  # half of 1, at least 1
+    assert Reader(threads=8, backend="pread", background_depth=8).background_depth == 8
     if URING_OK:
         assert Reader(backend="auto").backend == "io_uring"
     else:

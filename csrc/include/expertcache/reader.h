@@ -12,6 +12,11 @@
 //        │            always takes the next chunk of the front request of the highest non-empty
 //        │            class, so a demand submitted while a prefetch is half read overtakes the
 //        │            prefetch's remaining chunks (a "pre-emption" in stats)
+//        │            Demand first: no LAYER_AHEAD or PREFETCH chunk is issued while a DEMAND
+//        │            request is queued or has a chunk in flight, and at most background_depth
+//        │            of theirs are in flight at once, so a demand never shares the device with
+//        │            more than background_depth chunks it did not ask for (parallel reads share
+//        │            the device's bandwidth: each one in flight slows the others)
 //        ▼
 //   backend           io_uring: one submitter thread keeps up to queue_depth chunks in the ring
 //        │            pread:    `threads` workers, one chunk in flight each
@@ -88,7 +93,10 @@ class Reader {
   static constexpr size_t kAlignment = 4096;  // O_DIRECT alignment of offset, length and dest
 
   // backend: "auto" (io_uring when compiled in and usable, else pread), "io_uring", "pread".
-  Reader(int threads, int queue_depth, size_t chunk_bytes, const std::string& backend);
+  // background_depth: LAYER_AHEAD and PREFETCH chunks in flight at most, in [1, the backend's
+  // concurrency] (threads for pread, queue_depth for io_uring); 0 = half that, at least 1.
+  Reader(int threads, int queue_depth, size_t chunk_bytes, const std::string& backend,
+         int background_depth = 0);
   ~Reader();  // close()
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
@@ -132,6 +140,7 @@ class Reader {
   size_t chunk_bytes() const { return chunk_bytes_; }
   int threads() const { return threads_; }
   int queue_depth() const { return queue_depth_; }
+  int background_depth() const { return background_depth_; }
   // Whether io_uring is compiled in and a ring can be created here; why not, if not.
   static bool uring_available(std::string* why);
 
@@ -142,6 +151,7 @@ class Reader {
   size_t chunk_bytes_;
   int threads_;
   int queue_depth_;
+  int background_depth_;
   int event_fd_ = -1;
   std::unique_ptr<Impl> impl_;
 };
