@@ -22,7 +22,7 @@ from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats, ConfigUpdat
 from cache_daemon.decisions.scheduler import PrefetchClass
 from cache_daemon.decisions.signals import LayerPrediction
 from cache_daemon.hints import HintStats
-from cache_daemon.residency import ClientLedger, Ready
+from cache_daemon.residency import ClientLedger, LookaheadSignal, Ready, RouteSignal
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
 from expertcache import telemetry
@@ -37,6 +37,8 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["ExpertCache"].full_name
 # Demand call metadata naming the caller's client ledger (see cache.proto, Demand).
 CLIENT_INDEX_KEY = "expertcache-client-index"
 CLIENT_EPOCH_KEY = "expertcache-client-epoch"
+# Route and LayerAhead messages one Acquire may carry, of each kind: compute's largest batch.
+MAX_CARRIED_SIGNALS = 4096
 GRPC_MAX_WORKERS = 16  # one per concurrent Demand stream, plus room for Attach/GetStats/health
 
 _ARENA_KIND_TO_PB = {
@@ -198,6 +200,54 @@ def hint_stats_to_pb(h: HintStats) -> cache_pb2.HintStats:
 
 
 # -- the servicer ----------------------------------------------------------------------------
+class _StreamSignals:
+    """Checks one Demand stream's Route and LayerAhead messages, on their own or carried by an
+    Acquire. A prediction is advice: a malformed one is dropped and counted (signals_rejected)
+    and the stream, and the generation it serves, goes on; the first is logged per stream."""
+
+    def __init__(self, daemon: CacheDaemon, peer: str) -> None:
+        self._daemon = daemon
+        self._peer = peer
+        self._warned = False
+
+    def check(self, kind: str, message) -> RouteSignal | LookaheadSignal | None:
+        residency = self._daemon.residency
+        try:
+            if kind == "route":
+                return residency.check_route(
+                    message.request_id, message.token, message.decoder_layer, message.experts
+                )
+            return residency.check_layer_ahead(
+                message.token, lookahead_from_pb(message), message.request_id or None
+            )
+        except InvalidArgument as exc:
+            self._daemon.metrics.signals.inc(kind="rejected")
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "dropping malformed %s messages from %s (counted in signals_rejected): %s",
+                    kind,
+                    self._peer,
+                    exc,
+                )
+            return None
+
+    def carried_by(self, acquire: cache_pb2.Acquire) -> list[RouteSignal | LookaheadSignal]:
+        """The checked signals ``acquire`` carries, routes first (``InvalidArgument`` if it carries
+        more than ``MAX_CARRIED_SIGNALS`` of a kind)."""
+        for name in ("routes", "layer_aheads"):
+            count = len(getattr(acquire, name))
+            if count > MAX_CARRIED_SIGNALS:
+                raise InvalidArgument(
+                    f"Acquire for layer {acquire.decoder_layer} carries {count} {name}; at most "
+                    f"{MAX_CARRIED_SIGNALS} (one per request of compute's largest batch)"
+                )
+        out = [self.check("route", r) for r in acquire.routes]
+        out += [self.check("layer_ahead", a) for a in acquire.layer_aheads]
+        return [s for s in out if s is not None]
+
+
+
 class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
     """``moe.cache.v1.ExpertCache`` over one ``CacheDaemon``."""
 
@@ -222,16 +272,19 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
             if ledger is not None:
                 # From now on the end of this stream reclaims the ledger's shm pins.
                 residency.bind_client(session, ledger)
-            warned = False  # one warning per stream for malformed predictions
+            signals = _StreamSignals(self._daemon, context.peer())
             for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "acquire":
                     acquire = request.acquire
                     start = time.monotonic()
+                    carried = signals.carried_by(acquire)
                     if telemetry.ENABLED and acquire.trace_context:
-                        yield from self._traced_acquire(session, acquire)
+                        yield from self._traced_acquire(session, acquire, carried)
                     else:
-                        for ready in residency.acquire(session, acquire.decoder_layer, acquire.experts):
+                        for ready in residency.acquire(
+                            session, acquire.decoder_layer, acquire.experts, signals=carried
+                        ):
                             yield ready_to_pb(acquire.ticket, ready)
                     elapsed = time.monotonic() - start
                     metrics.acquire_wait.observe(elapsed)
@@ -240,29 +293,9 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                 elif kind == "release":
                     residency.release(session, [key_from_pb(ref) for ref in request.release.experts])
                 elif kind in ("route", "layer_ahead"):
-                    # A prediction is advice: a malformed one is dropped and counted, and the
-                    # stream (and the generation it serves) goes on.
-                    try:
-                        if kind == "route":
-                            route = request.route
-                            residency.observe(
-                                route.request_id, route.token, route.decoder_layer, route.experts
-                            )
-                        else:
-                            ahead = request.layer_ahead
-                            residency.layer_ahead(
-                                ahead.token, lookahead_from_pb(ahead), ahead.request_id or None
-                            )
-                    except InvalidArgument as exc:
-                        self._daemon.metrics.signals.inc(kind="rejected")
-                        if not warned:
-                            warned = True
-                            logger.warning(
-                                "dropping malformed %s messages from %s (counted in signals_rejected): %s",
-                                kind,
-                                context.peer(),
-                                exc,
-                            )
+                    checked = signals.check(kind, getattr(request, kind))
+                    if checked is not None:
+                        residency.apply_signals([checked])
                 elif kind == "request_begin":
                     residency.begin_request(request.request_begin.request_id)
                 elif kind == "request_end":
@@ -274,7 +307,9 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         finally:
             residency.close_session(session)
 
-    def _traced_acquire(self, session, acquire: cache_pb2.Acquire) -> Iterator[cache_pb2.DemandResponse]:
+    def _traced_acquire(
+        self, session, acquire: cache_pb2.Acquire, signals: list[RouteSignal | LookaheadSignal]
+    ) -> Iterator[cache_pb2.DemandResponse]:
         """An Acquire whose compute span sent its trace context: an ``acquire`` span under it, a
         ``fetch`` span per expert that was not resident (its tier, bytes, whether and by which
         signal it was prefetched) and a ``wait`` span until the last of them was ready."""
@@ -296,7 +331,9 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         hits = prefetch_hits = moved = 0
         last_ns = None
         try:
-            for ready in self._daemon.residency.acquire(session, acquire.decoder_layer, acquire.experts):
+            for ready in self._daemon.residency.acquire(
+                session, acquire.decoder_layer, acquire.experts, signals=signals
+            ):
                 if ready.source is Tier.DEVICE:
                     hits += 1
                     prefetch_hits += bool(ready.prefetch)

@@ -250,6 +250,8 @@ class DaemonClient:
         self.signals_sent = 0
         self.signals_dropped = 0
         self._live_requests: set[str] = set()  # begun and not ended; re-announced on a new stream
+        # Route / LayerAhead messages held for the next Acquire (``with_acquire``), in order.
+        self._carried: list[cache_pb2.DemandRequest] = []
         if fast_path:
             self._map_table(attachment)
             if self._table is not None:
@@ -367,12 +369,21 @@ class DaemonClient:
             misses = [e for e in experts if e not in pinned]
             ticket = next(self._tickets)
             if misses:
+                carried, self._carried = self._carried, []
                 request = cache_pb2.DemandRequest(
                     acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
                 )
                 if trace_context:
                     request.acquire.trace_context.update(trace_context)
+                for signal in carried:
+                    if signal.HasField("route"):
+                        request.acquire.routes.append(signal.route)
+                    else:
+                        request.acquire.layer_aheads.append(signal.layer_ahead)
                 stream.send(request)
+                self.signals_sent += len(carried)
+            else:
+                self._flush_carried_locked()  # every expert was pinned here: no Acquire carries them
         limit = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:
@@ -422,6 +433,7 @@ class DaemonClient:
                     ) from None
             if not demand or self._stream is None:
                 return  # nothing went through Demand, or the stream broke: the daemon released those
+            self._flush_carried_locked()
             self._stream.send(
                 cache_pb2.DemandRequest(
                     release=cache_pb2.Release(
@@ -447,25 +459,30 @@ class DaemonClient:
                 cache_pb2.DemandRequest(request_end=cache_pb2.RequestEnd(request_id=request_id))
             )
 
-    def routed(self, request_id: str, token: int, layer: int, experts: Sequence[int]) -> None:
+    def routed(
+        self, request_id: str, token: int, layer: int, experts: Sequence[int], *, with_acquire: bool = False
+    ) -> None:
         """Layer ``layer`` of token ``token`` (position in request ``request_id``) was routed to
-        ``experts``, hits included: the daemon cannot see shared-memory hits in order."""
-        with self._lock:
-            self._signal_locked(
-                cache_pb2.DemandRequest(
-                    route=cache_pb2.Route(
-                        request_id=request_id,
-                        token=token,
-                        decoder_layer=layer,
-                        experts=[int(e) for e in experts],
-                    )
-                )
+        ``experts``, hits included: the daemon cannot see shared-memory hits in order.
+        ``with_acquire``: the caller acquires next; the Route travels in that Acquire (sent on its
+        own if every expert is pinned through the table, or before any other message)."""
+        message = cache_pb2.DemandRequest(
+            route=cache_pb2.Route(
+                request_id=request_id, token=token, decoder_layer=layer, experts=[int(e) for e in experts]
             )
+        )
+        with self._lock:
+            if with_acquire:
+                self._carried.append(message)
+            else:
+                self._signal_locked(message)
 
-    def layer_ahead(self, request_id: str, token: int, predictions: Sequence[Prediction]) -> None:
+    def layer_ahead(
+        self, request_id: str, token: int, predictions: Sequence[Prediction], *, with_acquire: bool = False
+    ) -> None:
         """Lookahead for token ``token`` of ``request_id``: per depth, the predicted experts of a
         later layer (its router applied to the current hidden state) with their router
-        probabilities."""
+        probabilities. ``with_acquire`` as for ``routed``."""
         for p in predictions:
             if len(p.experts) != len(p.scores):
                 raise InvalidArgument(
@@ -486,12 +503,26 @@ class DaemonClient:
             ],
         )
         with self._lock:
-            self._signal_locked(cache_pb2.DemandRequest(layer_ahead=message))
+            if with_acquire:
+                self._carried.append(cache_pb2.DemandRequest(layer_ahead=message))
+            else:
+                self._signal_locked(cache_pb2.DemandRequest(layer_ahead=message))
 
     def _signal_locked(self, request: cache_pb2.DemandRequest) -> None:
         """Queue a one-way message on the open Demand stream; with none open, drop it. Opening a
         stream may take an Attach round trip, which has no place on the decode step: the next
-        acquire opens one (and re-announces the current request)."""
+        acquire opens one (and re-announces the current request). Signals held for an Acquire go
+        first, so that the daemon sees every message in the order it was made."""
+        self._flush_carried_locked()
+        self._send_signal_locked(request)
+
+    def _flush_carried_locked(self) -> None:
+        """Send the signals held for an Acquire on their own."""
+        carried, self._carried = self._carried, []
+        for signal in carried:
+            self._send_signal_locked(signal)
+
+    def _send_signal_locked(self, request: cache_pb2.DemandRequest) -> None:
         stream = self._stream
         if stream is None or stream.ended:
             self.signals_dropped += 1

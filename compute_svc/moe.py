@@ -103,7 +103,9 @@ class ExpertProvider(Protocol):
 
 # Optional one-way provider methods (``cache_client.DaemonClient`` has them; a provider without
 # them simply gets no signals): ``begin_request(request_id)``, ``end_request(request_id)``,
-# ``routed(request_id, token, layer, experts)``, ``layer_ahead(request_id, token, predictions)``.
+# ``routed(request_id, token, layer, experts, *, with_acquire)``,
+# ``layer_ahead(request_id, token, predictions, *, with_acquire)``; ``with_acquire=True``: an
+# acquire follows at once, and the message may travel with it.
 _SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 
 
@@ -464,17 +466,19 @@ class ExpertRuntime:
     ) -> None:
         """Tell the daemon, per request of the step, what layer ``layer`` routed it to and, before
         the experts run, what the next layers will likely need (one prediction per lookahead
-        depth, brought to the host with the routing in one transfer). One-way messages."""
+        depth, brought to the host with the routing in one transfer). One-way messages, held for
+        the layer's first acquire (``with_acquire``): they travel in its Acquire when it has
+        misses, so the daemon takes one message and starts the demand loads first."""
         routed = self._signals["routed"]
         if routed is not None:
             if len(self.segments) == 1:
                 seg = self.segments[0]
-                routed(seg.request_id, seg.last_position, layer, routing.experts)
+                routed(seg.request_id, seg.last_position, layer, routing.experts, with_acquire=True)
             else:
                 index = fetched.index.reshape(routing.num_tokens, -1)
                 for seg in self.segments:
                     experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
-                    routed(seg.request_id, seg.last_position, layer, tuple(experts))
+                    routed(seg.request_id, seg.last_position, layer, tuple(experts), with_acquire=True)
         send = self._signals["layer_ahead"]
         if pending is None or send is None or fetched.predictions is None:
             return
@@ -483,7 +487,7 @@ class ExpertRuntime:
                 predictions = tuple(self.forced.layer_ahead(seg, p) for p in predictions)
             predictions = tuple(p for p in predictions if p.experts)
             if predictions:
-                send(seg.request_id, seg.last_position, predictions)
+                send(seg.request_id, seg.last_position, predictions, with_acquire=True)
 
     def _run_wave(
         self,

@@ -47,7 +47,10 @@ Prefetch (``prefetcher``): a worker thread, woken whenever the predictions chang
 ``Route`` / ``LayerAhead`` messages, a predictor hint batch as it arrives), a load completes or
 a pin is released, asks ``cache_daemon.decisions.PrefetchScheduler`` what to load ahead and
 starts each as a LOADING entry without holders, read at its class's priority on a separate pool
-of prefetch threads, so a demand load never queues behind one::
+of prefetch threads, so a demand load never queues behind one (and the store starts no prefetch
+read while a demand read is queued or in flight). A layer's Route and LayerAhead usually arrive
+inside its Acquire: they are applied in the same hold of the lock as its admission, just before
+it, so its demand loads are queued before the prefetches they trigger::
 
     demand for a key a prefetch is loading → joins that load, promotes it to DEMAND priority
     demand short of slots                  → cancels queued prefetches (their slots come free
@@ -62,7 +65,15 @@ converts and delegates.
 """
 
 from cache_daemon.residency.clients import UNBOUND_CLAIM_EXPIRY_S, ClientLedger, Session
-from cache_daemon.residency.core import Ready, Residency, ResidencyStats, SlotInfo, table_entries
+from cache_daemon.residency.core import (
+    LookaheadSignal,
+    Ready,
+    Residency,
+    ResidencyStats,
+    RouteSignal,
+    SlotInfo,
+    table_entries,
+)
 from cache_daemon.residency.prefetcher import PREFETCH_KINDS
 from cache_daemon.residency.slots import SlotState
 
@@ -70,9 +81,11 @@ __all__ = [
     "PREFETCH_KINDS",
     "UNBOUND_CLAIM_EXPIRY_S",
     "ClientLedger",
+    "LookaheadSignal",
     "Ready",
     "Residency",
     "ResidencyStats",
+    "RouteSignal",
     "Session",
     "SlotInfo",
     "SlotState",

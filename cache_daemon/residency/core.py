@@ -72,6 +72,26 @@ class Ready:
     prefetch: str = field(default="", compare=False)
 
 
+@dataclass(frozen=True, eq=False)
+class RouteSignal:
+    """A checked Route (``Residency.check_route``): layer ``layer`` of token ``token`` was routed
+    to ``experts`` (unique, sorted)."""
+
+    request_id: str | None
+    token: int
+    layer: int
+    experts: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class LookaheadSignal:
+    """A checked LayerAhead (``Residency.check_layer_ahead``): one prediction per depth."""
+
+    token: int
+    predictions: tuple[LayerPrediction, ...]
+    request_id: str | None
+
+
 @dataclass(frozen=True)
 class SlotInfo:
     """A snapshot of one entry of the slot table."""
@@ -319,11 +339,7 @@ class Residency:
     def observe(self, request_id: str, token: int, layer: int, experts: Iterable[int]) -> None:
         """Decoder layer ``layer`` of token ``token`` was routed to ``experts`` (hits included).
         ``InvalidArgument`` naming the value if the layer or an expert is not in the store."""
-        ex = self._check_prediction("Route", layer, experts)
-        with self._cond:
-            self.signals.observe(int(layer), ex, int(token), request_id or None)
-            self._prefetcher.kick()
-        self._metrics.signals.inc(kind="route")
+        self.apply_signals([self.check_route(request_id, token, layer, experts)])
 
     def layer_ahead(
         self, token: int, predictions: Iterable[LayerPrediction], request_id: str | None = None
@@ -331,6 +347,19 @@ class Residency:
         """Compute's lookahead for token ``token`` of ``request_id`` (None: the request last
         routed): one prediction per depth, layers as in Acquire. ``InvalidArgument`` naming the
         value for a malformed one (nothing applied)."""
+        self.apply_signals([self.check_layer_ahead(token, predictions, request_id)])
+
+    def check_route(
+        self, request_id: str, token: int, layer: int, experts: Iterable[int]
+    ) -> RouteSignal:
+        """A Route checked against the store (``InvalidArgument`` naming the value), to apply."""
+        ex = self._check_prediction("Route", layer, experts)
+        return RouteSignal(request_id or None, int(token), int(layer), ex)
+
+    def check_layer_ahead(
+        self, token: int, predictions: Iterable[LayerPrediction], request_id: str | None = None
+    ) -> LookaheadSignal:
+        """A LayerAhead checked against the store (``InvalidArgument`` naming the value), to apply."""
         checked = []
         depths: set[int] = set()
         for pred in predictions:
@@ -353,10 +382,25 @@ class Residency:
             # Router outputs are probabilities up to rounding (and bias-corrected scores may stray):
             # a prediction is a hint, so clamp rather than fail compute's stream over it.
             checked.append(LayerPrediction(int(pred.layer), int(pred.depth), ex, np.clip(sc, 0.0, 1.0)))
+        return LookaheadSignal(int(token), tuple(checked), request_id)
+
+    def apply_signals(self, signals: Iterable[RouteSignal | LookaheadSignal]) -> None:
+        """Apply checked signals in order and wake the prefetcher once."""
         with self._cond:
-            self.signals.set_lookahead(checked, int(token), request_id)
+            self._apply_signals_locked(signals)
+
+    def _apply_signals_locked(self, signals: Iterable[RouteSignal | LookaheadSignal]) -> None:
+        applied = False
+        for sig in signals:
+            if isinstance(sig, RouteSignal):
+                self.signals.observe(sig.layer, sig.experts, sig.token, sig.request_id)
+                self._metrics.signals.inc(kind="route")
+            else:
+                self.signals.set_lookahead(list(sig.predictions), sig.token, sig.request_id)
+                self._metrics.signals.inc(kind="layer_ahead")
+            applied = True
+        if applied:
             self._prefetcher.kick()
-        self._metrics.signals.inc(kind="layer_ahead")
 
     def apply_hints(self, batch: HintBatch) -> None:
         """A predictor hint batch (pushed by the hint board as it arrives): the request's hints,
@@ -475,9 +519,19 @@ class Residency:
 
     # -- acquire ------------------------------------------------------------------------
     def acquire(
-        self, session: Session, layer: int, experts: Iterable[int], timeout_s: float | None = None
+        self,
+        session: Session,
+        layer: int,
+        experts: Iterable[int],
+        timeout_s: float | None = None,
+        signals: Iterable[RouteSignal | LookaheadSignal] = (),
     ) -> Iterator[Ready]:
         """Pin ``layer``'s ``experts`` for ``session``, yielding a ``Ready`` per expert as it is ready.
+
+        ``signals`` (checked by ``check_route`` / ``check_layer_ahead``: compute sends a layer's
+        Route and LayerAhead with its Acquire) are applied in the same hold of the lock as the
+        admission, just before it: the victims are chosen knowing them, and the loads started
+        are queued before any prefetch they trigger.
 
         Already-resident experts come first (in request order), then the others as their loads
         complete. Each Ready is one pin the session holds until ``release`` or
@@ -506,12 +560,19 @@ class Residency:
             keys.append(key)
         self._metrics.demands.inc()
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        return self._acquire(session, int(layer), keys, time.monotonic() + timeout, timeout)
+        return self._acquire(session, int(layer), keys, time.monotonic() + timeout, timeout, tuple(signals))
 
     def _acquire(
-        self, session: Session, layer: int, keys: list[ExpertKey], deadline: float, timeout: float
+        self,
+        session: Session,
+        layer: int,
+        keys: list[ExpertKey],
+        deadline: float,
+        timeout: float,
+        signals: tuple[RouteSignal | LookaheadSignal, ...],
     ) -> Iterator[Ready]:
         with self._cond:
+            self._apply_signals_locked(signals)
             waiting = False
             try:
                 while True:
@@ -871,4 +932,4 @@ def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
     return ExpertCacheError(f"loading expert {key} failed: {type(error).__name__}: {error}")
 
 
-__all__ = ["Ready", "Residency", "ResidencyStats", "SlotInfo", "table_entries"]
+__all__ = ["LookaheadSignal", "Ready", "Residency", "ResidencyStats", "RouteSignal", "SlotInfo", "table_entries"]

@@ -549,6 +549,107 @@ def test_prediction_messages_drive_prefetch_without_replies(lone):
         stream.close()
 
 
+def test_an_acquire_carries_its_layers_signals(lone):
+    """Route and LayerAhead ride in an Acquire: applied with it (the lookahead starts its
+    prefetches), a malformed one dropped and counted while the Acquire is served, and an
+    Acquire carrying more than MAX_CARRIED_SIGNALS of a kind refused by name."""
+    from cache_daemon.server import MAX_CARRIED_SIGNALS
+
+    stream = DemandStream(lone.stub)
+    try:
+        stream._requests.put(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="r")))
+        acquire = cache_pb2.Acquire(
+            ticket=1,
+            decoder_layer=1,
+            experts=[0],
+            routes=[
+                cache_pb2.Route(request_id="r", token=0, decoder_layer=1, experts=[0, 1]),
+                cache_pb2.Route(request_id="r", token=0, decoder_layer=2, experts=[0]),  # not MoE
+            ],
+            layer_aheads=[
+                cache_pb2.LayerAhead(
+                    request_id="r",
+                    token=0,
+                    predictions=[
+                        cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[2, 3], scores=[0.9, 0.6])
+                    ],
+                ),
+                cache_pb2.LayerAhead(
+                    token=0, predictions=[cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[99])]
+                ),
+            ],
+        )
+        stream._requests.put(cache_pb2.DemandRequest(acquire=acquire))
+        readies = []
+        for response in stream.call:
+            if response.WhichOneof("kind") == "done":
+                break
+            readies.append(response.ready)
+        assert [r.expert.expert for r in readies] == [0]
+        assert lone.slot_bytes(readies[0].slot) == lone.blob(1, 0)
+        stream.release(1, [0])
+
+        def prefetched() -> int:
+            return next(
+                p.started
+                for p in lone.stats().prefetch
+                if p.prediction == cache_pb2.PREFETCH_CLASS_LAYER_AHEAD
+            )
+
+        wait_for(lambda: prefetched() == 2)
+        assert lone.stats().signals_rejected == 2
+        log = lone.proc.log()
+        assert "Route names layer 2, which is not a MoE layer of the store" in log
+        # The stream goes on.
+        readies, _ = stream.acquire(2, 3, [2])
+        assert lone.slot_bytes(readies[0].slot) == lone.blob(3, 2)
+        stream.release(3, [2])
+    finally:
+        stream.close()
+
+    stream = DemandStream(lone.stub)
+    try:
+        route = cache_pb2.Route(request_id="r", token=0, decoder_layer=1, experts=[0])
+        flood = cache_pb2.Acquire(
+            ticket=3, decoder_layer=1, experts=[0], routes=[route] * (MAX_CARRIED_SIGNALS + 1)
+        )
+        stream._requests.put(cache_pb2.DemandRequest(acquire=flood))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream.call)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            f"Acquire for layer 1 carries {MAX_CARRIED_SIGNALS + 1} routes; at most {MAX_CARRIED_SIGNALS}"
+            in err.value.details()
+        )
+    finally:
+        stream.close()
+
+
+def test_the_client_sends_held_signals_with_the_next_acquire_or_on_their_own(lone):
+    client = fast_client(lone)
+    try:
+        client.begin_request("req-3")
+        client.routed("req-3", 0, 1, [4], with_acquire=True)
+        client.layer_ahead("req-3", 0, [Prediction(3, (5,), (0.8,))], with_acquire=True)
+        assert client.signals_sent == 1  # held: only RequestBegin went
+        got = list(client.acquire(1, [4]))  # a miss: its Acquire carries both
+        assert [(r.expert, r.source.value) for r in got] == [(4, "store")]
+        assert client.signals_sent == 3
+        wait_for(lambda: lone.stats().tiers[0].resident >= 2)  # the carried lookahead's prefetch of L3E5
+        client.release(1, [4])
+        client.routed("req-3", 1, 3, [5], with_acquire=True)
+        got = list(client.acquire(3, [5]))  # a hit through the slot table: no Acquire to carry it
+        assert [(r.expert, r.source.value) for r in got] == [(5, "device")]
+        assert client.signals_sent == 4
+        client.release(3, [5])
+        client.routed("req-3", 2, 1, [4], with_acquire=True)
+        client.end_request("req-3")  # any other message sends the held ones first, in order
+        assert (client.signals_sent, client.signals_dropped) == (6, 0)
+        assert lone.stats().signals_rejected == 0
+    finally:
+        client.close()
+
+
 def test_client_prediction_methods_never_wait_and_count_drops(lone):
     client = fast_client(lone)
     try:

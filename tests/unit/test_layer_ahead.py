@@ -29,11 +29,13 @@ class SignalProvider(LocalProvider):
     def end_request(self, request_id):
         self.signals.append(("end", request_id))
 
-    def routed(self, request_id, token, layer, experts):
+    def routed(self, request_id, token, layer, experts, *, with_acquire=False):
+        assert with_acquire  # the runtime acquires right after: the signals may ride with it
         self.request_ids.add(request_id)
         self.signals.append(("routed", token, layer, tuple(experts)))
 
-    def layer_ahead(self, request_id, token, predictions):
+    def layer_ahead(self, request_id, token, predictions, *, with_acquire=False):
+        assert with_acquire
         self.request_ids.add(request_id)
         for p in predictions:
             assert len(p.experts) == len(p.scores)
