@@ -57,6 +57,9 @@ Per-token latency: decode tokens only — the first token of each request (prefi
 for every system; ours/lru use the server's per-token ``latency_s``, accelerate the time between
 tokens in ``generate``'s streamer. Bytes per token: ours/lru the daemon's store → arena bytes
 (GetStats, prefill included) over generated tokens; accelerate ``/proc/self/io`` storage reads.
+Where the time goes, ours/lru: compute's wait for experts per decode token (each MoE layer's
+acquire wait, summed; the server's per-token ``cache.stall_s``) and its experts not resident when
+asked for (``cache.misses``: loads it waited for, a prefetch still in flight included).
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
 built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (at 3 x 48
@@ -255,6 +258,8 @@ class ProcessSystem:
         self.channel = grpc.insecure_channel(self.compute.address)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.generated = 0
+        # compute's wait for experts, and its experts not resident when asked for, over decode tokens
+        self.decode_stall_s, self.decode_misses = 0.0, 0
         self.latencies: list[float] = []
         self.first_token: list[float] = []
         self.by_repeat: dict[int, list[float]] = {}
@@ -272,6 +277,8 @@ class ProcessSystem:
                     first = event.latency_s
                 else:
                     decode.append(event.latency_s)
+                    self.decode_stall_s += event.cache.stall_s
+                    self.decode_misses += event.cache.misses
                 if (event.index + 1) % self.args.progress_every == 0:
                     say(
                         f"  [{self.system}] {label}: {event.index + 1}/{self.args.tokens} tokens, "
@@ -292,6 +299,7 @@ class ProcessSystem:
             "compute": cpu_seconds(self.compute.popen.pid),
         }
         self.wall = 0.0
+        self.decode_stall_s, self.decode_misses = 0.0, 0
 
     def measure(self, repeat: int, r: int) -> None:
         """One measured Generate (trace request taken in turn), kept under ``repeat``."""
@@ -337,6 +345,9 @@ class ProcessSystem:
             # peer: while the systems take turns, the others' processes are idle).
             "cpu_s_per_token": {name: value / tokens for name, value in cpu.items()},
             "generate_wall_s": self.wall,
+            # compute's wait for experts per decode token (each MoE layer's acquire, summed)
+            "stall_s_per_decode_token": self.decode_stall_s / max(1, len(self.latencies)),
+            "misses_per_decode_token": self.decode_misses / max(1, len(self.latencies)),
             "prefetch": prefetch,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
@@ -900,7 +911,12 @@ def main(argv: list[str] | None = None) -> int:
         if system in results:
             r = results[system]
             cpu = ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in r["cpu_s_per_token"].items())
-            say(f"{system}: CPU per token: {cpu}; store read time {r['store_read_s']:.1f} s in all")
+            say(
+                f"{system}: CPU per token: {cpu}; compute waits for experts "
+                f"{r['stall_s_per_decode_token'] * 1e3:.1f} ms per decode token, "
+                f"{r['misses_per_decode_token']:.1f} experts not resident when asked for; store read time "
+                f"{r['store_read_s']:.1f} s in all"
+            )
             say(f"{system} prefetch: {r['prefetch']}")
     verdicts = {}
     if "ours" in results:
