@@ -247,7 +247,6 @@ class _StreamSignals:
         return [s for s in out if s is not None]
 
 
-
 class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
     """``moe.cache.v1.ExpertCache`` over one ``CacheDaemon``."""
 

@@ -349,9 +349,7 @@ class Residency:
         value for a malformed one (nothing applied)."""
         self.apply_signals([self.check_layer_ahead(token, predictions, request_id)])
 
-    def check_route(
-        self, request_id: str, token: int, layer: int, experts: Iterable[int]
-    ) -> RouteSignal:
+    def check_route(self, request_id: str, token: int, layer: int, experts: Iterable[int]) -> RouteSignal:
         """A Route checked against the store (``InvalidArgument`` naming the value), to apply."""
         ex = self._check_prediction("Route", layer, experts)
         return RouteSignal(request_id or None, int(token), int(layer), ex)
@@ -932,4 +930,12 @@ def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
     return ExpertCacheError(f"loading expert {key} failed: {type(error).__name__}: {error}")
 
 
-__all__ = ["LookaheadSignal", "Ready", "Residency", "ResidencyStats", "RouteSignal", "SlotInfo", "table_entries"]
+__all__ = [
+    "LookaheadSignal",
+    "Ready",
+    "Residency",
+    "ResidencyStats",
+    "RouteSignal",
+    "SlotInfo",
+    "table_entries",
+]

@@ -366,7 +366,9 @@ def test_constructor_errors():
         Reader(threads=0)
     with pytest.raises(ValueError, match=r"queue_depth=0 must be in \[1, 4096\]"):
         Reader(queue_depth=0)
-    with pytest.raises(ValueError, match=r"background_depth=5 must be in \[1, 4\] \(the pread backend's threads\)"):
+    with pytest.raises(
+        ValueError, match=r"background_depth=5 must be in \[1, 4\] \(the pread backend's threads\)"
+    ):
         Reader(threads=4, background_depth=5, backend="pread")
     with pytest.raises(ValueError, match=r"background_depth=-1 must be in \[1, 2\]"):
         Reader(threads=2, background_depth=-1, backend="pread")
