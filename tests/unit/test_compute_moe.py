@@ -103,7 +103,7 @@ def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine)
     if layer_ahead:
         loaded = engine.loaded
         runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
-        runtime._signals["layer_ahead"] = lambda *args: None
+        runtime._signals["layer_ahead"] = lambda *args, **kwargs: None
     engine.enable_routing(RoutingCapture(tiny.manifest.moe_layers))  # routing observed with weights
     runtime.host_transfers = runtime.event_waits = 0
     prepared = engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3, ignore_eos=True))
