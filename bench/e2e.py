@@ -62,8 +62,8 @@ acquire wait, summed; the server's per-token ``cache.stall_s``) and its experts 
 asked for (``cache.misses``: loads it waited for, a prefetch still in flight included).
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
-built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (at 3 x 48
-ours led LRU by 1.09-1.16x, at 3 x 96 by 1.28x, same day), the trace's requests average 306. Writes bench/results/e2e.json.
+built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (the trace's
+requests average 306). Writes bench/results/e2e.json.
 """
 
 from __future__ import annotations
