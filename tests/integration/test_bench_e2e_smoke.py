@@ -74,7 +74,13 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
     assert acc["tokens"] == 2 * 2 and acc["page_cache_files_dropped"] > 0
     assert acc["bytes_per_token"] > 0  # offloaded weights really come from storage every token
     verdicts = set(report["verdicts"]) - {"share_of_lru_resident_gap"}  # only when resident is faster
-    assert verdicts == {"ours_vs_accelerate", "ours_vs_lru", "compared", "ours_bytes_vs_bf16"}
+    assert verdicts == {
+        "ours_vs_accelerate",
+        "ours_vs_lru",
+        "ours_bytes_vs_lru",
+        "compared",
+        "ours_bytes_vs_bf16",
+    }
     assert len(report["verdicts"]["ours_vs_lru"]["per_repeat"]) == 2
     shares = report["verdicts"].get("share_of_lru_resident_gap")
     if shares:
@@ -83,6 +89,12 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         )
         assert "share of the gap between lru" in printed
     assert report["verdicts"]["ours_vs_accelerate"]["goal"] == 15.0  # at the checkpoint's precision
+    assert report["verdicts"]["ours_vs_lru"]["goal"] == 1.3
+    bytes_vs_lru = report["verdicts"]["ours_bytes_vs_lru"]
+    assert bytes_vs_lru["goal"] == 0.8
+    assert bytes_vs_lru["ratio"] == pytest.approx(
+        systems["ours"]["bytes_per_token"] / systems["lru"]["bytes_per_token"]
+    )
     assert 0 < report["verdicts"]["ours_bytes_vs_bf16"]["ratio"] < 0.6
     assert (tmp_path / "e2e-mxfp4-vs-bf16.png").stat().st_size > 0  # the plot, next to the JSON
     assert (tmp_path / "e2e.png").stat().st_size > 0  # p50s with their spread, shares of the gap
@@ -90,6 +102,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "page cache:",
         "ours vs accelerate:",
         "ours vs lru:",
+        "x lru's MiB per token (goal <= 0.8x)",
         "p50 ms",
         "beside the bf16 run",
         "repeat 1/2: order ours, lru, resident, accelerate",
