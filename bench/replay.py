@@ -65,7 +65,8 @@ GOAL_FLOOR_RATIO = 1.6  # activation-aware latency / floor
 GOAL_OBSERVE_US = 20.0  # ActivationSignals.observe per routed layer
 # Modelled accuracy of compute's lookahead (router of layer l + d on layer l's state) at depth
 # d = 1, 2, ...: an assumption, not a measurement (the trace has no hidden states); the scheduler
-# measures each depth's precision online and stops using a depth that falls below min_precision.
+# measures each depth's precision and the share of its prefetches used online, and stops using a
+# depth that falls below min_precision or min_usefulness.
 DEFAULT_LOOKAHEAD_ACCURACY = (0.9, 0.8, 0.7, 0.6)
 DEFAULT_LOOKAHEAD_DEPTH = 4
 

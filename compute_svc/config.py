@@ -199,7 +199,8 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         },
     )
     """How many MoE layers ahead the lookahead predicts. The daemon measures each depth's
-    precision and prefetches only the depths above ``min_precision``. 1 by measurement end to end
+    precision and the share of its prefetches used, and prefetches only the depths above
+    ``min_precision`` and ``min_usefulness``. 1 by measurement end to end
     (``python -m bench.e2e --layer-ahead-depth D``, gpt-oss shape, 25% budget, 2 x 64 tokens on the
     2-core development machine): at depth 3, 44% of the prefetches were evicted unused and ours
     read 1.41x LRU's bytes per token, at depth 1 17% and 1.03x, with a lower p50 (203 against

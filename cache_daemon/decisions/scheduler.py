@@ -17,7 +17,10 @@ Rules:
 - candidates are taken in order of (deadline, confidence): the nearest layer first (deadline =
   MoE layers until the candidate's layer is visited), the likeliest first within a layer. A
   lookahead prediction is a candidate only while its depth's measured precision is at least
-  ``min_precision`` (a wrong guess costs a whole blob of link time and a victim); history and
+  ``min_precision`` (a wrong guess costs a whole blob of link time and a victim), and is started
+  only while at least ``min_usefulness`` of that depth's recent prefetches were used before
+  eviction (``record_outcome``, reported by the tier; a cut depth is tried again as its counts
+  fade); history and
   EAMC hints give candidates through the policy's ``prefetch_scores`` within ``horizon_layers``;
 - at most ``max_inflight_bytes`` of loads in flight (demand and prefetch, ``PrefetchQueue``), so a
   farther layer is fetched only while the link has room and prefetch never hogs what a demand
@@ -55,6 +58,10 @@ from cache_daemon.decisions.signals import ActivationSignals
 from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
+
+# The usefulness estimate of a lookahead depth starts as this many used prefetches (and forgets
+# back towards it): a depth is tried before it is judged.
+USEFULNESS_PRIOR_WEIGHT = 4.0
 
 
 class PrefetchClass(IntEnum):
@@ -204,6 +211,17 @@ class PrefetchConfig:
     """A lookahead depth is prefetched only while its measured precision is at least this: a
     prefetch pays for its blob only if it is used often enough."""
 
+    min_usefulness: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
+    """A lookahead depth is prefetched only while at least this share of its prefetches are used
+    before they are evicted (``usefulness``): a wasted one costs a blob of link time and a victim
+    and saves nothing. Precision alone misses it: a right guess for a far layer is often evicted
+    before its layer comes round."""
+
+    usefulness_half_life: float = field(default=1024.0, metadata={"min": 1.0, "max": 1e9})
+    """Half-life, in signal changes (``ActivationSignals.version``: about two per MoE layer per
+    request), of each depth's usefulness counts: with no outcomes the estimate returns to its
+    optimistic prior, so a depth that was cut off is tried again."""
+
     max_starts: int = field(default=64, metadata={"min": 1, "max": 1 << 20})
     """At most this many starts per ``decide`` call."""
 
@@ -212,7 +230,15 @@ class PrefetchConfig:
     candidates come best first, so the later ones rarely win; bounds the cost per call)."""
 
     def __post_init__(self) -> None:
-        for name in ("horizon_layers", "max_depth", "min_precision", "max_starts", "max_rejects"):
+        for name in (
+            "horizon_layers",
+            "max_depth",
+            "min_precision",
+            "min_usefulness",
+            "usefulness_half_life",
+            "max_starts",
+            "max_rejects",
+        ):
             spec = self.__dataclass_fields__[name]
             value = getattr(self, name)
             lo, hi = spec.metadata["min"], spec.metadata["max"]
@@ -266,6 +292,8 @@ class PrefetchScheduler:
         self._demanded: set[int] = set()  # entries demanded at _demand_step
         self._demand_step = signals.step
         self._cand_cache: tuple[int, int, PrefetchConfig, list[Candidate]] | None = None
+        # depth -> [used, outcomes, signals version of the last decay]: prefetch outcomes, decayed
+        self._outcomes: dict[int, list[float]] = {}
 
     # -- notifications ---------------------------------------------------------------------------
 
@@ -277,6 +305,31 @@ class PrefetchScheduler:
         """``key`` is demanded now: it is never a victim (the tier promotes a load of it)."""
         self._sync_step()
         self._demanded.add(self.signals.entry_of(key))
+
+    def record_outcome(self, depth: int, used: bool) -> None:
+        """A lookahead prefetch of ``depth`` was used (acquired, joined or pinned by compute) or
+        evicted unused. The tier reports each once; class EAMC (depth 0) is not tracked."""
+        if depth < 1:
+            return
+        acc = self._decayed(depth)
+        acc[0] += 1.0 if used else 0.0
+        acc[1] += 1.0
+
+    def usefulness(self, depth: int) -> float:
+        """Share of ``depth``'s recent lookahead prefetches that were used, with an optimistic
+        prior worth ``USEFULNESS_PRIOR_WEIGHT`` outcomes (1.0 before any)."""
+        used, outcomes, _ = self._decayed(depth)
+        return (used + USEFULNESS_PRIOR_WEIGHT) / (outcomes + USEFULNESS_PRIOR_WEIGHT)
+
+    def _decayed(self, depth: int) -> list[float]:
+        version = self.signals.version
+        acc = self._outcomes.setdefault(depth, [0.0, 0.0, float(version)])
+        if acc[2] != version:
+            f = 0.5 ** ((version - acc[2]) / self.config.usefulness_half_life)
+            acc[0] *= f
+            acc[1] *= f
+            acc[2] = float(version)
+        return acc
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -365,6 +418,8 @@ class PrefetchScheduler:
         taken: set[ExpertKey] = set()  # victims already promised
         protected: dict[int, set[int]] = {}
         rejects = 0
+        useful: dict[int, float] = {}  # depth -> usefulness, read once per call
+        min_useful = self.config.min_usefulness
         self._sync_step()
         for cand in self.candidates():
             if len(starts) >= room or rejects >= self.config.max_rejects:
@@ -373,6 +428,8 @@ class PrefetchScheduler:
             key = sig.key_of(entry)
             if key in queue or state.is_resident(key) or entry in self._demanded:
                 continue  # loading, resident, or the demand path loads it
+            if cand.depth and useful.setdefault(cand.depth, self.usefulness(cand.depth)) < min_useful:
+                continue  # this depth's prefetches are mostly evicted unused: not worth their bytes
             victim: ExpertKey | None = None
             if free > 0:
                 free -= 1

@@ -482,7 +482,9 @@ class Simulation:
         self.tier.resident[entry] = False
         self.tier.n_resident -= 1
         self.policy.on_remove(self.signals.key_of(entry))
-        self.prefetched_unused.pop(entry, None)
+        wasted = self.prefetched_unused.pop(entry, None)
+        if wasted is not None:
+            self.sched.record_outcome(wasted[1], used=False)
 
     def _start(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> None:
         self.seq += 1
@@ -497,6 +499,7 @@ class Simulation:
             self._count_used(*got)
 
     def _count_used(self, cls: PrefetchClass, depth: int) -> None:
+        self.sched.record_outcome(depth, used=True)
         st = self.stats
         st.prefetches_used += 1
         name = _CLASS_NAME[cls]

@@ -55,7 +55,8 @@ class Prefetcher:
         self.enabled = False
         self._dirty = True  # something the scheduler reads changed since its last decide
         self._closing = False
-        self._unused: dict[ExpertKey, PrefetchClass] = {}  # prefetched, resident or loading, not used yet
+        # prefetched, resident or loading, not used yet: its class and lookahead depth
+        self._unused: dict[ExpertKey, tuple[PrefetchClass, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="expertcache-prefetcher", daemon=True)
         self._thread.start()
 
@@ -76,23 +77,27 @@ class Prefetcher:
         return started
 
     def started(self, start: PrefetchStart) -> None:
-        self._unused[start.key] = start.cls
+        self._unused[start.key] = (start.cls, start.depth)
         self._metrics.prefetch_started.inc(kind=PREFETCH_KINDS[start.cls])
 
     def used(self, key: ExpertKey) -> str | None:
         """``key`` was used (acquired, joined, pinned by compute): a prefetch of it paid off.
         Returns that prefetch's kind (``PREFETCH_KINDS``), None if ``key`` was not prefetched."""
-        cls = self._unused.pop(key, None)
-        if cls is None:
+        got = self._unused.pop(key, None)
+        if got is None:
             return None
+        cls, depth = got
+        self.scheduler.record_outcome(depth, used=True)
         kind = PREFETCH_KINDS[cls]
         self._metrics.prefetch_used.inc(kind=kind)
         return kind
 
     def gone(self, key: ExpertKey, *, evicted: bool) -> None:
         """``key`` left the arena (evicted, or its load failed or was cancelled)."""
-        cls = self._unused.pop(key, None)
-        if cls is not None and evicted:
+        got = self._unused.pop(key, None)
+        if got is not None and evicted:
+            cls, depth = got
+            self.scheduler.record_outcome(depth, used=False)
             self._metrics.prefetch_wasted.inc(kind=PREFETCH_KINDS[cls])
 
     def is_unused_prefetch(self, key: ExpertKey) -> bool:

@@ -158,11 +158,14 @@ def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     assert ready.source is Tier.DEVICE
     r.release(s, [ready.key])
     assert h.count(h.metrics.prefetch_used) == 1 and not r.describe(ready.key).prefetched
+    scheduler = r._prefetcher.scheduler  # the daemon's decisions hear every outcome
+    assert scheduler.usefulness(1) == 1.0  # one used, none wasted yet
     # Evicting the other one unused counts it wasted: accuracy = used / (used + wasted) = 1/2.
     r.configure_prefetch(enabled=False, max_inflight_bytes=0)
     h.load(L1, 0, 1, 3)  # 2 free slots + 1 victim: LRU picks L3E4 (L3E2 was used since)
     assert h.state(L3, 4) is SlotState.ABSENT and h.state(L3, 2) is SlotState.RESIDENT
     assert h.count(h.metrics.prefetch_wasted) == 1
+    assert scheduler.usefulness(1) == pytest.approx((1 + 4) / (2 + 4))  # the scheduler heard both
     assert h.metrics.signals.value(kind="route") == 1 and h.metrics.signals.value(kind="layer_ahead") == 1
 
 

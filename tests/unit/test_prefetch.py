@@ -128,6 +128,29 @@ def test_a_depth_below_min_precision_is_not_prefetched():
     assert sched2.depth_enabled(1) and not sched2.depth_enabled(2)
 
 
+def test_a_depth_whose_prefetches_go_unused_is_cut_and_tried_again_later():
+    sig, pol, sched, tier = setup(min_usefulness=0.5, usefulness_half_life=16.0)
+    sig.observe(0, [0], 0)
+    ahead(sig, 0, (1, 1, [3], [0.9]), (2, 2, [4], [0.9]))
+    assert sched.usefulness(1) == sched.usefulness(2) == 1.0  # an optimistic prior: tried first
+    assert [(s.key, s.depth) for s in sched.decide(tier)] == [(ExpertKey(1, 3), 1), (ExpertKey(2, 4), 2)]
+    # Depth 2's prefetches are evicted unused, depth 1's are used: depth 2 is cut, depth 1 is not.
+    for _ in range(12):
+        sched.record_outcome(2, used=False)
+        sched.record_outcome(1, used=True)
+    sched.record_outcome(0, used=False)  # class EAMC (depth 0) is not tracked
+    assert sched.usefulness(2) == pytest.approx(4 / 16) and sched.usefulness(1) == 1.0
+    assert [(s.key, s.depth) for s in sched.decide(FakeTier(8))] == [(ExpertKey(1, 3), 1)]
+    # The counts forget (per signal change) back towards the prior: the depth is tried again.
+    for t in range(1, 12):
+        for layer in range(L):
+            sig.observe(layer, [0], t)
+    sig.observe(0, [0], 12)
+    ahead(sig, 12, (1, 1, [3], [0.9]), (2, 2, [4], [0.9]))
+    assert sched.usefulness(2) > 0.5
+    assert (ExpertKey(2, 4), 2) in [(s.key, s.depth) for s in sched.decide(FakeTier(8))]
+
+
 def test_bytes_in_flight_bound():
     sig, pol, sched, tier = setup(inflight=3 * BLOB, eamc=False)
     sig.observe(0, [0], 0)
@@ -254,5 +277,9 @@ def test_policy_switch_and_errors():
         PrefetchConfig(horizon_layers=0)
     with pytest.raises(ValueError, match=r"PrefetchConfig.min_precision must be in \[0.0, 1.0\], got 2"):
         PrefetchConfig(min_precision=2)
+    with pytest.raises(ValueError, match=r"PrefetchConfig.min_usefulness must be in \[0.0, 1.0\], got -0.1"):
+        PrefetchConfig(min_usefulness=-0.1)
+    with pytest.raises(ValueError, match=r"PrefetchConfig.usefulness_half_life must be in \[1.0, "):
+        PrefetchConfig(usefulness_half_life=0.5)
     with pytest.raises(ValueError, match=r"blob_bytes must be >= 1, got 0"):
         PrefetchQueue(0)
