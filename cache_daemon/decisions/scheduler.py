@@ -428,8 +428,12 @@ class PrefetchScheduler:
             key = sig.key_of(entry)
             if key in queue or state.is_resident(key) or entry in self._demanded:
                 continue  # loading, resident, or the demand path loads it
-            if cand.depth and useful.setdefault(cand.depth, self.usefulness(cand.depth)) < min_useful:
-                continue  # this depth's prefetches are mostly evicted unused: not worth their bytes
+            if cand.depth:
+                u = useful.get(cand.depth)
+                if u is None:
+                    u = useful[cand.depth] = self.usefulness(cand.depth)
+                if u < min_useful:
+                    continue  # this depth's prefetches are mostly evicted unused: not worth their bytes
             victim: ExpertKey | None = None
             if free > 0:
                 free -= 1
