@@ -131,8 +131,7 @@ struct Reader::Impl {
   bool closed = false;    // no more submissions
   bool stopping = false;  // threads exit once their work drains
   bool dispatcher_done = false;
-  uint64_t in_flight_chunks = 0;
-  uint64_t in_flight_by_priority[kNumReadPriorities] = {};
+  uint64_t in_flight_by_priority[kNumReadPriorities] = {};  // chunks issued, not yet back
   ReaderStats st;
 
   std::mutex close_mu;  // serialises close() (joins)
@@ -150,6 +149,12 @@ struct Reader::Impl {
   // The class whose next chunk may be issued now, or -1: DEMAND whenever it has one; the
   // background classes (LAYER_AHEAD, PREFETCH) only while no demand is queued or in flight and
   // fewer than background_depth of their chunks are in flight.
+  uint64_t in_flight_chunks() const {
+    uint64_t n = 0;
+    for (const uint64_t c : in_flight_by_priority) n += c;
+    return n;
+  }
+
   int issuable_priority() const {
     if (!queues[kDemand].empty()) return kDemand;
     int first = -1;
@@ -159,10 +164,9 @@ struct Reader::Impl {
         break;
       }
     if (first < 0) return -1;
-    uint64_t background = 0;
-    for (int p = kDemand + 1; p < kNumReadPriorities; ++p) background += in_flight_by_priority[p];
+    // With no demand chunk in flight, every chunk in flight is a background one.
     if (in_flight_by_priority[kDemand] > 0 ||
-        background >= static_cast<uint64_t>(owner->background_depth_))
+        in_flight_chunks() >= static_cast<uint64_t>(owner->background_depth_))
       return -1;
     return first;
   }
@@ -196,7 +200,6 @@ struct Reader::Impl {
       q.pop_front();
       r->queued = false;
     }
-    ++in_flight_chunks;
     ++in_flight_by_priority[p];
     ++st.chunks;
     return Chunk{r, p, r->offset + rel, len, r->dest + rel};
@@ -207,7 +210,6 @@ struct Reader::Impl {
   bool chunk_done(const Chunk& c, int err, bool eof) {
     Request& r = *c.req;
     --r.in_flight;
-    --in_flight_chunks;
     // The last demand chunk back: the background chunks held for it may go now (the pread
     // workers that found nothing to issue are asleep; io_uring's dispatcher looks again itself).
     if (--in_flight_by_priority[c.priority] == 0 && c.priority == kDemand && !uring)
@@ -368,12 +370,12 @@ struct Reader::Impl {
       {
         std::unique_lock<std::mutex> lk(mu);
         int p;
-        while (!paused && !stopping && in_flight_chunks < static_cast<uint64_t>(depth) &&
+        while (!paused && !stopping && in_flight_chunks() < static_cast<uint64_t>(depth) &&
                (p = issuable_priority()) >= 0) {
           prep_chunk(new Chunk(next_chunk(p)));
           ++to_submit;
         }
-        if (stopping && in_flight_chunks == 0) break;
+        if (stopping && in_flight_chunks() == 0) break;
       }
       for (Chunk* c : resubmit) {
         prep_chunk(c);
@@ -711,7 +713,7 @@ void Reader::resume() {
 ReaderStats Reader::stats() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   ReaderStats s = impl_->st;
-  s.in_flight = impl_->in_flight_chunks;
+  s.in_flight = impl_->in_flight_chunks();
   s.queued = 0;
   for (const auto& q : impl_->queues) s.queued += q.size();
   return s;
