@@ -85,6 +85,13 @@ READ_LAYER_AHEAD = Reader.LAYER_AHEAD
 READ_PREFETCH = Reader.PREFETCH
 __all__ += ["CRC32_IMPL", "READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "ReadError", "Reader", "crc32"]
 
+# ``TransitionTable(layers, experts, prior_count, history_exponent, half_life_visits)``: the routing
+# transitions of cache_daemon/decisions/transitions.py; ``step(layer, previous, current, history,
+# out)``, ``predict(layer, previous, history) -> float32 [E]``, ``visits(layer)``.
+# See csrc/include/expertcache/transitions.h.
+TransitionTable = _native.TransitionTable
+__all__ += ["TransitionTable"]
+
 # CUDA path (csrc/include/expertcache/cuda.h), present only when the extension was built with nvcc
 # (``CUDA_BUILT``). ``cuda_device_count()`` (0 without driver/device), ``cuda_device_uuid(i)``
 # ("GPU-<8-4-4-4-12 hex>"), ``cuda_device_for_uuid(uuid)`` (``ValueError`` listing visible UUIDs),

@@ -17,11 +17,14 @@ Rules:
 - candidates are taken in order of (deadline, confidence): the nearest layer first (deadline =
   MoE layers until the candidate's layer is visited), the likeliest first within a layer. A
   lookahead prediction is a candidate only while its depth's measured precision is at least
-  ``min_precision`` (a wrong guess costs a whole blob of link time and a victim), and is started
+  ``min_precision`` (a wrong guess costs a whole blob of link time and a victim), and so is each
+  predicted expert by the precision measured for its depth and its prior bucket (guesses of an
+  expert the request was not expected to use are more often wrong), and is started
   only while at least ``min_usefulness`` of that depth's recent prefetches were used before
   eviction (``record_outcome``, reported by the tier; a cut depth is tried again as its counts
   fade); history and
-  EAMC hints give candidates through the policy's ``prefetch_scores`` within ``horizon_layers``;
+  EAMC hints give candidates through the policy's ``prefetch_scores`` within ``horizon_layers``,
+  under the same usefulness rule (as depth 0);
 - at most ``max_inflight_bytes`` of loads in flight (demand and prefetch, ``PrefetchQueue``), so a
   farther layer is fetched only while the link has room and prefetch never hogs what a demand
   needs;
@@ -212,10 +215,10 @@ class PrefetchConfig:
     prefetch pays for its blob only if it is used often enough."""
 
     min_usefulness: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
-    """A lookahead depth is prefetched only while at least this share of its prefetches are used
-    before they are evicted (``usefulness``): a wasted one costs a blob of link time and a victim
-    and saves nothing. Precision alone misses it: a right guess for a far layer is often evicted
-    before its layer comes round."""
+    """A lookahead depth (and class EAMC, as depth 0) is prefetched only while at least this share
+    of its prefetches are used before they are evicted (``usefulness``): a wasted one costs a blob
+    of link time and a victim and saves nothing. Precision alone misses it: a right guess for a
+    far layer is often evicted before its layer comes round."""
 
     usefulness_half_life: float = field(default=1024.0, metadata={"min": 1.0, "max": 1e9})
     """Half-life, in signal changes (``ActivationSignals.version``: about two per MoE layer per
@@ -307,16 +310,14 @@ class PrefetchScheduler:
         self._demanded.add(self.signals.entry_of(key))
 
     def record_outcome(self, depth: int, used: bool) -> None:
-        """A lookahead prefetch of ``depth`` was used (acquired, joined or pinned by compute) or
-        evicted unused. The tier reports each once; class EAMC (depth 0) is not tracked."""
-        if depth < 1:
-            return
+        """A prefetch of lookahead ``depth`` (0: class EAMC) was used (acquired, joined or pinned
+        by compute) or evicted unused. The tier reports each once."""
         acc = self._decayed(depth)
         acc[0] += 1.0 if used else 0.0
         acc[1] += 1.0
 
     def usefulness(self, depth: int) -> float:
-        """Share of ``depth``'s recent lookahead prefetches that were used, with an optimistic
+        """Share of ``depth``'s recent prefetches (0: class EAMC) that were used, with an optimistic
         prior worth ``USEFULNESS_PRIOR_WEIGHT`` outcomes (1.0 before any)."""
         used, outcomes, _ = self._decayed(depth)
         return (used + USEFULNESS_PRIOR_WEIGHT) / (outcomes + USEFULNESS_PRIOR_WEIGHT)
@@ -356,11 +357,16 @@ class PrefetchScheduler:
         seen: set[int] = set()
         out: list[Candidate] = []
         if self.config.layer_ahead:
-            for layer, depth, entries, scores in sig.lookahead():
+            min_precision = self.config.min_precision
+            for (layer, depth, entries, scores), conf in zip(
+                sig.lookahead(), sig.lookahead_confidence(), strict=True
+            ):
                 if not self.depth_enabled(depth):
                     continue
                 deadline = sig.layer_distance_of(layer)
-                for e, sc in zip(entries.tolist(), scores.tolist(), strict=True):
+                for e, sc, c in zip(entries.tolist(), scores.tolist(), conf.tolist(), strict=True):
+                    if c < min_precision:
+                        continue  # guesses like this one (depth, prior bucket) are mostly wrong
                     if e not in seen:
                         seen.add(e)
                         out.append(
@@ -428,12 +434,11 @@ class PrefetchScheduler:
             key = sig.key_of(entry)
             if key in queue or state.is_resident(key) or entry in self._demanded:
                 continue  # loading, resident, or the demand path loads it
-            if cand.depth:
-                u = useful.get(cand.depth)
-                if u is None:
-                    u = useful[cand.depth] = self.usefulness(cand.depth)
-                if u < min_useful:
-                    continue  # this depth's prefetches are mostly evicted unused: not worth their bytes
+            u = useful.get(cand.depth)
+            if u is None:
+                u = useful[cand.depth] = self.usefulness(cand.depth)
+            if u < min_useful:
+                continue  # this depth's (or class EAMC's) prefetches are mostly evicted unused
             victim: ExpertKey | None = None
             if free > 0:
                 free -= 1

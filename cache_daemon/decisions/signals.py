@@ -6,6 +6,8 @@ the prefetch scheduler (the daemon and the trace replay run this same code):
 ::
 
     compute ──observe(layer, experts, token)────────▶ history    (each request's own routing, with recency)
+                                                  └─▶ transitions (what a layer routes after what it routed,
+                                                                   learned across requests)
     compute ──set_lookahead([LayerPrediction])──────▶ lookahead  (routers of layers l+1 .. l+d on layer l's
                                                                    state, one prediction per depth d)
     predictor ──set_hints([(layer, expert, score)])─▶ hints      (EAMC match of the request)
@@ -29,12 +31,20 @@ Glossary (worked example with 4 MoE layers × 8 experts, all layers MoE):
   (M = MoE layers). At position ``(7, 1)``: layer 2 is 1 away, layer 1 is 4 away.
 - *depth*: for a lookahead prediction, how many MoE layers ahead of the layer whose hidden state
   it used (1 = the next layer). Each depth's *precision* (share of its predicted experts that
-  were then routed) is measured online from the ``observe`` of the predicted layer.
-- *use probability*: estimated probability that an entry is routed at its layer's next visit.
+  were then routed) is measured online from the ``observe`` of the predicted layer, overall and
+  per *prior bucket* (``PRIOR_BUCKET_EDGES`` of the predicted expert's use probability before
+  the prediction): a predicted expert's confidence is its bucket's precision.
+- *history*: per request, a short (``history_half_life_tokens``) and a long recency-weighted
+  use estimate per visit, blended (``long_history_weight``).
+- *use probability* (``p_next``): estimated probability that an entry is routed at its layer's
+  next visit: the transition estimate from the layer's last routing in the request
+  (``transitions.TransitionModel``) where there is one, else the history; blended with fresh
+  hints; overridden by lookahead.
 - *next use* (in layer steps): an online stand-in for Belady's "time of next use",
   ``distance + M * (1 - p_next) / max(p_long, floor)``: the expected wait of a geometric process
-  whose first trial has probability ``p_next`` and later ones ``p_long`` (the recency-weighted
-  history blended with fresh hints).
+  whose first trial has probability ``p_next`` and later ones ``p_long`` (the history blended
+  with fresh hints). A guess of an expert new to the request (``p_long`` near 0) thus expects a
+  long wait and does not displace experts the request keeps using.
 
 Staleness: a lookahead prediction for a ``(token, layer)`` at or before its request's position is
 dropped; hints older than ``hint_ttl_tokens`` tokens are ignored.
@@ -44,6 +54,7 @@ Not thread-safe and does no I/O: callers (the daemon's residency lock, the repla
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -52,6 +63,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cache_daemon.decisions.transitions import TransitionModel
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
 
@@ -62,16 +74,41 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REQUEST = ""  # the request of routing that names none
 PRIOR_WEIGHT = 4.0  # predicted experts' worth of the lookahead precision prior
+# Lookahead precision is also kept per bucket of the predicted expert's own estimate before the
+# prediction (its next-visit probability for the request): a guess of an expert the request was
+# not expected to use is more often wrong, and the bucket's measured precision says by how much.
+PRIOR_BUCKET_EDGES = (0.05, 0.15, 0.4)
+_BUCKET_EDGES = list(PRIOR_BUCKET_EDGES)
 
 
 @dataclass(frozen=True)
 class SignalsConfig:
     """Tuning of ``ActivationSignals``; few and generic on purpose (no per-trace constants)."""
 
-    history_half_life_tokens: float = field(default=8.0, metadata={"min": 0.05, "max": 1e6})
-    """Half-life, in tokens, of a request's recency-weighted use estimate of an entry: after
+    history_half_life_tokens: float = field(default=4.0, metadata={"min": 0.05, "max": 1e6})
+    """Half-life, in tokens, of a request's short recency-weighted use estimate of an entry: after
     ``h`` tokens without use an entry's estimate halves (recency and in-request frequency at
     once; swept on a tuning window separate from the reported one, bench/replay_tune.py)."""
+
+    long_history_half_life_tokens: float = field(default=32.0, metadata={"min": 0.05, "max": 1e6})
+    """Half-life, in tokens, of the request's long use estimate, blended with the short one."""
+
+    long_history_weight: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
+    """Weight of the long estimate in a request's history (0: the short one alone)."""
+
+    transition_weight: float = field(default=1.0, metadata={"min": 0.0, "max": 1.0})
+    """Weight of the routing-transition estimate (``transitions.TransitionModel``: what a layer
+    routes at its next visit given what it routed at its last) in the probability of use at a
+    layer's next visit; the rest is the history's. 0 turns it off."""
+
+    transition_prior_count: float = field(default=4.0, metadata={"min": 1e-3, "max": 1e9})
+    """Pseudo-visits at the base rate behind each learned transition (an unseen pair says nothing)."""
+
+    transition_history_exponent: float = field(default=0.25, metadata={"min": 0.0, "max": 16.0})
+    """Weight of the request's own history, as a soft prior, in the transition estimate."""
+
+    transition_half_life_visits: float = field(default=4096.0, metadata={"min": 1.0, "max": 1e12})
+    """Half-life, in visits of a layer, of its transition counts (learned across requests)."""
 
     prior_half_life_tokens: float = field(default=2000.0, metadata={"min": 1.0, "max": 1e9})
     """Half-life, in tokens, of the slow cross-request estimate a new request starts from."""
@@ -124,6 +161,52 @@ class _Lookahead:
     depth: int
     entries: np.ndarray  # int64 [n]
     scores: np.ndarray  # float32 [n]
+    keys: list[int]  # entries, as a list
+    buckets: list[int]  # [n]: PRIOR_BUCKET_EDGES bucket of each entry's estimate before it
+
+
+class _DepthPrecision:
+    """Running precision of one lookahead depth, overall and per prior bucket. Counts are kept in
+    growing units (each scoring adds ``unit``, which grows by 1 / decay per scoring; rescaled
+    before it overflows), which is the same as fading every count by the decay per scoring."""
+
+    __slots__ = ("unit", "growth", "hits", "predicted", "by")
+
+    def __init__(self, prior: float, growth: float) -> None:
+        self.unit = 1.0
+        self.growth = growth
+        # The prior starts as PRIOR_WEIGHT experts' worth and fades like the counts.
+        self.hits = prior * PRIOR_WEIGHT
+        self.predicted = PRIOR_WEIGHT
+        self.by = [0.0] * (2 * (len(PRIOR_BUCKET_EDGES) + 1))  # hits, predicted of bucket b at 2b, 2b+1
+
+    def score(self, keys: list[int], buckets: list[int], routed: set[int]) -> None:
+        unit = self.unit * self.growth
+        if unit > 1e12:
+            f = 1.0 / unit
+            self.hits *= f
+            self.predicted *= f
+            self.by = [x * f for x in self.by]
+            unit = 1.0
+        self.unit = unit
+        by = self.by
+        for e, b in zip(keys, buckets, strict=True):
+            if e in routed:
+                self.hits += unit
+                by[2 * b] += unit
+            by[2 * b + 1] += unit
+        self.predicted += unit * len(keys)
+
+    def precision(self) -> float:
+        return self.hits / self.predicted
+
+    def by_bucket(self) -> np.ndarray:
+        """float64 [buckets] each bucket's precision, shrunk towards the depth's by PRIOR_WEIGHT
+        experts' worth."""
+        overall = self.precision()
+        w = PRIOR_WEIGHT * self.unit
+        by = self.by
+        return np.array([(by[i] + w * overall) / (by[i + 1] + w) for i in range(0, len(by), 2)])
 
 
 class RequestSignals:
@@ -133,7 +216,10 @@ class RequestSignals:
         self.request_id = request_id
         self.token = -1  # token of the last observe
         self.layer = -1
-        self.history = history  # float32 [N]: recency-weighted use per visit
+        self.history = history  # float32 [N]: recency-weighted use per visit, short half-life
+        self.history_long = history.copy()  # float32 [N]: the same with the long half-life
+        self.last_routed: dict[int, np.ndarray] = {}  # layer → experts (int64) of its last visit
+        self.next_p = np.full(n, -1.0, np.float32)  # transition estimate for the next visit; -1: none
         self.hints = np.zeros(n, np.float32)
         self.hint_token = np.full(n, np.iinfo(np.int64).min // 2, np.int64)
         self.has_hints = False
@@ -181,9 +267,26 @@ class ActivationSignals:
         self._needed = np.zeros(0, np.int64)  # entries routed at the current position
         self.version = 0  # bumped on every change, so a waiting prefetcher knows to re-decide
         self._cache: dict[str, object] = {}  # derived values of the current version
-        # Running precision of lookahead per depth: [hits, predicted] with exponential decay.
-        self._precision: dict[int, list[float]] = {}
-        self._precision_decay = float(0.5 ** (1.0 / self.config.precision_half_life))
+        # Running precision of lookahead per depth (and per prior bucket), fading per scoring.
+        self._precision: dict[int, _DepthPrecision] = {}
+        self._precision_growth = float(0.5 ** (-1.0 / self.config.precision_half_life))
+        cfg = self.config
+        self.transitions = TransitionModel(
+            num_layers,
+            num_experts,
+            prior_count=cfg.transition_prior_count,
+            history_exponent=cfg.transition_history_exponent,
+            half_life_visits=cfg.transition_half_life_visits,
+        )
+        # Per-visit decays of the short and long histories and of the cross-request prior.
+        self._decays = tuple(
+            0.5 ** (1.0 / h)
+            for h in (
+                cfg.history_half_life_tokens,
+                cfg.long_history_half_life_tokens,
+                cfg.prior_half_life_tokens,
+            )
+        )
         self.estimator = estimator
         if estimator is not None:
             estimator.attach(self)
@@ -275,26 +378,38 @@ class ActivationSignals:
         if rank < 0:
             raise ValueError(f"layer {layer} is not a MoE layer of {list(self.layer_map.moe_layers)}")
         ex = np.asarray(experts, dtype=np.int64).reshape(-1)
-        if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
-            raise ValueError(f"experts {ex.tolist()} outside 0..{self.num_experts - 1}")
+        listed = ex.tolist()  # a few experts: Python's min and max beat numpy's calls here
+        if listed and (min(listed) < 0 or max(listed) >= self.num_experts):
+            raise ValueError(f"experts {listed} outside 0..{self.num_experts - 1}")
         req = self._request(request_id)
         self._current = req
         self._requests.move_to_end(req.request_id)
         base = layer * self.num_experts
         entries = base + ex
         cfg = self.config
-        decay = 0.5 ** (1.0 / cfg.history_half_life_tokens)
-        prior_decay = 0.5 ** (1.0 / cfg.prior_half_life_tokens)
-        h = req.history[base : base + self.num_experts]
+        decay, long_decay, prior_decay = self._decays
+        sl = slice(base, base + self.num_experts)
+        h = req.history[sl]
         h *= decay
         h[ex] += 1.0 - decay
+        hl = req.history_long[sl]
+        hl *= long_decay
+        hl[ex] += 1.0 - long_decay
+        if cfg.transition_weight > 0.0:
+            self.transitions.step(
+                layer, req.last_routed.get(layer), ex, h, hl, cfg.long_history_weight, req.next_p[sl]
+            )
+            req.last_routed[layer] = ex
         p = self._prior[base : base + self.num_experts]
         p *= prior_decay
         p[ex] += 1.0 - prior_decay
         req.lookahead.pop(layer, None)
-        for la in req.scoring.pop(layer, ()):
-            if la.token == token:
-                self._score_lookahead(la.depth, la.entries, entries)
+        scoring = req.scoring.pop(layer, ())
+        if scoring:
+            routed = {base + e for e in listed}
+            for la in scoring:
+                if la.token == token:
+                    self._score_lookahead(la, routed)
         if self.estimator is not None:
             self.estimator.observe(req.request_id, layer, entries, int(token))
         req.token, req.layer = int(token), int(layer)
@@ -302,14 +417,13 @@ class ActivationSignals:
         self._needed = entries
         self._bump()
 
-    def _score_lookahead(self, depth: int, predicted: np.ndarray, routed: np.ndarray) -> None:
-        hits = len(set(predicted.tolist()) & set(routed.tolist()))
-        prior = self.config.lookahead_prior_precision
-        # The prior starts as PRIOR_WEIGHT experts' worth and fades with the same half-life.
-        acc = self._precision.setdefault(depth, [prior * PRIOR_WEIGHT, PRIOR_WEIGHT])
-        d = self._precision_decay
-        acc[0] = acc[0] * d + hits
-        acc[1] = acc[1] * d + len(predicted)
+    def _score_lookahead(self, la: _Lookahead, routed: set[int]) -> None:
+        stats = self._precision.get(la.depth)
+        if stats is None:
+            stats = self._precision[la.depth] = _DepthPrecision(
+                self.config.lookahead_prior_precision, self._precision_growth
+            )
+        stats.score(la.keys, la.buckets, routed)
 
     def set_lookahead(
         self, predictions: Iterable[LayerPrediction], token: int, request_id: str | None = None
@@ -334,7 +448,9 @@ class ActivationSignals:
                 raise ValueError(f"lookahead experts {ex.tolist()} outside 0..{self.num_experts - 1}")
             if self._passed(req, int(token), layer):
                 continue
-            la = _Lookahead(int(token), int(pred.depth), layer * self.num_experts + ex, sc)
+            entries = layer * self.num_experts + ex
+            keys = entries.tolist()
+            la = _Lookahead(int(token), int(pred.depth), entries, sc, keys, self._prior_buckets(req, keys))
             scoring = req.scoring.setdefault(layer, [])
             if scoring and scoring[0].token != la.token:
                 scoring.clear()  # left from a token whose layer was never observed
@@ -346,6 +462,19 @@ class ActivationSignals:
             changed = True
         if changed:
             self._bump()
+
+    def _prior_buckets(self, req: RequestSignals, entries: list[int]) -> list[int]:
+        """The PRIOR_BUCKET_EDGES bucket of each entry's next-visit estimate for the request (its
+        transition estimate, else its history), before any lookahead."""
+        w = self.config.long_history_weight
+        use_next = self.config.transition_weight > 0.0
+        out = []
+        for e in entries:  # a few experts: scalar reads beat numpy calls here
+            p = float(req.next_p[e]) if use_next else -1.0
+            if p < 0.0:  # no transition estimate (a layer not routed yet, or transitions off)
+                p = (1.0 - w) * float(req.history[e]) + w * float(req.history_long[e])
+            out.append(bisect.bisect_right(_BUCKET_EDGES, p))
+        return out
 
     def _passed(self, req: RequestSignals, token: int, layer: int) -> bool:
         """Whether ``(token, layer)`` is at or before the request's position (visit order)."""
@@ -403,12 +532,18 @@ class ActivationSignals:
         """int64 [k] entries routed at the current position (in use now)."""
         return self._needed
 
+    def _history_of(self, req: RequestSignals) -> np.ndarray:
+        """float32 [N] the request's per-visit use estimate: its short and long recency-weighted
+        histories, blended (a fresh array)."""
+        w = np.float32(self.config.long_history_weight)
+        return (np.float32(1.0) - w) * req.history + w * req.history_long
+
     @property
     def history(self) -> np.ndarray:
         """float32 [N] recency-weighted use estimate of the current request (the prior, scaled, when
         there is none); read-only."""
         req = self._current
-        v = (req.history if req is not None else self._prior * self.config.prior_weight).view()
+        v = self._history_of(req) if req is not None else self._prior * self.config.prior_weight
         v.flags.writeable = False
         return v
 
@@ -426,29 +561,59 @@ class ActivationSignals:
 
         return self._cached("hints", compute)
 
-    def lookahead(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """Fresh lookahead predictions of the live requests, nearest first: ``(layer, depth,
-        entries int64 [n], scores float32 [n])``."""
-
+    def _fresh_lookahead(self) -> list[tuple[int, _Lookahead]]:
         def compute() -> list:
             out = []
             for req in self._requests.values():
                 for layer, la in req.lookahead.items():
                     if not self._passed(req, la.token, layer):
-                        out.append((layer, la.depth, la.entries, la.scores))
+                        out.append((layer, la))
             dist = self.layer_distance_of
-            out.sort(key=lambda t: (dist(t[0]), t[1]))
+            out.sort(key=lambda t: (dist(t[0]), t[1].depth))
             return out
 
-        return self._cached("lookahead", compute)
+        return self._cached("fresh_lookahead", compute)
 
-    def precision(self, depth: int) -> float:
+    def lookahead(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Fresh lookahead predictions of the live requests, nearest first: ``(layer, depth,
+        entries int64 [n], scores float32 [n])``."""
+        return self._cached(
+            "lookahead",
+            lambda: [(layer, la.depth, la.entries, la.scores) for layer, la in self._fresh_lookahead()],
+        )
+
+    def lookahead_confidence(self) -> list[np.ndarray]:
+        """Aligned with ``lookahead()``: per prediction, float64 [n] the measured precision of its
+        depth for each predicted expert's prior bucket (``precision(depth, bucket)``)."""
+
+        def compute() -> list:
+            out = []
+            for _layer, la in self._fresh_lookahead():
+                table = self._bucket_precisions(la.depth)
+                out.append(table[la.buckets])
+            return out
+
+        return self._cached("lookahead_conf", compute)
+
+    def _bucket_precisions(self, depth: int) -> np.ndarray:
+        """float64 [buckets] ``precision(depth, b)`` for every bucket."""
+        stats = self._precision.get(depth)
+        if stats is None:
+            return np.full(len(PRIOR_BUCKET_EDGES) + 1, self.config.lookahead_prior_precision)
+        return stats.by_bucket()
+
+    def precision(self, depth: int, bucket: int | None = None) -> float:
         """Running precision of lookahead at ``depth``: the share of its predicted experts that the
-        layer then routed (``lookahead_prior_precision`` until some were scored)."""
-        acc = self._precision.get(depth)
-        if acc is None:
+        layer then routed (``lookahead_prior_precision`` until some were scored). With
+        ``bucket``: of the predicted experts whose estimate before the prediction fell in that
+        ``PRIOR_BUCKET_EDGES`` bucket (shrunk towards the depth's precision by ``PRIOR_WEIGHT``
+        experts' worth)."""
+        if bucket is not None:
+            return float(self._bucket_precisions(depth)[bucket])
+        stats = self._precision.get(depth)
+        if stats is None:
             return self.config.lookahead_prior_precision
-        return acc[0] / acc[1]
+        return stats.precision()
 
     def precisions(self) -> dict[int, float]:
         return {d: self.precision(d) for d in sorted(self._precision)}
@@ -476,53 +641,73 @@ class ActivationSignals:
         def compute() -> list:
             if self.estimator is not None:
                 return self.estimator.long_run(self)
-            w = self.config.hint_weight
-            out = []
-            for req in self._requests.values():
-                p = req.history
-                if w > 0.0 and req.has_hints:
-                    fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
-                    h = np.where(fresh, req.hints, np.float32(0.0))
-                    p = np.where(h > 0.0, (1.0 - w) * p + w * h, p).astype(np.float32)
-                out.append(p)
+            out = [self._with_hints(req, self._history_of(req)) for req in self._requests.values()]
             if not out:
                 out.append(self._prior * self.config.prior_weight)
             return out
 
         return self._cached("per_request", compute)
 
+    def _with_hints(self, req: RequestSignals, p: np.ndarray) -> np.ndarray:
+        """``p`` (float32 [N]) blended with the request's fresh hints by ``hint_weight``."""
+        w = self.config.hint_weight
+        if w > 0.0 and req.has_hints:
+            fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
+            h = np.where(fresh, req.hints, np.float32(0.0))
+            p = np.where(h > 0.0, (1.0 - w) * p + w * h, p).astype(np.float32)
+        return p
+
+    def request_next_probabilities(self) -> list[np.ndarray]:
+        """Per live request, float32 [N] its probability of use at each layer's next visit, before
+        lookahead: the transition estimate from the layer's last routing (weighted by
+        ``transition_weight`` against the history) where the request routed the layer before,
+        else its history; blended with its fresh hints."""
+
+        def compute() -> list:
+            tw = np.float32(self.config.transition_weight)
+            if self.estimator is not None or tw == 0.0 or not self._requests:
+                return self.request_probabilities()
+            out = []
+            for req in self._requests.values():
+                hist = self._history_of(req)
+                p = np.where(req.next_p >= 0.0, tw * req.next_p + (np.float32(1.0) - tw) * hist, hist)
+                out.append(self._with_hints(req, p.astype(np.float32)))
+            return out
+
+        return self._cached("per_request_next", compute)
+
+    @staticmethod
+    def _any_of(ps: list[np.ndarray]) -> np.ndarray:
+        """Probability that any of the requests uses each entry, ``1 - prod (1 - p)``."""
+        if len(ps) == 1:
+            return ps[0].view()  # a view: the cache marks it read-only, not the request's array
+        miss = np.ones(ps[0].shape, np.float32)
+        for p in ps:
+            miss *= 1.0 - np.clip(p, 0.0, 1.0)
+        return (1.0 - miss).astype(np.float32)
+
     def long_run_probability(self) -> np.ndarray:
         """float32 [N] per-visit probability that any live request uses each entry, beyond the
         next visit."""
 
-        def compute() -> np.ndarray:
-            ps = self.request_probabilities()
-            if len(ps) == 1:
-                return ps[0].view()  # a view: the cache marks it read-only, not the request's array
-            miss = np.ones(self.num_entries, np.float32)
-            for p in ps:
-                miss *= 1.0 - np.clip(p, 0.0, 1.0)
-            return (1.0 - miss).astype(np.float32)
-
-        return self._cached("long_run", compute)
+        return self._cached("long_run", lambda: self._any_of(self.request_probabilities()))
 
     def use_probability(self) -> np.ndarray:
         """float32 [N] estimated probability that each entry is used at its layer's next visit:
-        the long-run estimate, overridden for each predicted layer by its lookahead (a predicted
-        expert gets the depth's measured precision, the layer's others keep ``1 - precision``
-        of their estimate)."""
+        the requests' next-visit estimates (``request_next_probabilities``) combined, overridden
+        for each predicted layer by its lookahead (a predicted expert gets the depth's measured
+        precision, the layer's others keep ``1 - precision`` of their estimate)."""
 
         def compute() -> np.ndarray:
-            p = self.long_run_probability()
+            p = self._any_of(self.request_next_probabilities())
             la = self.lookahead()
             if not la:
                 return p
             p = p.copy()
             E = self.num_experts
-            for layer, depth, entries, _scores in la:
-                conf = self.precision(depth)
+            for (layer, depth, entries, _scores), conf in zip(la, self.lookahead_confidence(), strict=True):
                 sl = slice(layer * E, (layer + 1) * E)
-                p[sl] *= 1.0 - conf
+                p[sl] *= 1.0 - self.precision(depth)
                 p[entries] = np.maximum(p[entries], conf)
             return p
 

@@ -11,5 +11,7 @@ void bind_host_pool(pybind11::module_& m);
 void bind_reader(pybind11::module_& m);
 // eamc_match / q4_topk / q4_dots / Q4_SCAN_PATHS: the predictor's EAMC match.
 void bind_eamc_match(pybind11::module_& m);
+// TransitionTable: the routing-transition counts of cache_daemon/decisions/transitions.py.
+void bind_transitions(pybind11::module_& m);
 // Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
 void bind_cuda(pybind11::module_& m);

@@ -8,7 +8,7 @@
 #include "bind.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -26,5 +26,6 @@ PYBIND11_MODULE(_native, m) {
   bind_host_pool(m);
   bind_reader(m);
   bind_eamc_match(m);
+  bind_transitions(m);
   bind_cuda(m);
 }

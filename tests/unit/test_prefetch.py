@@ -138,8 +138,9 @@ def test_a_depth_whose_prefetches_go_unused_is_cut_and_tried_again_later():
     for _ in range(12):
         sched.record_outcome(2, used=False)
         sched.record_outcome(1, used=True)
-    sched.record_outcome(0, used=False)  # class EAMC (depth 0) is not tracked
+    sched.record_outcome(0, used=False)  # class EAMC is tracked apart, as depth 0
     assert sched.usefulness(2) == pytest.approx(4 / 16) and sched.usefulness(1) == 1.0
+    assert sched.usefulness(0) == pytest.approx(4 / 5)
     assert [(s.key, s.depth) for s in sched.decide(FakeTier(8))] == [(ExpertKey(1, 3), 1)]
     # The counts forget (per signal change) back towards the prior: the depth is tried again.
     for t in range(1, 12):

@@ -6,8 +6,9 @@ Belady evicts the expert whose next use is furthest away. We do not know the fut
     next_use = distance + L * (1 - p_next) / p_long
 
 with ``distance`` the layer steps until the entry's layer comes round again (1..L), ``p_next`` the
-probability of use at that visit (layer-ahead prediction where fresh, else the long-run estimate)
-and ``p_long`` the request's recency-weighted per-visit use probability blended with EAMC hints.
+probability of use at that visit (layer-ahead prediction where fresh, else the routing-transition
+estimate from the layer's last routing, else the history) and ``p_long`` the request's
+recency-weighted per-visit use probability blended with EAMC hints.
 The resident entry with the largest estimate leaves first; ties go to the least recently used.
 
 Example (L = 24): at position layer 10, an entry of layer 12 with p = 0.5 expects
