@@ -10,8 +10,8 @@ only the tier and the clock are simulated (``simulator``). Prints, per policy ×
 lookahead: hit rate, bytes per token (and × Belady's), stall and latency per token (and × the
 floor ``max(all-resident compute, Belady's bytes / link bandwidth)``), prefetch accuracy; then
 each policy's speed-up over plain LRU beside Belady's and the share of Belady's gain captured,
-the recall of the signals' prediction at each lookahead depth, an ablation of the EAMC hints and
-the lookahead at 25%, the EAMC class's prefetches at a lowered use-probability threshold (with and
+the recall of the signals' prediction at each lookahead depth, an ablation of the routing
+transitions, the EAMC hints and the lookahead at 25%, the EAMC class's prefetches at a lowered use-probability threshold (with and
 without hints: what they buy once it issues some), and the cost of ``ActivationSignals.observe`` per routed layer.
 
 Usage: ``python -m bench.replay [--trace PATH] [--timing gpu|cpu-e2e] [--requests N|all]
@@ -571,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_ablation and GOAL_BUDGET in budgets:
         runs += [("activation-aware", GOAL_BUDGET, la, False, "ablation") for la in (False, True)]
+        # The routing transitions off (the next visit estimated from the history alone).
+        runs += [("activation-aware", GOAL_BUDGET, la, True, "no-transitions") for la in (False, True)]
         # The EAMC class with a lower threshold, with and without hints: what its prefetches buy
         # once it issues some (at the default threshold its candidates are already resident).
         runs += [("activation-aware", GOAL_BUDGET, False, h, "speculative") for h in (True, False)]
@@ -589,10 +591,12 @@ def main(argv: list[str] | None = None) -> int:
             policy_kwargs={"min_probability": SPECULATIVE_MIN_PROBABILITY}
             if group == "speculative"
             else None,
+            signals_config=SignalsConfig(transition_weight=0.0) if group == "no-transitions" else None,
             progress=bar,
             measure_depths=p == "activation-aware" and b == GOAL_BUDGET and group == "main",
         )
         row["group"] = group
+        row["transitions"] = group != "no-transitions"
         rows.append(row)
         if p in REPLAY_ONLY_POLICIES:
             rows.append({**row, "layer_ahead": True})
@@ -677,15 +681,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
         if r["policy"] == "activation-aware"
         and r["budget"] == GOAL_BUDGET
-        and r["group"] in ("main", "ablation")
+        and r["group"] in ("main", "ablation", "no-transitions")
     ]
-    if len(ablation) == 4:
+    if len(ablation) == 6:
         print(f"ablation at {GOAL_BUDGET:.0%} (activation-aware): what each signal contributes")
         print(
-            f"  {'EAMC hints':<10} {'lookahead':<9} {'MiB/tok':>8} {'lat ms':>8} {'pf/tok':>7} {'pf acc':>7} "
-            f"{'LA pf/tok':>9} {'LA acc':>7} {'EAMC pf/tok':>11} {'EAMC acc':>8}"
+            f"  {'transitions':<11} {'EAMC hints':<10} {'lookahead':<9} {'MiB/tok':>8} {'lat ms':>8} {'pf/tok':>7} "
+            f"{'pf acc':>7} {'LA pf/tok':>9} {'LA acc':>7} {'EAMC pf/tok':>11} {'EAMC acc':>8}"
         )
-        for r in sorted(ablation, key=lambda x: (x["hints"], x["layer_ahead"])):
+        for r in sorted(ablation, key=lambda x: (x["transitions"], x["hints"], x["layer_ahead"])):
             t = max(r["tokens"], 1)
             by = r["prefetch_by_class"]
             la, ea = (
@@ -693,14 +697,15 @@ def main(argv: list[str] | None = None) -> int:
                 by.get("eamc", {"started": 0, "used": 0}),
             )
             print(
-                f"  {'on' if r['hints'] else 'off':<10} {'on' if r['layer_ahead'] else 'off':<9} "
+                f"  {'on' if r['transitions'] else 'off':<11} "
+                f"{'on' if r['hints'] else 'off':<10} {'on' if r['layer_ahead'] else 'off':<9} "
                 f"{r['bytes_per_token'] / 2**20:>8.1f} {r['latency_ms_per_token']:>8.2f} "
                 f"{r['prefetches_per_token']:>7.2f} {r['prefetch_accuracy']:>7.3f} {la['started'] / t:>9.2f} "
                 f"{la['used'] / max(la['started'], 1):>7.3f} {ea['started'] / t:>11.2f} {ea['used'] / max(ea['started'], 1):>8.3f}"
             )
     speculative = sorted((r for r in rows if r["group"] == "speculative"), key=lambda x: not x["hints"])
     if speculative:
-        base = next((r for r in ablation if r["hints"] and not r["layer_ahead"]), None)
+        base = next((r for r in ablation if r["hints"] and r["transitions"] and not r["layer_ahead"]), None)
         base_eamc = base["prefetch_by_class"].get("eamc", {"started": 0}) if base else None
         print(
             f"EAMC class at {GOAL_BUDGET:.0%} with its use-probability threshold lowered from "

@@ -40,16 +40,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookahead-accuracy", default=",".join(map(str, DEFAULT_LOOKAHEAD_ACCURACY)))
     ap.add_argument("--depths", default="0,1,2,3,4", help="lookahead depths to try (0: none)")
     ap.add_argument("--min-precisions", default="0.3")
-    ap.add_argument("--half-lives", default="8")
+    ap.add_argument("--half-lives", default=str(SignalsConfig.history_half_life_tokens))
     ap.add_argument("--hint-weights", default="0.3")
     ap.add_argument("--prior-weights", default="0.5")
     ap.add_argument("--min-probabilities", default="0.3")
     ap.add_argument("--horizons", default="2")
     ap.add_argument("--inflight-experts", default="1")
     ap.add_argument("--estimators", default="ema", help="ema (the daemon's) and/or hazard (replay only)")
+    ap.add_argument(
+        "--signals",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="also sweep a SignalsConfig field over these values (repeatable), e.g. transition_weight=0,1",
+    )
     ap.add_argument("--baselines", default="belady,lru")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    extra: list[tuple[str, list[float]]] = []
+    for spec in args.signals:
+        name, _, values = spec.partition("=")
+        if name not in SignalsConfig.__dataclass_fields__ or not values:
+            ap.error(
+                f"--signals {spec!r}: expected FIELD=V1,V2 with FIELD one of {sorted(SignalsConfig.__dataclass_fields__)}"
+            )
+        extra.append((name, [float(v) for v in values.split(",")]))
     trace = load_trace(args.trace)
     first, last = args.first_request, min(args.first_request + args.requests, trace.num_requests)
     requests = range(first, last)
@@ -80,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         [int(x) for x in args.horizons.split(",")],
         [int(x) for x in args.inflight_experts.split(",")],
         [x for x in args.estimators.split(",") if x],
+        *[values for _name, values in extra],
     )
-    for depth, mprec, hl, hw, pw, mp, hz, inflight, est in grid:
-        sc = SignalsConfig(history_half_life_tokens=hl, hint_weight=hw, prior_weight=pw)
+    for depth, mprec, hl, hw, pw, mp, hz, inflight, est, *more in grid:
+        fields = {
+            name: type(getattr(SignalsConfig, name))(v) for (name, _), v in zip(extra, more, strict=True)
+        }
+        sc = SignalsConfig(history_half_life_tokens=hl, hint_weight=hw, prior_weight=pw, **fields)
         label = f"aa {est} d={depth} mprec={mprec:g} hl={hl:g} hw={hw:g} pw={pw:g} minp={mp:g} hz={hz} if={inflight}"
+        label += "".join(f" {name}={v:g}" for name, v in fields.items())
         run(
             "activation-aware",
             label,
