@@ -364,12 +364,17 @@ def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
     def predictor() -> None:
         rng = random.Random(1)
         token = 0
+        # Each layer's next routing is drawn a step early and predicted right, so the measured
+        # precision stays high and the prefetcher keeps starting loads (random guesses would be
+        # cut by their precision, and prefetch would stop).
+        planned = {L1: rng.sample(range(6), 2), L3: rng.sample(range(6), 2)}
         while not stop.is_set():
             token += 1
             for layer in (L1, L3):
-                r.observe("req", token, layer, rng.sample(range(6), 2))
+                r.observe("req", token, layer, planned[layer])
+                planned[layer] = rng.sample(range(6), 2)
                 nxt = L3 if layer == L1 else L1
-                ahead(r, token if layer == L1 else token + 1, nxt, rng.sample(range(6), 2), [0.9, 0.5])
+                ahead(r, token if layer == L1 else token + 1, nxt, planned[nxt], [0.9, 0.5])
             time.sleep(0.001)
 
     def stream(seed: int) -> None:
