@@ -469,10 +469,10 @@ class ActivationSignals:
         w = self.config.long_history_weight
         use_next = self.config.transition_weight > 0.0
         out = []
-        for e in entries:  # a few experts: scalar reads beat numpy calls here
+        for e in entries:  # a few experts: scalar reads beat numpy calls (and _history_of's N) here
             p = float(req.next_p[e]) if use_next else -1.0
             if p < 0.0:  # no transition estimate (a layer not routed yet, or transitions off)
-                p = (1.0 - w) * float(req.history[e]) + w * float(req.history_long[e])
+                p = (1.0 - w) * float(req.history[e]) + w * float(req.history_long[e])  # _history_of at e
             out.append(bisect.bisect_right(_BUCKET_EDGES, p))
         return out
 
@@ -587,9 +587,12 @@ class ActivationSignals:
         depth for each predicted expert's prior bucket (``precision(depth, bucket)``)."""
 
         def compute() -> list:
+            tables: dict[int, np.ndarray] = {}  # depth -> its bucket precisions, once per depth
             out = []
             for _layer, la in self._fresh_lookahead():
-                table = self._bucket_precisions(la.depth)
+                table = tables.get(la.depth)
+                if table is None:
+                    table = tables[la.depth] = self._bucket_precisions(la.depth)
                 out.append(table[la.buckets])
             return out
 
@@ -641,12 +644,19 @@ class ActivationSignals:
         def compute() -> list:
             if self.estimator is not None:
                 return self.estimator.long_run(self)
-            out = [self._with_hints(req, self._history_of(req)) for req in self._requests.values()]
+            out = [self._with_hints(req, hist) for req, hist in self._histories()]
             if not out:
                 out.append(self._prior * self.config.prior_weight)
             return out
 
         return self._cached("per_request", compute)
+
+    def _histories(self) -> list[tuple[RequestSignals, np.ndarray]]:
+        """Per live request, its blended history (``_history_of``), once per version: the long-run
+        and the next-visit estimates both start from it."""
+        return self._cached(
+            "histories", lambda: [(req, self._history_of(req)) for req in self._requests.values()]
+        )
 
     def _with_hints(self, req: RequestSignals, p: np.ndarray) -> np.ndarray:
         """``p`` (float32 [N]) blended with the request's fresh hints by ``hint_weight``."""
@@ -668,8 +678,7 @@ class ActivationSignals:
             if self.estimator is not None or tw == 0.0 or not self._requests:
                 return self.request_probabilities()
             out = []
-            for req in self._requests.values():
-                hist = self._history_of(req)
+            for req, hist in self._histories():
                 p = np.where(req.next_p >= 0.0, tw * req.next_p + (np.float32(1.0) - tw) * hist, hist)
                 out.append(self._with_hints(req, p.astype(np.float32)))
             return out

@@ -79,14 +79,5 @@ class TransitionModel:
         (float32 [E] each, contiguous)."""
         self._table.step(layer, previous, current, history, history_long, long_weight, out)
 
-    def predict(self, layer: int, previous: np.ndarray, history: np.ndarray) -> np.ndarray:
-        """float32 [E] the next-visit probabilities after a visit that routed ``previous``,
-        counting nothing."""
-        return self._table.predict(layer, previous, history)
-
-    def visits(self, layer: int) -> float:
-        """Successor visits of ``layer`` counted so far (decayed)."""
-        return self._table.visits(layer)
-
 
 __all__ = ["TransitionModel"]

@@ -82,6 +82,11 @@ void TransitionTable::update(size_t layer, const int64_t* previous, size_t n_pre
 void TransitionTable::predict(size_t layer, const int64_t* previous, size_t n_previous, const float* history,
                               float* out) const {
   check(layer, previous, n_previous, "previous");
+  estimate(layer, previous, n_previous, history, out);
+}
+
+void TransitionTable::estimate(size_t layer, const int64_t* previous, size_t n_previous, const float* history,
+                               float* out) const {
   const size_t E = experts_;
   const size_t k = std::max<size_t>(n_previous, 1);
   const double a = prior_count_ * unit_[layer];
@@ -119,7 +124,7 @@ void TransitionTable::step(size_t layer, const int64_t* previous, size_t n_previ
   if (n_previous > 0) update(layer, previous, n_previous, current, n_current);
   std::vector<float> blend(experts_);
   for (size_t b = 0; b < experts_; ++b) blend[b] = (1.0f - long_weight) * history[b] + long_weight * history_long[b];
-  predict(layer, current, n_current, blend.data(), out);
+  estimate(layer, current, n_current, blend.data(), out);  // current was checked above
 }
 
 }  // namespace expertcache

@@ -46,6 +46,8 @@ class TransitionTable {
 
  private:
   void check(size_t layer, const int64_t* experts, size_t n, const char* name) const;
+  // predict() after the arguments were checked.
+  void estimate(size_t layer, const int64_t* previous, size_t n_previous, const float* history, float* out) const;
   void update(size_t layer, const int64_t* previous, size_t n_previous, const int64_t* current,
               size_t n_current);
 
