@@ -60,6 +60,11 @@ tokens in ``generate``'s streamer. Bytes per token: ours/lru the daemon's store 
 Where the time goes, ours/lru: compute's wait for experts per decode token (each MoE layer's
 acquire wait, summed; the server's per-token ``cache.stall_s``) and its experts not resident when
 asked for (``cache.misses``: loads it waited for, a prefetch still in flight included).
+The disk under them: before the systems start, ``--store-reads`` random experts are read the
+daemon's way (``bench.io_bench.random_expert_reads``: the native reader, O_DIRECT, CRC-checked),
+one at a time (what a lone demand miss waits) and then 4 in flight; each system's MiB per token
+over that throughput is its disk time per token, printed beside its p50 and marked on the plot.
+Where that time is most of the p50, the disk bounds the token and only fewer bytes make it faster.
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
 built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (the trace's
@@ -89,6 +94,7 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 from bench.e2e_accelerate import drop_page_cache  # noqa: E402
+from bench.io_bench import random_expert_reads  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
@@ -586,6 +592,31 @@ def gap_shares(results: dict) -> dict:
     return out
 
 
+def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dict | None:
+    """The disk under the systems, before they run: ``reads`` random experts read the daemon's
+    way one at a time (what a lone demand miss waits), then twice as many 4 in flight (the
+    throughput that bounds a token's reads); None when ``reads`` is 0."""
+    if reads <= 0:
+        return None
+    alone = random_expert_reads(store, manifest, reads=reads, in_flight=1, seed=1)
+    four = random_expert_reads(store, manifest, reads=2 * reads, in_flight=4, seed=2)
+    say(
+        f"store reads (O_DIRECT, the daemon's reader, random experts of {manifest.blob_bytes / MIB:.2f} MiB): "
+        f"one at a time p50 {alone['latency_ms_p50']:.2f} ms each ({alone['gb_per_s']:.2f} GB/s); "
+        f"4 in flight {four['gb_per_s']:.2f} GB/s"
+    )
+    return {"alone": alone, "four_in_flight": four}
+
+
+def add_disk_time(results: dict, store_reads: dict) -> None:
+    """Each system's ``disk_s_per_token``: its bytes read per token at the disk's measured
+    throughput with 4 reads in flight (None for a system without a byte count)."""
+    rate = store_reads["four_in_flight"]["gb_per_s"] * 1e9
+    for r in results.values():
+        bpt = r.get("bytes_per_token")
+        r["disk_s_per_token"] = bpt / rate if bpt is not None and rate > 0 else None
+
+
 def write_e2e_png(results: dict, shares: dict, precision: str, path: Path) -> None:
     """Per-token p50 per system (bars; whiskers: the lowest and highest repeat) and each
     system's share of the lru-resident gap."""
@@ -602,6 +633,14 @@ def write_e2e_png(results: dict, shares: dict, precision: str, path: Path) -> No
     hi = np.array([max(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
     bars = ax.bar(systems, p50, yerr=[np.maximum(p50 - lo, 0), np.maximum(hi - p50, 0)], capsize=4)
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    disk = [
+        (i, results[s]["disk_s_per_token"] * 1e3)
+        for i, s in enumerate(systems)
+        if results[s].get("disk_s_per_token")
+    ]
+    if disk:
+        ax.plot([i for i, _ in disk], [d for _, d in disk], "r_", ms=28, mew=2, label="disk time per token")
+        ax.legend(fontsize=8, loc="upper left")
     ax.set_yscale("log")
     ax.set_title("per-token p50, ms (log; whiskers: lowest / highest repeat)")
     if shares:
@@ -772,6 +811,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=8)
+    parser.add_argument(
+        "--store-reads",
+        type=int,
+        default=128,
+        help="random expert reads that measure the disk before the systems run, one at a time and "
+        "then 4 in flight (the disk time per token is printed from them); 0 = skip",
+    )
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of compute and of accelerate")
     parser.add_argument(
@@ -785,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+    if not 0 <= args.store_reads <= 100_000:
+        parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
     if not 0 <= args.layer_ahead_depth <= 64:
         parser.error(
             f"--layer-ahead-depth must be in [1, 64] (0: compute's default), got {args.layer_ahead_depth}"
@@ -854,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tracing_costs:
         return tracing_costs(store, manifest, args, budget)
+    store_reads = measure_store_reads(store, manifest, args.store_reads)
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
@@ -919,6 +968,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['store_read_s']:.1f} s in all"
             )
             say(f"{system} prefetch: {r['prefetch']}")
+    if store_reads:
+        add_disk_time(results, store_reads)
+        gbs = store_reads["four_in_flight"]["gb_per_s"]
+        say(
+            f"disk time per token: MiB read per token / the {gbs:.2f} GB/s measured with 4 reads in flight "
+            "(the disk is busy that long per token, whatever overlaps it):"
+        )
+        for system in ("ours", "lru"):
+            r = results.get(system)
+            if r and r.get("disk_s_per_token") is not None and r["p50_s"]:
+                say(
+                    f"  {system:<12}{r['disk_s_per_token'] * 1e3:>7.1f} ms = {r['disk_s_per_token'] / r['p50_s']:.2f} "
+                    f"of its p50"
+                )
     verdicts = {}
     if "ours" in results:
         goal_accelerate = GOAL_VS_ACCELERATE_BY_PRECISION.get(args.precision, GOAL_VS_ACCELERATE)
@@ -992,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
         "layer_ahead_depth": args.layer_ahead_depth or ComputeConfig().layer_ahead_depth,
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
         "checkpoint after load and after every token; compute dense file after start-up",
+        "store_reads": store_reads,
         "cpu_count": os.cpu_count(),
         "torch_threads": args.threads,
         "systems": results,

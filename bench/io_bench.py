@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
@@ -219,6 +220,83 @@ def native_store_read(
     stats = reader.stats()
     reader.close()
     return stats["bytes_read"], elapsed, stats
+
+
+def random_expert_reads(
+    store: Path,
+    manifest: StoreManifest,
+    *,
+    reads: int,
+    in_flight: int,
+    seed: int = 0,
+    threads: int = 4,
+    queue_depth: int = 64,
+    chunk_bytes: int = MIB,
+) -> dict:
+    """``reads`` blobs of random experts (seeded; all layers), read as the daemon reads a miss:
+    the native ``Reader`` with the daemon's defaults (auto backend, O_DIRECT, demand priority,
+    CRC-32 checked), ``in_flight`` of them outstanding at a time.
+
+    Returns ``{"reads", "in_flight", "blob_bytes", "bytes", "seconds", "gb_per_s",
+    "latency_ms_p50"}``: the throughput of the whole batch and the median time from a read's
+    submission to its completion. With ``in_flight`` 1 that median is what one demand miss waits
+    for the disk; with more it shows how far the disk overlaps reads."""
+    if reads < 1 or in_flight < 1:
+        raise ValueError(f"reads and in_flight must be >= 1, got {reads} and {in_flight}")
+    in_flight = min(in_flight, reads)
+    rng = np.random.default_rng(seed)
+    keys = list(manifest.all_keys())
+    picks = [keys[i] for i in rng.integers(0, len(keys), size=reads)]
+    blob = manifest.blob_bytes
+    reader = Reader(threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes)
+    try:
+        files = {
+            layer: reader.open_file(str(store / manifest.layer_files[layer])) for layer in manifest.moe_layers
+        }
+        pool = HostPool(in_flight, blob)
+        free = [pool.alloc() for _ in range(in_flight)]
+        submitted_at: dict[int, float] = {}
+        latencies: list[float] = []
+        todo = iter(picks)
+
+        def submit_more() -> None:
+            while free:
+                key = next(todo, None)
+                if key is None:
+                    return
+                slot = free.pop()
+                submitted_at[slot] = time.perf_counter()
+                reader.submit(
+                    files[key.layer],
+                    key.expert * blob,
+                    blob,
+                    pool.slot_address(slot),
+                    Reader.DEMAND,
+                    expected_crc=manifest.checksums[key.layer][key.expert],
+                    tag=slot,
+                )
+
+        started = time.perf_counter()
+        submit_more()
+        while len(latencies) < reads:
+            for _rid, slot, error, _n, _elapsed in reader.poll(max_n=64, timeout_s=30.0):
+                if error is not None:
+                    raise RuntimeError(f"native read failed: {error}")
+                latencies.append(time.perf_counter() - submitted_at.pop(slot))
+                free.append(slot)
+            submit_more()
+        seconds = time.perf_counter() - started
+    finally:
+        reader.close()
+    return {
+        "reads": reads,
+        "in_flight": in_flight,
+        "blob_bytes": blob,
+        "bytes": reads * blob,
+        "seconds": seconds,
+        "gb_per_s": gbps(reads * blob, seconds),
+        "latency_ms_p50": statistics.median(latencies) * 1e3,
+    }
 
 
 # -- 3. safetensors -------------------------------------------------------------------------------

@@ -66,6 +66,16 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["hits"] + r["misses"] > 0
         assert r["p50_s"] > 0 and r["p99_s"] >= r["p50_s"]
         assert r["bytes_per_token"] > 0
+    reads = report["store_reads"]  # the disk, measured before the systems ran
+    assert reads["alone"]["in_flight"] == 1 and reads["alone"]["reads"] == 128
+    assert reads["four_in_flight"]["in_flight"] == 4 and reads["four_in_flight"]["reads"] == 256
+    for batch in reads.values():
+        assert batch["bytes"] == batch["reads"] * report["model"]["blob_bytes"]
+        assert batch["gb_per_s"] > 0 and batch["latency_ms_p50"] > 0
+    for name in ("ours", "lru", "resident"):
+        assert systems[name]["disk_s_per_token"] == pytest.approx(
+            systems[name]["bytes_per_token"] / (reads["four_in_flight"]["gb_per_s"] * 1e9)
+        )
     assert systems["ours"]["policy"] == "activation-aware" and systems["ours"]["prefetch_on"]
     assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
     assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
@@ -108,8 +118,19 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "repeat 1/2: order ours, lru, resident, accelerate",
         "repeat 2/2: order lru, resident, accelerate, ours",
         "over 2 repeats",
+        "store reads (O_DIRECT, the daemon's reader, random experts of",
+        "disk time per token: MiB read per token / the",
     ):
         assert line in printed
+
+
+@pytest.mark.parametrize("bad", ["-1", "100001"])
+def test_e2e_refuses_store_reads_out_of_range(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(["--store-reads", bad, "--data-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"--store-reads must be in [0, 100000], got {bad}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before building anything
 
 
 @needs_trace
