@@ -14,6 +14,9 @@ mixtral checkpoint, cached under bench/.data/):
    copy into a preallocated buffer, cold (the file is dropped from the page cache first with
    ``posix_fadvise(POSIX_FADV_DONTNEED)``);
 4. ratios ours/raw (goal >= 0.90) and ours/safetensors (goal >= 2.0), PASS/FAIL as measured;
+   then random experts read the way the daemon reads a miss (``random_expert_reads``: demand
+   priority, CRC-checked, O_DIRECT), 1, 2, 4 and 8 in flight: the time one miss waits for the
+   disk, and how far the disk overlaps reads (what ``bench.e2e`` prints its disk time from);
 5. a cache-hit acquire + release of one layer's top_k experts: through the shared slot table
    directly (``try_pin_many``/``unpin_many``), through ``DaemonClient`` with the shm fast path,
    and through ``DaemonClient`` over gRPC only, against a real daemon on a tiny store
@@ -422,11 +425,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per path (default 3)")
     ap.add_argument("--raw-read-mib", type=int, default=8, help="raw test read size, MiB (default 8)")
     ap.add_argument("--raw-in-flight", type=int, default=4, help="raw test reads in flight (default 4)")
+    ap.add_argument(
+        "--random-reads", type=int, default=128, help="random expert reads per in-flight count (default 128)"
+    )
     ap.add_argument("--top-k", type=int, default=4, help="experts per acquire (default 4)")
     ap.add_argument("--iterations", type=int, default=20000, help="shm acquire+release iterations")
     ap.add_argument("--grpc-iterations", type=int, default=1000, help="gRPC acquire+release iterations")
     ap.add_argument("--skip-daemon", action="store_true", help="skip the daemon round-trip measurements")
     args = ap.parse_args(argv)
+    if not 1 <= args.random_reads <= 100_000:
+        ap.error(f"--random-reads must be in [1, 100000], got {args.random_reads}")
 
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     store, manifest = build_store(args.size_gib, args.hidden, args.intermediate, args.experts)
@@ -498,6 +506,18 @@ def main(argv: list[str] | None = None) -> int:
         f"ours/safetensors = {r_st:.2f}  (goal >= {GOAL_SAFETENSORS:.1f})  {verdict(r_st >= GOAL_SAFETENSORS)}"
     )
     say("")
+    say(
+        f"[4] random experts, read as the daemon reads a miss (Reader defaults, demand priority, "
+        f"CRC-32 checked, O_DIRECT), {args.random_reads} per row"
+    )
+    random_reads = [
+        random_expert_reads(store, manifest, reads=args.random_reads, in_flight=k, seed=k)
+        for k in (1, 2, 4, 8)
+    ]
+    say(f"{'in flight':>10}{'p50 ms per read':>17}{'GB/s':>8}")
+    for r in random_reads:
+        say(f"{r['in_flight']:>10}{r['latency_ms_p50']:>17.2f}{r['gb_per_s']:>8.2f}")
+    say("")
     say(f"[5] cache-hit acquire + release of {args.top_k} experts of one layer")
     hit = {"slot_table_try_pin_many": slot_table_hit(args.top_k, args.iterations)}
     if not args.skip_daemon:
@@ -543,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cold": "posix_fadvise DONTNEED",
                 },
                 "ratios": {"ours_over_raw": r_raw, "ours_over_safetensors": r_st},
+                "random_expert_reads": random_reads,
                 "goals": {
                     "ours_over_raw": GOAL_RAW,
                     "ours_over_safetensors": GOAL_SAFETENSORS,

@@ -45,3 +45,13 @@ def test_a_corrupt_blob_fails_the_read_by_its_checksum(tiny_store, tmp_path):
         path.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="native read failed: checksum mismatch for .*layer_"):
         random_expert_reads(store, manifest, reads=3, in_flight=1)
+
+
+@pytest.mark.parametrize("bad", ["0", "100001"])
+def test_io_bench_refuses_random_reads_out_of_range(bad, capsys):
+    from bench import io_bench
+
+    with pytest.raises(SystemExit) as exc:
+        io_bench.main(["--random-reads", bad])
+    assert exc.value.code == 2
+    assert f"--random-reads must be in [1, 100000], got {bad}" in capsys.readouterr().err
