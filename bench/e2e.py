@@ -975,9 +975,8 @@ def main(argv: list[str] | None = None) -> int:
             f"disk time per token: MiB read per token / the {gbs:.2f} GB/s measured with 4 reads in flight "
             "(the disk is busy that long per token, whatever overlaps it):"
         )
-        for system in ("ours", "lru"):
-            r = results.get(system)
-            if r and r.get("disk_s_per_token") is not None and r["p50_s"]:
+        for system, r in results.items():
+            if r.get("disk_s_per_token") is not None and r["p50_s"]:
                 say(
                     f"  {system:<12}{r['disk_s_per_token'] * 1e3:>7.1f} ms = {r['disk_s_per_token'] / r['p50_s']:.2f} "
                     f"of its p50"
