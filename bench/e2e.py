@@ -62,8 +62,9 @@ acquire wait, summed; the server's per-token ``cache.stall_s``) and its experts 
 asked for (``cache.misses``: loads it waited for, a prefetch still in flight included).
 The disk under them: before the systems start, ``--store-reads`` random experts are read the
 daemon's way (``bench.io_bench.random_expert_reads``: the native reader, O_DIRECT, CRC-checked),
-one at a time (what a lone demand miss waits) and then 4 in flight; each system's MiB per token
-over that throughput is its disk time per token, printed beside its p50 and marked on the plot.
+one at a time (what a lone demand miss waits) and then 4 in flight; the MiB per token of ours,
+lru and resident over that throughput is their disk time per token, printed beside the p50 and
+marked on the plot (not accelerate's: it reads its offload files buffered and in order).
 Where that time is most of the p50, the disk bounds the token and only fewer bytes make it faster.
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
@@ -609,10 +610,14 @@ def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dic
 
 
 def add_disk_time(results: dict, store_reads: dict) -> None:
-    """Each system's ``disk_s_per_token``: its bytes read per token at the disk's measured
-    throughput with 4 reads in flight (None for a system without a byte count)."""
+    """Each daemon-backed system's ``disk_s_per_token``: its bytes read per token at the disk's
+    measured throughput with 4 reads in flight (None without a byte count). Accelerate gets none:
+    it reads its offload files buffered and in order, not random experts with O_DIRECT, so that
+    throughput is not its own."""
     rate = store_reads["four_in_flight"]["gb_per_s"] * 1e9
     for r in results.values():
+        if "store_io_mode" not in r:
+            continue
         bpt = r.get("bytes_per_token")
         r["disk_s_per_token"] = bpt / rate if bpt is not None and rate > 0 else None
 
