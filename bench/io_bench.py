@@ -282,7 +282,10 @@ def random_expert_reads(
         started = time.perf_counter()
         submit_more()
         while len(latencies) < reads:
-            for _rid, slot, error, _n, _elapsed in reader.poll(max_n=64, timeout_s=30.0):
+            done = reader.poll(max_n=64, timeout_s=30.0)
+            if not done:
+                raise TimeoutError(f"no expert read of {store} completed within 30 s")
+            for _rid, slot, error, _n, _elapsed in done:
                 if error is not None:
                     raise RuntimeError(f"native read failed: {error}")
                 latencies.append(time.perf_counter() - submitted_at.pop(slot))
