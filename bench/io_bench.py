@@ -175,53 +175,66 @@ def raw_sequential(path: Path, read_bytes: int, in_flight: int) -> tuple[int, fl
 # -- 2. ours ------------------------------------------------------------------------------------
 
 
+def read_blobs(
+    reader: Reader, store: Path, manifest: StoreManifest, keys, window: int, priority: int
+) -> tuple[float, list[float]]:
+    """The blobs of ``keys`` (in order) into ``window`` host-pool slots reused as reads complete,
+    CRC-checked, at ``priority``; returns the seconds in all and each read's time from its
+    submission to its completion. ``TimeoutError`` if no read completes within 30 s."""
+    files = {
+        layer: reader.open_file(str(store / manifest.layer_files[layer])) for layer in manifest.moe_layers
+    }
+    blob = manifest.blob_bytes
+    pool = HostPool(window, blob)
+    free = [pool.alloc() for _ in range(window)]
+    submitted_at: dict[int, float] = {}  # slot -> when its read was submitted
+    latencies: list[float] = []
+    todo = iter(keys)
+
+    def submit_more() -> None:
+        while free:
+            key = next(todo, None)
+            if key is None:
+                return
+            slot = free.pop()
+            submitted_at[slot] = time.perf_counter()
+            reader.submit(
+                files[key.layer],
+                key.expert * blob,
+                blob,
+                pool.slot_address(slot),
+                priority,
+                expected_crc=manifest.checksums[key.layer][key.expert],
+                tag=slot,
+            )
+
+    started = time.perf_counter()
+    submit_more()
+    while submitted_at:
+        done = reader.poll(max_n=64, timeout_s=30.0)
+        if not done:
+            raise TimeoutError(f"no expert read of {store} completed within 30 s")
+        for _rid, slot, error, _n, _elapsed in done:
+            if error is not None:
+                raise RuntimeError(f"native read failed: {error}")
+            latencies.append(time.perf_counter() - submitted_at.pop(slot))
+            free.append(slot)
+        submit_more()
+    return time.perf_counter() - started, latencies
+
+
 def native_store_read(
     store: Path, manifest: StoreManifest, backend: str, threads: int, queue_depth: int, chunk_bytes: int
 ) -> tuple[int, float, dict]:
     """Every blob of the store into host-pool slots (a window of slots reused as reads complete),
     CRC-checked; returns bytes, seconds and the reader's stats."""
     reader = Reader(threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes, backend=backend)
-    files = {
-        layer: reader.open_file(str(store / manifest.layer_files[layer])) for layer in manifest.moe_layers
-    }
-    blob = manifest.blob_bytes
-    window = max(4, math.ceil(2 * queue_depth * chunk_bytes / blob))
-    pool = HostPool(window, blob)
-    free = [pool.alloc() for _ in range(window)]
-    keys = iter(manifest.all_keys())
-    in_flight = 0
-
-    def submit_more() -> int:
-        n = 0
-        while free:
-            key = next(keys, None)
-            if key is None:
-                break
-            slot = free.pop()
-            reader.submit(
-                files[key.layer],
-                key.expert * blob,
-                blob,
-                pool.slot_address(slot),
-                Reader.PREFETCH,
-                expected_crc=manifest.checksums[key.layer][key.expert],
-                tag=slot,
-            )
-            n += 1
-        return n
-
-    started = time.perf_counter()
-    in_flight += submit_more()
-    while in_flight:
-        for _rid, slot, error, _n, _elapsed in reader.poll(max_n=64, timeout_s=30.0):
-            if error is not None:
-                raise RuntimeError(f"native read failed: {error}")
-            free.append(slot)
-            in_flight -= 1
-        in_flight += submit_more()
-    elapsed = time.perf_counter() - started
-    stats = reader.stats()
-    reader.close()
+    try:
+        window = max(4, math.ceil(2 * queue_depth * chunk_bytes / manifest.blob_bytes))
+        elapsed, _ = read_blobs(reader, store, manifest, manifest.all_keys(), window, Reader.PREFETCH)
+        stats = reader.stats()
+    finally:
+        reader.close()
     return stats["bytes_read"], elapsed, stats
 
 
@@ -238,7 +251,7 @@ def random_expert_reads(
 ) -> dict:
     """``reads`` blobs of random experts (seeded; all layers), read as the daemon reads a miss:
     the native ``Reader`` with the daemon's defaults (auto backend, O_DIRECT, demand priority,
-    CRC-32 checked), ``in_flight`` of them outstanding at a time.
+    CRC-32 checked), ``in_flight`` of them outstanding at a time (``read_blobs``).
 
     Returns ``{"reads", "in_flight", "blob_bytes", "bytes", "seconds", "gb_per_s",
     "latency_ms_p50"}``: the throughput of the whole batch and the median time from a read's
@@ -247,51 +260,12 @@ def random_expert_reads(
     if reads < 1 or in_flight < 1:
         raise ValueError(f"reads and in_flight must be >= 1, got {reads} and {in_flight}")
     in_flight = min(in_flight, reads)
-    rng = np.random.default_rng(seed)
-    keys = list(manifest.all_keys())
-    picks = [keys[i] for i in rng.integers(0, len(keys), size=reads)]
+    keys = manifest.all_keys()
+    picks = [keys[i] for i in np.random.default_rng(seed).integers(0, len(keys), size=reads)]
     blob = manifest.blob_bytes
     reader = Reader(threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes)
     try:
-        files = {
-            layer: reader.open_file(str(store / manifest.layer_files[layer])) for layer in manifest.moe_layers
-        }
-        pool = HostPool(in_flight, blob)
-        free = [pool.alloc() for _ in range(in_flight)]
-        submitted_at: dict[int, float] = {}
-        latencies: list[float] = []
-        todo = iter(picks)
-
-        def submit_more() -> None:
-            while free:
-                key = next(todo, None)
-                if key is None:
-                    return
-                slot = free.pop()
-                submitted_at[slot] = time.perf_counter()
-                reader.submit(
-                    files[key.layer],
-                    key.expert * blob,
-                    blob,
-                    pool.slot_address(slot),
-                    Reader.DEMAND,
-                    expected_crc=manifest.checksums[key.layer][key.expert],
-                    tag=slot,
-                )
-
-        started = time.perf_counter()
-        submit_more()
-        while len(latencies) < reads:
-            done = reader.poll(max_n=64, timeout_s=30.0)
-            if not done:
-                raise TimeoutError(f"no expert read of {store} completed within 30 s")
-            for _rid, slot, error, _n, _elapsed in done:
-                if error is not None:
-                    raise RuntimeError(f"native read failed: {error}")
-                latencies.append(time.perf_counter() - submitted_at.pop(slot))
-                free.append(slot)
-            submit_more()
-        seconds = time.perf_counter() - started
+        seconds, latencies = read_blobs(reader, store, manifest, picks, in_flight, Reader.DEMAND)
     finally:
         reader.close()
     return {
