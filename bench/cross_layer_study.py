@@ -8,7 +8,7 @@ The daemon estimates each layer's experts at their next visit from that layer's 
 routing adds. It fits one logistic model per MoE layer ``j``: the inputs, taken right after ``j``
 is routed at token ``t``, are the most recent routing of every layer (one-hot: token ``t``'s for
 layers <= ``j``, token ``t - 1``'s for the later ones) and the request's short and long histories
-of layer ``j`` (half-lives 4 and 32 tokens, as the signals keep them); the outputs are the
+of layer ``j`` (the signals' own short and long half-lives, ``SignalsConfig``); the outputs are the
 probabilities of layer ``j``'s experts at token ``t + 1``. It is trained on the trace's requests
 before ``--first`` (torch, full-batch Adam, BCE + L2), like the replay warms its EAMC with them.
 
@@ -40,10 +40,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.replay import DEFAULT_TRACE, load_trace, run_one, warm_hints  # noqa: E402
+from cache_daemon.decisions.signals import SignalsConfig  # noqa: E402
 from cache_daemon.decisions.simulator import timing_model  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "cross_layer_study.json"
-SHORT_HALF_LIFE, LONG_HALF_LIFE = 4.0, 32.0  # tokens: the signals' history half-lives
+# Per-token decay of the short and long histories: the signals' own half-lives.
+SHORT_DECAY = 0.5 ** (1.0 / SignalsConfig().history_half_life_tokens)
+LONG_DECAY = 0.5 ** (1.0 / SignalsConfig().long_history_half_life_tokens)
 MIB = 1 << 20
 
 
@@ -56,12 +59,11 @@ def one_hot(routes: np.ndarray, num_experts: int) -> np.ndarray:
 
 def _histories(y: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 [T, L, E] short and long histories including each token (start: ``base``)."""
-    da, db = 0.5 ** (1 / SHORT_HALF_LIFE), 0.5 ** (1 / LONG_HALF_LIFE)
     ha, hb = np.empty_like(y), np.empty_like(y)
     a, b = base * 0.5, base.copy()
     for t in range(len(y)):
-        a = a * da + (1 - da) * y[t]
-        b = b * db + (1 - db) * y[t]
+        a = a * SHORT_DECAY + (1 - SHORT_DECAY) * y[t]
+        b = b * LONG_DECAY + (1 - LONG_DECAY) * y[t]
         ha[t], hb[t] = a, b
     return ha, hb
 
@@ -144,10 +146,9 @@ class CrossLayerEstimator:
             top = np.argsort(-self._q[sl])[: len(entries)]
             self.recall_hits += int(routed[top].sum())
             self.recall_total += len(entries)
-        da, db = 0.5 ** (1 / SHORT_HALF_LIFE), 0.5 ** (1 / LONG_HALF_LIFE)
         self._last[layer] = routed
-        self._short[layer] = self._short[layer] * da + (1 - da) * routed
-        self._long[layer] = self._long[layer] * db + (1 - db) * routed
+        self._short[layer] = self._short[layer] * SHORT_DECAY + (1 - SHORT_DECAY) * routed
+        self._long[layer] = self._long[layer] * LONG_DECAY + (1 - LONG_DECAY) * routed
         self._q[sl] = self.model.predict(layer, self._last, self._short[layer], self._long[layer])
 
     def long_run(self, signals) -> list[np.ndarray]:
