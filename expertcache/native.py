@@ -92,6 +92,12 @@ __all__ += ["CRC32_IMPL", "READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "R
 TransitionTable = _native.TransitionTable
 __all__ += ["TransitionTable"]
 
+# ``NextVisitLogistic(weights, bias, window)``: the learned next-visit model's arithmetic
+# (cache_daemon/decisions/next_visit.py); ``predict(layer, latest, short_history, long_history,
+# out)``. See csrc/include/expertcache/next_visit.h.
+NextVisitLogistic = _native.NextVisitLogistic
+__all__ += ["NextVisitLogistic"]
+
 # CUDA path (csrc/include/expertcache/cuda.h), present only when the extension was built with nvcc
 # (``CUDA_BUILT``). ``cuda_device_count()`` (0 without driver/device), ``cuda_device_uuid(i)``
 # ("GPU-<8-4-4-4-12 hex>"), ``cuda_device_for_uuid(uuid)`` (``ValueError`` listing visible UUIDs),

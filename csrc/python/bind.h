@@ -13,5 +13,7 @@ void bind_reader(pybind11::module_& m);
 void bind_eamc_match(pybind11::module_& m);
 // TransitionTable: the routing-transition counts of cache_daemon/decisions/transitions.py.
 void bind_transitions(pybind11::module_& m);
+// NextVisitLogistic: the learned next-visit model of cache_daemon/decisions/next_visit.py.
+void bind_next_visit(pybind11::module_& m);
 // Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
 void bind_cuda(pybind11::module_& m);

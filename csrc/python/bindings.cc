@@ -8,7 +8,7 @@
 #include "bind.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -27,5 +27,6 @@ PYBIND11_MODULE(_native, m) {
   bind_reader(m);
   bind_eamc_match(m);
   bind_transitions(m);
+  bind_next_visit(m);
   bind_cuda(m);
 }

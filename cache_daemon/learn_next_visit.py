@@ -1,0 +1,228 @@
+"""Fit the daemon's learned next-visit model on recorded routing, and read and write its file.
+
+::
+
+    python -m cache_daemon.learn_next_visit --trace TRACE.npz --out next_visit.safetensors
+                                            [--requests A:B] [--window W] [--l2 L2] [--iterations N]
+
+``TRACE.npz`` is a routing trace (``expertcache.trace``: compute's recorder writes one from
+served requests, ``record_trace_path`` in compute's config); its decode rows are learned from
+(prompt rows are routed as a batch, not token by token). The model
+(``cache_daemon.decisions.next_visit``) learns, per MoE layer, which experts the layer routes at
+a request's next token from every layer's latest routing and the request's histories of the
+layer: one L2-regularised logistic regression per layer, fitted with L-BFGS (torch, on the CPU;
+about 2.5 s per layer on 26 K tokens of gpt-oss-20b on 2 cores). The daemon loads the file named
+by its ``next_visit_model`` config field at start and then uses it in place of the routing
+transitions; a file fitted for another model shape or other history half-lives is refused at
+start with a message that says so.
+
+Exit status: 0 written, 2 for bad arguments or an unreadable trace (the message names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cache_daemon.decisions.next_visit import (
+    MAX_WEIGHTS,
+    NextVisitModel,
+    NextVisitModelError,
+    features,
+    histories,
+    one_hot,
+)
+from cache_daemon.decisions.signals import SignalsConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_L2 = 1e-4
+DEFAULT_ITERATIONS = 60
+MAX_ITERATIONS = 10_000
+MAX_FILE_BYTES = MAX_WEIGHTS * 4 + (1 << 20)
+
+
+def fit(
+    requests: Sequence[np.ndarray],
+    num_experts: int,
+    *,
+    window: int | None = None,
+    l2: float = DEFAULT_L2,
+    iterations: int = DEFAULT_ITERATIONS,
+    config: SignalsConfig | None = None,
+    trained_on: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> NextVisitModel:
+    """The next-visit model of ``requests`` (each int [T, M, K]: a request's routed experts per
+    token and MoE layer; requests of one token teach nothing). ``window``: input layers per
+    layer (default all M). The histories follow ``config``'s half-lives (the signals' that will
+    run it). ``progress(layer, num_layers)`` is called after each layer."""
+    import torch
+
+    cfg = config or SignalsConfig()
+    ys = [one_hot(np.asarray(r), num_experts) for r in requests if len(r) >= 2]
+    if not ys:
+        raise ValueError("no request of 2 tokens or more to learn from")
+    num_layers = ys[0].shape[1]
+    if any(y.shape[1] != num_layers for y in ys):
+        raise ValueError("requests disagree on the number of MoE layers")
+    window = num_layers if window is None else int(window)
+    if not 1 <= window <= num_layers:
+        raise ValueError(f"window must be in [1, {num_layers}] layers, got {window}")
+    if not (l2 >= 0.0 and 1 <= iterations <= MAX_ITERATIONS):
+        raise ValueError(
+            f"l2 must be >= 0 and iterations in [1, {MAX_ITERATIONS}], got {l2} and {iterations}"
+        )
+    if num_layers * (window + 2) * num_experts * num_experts > MAX_WEIGHTS:
+        raise ValueError(
+            f"{num_layers} layers x window {window} x {num_experts} experts is over {MAX_WEIGHTS} weights"
+        )
+    rate = np.concatenate(ys).mean(0)  # [M, E] per-token use rate: what a request's history starts from
+    start = (cfg.prior_weight * rate).astype(np.float32)
+    decays = tuple(
+        0.5 ** (1.0 / h) for h in (cfg.history_half_life_tokens, cfg.long_history_half_life_tokens)
+    )
+    hist = [histories(y, start, decays) for y in ys]
+    E = num_experts
+    weights = np.zeros((num_layers, (window + 2) * E, E), np.float32)
+    bias = np.zeros((num_layers, E), np.float32)
+    for j in range(num_layers):
+        pairs = [features(y, ha, hb, j, window) for y, (ha, hb) in zip(ys, hist, strict=True)]
+        x = torch.from_numpy(np.concatenate([p[0] for p in pairs]))
+        target = torch.from_numpy(np.concatenate([p[1] for p in pairs]))
+        r = np.clip(rate[j], 1e-4, 1 - 1e-4)
+        w = torch.zeros(x.shape[1], E, requires_grad=True)
+        b = torch.tensor(np.log(r / (1 - r)), dtype=torch.float32, requires_grad=True)
+        opt = torch.optim.LBFGS(
+            [w, b], lr=1.0, max_iter=iterations, history_size=20, line_search_fn="strong_wolfe"
+        )
+
+        def closure(x=x, target=target, w=w, b=b, opt=opt):
+            opt.zero_grad()
+            loss = (
+                torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, target) + l2 * (w * w).sum()
+            )
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        weights[j], bias[j] = w.detach().numpy(), b.detach().numpy()
+        if progress is not None:
+            progress(j + 1, num_layers)
+    return NextVisitModel(
+        weights,
+        bias,
+        window,
+        cfg.history_half_life_tokens,
+        cfg.long_history_half_life_tokens,
+        cfg.prior_weight,
+        trained_on=trained_on,
+    )
+
+
+def write(model: NextVisitModel, path: str | os.PathLike) -> None:
+    """Writes ``model`` to ``path`` atomically (a reader never sees half a file)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.to_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read(path: str | os.PathLike) -> NextVisitModel:
+    """The model in file ``path``; ``NextVisitModelError`` naming the file and what is wrong."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise NextVisitModelError(f"{size} bytes, over the {MAX_FILE_BYTES} a model may have")
+        with open(path, "rb") as f:
+            data = f.read()
+        return NextVisitModel.from_bytes(data)
+    except NextVisitModelError as exc:
+        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc}") from None
+    except OSError as exc:
+        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc.strerror or exc}") from None
+
+
+def _request_range(text: str, num_requests: int) -> range:
+    lo, sep, hi = text.partition(":")
+    try:
+        a = int(lo) if lo else 0
+        b = int(hi) if hi else num_requests
+    except ValueError:
+        raise ValueError(f"--requests must be A:B (request indices), got {text!r}") from None
+    if not sep or not 0 <= a < b <= num_requests:
+        raise ValueError(f"--requests {text!r} must be A:B with 0 <= A < B <= {num_requests}")
+    return range(a, b)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from expertcache.trace import TraceError, read_trace
+
+    ap = argparse.ArgumentParser(
+        prog="python -m cache_daemon.learn_next_visit", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--trace", required=True, type=Path, help="routing trace (.npz) to learn from")
+    ap.add_argument("--out", required=True, type=Path, help="model file to write (.safetensors)")
+    ap.add_argument("--requests", default=":", help="requests A:B of the trace to learn from (default all)")
+    ap.add_argument(
+        "--window", type=int, default=None, help="input layers per layer (default: all MoE layers)"
+    )
+    ap.add_argument("--l2", type=float, default=DEFAULT_L2, help=f"L2 penalty (default {DEFAULT_L2})")
+    ap.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="L-BFGS iterations per layer")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        trace = read_trace(args.trace).decode_only()
+        requests = _request_range(args.requests, trace.num_requests)
+    except (TraceError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.out.parent.is_dir():
+        print(f"error: --out: directory {args.out.parent} does not exist", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    routes = [trace.request(r) for r in requests]
+    print(
+        f"learning from requests {requests.start}..{requests.stop - 1} of {args.trace} "
+        f"({sum(map(len, routes))} tokens, {trace.num_layers} MoE layers x {trace.num_experts} experts)",
+        flush=True,
+    )
+    try:
+        model = fit(
+            routes,
+            trace.num_experts,
+            window=args.window,
+            l2=args.l2,
+            iterations=args.iterations,
+            trained_on=f"{args.trace.name} requests {requests.start}:{requests.stop}",
+            progress=lambda j, n: print(
+                f"  layer {j}/{n} ({time.perf_counter() - started:.0f} s)", flush=True
+            ),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write(model, args.out)
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - started:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
