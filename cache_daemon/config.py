@@ -136,6 +136,19 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields):
     ``belady`` and ``oracle-next-token`` need the future and are refused). The host tier below is
     an LRU cache."""
 
+    next_visit_model: str = field(
+        default="",
+        metadata={
+            "help": "File of the learned next-visit model (python -m cache_daemon.learn_next_visit) the "
+            "eviction and prefetch decisions use in place of the routing transitions; empty = none."
+        },
+    )
+    """A model fitted on recorded routing of the served model (``cache_daemon.decisions.next_visit``:
+    each layer's experts at a request's next token from every layer's latest routing). Read at
+    start (restart-only); a file that is unreadable, malformed or fitted for another model shape
+    stops the start with a message naming it. Empty: each layer's next visit is estimated from
+    its own last routing (``transitions``), learned online."""
+
     prefetch: bool = field(
         default=True,
         metadata={"live": True, "help": "Load experts ahead of demand from predictions (live)."},

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
+from cache_daemon.decisions.next_visit import NextVisitModelError
 from cache_daemon.decisions.policy import EvictionPolicy, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from cache_daemon.errors import BudgetTooSmall
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
+from cache_daemon.learn_next_visit import read as read_next_visit_model
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
@@ -115,6 +117,40 @@ class ConfigUpdate:
 
 def signals_config(config: DaemonConfig) -> SignalsConfig:
     return SignalsConfig(hint_ttl_tokens=config.hint_ttl_tokens)
+
+
+def make_signals(config: DaemonConfig, manifest: StoreManifest) -> ActivationSignals:
+    """The signals of the served model, with the learned next-visit model of
+    ``config.next_visit_model`` when one is named; ``InvalidArgument`` naming the field and the
+    file when it cannot be used."""
+    model = None
+    if config.next_visit_model:
+        try:
+            model = read_next_visit_model(config.next_visit_model)
+        except NextVisitModelError as exc:
+            raise InvalidArgument(f"config field 'next_visit_model': {exc}") from None
+    try:
+        signals = ActivationSignals(
+            manifest.num_layers,
+            manifest.num_experts,
+            config=signals_config(config),
+            layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
+            next_visit_model=model,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"config field 'next_visit_model' = {config.next_visit_model!r}: {exc}"
+        ) from None
+    if model is not None:
+        logger.info(
+            "next-visit model %s: %d MoE layers x %d experts, window %d layers, fitted on %s",
+            config.next_visit_model,
+            model.num_layers,
+            model.num_experts,
+            model.window,
+            model.trained_on or "unrecorded data",
+        )
+    return signals
 
 
 def prefetch_config(config: DaemonConfig) -> PrefetchConfig:
@@ -309,6 +345,7 @@ class CacheDaemon:
             },
             cgroup_memory_limit(),
         )
+        signals = make_signals(config, manifest)  # before any memory is taken: a bad model file stops here
         daemon_id = daemon_id or uuid.uuid4().hex[:16]
         metrics = DaemonMetrics()
         store = StoreReader(config.store_dir, manifest, metrics, io_threads=config.io_threads)
@@ -329,12 +366,6 @@ class CacheDaemon:
                 metrics,
                 pin_memory=arena.pin_host_memory,
                 numa_node=arena.numa_node,
-            )
-            signals = ActivationSignals(
-                manifest.num_layers,
-                manifest.num_experts,
-                config=signals_config(config),
-                layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
             )
             host.set_limit(host_in_use)
             residency = Residency(

@@ -332,3 +332,66 @@ def test_a_demand_under_a_shrunk_budget_is_not_held_up_by_pins(tmp_path):
         daemon.residency.close_session(session)
     finally:
         daemon.close()
+
+
+def _next_visit_model(path: Path, layers: int, experts: int) -> Path:
+    import numpy as np
+
+    from cache_daemon.decisions.next_visit import NextVisitModel
+    from cache_daemon.decisions.signals import SignalsConfig
+    from cache_daemon.learn_next_visit import write
+
+    cfg = SignalsConfig()
+    rng = np.random.default_rng(0)
+    write(
+        NextVisitModel(
+            rng.normal(size=(layers, (layers + 2) * experts, experts)).astype(np.float32),
+            rng.normal(size=(layers, experts)).astype(np.float32),
+            layers,
+            cfg.history_half_life_tokens,
+            cfg.long_history_half_life_tokens,
+            cfg.prior_weight,
+        ),
+        path,
+    )
+    return path
+
+
+def test_the_next_visit_model_is_loaded_at_start(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)  # MoE layers 1 and 3, 6 experts
+    model = _next_visit_model(tmp_path / "nv.safetensors", 2, 6)
+    daemon = CacheDaemon.start(daemon_config(store, tmp_path, next_visit_model=str(model)))
+    try:
+        signals = daemon.residency.signals
+        assert signals.next_visit_model is not None and signals.next_visit_model.num_layers == 2
+        signals.observe(3, [1, 4], 0)  # decoder layer 3 is the model's MoE layer 1
+        p = signals.use_probability()[3 * 6 : 4 * 6]
+        assert ((p > 0.0) & (p < 1.0)).all()  # the model's logistic estimate, not the history's
+    finally:
+        daemon.close()
+
+
+def test_a_next_visit_model_that_does_not_fit_stops_the_start(tmp_path, caplog):
+    store = tmp_path / "store"
+    write_store(store)
+    wrong = _next_visit_model(tmp_path / "wrong.safetensors", 3, 6)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"config field 'next_visit_model' = '.*wrong.safetensors': next-visit model is for 3 MoE layers "
+        r"x 6 experts, the model served has 2 x 6",
+    ):
+        CacheDaemon.start(daemon_config(store, tmp_path, next_visit_model=str(wrong)))
+    with pytest.raises(
+        InvalidArgument,
+        match=r"config field 'next_visit_model': next-visit model .*missing.safetensors: No such file",
+    ):
+        CacheDaemon.start(
+            daemon_config(store, tmp_path, next_visit_model=str(tmp_path / "missing.safetensors"))
+        )
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"{}" * 10)
+    args = ["--store-dir", str(store), "--socket-path", str(tmp_path / "d.sock"), "--shm-dir", str(tmp_path)]
+    assert main([*args, "--device", "cpu", "--next-visit-model", str(garbage)]) == 2
+    assert "next-visit model" in caplog.text and "garbage.safetensors: not a safetensors file" in caplog.text
+    assert not list(tmp_path.glob("expertcache-*"))  # nothing left behind
