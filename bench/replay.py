@@ -36,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cache_daemon.decisions.batch_ceiling import batch_ceiling
+from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
 from cache_daemon.decisions.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES
 from cache_daemon.decisions.policy.activation_aware import MIN_PREFETCH_PROBABILITY
 from cache_daemon.decisions.scheduler import PrefetchConfig
@@ -49,6 +50,9 @@ from cache_daemon.decisions.simulator import (
     gpt_oss_20b_expert_bytes,
     timing_model,
 )
+from cache_daemon.learn_next_visit import fit as fit_model
+from cache_daemon.learn_next_visit import read as read_model
+from cache_daemon.learn_next_visit import write as write_model
 from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
@@ -151,6 +155,7 @@ def run_one(
     prefetch_config: PrefetchConfig | None = None,
     policy_kwargs: dict | None = None,
     estimator=None,
+    next_visit_model: NextVisitModel | None = None,
     progress: tqdm | None = None,
     measure_depths: bool = False,
 ) -> dict:
@@ -173,6 +178,7 @@ def run_one(
         max_inflight_bytes=max_inflight_bytes,
         policy_kwargs=policy_kwargs,
         estimator=estimator,
+        next_visit_model=next_visit_model,
     )
     row = sim.run(progress, measure_depths=measure_depths).summary(timing)
     row["hints"] = hints is not None
@@ -193,11 +199,69 @@ def warm_hints(trace: RoutingTrace, first: int, requests: range) -> tuple[dict[i
     return hints, src.notes
 
 
-def observe_cost(trace: RoutingTrace, tokens: int, lookahead_depth: int, hints: list | None) -> dict:
+def next_visit_model(
+    trace: RoutingTrace, first: int, args: argparse.Namespace
+) -> tuple[NextVisitModel | None, str]:
+    """The signals' learned next-visit model as ``--next-visit-model`` asks, and a line saying what
+    it is; fitted models are written to ``args.out``."""
+    choice = args.next_visit_model
+    if choice == "none":
+        return None, "the routing transitions (--next-visit-model none)"
+    if choice != "fit":
+        try:
+            model = read_model(choice)
+        except NextVisitModelError as exc:
+            raise SystemExit(f"--next-visit-model: {exc}") from None
+        if (model.num_layers, model.num_experts) != (trace.num_layers, trace.num_experts):
+            raise SystemExit(
+                f"--next-visit-model {choice} is for {model.num_layers} x {model.num_experts}, the trace has "
+                f"{trace.num_layers} x {trace.num_experts}"
+            )
+        return model, f"the learned model of {choice} ({model.trained_on or 'its training data unrecorded'})"
+    n = args.next_visit_requests
+    if not 1 <= n <= 100_000:
+        raise SystemExit(f"--next-visit-requests must be in [1, 100000], got {n}")
+    learn = range(max(0, first - n), first)
+    if not learn:
+        return (
+            None,
+            "the routing transitions (no request before the replayed ones to fit the learned model on)",
+        )
+    started = time.perf_counter()
+    print(f"fitting the next-visit model on requests {learn.start}..{learn.stop - 1}", flush=True)
+    bar = None if args.no_progress else tqdm(total=trace.num_layers, unit="layer", desc="next-visit model")
+    try:
+        model = fit_model(
+            [trace.request(r) for r in learn],
+            trace.num_experts,
+            trained_on=f"{Path(trace.path).name} requests {learn.start}:{learn.stop}",
+            progress=(lambda j, n: bar.update(1)) if bar is not None else None,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"next-visit model: {exc}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_model(model, args.out / "next_visit.safetensors")
+    return model, (
+        f"the learned model (cache_daemon.decisions.next_visit), fitted on requests {learn.start}..{learn.stop - 1} "
+        f"in {time.perf_counter() - started:.0f} s, written to {args.out / 'next_visit.safetensors'}"
+    )
+
+
+def observe_cost(
+    trace: RoutingTrace,
+    tokens: int,
+    lookahead_depth: int,
+    hints: list | None,
+    next_visit_model: NextVisitModel | None = None,
+) -> dict:
     """Wall time of ``ActivationSignals.observe`` per routed layer (and of ``set_lookahead``), on
-    ``tokens`` tokens of the trace, with lookahead and hints set as the daemon gets them."""
+    ``tokens`` tokens of the trace, with lookahead and hints set as the daemon gets them (and the
+    learned next-visit model, when given, in place of the transitions)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    sig = ActivationSignals(L, E)
+    sig = ActivationSignals(L, E, next_visit_model=next_visit_model)
     sig.begin_request("bench")
     routes = trace.expert_ids[:tokens].astype(np.int64)
     weights = trace.gate_weights[:tokens].astype(np.float32)
@@ -450,6 +514,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="bytes-in-flight bound in experts (default 1: a prefetch starts only on an idle link)",
     )
+    ap.add_argument(
+        "--next-visit-model",
+        default="fit",
+        help="the signals' learned next-visit model: 'fit' (default: fitted on the --next-visit-requests "
+        "requests before the replayed ones, like the EAMC is warmed, and written to OUT/next_visit.safetensors), "
+        "a model file (cache_daemon.learn_next_visit), or 'none' (the routing transitions)",
+    )
+    ap.add_argument(
+        "--next-visit-requests",
+        type=int,
+        default=64,
+        help="with --next-visit-model fit: requests it learns from, the last ones before the replayed ones "
+        "(default 64, fewer where fewer precede them)",
+    )
     ap.add_argument("--no-ablation", action="store_true", help="skip the hints x lookahead ablation at 25%%")
     ap.add_argument(
         "--batch-size",
@@ -538,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     hints, hint_notes = warm_hints(trace, first, requests)
+    model, model_note = next_visit_model(trace, first, args)
 
     print(f"trace {trace.path}: {trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k}")
     print(
@@ -557,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "drawn by the request's recent use); the scheduler measures each depth's precision itself"
     )
     print(f"  - {hint_notes}")
+    print(f"  - next-visit estimate: {model_note}")
     print("  - belady: demand fetching only (the offline optimum of bytes), same row in both settings")
     print(
         "  - oracle-next-token: a reference, not a goal: activation-aware eviction told the exact routing of the "
@@ -571,7 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_ablation and GOAL_BUDGET in budgets:
         runs += [("activation-aware", GOAL_BUDGET, la, False, "ablation") for la in (False, True)]
-        # The routing transitions off (the next visit estimated from the history alone).
+        if model is not None:  # the routing transitions in place of the learned model
+            runs += [("activation-aware", GOAL_BUDGET, la, True, "transitions") for la in (False, True)]
+        # Neither (the next visit estimated from the history alone).
         runs += [("activation-aware", GOAL_BUDGET, la, True, "no-transitions") for la in (False, True)]
         # The EAMC class with a lower threshold, with and without hints: what its prefetches buy
         # once it issues some (at the default threshold its candidates are already resident).
@@ -592,11 +674,18 @@ def main(argv: list[str] | None = None) -> int:
             if group == "speculative"
             else None,
             signals_config=SignalsConfig(transition_weight=0.0) if group == "no-transitions" else None,
+            next_visit_model=None if group == "transitions" else model,
             progress=bar,
-            measure_depths=p == "activation-aware" and b == GOAL_BUDGET and group == "main",
+            measure_depths=p == "activation-aware" and b == GOAL_BUDGET and group in ("main", "transitions"),
         )
         row["group"] = group
-        row["transitions"] = group != "no-transitions"
+        row["next_visit"] = (
+            "history"
+            if group == "no-transitions"
+            else "transitions"
+            if model is None or group == "transitions"
+            else "model"
+        )
         rows.append(row)
         if p in REPLAY_ONLY_POLICIES:
             rows.append({**row, "layer_ahead": True})
@@ -676,20 +765,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {d:>5} {entry['modelled_router_accuracy']:>18.3f} {entry['signals_recall_with_lookahead']:>18.3f} "
                 f"{entry['signals_recall_without_lookahead']:>15.3f} {pf['started']:>10} {pf['used']:>8}"
             )
+    recall = {
+        r["next_visit"]: r["next_visit_recall"]
+        for r in rows
+        if r["policy"] == "activation-aware"
+        and r["budget"] == GOAL_BUDGET
+        and r["group"] in ("main", "transitions")
+        and not r["layer_ahead"]
+    }
+    if recall:
+        print(
+            f"next-visit estimate at {GOAL_BUDGET:.0%} (a layer's top-{trace.top_k} at its next visit, from its "
+            "previous one; before lookahead): recall "
+            + ", ".join(f"{name} {value:.3f}" for name, value in sorted(recall.items()))
+        )
     ablation = [
         r
         for r in rows
         if r["policy"] == "activation-aware"
         and r["budget"] == GOAL_BUDGET
-        and r["group"] in ("main", "ablation", "no-transitions")
+        and r["group"] in ("main", "ablation", "transitions", "no-transitions")
     ]
-    if len(ablation) == 6:
-        print(f"ablation at {GOAL_BUDGET:.0%} (activation-aware): what each signal contributes")
+    if len(ablation) >= 6:
         print(
-            f"  {'transitions':<11} {'EAMC hints':<10} {'lookahead':<9} {'MiB/tok':>8} {'lat ms':>8} {'pf/tok':>7} "
+            f"ablation at {GOAL_BUDGET:.0%} (activation-aware): what each signal contributes (next visit: the "
+            "learned model, the routing transitions, or the history alone)"
+        )
+        print(
+            f"  {'next visit':<11} {'EAMC hints':<10} {'lookahead':<9} {'MiB/tok':>8} {'lat ms':>8} {'pf/tok':>7} "
             f"{'pf acc':>7} {'LA pf/tok':>9} {'LA acc':>7} {'EAMC pf/tok':>11} {'EAMC acc':>8}"
         )
-        for r in sorted(ablation, key=lambda x: (x["transitions"], x["hints"], x["layer_ahead"])):
+        order = {"history": 0, "transitions": 1, "model": 2}
+        for r in sorted(ablation, key=lambda x: (order[x["next_visit"]], x["hints"], x["layer_ahead"])):
             t = max(r["tokens"], 1)
             by = r["prefetch_by_class"]
             la, ea = (
@@ -697,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
                 by.get("eamc", {"started": 0, "used": 0}),
             )
             print(
-                f"  {'on' if r['transitions'] else 'off':<11} "
+                f"  {r['next_visit']:<11} "
                 f"{'on' if r['hints'] else 'off':<10} {'on' if r['layer_ahead'] else 'off':<9} "
                 f"{r['bytes_per_token'] / 2**20:>8.1f} {r['latency_ms_per_token']:>8.2f} "
                 f"{r['prefetches_per_token']:>7.2f} {r['prefetch_accuracy']:>7.3f} {la['started'] / t:>9.2f} "
@@ -705,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     speculative = sorted((r for r in rows if r["group"] == "speculative"), key=lambda x: not x["hints"])
     if speculative:
-        base = next((r for r in ablation if r["hints"] and r["transitions"] and not r["layer_ahead"]), None)
+        base = next((r for r in ablation if r["group"] == "main" and not r["layer_ahead"]), None)
         base_eamc = base["prefetch_by_class"].get("eamc", {"started": 0}) if base else None
         print(
             f"EAMC class at {GOAL_BUDGET:.0%} with its use-probability threshold lowered from "
@@ -732,12 +839,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['latency_ms_per_token']:.2f} ms, EAMC prefetches {ea['started'] / t:.2f}/tok at accuracy "
                 f"{ea['used'] / max(ea['started'], 1):.3f}{vs}"
             )
-    cost = observe_cost(trace, min(256, trace.num_rows), len(lookahead), hints.get(first))
+    cost = observe_cost(trace, min(256, trace.num_rows), len(lookahead), hints.get(first), model)
     print(
         f"ActivationSignals.observe: median {cost['observe_median_us']:.1f} us per routed layer, p99 "
         f"{cost['observe_p99_us']:.1f} us ({cost['calls']} calls; goal <= {GOAL_OBSERVE_US:g} us "
         f"{'PASS' if cost['observe_median_us'] <= GOAL_OBSERVE_US else 'FAIL'}); set_lookahead of "
         f"{len(lookahead)} depths: median {cost['set_lookahead_median_us']:.1f} us"
+        + (" (with the learned next-visit model)" if model is not None else "")
     )
     print(f"goals at {GOAL_BUDGET:.0%} (activation-aware):")
     for g in goals:
@@ -777,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         "belady_shares": shares,
         "depth": depth,
         "observe_cost": cost,
+        "next_visit": model_note,
+        "next_visit_recall": recall,
     }
     (args.out / "replay.json").write_text(json.dumps(result, indent=2))
     write_png(rows, depth, args.out / "replay.png", budgets, [p for p in ALL_POLICIES if p in policies])

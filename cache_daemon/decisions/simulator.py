@@ -22,7 +22,9 @@ Lookahead is modelled: each true expert of (token, layer l + d) is predicted wit
 of depth d, a miss replaced by a plausible wrong expert (drawn by the request's recent use of the
 layer's other experts). The trace has routing only, no hidden states, so router reuse itself
 cannot be measured on it; the replay measures what the signals as a whole predict at each depth
-(``RunStats.depth_recall``: the top-k of ``use_probability`` for layer l + d when layer l is seen).
+(``RunStats.depth_recall``: the top-k of ``use_probability`` for layer l + d when layer l is seen),
+and what the next-visit estimate alone predicts for a layer from its previous visit
+(``RunStats.next_visit_recall``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cache_daemon.decisions.estimators import Estimator
+from cache_daemon.decisions.next_visit import NextVisitModel
 from cache_daemon.decisions.policy import POLICIES, REPLAY_ONLY_POLICIES, FutureUses, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import (
     PrefetchClass,
@@ -318,6 +321,10 @@ class RunStats:
     # Per depth d: [routed experts found in the top-k of use_probability for layer l + d when layer
     # l was seen, routed experts] (the signals' own prediction, everything they know).
     depth_recall: dict[int, list[int]] = field(default_factory=dict)
+    # [routed experts found in the top-k of the request's next-visit estimate (before lookahead)
+    # for the layer, made at its previous visit; routed experts]: the learned model's or the
+    # transitions' own recall.
+    next_visit_recall: list[int] = field(default_factory=lambda: [0, 0])
 
     def summary(self, timing: TimingModel) -> dict:
         t = max(self.tokens, 1)
@@ -343,6 +350,7 @@ class RunStats:
                 for k, v in sorted(self.started_by_depth.items())
             },
             "depth_recall": {str(d): h / max(n, 1) for d, (h, n) in sorted(self.depth_recall.items())},
+            "next_visit_recall": self.next_visit_recall[0] / max(self.next_visit_recall[1], 1),
             "stall_ms_per_token": self.stall_s / t * 1e3,
             "latency_ms_per_token": self.time_s / t * 1e3,
             "wall_s": self.wall_s,
@@ -379,6 +387,7 @@ class Simulation:
         max_inflight_bytes: int | None = None,
         policy_kwargs: dict | None = None,
         estimator: Estimator | None = None,
+        next_visit_model: NextVisitModel | None = None,
         seed: int = 0,
     ) -> None:
         tokens, L, K = routes.shape
@@ -396,7 +405,9 @@ class Simulation:
         self.L, self.E, self.K = L, E, K
         n = L * E
         slots = max(int(round(budget * n)), K + 1)
-        self.signals = ActivationSignals(L, E, config=signals_config, estimator=estimator)
+        self.signals = ActivationSignals(
+            L, E, config=signals_config, estimator=estimator, next_visit_model=next_visit_model
+        )
         replay_only = policy in REPLAY_ONLY_POLICIES
         shape = PolicyShape(L, E)
         if replay_only:
@@ -564,6 +575,18 @@ class Simulation:
         if preds:
             self.signals.set_lookahead(preds, g)
 
+    def _measure_next_visit(self, g: int, layer: int, first: bool) -> None:
+        """Recall of the request's next-visit estimate for ``layer`` (before lookahead), made at
+        the layer's previous visit, against its routing at token ``g`` (not on a request's first
+        token: nothing was estimated from the request yet)."""
+        if first:
+            return
+        E, K = self.E, self.K
+        row = self.signals.request_next_probabilities()[-1][layer * E : (layer + 1) * E]
+        top = np.argpartition(-row, K - 1)[:K]
+        self.stats.next_visit_recall[0] += len(set(top.tolist()) & set(self.routes[g, layer].tolist()))
+        self.stats.next_visit_recall[1] += K
+
     def _measure_depths(self, g: int, layer: int) -> None:
         """Recall of the signals' own top-k for the next layers of this token (all they know)."""
         p = self.signals.use_probability()
@@ -602,6 +625,8 @@ class Simulation:
                     self._advance(now)
                     experts = self.routes[g, layer]
                     entries = [layer * self.E + int(x) for x in experts]
+                    if measure_depths:
+                        self._measure_next_visit(g, layer, g == lo)
                     self.signals.observe(layer, experts, g)
                     self.tier.pinned = set(entries)
                     if self.accuracy:

@@ -88,10 +88,10 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     assert calls["decide"] > 0
     assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
     # 4 online policies x 2 lookahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers;
-    # the ablation (activation-aware without hints, x 2; without transitions, x 2) and the EAMC
-    # class at a lower threshold (with and without hints, x 2) at 25%; observe_cost over the
-    # trace's 120 rows
-    assert calls["observe"] == ((4 * 2 + 2) * 2 + 2 + 2 + 2) * 60 * L + 120 * L
+    # the ablation (activation-aware without hints, x 2; with the transitions in place of the
+    # learned next-visit model, x 2; with neither, x 2) and the EAMC class at a lower threshold
+    # (with and without hints, x 2) at 25%; observe_cost over the trace's 120 rows
+    assert calls["observe"] == ((4 * 2 + 2) * 2 + 2 + 2 + 2 + 2) * 60 * L + 120 * L
     data = json.loads((out / "replay.json").read_text())
     assert (out / "replay.png").stat().st_size > 1000
     assert data["tokens"] == 60 and data["layers"] == L and data["experts"] == E and data["top_k"] == K
@@ -103,8 +103,8 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     ) * 1e3
     for budget in (0.25, 0.5):
         rows = [r for r in data["rows"] if r["budget"] == budget]
-        # + the ablation's four and the lowered EAMC threshold's two at 25%
-        assert len(rows) == 12 + (6 if budget == 0.25 else 0)
+        # + the ablation's six and the lowered EAMC threshold's two at 25%
+        assert len(rows) == 12 + (8 if budget == 0.25 else 0)
         speculative = [r for r in rows if r["group"] == "speculative"]
         assert sorted(r["hints"] for r in speculative) == ([False, True] if budget == 0.25 else [])
         assert not any(r["layer_ahead"] for r in speculative)
@@ -135,20 +135,25 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
         ] == pytest.approx(b)
         assert share["share_of_belady_gain"] == pytest.approx((x - 1) / (b - 1))
     # The ablation: activation-aware at 25% with and without hints, with and without lookahead,
-    # and with hints without the routing transitions.
+    # and with hints with the routing transitions or the history alone in place of the learned
+    # next-visit model (fitted on request 0, the one before the replayed ones).
     ablation = {
-        (r["transitions"], r["hints"], r["layer_ahead"])
+        (r["next_visit"], r["hints"], r["layer_ahead"])
         for r in data["rows"]
         if r["policy"] == "activation-aware" and r["budget"] == 0.25 and r["group"] != "speculative"
     }
     assert ablation == {
-        (True, False, False),
-        (True, False, True),
-        (True, True, False),
-        (True, True, True),
-        (False, True, False),
-        (False, True, True),
+        ("model", False, False),
+        ("model", False, True),
+        ("model", True, False),
+        ("model", True, True),
+        ("transitions", True, False),
+        ("transitions", True, True),
+        ("history", True, False),
+        ("history", True, True),
     }
+    assert "fitted on requests 0..0" in data["next_visit"]
+    assert (out / "next_visit.safetensors").stat().st_size > 0
     # Recall by depth, measured in the activation-aware runs at 25%.
     assert [d["depth"] for d in data["depth"]] == [1, 2, 3, 4]
     assert data["depth"][0]["modelled_router_accuracy"] == 0.9
@@ -229,6 +234,11 @@ def test_expert_bytes_stated_from_the_config():
         (["--lookahead-depth", "5"], r"--lookahead-depth must be in \[1, 4\] \(accuracies given\), got 5"),
         (["--timing", "tpu"], r"--timing: unknown timing model 'tpu'; known: gpu, cpu-e2e"),
         (["--timing", "cpu-e2e", "--link-gbps", "3"], r"apply to --timing gpu, not cpu-e2e"),
+        (["--next-visit-requests", "0"], r"--next-visit-requests must be in \[1, 100000\], got 0"),
+        (
+            ["--next-visit-model", "/nonexistent/m.safetensors"],
+            r"--next-visit-model: next-visit model /nonexistent/m.safetensors: No such file",
+        ),
     ],
 )
 def test_cli_errors(trace, tmp_path, args, message):
