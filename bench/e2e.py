@@ -43,6 +43,8 @@ benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``
 ``--request + --requests - 1``, one Generate each; layer-ahead under forced routing is modelled
 at ``--layer-ahead-accuracy`` (printed). Accelerate routes with its own (random) routers, which
 does not change its cost: it streams whole offloaded modules, every expert of them, per forward.
+Ours' daemon runs the learned next-visit model (``--next-visit-model``), fitted on the 64 trace
+requests after the measured ones (held out, as a served model's is fitted on earlier traffic).
 On an MXFP4 checkpoint transformers dequantises the experts to bf16 when it loads (no Triton or
 kernels on CPU), so Accelerate holds and offloads bf16 experts within the same byte budget.
 
@@ -96,9 +98,14 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 from bench.e2e_accelerate import drop_page_cache  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
+from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
+from cache_daemon.learn_next_visit import fit as fit_next_visit  # noqa: E402
+from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
+from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
+from expertcache.trace import read_trace  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -224,6 +231,8 @@ class ProcessSystem:
             "activation-aware" if ours else "lru",
             "--prefetch" if ours else "--no-prefetch",
         ]
+        if ours and args.next_visit_path is not None:
+            daemon_extra += ["--next-visit-model", str(args.next_visit_path)]
         compute_extra = [
             "--force-routing-path",
             str(args.trace),
@@ -593,6 +602,48 @@ def gap_shares(results: dict) -> dict:
     return out
 
 
+def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path | None, str]:
+    """The file of ours' learned next-visit model as ``--next-visit-model`` asks, and a line saying
+    what it is. Fitted on trace requests after the measured ones (held out from them, as a served
+    model's is fitted on earlier traffic), once per range: cached under ``--data-dir``."""
+    choice = args.next_visit_model
+    if choice == "none":
+        return None, "the routing transitions (--next-visit-model none)"
+    if choice != "fit":
+        try:
+            model = read_next_visit(choice)
+        except NextVisitModelError as exc:
+            parser.error(f"--next-visit-model: {exc}")
+        return Path(
+            choice
+        ), f"the learned model of {choice} ({model.trained_on or 'its training data unrecorded'})"
+    trace = read_trace(args.trace).decode_only()
+    first = args.request + args.repeats * args.requests
+    if not 1 <= args.next_visit_requests <= trace.num_requests - first:
+        parser.error(
+            f"--next-visit-requests must be in [1, {trace.num_requests - first}] (trace requests after the "
+            f"measured ones), got {args.next_visit_requests}"
+        )
+    learn = range(first, first + args.next_visit_requests)
+    path = args.data_dir / f"next_visit-{args.trace.stem}-{learn.start}-{learn.stop}.safetensors"
+    note = f"the learned model, fitted on trace requests {learn.start}..{learn.stop - 1} (after the measured ones)"
+    try:
+        read_next_visit(path)
+        return path, f"{note}, cached in {path}"
+    except NextVisitModelError:
+        pass
+    started = time.perf_counter()
+    say(f"fitting the next-visit model on trace requests {learn.start}..{learn.stop - 1} ...")
+    model = fit_next_visit(
+        [trace.request(r) for r in learn],
+        trace.num_experts,
+        trained_on=f"{args.trace.name} requests {learn.start}:{learn.stop}",
+    )
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    write_next_visit(model, path)
+    return path, f"{note} in {time.perf_counter() - started:.0f} s, written to {path}"
+
+
 def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dict | None:
     """The disk under the systems, before they run: ``reads`` random experts read the daemon's
     way one at a time (what a lone demand miss waits), then twice as many 4 in flight (the
@@ -804,6 +855,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="ours' lookahead depth in MoE layers (default: compute's own default)",
     )
+    parser.add_argument(
+        "--next-visit-model",
+        default="fit",
+        help="ours' learned next-visit model (the daemon's next_visit_model): 'fit' (default: fitted on the "
+        "--next-visit-requests trace requests after the measured ones, cached under --data-dir), a model file, "
+        "or 'none' (the routing transitions)",
+    )
+    parser.add_argument(
+        "--next-visit-requests",
+        type=int,
+        default=64,
+        help="with --next-visit-model fit: requests it learns from",
+    )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1280, help="expert intermediate size")
     parser.add_argument("--layers", type=int, default=24)
@@ -905,6 +969,8 @@ def main(argv: list[str] | None = None) -> int:
         "posix_fadvise(DONTNEED) after load and after every token; compute's dense file after start-up"
     )
 
+    args.next_visit_path, next_visit_note = next_visit_model(args, parser)
+    say(f"ours' next-visit estimate: {next_visit_note}")
     if args.tracing_costs:
         return tracing_costs(store, manifest, args, budget)
     store_reads = measure_store_reads(store, manifest, args.store_reads)
@@ -1050,6 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
         "compared_with": str(args.compare_with) if args.compare_with else None,
         "trace": str(args.trace),
         "first_request": args.request,
+        "next_visit_model": next_visit_note,
         "requests": args.requests,
         "repeats": args.repeats,
         "interleaved": True,

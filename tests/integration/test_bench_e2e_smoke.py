@@ -31,6 +31,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "--hidden", "64", "--intermediate", "64",
         "--tokens", "4", "--requests", "2",
         "--request", "5",
+        "--next-visit-requests", "2",
         "--data-dir", str(tmp_path),
         "--progress-every", "2",
     ]  # fmt: skip
@@ -78,6 +79,10 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
             systems[name]["bytes_per_token"] / (reads["four_in_flight"]["gb_per_s"] * 1e9)
         )
     assert systems["ours"]["policy"] == "activation-aware" and systems["ours"]["prefetch_on"]
+    # Ours' daemon ran the learned next-visit model, fitted on the two requests after the measured
+    # ones (5..8) and cached for the next run with the same range.
+    assert report["next_visit_model"].startswith("the learned model, fitted on trace requests 9..10 (after")
+    assert (tmp_path / f"next_visit-{TRACE.stem}-9-11.safetensors").is_file()
     assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
     assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
     assert systems["resident"]["device_bytes"] == report["model"]["total_expert_bytes"]
@@ -180,3 +185,16 @@ def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
         daemon.stop()
     assert proc.returncode == 2, proc.stderr
     assert f"force_routing_path '{tmp_path / 'nope.npz'}' does not exist" in proc.stderr
+
+
+@needs_trace
+def test_e2e_refuses_a_next_visit_model_it_cannot_use(tmp_path, capsys):
+    common = ["--data-dir", str(tmp_path), "--systems", "ours", "--hidden", "64", "--intermediate", "64"]
+    with pytest.raises(SystemExit) as exc:
+        e2e.main([*common, "--next-visit-model", str(tmp_path / "missing.safetensors")])
+    assert exc.value.code == 2
+    assert "--next-visit-model: next-visit model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        e2e.main([*common, "--next-visit-requests", "100000"])
+    assert exc.value.code == 2
+    assert "--next-visit-requests must be in [1, " in capsys.readouterr().err
