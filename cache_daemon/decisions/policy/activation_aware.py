@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 MIN_PREFETCH_PROBABILITY = 0.7
 """Speculative prefetch only for entries at least this likely to be used at their next visit: a
 wasted prefetch costs the link as much as a demand fetch, and its victim. Measured on the shared
-trace at 25% without lookahead (requests 64..69): with the learned next-visit model, thresholds
-0.3 / 0.5 / 0.7 load 1.736 / 1.607 / 1.576 x Belady's bytes (prefetch accuracy 0.57 / 0.76 /
-0.88) at 27.6 / 27.9 / 28.2 ms per token; with the routing transitions, 0.3 / 0.7 load 1.647 /
-1.663 x. On a link-bound machine bytes are time, so the bar is the high one."""
+trace at 25% without lookahead (requests 64..69, ``bench.replay``): with the learned next-visit
+model, thresholds 0.3 / 0.5 / 0.7 load 1.722 / 1.600 / 1.567 x Belady's bytes (prefetch accuracy
+0.56 / 0.76 / 0.89) at 27.6 / 27.9 / 28.2 ms per token; with the routing transitions, 1.647 /
+1.664 / 1.663 x at 28.7 / 28.6 / 28.6 ms. Where the link is the bottleneck bytes are time, so the
+bar is the high one."""
 
 
 class ActivationAwarePolicy(ShapedPolicy):
