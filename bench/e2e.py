@@ -123,7 +123,9 @@ FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's blocks
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
 # measured, loads them first.
 SYSTEMS = ("ours", "lru", "resident", "accelerate")
-EXTRA_SYSTEMS: tuple[str, ...] = ()
+# ours with the routing transitions in place of the learned next-visit model (the daemon without
+# a next_visit_model file): what the model is worth, side by side in one run.
+EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions",)
 PROMPT = (5, 9, 17, 33, 2, 8, 1, 12)
 
 
@@ -220,7 +222,7 @@ class ProcessSystem:
         budget_bytes: int,
     ) -> None:
         self.system, self.args = system, args
-        ours = system == "ours"
+        ours = system in ("ours", "ours-transitions")
         self.resident = system == "resident"
         if self.resident:
             budget_bytes = manifest.total_expert_bytes
@@ -231,7 +233,7 @@ class ProcessSystem:
             "activation-aware" if ours else "lru",
             "--prefetch" if ours else "--no-prefetch",
         ]
-        if ours and args.next_visit_path is not None:
+        if system == "ours" and args.next_visit_path is not None:
             daemon_extra += ["--next-visit-model", str(args.next_visit_path)]
         compute_extra = [
             "--force-routing-path",
@@ -758,7 +760,7 @@ def compare_runs(results: dict, precision: str, baseline: dict, path: Path, out:
     say("")
     say(f"beside the {other} run ({path}, budget {baseline['budget_bytes'] / MIB:.0f} MiB):")
     say(
-        f"{'system':<12}{'MiB/tok ' + precision:>16}{'MiB/tok ' + other:>16}{'ratio':>8}"
+        f"{'system':<18}{'MiB/tok ' + precision:>16}{'MiB/tok ' + other:>16}{'ratio':>8}"
         f"{'p50 ms ' + precision:>16}{'p50 ms ' + other:>16}"
     )
     rows = {}
@@ -770,7 +772,7 @@ def compare_runs(results: dict, precision: str, baseline: dict, path: Path, out:
         share = mine / theirs if mine and theirs else None
         rows[system] = {"bytes_per_token_ratio": share, "p50_s": (r["p50_s"], b["p50_s"])}
         say(
-            f"{system:<12}{fmt(mine and mine / MIB, '>16.1f'):>16}{fmt(theirs and theirs / MIB, '>16.1f'):>16}"
+            f"{system:<18}{fmt(mine and mine / MIB, '>16.1f'):>16}{fmt(theirs and theirs / MIB, '>16.1f'):>16}"
             f"{fmt(share, '>8.3f'):>8}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>16.1f'):>16}"
             f"{fmt(b['p50_s'] and b['p50_s'] * 1e3, '>16.1f'):>16}"
         )
@@ -1017,18 +1019,18 @@ def main(argv: list[str] | None = None) -> int:
 
     say("")
     say(
-        f"{'system':<12}{'p50 ms':>10}{'p99 ms':>10}{'tok/s':>8}{'MiB read/tok':>14}{'hit rate':>10}{'tokens':>8}  io"
+        f"{'system':<18}{'p50 ms':>10}{'p99 ms':>10}{'tok/s':>8}{'MiB read/tok':>14}{'hit rate':>10}{'tokens':>8}  io"
     )
     for system in systems:
         r = results[system]
         bpt = r.get("bytes_per_token")
         io = r.get("store_io_mode", "buffered+fadvise(DONTNEED) per token")
         say(
-            f"{system:<12}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.1f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.1f'):>10}"
+            f"{system:<18}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.1f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.1f'):>10}"
             f"{fmt(r['tokens_per_s'], '>8.2f'):>8}{fmt(bpt and bpt / MIB, '>14.1f'):>14}"
             f"{fmt(r.get('hit_rate'), '>10.3f'):>10}{r['tokens']:>8}  {io}"
         )
-    for system in ("ours", "lru", "resident"):
+    for system in ("ours", "ours-transitions", "lru", "resident"):
         if system in results:
             r = results[system]
             cpu = ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in r["cpu_s_per_token"].items())
@@ -1049,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
         for system, r in results.items():
             if r.get("disk_s_per_token") is not None and r["p50_s"]:
                 say(
-                    f"  {system:<12}{r['disk_s_per_token'] * 1e3:>7.1f} ms = {r['disk_s_per_token'] / r['p50_s']:.2f} "
+                    f"  {system:<18}{r['disk_s_per_token'] * 1e3:>7.1f} ms = {r['disk_s_per_token'] / r['p50_s']:.2f} "
                     f"of its p50"
                 )
     verdicts = {}
@@ -1070,6 +1072,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"ours vs {other}: {speedup:.2f}x faster per token (p50; goal >= {goal:g}x) {verdict}; "
                     f"per repeat {spread_text(per_repeat)}"
                 )
+        plain = results.get("ours-transitions")
+        if plain is not None and plain["p50_s"] and results["ours"]["p50_s"]:
+            speedup = plain["p50_s"] / results["ours"]["p50_s"]
+            per_repeat = repeat_ratios(plain, results["ours"])
+            bytes_ratio = results["ours"]["bytes_per_token"] / plain["bytes_per_token"]
+            verdicts["ours_vs_ours_transitions"] = {
+                "p50_speedup": speedup,
+                "per_repeat": per_repeat,
+                "bytes_ratio": bytes_ratio,
+            }
+            say(
+                f"ours vs ours-transitions (the learned next-visit model against the routing transitions): "
+                f"{speedup:.2f}x faster per token (p50), per repeat {spread_text(per_repeat)}; {bytes_ratio:.3f}x "
+                "the MiB per token"
+            )
         lru_bytes = results.get("lru", {}).get("bytes_per_token")
         if lru_bytes:
             share = results["ours"]["bytes_per_token"] / lru_bytes
@@ -1085,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory: the compute-bound floor) that each system closes, (lru - system) / (lru - resident), p50:"
         )
         for system, share in shares.items():
-            say(f"  {system:<12}{share['share']:>7.2f}   per repeat {spread_text(share['per_repeat'])}")
+            say(f"  {system:<18}{share['share']:>7.2f}   per repeat {spread_text(share['per_repeat'])}")
     png = args.out.with_suffix(".png")
     write_e2e_png(results, shares, args.precision, png)
     say(f"wrote {png}")
