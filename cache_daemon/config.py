@@ -139,15 +139,18 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields):
     next_visit_model: str = field(
         default="",
         metadata={
+            "live": True,
             "help": "File of the learned next-visit model (python -m cache_daemon.learn_next_visit) the "
-            "eviction and prefetch decisions use in place of the routing transitions; empty = none."
+            "eviction and prefetch decisions use in place of the routing transitions; empty = none (live).",
         },
     )
     """A model fitted on recorded routing of the served model (``cache_daemon.decisions.next_visit``:
-    each layer's experts at a request's next token from every layer's latest routing). Read at
-    start (restart-only); a file that is unreadable, malformed or fitted for another model shape
-    stops the start with a message naming it. Empty: each layer's next visit is estimated from
-    its own last routing (``transitions``), learned online."""
+    each layer's experts at a request's next token from every layer's latest routing). At start, a
+    file that is unreadable, malformed or fitted for another model shape stops the start with a
+    message naming it. Live: a new path is read and swapped in whole, or refused with the old model
+    kept (to roll out a refitted model, write it under a new name and point this at it; the same
+    path is not read again). Empty: each layer's next visit is estimated from its own last routing
+    (``transitions``), learned online."""
 
     prefetch: bool = field(
         default=True,

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
-from cache_daemon.decisions.next_visit import NextVisitModelError
+from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
 from cache_daemon.decisions.policy import EvictionPolicy, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
-from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
+from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig, next_visit_model_mismatch
 from cache_daemon.errors import BudgetTooSmall
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
 from cache_daemon.learn_next_visit import read as read_next_visit_model
@@ -119,38 +119,42 @@ def signals_config(config: DaemonConfig) -> SignalsConfig:
     return SignalsConfig(hint_ttl_tokens=config.hint_ttl_tokens)
 
 
+def load_next_visit_model(config: DaemonConfig, manifest: StoreManifest) -> NextVisitModel | None:
+    """The learned next-visit model ``config.next_visit_model`` names (None when it names none),
+    checked against the served model; ``InvalidArgument`` naming the field and the file when it
+    cannot be used."""
+    if not config.next_visit_model:
+        return None
+    try:
+        model = read_next_visit_model(config.next_visit_model)
+    except NextVisitModelError as exc:
+        raise InvalidArgument(f"config field 'next_visit_model': {exc}") from None
+    problem = next_visit_model_mismatch(
+        model, len(manifest.moe_layers), manifest.num_experts, signals_config(config)
+    )
+    if problem:
+        raise InvalidArgument(f"config field 'next_visit_model' = {config.next_visit_model!r}: {problem}")
+    logger.info(
+        "next-visit model %s: %d MoE layers x %d experts, window %d layers, fitted on %s",
+        config.next_visit_model,
+        model.num_layers,
+        model.num_experts,
+        model.window,
+        model.trained_on or "unrecorded data",
+    )
+    return model
+
+
 def make_signals(config: DaemonConfig, manifest: StoreManifest) -> ActivationSignals:
     """The signals of the served model, with the learned next-visit model of
-    ``config.next_visit_model`` when one is named; ``InvalidArgument`` naming the field and the
-    file when it cannot be used."""
-    model = None
-    if config.next_visit_model:
-        try:
-            model = read_next_visit_model(config.next_visit_model)
-        except NextVisitModelError as exc:
-            raise InvalidArgument(f"config field 'next_visit_model': {exc}") from None
-    try:
-        signals = ActivationSignals(
-            manifest.num_layers,
-            manifest.num_experts,
-            config=signals_config(config),
-            layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
-            next_visit_model=model,
-        )
-    except ValueError as exc:
-        raise InvalidArgument(
-            f"config field 'next_visit_model' = {config.next_visit_model!r}: {exc}"
-        ) from None
-    if model is not None:
-        logger.info(
-            "next-visit model %s: %d MoE layers x %d experts, window %d layers, fitted on %s",
-            config.next_visit_model,
-            model.num_layers,
-            model.num_experts,
-            model.window,
-            model.trained_on or "unrecorded data",
-        )
-    return signals
+    ``config.next_visit_model`` when one is named (``load_next_visit_model``)."""
+    return ActivationSignals(
+        manifest.num_layers,
+        manifest.num_experts,
+        config=signals_config(config),
+        layer_map=LayerMap(tuple(manifest.moe_layers), manifest.num_layers),
+        next_visit_model=load_next_visit_model(config, manifest),
+    )
 
 
 def prefetch_config(config: DaemonConfig) -> PrefetchConfig:
@@ -239,6 +243,8 @@ class CacheDaemon:
                 policy = None
                 if new.eviction_policy != self.config.eviction_policy:
                     policy = device_policy(new.eviction_policy, self.manifest, self.residency.signals)
+                swap_model = new.next_visit_model != self.config.next_visit_model
+                model = load_next_visit_model(new, self.manifest) if swap_model else None
             except InvalidArgument as exc:
                 logger.warning("config update from %s refused, config unchanged: %s", source, exc)
                 raise
@@ -251,6 +257,8 @@ class CacheDaemon:
                 logger.info("host budget %d slots (%d evicted)", host_limit, evicted)
             if policy is not None:
                 self.residency.set_policy(policy)
+            if swap_model:
+                self.residency.set_next_visit_model(model)
             self.residency.signals.config = signals_config(new)
             self.residency.configure_prefetch(
                 enabled=new.prefetch, max_inflight_bytes=new.max_inflight_bytes, config=prefetch_config(new)

@@ -174,6 +174,7 @@ def live_config_to_pb(config: DaemonConfig) -> cache_pb2.LiveConfig:
         hint_stale_s=config.hint_stale_s,
         prefetch_horizon_layers=config.prefetch_horizon_layers,
         hint_ttl_tokens=config.hint_ttl_tokens,
+        next_visit_model=config.next_visit_model,
     )
 
 

@@ -237,6 +237,26 @@ class RequestSignals:
         self.scoring: dict[int, list[_Lookahead]] = {}  # predicted layer → every depth's, to score
 
 
+def next_visit_model_mismatch(
+    m: NextVisitModel, num_moe: int, num_experts: int, config: SignalsConfig
+) -> str | None:
+    """What keeps signals of ``num_moe`` MoE layers x ``num_experts`` experts with ``config`` from
+    running ``m`` (it was fitted for other layers, experts or histories), or None."""
+    if (m.num_layers, m.num_experts) != (num_moe, num_experts):
+        return (
+            f"next-visit model is for {m.num_layers} MoE layers x {m.num_experts} experts, the model "
+            f"served has {num_moe} x {num_experts}"
+        )
+    fitted = (m.short_half_life_tokens, m.long_half_life_tokens, m.history_start)
+    ours = (config.history_half_life_tokens, config.long_history_half_life_tokens, config.prior_weight)
+    if not np.allclose(fitted, ours, rtol=1e-6):
+        return (
+            f"next-visit model was fitted with history half-lives {fitted[0]:g} / {fitted[1]:g} tokens and "
+            f"start {fitted[2]:g}; the signals use {ours[0]:g} / {ours[1]:g} and {ours[2]:g}"
+        )
+    return None
+
+
 class ActivationSignals:
     """Prediction state of one tier's model: history, lookahead and hints, per live request.
 
@@ -300,31 +320,33 @@ class ActivationSignals:
                 cfg.prior_half_life_tokens,
             )
         )
-        self.next_visit_model = next_visit_model
+        self.next_visit_model: NextVisitModel | None = None
         self._model_latest = 0
-        if next_visit_model is not None:
-            self._check_model(next_visit_model)
-            self._model_latest = self.num_moe * num_experts
+        self.set_next_visit_model(next_visit_model)
         self.estimator = estimator
         if estimator is not None:
             estimator.attach(self)
 
+    def set_next_visit_model(self, model: NextVisitModel | None) -> None:
+        """Estimate each layer's next visit with ``model`` from now on (None: the routing
+        transitions). ``ValueError`` naming the mismatch, with nothing changed, when it was not
+        fitted for these layers, experts and histories. The live requests' estimates of the old
+        one are dropped: each layer is estimated afresh at its next visit (the history stands in
+        until then), and the new model's view of every layer's latest routing starts with the
+        layers routed from now on."""
+        if model is not None:
+            self._check_model(model)
+        self.next_visit_model = model
+        self._model_latest = self.num_moe * self.num_experts if model is not None else 0
+        for req in self._requests.values():
+            req.latest = np.zeros(self._model_latest, np.float32)
+            req.next_p[:] = -1.0
+        self._bump()
+
     def _check_model(self, m: NextVisitModel) -> None:
-        """``ValueError`` naming the mismatch when ``m`` was not fitted for these layers, experts
-        and histories."""
-        if (m.num_layers, m.num_experts) != (self.num_moe, self.num_experts):
-            raise ValueError(
-                f"next-visit model is for {m.num_layers} MoE layers x {m.num_experts} experts, the model "
-                f"served has {self.num_moe} x {self.num_experts}"
-            )
-        cfg = self.config
-        fitted = (m.short_half_life_tokens, m.long_half_life_tokens, m.history_start)
-        ours = (cfg.history_half_life_tokens, cfg.long_history_half_life_tokens, cfg.prior_weight)
-        if not np.allclose(fitted, ours, rtol=1e-6):
-            raise ValueError(
-                f"next-visit model was fitted with history half-lives {fitted[0]:g} / {fitted[1]:g} tokens and "
-                f"start {fitted[2]:g}; the signals use {ours[0]:g} / {ours[1]:g} and {ours[2]:g}"
-            )
+        problem = next_visit_model_mismatch(m, self.num_moe, self.num_experts, self.config)
+        if problem:
+            raise ValueError(problem)
 
     def _bump(self) -> None:
         self.version += 1
@@ -439,7 +461,7 @@ class ActivationSignals:
             self.transitions.step(
                 layer, req.last_routed.get(layer), ex, h, hl, cfg.long_history_weight, req.next_p[sl]
             )
-            req.last_routed[layer] = ex
+        req.last_routed[layer] = ex  # kept either way: the transitions take over if the model goes
         p = self._prior[base : base + self.num_experts]
         p *= prior_decay
         p[ex] += 1.0 - prior_decay
@@ -790,4 +812,10 @@ class ActivationSignals:
         return self._cached("next_use", compute)
 
 
-__all__ = ["ActivationSignals", "LayerPrediction", "RequestSignals", "SignalsConfig"]
+__all__ = [
+    "ActivationSignals",
+    "LayerPrediction",
+    "RequestSignals",
+    "SignalsConfig",
+    "next_visit_model_mismatch",
+]

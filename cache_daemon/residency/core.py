@@ -319,6 +319,14 @@ class Residency:
                 self._prefetcher.scheduler.config = config
             self._prefetcher.kick()
 
+    def set_next_visit_model(self, model) -> None:
+        """Swap the signals' learned next-visit model (None: the routing transitions) at runtime
+        (``ActivationSignals.set_next_visit_model``; ``ValueError`` for a model of another shape,
+        nothing changed)."""
+        with self._cond:
+            self.signals.set_next_visit_model(model)
+            self._prefetcher.kick()
+
     @property
     def prefetch_enabled(self) -> bool:
         return self._prefetcher.enabled

@@ -218,6 +218,32 @@ def test_restart_only_key_is_logged_and_not_applied(live_daemon):
     assert "not applied until the service restarts" in log
 
 
+def test_a_next_visit_model_is_swapped_in_by_an_edit_while_streaming(live_daemon, tmp_path):
+    from tests.unit.test_daemon_config import _next_visit_model
+
+    d, volume = live_daemon
+    streamer = Streamer(d)
+    try:
+        model = _next_visit_model(tmp_path / "nv-1.safetensors", 2, 6)  # 2 MoE layers x 6 experts
+        volume.write(f"eviction_policy: activation-aware\nnext_visit_model: {model}\n" + BUDGETS)
+        wait_for(lambda: d.stats().config.next_visit_model == str(model), "the model swapped in")
+        assert f"next-visit model {model}: 2 MoE layers x 6 experts" in d.proc.log()
+        # A model of another shape is refused whole: the policy edit beside it is not applied.
+        wrong = _next_visit_model(tmp_path / "nv-2.safetensors", 3, 6)
+        volume.write(f"eviction_policy: lfu\nnext_visit_model: {wrong}\n" + BUDGETS)
+        wait_for(
+            lambda: "is for 3 MoE layers x 6 experts, the model served has 2 x 6" in d.proc.log(), "refusal"
+        )
+        after = d.stats().config
+        assert after.next_visit_model == str(model) and after.eviction_policy == "activation-aware"
+        volume.write("eviction_policy: activation-aware\n" + BUDGETS)  # back to the transitions
+        wait_for(lambda: d.stats().config.next_visit_model == "", "the model dropped")
+    finally:
+        streamer.stop()
+    assert not streamer.errors, streamer.errors
+    assert streamer.acquires > 0
+
+
 def test_a_file_key_overridden_by_a_flag_is_named(tmp_path):
     store = tmp_path / "store"
     write_store(store)

@@ -36,6 +36,7 @@ DAEMON_LIVE_KEYS = {
     "prefetch_horizon_layers",
     "hint_ttl_tokens",
     "hint_stale_s",
+    "next_visit_model",
 }
 PREDICTOR_LIVE_KEYS = {
     "eamc_capacity",

@@ -312,3 +312,25 @@ def test_cli_names_a_missing_trace_or_output_directory(tmp_path, capsys):
     assert learn.main(["--trace", str(trace), "--out", str(tmp_path / "no" / "m")]) == 2
     err = capsys.readouterr().err
     assert "--out: directory" in err and err.rstrip().endswith("does not exist")
+
+
+def test_a_model_swapped_in_or_out_drops_the_old_estimates_and_the_transitions_take_over():
+    rng = np.random.default_rng(8)
+    m = _model(rng, layers=3, experts=4, window=3)
+    sig = ActivationSignals(3, 4)
+    sig.observe(0, [1], 0, request_id="r")
+    sig.observe(0, [2], 1, request_id="r")  # the transitions' estimate of layer 0
+    req = sig._request("r")
+    assert (req.next_p[:4] >= 0).all()
+    version = sig.version
+    sig.set_next_visit_model(m)
+    assert sig.version > version and (req.next_p == -1).all() and req.latest.shape == (12,)
+    sig.observe(1, [3], 1, request_id="r")
+    assert (req.next_p[4:8] >= 0).all() and req.latest[4 + 3] == 1.0
+    with pytest.raises(ValueError, match="next-visit model is for 2 MoE layers"):
+        sig.set_next_visit_model(_model(rng, layers=2, experts=4, window=2))
+    assert sig.next_visit_model is m  # nothing changed by a refused swap
+    sig.set_next_visit_model(None)
+    assert req.latest.size == 0 and (req.next_p == -1).all()
+    sig.observe(0, [1], 2, request_id="r")  # the transitions again, from the kept last routing
+    assert (req.next_p[:4] >= 0).all()
