@@ -59,10 +59,19 @@ def window_start(layer: int, num_layers: int, window: int) -> int:
     return min(max(layer - (window - 1) // 2, 0), num_layers - window)
 
 
+def bfloat16_round(a: np.ndarray) -> np.ndarray:
+    """float32 ``a`` rounded to bfloat16 precision (nearest even), as float32 (a fresh array)."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
 @dataclass(frozen=True, eq=False)
 class NextVisitModel:
     """One logistic model per MoE layer (see the module docstring). Arrays are float32 and
-    read-only: ``weights [M, w * E + 2E, E]``, ``bias [M, E]``."""
+    read-only: ``weights [M, w * E + 2E, E]``, ``bias [M, E]``. The weights are held at bfloat16
+    precision (rounded on construction): the hot path reads them as bfloat16, half the bytes,
+    and this copy computes the same numbers."""
 
     weights: np.ndarray
     bias: np.ndarray
@@ -102,7 +111,14 @@ class NextVisitModel:
                 raise NextVisitModelError(f"{name} must be float32, got {a.dtype}")
             if not np.isfinite(a).all():
                 raise NextVisitModelError(f"{name} holds non-finite values")
-            a.flags.writeable = False
+        w = bfloat16_round(w)
+        if not np.isfinite(w).all():
+            raise NextVisitModelError("weights overflow bfloat16")
+        b = b.copy()
+        w.flags.writeable = False
+        b.flags.writeable = False
+        object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "bias", b)
         object.__setattr__(self, "_native", NextVisitLogistic(w, b, self.window))
 
     @property

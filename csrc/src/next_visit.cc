@@ -2,10 +2,31 @@
 #include "expertcache/next_visit.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 namespace expertcache {
+
+namespace {
+
+// float32 -> bfloat16 bits, rounded to nearest even (the inputs are finite).
+uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+}  // namespace
 
 NextVisitLogistic::NextVisitLogistic(size_t layers, size_t experts, size_t window, const float* weights,
                                      const float* bias)
@@ -17,7 +38,9 @@ NextVisitLogistic::NextVisitLogistic(size_t layers, size_t experts, size_t windo
   if (window < 1 || window > layers)
     throw std::invalid_argument("NextVisitLogistic: window must be in [1, " + std::to_string(layers) + "], got " +
                                 std::to_string(window));
-  weights_.assign(weights, weights + layers * inputs_ * experts);
+  const size_t n = layers * inputs_ * experts;
+  weights_.resize(n);
+  for (size_t i = 0; i < n; ++i) weights_[i] = to_bf16(weights[i]);
   bias_.assign(bias, bias + layers * experts);
 }
 
@@ -50,23 +73,23 @@ void NextVisitLogistic::predict(size_t layer, const float* latest, const float* 
                                 std::to_string(layers_ - 1));
   const size_t E = experts_;
   const size_t wE = window_ * E;
-  const float* w = &weights_[layer * inputs_ * E];
+  const uint16_t* w = &weights_[layer * inputs_ * E];
   float z[kMaxExperts];
   const float* b = &bias_[layer * E];
   for (size_t e = 0; e < E; ++e) z[e] = b[e];
   for (size_t i = 0; i < wE; ++i) {
     const float x = latest[i];
     if (x == 0.0f) continue;  // one-hot: k of each layer's E are set
-    const float* row = w + i * E;
-    for (size_t e = 0; e < E; ++e) z[e] += x * row[e];
+    const uint16_t* row = w + i * E;
+    for (size_t e = 0; e < E; ++e) z[e] += x * from_bf16(row[e]);
   }
   const float* hist[2] = {short_history, long_history};
   for (size_t h = 0; h < 2; ++h) {
-    const float* rows = w + (wE + h * E) * E;
+    const uint16_t* rows = w + (wE + h * E) * E;
     for (size_t i = 0; i < E; ++i) {
       const float x = hist[h][i];
-      const float* row = rows + i * E;
-      for (size_t e = 0; e < E; ++e) z[e] += x * row[e];
+      const uint16_t* row = rows + i * E;
+      for (size_t e = 0; e < E; ++e) z[e] += x * from_bf16(row[e]);
     }
   }
   for (size_t e = 0; e < E; ++e) out[e] = 1.0f / (1.0f + std::exp(-z[e]));

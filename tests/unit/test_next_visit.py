@@ -14,6 +14,7 @@ from cache_daemon.decisions.next_visit import (
     FORMAT,
     NextVisitModel,
     NextVisitModelError,
+    bfloat16_round,
     features,
     histories,
     one_hot,
@@ -87,6 +88,25 @@ def test_native_step_refuses_bad_arguments():
     assert not latest.any()  # nothing recorded by a refused call
 
 
+def test_weights_are_held_at_bfloat16_precision():
+    one = np.float32(1.0)
+    x = np.array([1.0, 1 + 2.0**-8, 1 + 3 * 2.0**-8, -2.5, 1 + 2.0**-7], np.float32)
+    # ties to even: 1 + 2^-8 is half an ulp (2^-7) above 1, 1 + 3 * 2^-8 half an ulp above 1 + 2^-7
+    assert bfloat16_round(x).tolist() == [1.0, 1.0, 1 + 2.0**-6, -2.5, 1 + 2.0**-7]
+    assert one == bfloat16_round(np.array([one]))[0]
+    rng = np.random.default_rng(9)
+    m = _model(rng)
+    raw = rng.normal(size=m.weights.shape).astype(np.float32)
+    m2 = NextVisitModel(
+        raw,
+        m.bias.copy(),
+        m.window,
+        **{k: getattr(m, k) for k in ("short_half_life_tokens", "long_half_life_tokens", "history_start")},
+    )
+    assert np.array_equal(m2.weights, bfloat16_round(raw)) and not np.array_equal(m2.weights, raw)
+    assert np.abs(m2.weights - raw).max() <= np.abs(raw).max() * 2.0**-8
+
+
 def test_bytes_round_trip():
     m = _model(np.random.default_rng(1), trained_on="t.npz requests 0:4")
     back = NextVisitModel.from_bytes(m.to_bytes())
@@ -146,6 +166,10 @@ B = np.zeros((2, 4), np.float32)
             r"short_half_life_tokens must be > 0",
         ),
         (st_save({"weights": W, "bias": B}, metadata=_meta(history_start="2")), r"history_start must be in"),
+        (
+            st_save({"weights": np.full_like(W, np.finfo(np.float32).max), "bias": B}, metadata=_meta()),
+            r"weights overflow bfloat16",
+        ),
     ],
 )
 def test_malformed_bytes_are_refused_by_name(data, message):

@@ -6,9 +6,11 @@
 //   z = bias[j] + sum_i latest[i] * W[j][i] + sum_e short[e] * W[j][wE + e] + sum_e long[e] * W[j][wE + E + e]
 //   q = 1 / (1 + exp(-z))
 //
-// with W[j] a (w * E + 2E) x E row-major matrix. It runs once per routed layer on the daemon's
-// hot path: the one-hot rows are summed only where `latest` is non-zero (k per layer), so a call
-// costs about k * w * E + 2 * E * E multiply-adds.
+// with W[j] a (w * E + 2E) x E row-major matrix, held in bfloat16 (rounded to nearest even; the
+// Python model rounds its weights the same way, so both compute the same numbers). It runs once
+// per routed layer on the daemon's hot path: the one-hot rows are summed only where `latest` is
+// non-zero (k per layer), so a call costs about k * w * E + 2 * E * E multiply-adds, and its time
+// is mostly the cache misses on those rows (gpt-oss-20b: 160 rows, 10 KiB in bfloat16).
 //
 // Immutable after construction (the weights are copied in); predict is const and thread-safe.
 // Failures are std::invalid_argument naming the argument.
@@ -47,7 +49,7 @@ class NextVisitLogistic {
 
  private:
   size_t layers_, experts_, window_, inputs_;
-  std::vector<float> weights_;
+  std::vector<uint16_t> weights_;  // bfloat16: half the bytes a call touches (cache misses dominate it)
   std::vector<float> bias_;
 };
 
