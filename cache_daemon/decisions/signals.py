@@ -130,8 +130,10 @@ class SignalsConfig:
     hint_ttl_tokens: int = field(default=64, metadata={"min": 0, "max": 1 << 30})
     """Hints older than this many tokens are ignored (stale)."""
 
-    lookahead_prior_precision: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
-    """Precision assumed for a lookahead depth before any of its predictions was scored."""
+    lookahead_prior_precision: float = field(default=0.8, metadata={"min": 0.0, "max": 1.0})
+    """Precision assumed for a lookahead depth before any of its predictions was scored: above
+    the scheduler's ``min_precision`` (0.7), so that a new depth is tried and then kept or cut by
+    what it measures."""
 
     precision_half_life: float = field(default=64.0, metadata={"min": 1.0, "max": 1e9})
     """Half-life, in scored predictions, of each depth's running precision estimate."""

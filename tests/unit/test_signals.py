@@ -98,7 +98,7 @@ def test_layer_distance_counts_moe_layers_only():
 
 
 def test_lookahead_by_depth_staleness_and_nearer_wins():
-    s = make()
+    s = make(lookahead_prior_precision=0.5)
     s.observe(2, [0], token=3)
     s.set_lookahead([pred(2, 1, [5]), pred(1, 1, [5])], token=3)  # the current layer and one before: passed
     assert s.lookahead() == []
@@ -291,10 +291,11 @@ def test_lookahead_precision_is_kept_per_prior_bucket():
     assert conf.tolist() == pytest.approx([s.precision(1, b_habit), s.precision(1, b_new)])
     p = s.use_probability()
     assert p[E + 1] > 0.9 and p[E + 6] < 0.1
-    # The scheduler takes the habitual guess and drops the other (below min_precision 0.3).
+    # The scheduler (the depth's precision, 0.5, above its min_precision here) takes the habitual
+    # guess and drops the other (its bucket's precision below min_precision).
     policy = LRUPolicy(PolicyShape(L, E))
     sched = PrefetchScheduler(
-        s, policy, blob_bytes=1, max_inflight_bytes=8, config=PrefetchConfig(eamc=False)
+        s, policy, blob_bytes=1, max_inflight_bytes=8, config=PrefetchConfig(eamc=False, min_precision=0.3)
     )
     got = {(c.entry, c.cls) for c in sched.candidates()}
     assert got == {(E + 1, PrefetchClass.LAYER_AHEAD)}
