@@ -99,7 +99,7 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from bench.e2e_accelerate import drop_page_cache  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
-from cache_daemon.learn_next_visit import fit as fit_next_visit  # noqa: E402
+from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
 from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
 from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
@@ -636,11 +636,7 @@ def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         pass
     started = time.perf_counter()
     say(f"fitting the next-visit model on trace requests {learn.start}..{learn.stop - 1} ...")
-    model = fit_next_visit(
-        [trace.request(r) for r in learn],
-        trace.num_experts,
-        trained_on=f"{args.trace.name} requests {learn.start}:{learn.stop}",
-    )
+    model = fit_trace(trace, learn)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     write_next_visit(model, path)
     return path, f"{note} in {time.perf_counter() - started:.0f} s, written to {path}"

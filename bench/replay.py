@@ -50,7 +50,7 @@ from cache_daemon.decisions.simulator import (
     gpt_oss_20b_expert_bytes,
     timing_model,
 )
-from cache_daemon.learn_next_visit import fit as fit_model
+from cache_daemon.learn_next_visit import fit_trace
 from cache_daemon.learn_next_visit import read as read_model
 from cache_daemon.learn_next_visit import write as write_model
 from expertcache.trace import RoutingTrace, TraceError, read_trace
@@ -231,12 +231,7 @@ def next_visit_model(
     print(f"fitting the next-visit model on requests {learn.start}..{learn.stop - 1}", flush=True)
     bar = None if args.no_progress else tqdm(total=trace.num_layers, unit="layer", desc="next-visit model")
     try:
-        model = fit_model(
-            [trace.request(r) for r in learn],
-            trace.num_experts,
-            trained_on=f"{Path(trace.path).name} requests {learn.start}:{learn.stop}",
-            progress=(lambda j, n: bar.update(1)) if bar is not None else None,
-        )
+        model = fit_trace(trace, learn, progress=(lambda j, n: bar.update(1)) if bar is not None else None)
     except ValueError as exc:
         raise SystemExit(f"next-visit model: {exc}") from None
     finally:

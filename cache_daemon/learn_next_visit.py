@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from cache_daemon.decisions.next_visit import (
     one_hot,
 )
 from cache_daemon.decisions.signals import SignalsConfig
+
+if TYPE_CHECKING:
+    from expertcache.trace import RoutingTrace
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +132,24 @@ def fit(
     )
 
 
+def fit_trace(
+    trace: RoutingTrace,
+    requests: range,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    **kw,
+) -> NextVisitModel:
+    """``fit`` on ``requests`` of ``trace`` (its rows as they are: pass ``decode_only()``'s), the
+    model recording the trace's file name and the request range it was fitted on."""
+    return fit(
+        [trace.request(r) for r in requests],
+        trace.num_experts,
+        trained_on=f"{Path(trace.path).name} requests {requests.start}:{requests.stop}",
+        progress=progress,
+        **kw,
+    )
+
+
 def write(model: NextVisitModel, path: str | os.PathLike) -> None:
     """Writes ``model`` to ``path`` atomically (a reader never sees half a file)."""
     path = Path(path)
@@ -196,20 +218,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --out: directory {args.out.parent} does not exist", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    routes = [trace.request(r) for r in requests]
+    tokens = int(trace.req_offsets[requests.stop] - trace.req_offsets[requests.start])
     print(
         f"learning from requests {requests.start}..{requests.stop - 1} of {args.trace} "
-        f"({sum(map(len, routes))} tokens, {trace.num_layers} MoE layers x {trace.num_experts} experts)",
+        f"({tokens} tokens, {trace.num_layers} MoE layers x {trace.num_experts} experts)",
         flush=True,
     )
     try:
-        model = fit(
-            routes,
-            trace.num_experts,
+        model = fit_trace(
+            trace,
+            requests,
             window=args.window,
             l2=args.l2,
             iterations=args.iterations,
-            trained_on=f"{args.trace.name} requests {requests.start}:{requests.stop}",
             progress=lambda j, n: print(
                 f"  layer {j}/{n} ({time.perf_counter() - started:.0f} s)", flush=True
             ),

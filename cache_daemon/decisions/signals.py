@@ -746,12 +746,12 @@ class ActivationSignals:
             learned = self.next_visit_model is not None
             out = []
             for req, hist in self._histories():
-                p = np.where(req.next_p >= 0.0, tw * req.next_p + (np.float32(1.0) - tw) * hist, hist)
-                p = p.astype(np.float32)
-                if learned:
-                    out.append(np.where(req.next_p >= 0.0, p, self._with_hints(req, hist)))
+                blend = tw * req.next_p + (np.float32(1.0) - tw) * hist
+                if learned:  # hints only where the model has no estimate yet
+                    p = np.where(req.next_p >= 0.0, blend, self._with_hints(req, hist))
                 else:
-                    out.append(self._with_hints(req, p))
+                    p = self._with_hints(req, np.where(req.next_p >= 0.0, blend, hist).astype(np.float32))
+                out.append(p.astype(np.float32, copy=False))
             return out
 
         return self._cached("per_request_next", compute)

@@ -4,7 +4,23 @@
 // std::runtime_error (incl. std::system_error) -> RuntimeError.
 #pragma once
 
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+// std::invalid_argument "<owner>: <name> must be a contiguous float32 array of <n> values" (or
+// "... must be writable") unless `a` is one (the row arguments of the per-layer hot-path calls).
+inline void check_float_row(const pybind11::array& a, size_t n, const char* owner, const char* name,
+                            bool writable) {
+  if (!pybind11::isinstance<pybind11::array_t<float>>(a) || a.ndim() != 1 || static_cast<size_t>(a.shape(0)) != n ||
+      !(a.flags() & pybind11::array::c_style))
+    throw std::invalid_argument(std::string(owner) + ": " + name + " must be a contiguous float32 array of " +
+                                std::to_string(n) + " values");
+  if (writable && !a.writeable()) throw std::invalid_argument(std::string(owner) + ": " + name + " must be writable");
+}
 
 void bind_slot_table(pybind11::module_& m);
 void bind_host_pool(pybind11::module_& m);

@@ -17,12 +17,7 @@ using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Experts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 void check_row(const py::array& a, size_t n, const char* name, bool writable) {
-  if (!py::isinstance<py::array_t<float>>(a) || a.ndim() != 1 || static_cast<size_t>(a.shape(0)) != n ||
-      !(a.flags() & py::array::c_style))
-    throw std::invalid_argument(std::string("NextVisitLogistic: ") + name + " must be a contiguous float32 array of " +
-                                std::to_string(n) + " values");
-  if (writable && !a.writeable())
-    throw std::invalid_argument(std::string("NextVisitLogistic: ") + name + " must be writable");
+  check_float_row(a, n, "NextVisitLogistic", name, writable);
 }
 
 }  // namespace
