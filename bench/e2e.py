@@ -68,6 +68,12 @@ one at a time (what a lone demand miss waits) and then 4 in flight; the MiB per 
 lru and resident over that throughput is their disk time per token, printed beside the p50 and
 marked on the plot (not accelerate's: it reads its offload files buffered and in order).
 Where that time is most of the p50, the disk bounds the token and only fewer bytes make it faster.
+Belady's reference: MIN needs the future, so it runs in the replay's simulator instead, on the very
+routing ours and lru were forced to and the same slots (``bench.e2e_reference``): the simulated
+LRU's bytes printed beside the measured ones (they agree), Belady's bytes and, with the ``cpu-e2e``
+timing model where it is calibrated (bf16 experts of the default shape), its speed-up over LRU;
+then ours' share of Belady's gain, (ours - 1) / (belady - 1), in speed (ours measured) and in
+bytes saved against LRU. The replay's prediction for ours is printed beside it.
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
 built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (the trace's
@@ -97,6 +103,8 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 from bench.e2e_accelerate import drop_page_cache  # noqa: E402
+from bench.e2e_reference import forced_routes, is_calibrated, simulate  # noqa: E402
+from bench.e2e_reference import shares as belady_shares  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
@@ -658,6 +666,76 @@ def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dic
     return {"alone": alone, "four_in_flight": four}
 
 
+def simulated_reference(
+    args: argparse.Namespace, manifest: StoreManifest, budget: int, results: dict
+) -> dict | None:
+    """Belady's MIN and the replay's prediction on the routing ours and lru were forced to
+    (``bench.e2e_reference``), printed beside the measurement; None unless lru ran. Ours' share
+    of Belady's gain: (ours - 1) / (belady - 1) in speed-up over lru (ours measured, Belady
+    simulated), and in bytes saved against lru."""
+    if "lru" not in results:
+        return None
+    routes = forced_routes(args.trace, manifest, args.request, args.repeats * args.requests, args.tokens)
+    ours = {}
+    if "ours" in results:
+        ours["ours"] = args.next_visit_path
+    if "ours-transitions" in results:
+        ours["ours-transitions"] = None
+    calibrated = is_calibrated(manifest)
+    depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
+    drop = ComputeConfig().force_routing_accuracy_drop_per_depth
+    accuracy = tuple(max(0.0, args.layer_ahead_accuracy - d * drop) for d in range(depth))
+    slots = budget // manifest.blob_bytes
+    started = time.perf_counter()
+    simulated = simulate(
+        routes, manifest, slots, ours=ours, lookahead_accuracy=accuracy, calibrated=calibrated
+    )
+    say("")
+    say(
+        f"simulated on the same routing (trace requests {routes.requests[0]}..{routes.requests[-1]}, {args.tokens} "
+        f"tokens each, {slots} slots; cache_daemon.decisions.simulator, "
+        + (
+            "timing model cpu-e2e"
+            if calibrated
+            else "bytes only: the cpu-e2e timing model is calibrated for bf16 experts of the default shape"
+        )
+        + f"; {time.perf_counter() - started:.1f} s):"
+    )
+    say(f"  {'system':<18}{'MiB/tok':>9}{'measured':>10}{'x lru':>8}{'ms/tok':>9}{'x lru':>7}")
+    sim_lru = simulated["lru"]
+    for system, sim in simulated.items():
+        measured = results.get(system, {}).get("bytes_per_token")
+        lat = sim["latency_ms_per_token"]
+        speedup = sim_lru["latency_ms_per_token"] / lat if lat else None
+        say(
+            f"  {system:<18}{sim['bytes_per_token'] / MIB:>9.1f}{fmt(measured and measured / MIB, '>10.1f'):>10}"
+            f"{sim['bytes_per_token'] / sim_lru['bytes_per_token']:>8.3f}"
+            f"{fmt(lat, '>9.1f'):>9}{fmt(speedup, '>7.2f'):>7}"
+            + ("   (demand fetching with the future known: the fewest bytes)" if system == "belady" else "")
+        )
+    share = belady_shares(results, simulated)
+    if share:
+        if share.get("speed_share") is not None:
+            say(
+                f"ours' share of Belady's gain in speed, (ours - 1) / (belady - 1): {share['speed_share']:.2f} "
+                f"(ours {share['speedup']:.2f}x lru measured, belady {share['belady_speedup']:.2f}x lru simulated)"
+            )
+        if share.get("bytes_share") is not None:
+            say(
+                f"ours' share of Belady's byte saving, (1 - ours / lru) / (1 - belady / lru): "
+                f"{share['bytes_share']:.2f} (ours {share['bytes_ratio']:.3f}x lru's bytes measured, belady "
+                f"{share['belady_bytes_ratio']:.3f}x simulated)"
+            )
+    return {
+        "requests": list(routes.requests),
+        "slots": slots,
+        "calibrated": calibrated,
+        "lookahead_accuracy": list(accuracy),
+        "systems": simulated,
+        "shares": share,
+    }
+
+
 def add_disk_time(results: dict, store_reads: dict) -> None:
     """Each daemon-backed system's ``disk_s_per_token``: its bytes read per token at the disk's
     measured throughput with 4 reads in flight (None without a byte count). Accelerate gets none:
@@ -671,16 +749,20 @@ def add_disk_time(results: dict, store_reads: dict) -> None:
         r["disk_s_per_token"] = bpt / rate if bpt is not None and rate > 0 else None
 
 
-def write_e2e_png(results: dict, shares: dict, precision: str, path: Path) -> None:
-    """Per-token p50 per system (bars; whiskers: the lowest and highest repeat) and each
-    system's share of the lru-resident gap."""
+def write_e2e_png(
+    results: dict, shares: dict, precision: str, path: Path, reference: dict | None = None
+) -> None:
+    """Per-token p50 per system (bars; whiskers: the lowest and highest repeat), each system's
+    share of the lru-resident gap, and with a simulated ``reference`` each system's MiB read per
+    token measured beside the simulation's, with Belady's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     systems = [s for s in results if results[s].get("p50_s")]
-    fig, axes = plt.subplots(1, 2 if shares else 1, figsize=(11 if shares else 6, 4.2), squeeze=False)
+    panels = 1 + bool(shares) + bool(reference)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
     ax = axes[0][0]
     p50 = np.array([results[s]["p50_s"] * 1e3 for s in systems])
     lo = np.array([min(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
@@ -709,6 +791,20 @@ def write_e2e_png(results: dict, shares: dict, precision: str, path: Path) -> No
         ax.axhline(0, color="grey", lw=0.8)
         ax.axhline(1, color="grey", lw=0.8, ls="--")
         ax.set_title("share of the lru -> resident gap closed (dots: repeats)")
+    if reference:
+        ax = axes[0][panels - 1]
+        sim = reference["systems"]
+        names = [s for s in sim if s == "belady" or results.get(s, {}).get("bytes_per_token") is not None]
+        x = np.arange(len(names))
+        measured = [(results.get(s, {}).get("bytes_per_token") or np.nan) / MIB for s in names]
+        simulated = [sim[s]["bytes_per_token"] / MIB for s in names]
+        bars = ax.bar(x - 0.2, measured, 0.4, label="measured")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        bars = ax.bar(x + 0.2, simulated, 0.4, label="simulated", hatch="//", color="tab:orange")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(x, names)
+        ax.legend(fontsize=8)
+        ax.set_title("MiB read per token (belady: simulated only)")
     fig.suptitle(f"bench.e2e: gpt-oss shape, experts {precision}, interleaved systems, 2-core CPU")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -954,8 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
             f"experts ({total / MIB:.0f} MiB) are only {ratio:.1f}x the budget; need >= {args.min_ratio}x"
         )
     say(
-        f"routing: ours/lru forced from {args.trace.name}, requests {args.request}..{args.request + args.requests - 1}, "
-        f"{args.tokens} tokens each (prompt {len(PROMPT)} tokens, prefill rows = the trace's first decode row); "
+        f"routing: ours/lru forced from {args.trace.name}, requests {args.request}.."
+        f"{args.request + args.repeats * args.requests - 1} ({args.requests} per repeat), {args.tokens} tokens each (prompt {len(PROMPT)} tokens, prefill rows = the trace's first decode row); "
         f"layer-ahead accuracy modelled at {args.layer_ahead_accuracy:.2f}, ours' lookahead depth "
         f"{args.layer_ahead_depth or ComputeConfig().layer_ahead_depth} MoE layers"
     )
@@ -1089,6 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "PASS" if share <= GOAL_BYTES_VS_LRU else "FAIL"
             verdicts["ours_bytes_vs_lru"] = {"ratio": share, "goal": GOAL_BYTES_VS_LRU, "verdict": verdict}
             say(f"ours reads {share:.3f}x lru's MiB per token (goal <= {GOAL_BYTES_VS_LRU:g}x) {verdict}")
+    reference = simulated_reference(args, manifest, budget, results)
+    if reference is not None:
+        verdicts["belady_share"] = reference["shares"]
     shares = gap_shares(results)
     if shares:
         verdicts["share_of_lru_resident_gap"] = shares
@@ -1100,7 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
         for system, share in shares.items():
             say(f"  {system:<18}{share['share']:>7.2f}   per repeat {spread_text(share['per_repeat'])}")
     png = args.out.with_suffix(".png")
-    write_e2e_png(results, shares, args.precision, png)
+    write_e2e_png(results, shares, args.precision, png, reference)
     say(f"wrote {png}")
     if baseline is not None:
         verdicts.update(compare_runs(results, args.precision, baseline, args.compare_with, args.out))
@@ -1143,6 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "torch_threads": args.threads,
         "systems": results,
+        "simulated_reference": reference,
         "verdicts": verdicts,
         "wall_s": time.perf_counter() - started,
     }

@@ -66,6 +66,9 @@ logger = logging.getLogger(__name__)
 # back towards it): a depth is tried before it is judged.
 USEFULNESS_PRIOR_WEIGHT = 4.0
 
+DEFAULT_INFLIGHT_BLOBS = 4
+"""The daemon's bound on loads in flight when ``max_inflight_bytes`` is 0: this many blobs."""
+
 
 class PrefetchClass(IntEnum):
     """Priority class of a load; lower value = served first."""
@@ -479,6 +482,7 @@ class PrefetchScheduler:
 
 
 __all__ = [
+    "DEFAULT_INFLIGHT_BLOBS",
     "Candidate",
     "PrefetchClass",
     "PrefetchConfig",

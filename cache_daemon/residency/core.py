@@ -30,6 +30,7 @@ import torch
 
 from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.decisions.scheduler import (
+    DEFAULT_INFLIGHT_BLOBS,
     PrefetchClass,
     PrefetchConfig,
     PrefetchQueue,
@@ -209,7 +210,7 @@ class Residency:
             on_cancelled=self._drop_cancelled,
             on_slot_settled=self._slot_settled,
         )
-        self._max_inflight_bytes = max_inflight_bytes or 4 * manifest.blob_bytes
+        self._max_inflight_bytes = max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes
         scheduler = PrefetchScheduler(
             self.signals,
             policy,
@@ -313,7 +314,7 @@ class Residency:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
         with self._cond:
             self._prefetcher.enabled = enabled
-            self._max_inflight_bytes = max_inflight_bytes or 4 * self._blob_bytes
+            self._max_inflight_bytes = max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * self._blob_bytes
             self._prefetcher.scheduler.max_inflight_bytes = self._max_inflight_bytes
             if config is not None:
                 self._prefetcher.scheduler.config = config

@@ -25,6 +25,10 @@ TRACE = e2e.DEFAULT_TRACE
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"{TRACE} is not present")
 
 
+def bytes_ratio_of(systems: dict) -> float:
+    return systems["ours"]["bytes_per_token"] / systems["lru"]["bytes_per_token"]
+
+
 @needs_trace
 def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
     common = [
@@ -102,7 +106,25 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "ours_bytes_vs_lru",
         "compared",
         "ours_bytes_vs_bf16",
+        "belady_share",
     }
+    # The same routing simulated (bench.e2e_reference): trace requests 5..8, the slots of the
+    # budget; the simulated LRU loads what the real one did, Belady fewer. At this shape the
+    # cpu-e2e timing model is not calibrated: bytes only.
+    ref = report["simulated_reference"]
+    assert ref["requests"] == [5, 6, 7, 8] and not ref["calibrated"]
+    assert ref["slots"] == report["budget_bytes"] // report["model"]["blob_bytes"]
+    sim = ref["systems"]
+    assert list(sim) == ["lru", "belady", "ours"]
+    assert sim["lru"]["bytes_per_token"] == pytest.approx(systems["lru"]["bytes_per_token"], rel=0.05)
+    assert sim["belady"]["bytes_per_token"] < sim["lru"]["bytes_per_token"]
+    assert all(r["latency_ms_per_token"] is None for r in sim.values())
+    belady = report["verdicts"]["belady_share"]
+    assert "speed_share" not in belady
+    assert belady["bytes_share"] == pytest.approx(
+        (1 - bytes_ratio_of(systems)) / (1 - sim["belady"]["bytes_per_token"] / sim["lru"]["bytes_per_token"])
+    )
+    assert "ours' share of Belady's byte saving" in printed
     assert len(report["verdicts"]["ours_vs_lru"]["per_repeat"]) == 2
     shares = report["verdicts"].get("share_of_lru_resident_gap")
     if shares:
@@ -128,6 +150,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "p50 ms",
         "beside the bf16 run",
         "repeat 1/2: order ours, lru, resident, accelerate",
+        "simulated on the same routing (trace requests 5..8, 4 tokens each",
         "repeat 2/2: order lru, resident, accelerate, ours",
         "over 2 repeats",
         "store reads (O_DIRECT, the daemon's reader, random experts of",
