@@ -8,6 +8,9 @@ with the same number of slots:
 
 - ``lru`` and ``belady``: demand fetching, no prefetch. LRU's simulated bytes are checked against
   its measured bytes (printed side by side); Belady's are the fewest any policy can load.
+- ``oracle-next-token``: activation-aware eviction told the exact routing of the next token
+  (``cache_daemon.decisions.policy.oracle``), demand fetching: how far perfect short-term
+  prediction could take eviction at all. No online predictor knows the next token exactly.
 - ``ours`` (and ``ours-transitions``): the daemon's own policy, signals and prefetch scheduler with
   the e2e daemon's settings (activation-aware, the learned next-visit model or the transitions,
   lookahead modelled at the e2e's accuracy per depth, ``DEFAULT_INFLIGHT_BLOBS`` in flight): the
@@ -86,22 +89,24 @@ def simulate(
     lookahead_accuracy: tuple[float, ...],
     calibrated: bool,
 ) -> dict[str, dict]:
-    """Per simulated system (``lru``, ``belady``, then each of ``ours``: name → its next-visit
-    model file or None for the transitions) its ``bytes_per_token``, ``hit_rate``,
-    ``latency_ms_per_token`` (None unless ``calibrated``) and ``prefetches_per_token``."""
+    """Per simulated system (``lru``, ``belady``, ``oracle-next-token``, then each of ``ours``:
+    name → its next-visit model file or None for the transitions) its ``bytes_per_token``,
+    ``hit_rate``, ``latency_ms_per_token`` (None unless ``calibrated``) and
+    ``prefetches_per_token``. The oracle estimates beyond the next token as ``ours`` does (with
+    its model, the first of ``ours`` given)."""
     n = manifest.num_blobs
     if not 1 <= slots <= n:
         raise ValueError(f"slots must be in [1, {n}], got {slots}")
     timing = cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k)
     timing = replace(timing, expert_bytes=manifest.blob_bytes)
+    models = {name: None if path is None else read_next_visit(path) for name, path in ours.items()}
     runs: list[tuple[str, str, NextVisitModel | None, tuple[float, ...] | None]] = [
         ("lru", "lru", None, None),
         ("belady", "belady", None, None),
+        ("oracle-next-token", "oracle-next-token", next(iter(models.values()), None), None),
     ]
-    for name, path in ours.items():
-        runs.append(
-            (name, "activation-aware", None if path is None else read_next_visit(path), lookahead_accuracy)
-        )
+    for name, model in models.items():
+        runs.append((name, "activation-aware", model, lookahead_accuracy))
     out: dict[str, dict] = {}
     for name, policy, model, lookahead in runs:
         sim = Simulation(

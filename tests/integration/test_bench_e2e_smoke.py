@@ -115,7 +115,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
     assert ref["requests"] == [5, 6, 7, 8] and not ref["calibrated"]
     assert ref["slots"] == report["budget_bytes"] // report["model"]["blob_bytes"]
     sim = ref["systems"]
-    assert list(sim) == ["lru", "belady", "ours"]
+    assert list(sim) == ["lru", "belady", "oracle-next-token", "ours"]
     assert sim["lru"]["bytes_per_token"] == pytest.approx(systems["lru"]["bytes_per_token"], rel=0.05)
     assert sim["belady"]["bytes_per_token"] < sim["lru"]["bytes_per_token"]
     assert all(r["latency_ms_per_token"] is None for r in sim.values())

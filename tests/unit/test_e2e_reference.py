@@ -131,7 +131,7 @@ def test_simulated_lru_and_belady_load_what_they_must(tmp_path):
     routes = forced_routes(path, m, 0, 2, 30)
     slots = 6
     out = simulate(routes, m, slots, ours={}, lookahead_accuracy=(), calibrated=False)
-    assert set(out) == {"lru", "belady"}
+    assert set(out) == {"lru", "belady", "oracle-next-token"}
     tokens = len(routes.expert_ids)
     assert out["lru"]["bytes_per_token"] * tokens == pytest.approx(
         lru_loads(routes.expert_ids, slots) * m.blob_bytes
@@ -158,7 +158,11 @@ def test_simulated_ours_runs_the_daemon_decisions_with_and_without_a_model(tmp_p
         lookahead_accuracy=(1.0,),
         calibrated=True,
     )
-    assert list(out) == ["lru", "belady", "ours", "ours-transitions"]
+    assert list(out) == ["lru", "belady", "oracle-next-token", "ours", "ours-transitions"]
+    # told the next token, eviction alone loads no more than LRU and no fewer than Belady
+    oracle = out["oracle-next-token"]["bytes_per_token"]
+    assert out["belady"]["bytes_per_token"] <= oracle <= out["lru"]["bytes_per_token"]
+    assert out["oracle-next-token"]["prefetches_per_token"] == 0  # demand fetching only
     for name in ("ours", "ours-transitions"):
         assert out[name]["policy"] == "activation-aware"
         assert out[name]["prefetches_per_token"] > 0  # perfect lookahead is prefetched
