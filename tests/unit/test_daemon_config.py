@@ -7,7 +7,6 @@ import typing
 from pathlib import Path
 
 import pytest
-from test_daemon_store import write_store
 
 from cache_daemon.__main__ import main
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
@@ -16,6 +15,7 @@ from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
 from expertcache.keys import ExpertKey
+from tests.unit.test_daemon_store import write_store
 
 
 def load(cli=None, env=None, file=None) -> DaemonConfig:

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_daemon_store import blob_of, corrupt, write_store
 
 from cache_daemon.decisions.policy import make_policy
 from cache_daemon.errors import (
@@ -32,6 +31,7 @@ from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Re
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
+from tests.unit.test_daemon_store import blob_of, corrupt, write_store
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 
