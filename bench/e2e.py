@@ -111,6 +111,7 @@ from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
 from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
 from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
+from compute_svc.forced_routing import modelled_accuracy  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
@@ -684,7 +685,7 @@ def simulated_reference(
     calibrated = is_calibrated(manifest)
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
     drop = ComputeConfig().force_routing_accuracy_drop_per_depth
-    accuracy = tuple(max(0.0, args.layer_ahead_accuracy - d * drop) for d in range(depth))
+    accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))
     slots = budget // manifest.blob_bytes
     started = time.perf_counter()
     simulated = simulate(

@@ -63,6 +63,12 @@ def load_trace(path: str | Path) -> RoutingTrace:
     return trace
 
 
+def modelled_accuracy(layer_ahead_accuracy: float, drop_per_depth: float, depth: int) -> float:
+    """The modelled accuracy of a lookahead prediction ``depth`` (>= 1) MoE layers ahead:
+    ``layer_ahead_accuracy - (depth - 1) * drop_per_depth``, at least 0."""
+    return max(0.0, layer_ahead_accuracy - (depth - 1) * drop_per_depth)
+
+
 class ForcedRouting:
     """Replaces the router's choice by the trace's, per (request, forward of the request, MoE layer).
 
@@ -179,7 +185,7 @@ class ForcedRouting:
 
     def accuracy(self, depth: int) -> float:
         """The modelled accuracy of a prediction made ``depth`` MoE layers ahead."""
-        return max(0.0, self.layer_ahead_accuracy - (depth - 1) * self.accuracy_drop_per_depth)
+        return modelled_accuracy(self.layer_ahead_accuracy, self.accuracy_drop_per_depth, depth)
 
     def layer_ahead(self, segment, predicted: Prediction) -> Prediction:
         """The modelled prediction of ``segment``'s request for ``predicted.layer`` at its depth

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 
 import numpy as np
@@ -14,6 +13,7 @@ from cache_daemon.learn_next_visit import fit_trace, write
 from compute_svc.forced_routing import ForcedRouting, load_trace
 from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.trace import read_trace
+from tests.unit.test_forced_routing import write_trace  # 3 layers x 8 experts, top-2
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -32,23 +32,6 @@ def manifest(blob_shape=(8, 4), dtype="float32") -> StoreManifest:
         layer_files={i: f"experts/layer_{i:04d}.bin" for i in range(LAYERS)},
         checksums={i: (0,) * EXPERTS for i in range(LAYERS)},
     )
-
-
-def write_trace(path, lengths, *, decode_start=None, seed=0):
-    """A trace in the on-disk layout compute's forced routing reads (expertcache.trace)."""
-    rng = np.random.default_rng(seed)
-    rows = sum(lengths)
-    ids = np.stack(
-        [np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(LAYERS)]) for _ in range(rows)]
-    ).astype(np.int8)
-    weights = (rng.random((rows, LAYERS, TOP_K)) + 0.1).astype(np.float16)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    starts = np.zeros(len(lengths), np.int32) if decode_start is None else np.asarray(decode_start, np.int32)
-    meta = json.dumps({"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K})
-    np.savez(
-        path, expert_ids=ids, gate_weights=weights, req_offsets=offsets, decode_start=starts, meta_json=meta
-    )
-    return path
 
 
 def lru_loads(routes: np.ndarray, slots: int) -> int:
