@@ -7,16 +7,21 @@ paths it was built with. Exceptions come from C++:
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
 messages name the slot-table path where there is one.
 
-``SlotTable`` (shared memory, version 3, one entry per ``(layer, expert)`` index; the pin
+``SlotTable`` (shared memory, version 4, one entry per ``(layer, expert)`` index; the pin
 protocol and its races are written up in csrc/include/expertcache/slot_table.h):
-``create(path, num_entries, num_slots, num_clients=32)`` / ``open(path)``;
+``create(path, num_entries, num_slots, num_clients=32, max_demand=0, ring_bytes=128 KiB)`` /
+``open(path)``;
 ``try_pin(e) -> int | None``, ``unpin(e)``, batch ``try_pin_many(entries) -> list[int]`` (slot or
 -1) and ``unpin_many(entries)`` (the compute hit path); ``begin_load(e, slot)``,
 ``finish_load(e)``, ``abort_load(e)``, ``try_evict(e) -> bool``, ``wait_resident(e, timeout_s) ->
 bool`` (releases the GIL); recency: ``access_stamps(entries)``, ``stamp(e)``,
 ``accessed_since(since)``, ``clock``, ``hits``; crash-safe pins: ``attach_client(client, epoch)``,
 ``client_pins(c, e)``, ``reclaim_client(c) -> int`` (``StaleClient`` once a ledger was reclaimed);
-``state(e)`` (a ``SlotState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``.
+``state(e)`` (a ``SlotState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``,
+``resident_slots(entries)`` (slot, -1 loading, -2 absent). Client channels (compute's demands
+and signals in shared memory, csrc/include/expertcache/channel.h): ``channel(c) ->
+ClientChannel``, daemon side ``claim_channel(c)``, ``hold_for_client(c, epoch, e)``,
+``unhold_for_client(c, epoch, e)``, ``signals_wanted`` (read by compute, set by the daemon).
 
 ``HostPool(num_slots, slot_bytes, pin=False)``: 4 KiB-aligned slots, registered with CUDA when
 ``pin`` (``RuntimeError`` when it cannot be); ``alloc() -> int``, ``free(i)``, ``view(i) ->
@@ -54,7 +59,9 @@ def build_summary() -> str:
 
 
 SlotTable = _native.SlotTable
+ClientChannel = _native.ClientChannel
 StaleClient = _native.StaleClient
+MAX_REQUEST_ID_BYTES: int = _native.MAX_REQUEST_ID_BYTES
 HostPool = _native.HostPool
 
 
@@ -65,7 +72,16 @@ class SlotState(IntEnum):
     EVICTING = _native.EVICTING
 
 
-__all__ = ["FEATURES", "HostPool", "SlotState", "SlotTable", "StaleClient", "build_summary"]
+__all__ = [
+    "FEATURES",
+    "MAX_REQUEST_ID_BYTES",
+    "ClientChannel",
+    "HostPool",
+    "SlotState",
+    "SlotTable",
+    "StaleClient",
+    "build_summary",
+]
 
 # ``Reader(threads=4, queue_depth=64, chunk_bytes=1 MiB, backend="auto", background_depth=0)``:
 # asynchronous (O_DIRECT) file reads into raw addresses with priorities ``Reader.DEMAND`` (0) <

@@ -3,11 +3,54 @@
 #include <pybind11/stl.h>
 
 #include "bind.h"
+#include "expertcache/channel.h"
 #include "expertcache/slot_table.h"
 
 namespace py = pybind11;
+using expertcache::ClientChannel;
+using expertcache::SignalRecord;
+using expertcache::SignalType;
 using expertcache::SlotState;
 using expertcache::SlotTable;
+
+namespace {
+
+// A channel is a view into its table's mapping: the Python object keeps the table alive.
+struct PyChannel {
+  ClientChannel channel;
+  py::object table;
+};
+
+py::object record_to_py(const SignalRecord& r) {
+  switch (r.type) {
+    case SignalType::kBegin:
+      return py::make_tuple("begin", r.handle, py::bytes(r.request_id));
+    case SignalType::kEnd:
+      return py::make_tuple("end", r.handle);
+    case SignalType::kRoute: {
+      py::array_t<int64_t> ex(static_cast<py::ssize_t>(r.experts[0].size()));
+      auto* d = ex.mutable_data();
+      for (size_t i = 0; i < r.experts[0].size(); ++i) d[i] = r.experts[0][i];
+      return py::make_tuple("route", r.handle, r.token, r.layers[0], ex);
+    }
+    case SignalType::kAhead: {
+      py::list preds;
+      for (size_t k = 0; k < r.layers.size(); ++k) {
+        py::array_t<int64_t> ex(static_cast<py::ssize_t>(r.experts[k].size()));
+        auto* d = ex.mutable_data();
+        for (size_t i = 0; i < r.experts[k].size(); ++i) d[i] = r.experts[k][i];
+        py::array_t<float> sc(static_cast<py::ssize_t>(r.scores[k].size()));
+        std::copy(r.scores[k].begin(), r.scores[k].end(), sc.mutable_data());
+        preds.append(py::make_tuple(r.layers[k], r.depths[k], ex, sc));
+      }
+      return py::make_tuple("ahead", r.handle, r.token, preds);
+    }
+    default:
+      return py::none();
+  }
+}
+
+}  // namespace
 
 void bind_slot_table(py::module_& m) {
   m.attr("ABSENT") = static_cast<uint32_t>(SlotState::kAbsent);
@@ -21,12 +64,108 @@ void bind_slot_table(py::module_& m) {
   // The pin/unpin calls keep the GIL: they never block (a few atomics per entry). Measured for
   // try_pin_many + unpin_many of 4 entries: p50 0.69 us holding the GIL, 0.80 us releasing it.
   // reclaim_client may wait for a client inside a call, so it releases the GIL.
+  m.attr("DEFAULT_RING_BYTES") = expertcache::kDefaultRingBytes;
+  m.attr("MAX_REQUEST_ID_BYTES") = expertcache::kMaxRequestIdBytes;
+
+  // The compute side's calls keep the GIL (a few stores into shared memory) except the waits;
+  // the daemon side's wait_doorbell releases it.
+  py::class_<PyChannel>(m, "ClientChannel")
+      .def_property_readonly("max_demand", [](const PyChannel& c) { return c.channel.max_demand(); })
+      .def_property_readonly("ring_bytes", [](const PyChannel& c) { return c.channel.ring_bytes(); })
+      .def("post_demand", [](PyChannel& c, uint32_t layer, const std::vector<int64_t>& experts) {
+            return c.channel.post_demand(layer, experts);
+          }, py::arg("layer"), py::arg("experts"))
+      .def("signal_begin", [](PyChannel& c, uint32_t handle, const std::string& id) {
+            return c.channel.signal_begin(handle, id);
+          }, py::arg("handle"), py::arg("request_id"))
+      .def("signal_end", [](PyChannel& c, uint32_t handle) { return c.channel.signal_end(handle); },
+           py::arg("handle"))
+      .def("signal_route",
+           [](PyChannel& c, uint32_t handle, uint32_t token, uint32_t layer,
+              const std::vector<int64_t>& experts) {
+             return c.channel.signal_route(handle, token, layer, experts);
+           },
+           py::arg("handle"), py::arg("token"), py::arg("layer"), py::arg("experts"))
+      .def("signal_ahead",
+           [](PyChannel& c, uint32_t handle, uint32_t token, const std::vector<uint32_t>& layers,
+              const std::vector<uint32_t>& depths, const std::vector<std::vector<int64_t>>& experts,
+              const std::vector<std::vector<float>>& scores) {
+             return c.channel.signal_ahead(handle, token, layers, depths, experts, scores);
+           },
+           py::arg("handle"), py::arg("token"), py::arg("layers"), py::arg("depths"), py::arg("experts"),
+           py::arg("scores"))
+      .def("ring_doorbell", [](PyChannel& c) { c.channel.ring_doorbell(); })
+      .def_property_readonly("reply_seq", [](const PyChannel& c) { return c.channel.reply_seq(); })
+      .def_property_readonly("reply_status", [](const PyChannel& c) { return c.channel.reply_status(); })
+      .def_property_readonly("reply_message", [](const PyChannel& c) { return c.channel.reply_message(); })
+      .def_property_readonly("fail_seq", [](const PyChannel& c) { return c.channel.fail_seq(); })
+      .def_property_readonly("fail_status", [](const PyChannel& c) { return c.channel.fail_status(); })
+      .def_property_readonly("fail_message", [](const PyChannel& c) { return c.channel.fail_message(); })
+      .def_property_readonly("notify_seq", [](const PyChannel& c) { return c.channel.notify_seq(); })
+      .def_property_readonly("ring_dropped", [](const PyChannel& c) { return c.channel.ring_dropped(); })
+      .def("wait_notify", [](PyChannel& c, uint32_t seen, double timeout_s) {
+            py::gil_scoped_release nogil;
+            return c.channel.wait_notify(seen, timeout_s);
+          }, py::arg("seen"), py::arg("timeout_s") = -1.0)
+      .def("source", [](const PyChannel& c, uint32_t i) { return c.channel.source(i); }, py::arg("i"))
+      .def("notify", [](PyChannel& c) { c.channel.notify(); })
+      .def_property_readonly("doorbell_seq", [](const PyChannel& c) { return c.channel.doorbell_seq(); })
+      .def("wait_doorbell", [](PyChannel& c, uint32_t seen, double timeout_s) {
+            py::gil_scoped_release nogil;
+            return c.channel.wait_doorbell(seen, timeout_s);
+          }, py::arg("seen"), py::arg("timeout_s") = -1.0)
+      .def("take_demand", [](const PyChannel& c, uint32_t taken) -> py::object {
+            uint32_t seq = 0, layer = 0;
+            std::vector<uint32_t> experts;
+            if (!c.channel.take_demand(taken, &seq, &layer, &experts)) return py::none();
+            return py::make_tuple(seq, layer, experts);
+          }, py::arg("taken"),
+          "The posted demand newer than `taken`: (seq, layer, experts), or None. An expert of "
+          "4294967295 marks a count beyond the mailbox.")
+      .def("reply", [](PyChannel& c, uint32_t seq, int32_t status, const std::string& message) {
+            c.channel.reply(seq, status, message);
+          }, py::arg("seq"), py::arg("status"), py::arg("message") = "")
+      .def("fail", [](PyChannel& c, int32_t status, const std::string& message) {
+            c.channel.fail(status, message);
+          }, py::arg("status"), py::arg("message"))
+      .def("set_source", [](PyChannel& c, uint32_t i, uint8_t tier) { c.channel.set_source(i, tier); },
+           py::arg("i"), py::arg("tier"))
+      .def("drain", [](PyChannel& c) {
+            bool corrupt = false;
+            std::vector<SignalRecord> records = c.channel.drain(&corrupt);
+            py::list out;
+            for (const auto& r : records) out.append(record_to_py(r));
+            return py::make_tuple(out, corrupt);
+          },
+          "Every complete signal record since the last drain, as tuples ('begin', handle, id bytes) "
+          "/ ('end', handle) / ('route', handle, token, layer, experts int64) / ('ahead', handle, "
+          "token, [(layer, depth, experts int64, scores float32)]), and whether a malformed record "
+          "ended the drain (the rest was skipped)")
+      .def("reset", [](PyChannel& c) { c.channel.reset(); });
+
   py::class_<SlotTable>(m, "SlotTable")
       .def_static("create", &SlotTable::create, py::arg("path"), py::arg("num_entries"),
-                  py::arg("num_slots"), py::arg("num_clients") = expertcache::kDefaultClients)
+                  py::arg("num_slots"), py::arg("num_clients") = expertcache::kDefaultClients,
+                  py::arg("max_demand") = 0, py::arg("ring_bytes") = expertcache::kDefaultRingBytes)
       .def_static("open", &SlotTable::open, py::arg("path"))
       .def_static("file_size", &SlotTable::file_size, py::arg("num_entries"),
-                  py::arg("num_clients") = expertcache::kDefaultClients)
+                  py::arg("num_clients") = expertcache::kDefaultClients, py::arg("max_demand") = 0,
+                  py::arg("ring_bytes") = expertcache::kDefaultRingBytes)
+      .def("channel", [](py::object self, int64_t client) {
+            SlotTable& t = self.cast<SlotTable&>();
+            return PyChannel{t.channel(client), self};
+          }, py::arg("client"))
+      // The per-client mutex may be held by a reclaim waiting (bounded) for a client: no GIL.
+      .def("hold_for_client", &SlotTable::hold_for_client, py::arg("client"), py::arg("epoch"),
+           py::arg("entry"), py::call_guard<py::gil_scoped_release>())
+      .def("unhold_for_client", &SlotTable::unhold_for_client, py::arg("client"), py::arg("epoch"),
+           py::arg("entry"), py::call_guard<py::gil_scoped_release>())
+      .def("claim_channel", &SlotTable::claim_channel, py::arg("client"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property("signals_wanted", &SlotTable::signals_wanted, &SlotTable::set_signals_wanted)
+      .def_property_readonly("max_demand", &SlotTable::max_demand)
+      .def_property_readonly("ring_bytes", &SlotTable::ring_bytes)
+      .def("resident_slots", &SlotTable::resident_slots, py::arg("entries"))
       .def("attach_client", &SlotTable::attach_client, py::arg("client"), py::arg("epoch"))
       .def_property_readonly("bound_client", &SlotTable::bound_client)
       .def("try_pin", &SlotTable::try_pin, py::arg("entry"))

@@ -1,5 +1,7 @@
 #include "expertcache/slot_table.h"
 
+#include "expertcache/futex.h"
+
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -24,17 +26,6 @@ namespace {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-// Shared (non-_PRIVATE) futex ops: waiters and wakers live in different processes.
-long futex_wait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, timeout,
-                 nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
-          0);
-}
-
 constexpr uint32_t kAbsent = static_cast<uint32_t>(SlotState::kAbsent);
 constexpr uint32_t kLoading = static_cast<uint32_t>(SlotState::kLoading);
 constexpr uint32_t kResident = static_cast<uint32_t>(SlotState::kResident);
@@ -54,14 +45,22 @@ const char* slot_state_name(SlotState s) {
   return "UNKNOWN";
 }
 
-size_t SlotTable::ledger_stride(uint32_t num_entries) {
+size_t SlotTable::ledger_bytes(uint32_t num_entries) {
   const size_t raw = sizeof(LedgerHeader) + static_cast<size_t>(num_entries) * sizeof(uint32_t);
   return (raw + 63) / 64 * 64;
 }
 
-size_t SlotTable::file_size(uint32_t num_entries, uint32_t num_clients) {
+uint32_t SlotTable::default_max_demand(uint32_t num_entries) { return std::min<uint32_t>(num_entries, 4096); }
+
+size_t SlotTable::ledger_stride(uint32_t num_entries, uint32_t max_demand, uint32_t ring_bytes) {
+  if (max_demand == 0) max_demand = default_max_demand(num_entries);
+  return ledger_bytes(num_entries) + ClientChannel::region_bytes(max_demand, ring_bytes);
+}
+
+size_t SlotTable::file_size(uint32_t num_entries, uint32_t num_clients, uint32_t max_demand,
+                            uint32_t ring_bytes) {
   return sizeof(SlotTableHeader) + static_cast<size_t>(num_entries) * sizeof(SlotEntry) +
-         static_cast<size_t>(num_clients) * ledger_stride(num_entries);
+         static_cast<size_t>(num_clients) * ledger_stride(num_entries, max_demand, ring_bytes);
 }
 
 SlotTable::SlotTable(std::string path, void* base, size_t size)
@@ -70,12 +69,14 @@ SlotTable::SlotTable(std::string path, void* base, size_t size)
       size_(size),
       header_(static_cast<SlotTableHeader*>(base)),
       entries_(reinterpret_cast<SlotEntry*>(static_cast<char*>(base) + sizeof(SlotTableHeader))),
-      ledgers_(nullptr) {}
+      ledgers_(nullptr),
+      client_locks_(new std::mutex[4096]) {}
 
 SlotTable::~SlotTable() { munmap(base_, size_); }
 
 std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t num_entries,
-                                             uint32_t num_slots, uint32_t num_clients) {
+                                             uint32_t num_slots, uint32_t num_clients,
+                                             uint32_t max_demand, uint32_t ring_bytes) {
   if (num_entries == 0) throw std::invalid_argument("slot table " + path + ": num_entries must be > 0");
   if (num_slots == 0) throw std::invalid_argument("slot table " + path + ": num_slots must be > 0");
   if (num_slots > static_cast<uint32_t>(INT32_MAX))
@@ -83,7 +84,15 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
   if (num_clients == 0 || num_clients > 4096)
     throw std::invalid_argument("slot table " + path + ": num_clients must be in [1, 4096], got " +
                                 std::to_string(num_clients));
-  const size_t size = file_size(num_entries, num_clients);
+  if (max_demand == 0) max_demand = default_max_demand(num_entries);
+  if (max_demand > 65536)
+    throw std::invalid_argument("slot table " + path + ": max_demand must be in [1, 65536], got " +
+                                std::to_string(max_demand));
+  if (ring_bytes < 4096 || ring_bytes % 64 || ring_bytes > (64u << 20))
+    throw std::invalid_argument("slot table " + path +
+                                ": ring_bytes must be a multiple of 64 in [4096, 64 MiB], got " +
+                                std::to_string(ring_bytes));
+  const size_t size = file_size(num_entries, num_clients, max_demand, ring_bytes);
   // Build under a temporary name and rename into place, so open() never sees a partial table.
   // Owner-only whatever the umask, and never through a planted file or symlink: O_EXCL (a stale
   // temporary of a dead daemon with this pid is removed first, only if it is not a directory).
@@ -129,7 +138,10 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t n
   t->header_->num_entries = num_entries;
   t->header_->num_slots = num_slots;
   t->header_->num_clients = num_clients;
-  t->header_->ledger_stride = ledger_stride(num_entries);
+  t->header_->ledger_stride = ledger_stride(num_entries, max_demand, ring_bytes);
+  t->header_->max_demand = max_demand;
+  t->header_->ring_bytes = ring_bytes;
+  t->header_->signals_wanted.store(1, std::memory_order_relaxed);
   t->header_->clock.store(0, std::memory_order_relaxed);
   t->header_->hits.store(0, std::memory_order_relaxed);
   t->header_->unpin_seq.store(0, std::memory_order_relaxed);
@@ -184,14 +196,22 @@ std::unique_ptr<SlotTable> SlotTable::open(const std::string& path) {
     throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
                                 " bytes, smaller than the " +
                                 std::to_string(sizeof(SlotTableHeader)) + "-byte header");
-  if (h.num_clients == 0 || h.num_clients > 4096 || h.ledger_stride != ledger_stride(h.num_entries))
+  if (h.max_demand == 0 || h.max_demand > 65536 || h.ring_bytes < 4096 || h.ring_bytes % 64 ||
+      h.ring_bytes > (64u << 20))
+    throw std::invalid_argument("slot table " + path + ": bad client channel layout (max_demand " +
+                                std::to_string(h.max_demand) + ", ring_bytes " +
+                                std::to_string(h.ring_bytes) + ")");
+  if (h.num_clients == 0 || h.num_clients > 4096 ||
+      h.ledger_stride != ledger_stride(h.num_entries, h.max_demand, h.ring_bytes))
     throw std::invalid_argument("slot table " + path + ": bad client ledger layout (" +
                                 std::to_string(h.num_clients) + " clients)");
-  if (h.num_entries == 0 || size != file_size(h.num_entries, h.num_clients))
-    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
-                                " bytes, header says " + std::to_string(h.num_entries) +
-                                " entries and " + std::to_string(h.num_clients) + " clients (" +
-                                std::to_string(file_size(h.num_entries, h.num_clients)) + " bytes)");
+  if (h.num_entries == 0 || size != file_size(h.num_entries, h.num_clients, h.max_demand, h.ring_bytes))
+    throw std::invalid_argument(
+        "slot table " + path + ": file is " + std::to_string(size) + " bytes, header says " +
+        std::to_string(h.num_entries) + " entries and " + std::to_string(h.num_clients) +
+        " clients (" +
+        std::to_string(file_size(h.num_entries, h.num_clients, h.max_demand, h.ring_bytes)) +
+        " bytes)");
   if (h.num_slots == 0 || h.num_slots > static_cast<uint32_t>(INT32_MAX))
     throw std::invalid_argument("slot table " + path + ": bad num_slots " +
                                 std::to_string(h.num_slots));
@@ -391,6 +411,7 @@ uint32_t SlotTable::client_pins(int64_t client, int64_t entry) const {
 
 uint64_t SlotTable::reclaim_client(int64_t client) {
   LedgerHeader& l = ledger(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
   l.epoch.fetch_add(1);  // seq_cst: ordered before the busy load
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
@@ -422,7 +443,74 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
     removed += take;
   }
   if (removed != 0) notify_unpinned();
+  // The daemon's thread serving this client sleeps on the channel's doorbell: wake it to see
+  // the end; a compute still waiting on its notify word learns it too.
+  ClientChannel ch = channel(client);
+  ch.ring_doorbell();
+  ch.notify();
   return removed;
+}
+
+ClientChannel SlotTable::channel(int64_t client) {
+  char* base = reinterpret_cast<char*>(&ledger(client)) + ledger_bytes(header_->num_entries);
+  ChannelHeader* h = nullptr;
+  uint32_t* experts = nullptr;
+  uint8_t* sources = nullptr;
+  uint8_t* ring = nullptr;
+  ClientChannel::layout(base, header_->max_demand, header_->ring_bytes, &h, &experts, &sources, &ring);
+  return ClientChannel(h, experts, sources, ring, header_->max_demand, header_->ring_bytes,
+                       "slot table " + path_ + " channel " + std::to_string(client));
+}
+
+void SlotTable::claim_channel(int64_t client) {
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  channel(client).reset();
+}
+
+bool SlotTable::hold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
+  check_entry(entry);
+  LedgerHeader& l = ledger(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  if (l.epoch.load() != epoch) return false;
+  SlotEntry& e = entries_[entry];
+  const uint32_t s = e.state.load();
+  if (s != kLoading && s != kResident)
+    throw std::runtime_error("slot table " + path_ + ": hold_for_client of entry " +
+                             std::to_string(entry) + " in state " + state_str(s) +
+                             ", expected LOADING or RESIDENT");
+  ledger_pins(client)[entry].fetch_add(1);
+  e.pins.fetch_add(1);
+  return true;
+}
+
+bool SlotTable::unhold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
+  check_entry(entry);
+  LedgerHeader& l = ledger(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  if (l.epoch.load() != epoch) return false;
+  std::atomic<uint32_t>& mine = ledger_pins(client)[entry];
+  uint32_t have = mine.load();
+  do {
+    if (have == 0) return false;
+  } while (!mine.compare_exchange_weak(have, have - 1));
+  SlotEntry& e = entries_[entry];
+  uint32_t p = e.pins.load();
+  while (p != 0 && !e.pins.compare_exchange_weak(p, p - 1)) {
+  }
+  if (p == 1) notify_unpinned();
+  return true;
+}
+
+std::vector<int32_t> SlotTable::resident_slots(const std::vector<int64_t>& entries) const {
+  for (int64_t entry : entries) check_entry(entry);
+  std::vector<int32_t> out;
+  out.reserve(entries.size());
+  for (int64_t entry : entries) {
+    const SlotEntry& e = entries_[entry];
+    const uint32_t s = e.state.load();
+    out.push_back(s == kResident ? e.slot.load() : s == kLoading ? -1 : -2);
+  }
+  return out;
 }
 
 std::vector<int64_t> SlotTable::accessed_since(uint64_t since) const {

@@ -274,7 +274,7 @@ def test_open_v1_table_is_refused(tmp_path):
     header = (0x4C42545453435845).to_bytes(8, "little") + (1).to_bytes(4, "little")
     header += (2).to_bytes(4, "little") + (2).to_bytes(4, "little")
     path.write_bytes(header.ljust(64, b"\0") + b"\0" * 128)
-    with pytest.raises(ValueError, match=f"{path}: version 1, expected 3.*restart the cache daemon"):
+    with pytest.raises(ValueError, match=f"{path}: version 1, expected 4.*restart the cache daemon"):
         SlotTable.open(str(path))
 
 

@@ -10,9 +10,11 @@
 // (bad file / bad argument), std::runtime_error (illegal state transition, system errors),
 // StaleClient (this handle's client ledger was reclaimed by the daemon).
 //
-// File layout (version 3; version 2 had no unpin word and nobody woke a waiting daemon):
-//   SlotTableHeader (128 B) | SlotEntry[num_entries] (64 B each) | ledger[num_clients]
-//   ledger = LedgerHeader (64 B) + uint32 pins[num_entries], padded to a multiple of 64 B.
+// File layout (version 4; version 3 had no client channels, version 2 no unpin word):
+//   SlotTableHeader (128 B) | SlotEntry[num_entries] (64 B each) | client[num_clients]
+//   client = LedgerHeader (64 B) + uint32 pins[num_entries], padded to a multiple of 64 B,
+//            then the client's channel (channel.h: demand mailbox of max_demand experts and a
+//            signal ring of ring_bytes).
 //
 // Pin ledgers (crash safety of pins held by compute processes). Protocol:
 //   daemon, at Attach:   picks a free ledger index c, reads its epoch E (client_epoch(c)) and
@@ -48,10 +50,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "expertcache/channel.h"
 
 namespace expertcache {
 
@@ -78,7 +83,12 @@ struct alignas(64) SlotTableHeader {
   uint32_t num_entries;
   uint32_t num_slots;
   uint32_t num_clients;
-  uint64_t ledger_stride;  // bytes per client ledger
+  uint64_t ledger_stride;  // bytes per client: ledger and channel
+  uint32_t max_demand;     // experts one demand on a channel may name
+  uint32_t ring_bytes;     // each channel's signal ring
+  // 1 while the daemon uses compute's routing and lookahead signals (its policy reads them or
+  // prefetch is on); compute writes those records only then. Request begin/end always go.
+  std::atomic<uint32_t> signals_wanted;
   // Second cache line: written by every pin of every client.
   alignas(64) std::atomic<uint64_t> clock;  // last access stamp handed out
   std::atomic<uint64_t> hits;               // successful pins through the table
@@ -98,7 +108,7 @@ struct alignas(64) LedgerHeader {
 static_assert(sizeof(LedgerHeader) == 64, "ledger header must be one cache line");
 
 constexpr uint64_t kSlotTableMagic = 0x4C42545453435845ULL;  // "EXCSTTBL" little-endian
-constexpr uint32_t kSlotTableVersion = 3;
+constexpr uint32_t kSlotTableVersion = 4;
 constexpr uint32_t kDefaultClients = 32;
 constexpr double kReclaimWaitS = 1.0;  // how long reclaim waits for a client inside a call
 
@@ -112,9 +122,13 @@ class SlotTable {
  public:
   // Creates (atomically replacing) the table file at `path`; all entries ABSENT, slot -1,
   // `num_clients` empty ledgers at epoch 0.
+  // Each client's channel takes demands of up to `max_demand` experts (0: min(num_entries,
+  // 4096)) and has a signal ring of `ring_bytes` (a multiple of 64, at least 4096).
   static std::unique_ptr<SlotTable> create(const std::string& path, uint32_t num_entries,
                                            uint32_t num_slots,
-                                           uint32_t num_clients = kDefaultClients);
+                                           uint32_t num_clients = kDefaultClients,
+                                           uint32_t max_demand = 0,
+                                           uint32_t ring_bytes = kDefaultRingBytes);
   // Opens an existing table, validating magic, version and file size.
   static std::unique_ptr<SlotTable> open(const std::string& path);
 
@@ -177,6 +191,24 @@ class SlotTable {
   std::vector<uint32_t> states() const;
   std::vector<int32_t> slots() const;
 
+  // -- client channels (channel.h) -------------------------------------------------------------
+  // The channel of ledger `client` (a view into this mapping: it must not outlive the table).
+  ClientChannel channel(int64_t client);
+  // Daemon: empties `client`'s channel before handing the ledger out (at Attach).
+  void claim_channel(int64_t client);
+  // Daemon: adds a pin on a LOADING or RESIDENT `entry` to `client`'s ledger and to the shared
+  // count, if the ledger is still at `epoch` (false: it was reclaimed, nothing pinned).
+  bool hold_for_client(int64_t client, uint32_t epoch, int64_t entry);
+  // Daemon: takes such a pin back (a load that failed), if the ledger is still at `epoch` and
+  // holds one on `entry` (false otherwise). A pin count that reaches zero wakes wait_unpin.
+  bool unhold_for_client(int64_t client, uint32_t epoch, int64_t entry);
+  bool signals_wanted() const { return header_->signals_wanted.load(std::memory_order_relaxed) != 0; }
+  void set_signals_wanted(bool wanted) { header_->signals_wanted.store(wanted ? 1 : 0); }
+  uint32_t max_demand() const { return header_->max_demand; }
+  uint32_t ring_bytes() const { return header_->ring_bytes; }
+  // Per entry: its slot if RESIDENT, -1 while LOADING, -2 otherwise (ABSENT / EVICTING).
+  std::vector<int32_t> resident_slots(const std::vector<int64_t>& entries) const;
+
   // -- introspection --------------------------------------------------------------------------
   SlotState state(int64_t entry) const;
   uint32_t pins(int64_t entry) const;
@@ -192,8 +224,11 @@ class SlotTable {
   uint32_t num_clients() const { return header_->num_clients; }
   const std::string& path() const { return path_; }
 
-  static size_t ledger_stride(uint32_t num_entries);
-  static size_t file_size(uint32_t num_entries, uint32_t num_clients = kDefaultClients);
+  static size_t ledger_bytes(uint32_t num_entries);
+  static size_t ledger_stride(uint32_t num_entries, uint32_t max_demand, uint32_t ring_bytes);
+  static size_t file_size(uint32_t num_entries, uint32_t num_clients = kDefaultClients,
+                          uint32_t max_demand = 0, uint32_t ring_bytes = kDefaultRingBytes);
+  static uint32_t default_max_demand(uint32_t num_entries);
 
  private:
   SlotTable(std::string path, void* base, size_t size);
@@ -218,6 +253,8 @@ class SlotTable {
   char* ledgers_;
   int64_t client_ = -1;  // bound ledger (handle-local), -1 = none
   uint32_t epoch_ = 0;
+  // Daemon side: serialises hold_for_client / unhold_for_client with reclaim_client per ledger.
+  std::unique_ptr<std::mutex[]> client_locks_;
 };
 
 const char* slot_state_name(SlotState s);

@@ -1,0 +1,76 @@
+// Shared (cross-process) futex waits and wakes on 32-bit atomics in a MAP_SHARED mapping.
+#pragma once
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+namespace expertcache {
+
+// Shared (non-_PRIVATE) futex ops: waiters and wakers live in different processes.
+inline long futex_wait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, timeout,
+                 nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Sleeps while `*word == seen`, at most `timeout_s` (< 0 or inf: no limit), announcing itself in
+// `sleepers` first so that a waker makes the wake syscall only when someone sleeps. Returns true
+// when the word changed. `what` names the word in errors.
+inline bool futex_wait_changed(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
+                               uint32_t seen, double timeout_s, const std::string& what) {
+  if (std::isnan(timeout_s)) throw std::invalid_argument(what + ": timeout_s is NaN");
+  using clock = std::chrono::steady_clock;
+  const bool forever = timeout_s < 0 || std::isinf(timeout_s);
+  const auto deadline = forever ? clock::time_point::max()
+                                : clock::now() + std::chrono::duration_cast<clock::duration>(
+                                                     std::chrono::duration<double>(timeout_s));
+  // Registered before the word is read (both seq_cst): a waker either sees a sleeper and wakes,
+  // or changed the word before our read and we return at once.
+  sleepers->fetch_add(1);
+  bool changed = false;
+  for (;;) {
+    if (word->load() != seen) {
+      changed = true;
+      break;
+    }
+    timespec ts{};
+    const timespec* tp = nullptr;
+    if (!forever) {
+      const auto left = deadline - clock::now();
+      if (left <= clock::duration::zero()) break;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      ts = timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      tp = &ts;
+    }
+    if (futex_wait(word, seen, tp) != 0 && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
+      const int e = errno;
+      sleepers->fetch_sub(1);
+      throw std::system_error(e, std::generic_category(), what + ": futex wait");
+    }
+  }
+  sleepers->fetch_sub(1);
+  return changed;
+}
+
+// Bumps `word` and wakes its sleepers, if any.
+inline void futex_bump(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers) {
+  word->fetch_add(1);  // seq_cst: ordered before the sleepers load
+  if (sleepers->load() != 0) futex_wake_all(word);
+}
+
+}  // namespace expertcache
