@@ -40,6 +40,7 @@ from cache_daemon.decisions.scheduler import (
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction
 from cache_daemon.errors import AcquireTimeout, BadAcquire, SessionClosed, ShuttingDown, SlotNotReadable
 from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.residency.channel import ChannelServer
 from cache_daemon.residency.clients import ClientLedger, ClientLedgers, Recency, Session
 from cache_daemon.residency.loader import PRIORITY, Load, Loader
 from cache_daemon.residency.prefetcher import PREFETCH_KINDS, Prefetcher
@@ -178,13 +179,21 @@ class Residency:
         self._metrics = metrics
         self._timeout_s = acquire_timeout_s
         self._blob_bytes = manifest.blob_bytes
-        self._cond = threading.Condition()
+        # One lock; waiters on three conditions of it, so that a change wakes only who needs it:
+        # admissions and acquires waiting for slots or loads (``_cond``), the unpin watcher
+        # (``_watch``), the prefetch worker (its own, woken by ``Prefetcher.kick``).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._watch = threading.Condition(self._lock)
         self._table = table
         self.slots = Slots(table, arena.num_slots, manifest.num_experts)
         self.queue = PrefetchQueue(manifest.blob_bytes)
         self._ledgers = ClientLedgers(table)
         self._recency = Recency(table, self.slots)
         self._sessions: set[Session] = set()
+        # The channel servers of the bound client ledgers, and which of them wait for which load.
+        self._channels: dict[Session, ChannelServer] = {}
+        self._client_waits: dict[ExpertKey, list[tuple[ChannelServer, int]]] = {}
         self._closing = False
         self.demand_waiting = 0  # admissions waiting for slots: prefetch stands aside
         self._unpin_seen: int | None = None  # the unpin word as the oldest waiting admission read it
@@ -218,8 +227,9 @@ class Residency:
             max_inflight_bytes=self._max_inflight_bytes,
             config=prefetch_config,
         )
-        self._prefetcher = Prefetcher(self, self._cond, scheduler, metrics)
+        self._prefetcher = Prefetcher(self, self._cond, scheduler, metrics, threading.Condition(self._lock))
         self._prefetcher.enabled = prefetch
+        self._update_signals_wanted()
         self._watcher = threading.Thread(
             target=self._watch_unpins, name="expertcache-unpin-watch", daemon=True
         )
@@ -256,6 +266,25 @@ class Residency:
     @property
     def table(self) -> SlotTable:
         return self._table
+
+    @property
+    def num_experts(self) -> int:
+        return self._num_experts
+
+    @property
+    def metrics(self) -> DaemonMetrics:
+        return self._metrics
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def _update_signals_wanted(self) -> None:
+        """Tell compute (the table's flag) whether routing and lookahead signals are used now:
+        by a policy that reads them, or by prefetch. Without them compute writes none."""
+        self._table.signals_wanted = bool(
+            self._prefetcher.enabled or getattr(self._policy, "needs_signals", False)
+        )
 
     @property
     def layers(self) -> LayerMap:
@@ -303,6 +332,7 @@ class Residency:
             policy.seed(key for key in seed if self.slots.is_resident(key))
             old, self._policy = self._policy, policy
             self._prefetcher.scheduler.set_policy(policy)
+            self._update_signals_wanted()
             self._prefetcher.kick()
         logger.info("eviction policy %s -> %s (%d resident experts kept)", old.name, policy.name, len(seed))
 
@@ -318,6 +348,7 @@ class Residency:
             self._prefetcher.scheduler.max_inflight_bytes = self._max_inflight_bytes
             if config is not None:
                 self._prefetcher.scheduler.config = config
+            self._update_signals_wanted()
             self._prefetcher.kick()
 
     def set_next_visit_model(self, model) -> None:
@@ -396,7 +427,29 @@ class Residency:
         with self._cond:
             self._apply_signals_locked(signals)
 
-    def _apply_signals_locked(self, signals: Iterable[RouteSignal | LookaheadSignal]) -> None:
+    def apply_channel_ops(self, ops: Iterable[tuple[str, object]]) -> None:
+        """A client channel's drained records, in order, in one hold of the lock: ``("begin",
+        request_id)``, ``("end", request_id)``, ``("signal", RouteSignal | LookaheadSignal)``."""
+        counts: dict[str, int] = {}
+        with self._cond:
+            for op, value in ops:
+                if op == "begin":
+                    self.signals.begin_request(value)  # type: ignore[arg-type]
+                    kind = "request_begin"
+                elif op == "end":
+                    self.signals.end_request(value)  # type: ignore[arg-type]
+                    kind = "request_end"
+                else:
+                    self._apply_signals_locked((value,), kick=False)  # type: ignore[arg-type]
+                    continue
+                counts[kind] = counts.get(kind, 0) + 1
+            self._prefetcher.kick()
+        for kind, n in counts.items():
+            self._metrics.signals.inc(n, kind=kind)
+
+    def _apply_signals_locked(
+        self, signals: Iterable[RouteSignal | LookaheadSignal], kick: bool = True
+    ) -> None:
         applied = False
         for sig in signals:
             if isinstance(sig, RouteSignal):
@@ -406,7 +459,7 @@ class Residency:
                 self.signals.set_lookahead(list(sig.predictions), sig.token, sig.request_id)
                 self._metrics.signals.inc(kind="layer_ahead")
             applied = True
-        if applied:
+        if applied and kick:
             self._prefetcher.kick()
 
     def apply_hints(self, batch: HintBatch) -> None:
@@ -484,7 +537,9 @@ class Residency:
     def claim_client(self) -> ClientLedger:
         """A free client ledger for an attaching compute process (``ResourceExhausted`` if none)."""
         with self._cond:
-            return self._ledgers.claim()
+            ledger = self._ledgers.claim()
+        self._table.claim_channel(ledger.index)  # emptied before the client can write to it
+        return ledger
 
     def bind_client(self, session: Session, ledger: ClientLedger) -> None:
         """Tie ``ledger`` (claimed at Attach) to ``session``: when the session closes, the
@@ -493,6 +548,9 @@ class Residency:
         with self._cond:
             self._check_open(session)
             self._ledgers.bind(session, ledger)
+            server = ChannelServer(self, session, ledger, self._table.channel(ledger.index))
+            self._channels[session] = server
+        server.start()
 
     # -- sessions -----------------------------------------------------------------------
     def open_session(self, name: str = "") -> Session:
@@ -514,7 +572,12 @@ class Residency:
             session.held.clear()
             self._sessions.discard(session)
             ledger, session.ledger = session.ledger, None
+            server = self._channels.pop(session, None)
+            if server is not None:
+                self._forget_client_waits(server)
             self._prefetcher.kick()
+        if server is not None:
+            server.wake()  # it sees the session closed and ends
         if ledger is not None:
             # Outside the lock: reclaim may wait (bounded) for a client inside a pin call.
             removed = self._ledgers.reclaim(ledger)
@@ -548,26 +611,68 @@ class Residency:
         ``timeout_s`` (default ``acquire_timeout_s``) → ``AcquireTimeout``. A failed load raises
         its ``DataLoss`` in every Acquire waiting for it.
         """
+        layer, keys = self._check_demand("Acquire", layer, experts)
+        self._metrics.demands.inc()
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        return self._acquire(session, layer, keys, time.monotonic() + timeout, timeout, tuple(signals))
+
+    def _check_demand(self, what: str, layer: int, experts: Iterable[int]) -> tuple[int, list[ExpertKey]]:
+        """``layer`` and the keys of ``experts``, checked (``BadAcquire`` / ``InvalidArgument``)."""
         experts = [int(e) for e in experts]
         # Compute sizes its waves by the arena (Attach's num_slots), not by the live budget.
         arena_slots = self._arena.num_slots
         if len(experts) > arena_slots:
             raise BadAcquire(
-                f"Acquire for layer {layer} names {len(experts)} experts but the arena has {arena_slots} "
+                f"{what} for layer {layer} names {len(experts)} experts but the arena has {arena_slots} "
                 f"slots: acquire them in waves of at most {arena_slots} (release each wave first)"
             )
         seen: set[int] = set()
         keys = []
         for expert in experts:
             if expert in seen:
-                raise BadAcquire(f"Acquire for layer {layer} names expert {expert} more than once")
+                raise BadAcquire(f"{what} for layer {layer} names expert {expert} more than once")
             seen.add(expert)
             key = ExpertKey(int(layer), expert)
             self._manifest.check_key(key)
             keys.append(key)
-        self._metrics.demands.inc()
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        return self._acquire(session, int(layer), keys, time.monotonic() + timeout, timeout, tuple(signals))
+        return int(layer), keys
+
+    def _admit(
+        self,
+        session: Session,
+        layer: int,
+        keys: list[ExpertKey],
+        deadline: float,
+        timeout: float,
+        client: ChannelServer | None = None,
+    ) -> tuple[list[Ready], dict[ExpertKey, Load], dict[ExpertKey, str]]:
+        """Admission under the lock, waiting for slots (woken by releases, loads, unpins) until
+        ``deadline`` → ``AcquireTimeout``."""
+        waiting = False
+        try:
+            while True:
+                self._check_open(session)
+                # Read before the check: an unpin after it changes the word and wakes us.
+                seen = self._table.unpin_seq
+                admitted = self._try_admit(session, layer, keys, client)
+                if admitted is not None:
+                    return admitted
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AcquireTimeout(self._timeout_message(layer, keys, timeout))
+                if not waiting:
+                    waiting = True
+                    self.demand_waiting += 1  # the prefetcher takes no slot meanwhile
+                if self._unpin_seen is None:
+                    self._unpin_seen = seen  # the watcher wakes us when compute unpins
+                    self._watch.notify()
+                self._cond.wait(remaining)
+        finally:
+            if waiting:
+                self.demand_waiting -= 1
+                if not self.demand_waiting:
+                    self._unpin_seen = None
+                self._prefetcher.kick()
 
     def _acquire(
         self,
@@ -580,37 +685,15 @@ class Residency:
     ) -> Iterator[Ready]:
         with self._cond:
             self._apply_signals_locked(signals)
-            waiting = False
-            try:
-                while True:
-                    self._check_open(session)
-                    # Read before the check: an unpin after it changes the word and wakes us.
-                    seen = self._table.unpin_seq
-                    admitted = self._try_admit(session, layer, keys)
-                    if admitted is not None:
-                        ready, pending, prefetched = admitted
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise AcquireTimeout(self._timeout_message(layer, keys, timeout))
-                    if not waiting:
-                        waiting = True
-                        self.demand_waiting += 1  # the prefetcher takes no slot meanwhile
-                    if self._unpin_seen is None:
-                        self._unpin_seen = seen  # the watcher wakes us when compute unpins
-                    self._cond.notify_all()
-                    self._cond.wait(remaining)
-            finally:
-                if waiting:
-                    self.demand_waiting -= 1
-                    if not self.demand_waiting:
-                        self._unpin_seen = None
-                    self._prefetcher.kick()
+            ready, pending, prefetched = self._admit(session, layer, keys, deadline, timeout)
         unyielded = {item.key for item in ready} | set(pending)
+        deferred = [load for load in pending.values() if load.deferred]
         try:
             for item in ready:
                 unyielded.discard(item.key)  # suspended at the yield = the caller has it
                 yield item
+            self.run_deferred(deferred)  # host-tier copies in this thread, after the hits went out
+            deferred = []
             while pending:
                 with self._cond:
                     while True:
@@ -634,12 +717,50 @@ class Residency:
                     unyielded.discard(key)
                     yield Ready(key, load.slot, load.source, prefetched.get(key, ""))
         finally:
+            if deferred:
+                self.run_deferred(deferred)  # never left LOADING without a reader
             if unyielded:
                 # Never handed out: the caller cannot know to release these pins, so drop them.
                 with self._cond:
                     for key in unyielded:
                         self._drop_pin(session, key)
                     self._cond.notify_all()
+
+    def admit_for_client(self, client: ChannelServer, layer: int, experts: Iterable[int]) -> list[Load]:
+        """A demand posted on ``client``'s channel: admit it (all or nothing, waiting for slots
+        up to ``acquire_timeout_s``), pinning every expert into the client's ledger. Resident ones
+        get source DEVICE at once; the client is told as each missing one lands (or fails).
+        Returns the loads to run in the calling thread (``run_deferred``, outside the lock)."""
+        layer, keys = self._check_demand("a demand", layer, experts)
+        self._metrics.demands.inc()
+        with self._cond:
+            ready, pending, _ = self._admit(
+                client.session, layer, keys, time.monotonic() + self._timeout_s, self._timeout_s, client
+            )
+            position = {key: i for i, key in enumerate(keys)}
+            for item in ready:
+                client.set_source(position[item.key], Tier.DEVICE)
+            for key in pending:
+                self._client_waits.setdefault(key, []).append((client, position[key]))
+        return [load for load in pending.values() if load.deferred]
+
+    def run_deferred(self, loads: Iterable[Load]) -> None:
+        """Run demand loads admission left to the acquiring thread (outside the lock): those the
+        host tier holds are copied here, in order (no hop to an I/O thread); the others go to the
+        I/O pool (a store read)."""
+        for load in loads:
+            if self._loader.host_has(load.key):
+                self._loader.run(load)
+            else:
+                self._loader.submit(load)
+
+    def _forget_client_waits(self, client: ChannelServer) -> None:
+        for key in list(self._client_waits):
+            waiters = [w for w in self._client_waits[key] if w[0] is not client]
+            if waiters:
+                self._client_waits[key] = waiters
+            else:
+                del self._client_waits[key]
 
     def _check_open(self, session: Session) -> None:
         if self._closing:
@@ -648,17 +769,20 @@ class Residency:
             raise SessionClosed(f"Demand session {session.name or session.id} is closed")
 
     def _try_admit(
-        self, session: Session, layer: int, keys: list[ExpertKey]
+        self, session: Session, layer: int, keys: list[ExpertKey], client: ChannelServer | None = None
     ) -> tuple[list[Ready], dict[ExpertKey, Load], dict[ExpertKey, str]] | None:
-        """Pin everything ``keys`` needs and start its loads, or take nothing and return None."""
+        """Pin everything ``keys`` needs and start its loads, or take nothing and return None.
+        The pins go to ``session``, or with ``client`` into that client's ledger. Demand loads are
+        left to the caller (``Load.deferred``: ``run_deferred`` once the lock is released)."""
         wanted = set(keys)
-        held_elsewhere = len(set(session.held) - wanted)
-        if held_elsewhere + len(keys) > self._arena.num_slots:
-            raise BadAcquire(
-                f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
-                f"{held_elsewhere} other experts and the arena has {self._arena.num_slots} slots; release them "
-                "first"
-            )
+        if client is None:
+            held_elsewhere = len(set(session.held) - wanted)
+            if held_elsewhere + len(keys) > self._arena.num_slots:
+                raise BadAcquire(
+                    f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
+                    f"{held_elsewhere} other experts and the arena has {self._arena.num_slots} slots; release "
+                    "them first"
+                )
         self.sync_recency()
         slots = self.slots
         loads = [self.queue.get(key) for key in keys]
@@ -692,7 +816,7 @@ class Residency:
                     self._evicted(victim)
                 else:
                     refused.add(victim)  # compute pinned it between the check and the evict
-        # Admitted: from here on nothing can fail.
+        # Admitted: from here on nothing can fail (but a client whose ledger was just reclaimed).
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
         prefetched: dict[ExpertKey, str] = {}  # pending keys a prefetch was already loading
@@ -702,8 +826,7 @@ class Residency:
             scheduler.on_demand(key)
             load = self.queue.get(key)
             if load is None and slots.is_resident(key):
-                slots.hold(key)
-                session.add(key)
+                self._hold(session, client, key)
                 self._metrics.hits.inc(tier=Tier.DEVICE.value)
                 self._policy.on_access(key)
                 ready.append(Ready(key, slots.slot(key), Tier.DEVICE, kind or ""))
@@ -716,16 +839,27 @@ class Residency:
                     prefetched[key] = kind
                 self._promote(load)
             else:
-                load = self._start_load(key, PrefetchClass.DEMAND)
-            slots.hold(key)
-            session.add(key)
+                load = self._start_load(key, PrefetchClass.DEMAND, defer=True)
+            self._hold(session, client, key)
             pending[key] = load
         return ready, pending, prefetched
 
-    def _start_load(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> Load:
+    def _hold(self, session: Session, client: ChannelServer | None, key: ExpertKey) -> None:
+        if client is None:
+            self.slots.hold(key)
+            session.add(key)
+        else:
+            client.hold(key)
+
+    def _start_load(
+        self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0, *, defer: bool = False
+    ) -> Load:
+        """A LOADING entry for ``key`` in a free slot, its load queued on the I/O pools, or with
+        ``defer`` left to the admitting thread (``run_deferred``)."""
         slot = self.slots.begin_load(key)
-        load = self.queue.add(Load(key, cls, score, depth, slot=slot, priority=PRIORITY[cls]))
-        self._loader.submit(load)  # type: ignore[arg-type]
+        load = self.queue.add(Load(key, cls, score, depth, slot=slot, priority=PRIORITY[cls], deferred=defer))
+        if not defer:
+            self._loader.submit(load)  # type: ignore[arg-type]
         return load  # type: ignore[return-value]
 
     def _promote(self, load: Load) -> None:
@@ -771,6 +905,8 @@ class Residency:
         self.slots.finish_load(load.key)
         self._policy.on_insert(load.key)
         load.source, load.done = source, True
+        for client, position in self._client_waits.pop(load.key, ()):
+            client.loaded(position, source)
         self._prefetcher.kick()
 
     def _load_failed(self, load: Load, error: BaseException, keep_slot: bool = False) -> None:
@@ -780,6 +916,8 @@ class Residency:
         for session in self._sessions:
             n = session.held.pop(key, 0)
             self.slots.unhold(key, n)
+        for client, _position in self._client_waits.pop(key, ()):
+            client.failed(key, error)
         self.queue.remove(key)
         self.slots.abort_load(key, load.slot, free_slot=not keep_slot)
         self._prefetcher.gone(key, evicted=False)
@@ -817,7 +955,7 @@ class Residency:
         while True:
             with self._cond:
                 while not self._closing and not (self.demand_waiting and self._unpin_seen is not None):
-                    self._cond.wait()
+                    self._watch.wait()
                 if self._closing:
                     return
                 seen, self._unpin_seen = self._unpin_seen, None
@@ -904,6 +1042,12 @@ class Residency:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._watch.notify_all()
+            servers = list(self._channels.values())
+        for server in servers:
+            server.wake()
+        for server in servers:
+            server.join(5.0)
         self._table.wake_unpin_waiters()
         if self._watcher is not threading.current_thread():
             self._watcher.join()

@@ -58,6 +58,8 @@ class Load(QueuedLoad):
 
     slot: int = -1
     priority: Priority = Priority.DEMAND
+    # Left to the admitting thread (Residency.run_deferred), not queued on a pool at admission.
+    deferred: bool = False
     done: bool = False
     source: Tier = Tier.STORE
     error: BaseException | None = None
@@ -117,6 +119,14 @@ class Loader:
             self.submit(load)  # a demand thread takes it unless a prefetch thread already has
         elif load.handle is not None:
             load.handle.promote(Priority.DEMAND)
+
+    def host_has(self, key) -> bool:
+        """Whether the host tier holds ``key`` now (a load of it would be a copy, no read)."""
+        return self._host is not None and self._host.contains(key)
+
+    def run(self, load: Load) -> None:
+        """Run ``load`` in the calling thread (outside the lock), as an I/O thread would."""
+        self._run(load)
 
     # -- I/O threads -------------------------------------------------------------------------------
     def _run(self, load: Load) -> None:

@@ -47,9 +47,13 @@ class Prefetcher:
         cond: threading.Condition,
         scheduler: PrefetchScheduler,
         metrics: DaemonMetrics,
+        wake: threading.Condition,
     ) -> None:
+        """``cond``: the residency's condition (its waiters are woken by every change); ``wake``:
+        the worker's own condition on the same lock."""
         self._residency = residency
-        self._cond = cond
+        self._cond = cond  # the residency's: its waiters are woken by every change
+        self._wake = wake
         self.scheduler = scheduler
         self._metrics = metrics
         self.enabled = False
@@ -62,8 +66,11 @@ class Prefetcher:
 
     # -- under the residency lock ------------------------------------------------------------------
     def kick(self) -> None:
-        """Something the scheduler reads changed: wake the worker (and every other waiter)."""
+        """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
+        every waiting admission (a slot, a load or a pin may have come free)."""
         self._dirty = True
+        if self.enabled:
+            self._wake.notify()
         self._cond.notify_all()
 
     def run(self) -> int:
@@ -110,7 +117,7 @@ class Prefetcher:
                 while not self._closing and not (
                     self._dirty and self.enabled and not self._residency.demand_waiting
                 ):
-                    self._cond.wait()  # no timeout: every change notifies
+                    self._wake.wait()  # no timeout: every change kicks
                 if self._closing:
                     return
                 self._dirty = False
@@ -123,7 +130,7 @@ class Prefetcher:
         """Stop the worker (called with the lock *not* held)."""
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
+            self._wake.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
