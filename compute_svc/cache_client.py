@@ -30,9 +30,18 @@ ends — even by this process being killed — the daemon drops every pin the le
 
     acquire(layer, experts)
       try_pin_many(layer * num_experts + e for e in experts)   atomic pins in shared memory, no RPC
-        hits   → ReadyExpert(e, slot, DEVICE) at once
-        misses → Acquire(ticket, layer, misses) on the Demand stream, as above
-    release(layer, experts) → unpin_many(hits) locally; Release(misses) on the stream
+        hits   → [ReadyExpert(e, slot, DEVICE), ...] at once, as one batch
+        misses → a demand on the client channel (shared memory, futex-woken; no gRPC message):
+                 the daemon pins them into our ledger, answers, and we wait until each is
+                 RESIDENT in the table, yielding them in batches as they land
+    release(layer, experts) → unpin_many(all of them) locally
+
+The channel (``expertcache.native.ClientChannel``, one per client ledger; the daemon side is
+``cache_daemon.residency.channel``) also carries the one-way signals: ``routed`` and
+``layer_ahead`` write records into its ring (only while the daemon uses them: the table's
+``signals_wanted``), begin/end always; the doorbell that wakes the daemon rings once per layer.
+An Acquire traced by OpenTelemetry, or any acquire without the fast path, goes through the
+Demand stream as above (the daemon's spans join the trace there).
 
 A dropped stream loses the ledger too (the daemon reclaims it); the next stream re-Attaches for a
 new one, which is also where a restarted daemon is detected.
@@ -65,6 +74,7 @@ from compute_svc.errors import (
 )
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ReadyExpert, Tier
+from expertcache import channel as codes
 from expertcache import native
 from expertcache.manifest import StoreManifest
 
@@ -87,6 +97,12 @@ _TIERS = {
     cache_pb2.TIER_DEVICE: Tier.DEVICE,
     cache_pb2.TIER_HOST: Tier.HOST,
     cache_pb2.TIER_STORE: Tier.STORE,
+}
+# The channel's source codes (expertcache.channel) → tiers.
+_CHANNEL_TIERS = {
+    codes.SOURCE_DEVICE: Tier.DEVICE,
+    codes.SOURCE_HOST: Tier.HOST,
+    codes.SOURCE_STORE: Tier.STORE,
 }
 
 # Demand call metadata naming this client's ledger (cache.proto, Demand).
@@ -145,6 +161,17 @@ def attachment_from_pb(pb: cache_pb2.AttachResponse, address: str) -> Attachment
     )
 
 
+def error_from_status(status: int, message: str, address: str) -> ExpertCacheError:
+    """The domain exception for a channel status (a refused demand or a failed load)."""
+    name = codes.STATUS_NAMES.get(status, "INTERNAL")
+    cls = _STATUS_ERRORS.get(getattr(grpc.StatusCode, name), ExpertCacheError)
+    if cls is DaemonUnavailable:
+        return DaemonUnavailable(f"cache daemon at {address} is unavailable: {message}")
+    if cls is ExpertCacheError:
+        return ExpertCacheError(f"cache daemon at {address} failed with {name}: {message}")
+    return cls(message)
+
+
 def error_from_rpc(exc: grpc.RpcError, address: str) -> ExpertCacheError:
     """The domain exception for a failed daemon call; keeps the daemon's message."""
     code = exc.code() if hasattr(exc, "code") else None
@@ -171,8 +198,10 @@ class _DemandStream:
         stub: cache_pb2_grpc.ExpertCacheStub,
         metadata: tuple[tuple[str, str], ...] = (),
         on_end: Callable[[str], None] | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self._requests: queue.Queue = queue.Queue()
+        self._wake = wake  # wakes a wait on the client channel when the stream ends
         self.responses: queue.Queue = queue.Queue()
         self.ended = False  # the response stream is over (the daemon ended it, or it broke)
         self._closing = False  # we closed it (then its end is no news)
@@ -199,6 +228,8 @@ class _DemandStream:
             self.ended = True
             self.responses.put(exc)
             reason = f"the Demand stream to the cache daemon broke: {exc.code().name if exc.code() else exc}"
+        if self._wake is not None:
+            self._wake()
         if not self._closing and self._on_end is not None:
             self._on_end(reason)
 
@@ -232,6 +263,7 @@ class DaemonClient:
         self.fast_path = fast_path
         # The shared slot table (fast path only); bound to the ledger of the current stream.
         self._table: native.SlotTable | None = None
+        self._shm_channel: native.ClientChannel | None = None  # the ledger's channel (demands, signals)
         self._ledger: tuple[int, int] | None = None  # (index, epoch) for the next stream
         self._shm_held: dict[tuple[int, int], int] = {}  # (layer, expert) -> pins taken in shm
         self._channel = channel
@@ -250,6 +282,10 @@ class DaemonClient:
         self.signals_sent = 0
         self.signals_dropped = 0
         self._live_requests: set[str] = set()  # begun and not ended; re-announced on a new stream
+        # Request ids → the small handles their channel records carry (begin names the id once).
+        self._handles: dict[str, int] = {}
+        self._next_handle = itertools.count(1)
+        self._doorbell_due = False  # signals written to the channel that the daemon was not told of
         # Route / LayerAhead messages held for the next Acquire (``with_acquire``), in order.
         self._carried: list[cache_pb2.DemandRequest] = []
         if fast_path:
@@ -280,6 +316,7 @@ class DaemonClient:
                 f"{manifest.num_layers} layers x {manifest.num_experts} experts"
             )
         self._table = table
+        self._shm_channel = table.channel(attachment.client_index)
         self._ledger = (attachment.client_index, attachment.client_epoch)
 
     @classmethod
@@ -351,16 +388,31 @@ class DaemonClient:
         deadline: float | None = None,
         trace_context: dict[str, str] | None = None,
     ) -> Iterator[ReadyExpert]:
-        """Pin ``experts`` of ``layer``; yields each as it becomes resident, ends at AcquireDone.
+        """``acquire_batches``, one expert at a time."""
+        for batch in self.acquire_batches(layer, experts, deadline=deadline, trace_context=trace_context):
+            yield from batch
+
+    def acquire_batches(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        *,
+        deadline: float | None = None,
+        trace_context: dict[str, str] | None = None,
+    ) -> Iterator[list[ReadyExpert]]:
+        """Pin ``experts`` of ``layer``; yields them in batches as they become resident (the
+        resident ones first, at once), ends when every one was yielded.
 
         Raises the daemon's error (``DataLoss``, ``InvalidArgument``, ...), ``DeadlineExceeded``
         after ``acquire_timeout_s`` or at ``deadline`` (``time.monotonic()``: the step's requests
         are all past theirs), or ``Cancelled`` once ``interrupt`` was called in this step. Closing
         the iterator before its end drops the stream, which releases every pin of this process.
-        ``trace_context`` (W3C, from ``expertcache.telemetry``) travels in the Acquire: the daemon's spans join it.
+        ``trace_context`` (W3C, from ``expertcache.telemetry``) sends the misses through the
+        Demand stream, in an Acquire the daemon's spans join.
         """
         experts = list(experts)
         hits: list[ReadyExpert] = []
+        demand_seq = None
         with self._lock:
             stream = self._open()
             if self._table is not None:
@@ -368,32 +420,35 @@ class DaemonClient:
             pinned = {h.expert for h in hits}
             misses = [e for e in experts if e not in pinned]
             ticket = next(self._tickets)
-            if misses:
-                carried, self._carried = self._carried, []
-                request = cache_pb2.DemandRequest(
-                    acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
-                )
-                if trace_context:
-                    request.acquire.trace_context.update(trace_context)
-                for signal in carried:
-                    if signal.HasField("route"):
-                        request.acquire.routes.append(signal.route)
-                    else:
-                        request.acquire.layer_aheads.append(signal.layer_ahead)
-                stream.send(request)
-                self.signals_sent += len(carried)
+            channel = self._shm_channel if (self._shm_channel is not None and not trace_context) else None
+            if misses and channel is not None:
+                fail_seen = channel.fail_seq
+                demand_seq = channel.post_demand(layer, misses)
+                self._doorbell_due = True
+                self._ring_locked()
+            elif misses:
+                self._ring_locked()  # signals already in the channel go first
+                self._send_acquire_locked(stream, ticket, layer, misses, trace_context)
             else:
                 self._flush_carried_locked()  # every expert was pinned here: no Acquire carries them
+                self._ring_locked()
         limit = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:
-            yield from hits  # resident experts first: compute starts on them at once
-            while misses:
+            if hits:
+                yield hits  # resident experts first: compute starts on them at once
+            if misses and demand_seq is not None:
+                yield from self._channel_wait(
+                    stream, channel, demand_seq, fail_seen, layer, misses, limit, deadline
+                )
+            while misses and demand_seq is None:
                 response = self._next(stream, limit, deadline, layer, misses)
                 kind = response.WhichOneof("kind")
                 if kind == "ready" and response.ready.ticket == ticket:
                     ready = response.ready
-                    yield ReadyExpert(ready.expert.expert, ready.slot, _TIERS.get(ready.source, Tier.UNKNOWN))
+                    yield [
+                        ReadyExpert(ready.expert.expert, ready.slot, _TIERS.get(ready.source, Tier.UNKNOWN))
+                    ]
                 elif kind == "done" and response.done.ticket == ticket:
                     break
                 else:
@@ -402,6 +457,115 @@ class DaemonClient:
         finally:
             if not finished:
                 self._drop(stream)
+
+    def _send_acquire_locked(
+        self,
+        stream: _DemandStream,
+        ticket: int,
+        layer: int,
+        misses: list[int],
+        trace_context: dict[str, str] | None,
+    ) -> None:
+        carried, self._carried = self._carried, []
+        request = cache_pb2.DemandRequest(
+            acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=misses)
+        )
+        if trace_context:
+            request.acquire.trace_context.update(trace_context)
+        for signal in carried:
+            if signal.HasField("route"):
+                request.acquire.routes.append(signal.route)
+            else:
+                request.acquire.layer_aheads.append(signal.layer_ahead)
+        stream.send(request)
+        self.signals_sent += len(carried)
+
+    def _channel_wait(
+        self,
+        stream: _DemandStream,
+        channel: native.ClientChannel,
+        seq: int,
+        fail_seen: int,
+        layer: int,
+        misses: list[int],
+        limit: float,
+        deadline: float | None,
+    ) -> Iterator[list[ReadyExpert]]:
+        """The daemon's answer to demand ``seq``, then the misses in batches as they land."""
+        while channel.reply_seq != seq:
+            self._wait_channel(
+                stream, channel, lambda: channel.reply_seq == seq, limit, deadline, layer, misses
+            )
+        if channel.reply_status != codes.STATUS_OK:
+            raise error_from_status(channel.reply_status, channel.reply_message, self.address)
+        # Admitted: the daemon pinned every miss into our ledger; we release them like our hits.
+        with self._lock:
+            for e in misses:
+                key = (layer, e)
+                self._shm_held[key] = self._shm_held.get(key, 0) + 1
+        num_experts = self.attachment.manifest.num_experts
+        pending = list(range(len(misses)))
+        entries = [layer * num_experts + e for e in misses]
+        table = self._table
+        while pending:
+            seen = channel.notify_seq  # before the checks: a landing after them wakes the wait
+            if channel.fail_seq != fail_seen:
+                raise error_from_status(channel.fail_status, channel.fail_message, self.address)
+            slots = table.resident_slots([entries[i] for i in pending])
+            batch = [
+                ReadyExpert(misses[i], slot, _CHANNEL_TIERS.get(channel.source(i), Tier.UNKNOWN))
+                for i, slot in zip(pending, slots, strict=True)
+                if slot >= 0
+            ]
+            if batch:
+                pending = [i for i, slot in zip(pending, slots, strict=True) if slot < 0]
+                yield batch
+                continue
+            if any(slot == -2 for slot in slots):
+                raise DaemonUnavailable(
+                    f"cache daemon at {self.address} dropped experts of layer {layer} it had admitted "
+                    "(its stream ended)"
+                )
+            self._wait_notify(stream, channel, seen, limit, deadline, layer, [misses[i] for i in pending])
+
+    def _wait_channel(
+        self, stream, channel, done: Callable[[], bool], limit, deadline, layer, experts
+    ) -> None:
+        seen = channel.notify_seq
+        if not done():
+            self._wait_notify(stream, channel, seen, limit, deadline, layer, experts)
+
+    def _wait_notify(
+        self,
+        stream: _DemandStream,
+        channel: native.ClientChannel,
+        seen: int,
+        limit: float,
+        deadline: float | None,
+        layer: int,
+        experts: Sequence[int],
+    ) -> None:
+        """Sleep until the daemon (or an interrupt, or the stream's end) bumps the notify word
+        past ``seen``; raise what ends the wait otherwise."""
+        if self._interrupted:
+            raise Cancelled(
+                f"the requests of this step were all cancelled while it waited for experts of layer {layer}"
+            )
+        if stream.ended:
+            raise DaemonUnavailable(f"cache daemon at {self.address} closed the Demand stream")
+        until = limit if deadline is None else min(limit, deadline)
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            if deadline is not None and deadline <= limit:
+                raise DeadlineExceeded(
+                    f"the requests of this step passed their deadlines while waiting for experts "
+                    f"{list(experts)} of layer {layer}"
+                )
+            raise DeadlineExceeded(
+                f"cache daemon at {self.address} did not deliver experts {list(experts)} of layer {layer} "
+                f"within {self._acquire_timeout_s:g}s"
+            )
+        channel.wait_notify(seen, remaining)
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).
@@ -447,6 +611,11 @@ class DaemonClient:
         """A request starts: the daemon starts its routing history afresh."""
         with self._lock:
             self._live_requests.add(request_id)
+            if self._shm_channel is not None:
+                if self._channel_live_locked():
+                    self._channel_begin_locked(request_id)
+                    self._ring_locked()
+                return
             self._signal_locked(
                 cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
             )
@@ -455,6 +624,12 @@ class DaemonClient:
         """A request ended: the daemon drops its routing history."""
         with self._lock:
             self._live_requests.discard(request_id)
+            if self._shm_channel is not None:
+                handle = self._handles.pop(request_id, None)
+                if handle is not None and self._channel_live_locked():
+                    self._count(self._shm_channel.signal_end(handle))
+                    self._ring_locked()
+                return
             self._signal_locked(
                 cache_pb2.DemandRequest(request_end=cache_pb2.RequestEnd(request_id=request_id))
             )
@@ -464,8 +639,19 @@ class DaemonClient:
     ) -> None:
         """Layer ``layer`` of token ``token`` (position in request ``request_id``) was routed to
         ``experts``, hits included: the daemon cannot see shared-memory hits in order.
-        ``with_acquire``: the caller acquires next; the Route travels in that Acquire (sent on its
-        own if every expert is pinned through the table, or before any other message)."""
+        ``with_acquire``: the caller acquires next; the record's doorbell rings with that acquire
+        (on the Demand stream: the Route travels in its Acquire, or on its own if every expert is
+        pinned through the table, or before any other message)."""
+        with self._lock:
+            channel = self._shm_channel
+            if channel is not None:
+                if self._table.signals_wanted and self._channel_live_locked():
+                    handle = self._handle_locked(request_id)
+                    self._count(channel.signal_route(handle, token, layer, [int(e) for e in experts]))
+                    self._doorbell_due = True
+                    if not with_acquire:
+                        self._ring_locked()
+                return
         message = cache_pb2.DemandRequest(
             route=cache_pb2.Route(
                 request_id=request_id, token=token, decoder_layer=layer, experts=[int(e) for e in experts]
@@ -489,6 +675,25 @@ class DaemonClient:
                     f"layer_ahead for layer {p.layer} at depth {p.depth}: {len(p.experts)} experts but "
                     f"{len(p.scores)} scores"
                 )
+        with self._lock:
+            channel = self._shm_channel
+            if channel is not None:
+                if self._table.signals_wanted and self._channel_live_locked():
+                    handle = self._handle_locked(request_id)
+                    self._count(
+                        channel.signal_ahead(
+                            handle,
+                            token,
+                            [int(p.layer) for p in predictions],
+                            [int(p.depth) for p in predictions],
+                            [[int(e) for e in p.experts] for p in predictions],
+                            [[float(x) for x in p.scores] for p in predictions],
+                        )
+                    )
+                    self._doorbell_due = True
+                    if not with_acquire:
+                        self._ring_locked()
+                return
         message = cache_pb2.LayerAhead(
             request_id=request_id,
             token=token,
@@ -507,6 +712,41 @@ class DaemonClient:
                 self._carried.append(cache_pb2.DemandRequest(layer_ahead=message))
             else:
                 self._signal_locked(cache_pb2.DemandRequest(layer_ahead=message))
+
+    def _handle_locked(self, request_id: str) -> int:
+        """The channel handle of ``request_id`` (begun on the channel now if it was not)."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            handle = self._channel_begin_locked(request_id)
+        return handle
+
+    def _channel_begin_locked(self, request_id: str) -> int:
+        handle = next(self._next_handle) & 0xFFFFFFFF
+        self._handles[request_id] = handle
+        self._count(self._shm_channel.signal_begin(handle, request_id))
+        self._doorbell_due = True
+        return handle
+
+    def _count(self, written: bool) -> None:
+        if written:
+            self.signals_sent += 1
+        else:
+            self.signals_dropped += 1  # the ring was full: the daemon was behind
+
+    def _channel_live_locked(self) -> bool:
+        """Whether a daemon thread serves the channel now (a stream is open); a signal written
+        while none does would be lost with the ledger, so it is dropped and counted instead."""
+        if self._stream is None or self._stream.ended:
+            self.signals_dropped += 1
+            return False
+        return True
+
+    def _ring_locked(self) -> None:
+        """Wake the daemon's channel thread for what was written to the channel (one syscall, and
+        only while it sleeps)."""
+        if self._doorbell_due and self._shm_channel is not None:
+            self._doorbell_due = False
+            self._shm_channel.ring_doorbell()
 
     def _signal_locked(self, request: cache_pb2.DemandRequest) -> None:
         """Queue a one-way message on the open Demand stream; with none open, drop it. Opening a
@@ -535,6 +775,7 @@ class DaemonClient:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+            self._shm_channel = None  # nothing serves it any more: later signals are dropped
         self._channel.close()
 
     # -- internals --------------------------------------------------------------------------------
@@ -553,13 +794,20 @@ class DaemonClient:
                 except _StaleClient as exc:
                     raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
                 metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
-            self._stream = _DemandStream(self._stub, metadata, on_end=self._stream_ended)
+            self._stream = _DemandStream(
+                self._stub, metadata, on_end=self._stream_ended, wake=self._wake_channel
+            )
             self._streams_opened += 1
+            # The old stream's messages may be lost (or the daemon new): say what runs now.
+            self._handles.clear()
             for request_id in sorted(self._live_requests):
-                # The old stream's messages may be lost (or the daemon new): say what runs now.
-                self._stream.send(
-                    cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
-                )
+                if self._shm_channel is not None:
+                    self._channel_begin_locked(request_id)
+                else:
+                    self._stream.send(
+                        cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id=request_id))
+                    )
+            self._ring_locked()
             logger.debug("opened a Demand stream to %s", self.address)
         return self._stream
 
@@ -607,6 +855,12 @@ class DaemonClient:
             )
         if self._table is not None:
             self._ledger = (reply.client_index, reply.client_epoch)  # the old one went with its stream
+            self._shm_channel = self._table.channel(reply.client_index) if reply.client_index >= 0 else None
+
+    def _wake_channel(self) -> None:
+        channel = self._shm_channel
+        if channel is not None:
+            channel.notify()  # a wait for the daemon's answer sees the stream ended
 
     def _stream_ended(self, reason: str) -> None:
         if self.on_stream_end is not None:
@@ -661,6 +915,9 @@ class DaemonClient:
         """Wake a wait for experts of the current step (its requests are all gone): it raises
         ``Cancelled``. Thread-safe; called from a gRPC thread."""
         self._interrupted = True
+        channel = self._shm_channel
+        if channel is not None:
+            channel.notify()
         stream = self._stream
         if stream is not None:
             stream.responses.put(_INTERRUPT)
@@ -687,7 +944,7 @@ class DaemonClient:
                     f"not {self.attachment.manifest.model_id}: restart compute with its store"
                 )
             self.attachment = attachment
-            self._table, self._ledger = None, None
+            self._table, self._ledger, self._shm_channel = None, None, None
             self._shm_held.clear()
             self._streams_opened = 0
             if self.fast_path:

@@ -42,6 +42,7 @@ class ExpertDecoder:
 
     def __init__(self, tensors: tuple[ExpertTensor, ...], device: torch.device | str) -> None:
         self.tensors = tensors
+        self._by_name = {t.name: t for t in tensors}
         self.scratch = Scratch(device)
         self.encoded = tuple(t for t in tensors if t.encoding != "plain")
         if self.encoded:
@@ -66,3 +67,12 @@ class ExpertDecoder:
         if not self.encoded:
             return dict(parts)
         return {t.name: decode(t, parts, self.scratch) for t in self.tensors}
+
+    def param(self, name: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One runtime parameter of one expert (``weights(parts)[name]``, decoding only it): a view
+        of the slot when plain, else a view of this decoder's scratch for that tensor, valid until
+        the same tensor of another expert is decoded."""
+        tensor = self._by_name[name]
+        if tensor.encoding == "plain":
+            return parts[name]
+        return decode(tensor, parts, self.scratch)

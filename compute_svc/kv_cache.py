@@ -42,6 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 IMPLEMENTATION = "expertcache_packed"
 _INITIAL_CAPACITY = 64
+_MISSING = object()
 
 
 class SequenceKV:
@@ -144,6 +145,9 @@ class PackedCache(Cache):
 _SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.ContextVar(
     "expertcache_segments", default=None
 )
+# The masks of that forward, made once and shared by its layers (as transformers builds its mask
+# once per forward): (past, tokens, window, dtype, device) -> mask.
+_MASKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("expertcache_masks", default=None)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -157,9 +161,11 @@ def packed_forward(segments: Sequence[Segment]) -> Iterator[PackedCache]:
     """The ``past_key_values`` for a forward over ``segments``, and their layout for attention."""
     cache = PackedCache(segments)
     token = _SEGMENTS.set(cache.segments)
+    masks = _MASKS.set({})
     try:
         yield cache
     finally:
+        _MASKS.reset(masks)
         _SEGMENTS.reset(token)
 
 
@@ -186,6 +192,7 @@ class PackedAttention:
             # again, which it would do on the masked path a lone request never takes.
             module = _ExpandedHeads(module)
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        masks = _MASKS.get()
         outs = []
         q0 = k0 = 0
         for seg in segments:
@@ -193,7 +200,13 @@ class PackedAttention:
             q = query[:, :, q0 : q0 + seg.tokens]
             k = key[:, :, k0 : k0 + kv_len]
             v = value[:, :, k0 : k0 + kv_len]
-            mask = self.mask(seg.past, seg.tokens, window, query)
+            if masks is None:
+                mask = self.mask(seg.past, seg.tokens, window, query)
+            else:
+                key_ = (seg.past, seg.tokens, window, query.dtype, query.device)
+                mask = masks.get(key_, _MISSING)
+                if mask is _MISSING:
+                    mask = masks[key_] = self.mask(seg.past, seg.tokens, window, query)
             out, _ = fn(module, q, k, v, mask, **kwargs)
             outs.append(out)
             q0 += seg.tokens

@@ -5,22 +5,25 @@ module's forward, which dispatches on ``config._experts_implementation``. Regist
 ``"expertcache"`` there replaces only the expert math; attention, routers, shared experts and
 everything else stay the model's own code. The forward runs in four stages::
 
-    top_k_index [T,K] int64 ──route──▶ Routing (distinct experts, their rows of the T·K pairs)
+    top_k_index [T,K] int64 ──route──▶ Routing (distinct experts, the T·K pairs grouped by expert)
                                           │  waves of ≤ num_slots experts
                                           ▼
-                     acquire ──▶ ReadyExpert(expert, slot, source) in readiness order
-                                          │  as each arrives (resident ones first)
+                     acquire ──▶ [ReadyExpert(expert, slot, source), ...] batches in readiness
+                                          │  order (the resident ones first, as one batch)
                                           ▼
-                     compute ──▶ ExpertOutput(rows, weighted [n,H]) from arena views
-                                          │
+                     compute ──▶ per batch: its rows' inputs gathered once, one GEMM per expert
+                                          │  into one buffer, the gate once, one GEMM per
+                                          │  expert, weighted by the routing → [n,H]
                                           ▼
                      combine ──▶ [T·K,H] → view [T,K,H] → sum(dim=1) → [T,H]
 
 then the wave's experts are released (unpinned) so the daemon may evict them. The math mirrors
-transformers' ``batched_mm``/``grouped_mm`` experts forward (``integrations/moe.py``): same
-projections, the module's own ``_apply_gate``/``act_fn``, optional biases and post-expert norm,
-routing weights applied per (token, k) pair and a final reshape+sum over k, so the output equals
-the plain model's.
+transformers' ``grouped_mm`` experts forward (``integrations/moe.py``): same projections (a
+GEMM per expert over its rows, as grouped_mm's groups), the module's own ``_apply_gate`` /
+``act_fn`` over all rows of the batch, optional biases and post-expert norm, routing weights
+applied per (token, k) pair and a final reshape+sum over k, so the output equals the plain
+model's. Everything but the GEMMs runs once per batch, not once per expert: a decode step's
+layer whose experts are all resident costs a handful of torch calls beyond its GEMMs.
 
 Before the route stage, when set: forced routing (``compute_svc.forced_routing``, a benchmark
 feature) replaces the router's choice by a trace's; after it, one-way signals go to the daemon
@@ -86,7 +89,11 @@ class ExpertProvider(Protocol):
     """Hands out pinned arena slots (implemented by ``cache_client.DaemonClient``).
 
     ``acquire`` yields one ``ReadyExpert`` per requested expert in readiness order; the slot
-    stays pinned until ``release``. A wait never goes beyond ``deadline`` (``time.monotonic()``). Closing the iterator early drops every pin it holds.
+    stays pinned until ``release``. A wait never goes beyond ``deadline``
+    (``time.monotonic()``). Closing the iterator early drops every pin it holds. A provider may
+    also have ``acquire_batches`` (same arguments): the same experts in batches of what became
+    ready together (the resident ones first, then the loads as they land), which the runtime
+    prefers: it computes a batch's experts together.
     """
 
     def acquire(
@@ -112,13 +119,43 @@ _SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 # -- route stage -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Routing:
-    """Which (token, k) rows each distinct expert serves."""
+    """The S = T·K (token, k) pairs grouped by expert: ``order`` lists the pair rows expert by
+    expert (ascending expert ids, rows ascending within an expert); ``tokens`` their tokens."""
 
     num_tokens: int  # T
     top_k: int  # K
     experts: tuple[int, ...]  # distinct experts, ascending
-    rows: dict[int, torch.Tensor]  # expert -> [n] int64 rows into the S = T*K pairs
-    weights: torch.Tensor  # [S] routing weight of each row (router dtype)
+    order: torch.Tensor  # [S] int64 pair rows grouped by expert, on the model's device
+    tokens: torch.Tensor  # [S] int64 the token of each row of ``order`` (row // K)
+    spans: dict[int, tuple[int, int]]  # expert -> (start, end) of its rows in ``order``
+    weights: torch.Tensor  # [S] routing weight of each pair row (router dtype)
+
+    @property
+    def rows(self) -> dict[int, torch.Tensor]:
+        """expert -> [n] int64 rows into the S pairs (views of ``order``)."""
+        return {e: self.order[a:b] for e, (a, b) in self.spans.items()}
+
+    def group(self, experts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """The pair rows and tokens of ``experts`` (in that order) and each expert's (start, end)
+        within them. The layer's whole expert set, or a run of it in ascending order, is a view."""
+        spans = self.spans
+        first, last = spans[experts[0]][0], spans[experts[-1]][1]
+        bounds = []
+        at = 0
+        contiguous = True
+        for e in experts:
+            a, b = spans[e]
+            contiguous = contiguous and a == first + at
+            bounds.append((at, at + b - a))
+            at += b - a
+        if contiguous and last - first == at:
+            return self.order[first:last], self.tokens[first:last], bounds
+        pieces = [spans[e] for e in experts]
+        return (
+            torch.cat([self.order[a:b] for a, b in pieces]),
+            torch.cat([self.tokens[a:b] for a, b in pieces]),
+            bounds,
+        )
 
 
 def route(
@@ -129,28 +166,49 @@ def route(
     ``top_k_index`` [T, K] int64, ``top_k_weights`` [T, K] float, on the model's device;
     ``host_index`` the same indices already on the host ([S] or [T, K] integers), as the runtime
     fetches them (its one device→host transfer per layer). Without it they are fetched here. The
-    grouping runs on the host (the experts must be known there to ask the daemon anyway) and one
-    host→device copy of the row order gives every expert its rows as a view: no further sync.
+    experts and their row counts are found on the host (the experts must be known there to ask
+    the daemon anyway); the row order is built where the model runs: on the CPU from the host
+    copy (no copy back), on a GPU by a stable sort there, so nothing is copied host→device.
     """
     num_tokens, top_k = top_k_index.shape
     if host_index is None:
         host_index = top_k_index.reshape(-1).cpu().numpy()
     flat = np.asarray(host_index).reshape(-1).astype(np.int64, copy=False)  # [S]
-    order = np.argsort(flat, kind="stable")  # [S] rows grouped by expert, ascending
-    experts, counts = np.unique(flat[order], return_counts=True)
-    order_dev = torch.from_numpy(order).to(top_k_index.device, non_blocking=True)  # [S] int64
-    rows: dict[int, torch.Tensor] = {}
-    start = 0
-    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-        rows[expert] = order_dev[start : start + count]
-        start += count
+    order_np = np.argsort(flat, kind="stable")
+    spans = _spans(flat[order_np])
+    if top_k_index.device.type == "cpu":
+        order = torch.from_numpy(order_np)
+        tokens = torch.from_numpy(order_np // top_k)
+    else:
+        order = torch.sort(top_k_index.reshape(-1), stable=True).indices
+        tokens = torch.div(order, top_k, rounding_mode="floor")
     return Routing(
         num_tokens=num_tokens,
         top_k=top_k,
-        experts=tuple(rows),
-        rows=rows,
+        experts=tuple(spans),
+        order=order,
+        tokens=tokens,
+        spans=spans,
         weights=top_k_weights.reshape(-1),
     )
+
+
+def _spans(grouped: np.ndarray) -> dict[int, tuple[int, int]]:
+    """expert -> (start, end) of its run in ``grouped`` (expert ids, sorted ascending)."""
+    if grouped.size > 64:  # a prompt chunk or a large batch: vectorised
+        starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+        ends = np.r_[starts[1:], grouped.size]
+        return {
+            int(grouped[a]): (int(a), int(b)) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        }
+    ids = grouped.tolist()  # a decode step: a few pairs, faster in Python
+    spans = {}
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            spans[ids[start]] = (start, i)
+            start = i
+    return spans
 
 
 def waves(experts: Sequence[int], num_slots: int) -> list[tuple[int, ...]]:
@@ -161,72 +219,78 @@ def waves(experts: Sequence[int], num_slots: int) -> list[tuple[int, ...]]:
 
 
 # -- compute stage -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertOutput:
-    """One expert's contribution: weighted outputs for its rows."""
-
-    expert: int
-    rows: torch.Tensor  # [n] int64 rows into the S pairs
-    weighted: torch.Tensor  # [n, H] expert(x) * routing weight
+ParamOf = Callable[[int, str], torch.Tensor]  # (index in the batch, parameter name) -> tensor
 
 
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, is_transposed: bool
+def _grouped_linear(
+    x: torch.Tensor,
+    param: ParamOf,
+    name: str,
+    bounds: Sequence[tuple[int, int]],
+    has_bias: bool,
+    is_transposed: bool,
 ) -> torch.Tensor:
-    """x [n, in] with weight [out, in] (or [in, out] when transposed) → [n, out], like ``_batched_linear``."""
-    # Like grouped_mm, the input is brought to the weight's dtype (autocast-style mixes).
-    x = x.to(weight.dtype)
-    out = x @ weight if is_transposed else x @ weight.transpose(0, 1)
-    if bias is not None:
-        out.add_(bias)
+    """x [n, in] → [n, out]: rows ``bounds[i]`` through expert i's ``name`` weight [out, in] (or
+    [in, out] when transposed), plus its bias; like grouped_mm's groups, then ``out.add_(bias)``
+    (``_grouped_linear``). Like grouped_mm, the input is brought to the weight's dtype."""
+    out = None
+    for i, (a, b) in enumerate(bounds):
+        weight = param(i, name)
+        xi = x[a:b]
+        if xi.dtype != weight.dtype:
+            xi = xi.to(weight.dtype)
+        if out is None:
+            width = weight.shape[1] if is_transposed else weight.shape[0]
+            out = torch.empty(x.shape[0], width, dtype=weight.dtype, device=x.device)
+        torch.mm(xi, weight if is_transposed else weight.t(), out=out[a:b])
+        if has_bias:
+            out[a:b].add_(param(i, name + "_bias"))
+    assert out is not None
     return out
 
 
-def compute_expert(
+def compute_experts(
     module: torch.nn.Module,
-    expert: int,
-    weights: dict[str, torch.Tensor],
+    experts: Sequence[int],
+    param: ParamOf,
     hidden_states: torch.Tensor,
     routing: Routing,
-) -> ExpertOutput:
-    """Run ``expert`` on its rows with the experts ``module``'s own math and arena ``weights``.
-
-    ``weights`` maps the module's parameter names to this expert's tensors (``gate_up_proj``
-    [2I, H] or [H, 2I] when transposed, ``down_proj`` [H, I] / [I, H], optional ``*_bias``).
-    """
-    rows = routing.rows[expert]  # [n]
-    x = hidden_states[rows // routing.top_k]  # [n, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``experts`` on their rows with the experts ``module``'s own math: (rows [n] into the S
+    pairs, weighted outputs [n, H]). ``param(i, name)`` is expert i's tensor ``name``
+    (``gate_up_proj`` [2I, H] or [H, 2I] when transposed, ``down_proj`` [H, I] / [I, H], optional
+    ``*_bias``); each is used before the next is asked for (decoded weights share a scratch)."""
+    rows, tokens, bounds = routing.group(experts)
+    x = hidden_states.index_select(0, tokens)  # [n, H]
     has_bias = bool(module.has_bias)
     transposed = bool(module.is_transposed)
     if module.has_gate:
-        proj = _linear(
-            x, weights["gate_up_proj"], weights.get("gate_up_proj_bias") if has_bias else None, transposed
-        )
-        proj = module._apply_gate(proj)  # [n, I]
+        proj = module._apply_gate(_grouped_linear(x, param, "gate_up_proj", bounds, has_bias, transposed))
     else:
-        proj = _linear(x, weights["up_proj"], weights.get("up_proj_bias") if has_bias else None, transposed)
-        proj = module.act_fn(proj)  # [n, I]
-    out = _linear(proj, weights["down_proj"], weights.get("down_proj_bias") if has_bias else None, transposed)
+        proj = module.act_fn(_grouped_linear(x, param, "up_proj", bounds, has_bias, transposed))  # [n, I]
+    out = _grouped_linear(proj, param, "down_proj", bounds, has_bias, transposed)  # [n, H]
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     # [n, H] * [n, 1]: promotes like transformers (bf16 output x fp32 router weight → fp32).
-    return ExpertOutput(expert=expert, rows=rows, weighted=out * routing.weights[rows].unsqueeze(-1))
+    return rows, out * routing.weights.index_select(0, rows).unsqueeze(-1)
 
 
 # -- combine stage -----------------------------------------------------------------------------
 class Combiner:
-    """Collects ExpertOutputs into the [S, H] pair buffer and reduces it over k."""
+    """Collects the weighted outputs into the [S, H] pair buffer and reduces it over k."""
 
     def __init__(self, routing: Routing, hidden_states: torch.Tensor) -> None:
         self._routing = routing
         self._hidden = hidden_states  # [T, H]
         self._pairs: torch.Tensor | None = None  # [S, H], dtype of the first weighted output
 
-    def add(self, output: ExpertOutput) -> None:
+    def add(self, rows: torch.Tensor, weighted: torch.Tensor) -> None:
+        """``weighted`` [n, H] are the outputs of pair rows ``rows`` [n]."""
         if self._pairs is None:
             s = self._routing.num_tokens * self._routing.top_k
-            self._pairs = output.weighted.new_zeros(s, self._hidden.shape[-1])
-        self._pairs[output.rows] = output.weighted.to(self._pairs.dtype)
+            # Every pair row belongs to one expert, and every expert is computed: no zero fill.
+            self._pairs = weighted.new_empty(s, self._hidden.shape[-1])
+        self._pairs.index_copy_(0, rows, weighted.to(self._pairs.dtype))
 
     def result(self) -> torch.Tensor:
         """[T, H] in the hidden states' dtype: sum over k in the same order as transformers."""
@@ -322,6 +386,18 @@ class ExpertRuntime:
     def num_slots(self) -> int:
         return self.arena.num_slots
 
+    def _singletons(self, layer: int, experts: Sequence[int], **kwargs) -> Iterator[list[ReadyExpert]]:
+        """A provider without ``acquire_batches``: each expert is its own batch. The generator's
+        ``close`` closes the provider's iterator (which drops its pins)."""
+        it = self.provider.acquire(layer, experts, **kwargs)
+        try:
+            for ready in it:
+                yield [ready]
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
     def reset_counters(self) -> CacheCounters:
         """Return the counters since the last reset and start new ones."""
         counters, self.counters = self.counters, CacheCounters()
@@ -385,7 +461,7 @@ class ExpertRuntime:
         self._release_unreleased()
         if self.routing_observer is not None:
             self.routing_observer(layer, fetched.index, fetched.weights)
-        routing = route(top_k_index, top_k_weights, fetched.index)
+        routing = route(top_k_index, top_k_weights, fetched.index.numpy())
         self._send_signals(layer, routing, pending, fetched)
         combiner = Combiner(routing, hidden_states)
         layer_span = None
@@ -429,6 +505,12 @@ class ExpertRuntime:
         """The one device→host transfer of a MoE layer: the routing (with its weights when they
         are observed) and the layer-ahead candidates, packed into one float64 tensor (expert ids
         are exact in float64)."""
+        if pending is None and top_k_index.device.type == "cpu":
+            # Already on the host: nothing to transfer (one "transfer" per layer all the same).
+            self.host_transfers += 1
+            index = top_k_index.to(torch.int64)
+            weights = top_k_weights.to(torch.float32) if top_k_weights is not None else None
+            return _Fetched(index, weights, None)
         parts = [top_k_index.reshape(-1).to(torch.float64)]
         if top_k_weights is not None:
             parts.append(top_k_weights.reshape(-1).to(torch.float64))
@@ -500,8 +582,9 @@ class ExpertRuntime:
         layer_span=None,
     ) -> None:
         acquire_span = None
+        acquire = getattr(self.provider, "acquire_batches", None) or self._singletons
         if layer_span is None:
-            ready_iter = self.provider.acquire(layer, wave, deadline=self.deadline)
+            ready_iter = acquire(layer, wave, deadline=self.deadline)
         else:
             acquire_span = telemetry.tracer().start_span(
                 "acquire",
@@ -509,31 +592,40 @@ class ExpertRuntime:
                 kind=telemetry.SpanKind.CLIENT,
                 attributes={"expertcache.layer": layer, "expertcache.experts": list(wave)},
             )
-            ready_iter = self.provider.acquire(
+            ready_iter = acquire(
                 layer, wave, deadline=self.deadline, trace_context=telemetry.inject(acquire_span)
             )
         done = False
         wait_s = 0.0
         device_hits = 0
+        decoder = self.decoder
         try:
             pending = set(wave)
             while True:
                 waited = time.perf_counter()
-                ready = next(ready_iter, None)
+                batch = next(ready_iter, None)
                 wait_s += time.perf_counter() - waited
-                if ready is None:
+                if batch is None:
                     break
-                if ready.expert not in pending:
-                    raise FailedPrecondition(
-                        f"cache daemon answered {ExpertKey(layer, ready.expert)}, which was not asked for "
-                        f"(wave {list(wave)})"
-                    )
-                pending.discard(ready.expert)
-                self.counters.record(ready.source)
-                device_hits += ready.source is Tier.DEVICE
-                # Reordered execution: run each expert as soon as it is pinned.
-                weights = self.decoder.weights(self._slot_views[ready.slot])
-                combiner.add(compute_expert(module, ready.expert, weights, hidden_states, routing))
+                for ready in batch:
+                    if ready.expert not in pending:
+                        raise FailedPrecondition(
+                            f"cache daemon answered {ExpertKey(layer, ready.expert)}, which was not asked "
+                            f"for or twice (wave {list(wave)})"
+                        )
+                    pending.discard(ready.expert)
+                    self.counters.record(ready.source)
+                    device_hits += ready.source is Tier.DEVICE
+                # Reordered execution: run each batch as soon as it is pinned.
+                views = [self._slot_views[ready.slot] for ready in batch]
+                rows, weighted = compute_experts(
+                    module,
+                    [ready.expert for ready in batch],
+                    lambda i, name, views=views: decoder.param(name, views[i]),
+                    hidden_states,
+                    routing,
+                )
+                combiner.add(rows, weighted)
             if pending:
                 raise FailedPrecondition(
                     f"cache daemon finished the acquire of layer {layer} without experts {sorted(pending)}"

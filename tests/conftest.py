@@ -91,7 +91,9 @@ class LocalProvider:
     """An in-process stand-in for the cache daemon over a real store (unit tests only).
 
     LRU over ``arena.num_slots`` slots, blobs read from the store files, pins honoured.
-    ``reverse=True`` answers each acquire in reverse order, to exercise reordered execution.
+    Each acquire yields, as a daemon client does, the resident experts as one batch, then each
+    loaded one as a batch of its own; ``reverse=True`` answers in reverse order, one expert per
+    batch, to exercise reordered execution.
     """
 
     def __init__(self, store: Path, manifest: StoreManifest, arena, *, reverse: bool = False) -> None:
@@ -110,7 +112,11 @@ class LocalProvider:
     def num_slots(self) -> int:
         return self.arena.num_slots
 
-    def acquire(self, layer, experts, deadline=None, trace_context=None):  # noqa: ARG002 - nothing here waits
+    def acquire(self, layer, experts, deadline=None, trace_context=None):
+        for batch in self.acquire_batches(layer, experts, deadline, trace_context):
+            yield from batch
+
+    def acquire_batches(self, layer, experts, deadline=None, trace_context=None):  # noqa: ARG002 - nothing waits
         import torch
 
         from compute_svc.moe import ReadyExpert, Tier
@@ -119,7 +125,16 @@ class LocalProvider:
         experts = tuple(experts)
         assert len(experts) <= self.num_slots, "compute must split a layer into waves of <= num_slots"
         self.acquires.append((layer, experts))
+        hits = [] if self.reverse else [e for e in experts if ExpertKey(layer, e) in self.lru]
+        if hits:
+            for expert in hits:
+                key = ExpertKey(layer, expert)
+                self.lru.move_to_end(key)
+                self.pins[key] = self.pins.get(key, 0) + 1
+            yield [ReadyExpert(e, self.lru[ExpertKey(layer, e)], Tier.DEVICE) for e in hits]
         for expert in reversed(experts) if self.reverse else experts:
+            if expert in hits:
+                continue
             key = ExpertKey(layer, expert)
             if key in self.lru:
                 self.lru.move_to_end(key)
@@ -141,7 +156,7 @@ class LocalProvider:
                 self.loads += 1
                 source = Tier.STORE
             self.pins[key] = self.pins.get(key, 0) + 1
-            yield ReadyExpert(expert, self.lru[key], source)
+            yield [ReadyExpert(expert, self.lru[key], source)]
 
     def release(self, layer, experts):
         from expertcache.keys import ExpertKey

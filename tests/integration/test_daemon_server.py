@@ -628,25 +628,31 @@ def test_an_acquire_carries_its_layers_signals(lone):
         stream.close()
 
 
-def test_the_client_sends_held_signals_with_the_next_acquire_or_on_their_own(lone):
+def test_the_client_writes_signals_to_its_channel_and_rings_once_per_layer(lone):
+    # The fast path's signals go into the client channel's ring at once; with_acquire only holds
+    # back the doorbell, which the layer's acquire rings (with its demand, or alone for hits).
     client = fast_client(lone)
     try:
+        channel = client._shm_channel
         client.begin_request("req-3")
+        rung = channel.doorbell_seq
         client.routed("req-3", 0, 1, [4], with_acquire=True)
         client.layer_ahead("req-3", 0, [Prediction(3, (5,), (0.8,))], with_acquire=True)
-        assert client.signals_sent == 1  # held: only RequestBegin went
-        got = list(client.acquire(1, [4]))  # a miss: its Acquire carries both
+        assert client.signals_sent == 3  # begin, route, lookahead: written, nothing held back
+        assert channel.doorbell_seq == rung  # the daemon is not woken before the acquire
+        got = list(client.acquire(1, [4]))  # a miss: its demand rings the doorbell once
         assert [(r.expert, r.source.value) for r in got] == [(4, "store")]
-        assert client.signals_sent == 3
-        wait_for(lambda: lone.stats().tiers[0].resident >= 2)  # the carried lookahead's prefetch of L3E5
+        assert channel.doorbell_seq == rung + 1
+        wait_for(lambda: lone.stats().tiers[0].resident >= 2)  # the lookahead's prefetch of L3E5
         client.release(1, [4])
         client.routed("req-3", 1, 3, [5], with_acquire=True)
-        got = list(client.acquire(3, [5]))  # a hit through the slot table: no Acquire to carry it
+        got = list(client.acquire(3, [5]))  # a hit through the slot table: the doorbell still rings
         assert [(r.expert, r.source.value) for r in got] == [(5, "device")]
-        assert client.signals_sent == 4
+        assert channel.doorbell_seq == rung + 2
         client.release(3, [5])
         client.routed("req-3", 2, 1, [4], with_acquire=True)
-        client.end_request("req-3")  # any other message sends the held ones first, in order
+        client.end_request("req-3")  # rings for both
+        assert channel.doorbell_seq == rung + 3
         assert (client.signals_sent, client.signals_dropped) == (6, 0)
         assert lone.stats().signals_rejected == 0
     finally:

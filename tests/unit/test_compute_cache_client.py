@@ -23,8 +23,9 @@ from compute_svc.errors import (
 )
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ReadyExpert, Tier
+from expertcache import channel as codes
 from expertcache.manifest import StoreManifest, plan_blob
-from expertcache.native import SlotTable
+from expertcache.native import SlotState, SlotTable
 
 TENSORS, BLOB = plan_blob([("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))])
 MANIFEST = StoreManifest(
@@ -41,8 +42,100 @@ MANIFEST = StoreManifest(
 )
 
 
+class ChannelResponder:
+    """The daemon's side of a client channel, scripted like ``ScriptedCache``'s Acquires: signals
+    are recorded as the stream's would be; a demand pins every expert into the client's ledger
+    (RESIDENT ones as they are, the others loaded into a free slot), is answered, and then its
+    loads land in reverse order (source STORE)."""
+
+    def __init__(self, servicer: ScriptedCache, table: SlotTable, client: int) -> None:
+        self.servicer = servicer
+        self.table = table
+        self.client = client
+        self.channel = table.channel(client)
+        self.requests: dict[int, str] = {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.channel.ring_doorbell()
+        self.thread.join(5)
+
+    def run(self) -> None:
+        taken = 0
+        while not self.stopped.is_set():
+            seen = self.channel.doorbell_seq
+            self.record_signals()
+            demand = self.channel.take_demand(taken)
+            if demand is not None:
+                taken = demand[0]
+                self.serve(*demand)
+                continue
+            self.channel.wait_doorbell(seen, 1.0)
+
+    def record_signals(self) -> None:
+        records, corrupt = self.channel.drain()
+        assert not corrupt
+        for record in records:
+            kind, handle = record[0], record[1]
+            if kind == "begin":
+                self.requests[handle] = record[2].decode()
+                self.servicer.signals.append(("request_begin", self.requests[handle]))
+            elif kind == "end":
+                self.servicer.signals.append(("request_end", self.requests.pop(handle)))
+            elif kind == "route":
+                _, _, token, layer, experts = record
+                self.servicer.signals.append(("route", self.requests[handle], token, layer, experts.tolist()))
+            else:
+                _, _, token, preds = record
+                preds = [
+                    (lay, dep, ex.tolist(), [round(float(x), 3) for x in sc]) for lay, dep, ex, sc in preds
+                ]
+                self.servicer.signals.append(("layer_ahead", self.requests[handle], token, preds))
+            self.servicer.got_signal.set()
+
+    def serve(self, seq: int, layer: int, experts: list[int]) -> None:
+        servicer, table, channel = self.servicer, self.table, self.channel
+        servicer.acquired.append((layer, list(experts)))
+        if servicer.fail_next is not None:
+            code, message = servicer.fail_next
+            servicer.fail_next = None
+            channel.reply(seq, codes.status_of(code.name), message)
+            return
+        if servicer.hang_next:
+            servicer.hang_next = False
+            return  # never answered
+        if servicer.hold is not None:
+            servicer.hold.wait(10)
+        epoch = table.client_epoch(self.client)
+        loads = []
+        for i, expert in enumerate(experts):
+            entry = layer * MANIFEST.num_experts + expert
+            if table.state(entry) != SlotState.RESIDENT:
+                used = {slot for slot in table.slots() if slot >= 0}
+                table.begin_load(entry, min(set(range(table.num_slots)) - used))
+                loads.append((i, entry))
+            else:
+                channel.set_source(i, codes.SOURCE_DEVICE)
+            assert table.hold_for_client(self.client, epoch, entry)
+        channel.reply(seq, codes.STATUS_OK, "")
+        for i, entry in reversed(loads):
+            if servicer.fail_load is not None:
+                table.unhold_for_client(self.client, epoch, entry)
+                channel.fail(codes.status_of("DATA_LOSS"), servicer.fail_load)
+                table.abort_load(entry)
+                servicer.fail_load = None
+                continue
+            table.finish_load(entry)
+            channel.set_source(i, codes.SOURCE_STORE)
+            channel.notify()
+
+
 class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
-    """Answers each Acquire with its experts in reverse order (expert 3 is 'resident')."""
+    """Answers each Acquire with its experts in reverse order (expert 3 is 'resident'); with a
+    slot table offered, serves each client's channel (``ChannelResponder``) while its stream lives."""
 
     def __init__(self) -> None:
         self.released: list[tuple[int, int]] = []
@@ -58,6 +151,7 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.signals: list[tuple] = []  # one-way prediction messages, in arrival order
         self.got_signal = threading.Event()
         self.hold: threading.Event | None = None  # when set: answer acquires only once it is set
+        self.fail_load: str | None = None  # the next load of a channel demand fails with this message
         self.model_id = MANIFEST.model_id
 
     def Attach(self, request, context):  # noqa: N802
@@ -78,8 +172,14 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
 
     def Demand(self, request_iterator, context):  # noqa: N802
         self.streams += 1
-        self.metadata.append(dict(context.invocation_metadata()))
+        metadata = dict(context.invocation_metadata())
+        self.metadata.append(metadata)
         context.add_callback(self.stream_closed.set)
+        if self.table_path and "expertcache-client-index" in metadata:
+            responder = ChannelResponder(
+                self, SlotTable.open(self.table_path), int(metadata["expertcache-client-index"])
+            )
+            context.add_callback(responder.stop)
         for req in request_iterator:
             kind = req.WhichOneof("kind")
             if kind == "release":
@@ -285,23 +385,78 @@ def test_fast_path_pins_hits_in_shm_and_demands_only_misses(daemon, tmp_path):
     table = offer_table(servicer, tmp_path)
     client = connect(address)
     assert servicer.attaches == [True] and client.attachment.client_index == 0
-    got = list(client.acquire(1, [2, 3]))
-    # The stream names its ledger (checked once the daemon has surely seen the call: the miss of
-    # the acquire went through it).
+    batches = list(client.acquire_batches(1, [2, 3]))
     assert servicer.metadata[0]["expertcache-client-index"] == "0"
-    assert got[0] == ReadyExpert(3, 1, Tier.DEVICE)  # the hit comes first, without a round trip
-    assert got[1] == ReadyExpert(2, 0, Tier.STORE)
+    # The hit comes first, as a batch of its own, without a round trip; the miss went as a demand
+    # on the client channel (no Acquire message) and was pinned into our ledger by the daemon.
+    assert batches == [[ReadyExpert(3, 1, Tier.DEVICE)], [ReadyExpert(2, 0, Tier.STORE)]]
     assert servicer.acquired == [(1, [2])]
     assert table.pins(7) == 1 and table.client_pins(0, 7) == 1
+    assert table.pins(6) == 1 and table.client_pins(0, 6) == 1
     client.release(1, [2, 3])
-    assert table.pins(7) == 0
+    assert table.pins(7) == table.pins(6) == 0  # both unpinned locally, no Release message
     assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.DEVICE)]  # resident now: a hit
     client.release(1, [3])
-    deadline = time.monotonic() + 5
-    while not servicer.released and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert servicer.released == [(1, 2)]  # only the Demand-pinned expert is released by RPC
-    assert servicer.acquired == [(1, [2])] and table.hits == 2
+    client.release(1, [2])
+    assert servicer.released == []
+    assert servicer.acquired == [(1, [2])] and table.hits == 3
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [(grpc.StatusCode.DATA_LOSS, DataLoss), (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument)],
+)
+def test_a_refused_channel_demand_is_the_daemons_error_and_the_stream_reopens(daemon, tmp_path, code, error):
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address)
+    servicer.fail_next = (code, "checksum mismatch for L1E2 in experts/layer_0001.bin")
+    with pytest.raises(error, match="checksum mismatch for L1E2"):
+        list(client.acquire(1, [2]))
+    assert servicer.stream_closed.wait(5)  # the failed acquire dropped its stream (and pins)
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.STORE)]
+    assert servicer.streams == 2 and table.client_pins(1, 6) == 1  # a new ledger
+    client.release(1, [2])
+    client.close()
+
+
+def test_a_failed_load_on_the_channel_raises_its_message(daemon, tmp_path):
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address)
+    servicer.fail_load = "loading expert L1E2 failed: checksum mismatch"
+    with pytest.raises(DataLoss, match="loading expert L1E2 failed: checksum mismatch"):
+        list(client.acquire(1, [2]))
+    assert table.client_pins(0, 6) == 0 and table.state(6) == SlotState.ABSENT
+    client.close()
+
+
+def test_channel_waits_end_at_the_timeout_the_deadline_and_an_interrupt(daemon, tmp_path):
+    servicer, address = daemon
+    offer_table(servicer, tmp_path)
+    client = connect(address, acquire_timeout_s=0.3)
+    servicer.hang_next = True  # the demand is never answered
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"experts \[2\] of layer 1 within 0.3s"):
+        list(client.acquire(1, [2]))
+    assert time.monotonic() - started < 3
+    client.close()
+    client = connect(address)
+    servicer.hang_next = True
+    with pytest.raises(DeadlineExceeded, match="passed their deadlines while waiting for experts"):
+        list(client.acquire(1, [0], deadline=time.monotonic() + 0.3))
+    client.close()
+    client = connect(address)
+    servicer.hang_next = True
+    client.begin_step()
+    waiting = client.acquire(1, [1])
+    threading.Timer(0.2, client.interrupt).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled, match="all cancelled while it waited for experts of layer 1"):
+        next(waiting)
+    assert time.monotonic() - started < 5
     client.close()
 
 
@@ -354,15 +509,16 @@ def wait_signals(servicer: ScriptedCache, n: int) -> list[tuple]:
     return servicer.signals
 
 
-def test_prediction_messages_travel_one_way_on_the_demand_stream(daemon, tmp_path):
+def test_prediction_messages_travel_one_way_on_the_client_channel(daemon, tmp_path):
     servicer, address = daemon
-    offer_table(servicer, tmp_path)  # fast path: the stream is open from the start
+    offer_table(servicer, tmp_path)  # fast path: records in the client channel's ring
     client = connect(address)
     client.begin_request("req-1")
     client.routed("req-1", 4, 1, [3, 0])
     client.layer_ahead("req-1", 4, [Prediction(1, (2, 1), (0.7, 0.2)), Prediction(2, (5,), (0.5,), depth=2)])
-    # Interleaved with an acquire, whose answers are still its own.
+    # Interleaved with an acquire (a channel demand), whose answers are still its own.
     assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
+    client.release(0, [1])
     client.end_request("req-1")
     assert wait_signals(servicer, 4) == [
         ("request_begin", "req-1"),

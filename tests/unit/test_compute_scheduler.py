@@ -226,15 +226,15 @@ def test_losing_the_daemon_fails_the_step_then_recovers(batching):
     scheduler, engine, provider, log = batching(
         recover=recover, on_serving=lambda ok, why: serving.append(ok)
     )
-    original = provider.acquire
+    original = provider.acquire_batches
     broken = {"on": True}
 
-    def acquire(layer, experts, deadline=None):
+    def acquire_batches(layer, experts, deadline=None, trace_context=None):
         if broken.pop("on", False):
             raise DaemonUnavailable("cache daemon at unix:///x: the Demand stream broke")
-        return original(layer, experts, deadline)
+        return original(layer, experts, deadline, trace_context)
 
-    provider.acquire = acquire
+    provider.acquire_batches = acquire_batches
     try:
         with pytest.raises(Unavailable, match="the Demand stream broke"):
             list(scheduler.submit(request(0)))
@@ -244,7 +244,7 @@ def test_losing_the_daemon_fails_the_step_then_recovers(batching):
         assert serving == [False, True]
         assert len(list(scheduler.submit(request(1, n=3)))) == 3  # serving again, no restart
     finally:
-        provider.acquire = original
+        provider.acquire_batches = original
 
 
 def test_stop_fails_waiting_and_running_requests_with_unavailable(batching):
