@@ -102,6 +102,7 @@ class CacheStats:
     store_io_mode: str
     store_read_seconds: float
     hints: HintStats | None = None
+    arena_copy_seconds: float = 0.0  # host memory -> arena slots (host tier hits, staged reads)
     prefetch: tuple[PrefetchStats, ...] = ()
     config: DaemonConfig | None = None
     signals_rejected: int = 0  # malformed Route/LayerAhead messages dropped
@@ -474,6 +475,7 @@ class CacheDaemon:
             checksum_failures=int(m.checksum_failures.value()),
             store_io_mode=self.store.io_mode,
             store_read_seconds=float(m.store_read_seconds.value()),
+            arena_copy_seconds=float(m.arena_copy_seconds.value()),
             signals_rejected=int(m.signals.value(kind="rejected")),
             hints=self.hints.stats(),
             prefetch=tuple(

@@ -13,6 +13,7 @@ name                                       labels  meaning
 ``moe_cache_demands_total``                        Acquire requests handled
 ``moe_cache_checksum_failures_total``              store reads that failed their CRC-32
 ``moe_cache_store_read_seconds_total``             seconds spent reading (and checking) store blobs
+``moe_cache_arena_copy_seconds_total``             seconds spent copying experts from host memory into the arena
 ``moe_cache_store_read_bytes_total``               bytes read from the store
 ``moe_cache_prefetch_started_total``       kind    prefetch loads started (kind: layer_ahead,
                                                    eamc = history / next token / EAMC hints)
@@ -76,6 +77,10 @@ class DaemonMetrics:
             "moe_cache_store_read_seconds_total", "Seconds spent reading and checking store blobs."
         )
         self.store_read_bytes = Counter("moe_cache_store_read_bytes_total", "Bytes read from the store.")
+        self.arena_copy_seconds = Counter(
+            "moe_cache_arena_copy_seconds_total",
+            "Seconds spent copying experts from host memory into arena slots (host tier or staging).",
+        )
         self.prefetch_started = Counter(
             "moe_cache_prefetch_started_total", "Prefetch loads started, per prediction kind.", ("kind",)
         )
@@ -121,6 +126,7 @@ class DaemonMetrics:
             self.demands,
             self.checksum_failures,
             self.store_read_seconds,
+            self.arena_copy_seconds,
             self.store_read_bytes,
             self.prefetch_started,
             self.prefetch_used,

@@ -148,6 +148,7 @@ def stats_to_pb(stats: CacheStats) -> cache_pb2.CacheStats:
         checksum_failures=stats.checksum_failures,
         store_io_mode=stats.store_io_mode,
         store_read_seconds=stats.store_read_seconds,
+        arena_copy_seconds=stats.arena_copy_seconds,
         hints=hint_stats_to_pb(stats.hints) if stats.hints is not None else None,
         prefetch=[prefetch_stats_to_pb(p) for p in stats.prefetch],
         config=live_config_to_pb(stats.config) if stats.config is not None else None,

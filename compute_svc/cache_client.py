@@ -81,6 +81,13 @@ from expertcache.manifest import StoreManifest
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # the manifest of a large model (checksums per expert) travels in Attach
+# How long a wait for the daemon's answer polls the client channel before it sleeps on its futex.
+CHANNEL_SPIN_S = 100e-6
+# Experts smaller than this are handed over together once all the missing ones of an acquire have
+# landed: each batch costs compute a fixed ~0.1 ms of calls, more than the copy of such an expert
+# takes, so running one as soon as it lands would not pay. Larger ones go as they land (their
+# compute overlaps the next one's copy).
+GATHER_MISSES_BELOW_BYTES = 1 << 20
 
 # The daemon's status → the exception compute raises (and serves to its own clients).
 _STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {
@@ -507,17 +514,19 @@ class DaemonClient:
         pending = list(range(len(misses)))
         entries = [layer * num_experts + e for e in misses]
         table = self._table
+        gather = self.attachment.slot_bytes < GATHER_MISSES_BELOW_BYTES
         while pending:
             seen = channel.notify_seq  # before the checks: a landing after them wakes the wait
             if channel.fail_seq != fail_seen:
                 raise error_from_status(channel.fail_status, channel.fail_message, self.address)
             slots = table.resident_slots([entries[i] for i in pending])
-            batch = [
-                ReadyExpert(misses[i], slot, _CHANNEL_TIERS.get(channel.source(i), Tier.UNKNOWN))
-                for i, slot in zip(pending, slots, strict=True)
-                if slot >= 0
-            ]
-            if batch:
+            landed = sum(1 for slot in slots if slot >= 0)
+            if landed and (landed == len(pending) or not gather):
+                batch = [
+                    ReadyExpert(misses[i], slot, _CHANNEL_TIERS.get(channel.source(i), Tier.UNKNOWN))
+                    for i, slot in zip(pending, slots, strict=True)
+                    if slot >= 0
+                ]
                 pending = [i for i, slot in zip(pending, slots, strict=True) if slot < 0]
                 yield batch
                 continue
@@ -565,7 +574,10 @@ class DaemonClient:
                 f"cache daemon at {self.address} did not deliver experts {list(experts)} of layer {layer} "
                 f"within {self._acquire_timeout_s:g}s"
             )
-        channel.wait_notify(seen, remaining)
+        # A demand of host-tier experts is answered within tens of microseconds by the daemon's
+        # thread on the other core: poll that long before sleeping (no wake-up latency, and the
+        # daemon's notify makes no syscall).
+        channel.wait_notify(seen, remaining, CHANNEL_SPIN_S)
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).

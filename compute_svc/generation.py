@@ -511,9 +511,13 @@ class GenerationEngine:
             if n == len(seq.pending):  # its input is all fed: this forward chooses its next token
                 logits_rows.append(len(ids) - 1)
                 emitting.append(seq)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
-        position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
-        keep = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        # One host→device transfer for the step's three index tensors (a non-blocking one from
+        # page-locked memory on a GPU: the host does not wait for it).
+        uploaded = upload(ids + positions + logits_rows, device)
+        t = len(ids)
+        input_ids = uploaded[:t].view(1, t)  # [1, T]
+        position_ids = uploaded[t : 2 * t].view(1, t)  # [1, T]
+        keep = uploaded[2 * t :]
         if self.routing_capture is not None:
             self.routing_capture.begin()
         self.runtime.begin_step(step_segments, deadline=deadline)
@@ -694,6 +698,18 @@ class GenerationEngine:
             max_prompt_tokens=self.limits.max_prompt_tokens,
             max_total_tokens=self.limits.max_total_tokens,
         )
+
+
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. To a GPU through page-locked memory (torch's
+    caching host allocator reuses the buffer once the copy is done) without blocking the host: a
+    plain ``torch.tensor(..., device=cuda)`` copies from pageable memory and waits."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    staged = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
 
 
 def _with_stats(event: TokenEvent, stats: TokenStats) -> TokenEvent:

@@ -10,6 +10,10 @@ Names carry their unit and no colons (STYLE.md):
 - ``moe_compute_step_batch_requests``            requests in one step (histogram)
 - ``moe_compute_expert_acquires_total{tier}``    experts used, by the tier they were found in
 - ``moe_compute_stall_seconds_total``            time spent waiting for experts
+- ``moe_compute_moe_layers_total``               MoE layer forwards
+- ``moe_compute_host_syncs_total{kind}``         host waits for the device: ``transfer`` (one
+  device→host transfer per MoE layer, routing and lookahead together) and ``event_wait`` (a
+  wave's kernels, before its slots are reused)
 - ``moe_compute_requests_total{finish_reason}``  finished requests (``error``, ``cancelled`` too)
 - ``moe_compute_queue_depth``                    requests waiting for a place in the batch
 - ``moe_compute_activations_sent_total`` / ``_dropped_total``, ``moe_compute_predictor_outages_total``
@@ -67,6 +71,14 @@ class ComputeMetrics:
         self.stall_seconds = Counter(
             "moe_compute_stall_seconds", "Time spent waiting for experts.", registry=r
         )
+        self.moe_layers = Counter("moe_compute_moe_layers", "MoE layer forwards.", registry=r)
+        self.host_syncs = Counter(
+            "moe_compute_host_syncs",
+            "Host waits for the device: transfer (routing to the host, one per MoE layer) and "
+            "event_wait (a wave's kernels before its slots are reused).",
+            ["kind"],
+            registry=r,
+        )
         self.requests = Counter(
             "moe_compute_requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
         )
@@ -83,6 +95,11 @@ class ComputeMetrics:
     def record_step(self, counters: CacheCounters, batch_requests: int = 1, batch_tokens: int = 1) -> None:
         """One forward's expert cache activity (shared by the requests of the step)."""
         self.stall_seconds.inc(counters.stall_s)
+        self.moe_layers.inc(counters.layers)
+        if counters.host_transfers:
+            self.host_syncs.labels(kind="transfer").inc(counters.host_transfers)
+        if counters.event_waits:
+            self.host_syncs.labels(kind="event_wait").inc(counters.event_waits)
         for tier, count in counters.by_tier.items():
             self.expert_acquires.labels(tier=tier.value).inc(count)
         for wait_s in counters.acquire_waits:

@@ -233,6 +233,14 @@ def _grouped_linear(
     """x [n, in] → [n, out]: rows ``bounds[i]`` through expert i's ``name`` weight [out, in] (or
     [in, out] when transposed), plus its bias; like grouped_mm's groups, then ``out.add_(bias)``
     (``_grouped_linear``). Like grouped_mm, the input is brought to the weight's dtype."""
+    if len(bounds) == 1:  # one expert (a miss that landed alone): no buffer to slice
+        weight = param(0, name)
+        out = torch.mm(
+            x if x.dtype == weight.dtype else x.to(weight.dtype), weight if is_transposed else weight.t()
+        )
+        if has_bias:
+            out.add_(param(0, name + "_bias"))
+        return out
     out = None
     for i, (a, b) in enumerate(bounds):
         weight = param(i, name)
@@ -242,9 +250,10 @@ def _grouped_linear(
         if out is None:
             width = weight.shape[1] if is_transposed else weight.shape[0]
             out = torch.empty(x.shape[0], width, dtype=weight.dtype, device=x.device)
-        torch.mm(xi, weight if is_transposed else weight.t(), out=out[a:b])
+        rows = out[a:b]
+        torch.mm(xi, weight if is_transposed else weight.t(), out=rows)
         if has_bias:
-            out[a:b].add_(param(i, name + "_bias"))
+            rows.add_(param(i, name + "_bias"))
     assert out is not None
     return out
 
@@ -325,6 +334,9 @@ class CacheCounters:
     hits: int = 0  # experts found in the device arena
     misses: int = 0  # experts fetched from host or store
     stall_s: float = 0.0  # time spent waiting for experts
+    layers: int = 0  # MoE layer forwards
+    host_transfers: int = 0  # device→host transfers (one per MoE layer: routing + lookahead)
+    event_waits: int = 0  # waits for a wave's kernels before its slots are reused (waves only)
     layer_ahead_s: float = 0.0  # time spent predicting the next layer's experts
     by_tier: dict[Tier, int] = field(default_factory=dict)
     acquire_waits: list[float] = field(default_factory=list)  # seconds, one per acquire (wave)
@@ -444,6 +456,7 @@ class ExpertRuntime:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
+        self.counters.layers += 1
         if self.forced is not None:
             top_k_index, top_k_weights = self.forced.routing(self.segments, layer, top_k_index, top_k_weights)
         # Layer-ahead runs on the device before the transfer, so that its result travels with it.
@@ -508,6 +521,7 @@ class ExpertRuntime:
         if pending is None and top_k_index.device.type == "cpu":
             # Already on the host: nothing to transfer (one "transfer" per layer all the same).
             self.host_transfers += 1
+            self.counters.host_transfers += 1
             index = top_k_index.to(torch.int64)
             weights = top_k_weights.to(torch.float32) if top_k_weights is not None else None
             return _Fetched(index, weights, None)
@@ -518,6 +532,7 @@ class ExpertRuntime:
             parts.append(pending.scores.reshape(-1).to(torch.float64))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
         self.host_transfers += 1
+        self.counters.host_transfers += 1
         shape = tuple(top_k_index.shape)
         n = top_k_index.numel()
         index = torch.from_numpy(host[:n].astype(np.int64)).view(shape)  # [T, K] int64, host
@@ -540,6 +555,7 @@ class ExpertRuntime:
             if event is not None and not event.query():
                 event.synchronize()
                 self.event_waits += 1
+                self.counters.event_waits += 1
             self.provider.release(layer, wave)
             self._unreleased.pop(0)
 

@@ -27,9 +27,14 @@ class Counter:
         self._values: dict[tuple[str, ...], float] = {}
 
     def _labels(self, labels: dict[str, str]) -> tuple[str, ...]:
-        if set(labels) != set(self.labelnames):
+        # Called at every increment of a hot path: look the names up rather than compare sets.
+        try:
+            key = tuple([labels[n] for n in self.labelnames])
+        except KeyError:
+            key = None
+        if key is None or len(labels) != len(self.labelnames):
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
-        return tuple(labels[n] for n in self.labelnames)
+        return key
 
     def inc(self, amount: float = 1, **labels: str) -> None:
         if amount < 0:

@@ -8,15 +8,16 @@ ExpertKey(2, 5)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True, slots=True)
-class ExpertKey:
+class ExpertKey(NamedTuple):
     """One routed expert of one decoder layer.
 
     ``layer`` is the decoder layer index in the Hugging Face model (not an index among MoE
-    layers); ``expert`` is the expert index inside that layer.
+    layers); ``expert`` is the expert index inside that layer. A named tuple: the daemon hashes
+    and compares keys at every decision (policy orders, load queues, pins), and a tuple does both
+    in C. Keys order by layer, then expert.
     """
 
     layer: int

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -178,8 +179,10 @@ class Loader:
     def _copy_in(self, slot: int, src, release: Callable[[], None] | None = None) -> None:
         """Copy ``src`` into arena ``slot``, then ``release`` it (unpin its host slot). A copy
         still in flight keeps ``src``: its release then runs when the copy lands."""
+        started = time.perf_counter()
         try:
             self._arena.copy_in(slot, src)
+            self._metrics.arena_copy_seconds.inc(time.perf_counter() - started)
         except CopyInFlight as exc:
             if release is not None:
                 exc.cleanups.append(release)

@@ -197,6 +197,7 @@ class ShmArena(DeviceArena):
             raise
         os.close(fd)
         self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(num_slots, slot_bytes)
+        self._views: dict[int, torch.Tensor] = {}  # slot -> its row of slots, made on first use
         self._local = threading.local()
         self._closed = False
         logger.info("arena: %s, %d slots x %d bytes", self.path, num_slots, slot_bytes)
@@ -216,13 +217,17 @@ class ShmArena(DeviceArena):
         return buf.tensor
 
     def copy_in(self, slot: int, src: torch.Tensor) -> None:
-        self.slots[slot].copy_(src.reshape(-1))
+        view = self._views.get(slot)
+        if view is None:  # made once per slot: a tensor view costs microseconds at every load
+            view = self._views[slot] = self.slots[slot]
+        view.copy_(src if src.dim() == 1 else src.reshape(-1))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.path.unlink(missing_ok=True)
+        self._views.clear()
         self.slots = torch.empty(0, 0, dtype=torch.uint8)
         try:
             self._mmap.close()

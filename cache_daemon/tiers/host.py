@@ -128,6 +128,7 @@ class HostTier(MemoryTier):
         self._pins: dict[ExpertKey, int] = {}
         self._pool: native.HostPool | None = None
         self._slots: torch.Tensor | None = None  # [num_slots, blob_bytes] uint8, rows 4 KiB-aligned
+        self._views: dict[int, torch.Tensor] = {}  # slot -> its row of _slots, made on first use
         if num_slots:
             self._pool = make_host_pool(
                 num_slots, blob_bytes, pin=pin_memory, what="host tier", numa_node=numa_node
@@ -185,7 +186,11 @@ class HostTier(MemoryTier):
             if self._pins.get(key, 0) <= 0:
                 raise ValueError(f"host tier: get of expert {key} without a pin")
             assert self._slots is not None
-            return self._slots[self._slot_of[key]]
+            slot = self._slot_of[key]
+            view = self._views.get(slot)
+            if view is None:  # made once per slot: a tensor view costs microseconds at every load
+                view = self._views[slot] = self._slots[slot]
+            return view
 
     def put(self, key: ExpertKey, data: torch.Tensor) -> bool:
         view = self.put_from(key, lambda slot: slot.copy_(data.reshape(-1)))
@@ -315,5 +320,6 @@ class HostTier(MemoryTier):
         with self._lock:
             self._slot_of.clear()
             self._pins.clear()
+            self._views.clear()
             self._slots = None
             self._pool = None

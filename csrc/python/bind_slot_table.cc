@@ -103,10 +103,10 @@ void bind_slot_table(py::module_& m) {
       .def_property_readonly("fail_message", [](const PyChannel& c) { return c.channel.fail_message(); })
       .def_property_readonly("notify_seq", [](const PyChannel& c) { return c.channel.notify_seq(); })
       .def_property_readonly("ring_dropped", [](const PyChannel& c) { return c.channel.ring_dropped(); })
-      .def("wait_notify", [](PyChannel& c, uint32_t seen, double timeout_s) {
+      .def("wait_notify", [](PyChannel& c, uint32_t seen, double timeout_s, double spin_s) {
             py::gil_scoped_release nogil;
-            return c.channel.wait_notify(seen, timeout_s);
-          }, py::arg("seen"), py::arg("timeout_s") = -1.0)
+            return c.channel.wait_notify(seen, timeout_s, spin_s);
+          }, py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0)
       .def("source", [](const PyChannel& c, uint32_t i) { return c.channel.source(i); }, py::arg("i"))
       .def("notify", [](PyChannel& c) { c.channel.notify(); })
       .def_property_readonly("doorbell_seq", [](const PyChannel& c) { return c.channel.doorbell_seq(); })

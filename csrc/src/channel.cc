@@ -229,7 +229,9 @@ std::string ClientChannel::fail_message() const {
   return std::string(header_->fail_message, strnlen(header_->fail_message, kChannelMessageBytes));
 }
 
-bool ClientChannel::wait_notify(uint32_t seen, double timeout_s) {
+bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s) {
+  if (spin_until_changed(&header_->notify, seen, std::min(spin_s, timeout_s < 0 ? spin_s : timeout_s)))
+    return true;
   return futex_wait_changed(&header_->notify, &header_->compute_sleeping, seen, timeout_s,
                             where_ + " (notify)");
 }

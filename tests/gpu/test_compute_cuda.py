@@ -103,6 +103,25 @@ def test_synchronising_operations_per_decode_step(tiny_store):
     assert per_step <= layers + 3, [str(w.message) for w in syncs[:10]]
 
 
+class SlowKernels:
+    """A provider whose waves' kernels run long: after a wave's experts were computed (their
+    kernels queued), a sleep kernel is queued behind them on the same stream, before the runtime
+    records the wave's event. The next wave then finds them still running when it wants the
+    slots. (On an H100 the tiny model's kernels were done long before the host asked, so no wait
+    was ever needed: the guard was there, the test could not see it.)"""
+
+    def __init__(self, provider: LocalProvider) -> None:
+        self.provider = provider
+        self.pins = provider.pins
+
+    def acquire_batches(self, layer, experts, deadline=None, trace_context=None):
+        yield from self.provider.acquire_batches(layer, experts, deadline, trace_context)
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time on the current stream
+
+    def release(self, layer, experts):
+        self.provider.release(layer, experts)
+
+
 def test_waves_wait_for_the_kernels_before_the_slots_are_reused(tiny_store):
     # One slot: every expert is its own wave, and each next wave overwrites the slot the previous
     # one's kernels read: the event wait between waves is what keeps the output right.
@@ -110,6 +129,7 @@ def test_waves_wait_for_the_kernels_before_the_slots_are_reused(tiny_store):
     want_logits, _ = plain(tiny)
     engine, provider = cuda_engine(tiny, slots=1)
     runtime = engine.runtime
+    runtime.provider = SlowKernels(provider)
     runtime.event_waits = 0
     torch.testing.assert_close(engine.forward_logits(PROMPT), want_logits, **TOL)
     assert runtime.event_waits > 0

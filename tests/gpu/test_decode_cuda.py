@@ -75,7 +75,13 @@ def test_decoder_scratch_lives_on_the_gpu_and_is_reused():
     assert again.data_ptr() == first.data_ptr()
 
 
-def test_forward_with_gpu_arena_matches_transformers(tmp_path):
+def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
+    # MXFP4 gpt-oss in fp32 with the GPU arena, against transformers' dequantised model on the
+    # same GPU. An H100 run compared it with transformers on the CPU and saw 13% of the logits off
+    # (max 1.72): another device sums in another order, and a router whose top-k is tied to
+    # within rounding flips, after which every later token differs. So: where the routing agrees,
+    # the logits must; where it does not, every flip must be a near-tie of transformers' router
+    # and ours, forced to transformers' routing, must give transformers' logits.
     from cache_daemon.convert import convert
     from compute_svc.arena import Arena
     from compute_svc.generation import GenerationEngine
@@ -83,6 +89,7 @@ def test_forward_with_gpu_arena_matches_transformers(tmp_path):
     from compute_svc.moe import ExpertRuntime, attach
     from expertcache.tiny import make_checkpoint
     from tests.conftest import LocalProvider
+    from tests.equality import compare_with_routing
 
     src = make_checkpoint(
         "gpt_oss", tmp_path / "ckpt", quantization="mxfp4", intermediate_size=64, dtype=torch.float32
@@ -94,12 +101,18 @@ def test_forward_with_gpu_arena_matches_transformers(tmp_path):
     runtime = ExpertRuntime(provider, arena, manifest.tensors)
     attach(loaded.model, loaded.experts_modules, runtime)
     engine = GenerationEngine(loaded, runtime, max_new_tokens_limit=16)
-    prompt = list(range(3, 40))
-    got = engine.forward_logits(prompt).cpu()
-    plain = AutoModelForCausalLM.from_pretrained(src).eval()
-    with torch.no_grad():
-        want = plain(input_ids=torch.tensor([prompt])).logits[0]
-    # GPU fp32 GEMMs may use TF32 and another summation order than the CPU reference.
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    plain = AutoModelForCausalLM.from_pretrained(src).to(CUDA).eval()  # dequantised when loaded
+    result = compare_with_routing(engine, plain, list(range(3, 40)), CUDA)
+    print(
+        f"routing agrees: {result.routing_agrees}; flips (MoE layer, token): {result.flips[:8]}; "
+        f"largest relative gap of a flipped pair: {result.max_tie_gap:.2e}"
+    )
+    if result.routing_agrees:
+        torch.testing.assert_close(result.got, result.want, rtol=1e-4, atol=1e-4)
+    else:
+        assert result.max_tie_gap < 1e-3, (
+            f"a flip at a gap of {result.max_tie_gap:.2e} is no tie: a real fault"
+        )
+        torch.testing.assert_close(result.forced, result.want, rtol=1e-4, atol=1e-4)
     assert runtime.decoder.scratch.device.type == "cuda"
     assert provider.loads > provider.num_slots

@@ -152,6 +152,7 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.got_signal = threading.Event()
         self.hold: threading.Event | None = None  # when set: answer acquires only once it is set
         self.fail_load: str | None = None  # the next load of a channel demand fails with this message
+        self.responders: list[ChannelResponder] = []
         self.model_id = MANIFEST.model_id
 
     def Attach(self, request, context):  # noqa: N802
@@ -179,6 +180,7 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
             responder = ChannelResponder(
                 self, SlotTable.open(self.table_path), int(metadata["expertcache-client-index"])
             )
+            self.responders.append(responder)
             context.add_callback(responder.stop)
         for req in request_iterator:
             kind = req.WhichOneof("kind")
@@ -236,6 +238,8 @@ def daemon(tmp_path):
     server.start()
     yield servicer, address
     server.stop(0)
+    for responder in servicer.responders:  # none may be left inside a native wait at exit
+        responder.stop()
 
 
 def connect(address: str, **kwargs) -> DaemonClient:

@@ -149,3 +149,38 @@ def test_quantized_experts_match_transformers_dequantised_model(arch, quantizati
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert provider.loads > provider.num_slots
     assert engine.runtime.decoder.scratch_bytes > 0
+
+
+# -- the routing-aware comparison that the GPU test uses (tests/equality.py) ----------------------
+def test_the_routing_aware_comparison_agrees_on_the_cpu_and_finds_a_flip(local_engine):
+    from tests.equality import compare_with_routing
+
+    engine, _, tiny = local_engine("gpt_oss", **quantized_config("gpt_oss", "mxfp4", torch.float32))
+    plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()
+    cpu = torch.device("cpu")
+    result = compare_with_routing(engine, plain, PROMPT, cpu)
+    assert result.routing_agrees and result.flips == [] and result.forced is None
+    torch.testing.assert_close(result.got, result.want, **TOL)
+
+    # A fault that changes one token's experts in one layer: found, at no tie, and undone by
+    # forcing transformers' routing.
+    runtime = engine.runtime
+    original = runtime.forward
+    first_layer = tiny.manifest.moe_layers[0]
+
+    def faulty(module, layer, hidden_states, top_k_index, top_k_weights):
+        if layer == first_layer and top_k_index.shape[0] > 5:
+            top_k_index = top_k_index.clone()
+            taken = set(top_k_index[5].tolist())
+            top_k_index[5, 0] = next(e for e in range(tiny.manifest.num_experts) if e not in taken)
+        return original(module, layer, hidden_states, top_k_index, top_k_weights)
+
+    runtime.forward = faulty
+    try:
+        result = compare_with_routing(engine, plain, PROMPT, cpu)
+    finally:
+        del runtime.forward
+    assert not result.routing_agrees and (0, 5) in result.flips
+    assert result.max_tie_gap > 1e-3  # not a tie: the GPU test would call it a fault
+    assert not torch.allclose(result.got, result.want, **TOL)
+    torch.testing.assert_close(result.forced, result.want, **TOL)

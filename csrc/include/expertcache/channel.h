@@ -113,9 +113,9 @@ class ClientChannel {
   int32_t fail_status() const { return header_->fail_status; }
   std::string fail_message() const;
   uint32_t notify_seq() const { return header_->notify.load(); }
-  // Sleeps while the notify word equals `seen` (at most timeout_s; < 0: no limit). True when it
-  // changed.
-  bool wait_notify(uint32_t seen, double timeout_s);
+  // Sleeps while the notify word equals `seen` (at most timeout_s; < 0: no limit), after polling
+  // it for up to spin_s (at most 1 ms) without sleeping. True when it changed.
+  bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0);
   // The source tier the daemon recorded for demand position `i` (0 until it knows).
   uint8_t source(uint32_t i) const;
   uint64_t ring_dropped() const { return header_->ring_dropped.load(); }

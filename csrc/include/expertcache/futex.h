@@ -6,6 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -65,6 +66,23 @@ inline bool futex_wait_changed(std::atomic<uint32_t>* word, std::atomic<uint32_t
   }
   sleepers->fetch_sub(1);
   return changed;
+}
+
+// Polls `*word` for up to `spin_s` seconds (a waiter whose answer usually comes within tens of
+// microseconds from a thread on another core: no sleep, and the waker makes no wake syscall);
+// true as soon as it differs from `seen`.
+inline bool spin_until_changed(std::atomic<uint32_t>* word, uint32_t seen, double spin_s) {
+  if (!(spin_s > 0)) return false;
+  using clock = std::chrono::steady_clock;
+  const auto until = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                        std::chrono::duration<double>(std::min(spin_s, 1e-3)));
+  for (unsigned i = 0;; ++i) {
+    if (word->load(std::memory_order_acquire) != seen) return true;
+    if ((i & 63) == 63 && clock::now() >= until) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
 }
 
 // Bumps `word` and wakes its sleepers, if any.
