@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy \
-        bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench
+        bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench-overhead bench
 
 install: $(STAMP)
 
@@ -135,6 +135,13 @@ bench-e2e: install
 	$(PY) -m bench.e2e --precision bf16 --out bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 	$(PY) -m bench.e2e --precision $(BENCH_E2E_PRECISION) --compare-with bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 
+# The fixed costs of serving through the cache: ours (every expert resident; and LRU with 25% in
+# the arena, every expert in a host tier) beside plain transformers, at arithmetic-free sizes
+# (hidden 64), interleaved; prints the ratios and the fixed cost per miss, writes
+# bench/results/overhead.json and .png. BENCH_OVERHEAD_ARGS="--device cuda" on a GPU machine.
+bench-overhead: install
+	$(PY) -m bench.overhead $(BENCH_OVERHEAD_ARGS)
+
 # Serving: N concurrent streams (1, 4, 16, 64) against continuous batching and against the
 # one-at-a-time scheduler on the e2e benchmark's model; writes bench/results/serve.json and .png.
 bench-serve: install
@@ -146,6 +153,6 @@ bench-serve: install
 bench-load: install
 	$(PY) -m bench.serve --mode load --max-batched-tokens 64 $(BENCH_LOAD_ARGS)
 
-bench: bench-io bench-predict bench-replay bench-e2e bench-serve bench-load
+bench: bench-io bench-predict bench-replay bench-e2e bench-overhead bench-serve bench-load
 
 FORCE:

@@ -106,6 +106,7 @@ from bench.e2e_accelerate import drop_page_cache  # noqa: E402
 from bench.e2e_reference import forced_routes, is_calibrated, simulate  # noqa: E402
 from bench.e2e_reference import shares as belady_shares  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
+from bench.plain_transformers import TransformersSystem  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
 from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
@@ -131,7 +132,7 @@ PRECISIONS = {"bf16": None, "mxfp4": "mxfp4", "fp8": "fp8"}
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's blocks
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
 # measured, loads them first.
-SYSTEMS = ("ours", "lru", "resident", "accelerate")
+SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate")
 # ours with the routing transitions in place of the learned next-visit model (the daemon without
 # a next_visit_model file): what the model is worth, side by side in one run.
 EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions",)
@@ -202,6 +203,22 @@ def build(
 
 
 # -- ours / lru: real processes ------------------------------------------------------------------
+def tiers(budget_bytes: int, manifest: StoreManifest, args: argparse.Namespace) -> tuple[int, int]:
+    """(arena bytes, host tier bytes) of a daemon with ``budget_bytes`` of expert memory.
+
+    ``--host-share`` moves that share of the budget to the host tier. Without it, on a GPU
+    (``--device cuda``) the arena gets the whole budget and a pinned host tier holds every expert
+    besides, as on a GPU node with ample RAM, so that a miss is a PCIe copy and the disk is read
+    once per expert; on the CPU there is none (this machine's "device" arena is CPU memory: a
+    host tier would hold a second copy of the same bytes)."""
+    if args.host_share is not None:
+        host = int(budget_bytes * args.host_share)
+        return budget_bytes - host, host
+    if str(args.device).startswith("cuda"):
+        return budget_bytes, manifest.total_expert_bytes
+    return budget_bytes, 0
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and its threads so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -217,6 +234,10 @@ def device_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
     return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
 
 
+def host_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
+    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_HOST)
+
+
 class ProcessSystem:
     """One system served by real daemon + compute processes (ours, lru, resident), started once
     and kept up while the systems take turns request by request; ``stop`` ends both."""
@@ -229,14 +250,25 @@ class ProcessSystem:
         work: Path,
         args: argparse.Namespace,
         budget_bytes: int,
+        *,
+        device_bytes: int | None = None,
+        host_bytes: int | None = None,
+        compute_extra: tuple[str, ...] = (),
     ) -> None:
+        """``device_bytes`` / ``host_bytes`` override the tiers ``host_tier_bytes`` gives."""
         self.system, self.args = system, args
-        ours = system in ("ours", "ours-transitions")
-        self.resident = system == "resident"
+        ours = system in ("ours", "ours-transitions", "ours-resident")
+        # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
+        self.resident = system in ("resident", "ours-resident")
+        self.blob_bytes = manifest.blob_bytes
         if self.resident:
-            budget_bytes = manifest.total_expert_bytes
-        self.host_bytes = 0 if self.resident else int(budget_bytes * args.host_share)
-        self.device_bytes = budget_bytes - self.host_bytes
+            self.device_bytes, self.host_bytes = manifest.total_expert_bytes, 0
+        else:
+            self.device_bytes, self.host_bytes = tiers(budget_bytes, manifest, args)
+        if device_bytes is not None:
+            self.device_bytes = device_bytes
+        if host_bytes is not None:
+            self.host_bytes = host_bytes
         daemon_extra = [
             "--eviction-policy",
             "activation-aware" if ours else "lru",
@@ -259,6 +291,7 @@ class ProcessSystem:
             ),
             "--max-new-tokens-limit",
             str(max(args.tokens, 1)),
+            *compute_extra,
         ]
         work.mkdir(parents=True, exist_ok=True)
         say(
@@ -348,6 +381,8 @@ class ProcessSystem:
         d0, d1 = device_tier(self.before), device_tier(after)
         hits, misses = d1.hits - d0.hits, d1.misses - d0.misses
         tokens = max(1, self.generated)
+        h0, h1 = host_tier(self.before), host_tier(after)
+        from_host = (h1.hits - h0.hits) * self.blob_bytes  # arena fills copied from the host tier
         prefetch = {
             cache_pb2.PrefetchClass.Name(p.prediction): {
                 "started": p.started,
@@ -366,8 +401,13 @@ class ProcessSystem:
             "hit_rate": hits / max(1, hits + misses),
             "hits": hits,
             "misses": misses,
-            # Store -> arena bytes over the measured tokens (prefill included), per generated token.
+            # Arena fills over the measured tokens (prefill included), per generated token: what the
+            # policy moves (from the store, or from the host tier when there is one; on a GPU
+            # every one of them crosses PCIe).
             "bytes_per_token": (d1.bytes_in - d0.bytes_in) / tokens,
+            "host_bytes_per_token": from_host / tokens,  # of which copied from the host tier
+            "store_bytes_per_token": (d1.bytes_in - d0.bytes_in - from_host) / tokens,  # read from the store
+            "arena_copy_s": after.arena_copy_seconds - self.before.arena_copy_seconds,
             "store_read_s": after.store_read_seconds - self.before.store_read_seconds,
             # CPU seconds per generated token of each process (2 cores shared by both, and any
             # peer: while the systems take turns, the others' processes are idle).
@@ -602,7 +642,7 @@ def gap_shares(results: dict) -> dict:
     lru_r, res_r = repeat_p50s(results["lru"]), repeat_p50s(results["resident"])
     out = {}
     for system, r in results.items():
-        if not r.get("p50_s"):
+        if not r.get("p50_s") or system == "transformers":  # no cache: it has no place on that scale
             continue
         per = [
             (a - x) / (a - b)
@@ -649,6 +689,55 @@ def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     write_next_visit(model, path)
     return path, f"{note} in {time.perf_counter() - started:.0f} s, written to {path}"
+
+
+def measure_link(manifest: StoreManifest, device: str, copies: int = 64) -> dict:
+    """The host → arena link under the systems: ``copies`` expert blobs copied from host memory
+    (page-locked on a GPU, as the host tier is) into device memory, one at a time; GB/s. On the
+    CPU the "device" arena is memory too: a memory copy."""
+    import torch
+
+    n = max(1, min(copies, (1 << 30) // max(1, manifest.blob_bytes)))
+    cuda = str(device).startswith("cuda")
+    src = torch.empty(n, manifest.blob_bytes, dtype=torch.uint8, pin_memory=cuda).fill_(1)
+    dst = torch.empty(n, manifest.blob_bytes, dtype=torch.uint8, device=device if cuda else "cpu")
+    for _ in range(2):
+        started = time.perf_counter()
+        for i in range(n):
+            dst[i].copy_(src[i], non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(dst.device)
+        elapsed = time.perf_counter() - started
+    gbps = n * manifest.blob_bytes / elapsed / 1e9
+    say(
+        f"host -> arena link ({'PCIe, page-locked host memory' if cuda else 'memory copy'}), expert blobs of "
+        f"{manifest.blob_bytes / MIB:.2f} MiB one at a time: {gbps:.2f} GB/s"
+    )
+    return {"gb_per_s": gbps, "copies": n, "device": str(device)}
+
+
+def print_tiers_and_ceilings(results: dict, store_reads: dict | None, link: dict) -> None:
+    """Each daemon-backed system's MiB per token per tier (arena fills, of which from the host
+    tier and from the store) and the two ceilings on its speed: every arena fill over the link
+    (PCIe on a GPU), and the store's bytes over the disk."""
+    disk = store_reads["four_in_flight"]["gb_per_s"] * 1e9 if store_reads else None
+    say(
+        "MiB per token per tier (arena fills = from the host tier + from the store), and the time per token "
+        f"the link ({link['gb_per_s']:.2f} GB/s) and the disk ("
+        + (f"{disk / 1e9:.2f} GB/s" if disk else "not measured")
+        + ") need for them, whatever overlaps:"
+    )
+    for system, r in results.items():
+        if "store_bytes_per_token" not in r:
+            continue
+        arena, host, store = r["bytes_per_token"], r["host_bytes_per_token"], r["store_bytes_per_token"]
+        link_ms = arena / (link["gb_per_s"] * 1e9) * 1e3
+        disk_ms = store / disk * 1e3 if disk else None
+        r["link_s_per_token"] = link_ms / 1e3
+        say(
+            f"  {system:<18}{arena / MIB:>8.1f} = {host / MIB:.1f} host + {store / MIB:.1f} store; link-bound "
+            f"{link_ms:.2f} ms, disk-bound {fmt(disk_ms, '.2f')} ms per token (p50 {r['p50_s'] * 1e3:.1f} ms)"
+        )
 
 
 def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dict | None:
@@ -749,7 +838,7 @@ def add_disk_time(results: dict, store_reads: dict) -> None:
     for r in results.values():
         if "store_io_mode" not in r:
             continue
-        bpt = r.get("bytes_per_token")
+        bpt = r.get("store_bytes_per_token", r.get("bytes_per_token"))
         r["disk_s_per_token"] = bpt / rate if bpt is not None and rate > 0 else None
 
 
@@ -938,7 +1027,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a previous run's JSON (e.g. the bf16 run) whose figures are printed beside this run's",
     )
-    parser.add_argument("--host-share", type=float, default=0.0, help="share of the budget in the host tier")
+    parser.add_argument(
+        "--host-share",
+        type=float,
+        default=None,
+        help="share of the budget in the host tier (default: none on the CPU; with --device cuda the "
+        "arena gets the whole budget and a pinned host tier holds every expert, as on a GPU node)",
+    )
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS + EXTRA_SYSTEMS}"
     )
@@ -1006,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.repeats < 1 or args.requests < 1:
         parser.error(f"--repeats and --requests must be >= 1, got {args.repeats} and {args.requests}")
-    if not 0.0 <= args.host_share < 1.0:
+    if args.host_share is not None and not 0.0 <= args.host_share < 1.0:
         parser.error(f"--host-share {args.host_share} is out of range [0, 1)")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
@@ -1072,14 +1167,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.tracing_costs:
         return tracing_costs(store, manifest, args, budget)
     store_reads = measure_store_reads(store, manifest, args.store_reads)
+    link = measure_link(manifest, args.device)
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
-        started_systems: dict[str, ProcessSystem] = {}
+        started_systems: dict[str, ProcessSystem | TransformersSystem] = {}
         accelerate_runs: list[dict] = []
         try:
             for system in systems:  # all up at once: they take turns below
-                if system != "accelerate":
+                if system == "transformers":
+                    say(
+                        f"[transformers] {checkpoint} loaded by transformers on {args.device}, every expert in memory"
+                    )
+                    started_systems[system] = TransformersSystem(
+                        checkpoint,
+                        device=args.device,
+                        threads=args.threads,
+                        tokens=args.tokens,
+                        prompt=PROMPT,
+                    )
+                elif system != "accelerate":
                     proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
                     started_systems[system] = proc
                     if not proc.io_mode.lower().startswith("o_direct"):
@@ -1115,16 +1222,22 @@ def main(argv: list[str] | None = None) -> int:
 
     say("")
     say(
-        f"{'system':<18}{'p50 ms':>10}{'p99 ms':>10}{'tok/s':>8}{'MiB read/tok':>14}{'hit rate':>10}{'tokens':>8}  io"
+        f"{'system':<18}{'p50 ms':>10}{'p99 ms':>10}{'tok/s':>8}{'MiB in/tok':>14}{'hit rate':>10}{'tokens':>8}  io"
     )
     for system in systems:
         r = results[system]
         bpt = r.get("bytes_per_token")
-        io = r.get("store_io_mode", "buffered+fadvise(DONTNEED) per token")
+        io = r.get("store_io_mode", "buffered+fadvise(DONTNEED) per token" if system == "accelerate" else "-")
         say(
             f"{system:<18}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.1f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.1f'):>10}"
             f"{fmt(r['tokens_per_s'], '>8.2f'):>8}{fmt(bpt and bpt / MIB, '>14.1f'):>14}"
             f"{fmt(r.get('hit_rate'), '>10.3f'):>10}{r['tokens']:>8}  {io}"
+        )
+    if "transformers" in results:
+        cpu = results["transformers"]["cpu_s_per_token"]["transformers"]
+        say(
+            f"transformers: CPU per token {cpu * 1e3:.0f} ms; experts implementation "
+            f"{results['transformers'].get('experts_implementation')}"
         )
     for system in ("ours", "ours-transitions", "lru", "resident"):
         if system in results:
@@ -1150,7 +1263,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {system:<18}{r['disk_s_per_token'] * 1e3:>7.1f} ms = {r['disk_s_per_token'] / r['p50_s']:.2f} "
                     f"of its p50"
                 )
+    print_tiers_and_ceilings(results, store_reads, link)
     verdicts = {}
+    if "resident" in results and "transformers" in results:
+        ratio = results["resident"]["p50_s"] / results["transformers"]["p50_s"]
+        per_repeat = repeat_ratios(results["resident"], results["transformers"])
+        verdicts["resident_vs_transformers"] = {"p50_ratio": ratio, "per_repeat": per_repeat}
+        say(
+            f"resident vs transformers (every expert in memory; what serving through the cache costs): "
+            f"{ratio:.3f}x the per-token p50, per repeat {spread_text(per_repeat)}"
+        )
     if "ours" in results:
         goal_accelerate = GOAL_VS_ACCELERATE_BY_PRECISION.get(args.precision, GOAL_VS_ACCELERATE)
         for other, goal in (("accelerate", goal_accelerate), ("lru", GOAL_VS_LRU)):
@@ -1243,6 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
         "checkpoint after load and after every token; compute dense file after start-up",
         "store_reads": store_reads,
+        "link": link,
         "cpu_count": os.cpu_count(),
         "torch_threads": args.threads,
         "systems": results,

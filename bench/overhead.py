@@ -1,0 +1,389 @@
+"""What serving through the cache costs beyond the arithmetic: ours beside plain transformers at
+arithmetic-free sizes.
+
+    python -m bench.overhead [--device cuda] [--tokens 48] [--requests 2] [--repeats 3]
+    make bench-overhead [BENCH_OVERHEAD_ARGS="--device cuda"]
+
+The e2e model's shape (gpt-oss, 24 layers x 32 experts, top-4) with hidden and expert
+intermediate sizes of 64 (``--hidden``, ``--intermediate``): a token's arithmetic is then small
+enough that its time is almost all fixed costs, per layer and per miss. A checkpoint of that
+shape is written by transformers' ``save_pretrained`` and converted once (``bench.e2e.build``,
+cached under bench/.data/). Systems, all up at once and taking turns request by request, the
+order rotated each repeat (``bench.e2e``'s interleaving):
+
+- ``resident``: real daemon and compute processes (``expertcache.launch``), an arena that holds
+  every expert (warmed by one unmeasured request), LRU, no prefetch: the bookkeeping of a layer
+  whose experts are all resident;
+- ``lru``: the same with 25% of the experts in the arena (``--device-share``) and a host tier
+  that holds every expert (warmed until it does), as a GPU node with ample RAM has: each miss is a
+  copy of one blob from host memory into the arena, and its cost is almost all bookkeeping;
+- ``transformers``: the checkpoint run by transformers itself, every expert in memory on the
+  same device (``bench.plain_transformers``), same prompt and tokens;
+- ``ours-resident`` (optional, ``--systems``): ``resident`` with ours' policy, prefetch and
+  lookahead, so that compute's signals flow: the daemon's CPU per token with them.
+
+Routing is forced from the shared trace for ours (as in ``bench.e2e``); transformers routes with
+its own router (the same top-4 per layer). Every process runs ``--threads`` torch threads.
+Printed, and written to bench/results/overhead.json (a plot beside it):
+
+- ``resident_vs_transformers``: resident's per-token p50 over transformers' (goal <= 1.15 on
+  the CPU, <= 1.25 on a GPU);
+- ``lru_vs_resident``: lru's over resident's (goal <= 1.15);
+- ``miss_fixed_cost_us``: (lru - resident - the copy and store-read time per token) per expert
+  that was not resident when compute asked for it (goal <= 50): the copy time is what the daemon
+  measured copying blobs into the arena (``arena_copy_seconds``), the read time its store reads;
+- ``daemon_cpu_ms_per_token`` / ``compute_cpu_ms_per_token`` of resident (goal: daemon <= 1);
+- ``host_syncs_per_moe_layer``: compute's host waits for the device per MoE layer forward
+  (``moe_compute_host_syncs_total`` over ``moe_compute_moe_layers_total``, from its /metrics);
+- ``checkpoint``, and ``systems.NAME.p50_s`` / ``p99_s`` / per repeat for each system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.e2e import (  # noqa: E402
+    DATA_DIR,
+    DEFAULT_TRACE,
+    PROMPT,
+    ProcessSystem,
+    build,
+    get_stats,
+    host_tier,
+    repeat_p50s,
+    repeat_ratios,
+    say,
+    spread_text,
+    summarise,
+)
+from bench.plain_transformers import TransformersSystem  # noqa: E402
+from expertcache.launch import free_port  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "overhead.json"
+SYSTEMS = ("resident", "lru", "transformers")
+OPTIONAL = ("ours-resident",)
+GOALS = {
+    "resident_vs_transformers": 1.15,
+    "resident_vs_transformers_gpu": 1.25,
+    "lru_vs_resident": 1.15,
+    "miss_fixed_cost_us": 50.0,
+    "daemon_cpu_ms_per_token": 1.0,
+}
+MAX_WARM_UP_REQUESTS = 64
+
+
+def scrape(port: int) -> dict[str, float]:
+    """compute's /metrics: ``name{labels}`` -> value for the counters read here."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("moe_compute_host_syncs_total", "moe_compute_moe_layers_total")):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def host_syncs(before: dict[str, float], after: dict[str, float]) -> dict:
+    layers = after.get("moe_compute_moe_layers_total", 0) - before.get("moe_compute_moe_layers_total", 0)
+    syncs = {
+        kind: after.get(f'moe_compute_host_syncs_total{{kind="{kind}"}}', 0)
+        - before.get(f'moe_compute_host_syncs_total{{kind="{kind}"}}', 0)
+        for kind in ("transfer", "event_wait")
+    }
+    total = sum(syncs.values())
+    return {"moe_layers": layers, **syncs, "per_moe_layer": total / layers if layers else None}
+
+
+def warm_host_tier(proc: ProcessSystem, num_blobs: int) -> int:
+    """Generate (unmeasured, each on the next trace request) until the host tier holds every
+    expert; returns how many requests it took (the host tier's resident count is printed)."""
+    for n in range(1, MAX_WARM_UP_REQUESTS + 1):
+        proc.generate(f"{proc.system}-warm-up-{n}")
+        resident = host_tier(get_stats(proc.daemon.address)).resident
+        if resident >= num_blobs:
+            return n
+    say(f"  [{proc.system}] the host tier holds {resident} of {num_blobs} experts after {n} warm-up requests")
+    return n
+
+
+def write_png(results: dict, report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    systems = [s for s in results if results[s].get("p50_s")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    p50 = np.array([results[s]["p50_s"] * 1e3 for s in systems])
+    lo = np.array([min(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
+    hi = np.array([max(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
+    bars = ax.bar(systems, p50, yerr=[np.maximum(p50 - lo, 0), np.maximum(hi - p50, 0)], capsize=4)
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_title("per-token p50, ms (whiskers: lowest / highest repeat)")
+    ax = axes[1]
+    names, vals, goals = [], [], []
+    for key in ("resident_vs_transformers", "lru_vs_resident"):
+        if report.get(key) is not None:
+            names.append(key.replace("_vs_", "\nvs "))
+            vals.append(report[key])
+            goals.append(report["goals"][key])
+    bars = ax.bar(names, vals, color="tab:green")
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    for i, g in enumerate(goals):
+        ax.plot([i - 0.4, i + 0.4], [g, g], "r--")
+    ax.axhline(1, color="grey", lw=0.8)
+    miss = report.get("miss_fixed_cost_us")
+    ax.set_title(
+        "p50 ratios (red: goal)" + (f"; fixed cost per miss {miss:.0f} us" if miss is not None else "")
+    )
+    fig.suptitle(
+        f"bench.overhead: gpt-oss shape at hidden {report['model']['hidden']}, {report['device']}, "
+        f"{report['cpu_count']} CPUs, interleaved"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:n] on a GPU machine")
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--requests", type=int, default=2, help="requests per system per repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--intermediate", type=int, default=64, help="expert intermediate size")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument(
+        "--device-share", type=float, default=0.25, help="lru's arena, as a share of the experts"
+    )
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS + OPTIONAL}"
+    )
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--request", type=int, default=0, help="first trace request")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--shm-dir", default="")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--progress-every", type=int, default=1000)
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS) - set(OPTIONAL))
+    if unknown or not systems:
+        parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + OPTIONAL)}")
+    if args.tokens < 2 or args.requests < 1 or args.repeats < 1:
+        parser.error("--tokens must be >= 2, --requests and --repeats >= 1")
+    if not 0.0 < args.device_share < 1.0:
+        parser.error(f"--device-share {args.device_share} is out of range (0, 1)")
+    if not args.trace.is_file():
+        parser.error(f"--trace {args.trace} does not exist")
+    # What ProcessSystem reads of bench.e2e's arguments: routing forced from the trace, no
+    # lookahead modelling beyond ours' defaults, no learned next-visit model.
+    args.layer_ahead_accuracy, args.layer_ahead_depth, args.next_visit_path, args.host_share = (
+        0.85,
+        0,
+        None,
+        None,
+    )
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    started = time.perf_counter()
+    checkpoint, store, manifest = build(
+        args.data_dir,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+    )
+    total, blob = manifest.total_expert_bytes, manifest.blob_bytes
+    device_bytes = max(manifest.top_k, int(args.device_share * manifest.num_blobs)) * blob
+    say(
+        f"model: gpt_oss {len(manifest.moe_layers)} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
+        f"hidden {args.hidden}, expert intermediate {args.intermediate}, bf16; {manifest.num_blobs} experts of "
+        f"{blob / 1024:.0f} KiB; {args.device}, {args.threads} torch thread(s), {os.cpu_count()} CPUs"
+    )
+    say(
+        f"lru: arena {device_bytes // blob} experts ({device_bytes / total:.0%}), host tier every expert; "
+        f"resident: arena every expert; routing forced from {args.trace.name} from request {args.request}"
+    )
+    results: dict[str, dict] = {}
+    ports: dict[str, int] = {}
+    syncs: dict[str, dict] = {}
+    warm_ups = 0
+    with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp:
+        running: dict[str, ProcessSystem | TransformersSystem] = {}
+        try:
+            for system in systems:
+                if system == "transformers":
+                    running[system] = TransformersSystem(
+                        checkpoint,
+                        device=args.device,
+                        threads=args.threads,
+                        tokens=args.tokens,
+                        prompt=PROMPT,
+                    )
+                    continue
+                ports[system] = free_port()
+                extra = ("--metrics-port", str(ports[system]))
+                sizes = {"device_bytes": device_bytes, "host_bytes": total} if system == "lru" else {}
+                running[system] = ProcessSystem(
+                    system,
+                    store,
+                    manifest,
+                    Path(tmp) / system,
+                    args,
+                    device_bytes,
+                    compute_extra=extra,
+                    **sizes,
+                )
+            if "lru" in running:
+                warm_ups = warm_host_tier(running["lru"], manifest.num_blobs)
+                say(f"[lru] host tier warmed with {warm_ups} unmeasured request(s)")
+            for proc in running.values():
+                proc.begin()
+            before = {s: scrape(p) for s, p in ports.items()}
+            for repeat in range(args.repeats):
+                order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+                say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
+                for r in range(args.requests):
+                    for system in order:
+                        running[system].measure(repeat, r)
+            syncs = {s: host_syncs(before[s], scrape(p)) for s, p in ports.items()}
+            for system, proc in running.items():
+                results[system] = proc.finish()
+        finally:
+            for proc in running.values():
+                proc.stop()
+    for system, r in results.items():
+        r.update(summarise(r))
+        if system in syncs:
+            r["host_syncs"] = syncs[system]
+
+    say("")
+    say(f"{'system':<16}{'p50 ms':>9}{'p99 ms':>9}{'tokens':>8}  CPU ms per token")
+    for system in systems:
+        r = results[system]
+        cpu = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["cpu_s_per_token"].items())
+        say(f"{system:<16}{r['p50_s'] * 1e3:>9.2f}{r['p99_s'] * 1e3:>9.2f}{r['tokens']:>8}  {cpu}")
+    report: dict = {
+        "device": args.device,
+        "model": {
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "layers": len(manifest.moe_layers),
+            "experts": manifest.num_experts,
+            "top_k": manifest.top_k,
+            "blob_bytes": blob,
+        },
+        "checkpoint": str(checkpoint),
+        "store": str(store),
+        "tokens": args.tokens,
+        "requests": args.requests,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "lru_arena_experts": device_bytes // blob,
+        "lru_host_warm_up_requests": warm_ups,
+        "goals": {
+            "resident_vs_transformers": GOALS[
+                "resident_vs_transformers_gpu"
+                if args.device.startswith("cuda")
+                else "resident_vs_transformers"
+            ],
+            **{k: v for k, v in GOALS.items() if not k.startswith("resident_vs")},
+        },
+        "systems": results,
+    }
+
+    def ratio(a: str, b: str, key: str) -> None:
+        if a in results and b in results:
+            value = results[a]["p50_s"] / results[b]["p50_s"]
+            per = repeat_ratios(results[a], results[b])
+            report[key] = value
+            report[f"{key}_per_repeat"] = per
+            goal = report["goals"][key]
+            say(
+                f"{key}: {value:.3f} (goal <= {goal:g}) {'PASS' if value <= goal else 'FAIL'}; "
+                f"per repeat {spread_text(per)}"
+            )
+
+    say("")
+    ratio("resident", "transformers", "resident_vs_transformers")
+    ratio("lru", "resident", "lru_vs_resident")
+    if "lru" in results and "resident" in results:
+        lru, res = results["lru"], results["resident"]
+        tokens = max(1, len(lru["latencies_s"]) + len(lru["first_token_s"]))
+        copy_read = (lru["arena_copy_s"] + lru["store_read_s"]) / tokens
+        misses = lru["misses_per_decode_token"]
+        fixed = (lru["p50_s"] - res["p50_s"] - copy_read) / misses * 1e6 if misses else None
+        report.update(
+            {
+                "lru_misses_per_token": misses,
+                "lru_copy_and_read_ms_per_token": copy_read * 1e3,
+                "lru_store_bytes_per_token": lru.get("store_bytes_per_token"),
+                "miss_fixed_cost_us": fixed,
+            }
+        )
+        if fixed is not None:
+            goal = GOALS["miss_fixed_cost_us"]
+            say(
+                f"miss_fixed_cost_us: {fixed:.0f} (goal <= {goal:g}) {'PASS' if fixed <= goal else 'FAIL'}: "
+                f"({lru['p50_s'] * 1e3:.2f} - {res['p50_s'] * 1e3:.2f} - {copy_read * 1e3:.2f} ms of copies and "
+                f"reads) per token over {misses:.1f} experts not resident when asked for "
+                f"({lru.get('store_bytes_per_token', 0) / 1024:.0f} KiB per token still read from the store)"
+            )
+    for system in ("resident", "ours-resident"):
+        if system in results:
+            cpu = results[system]["cpu_s_per_token"]
+            key = "" if system == "resident" else "ours_resident_"
+            report[f"{key}daemon_cpu_ms_per_token"] = cpu["daemon"] * 1e3
+            report[f"{key}compute_cpu_ms_per_token"] = cpu["compute"] * 1e3
+            goal = GOALS["daemon_cpu_ms_per_token"]
+            say(
+                f"{system}: daemon CPU {cpu['daemon'] * 1e3:.2f} ms per token (goal <= {goal:g}"
+                + (
+                    ") " + ("PASS" if cpu["daemon"] * 1e3 <= goal else "FAIL")
+                    if system == "resident"
+                    else ", signals on)"
+                )
+                + f", compute CPU {cpu['compute'] * 1e3:.1f} ms per token"
+            )
+    if "resident" in syncs:
+        per = syncs["resident"]["per_moe_layer"]
+        report["host_syncs_per_moe_layer"] = per
+        say(
+            f"host_syncs_per_moe_layer (resident): {per:.3f} "
+            f"({syncs['resident']['transfer']:.0f} transfers, {syncs['resident']['event_wait']:.0f} event waits over "
+            f"{syncs['resident']['moe_layers']:.0f} MoE layer forwards)"
+        )
+    report["wall_s"] = time.perf_counter() - started
+    png = args.out.with_suffix(".png")
+    write_png(results, report, png)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    say(f"wrote {png}")
+    say(f"wrote {args.out} ({report['wall_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The ``transformers`` system of the benchmarks: the same checkpoint run by transformers itself.
+
+What offloading costs is measured against the model as transformers runs it with every expert in
+memory on the same device: same checkpoint, same prompt, same number of tokens, greedy, the EOS
+ignored. It runs in a process of its own (``python -m bench.plain_transformers CHECKPOINT``),
+started once and kept up, so that the benchmarks interleave it request by request with the
+other systems (``TransformersSystem``, the parent's side). The child reads one JSON request per
+line on stdin, ``{"tokens": N, "prompt": [ids]}``, and answers one line on stdout,
+``{"latencies_s": [...], "first_s": s, "cpu_s": s}``: the time of each decode token (a forward
+over the previous token with transformers' own KV cache, and the greedy pick, which waits for
+the device) and the process's CPU seconds over the request. The router picks the experts (no
+forced routing): the arithmetic per token is the same, top-k experts per layer. An MXFP4
+checkpoint is dequantised to bf16 by transformers when it loads (no Triton kernels here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def serve(checkpoint: Path, device: str, threads: int) -> None:
+    """The child: load, then answer requests on stdin until it closes."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from compute_svc.kv_cache import cache_keyword
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
+    keyword = cache_keyword(model)
+    print(
+        json.dumps(
+            {"ready": True, "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+        ),
+        flush=True,
+    )
+    for line in sys.stdin:
+        request = json.loads(line)
+        tokens, prompt = int(request["tokens"]), [int(t) for t in request["prompt"]]
+        cpu0 = cpu_seconds()
+        latencies = []
+        with torch.inference_mode():
+            started = time.perf_counter()
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **{keyword: cache})
+            token = int(out.logits[0, -1].argmax())
+            first = time.perf_counter() - started
+            for _ in range(tokens - 1):
+                started = time.perf_counter()
+                out = model(
+                    input_ids=torch.tensor([[token]], device=device), use_cache=True, **{keyword: cache}
+                )
+                token = int(out.logits[0, -1].argmax())  # waits for the device
+                latencies.append(time.perf_counter() - started)
+        print(
+            json.dumps({"latencies_s": latencies, "first_s": first, "cpu_s": cpu_seconds() - cpu0}),
+            flush=True,
+        )
+
+
+class TransformersSystem:
+    """The parent's side: the child started once; ``measure`` runs one request in it. The same
+    interface as ``bench.e2e.ProcessSystem`` (begin / measure / finish / stop)."""
+
+    system = "transformers"
+
+    def __init__(
+        self, checkpoint: Path, *, device: str, threads: int, tokens: int, prompt: tuple[int, ...]
+    ) -> None:
+        self.tokens, self.prompt = tokens, prompt
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.plain_transformers",
+                str(checkpoint),
+                "--device",
+                device,
+                "--threads",
+                str(threads),
+            ],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = self._read()
+        self.experts_implementation = hello.get("experts_implementation")
+        self.latencies: list[float] = []
+        self.first_token: list[float] = []
+        self.by_repeat: dict[int, list[float]] = {}
+        self.cpu_s = 0.0
+        self.generated = 0
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"bench.plain_transformers exited with {code} (its stderr is above)")
+        return json.loads(line)
+
+    def generate(self) -> dict:
+        self.proc.stdin.write(json.dumps({"tokens": self.tokens, "prompt": list(self.prompt)}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def begin(self) -> None:
+        self.generate()  # warm-up, not measured (first calls allocate and pick kernels)
+        self.cpu_s, self.generated = 0.0, 0
+
+    def measure(self, repeat: int, r: int) -> None:
+        del r
+        got = self.generate()
+        self.latencies += got["latencies_s"]
+        self.first_token.append(got["first_s"])
+        self.by_repeat.setdefault(repeat, []).extend(got["latencies_s"])
+        self.cpu_s += got["cpu_s"]
+        self.generated += self.tokens
+
+    def finish(self) -> dict:
+        return {
+            "latencies_s": self.latencies,
+            "latencies_by_repeat_s": [self.by_repeat[k] for k in sorted(self.by_repeat)],
+            "first_token_s": self.first_token,
+            "cpu_s_per_token": {"transformers": self.cpu_s / max(1, self.generated)},
+            "experts_implementation": self.experts_implementation,
+        }
+
+    def stop(self, dump_logs: bool = False) -> None:
+        del dump_logs
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    serve(args.checkpoint, args.device, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
