@@ -29,7 +29,11 @@ to the compute dtype). Compute decodes every expert at every use, into prealloca
     CUDA       torch ops: table look-ups (index_select) and in-place products, with tables and
                buffers on the device
 
-``native=False`` runs the torch ops on CPU too (tests compare the two paths).
+``native=False`` runs the torch ops on CPU too (tests compare the two paths). On CUDA a float
+product (and possibly the rounding) returns the canonical NaN whatever its NaN operand, where x86
+keeps the operand's sign and payload; so the torch-op FP8 path puts the e4m3 NaN codes' values
+back from a table after the arithmetic (``_restore_fp8_nans``). MXFP4 has no NaN code and its
+factors are finite powers of two, so no MXFP4 product is NaN on any device.
 """
 
 from __future__ import annotations
@@ -312,6 +316,9 @@ def _scale_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones(256, dtype=torch.float32), exponents).to(dtype)
 
 
+E4M3_NAN_CODES = (0x7F, 0xFF)  # float8_e4m3fn has no infinities: these two bytes are its NaNs
+
+
 def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     """int64 [65536]: entry w holds the float32 values of the two e4m3 bytes of w (low first)."""
     words = torch.arange(1 << 16, dtype=torch.int64)
@@ -320,7 +327,17 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return values.contiguous().view(torch.int64).reshape(-1)
 
 
-_TABLE_BUILDERS = {"codes": _code_table, "scales": _scale_table, "fp8": _fp8_table}
+def _fp8_nan_table(dtype: torch.dtype) -> torch.Tensor:
+    """[2] ``dtype``: what transformers' CPU dequantisation gives for the e4m3 NaN codes 0x7F and
+    0xFF (``E4M3_NAN_CODES``): their float32 values (quiet NaNs 0x7FF00000 / 0xFFF00000, which an
+    x86 product by any scale keeps) rounded by torch's CPU conversion. On x86 that is
+    bf16 0xFFFF for both (torch's vectorised rounding drops a NaN's sign) and fp16 0x7F80 / 0xFF80.
+    Always built on the CPU: the reference is the CPU's bits."""
+    codes = torch.tensor(E4M3_NAN_CODES, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return codes.to(torch.float32).to(dtype)
+
+
+_TABLE_BUILDERS = {"codes": _code_table, "scales": _scale_table, "fp8": _fp8_table, "fp8_nan": _fp8_nan_table}
 
 
 def dequantize_mxfp4(
@@ -342,7 +359,8 @@ def dequantize_mxfp4(
     look up one table entry per 2 bytes (per byte for float32) into the output buffer, then
     multiply in place by the group's scale. bfloat16 and float32 multiply in their own dtype
     (every product is exact, as in transformers' float32 product then rounding); float16 is
-    formed in float32 and rounded once, as transformers does.
+    formed in float32 and rounded once, as transformers does. Every factor is finite (at most
+    2**127, see ``_scale_table``), so no value is NaN, on CUDA either.
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype} and {scales.dtype}")
@@ -463,9 +481,10 @@ def dequantize_fp8(
     That is transformers' ``(q.float() * s).to(dtype)``. On CPU (``native`` None or True) the
     native core does it in one pass (bf16/fp16: each block's 256 possible outputs computed once,
     then looked up). The torch ops (CUDA, or ``native=False``) form it in float32 (an exact copy
-    of the e4m3 values, then in-place products per block) and round it to ``dtype`` at the end. A
-    last partial block (R or C not a multiple of the block) takes its block's scale, as DeepSeek's
-    reference dequantisation does.
+    of the e4m3 values, then in-place products per block), round it to ``dtype`` at the end, and
+    put the NaN codes' values back from a table (``_restore_fp8_nans``: CUDA's arithmetic loses a
+    NaN's sign). A last partial block (R or C not a multiple of the block) takes its block's
+    scale, as DeepSeek's reference dequantisation does.
     """
     if values.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise ValueError(
@@ -494,7 +513,7 @@ def dequantize_fp8(
     sr, sc = full_r // bm, full_c // bn
     if sr and sc:  # whole blocks: [sr, bm, sc, bn] view × [sr, 1, sc, 1] scales, in place
         body = work[:full_r, :full_c].unflatten(1, (sc, bn)).unflatten(0, (sr, bm))
-        body.mul_(scale_inv[:sr, :sc].view(sr, 1, sc, 1))
+        _mul_(body, scale_inv[:sr, :sc].view(sr, 1, sc, 1))
     for r0, r1, c0, c1 in (
         (0, full_r, full_c, cols),  # right edge (partial column block)
         (full_r, rows, 0, full_c),  # bottom edge (partial row block)
@@ -503,12 +522,47 @@ def dequantize_fp8(
         if r1 > r0 and c1 > c0:
             s = scale_inv[r0 // bm : math.ceil(r1 / bm), c0 // bn : math.ceil(c1 / bn)]
             s = s.repeat_interleave(bm, 0)[: r1 - r0].repeat_interleave(bn, 1)[:, : c1 - c0]
-            work[r0:r1, c0:c1].mul_(s)
-    if dtype == torch.float32:
-        return work
-    out = scratch.get(f"{key}.values", (rows, cols), dtype)
-    out.copy_(work)
+            _mul_(work[r0:r1, c0:c1], s)
+    out = work
+    if dtype != torch.float32:
+        out = scratch.get(f"{key}.values", (rows, cols), dtype)
+        _round_into(out, work)
+    _restore_fp8_nans(out, values, scratch, key)
     return out
+
+
+def _mul_(values: torch.Tensor, factors: torch.Tensor) -> None:
+    """``values *= factors`` in place: the torch-op FP8 path's products (one function, so that a
+    test can stand in CUDA's NaN rule for them on CPU)."""
+    values.mul_(factors)
+
+
+def _round_into(out: torch.Tensor, values: torch.Tensor) -> None:
+    """``out`` = float32 ``values`` rounded to ``out``'s dtype (a seam for tests, as ``_mul_``)."""
+    out.copy_(values)
+
+
+def _restore_fp8_nans(out: torch.Tensor, values: torch.Tensor, scratch: Scratch, key: str) -> None:
+    """Where ``values`` (float8_e4m3fn) holds a NaN code, ``out`` takes that code's output from
+    ``_fp8_nan_table`` instead of what the arithmetic made of it.
+
+    Transformers' reference is an x86 CPU, where a product keeps its NaN operand's sign and
+    payload (0xFF: float32 0xFFF00000 times any scale is 0xFFF00000). A CUDA product returns the
+    canonical NaN 0x7FFFFFFF instead, so the torch ops alone gave +NaN for 0xFF on a GPU (bf16
+    0x7FFF against transformers' 0xFFFF). The value is put back after the rounding, not between
+    the product and the rounding: torch's CPU rounding to bf16 makes every NaN 0xFFFF, which a
+    GPU's conversion (canonical 0x7FFF, or the truncated 0xFFF0) does not reproduce. So the bits
+    are the reference's on every device, whatever its product and conversion do with a NaN. A
+    NaN code times a NaN scale gives the code's NaN (the native decode's rule; transformers' own
+    bits there depend on its loop). Element-wise torch ops only (no host sync), two passes per
+    NaN code.
+    """
+    raw = values.contiguous().view(torch.uint8)
+    hit = scratch.get(f"{key}.nan", tuple(raw.shape), torch.bool)
+    nans = _table("fp8_nan", out.dtype, out.device)
+    for i, code in enumerate(E4M3_NAN_CODES):
+        torch.eq(raw, code, out=hit)
+        torch.where(hit, nans[i], out, out=out)
 
 
 def _e4m3_to_float32(values: torch.Tensor, out: torch.Tensor, scratch: Scratch, key: str) -> None:

@@ -1,7 +1,8 @@
 """The expert encodings registry: decoding equals transformers' own dequantisation bit for bit
 (every MXFP4 code with every scale, every e4m3 value) by the native CPU decode and by the torch
-ops (what CUDA runs, forced on CPU with ``native=False``), the two agree on realistic tensors,
-layouts are checked, buffers are reused."""
+ops (what CUDA runs, forced on CPU with ``native=False``), the two agree on realistic tensors, the
+torch ops keep the e4m3 NaNs' bits when the device's arithmetic does not (CUDA), layouts are
+checked, buffers are reused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import expertcache.encodings as encodings
 from expertcache.encodings import (
     ENCODINGS,
     ExpertTensor,
@@ -75,6 +77,47 @@ def test_fp8_equals_transformers_for_every_value(dtype, native):
         want = Fp8Dequantize(None)._dequantize_one(values, scale_inv, output_dtype=dtype)
         got = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=native)
         assert got.dtype == dtype and torch.equal(bits(got), bits(want))
+
+
+def cuda_mul_(values: torch.Tensor, factors: torch.Tensor) -> None:
+    """The product as a CUDA device computes it: a NaN result is the canonical NaN 0x7FFFFFFF,
+    whatever NaN operand it came from (x86 keeps the operand's sign and payload)."""
+    values.mul_(factors)
+    values.view(torch.int32).masked_fill_(values.isnan(), 0x7FFFFFFF)
+
+
+def cuda_round_into(out: torch.Tensor, values: torch.Tensor) -> None:
+    """The rounding to bf16 / fp16 as the H100 showed it: a NaN becomes 0x7FFF."""
+    out.copy_(values)
+    if out.dtype != torch.float32:
+        out.view(torch.int16).masked_fill_(values.isnan(), 0x7FFF)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_torch_ops_keep_the_nan_bits_where_the_arithmetic_does_not(dtype, monkeypatch):
+    # What an H100 showed: the torch ops gave +NaN for e4m3 0xFF (bf16 0x7FFF, fp16 0x7FFF, fp32
+    # 0x7FFFFFFF) where transformers' CPU reference has -NaN (0xFFFF, 0xFF80, 0xFFF00000). The
+    # cause, reproduced on CPU: CUDA's arithmetic canonicalises NaN. The rounding is CUDA's too:
+    # torch's CPU rounding to bf16 makes every NaN 0xFFFF, which would hide the product's NaN here,
+    # while CUDA's made it 0x7FFF; so the fix puts the NaN codes' values back from a table after
+    # the rounding, not between the product and the rounding.
+    values = all_e4m3_values()
+    scale_inv = torch.exp(torch.randn(3, 4, generator=torch.Generator().manual_seed(5)) * 8).float()
+    want = Fp8Dequantize(None)._dequantize_one(values, scale_inv, output_dtype=dtype)
+    monkeypatch.setattr(encodings, "_mul_", cuda_mul_)
+    monkeypatch.setattr(encodings, "_round_into", cuda_round_into)
+    nan = values.view(torch.uint8).bitwise_and(0x7F) == 0x7F
+
+    with monkeypatch.context() as unfixed:
+        unfixed.setattr(encodings, "_restore_fp8_nans", lambda *args: None)
+        broken = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=False)
+        assert torch.equal(bits(broken)[~nan], bits(want)[~nan])  # only the NaNs differ ...
+        canonical = 0x7FFFFFFF if dtype == torch.float32 else 0x7FFF
+        assert {b & 0xFFFFFFFF for b in bits(broken)[nan].tolist()} == {canonical}
+        assert not torch.equal(bits(broken)[nan], bits(want)[nan])  # ... from the reference's
+
+    fixed = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=False)
+    assert torch.equal(bits(fixed), bits(want))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
