@@ -289,3 +289,13 @@ def test_overlapping_parts_are_data_loss():
     manifest = StoreManifest("m", "x", 1, (0,), 1, 1, blob_bytes, (a, moved), {0: "f"}, {0: (0,)})
     with pytest.raises(DataLoss, match="'a' and 'b' overlap"):
         manifest.validate()
+
+
+def test_decode_bench_times_every_method_for_a_small_expert():
+    from bench.decode_bench import ExpertShape, decode_times, methods_here
+
+    times = decode_times(ExpertShape("tiny", 64, 96), repeats=1)
+    assert set(times) == {"mxfp4", "fp8"}
+    for per_method in times.values():
+        assert set(per_method) == set(methods_here()) >= {"torch", "native"}
+        assert all(ms > 0 for ms in per_method.values())
