@@ -241,20 +241,57 @@ EXPERTCACHE_AVX512 inline __m512i fp8_look_up_avx512(const Fp8Table512& t, __m51
   return _mm512_mask_blend_epi16(bit7, _mm512_mask_blend_epi16(bit6, r0, r1), _mm512_mask_blend_epi16(bit6, r2, r3));
 }
 
+// The same with half the table: rounding is symmetric (round(-x) = -round(x)), so the output of
+// code c | 0x80 is that of c with the sign bit flipped, except the NaN pair 0x7F / 0xFF (torch's
+// bf16 NaN is 0xFFFF for both), patched by a compare. Two vpermi2w per 32 codes instead of four.
+struct Fp8HalfTable512 {
+  __m512i t[4];  // entries 32i .. 32i + 31 of codes 0..127
+  __m512i nan_ff;  // the output of code 0xFF
+};
+
+EXPERTCACHE_AVX512 inline __m512i fp8_look_up_half_avx512(const Fp8HalfTable512& t, __m512i code) {
+  const __m512i r0 = _mm512_permutex2var_epi16(t.t[0], code, t.t[1]);
+  const __m512i r1 = _mm512_permutex2var_epi16(t.t[2], code, t.t[3]);
+  const __mmask32 bit6 = _mm512_test_epi16_mask(code, _mm512_set1_epi16(0x40));
+  const __m512i sign = _mm512_and_si512(_mm512_slli_epi16(code, 8), _mm512_set1_epi16(int16_t(0x8000)));
+  const __m512i r = _mm512_xor_si512(_mm512_mask_blend_epi16(bit6, r0, r1), sign);
+  return _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(code, _mm512_set1_epi16(0xFF)), t.nan_ff);
+}
+
+// Whether a block's 256 outputs are sign-symmetric but for the NaN pair: every block whose scale
+// is finite (a NaN scale makes every output that NaN; 0 * inf is the same NaN for +0 and -0).
+bool fp8_table_is_symmetric(const uint16_t* table) {
+  for (int c = 0; c < 0x7F; ++c)
+    if (table[c | 0x80] != (table[c] ^ 0x8000)) return false;
+  return true;
+}
+
 // n values of one block (a row's run of one block column) through its table.
-EXPERTCACHE_AVX512 void fp8_run_avx512(const uint8_t* values, size_t n, const uint16_t* table, uint16_t* out) {
-  Fp8Table512 t;
-  for (int i = 0; i < 8; ++i) t.t[i] = _mm512_loadu_si512(table + 32 * i);
+template <typename Table, __m512i (*LookUp)(const Table&, __m512i)>
+EXPERTCACHE_AVX512 inline void fp8_run_avx512(const Table& t, const uint8_t* values, size_t n, uint16_t* out) {
   size_t c = 0;
   for (; c + 32 <= n; c += 32) {
     const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + c)));
-    _mm512_storeu_si512(out + c, fp8_look_up_avx512(t, code));
+    _mm512_storeu_si512(out + c, LookUp(t, code));
   }
   if (c < n) {
     const __mmask32 mask = static_cast<__mmask32>((1u << (n - c)) - 1);
     const __m512i code = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, values + c));
-    _mm512_mask_storeu_epi16(out + c, mask, fp8_look_up_avx512(t, code));
+    _mm512_mask_storeu_epi16(out + c, mask, LookUp(t, code));
   }
+}
+
+EXPERTCACHE_AVX512 void fp8_block_run_avx512(const uint16_t* table, bool symmetric, const uint8_t* values, size_t n,
+                                             uint16_t* out) {
+  if (symmetric) {
+    Fp8HalfTable512 t;
+    for (int i = 0; i < 4; ++i) t.t[i] = _mm512_loadu_si512(table + 32 * i);
+    t.nan_ff = _mm512_set1_epi16(int16_t(table[0xFF]));
+    return fp8_run_avx512<Fp8HalfTable512, fp8_look_up_half_avx512>(t, values, n, out);
+  }
+  Fp8Table512 t;
+  for (int i = 0; i < 8; ++i) t.t[i] = _mm512_loadu_si512(table + 32 * i);
+  fp8_run_avx512<Fp8Table512, fp8_look_up_avx512>(t, values, n, out);
 }
 
 template <DecodeDtype D>
@@ -262,11 +299,16 @@ void fp8_tables_avx512(const uint8_t* values, const float* scale_inv, size_t row
                        size_t block_cols, uint16_t* out) {
   const size_t grid_cols = (cols + block_cols - 1) / block_cols;
   std::vector<uint16_t> tables(grid_cols * 256);  // one block row's tables
+  std::vector<char> symmetric(grid_cols);
   for (size_t r0 = 0; r0 < rows; r0 += block_rows) {
-    for (size_t j = 0; j < grid_cols; ++j) fp8_table_avx512<D>(scale_inv[r0 / block_rows * grid_cols + j], &tables[256 * j]);
+    for (size_t j = 0; j < grid_cols; ++j) {
+      fp8_table_avx512<D>(scale_inv[r0 / block_rows * grid_cols + j], &tables[256 * j]);
+      symmetric[j] = fp8_table_is_symmetric(&tables[256 * j]);
+    }
     for (size_t r = r0; r < std::min(rows, r0 + block_rows); ++r)
       for (size_t j = 0, c = 0; j < grid_cols; ++j, c += block_cols)
-        fp8_run_avx512(values + r * cols + c, std::min(block_cols, cols - c), &tables[256 * j], out + r * cols + c);
+        fp8_block_run_avx512(&tables[256 * j], symmetric[j], values + r * cols + c, std::min(block_cols, cols - c),
+                             out + r * cols + c);
   }
 }
 

@@ -36,8 +36,10 @@
 //
 // With bf16 / fp16 outputs and big blocks (>= 32 columns, >= 2048 values: 128 x 128 in practice)
 // the avx512 path computes each block's 256 possible outputs once with the same arithmetic and
-// looks the values up (vpermi2w over 64 entries, code bits 6 and 7 pick among four): a few
-// instructions per 32 values instead of ~25 per 16.
+// looks the values up: rounding is symmetric, so codes 0..127 suffice (two vpermi2w over 64
+// entries, bit 6 picks one, bit 7 flips the sign; the NaN pair, whose bf16 outputs are both
+// 0xFFFF, is patched), and a block whose outputs are not symmetric (a NaN or infinite scale)
+// looks up all 256. About 10 instructions per 32 values instead of ~25 per 16.
 //
 // Paths, chosen at run time from what the CPU offers (__builtin_cpu_supports; function-level
 // target attributes build each without a -march flag, so the module runs on any x86-64 and builds
