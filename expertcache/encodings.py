@@ -25,7 +25,7 @@ to the compute dtype). Compute decodes every expert at every use, into prealloca
     parts on   decoded by
     CPU        the native core (csrc/src/decode.cc): per-scale / per-block tables and SIMD
                look-ups in one pass, GIL released (an MXFP4 gpt-oss h512/i1280 expert: ~0.1 ms
-               on a 2-core EPYC against ~1.9 ms by the torch ops; ``make bench-decode``)
+               on a 2-core EPYC against 1-2 ms by the torch ops; ``make bench-decode``)
     CUDA       torch ops: table look-ups (index_select) and in-place products, with tables and
                buffers on the device
 
