@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy \
-        bench-predict bench-io bench-replay bench-e2e bench-serve bench-load bench-overhead bench
+        bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench
 
 install: $(STAMP)
 
@@ -117,6 +117,12 @@ bench-predict: install
 bench-io: install
 	$(PY) -m bench.io_bench $(BENCH_IO_ARGS)
 
+# Expert decode: ms per gpt-oss-shaped expert (bench.e2e's h512/i1280 and gpt-oss-20b's), MXFP4 and
+# FP8 (128 x 128 blocks) into bf16, torch ops vs the native decode (each SIMD path this CPU has),
+# and the torch ops on CUDA when a device is there; writes bench/results/decode.json.
+bench-decode: install
+	$(PY) -m bench.decode_bench $(BENCH_DECODE_ARGS)
+
 # Trace replay: the daemon's own policies and prefetch scheduler driven by a real routing trace
 # under a stated timing model (gpt-oss-20b, experts mxfp4 as it ships unless BENCH_REPLAY_ARGS has
 # --precision bf16|fp8, PCIe 4.0 x16, A5000-class compute); prints the
@@ -153,6 +159,6 @@ bench-serve: install
 bench-load: install
 	$(PY) -m bench.serve --mode load --max-batched-tokens 64 $(BENCH_LOAD_ARGS)
 
-bench: bench-io bench-predict bench-replay bench-e2e bench-overhead bench-serve bench-load
+bench: bench-io bench-predict bench-decode bench-replay bench-e2e bench-overhead bench-serve bench-load
 
 FORCE:

@@ -9,11 +9,13 @@
 The store keeps experts in their checkpoint's encoding (``expertcache.encodings``), so every
 tier moves the encoded bytes; here, inside the ExpertsInterface forward, each expert becomes
 weights of the compute dtype at the last moment. Plain tensors are the arena views themselves
-(no copy). MXFP4 and FP8 tensors are decoded by torch ops on the arena's device into one
-scratch buffer per tensor, reused by every expert of every layer: the decoded weights of an
-expert are valid until the next expert is decoded, which is after its outputs were computed
-(on a GPU, the same stream orders the kernels). Scratch memory is one expert's decoded bytes
-(``scratch_bytes``) plus index buffers; the arena holds only encoded blobs.
+(no copy). MXFP4 and FP8 tensors are decoded on the arena's device (on CPU by the native core,
+on a GPU by torch ops) into one scratch buffer per tensor, reused by every expert of every
+layer: an expert's decoded tensor is valid until the same tensor of another expert is decoded,
+which is after the GEMM that reads it (on a GPU, the same stream orders the kernels); the
+experts forward decodes ``gate_up_proj`` expert by expert, then ``down_proj`` expert by expert. Scratch memory
+is one expert's decoded bytes (``scratch_bytes``), plus the torch ops' index buffers on a GPU;
+the arena holds only encoded blobs.
 
 No maintained kernel package offers an MXFP4 or block-FP8 grouped matmul for torch 2.13 on
 CPU (torchao's block-FP8 GEMM needs Triton and CUDA; transformers' MXFP4 kernels come from the

@@ -16,12 +16,24 @@ Worked example, GPT-OSS-20b (H = I = 2880): the runtime ``gate_up_proj`` [H, 2I]
 [2880, 5760] = 33.2 MB; it is stored as ``gate_up_proj_blocks`` uint8 [5760, 90, 16] (8.3 MB)
 and ``gate_up_proj_scales`` uint8 [5760, 90] (0.5 MB): 3.8x fewer bytes to move.
 
-Decoding equals transformers' own dequantisation bit for bit (tests compare every code with
-every scale): MXFP4 as ``transformers.integrations.mxfp4.convert_moe_packed_tensors``, FP8 as
-``transformers.integrations.finegrained_fp8.Fp8Dequantize`` (``q.float() * scale`` rounded once
-to the compute dtype). Both are written as table look-ups and in-place products on preallocated
-buffers (``Scratch``), because compute decodes every expert at every use: the same torch ops
-run on CPU and on a CUDA device (tables and buffers live on the decode's device).
+Decoding equals transformers' own dequantisation on CPU bit for bit (tests compare every code
+with every scale): MXFP4 as ``transformers.integrations.mxfp4.convert_moe_packed_tensors``, FP8
+as ``transformers.integrations.finegrained_fp8.Fp8Dequantize`` (``q.float() * scale`` rounded once
+to the compute dtype). Compute decodes every expert at every use, into preallocated buffers
+(``Scratch``), by one of two paths that give the same bits::
+
+    parts on   decoded by
+    CPU        the native core (csrc/src/decode.cc): per-scale / per-block tables and SIMD
+               look-ups in one pass, GIL released (an MXFP4 gpt-oss h512/i1280 expert: ~0.1 ms
+               on a 2-core EPYC against 1-2 ms by the torch ops; ``make bench-decode``)
+    CUDA       torch ops: table look-ups (index_select) and in-place products, with tables and
+               buffers on the device
+
+``native=False`` runs the torch ops on CPU too (tests compare the two paths). On CUDA a float
+product (and possibly the rounding) returns the canonical NaN whatever its NaN operand, where x86
+keeps the operand's sign and payload; so the torch-op FP8 path puts the e4m3 NaN codes' values
+back from a table after the arithmetic (``_restore_fp8_nans``). MXFP4 has no NaN code and its
+factors are finite powers of two, so no MXFP4 product is NaN on any device.
 """
 
 from __future__ import annotations
@@ -35,6 +47,11 @@ from types import MappingProxyType
 from typing import ClassVar
 
 import torch
+
+try:  # the CPU decode of the native core; without it (an install without its build) torch ops decode
+    from expertcache import native as _native
+except ImportError:  # pragma: no cover - every build has it
+    _native = None
 
 # Element sizes of the dtypes a stored part may have (torch names without "torch.").
 DTYPE_ITEMSIZE = MappingProxyType(
@@ -52,6 +69,8 @@ DTYPE_ITEMSIZE = MappingProxyType(
 )
 # Dtypes an expert may be decoded into (the model's parameter dtype).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Whether CPU tensors are decoded by the native core (csrc/src/decode.cc) rather than torch ops.
+NATIVE_DECODE: bool = _native is not None
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host and GPU is little-endian
     raise ImportError("expertcache.encodings reads packed codes as little-endian integers")
@@ -127,7 +146,9 @@ class Scratch:
 
     ``get(key, shape, dtype)`` returns the buffer named ``key`` (reallocated only when it must
     grow), so decoding allocates nothing per expert; what a decode returns is valid until the
-    next decode that uses the same keys. Tables are cached per device too.
+    next decode that uses the same keys. Tables are cached per device too. The last view of each
+    key is kept, so asking again for the same shape costs no torch call (compute asks once per
+    expert tensor per token).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -136,18 +157,57 @@ class Scratch:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        # key → (its last view, that view's numpy array for the native decode, or None)
+        self._views: dict[str, tuple[torch.Tensor, object]] = {}
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        last = self._views.get(key)
+        if last is not None and last[0].dtype == dtype and last[0].shape == shape:
+            return last[0]
         numel = math.prod(shape)
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=self.device)
             self._buffers[key] = buf
-        return buf[:numel].view(shape)
+        view = buf[:numel].view(shape)
+        self._views[key] = (view, None)
+        return view
+
+    def get_numpy(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        """``get`` and a zero-copy numpy view of the same memory (``_numpy``: bf16/fp16 as int16
+        bits), what the native decode writes into; CPU buffers only."""
+        view = self.get(key, shape, dtype)
+        last = self._views[key]
+        if last[1] is None:
+            last = (view, _numpy(view))
+            self._views[key] = last
+        return last
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _use_native(native: bool | None, device: torch.device) -> bool:
+    """Whether a decode of tensors on ``device`` runs natively: ``native=None`` (the default) on
+    CPU when the native core has the decode; ``False``: torch ops; ``True``: native or ValueError."""
+    if native is None:
+        return NATIVE_DECODE and device.type == "cpu"
+    if native and not (NATIVE_DECODE and device.type == "cpu"):
+        why = "the native core is not built" if not NATIVE_DECODE else f"the tensors are on {device}"
+        raise ValueError(f"the native decode runs on CPU tensors only, and {why}")
+    return bool(native)
+
+
+# Dtypes numpy lacks, viewed as integers of their size for the native decode.
+_NUMPY_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
+def _numpy(tensor: torch.Tensor):
+    """A zero-copy numpy view of a contiguous CPU tensor for the native decode: bf16/fp16 as their
+    int16 bits, float8_e4m3fn as its bytes (numpy has neither dtype)."""
+    bits = _NUMPY_BITS.get(tensor.dtype)
+    return (tensor if bits is None else tensor.view(bits)).numpy()
 
 
 # -- the encodings ---------------------------------------------------------------------------
@@ -256,6 +316,9 @@ def _scale_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones(256, dtype=torch.float32), exponents).to(dtype)
 
 
+E4M3_NAN_CODES = (0x7F, 0xFF)  # float8_e4m3fn has no infinities: these two bytes are its NaNs
+
+
 def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     """int64 [65536]: entry w holds the float32 values of the two e4m3 bytes of w (low first)."""
     words = torch.arange(1 << 16, dtype=torch.int64)
@@ -264,7 +327,17 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return values.contiguous().view(torch.int64).reshape(-1)
 
 
-_TABLE_BUILDERS = {"codes": _code_table, "scales": _scale_table, "fp8": _fp8_table}
+def _fp8_nan_table(dtype: torch.dtype) -> torch.Tensor:
+    """[2] ``dtype``: what transformers' CPU dequantisation gives for the e4m3 NaN codes 0x7F and
+    0xFF (``E4M3_NAN_CODES``): their float32 values (quiet NaNs 0x7FF00000 / 0xFFF00000, which an
+    x86 product by any scale keeps) rounded by torch's CPU conversion. On x86 that is
+    bf16 0xFFFF for both (torch's vectorised rounding drops a NaN's sign) and fp16 0x7F80 / 0xFF80.
+    Always built on the CPU: the reference is the CPU's bits."""
+    codes = torch.tensor(E4M3_NAN_CODES, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return codes.to(torch.float32).to(dtype)
+
+
+_TABLE_BUILDERS = {"codes": _code_table, "scales": _scale_table, "fp8": _fp8_table, "fp8_nan": _fp8_nan_table}
 
 
 def dequantize_mxfp4(
@@ -273,14 +346,21 @@ def dequantize_mxfp4(
     dtype: torch.dtype,
     scratch: Scratch | None = None,
     key: str = "mxfp4",
+    *,
+    native: bool | None = None,
 ) -> torch.Tensor:
-    """``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G] → ``dtype`` [R, G*32] (row-major).
+    """``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G] → ``dtype`` [R, G*32] (row-major),
+    the ``scratch`` buffer ``key``.values (reused by the next decode with the same key).
 
     value[r, 32g + 2k] = FP4[blocks[r, g, k] & 0xF] * 2**(scales[r, g] - 127), +1: the high
-    nibble. Decoded by one table look-up per 2 bytes (per byte for float32) into the output
-    buffer, then one in-place product with the group's scale. bfloat16 and float32 multiply
-    in their own dtype (every product is exact, as in transformers' float32 product then
-    rounding); float16 is formed in float32 and rounded once, as transformers does.
+    nibble. On CPU (``native`` None or True) the native core decodes in one pass: a group's 32
+    values take only the 16 values of its scale, looked up in a [256 scales, 16 codes] table per
+    dtype built once with the same exact products. The torch ops (CUDA, or ``native=False``)
+    look up one table entry per 2 bytes (per byte for float32) into the output buffer, then
+    multiply in place by the group's scale. bfloat16 and float32 multiply in their own dtype
+    (every product is exact, as in transformers' float32 product then rounding); float16 is
+    formed in float32 and rounded once, as transformers does. Every factor is finite (at most
+    2**127, see ``_scale_table``), so no value is NaN, on CUDA either.
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype} and {scales.dtype}")
@@ -293,6 +373,12 @@ def dequantize_mxfp4(
     if scratch.device != blocks.device:
         raise ValueError(f"scratch on {scratch.device}, blocks on {blocks.device}")
     rows, groups, nbytes = blocks.shape
+    if _use_native(native, blocks.device):
+        out, out_array = scratch.get_numpy(f"{key}.values", (rows, groups * MXFP4_GROUP), dtype)
+        _native.decode_mxfp4(
+            _numpy(blocks.contiguous()), _numpy(scales.contiguous()), out_array, dtype_name(dtype)
+        )
+        return out
     work = torch.float32 if dtype == torch.float16 else dtype
     codes = _table("codes", work, blocks.device)
     per_entry = 8 // work.itemsize
@@ -386,14 +472,19 @@ def dequantize_fp8(
     dtype: torch.dtype,
     scratch: Scratch | None = None,
     key: str = "fp8",
+    *,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """``values`` float8_e4m3fn [R, C], ``scale_inv`` float32 [ceil(R/bm), ceil(C/bn)] → ``dtype``
     [R, C]: ``values.float() * scale_inv`` of each value's block, rounded once to ``dtype``.
 
-    Formed in float32 (an exact copy of the e4m3 values, then in-place products per block) and
-    rounded to ``dtype`` at the end, which is transformers' ``(q.float() * s).to(dtype)``. A last
-    partial block (R or C not a multiple of the block) takes its block's scale, as DeepSeek's
-    reference dequantisation does.
+    That is transformers' ``(q.float() * s).to(dtype)``. On CPU (``native`` None or True) the
+    native core does it in one pass (bf16/fp16: each block's 256 possible outputs computed once,
+    then looked up). The torch ops (CUDA, or ``native=False``) form it in float32 (an exact copy
+    of the e4m3 values, then in-place products per block), round it to ``dtype`` at the end, and
+    put the NaN codes' values back from a table (``_restore_fp8_nans``: CUDA's arithmetic loses a
+    NaN's sign). A last partial block (R or C not a multiple of the block) takes its block's
+    scale, as DeepSeek's reference dequantisation does.
     """
     if values.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise ValueError(
@@ -409,13 +500,20 @@ def dequantize_fp8(
             f"FP8 values {tuple(values.shape)} with blocks {bm}x{bn} need scales {grid}, got {tuple(scale_inv.shape)}"
         )
     scratch = scratch or Scratch(values.device)
+    if scratch.device != values.device:
+        raise ValueError(f"scratch on {scratch.device}, values on {values.device}")
+    if _use_native(native, values.device):
+        out, out_array = scratch.get_numpy(f"{key}.values", (rows, cols), dtype)
+        codes, factors = _numpy(values.contiguous()), _numpy(scale_inv.contiguous())
+        _native.decode_fp8(codes, factors, bm, bn, out_array, dtype_name(dtype))
+        return out
     work = scratch.get(f"{key}.f32", (rows, cols), torch.float32)
     _e4m3_to_float32(values, work, scratch, key)
     full_r, full_c = rows // bm * bm, cols // bn * bn
     sr, sc = full_r // bm, full_c // bn
     if sr and sc:  # whole blocks: [sr, bm, sc, bn] view × [sr, 1, sc, 1] scales, in place
         body = work[:full_r, :full_c].unflatten(1, (sc, bn)).unflatten(0, (sr, bm))
-        body.mul_(scale_inv[:sr, :sc].view(sr, 1, sc, 1))
+        _mul_(body, scale_inv[:sr, :sc].view(sr, 1, sc, 1))
     for r0, r1, c0, c1 in (
         (0, full_r, full_c, cols),  # right edge (partial column block)
         (full_r, rows, 0, full_c),  # bottom edge (partial row block)
@@ -424,12 +522,47 @@ def dequantize_fp8(
         if r1 > r0 and c1 > c0:
             s = scale_inv[r0 // bm : math.ceil(r1 / bm), c0 // bn : math.ceil(c1 / bn)]
             s = s.repeat_interleave(bm, 0)[: r1 - r0].repeat_interleave(bn, 1)[:, : c1 - c0]
-            work[r0:r1, c0:c1].mul_(s)
-    if dtype == torch.float32:
-        return work
-    out = scratch.get(f"{key}.values", (rows, cols), dtype)
-    out.copy_(work)
+            _mul_(work[r0:r1, c0:c1], s)
+    out = work
+    if dtype != torch.float32:
+        out = scratch.get(f"{key}.values", (rows, cols), dtype)
+        _round_into(out, work)
+    _restore_fp8_nans(out, values, scratch, key)
     return out
+
+
+def _mul_(values: torch.Tensor, factors: torch.Tensor) -> None:
+    """``values *= factors`` in place: the torch-op FP8 path's products (one function, so that a
+    test can stand in CUDA's NaN rule for them on CPU)."""
+    values.mul_(factors)
+
+
+def _round_into(out: torch.Tensor, values: torch.Tensor) -> None:
+    """``out`` = float32 ``values`` rounded to ``out``'s dtype (a seam for tests, as ``_mul_``)."""
+    out.copy_(values)
+
+
+def _restore_fp8_nans(out: torch.Tensor, values: torch.Tensor, scratch: Scratch, key: str) -> None:
+    """Where ``values`` (float8_e4m3fn) holds a NaN code, ``out`` takes that code's output from
+    ``_fp8_nan_table`` instead of what the arithmetic made of it.
+
+    Transformers' reference is an x86 CPU, where a product keeps its NaN operand's sign and
+    payload (0xFF: float32 0xFFF00000 times any scale is 0xFFF00000). A CUDA product returns the
+    canonical NaN 0x7FFFFFFF instead, so the torch ops alone gave +NaN for 0xFF on a GPU (bf16
+    0x7FFF against transformers' 0xFFFF). The value is put back after the rounding, not between
+    the product and the rounding: torch's CPU rounding to bf16 makes every NaN 0xFFFF, which a
+    GPU's conversion (canonical 0x7FFF, or the truncated 0xFFF0) does not reproduce. So the bits
+    are the reference's on every device, whatever its product and conversion do with a NaN. A
+    NaN code times a NaN scale gives the code's NaN (the native decode's rule; transformers' own
+    bits there depend on its loop). Element-wise torch ops only (no host sync), two passes per
+    NaN code.
+    """
+    raw = values.contiguous().view(torch.uint8)
+    hit = scratch.get(f"{key}.nan", tuple(raw.shape), torch.bool)
+    nans = _table("fp8_nan", out.dtype, out.device)
+    for i, code in enumerate(E4M3_NAN_CODES):
+        torch.eq(raw, code, out=hit)
+        torch.where(hit, nans[i], out, out=out)
 
 
 def _e4m3_to_float32(values: torch.Tensor, out: torch.Tensor, scratch: Scratch, key: str) -> None:

@@ -114,6 +114,19 @@ __all__ += ["TransitionTable"]
 NextVisitLogistic = _native.NextVisitLogistic
 __all__ += ["NextVisitLogistic"]
 
+# ``decode_mxfp4(blocks, scales, out, out_dtype, path="auto")`` and ``decode_fp8(values, scale_inv,
+# block_rows, block_cols, out, out_dtype, path="auto")``: MXFP4 (uint8 blocks [R, G, 16] + scales
+# [R, G]) and block-FP8 (the bytes of float8_e4m3fn [R, C] + float32 scale_inv) experts decoded on
+# the CPU into ``out`` ("bfloat16" / "float16" as int16 bits, or "float32"; numpy views of torch
+# tensors, no copy), bit for bit transformers' dequantisation, without the GIL; ``ValueError`` names
+# a bad argument (dtype, shape, contiguity, the output's size). ``DECODE_PATHS``: the SIMD paths this
+# CPU runs, fastest first ("avx512", "avx2", "portable"). expertcache.encodings calls them for CPU
+# tensors. See csrc/include/expertcache/decode.h.
+decode_mxfp4 = _native.decode_mxfp4
+decode_fp8 = _native.decode_fp8
+DECODE_PATHS: tuple[str, ...] = tuple(_native.DECODE_PATHS)
+__all__ += ["DECODE_PATHS", "decode_fp8", "decode_mxfp4"]
+
 # CUDA path (csrc/include/expertcache/cuda.h), present only when the extension was built with nvcc
 # (``CUDA_BUILT``). ``cuda_device_count()`` (0 without driver/device), ``cuda_device_uuid(i)``
 # ("GPU-<8-4-4-4-12 hex>"), ``cuda_device_for_uuid(uuid)`` (``ValueError`` listing visible UUIDs),

@@ -7,8 +7,11 @@
 
 #include "bind.h"
 
+// decode_mxfp4 / decode_fp8 / DECODE_PATHS: the CPU decode of encoded experts (bind_decode.cc).
+void bind_decode(pybind11::module_& m);
+
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model, expert decode";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -28,5 +31,6 @@ PYBIND11_MODULE(_native, m) {
   bind_eamc_match(m);
   bind_transitions(m);
   bind_next_visit(m);
+  bind_decode(m);
   bind_cuda(m);
 }

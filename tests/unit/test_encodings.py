@@ -1,5 +1,8 @@
 """The expert encodings registry: decoding equals transformers' own dequantisation bit for bit
-(every MXFP4 code with every scale, every e4m3 value), layouts are checked, buffers are reused."""
+(every MXFP4 code with every scale, every e4m3 value) by the native CPU decode and by the torch
+ops (what CUDA runs, forced on CPU with ``native=False``), the two agree on realistic tensors, the
+torch ops keep the e4m3 NaNs' bits when the device's arithmetic does not (CUDA), layouts are
+checked, buffers are reused."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import expertcache.encodings as encodings
 from expertcache.encodings import (
     ENCODINGS,
     ExpertTensor,
@@ -24,6 +28,8 @@ from expertcache.manifest import StoreManifest, plan_blob
 from tests.stores import bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# The decode paths on CPU: the native core (the default there) and the torch ops (CUDA's).
+PATHS = [pytest.param(True, id="native"), pytest.param(False, id="torch-ops")]
 
 
 def all_mxfp4_codes() -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,11 +39,12 @@ def all_mxfp4_codes() -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mxfp4_equals_transformers_for_every_code_and_scale(dtype):
+def test_mxfp4_equals_transformers_for_every_code_and_scale(dtype, native):
     blocks, scales = all_mxfp4_codes()
     want = convert_moe_packed_tensors(blocks[None], scales[None], dtype=dtype)[0]  # [C, R]
-    got = dequantize_mxfp4(blocks, scales, dtype)  # [R, C]
+    got = dequantize_mxfp4(blocks, scales, dtype, native=native)  # [R, C]
     assert got.dtype == dtype and got.shape == (256, 512)
     assert torch.equal(bits(got.t()), bits(want))  # NaN-free: ldexp(0, 128) is 0, not 0 * inf
 
@@ -54,19 +61,112 @@ def test_mxfp4_encoding_decodes_to_the_transposed_runtime_parameter():
     assert torch.equal(bits(out), bits(want))
 
 
+def all_e4m3_values() -> torch.Tensor:
+    """float8_e4m3fn [48, 64]: every e4m3 byte (NaNs included) in every 16 x 16 block."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16).repeat(3, 4)
+
+
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_equals_transformers_for_every_value(dtype):
+def test_fp8_equals_transformers_for_every_value(dtype, native):
     # Every e4m3 byte (NaNs included) in every 16 x 16 block, with scales over a wide range.
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16).repeat(3, 4)
+    values = all_e4m3_values()
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         scale_inv = torch.exp(torch.randn(3, 4, generator=gen) * 8).float()
         want = Fp8Dequantize(None)._dequantize_one(values, scale_inv, output_dtype=dtype)
-        got = dequantize_fp8(values, scale_inv, (16, 16), dtype)
+        got = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=native)
         assert got.dtype == dtype and torch.equal(bits(got), bits(want))
 
 
-def test_fp8_partial_blocks_take_their_blocks_scale():
+def cuda_mul_(values: torch.Tensor, factors: torch.Tensor) -> None:
+    """The product as a CUDA device computes it: a NaN result is the canonical NaN 0x7FFFFFFF,
+    whatever NaN operand it came from (x86 keeps the operand's sign and payload)."""
+    values.mul_(factors)
+    values.view(torch.int32).masked_fill_(values.isnan(), 0x7FFFFFFF)
+
+
+def cuda_round_into(out: torch.Tensor, values: torch.Tensor) -> None:
+    """The rounding to bf16 / fp16 as the H100 showed it: a NaN becomes 0x7FFF."""
+    out.copy_(values)
+    if out.dtype != torch.float32:
+        out.view(torch.int16).masked_fill_(values.isnan(), 0x7FFF)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_torch_ops_keep_the_nan_bits_where_the_arithmetic_does_not(dtype, monkeypatch):
+    # What an H100 showed: the torch ops gave +NaN for e4m3 0xFF (bf16 0x7FFF, fp16 0x7FFF, fp32
+    # 0x7FFFFFFF) where transformers' CPU reference has -NaN (0xFFFF, 0xFF80, 0xFFF00000). The
+    # cause, reproduced on CPU: CUDA's arithmetic canonicalises NaN. The rounding is CUDA's too:
+    # torch's CPU rounding to bf16 makes every NaN 0xFFFF, which would hide the product's NaN here,
+    # while CUDA's made it 0x7FFF; so the fix puts the NaN codes' values back from a table after
+    # the rounding, not between the product and the rounding.
+    values = all_e4m3_values()
+    scale_inv = torch.exp(torch.randn(3, 4, generator=torch.Generator().manual_seed(5)) * 8).float()
+    want = Fp8Dequantize(None)._dequantize_one(values, scale_inv, output_dtype=dtype)
+    monkeypatch.setattr(encodings, "_mul_", cuda_mul_)
+    monkeypatch.setattr(encodings, "_round_into", cuda_round_into)
+    nan = values.view(torch.uint8).bitwise_and(0x7F) == 0x7F
+
+    with monkeypatch.context() as unfixed:
+        unfixed.setattr(encodings, "_restore_fp8_nans", lambda *args: None)
+        broken = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=False)
+        assert torch.equal(bits(broken)[~nan], bits(want)[~nan])  # only the NaNs differ ...
+        canonical = 0x7FFFFFFF if dtype == torch.float32 else 0x7FFF
+        assert {b & 0xFFFFFFFF for b in bits(broken)[nan].tolist()} == {canonical}
+        assert not torch.equal(bits(broken)[nan], bits(want)[nan])  # ... from the reference's
+
+    fixed = dequantize_fp8(values, scale_inv, (16, 16), dtype, native=False)
+    assert torch.equal(bits(fixed), bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_decode_equals_the_torch_ops_on_realistic_tensors(dtype):
+    # gpt-oss-like MXFP4 (scales around 2**-10 .. 2**10) of odd sizes, and FP8 weights (NaN codes
+    # sprinkled in) whose blocks are partial on both edges, in both the look-up (128 x 128) and the
+    # arithmetic (16 x 16) code of the native decode.
+    gen = torch.Generator().manual_seed(6)
+    for rows, groups in [(97, 3), (2560, 16), (1, 1)]:
+        blocks = torch.randint(0, 256, (rows, groups, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(117, 138, (rows, groups), dtype=torch.uint8, generator=gen)
+        native = dequantize_mxfp4(blocks, scales, dtype, native=True)
+        ops = dequantize_mxfp4(blocks, scales, dtype, native=False)
+        assert native.shape == ops.shape == (rows, groups * 32) and torch.equal(bits(native), bits(ops))
+    for shape, block in [((300, 161), (128, 128)), ((40, 37), (16, 16)), ((512, 2560), (128, 128))]:
+        values = (torch.randn(shape, generator=gen) * 30).to(torch.float8_e4m3fn)
+        values.view(torch.uint8).view(-1)[::97] = 0xFF
+        values.view(torch.uint8).view(-1)[5::101] = 0x7F
+        grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+        scale_inv = (torch.rand(grid, generator=gen) + 0.1) * 2e-3
+        native = dequantize_fp8(values, scale_inv, block, dtype, native=True)
+        ops = dequantize_fp8(values, scale_inv, block, dtype, native=False)
+        assert native.shape == ops.shape == shape and torch.equal(bits(native), bits(ops))
+
+
+def test_native_decode_refuses_what_it_cannot_run():
+    blocks, scales = torch.zeros(4, 1, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)
+    meta = Scratch("meta")
+    with pytest.raises(
+        ValueError, match="the native decode runs on CPU tensors only, and the tensors are on meta"
+    ):
+        dequantize_mxfp4(blocks.to("meta"), scales.to("meta"), torch.bfloat16, meta, native=True)
+    with pytest.raises(ValueError, match="unknown decode output dtype 'float64'"):
+        dequantize_mxfp4(blocks, scales, torch.float64, native=True)
+    with pytest.raises(ValueError, match="scratch on cpu, values on meta"):
+        dequantize_fp8(torch.zeros(4, 4, dtype=torch.float8_e4m3fn, device="meta"), torch.ones(1, 1), (4, 4),
+                       torch.bfloat16, Scratch("cpu"))  # fmt: skip
+
+
+def test_non_contiguous_parts_decode_like_contiguous_ones():
+    blocks, scales = all_mxfp4_codes()
+    strided_blocks = blocks.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert not strided_blocks.is_contiguous()
+    got = dequantize_mxfp4(strided_blocks, scales, torch.bfloat16)
+    assert torch.equal(bits(got), bits(dequantize_mxfp4(blocks, scales, torch.bfloat16, native=False)))
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_fp8_partial_blocks_take_their_blocks_scale(native):
     # DeepSeek-V3's kv_a_proj_with_mqa is [576, 7168] with [5, 56] scales (ceil): the last rows
     # form a partial block. Reference: the scale grid expanded element by element.
     gen = torch.Generator().manual_seed(2)
@@ -74,21 +174,29 @@ def test_fp8_partial_blocks_take_their_blocks_scale():
     scale_inv = torch.rand(3, 3, generator=gen) + 0.5
     full = scale_inv.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :37]
     want = (values.float() * full).to(torch.bfloat16)
-    assert torch.equal(dequantize_fp8(values, scale_inv, (16, 16), torch.bfloat16), want)
+    assert torch.equal(dequantize_fp8(values, scale_inv, (16, 16), torch.bfloat16, native=native), want)
     with pytest.raises(ValueError, match=r"need scales \(3, 3\), got \(2, 3\)"):
-        dequantize_fp8(values, scale_inv[:2], (16, 16), torch.bfloat16)
+        dequantize_fp8(values, scale_inv[:2], (16, 16), torch.bfloat16, native=native)
 
 
-def test_scratch_buffers_are_reused():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("native", PATHS)
+def test_scratch_buffers_are_reused(native, dtype):
     blocks, scales = all_mxfp4_codes()
+    values = all_e4m3_values()
+    scale_inv = torch.rand(3, 4, generator=torch.Generator().manual_seed(7)) + 0.5
     scratch = Scratch("cpu")
-    first = dequantize_mxfp4(blocks, scales, torch.bfloat16, scratch, key="w")
-    ptr, held = first.data_ptr(), scratch.nbytes
-    second = dequantize_mxfp4(
-        blocks.flip(0).contiguous(), scales.flip(0).contiguous(), torch.bfloat16, scratch, "w"
-    )
-    assert second.data_ptr() == ptr and scratch.nbytes == held  # nothing allocated per expert
-    assert not torch.equal(bits(first), bits(dequantize_mxfp4(blocks, scales, torch.bfloat16)))  # overwritten
+    first = dequantize_mxfp4(blocks, scales, dtype, scratch, key="w", native=native)
+    first_fp8 = dequantize_fp8(values, scale_inv, (16, 16), dtype, scratch, key="v", native=native)
+    ptrs, held = (first.data_ptr(), first_fp8.data_ptr()), scratch.nbytes
+    kept = bits(first).clone(), bits(first_fp8).clone()
+    for _ in range(3):
+        second = dequantize_mxfp4(
+            blocks.flip(0).contiguous(), scales.flip(0).contiguous(), dtype, scratch, "w", native=native
+        )
+        second_fp8 = dequantize_fp8(values, scale_inv.flip(0), (16, 16), dtype, scratch, "v", native=native)
+        assert (second.data_ptr(), second_fp8.data_ptr()) == ptrs and scratch.nbytes == held  # no allocation
+    assert not torch.equal(bits(first), kept[0]) and not torch.equal(bits(first_fp8), kept[1])  # overwritten
 
 
 def test_registry_refuses_unknown_names_listing_the_valid_ones():
@@ -181,3 +289,13 @@ def test_overlapping_parts_are_data_loss():
     manifest = StoreManifest("m", "x", 1, (0,), 1, 1, blob_bytes, (a, moved), {0: "f"}, {0: (0,)})
     with pytest.raises(DataLoss, match="'a' and 'b' overlap"):
         manifest.validate()
+
+
+def test_decode_bench_times_every_method_for_a_small_expert():
+    from bench.decode_bench import ExpertShape, decode_times, methods_here
+
+    times = decode_times(ExpertShape("tiny", 64, 96), repeats=1)
+    assert set(times) == {"mxfp4", "fp8"}
+    for per_method in times.values():
+        assert set(per_method) == set(methods_here()) >= {"torch", "native"}
+        assert all(ms > 0 for ms in per_method.values())
