@@ -83,11 +83,9 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20  # the manifest of a large model (checksums per expert) travels in Attach
 # How long a wait for the daemon's answer polls the client channel before it sleeps on its futex.
 CHANNEL_SPIN_S = 100e-6
-# Experts smaller than this are handed over together once all the missing ones of an acquire have
-# landed: each batch costs compute a fixed ~0.1 ms of calls, more than the copy of such an expert
-# takes, so running one as soon as it lands would not pay. Larger ones go as they land (their
-# compute overlaps the next one's copy).
-GATHER_MISSES_BELOW_BYTES = 1 << 20
+# Experts smaller than this that an acquire misses are handed over together once all have landed
+# (expertcache.channel.GATHER_BELOW_BYTES: the daemon answers once the host-tier copies are done).
+GATHER_MISSES_BELOW_BYTES = codes.GATHER_BELOW_BYTES
 
 # The daemon's status → the exception compute raises (and serves to its own clients).
 _STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {

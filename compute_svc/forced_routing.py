@@ -172,6 +172,16 @@ class ForcedRouting:
         while its prompt is fed, see the module doc); weights keep the router's dtype and device.
         """
         j = self._layers.moe_index(layer)
+        if len(segments) == 1:  # one request (a decode step or a prompt chunk): its row for every token
+            seg = segments[0]
+            row = self.row(seg.request_id, seg.step)
+            shape = tuple(top_k_index.shape)
+            index = torch.from_numpy(self.trace.expert_ids[row, j].astype(np.int64)).expand(shape)
+            weights = torch.from_numpy(self.trace.gate_weights[row, j].astype(np.float32)).expand(shape)
+            return (
+                index.to(top_k_index.device),
+                weights.to(device=top_k_weights.device, dtype=top_k_weights.dtype),
+            )
         index = np.empty(tuple(top_k_index.shape), dtype=np.int64)
         weights = np.empty(tuple(top_k_index.shape), dtype=np.float32)
         for seg in segments:

@@ -18,6 +18,12 @@ SOURCE_STORE = 3
 SOURCE_NAMES = {SOURCE_DEVICE: "device", SOURCE_HOST: "host", SOURCE_STORE: "store"}
 SOURCE_OF_TIER = {name: code for code, name in SOURCE_NAMES.items()}
 
+# Experts smaller than this that a demand misses are handed over together: the daemon answers
+# once they have all landed from the host tier, and compute runs them as one batch (a batch costs
+# compute a fixed ~0.1 ms of calls, more than such a copy takes). Larger ones are announced as
+# each lands, so that compute on one overlaps the copy of the next.
+GATHER_BELOW_BYTES = 1 << 20
+
 # A demand's reply status / a failed load's status: 0 = admitted, else the gRPC status number of
 # the error (expertcache.errors' grpc_code names).
 STATUS_OK = 0
@@ -40,6 +46,7 @@ def status_of(grpc_code: str) -> int:
 
 
 __all__ = [
+    "GATHER_BELOW_BYTES",
     "SOURCE_DEVICE",
     "SOURCE_HOST",
     "SOURCE_NAMES",

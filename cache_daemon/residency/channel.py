@@ -37,7 +37,7 @@ from cache_daemon.decisions.signals import LayerPrediction
 from cache_daemon.errors import SessionClosed, ShuttingDown
 from cache_daemon.residency.clients import ClientLedger, Session
 from cache_daemon.tiers.base import Tier
-from expertcache.channel import SOURCE_OF_TIER, STATUS_OK, status_of
+from expertcache.channel import GATHER_BELOW_BYTES, SOURCE_OF_TIER, STATUS_OK, status_of
 from expertcache.errors import ExpertCacheError, InvalidArgument
 from expertcache.keys import ExpertKey
 from expertcache.native import ClientChannel
@@ -66,6 +66,7 @@ class ChannelServer:
         self._requests: dict[int, str] = {}  # the client's request handles -> request ids
         self._taken = 0  # the last demand sequence number served
         self._warned: set[str] = set()
+        self.gather = residency.blob_bytes < GATHER_BELOW_BYTES
         self._thread = threading.Thread(
             target=self._run, name=f"expertcache-channel-{ledger.index}", daemon=True
         )
@@ -134,12 +135,17 @@ class ChannelServer:
         except ExpertCacheError as exc:
             self.channel.reply(seq, status_of(exc.grpc_code), str(exc))
             return
-        self.channel.reply(seq, STATUS_OK, "")
         metrics = self.residency.metrics
         metrics.acquire_experts.observe(len(experts))
-        # Host-tier copies of the missing experts run here, in order: the client starts on the
-        # first while the next is copied. Store reads went to the I/O pool.
-        self.residency.run_deferred(deferred)
+        # Host-tier copies of the missing experts run here, in order; store reads go to the I/O
+        # pool. Small experts: copied before the answer, so that the client wakes once to find
+        # them all. Large ones: answered first, each announced as it lands.
+        if self.gather:
+            self.residency.run_deferred(deferred)
+            self.channel.reply(seq, STATUS_OK, "")
+        else:
+            self.channel.reply(seq, STATUS_OK, "")
+            self.residency.run_deferred(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
 
     def _drain_signals(self) -> None:

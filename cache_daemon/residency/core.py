@@ -49,6 +49,7 @@ from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import DeviceArena
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import Priority, StoreReader
+from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.errors import ExpertCacheError, InvalidArgument
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
@@ -270,6 +271,10 @@ class Residency:
     @property
     def num_experts(self) -> int:
         return self._num_experts
+
+    @property
+    def blob_bytes(self) -> int:
+        return self._blob_bytes
 
     @property
     def metrics(self) -> DaemonMetrics:
@@ -746,13 +751,23 @@ class Residency:
 
     def run_deferred(self, loads: Iterable[Load]) -> None:
         """Run demand loads admission left to the acquiring thread (outside the lock): those the
-        host tier holds are copied here, in order (no hop to an I/O thread); the others go to the
-        I/O pool (a store read)."""
+        host tier holds are copied here, in order (no hop to an I/O thread), published one by one
+        when experts are large (compute starts on the first while the next is copied) or all at
+        once (``GATHER_BELOW_BYTES``); the others go to the I/O pool (a store read), first, so that
+        their reads start at once."""
+        with self._cond:  # a demand that joined the load lists it too: the first to claim it runs it
+            loads = [load for load in loads if not load.claimed]
+            for load in loads:
+                load.claimed = True
+        if not loads:
+            return
+        in_host = [load for load in loads if self._loader.host_has(load.key)]
         for load in loads:
-            if self._loader.host_has(load.key):
-                self._loader.run(load)
-            else:
+            if load not in in_host:
                 self._loader.submit(load)
+        rest = self._loader.copy_from_host(in_host, publish_each=self._blob_bytes >= GATHER_BELOW_BYTES)
+        for load in rest:  # left the host tier meanwhile: a store read after all
+            self._loader.submit(load)
 
     def _forget_client_waits(self, client: ChannelServer) -> None:
         for key in list(self._client_waits):
@@ -820,6 +835,30 @@ class Residency:
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
         prefetched: dict[ExpertKey, str] = {}  # pending keys a prefetch was already loading
+        created: list[Load] = []
+        try:
+            self._admit_keys(session, client, keys, ready, pending, prefetched, created)
+        except BaseException:
+            # A client whose ledger was reclaimed meanwhile: its loads were started for nobody.
+            # They still complete into the cache (the I/O pool runs them), never LOADING for ever.
+            for load in created:
+                load.claimed = True
+                self._loader.submit(load)
+            raise
+        return ready, pending, prefetched
+
+    def _admit_keys(
+        self,
+        session: Session,
+        client: ChannelServer | None,
+        keys: list[ExpertKey],
+        ready: list[Ready],
+        pending: dict[ExpertKey, Load],
+        prefetched: dict[ExpertKey, str],
+        created: list[Load],
+    ) -> None:
+        """The admitted half of ``_try_admit``: pin each key, start the loads of missing ones."""
+        slots = self.slots
         scheduler = self._prefetcher.scheduler
         for key in keys:
             kind = self._prefetcher.used(key)
@@ -840,9 +879,9 @@ class Residency:
                 self._promote(load)
             else:
                 load = self._start_load(key, PrefetchClass.DEMAND, defer=True)
+                created.append(load)
             self._hold(session, client, key)
             pending[key] = load
-        return ready, pending, prefetched
 
     def _hold(self, session: Session, client: ChannelServer | None, key: ExpertKey) -> None:
         if client is None:

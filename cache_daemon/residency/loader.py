@@ -59,8 +59,10 @@ class Load(QueuedLoad):
 
     slot: int = -1
     priority: Priority = Priority.DEMAND
-    # Left to the admitting thread (Residency.run_deferred), not queued on a pool at admission.
+    # Left to the admitting thread (Residency.run_deferred), not queued on a pool at admission;
+    # ``claimed`` once a thread took it (a demand that joined it may hold it in its list too).
     deferred: bool = False
+    claimed: bool = False
     done: bool = False
     source: Tier = Tier.STORE
     error: BaseException | None = None
@@ -128,6 +130,73 @@ class Loader:
     def run(self, load: Load) -> None:
         """Run ``load`` in the calling thread (outside the lock), as an I/O thread would."""
         self._run(load)
+
+    def copy_from_host(self, loads: list[Load], *, publish_each: bool) -> list[Load]:
+        """Copy, in the calling thread (outside the lock), each of ``loads`` that the host tier
+        holds into its arena slot: the hot path of a demand miss on a node with ample RAM, with
+        one lock hold per copy of the host tier's and none of the residency's until the results
+        are published: after each copy (``publish_each``: a large expert, whose compute may
+        start while the next is copied) or all at once. Returns the loads the host tier did not
+        hold (for the I/O pool). Only for loads no other thread can see as runnable: demand
+        loads left to their admitting thread (``Load.deferred``)."""
+        host = self._host
+        rest: list[Load] = []
+        done: list[Load] = []
+        copy_s = 0.0
+        for load in loads:
+            view = host.pin_view(load.key) if host is not None else None
+            if view is None:
+                rest.append(load)
+                continue
+            load.started = True  # nothing else runs it (deferred); set before the copy for describe()
+            started = time.perf_counter()
+            try:
+                self._arena.copy_in(load.slot, view)
+            except BaseException as exc:  # noqa: BLE001 - fail this load, go on with the others
+                copy_s += time.perf_counter() - started
+                self._fail_copy(load, exc, lambda key=load.key: host.unpin(key))
+                continue
+            copy_s += time.perf_counter() - started
+            host.unpin(load.key)
+            done.append(load)
+            if publish_each:
+                self._publish_host_copies([load], copy_s)
+                copy_s, done = 0.0, []
+        if done or copy_s:
+            self._publish_host_copies(done, copy_s)
+        return rest
+
+    def _publish_host_copies(self, loads: list[Load], copy_s: float) -> None:
+        metrics = self._metrics
+        if copy_s:
+            metrics.arena_copy_seconds.inc(copy_s)
+        if not loads:
+            return
+        metrics.hits.inc(len(loads), tier=Tier.HOST.value)
+        metrics.bytes_in.inc(len(loads) * self._arena.slot_bytes, tier=Tier.DEVICE.value)
+        with self._cond:
+            for load in loads:
+                self._on_done(load, Tier.HOST)
+
+    def _fail_copy(self, load: Load, exc: BaseException, release: Callable[[], None]) -> None:
+        """A copy from the host tier failed: as ``_run`` does for any failed load."""
+        if isinstance(exc, CopyInFlight):
+            logger.error("loading expert %s into slot %d: %s", load.key, load.slot, exc)
+            with self._cond:
+                self._on_failed(load, exc, keep_slot=True)
+            try:
+                exc.wait_done()
+            finally:
+                release()
+                for cleanup in exc.cleanups:
+                    cleanup()
+                with self._cond:
+                    self._on_slot_settled(load.slot)
+            return
+        release()
+        logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+        with self._cond:
+            self._on_failed(load, exc)
 
     # -- I/O threads -------------------------------------------------------------------------------
     def _run(self, load: Load) -> None:

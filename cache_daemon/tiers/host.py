@@ -170,6 +170,20 @@ class HostTier(MemoryTier):
             self._policy.on_access(key)
             return True
 
+    def pin_view(self, key: ExpertKey) -> torch.Tensor | None:
+        """``pin`` and ``get`` in one hold of the lock: ``key``'s slot view, pinned, or None."""
+        with self._lock:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                return None
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._policy.on_access(key)
+            view = self._views.get(slot)
+            if view is None:
+                assert self._slots is not None
+                view = self._views[slot] = self._slots[slot]
+            return view
+
     def unpin(self, key: ExpertKey) -> None:
         with self._lock:
             count = self._pins.get(key, 0)
