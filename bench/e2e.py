@@ -1266,12 +1266,12 @@ def main(argv: list[str] | None = None) -> int:
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = {}
     if "resident" in results and "transformers" in results:
-        ratio = results["resident"]["p50_s"] / results["transformers"]["p50_s"]
+        vs_plain = results["resident"]["p50_s"] / results["transformers"]["p50_s"]
         per_repeat = repeat_ratios(results["resident"], results["transformers"])
-        verdicts["resident_vs_transformers"] = {"p50_ratio": ratio, "per_repeat": per_repeat}
+        verdicts["resident_vs_transformers"] = {"p50_ratio": vs_plain, "per_repeat": per_repeat}
         say(
             f"resident vs transformers (every expert in memory; what serving through the cache costs): "
-            f"{ratio:.3f}x the per-token p50, per repeat {spread_text(per_repeat)}"
+            f"{vs_plain:.3f}x the per-token p50, per repeat {spread_text(per_repeat)}"
         )
     if "ours" in results:
         goal_accelerate = GOAL_VS_ACCELERATE_BY_PRECISION.get(args.precision, GOAL_VS_ACCELERATE)

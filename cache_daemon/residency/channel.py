@@ -110,18 +110,22 @@ class ChannelServer:
         try:
             while not self.session.closed and not self.residency.closing:
                 seen = channel.doorbell_seq
-                self._drain_signals()
+                ops = self._drain_signals()
                 demand = channel.take_demand(self._taken)
                 if demand is not None:
-                    self._serve(*demand)
+                    # The layer's signals go in the admission's hold of the lock, just before it:
+                    # its demand loads are started before any prefetch they trigger.
+                    self._serve(*demand, ops)
                     continue
+                if ops:
+                    self.residency.apply_channel_ops(ops)
                 channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
         except (SessionClosed, ShuttingDown):
             pass
         except Exception:  # noqa: BLE001 - a bug here must not take the daemon down silently
             logger.exception("the channel of client ledger %d failed", self.ledger.index)
 
-    def _serve(self, seq: int, layer: int, experts: list[int]) -> None:
+    def _serve(self, seq: int, layer: int, experts: list[int], ops: list[tuple[str, object]]) -> None:
         self._taken = seq
         started = time.monotonic()
         try:
@@ -129,7 +133,7 @@ class ChannelServer:
                 raise InvalidArgument(
                     f"a demand on the channel names more than {self.channel.max_demand} experts"
                 )
-            deferred = self.residency.admit_for_client(self, layer, experts)
+            deferred = self.residency.admit_for_client(self, layer, experts, ops)
         except (SessionClosed, ShuttingDown):
             raise
         except ExpertCacheError as exc:
@@ -148,12 +152,13 @@ class ChannelServer:
             self.residency.run_deferred(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
 
-    def _drain_signals(self) -> None:
+    def _drain_signals(self) -> list[tuple[str, object]]:
+        """The ring's records since the last drain, checked: ops for ``apply_channel_ops``."""
         records, corrupt = self.channel.drain()
         if corrupt:
             self._reject("corrupt", "a malformed record in the signal ring (the rest of it was skipped)")
         if not records:
-            return
+            return []
         residency = self.residency
         ops: list[tuple[str, object]] = []
         for record in records:
@@ -187,7 +192,7 @@ class ChannelServer:
                     ops.append(("signal", checked))
             except InvalidArgument as exc:
                 self._reject(kind, str(exc))
-        residency.apply_channel_ops(ops)
+        return ops
 
     def _request(self, handle: int) -> str:
         request_id = self._requests.get(handle)

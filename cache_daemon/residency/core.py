@@ -435,19 +435,26 @@ class Residency:
     def apply_channel_ops(self, ops: Iterable[tuple[str, object]]) -> None:
         """A client channel's drained records, in order, in one hold of the lock: ``("begin",
         request_id)``, ``("end", request_id)``, ``("signal", RouteSignal | LookaheadSignal)``."""
-        counts: dict[str, int] = {}
         with self._cond:
-            for op, value in ops:
-                if op == "begin":
-                    self.signals.begin_request(value)  # type: ignore[arg-type]
-                    kind = "request_begin"
-                elif op == "end":
-                    self.signals.end_request(value)  # type: ignore[arg-type]
-                    kind = "request_end"
-                else:
-                    self._apply_signals_locked((value,), kick=False)  # type: ignore[arg-type]
-                    continue
-                counts[kind] = counts.get(kind, 0) + 1
+            self._apply_channel_ops_locked(ops)
+
+    def _apply_channel_ops_locked(self, ops: Iterable[tuple[str, object]]) -> None:
+        """Under the lock: the prefetch worker's kick takes effect once the lock is released."""
+        counts: dict[str, int] = {}
+        applied = False
+        for op, value in ops:
+            applied = True
+            if op == "begin":
+                self.signals.begin_request(value)  # type: ignore[arg-type]
+                kind = "request_begin"
+            elif op == "end":
+                self.signals.end_request(value)  # type: ignore[arg-type]
+                kind = "request_end"
+            else:
+                self._apply_signals_locked((value,), kick=False)  # type: ignore[arg-type]
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+        if applied:
             self._prefetcher.kick()
         for kind, n in counts.items():
             self._metrics.signals.inc(n, kind=kind)
@@ -731,14 +738,23 @@ class Residency:
                         self._drop_pin(session, key)
                     self._cond.notify_all()
 
-    def admit_for_client(self, client: ChannelServer, layer: int, experts: Iterable[int]) -> list[Load]:
+    def admit_for_client(
+        self, client: ChannelServer, layer: int, experts: Iterable[int], ops: list[tuple[str, object]] = ()
+    ) -> list[Load]:
         """A demand posted on ``client``'s channel: admit it (all or nothing, waiting for slots
         up to ``acquire_timeout_s``), pinning every expert into the client's ledger. Resident ones
         get source DEVICE at once; the client is told as each missing one lands (or fails).
+        ``ops`` (the channel's signals that came with it, ``apply_channel_ops``) are applied in the
+        same hold of the lock, just before the admission, as an Acquire's carried signals are.
         Returns the loads to run in the calling thread (``run_deferred``, outside the lock)."""
-        layer, keys = self._check_demand("a demand", layer, experts)
+        try:
+            layer, keys = self._check_demand("a demand", layer, experts)
+        except BaseException:
+            self.apply_channel_ops(ops)
+            raise
         self._metrics.demands.inc()
         with self._cond:
+            self._apply_channel_ops_locked(ops)
             ready, pending, _ = self._admit(
                 client.session, layer, keys, time.monotonic() + self._timeout_s, self._timeout_s, client
             )

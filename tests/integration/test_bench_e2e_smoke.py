@@ -68,7 +68,9 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
     assert report["experts_over_budget"] >= 4 and report["budget_share"] == pytest.approx(0.25, abs=1e-3)
     assert report["model"]["blob_bytes"] < json.loads(bf16.read_text())["model"]["blob_bytes"] / 2
     systems = report["systems"]
-    assert list(systems) == ["ours", "lru", "resident", "accelerate"] and report["repeats"] == 2
+    assert (
+        list(systems) == ["ours", "lru", "resident", "transformers", "accelerate"] and report["repeats"] == 2
+    )
     for name in ("ours", "lru", "resident"):
         r = systems[name]
         assert r["tokens"] == 2 * 2 * 3  # decode tokens: the first of each request (prefill) left out
@@ -96,6 +98,19 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
     assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
     assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
     assert systems["resident"]["device_bytes"] == report["model"]["total_expert_bytes"]
+    # transformers itself, every expert in memory: the same decode tokens, its own process.
+    plain = systems["transformers"]
+    assert (
+        plain["tokens"] == 2 * 2 * 3 and plain["p50_s"] > 0 and plain["cpu_s_per_token"]["transformers"] > 0
+    )
+    assert report["verdicts"]["resident_vs_transformers"]["p50_ratio"] == pytest.approx(
+        systems["resident"]["p50_s"] / plain["p50_s"]
+    )
+    for name in ("ours", "lru", "resident"):  # no host tier on the CPU: every byte came from the store
+        r = systems[name]
+        assert r["host_bytes_per_token"] == 0 and r["store_bytes_per_token"] == r["bytes_per_token"]
+        assert r["link_s_per_token"] >= 0
+    assert report["link"]["gb_per_s"] > 0
     acc = systems["accelerate"]
     assert acc["tokens"] == 2 * 2 and acc["page_cache_files_dropped"] > 0
     assert acc["bytes_per_token"] > 0  # offloaded weights really come from storage every token
@@ -107,6 +122,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "compared",
         "ours_bytes_vs_bf16",
         "belady_share",
+        "resident_vs_transformers",
     }
     # The same routing simulated (bench.e2e_reference): trace requests 5..8, the slots of the
     # budget; the simulated LRU loads what the real one did, Belady fewer. At this shape the
@@ -149,9 +165,11 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
         "x lru's MiB per token (goal <= 0.8x)",
         "p50 ms",
         "beside the bf16 run",
-        "repeat 1/2: order ours, lru, resident, accelerate",
+        "repeat 1/2: order ours, lru, resident, transformers, accelerate",
         "simulated on the same routing (trace requests 5..8, 4 tokens each",
-        "repeat 2/2: order lru, resident, accelerate, ours",
+        "repeat 2/2: order lru, resident, transformers, accelerate, ours",
+        "resident vs transformers (every expert in memory",
+        "MiB per token per tier (arena fills = from the host tier + from the store)",
         "over 2 repeats",
         "store reads (O_DIRECT, the daemon's reader, random experts of",
         "disk time per token: MiB read per token / the",
