@@ -407,7 +407,9 @@ class ProcessSystem:
             "bytes_per_token": (d1.bytes_in - d0.bytes_in) / tokens,
             "host_bytes_per_token": from_host / tokens,  # of which copied from the host tier
             "store_bytes_per_token": (d1.bytes_in - d0.bytes_in - from_host) / tokens,  # read from the store
-            "arena_copy_s": after.arena_copy_seconds - self.before.arena_copy_seconds,
+            # (0 from a daemon of an older release, whose GetStats has no arena_copy_seconds)
+            "arena_copy_s": getattr(after, "arena_copy_seconds", 0.0)
+            - getattr(self.before, "arena_copy_seconds", 0.0),
             "store_read_s": after.store_read_seconds - self.before.store_read_seconds,
             # CPU seconds per generated token of each process (2 cores shared by both, and any
             # peer: while the systems take turns, the others' processes are idle).

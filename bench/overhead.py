@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 + f", compute CPU {cpu['compute'] * 1e3:.1f} ms per token"
             )
-    if "resident" in syncs:
+    if "resident" in syncs and syncs["resident"]["per_moe_layer"] is None:
+        say("host_syncs_per_moe_layer: compute does not report them (a compute of an older release)")
+    elif "resident" in syncs:
         per = syncs["resident"]["per_moe_layer"]
         report["host_syncs_per_moe_layer"] = per
         say(

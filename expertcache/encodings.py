@@ -48,10 +48,23 @@ from typing import ClassVar
 
 import torch
 
-try:  # the CPU decode of the native core; without it (an install without its build) torch ops decode
-    from expertcache import native as _native
-except ImportError:  # pragma: no cover - every build has it
-    _native = None
+
+def _native_core():
+    """The native core's module for the CPU decode, imported at the first decode (not with this
+    module: the manifest imports it, and tests load another build of the core before any decode),
+    or None without one (an install without its build: torch ops decode)."""
+    global _NATIVE
+    if _NATIVE is _UNLOADED:
+        try:
+            from expertcache import native as module
+        except ImportError:  # pragma: no cover - every build has it
+            module = None
+        _NATIVE = module
+    return _NATIVE
+
+
+_UNLOADED = object()
+_NATIVE = _UNLOADED
 
 # Element sizes of the dtypes a stored part may have (torch names without "torch.").
 DTYPE_ITEMSIZE = MappingProxyType(
@@ -69,8 +82,6 @@ DTYPE_ITEMSIZE = MappingProxyType(
 )
 # Dtypes an expert may be decoded into (the model's parameter dtype).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# Whether CPU tensors are decoded by the native core (csrc/src/decode.cc) rather than torch ops.
-NATIVE_DECODE: bool = _native is not None
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host and GPU is little-endian
     raise ImportError("expertcache.encodings reads packed codes as little-endian integers")
@@ -191,10 +202,11 @@ class Scratch:
 def _use_native(native: bool | None, device: torch.device) -> bool:
     """Whether a decode of tensors on ``device`` runs natively: ``native=None`` (the default) on
     CPU when the native core has the decode; ``False``: torch ops; ``True``: native or ValueError."""
+    available = _native_core() is not None  # whether CPU tensors can be decoded natively
     if native is None:
-        return NATIVE_DECODE and device.type == "cpu"
-    if native and not (NATIVE_DECODE and device.type == "cpu"):
-        why = "the native core is not built" if not NATIVE_DECODE else f"the tensors are on {device}"
+        return available and device.type == "cpu"
+    if native and not (available and device.type == "cpu"):
+        why = "the native core is not built" if not available else f"the tensors are on {device}"
         raise ValueError(f"the native decode runs on CPU tensors only, and {why}")
     return bool(native)
 
@@ -375,7 +387,7 @@ def dequantize_mxfp4(
     rows, groups, nbytes = blocks.shape
     if _use_native(native, blocks.device):
         out, out_array = scratch.get_numpy(f"{key}.values", (rows, groups * MXFP4_GROUP), dtype)
-        _native.decode_mxfp4(
+        _native_core().decode_mxfp4(
             _numpy(blocks.contiguous()), _numpy(scales.contiguous()), out_array, dtype_name(dtype)
         )
         return out
@@ -505,7 +517,7 @@ def dequantize_fp8(
     if _use_native(native, values.device):
         out, out_array = scratch.get_numpy(f"{key}.values", (rows, cols), dtype)
         codes, factors = _numpy(values.contiguous()), _numpy(scale_inv.contiguous())
-        _native.decode_fp8(codes, factors, bm, bn, out_array, dtype_name(dtype))
+        _native_core().decode_fp8(codes, factors, bm, bn, out_array, dtype_name(dtype))
         return out
     work = scratch.get(f"{key}.f32", (rows, cols), torch.float32)
     _e4m3_to_float32(values, work, scratch, key)
