@@ -53,6 +53,7 @@ from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
 from expertcache import telemetry
+from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
 
@@ -222,40 +223,72 @@ def waves(experts: Sequence[int], num_slots: int) -> list[tuple[int, ...]]:
 ParamOf = Callable[[int, str], torch.Tensor]  # (index in the batch, parameter name) -> tensor
 
 
-def _grouped_linear(
-    x: torch.Tensor,
-    param: ParamOf,
-    name: str,
-    bounds: Sequence[tuple[int, int]],
-    has_bias: bool,
-    is_transposed: bool,
-) -> torch.Tensor:
-    """x [n, in] → [n, out]: rows ``bounds[i]`` through expert i's ``name`` weight [out, in] (or
-    [in, out] when transposed), plus its bias; like grouped_mm's groups, then ``out.add_(bias)``
-    (``_grouped_linear``). Like grouped_mm, the input is brought to the weight's dtype."""
-    if len(bounds) == 1:  # one expert (a miss that landed alone): no buffer to slice
-        weight = param(0, name)
-        out = torch.mm(
-            x if x.dtype == weight.dtype else x.to(weight.dtype), weight if is_transposed else weight.t()
-        )
-        if has_bias:
-            out.add_(param(0, name + "_bias"))
-        return out
-    out = None
-    for i, (a, b) in enumerate(bounds):
-        weight = param(i, name)
-        xi = x[a:b]
+class ExpertsPass:
+    """The experts module's math over a set of experts (a wave, or a batch of one), in two halves.
+
+    ``up(expert, param)`` runs the expert's first projection (``gate_up_proj``, or ``up_proj``) on
+    its rows, into one buffer for every row of the set, as soon as the expert is pinned;
+    ``finish()`` then runs the activation over every row at once, each expert's ``down_proj``,
+    the optional post-expert norm and the routing weights, and hands back (rows [n] into the S
+    pairs, weighted outputs [n, H]). Like grouped_mm's groups: a GEMM per expert on its rows, then
+    ``out.add_(bias)`` (``_grouped_linear``); the input is brought to the weight's dtype. The calls
+    that are not GEMMs run once per set, however the experts arrived. ``param(name)`` is the
+    expert's tensor (``gate_up_proj`` [2I, H] or [H, 2I] when transposed, ``down_proj`` [H, I] /
+    [I, H], optional ``*_bias``); each is used before the next is asked for (decoded weights share
+    a scratch buffer per tensor)."""
+
+    def __init__(
+        self, module: torch.nn.Module, experts: Sequence[int], hidden_states: torch.Tensor, routing: Routing
+    ) -> None:
+        self.module = module
+        self.rows, tokens, self.bounds = routing.group(experts)
+        self.x = hidden_states.index_select(0, tokens)  # [n, H]
+        self.routing = routing
+        self.index = {e: i for i, e in enumerate(experts)}
+        self.has_bias = bool(module.has_bias)
+        self.transposed = bool(module.is_transposed)
+        self.first_name = "gate_up_proj" if module.has_gate else "up_proj"
+        self.first: torch.Tensor | None = None  # [n, 2I] (or [n, I]) first projection
+        self.params: list[Callable[[str], torch.Tensor] | None] = [None] * len(experts)
+
+    def _linear(self, out: torch.Tensor | None, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        """Expert i's projection ``name`` of its rows of ``x`` into its rows of ``out`` (made on
+        the first call); returns ``out``."""
+        weight = self.params[i](name)
+        a, b = self.bounds[i]
+        whole = len(self.bounds) == 1
+        xi = x if whole else x[a:b]
         if xi.dtype != weight.dtype:
             xi = xi.to(weight.dtype)
-        if out is None:
-            width = weight.shape[1] if is_transposed else weight.shape[0]
-            out = torch.empty(x.shape[0], width, dtype=weight.dtype, device=x.device)
-        rows = out[a:b]
-        torch.mm(xi, weight if is_transposed else weight.t(), out=rows)
-        if has_bias:
-            rows.add_(param(i, name + "_bias"))
-    assert out is not None
-    return out
+        w = weight if self.transposed else weight.t()
+        if whole:
+            out = torch.mm(xi, w)
+            rows = out
+        else:
+            if out is None:
+                out = torch.empty(x.shape[0], w.shape[1], dtype=weight.dtype, device=x.device)
+            rows = out[a:b]
+            torch.mm(xi, w, out=rows)
+        if self.has_bias:
+            rows.add_(self.params[i](name + "_bias"))
+        return out
+
+    def up(self, expert: int, param: Callable[[str], torch.Tensor]) -> None:
+        i = self.index[expert]
+        self.params[i] = param
+        self.first = self._linear(self.first, self.x, i, self.first_name)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        module = self.module
+        assert self.first is not None and all(p is not None for p in self.params), "an expert never came up"
+        proj = module._apply_gate(self.first) if module.has_gate else module.act_fn(self.first)  # [n, I]
+        out = None
+        for i in range(len(self.bounds)):
+            out = self._linear(out, proj, i, "down_proj")  # [n, H]
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        # [n, H] * [n, 1]: promotes like transformers (bf16 output x fp32 router weight → fp32).
+        return self.rows, out * self.routing.weights.index_select(0, self.rows).unsqueeze(-1)
 
 
 def compute_experts(
@@ -265,23 +298,12 @@ def compute_experts(
     hidden_states: torch.Tensor,
     routing: Routing,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``experts`` on their rows with the experts ``module``'s own math: (rows [n] into the S
-    pairs, weighted outputs [n, H]). ``param(i, name)`` is expert i's tensor ``name``
-    (``gate_up_proj`` [2I, H] or [H, 2I] when transposed, ``down_proj`` [H, I] / [I, H], optional
-    ``*_bias``); each is used before the next is asked for (decoded weights share a scratch)."""
-    rows, tokens, bounds = routing.group(experts)
-    x = hidden_states.index_select(0, tokens)  # [n, H]
-    has_bias = bool(module.has_bias)
-    transposed = bool(module.is_transposed)
-    if module.has_gate:
-        proj = module._apply_gate(_grouped_linear(x, param, "gate_up_proj", bounds, has_bias, transposed))
-    else:
-        proj = module.act_fn(_grouped_linear(x, param, "up_proj", bounds, has_bias, transposed))  # [n, I]
-    out = _grouped_linear(proj, param, "down_proj", bounds, has_bias, transposed)  # [n, H]
-    if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)
-    # [n, H] * [n, 1]: promotes like transformers (bf16 output x fp32 router weight → fp32).
-    return rows, out * routing.weights.index_select(0, rows).unsqueeze(-1)
+    """``experts`` (all pinned) through ``ExpertsPass``: (rows, weighted outputs); ``param(i,
+    name)`` is expert i's tensor ``name``."""
+    one = ExpertsPass(module, experts, hidden_states, routing)
+    for i, expert in enumerate(experts):
+        one.up(expert, lambda name, i=i: param(i, name))
+    return one.finish()
 
 
 # -- combine stage -----------------------------------------------------------------------------
@@ -392,6 +414,9 @@ class ExpertRuntime:
         # set by the engine for a share trace_layer_ratio of the steps); None = no layer spans.
         self.trace_parent = None
         self._signals = {name: getattr(provider, name, None) for name in _SIGNALS}
+        # Experts small enough that the calls around their GEMMs cost more than their copies:
+        # a wave is then computed in one pass whatever the batches it arrives in.
+        self._small_experts = arena.slot_bytes < GATHER_BELOW_BYTES
         self._begin_step = getattr(provider, "begin_step", None)
 
     @property
@@ -615,6 +640,11 @@ class ExpertRuntime:
         wait_s = 0.0
         device_hits = 0
         decoder = self.decoder
+        views = self._slot_views
+        # Small experts: one pass over the whole wave (the first projection of each as it is
+        # pinned, the rest once); large ones: a pass per batch, so that the whole of one batch's
+        # compute overlaps the next one's copy.
+        whole = ExpertsPass(module, wave, hidden_states, routing) if self._small_experts else None
         try:
             pending = set(wave)
             while True:
@@ -633,19 +663,17 @@ class ExpertRuntime:
                     self.counters.record(ready.source)
                     device_hits += ready.source is Tier.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
-                views = [self._slot_views[ready.slot] for ready in batch]
-                rows, weighted = compute_experts(
-                    module,
-                    [ready.expert for ready in batch],
-                    lambda i, name, views=views: decoder.param(name, views[i]),
-                    hidden_states,
-                    routing,
-                )
-                combiner.add(rows, weighted)
+                one = whole or ExpertsPass(module, [r.expert for r in batch], hidden_states, routing)
+                for ready in batch:
+                    one.up(ready.expert, lambda name, view=views[ready.slot]: decoder.param(name, view))
+                if whole is None:
+                    combiner.add(*one.finish())
             if pending:
                 raise FailedPrecondition(
                     f"cache daemon finished the acquire of layer {layer} without experts {sorted(pending)}"
                 )
+            if whole is not None:
+                combiner.add(*whole.finish())
             done = True
         finally:
             self.counters.stall_s += wait_s

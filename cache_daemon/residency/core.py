@@ -775,15 +775,10 @@ class Residency:
             loads = [load for load in loads if not load.claimed]
             for load in loads:
                 load.claimed = True
-        if not loads:
-            return
-        in_host = [load for load in loads if self._loader.host_has(load.key)]
-        for load in loads:
-            if load not in in_host:
-                self._loader.submit(load)
-        rest = self._loader.copy_from_host(in_host, publish_each=self._blob_bytes >= GATHER_BELOW_BYTES)
-        for load in rest:  # left the host tier meanwhile: a store read after all
-            self._loader.submit(load)
+        if loads:
+            # Those the host tier does not hold are submitted to the I/O pool as they are met
+            # (their reads start at once); the others are copied here.
+            self._loader.copy_from_host(loads, publish_each=self._blob_bytes >= GATHER_BELOW_BYTES)
 
     def _forget_client_waits(self, client: ChannelServer) -> None:
         for key in list(self._client_waits):
@@ -823,6 +818,7 @@ class Residency:
             key for key, ld in zip(keys, loads, strict=True) if ld is None and not slots.is_resident(key)
         ]
         refused: set[ExpertKey] = set()  # victims whose try_evict lost to a compute shm pin
+        evicted = 0  # counted once below (a counter increment takes a lock)
 
         while (need := len(missing) - slots.free_for(len(missing))) > 0:
             victims = self._policy.choose_victims(
@@ -835,7 +831,8 @@ class Residency:
                     # beyond it rather than wait on its own pins; later admissions evict back.
                     for victim in victims:
                         if slots.try_evict(victim):
-                            self._evicted(victim)
+                            self._evicted(victim, count=False)
+                            evicted += 1
                     break
                 # Short of slots: queued prefetches give way. A cancelled one frees its slot now,
                 # or once the chunks its read already issued land; the admission is retried.
@@ -844,9 +841,12 @@ class Residency:
                 return None  # nothing taken; slots freed by earlier rounds simply stay free
             for victim in victims:
                 if slots.try_evict(victim):
-                    self._evicted(victim)
+                    self._evicted(victim, count=False)
+                    evicted += 1
                 else:
                     refused.add(victim)  # compute pinned it between the check and the evict
+        if evicted:
+            self._metrics.evictions.inc(evicted, tier=Tier.DEVICE.value)
         # Admitted: from here on nothing can fail (but a client whose ledger was just reclaimed).
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
@@ -876,17 +876,28 @@ class Residency:
         """The admitted half of ``_try_admit``: pin each key, start the loads of missing ones."""
         slots = self.slots
         scheduler = self._prefetcher.scheduler
+        hits = misses = 0
+        try:
+            self._admit_each(session, client, keys, ready, pending, prefetched, created, slots, scheduler)
+        finally:
+            hits, misses = len(ready), len(pending)
+            if hits:
+                self._metrics.hits.inc(hits, tier=Tier.DEVICE.value)
+            if misses:
+                self._metrics.misses.inc(misses, tier=Tier.DEVICE.value)
+
+    def _admit_each(
+        self, session, client, keys, ready, pending, prefetched, created, slots, scheduler
+    ) -> None:
         for key in keys:
             kind = self._prefetcher.used(key)
             scheduler.on_demand(key)
             load = self.queue.get(key)
             if load is None and slots.is_resident(key):
                 self._hold(session, client, key)
-                self._metrics.hits.inc(tier=Tier.DEVICE.value)
                 self._policy.on_access(key)
                 ready.append(Ready(key, slots.slot(key), Tier.DEVICE, kind or ""))
                 continue
-            self._metrics.misses.inc(tier=Tier.DEVICE.value)
             if load is not None:
                 if kind is None and load.prefetch is not None:
                     kind = PREFETCH_KINDS[load.prefetch]
@@ -948,11 +959,13 @@ class Residency:
                 self._metrics.prefetch_cancelled.inc(kind=PREFETCH_KINDS[load.prefetch])
         return freed
 
-    def _evicted(self, key: ExpertKey) -> None:
-        """``key`` left the arena through ``try_evict``: tell the policy and the accounting."""
+    def _evicted(self, key: ExpertKey, *, count: bool = True) -> None:
+        """``key`` left the arena through ``try_evict``: tell the policy and the accounting (the
+        caller counts the eviction itself when ``count`` is False)."""
         self._prefetcher.gone(key, evicted=True)
         self._policy.on_remove(key)
-        self._metrics.evictions.inc(tier=Tier.DEVICE.value)
+        if count:
+            self._metrics.evictions.inc(tier=Tier.DEVICE.value)
 
     # -- load results (the loader's callbacks, under the lock) --------------------------------
     def _load_done(self, load: Load, source: Tier) -> None:

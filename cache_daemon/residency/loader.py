@@ -123,30 +123,25 @@ class Loader:
         elif load.handle is not None:
             load.handle.promote(Priority.DEMAND)
 
-    def host_has(self, key) -> bool:
-        """Whether the host tier holds ``key`` now (a load of it would be a copy, no read)."""
-        return self._host is not None and self._host.contains(key)
-
     def run(self, load: Load) -> None:
         """Run ``load`` in the calling thread (outside the lock), as an I/O thread would."""
         self._run(load)
 
-    def copy_from_host(self, loads: list[Load], *, publish_each: bool) -> list[Load]:
+    def copy_from_host(self, loads: list[Load], *, publish_each: bool) -> None:
         """Copy, in the calling thread (outside the lock), each of ``loads`` that the host tier
         holds into its arena slot: the hot path of a demand miss on a node with ample RAM, with
         one lock hold per copy of the host tier's and none of the residency's until the results
         are published: after each copy (``publish_each``: a large expert, whose compute may
-        start while the next is copied) or all at once. Returns the loads the host tier did not
-        hold (for the I/O pool). Only for loads no other thread can see as runnable: demand
-        loads left to their admitting thread (``Load.deferred``)."""
+        start while the next is copied) or all at once. A load the host tier does not hold is
+        submitted to the I/O pool (a store read) as it is met. Only for loads no other thread can
+        see as runnable: demand loads left to their admitting thread (``Load.deferred``)."""
         host = self._host
-        rest: list[Load] = []
         done: list[Load] = []
         copy_s = 0.0
         for load in loads:
             view = host.pin_view(load.key) if host is not None else None
             if view is None:
-                rest.append(load)
+                self.submit(load)
                 continue
             load.started = True  # nothing else runs it (deferred); set before the copy for describe()
             started = time.perf_counter()
@@ -164,7 +159,6 @@ class Loader:
                 copy_s, done = 0.0, []
         if done or copy_s:
             self._publish_host_copies(done, copy_s)
-        return rest
 
     def _publish_host_copies(self, loads: list[Load], copy_s: float) -> None:
         metrics = self._metrics

@@ -21,6 +21,7 @@ daemon's shm files (``cache_daemon.shm_files``): it removes what dead (SIGKILLed
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import itertools
@@ -197,6 +198,7 @@ class ShmArena(DeviceArena):
             raise
         os.close(fd)
         self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(num_slots, slot_bytes)
+        self._base = self.slots.data_ptr()  # the mapping's address: copies go there by memmove
         self._views: dict[int, torch.Tensor] = {}  # slot -> its row of slots, made on first use
         self._local = threading.local()
         self._closed = False
@@ -217,6 +219,18 @@ class ShmArena(DeviceArena):
         return buf.tensor
 
     def copy_in(self, slot: int, src: torch.Tensor) -> None:
+        if (
+            src.device.type == "cpu"
+            and src.dtype == torch.uint8
+            and src.numel() == self.slot_bytes
+            and src.is_contiguous()
+            and 0 <= slot < self.num_slots
+            and not self._closed
+        ):
+            # A host slot or staging buffer: one memmove (a tensor copy costs more in calls than
+            # the copy of a small expert takes).
+            ctypes.memmove(self._base + slot * self.slot_bytes, src.data_ptr(), self.slot_bytes)
+            return
         view = self._views.get(slot)
         if view is None:  # made once per slot: a tensor view costs microseconds at every load
             view = self._views[slot] = self.slots[slot]

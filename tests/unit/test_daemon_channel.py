@@ -41,7 +41,7 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while self.channel.reply_seq != seq:
             assert time.monotonic() < deadline, "no reply"
-            self.channel.wait_notify(seen, 0.5)
+            self.channel.wait_notify(seen, 0.5, 100e-6)
             seen = self.channel.notify_seq
         return self.channel.reply_status, self.channel.reply_message
 
@@ -54,7 +54,7 @@ class Client:
             if all(s >= 0 for s in slots):
                 return slots
             assert time.monotonic() < deadline, f"not resident: {slots}"
-            self.channel.wait_notify(seen, 0.5)
+            self.channel.wait_notify(seen, 0.5, 100e-6)
 
     def release(self, layer: int, experts: list[int]) -> None:
         self.table.unpin_many([layer * self.num_experts + e for e in experts])

@@ -29,6 +29,10 @@ inline void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
+inline void futex_wake_one(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
 // Sleeps while `*word == seen`, at most `timeout_s` (< 0 or inf: no limit), announcing itself in
 // `sleepers` first so that a waker makes the wake syscall only when someone sleeps. Returns true
 // when the word changed. `what` names the word in errors.
@@ -85,10 +89,13 @@ inline bool spin_until_changed(std::atomic<uint32_t>* word, uint32_t seen, doubl
   }
 }
 
-// Bumps `word` and wakes its sleepers, if any.
+// Bumps `word` and wakes its sleepers, if any. A channel's words have one sleeper each (the
+// daemon's thread for that client on the doorbell, compute's scheduler thread on notify).
 inline void futex_bump(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers) {
   word->fetch_add(1);  // seq_cst: ordered before the sleepers load
-  if (sleepers->load() != 0) futex_wake_all(word);
+  const uint32_t n = sleepers->load();
+  if (n == 1) futex_wake_one(word);
+  else if (n != 0) futex_wake_all(word);
 }
 
 }  // namespace expertcache
