@@ -144,11 +144,14 @@ class ChannelServer:
         # Host-tier copies of the missing experts run here, in order; store reads go to the I/O
         # pool. Small experts: copied before the answer, so that the client wakes once to find
         # them all. Large ones: answered first, each announced as it lands.
+        # (Never answered once the client is gone: its channel may soon be another client's.)
         if self.gather:
             self.residency.run_deferred(deferred)
-            self.channel.reply(seq, STATUS_OK, "")
+            if not self.session.closed:
+                self.channel.reply(seq, STATUS_OK, "")
         else:
-            self.channel.reply(seq, STATUS_OK, "")
+            if not self.session.closed:
+                self.channel.reply(seq, STATUS_OK, "")
             self.residency.run_deferred(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
 

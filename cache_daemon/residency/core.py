@@ -122,6 +122,11 @@ class ResidencyStats:
     hints_dropped: int = 0  # predictor hints naming no live request or no MoE layer
 
 
+# How long closing a session waits for its channel's thread to end (it ends at its next check:
+# an admission waiting for slots is woken by the close, a copy in progress finishes).
+CHANNEL_JOIN_S = 10.0
+
+
 def table_entries(manifest: StoreManifest) -> int:
     """Entries of the shared slot table for ``manifest``: one per (decoder layer, expert)."""
     return manifest.num_layers * manifest.num_experts
@@ -593,6 +598,10 @@ class Residency:
         if ledger is not None:
             # Outside the lock: reclaim may wait (bounded) for a client inside a pin call.
             removed = self._ledgers.reclaim(ledger)
+            if server is not None:
+                # Before the ledger (and its channel) can go to the next client: the thread must
+                # not answer an old demand in a channel a new client already uses.
+                server.join(CHANNEL_JOIN_S)
             with self._cond:
                 self._ledgers.release(ledger)
                 self._cond.notify_all()

@@ -370,6 +370,55 @@ def test_shm_pins_block_eviction_until_the_holder_dies(daemon):
     stream.close()
 
 
+CHANNEL_HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from compute_svc.cache_client import DaemonClient
+c = DaemonClient.connect(sys.argv[1], connect_timeout_s=10, acquire_timeout_s=60)
+got = list(c.acquire(int(sys.argv[3]), [int(e) for e in sys.argv[4].split(",")]))
+print("pinned", sorted(r.source.value for r in got), flush=True)
+time.sleep(120)
+"""
+
+
+def channel_holder(daemon: Daemon, layer: int, experts: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHANNEL_HOLDER, daemon.proc.address, str(REPO), str(layer), experts],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def test_a_killed_client_leaks_no_pin_the_daemon_gave_it_on_its_channel(daemon):
+    # Misses are pinned by the daemon into the client's ledger: killing the client while it holds
+    # them, or while its own demand waits for slots, leaves nothing pinned.
+    holder = channel_holder(daemon, 3, "0,1,2")
+    waiter = None
+    try:
+        line = holder.stdout.readline().split()
+        assert line and line[0] == "pinned", holder.stderr.read()
+        assert daemon.stats().pinned == 3  # every slot, pinned by the daemon for the client
+        waiter = channel_holder(daemon, 1, "4")  # no slot can free: its demand waits
+        wait_for(lambda: daemon.stats().demands >= 2)
+        waiter.kill()  # killed while its demand waits in the daemon's admission
+        waiter.wait(10)
+        assert daemon.stats().pinned == 3
+    finally:
+        for proc in (holder, waiter):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+    wait_for(lambda: daemon.stats().pinned == 0)
+    stream = DemandStream(daemon.stub)
+    readies, _ = stream.acquire(1, 1, [4, 5, 0])
+    assert len(readies) == 3
+    for r in readies:
+        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+    stream.close()
+
+
 def test_demand_metadata_errors(daemon):
     bad = DemandStream.__new__(DemandStream)
     bad._requests = queue.Queue()
