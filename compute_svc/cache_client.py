@@ -81,8 +81,11 @@ from expertcache.manifest import StoreManifest
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # the manifest of a large model (checksums per expert) travels in Attach
-# How long a wait for the daemon's answer polls the client channel before it sleeps on its futex.
-CHANNEL_SPIN_S = 100e-6
+# How long a wait for the daemon's answer polls the client channel before it sleeps on its futex,
+# while the daemon's thread has the demand in hand (it runs, on another CPU); and how long it polls
+# for that thread to take the demand up at all: one that does not may be waiting for this CPU.
+CHANNEL_SPIN_S = 300e-6
+CHANNEL_GRACE_S = 20e-6
 # Experts smaller than this that an acquire misses are handed over together once all have landed
 # (expertcache.channel.GATHER_BELOW_BYTES: the daemon answers once the host-tier copies are done).
 GATHER_MISSES_BELOW_BYTES = codes.GATHER_BELOW_BYTES
@@ -498,9 +501,8 @@ class DaemonClient:
     ) -> Iterator[list[ReadyExpert]]:
         """The daemon's answer to demand ``seq``, then the misses in batches as they land."""
         while channel.reply_seq != seq:
-            self._wait_channel(
-                stream, channel, lambda: channel.reply_seq == seq, limit, deadline, layer, misses
-            )
+            remaining = self._remaining(stream, limit, deadline, layer, misses)
+            channel.wait_reply(seq, remaining, CHANNEL_SPIN_S, CHANNEL_GRACE_S)
         if channel.reply_status != codes.STATUS_OK:
             raise error_from_status(channel.reply_status, channel.reply_message, self.address)
         # Admitted: the daemon pinned every miss into our ledger; we release them like our hits.
@@ -535,13 +537,6 @@ class DaemonClient:
                 )
             self._wait_notify(stream, channel, seen, limit, deadline, layer, [misses[i] for i in pending])
 
-    def _wait_channel(
-        self, stream, channel, done: Callable[[], bool], limit, deadline, layer, experts
-    ) -> None:
-        seen = channel.notify_seq
-        if not done():
-            self._wait_notify(stream, channel, seen, limit, deadline, layer, experts)
-
     def _wait_notify(
         self,
         stream: _DemandStream,
@@ -554,6 +549,13 @@ class DaemonClient:
     ) -> None:
         """Sleep until the daemon (or an interrupt, or the stream's end) bumps the notify word
         past ``seen``; raise what ends the wait otherwise."""
+        channel.wait_notify(seen, self._remaining(stream, limit, deadline, layer, experts), CHANNEL_SPIN_S)
+
+    def _remaining(
+        self, stream: _DemandStream, limit: float, deadline: float | None, layer: int, experts: Sequence[int]
+    ) -> float:
+        """Seconds a wait for experts may still take; raises what ends it (an interrupt, the
+        stream's end, the timeout or the step's deadline)."""
         if self._interrupted:
             raise Cancelled(
                 f"the requests of this step were all cancelled while it waited for experts of layer {layer}"
@@ -572,10 +574,7 @@ class DaemonClient:
                 f"cache daemon at {self.address} did not deliver experts {list(experts)} of layer {layer} "
                 f"within {self._acquire_timeout_s:g}s"
             )
-        # A demand of host-tier experts is answered within tens of microseconds by the daemon's
-        # thread on the other core: poll that long before sleeping (no wake-up latency, and the
-        # daemon's notify makes no syscall).
-        channel.wait_notify(seen, remaining, CHANNEL_SPIN_S)
+        return remaining
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).

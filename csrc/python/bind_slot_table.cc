@@ -107,6 +107,10 @@ void bind_slot_table(py::module_& m) {
             py::gil_scoped_release nogil;
             return c.channel.wait_notify(seen, timeout_s, spin_s);
           }, py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0)
+      .def("wait_reply", [](PyChannel& c, uint32_t seq, double timeout_s, double spin_s, double grace_s) {
+            py::gil_scoped_release nogil;
+            return c.channel.wait_reply(seq, timeout_s, spin_s, grace_s);
+          }, py::arg("seq"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0, py::arg("grace_s") = 0.0)
       .def("source", [](const PyChannel& c, uint32_t i) { return c.channel.source(i); }, py::arg("i"))
       .def("notify", [](PyChannel& c) { c.channel.notify(); })
       .def_property_readonly("doorbell_seq", [](const PyChannel& c) { return c.channel.doorbell_seq(); })
@@ -114,7 +118,7 @@ void bind_slot_table(py::module_& m) {
             py::gil_scoped_release nogil;
             return c.channel.wait_doorbell(seen, timeout_s);
           }, py::arg("seen"), py::arg("timeout_s") = -1.0)
-      .def("take_demand", [](const PyChannel& c, uint32_t taken) -> py::object {
+      .def("take_demand", [](PyChannel& c, uint32_t taken) -> py::object {
             uint32_t seq = 0, layer = 0;
             std::vector<uint32_t> experts;
             if (!c.channel.take_demand(taken, &seq, &layer, &experts)) return py::none();

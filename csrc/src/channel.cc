@@ -236,6 +236,42 @@ bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s) 
                             where_ + " (notify)");
 }
 
+bool ClientChannel::wait_reply(uint32_t seq, double timeout_s, double spin_s, double grace_s) {
+  using clock = std::chrono::steady_clock;
+  auto seconds = [](double s) {
+    return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+  };
+  const auto start = clock::now();
+  const bool forever = timeout_s < 0;
+  const auto deadline = forever ? clock::time_point::max() : start + seconds(timeout_s);
+  const uint32_t seen = header_->notify.load();
+  if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
+  // Poll while it pays: the daemon's thread took the demand up (it runs, on another CPU), or for
+  // a short grace while it wakes.
+  const auto spin_until = std::min(deadline, start + seconds(std::min(spin_s, 1e-3)));
+  const auto grace_until = std::min(spin_until, start + seconds(grace_s));
+  for (unsigned i = 0;; ++i) {
+    if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
+    if (header_->notify.load(std::memory_order_relaxed) != seen) return false;  // something else: the caller checks
+    if ((i & 63) == 63) {
+      const auto now = clock::now();
+      if (now >= spin_until) break;
+      if (now >= grace_until && header_->taken_seq.load(std::memory_order_acquire) != seq) break;
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
+  double left = -1.0;
+  if (!forever) {
+    left = std::chrono::duration<double>(deadline - clock::now()).count();
+    if (left <= 0) return false;
+  }
+  futex_wait_changed(&header_->notify, &header_->compute_sleeping, seen, left, where_ + " (notify)");
+  return header_->reply_seq.load(std::memory_order_acquire) == seq;
+}
+
 uint8_t ClientChannel::source(uint32_t i) const {
   if (i >= max_demand_) throw std::out_of_range(where_ + ": demand position out of range");
   return reinterpret_cast<std::atomic<uint8_t>*>(sources_ + i)->load(std::memory_order_acquire);
@@ -255,6 +291,7 @@ void ClientChannel::reset() {
   header_->ring_tail.store(0);
   header_->fail_seq.store(0);
   header_->fail_status = 0;
+  header_->taken_seq.store(0);
   header_->reply_message[0] = '\0';
   header_->fail_message[0] = '\0';
   // doorbell / notify keep counting (a sleeper compares against what it read).
@@ -266,9 +303,10 @@ bool ClientChannel::wait_doorbell(uint32_t seen, double timeout_s) {
 }
 
 bool ClientChannel::take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer,
-                                std::vector<uint32_t>* experts) const {
+                                std::vector<uint32_t>* experts) {
   const uint32_t s = header_->demand_seq.load(std::memory_order_acquire);
   if (s == taken) return false;
+  header_->taken_seq.store(s, std::memory_order_release);
   const uint32_t count = header_->demand_count;
   *seq = s;
   *layer = header_->demand_layer;

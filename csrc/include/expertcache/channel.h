@@ -61,6 +61,7 @@ struct alignas(64) ChannelHeader {
   std::atomic<uint64_t> ring_tail;  // bytes consumed so far
   std::atomic<uint32_t> fail_seq;   // bumped when fail_message is written (a failed load)
   int32_t fail_status;
+  std::atomic<uint32_t> taken_seq;  // the demand the daemon's thread took up (it is running)
   alignas(64) char reply_message[kChannelMessageBytes];
   char fail_message[kChannelMessageBytes];
 };
@@ -116,6 +117,12 @@ class ClientChannel {
   // Sleeps while the notify word equals `seen` (at most timeout_s; < 0: no limit), after polling
   // it for up to spin_s (at most 1 ms) without sleeping. True when it changed.
   bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0);
+  // Waits until demand `seq` is answered (true) or timeout_s passes (false), waking also on any
+  // notify (an interrupt, the stream's end: the caller checks). Polls without sleeping while the
+  // daemon's thread has taken the demand up (for up to spin_s), but only `grace_s` for it to take
+  // it: a daemon thread that does not run soon may share this CPU, which polling would keep
+  // from it. Then sleeps on the notify word.
+  bool wait_reply(uint32_t seq, double timeout_s, double spin_s, double grace_s);
   // The source tier the daemon recorded for demand position `i` (0 until it knows).
   uint8_t source(uint32_t i) const;
   uint64_t ring_dropped() const { return header_->ring_dropped.load(); }
@@ -131,8 +138,8 @@ class ClientChannel {
   uint32_t doorbell_seq() const { return header_->doorbell.load(); }
   // Sleeps while the doorbell equals `seen` (timeout_s < 0: no limit); true when it changed.
   bool wait_doorbell(uint32_t seen, double timeout_s);
-  // The posted demand newer than `taken`, if any: (seq, layer, experts).
-  bool take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer, std::vector<uint32_t>* experts) const;
+  // The posted demand newer than `taken`, if any: (seq, layer, experts); marks it taken up.
+  bool take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer, std::vector<uint32_t>* experts);
   // Answers demand `seq` (status 0: admitted) and notifies compute.
   void reply(uint32_t seq, int32_t status, const std::string& message);
   // Records that a load compute waits for failed (message kept for compute), and notifies.
