@@ -58,6 +58,8 @@ class Prefetcher:
         self._metrics = metrics
         self.enabled = False
         self._dirty = True  # something the scheduler reads changed since its last decide
+        self._sleeping = False  # the worker waits on _wake (under the lock)
+        self._woken = False  # and was notified since it began to
         self._closing = False
         # prefetched, resident or loading, not used yet: its class and lookahead depth
         self._unused: dict[ExpertKey, tuple[PrefetchClass, int]] = {}
@@ -69,7 +71,10 @@ class Prefetcher:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
         every waiting admission (a slot, a load or a pin may have come free)."""
         self._dirty = True
-        if self.enabled:
+        # One wake-up per sleep: kicks that come before the worker runs add nothing (each costs
+        # the kicking thread a hand-off of the interpreter otherwise, on every layer's signals).
+        if self.enabled and self._sleeping and not self._woken:
+            self._woken = True
             self._wake.notify()
         self._cond.notify_all()
 
@@ -117,7 +122,11 @@ class Prefetcher:
                 while not self._closing and not (
                     self._dirty and self.enabled and not self._residency.demand_waiting
                 ):
-                    self._wake.wait()  # no timeout: every change kicks
+                    self._sleeping, self._woken = True, False
+                    try:
+                        self._wake.wait()  # no timeout: every change kicks
+                    finally:
+                        self._sleeping = False
                 if self._closing:
                     return
                 self._dirty = False
