@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy \
-        bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench
+        bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
 
@@ -147,6 +147,12 @@ bench-e2e: install
 # bench/results/overhead.json and .png. BENCH_OVERHEAD_ARGS="--device cuda" on a GPU machine.
 bench-overhead: install
 	$(PY) -m bench.overhead $(BENCH_OVERHEAD_ARGS)
+
+# Hostile clients at the transport (header-only streams, unread streams, refused 1 MB prompts,
+# the predictor under header-only streams), each held while a well-behaved client measures
+# health and short Generates beside it; bench/results/hostile.json.
+bench-hostile: install
+	$(PY) -m bench.hostile $(BENCH_HOSTILE_ARGS)
 
 # Serving: N concurrent streams (1, 4, 16, 64) against continuous batching and against the
 # one-at-a-time scheduler on the e2e benchmark's model; writes bench/results/serve.json and .png.

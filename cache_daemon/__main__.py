@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        metrics_server = serve(
-            metrics_registry(daemon), config.metrics_address, config.metrics_port, "daemon"
-        )
+        registry = metrics_registry(daemon)
+        metrics_server = serve(registry, config.metrics_address, config.metrics_port, "daemon")
     except OSError as exc:
         logger.error("cannot start: %s", exc)
         daemon.close()
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 ensure_private_dir(socket_path.parent)
             else:  # a directory the deployment chose (a pod's shared volume): create it if missing
                 socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            server, health_servicer = create_server(daemon, str(socket_path))
+            server, health_servicer = create_server(daemon, str(socket_path), registry=registry)
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on unix://%s: %s", socket_path, exc)
             return 2

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
-from expertcache.config_fields import ObservabilityFields, PredictorClientFields
+from expertcache.config_fields import ObservabilityFields, PredictorClientFields, TransportFields
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET, MAX_UNIX_SOCKET_PATH_BYTES
@@ -24,7 +24,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
-class DaemonConfig(PredictorClientFields, ObservabilityFields):
+class DaemonConfig(PredictorClientFields, ObservabilityFields, TransportFields):
     """Everything the daemon needs to serve one expert store."""
 
     store_dir: str = field(

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.config import DaemonConfig
@@ -26,9 +25,12 @@ from cache_daemon.residency import ClientLedger, LookaheadSignal, Ready, RouteSi
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
 from expertcache import telemetry
+from expertcache.aio_bridge import Health, LoopServer
 from expertcache.errors import InvalidArgument
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.keys import ExpertKey
+from expertcache.prom import Registry
+from expertcache.transport import TransportLimits
 
 logger = logging.getLogger(__name__)
 SOCKET_MODE = 0o600
@@ -387,8 +389,13 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
 
 
 def create_server(
-    daemon: CacheDaemon, socket_path: str, *, max_workers: int = GRPC_MAX_WORKERS
-) -> tuple[grpc.Server, health.HealthServicer]:
+    daemon: CacheDaemon,
+    socket_path: str,
+    *,
+    max_workers: int = GRPC_MAX_WORKERS,
+    limits: TransportLimits | None = None,
+    registry: Registry | None = None,
+) -> tuple[LoopServer, Health]:
     """A started server on ``unix://socket_path`` with health SERVING.
 
     The socket is owner-only (0600) whatever the umask: it is created under umask 077 and
@@ -401,6 +408,9 @@ def create_server(
             [lambda s: cache_pb2_grpc.add_ExpertCacheServicer_to_server(servicer, s)],
             [SERVICE_NAME],
             max_workers=max_workers,
+            limits=limits or TransportLimits.from_config(daemon.config),
+            registry=registry,
+            name="daemon-grpc",
         )
     finally:
         os.umask(old_umask)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from expertcache.config_fields import ObservabilityFields, PredictorClientFields, ServerSecurityFields
+from expertcache.config_fields import (
+    ObservabilityFields,
+    PredictorClientFields,
+    ServerSecurityFields,
+    TransportFields,
+)
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_ADDRESS
 from expertcache.security import ClientSecurity, ServerSecurity
@@ -20,7 +25,7 @@ LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
-class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFields):
+class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFields, TransportFields):
     """Settings of one compute process (the GPU pod's main container)."""
 
     store_dir: str = field(

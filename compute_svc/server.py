@@ -12,7 +12,6 @@ import logging
 import socket
 import time
 
-from grpc_health.v1 import health_pb2
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from compute_svc.activations import ActivationReporter, RoutingCapture
@@ -35,9 +34,11 @@ from compute_svc.metrics import ComputeMetrics
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache import telemetry
+from expertcache.aio_bridge import NOT_SERVING, SERVING
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.prom import serve
 from expertcache.security import ClientSecurity, ServerSecurity
+from expertcache.transport import TransportLimits
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +196,14 @@ class ComputeServer:
             config.listen_address,
             [lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)],
             [SERVICE_NAME],
-            # Every running or waiting Generate holds a server thread while it streams.
+            # A running or waiting Generate's generator holds a handler thread while it waits for
+            # its tokens (never while its request or its reader is awaited).
             max_workers=config.max_batch_size + config.max_waiting_requests + _EXTRA_RPC_THREADS,
             security=ServerSecurity.from_config(config),
             reflection_enabled=config.reflection,
+            limits=TransportLimits.from_config(config),
+            registry=self.metrics.registry,
+            name="compute-grpc",
         )
         # The daemon's stream ending while idle (it died): stop serving now and re-attach.
         self.client.on_stream_end = self.scheduler.daemon_lost
@@ -283,9 +288,7 @@ class ComputeServer:
         runtime.remap(arena)
 
     def _set_serving(self, serving: bool, reason: str) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = SERVING if serving else NOT_SERVING
         if not serving:
             logger.error("not serving until the cache daemon is back: %s", reason)
         for name in (SERVICE_NAME, ""):

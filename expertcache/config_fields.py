@@ -7,6 +7,8 @@ environment variable, the ConfigMap key and the schema entry are the same in eve
 - ``PredictorClientFields``: how a client reaches the predictor (compute, daemon); read by
   ``expertcache.security.ClientSecurity.from_config``.
 - ``ObservabilityFields``: ``/metrics`` and the log format (every service).
+- ``TransportFields``: the bounds of a gRPC server's transport (every service); read by
+  ``expertcache.transport.TransportLimits.from_config``.
 """
 
 from __future__ import annotations
@@ -89,3 +91,117 @@ class ObservabilityFields:
         },
     )
     """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
+
+
+@dataclass(frozen=True)
+class TransportFields:
+    """The bounds of a service's gRPC transport (``expertcache.transport.TransportLimits``): what a
+    hostile or broken client may hold open, and for how long. Read at start."""
+
+    max_concurrent_streams: int = field(
+        default=100,
+        metadata={"help": "HTTP/2 streams one connection may have open at once", "min": 1, "max": 1 << 16},
+    )
+    """Sent in the server's SETTINGS; a client queues its calls beyond it."""
+
+    max_streams_per_address: int = field(
+        default=256,
+        metadata={
+            "help": "calls one client address may have open at once (RESOURCE_EXHAUSTED beyond)",
+            "min": 1,
+            "max": 1 << 20,
+        },
+    )
+    """All connections of one host together (a unix socket's callers count as one address)."""
+
+    max_connections_per_address: int = field(
+        default=32,
+        metadata={
+            "help": "connections with open calls one client address may have",
+            "min": 1,
+            "max": 1 << 16,
+        },
+    )
+    """Counted while a connection carries a call; idle ones are closed after max_connection_idle_s."""
+
+    max_streams: int = field(
+        default=1024,
+        metadata={
+            "help": "calls the server holds open at once, all clients together",
+            "min": 1,
+            "max": 1 << 20,
+        },
+    )
+    """Health checks have a budget of their own and always answer."""
+
+    request_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a call may wait for its request message after its headers; 0 = no limit",
+            "min": 0.0,
+            "max": 3600.0,
+        },
+    )
+    """A call whose request never arrives ends with DEADLINE_EXCEEDED (it holds no thread meanwhile)."""
+
+    stream_stall_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds a response may wait for the client to read it; 0 = no limit",
+            "min": 0.0,
+            "max": 3600.0,
+        },
+    )
+    """A stream its client does not read is cancelled (DEADLINE_EXCEEDED), releasing its batch place and pins."""
+
+    keepalive_time_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds between the server's keepalive pings on an idle connection; 0 = none",
+            "min": 0.0,
+            "max": 86400.0,
+        },
+    )
+    """A peer that does not answer within keepalive_timeout_s is disconnected."""
+
+    keepalive_timeout_s: float = field(
+        default=20.0,
+        metadata={"help": "seconds a keepalive ping may wait for its answer", "min": 1.0, "max": 3600.0},
+    )
+
+    min_ping_interval_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "shortest interval between a client's pings; faster pingers are disconnected",
+            "min": 0.0,
+            "max": 3600.0,
+        },
+    )
+
+    max_connection_idle_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "seconds a connection without calls stays open; 0 = forever",
+            "min": 0.0,
+            "max": 86400.0,
+        },
+    )
+
+    max_connection_age_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds after which a connection is asked to close (GOAWAY); 0 = never",
+            "min": 0.0,
+            "max": 604800.0,
+        },
+    )
+    """Spreads long-lived clients over replicas; its calls get max_connection_age_grace_s to finish."""
+
+    max_connection_age_grace_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds the calls of an aged connection get to finish",
+            "min": 0.0,
+            "max": 86400.0,
+        },
+    )

@@ -8,21 +8,27 @@ as the method's message get ``INVALID_ARGUMENT`` (gRPC's own answer would be INT
 Interceptors run outermost first: the security ones (``expertcache.security``: the bearer token)
 before ``ErrorInterceptor``, so an unauthenticated call never reaches a handler. Reflection is
 served only when asked for (``reflection=True``; the services' ``--reflection`` flag).
+
+The server itself is gRPC's asyncio one on a loop thread of its own (``expertcache.aio_bridge``),
+bounded per connection, per client address and in all (``expertcache.transport``): a call that
+waits for its request or for its reader holds no thread, and health always answers.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from expertcache import telemetry
+from expertcache.aio_bridge import NOT_SERVING, SERVING, Aborted, CallEnded, Health, LoopServer, set_all
 from expertcache.errors import ExpertCacheError, InvalidArgument
+from expertcache.prom import CountersCollector, Registry
 from expertcache.security import ServerSecurity
+from expertcache.transport import StreamAccounting, TransportLimits
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             def inner(request, context):
                 try:
                     return fn(checked(request), context)
+                except (Aborted, CallEnded):
+                    raise  # the status is sent, or nobody is left to receive one
                 except Exception as exc:  # noqa: BLE001 - the edge maps every failure
                     if isinstance(exc, grpc.RpcError) and context.code() is not None:
                         raise
@@ -106,6 +114,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             def inner(request, context):
                 try:
                     yield from fn(checked(request), context)
+                except (Aborted, CallEnded):
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     if isinstance(exc, grpc.RpcError) and context.code() is not None:
                         raise
@@ -149,40 +159,58 @@ def build_server(
     max_message_bytes: int = 64 << 20,
     security: ServerSecurity | None = None,
     reflection_enabled: bool = False,
-) -> tuple[grpc.Server, health.HealthServicer]:
-    """A started-later server on ``address`` with health, error mapping, and the configured
-    security (TLS / mTLS / bearer token, ``expertcache.security``) and reflection.
+    limits: TransportLimits | None = None,
+    registry: Registry | None = None,
+    name: str = "grpc",
+) -> tuple[LoopServer, Health]:
+    """A started-later server on ``address`` with health, error mapping, the configured
+    security (TLS / mTLS / bearer token, ``expertcache.security``) and reflection, within the
+    transport's ``limits`` (``expertcache.transport``; defaults when None).
 
     ``register`` holds callables ``f(server)`` that add servicers; ``service_names`` are the
     full names of those services (for health and reflection). Health starts NOT_SERVING for
     each name and for the server as a whole (``""``, what a Kubernetes gRPC probe asks by
-    default): call ``set_serving`` once the service is ready. With tracing on, the RPCs that
-    are not long-lived streams get a server span with the caller's context from the metadata
-    (``opentelemetry-instrumentation-grpc``; ``expertcache.telemetry``).
+    default): call ``set_serving`` once the service is ready. ``max_workers`` bounds the threads
+    that run handlers' code (a call waiting for its request or its reader holds none). With
+    tracing on, the RPCs that are not long-lived streams get a server span with the caller's
+    context from the metadata (``opentelemetry-instrumentation-grpc``; ``expertcache.telemetry``).
+    ``registry``: where the transport's refusals and cuts are counted on ``/metrics``.
     """
     security = security or ServerSecurity()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*telemetry.server_interceptors(), *security.interceptors(), ErrorInterceptor()],
+    limits = limits or TransportLimits.from_config()
+    limits.check()
+    accounting = StreamAccounting(limits)
+    server = LoopServer(
+        sync_interceptors=[*telemetry.server_interceptors(), *security.interceptors(), ErrorInterceptor()],
+        accounting=accounting,
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *limits.server_options(),
         ],
+        max_workers=max_workers,
+        name=name,
     )
+    if registry is not None:
+        registry.add(CountersCollector(accounting.stats.counters))
     for add in register:
         add(server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    for name in [*names, ""]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    set_all(server.health, names, NOT_SERVING)
     if reflection_enabled:
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if security.add_port(server, address) == 0 and not address.startswith("unix:"):
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server.aio
+        )
+    try:
+        port = security.add_port(server, address)
+    except BaseException:
+        server.stop(0)
+        raise
+    if port == 0 and not address.startswith("unix:"):
+        server.stop(0)
         raise OSError(f"cannot bind gRPC server to {address}")
-    return server, health_servicer
+    return server, server.health
 
 
-def set_serving(health_servicer: health.HealthServicer, service_names: Iterable[str]) -> None:
-    for name in [*service_names, ""]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+def set_serving(health_status: Health, service_names: Iterable[str]) -> None:
+    set_all(health_status, service_names, SERVING)

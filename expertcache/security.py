@@ -229,6 +229,10 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
     def abort(_request, context):
         context.abort(code, message)
 
+    # The asyncio edge (``expertcache.aio_bridge``) answers such a call at its headers, without
+    # waiting for a request it would refuse anyway.
+    abort.refusal = (code, message)
+
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
             abort, handler.request_deserializer, handler.response_serializer
@@ -272,7 +276,6 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         problem = self.check(handler_call_details.invocation_metadata)
         if problem is None:
             return handler
-        logger.warning("refused %s: %s", handler_call_details.method, problem)
         return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
 
 

@@ -36,6 +36,7 @@ from expertcache.live_config import LiveConfig
 from expertcache.logs import setup_logging
 from expertcache.prom import serve
 from expertcache.security import ServerSecurity, redact_url
+from expertcache.transport import TransportLimits
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
 from predictor_svc.metrics import registry as metrics_registry
 from predictor_svc.server import SERVICE_NAME, create_server
@@ -108,9 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     service = PredictorService(config, store)
     try:
-        metrics_server = serve(
-            metrics_registry(service), config.metrics_address, config.metrics_port, "predictor"
-        )
+        registry = metrics_registry(service)
+        metrics_server = serve(registry, config.metrics_address, config.metrics_port, "predictor")
     except OSError as exc:
         logger.error("cannot start: %s", exc)
         service.close()
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_workers=config.grpc_max_workers,
                 security=ServerSecurity.from_config(config),
                 reflection_enabled=config.reflection,
+                limits=TransportLimits.from_config(config),
+                registry=registry,
             )
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on %s: %s", config.listen_address, exc)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from expertcache.config_fields import ObservabilityFields, ServerSecurityFields
+from expertcache.config_fields import ObservabilityFields, ServerSecurityFields, TransportFields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
 from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
@@ -74,7 +74,7 @@ def parse_model_shape(text: str) -> ModelShape:
 
 
 @dataclass(frozen=True)
-class PredictorConfig(ServerSecurityFields, ObservabilityFields):
+class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields):
     """Everything one predictor replica needs."""
 
     listen_address: str = field(

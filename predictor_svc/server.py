@@ -12,12 +12,14 @@ import logging
 from collections.abc import Iterator
 
 import grpc
-from grpc_health.v1 import health
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache import telemetry
+from expertcache.aio_bridge import Health, LoopServer
 from expertcache.grpc_server import build_server, set_serving
+from expertcache.prom import Registry
 from expertcache.security import ServerSecurity
+from expertcache.transport import TransportLimits
 from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
 
 logger = logging.getLogger(__name__)
@@ -208,7 +210,9 @@ def create_server(
     max_workers: int,
     security: ServerSecurity | None = None,
     reflection_enabled: bool = False,
-) -> tuple[grpc.Server, health.HealthServicer]:
+    limits: TransportLimits | None = None,
+    registry: Registry | None = None,
+) -> tuple[LoopServer, Health]:
     """A started server on ``address`` (host:port) with health SERVING; TLS / mTLS / bearer
     token as ``security`` says (``expertcache.security``)."""
     servicer = PredictorServicer(service)
@@ -219,6 +223,9 @@ def create_server(
         max_workers=max_workers,
         security=security,
         reflection_enabled=reflection_enabled,
+        limits=limits,
+        registry=registry,
+        name="predictor-grpc",
     )
     server.start()
     set_serving(health_servicer, [SERVICE_NAME])

@@ -1,0 +1,555 @@
+"""The services' synchronous servicers served by gRPC's asyncio core, on a loop of their own.
+
+With gRPC's thread-per-call server a call holds a thread from its headers on: while its request
+message has not arrived, and while its client does not read. A hundred such streams were enough to
+take every thread of a replica, its health check included. Here the server is a ``grpc.aio``
+server running on one event-loop thread (``LoopServer``), and only the handlers' own code runs in
+the thread pool:
+
+- every synchronous handler is turned into an asynchronous one (``Bridge``). A method with a
+  single request message is served as a request *stream*, so that its handler starts at the
+  call's headers: it is counted against ``expertcache.transport.StreamAccounting`` at once, and
+  its request message is awaited on the loop for at most ``request_timeout_s``;
+- a unary handler then runs in the pool; a streaming one runs its generator in a pool thread that
+  hands each response to the loop without ever waiting for the client, while the loop writes them;
+  a write the client does not take within ``stream_stall_timeout_s`` ends the call;
+- the handlers keep the ``grpc.ServicerContext`` they were written for (``SyncContext``):
+  ``add_callback`` callbacks run once when the call ends for any reason (client cancel, stall,
+  server stop, completion), ``is_active`` turns false then, ``abort`` sends the status at once.
+
+Health is served by gRPC's asynchronous health servicer on the loop itself, within a budget of its
+own (``transport.HEALTH_STREAMS``): a probe needs no pool thread and no data-plane capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertcache.errors import ExpertCacheError
+from expertcache.transport import StreamAccounting, TransportStats
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+_REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+class Aborted(Exception):  # noqa: N818 - the name says what happened, like grpc's own
+    """Raised in a handler's thread by ``SyncContext.abort``: the status is already sent."""
+
+
+class CallEnded(grpc.RpcError):
+    """Raised in a handler's thread reading requests of a call that has ended (the client went
+    away, the server stopped): nothing is left to answer."""
+
+
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _behavior(handler: grpc.RpcMethodHandler):
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+
+def is_async(handler: grpc.RpcMethodHandler) -> bool:
+    behavior = _behavior(handler)
+    return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+
+
+class SyncContext:
+    """``grpc.ServicerContext`` for a synchronous handler running in the pool."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop) -> None:
+        self._context = context
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._active = True
+        self.abort_error: BaseException | None = None
+
+    # -- the call's end ---------------------------------------------------------------------
+    def is_active(self) -> bool:
+        return self._active
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Runs ``callback`` once when the call ends; False (and not run) when it already has."""
+        with self._lock:
+            if not self._active:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def end(self) -> None:
+        """The call is over: mark it and run its callbacks (once, in this thread)."""
+        with self._lock:
+            if not self._active:
+                return
+            self._active = False
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one callback must not keep the others from running
+                logger.exception("a call's end callback failed")
+
+    def end_soon(self) -> None:
+        """``end`` without blocking the event loop: callbacks may take locks or join threads."""
+        with self._lock:
+            if not self._callbacks:
+                self._active = False
+                return
+        threading.Thread(target=self.end, name="grpc-call-end", daemon=True).start()
+
+    # -- what handlers ask of their context ---------------------------------------------------
+    def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        future = asyncio.run_coroutine_threadsafe(self._context.abort(code, details), self._loop)
+        try:
+            future.result()
+        except BaseException as exc:  # noqa: BLE001 - grpc's AbortError: the status is sent
+            self.abort_error = exc
+        raise Aborted(details)
+
+    def abort_with_status(self, status) -> None:
+        self.abort(status.code, status.details)
+
+    def send_initial_metadata(self, metadata) -> None:
+        asyncio.run_coroutine_threadsafe(self._context.send_initial_metadata(metadata), self._loop).result()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def peer_identities(self):
+        return self._context.peer_identities()
+
+    def peer_identity_key(self):
+        return self._context.peer_identity_key()
+
+    def auth_context(self):
+        return self._context.auth_context()
+
+    def set_code(self, code) -> None:
+        self._context.set_code(code)
+
+    def code(self):
+        return self._context.code()
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(details)
+
+    def details(self):
+        return self._context.details()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._context.set_trailing_metadata(metadata)
+
+    def trailing_metadata(self):
+        return self._context.trailing_metadata()
+
+    def set_compression(self, compression) -> None:
+        self._context.set_compression(compression)
+
+    def disable_next_message_compression(self) -> None:
+        self._context.disable_next_message_compression()
+
+
+class _Requests:
+    """The request stream of a call as the synchronous iterator a handler expects."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop, sync: SyncContext):
+        self._context = context
+        self._loop = loop
+        self._sync = sync
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._sync.is_active():
+            raise CallEnded()
+        try:
+            message = asyncio.run_coroutine_threadsafe(self._context.read(), self._loop).result()
+        except Exception as exc:  # noqa: BLE001 - the call ended under the read
+            raise CallEnded() from exc
+        if message is grpc.aio.EOF:
+            raise StopIteration
+        return message
+
+
+class _RateLimitedLog:
+    """At most one line per key per interval, with how many were left out."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, message: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, skipped = self._last.get(key, (-1e18, 0))
+            if now - last < self._interval:
+                self._last[key] = (last, skipped + 1)
+                return
+            self._last[key] = (now, 0)
+        suffix = f" ({skipped} more like it in the last {self._interval:g} s)" if skipped else ""
+        logger.warning("%s%s", message % args, suffix)
+
+
+class Bridge(grpc.aio.ServerInterceptor):
+    """The one aio interceptor: applies the services' synchronous interceptors (telemetry,
+    security, error mapping: ``sync_interceptors``, outermost first) to each handler, then serves
+    the result as an asynchronous handler within the transport's bounds."""
+
+    def __init__(
+        self,
+        sync_interceptors: Sequence[grpc.ServerInterceptor],
+        pool: ThreadPoolExecutor,
+        accounting: StreamAccounting,
+    ) -> None:
+        self._interceptors = list(sync_interceptors)
+        self._pool = pool
+        self.accounting = accounting
+        self._log = _RateLimitedLog(_REFUSAL_LOG_INTERVAL_S)
+
+    @property
+    def stats(self) -> TransportStats:
+        return self.accounting.stats
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if is_async(handler):
+            return self._counted_async(handler, method)
+        for interceptor in reversed(self._interceptors):
+            handler = interceptor.intercept_service(
+                lambda _details, inner=handler: inner, handler_call_details
+            )
+            if handler is None:
+                return None
+            refusal = getattr(_behavior(handler), "refusal", None)
+            if refusal is not None:
+                return self._refused(handler, method, *refusal)
+        return self._bridged(handler, method)
+
+    def _refused(
+        self, handler: grpc.RpcMethodHandler, method: str, code, message: str
+    ) -> grpc.RpcMethodHandler:
+        """A call refused by its headers alone (no token): answered at once, its request unread."""
+        log = self._log
+
+        async def refuse(_requests, context):
+            log.warning(f"refused:{method}:{code}", "refused %s from %s: %s", method, context.peer(), message)
+            await context.abort(code, message)
+
+        return grpc.stream_stream_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+
+    # -- admission ------------------------------------------------------------------------------
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str):
+        try:
+            return self.accounting.admit(context.peer(), method)
+        except ExpertCacheError as exc:
+            self._log.warning(f"refused:{method}", "refused %s from %s: %s", method, context.peer(), exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    async def _first_message(self, context: grpc.aio.ServicerContext, method: str):
+        timeout = self.accounting.limits.request_timeout_s
+        try:
+            if timeout > 0:
+                message = await asyncio.wait_for(context.read(), timeout)
+            else:
+                message = await context.read()
+        except TimeoutError:
+            self.stats.cut.inc(reason="request_timeout")
+            self._log.warning(
+                f"timeout:{method}",
+                "cut %s from %s: no request message within %g s",
+                method,
+                context.peer(),
+                timeout,
+            )
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no request message arrived within {timeout:g} s of the call's headers (request_timeout_s)",
+            )
+        if message is grpc.aio.EOF:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method} takes one request message; the call ended without one",
+            )
+        return message
+
+    # -- asynchronous handlers (health) ---------------------------------------------------------
+    def _counted_async(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        bridge = self
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                ticket = await bridge._admit(context, method)
+                try:
+                    return await inner(request, context)
+                finally:
+                    bridge.accounting.release(ticket)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                ticket = await bridge._admit(context, method)
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                finally:
+                    bridge.accounting.release(ticket)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    # -- synchronous handlers --------------------------------------------------------------------
+    def _bridged(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        unary_request = not handler.request_streaming
+        behavior = _behavior(handler)
+        bridge = self
+
+        async def call(requests, context):
+            loop = asyncio.get_running_loop()
+            ticket = await bridge._admit(context, method)
+            sync = SyncContext(context, loop)
+            try:
+                request = (
+                    await bridge._first_message(context, method)
+                    if unary_request
+                    else _Requests(context, loop, sync)
+                )
+                if handler.response_streaming:
+                    await bridge._stream(behavior, request, context, sync, method, loop)
+                    return None
+                try:
+                    response = await loop.run_in_executor(bridge._pool, behavior, request, sync)
+                except Aborted:
+                    if sync.abort_error is not None:
+                        raise sync.abort_error from None
+                    raise
+                await context.write(response)
+                return None
+            finally:
+                bridge.accounting.release(ticket)
+                sync.end_soon()
+
+        # Served as a request stream whatever the method's own arity, so that ``call`` starts at
+        # the call's headers (the wire format of one request message is the same).
+        return grpc.stream_stream_rpc_method_handler(
+            call, handler.request_deserializer, handler.response_serializer
+        )
+
+    async def _stream(self, behavior, request, context, sync: SyncContext, method: str, loop) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def hand(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: the server stopped
+                pass
+
+        def produce() -> None:
+            responses = None
+            try:
+                responses = behavior(request, sync)
+                for response in responses:
+                    hand(response)
+                    if not sync.is_active():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which ends the call with it
+                hand(_Raised(exc))
+                return
+            finally:
+                close = getattr(responses, "close", None)
+                if close is not None:
+                    close()
+            hand(_END)
+
+        self._pool.submit(produce)
+        stall = self.accounting.limits.stream_stall_timeout_s
+        while True:
+            item = await queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                if isinstance(item.error, Aborted) and sync.abort_error is not None:
+                    raise sync.abort_error from None
+                if isinstance(item.error, CallEnded):
+                    return
+                raise item.error
+            if stall <= 0:
+                await context.write(item)
+                continue
+            write = asyncio.ensure_future(context.write(item))
+            done, _ = await asyncio.wait({write}, timeout=stall)
+            if not done:
+                await self._stalled(write, context, sync, method, stall)
+                return
+            write.result()
+
+    async def _stalled(
+        self, write: asyncio.Future, context, sync: SyncContext, method: str, stall: float
+    ) -> None:
+        """The client has not taken a response for ``stall`` seconds: release what its call holds
+        (for Generate: its request leaves the batch, its pins go), so that nothing else waits for
+        it. No status can pass the responses it has not read, so the call stays counted (against
+        the bounds of its address) until the client reads, cancels or loses its connection; it
+        holds no thread meanwhile."""
+        self.stats.cut.inc(reason="stall")
+        self._log.warning(
+            f"stall:{method}",
+            "cut %s from %s: the client took no response for %g s (stream_stall_timeout_s); its request is cancelled",
+            method,
+            context.peer(),
+            stall,
+        )
+        sync.end_soon()
+        await write
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
+        )
+
+
+class Health:
+    """The health statuses of one server, set from any thread (the servicer lives on the loop)."""
+
+    def __init__(self, servicer: health_async.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
+        self.servicer = servicer
+        self._loop = loop
+
+    def _run(self, coroutine) -> None:
+        if self._loop.is_closed() or not self._loop.is_running():
+            coroutine.close()
+            return
+        asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=10.0)
+
+    def set(self, service: str, status) -> None:
+        self._run(self.servicer.set(service, status))
+
+    def enter_graceful_shutdown(self) -> None:
+        self._run(self.servicer.enter_graceful_shutdown())
+
+
+class LoopServer:
+    """A ``grpc.aio`` server on an event loop thread of its own, with the synchronous
+    ``grpc.Server`` methods the services call (``start``, ``stop(grace).wait()``,
+    ``wait_for_termination``, ``add_*_port``, handler registration)."""
+
+    def __init__(
+        self,
+        *,
+        sync_interceptors: Sequence[grpc.ServerInterceptor],
+        accounting: StreamAccounting,
+        options: Iterable[tuple[str, object]],
+        max_workers: int,
+        name: str = "grpc",
+    ) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-handler")
+        self.bridge = Bridge(sync_interceptors, self._pool, accounting)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._stopping = False
+        options = list(options)
+
+        async def make() -> grpc.aio.Server:
+            return grpc.aio.server(interceptors=[self.bridge], options=options)
+
+        self.aio = self._call(make())
+        servicer = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, self.aio)
+        self.health = Health(servicer, self._loop)
+
+    @property
+    def stats(self) -> TransportStats:
+        return self.bridge.stats
+
+    def _call(self, coroutine, timeout: float | None = 30.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
+
+    def _sync(self, fn, *args):
+        async def run():
+            return fn(*args)
+
+        return self._call(run())
+
+    # -- grpc.Server's surface ------------------------------------------------------------------
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._sync(self.aio.add_generic_rpc_handlers, handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self._sync(self.aio.add_registered_method_handlers, service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._sync(self.aio.add_insecure_port, address)
+
+    def add_secure_port(self, address: str, credentials) -> int:
+        return self._sync(self.aio.add_secure_port, address, credentials)
+
+    def start(self) -> None:
+        self._call(self.aio.start())
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Refuse new calls, give those in progress ``grace`` seconds, then cancel them; the
+        event is set once the server and its loop are down."""
+        if self._stopping:
+            return self._stopped
+        self._stopping = True
+
+        def finish(_future=None) -> None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+
+        future = asyncio.run_coroutine_threadsafe(self.aio.stop(grace), self._loop)
+        future.add_done_callback(
+            lambda f: threading.Thread(target=finish, name="grpc-stop", daemon=True).start()
+        )
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """True when ``timeout`` passed first (``grpc.Server``'s contract)."""
+        return not self._stopped.wait(timeout)
+
+
+def set_all(health: Health, service_names: Iterable[str], status) -> None:
+    for name in [*service_names, ""]:
+        health.set(name, status)
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,133 @@
+"""Synchronous servicers on the asyncio edge (``expertcache.aio_bridge``), on a real socket: the
+``grpc.ServicerContext`` they were written for keeps its meaning (callbacks at the call's end,
+``is_active``, errors as statuses, request streams), and a call waiting for its request holds no
+handler thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from bench.hostile import Attack
+from expertcache.errors import NotFound
+from expertcache.grpc_server import build_server, set_serving
+from expertcache.transport import TransportLimits
+
+SERVICE = "test.Bridge"
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+class Servicer:
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.active_after_end: list[bool] = []
+        self.started = threading.Event()
+
+    def echo(self, request: bytes, context) -> bytes:
+        if request == b"missing":
+            raise NotFound("no such thing as 'missing'")
+        return request.upper()
+
+    def count(self, request: bytes, context):
+        def on_end():
+            self.ended.set()
+
+        context.add_callback(on_end)
+        self.started.set()
+        for i in range(int(request)):
+            yield str(i).encode()
+        if not self.ended.wait(30):  # a stream that lasts until the client goes
+            return
+        self.active_after_end.append(context.is_active())
+
+    def total(self, requests, context) -> bytes:
+        return str(sum(int(r) for r in requests)).encode()
+
+
+@pytest.fixture
+def server():
+    servicer = Servicer()
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(servicer.echo, _identity, _identity),
+        "Count": grpc.unary_stream_rpc_method_handler(servicer.count, _identity, _identity),
+        "Total": grpc.stream_unary_rpc_method_handler(servicer.total, _identity, _identity),
+    }
+    limits = TransportLimits.from_config(None, request_timeout_s=0.5, max_streams_per_address=40)
+    srv, health = build_server(
+        "127.0.0.1:0",
+        [lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))],
+        [SERVICE],
+        max_workers=2,
+        limits=limits,
+    )
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    set_serving(health, [SERVICE])
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield servicer, channel, port, srv
+    channel.close()
+    srv.stop(0).wait(10)
+
+
+def call(channel, method: str, kind: str = "unary_unary"):
+    return getattr(channel, kind)(f"/{SERVICE}/{method}", request_serializer=_identity, response_deserializer=_identity)
+
+
+def test_unary_calls_and_domain_errors_as_statuses(server):
+    _servicer, channel, _port, _srv = server
+    assert call(channel, "Echo")(b"abc", timeout=5) == b"ABC"
+    with pytest.raises(grpc.RpcError) as info:
+        call(channel, "Echo")(b"missing", timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'missing'" in info.value.details()
+
+
+def test_request_streams_reach_the_handler_whole(server):
+    _servicer, channel, _port, _srv = server
+    assert call(channel, "Total", "stream_unary")(iter([b"1", b"2", b"39"]), timeout=5) == b"42"
+
+
+def test_a_client_cancel_runs_the_callbacks_and_ends_the_handler(server):
+    servicer, channel, _port, _srv = server
+    responses = call(channel, "Count", "unary_stream")(b"3", timeout=30)
+    assert [next(responses) for _ in range(3)] == [b"0", b"1", b"2"]
+    responses.cancel()
+    assert servicer.ended.wait(5)
+    deadline = time.monotonic() + 5
+    while not servicer.active_after_end and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert servicer.active_after_end == [False]
+
+
+def test_calls_waiting_for_their_request_hold_no_handler_thread(server):
+    _servicer, channel, port, _srv = server
+    # 30 header-only calls against 2 handler threads: the unary call still runs at once, and
+    # each of them ends with DEADLINE_EXCEEDED after the 0.5 s request timeout.
+    attack = Attack("127.0.0.1", port, f"/{SERVICE}/Echo", connections=3, streams=10).start()
+    try:
+        assert attack.wait_held(30) == 30
+        start = time.monotonic()
+        assert call(channel, "Echo")(b"x", timeout=5) == b"X"
+        assert time.monotonic() - start < 1.0
+        deadline = time.monotonic() + 10
+        while attack.tally().statuses.get("4", 0) < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert attack.tally().statuses.get("4", 0) >= 30
+    finally:
+        attack.stop()
+
+
+def test_stopping_the_server_ends_open_streams(server):
+    servicer, channel, _port, srv = server
+    responses = call(channel, "Count", "unary_stream")(b"1", timeout=30)
+    assert next(responses) == b"0"
+    assert srv.stop(0.1).wait(10)
+    assert servicer.ended.wait(5)
+    with pytest.raises(grpc.RpcError):
+        next(responses)
