@@ -10,6 +10,9 @@
                          prompt chunks in arrival order until max_batched_tokens are taken
     cancel(), a deadline, the daemon's loss: the request leaves at the next step; a step whose
     requests are all gone is interrupted inside its wait for experts
+    drain(): new requests refused, the admitted ones run on for drain_timeout_s; stop() then
+    interrupts the step in flight (a wait for experts too) and ends what is left with
+    UNAVAILABLE saying to retry on another replica, never as if the client had cancelled
 
 A new request joins the running batch at the next step and a finished one leaves at once. A long
 prompt is fed in chunks, so it delays the others' next token by one chunk's compute at most,
@@ -56,6 +59,11 @@ logger = logging.getLogger(__name__)
 _DONE = object()  # end of a request's event stream
 RECOVERY_INITIAL_S = 0.1
 RECOVERY_MAX_S = 2.0
+# stop() interrupts the step in flight this often until the worker ends: an interrupt that lands
+# before the step begins is forgotten by it (the daemon client forgets an earlier step's).
+STOP_INTERRUPT_EVERY_S = 0.05
+# The retry hint of every request a shutdown ends or refuses (the pod is going away).
+RETRY_ELSEWHERE = "retry on another replica"
 
 
 @dataclass(frozen=True)
@@ -170,18 +178,23 @@ class Scheduler:
         return left == 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Refuse new requests, fail the waiting ones, stop the running ones, join the worker."""
+        """Refuse new requests, fail the waiting ones, stop the running ones (a step waiting for
+        experts is interrupted), join the worker; each ends with UNAVAILABLE and a retry hint."""
         with self._cond:
             self._stopping = True
             waiting = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
         for handle in waiting:
-            self._fail(handle, Unavailable("the compute service is shutting down"))
-        if self._interrupt is not None:
-            self._interrupt()
-        if self._worker.is_alive():
-            self._worker.join(timeout_s)
+            self._fail(handle, Unavailable(f"the compute service is shutting down: {RETRY_ELSEWHERE}"))
+        deadline = time.monotonic() + timeout_s
+        while self._worker.is_alive():
+            if self._interrupt is not None:
+                self._interrupt()  # the step in flight, if it waits for experts, ends now
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._worker.join(min(STOP_INTERRUPT_EVERY_S, remaining))
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here."""
@@ -189,7 +202,7 @@ class Scheduler:
         handle = RequestHandle(prepared, self._wake)
         with self._cond:
             if self._stopping or self._draining:
-                raise Unavailable("the compute service is shutting down: retry on another replica")
+                raise Unavailable(f"the compute service is shutting down: {RETRY_ELSEWHERE}")
             if self._down is not None:
                 raise Unavailable(f"{self._down}; retry shortly")
             # Room: the free places of the batch (the worker admits them at its next step) plus
@@ -237,13 +250,7 @@ class Scheduler:
             if plan:
                 self._step(plan)
         for handle in list(self._running):
-            self._leave(
-                handle,
-                "error",
-                Unavailable(
-                    f"request {handle.request_id!r} was stopped: the compute service is shutting down"
-                ),
-            )
+            self._leave(handle, "error", self._stopped_error(handle))
 
     def _admit_locked(self) -> None:
         """Move waiting requests into the batch, in arrival order, while it has room."""
@@ -318,8 +325,12 @@ class Scheduler:
             events = self.engine.step(plan, deadline=step_deadline)
         except DaemonUnavailable as exc:
             logger.warning("cache daemon lost during a step of %d requests: %s", len(stepping), exc)
+            # While draining, the request will not be taken up again here: it is to be retried elsewhere.
+            hint = f"; {RETRY_ELSEWHERE}" if (self._draining or self._stopping) else ""
             for handle in list(self._running):  # every request's pins went with the stream
-                self._leave(handle, "error", Unavailable(f"request {handle.request_id!r} failed: {exc}"))
+                self._leave(
+                    handle, "error", Unavailable(f"request {handle.request_id!r} failed: {exc}{hint}")
+                )
             self._set_down(str(exc))
             return
         except ExpertCacheError as exc:
@@ -331,6 +342,10 @@ class Scheduler:
                         "cancelled" if handle.cancelled else "expired",
                         self._gone_error(handle, now, started=True),
                     )
+                elif self._stopping:
+                    # stop() interrupted the step (its wait for experts raises Cancelled): the
+                    # service ended it, not the client.
+                    self._leave(handle, "error", self._stopped_error(handle))
                 else:
                     logger.warning("request %r failed: %s", handle.request_id, exc)
                     self._leave(handle, "error", type(exc)(str(exc)))
@@ -371,6 +386,15 @@ class Scheduler:
         self.metrics.record_finish("cancelled" if isinstance(error, Cancelled) else "error")
         handle._put(error)
         handle._put(_DONE)
+
+    @staticmethod
+    def _stopped_error(handle: RequestHandle) -> Unavailable:
+        """What a request still running at ``stop`` ends with: UNAVAILABLE, to be retried elsewhere."""
+        done = handle.seq.generated if handle.seq is not None else 0
+        return Unavailable(
+            f"request {handle.request_id!r} was stopped after {done} generated tokens: the compute "
+            f"service is shutting down and could not finish it in time; {RETRY_ELSEWHERE}"
+        )
 
     @staticmethod
     def _gone_error(handle: RequestHandle, now: float, *, started: bool) -> ExpertCacheError:

@@ -7,7 +7,11 @@
   Generates with UNAVAILABLE, while the streams in progress run to their end; the process then
   exits 0;
 - a stream still running after ``drain_timeout_s`` is stopped with UNAVAILABLE, and the process
-  exits within that bound instead of waiting for the kubelet's SIGKILL.
+  exits within that bound instead of waiting for the kubelet's SIGKILL;
+- the drain does not depend on the daemon's history: after live budget shrinks and a daemon
+  restart (it boots with the shrunk budget of its ConfigMap) every stream in progress finishes;
+  and streams a drain cannot finish (the daemon hangs) end with UNAVAILABLE and a retry hint,
+  never CANCELLED, even while their step waits for experts.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from tests.procs import start_compute, start_daemon
+from tests.integration.test_daemon_server import tiers
+from tests.integration.test_live_config import KubeletVolume
+from tests.procs import start, start_compute, start_daemon
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -55,13 +62,13 @@ def health_cli(address: str, *extra: str) -> subprocess.CompletedProcess:
 class Stream:
     """One Generate consumed on a thread: its events, and its error if it ends with one."""
 
-    def __init__(self, address: str, max_new_tokens: int) -> None:
+    def __init__(self, address: str, max_new_tokens: int, request_id: str = "long") -> None:
         self.channel = grpc.insecure_channel(address)
         self.events: list = []
         self.error: grpc.RpcError | None = None
         self.first = threading.Event()
         request = inference_pb2.GenerateRequest(
-            token_ids=[5, 6, 7], max_new_tokens=max_new_tokens, ignore_eos=True, request_id="long"
+            token_ids=[5, 6, 7], max_new_tokens=max_new_tokens, ignore_eos=True, request_id=request_id
         )
         self._call = inference_pb2_grpc.InferenceStub(self.channel).Generate(request, timeout=300)
         self.thread = threading.Thread(target=self._consume, daemon=True)
@@ -160,3 +167,103 @@ def test_a_stream_beyond_the_drain_timeout_is_stopped_and_the_process_exits(stac
     assert 0 < len(stream.events) < 1900
     assert exited_after < 30, exited_after
     assert "cut off after 1s" in compute.log()
+
+
+def device_slots(daemon) -> int:
+    with grpc.insecure_channel(daemon.address) as channel:
+        stats = cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+    return tiers(stats)[cache_pb2.TIER_DEVICE].capacity_slots
+
+
+def generates(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            replies = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.GenerateRequest(token_ids=[4, 5, 6], max_new_tokens=4, ignore_eos=True),
+                timeout=30,
+            )
+            return len(list(replies)) == 4
+        except grpc.RpcError:
+            return False
+
+
+def test_sigterm_after_budget_shrinks_and_a_daemon_restart_drains_every_stream(tiny_store, tmp_path):
+    """The reported run: live budget edits, the daemon restarted (booting with the shrunk budget
+    of its ConfigMap), then SIGTERM with 4 streams in progress: all 4 finish."""
+    tiny = tiny_store("mixtral")
+    blob, blobs = tiny.manifest.blob_bytes, tiny.manifest.num_blobs
+    volume = KubeletVolume(tmp_path / "config", "daemon.yaml", f"device_budget_bytes: {blobs * blob}\n")
+    sock = tmp_path / "daemon.sock"
+    args = ["--store-dir", str(tiny.store), "--socket-path", str(sock), "--device", "cpu"]
+    args += ["--config-file", str(volume.path), "--device-budget-max-bytes", str(blobs * blob)]
+    daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    compute = None
+    try:
+        compute = start_compute(tiny.store, daemon, tmp_path, extra=["--drain-timeout-s", "120"])
+        assert generates(compute.address)
+        quarter = max(2, blobs // 4)
+        volume.write(f"device_budget_bytes: {quarter * blob}\n")
+        wait_for(lambda: device_slots(daemon) == quarter, "the live shrink", timeout_s=15)
+        assert generates(compute.address)
+        daemon.popen.kill()
+        daemon.popen.wait()
+        daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon-restarted.log")
+        wait_for(lambda: generates(compute.address), "compute re-attached", timeout_s=60, poll_s=0.2)
+        assert device_slots(daemon) == quarter  # booted with the edited budget
+        volume.write(f"device_budget_bytes: {blob}\n")  # and shrunk again, live: every layer misses
+        wait_for(lambda: device_slots(daemon) == 1, "the second live shrink", timeout_s=15)
+        tokens = 48
+        streams = [Stream(compute.address, tokens, request_id=f"s{i}") for i in range(4)]
+        for stream in streams:
+            assert stream.first.wait(120) and stream.events, stream.error
+        signalled = time.monotonic()
+        compute.popen.send_signal(signal.SIGTERM)
+        for stream in streams:
+            stream.thread.join(180)
+            assert stream.error is None, (stream.error, compute.log()[-4000:])
+            assert len(stream.events) == tokens
+            assert stream.events[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+        assert compute.popen.wait(60) == 0, compute.log()
+        assert "drain complete" in compute.log()
+        assert daemon.popen.poll() is None
+        print(
+            f"\ndrained 4 streams in {time.monotonic() - signalled:.1f}s after budget shrinks and a restart"
+        )
+    finally:
+        if compute is not None:
+            compute.stop()
+        daemon.stop()
+
+
+def test_streams_a_drain_cannot_finish_end_unavailable_with_a_retry_hint(tiny_store, tmp_path):
+    """The daemon hangs (SIGSTOP) with a 1-slot budget: every step waits for experts that never
+    come, so the drain is cut off inside that wait; the streams end UNAVAILABLE, not CANCELLED."""
+    tiny = tiny_store("mixtral")
+    daemon = start_daemon(tiny.store, tmp_path, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes)
+    compute = None
+    stopped = False
+    try:
+        compute = start_compute(tiny.store, daemon, tmp_path, extra=["--drain-timeout-s", "2"])
+        streams = [Stream(compute.address, 1900, request_id=f"s{i}") for i in range(4)]
+        for stream in streams:
+            assert stream.first.wait(120) and stream.events, stream.error
+        daemon.popen.send_signal(signal.SIGSTOP)
+        stopped = True
+        signalled = time.monotonic()
+        compute.popen.send_signal(signal.SIGTERM)
+        assert compute.popen.wait(60) == 0, compute.log()
+        exited_after = time.monotonic() - signalled
+        for stream in streams:
+            stream.thread.join(30)
+            assert stream.error is not None, "a stream finished although the daemon was stopped"
+            assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, (stream.error, compute.log()[-4000:])
+            assert "shutting down" in stream.error.details()
+            assert "retry on another replica" in stream.error.details()
+        assert exited_after < 20, exited_after
+        assert "cut off after 2s" in compute.log()
+    finally:
+        if stopped:
+            daemon.popen.send_signal(signal.SIGCONT)
+        if compute is not None:
+            compute.stop()
+        daemon.stop()

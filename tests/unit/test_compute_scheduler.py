@@ -345,3 +345,79 @@ def test_a_short_prompt_behind_a_long_one_is_not_held_for_its_whole_prefill(batc
     # The short prompt went in whole at its first step, ahead of the long prompt's remaining chunks.
     assert short_step < steps_with_long[7]
     assert [rid for rid, _ in log.plans[short_step]][0] == "short"
+
+
+class StuckDaemon:
+    """Stands in for the daemon client waiting on a daemon that delivers nothing: each acquire
+    waits until ``interrupt`` (up to 30 s), then raises the client's ``Cancelled``. As the client
+    does, a step's first acquire forgets interrupts that came before it (``begin_step``);
+    ``hold_begin`` keeps that moment back until it is set."""
+
+    def __init__(self, provider) -> None:
+        self.provider, self.original = provider, provider.acquire_batches
+        self.interrupted = False
+        self.interrupts = 0
+        self.entered = threading.Event()
+        self.hold_begin = threading.Event()
+        self.hold_begin.set()
+        provider.acquire_batches = self.acquire_batches
+
+    def interrupt(self) -> None:
+        self.interrupts += 1
+        self.interrupted = True
+
+    def acquire_batches(self, layer, experts, deadline=None, trace_context=None):
+        self.entered.set()
+        self.hold_begin.wait(10)
+        self.interrupted = False
+        give_up = time.monotonic() + 30
+        while not self.interrupted:
+            if time.monotonic() > give_up:
+                raise DeadlineExceeded(f"no interrupt came while waiting for experts of layer {layer}")
+            time.sleep(0.002)
+        raise Cancelled(
+            f"the requests of this step were all cancelled while it waited for experts of layer {layer}"
+        )
+
+    def restore(self) -> None:
+        self.provider.acquire_batches = self.original
+
+
+def test_a_drain_cut_off_inside_a_wait_for_experts_ends_unavailable_with_a_retry_hint(batching):
+    daemon = None
+    scheduler, _, provider, _ = batching(
+        limits=BatchLimits(max_batch_size=2, max_batched_tokens=8), interrupt=lambda: daemon.interrupt()
+    )
+    daemon = StuckDaemon(provider)
+    try:
+        handles = [scheduler.submit(request(0, n=50)), scheduler.submit(request(1, n=50))]
+        assert daemon.entered.wait(10)
+        assert scheduler.drain(0.2) is False  # the step never gets its experts
+        scheduler.stop()
+        for handle in handles:
+            # Not CANCELLED: the client did not go away, the service stopped it.
+            with pytest.raises(Unavailable, match="shutting down .*; retry on another replica"):
+                list(handle)
+    finally:
+        daemon.restore()
+
+
+def test_stop_interrupts_a_step_that_began_after_its_first_interrupt(batching):
+    daemon = None
+    scheduler, _, provider, _ = batching(interrupt=lambda: daemon.interrupt())
+    daemon = StuckDaemon(provider)
+    daemon.hold_begin.clear()
+    try:
+        handle = scheduler.submit(request(0, n=50))
+        assert daemon.entered.wait(10)
+        stopper = threading.Thread(target=scheduler.stop)
+        stopper.start()
+        while not daemon.interrupts:  # stop's first interrupt comes before the step's wait begins
+            time.sleep(0.001)
+        daemon.hold_begin.set()
+        stopper.join(5)
+        assert not stopper.is_alive(), "stop waited for a step that forgot its interrupt"
+        with pytest.raises(Unavailable, match="retry on another replica"):
+            list(handle)
+    finally:
+        daemon.restore()
