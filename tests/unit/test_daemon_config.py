@@ -22,13 +22,23 @@ def load(cli=None, env=None, file=None) -> DaemonConfig:
     return load_config(DaemonConfig, cli=cli or {}, env=env or {}, env_prefix=ENV_PREFIX, file=file)
 
 
+TRANSPORT_COUNTS = (
+    "max_concurrent_streams",
+    "max_streams_per_address",
+    "max_connections_per_address",
+    "max_streams",
+)
+
+
 def test_every_field_is_documented_and_unit_suffixed():
     hints = typing.get_type_hints(DaemonConfig)
     for field in dataclasses.fields(DaemonConfig):
         assert field.default is not dataclasses.MISSING, field.name
         assert field.metadata.get("help"), field.name
-        # A count of threads and a TCP port have no unit.
-        if hints[field.name] in (int, float) and field.name not in ("io_threads", "metrics_port"):
+        # A count of threads, of streams or connections (the transport's bounds) and a TCP port
+        # have no unit.
+        counts = ("io_threads", "metrics_port", *TRANSPORT_COUNTS)
+        if hints[field.name] in (int, float) and field.name not in counts:
             # Units: bytes, seconds, tokens, layers; a probability is dimensionless, in [0, 1].
             assert field.name.endswith(("_bytes", "_s", "_tokens", "_layers", "_probability")), field.name
 
