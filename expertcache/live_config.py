@@ -227,10 +227,10 @@ class LiveConfig:
             if data is not None:
                 raw = yaml.safe_load(str(data)) or {}
             elif self._config_file:
-                raw = yaml.safe_load(Path(self._config_file).read_text()) or {}
+                raw = yaml.safe_load(Path(self._config_file).read_text(encoding="utf-8")) or {}
             else:
                 return
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             return  # changed again meanwhile: the next reload tells
         for key, value in raw.items() if isinstance(raw, dict) else ():
             name = str(key).replace("-", "_")
