@@ -38,7 +38,7 @@ from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forw
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
 from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
-from compute_svc.prompt_text import longest_token_bytes, tokenize
+from compute_svc.prompt_text import TRIM_AFTER_BYTES, longest_token_bytes, release_free_heap, tokenize
 from compute_svc.sampling import Sampler, SamplingParams, check_sampling
 from expertcache import telemetry
 from expertcache.manifest import read_manifest
@@ -335,10 +335,7 @@ class GenerationEngine:
                 if not 0 <= token < vocab:
                     raise InvalidArgument(f"{field_name}[{i}] = {token} is out of range [0, {vocab})")
         if len(prompt_ids) > limits.max_prompt_tokens:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt_ids)} tokens; this service takes at most {limits.max_prompt_tokens} "
-                "(max_prompt_tokens, and the model's maximum positions)"
-            )
+            raise self._too_many_tokens(len(prompt_ids))
         total = len(prompt_ids) + request.max_new_tokens
         if total > limits.max_total_tokens:
             raise InvalidArgument(
@@ -389,11 +386,14 @@ class GenerationEngine:
                 rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
                 rendered_size = len(rendered.encode())
                 self._check_text_size(rendered_size, "messages after the chat template")
-                ids = tokenize(
-                    lambda: _ids_of(
-                        tokenizer.apply_chat_template(
-                            chat, add_generation_prompt=True, tokenize=True, return_dict=False
-                        )
+                ids = self._fitting(
+                    tokenize(
+                        lambda: _ids_of(
+                            tokenizer.apply_chat_template(
+                                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                            )
+                        ),
+                        rendered_size,
                     ),
                     rendered_size,
                 )
@@ -408,10 +408,27 @@ class GenerationEngine:
                     f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
                 )
             self._check_text_size(size, "text")
-            ids = tokenize(lambda: tokenizer.encode(request.text), size)
+            ids = self._fitting(tokenize(lambda: tokenizer.encode(request.text), size), size)
         if not ids:
             raise InvalidArgument("prompt is empty: text encodes to no tokens")
-        return tuple(int(t) for t in ids)
+        return ids
+
+    def _too_many_tokens(self, count: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"the prompt has {count} tokens; this service takes at most {self.limits.max_prompt_tokens} "
+            "(max_prompt_tokens, and the model's maximum positions)"
+        )
+
+    def _fitting(self, ids: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
+        """``ids`` tokenised from ``nbytes`` of text, refused when over max_prompt_tokens; the
+        heap they held goes back first (a refused 1 MB prompt leaves ~5 MiB of ids per thread)."""
+        if len(ids) <= self.limits.max_prompt_tokens:
+            return ids
+        count = len(ids)
+        del ids
+        if nbytes >= TRIM_AFTER_BYTES:
+            release_free_heap()
+        raise self._too_many_tokens(count)
 
     @property
     def prompt_text_limit(self) -> int:

@@ -129,11 +129,11 @@ def release_free_heap() -> None:
         _malloc_trim(0)
 
 
-def tokenize(call: Callable[[], Sequence[int]], nbytes: int) -> list[int]:
-    """``call()`` (a tokenizer's encode of ``nbytes`` of text) as a list of ids; after a large text
-    the heap it freed goes back to the kernel."""
+def tokenize(call: Callable[[], Sequence[int]], nbytes: int) -> tuple[int, ...]:
+    """``call()`` (a tokenizer's encode of ``nbytes`` of text) as a tuple of ids; after a large
+    text the heap it freed (the tokenizer's, the list it returned) goes back to the kernel."""
     try:
-        return list(call())
+        return tuple(int(t) for t in call())
     finally:
         if nbytes >= TRIM_AFTER_BYTES:
             release_free_heap()
