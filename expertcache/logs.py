@@ -102,9 +102,9 @@ class RateLimitedLog:
         self._lock = threading.Lock()
         self._keys: dict[str, list] = {}  # key -> [time of the last line, lines left out since]
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` at ``level`` unless a line of ``key`` was written less than
-        ``interval_s`` ago (then it is only counted); True when written."""
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info=None) -> bool:
+        """Log ``msg % args`` (with ``exc_info``) at ``level`` unless a line of ``key`` was written
+        less than ``interval_s`` ago (then it is only counted); True when written."""
         if not self._logger.isEnabledFor(level):
             return False
         now = self._clock()
@@ -120,5 +120,5 @@ class RateLimitedLog:
                 del self._keys[next(iter(self._keys))]
         if suppressed:
             msg = f"{msg} (and {suppressed} more like it since the last line, not logged)"
-        self._logger.log(level, msg, *args)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
         return True

@@ -83,3 +83,10 @@ def test_rate_limited_log_remembers_a_bounded_number_of_keys():
         log.log(logging.ERROR, key, "x")
     assert len(log._keys) == 2
     assert log.log(logging.ERROR, "a", "x")  # "a" was forgotten first: written again
+
+
+def test_rate_limited_log_keeps_the_exception_of_a_written_line(caplog):
+    log = RateLimitedLog(logging.getLogger("test.exc"), 10.0)
+    with caplog.at_level(logging.ERROR, logger="test.exc"):
+        log.log(logging.ERROR, "k", "unhandled error in %s", "/m", exc_info=ValueError("boom"))
+    assert caplog.records[0].exc_info[1].args == ("boom",)
