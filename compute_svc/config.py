@@ -94,7 +94,8 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             "min": 1,
         },
     )
-    """A bigger text is refused before any tokenisation work (a hostile client's 1 GB prompt)."""
+    """A bigger text is refused before any tokenisation work (a hostile client's 1 GB prompt). So
+    is text longer than max_prompt_tokens × the tokenizer's longest token, which cannot fit."""
 
     max_batch_size: int = field(
         default=16, metadata={"help": "requests batched in one step", "min": 1, "max": 4096}

@@ -38,6 +38,7 @@ from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forw
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
 from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
+from compute_svc.prompt_text import TRIM_AFTER_BYTES, longest_token_bytes, release_free_heap, tokenize
 from compute_svc.sampling import Sampler, SamplingParams, check_sampling
 from expertcache import telemetry
 from expertcache.manifest import read_manifest
@@ -259,6 +260,15 @@ class GenerationEngine:
             max_prompt_bytes=limits.max_prompt_bytes,
         )
         self.max_new_tokens_limit = self.limits.max_new_tokens
+        # Bytes of text one token may stand for (from the vocabulary, once); None: no bound.
+        self.longest_token_bytes = (
+            longest_token_bytes(loaded.tokenizer) if loaded.tokenizer is not None else None
+        )
+        if loaded.tokenizer is not None and self.longest_token_bytes is None:
+            logger.info(
+                "the tokenizer may shorten text before it splits it: prompts are bounded by max_prompt_bytes "
+                "only, not by max_prompt_tokens before tokenising"
+            )
         self.metrics = metrics or ComputeMetrics()
         self.model_id = ""  # names the model in spans and logs (set by build_engine)
         # Steps whose MoE layers get spans (moe_layer, acquire) while tracing: trace_layer_ratio.
@@ -325,10 +335,7 @@ class GenerationEngine:
                 if not 0 <= token < vocab:
                     raise InvalidArgument(f"{field_name}[{i}] = {token} is out of range [0, {vocab})")
         if len(prompt_ids) > limits.max_prompt_tokens:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt_ids)} tokens; this service takes at most {limits.max_prompt_tokens} "
-                "(max_prompt_tokens, and the model's maximum positions)"
-            )
+            raise self._too_many_tokens(len(prompt_ids))
         total = len(prompt_ids) + request.max_new_tokens
         if total > limits.max_total_tokens:
             raise InvalidArgument(
@@ -374,26 +381,71 @@ class GenerationEngine:
                 raise InvalidArgument(
                     "the model has no chat template: send text or token_ids instead of messages"
                 )
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
             try:
-                ids = tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in request.messages],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
+                rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                rendered_size = len(rendered.encode())
+                self._check_text_size(rendered_size, "messages after the chat template")
+                ids = self._fitting(
+                    tokenize(
+                        lambda: _ids_of(
+                            tokenizer.apply_chat_template(
+                                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                            )
+                        ),
+                        rendered_size,
+                    ),
+                    rendered_size,
                 )
+            except InvalidArgument:
+                raise
             except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
                 raise InvalidArgument(f"messages: the chat template failed on them: {exc}") from None
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         else:
             size = len(request.text.encode())
             if size > limits.max_prompt_bytes:
                 raise InvalidArgument(
                     f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
                 )
-            ids = tokenizer.encode(request.text)
+            self._check_text_size(size, "text")
+            ids = self._fitting(tokenize(lambda: tokenizer.encode(request.text), size), size)
         if not ids:
             raise InvalidArgument("prompt is empty: text encodes to no tokens")
-        return tuple(int(t) for t in ids)
+        return ids
+
+    def _too_many_tokens(self, count: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"the prompt has {count} tokens; this service takes at most {self.limits.max_prompt_tokens} "
+            "(max_prompt_tokens, and the model's maximum positions)"
+        )
+
+    def _fitting(self, ids: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
+        """``ids`` tokenised from ``nbytes`` of text, refused when over max_prompt_tokens; the
+        heap they held goes back first (a refused 1 MB prompt leaves ~5 MiB of ids per thread)."""
+        if len(ids) <= self.limits.max_prompt_tokens:
+            return ids
+        count = len(ids)
+        del ids
+        if nbytes >= TRIM_AFTER_BYTES:
+            release_free_heap()
+        raise self._too_many_tokens(count)
+
+    @property
+    def prompt_text_limit(self) -> int:
+        """Bytes of prompt text (or messages after the chat template) taken: longer text cannot
+        fit max_prompt_tokens, and is refused before it is tokenised."""
+        limit = self.limits.max_prompt_bytes
+        if self.longest_token_bytes is not None:
+            limit = min(limit, self.limits.max_prompt_tokens * self.longest_token_bytes)
+        return limit
+
+    def _check_text_size(self, size: int, what: str) -> None:
+        """Refuse text that cannot fit max_prompt_tokens, before it is tokenised."""
+        if size > self.prompt_text_limit:
+            raise InvalidArgument(
+                f"{what} is {size} bytes: more than any prompt of at most {self.limits.max_prompt_tokens} tokens "
+                f"(max_prompt_tokens) can be; this service takes at most {self.prompt_text_limit} bytes"
+            )
 
     # -- running requests -------------------------------------------------------------------------
     def start(self, prepared: PreparedRequest) -> RunningRequest:
@@ -710,6 +762,11 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
     staged = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
     staged.copy_(host)
     return staged.to(device, non_blocking=True)
+
+
+def _ids_of(encoded) -> list[int]:
+    """The ids ``apply_chat_template`` returned (a list, or a mapping holding ``input_ids``)."""
+    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
 
 
 def _with_stats(event: TokenEvent, stats: TokenStats) -> TokenEvent:

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 import compute_svc.moe  # noqa: F401 - registers the "expertcache" experts implementation
 from compute_svc.errors import DataLoss, FailedPrecondition
 from compute_svc.moe import IMPLEMENTATION
-from expertcache.manifest import StoreManifest
+from expertcache.manifest import StoreManifest, store_path
 from expertcache.model_structure import build_skeleton, expert_parameter_names, find_experts_sites
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class LoadedModel:
 def load_model(store_dir: str | Path, manifest: StoreManifest, device: torch.device) -> LoadedModel:
     """Build the skeleton from ``store_dir``, load dense weights onto ``device``, keep experts on meta."""
     store = Path(store_dir)
+    _check_links_stay_inside(store)
     config = _load_config(store)
     model = build_skeleton(config, experts_implementation=IMPLEMENTATION)
     sites = find_experts_sites(model)
@@ -59,7 +60,7 @@ def load_model(store_dir: str | Path, manifest: StoreManifest, device: torch.dev
     _check_compute_dtypes(manifest, model, sites, store)
     expert_names = expert_parameter_names(sites)
 
-    dense_path = store / manifest.dense_file
+    dense_path = store_path(store, manifest.dense_file, "the dense weights file (dense_file)")
     if not dense_path.is_file():
         raise DataLoss(f"{dense_path} does not exist: the expert store at {store} is incomplete")
     try:
@@ -116,6 +117,18 @@ def load_model(store_dir: str | Path, manifest: StoreManifest, device: torch.dev
         "yes" if tokenizer is not None else "no",
     )
     return loaded
+
+
+def _check_links_stay_inside(store: Path) -> None:
+    """transformers reads config, tokenizer and generation files from the store by name: none of
+    them may be a symlink leading out of it (``DataLoss`` naming it)."""
+    try:
+        entries = list(store.iterdir())
+    except OSError:
+        return  # a missing store: _load_config says so
+    for entry in entries:
+        if entry.is_symlink():
+            store_path(store, entry.name, "store file")
 
 
 def _load_config(store: Path) -> PretrainedConfig:

@@ -27,7 +27,6 @@ import asyncio
 import inspect
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +35,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertcache.errors import ExpertCacheError
+from expertcache.logs import RateLimitedLog
 from expertcache.transport import StreamAccounting, TransportStats
 
 logger = logging.getLogger(__name__)
@@ -194,26 +194,6 @@ class _Requests:
         return message
 
 
-class _RateLimitedLog:
-    """At most one line per key per interval, with how many were left out."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval = interval_s
-        self._lock = threading.Lock()
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, message: str, *args) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last, skipped = self._last.get(key, (-1e18, 0))
-            if now - last < self._interval:
-                self._last[key] = (last, skipped + 1)
-                return
-            self._last[key] = (now, 0)
-        suffix = f" ({skipped} more like it in the last {self._interval:g} s)" if skipped else ""
-        logger.warning("%s%s", message % args, suffix)
-
-
 class Bridge(grpc.aio.ServerInterceptor):
     """The one aio interceptor: applies the services' synchronous interceptors (telemetry,
     security, error mapping: ``sync_interceptors``, outermost first) to each handler, then serves
@@ -228,7 +208,7 @@ class Bridge(grpc.aio.ServerInterceptor):
         self._interceptors = list(sync_interceptors)
         self._pool = pool
         self.accounting = accounting
-        self._log = _RateLimitedLog(_REFUSAL_LOG_INTERVAL_S)
+        self._log = RateLimitedLog(logger, _REFUSAL_LOG_INTERVAL_S)
 
     @property
     def stats(self) -> TransportStats:
@@ -256,10 +236,8 @@ class Bridge(grpc.aio.ServerInterceptor):
         self, handler: grpc.RpcMethodHandler, method: str, code, message: str
     ) -> grpc.RpcMethodHandler:
         """A call refused by its headers alone (no token): answered at once, its request unread."""
-        log = self._log
 
-        async def refuse(_requests, context):
-            log.warning(f"refused:{method}:{code}", "refused %s from %s: %s", method, context.peer(), message)
+        async def refuse(_requests, context):  # logged (rate-limited) by the interceptor that refused it
             await context.abort(code, message)
 
         return grpc.stream_stream_rpc_method_handler(
@@ -271,7 +249,9 @@ class Bridge(grpc.aio.ServerInterceptor):
         try:
             return self.accounting.admit(context.peer(), method)
         except ExpertCacheError as exc:
-            self._log.warning(f"refused:{method}", "refused %s from %s: %s", method, context.peer(), exc)
+            self._log.log(
+                logging.WARNING, f"refused:{method}", "refused %s from %s: %s", method, context.peer(), exc
+            )
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _first_message(self, context: grpc.aio.ServicerContext, method: str):
@@ -283,7 +263,8 @@ class Bridge(grpc.aio.ServerInterceptor):
                 message = await context.read()
         except TimeoutError:
             self.stats.cut.inc(reason="request_timeout")
-            self._log.warning(
+            self._log.log(
+                logging.WARNING,
                 f"timeout:{method}",
                 "cut %s from %s: no request message within %g s",
                 method,
@@ -427,7 +408,8 @@ class Bridge(grpc.aio.ServerInterceptor):
         the bounds of its address) until the client reads, cancels or loses its connection; it
         holds no thread meanwhile."""
         self.stats.cut.inc(reason="stall")
-        self._log.warning(
+        self._log.log(
+            logging.WARNING,
             f"stall:{method}",
             "cut %s from %s: the client took no response for %g s (stream_stall_timeout_s); its request is cancelled",
             method,

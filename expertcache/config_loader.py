@@ -218,7 +218,11 @@ def read_config_file(cls: type, file: str | Path) -> dict[str, Any]:
     """The field values a YAML config file sets; ``InvalidArgument`` naming the file and key."""
     path = Path(file)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(
+            f"config file {path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
     except (OSError, yaml.YAMLError) as exc:
         raise InvalidArgument(f"config file {path}: {exc}") from exc
     return file_values(cls, raw, str(path))

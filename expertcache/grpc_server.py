@@ -26,11 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from expertcache import telemetry
 from expertcache.aio_bridge import NOT_SERVING, SERVING, Aborted, CallEnded, Health, LoopServer, set_all
 from expertcache.errors import ExpertCacheError, InvalidArgument
+from expertcache.logs import RateLimitedLog
 from expertcache.prom import CountersCollector, Registry
 from expertcache.security import ServerSecurity
 from expertcache.transport import StreamAccounting, TransportLimits
 
 logger = logging.getLogger(__name__)
+_unhandled = RateLimitedLog(logger)
 
 
 def status_code(exc: ExpertCacheError) -> grpc.StatusCode:
@@ -40,7 +42,10 @@ def status_code(exc: ExpertCacheError) -> grpc.StatusCode:
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str):
     if isinstance(exc, ExpertCacheError):
         context.abort(status_code(exc), str(exc))
-    logger.error("unhandled error in %s", method, exc_info=exc)
+    # A client can cause one per call: logged with its traceback at most once per 10 s per kind.
+    _unhandled.log(
+        logging.ERROR, f"{method} {type(exc).__name__}", "unhandled error in %s", method, exc_info=exc
+    )
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 

@@ -77,7 +77,13 @@ class LiveReloader:
 
 class ConfigFileWatcher:
     """Watches the directory of ``path`` (watchfiles: inotify; polling only when inotify fails)
-    and calls ``on_change()`` when the bytes of ``path`` (through symlinks) change."""
+    and calls ``on_change()`` when the bytes of ``path`` (through symlinks) change.
+
+    Only entries that can change the config wake it: ``path`` itself, the names its symlinks go
+    through in that directory, and the kubelet's ``..``-prefixed ones (``..data``, ``..data_tmp``,
+    the timestamped directories). Anything else there (a log written next to the config, an
+    editor's swap file) is ignored: a busy log would otherwise re-read the config at every write.
+    """
 
     def __init__(self, path: str | Path, on_change: Callable[[], None]) -> None:
         self.path = Path(path)
@@ -92,6 +98,25 @@ class ConfigFileWatcher:
             return self.path.read_bytes()
         except OSError:
             return None
+
+    def _config_names(self) -> set[str]:
+        """The names in the watched directory that ``path`` is, or resolves through."""
+        names = {self.path.name}
+        link = self.path
+        for _ in range(8):  # a chain of symlinks inside the directory (a loop ends here too)
+            try:
+                target = Path(os.readlink(link))
+            except OSError:
+                break
+            if target.is_absolute() or not target.parts:
+                break
+            names.add(target.parts[0])
+            link = self.path.parent / target.parts[0]
+        return names
+
+    def _concerns(self, _change: watchfiles.Change, changed: str) -> bool:
+        name = Path(changed).name
+        return name.startswith("..") or name in self._config_names()
 
     def _run(self) -> None:
         directory = self.path.parent
@@ -114,6 +139,7 @@ class ConfigFileWatcher:
     def _watch(self, directory: Path, polling: bool) -> None:
         for _changes in watchfiles.watch(
             directory,
+            watch_filter=self._concerns,
             stop_event=self._stop,
             recursive=False,
             debounce=200,
@@ -124,7 +150,7 @@ class ConfigFileWatcher:
         ):
             content = self._read()
             if content is None or content == self._last:
-                continue  # another file of the directory, or mid-swap: the next event tells
+                continue  # the same bytes (a kubelet resync), or mid-swap: the next event tells
             self._last = content
             logger.info("config file %s changed", self.path)
             self._on_change()
@@ -227,10 +253,10 @@ class LiveConfig:
             if data is not None:
                 raw = yaml.safe_load(str(data)) or {}
             elif self._config_file:
-                raw = yaml.safe_load(Path(self._config_file).read_text()) or {}
+                raw = yaml.safe_load(Path(self._config_file).read_text(encoding="utf-8")) or {}
             else:
                 return
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             return  # changed again meanwhile: the next reload tells
         for key, value in raw.items() if isinstance(raw, dict) else ():
             name = str(key).replace("-", "_")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 from expertcache import telemetry
@@ -19,6 +20,7 @@ from expertcache import telemetry
 FORMATS = ("auto", "json", "text")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 EXTRA_FIELDS = ("request",)  # structured extras a record may carry
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused calls: at most one line per reason this often
 
 
 class JsonFormatter(logging.Formatter):
@@ -74,3 +76,49 @@ def setup_logging(level: str, fmt: str = "auto") -> str:
     root.addHandler(handler)
     root.setLevel(level)
     return chosen
+
+
+class RateLimitedLog:
+    """Log lines of one kind, at most one per ``key`` per ``interval_s``.
+
+    For what clients cause per call (refused calls: a client retrying a bad token in a loop, or a
+    flood of oversized requests, would otherwise write a line per call and fill the disk). The
+    first line of a key is written at once; those within ``interval_s`` after it are counted, and
+    the next line written for that key says how many were left out. ``key`` is the refusal's
+    reason, not the client's input: at most ``max_keys`` are remembered (the oldest forgotten)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 10.0,
+        *,
+        max_keys: int = 256,
+        clock=time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._keys: dict[str, list] = {}  # key -> [time of the last line, lines left out since]
+
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info=None) -> bool:
+        """Log ``msg % args`` (with ``exc_info``) at ``level`` unless a line of ``key`` was written
+        less than ``interval_s`` ago (then it is only counted); True when written."""
+        if not self._logger.isEnabledFor(level):
+            return False
+        now = self._clock()
+        with self._lock:
+            state = self._keys.get(key)
+            if state is not None and now - state[0] < self._interval_s:
+                state[1] += 1
+                return False
+            suppressed = state[1] if state is not None else 0
+            self._keys.pop(key, None)
+            self._keys[key] = [now, 0]  # newest last: the first key is the oldest
+            if len(self._keys) > self._max_keys:
+                del self._keys[next(iter(self._keys))]
+        if suppressed:
+            msg = f"{msg} (and {suppressed} more like it since the last line, not logged)"
+        self._logger.log(level, msg, *args, exc_info=exc_info)
+        return True

@@ -53,6 +53,7 @@ __all__ = [
     "align_up",
     "plan_blob",
     "read_manifest",
+    "store_path",
 ]
 
 
@@ -419,19 +420,39 @@ def _refuse_constant(name: str):
     raise _Malformed("(value)", f"{name} is not valid in a manifest")
 
 
+def store_path(store_dir: str | Path, rel: str, what: str) -> Path:
+    """``STORE/rel`` with its symlinks resolved; ``DataLoss`` naming ``what`` when it leaves the store.
+
+    The manifest's paths are checked as text (relative, no '..'), but a symlink inside the store
+    can still point anywhere (``layer_0001.bin -> /etc/shadow``): every file read from a store is
+    opened through this, at the path it resolves to."""
+    try:
+        root = Path(store_dir).resolve()
+        target = (root / rel).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise DataLoss(f"{what} {rel!r} of store {store_dir} cannot be resolved: {exc}") from None
+    if not target.is_relative_to(root):
+        raise DataLoss(
+            f"{what} {rel!r} of store {store_dir} resolves to {target}, outside the store (a symlink "
+            "leads out of it): store files must lie inside the store directory"
+        )
+    return target
+
+
 def read_manifest(store_dir: str | Path) -> StoreManifest:
     """Read ``STORE/manifest.json``; a missing one means the store is absent or incomplete.
 
     Whatever the file holds (binary, truncated, wrong types, paths leaving the store), the error
     is a ``DataLoss`` naming the file and the key."""
     path = Path(store_dir) / MANIFEST_NAME
-    if not path.is_file():
+    resolved = store_path(store_dir, MANIFEST_NAME, "the manifest")
+    if not resolved.is_file():
         raise DataLoss(
             f"{path} does not exist: {store_dir} is not a complete expert store "
             "(run `python -m cache_daemon.convert CHECKPOINT STORE` first)"
         )
     try:
-        with open(path, "rb") as f:
+        with open(resolved, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
         raise DataLoss(f"cannot read {path}: {exc.strerror or exc}") from exc

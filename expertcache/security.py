@@ -43,6 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 
 from expertcache.errors import InvalidArgument
+from expertcache.logs import REFUSAL_LOG_INTERVAL_S, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +256,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: WatchedToken | Callable[[], bytes]) -> None:
         self._token = token.get if isinstance(token, WatchedToken) else token
+        # A client retrying a bad token in a loop writes one line per reason per interval.
+        self._refusals = RateLimitedLog(logger, REFUSAL_LOG_INTERVAL_S)
 
     def check(self, metadata: Any) -> str | None:
         """None when ``metadata`` carries the right token, else the reason it does not."""
@@ -276,6 +279,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         problem = self.check(handler_call_details.invocation_metadata)
         if problem is None:
             return handler
+        self._refusals.log(logging.WARNING, problem, "refused %s: %s", handler_call_details.method, problem)
         return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
 
 

@@ -136,6 +136,7 @@ def make_config(
             fields["n_group"] = 1
     if top_k is not None:
         fields["num_experts_per_tok"] = top_k
+    fields["max_position_embeddings"] = 2048
     fields.update(overrides)
     config = AutoConfig.for_model(
         arch,
@@ -144,7 +145,6 @@ def make_config(
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=vocab_size,
-        max_position_embeddings=2048,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,

@@ -45,7 +45,7 @@ from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.tiers.base import MemoryTier, Tier
 from expertcache.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
-from expertcache.manifest import StoreManifest
+from expertcache.manifest import StoreManifest, store_path
 from expertcache.native import Reader, ReadError
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class StoreReader(MemoryTier):
 
     def _open(self, layer: int) -> _LayerFile:
         rel = self._manifest.layer_files[layer]
-        path = self._store_dir / rel
+        path = store_path(self._store_dir, rel, f"layer file (layer_files.{layer})")
         needed = self._manifest.num_experts * self._manifest.blob_bytes
         try:
             size = path.stat().st_size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import warnings
 
 import pytest
@@ -260,3 +262,67 @@ def test_detokenizer_holds_back_incomplete_characters(mixtral):
     pieces = [detok.add(t) for t in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+class _CountingTokenizer:
+    """The engine's tokenizer, counting the calls that tokenise."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.tokenised = 0
+
+    def encode(self, *args, **kwargs):
+        self.tokenised += 1
+        return self._tokenizer.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        if kwargs.get("tokenize", True):
+            self.tokenised += 1
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.fixture
+def counting(mixtral, monkeypatch):
+    engine, _ = mixtral
+    counter = _CountingTokenizer(engine.loaded.tokenizer)
+    monkeypatch.setattr(engine, "loaded", dataclasses.replace(engine.loaded, tokenizer=counter))
+    return engine, counter
+
+
+def test_text_that_cannot_fit_the_token_limit_is_refused_before_tokenising(counting):
+    engine, counter = counting
+    # The tiny tokenizer's longest token is '<|endoftext|>', 13 bytes: 256 tokens hold 3328 at most.
+    assert engine.longest_token_bytes == 13
+    assert engine.prompt_text_limit == 256 * 13 < engine.limits.max_prompt_bytes
+    with pytest.raises(InvalidArgument) as info:
+        engine.prepare(GenerationRequest(text="x" * 3329, max_new_tokens=4))
+    assert "text is 3329 bytes: more than any prompt of at most 256 tokens (max_prompt_tokens) can be" in str(
+        info.value
+    )
+    assert counter.tokenised == 0
+    # As long as the limit: tokenised, and taken when it fits (255 tokens + 1 new).
+    prepared = engine.prepare(GenerationRequest(text="<|endoftext|>" * 255, max_new_tokens=1))
+    assert len(prepared.prompt_ids) == 255 and counter.tokenised == 1
+
+
+def test_messages_are_measured_after_the_chat_template(counting):
+    engine, counter = counting
+    # The content alone (3300 bytes) is under the limit; the template's role headers put it over.
+    messages = tuple(ChatMessage("user", "y" * 1100) for _ in range(3))
+    with pytest.raises(InvalidArgument) as info:
+        engine.prepare(GenerationRequest(messages=messages, max_new_tokens=4))
+    rendered = 3 * len("<|user|>\n" + "y" * 1100 + "<|endoftext|>\n") + len("<|assistant|>\n")
+    assert f"messages after the chat template is {rendered} bytes" in str(info.value)
+    assert counter.tokenised == 0
+
+
+def test_a_megabyte_prompt_is_refused_at_once(mixtral, monkeypatch):
+    engine, _ = mixtral
+    monkeypatch.setattr(engine, "limits", dataclasses.replace(engine.limits, max_prompt_bytes=2 << 20))
+    started = time.perf_counter()
+    with pytest.raises(InvalidArgument, match="max_prompt_tokens"):
+        engine.prepare(GenerationRequest(text="The quick brown fox. " * 50_000, max_new_tokens=4))
+    assert time.perf_counter() - started < 0.1

@@ -59,3 +59,21 @@ def test_quantized_store_loads_dense_only_and_checks_the_compute_dtype(tiny_stor
     (store / "config.json").write_text(json.dumps(config))
     with pytest.raises(FailedPrecondition, match="decodes expert tensor gate_up_proj into bfloat16.*float32"):
         load_model(store, tiny.manifest, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "DENSE"])
+def test_a_store_file_symlinked_out_of_the_store_is_refused(tiny_store, tmp_path, name):
+    tiny = tiny_store("mixtral")
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store, store)
+    name = tiny.manifest.dense_file if name == "DENSE" else name
+    outside = tmp_path / "outside"
+    (store / name).rename(outside)
+    (store / name).symlink_to(outside)
+    with pytest.raises(DataLoss, match=f"'{name}' of store {store} resolves to {outside}, outside the store"):
+        load_model(store, tiny.manifest, torch.device("cpu"))
+    # The same file reached by a symlink inside the store loads.
+    (store / name).unlink()
+    outside.rename(store / "kept")
+    (store / name).symlink_to("kept")
+    load_model(store, tiny.manifest, torch.device("cpu"))

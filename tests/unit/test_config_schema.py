@@ -162,3 +162,15 @@ def test_numbers_in_yaml_are_read_for_string_fields(tmp_path):
     path.write_text("pod_name: 123\nprefetch: off\n")
     config = load_config(DaemonConfig, cli={"store_dir": "/s"}, env={}, env_prefix="X_", file=path)
     assert config.pod_name == "123" and config.prefetch is False
+
+
+@pytest.mark.parametrize(("cls", "prefix", "module", "_req"), SERVICES)
+def test_a_config_file_that_is_not_utf8_exits_2_naming_it(tmp_path, cls, prefix, module, _req):
+    bad = tmp_path / "config.yaml"
+    bad.write_bytes(b"log_level: INFO\n# caf\xe9 in latin-1\n")
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--config-file", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"invalid configuration: config file {bad} is not UTF-8 text: byte 0xe9 at offset 21" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -33,7 +33,7 @@ from cache_daemon.tiers.store import (
     Priority,
     aligned_buffer,
 )
-from expertcache.errors import FailedPrecondition
+from expertcache.errors import DataLoss, FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob
 from expertcache.native import Reader
@@ -353,3 +353,26 @@ def test_slots_for_budget():
 
 def test_tier_names_are_metric_labels():
     assert [t.value for t in Tier] == ["device", "host", "store"]
+
+
+def test_a_layer_file_symlinked_out_of_the_store_is_refused(tmp_path):
+    root = tmp_path / "store"
+    manifest = write_store(root)
+    outside = tmp_path / "elsewhere.bin"
+    (root / "experts" / "layer_0003.bin").rename(outside)
+    (root / "experts" / "layer_0003.bin").symlink_to(outside)
+    with pytest.raises(DataLoss) as info:
+        StoreReader(root, manifest, DaemonMetrics())
+    assert (
+        f"layer file (layer_files.3) 'experts/layer_0003.bin' of store {root} resolves to {outside}, "
+        "outside the store" in str(info.value)
+    )
+    # A symlink that stays inside the store is followed.
+    inside = root / "experts" / "moved.bin"
+    outside.rename(inside)
+    (root / "experts" / "layer_0003.bin").unlink()
+    (root / "experts" / "layer_0003.bin").symlink_to("moved.bin")
+    reader = StoreReader(root, manifest, DaemonMetrics())
+    key = ExpertKey(3, 1)
+    assert bytes(reader.get(key).numpy()) == blob_of(root, manifest, key)
+    reader.close()

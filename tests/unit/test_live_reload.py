@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -136,3 +137,31 @@ def test_live_config_refuses_a_bad_file_and_keeps_applying_good_ones(tmp_path, c
     finally:
         live.close()
     assert np.isfinite(applied[-1].min_score) and applied[-1].eamc_capacity == 6
+
+
+class _CountingWatcher(ConfigFileWatcher):
+    reads = 0
+
+    def _read(self):
+        self.reads += 1
+        return super()._read()
+
+
+def test_file_watcher_is_not_woken_by_a_log_written_next_to_the_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("a: 1\n")
+    changes = []
+    watcher = _CountingWatcher(config, lambda: changes.append(1))
+    try:
+        log = tmp_path / "compute.log"
+        for i in range(6):  # each write a separate batch (watchfiles debounces 200 ms)
+            with open(log, "a") as f:
+                f.write(f"line {i}\n")
+            time.sleep(0.3)
+        (tmp_path / ".c.yaml.swp").write_text("editor state")
+        time.sleep(0.3)
+        assert watcher.reads == 1  # the read at start only
+        config.write_text("a: 2\n")
+        wait_for(lambda: changes == [1], "the edit")
+    finally:
+        watcher.close()

@@ -12,7 +12,7 @@ import pytest
 
 import expertcache.manifest as manifest_mod
 from expertcache.errors import DataLoss
-from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob, read_manifest
+from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob, read_manifest, store_path
 
 REPO = manifest_mod.Path(__file__).resolve().parents[2]
 
@@ -167,3 +167,30 @@ def test_daemon_exits_2_naming_file_and_key(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert str(path) in proc.stderr and "layer_files.0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_manifest_symlinked_out_of_the_store_is_refused(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    outside = write(tmp_path / "other", valid_raw())
+    (store / MANIFEST_NAME).symlink_to(outside)
+    with pytest.raises(
+        DataLoss,
+        match=r"the manifest 'manifest.json' of store .* resolves to .*other/manifest.json, outside the store",
+    ):
+        read_manifest(store)
+    # The store directory itself may be reached through a symlink.
+    (tmp_path / "link").symlink_to(tmp_path / "other")
+    assert read_manifest(tmp_path / "link").num_experts == 4
+
+
+def test_store_path_refuses_symlink_loops_and_escapes(tmp_path):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(DataLoss, match="'a' of store"):
+        store_path(tmp_path, "a", "x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "up").symlink_to("../..")
+    with pytest.raises(DataLoss, match="outside the store"):
+        store_path(tmp_path, "sub/up/etc", "x")
+    assert store_path(tmp_path, "sub/f", "x") == tmp_path.resolve() / "sub" / "f"

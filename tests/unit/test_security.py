@@ -301,3 +301,25 @@ def test_certificate_files_reload_only_a_good_pair(pki, tmp_path, caplog):
     assert files.fetch() is not None
     assert files.reloads == 1
     assert files.fetch() is None
+
+
+def test_refused_calls_are_logged_once_per_reason_per_interval(serve, tmp_path, caplog):
+    token = tmp_path / "token"
+    token.write_text("tok-1\n")
+    address = serve(ServerSecurity(auth_token_file=str(token)))
+    with (
+        caplog.at_level(logging.WARNING, logger="expertcache.security"),
+        grpc.insecure_channel(address) as channel,
+    ):
+        for _ in range(50):  # a client retrying a wrong token in a loop
+            with pytest.raises(grpc.RpcError) as wrong:
+                _say(channel, metadata=[("authorization", "Bearer tok-2")])
+            assert wrong.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError):
+            _say(channel)  # another reason: its own line
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert refusals == [
+        f"refused /{SERVICE}/Say: invalid bearer token",
+        f"refused /{SERVICE}/Say: missing bearer token: send metadata 'authorization: Bearer <token>' "
+        "(this server has auth_token_file set)",
+    ]

@@ -1,0 +1,139 @@
+"""How long a prompt's text may be before it is tokenised, and tokenising it without keeping memory.
+
+A prompt of ``n`` tokens decodes to at most ``n × longest`` bytes, ``longest`` being the longest
+text any one token stands for (computed once from the vocabulary). So a text longer than
+``max_prompt_tokens × longest`` cannot fit the token limit, and is refused before the tokenizer
+sees it: tokenising 1 MB takes seconds of CPU and builds an ``Encoding`` of ~60 MiB (ids, token
+strings, offsets) only to be refused.
+
+The bound holds only where the tokenizer never makes text shorter before its model cuts it: a
+normalizer may shrink it by a known factor (NFC/NFKC/lowercase: at most 3x, Hangul jamo or
+fullwidth letters; ``Replace`` by the ratio of its strings); one that can delete text (``Strip``,
+``StripAccents``, a regex ``Replace``, sentencepiece's precompiled map), a pre-tokenizer that drops
+whitespace, or an unknown token that swallows any run of text leaves no bound
+(``longest_token_bytes`` answers None, and only ``max_prompt_bytes`` applies).
+
+Memory: what the tokenizer frees (the ``Encoding``, transformers' lists) stays in glibc's heaps
+(one arena per thread that allocated it: the gRPC handler's, the tokenizer's rayon workers');
+measured on a 1 MB prompt, 100 to 300 MiB held after it was refused, returned only by
+``malloc_trim``. So after tokenising a large text the free heap is handed back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+# Text at least this long is followed by a heap trim (a few ms; the tokenisation took far more).
+TRIM_AFTER_BYTES = 64 << 10
+# How much a unicode normalizer or lowercasing may shrink UTF-8 text: 3 at most (conjoining
+# Hangul jamo, 9 bytes, compose to one 3-byte syllable; fullwidth 'Ａ', 3 bytes, becomes 'A'),
+# with a margin.
+_UNICODE_SHRINK = 4
+_UTF8_MAX = 4  # bytes of one character
+_KEEPS_TEXT_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """By how much the normalizer ``spec`` (tokenizer.json) may shrink text; None: unbounded."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase"):
+        return _UNICODE_SHRINK
+    if kind in ("Prepend", "ByteLevel"):
+        return 1  # they only add
+    if kind == "Replace":
+        pattern = (spec.get("pattern") or {}).get("String")
+        content = spec.get("content") or ""
+        if pattern is None or not content:
+            return None  # a regex, or a deletion
+        return max(1, math.ceil(len(pattern.encode()) / len(content.encode())))
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers") or ():
+            shrink = _normalizer_shrink(part)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    return None
+
+
+def _keeps_text(spec: dict | None) -> bool:
+    """Whether the pre-tokenizer ``spec`` hands every byte of the text on (no dropped whitespace)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(part) for part in spec.get("pretokenizers") or ())
+    if kind in ("Split", "Punctuation") and str(spec.get("behavior", "")).lower() == "removed":
+        return False
+    return kind in _KEEPS_TEXT_PRE_TOKENIZERS
+
+
+def _unknown_bytes(model: dict) -> int | None:
+    """The most text one unknown token may stand for (0: the model has none); None: unbounded."""
+    kind = model.get("type")
+    if kind == "BPE":
+        if model.get("unk_token") is None or model.get("byte_fallback"):
+            return 0
+        return None if model.get("fuse_unk") else _UTF8_MAX
+    if kind == "WordPiece":
+        return _UTF8_MAX * int(model.get("max_input_chars_per_word") or 100)
+    if kind == "Unigram":
+        return 0 if model.get("unk_id") is None or model.get("byte_fallback") else None
+    return None
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token of ``tokenizer`` stands for, scaled by
+    how much its normalizer may shrink text; None when no bound holds (see the module's doc).
+
+    A token's string over-counts its text where it differs (byte-level BPE writes a byte as a
+    character of 1 or 2 UTF-8 bytes, sentencepiece a space as the 3-byte '▁', byte fallback a
+    byte as '<0x41>'), which only loosens the bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow (Python) tokenizer: its pieces cannot be inspected
+    spec = json.loads(backend.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    unknown = _unknown_bytes(spec.get("model") or {})
+    if shrink is None or unknown is None or not _keeps_text(spec.get("pre_tokenizer")):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    longest = max([len(piece.encode()) for piece in vocab] + [unknown, 1])
+    return longest * shrink
+
+
+def _load_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_malloc_trim = _load_trim()  # glibc's; None elsewhere (musl has none, and keeps less)
+
+
+def release_free_heap() -> None:
+    """Hand the free memory of every malloc arena back to the kernel (glibc's ``malloc_trim``)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def tokenize(call: Callable[[], Sequence[int]], nbytes: int) -> tuple[int, ...]:
+    """``call()`` (a tokenizer's encode of ``nbytes`` of text) as a tuple of ids; after a large
+    text the heap it freed (the tokenizer's, the list it returned) goes back to the kernel."""
+    try:
+        return tuple(int(t) for t in call())
+    finally:
+        if nbytes >= TRIM_AFTER_BYTES:
+            release_free_heap()

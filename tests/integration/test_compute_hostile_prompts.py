@@ -1,0 +1,106 @@
+"""Hostile prompts against a running compute: 1 MB texts refused cost neither time nor memory.
+
+Every process is real (a cache daemon, ``python -m compute_svc``); compute's resident set is read
+from ``/proc``. Twenty 1 MB prompts that cannot fit the token limit are sent one after the
+other; compute's RSS may grow by at most 200 MiB and must come back within 50 MiB of where it
+started within 30 s. Two ways to be refused:
+
+- by their size, before the tokenizer sees them (the tiny model's 2048 positions × its longest
+  token, 13 bytes, make 26,624 bytes at most): each refusal is immediate;
+- by their token count, after tokenising (a model of 2^20 positions, max_prompt_tokens 100,000:
+  1.3 MB of text may fit, so 1 MB is tokenised, ~560,000 tokens, then refused): what the
+  tokenizer freed must go back to the kernel.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from tests.procs import start_compute, start_daemon
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = 20
+PROMPT_BYTES = 1_000_000
+MAX_GROWTH = 200 << 20
+SETTLED_WITHIN = 50 << 20
+SETTLE_S = 30.0
+SENTENCE = "Mixture of experts models route every token to a few experts in a tiered cache. "
+TEXT = (SENTENCE * (PROMPT_BYTES // len(SENTENCE) + 1))[:PROMPT_BYTES]
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmRSS")
+
+
+def refuse(stub, text: str) -> tuple[str, float]:
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(inference_pb2.GenerateRequest(text=text, max_new_tokens=1), timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    return info.value.details(), time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "refusal", "per_prompt_s"),
+    [
+        ({}, [], "more than any prompt of at most 2048 tokens (max_prompt_tokens) can be", 0.5),
+        (
+            {"max_position_embeddings": 1 << 20},
+            ["--max-prompt-tokens", "100000"],
+            "this service takes at most 100000",
+            None,
+        ),
+    ],
+    ids=["refused-before-tokenising", "refused-after-tokenising"],
+)
+def test_refused_megabyte_prompts_leave_no_memory_behind(
+    tiny_store, tmp_path, model, flags, refusal, per_prompt_s
+):
+    tiny = tiny_store("mixtral", **model)
+    daemon = start_daemon(
+        tiny.store,
+        tmp_path,
+        device="cpu",
+        device_budget_bytes=tiny.manifest.num_blobs * tiny.manifest.blob_bytes,
+    )
+    compute = None
+    try:
+        compute = start_compute(tiny.store, daemon, tmp_path, flags)
+        pid = compute.popen.pid
+        with grpc.insecure_channel(compute.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            # Warm up what every request touches once (the tokenizer, the model's first forward).
+            warm = inference_pb2.GenerateRequest(text="The quick brown fox", max_new_tokens=2)
+            list(stub.Generate(warm, timeout=120))
+            start = rss(pid)
+            peak = start
+            for _ in range(PROMPTS):
+                details, took = refuse(stub, TEXT)
+                assert refusal in details
+                if per_prompt_s is not None:
+                    assert took < per_prompt_s, f"a refusal took {took:.2f}s: {details}"
+                peak = max(peak, rss(pid))
+            assert peak - start <= MAX_GROWTH, (
+                f"compute's RSS grew from {start >> 20} to {peak >> 20} MiB over {PROMPTS} refused prompts"
+            )
+            deadline = time.monotonic() + SETTLE_S
+            now = rss(pid)
+            while now - start > SETTLED_WITHIN and time.monotonic() < deadline:
+                time.sleep(0.5)
+                now = rss(pid)
+            assert now - start <= SETTLED_WITHIN, (
+                f"compute's RSS is {now >> 20} MiB {SETTLE_S:.0f}s after the refusals, from {start >> 20} MiB"
+            )
+    finally:
+        if compute is not None:
+            compute.stop()
+        daemon.stop()
