@@ -42,6 +42,23 @@ class EamcStore(Protocol):
         """All entries of ``model_id`` and the cursor at which that snapshot was taken."""
         ...
 
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        """The ids of ``model_id``'s entries and the cursor at which they were listed (no blobs:
+        a reader fetches them in bounded batches with ``get_many``; an entry id's blob never
+        changes within one collection incarnation, and changes after the cursor replay)."""
+        ...
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        """The blobs of those of ``entry_ids`` still present."""
+        ...
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        """Append ``blobs`` (up to ``capacity`` entries) if the collection is still as at
+        ``cursor`` (nobody else wrote since): the new cursor, else None and nothing changed. How
+        a replica puts back a collection the store lost (Redis restarted empty) without two
+        replicas both putting theirs."""
+        ...
+
     def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
         """Changes after ``cursor`` in order and the new cursor; None if ``cursor`` is too old."""
         ...

@@ -75,6 +75,29 @@ class EmbeddedStore:
             coll = self._coll(model_id)
             return dict(coll.entries), f"{coll.epoch}:{coll.seq}"
 
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        with self._lock:
+            coll = self._coll(model_id)
+            return list(coll.entries), f"{coll.epoch}:{coll.seq}"
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        with self._lock:
+            entries = self._coll(model_id).entries
+            return {i: entries[i] for i in entry_ids if i in entries}
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        with self._lock:
+            coll = self._coll(model_id)
+            if cursor != f"{coll.epoch}:{coll.seq}":
+                return None
+            for blob in blobs:
+                if len(coll.entries) >= capacity:
+                    break
+                entry_id = str(coll.seq + 1)
+                coll.entries[entry_id] = bytes(blob)
+                self._append(coll, Change("put", entry_id, bytes(blob)))
+            return f"{coll.epoch}:{coll.seq}"
+
     def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
         epoch, seq = _parse_cursor(cursor)
         with self._lock:

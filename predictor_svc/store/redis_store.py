@@ -67,6 +67,33 @@ for i = 1, #all do out[#out + 1] = all[i] end
 return out
 """
 
+# KEYS: entries, seq, epoch. ARGV: new epoch. Returns {epoch, seq, id1, id2, ...}: the ids without
+# their blobs, which the reader fetches in bounded batches (get_many).
+_IDS = """
+redis.call('SETNX', KEYS[3], ARGV[1])
+local out = {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}
+local ids = redis.call('HKEYS', KEYS[1])
+for i = 1, #ids do out[#out + 1] = ids[i] end
+return out
+"""
+
+# KEYS: entries, log, seq, epoch. ARGV: epoch, seq, capacity, maxlen, blob1, blob2, ...
+# Appends the blobs (up to capacity) only while nothing else changed the collection since the
+# cursor (epoch, seq). Returns {"ok", new seq} or {"conflict", reason}.
+_REFILL = """
+if (redis.call('GET', KEYS[4]) or '') ~= ARGV[1] or (redis.call('GET', KEYS[3]) or '0') ~= ARGV[2] then
+  return {'conflict', 'changed since the cursor'}
+end
+local capacity = tonumber(ARGV[3])
+for i = 5, #ARGV do
+  if redis.call('HLEN', KEYS[1]) >= capacity then break end
+  local s = redis.call('INCR', KEYS[3])
+  redis.call('HSET', KEYS[1], tostring(s), ARGV[i])
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[4], s .. '-0', 'op', 'put', 'id', tostring(s), 'blob', ARGV[i])
+end
+return {'ok', redis.call('GET', KEYS[3]) or '0'}
+"""
+
 # KEYS: log, seq, epoch. ARGV: start id (exclusive, "(<seq>-0"). Returns {epoch, seq, records}.
 _CHANGES = """
 return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0',
@@ -127,6 +154,8 @@ class RedisStore:
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
         self._changes = self._client.register_script(_CHANGES)
+        self._ids = self._client.register_script(_IDS)
+        self._refill = self._client.register_script(_REFILL)
         self._register = self._client.register_script(_REGISTER)
 
     @staticmethod
@@ -156,6 +185,29 @@ class RedisStore:
         epoch, seq = out[0].decode(), int(out[1])
         entries = {out[i].decode(): bytes(out[i + 1]) for i in range(2, len(out), 2)}
         return entries, f"{epoch}:{seq}"
+
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        k = self._keys(model_id)
+        out = self._call("ids", self._ids, [k["entries"], k["seq"], k["epoch"]], [uuid.uuid4().hex])
+        return [raw.decode() for raw in out[2:]], f"{out[0].decode()}:{int(out[1])}"
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        if not entry_ids:
+            return {}
+        key = self._keys(model_id)["entries"]
+        blobs = self._timed("get", lambda: self._client.hmget(key, entry_ids))
+        return {i: bytes(b) for i, b in zip(entry_ids, blobs, strict=True) if b is not None}
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        epoch, _, seq = cursor.partition(":")
+        k = self._keys(model_id)
+        status, value = self._call(
+            "refill",
+            self._refill,
+            [k["entries"], k["log"], k["seq"], k["epoch"]],
+            [epoch, seq, capacity, self._log_len, *blobs],
+        )
+        return f"{epoch}:{int(value)}" if status == b"ok" else None
 
     def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
         epoch, _, seq_text = cursor.partition(":")

@@ -55,6 +55,18 @@ class FlakyStore(EmbeddedStore):
         self._check()
         return super().load(model_id)
 
+    def entry_ids(self, model_id):
+        self._check()
+        return super().entry_ids(model_id)
+
+    def get_many(self, model_id, entry_ids):
+        self._check()
+        return super().get_many(model_id, entry_ids)
+
+    def refill(self, model_id, cursor, blobs, capacity):
+        self._check()
+        return super().refill(model_id, cursor, blobs, capacity)
+
     def changes(self, model_id, cursor):
         self._check()
         return super().changes(model_id, cursor)
