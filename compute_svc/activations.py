@@ -22,7 +22,10 @@ retried with backoff, and tokens queued meanwhile are dropped as in an outage.
 The reporter keeps a single Observe stream open for all requests (the proto lets one stream
 carry interleaved requests); ``request_done`` rides on an extra message after the request's
 last token, which is never dropped, so the predictor learns of the end even of a cancelled or
-failed request.
+failed request. Each run of a request carries its own random ``request_nonce``: the predictor
+keys requests by (this client, pod, request_id, nonce), so a request_id used again (a client's
+retry) never looks like one request's tokens going back; and a message the predictor refuses
+ends that request's reporting there, never the shared stream.
 """
 
 from __future__ import annotations

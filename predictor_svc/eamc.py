@@ -513,8 +513,14 @@ class Eamc:
         # or down (a connect timeout must not stall hint computation).
         try:
             if self._cursor is not None:
-                delta = self.store.changes(self.model_id, self._cursor)
-                if delta is not None:
+                # In batches of about LOAD_BATCH_BYTES of blobs, like a reload: a replica far
+                # behind (many inserts elsewhere) never takes the whole backlog in one reply.
+                limit = self._batch_entries()
+                applied = 0
+                while True:
+                    delta = self.store.changes(self.model_id, self._cursor, limit)
+                    if delta is None:
+                        break
                     changes, cursor = delta
                     with self._lock:
                         for change in changes:
@@ -525,14 +531,20 @@ class Eamc:
                         self.incremental_syncs += 1
                         self.changes_applied += len(changes)
                     self._cursor = cursor
-                    return len(changes)
+                    applied += len(changes)
+                    if len(changes) < limit:
+                        return applied
                 logger.info("EAMC %s: cursor %s too old, reloading", self.model_id, self._cursor)
             return self._reload()
         except StoreUnavailable:
             self.store_errors += 1
             raise
 
-    def _reload(self) -> int:
+    def _batch_entries(self) -> int:
+        """Entries of this model in about LOAD_BATCH_BYTES of blobs (at least 1)."""
+        return max(1, LOAD_BATCH_BYTES // (HEADER_BYTES + 4 * self.shape.cells))
+
+    def _reload(self, refill: bool = True) -> int:
         """Load the whole collection from the store, streamed: the ids first, then the blobs in
         batches of LOAD_BATCH_BYTES, decoded into the index in place (entries the store no
         longer has are removed first, so the index never holds more than the capacity). A
@@ -540,13 +552,13 @@ class Eamc:
         holds entries) gets them back instead (``_refill``)."""
         was_synced = self._cursor is not None
         ids, cursor = self.store.entry_ids(self.model_id)
-        if not ids and was_synced and len(self.index):
+        if refill and not ids and was_synced and len(self.index):
             return self._refill(cursor)
         keep = set(ids)
         with self._lock:
             for stale in [i for i in self.index.ids() if i not in keep]:
                 self.index.remove(stale)
-        per_batch = max(1, LOAD_BATCH_BYTES // (HEADER_BYTES + 4 * self.shape.cells))
+        per_batch = self._batch_entries()
         loaded = 0
         for lo in range(0, len(ids), per_batch):
             blobs = self.store.get_many(self.model_id, ids[lo : lo + per_batch])
@@ -582,7 +594,7 @@ class Eamc:
             self.model_id,
             held,
         )
-        per_batch = max(1, LOAD_BATCH_BYTES // (HEADER_BYTES + 4 * self.shape.cells))
+        per_batch = self._batch_entries()
         written = 0
         for lo in range(0, held, per_batch):
             with self._lock:
@@ -591,8 +603,12 @@ class Eamc:
             del eams
             new_cursor = self.store.refill(self.model_id, cursor, blobs, self.capacity)
             if new_cursor is None:
-                logger.warning("EAMC %s: another replica refilled the store first: reloading", self.model_id)
-                return self._reload()  # theirs replace ours (the index is renumbered so far)
+                logger.warning(
+                    "EAMC %s: the store refused the refill (another replica refilled it first, or the "
+                    "collection was wiped on purpose): reloading",
+                    self.model_id,
+                )
+                return self._reload(refill=False)  # the store's replace ours (renumbered so far)
             first = int(cursor.rpartition(":")[2]) + 1
             last = int(new_cursor.rpartition(":")[2])
             with self._lock:  # rows lo.. are now the store's entries first..last, in order

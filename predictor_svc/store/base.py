@@ -59,8 +59,9 @@ class EamcStore(Protocol):
         replicas both putting theirs."""
         ...
 
-    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
-        """Changes after ``cursor`` in order and the new cursor; None if ``cursor`` is too old."""
+    def changes(self, model_id: str, cursor: str, limit: int = 0) -> tuple[list[Change], str] | None:
+        """Changes after ``cursor`` in order (at most ``limit`` when > 0: the cursor returned is
+        then at the last one) and the new cursor; None if ``cursor`` is too old."""
         ...
 
     def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:

@@ -98,7 +98,7 @@ class EmbeddedStore:
                 self._append(coll, Change("put", entry_id, bytes(blob)))
             return f"{coll.epoch}:{coll.seq}"
 
-    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
+    def changes(self, model_id: str, cursor: str, limit: int = 0) -> tuple[list[Change], str] | None:
         epoch, seq = _parse_cursor(cursor)
         with self._lock:
             coll = self._coll(model_id)
@@ -109,8 +109,10 @@ class EmbeddedStore:
             first_seq = coll.log[0][0] if coll.log else coll.seq + 1
             if seq + 1 < first_seq:
                 return None  # the records right after the cursor were trimmed
-            out = [change for s, change in coll.log if s > seq]
-            return out, f"{coll.epoch}:{coll.seq}"
+            out = [(s, change) for s, change in coll.log if s > seq]
+            if limit and len(out) > limit:
+                out = out[:limit]
+            return [change for _s, change in out], f"{coll.epoch}:{out[-1][0]}"
 
     def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:
         if capacity < 1:

@@ -194,7 +194,7 @@ def test_a_redis_restarted_empty_gets_the_eamc_and_the_registry_back(tmp_path, r
         before = sorted(client.hvals(f"expertcache:eamc:{MODEL}:entries"))
         restart_empty(redis_server)
         assert client.hlen(f"expertcache:eamc:{MODEL}:entries") == 0
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while client.hlen(f"expertcache:eamc:{MODEL}:entries") < 5 or not client.hgetall(
             "expertcache:models"
         ):

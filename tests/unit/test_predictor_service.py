@@ -67,9 +67,9 @@ class FlakyStore(EmbeddedStore):
         self._check()
         return super().refill(model_id, cursor, blobs, capacity)
 
-    def changes(self, model_id, cursor):
+    def changes(self, model_id, cursor, limit=0):
         self._check()
-        return super().changes(model_id, cursor)
+        return super().changes(model_id, cursor, limit)
 
     def insert(self, model_id, blob, capacity, victim_id):
         self._check()
