@@ -32,8 +32,13 @@ Decisions:
   it touches any state. The registry lives in the store (shared by replicas, reloaded every
   sync) and within the limits of the config (max_layers, max_experts, max_models,
   max_eamc_bytes).
-- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: the
-  stream opening one more request fails, LimitReached), in all (``max_live_requests`` /
+- Requests are keyed by (model, caller, pod, request_id, nonce) (``RequestKey``): a client's
+  request_id, reused by a retry or by another client, is another request. A refused message
+  (LimitReached, BadActivation, ModelNotRegistered) ends its request's reporting
+  (``end_refused``: its state dropped, its later messages ignored until its request_done), never
+  the Observe stream, which compute shares between all its requests.
+- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: one
+  more request is refused, LimitReached), in all (``max_live_requests`` /
   ``max_live_bytes``: the least recently active request is dropped), the insert retry queue
   (``max_pending_inserts`` / ``max_pending_insert_bytes``: the oldest dropped), subscribers
   (``max_subscribers``, each queue bounded by ``subscriber_queue_requests``). Every refusal is
