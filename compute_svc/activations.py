@@ -22,12 +22,16 @@ retried with backoff, and tokens queued meanwhile are dropped as in an outage.
 The reporter keeps a single Observe stream open for all requests (the proto lets one stream
 carry interleaved requests); ``request_done`` rides on an extra message after the request's
 last token, which is never dropped, so the predictor learns of the end even of a cancelled or
-failed request.
+failed request. Each run of a request carries its own random ``request_nonce``: the predictor
+keys requests by (this client, pod, request_id, nonce), so a request_id used again (a client's
+retry) never looks like one request's tokens going back; and a message the predictor refuses
+ends that request's reporting there, never the shared stream.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -114,8 +118,15 @@ class RoutingCapture:
 
 # -- reporter -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class _Step:
+    routing: StepRouting
+    nonce: str  # the request run's Activation.request_nonce
+
+
+@dataclass(frozen=True)
 class _Done:
     request_id: str
+    nonce: str
 
 
 class ActivationReporter:
@@ -151,10 +162,15 @@ class ActivationReporter:
         self.queue_tokens = queue_tokens
         self.batch_tokens = batch_tokens
         self._cond = threading.Condition()
-        self._queue: deque[StepRouting | _Done] = deque()
+        self._queue: deque[_Step | _Done] = deque()
         self._queued_tokens = 0
-        self._reported: set[str] = set()  # requests with queued tokens and no end marker yet
-        self._next_index: dict[str, int] = {}  # request → position after its last sent token
+        # Requests with queued tokens and no end marker yet → the nonce of their run: the
+        # predictor keys a request by (this client, pod, request_id, nonce), so a request_id
+        # used again (a client's retry) is another request there, whatever became of the first.
+        self._reported: dict[str, str] = {}
+        self._next_index: dict[
+            tuple[str, str], int
+        ] = {}  # (request, nonce) → position after its last sent token
         self._trace: dict[str, dict[str, str]] = {}  # traced request → its W3C trace context
         self._closing = False
         self._flush_deadline = 0.0
@@ -178,9 +194,11 @@ class ActivationReporter:
             if self._closing or self._queued_tokens + tokens > self.queue_tokens:
                 self.dropped_tokens += tokens
                 return
-            self._queue.append(step)
+            nonce = self._reported.get(step.request_id)
+            if nonce is None:
+                nonce = self._reported[step.request_id] = secrets.token_hex(8)
+            self._queue.append(_Step(step, nonce))
             self._queued_tokens += tokens
-            self._reported.add(step.request_id)
             self._cond.notify()
 
     def on_request_end(self, request_id: str) -> None:
@@ -189,8 +207,7 @@ class ActivationReporter:
             # A request none of whose tokens was queued has nothing to close at the predictor.
             if self._closing or request_id not in self._reported:
                 return
-            self._reported.discard(request_id)
-            self._queue.append(_Done(request_id))
+            self._queue.append(_Done(request_id, self._reported.pop(request_id)))
             self._cond.notify()
 
     # -- stats ----------------------------------------------------------------------------------
@@ -215,7 +232,7 @@ class ActivationReporter:
             return self._queued_tokens
 
     # -- sender thread --------------------------------------------------------------------------
-    def _take(self) -> StepRouting | _Done | None:
+    def _take(self) -> _Step | _Done | None:
         """Next queued item, waiting in slices; None once the current call ended or we close."""
         with self._cond:
             while not self._queue:
@@ -227,8 +244,8 @@ class ActivationReporter:
             if self._closing and time.monotonic() >= self._flush_deadline:
                 return None
             item = self._queue.popleft()
-            if isinstance(item, StepRouting):
-                self._queued_tokens -= int(item.experts.shape[0])
+            if isinstance(item, _Step):
+                self._queued_tokens -= int(item.routing.experts.shape[0])
             return item
 
     def _messages(self) -> Iterator[predictor_pb2.Activation]:
@@ -238,7 +255,7 @@ class ActivationReporter:
             if item is None:
                 return
             if isinstance(item, _Done):
-                index = self._next_index.pop(item.request_id, 0)
+                index = self._next_index.pop((item.request_id, item.nonce), 0)
                 self.requests_done += 1
                 message = predictor_pb2.Activation(
                     request_id=item.request_id,
@@ -246,6 +263,7 @@ class ActivationReporter:
                     pod=self.pod,
                     token_index=index,
                     request_done=True,
+                    request_nonce=item.nonce,
                 )
                 with self._cond:
                     carrier = self._trace.pop(item.request_id, None)
@@ -254,6 +272,7 @@ class ActivationReporter:
                 yield message
                 self._mark_connected()
                 continue
+            nonce, item = item.nonce, item.routing
             rows = item.experts.reshape(item.experts.shape[0], -1).tolist()  # [T, L*K]
             layers = int(item.experts.shape[1])
             carrier = self._trace.get(item.request_id) if self._trace else None
@@ -267,6 +286,7 @@ class ActivationReporter:
                     top_k=self.top_k,
                     num_moe_layers=layers,
                     num_experts=self.num_experts,
+                    request_nonce=nonce,
                 )
                 if carrier and offset == len(rows) - 1:
                     # One traced activation per step (its last row): a long prompt's chunk makes
@@ -276,7 +296,7 @@ class ActivationReporter:
                 # gRPC asks for the next message once the previous one was written: the stream works.
                 self._mark_connected()
                 self.sent_tokens += 1
-            self._next_index[item.request_id] = item.first_token + len(rows)
+            self._next_index[(item.request_id, nonce)] = item.first_token + len(rows)
 
     def _mark_connected(self) -> None:
         if not self.connected:
@@ -329,6 +349,14 @@ class ActivationReporter:
                 summary = self._stub.Observe(self._messages())
                 self._call_ended.set()
                 logger.debug("Observe stream closed: %d activations accepted", summary.activations)
+                if summary.requests_refused:
+                    logger.warning(
+                        "the predictor refused %d requests' reporting on the last Observe stream (%d "
+                        "messages), the first: %s",
+                        summary.requests_refused,
+                        summary.activations_refused,
+                        summary.first_refusal,
+                    )
                 backoff = RECONNECT_INITIAL_S
             except grpc.RpcError as exc:
                 self._call_ended.set()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -279,6 +280,10 @@ class GenerationEngine:
         self.reporter: ActivationReporter | None = None
         self.recorder: TraceRecorder | None = None
         self.attention = use_packed_attention(loaded.model)
+        # Routing ids of the running requests: a client's request_id is only unique per client
+        # (a retry reuses it), and the daemon, the reporter and the trace key requests by it.
+        self._routing_ids: set[str] = set()
+        self._routing_lock = threading.Lock()
 
     def enable_routing(
         self,
@@ -451,16 +456,26 @@ class GenerationEngine:
     def start(self, prepared: PreparedRequest) -> RunningRequest:
         """A request's running state; the daemon and the reporter learn of it."""
         request = prepared.request
-        # Reports need an id even when the client gave none; ids of concurrent requests must differ.
+        # Reports need an id even when the client gave none; ids of concurrent requests must differ:
+        # a request_id already running (a client's retry, or two clients' ids) gets a suffix.
         routing_id = request.request_id or f"anon-{secrets.token_hex(8)}"
+        with self._routing_lock:
+            while routing_id in self._routing_ids:
+                routing_id = f"{request.request_id}#{secrets.token_hex(4)}"
+            self._routing_ids.add(routing_id)
         eos = frozenset() if request.ignore_eos else self.loaded.eos_token_ids
-        seq = RunningRequest(
-            prepared,
-            routing_id,
-            Sampler(request.sampling, prepared.prompt_ids, self.loaded.vocab_size, self.loaded.device),
-            IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids),
-            eos | frozenset(request.stop_token_ids),
-        )
+        try:
+            seq = RunningRequest(
+                prepared,
+                routing_id,
+                Sampler(request.sampling, prepared.prompt_ids, self.loaded.vocab_size, self.loaded.device),
+                IncrementalDetokenizer(self.loaded.tokenizer, prepared.prompt_ids),
+                eos | frozenset(request.stop_token_ids),
+            )
+        except BaseException:
+            with self._routing_lock:
+                self._routing_ids.discard(routing_id)
+            raise
         if telemetry.ENABLED:
             self._start_span(seq, routing_id)
         self.runtime.begin_request(routing_id)
@@ -472,6 +487,8 @@ class GenerationEngine:
         the daemon and the predictor are told (a cancelled request too: the predictor closes its
         EAM)."""
         self.runtime.end_request(seq.routing_id)
+        with self._routing_lock:
+            self._routing_ids.discard(seq.routing_id)
         if self.reporter is not None:
             self.reporter.on_request_end(seq.routing_id)
         if self.recorder is not None:

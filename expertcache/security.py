@@ -19,8 +19,10 @@ a deployment turns on, per server:
 The clients of the predictor (compute's activation reporter, the daemon's hint subscriber) take
 ``predictor_tls_ca_file`` (TLS on, verifying the predictor against that CA),
 ``predictor_tls_cert_file`` + ``predictor_tls_key_file`` (the client certificate for mTLS) and
-``predictor_auth_token_file``. Client certificates are read when the channel is made (a restart
-takes new ones); the token file is re-read when it changes.
+``predictor_auth_token_file``. Like the servers, the clients pick up rotated files without a
+restart: the token file is re-read when it changes, and a changed CA or client certificate pair
+makes the channel anew (``ReloadingChannel``) for the next call (calls in flight finish on the
+previous one); a half-written pair is refused and the previous one kept.
 
 ``ServerSecurity.from_config`` / ``ClientSecurity.from_config`` read those fields from any
 service config; their ``check`` (run by the configs' ``check``) refuses unreadable files,
@@ -404,6 +406,108 @@ class BearerTokenClientInterceptor(
         return continuation(self._details(client_call_details), request_iterator)
 
 
+class _ReloadingMultiCallable:
+    """A multicallable of ``ReloadingChannel``: each invocation takes the channel current then."""
+
+    def __init__(self, owner: ReloadingChannel, kind: str, args: tuple, kwargs: dict) -> None:
+        self._owner, self._kind, self._args, self._kwargs = owner, kind, args, kwargs
+
+    def _target(self):
+        return getattr(self._owner.current(), self._kind)(*self._args, **self._kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._target()(*args, **kwargs)
+
+    def with_call(self, *args, **kwargs):
+        return self._target().with_call(*args, **kwargs)
+
+    def future(self, *args, **kwargs):
+        return self._target().future(*args, **kwargs)
+
+
+class ReloadingChannel(grpc.Channel):
+    """A TLS channel made anew when its certificate files change (checked at each call).
+
+    A rotated client certificate or CA reaches the next call (a stream opened before keeps the
+    previous channel until it ends: a rotation never cuts a call). A changed set that does not
+    load (a key that does not match its certificate: half-written) is logged once and the
+    previous channel kept until the files change again.
+    """
+
+    def __init__(self, security: ClientSecurity, address: str, options: list) -> None:
+        self._security = security
+        self._address = address
+        self._options = options
+        self._lock = threading.Lock()
+        self._version = self._versions()
+        self._channel = grpc.secure_channel(address, security.channel_credentials(), options=options)
+        self._previous: list[grpc.Channel] = []  # closed with this one (calls may still use them)
+        self._subscribed: dict = {}
+        self.reloads = 0
+
+    def _versions(self) -> tuple[FileVersion, ...]:
+        s = self._security
+        return tuple(file_version(p) for p in (s.tls_ca_file, s.tls_cert_file, s.tls_key_file) if p)
+
+    def current(self) -> grpc.Channel:
+        """The channel for a new call: made again first when the files changed."""
+        try:
+            version = self._versions()
+        except OSError:
+            return self._channel  # a file is being replaced: the current files until it is back
+        if version == self._version:
+            return self._channel
+        with self._lock:
+            if version != self._version:
+                self._version = version  # a bad set is reported once, retried when files change
+                try:
+                    self._security.check()
+                    credentials = self._security.channel_credentials()
+                except InvalidArgument as exc:
+                    logger.error(
+                        "TLS client files changed but cannot be used, keeping the previous ones: %s", exc
+                    )
+                    return self._channel
+                self._previous.append(self._channel)
+                self._channel = grpc.secure_channel(self._address, credentials, options=self._options)
+                self.reloads += 1
+                logger.info("TLS client files changed: new channel to %s", self._address)
+            return self._channel
+
+    def unary_unary(self, *args, **kwargs):
+        return _ReloadingMultiCallable(self, "unary_unary", args, kwargs)
+
+    def unary_stream(self, *args, **kwargs):
+        return _ReloadingMultiCallable(self, "unary_stream", args, kwargs)
+
+    def stream_unary(self, *args, **kwargs):
+        return _ReloadingMultiCallable(self, "stream_unary", args, kwargs)
+
+    def stream_stream(self, *args, **kwargs):
+        return _ReloadingMultiCallable(self, "stream_stream", args, kwargs)
+
+    def subscribe(self, callback, try_to_connect=False):
+        channel = self.current()
+        self._subscribed[callback] = channel
+        channel.subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._subscribed.pop(callback, self._channel).unsubscribe(callback)
+
+    def close(self):
+        with self._lock:
+            channels, self._previous = [*self._previous, self._channel], []
+        for channel in channels:
+            channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self.close()
+        return False
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """How a client reaches a server: TLS roots, client certificate, bearer token (PEM files)."""
@@ -455,7 +559,7 @@ class ClientSecurity:
         """A channel to ``address``: TLS when configured, the token added to every call."""
         options = list(options or [])
         if self.tls:
-            channel = grpc.secure_channel(address, self.channel_credentials(), options=options)
+            channel = ReloadingChannel(self, address, options)
         else:
             channel = grpc.insecure_channel(address, options=options)
         if self.auth_token_file:

@@ -291,14 +291,17 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
 
     max_client_live_requests: int = field(
         default=1024,
-        metadata={"help": "Live requests one client may hold; one more fails its stream.", "min": 1},
+        metadata={
+            "help": "Live requests one client may hold; one more is refused (its reporting ends).",
+            "min": 1,
+        },
     )
     """Per client (peer address without port, or mTLS common name): RESOURCE_EXHAUSTED beyond."""
 
     max_client_live_bytes: int = field(
         default=256 * MIB,
         metadata={
-            "help": "Bytes of live request state one client may hold; more fails its stream.",
+            "help": "Bytes of live request state one client may hold; a request beyond is refused.",
             "min": 1,
         },
     )

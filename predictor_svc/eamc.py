@@ -48,7 +48,7 @@ import threading
 import numpy as np
 import torch
 
-from predictor_svc.eam import EamShape, decode_eam, encode_eam
+from predictor_svc.eam import HEADER_BYTES, EamShape, decode_eam, encode_eam
 from predictor_svc.errors import Conflict, CorruptEntry, StoreUnavailable
 from predictor_svc.store.base import EamcStore
 
@@ -60,6 +60,11 @@ except ImportError:  # pragma: no cover - an install without its build
     _NATIVE_MATCH = None
 
 logger = logging.getLogger(__name__)
+
+# A full reload fetches and decodes the entries in batches of about this many blob bytes, into
+# the index in place: the load peaks at the index plus one batch (its blobs, their EAMs and
+# their normalised rows), never at a second copy of the collection.
+LOAD_BATCH_BYTES = 8 << 20
 
 # Entries rescored exactly per query: CANDIDATE_FACTOR * top_n, at least MIN_CANDIDATES. By
 # bench.predict_bench at 10 K entries, top_n 16: 4x chose the exact top-16 in 100% of queries,
@@ -132,6 +137,9 @@ class EamcIndex:
         self._scale = np.zeros((self._rows.shape[0], shape.layers), dtype=np.float32)
         # nonempty[n, l] = number of non-empty layer blocks among the first l (l = 0..L)
         self._nonempty = np.zeros((self._rows.shape[0], shape.layers + 1), dtype=np.float32)
+        # tokens[n]: the entry's token count, so that its EAM can be rebuilt exactly (eams()):
+        # what refills a store that lost its entries.
+        self._tokens = np.zeros(self._rows.shape[0], dtype=np.int64)
         self._ids: list[str] = []
         self._pos: dict[str, int] = {}
         self._mean: np.ndarray | None = None  # the collection's mean frequencies, until it changes
@@ -202,6 +210,7 @@ class EamcIndex:
         flat = normalised.reshape(len(rows), -1)
         self._rows[rows] = flat
         self._scale[rows] = norms / np.maximum(tokens.astype(np.float32), 1.0)[:, None]
+        self._tokens[rows] = tokens
         self._nonempty[rows, 0] = 0
         self._nonempty[rows, 1:] = np.cumsum(norms > 0, axis=1)
         top = flat.max(axis=1)  # >= 0: counts are non-negative
@@ -213,6 +222,25 @@ class EamcIndex:
             self._qscale[rows][:, None], np.sqrt(ne), out=np.zeros_like(ne), where=ne > 0
         ).T
         self._mean = None
+
+    def eams(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The EAMs (uint32 [B, L, E], rebuilt from the normalised rows: count = block value x
+        the block's norm) and token counts (int64 [B]) of rows ``start:stop``."""
+        L, E = self.shape.layers, self.shape.experts
+        stop = min(stop, len(self._ids))
+        rows = self._rows[start:stop].reshape(-1, L, E)
+        norms = self._scale[start:stop] * np.maximum(self._tokens[start:stop], 1).astype(np.float32)[:, None]
+        eams = np.rint(rows * norms[:, :, None]).astype(np.uint32)
+        return eams, self._tokens[start:stop].copy()
+
+    def rename_rows(self, start: int, new_ids: list[str]) -> None:
+        """Rows ``start .. start + len(new_ids) - 1`` get ``new_ids`` (the store renumbered them)."""
+        for row, new_id in enumerate(new_ids, start):
+            old = self._ids[row]
+            if self._pos.get(old) == row:
+                del self._pos[old]
+            self._ids[row] = new_id
+            self._pos[new_id] = row
 
     def remove(self, entry_id: str) -> bool:
         """Drop ``entry_id``; the last row moves into its place. False if it was not there."""
@@ -419,7 +447,7 @@ class EamcIndex:
         return eam
 
     # One row each per entry (entry-major); ``_rank`` is the one layer-major array (a column each).
-    _ARRAYS = ("_rows", "_q4", "_qscale", "_scale", "_nonempty")
+    _ARRAYS = ("_rows", "_q4", "_qscale", "_scale", "_nonempty", "_tokens")
 
     def _grow(self) -> None:
         cap = self._rows.shape[0] * 2
@@ -456,7 +484,9 @@ class Eamc:
         self.shape = shape
         self.capacity = capacity
         self.max_insert_attempts = max_insert_attempts
-        self.index = EamcIndex(shape, initial_rows=min(capacity, 1024))
+        # Sized for the capacity at once (zero pages cost nothing until written): growing by
+        # doubling would copy the arrays and could leave them at twice what the budget reserves.
+        self.index = EamcIndex(shape, initial_rows=capacity)
         self._cursor: str | None = None  # guarded by _io_lock
         self._io_lock = threading.Lock()  # serialises store I/O (sync / insert) and the cursor
         self._lock = threading.Lock()  # guards the index; never held across store I/O
@@ -466,6 +496,7 @@ class Eamc:
         self.conflicts = 0
         self.corrupt_entries = 0
         self.store_errors = 0
+        self.refills = 0  # times this replica put its entries back into a store that lost them
 
     @property
     def entries(self) -> int:
@@ -482,8 +513,14 @@ class Eamc:
         # or down (a connect timeout must not stall hint computation).
         try:
             if self._cursor is not None:
-                delta = self.store.changes(self.model_id, self._cursor)
-                if delta is not None:
+                # In batches of about LOAD_BATCH_BYTES of blobs, like a reload: a replica far
+                # behind (many inserts elsewhere) never takes the whole backlog in one reply.
+                limit = self._batch_entries()
+                applied = 0
+                while True:
+                    delta = self.store.changes(self.model_id, self._cursor, limit)
+                    if delta is None:
+                        break
                     changes, cursor = delta
                     with self._lock:
                         for change in changes:
@@ -494,31 +531,98 @@ class Eamc:
                         self.incremental_syncs += 1
                         self.changes_applied += len(changes)
                     self._cursor = cursor
-                    return len(changes)
+                    applied += len(changes)
+                    if len(changes) < limit:
+                        return applied
                 logger.info("EAMC %s: cursor %s too old, reloading", self.model_id, self._cursor)
-            entries, cursor = self.store.load(self.model_id)
+            return self._reload()
         except StoreUnavailable:
             self.store_errors += 1
             raise
-        index = EamcIndex(self.shape, initial_rows=max(len(entries), 64))
-        ids, eams, tokens = [], [], []
-        for entry_id, blob in entries.items():  # decoding is per blob; normalising is batched
-            try:
-                eam, n_tokens = decode_eam(blob or b"", self.shape)
-            except CorruptEntry as exc:
-                self.corrupt_entries += 1
-                logger.warning("EAMC %s: skipping entry %s: %s", self.model_id, entry_id, exc)
-                continue
-            ids.append(entry_id)
-            eams.append(eam)
-            tokens.append(n_tokens)
-        if ids:
-            index.upsert_many(ids, np.stack(eams), np.asarray(tokens))
+
+    def _batch_entries(self) -> int:
+        """Entries of this model in about LOAD_BATCH_BYTES of blobs (at least 1)."""
+        return max(1, LOAD_BATCH_BYTES // (HEADER_BYTES + 4 * self.shape.cells))
+
+    def _reload(self, refill: bool = True) -> int:
+        """Load the whole collection from the store, streamed: the ids first, then the blobs in
+        batches of LOAD_BATCH_BYTES, decoded into the index in place (entries the store no
+        longer has are removed first, so the index never holds more than the capacity). A
+        store that lost the collection (empty, while this replica was in sync with it and
+        holds entries) gets them back instead (``_refill``)."""
+        was_synced = self._cursor is not None
+        ids, cursor = self.store.entry_ids(self.model_id)
+        if refill and not ids and was_synced and len(self.index):
+            return self._refill(cursor)
+        keep = set(ids)
         with self._lock:
-            self.index = index
+            for stale in [i for i in self.index.ids() if i not in keep]:
+                self.index.remove(stale)
+        per_batch = self._batch_entries()
+        loaded = 0
+        for lo in range(0, len(ids), per_batch):
+            blobs = self.store.get_many(self.model_id, ids[lo : lo + per_batch])
+            batch_ids, eams, tokens = [], [], []
+            for entry_id, blob in blobs.items():  # decoding is per blob; normalising is batched
+                try:
+                    eam, n_tokens = decode_eam(blob or b"", self.shape)
+                except CorruptEntry as exc:
+                    self.corrupt_entries += 1
+                    logger.warning("EAMC %s: skipping entry %s: %s", self.model_id, entry_id, exc)
+                    continue
+                batch_ids.append(entry_id)
+                eams.append(eam)
+                tokens.append(n_tokens)
+            del blobs
+            if batch_ids:
+                with self._lock:
+                    self.index.upsert_many(batch_ids, np.stack(eams), np.asarray(tokens))
+            loaded += len(batch_ids)
+        with self._lock:
             self.full_reloads += 1
         self._cursor = cursor
-        return len(entries)
+        return loaded
+
+    def _refill(self, cursor: str) -> int:
+        """The store lost this collection (a Redis restarted without its data): write back the
+        entries this replica holds, in batches, unless another replica is doing so (the store
+        refuses a batch once anybody else wrote: then this replica reloads theirs)."""
+        with self._lock:
+            held = len(self.index)
+        logger.warning(
+            "EAMC %s: the store lost the collection; putting back the %d entries held in memory",
+            self.model_id,
+            held,
+        )
+        per_batch = self._batch_entries()
+        written = 0
+        for lo in range(0, held, per_batch):
+            with self._lock:
+                eams, tokens = self.index.eams(lo, lo + per_batch)
+            blobs = [encode_eam(eam, int(n)) for eam, n in zip(eams, tokens, strict=True)]
+            del eams
+            new_cursor = self.store.refill(self.model_id, cursor, blobs, self.capacity)
+            if new_cursor is None:
+                logger.warning(
+                    "EAMC %s: the store refused the refill (another replica refilled it first, or the "
+                    "collection was wiped on purpose): reloading",
+                    self.model_id,
+                )
+                return self._reload(refill=False)  # the store's replace ours (renumbered so far)
+            first = int(cursor.rpartition(":")[2]) + 1
+            last = int(new_cursor.rpartition(":")[2])
+            with self._lock:  # rows lo.. are now the store's entries first..last, in order
+                self.index.rename_rows(lo, [str(seq) for seq in range(first, last + 1)])
+            cursor = new_cursor
+            written += last - first + 1
+            if last - first + 1 < len(blobs):
+                break  # the store is at capacity (a smaller eamc_capacity): the rest is not kept
+        with self._lock:
+            for entry_id in self.index.ids()[written:]:
+                self.index.remove(entry_id)
+        self._cursor = cursor
+        self.refills += 1
+        return written
 
     def insert(self, eam: np.ndarray, tokens: int) -> str:
         """Insert a finished request's EAM (uint32 [L, E]); at capacity it replaces the most

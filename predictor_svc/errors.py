@@ -69,3 +69,8 @@ class LimitReached(ResourceExhausted):
     """A configured bound (max_models, max_eamc_bytes, per-client live requests or bytes,
     max_subscribers) would be exceeded; the message names the limit and its value. gRPC
     ``RESOURCE_EXHAUSTED``; nothing is changed."""
+
+
+class RequestEnded(FailedPrecondition):
+    """A message of a request whose reporting a refusal ended (``PredictorService.end_refused``):
+    ignored until the request's request_done."""

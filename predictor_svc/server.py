@@ -9,6 +9,7 @@ INVALID_ARGUMENT naming the field).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -16,15 +17,19 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache import telemetry
 from expertcache.aio_bridge import Health, LoopServer
-from expertcache.grpc_server import build_server, set_serving
+from expertcache.grpc_server import build_server, set_serving, status_code
 from expertcache.prom import Registry
 from expertcache.security import ServerSecurity
 from expertcache.transport import TransportLimits
+from predictor_svc.errors import BadActivation, LimitReached, ModelNotRegistered, RequestEnded
 from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = predictor_pb2.DESCRIPTOR.services_by_name["Predictor"].full_name
+# What one Observe message may be refused for: it ends its request's reporting, not the stream
+# (PredictorStopping and a message that does not decode still end the stream).
+REQUEST_REFUSALS = (BadActivation, LimitReached, ModelNotRegistered)
 SUBSCRIBE_POLL_S = 0.5  # how often a hint stream notices a cancelled client with nothing to send
 
 
@@ -61,6 +66,7 @@ def activation_from_pb(msg: predictor_pb2.Activation, client: str = "") -> Activ
         num_experts=msg.num_experts,
         client=client,
         trace_context=msg.trace_context,
+        nonce=msg.request_nonce,
     )
 
 
@@ -69,6 +75,7 @@ def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
         request_id=batch.request_id,
         token_index=batch.token_index,
         request_done=batch.request_done,
+        request_nonce=batch.nonce,
         hints=[
             predictor_pb2.Hint(moe_layer=h.moe_layer, expert=h.expert, score=h.score) for h in batch.hints
         ],
@@ -142,19 +149,33 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
     def Observe(
         self, request_iterator: Iterator[predictor_pb2.Activation], context: grpc.ServicerContext
     ) -> predictor_pb2.ObserveSummary:
-        activations = done = 0
+        summary = predictor_pb2.ObserveSummary()
         client = client_of(context)
         for msg in request_iterator:
-            if telemetry.ENABLED and msg.trace_context:
-                finished = self._observe_traced(msg, client)
-            else:
-                finished = self._service.observe(activation_from_pb(msg, client))
+            activation = activation_from_pb(msg, client)
+            try:
+                if telemetry.ENABLED and msg.trace_context:
+                    finished = self._observe_traced(msg, activation)
+                else:
+                    finished = self._service.observe(activation)
+            except RequestEnded:
+                summary.activations_refused += 1
+                continue
+            except REQUEST_REFUSALS as exc:
+                # One request's bad message ends that request, never the stream: the stream is
+                # shared by every request of its compute.
+                self._service.end_refused(activation, exc)
+                summary.activations_refused += 1
+                summary.requests_refused += 1
+                if not summary.first_refusal:
+                    summary.first_refusal = f"{status_code(exc).name}: {exc}"
+                continue
             if finished:
-                done += 1
-            activations += 1
-        return predictor_pb2.ObserveSummary(activations=activations, requests_done=done)
+                summary.requests_done += 1
+            summary.activations += 1
+        return summary
 
-    def _observe_traced(self, msg: predictor_pb2.Activation, client: str) -> bool:
+    def _observe_traced(self, msg: predictor_pb2.Activation, activation: Activation) -> bool:
         """One traced activation: an ``observe`` span under the request's Generate span (from
         ``Activation.trace_context``), linked to it too, current while the service publishes hints."""
         with telemetry.span_from_message(
@@ -168,7 +189,7 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
                 "expertcache.request_done": msg.request_done,
             },
         ):
-            return self._service.observe(activation_from_pb(msg, client))
+            return self._service.observe(activation)
 
     def SubscribeHints(
         self, request: predictor_pb2.SubscribeHintsRequest, context: grpc.ServicerContext
@@ -213,8 +234,9 @@ def create_server(
     limits: TransportLimits | None = None,
     registry: Registry | None = None,
 ) -> tuple[LoopServer, Health]:
-    """A started server on ``address`` (host:port) with health SERVING; TLS / mTLS / bearer
-    token as ``security`` says (``expertcache.security``)."""
+    """A started server on ``address`` (host:port); TLS / mTLS / bearer token as ``security``
+    says (``expertcache.security``). Health turns SERVING once the service has loaded its EAMCs
+    (``PredictorService.loaded``): a replica still loading would answer with empty hints."""
     servicer = PredictorServicer(service)
     server, health_servicer = build_server(
         address,
@@ -228,6 +250,14 @@ def create_server(
         name="predictor-grpc",
     )
     server.start()
-    set_serving(health_servicer, [SERVICE_NAME])
-    logger.info("serving %s on %s", SERVICE_NAME, address)
+
+    def serve_once_loaded() -> None:
+        while not service.loaded.wait(1.0):
+            if service.closed:
+                return
+        set_serving(health_servicer, [SERVICE_NAME])
+        logger.info("EAMC loaded: %s SERVING", SERVICE_NAME)
+
+    threading.Thread(target=serve_once_loaded, name="predictor-ready", daemon=True).start()
+    logger.info("serving %s on %s (NOT_SERVING until the EAMC is loaded)", SERVICE_NAME, address)
     return server, health_servicer

@@ -32,8 +32,13 @@ Decisions:
   it touches any state. The registry lives in the store (shared by replicas, reloaded every
   sync) and within the limits of the config (max_layers, max_experts, max_models,
   max_eamc_bytes).
-- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: the
-  stream opening one more request fails, LimitReached), in all (``max_live_requests`` /
+- Requests are keyed by (model, caller, pod, request_id, nonce) (``RequestKey``): a client's
+  request_id, reused by a retry or by another client, is another request. A refused message
+  (LimitReached, BadActivation, ModelNotRegistered) ends its request's reporting
+  (``end_refused``: its state dropped, its later messages ignored until its request_done), never
+  the Observe stream, which compute shares between all its requests.
+- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: one
+  more request is refused, LimitReached), in all (``max_live_requests`` /
   ``max_live_bytes``: the least recently active request is dropped), the insert retry queue
   (``max_pending_inserts`` / ``max_pending_insert_bytes``: the oldest dropped), subscribers
   (``max_subscribers``, each queue bounded by ``subscriber_queue_requests``). Every refusal is
@@ -49,6 +54,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +71,7 @@ from predictor_svc.errors import (
     ModelNotRegistered,
     PredictorStopping,
     RegistrationDisabled,
+    RequestEnded,
     StoreUnavailable,
 )
 from predictor_svc.metrics import PredictorMetrics
@@ -73,6 +80,7 @@ from predictor_svc.store.base import EamcStore
 
 logger = logging.getLogger(__name__)
 
+REFUSAL_LOG_INTERVAL_S = 1.0  # refused requests are logged at most this often (the rest counted)
 HINT_SOURCE = "combined"  # the request's own history mixed with the EAMC match (predict.py)
 # Live state per (layer, expert) cell of a request: its EAM (uint32), its history (float32) and
 # up to three cached score maps (float32) of RequestPredictor; plus a fixed overhead.
@@ -118,6 +126,22 @@ class Activation:
     num_experts: int = 0
     client: str = ""  # who sent it (server.client_of): the key of the per-client limits
     trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C, of the request's trace
+    nonce: str = ""  # the reporter's per-run nonce (Activation.request_nonce)
+
+    @property
+    def key(self) -> RequestKey:
+        """What the predictor keys the request by: nothing a client chooses alone. The caller
+        (peer or certificate), the pod and the nonce make a client's request_id its own: another
+        client's, or a retry's, same request_id is another request."""
+        return RequestKey(self.model_id, self.client, self.pod, self.request_id, self.nonce)
+
+
+class RequestKey(NamedTuple):
+    model_id: str
+    client: str
+    pod: str
+    request_id: str
+    nonce: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +160,7 @@ class HintBatch:
     hints: tuple[Hint, ...]
     request_done: bool = False
     trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C: the span that published it
+    nonce: str = ""  # the request's Activation.request_nonce
 
 
 @dataclass(frozen=True)
@@ -222,7 +247,7 @@ class Subscription:
         self._metrics = metrics
         self._on_close = on_close
         self._cond = threading.Condition()
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._pending: OrderedDict[tuple[str, str], _Pending] = OrderedDict()  # (request_id, nonce)
         self._closed = False
 
     @property
@@ -242,12 +267,12 @@ class Subscription:
         self._bytes -= old.nbytes
         self._metrics.hints_dropped.inc(len(old.layers))
 
-    def _slot(self, request_id: str, token_index: int) -> _Pending:
-        pending = self._pending.get(request_id)
+    def _slot(self, request: tuple[str, str], token_index: int) -> _Pending:
+        pending = self._pending.get(request)
         if pending is None:
             if len(self._pending) >= self._max_requests:
                 self._drop_oldest()
-            pending = self._pending[request_id] = _Pending(token_index)
+            pending = self._pending[request] = _Pending(token_index)
             self._bytes += pending.nbytes
         return pending
 
@@ -265,13 +290,15 @@ class Subscription:
         token_index: int,
         layers: dict[int, tuple[Hint, ...]],
         trace_context: Mapping[str, str] | None = None,
+        nonce: str = "",
     ) -> None:
-        """Queue ``layers`` (layer → hints, best first) of ``request_id``, replacing unsent ones.
-        ``trace_context`` (the publishing span's, when traced) goes out with the batch."""
+        """Queue ``layers`` (layer → hints, best first) of ``request_id`` (the run ``nonce``),
+        replacing unsent ones. ``trace_context`` (the publishing span's, when traced) goes out
+        with the batch."""
         with self._cond:
             if self._closed:
                 return
-            pending = self._slot(request_id, token_index)
+            pending = self._slot((request_id, nonce), token_index)
             replaced = 0
             for layer, hints in layers.items():
                 old = pending.layers.get(layer)
@@ -290,12 +317,12 @@ class Subscription:
             self._trim(pending)
             self._cond.notify()
 
-    def offer_done(self, request_id: str, token_index: int) -> None:
+    def offer_done(self, request_id: str, token_index: int, nonce: str = "") -> None:
         """The request ended: its unsent hints are moot; send a done marker instead."""
         with self._cond:
             if self._closed:
                 return
-            pending = self._slot(request_id, token_index)
+            pending = self._slot((request_id, nonce), token_index)
             if pending.layers:
                 self._metrics.hints_replaced.inc(len(pending.layers))
                 pending.layers.clear()
@@ -312,11 +339,11 @@ class Subscription:
                 return None
             if self._closed:
                 return None
-            request_id, pending = self._pending.popitem(last=False)
+            (request_id, nonce), pending = self._pending.popitem(last=False)
             self._bytes -= pending.nbytes
         hints = tuple(h for layer in sorted(pending.layers) for h in pending.layers[layer])
         self._metrics.hint_batches.inc()
-        return HintBatch(request_id, pending.token_index, hints, pending.done, pending.trace_context)
+        return HintBatch(request_id, pending.token_index, hints, pending.done, pending.trace_context, nonce)
 
     def close(self) -> None:
         """Idempotent; wakes a reader blocked in ``get``."""
@@ -346,16 +373,16 @@ class _LiveRequest:
     def __init__(
         self,
         model: _Model,
-        request_id: str,
-        pod: str,
+        key: RequestKey,
         predictor: RequestPredictor,
         now: float,
-        client: str = "",
     ) -> None:
         self.model = model
-        self.request_id = request_id
-        self.pod = pod
-        self.client = client
+        self.key = key
+        self.request_id = key.request_id
+        self.nonce = key.nonce
+        self.pod = key.pod
+        self.client = key.client
         self.nbytes = live_request_bytes(model.shape)
         self.predictor = predictor  # holds the request's EAM (uint32 [L, E]) and token count
         self.last_token_index = -1
@@ -395,7 +422,12 @@ class PredictorService:
         self._prediction_config = _prediction_config(config)
         self._lock = threading.Lock()  # models, live requests, subscribers, pending inserts
         self._models: dict[str, _Model] = {}
-        self._live: OrderedDict[tuple[str, str], _LiveRequest] = OrderedDict()  # LRU order
+        self._live: OrderedDict[RequestKey, _LiveRequest] = OrderedDict()  # LRU order
+        # Requests whose reporting a refusal ended: their messages are ignored until their
+        # request_done (bounded like the live requests; the oldest mark is forgotten first).
+        self._ended: OrderedDict[RequestKey, None] = OrderedDict()
+        self._refusal_logged_at = float("-inf")
+        self._refusals_unlogged = 0
         self._live_bytes = 0
         self._clients: dict[str, list[int]] = {}  # client -> [live requests, live bytes]
         self._subs: dict[tuple[str, str], list[Subscription]] = {}
@@ -411,6 +443,9 @@ class PredictorService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._store_lock = threading.Lock()  # one thread at a time talks to the store
+        # Set once every model's EAMC was loaded from the store (or the store found down): the
+        # predictor is ready (health SERVING) only then, not while it predicts from nothing.
+        self.loaded = threading.Event()
         for shape in config.shapes().values():
             eam_shape = EamShape(shape.layers, shape.experts, shape.top_k)
             self._configured[shape.model_id] = eam_shape
@@ -420,6 +455,8 @@ class PredictorService:
         except (StoreUnavailable, CorruptEntry) as exc:  # degraded: the background thread retries
             self._store_failed("sync", exc)
         self._thread: threading.Thread | None = None
+        if not background:
+            self.loaded.set()  # nothing loads behind the caller's back: it syncs when it wants
         if background:
             self._thread = threading.Thread(target=self._run, name="predictor-sync", daemon=True)
             self._thread.start()
@@ -437,6 +474,16 @@ class PredictorService:
             raise BadActivation("Activation.request_id is empty")
         if not a.model_id:
             raise BadActivation(f"Activation.model_id is empty (request {a.request_id!r})")
+        key = a.key
+        with self._lock:
+            if key in self._ended:
+                if a.request_done:
+                    del self._ended[key]
+                self._refuse("after_refusal")
+                raise RequestEnded(
+                    f"request {a.request_id!r} of model {a.model_id!r} was refused earlier: its messages are "
+                    "ignored until its request_done"
+                )
         model = self._models_get(a.model_id)
         if model is None:
             self._refuse("unregistered_model")
@@ -447,7 +494,6 @@ class PredictorService:
         experts = None
         if len(a.experts) or not a.request_done:
             experts = self._check_routing(a, model.shape)  # int64 [L, K]
-        key = (a.model_id, a.request_id)
         now = self._clock()
         with self._lock:
             live = self._live.get(key)
@@ -507,11 +553,11 @@ class PredictorService:
             )
         return experts
 
-    @staticmethod
-    def _check_index(a: Activation, live: _LiveRequest) -> None:
+    def _check_index(self, a: Activation, live: _LiveRequest) -> None:
         if a.token_index <= live.last_token_index and not (
             a.request_done and not len(a.experts) and a.token_index == live.last_token_index
         ):
+            self._refuse("token_index")
             raise BadActivation(
                 f"Activation.token_index = {a.token_index} does not follow the last token index "
                 f"{live.last_token_index} of request {a.request_id!r} (must increase)"
@@ -544,14 +590,15 @@ class PredictorService:
 
     def _open_request(self, model: _Model, a: Activation, now: float) -> _LiveRequest:
         nbytes = live_request_bytes(model.shape)
+        key = a.key
         with self._lock:  # refuse before allocating anything
-            if (a.model_id, a.request_id) not in self._live:
+            if key not in self._live:
                 self._admit(a.client, nbytes, a)
         predictor = RequestPredictor(model.eamc, model.shape, self._prediction_config)
-        live = _LiveRequest(model, a.request_id, a.pod, predictor, now, a.client)
+        live = _LiveRequest(model, key, predictor, now)
         evicted: list[_LiveRequest] = []
         with self._lock:
-            existing = self._live.get((a.model_id, a.request_id))
+            existing = self._live.get(key)
             if existing is not None:  # another stream opened it meanwhile
                 return existing
             self._admit(a.client, nbytes, a)  # again: other streams of the client meanwhile
@@ -577,7 +624,7 @@ class PredictorService:
 
     def _add_live(self, live: _LiveRequest) -> None:
         """Track ``live`` and its bytes (holds _lock)."""
-        self._live[(live.model.model_id, live.request_id)] = live
+        self._live[live.key] = live
         self._live_bytes += live.nbytes
         usage = self._clients.setdefault(live.client, [0, 0])
         usage[0] += 1
@@ -596,14 +643,44 @@ class PredictorService:
     def _refuse(self, reason: str) -> None:
         self.metrics.refused.inc(reason=reason)
 
+    def end_refused(self, a: Activation, why: BaseException) -> None:
+        """``a`` was refused (``why``): its request's reporting ends here, not its stream's. Its
+        live state is dropped (its EAM not inserted), its subscribers get a done marker, and its
+        further messages are ignored (RequestEnded) until its request_done."""
+        key = a.key
+        with self._lock:
+            live = self._live.pop(key, None)
+            if live is not None:
+                self._forget_live(live)
+                for sub in self._subs.get((a.model_id, a.pod), ()):
+                    sub.offer_done(a.request_id, max(live.last_token_index, 0), a.nonce)
+            if not a.request_done:
+                self._ended[key] = None
+                self._ended.move_to_end(key)
+                while len(self._ended) > self.config.max_live_requests:
+                    self._ended.popitem(last=False)
+            now = self._clock()
+            if now - self._refusal_logged_at < REFUSAL_LOG_INTERVAL_S:
+                self._refusals_unlogged += 1
+                return
+            self._refusal_logged_at, unlogged, self._refusals_unlogged = now, self._refusals_unlogged, 0
+        logger.warning(
+            "request %r of model %r from %s refused, its reporting ends (other requests go on): %s%s",
+            a.request_id,
+            a.model_id,
+            a.client or "this client",
+            why,
+            f" ({unlogged} more refusals since the last logged one)" if unlogged else "",
+        )
+
     def _finish(self, live: _LiveRequest, token_index: int) -> None:
         with self._lock:
-            if self._live.get((live.model.model_id, live.request_id)) is not live:
+            if self._live.get(live.key) is not live:
                 return  # finished or expired meanwhile
-            del self._live[(live.model.model_id, live.request_id)]
+            del self._live[live.key]
             self._forget_live(live)
             for sub in self._subs.get((live.model.model_id, live.pod), ()):
-                sub.offer_done(live.request_id, token_index)
+                sub.offer_done(live.request_id, token_index, live.nonce)
             self.metrics.requests_done.inc()
             tokens = live.predictor.tokens
             if tokens < self.config.min_request_tokens:
@@ -659,7 +736,7 @@ class PredictorService:
             carrier = telemetry.inject(span)
             span.end()
         for sub in subs:
-            sub.offer(live.request_id, token_index, layers, carrier)
+            sub.offer(live.request_id, token_index, layers, carrier, live.nonce)
 
     # -- subscribers -----------------------------------------------------------------------
     def subscribe(self, model_id: str, pod: str) -> Subscription:
@@ -815,24 +892,36 @@ class PredictorService:
             )
 
     def sync_registry(self) -> None:
-        """Write the configured models to the store's registry (once each) and take the models
-        other replicas registered (unless registration is disabled here). StoreUnavailable
-        propagates (the caller counts it)."""
-        for model_id, shape in self._configured.items():
-            if model_id in self._persisted:
+        """Write the models held here that the store's registry lacks (the configured ones at
+        first, any of them again after a Redis restarted empty) and take the models other
+        replicas registered (unless registration is disabled here). StoreUnavailable propagates
+        (the caller counts it)."""
+        registry = self.store.models()
+        with self._lock:
+            held = {model_id: model.shape for model_id, model in self._models.items()}
+        for model_id, shape in held.items():
+            if model_id in registry:
+                if model_id in self._configured and parse_shape_text(registry[model_id]) != shape:
+                    if model_id not in self._persisted:
+                        logger.error(
+                            "configured model %r is %s but the store's registry has %s: using the "
+                            "configured shape",
+                            model_id,
+                            shape_text(shape),
+                            registry[model_id],
+                        )
+                self._persisted.add(model_id)
                 continue
-            status, value = self.store.register_model(model_id, shape_text(shape), 1 << 30)
-            if status == "exists" and parse_shape_text(value) != shape:
-                logger.error(
-                    "configured model %r is %s but the store's registry has %s: using the configured shape",
-                    model_id,
-                    shape_text(shape),
-                    value,
+            if model_id in self._persisted:
+                logger.warning(
+                    "model %r is missing from the store's registry: registering it again", model_id
                 )
+            # Models held here were admitted already: max_models does not refuse them again.
+            self.store.register_model(model_id, shape_text(shape), 1 << 30)
             self._persisted.add(model_id)
         if not self.config.allow_registration:
             return
-        for model_id, text in self.store.models().items():
+        for model_id, text in registry.items():
             if self._models_get(model_id) is not None or model_id in self._skipped:
                 continue
             shape = parse_shape_text(text)
@@ -937,6 +1026,7 @@ class PredictorService:
                     self._store_failed("sync", exc)
                 else:
                     self._store_ok()
+        self.loaded.set()
         self.expire()
 
     def expire(self) -> int:
@@ -946,7 +1036,7 @@ class PredictorService:
             stale = [key for key, live in self._live.items() if live.last_seen < limit]
             for key in stale:
                 self._forget_live(self._live.pop(key))
-        for model_id, request_id in stale:
+        for model_id, _client, _pod, request_id, _nonce in stale:
             self.metrics.requests_expired.inc()
             logger.info(
                 "live request %r of model %r quiet for %.0fs: dropped (EAM not inserted)",
@@ -995,7 +1085,7 @@ class PredictorService:
         with self._lock:
             models = list(self._models.values())
             live_by_model: dict[str, int] = {}
-            for model_id, _request_id in self._live:
+            for model_id, *_rest in self._live:
                 live_by_model[model_id] = live_by_model.get(model_id, 0) + 1
             live = len(self._live)
             pending = len(self._inserts)
@@ -1045,6 +1135,10 @@ class PredictorService:
             pending_insert_bytes=pending_bytes,
             refused=m.refused_by_reason(),
         )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the background thread (after one last insert attempt) and end every subscription."""

@@ -42,8 +42,26 @@ class EamcStore(Protocol):
         """All entries of ``model_id`` and the cursor at which that snapshot was taken."""
         ...
 
-    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
-        """Changes after ``cursor`` in order and the new cursor; None if ``cursor`` is too old."""
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        """The ids of ``model_id``'s entries and the cursor at which they were listed (no blobs:
+        a reader fetches them in bounded batches with ``get_many``; an entry id's blob never
+        changes within one collection incarnation, and changes after the cursor replay)."""
+        ...
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        """The blobs of those of ``entry_ids`` still present."""
+        ...
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        """Append ``blobs`` (up to ``capacity`` entries) if the collection is still as at
+        ``cursor`` (nobody else wrote since): the new cursor, else None and nothing changed. How
+        a replica puts back a collection the store lost (Redis restarted empty) without two
+        replicas both putting theirs."""
+        ...
+
+    def changes(self, model_id: str, cursor: str, limit: int = 0) -> tuple[list[Change], str] | None:
+        """Changes after ``cursor`` in order (at most ``limit`` when > 0: the cursor returned is
+        then at the last one) and the new cursor; None if ``cursor`` is too old."""
         ...
 
     def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:

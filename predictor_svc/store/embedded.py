@@ -75,7 +75,30 @@ class EmbeddedStore:
             coll = self._coll(model_id)
             return dict(coll.entries), f"{coll.epoch}:{coll.seq}"
 
-    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        with self._lock:
+            coll = self._coll(model_id)
+            return list(coll.entries), f"{coll.epoch}:{coll.seq}"
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        with self._lock:
+            entries = self._coll(model_id).entries
+            return {i: entries[i] for i in entry_ids if i in entries}
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        with self._lock:
+            coll = self._coll(model_id)
+            if cursor != f"{coll.epoch}:{coll.seq}":
+                return None
+            for blob in blobs:
+                if len(coll.entries) >= capacity:
+                    break
+                entry_id = str(coll.seq + 1)
+                coll.entries[entry_id] = bytes(blob)
+                self._append(coll, Change("put", entry_id, bytes(blob)))
+            return f"{coll.epoch}:{coll.seq}"
+
+    def changes(self, model_id: str, cursor: str, limit: int = 0) -> tuple[list[Change], str] | None:
         epoch, seq = _parse_cursor(cursor)
         with self._lock:
             coll = self._coll(model_id)
@@ -86,8 +109,10 @@ class EmbeddedStore:
             first_seq = coll.log[0][0] if coll.log else coll.seq + 1
             if seq + 1 < first_seq:
                 return None  # the records right after the cursor were trimmed
-            out = [change for s, change in coll.log if s > seq]
-            return out, f"{coll.epoch}:{coll.seq}"
+            out = [(s, change) for s, change in coll.log if s > seq]
+            if limit and len(out) > limit:
+                out = out[:limit]
+            return [change for _s, change in out], f"{coll.epoch}:{out[-1][0]}"
 
     def insert(self, model_id: str, blob: bytes, capacity: int, victim_id: str | None) -> str:
         if capacity < 1:

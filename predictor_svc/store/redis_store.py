@@ -67,10 +67,48 @@ for i = 1, #all do out[#out + 1] = all[i] end
 return out
 """
 
-# KEYS: log, seq, epoch. ARGV: start id (exclusive, "(<seq>-0"). Returns {epoch, seq, records}.
+# KEYS: entries, seq, epoch. ARGV: new epoch. Returns {epoch, seq, id1, id2, ...}: the ids without
+# their blobs, which the reader fetches in bounded batches (get_many).
+_IDS = """
+redis.call('SETNX', KEYS[3], ARGV[1])
+local out = {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}
+local ids = redis.call('HKEYS', KEYS[1])
+for i = 1, #ids do out[#out + 1] = ids[i] end
+return out
+"""
+
+# KEYS: entries, log, seq, epoch. ARGV: epoch, seq, capacity, maxlen, blob1, blob2, ...
+# Appends the blobs (up to capacity) only while nothing else changed the collection since the
+# cursor (epoch, seq), and, for the first batch (seq 0), only where the change log is gone too:
+# the collection was lost whole (a Redis restarted empty), not wiped on purpose.
+# Returns {"ok", new seq} or {"conflict", reason}.
+_REFILL = """
+if (redis.call('GET', KEYS[4]) or '') ~= ARGV[1] or (redis.call('GET', KEYS[3]) or '0') ~= ARGV[2] then
+  return {'conflict', 'changed since the cursor'}
+end
+if ARGV[2] == '0' and redis.call('XLEN', KEYS[2]) > 0 then
+  return {'conflict', 'the change log is still there: wiped on purpose, not lost'}
+end
+local capacity = tonumber(ARGV[3])
+for i = 5, #ARGV do
+  if redis.call('HLEN', KEYS[1]) >= capacity then break end
+  local s = redis.call('INCR', KEYS[3])
+  redis.call('HSET', KEYS[1], tostring(s), ARGV[i])
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[4], s .. '-0', 'op', 'put', 'id', tostring(s), 'blob', ARGV[i])
+end
+return {'ok', redis.call('GET', KEYS[3]) or '0'}
+"""
+
+# KEYS: log, seq, epoch. ARGV: start id (exclusive, "(<seq>-0"), most records (0 = all).
+# Returns {epoch, seq, records}.
 _CHANGES = """
-return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0',
-        redis.call('XRANGE', KEYS[1], ARGV[1], '+')}
+local records
+if tonumber(ARGV[2]) > 0 then
+  records = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+else
+  records = redis.call('XRANGE', KEYS[1], ARGV[1], '+')
+end
+return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0', records}
 """
 
 # KEYS: registry. ARGV: model id, shape, max models. Returns {status, value} (base.register_model).
@@ -127,6 +165,8 @@ class RedisStore:
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
         self._changes = self._client.register_script(_CHANGES)
+        self._ids = self._client.register_script(_IDS)
+        self._refill = self._client.register_script(_REFILL)
         self._register = self._client.register_script(_REGISTER)
 
     @staticmethod
@@ -157,14 +197,37 @@ class RedisStore:
         entries = {out[i].decode(): bytes(out[i + 1]) for i in range(2, len(out), 2)}
         return entries, f"{epoch}:{seq}"
 
-    def changes(self, model_id: str, cursor: str) -> tuple[list[Change], str] | None:
+    def entry_ids(self, model_id: str) -> tuple[list[str], str]:
+        k = self._keys(model_id)
+        out = self._call("load", self._ids, [k["entries"], k["seq"], k["epoch"]], [uuid.uuid4().hex])
+        return [raw.decode() for raw in out[2:]], f"{out[0].decode()}:{int(out[1])}"
+
+    def get_many(self, model_id: str, entry_ids: list[str]) -> dict[str, bytes]:
+        if not entry_ids:
+            return {}
+        key = self._keys(model_id)["entries"]
+        blobs = self._timed("load", lambda: self._client.hmget(key, entry_ids))
+        return {i: bytes(b) for i, b in zip(entry_ids, blobs, strict=True) if b is not None}
+
+    def refill(self, model_id: str, cursor: str, blobs: list[bytes], capacity: int) -> str | None:
+        epoch, _, seq = cursor.partition(":")
+        k = self._keys(model_id)
+        status, value = self._call(
+            "refill",
+            self._refill,
+            [k["entries"], k["log"], k["seq"], k["epoch"]],
+            [epoch, seq, capacity, self._log_len, *blobs],
+        )
+        return f"{epoch}:{int(value)}" if status == b"ok" else None
+
+    def changes(self, model_id: str, cursor: str, limit: int = 0) -> tuple[list[Change], str] | None:
         epoch, _, seq_text = cursor.partition(":")
         try:
             seq = int(seq_text)
         except ValueError:
             return None
         k = self._keys(model_id)
-        out = self._call("changes", self._changes, [k["log"], k["seq"], k["epoch"]], [f"({seq}-0"])
+        out = self._call("changes", self._changes, [k["log"], k["seq"], k["epoch"]], [f"({seq}-0", limit])
         cur_epoch, cur_seq, records = out[0].decode(), int(out[1]), out[2]
         if cur_epoch != epoch or cur_seq < seq:
             return None  # the collection was wiped or recreated

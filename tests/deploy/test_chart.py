@@ -610,6 +610,26 @@ def test_declared_inference_clients_replace_the_default(example_docs):
             ("redis.enabled=false", "redis.external.url=redis://u:secret@host:6379"),
             "redis.external.url holds a password",
         ),
+        (
+            ("predictor.config.max_eamc_bytes=1000000000",),
+            "+ 1.25 x max_eamc_bytes (1000000000) = 2189524096 bytes > predictor.resources.limits.memory 2Gi",
+        ),
+        (
+            ("predictor.config.max_eamc_bytes=500000000",),
+            "the EAMC does not fit in Redis: 2.5 x max_eamc_bytes (500000000) + redis.memoryOverheadBytes "
+            "(50331648) = 1300331648 bytes > redis.resources.limits.memory 1Gi",
+        ),
+        (
+            ("predictor.config.max_layers=256", "predictor.config.max_experts=1024"),
+            "one model of the largest shape predictor.config max_layers x max_experts reserves eamc_capacity "
+            "x (24 + 4 x layers x experts) = 536883200 bytes, more than max_eamc_bytes (409364070, derived "
+            "from the memory limits)",
+        ),
+        (
+            ("predictor.config.max_live_bytes=2147483648",),
+            "the predictor's memory does not fit in its limit",
+        ),
+        (("predictor.resources.limits=null",), "predictor.resources.limits.memory must be set"),
         (("tls.enabled=true",), "tls.enabled needs tls.secretName"),
         (("gpu.mode=dra",), "gpu.mode dra needs gpu.claimTemplateName"),
         (("gpu.mode=none",), "gpu.mode none gives the pod no GPU, but daemon.device is cuda"),
@@ -689,3 +709,37 @@ def test_the_grafana_dashboard_ships_as_a_sidecar_config_map(default_docs, helm)
     ):
         assert metric in text, metric
     assert dashboard.get("panels"), "a dashboard without panels"
+
+
+def test_the_predictor_bounds_are_derived_from_the_memory_limits(default_docs, helm):
+    """max_eamc_bytes comes from what predictor.resources.limits.memory and
+    redis.resources.limits.memory leave; three models of the largest allowed shape fit it."""
+    from predictor_svc.config import PredictorConfig
+
+    config = one(default_docs, "ConfigMap", f"{FULLNAME}-config")["data"]
+    predictor = yaml.safe_load(config["predictor.yaml"])
+    gib = 1 << 30
+    fixed = 384 * (1 << 20) + predictor["max_live_bytes"] + predictor["max_pending_insert_bytes"]
+    fixed += predictor["max_subscribers"] * predictor["subscriber_queue_bytes"]
+    from_predictor = (2 * gib - fixed) * 4 // 5
+    from_redis = (gib - 48 * (1 << 20)) * 2 // 5
+    assert predictor["max_eamc_bytes"] == min(from_predictor, from_redis)
+    loaded = PredictorConfig(**predictor)
+    largest = loaded.eamc_reservation(loaded.max_layers, loaded.max_experts)
+    assert 3 * largest <= loaded.max_eamc_bytes
+    # The template's defaults of fields the chart leaves out are PredictorConfig's.
+    bare = render(
+        helm,
+        *(f"predictor.config.{k}=null" for k in predictor if k not in ("eamc_capacity", "max_eamc_bytes")),
+        "predictor.resources.limits.memory=4Gi",
+        "redis.resources.limits.memory=8Gi",
+    )
+    derived = yaml.safe_load(one(bare, "ConfigMap", f"{FULLNAME}-config")["data"]["predictor.yaml"])
+    d = PredictorConfig()
+    fixed = (
+        384 * (1 << 20)
+        + d.max_live_bytes
+        + d.max_pending_insert_bytes
+        + d.max_subscribers * d.subscriber_queue_bytes
+    )
+    assert derived["max_eamc_bytes"] == (4 * gib - fixed) * 4 // 5

@@ -62,6 +62,26 @@ def refused(call) -> grpc.RpcError:
     return info.value
 
 
+class Refusal:
+    """The first refusal of an Observe stream, as its summary reports it (a refused message
+    ends its request's reporting, not the stream)."""
+
+    def __init__(self, summary: predictor_pb2.ObserveSummary) -> None:
+        assert summary.requests_refused >= 1, f"nothing was refused: {summary}"
+        name, _, self._details = summary.first_refusal.partition(": ")
+        self._code = getattr(grpc.StatusCode, name)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def observe_refused(address: str, messages) -> Refusal:
+    return Refusal(stub(address).Observe(messages, timeout=10))
+
+
 def activation(
     request_id: str, t: int, *, model: str = MODEL, experts=None, done: bool = False, alternate=False
 ):
@@ -150,8 +170,8 @@ def test_registration_limits_are_refused_with_their_status_and_nothing_is_stored
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "the limit max_models=3" in err.details()
 
-        # Streams naming an unregistered model, or disagreeing with the registered shape, fail.
-        err = refused(lambda: stub(proc.address).Observe(request("x", 2, model="m16b"), timeout=10))
+        # Requests naming an unregistered model, or disagreeing with the registered shape, are refused.
+        err = observe_refused(proc.address, request("x", 2, model="m16b"))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "Activation.model_id 'm16b' is not registered" in err.details()
         huge = predictor_pb2.Activation(
@@ -162,7 +182,7 @@ def test_registration_limits_are_refused_with_their_status_and_nothing_is_stored
             top_k=1,
             num_experts=10**9 + 1,
         )
-        err = refused(lambda: stub(proc.address).Observe(iter([huge]), timeout=10))
+        err = observe_refused(proc.address, iter([huge]))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         err = refused(
             lambda: list(
@@ -173,16 +193,10 @@ def test_registration_limits_are_refused_with_their_status_and_nothing_is_stored
         )
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "SubscribeHintsRequest.model_id 'never' is not registered" in err.details()
-        err = refused(
-            lambda: stub(proc.address).Observe(iter([activation("y", 0, experts=[0, 9] * L)]), timeout=10)
-        )
+        err = observe_refused(proc.address, iter([activation("y", 0, experts=[0, 9] * L)]))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"Activation.experts[1] = 9 is out of range: model '{MODEL}' has {E} experts" in err.details()
-        err = refused(
-            lambda: stub(proc.address).Observe(
-                iter([activation("y", 0, experts=[0, 1] * (L + 1))]), timeout=10
-            )
-        )
+        err = observe_refused(proc.address, iter([activation("y2", 0, experts=[0, 1] * (L + 1))]))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (
             f"Activation.experts has {2 * (L + 1)} entries but model '{MODEL}' is registered" in err.details()
@@ -202,6 +216,7 @@ def test_registration_limits_are_refused_with_their_status_and_nothing_is_stored
             "max_models": 1,
             "unregistered_model": 3,
             "out_of_range": 1,
+            "after_refusal": 1,  # the second message of the refused request "x"
         }
         # Redis holds the registry and nothing of any refused model.
         assert {k.decode(): v.decode() for k, v in client.hgetall("expertcache:models").items()} == {
@@ -306,7 +321,7 @@ def test_per_client_live_caps_refuse_one_client_and_not_another(tmp_path):
     try:
         register(v4)
         stub(v4).Observe(iter([activation(f"a{i}", 0) for i in range(3)]), timeout=10)
-        err = refused(lambda: stub(v4).Observe(iter([activation("a3", 0)]), timeout=10))
+        err = observe_refused(v4, iter([activation("a3", 0)]))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "already has 3 live requests, the limit max_client_live_requests=3" in err.details()
         # Tokens of its open requests still pass; another client is not affected.
@@ -316,8 +331,11 @@ def test_per_client_live_caps_refuse_one_client_and_not_another(tmp_path):
         assert s.live_requests == 6 and s.live_bytes == 6 * per_request
         # Finishing requests frees the client's room.
         stub(v4).Observe(iter([activation("a0", 2, done=True)]), timeout=10)
-        stub(v4).Observe(iter([activation("a3", 0)]), timeout=10)
-        assert dict(stats(proc).refused) == {"client_live_requests": 1}
+        # a3's reporting ended with its refusal (its messages ignored until its request_done);
+        # a new request fits.
+        assert stub(v4).Observe(iter([activation("a3", 1)]), timeout=10).activations_refused == 1
+        assert stub(v4).Observe(iter([activation("a4", 0)]), timeout=10).activations == 1
+        assert dict(stats(proc).refused) == {"client_live_requests": 1, "after_refusal": 1}
     finally:
         proc.stop()
 
@@ -332,7 +350,7 @@ def test_per_client_live_caps_refuse_one_client_and_not_another(tmp_path):
     try:
         register(proc.address)
         stub(proc.address).Observe(iter([activation("a", 0), activation("b", 0)]), timeout=10)
-        err = refused(lambda: stub(proc.address).Observe(iter([activation("c", 0)]), timeout=10))
+        err = observe_refused(proc.address, iter([activation("c", 0)]))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"beyond max_client_live_bytes={2 * per_request + 10}" in err.details()
         assert stats(proc).live_requests == 2

@@ -314,3 +314,48 @@ def test_a_refused_registration_streams_nothing_and_counts_an_outage():
     finally:
         reporter.close(flush_timeout_s=0.2)
         server.stop(0)
+
+
+def test_a_request_id_used_twice_is_two_requests_to_the_predictor(engine):
+    """A client's retry reuses its request_id while the first run still goes: compute gives the
+    second run its own routing id, and the reporter a nonce per run (the same on all its
+    messages and its request_done), so the predictor never sees one request's tokens go back."""
+    engine, tiny = engine
+    first = engine.start(
+        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+    )
+    second = engine.start(
+        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+    )
+    assert first.routing_id == "dup" and second.routing_id.startswith("dup#")
+    engine.finish(first, "stop")
+    third = engine.start(
+        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+    )
+    assert third.routing_id == "dup"  # free again once the first finished
+    engine.finish(second, "stop")
+    engine.finish(third, "stop")
+
+    port = free_port()
+    predictor = RecordingPredictor()
+    server = serve(predictor, port)
+    reporter = make_reporter(tiny, port)
+    try:
+        layers, top_k = len(tiny.manifest.moe_layers), tiny.manifest.top_k
+        experts = torch.zeros((2, layers, top_k), dtype=torch.int64)
+        for _run in range(2):  # the same id, one run after the other, tokens from 0 each time
+            reporter.on_step(StepRouting("again", 0, experts, None))
+            reporter.on_request_end("again")
+        deadline = time.monotonic() + 10
+        while sum(m.request_done for m in predictor.of("again")) < 2:
+            assert time.monotonic() < deadline, predictor.of("again")
+            time.sleep(0.01)
+    finally:
+        reporter.close(flush_timeout_s=0.5)
+        server.stop(0)
+    messages = predictor.of("again")
+    nonces = [m.request_nonce for m in messages]
+    assert len(messages) == 6 and all(nonces)
+    assert nonces[0] == nonces[1] == nonces[2] != nonces[3] == nonces[4] == nonces[5]
+    assert [m.token_index for m in messages] == [0, 1, 2, 0, 1, 2]
+    assert [m.request_done for m in messages] == [False, False, True, False, False, True]

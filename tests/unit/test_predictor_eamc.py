@@ -340,11 +340,11 @@ def test_queries_answer_while_the_store_hangs():
     class HangingStore(EmbeddedStore):
         hang = False
 
-        def changes(self, model_id, cursor):
+        def changes(self, model_id, cursor, limit=0):
             if self.hang:
                 entered.set()
                 release.wait(10)
-            return super().changes(model_id, cursor)
+            return super().changes(model_id, cursor, limit)
 
     store = HangingStore()
     eamc = Eamc(store, "m", SHAPE, 10)
@@ -527,3 +527,61 @@ def test_q4_layout_round_trips():
         if width >= 64:
             assert np.array_equal(packed[:, :32] & 0x0F, values[:, :32])
             assert np.array_equal(packed[:, :32] >> 4, values[:, 32:64])
+
+
+def test_a_reload_streams_the_collection_in_bounded_batches(monkeypatch):
+    """Loading a collection never holds a second copy of it: the ids first, then the blobs in
+    batches of about LOAD_BATCH_BYTES decoded into the index in place. Its allocation peak is
+    within 1.2x of what the loaded index holds, and the same EAMs come back."""
+    import tracemalloc
+
+    import predictor_svc.eamc as eamc_module
+
+    shape = EamShape(layers=16, experts=256, top_k=2)  # 16 KiB per entry
+    entry_bytes = 24 + 4 * shape.cells
+    monkeypatch.setattr(eamc_module, "LOAD_BATCH_BYTES", 8 * entry_bytes)
+    rng = np.random.default_rng(11)
+    store = EmbeddedStore()
+    writer = Eamc(store, "m", shape, 400)
+    eams = [random_eam(rng, shape=shape) for _ in range(400)]
+    for eam in eams:
+        writer.insert(eam, 20)
+
+    batches: list[int] = []
+
+    class Recording(EmbeddedStore):
+        def load(self, model_id):
+            raise AssertionError("the whole collection was asked for at once")
+
+        def get_many(self, model_id, entry_ids):
+            batches.append(len(entry_ids))
+            return store.get_many(model_id, entry_ids)
+
+        def entry_ids(self, model_id):
+            return store.entry_ids(model_id)
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        reader = Eamc(Recording(), "m", shape, 400)
+        assert reader.sync() == 400
+        steady, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert max(batches) == 8 and sum(batches) == 400
+    assert peak - before <= 1.2 * (steady - before), (peak - before, steady - before)
+    got = {i: decode_eam(b, shape)[0] for i, b in store.get_many("m", reader.ids()).items()}
+    assert sorted(map(bytes, got.values())) == sorted(bytes(e.astype(np.uint32)) for e in eams)
+    assert_allclose(reader.predict(eams[0], top_n=1), writer.predict(eams[0], top_n=1), rtol=1e-6)
+
+
+def test_changes_come_in_batches_with_their_cursor():
+    store = EmbeddedStore()
+    rng = np.random.default_rng(5)
+    _ids, cursor = store.entry_ids("m")
+    for _ in range(5):
+        store.insert("m", encode_eam(random_eam(rng), 20), 10, None)
+    first, cursor2 = store.changes("m", cursor, limit=2)
+    assert [c.entry_id for c in first] == ["1", "2"] and cursor2.endswith(":2")
+    rest, cursor3 = store.changes("m", cursor2, limit=10)
+    assert [c.entry_id for c in rest] == ["3", "4", "5"] and cursor3.endswith(":5")

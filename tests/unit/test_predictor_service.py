@@ -55,9 +55,21 @@ class FlakyStore(EmbeddedStore):
         self._check()
         return super().load(model_id)
 
-    def changes(self, model_id, cursor):
+    def entry_ids(self, model_id):
         self._check()
-        return super().changes(model_id, cursor)
+        return super().entry_ids(model_id)
+
+    def get_many(self, model_id, entry_ids):
+        self._check()
+        return super().get_many(model_id, entry_ids)
+
+    def refill(self, model_id, cursor, blobs, capacity):
+        self._check()
+        return super().refill(model_id, cursor, blobs, capacity)
+
+    def changes(self, model_id, cursor, limit=0):
+        self._check()
+        return super().changes(model_id, cursor, limit)
 
     def insert(self, model_id, blob, capacity, victim_id):
         self._check()

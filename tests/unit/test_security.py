@@ -323,3 +323,46 @@ def test_refused_calls_are_logged_once_per_reason_per_interval(serve, tmp_path, 
         f"refused /{SERVICE}/Say: missing bearer token: send metadata 'authorization: Bearer <token>' "
         "(this server has auth_token_file set)",
     ]
+
+
+def _whoami_handler():
+    """Say answers with the caller's certificate common name and the bearer token it sent."""
+
+    def say(request: bytes, context) -> bytes:
+        names = context.auth_context().get("x509_common_name") or [b""]
+        token = dict(context.invocation_metadata()).get("authorization", "")
+        return names[0] + b"|" + token.encode()
+
+    return grpc.method_handlers_generic_handler(SERVICE, {"Say": grpc.unary_unary_rpc_method_handler(say)})
+
+
+def test_client_picks_up_rotated_certificates_and_token_at_the_next_call(serve, pki, tmp_path, caplog):
+    """The predictor clients' channel (ClientSecurity.channel, what compute's reporter and the
+    daemon's hint subscriber use): a rotated client certificate, and a rotated token, are what
+    the very next call presents; a half-written pair is refused and the previous one kept."""
+    address = serve(
+        ServerSecurity(str(pki.server_cert), str(pki.server_key), str(pki.ca_file)),
+        register=[lambda s: s.add_generic_rpc_handlers((_whoami_handler(),))],
+    )
+    cert, key, token = tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "token"
+    cert.write_bytes(pki.client_cert.read_bytes())
+    key.write_bytes(pki.client_key.read_bytes())
+    token.write_text("token-1")
+    security = ClientSecurity(str(pki.ca_file), str(cert), str(key), str(token), "predictor_")
+    with security.channel(address) as channel:
+        assert _say(channel) == b"client|Bearer token-1"
+        # A Secret update: new files written beside, then swapped in.
+        pki.issue("client-2", tmp_path / "new.crt", tmp_path / "new.key", server=False)
+        (tmp_path / "new-token").write_text("token-2")
+        os.replace(tmp_path / "new.key", key)
+        os.replace(tmp_path / "new.crt", cert)
+        os.replace(tmp_path / "new-token", token)
+        assert _say(channel) == b"client-2|Bearer token-2"
+        # Half-written: a certificate without its key. The previous pair goes on.
+        pki.issue("client-3", tmp_path / "c3.crt", tmp_path / "c3.key", server=False)
+        os.replace(tmp_path / "c3.crt", cert)
+        with caplog.at_level(logging.ERROR, logger="expertcache.security"):
+            assert _say(channel) == b"client-2|Bearer token-2"
+        assert "TLS client files changed but cannot be used" in caplog.text
+        os.replace(tmp_path / "c3.key", key)  # the rest of the rotation arrives
+        assert _say(channel) == b"client-3|Bearer token-2"

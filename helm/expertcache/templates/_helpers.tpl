@@ -202,3 +202,39 @@ grpc:
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+{{/* The predictor's memory bounds against the chart's limits, as JSON (ints): plimit, rlimit
+(0 with an external Redis), fixed (overhead + live + pending inserts + subscriber queues),
+eamc (predictor.config.max_eamc_bytes, else derived: the most that fits both), derived (true
+when derived), largest (bytes one model of max_layers x max_experts reserves). In the predictor
+the EAMC takes 1.25x its reservation (float32 and 4-bit rows); in Redis 2.5x (entries and a
+change log of as many blobs, each up to 1.25x by allocator rounding). The defaults are
+PredictorConfig's (predictor_svc/config.py). */}}
+{{- define "expertcache.predictorBudgets" -}}
+{{- $p := .Values.predictor -}}
+{{- $cfg := default dict $p.config -}}
+{{- $limits := default dict $p.resources.limits -}}
+{{- if not $limits.memory -}}
+{{- fail "predictor.resources.limits.memory must be set: the predictor's EAMC and live-request bounds are checked against it" -}}
+{{- end -}}
+{{- $plimit := include "expertcache.bytes" (dict "name" "predictor.resources.limits.memory" "value" $limits.memory) | int64 -}}
+{{- $live := int64 (default 1073741824 $cfg.max_live_bytes) -}}
+{{- $pending := int64 (default 268435456 $cfg.max_pending_insert_bytes) -}}
+{{- $subs := mul (int64 (default 128 $cfg.max_subscribers)) (int64 (default 8388608 $cfg.subscriber_queue_bytes)) -}}
+{{- $fixed := add (int64 $p.memoryOverheadBytes) $live $pending $subs -}}
+{{- $eamc := div (mul (sub $plimit $fixed) 4) 5 -}}
+{{- $rlimit := 0 -}}
+{{- if .Values.redis.enabled -}}
+{{- $rl := default dict .Values.redis.resources.limits -}}
+{{- if not $rl.memory -}}
+{{- fail "redis.resources.limits.memory must be set: the predictor's EAMC bound is checked against it" -}}
+{{- end -}}
+{{- $rlimit = include "expertcache.bytes" (dict "name" "redis.resources.limits.memory" "value" $rl.memory) | int64 -}}
+{{- $eamc = min $eamc (div (mul (sub $rlimit (int64 .Values.redis.memoryOverheadBytes)) 2) 5) -}}
+{{- end -}}
+{{- $derived := kindIs "invalid" $cfg.max_eamc_bytes -}}
+{{- if not $derived -}}{{- $eamc = int64 $cfg.max_eamc_bytes -}}{{- end -}}
+{{- $cells := mul (int64 (default 256 $cfg.max_layers)) (int64 (default 1024 $cfg.max_experts)) -}}
+{{- $largest := mul (int64 (default 512 $cfg.eamc_capacity)) (add 24 (mul 4 $cells)) -}}
+{{- toJson (dict "plimit" $plimit "rlimit" $rlimit "fixed" $fixed "live" $live "pending" $pending "subs" $subs "eamc" $eamc "derived" $derived "largest" $largest) -}}
+{{- end -}}
