@@ -76,7 +76,9 @@ def server():
 
 
 def call(channel, method: str, kind: str = "unary_unary"):
-    return getattr(channel, kind)(f"/{SERVICE}/{method}", request_serializer=_identity, response_deserializer=_identity)
+    return getattr(channel, kind)(
+        f"/{SERVICE}/{method}", request_serializer=_identity, response_deserializer=_identity
+    )
 
 
 def test_unary_calls_and_domain_errors_as_statuses(server):
