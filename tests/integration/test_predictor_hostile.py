@@ -136,7 +136,9 @@ def test_a_refused_request_ends_its_hints_not_the_stream(tmp_path):
                 break
         hints.cancel()
         channel.close()
-        assert ("x", "n9", False) in seen
+        # Its hints carry the nonce (a batch of hints not yet taken may be merged into the done
+        # marker that follows it: the subscriber always gets the latest of a request).
+        assert {nonce for request_id, nonce, _done in seen if request_id == "x"} == {"n9"}
     finally:
         proc.stop()
 
