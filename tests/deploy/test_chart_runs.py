@@ -17,9 +17,15 @@ Only what a pod has and this machine does not is remapped, and every remap is ch
 - the image's /opt/venv/bin → this venv's bin, its WORKDIR → the pod's /tmp volume.
 
 Values: the chart's own CPU variant (daemon.device cpu, gpu.mode none), with budgets that fit the
-tiny store; metrics.enabled=false only while a service lacks the metrics flags (see ``rendered``).
+tiny store; metrics.enabled=false only while a service lacks the metrics flags (see ``rendered``);
+compute.http.enabled=true only once compute has --http-listen-address (another branch adds the
+front door; the chart's default is off, so compute is never passed a flag it refuses).
 Checked: every container becomes healthy, one Generate streams its tokens, the predictor saw the
-request and wrote its EAM to the Redis the chart names, each /metrics answers. Not started: the Redis StatefulSet (a local redis-server takes its place: the
+request and wrote its EAM to the Redis the chart names, then the ``helm test`` Pod's containers run
+in the kubelet's order (its init containers each to completion, then the main one), started the
+same way as the services' (their ``command`` is the expertcache CLI on the image's PATH, i.e. this
+venv's script), each exiting 0: compute's and the predictor's health, one generate through the
+Services' addresses; each /metrics answers; with compute.http, GET /health and /v1/models answer. Not started: the Redis StatefulSet (a local redis-server takes its place: the
 image is not Python, and redis-server is what it runs) and the convert init container (off by
 default; the store is built by the tiny_store fixture, through the same converter).
 
@@ -30,6 +36,7 @@ service with one flag of the rendered args renamed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -61,7 +68,11 @@ pytestmark = pytest.mark.deploy
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-POD_NAMES = {"gpu": f"{FULLNAME}-gpu-7d9f8-abcde", "predictor": f"{FULLNAME}-predictor-6c5b4-fghij"}
+POD_NAMES = {
+    "gpu": f"{FULLNAME}-gpu-7d9f8-abcde",
+    "predictor": f"{FULLNAME}-predictor-6c5b4-fghij",
+    "test": f"{FULLNAME}-test",  # the helm test hook: a bare Pod, named as rendered
+}
 
 
 def cpu_values(manifest) -> tuple[str, ...]:
@@ -181,13 +192,20 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def local_command(
-    c: dict, pod: dict, pod_name: str, volumes: dict[str, Path], remap: Remap, stages
+    c: dict, pod: dict, pod_name: str, volumes: dict[str, Path], remap: Remap, stages, *, hook: bool = False
 ) -> tuple[list[str], dict[str, str], Path]:
-    """(argv, env, cwd) of a rendered container, run here."""
+    """(argv, env, cwd) of a rendered container, run here. The services run their image's
+    entry command; only the helm test hook's containers give a command (the expertcache CLI, as
+    the exec probes do), which the image finds on its PATH, in its venv."""
     mounts = remap.paths(c, volumes)
-    assert "command" not in c, f"{c['name']}: the chart overrides the image's command: {c['command']}"
     target = image_target(c)
-    (script, *image_args) = entry_command(stages, target)
+    if "command" in c:
+        assert hook, f"{c['name']}: the chart overrides the image's command: {c['command']}"
+        (script, *image_args) = c["command"]
+        assert "/" not in script, f"{c['name']}: command {script!r} is a path, not the venv's script"
+        assert "/opt/venv/bin" in image_env(stages, target).get("PATH", ""), f"{target}: no venv on PATH"
+    else:
+        (script, *image_args) = entry_command(stages, target)
     local_script = VENV_BIN / script
     assert local_script.is_file(), f"{c['name']}: the image runs {script}, which this venv does not install"
     fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE}
@@ -242,9 +260,17 @@ def tiny(tiny_store):
     return tiny_store("mixtral")
 
 
+def compute_serves_http() -> bool:
+    """Whether this checkout's compute has the OpenAI-compatible HTTP front door (another branch
+    adds it): only then is the chart's compute.http rendered and started here."""
+    return "--http-listen-address" in service_flags("compute_svc")
+
+
 @pytest.fixture(scope="module")
 def rendered(helm, tiny) -> list[dict]:
     sets = cpu_values(tiny.manifest)
+    if compute_serves_http():
+        sets += ("compute.http.enabled=true",)
     # The metrics flags are the observability branch's (test_chart.PENDING_FLAGS): until every
     # service knows them, the chart's default passes flags the services refuse, so they run with
     # metrics.enabled=false; once they exist this runs the chart's default, metrics on.
@@ -267,17 +293,53 @@ def pod_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
     ]
 
 
-def commands(docs: list[dict], root: Path, store: Path, redis: RedisServer):
+def hook_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """The helm test Pod's containers in the order the kubelet runs them: each init container
+    to completion, then the main one."""
+    hooks = [d for d in docs if d["kind"] == "Pod" and d["metadata"]["annotations"]["helm.sh/hook"] == "test"]
+    assert len(hooks) == 1, f"{len(hooks)} helm test pods"
+    pod = hooks[0]
+    assert pod["metadata"]["name"] == POD_NAMES["test"]
+    spec = pod["spec"]
+    return [(POD_NAMES["test"], pod, c) for c in [*spec.get("initContainers", []), *spec["containers"]]]
+
+
+Command = tuple[dict, list[str], dict[str, str], Path]
+
+
+def commands(
+    docs: list[dict], root: Path, store: Path, redis: RedisServer
+) -> tuple[list[Command], list[Command]]:
+    """(the services' commands, the helm test hook's in their order), one remap for both: the
+    hook reaches the services through the same local ports."""
     remap = Remap(docs, root, store, redis)
     stages = parse_stages((REPO / "Dockerfile").read_text())[1]
     data = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
     volumes: dict[str, dict[str, Path]] = {}
-    out = []
-    for pod_name, pod, c in pod_containers(docs):
-        if pod_name not in volumes:
-            volumes[pod_name] = remap.volumes(pod, pod_name, data)
-        out.append((c, *local_command(c, pod, pod_name, volumes[pod_name], remap, stages)))
-    return out
+    services: list[Command] = []
+    hook: list[Command] = []
+    for out, containers in ((services, pod_containers(docs)), (hook, hook_containers(docs))):
+        for pod_name, pod, c in containers:
+            if pod_name not in volumes:
+                volumes[pod_name] = remap.volumes(pod, pod_name, data)
+            argv, env, cwd = local_command(
+                c, pod, pod_name, volumes[pod_name], remap, stages, hook=out is hook
+            )
+            out.append((c, argv, env, cwd))
+    return services, hook
+
+
+def run_hook(hook: list[Command], root: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Each step of the helm test Pod, in order, as the kubelet runs them: a step that exits
+    non-zero fails the test (helm test's verdict), and the next does not run."""
+    done = {}
+    for c, argv, env, cwd in hook:
+        proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (
+            f"helm test step {c['name']} exited {proc.returncode}: {argv}\n{proc.stdout}\n{proc.stderr}"
+        )
+        done[c["name"]] = proc
+    return done
 
 
 def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, tiny, tmp_path_factory):
@@ -287,8 +349,9 @@ def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, ti
         started: list[tuple[dict, subprocess.Popen, str, Path]] = []
         metrics: list[tuple[str, str]] = []  # (container, local metrics port)
         try:
+            services, hook = commands(rendered, root, tiny.store, redis)
             # All at once, as the kubelet starts a pod's containers; compute waits for the daemon.
-            for c, argv, env, cwd in commands(rendered, root, tiny.store, redis):
+            for c, argv, env, cwd in services:
                 log = root / f"{c['name']}.log"
                 started.append((c, launch(argv, env, cwd, log), address_of(c, argv), log))
                 metrics += [(c["name"], a.partition("=")[2]) for a in argv if a.startswith("--metrics-port=")]
@@ -323,6 +386,31 @@ def test_the_rendered_commands_start_the_stack_and_serve_a_generate(rendered, ti
                     assert time.monotonic() < deadline, f"the predictor never saw the request: {stats}"
                     time.sleep(0.1)
             assert stats.store_kind == "redis" and stats.store_errors == 0
+            # `helm test`: its Pod's commands, through the Services' (remapped) addresses.
+            steps = run_hook(hook, root)
+            assert list(steps) == ["compute-health", "predictor-health", "generate"]
+            assert steps["compute-health"].stdout.endswith(
+                "(service 'moe.inference.v1.Inference'): SERVING\n"
+            )
+            assert steps["predictor-health"].stdout.endswith(": SERVING\n")
+            max_new = next(a for a in hook[-1][1] if a.startswith("--max-new-tokens="))
+            assert f"[{max_new.partition('=')[2]} tokens in" in steps["generate"].stderr, steps[
+                "generate"
+            ].stderr
+            http = [
+                a.partition("=")[2]
+                for c, argv, _, _ in services
+                for a in argv
+                if a.startswith("--http-listen-address=")
+            ]
+            if compute_serves_http():  # the chart's compute.http, once compute has the front door
+                (address,) = http
+                with urllib.request.urlopen(f"http://{address}/health", timeout=10) as reply:
+                    assert reply.status == 200
+                with urllib.request.urlopen(f"http://{address}/v1/models", timeout=10) as reply:
+                    assert reply.status == 200 and json.loads(reply.read())["data"]
+            else:
+                assert http == []  # default off: never passed to a compute that refuses it
             for name, port in metrics:  # with metrics.enabled, each serves Prometheus text
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
                     assert reply.status == 200 and b"# TYPE" in reply.read(), name
@@ -355,7 +443,7 @@ def test_a_flag_unknown_to_a_service_fails_the_run(rendered, tiny, tmp_path_fact
     root = tmp_path_factory.mktemp("pods")
     with RedisServer(root / "redis") as redis:
         (c, argv, env, cwd) = next(
-            x for x in commands(rendered, root, tiny.store, redis) if x[0]["name"] == name
+            x for x in commands(rendered, root, tiny.store, redis)[0] if x[0]["name"] == name
         )
     address = address_of(c, argv)
     (index,) = [i for i, a in enumerate(argv) if a.startswith(f"{flag}=")]

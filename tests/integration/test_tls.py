@@ -170,6 +170,25 @@ def test_cli_takes_the_security_options(stack, capsys):
     assert "is set but" in capsys.readouterr().err
 
 
+def test_cli_generate_verifies_the_certificate_against_tls_server_name(stack, capsys):
+    """The chart's test hook reaches compute by its Service name, which the certificate may not
+    list: --tls-server-name names the one it does (tls.serverName), as for ``health``."""
+    from expertcache.cli import main
+
+    pki, address = stack["pki"], stack["tls"].address
+    tls = ["--tls-ca-file", str(pki.ca_file), "--auth-token-file", str(stack["work"] / "token")]
+    generate = ["generate", "--address", address, "--token-ids", "5,6,7", "--max-new-tokens", "2"]
+    # The certificate lists localhost: verified against that name, the stream runs.
+    assert main([*generate, "--ignore-eos", *tls, "--tls-server-name", "localhost"]) == 0
+    assert "[2 tokens in" in capsys.readouterr().err
+    # Against a name it does not list, the handshake fails: the name is the one verified.
+    assert main([*generate, "--timeout-s", "5", *tls, "--tls-server-name", "other.example"]) == 2
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    # Without TLS there is no certificate to name.
+    assert main([*generate, "--tls-server-name", "localhost"]) == 2
+    assert "--tls-server-name needs --tls-ca-file" in capsys.readouterr().err
+
+
 def test_generate_over_mtls_refuses_clients_without_a_certificate(stack):
     pki, address = stack["pki"], stack["mtls"].address
     with grpc.secure_channel(address, creds(pki, client_cert=True)) as channel:

@@ -120,6 +120,17 @@ grpc:
 {{- end -}}
 {{- end -}}
 
+{{/* Probe handler of compute: its gRPC health, or GET /health of the HTTP front door. */}}
+{{- define "expertcache.computeProbeAction" -}}
+{{- if and .Values.compute.http.enabled .Values.compute.http.healthProbes -}}
+httpGet:
+  path: /health
+  port: http
+{{- else -}}
+{{- include "expertcache.grpcProbeAction" (dict "ctx" . "port" .Values.compute.port) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Volumes and mounts of TLS material (contract paths /etc/expertcache/tls, /etc/expertcache/auth). */}}
 {{- define "expertcache.tlsVolumes" -}}
 {{- if .Values.tls.enabled }}
@@ -237,4 +248,34 @@ PredictorConfig's (predictor_svc/config.py). */}}
 {{- $cells := mul (int64 (default 256 $cfg.max_layers)) (int64 (default 1024 $cfg.max_experts)) -}}
 {{- $largest := mul (int64 (default 512 $cfg.eamc_capacity)) (add 24 (mul 4 $cells)) -}}
 {{- toJson (dict "plimit" $plimit "rlimit" $rlimit "fixed" $fixed "live" $live "pending" $pending "subs" $subs "eamc" $eamc "derived" $derived "largest" $largest) -}}
+{{- end -}}
+
+{{/* Security flags of the test hook's client commands: the probes' (same Secrets, same paths),
+the token whenever the release requires one. */}}
+{{- define "expertcache.testClientArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-ca-file=/etc/expertcache/tls/ca.crt
+{{- if .Values.tls.mutual }}
+- --tls-cert-file=/etc/expertcache/tls/tls.crt
+- --tls-key-file=/etc/expertcache/tls/tls.key
+{{- end }}
+{{- with .Values.tls.serverName }}
+- --tls-server-name={{ . }}
+{{- end }}
+{{- end }}
+{{- if .Values.tls.authTokenSecret }}
+- --auth-token-file=/etc/expertcache/auth/token
+{{- end }}
+{{- end -}}
+
+{{/* What every container of the test hook has besides its image and command. */}}
+{{- define "expertcache.testContainer" -}}
+securityContext:
+  {{- include "expertcache.containerSecurityContext" . | nindent 2 }}
+resources:
+  {{- toYaml .Values.tests.resources | nindent 2 }}
+volumeMounts:
+  - name: tmp
+    mountPath: /tmp
+  {{- with (include "expertcache.tlsMounts" . | trim) }}{{ . | nindent 2 }}{{ end }}
 {{- end -}}
