@@ -124,7 +124,7 @@ def _seed(body: dict) -> int:
     return seed or ZERO_SEED
 
 
-def _common(body: object, max_new_tokens_limit: int, default_max_tokens: int) -> dict:
+def _common(body: object) -> dict:
     """The fields completions and chat share, checked; the keyword arguments of the request."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
@@ -166,7 +166,6 @@ def _common(body: object, max_new_tokens_limit: int, default_max_tokens: int) ->
             presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         ),
         "stop": _stop(body),
-        "max_tokens": default_max_tokens,
     }
 
 
@@ -180,7 +179,7 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int, limit: int) ->
 
 def completion_request(body: object, *, max_new_tokens_limit: int, request_id: str) -> ApiRequest:
     """A ``POST /v1/completions`` body; ``ApiError`` (400) naming the bad field."""
-    common = _common(body, max_new_tokens_limit, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    common = _common(body)
     prompt = body.get("prompt")
     text, token_ids = "", ()
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -245,7 +244,7 @@ def _content(message: dict, i: int) -> str:
 
 def chat_request(body: object, *, max_new_tokens_limit: int, request_id: str) -> ApiRequest:
     """A ``POST /v1/chat/completions`` body; ``ApiError`` (400) naming the bad field."""
-    common = _common(body, max_new_tokens_limit, max_new_tokens_limit)
+    common = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects")

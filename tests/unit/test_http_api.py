@@ -196,3 +196,106 @@ def test_stalled_reader_is_cut_and_its_request_cancelled():
     )
     assert b"content-length" not in dict(sent[0]["headers"])
     assert json.loads(sent[1]["body"][6:])["choices"][0]["text"] == "x"
+
+
+class _Limits:
+    max_new_tokens = 64
+
+
+class _Scheduler:
+    """Records the span current where the engine would take its Generate span's parent."""
+
+    def __init__(self) -> None:
+        self.engine = type("Engine", (), {"limits": _Limits()})()
+        self.parent = None
+        self.serving = True
+
+    def submit(self, request):
+        from opentelemetry import trace
+
+        self.parent = trace.get_current_span().get_span_context()
+        handle = RequestHandle(_Prepared(), lambda: None)
+        handle._put(event(0, "ok", FinishReason.LENGTH, prompt=1))
+        from compute_svc.scheduler import _DONE
+
+        handle._put(_DONE)
+        return handle
+
+
+def asgi_post(app, path: str, body: dict, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    async def run():
+        data = json.dumps(body).encode()
+        messages = [{"type": "http.request", "body": data, "more_body": False}]
+        done = asyncio.Event()
+        out = {"status": 0, "body": b""}
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                out["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                out["body"] += message.get("body", b"")
+                if not message.get("more_body"):
+                    done.set()
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 8080),
+        }
+        await app(scope, receive, send)
+        return out["status"], out["body"]
+
+    return asyncio.run(run())
+
+
+def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from compute_svc.http_api import HttpApi
+    from expertcache import telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.install(provider)
+    scheduler = _Scheduler()
+    api = HttpApi(scheduler, model_id="m", limits=_Api(0).limits, metrics=ComputeMetrics())
+    try:
+        trace_id, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        status, body = asgi_post(
+            api,
+            "/v1/completions",
+            {"model": "m", "prompt": "hi", "max_tokens": 1},
+            [(b"traceparent", f"00-{trace_id}-{caller}-01".encode())],
+        )
+    finally:
+        api.close()
+        telemetry.shutdown()
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == "ok"
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "POST /v1/completions" and span.attributes["http.response.status_code"] == 200
+    assert format(span.context.trace_id, "032x") == trace_id and format(span.parent.span_id, "016x") == caller
+    # What the engine's Generate span takes as its parent: the HTTP span, in the submit's pool thread.
+    assert scheduler.parent.span_id == span.context.span_id
+    assert api.metrics.value("moe_compute_http_requests_total", route="/v1/completions", status="200") == 1
