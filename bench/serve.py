@@ -24,6 +24,13 @@ once"): N=16 ≥ 1.3x the one-at-a-time throughput, N=64 ≥ 3x and ≥ 0.8x the
 p99 time to first token below one at a time's. Writes bench/results/serve.json and a PNG of
 throughput against N with the ceiling.
 
+``--api grpc,http`` runs each configuration once per API, on fresh processes (the same trace
+requests, the same cold arena): gRPC Generate, and the OpenAI-compatible HTTP API's streaming
+``/v1/completions`` for the same greedy request (``compute_svc.http_api``), read with plain
+``http.client``. Goal (issue "The interfaces people already use"): HTTP streaming adds at most 5%
+to the per-token p50 of gRPC, e.g. ``python -m bench.serve --concurrency 1 --tokens 32 --systems
+batching --api grpc,http --requests-per-client 8``.
+
 load (bench-load): 16 streams of short requests for ``--duration-s``, a tenth of them cancelled
 after a few tokens, twice: alone, and with one more stream sending long prompts
 (``--long-prompt-tokens``) all along. Prints throughput and p50/p99 of time to first token and of
@@ -36,6 +43,7 @@ bench/results/load.json.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -51,14 +59,15 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from bench.e2e import DATA_DIR, DEFAULT_TRACE, GIB, MIB, PRECISIONS, build, say, tiers
 from bench.e2e import measure_link as measure_arena_link
 from cache_daemon.decisions.batch_ceiling import batch_ceiling
-from expertcache.launch import start_compute, start_daemon
+from expertcache.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_N16 = 1.3
 GOAL_N64 = 3.0
 GOAL_LOAD_P99 = 2.0
-GOAL_N64_CEILING = 0.8  # batching at N=64 against the replay's bandwidth-bound ceiling
+GOAL_N64_CEILING = 0.8
+GOAL_HTTP_TOKEN_P50 = 1.05  # issue "The interfaces people already use": HTTP streaming adds <= 5%  # batching at N=64 against the replay's bandwidth-bound ceiling
 
 
 def measure_link(store: Path, manifest) -> float:
@@ -167,6 +176,61 @@ def stream_one(
     tally.add(ttft, gaps, time.perf_counter() - sent, n)
 
 
+def stream_one_http(address: str, body: dict, tally: Tally) -> None:
+    """One streaming ``POST /v1/completions`` (the HTTP API, ``compute_svc.http_api``), timed like
+    ``stream_one``: a token when its ``data:`` event arrives (plain ``http.client``, so that the
+    client's own cost stays as small as gRPC's)."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=3600)
+    sent = time.perf_counter()
+    last = sent
+    ttft = None
+    gaps: list[float] = []
+    n = 0
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        reply = connection.getresponse()
+        if reply.status != 200:
+            text = reply.read().decode(errors="replace")
+            with tally.lock:
+                if reply.status == 429:
+                    tally.refused += 1
+                else:
+                    tally.errors.append(f"HTTP {reply.status}: {text[:200]}")
+            return
+        while line := reply.readline():
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                with tally.lock:
+                    tally.errors.append(f"stream error: {event['error']['message']}")
+                return
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - sent
+            else:
+                gaps.append(now - last)
+            last = now
+            n += 1
+    finally:
+        connection.close()
+    tally.add(ttft, gaps, time.perf_counter() - sent, n)
+
+
+def http_model(address: str) -> str:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("GET", "/v1/models")
+        return json.loads(connection.getresponse().read())["data"][0]["id"]
+    finally:
+        connection.close()
+
+
 def serve(args, store, manifest, work: Path, compute_extra: list[str], budget: int):
     """Daemon + compute for one configuration (context: the caller stops them)."""
     device_bytes, host_bytes = tiers(budget, manifest, args)
@@ -245,56 +309,80 @@ def run_sweep(args, store, manifest, budget: int) -> dict:
     prompt = list(range(5, 5 + args.prompt_tokens))
     for name in args.systems:
         for n in args.concurrency:
-            work = args.data_dir / "serve-work" / f"{name}-{n}"
-            work.mkdir(parents=True, exist_ok=True)
-            daemon, compute = serve(args, store, manifest, work, SYSTEM_FLAGS[name](n, args), budget)
-            try:
-                tally = Tally()
-                before = store_bytes(daemon_stats(daemon.address))
-                with grpc.insecure_channel(compute.address) as channel:
-                    stub = inference_pb2_grpc.InferenceStub(channel)
-
-                    def client(i: int, stub=stub, tally=tally) -> None:
-                        for r in range(args.requests_per_client):
-                            request = inference_pb2.GenerateRequest(
-                                token_ids=prompt,
-                                max_new_tokens=args.tokens,
-                                ignore_eos=True,
-                                request_id=f"c{i}-{r}",
-                            )
-                            stream_one(stub, request, tally)
-
-                    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-                    started = time.perf_counter()
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join()
-                    wall = time.perf_counter() - started
-                after = daemon_stats(daemon.address)
-                result = summary(tally, wall, store_bytes(after) - before)
-                result["pinned_after"] = after.pinned
-            finally:
-                compute.stop()
-                daemon.stop()
-            if name == "batching":
-                result["ceiling"] = ceiling_of(args, manifest, budget, link, n)
-            results[name][n] = result
-            say(
-                f"[{name:>13}] N={n:>3}: {result['tokens_per_s']:7.2f} tok/s, TTFT p50/p99 "
-                f"{result['ttft_p50_s'] * 1e3:8.0f}/{result['ttft_p99_s'] * 1e3:8.0f} ms, per-token p50/p99 "
-                f"{result['token_p50_s'] * 1e3:7.0f}/{result['token_p99_s'] * 1e3:7.0f} ms, "
-                f"{result['mib_read_per_token']:6.1f} MiB read/token, {result['tokens']} tokens in {wall:.0f} s"
-                + (f", errors {result['errors']}" if result["errors"] else "")
-                + (
-                    f"; bandwidth-bound ceiling {result['ceiling']['tokens_per_s']:.1f} tok/s "
-                    f"({result['ceiling']['mib_per_token']:.1f} MiB/token, Belady), measured / ceiling "
-                    f"{result['tokens_per_s'] / result['ceiling']['tokens_per_s']:.2f}"
-                    if "ceiling" in result
-                    else ""
+            for api in args.api:
+                label = name if api == "grpc" else f"{name} (http)"
+                result = run_one(args, store, manifest, budget, name, n, api, prompt)
+                if name == "batching":
+                    result["ceiling"] = ceiling_of(args, manifest, budget, link, n)
+                results.setdefault(label, {})[n] = result
+                say(
+                    f"[{label:>20}] N={n:>3}: {result['tokens_per_s']:7.2f} tok/s, TTFT p50/p99 "
+                    f"{result['ttft_p50_s'] * 1e3:8.0f}/{result['ttft_p99_s'] * 1e3:8.0f} ms, per-token p50/p99 "
+                    f"{result['token_p50_s'] * 1e3:7.1f}/{result['token_p99_s'] * 1e3:7.1f} ms, "
+                    f"{result['mib_read_per_token']:6.1f} MiB read/token, {result['tokens']} tokens in "
+                    f"{result['wall_s']:.0f} s"
+                    + (f", errors {result['errors']}" if result["errors"] else "")
+                    + (
+                        f"; bandwidth-bound ceiling {result['ceiling']['tokens_per_s']:.1f} tok/s "
+                        f"({result['ceiling']['mib_per_token']:.1f} MiB/token, Belady), measured / ceiling "
+                        f"{result['tokens_per_s'] / result['ceiling']['tokens_per_s']:.2f}"
+                        if "ceiling" in result
+                        else ""
+                    )
                 )
-            )
     return results
+
+
+def run_one(args, store, manifest, budget: int, name: str, n: int, api: str, prompt: list[int]) -> dict:
+    """N clients against fresh daemon and compute processes of one system, over one API: each API
+    gets the same trace requests (compute hands them out from 0) and the same cold arena."""
+    work = args.data_dir / "serve-work" / f"{name}-{n}-{api}"
+    work.mkdir(parents=True, exist_ok=True)
+    extra = SYSTEM_FLAGS[name](n, args)
+    http_address = f"127.0.0.1:{free_port()}"
+    if api == "http":
+        extra += ["--http-listen-address", http_address]
+    daemon, compute = serve(args, store, manifest, work, extra, budget)
+    try:
+        tally = Tally()
+        before = store_bytes(daemon_stats(daemon.address))
+        with grpc.insecure_channel(compute.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            model = http_model(http_address) if api == "http" else ""
+
+            def client(i: int) -> None:
+                for r in range(args.requests_per_client):
+                    if api == "http":
+                        # The same request as the gRPC one: greedy (OpenAI's default temperature is 1).
+                        body = {
+                            "model": model,
+                            "prompt": prompt,
+                            "max_tokens": args.tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": True,
+                        }
+                        stream_one_http(http_address, body, tally)
+                        continue
+                    request = inference_pb2.GenerateRequest(
+                        token_ids=prompt, max_new_tokens=args.tokens, ignore_eos=True, request_id=f"c{i}-{r}"
+                    )
+                    stream_one(stub, request, tally)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+        after = daemon_stats(daemon.address)
+        result = summary(tally, wall, store_bytes(after) - before)
+        result["pinned_after"] = after.pinned
+    finally:
+        compute.stop()
+        daemon.stop()
+    return result
 
 
 def verdicts_sweep(results: dict) -> dict:
@@ -317,6 +405,17 @@ def verdicts_sweep(results: dict) -> dict:
             "one_at_a_time_s": one[16]["ttft_p99_s"],
             "pass": batch[16]["ttft_p99_s"] < one[16]["ttft_p99_s"],
         }
+    for name in SYSTEM_FLAGS:
+        grpc_runs, http_runs = results.get(name, {}), results.get(f"{name} (http)", {})
+        for n in sorted(set(grpc_runs) & set(http_runs)):
+            ratio = http_runs[n]["token_p50_s"] / grpc_runs[n]["token_p50_s"]
+            out[f"{name}_N{n}_http_token_p50_vs_grpc"] = {
+                "grpc_s": grpc_runs[n]["token_p50_s"],
+                "http_s": http_runs[n]["token_p50_s"],
+                "ratio": ratio,
+                "goal": GOAL_HTTP_TOKEN_P50,
+                "pass": ratio <= GOAL_HTTP_TOKEN_P50,
+            }
     return out
 
 
@@ -442,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("sweep", "load"), default="sweep")
     parser.add_argument("--concurrency", default="1,4,16,64", help="N values of the sweep")
     parser.add_argument("--systems", default="batching,one-at-a-time")
+    parser.add_argument(
+        "--api",
+        default="grpc",
+        help="sweep: the APIs the clients stream through, grpc and/or http (the OpenAI-compatible one), "
+        "each against fresh processes, side by side (e.g. grpc,http)",
+    )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per Generate")
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--requests-per-client", type=int, default=1)
@@ -478,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.systems = [s for s in args.systems.split(",") if s]
+    args.api = [a for a in args.api.split(",") if a]
+    if not args.api or set(args.api) - {"grpc", "http"}:
+        parser.error(f"--api {','.join(args.api)}: choose grpc, http or grpc,http")
     unknown = set(args.systems) - set(SYSTEM_FLAGS)
     if unknown:
         parser.error(f"--systems: unknown {sorted(unknown)}; choose from {sorted(SYSTEM_FLAGS)}")
@@ -500,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         f"experts {args.precision} ({manifest.total_expert_bytes / GIB:.2f} GiB); arena {budget / MIB:.0f} MiB "
         f"({budget // manifest.blob_bytes} experts, {args.budget_share:.0%}); policy {args.policy}, prefetch "
         f"{'on' if args.prefetch else 'off'}; routing forced from {args.trace.name}; {args.tokens} tokens per "
-        f"request, prompt {args.prompt_tokens} tokens; compute threads {args.threads}; batching: max batch "
+        f"request, prompt {args.prompt_tokens} tokens; API {'+'.join(args.api)}; compute threads {args.threads}; batching: max batch "
         f"size >= {args.max_batch_size}, max batched tokens {args.max_batched_tokens}"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,27 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     """Address of ``moe.inference.v1.Inference`` (plus health, and reflection when asked for).
     Loopback by default: a pod passes ``0.0.0.0:50051`` (the chart does)."""
 
+    http_listen_address: str = field(
+        default="",
+        metadata={
+            "help": "address the OpenAI-compatible HTTP API binds, HOST:PORT (e.g. 0.0.0.0:8080); empty = off"
+        },
+    )
+    """Optional: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/health``
+    (``compute_svc.http_api``), served by this process over the same scheduler and limits as
+    gRPC, with the same bearer token (``auth_token_file``) and TLS files."""
+
+    http_max_requests: int = field(
+        default=256,
+        metadata={
+            "help": "HTTP API generation requests in progress at once; one more gets 429",
+            "min": 1,
+            "max": 1 << 16,
+        },
+    )
+    """Bounds the HTTP API's requests before the scheduler's own admission (max_waiting_requests);
+    uvicorn also refuses connections beyond this plus 64 (probes) with 503."""
+
     device: str = field(
         default="auto",
         metadata={
@@ -295,6 +316,10 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             )
         if not self.listen_address:
             raise InvalidArgument("config field 'listen_address' is empty: pass --listen-address HOST:PORT")
+        if self.http_listen_address:
+            from compute_svc.http_server import parse_address
+
+            parse_address(self.http_listen_address)
         ServerSecurity.from_config(self).check()
         ClientSecurity.from_config(self).check()
         if self.max_batched_tokens and self.max_batched_tokens < self.max_batch_size:

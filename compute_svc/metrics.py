@@ -16,6 +16,10 @@ Names carry their unit and no colons (STYLE.md):
   wave's kernels, before its slots are reused)
 - ``moe_compute_requests_total{finish_reason}``  finished requests (``error``, ``cancelled`` too)
 - ``moe_compute_queue_depth``                    requests waiting for a place in the batch
+- ``moe_compute_http_requests_total{route,status}``  requests of the HTTP API (``compute_svc.http_api``)
+- ``moe_compute_http_request_duration_seconds{route}``  their duration, to the last byte of a stream
+- ``moe_compute_http_refused_total{limit}`` / ``moe_compute_http_cut_total{reason}``  refused by a
+  bound (http_max_requests, max_body_bytes), ended by the server (stall, request_timeout)
 - ``moe_compute_activations_sent_total`` / ``_dropped_total``, ``moe_compute_predictor_outages_total``
   (the activation reporter's, when one runs)
 
@@ -85,6 +89,37 @@ class ComputeMetrics:
         self.queue_depth = Gauge(
             "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
         )
+
+        # The HTTP API's (compute_svc.http_api): route is one of its paths or "other".
+        self.http_requests = Counter(
+            "moe_compute_http_requests",
+            "HTTP API requests, by route and status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.http_duration = self.registry.histogram(
+            "moe_compute_http_request_duration_seconds",
+            "HTTP API requests from arrival to the last byte of the answer (of the stream, when streaming).",
+            REQUEST_BUCKETS_S,
+            labels=("route",),
+        )
+        self.http_refused = Counter(
+            "moe_compute_http_refused",
+            "HTTP API requests refused by a bound: http_max_requests, max_body_bytes.",
+            ["limit"],
+            registry=r,
+        )
+        self.http_cut = Counter(
+            "moe_compute_http_cut",
+            "HTTP API requests ended by the server: stall (an event not taken for stream_stall_timeout_s), "
+            "request_timeout (no body within request_timeout_s).",
+            ["reason"],
+            registry=r,
+        )
+
+    def record_http(self, route: str, status: int, duration_s: float) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+        self.http_duration.labels(route=route).observe(duration_s)
 
     def record_token(self, latency_s: float, *, first: bool = False) -> None:
         self.tokens.inc()

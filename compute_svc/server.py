@@ -37,7 +37,7 @@ from expertcache import telemetry
 from expertcache.aio_bridge import NOT_SERVING, SERVING
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.prom import serve
-from expertcache.security import ClientSecurity, ServerSecurity
+from expertcache.security import ClientSecurity, ServerSecurity, WatchedToken
 from expertcache.transport import TransportLimits
 
 logger = logging.getLogger(__name__)
@@ -207,6 +207,35 @@ class ComputeServer:
         )
         # The daemon's stream ending while idle (it died): stop serving now and re-attach.
         self.client.on_stream_end = self.scheduler.daemon_lost
+        self.http = self._http_server(config) if config.http_listen_address else None
+
+    def _http_server(self, config: ComputeConfig):
+        """The OpenAI-compatible HTTP API over the same scheduler (``compute_svc.http_api``)."""
+        from compute_svc.http_api import HttpApi, HttpLimits
+        from compute_svc.http_server import HttpServer
+
+        limits = self.engine.limits
+        security = ServerSecurity.from_config(config)
+        api = HttpApi(
+            self.scheduler,
+            model_id=self.engine.model_id,
+            limits=HttpLimits(
+                max_body_bytes=HttpLimits.body_bytes(limits.max_prompt_bytes, limits.max_prompt_tokens),
+                max_requests=config.http_max_requests,
+                request_timeout_s=config.request_timeout_s,
+                stream_stall_timeout_s=config.stream_stall_timeout_s,
+            ),
+            metrics=self.metrics,
+            token=WatchedToken(config.auth_token_file, "auth_token_file") if config.auth_token_file else None,
+            pool_threads=config.max_batch_size + config.max_waiting_requests + _EXTRA_RPC_THREADS,
+        )
+        return HttpServer(
+            api,
+            config.http_listen_address,
+            max_requests=config.http_max_requests,
+            idle_timeout_s=config.max_connection_idle_s,
+            security=security,
+        )
 
     def _enable_prediction(self, config: ComputeConfig) -> None:
         """Layer-ahead prediction and forced routing (a benchmark feature), as configured."""
@@ -301,6 +330,8 @@ class ComputeServer:
         )
         self.scheduler.start()
         self.server.start()
+        if self.http is not None:
+            self.http.start()
         set_serving(self._health, [SERVICE_NAME])
         logger.info("serving %s on %s", SERVICE_NAME, self.config.listen_address)
 
@@ -315,6 +346,8 @@ class ComputeServer:
             drained = self.scheduler.drain(drain_timeout_s)
             logger.info("drain %s", "complete" if drained else f"cut off after {drain_timeout_s:g}s")
         self.scheduler.stop()
+        if self.http is not None:
+            self.http.stop(grace_s)
         self.server.stop(grace_s).wait()
         if self.reporter is not None:
             self.reporter.close()
