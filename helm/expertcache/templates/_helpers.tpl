@@ -126,6 +126,9 @@ grpc:
 httpGet:
   path: /health
   port: http
+{{- if .Values.tls.enabled }}
+  scheme: HTTPS
+{{- end }}
 {{- else -}}
 {{- include "expertcache.grpcProbeAction" (dict "ctx" . "port" .Values.compute.port) -}}
 {{- end -}}
