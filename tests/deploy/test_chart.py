@@ -833,7 +833,9 @@ def test_the_notes_show_the_grpc_and_the_http_way(helm):
     assert "--tls-ca-file ca.crt --tls-server-name ec.serving" in secured
     assert "the CLI takes --auth-token-file" in secured
     # HTTP uses the same TLS files and token as gRPC.
-    assert 'curl --cacert ca.crt -H "Authorization: Bearer $TOKEN" https://127.0.0.1:8080/v1/models' in secured
+    assert (
+        'curl --cacert ca.crt -H "Authorization: Bearer $TOKEN" https://127.0.0.1:8080/v1/models' in secured
+    )
     assert "(the same TLS files and token as gRPC)" in secured
 
 
