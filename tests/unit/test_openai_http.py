@@ -19,7 +19,7 @@ from compute_svc.openai_schema import (
     chat_request,
     completion_request,
 )
-from compute_svc.scheduler import RequestHandle
+from compute_svc.scheduler import _DONE, RequestHandle
 from expertcache.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 
@@ -166,7 +166,8 @@ def test_stalled_reader_is_cut_and_its_request_cancelled():
     async def run():
         from concurrent.futures import ThreadPoolExecutor
 
-        handle = RequestHandle(_Prepared(), lambda: None)
+        # No scheduler here: the handle's cancel ends its events as the scheduler's step would.
+        handle = RequestHandle(_Prepared(), lambda: handle._put(_DONE))
         for i in range(3):
             handle._put(event(i, "x"))
         pool = ThreadPoolExecutor(2)
@@ -214,7 +215,8 @@ class _Scheduler:
         from opentelemetry import trace
 
         self.parent = trace.get_current_span().get_span_context()
-        handle = RequestHandle(_Prepared(), lambda: None)
+        # No scheduler here: the handle's cancel ends its events as the scheduler's step would.
+        handle = RequestHandle(_Prepared(), lambda: handle._put(_DONE))
         handle._put(event(0, "ok", FinishReason.LENGTH, prompt=1))
         from compute_svc.scheduler import _DONE
 
