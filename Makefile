@@ -175,6 +175,6 @@ bench-serve: install
 bench-load: install
 	$(PY) -m bench.serve --mode load --max-batched-tokens 64 $(BENCH_LOAD_ARGS)
 
-bench: bench-io bench-predict bench-decode bench-replay bench-e2e bench-overhead bench-serve bench-load
+bench: bench-io bench-predict bench-decode bench-replay bench-e2e bench-overhead bench-serve bench-load bench-hostile
 
 FORCE:
