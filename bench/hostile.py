@@ -29,6 +29,9 @@ import h2.errors
 import h2.events
 import h2.settings
 
+from bench.predictor_attack import rss_mb
+from bench.serve import percentile
+
 GENERATE = "/moe.inference.v1.Inference/Generate"
 
 
@@ -231,22 +234,7 @@ class Attack:
             conn.close()
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise ValueError(f"no VmRSS for pid {pid}")
-
-
 # -- the benchmark: python -m bench.hostile (make bench-hostile) ----------------------------------
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 class WellBehaved:
     """A normal client beside the attack: a health Check and a short Generate in turn, each
     timed; a Generate refused with RESOURCE_EXHAUSTED (the server is full) is retried, and its
@@ -308,11 +296,11 @@ class WellBehaved:
             self._thread.join(timeout=90)
         self._channel.close()
         return {
-            "health_p50_s": _percentile(self.health_s, 0.5),
-            "health_p99_s": _percentile(self.health_s, 0.99),
+            "health_p50_s": percentile(self.health_s, 50),
+            "health_p99_s": percentile(self.health_s, 99),
             "health_max_s": max(self.health_s, default=float("nan")),
-            "generate_p50_s": _percentile(self.generate_s, 0.5),
-            "generate_p99_s": _percentile(self.generate_s, 0.99),
+            "generate_p50_s": percentile(self.generate_s, 50),
+            "generate_p99_s": percentile(self.generate_s, 99),
             "generates": len(self.generate_s),
             "failures": self.failures,
         }
@@ -365,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"seconds": args.seconds, "phases": {}}
 
     def phase(name: str, attack_factory, settle_s: float = 0.0) -> None:
-        rss0 = rss_mib(compute.popen.pid)
+        rss0 = rss_mb(compute.popen.pid)
         client = WellBehaved(compute.address).start()
         attack = attack_factory()
         time.sleep(args.seconds)
@@ -373,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         if attack is not None:
             attack.stop()
         figures = client.stop()
-        figures.update(held_at_end=held, rss_start_mib=rss0, rss_peak_mib=rss_mib(compute.popen.pid))
+        figures.update(held_at_end=held, rss_start_mib=rss0, rss_peak_mib=rss_mb(compute.popen.pid))
         if settle_s:
             time.sleep(settle_s)
-            figures["rss_after_settle_mib"] = rss_mib(compute.popen.pid)
+            figures["rss_after_settle_mib"] = rss_mb(compute.popen.pid)
         results["phases"][name] = figures
         print(
             f"{name:>14}: health p99 {figures['health_p99_s'] * 1e3:7.1f} ms (max {figures['health_max_s'] * 1e3:.1f}), "
@@ -454,11 +442,11 @@ def main(argv: list[str] | None = None) -> int:
             health.append(time.monotonic() - start_t)
             time.sleep(0.5)
         results["phases"]["predictor-header-only"] = {
-            "health_p99_s": _percentile(health, 0.99),
+            "health_p99_s": percentile(health, 99),
             "held": attack.held(),
         }
         print(
-            f"predictor header-only: {attack.held()} held, health p99 {_percentile(health, 0.99) * 1e3:.1f} ms"
+            f"predictor header-only: {attack.held()} held, health p99 {percentile(health, 99) * 1e3:.1f} ms"
         )
         attack.stop()
     finally:
