@@ -98,8 +98,8 @@ class HintSource:
         from predictor_svc.eam import EamShape, add_token, new_eam
         from predictor_svc.eamc import Eamc
         from predictor_svc.predict import PredictionConfig, predict_request
-        from predictor_svc.service import HINT_SOURCE, top_hints
         from predictor_svc.store.embedded import EmbeddedStore
+        from predictor_svc.subscriptions import HINT_SOURCE, top_hints
 
         pcfg = PredictorConfig()
         self._shape = EamShape(trace.num_layers, trace.num_experts, trace.top_k)

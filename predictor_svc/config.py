@@ -37,40 +37,31 @@ from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
 from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
 from predictor_svc.eam import HEADER_BYTES as EAM_HEADER_BYTES
+from predictor_svc.eam import SHAPE_PATTERN, EamShape
 
 ENV_PREFIX = "EXPERTCACHE_PREDICTOR_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 GIB = 1 << 30
 MIB = 1 << 20
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
-_SHAPE_RE = re.compile(r"^(?P<model>[^=\s]+)=(?P<layers>\d+)x(?P<experts>\d+)x(?P<top_k>\d+)$")
+_ENTRY_RE = re.compile(rf"^(?P<model>[^=\s]+)=(?P<shape>{SHAPE_PATTERN})$")
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A model's routing geometry given in configuration (``model_id=LAYERSxEXPERTSxTOP_K``)."""
-
-    model_id: str
-    layers: int
-    experts: int
-    top_k: int
-
-
-def parse_model_shape(text: str) -> ModelShape:
-    """``"gpt-oss-20b=24x32x4"`` → ModelShape; InvalidArgument naming the field otherwise."""
-    match = _SHAPE_RE.match(text.strip())
+def parse_model_shape(text: str) -> tuple[str, EamShape]:
+    """``"gpt-oss-20b=24x32x4"`` → (model id, EamShape); InvalidArgument naming the field otherwise."""
+    match = _ENTRY_RE.match(text.strip())
     if not match or not MODEL_ID_RE.match(match["model"]):
         raise InvalidArgument(
             f"config field 'model_shapes' entry {text!r} is not MODEL_ID=LAYERSxEXPERTSxTOP_K "
             "(e.g. gpt-oss-20b=24x32x4)"
         )
-    shape = ModelShape(match["model"], int(match["layers"]), int(match["experts"]), int(match["top_k"]))
-    if min(shape.layers, shape.experts, shape.top_k) < 1 or shape.top_k > shape.experts:
+    try:
+        return match["model"], EamShape.parse(match["shape"])
+    except ValueError as exc:
         raise InvalidArgument(
             f"config field 'model_shapes' entry {text!r}: layers, experts and top_k must be >= 1 "
-            "and top_k <= experts"
-        )
-    return shape
+            f"and top_k <= experts ({exc})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -239,7 +230,7 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
         default=True,
         metadata={"help": "Accept RegisterModel for models not in model_shapes (false: only those)."},
     )
-    """False: the configured ``model_shapes`` (and models already in the store's registry) are
+    """False: the configured ``model_shapes`` (and models already in the store's model catalog) are
     the only models; RegisterModel of another gets PERMISSION_DENIED."""
 
     max_layers: int = field(
@@ -258,14 +249,14 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
         default=16,
         metadata={"help": "Most models registered (configured ones included).", "min": 1, "max": 4096},
     )
-    """The registry (shared by replicas through the store) holds at most this many models;
+    """The model catalog (shared by replicas through the store) holds at most this many models;
     RegisterModel of one more: RESOURCE_EXHAUSTED."""
 
     max_client_models: int = field(
         default=4,
         metadata={"help": "Models one client may register (new ones; re-registering is free).", "min": 1},
     )
-    """Per client (as for the live caps): one client cannot fill the registry (``max_models``)
+    """Per client (as for the live caps): one client cannot fill the model catalog (``max_models``)
     and lock every other model out. Counted per replica since it started."""
 
     max_eamc_bytes: int = field(
@@ -349,9 +340,9 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
         object.__setattr__(self, "log_level", str(self.log_level).upper())
         object.__setattr__(self, "model_shapes", tuple(s.strip() for s in self.model_shapes if s.strip()))
 
-    def shapes(self) -> dict[str, ModelShape]:
+    def shapes(self) -> dict[str, EamShape]:
         """The configured ``model_shapes`` by model id."""
-        return {s.model_id: s for s in map(parse_model_shape, self.model_shapes)}
+        return dict(map(parse_model_shape, self.model_shapes))
 
     def check(self) -> None:
         """Cross-field checks run by ``load_config`` after the per-field constraints."""
@@ -386,15 +377,15 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
                 f"config field 'model_shapes' names {len(shapes)} models, more than max_models={self.max_models}"
             )
         reserved = 0
-        for shape in shapes.values():
+        for model_id, shape in shapes.items():
             if shape.layers > self.max_layers:
                 raise InvalidArgument(
-                    f"config field 'model_shapes': model {shape.model_id!r} has {shape.layers} layers, "
+                    f"config field 'model_shapes': model {model_id!r} has {shape.layers} layers, "
                     f"more than max_layers={self.max_layers}"
                 )
             if shape.experts > self.max_experts:
                 raise InvalidArgument(
-                    f"config field 'model_shapes': model {shape.model_id!r} has {shape.experts} experts, "
+                    f"config field 'model_shapes': model {model_id!r} has {shape.experts} experts, "
                     f"more than max_experts={self.max_experts}"
                 )
             reserved += self.eamc_reservation(shape.layers, shape.experts)

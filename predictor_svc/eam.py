@@ -24,6 +24,7 @@ stored as raw bytes with a versioned little-endian header (never pickle):
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -38,11 +39,18 @@ _HEADER = struct.Struct("<4sHHIIII")
 HEADER_BYTES = _HEADER.size  # 24
 # A bound on the header's dimensions so a corrupt header cannot make us allocate gigabytes.
 _MAX_CELLS = 1 << 24
+# The one grammar of a shape's text, LAYERSxEXPERTSxTOP_K (the config's entries embed it).
+SHAPE_PATTERN = r"(?P<layers>\d+)x(?P<experts>\d+)x(?P<top_k>\d+)"
+_SHAPE_RE = re.compile(SHAPE_PATTERN)
 
 
 @dataclass(frozen=True)
 class EamShape:
-    """The routing geometry of one model: MoE ``layers`` × ``experts``, ``top_k`` per token."""
+    """The routing geometry of one model: MoE ``layers`` × ``experts``, ``top_k`` per token.
+
+    The one shape type of the predictor: configured (``model_shapes``), registered
+    (RegisterModel), kept in the store's model catalog as its text (``"24x32x4"``) and sizing
+    every EAM."""
 
     layers: int
     experts: int
@@ -57,6 +65,20 @@ class EamShape:
             raise ValueError(f"EamShape.top_k ({self.top_k}) must not exceed experts ({self.experts})")
         if self.layers * self.experts > _MAX_CELLS:
             raise ValueError(f"EamShape {self.layers}x{self.experts} exceeds {_MAX_CELLS} cells")
+
+    @classmethod
+    def parse(cls, text: str) -> EamShape:
+        """``"24x32x4"`` → EamShape; ValueError when ``text`` is not LAYERSxEXPERTSxTOP_K or
+        not a valid shape (the message names which)."""
+        match = _SHAPE_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(f"shape {text!r} is not LAYERSxEXPERTSxTOP_K")
+        return cls(int(match["layers"]), int(match["experts"]), int(match["top_k"]))
+
+    @property
+    def text(self) -> str:
+        """``"LAYERSxEXPERTSxTOP_K"``, as ``parse`` reads it back."""
+        return f"{self.layers}x{self.experts}x{self.top_k}"
 
     @property
     def cells(self) -> int:

@@ -92,7 +92,7 @@ def replay(
         except grpc.FutureTimeoutError:
             raise ReplayError(f"no predictor answers at {address} after {connect_timeout_s:g}s") from None
         stub = predictor_pb2_grpc.PredictorStub(channel)
-        try:  # the predictor takes shapes only from its registry
+        try:  # the predictor takes shapes only from its model catalog
             stub.RegisterModel(
                 predictor_pb2.RegisterModelRequest(
                     model_id=model_id,

@@ -22,7 +22,8 @@ from expertcache.prom import Registry
 from expertcache.security import ServerSecurity
 from expertcache.transport import TransportLimits
 from predictor_svc.errors import BadActivation, LimitReached, ModelNotRegistered, RequestEnded
-from predictor_svc.service import Activation, HintBatch, PredictorService, ServiceStats
+from predictor_svc.service import Activation, PredictorService, ServiceStats
+from predictor_svc.subscriptions import PublishedHints
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def activation_from_pb(msg: predictor_pb2.Activation, client: str = "") -> Activ
     )
 
 
-def hint_batch_to_pb(batch: HintBatch) -> predictor_pb2.HintBatch:
+def hint_batch_to_pb(batch: PublishedHints) -> predictor_pb2.HintBatch:
     pb = predictor_pb2.HintBatch(
         request_id=batch.request_id,
         token_index=batch.token_index,
@@ -208,7 +209,7 @@ class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
             sub.close()
 
     @staticmethod
-    def _traced_send(batch: HintBatch) -> None:
+    def _traced_send(batch: PublishedHints) -> None:
         """A ``send_hints`` span: the batch leaves on a SubscribeHints stream (linked to its request)."""
         with telemetry.span_from_message(
             "send_hints",

@@ -1,7 +1,7 @@
 """EAMC stores: where each model's EAM collection lives. ``open_store`` picks one.
 
 No Redis URL → the embedded store (optionally loaded from / saved to a file); a URL → Redis,
-chosen by URL scheme from a registry (unknown schemes raise ValueError listing the valid ones).
+chosen by URL scheme from a table of openers (unknown schemes raise ValueError listing the valid ones).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Ownership/atomicity contract:
   re-syncs and retries. A blob is written whole or not at all (no torn entry).
 - Every call that talks to a server raises ``StoreUnavailable`` naming the URL when it cannot.
 
-The model registry (``models`` / ``register_model``) is shared by every replica: a model's
+The model catalog (``models`` / ``register_model``) is shared by every replica: a model's
 routing shape, ``"LAYERSxEXPERTSxTOP_K"``, registered once. ``register_model`` is atomic: it
 never overwrites a registered shape and never registers more than ``max_models`` models.
 """
@@ -73,7 +73,7 @@ class EamcStore(Protocol):
         ...
 
     def models(self) -> dict[str, str]:
-        """The registry: model id -> ``"LAYERSxEXPERTSxTOP_K"``."""
+        """The model catalog: model id -> ``"LAYERSxEXPERTSxTOP_K"``."""
         ...
 
     def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:

@@ -4,14 +4,14 @@ Thread-safe (one lock). Saved to one file on shutdown, written atomically (tmp f
 rename), so a crash mid-save leaves the previous file intact. File format (little-endian, raw,
 never pickle):
 
-    magic b"EAMCSTO2" | u32 registry count
+    magic b"EAMCSTO2" | u32 catalog count
     per registered model: u32 len + model_id utf-8 | u32 len + shape utf-8 ("LxExK")
     u32 model count
     per model: u32 len + model_id utf-8 | u32 len + epoch utf-8 | u64 seq | u32 entry count
         per entry: u32 len + entry_id utf-8 | u32 len + blob (the predictor_svc.eam format)
     u32 crc32 of everything before it
 
-A file of the first format (magic b"EAMCSTO1": no registry section) still loads.
+A file of the first format (magic b"EAMCSTO1": no catalog section) still loads.
 
 The change log is not saved: a cursor taken before a reload is older than the log and the reader
 reloads, exactly as with a trimmed Redis stream.
@@ -36,7 +36,7 @@ from predictor_svc.store.base import Change
 logger = logging.getLogger(__name__)
 
 FILE_MAGIC = b"EAMCSTO2"
-FILE_MAGIC_V1 = b"EAMCSTO1"  # before the model registry
+FILE_MAGIC_V1 = b"EAMCSTO1"  # before the model catalog
 DEFAULT_LOG_LEN = 4096
 
 
@@ -66,7 +66,7 @@ class EmbeddedStore:
         self._log_len = log_len
         self._lock = threading.Lock()
         self._models: dict[str, _Collection] = {}
-        self._registry: dict[str, str] = {}  # model id -> "LxExK"
+        self._catalog: dict[str, str] = {}  # model id -> "LxExK"
         self._closed = False
 
     # -- EamcStore ---------------------------------------------------------------------------
@@ -137,16 +137,16 @@ class EmbeddedStore:
 
     def models(self) -> dict[str, str]:
         with self._lock:
-            return dict(self._registry)
+            return dict(self._catalog)
 
     def register_model(self, model_id: str, shape: str, max_models: int) -> tuple[str, str]:
         with self._lock:
-            current = self._registry.get(model_id)
+            current = self._catalog.get(model_id)
             if current is not None:
                 return "exists", current
-            if len(self._registry) >= max_models:
-                return "full", str(len(self._registry))
-            self._registry[model_id] = shape
+            if len(self._catalog) >= max_models:
+                return "full", str(len(self._catalog))
+            self._catalog[model_id] = shape
             return "created", shape
 
     def count(self, model_id: str) -> int:
@@ -169,8 +169,8 @@ class EmbeddedStore:
         buf = io.BytesIO()
         with self._lock:
             buf.write(FILE_MAGIC)
-            buf.write(struct.pack("<I", len(self._registry)))
-            for model_id, shape in self._registry.items():
+            buf.write(struct.pack("<I", len(self._catalog)))
+            for model_id, shape in self._catalog.items():
                 _put_str(buf, model_id)
                 _put_str(buf, shape)
             buf.write(struct.pack("<I", len(self._models)))
@@ -222,7 +222,7 @@ class EmbeddedStore:
         if magic == FILE_MAGIC:
             for _ in range(reader.u32()):
                 model_id = reader.string()
-                store._registry[model_id] = reader.string()
+                store._catalog[model_id] = reader.string()
         for _ in range(reader.u32()):
             model_id = reader.string()
             coll = _Collection(epoch=reader.string())

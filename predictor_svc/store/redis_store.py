@@ -6,7 +6,7 @@ Keys (``{m}`` = model id):
     expertcache:eamc:{m}:log       stream change log, id "<seq>-0", fields op/id/blob, MAXLEN
     expertcache:eamc:{m}:seq       string seq of the last change-log record
     expertcache:eamc:{m}:epoch     string random id of this collection's incarnation
-    expertcache:models             hash   model id -> "LAYERSxEXPERTSxTOP_K" (the registry)
+    expertcache:models             hash   model id -> "LAYERSxEXPERTSxTOP_K" (the model catalog)
 
 Every write is one Lua script, so it is atomic on the server: two replicas inserting at once
 never exceed the capacity and never leave a torn entry, and the append-only file replays whole
@@ -111,7 +111,7 @@ end
 return {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[2]) or '0', records}
 """
 
-# KEYS: registry. ARGV: model id, shape, max models. Returns {status, value} (base.register_model).
+# KEYS: the model catalog. ARGV: model id, shape, max models. Returns {status, value} (base.register_model).
 _REGISTER = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then return {'exists', cur} end

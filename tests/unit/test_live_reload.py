@@ -14,7 +14,6 @@ import numpy as np
 
 from expertcache.live_config import ConfigFileWatcher, LiveConfig, LiveReloader, live_changes
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
-from predictor_svc.eam import EamShape
 from predictor_svc.service import PredictorService
 from predictor_svc.store import EmbeddedStore
 from tests import waiting
@@ -35,7 +34,8 @@ def test_live_changes_keep_live_keys_and_warn_on_the_rest(caplog):
 def test_predictor_reload_applies_live_keys_to_running_models():
     service = PredictorService(PredictorConfig(), EmbeddedStore(), background=False)
     try:
-        model = service._model("m", EamShape(2, 4, 1))
+        service.register_model("m", 2, 4, 1)
+        model = service.catalog.get("m")
         assert model.eamc.capacity == 512
         fresh = dataclasses.replace(
             service.config, eamc_capacity=3, match_top_n=2, sync_interval_s=0.5, subscriber_queue_requests=9

@@ -7,7 +7,8 @@ import pytest
 from expertcache.config_loader import load_config
 from expertcache.errors import InvalidArgument
 from predictor_svc.__main__ import main
-from predictor_svc.config import ENV_PREFIX, ModelShape, PredictorConfig
+from predictor_svc.config import ENV_PREFIX, PredictorConfig
+from predictor_svc.eam import EamShape
 
 
 def test_defaults_are_valid():
@@ -26,7 +27,7 @@ def test_precedence_cli_env_file(tmp_path):
     config = load_config(PredictorConfig, cli={"min_score": "0.5"}, env=env, env_prefix=ENV_PREFIX, file=path)
     assert (config.eamc_capacity, config.hint_top_n, config.min_score) == (100, 5, 0.5)
     assert config.store_kind == "redis"
-    assert config.shapes() == {"a": ModelShape("a", 2, 8, 2), "b": ModelShape("b", 4, 16, 4)}
+    assert config.shapes() == {"a": EamShape(2, 8, 2), "b": EamShape(4, 16, 4)}
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ import pytest
 
 from predictor_svc.config import PredictorConfig
 from predictor_svc.errors import BadActivation, ModelNotRegistered, StoreUnavailable
-from predictor_svc.service import Activation, PredictorService, Subscription, top_hints
+from predictor_svc.service import Activation, PredictorService
 from predictor_svc.store import EmbeddedStore
+from predictor_svc.subscriptions import Subscription, top_hints
 
 L, E, K = 3, 8, 2
 
@@ -139,7 +140,7 @@ def test_request_done_inserts_the_eam_and_notifies_subscribers():
         svc.observe(act("r1", t, done=t == 3))
     assert svc.stats().live_requests == 0 and svc.stats().requests_done == 1
     assert svc.stats().inserts_pending == 1  # insertion is off the Observe path
-    assert svc.flush_inserts()
+    assert svc.inserts.flush()
     assert store.count("m") == 1
     stats = svc.stats()
     assert stats.entries_inserted == 1 and stats.eamc_entries == 1 and stats.inserts_pending == 0
@@ -158,10 +159,10 @@ def test_done_without_routing_ends_the_request():
     svc = make(store)
     svc.observe(act("r1", 0))
     assert svc.observe(Activation("r1", "m", "p", 1, [], 0, True))
-    assert svc.flush_inserts() and store.count("m") == 1
+    assert svc.inserts.flush() and store.count("m") == 1
     # A done for a request never seen is accepted and changes nothing.
     assert svc.observe(Activation("ghost", "m", "p", 0, [], 0, True))
-    assert svc.flush_inserts() and store.count("m") == 1
+    assert svc.inserts.flush() and store.count("m") == 1
 
 
 def test_eamc_entries_shape_the_hints_of_a_new_request():
@@ -171,7 +172,7 @@ def test_eamc_entries_shape_the_hints_of_a_new_request():
     pattern = [0, 1, 0, 1, 6, 7]
     for t in range(3):
         svc.observe(act("old", t, pattern, done=t == 2))
-    assert svc.flush_inserts()
+    assert svc.inserts.flush()
     sub.get(0.5)  # the done marker of "old"
     svc.observe(act("new", 0, pattern))
     batch = sub.get(1.0)
@@ -240,19 +241,19 @@ def test_store_down_keeps_observe_working_and_retries_inserts():
     svc = make(store)
     sub = svc.subscribe("m", "p")
     svc.observe(act("a", 0, done=True))
-    assert svc.flush_inserts()
+    assert svc.inserts.flush()
     store.down = True
     for t in range(3):
         svc.observe(act("b", t, done=t == 2))
     assert sub.get(1.0) is not None  # hints still flow from memory
-    assert not svc.flush_inserts()
-    svc.sync_now()
+    assert not svc.inserts.flush()
+    svc.inserts.sync_now()
     stats = svc.stats()
     # one failed insert, one failed sync per configured model (m, n)
     assert stats.store_errors == 3 and stats.store_degraded and stats.inserts_pending == 1
     assert stats.eamc_entries == 1
     store.down = False
-    assert svc.flush_inserts()
+    assert svc.inserts.flush()
     stats = svc.stats()
     assert store.count("m") == 2 and stats.inserts_pending == 0 and not stats.store_degraded
     assert stats.entries_inserted == 2
@@ -282,7 +283,7 @@ def test_quiet_requests_expire_without_insertion():
     assert svc.expire() == 0
     now[0] += 6
     assert svc.expire() == 1
-    assert svc.flush_inserts() and store.count("m") == 0
+    assert svc.inserts.flush() and store.count("m") == 0
     assert svc.stats().requests_expired == 1 and svc.stats().live_requests == 0
 
 
@@ -355,11 +356,11 @@ def test_concurrent_observers_and_a_slow_subscriber():
         th.join(10)
     assert svc.stats().requests_done == 4 and svc.stats().observed_tokens == 200
     assert sub.pending_requests() == 4
-    assert svc.flush_inserts() and svc.stats().eamc_entries == 4
+    assert svc.inserts.flush() and svc.stats().eamc_entries == 4
 
 
 def test_subscriber_queue_is_bounded_in_bytes_too():
-    from predictor_svc.service import HINT_BYTES, LAYER_BYTES
+    from predictor_svc.subscriptions import HINT_BYTES, LAYER_BYTES
 
     per_request = LAYER_BYTES + L * (LAYER_BYTES + HINT_BYTES * 2)  # 2 hints per layer (top_n 2)
     svc = make(subscriber_queue_bytes=2 * per_request + 1, hint_top_n=2)
