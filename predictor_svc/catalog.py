@@ -61,12 +61,7 @@ class Model:
 class ModelCatalog:
     """The models served here, by id; thread-safe (one registration at a time)."""
 
-    def __init__(
-        self,
-        config: PredictorConfig,
-        store: EamcStore,
-        metrics: PredictorMetrics,
-    ) -> None:
+    def __init__(self, config: PredictorConfig, store: EamcStore, metrics: PredictorMetrics) -> None:
         self._config = config
         self._store = store
         self._metrics = metrics

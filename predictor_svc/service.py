@@ -248,12 +248,7 @@ class PredictorService:
         self._clients: dict[str, list[int]] = {}  # client -> [live requests, live bytes]
         self._closed = False
         self.catalog = ModelCatalog(config, store, self.metrics)
-        self.subscriptions = Subscriptions(
-            self.metrics,
-            config.max_subscribers,
-            config.subscriber_queue_requests,
-            config.subscriber_queue_bytes,
-        )
+        self.subscriptions = Subscriptions(config, self.metrics)
         self.inserts = InsertQueue(config, self.catalog, self.metrics, clock, on_sync=self.expire)
         self.inserts.sync_catalog()  # the store down: degraded, the background thread retries
         if background:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from predictor_svc.config import PredictorConfig
 from predictor_svc.errors import LimitReached
 from predictor_svc.metrics import PredictorMetrics
 
@@ -212,33 +213,35 @@ class Subscription:
 class Subscriptions:
     """The open subscriptions by the (model, pod) they follow; thread-safe.
 
-    ``max_subscribers``, ``subscriber_queue_requests`` and ``subscriber_queue_bytes`` are
-    restart-only fields: the values given at start hold for the process's life.
+    Its config is the one at start: ``max_subscribers``, ``subscriber_queue_requests`` and
+    ``subscriber_queue_bytes`` are restart-only fields.
     """
 
-    def __init__(
-        self, metrics: PredictorMetrics, max_subscribers: int, queue_requests: int, queue_bytes: int
-    ) -> None:
+    def __init__(self, config: PredictorConfig, metrics: PredictorMetrics) -> None:
+        self._config = config
         self._metrics = metrics
-        self._max_subscribers = max_subscribers
-        self._queue_requests = queue_requests
-        self._queue_bytes = queue_bytes
         self._lock = threading.Lock()
         self._subs: dict[tuple[str, str], list[Subscription]] = {}
 
     def open(self, model_id: str, pod: str) -> Subscription:
         """A new subscription to ``model_id``'s requests served by ``pod``; LimitReached beyond
         ``max_subscribers``. The caller checked the model is registered."""
+        cfg = self._config
         sub = Subscription(
-            model_id, pod, self._queue_requests, self._metrics, self._remove, max_bytes=self._queue_bytes
+            model_id,
+            pod,
+            cfg.subscriber_queue_requests,
+            self._metrics,
+            self._remove,
+            cfg.subscriber_queue_bytes,
         )
         with self._lock:
             open_subs = self._count()
-            if open_subs >= self._max_subscribers:
+            if open_subs >= cfg.max_subscribers:
                 self._metrics.refused.inc(reason="max_subscribers")
                 raise LimitReached(
                     f"{open_subs} hint subscribers are open, the limit max_subscribers="
-                    f"{self._max_subscribers}: subscription to model {model_id!r} refused"
+                    f"{cfg.max_subscribers}: subscription to model {model_id!r} refused"
                 )
             self._subs.setdefault((model_id, pod), []).append(sub)
         logger.info("hint subscriber for model %r pod %r", model_id, pod)

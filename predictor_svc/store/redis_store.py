@@ -58,24 +58,23 @@ redis.call('XADD', KEYS[2], 'MAXLEN', maxlen, s .. '-0', 'op', 'put', 'id', id, 
 return {'ok', id}
 """
 
-# KEYS: entries, seq, epoch. ARGV: new epoch. Returns {epoch, seq, id1, blob1, id2, blob2, ...}.
-_LOAD = """
+
+def _listing(command: str) -> str:
+    """A script reading a collection whole with its cursor. KEYS: entries, seq, epoch. ARGV: new
+    epoch. Returns {epoch, seq, ...what ``command`` (HGETALL, HKEYS) gives of the entries}."""
+    return f"""
 redis.call('SETNX', KEYS[3], ARGV[1])
-local out = {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all do out[#out + 1] = all[i] end
+local out = {{redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}}
+local got = redis.call('{command}', KEYS[1])
+for i = 1, #got do out[#out + 1] = got[i] end
 return out
 """
 
-# KEYS: entries, seq, epoch. ARGV: new epoch. Returns {epoch, seq, id1, id2, ...}: the ids without
-# their blobs, which the reader fetches in bounded batches (get_many).
-_IDS = """
-redis.call('SETNX', KEYS[3], ARGV[1])
-local out = {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[2]) or '0'}
-local ids = redis.call('HKEYS', KEYS[1])
-for i = 1, #ids do out[#out + 1] = ids[i] end
-return out
-"""
+
+_LOAD = _listing("HGETALL")  # {epoch, seq, id1, blob1, id2, blob2, ...}
+# {epoch, seq, id1, id2, ...}: the ids without their blobs, which the reader fetches in bounded
+# batches (get_many).
+_IDS = _listing("HKEYS")
 
 # KEYS: entries, log, seq, epoch. ARGV: epoch, seq, capacity, maxlen, blob1, blob2, ...
 # Appends the blobs (up to capacity) only while nothing else changed the collection since the
