@@ -7,7 +7,7 @@ arithmetic-free sizes.
 The e2e model's shape (gpt-oss, 24 layers x 32 experts, top-4) with hidden and expert
 intermediate sizes of 64 (``--hidden``, ``--intermediate``): a token's arithmetic is then small
 enough that its time is almost all fixed costs, per layer and per miss. A checkpoint of that
-shape is written by transformers' ``save_pretrained`` and converted once (``bench.e2e.build``,
+shape is written by transformers' ``save_pretrained`` and converted once (``bench.gpt_oss.build``,
 cached under bench/.data/). Systems, all up at once and taking turns request by request, the
 order rotated each repeat (``bench.e2e``'s interleaving):
 

@@ -3,7 +3,7 @@
     python -m bench.serve [--concurrency 1,4,16,64] [--tokens 16] [--precision mxfp4] ...   (make bench-serve)
     python -m bench.serve --mode load [--duration-s 60] ...                                 (make bench-load)
 
-The model is the e2e benchmark's (``bench.e2e.build``: a random gpt-oss-shaped checkpoint written
+The model is the e2e benchmark's (``bench.gpt_oss.build``: a random gpt-oss-shaped checkpoint written
 by ``save_pretrained``, converted by the real converter, experts at ``--precision``), served by
 real daemon and compute processes (``expertcache.launch``) with routing forced from the shared
 gpt-oss-20b trace (every request replays its own trace request), the daemon's arena holding
