@@ -2,7 +2,8 @@
 
     python -m bench.e2e_accelerate CHECKPOINT --cpu-budget-bytes N --tokens T --offload-dir DIR --out result.json
 
-Run by ``bench.e2e`` in its own process (so its memory and page-cache use are its own).
+Run by ``bench.e2e`` in its own process (so its memory and page-cache use are its own):
+``run_accelerate`` is ``bench.e2e``'s side, a process per run.
 ``from_pretrained(device_map="auto", max_memory={"cpu": N}, offload_folder=DIR)``: what does not
 fit in N bytes of CPU memory is offloaded to disk and streamed in, whole module by whole module,
 at every forward — its cost does not depend on routing (it uses its own router; with random
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.gpt_oss import PROMPT  # noqa: E402
+from bench.report import MIB, say  # noqa: E402
 
 
 def drop_page_cache(roots: list[Path]) -> int:
@@ -88,6 +94,73 @@ class TimingStreamer:
 
     def end(self) -> None:
         pass
+
+
+# -- bench.e2e's side ---------------------------------------------------------------------------
+def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_bytes: int) -> dict:
+    offload = work / "offload"
+    out = work / "accelerate.json"
+    tokens = args.accelerate_tokens
+    say(
+        f"[accelerate] from_pretrained(device_map='auto', max_memory={{'cpu': {cpu_bytes / MIB:.0f} MiB}}, "
+        f"offload_folder={offload}); generate {tokens} tokens x {args.accelerate_requests} request(s); "
+        "posix_fadvise(DONTNEED) on the offload folder and the checkpoint after load and after every token"
+    )
+    latencies: list[float] = []
+    read_bytes: list[int] = []
+    runs = []
+    for r in range(args.accelerate_requests):
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.e2e_accelerate",
+            str(checkpoint),
+            "--cpu-budget-bytes",
+            str(cpu_bytes),
+            "--tokens",
+            str(tokens),
+            "--prompt",
+            ",".join(map(str, PROMPT)),
+            "--offload-dir",
+            str(offload),
+            "--out",
+            str(out),
+            "--progress",
+            "--threads",
+            str(args.threads),
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600)
+        progress = [line for line in proc.stderr.splitlines() if line.startswith("  accelerate token")]
+        for line in progress[-3:]:
+            say(f"  [accelerate] request {r + 1}: {line.strip()}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench.e2e_accelerate failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        run = json.loads(out.read_text())
+        runs.append(run)
+        latencies += run["latencies_s"][1:]  # the first includes prefill
+        read_bytes += run["read_bytes"][1:]
+    return {
+        "latencies_s": latencies,
+        "first_token_s": [run["latencies_s"][0] for run in runs],
+        "bytes_per_token": statistics.fmean(read_bytes) if read_bytes else None,
+        "load_s": [run["load_s"] for run in runs],
+        "device_map_modules": runs[0]["device_map_modules"],
+        "page_cache_files_dropped": runs[0]["page_cache_files"],
+        "page_cache_drop_s_mean": statistics.fmean(run["drop_s_mean"] for run in runs),
+        "cpu_budget_bytes": cpu_bytes,
+    }
+
+
+def merge_accelerate(runs: list[dict]) -> dict:
+    """One result of several ``run_accelerate`` calls (one per repeat)."""
+    out = dict(runs[0])
+    out["latencies_s"] = [x for run in runs for x in run["latencies_s"]]
+    out["latencies_by_repeat_s"] = [run["latencies_s"] for run in runs]
+    out["first_token_s"] = [x for run in runs for x in run["first_token_s"]]
+    out["load_s"] = [x for run in runs for x in run["load_s"]]
+    per_token = [run["bytes_per_token"] for run in runs if run["bytes_per_token"] is not None]
+    out["bytes_per_token"] = statistics.fmean(per_token) if per_token else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

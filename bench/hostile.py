@@ -29,8 +29,9 @@ import h2.errors
 import h2.events
 import h2.settings
 
-from bench.predictor_attack import rss_mb
-from bench.serve import percentile
+from bench.report import write_json
+from bench.stats import percentile
+from bench.usage import rss_mib
 
 GENERATE = "/moe.inference.v1.Inference/Generate"
 
@@ -310,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     """Real daemon, compute and predictor processes on a tiny random mixtral; each attack of the
     issue "Hostile clients" in turn for ``--seconds``, a well-behaved client measuring beside it."""
     import argparse
-    import json
     import tempfile
     from pathlib import Path
 
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"seconds": args.seconds, "phases": {}}
 
     def phase(name: str, attack_factory, settle_s: float = 0.0) -> None:
-        rss0 = rss_mb(compute.popen.pid)
+        rss0 = rss_mib(compute.popen.pid)
         client = WellBehaved(compute.address).start()
         attack = attack_factory()
         time.sleep(args.seconds)
@@ -361,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         if attack is not None:
             attack.stop()
         figures = client.stop()
-        figures.update(held_at_end=held, rss_start_mib=rss0, rss_peak_mib=rss_mb(compute.popen.pid))
+        figures.update(held_at_end=held, rss_start_mib=rss0, rss_peak_mib=rss_mib(compute.popen.pid))
         if settle_s:
             time.sleep(settle_s)
-            figures["rss_after_settle_mib"] = rss_mb(compute.popen.pid)
+            figures["rss_after_settle_mib"] = rss_mib(compute.popen.pid)
         results["phases"][name] = figures
         print(
             f"{name:>14}: health p99 {figures['health_p99_s'] * 1e3:7.1f} ms (max {figures['health_max_s'] * 1e3:.1f}), "
@@ -453,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         predictor.stop()
         compute.stop()
         daemon.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results, indent=2)
     print(f"wrote {args.out}")
     return 0
 

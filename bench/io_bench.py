@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import mmap
 import os
@@ -52,20 +51,15 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.report import DATA_DIR, GIB, MIB, RESULTS_DIR, say, write_json  # noqa: E402
+from bench.stats import percentiles_us  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.native import HostPool, Reader, SlotTable  # noqa: E402
 
-MIB = 1 << 20
-GIB = 1 << 30
-DATA_DIR = REPO / "bench" / ".data"
-RESULTS = REPO / "bench" / "results" / "io.json"
+RESULTS = RESULTS_DIR / "io.json"
 GOAL_RAW = 0.90
 GOAL_SAFETENSORS = 2.0
 GOAL_SHM_US = 20.0
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -302,16 +296,6 @@ def safetensors_read(path: Path, manifest: StoreManifest) -> tuple[int, float]:
 # -- 5. acquire + release -------------------------------------------------------------------------
 
 
-def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
-    s = sorted(samples_ns)
-    return {
-        "mean_us": statistics.fmean(s) / 1e3,
-        "p50_us": s[len(s) // 2] / 1e3,
-        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] / 1e3,
-        "iterations": len(s),
-    }
-
-
 def slot_table_hit(top_k: int, iterations: int) -> dict[str, float]:
     """try_pin_many + unpin_many of ``top_k`` resident entries of a shared-memory slot table."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -508,49 +492,47 @@ def main(argv: list[str] | None = None) -> int:
         f"shm path p50 = {shm_p50:.2f} us per layer (goal <= {GOAL_SHM_US:.0f} us)  {verdict(shm_p50 <= GOAL_SHM_US)}"
     )
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "store": {
-                    "path": str(store),
-                    "layers": len(manifest.moe_layers),
-                    "experts": manifest.num_experts,
-                    "blob_bytes": manifest.blob_bytes,
-                    "total_bytes": total,
-                },
-                "raw_o_direct": {
-                    "gb_per_s_runs": raw_runs,
-                    "gb_per_s_median": raw_best,
-                    "read_bytes": args.raw_read_mib * MIB,
-                    "in_flight": args.raw_in_flight,
-                },
-                "ours": {
-                    name: {
-                        "gb_per_s_runs": runs,
-                        "gb_per_s_median": med(runs),
-                        "reader_stats": ours_stats[name],
-                    }
-                    for name, runs in ours_runs.items()
-                },
-                "ours_verdict_config": verdict_name,
-                "safetensors": {
-                    "gb_per_s_runs": st_runs,
-                    "gb_per_s_median": st,
-                    "cold": "posix_fadvise DONTNEED",
-                },
-                "ratios": {"ours_over_raw": r_raw, "ours_over_safetensors": r_st},
-                "random_expert_reads": random_reads,
-                "goals": {
-                    "ours_over_raw": GOAL_RAW,
-                    "ours_over_safetensors": GOAL_SAFETENSORS,
-                    "shm_us": GOAL_SHM_US,
-                },
-                "acquire_release": hit,
-                "top_k": args.top_k,
+    write_json(
+        RESULTS,
+        {
+            "store": {
+                "path": str(store),
+                "layers": len(manifest.moe_layers),
+                "experts": manifest.num_experts,
+                "blob_bytes": manifest.blob_bytes,
+                "total_bytes": total,
             },
-            indent=2,
-        )
+            "raw_o_direct": {
+                "gb_per_s_runs": raw_runs,
+                "gb_per_s_median": raw_best,
+                "read_bytes": args.raw_read_mib * MIB,
+                "in_flight": args.raw_in_flight,
+            },
+            "ours": {
+                name: {
+                    "gb_per_s_runs": runs,
+                    "gb_per_s_median": med(runs),
+                    "reader_stats": ours_stats[name],
+                }
+                for name, runs in ours_runs.items()
+            },
+            "ours_verdict_config": verdict_name,
+            "safetensors": {
+                "gb_per_s_runs": st_runs,
+                "gb_per_s_median": st,
+                "cold": "posix_fadvise DONTNEED",
+            },
+            "ratios": {"ours_over_raw": r_raw, "ours_over_safetensors": r_st},
+            "random_expert_reads": random_reads,
+            "goals": {
+                "ours_over_raw": GOAL_RAW,
+                "ours_over_safetensors": GOAL_SAFETENSORS,
+                "shm_us": GOAL_SHM_US,
+            },
+            "acquire_release": hit,
+            "top_k": args.top_k,
+        },
+        indent=2,
     )
     say(f"results: {RESULTS}")
     return 0

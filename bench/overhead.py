@@ -7,7 +7,7 @@ arithmetic-free sizes.
 The e2e model's shape (gpt-oss, 24 layers x 32 experts, top-4) with hidden and expert
 intermediate sizes of 64 (``--hidden``, ``--intermediate``): a token's arithmetic is then small
 enough that its time is almost all fixed costs, per layer and per miss. A checkpoint of that
-shape is written by transformers' ``save_pretrained`` and converted once (``bench.e2e.build``,
+shape is written by transformers' ``save_pretrained`` and converted once (``bench.gpt_oss.build``,
 cached under bench/.data/). Systems, all up at once and taking turns request by request, the
 order rotated each repeat (``bench.e2e``'s interleaving):
 
@@ -41,7 +41,6 @@ Printed, and written to bench/results/overhead.json (a plot beside it):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -53,24 +52,20 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.e2e import (  # noqa: E402
-    DATA_DIR,
+from bench.gpt_oss import (  # noqa: E402
     DEFAULT_TRACE,
     PROMPT,
-    ProcessSystem,
-    build,
-    get_stats,
-    host_tier,
-    repeat_p50s,
-    repeat_ratios,
-    say,
-    spread_text,
-    summarise,
+    add_model_arguments,
+    build_from_args,
+    use_torch_threads,
 )
 from bench.plain_transformers import TransformersSystem  # noqa: E402
+from bench.report import RESULTS_DIR, p50_bars, pyplot, save_figure, say, write_json  # noqa: E402
+from bench.stats import repeat_ratios, spread_text, summarise  # noqa: E402
+from bench.systems import ProcessSystem, get_stats, host_tier, rotation  # noqa: E402
 from expertcache.launch import free_port  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "overhead.json"
+RESULTS = RESULTS_DIR / "overhead.json"
 SYSTEMS = ("resident", "lru", "transformers")
 OPTIONAL = ("ours-resident",)
 GOALS = {
@@ -119,20 +114,11 @@ def warm_host_tier(proc: ProcessSystem, num_blobs: int) -> int:
 
 
 def write_png(results: dict, report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    plt = pyplot()
     systems = [s for s in results if results[s].get("p50_s")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
-    p50 = np.array([results[s]["p50_s"] * 1e3 for s in systems])
-    lo = np.array([min(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
-    hi = np.array([max(repeat_p50s(results[s]) or [results[s]["p50_s"]]) * 1e3 for s in systems])
-    bars = ax.bar(systems, p50, yerr=[np.maximum(p50 - lo, 0), np.maximum(hi - p50, 0)], capsize=4)
-    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    p50_bars(ax, results, systems, "%.1f")
     ax.set_title("per-token p50, ms (whiskers: lowest / highest repeat)")
     ax = axes[1]
     names, vals, goals = [], [], []
@@ -154,10 +140,7 @@ def write_png(results: dict, report: dict, path: Path) -> None:
         f"bench.overhead: gpt-oss shape at hidden {report['model']['hidden']}, {report['device']}, "
         f"{report['cpu_count']} CPUs, interleaved"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per system per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--intermediate", type=int, default=64, help="expert intermediate size")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
+    add_model_arguments(parser, hidden=64, intermediate=64)
     parser.add_argument(
         "--device-share", type=float, default=0.25, help="lru's arena, as a share of the experts"
     )
@@ -180,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--request", type=int, default=0, help="first trace request")
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     parser.add_argument("--shm-dir", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=1000)
@@ -203,17 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         None,
         None,
     )
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    use_torch_threads(args.threads)
     started = time.perf_counter()
-    checkpoint, store, manifest = build(
-        args.data_dir,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        layers=args.layers,
-        experts=args.experts,
-        top_k=args.top_k,
-    )
+    checkpoint, store, manifest = build_from_args(args)
     total, blob = manifest.total_expert_bytes, manifest.blob_bytes
     device_bytes = max(manifest.top_k, int(args.device_share * manifest.num_blobs)) * blob
     say(
@@ -262,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.begin()
             before = {s: scrape(p) for s, p in ports.items()}
             for repeat in range(args.repeats):
-                order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+                order = rotation(systems, repeat)
                 say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
                 for r in range(args.requests):
                     for system in order:
@@ -380,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     png = args.out.with_suffix(".png")
     write_png(results, report, png)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     say(f"wrote {png}")
     say(f"wrote {args.out} ({report['wall_s']:.0f} s in all)")
     return 0

@@ -76,7 +76,7 @@ def serve(checkpoint: Path, device: str, threads: int) -> None:
 
 class TransformersSystem:
     """The parent's side: the child started once; ``measure`` runs one request in it. The same
-    interface as ``bench.e2e.ProcessSystem`` (begin / measure / finish / stop)."""
+    interface as ``bench.systems.ProcessSystem`` (begin / measure / finish / stop)."""
 
     system = "transformers"
 

@@ -26,26 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import redis
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from bench.usage import MIB, redis_memory, rss_mib
 from expertcache.launch import Proc, free_port, start
 from expertcache.redis_server import RedisServer
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def redis_mb(url: str) -> float:
-    client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("memory")["used_memory"]) / 2**20
-    finally:
-        client.close()
 
 
 def tokens(model: str, request_id: str, layers: int, experts: int, top_k: int, n: int, done: bool):
@@ -78,7 +63,7 @@ class Attack:
 
     def memory(self, label: str) -> tuple[float, float]:
         time.sleep(1.5)  # let the predictor's background thread insert and sync
-        rss, used = rss_mb(self.proc.popen.pid), redis_mb(self.redis_url)
+        rss, used = rss_mib(self.proc.popen.pid), redis_memory(self.redis_url)["used_memory"] / MIB
         print(f"  [{label}] predictor RSS {rss:8.1f} MB   redis used_memory {used:8.1f} MB", flush=True)
         return rss, used
 

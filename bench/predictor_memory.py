@@ -29,11 +29,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
+from bench.usage import MIB, memory_status, redis_memory
 from expertcache.launch import REPO, free_port
 from expertcache.redis_server import RedisServer
 from predictor_svc.eam import encode_eam
@@ -52,7 +52,6 @@ UNITS = {
     "M": 10**6,
     "G": 10**9,
 }
-MIB = 1 << 20
 PEAK_FACTOR = 1.2
 
 
@@ -91,16 +90,6 @@ def render_chart() -> tuple[dict, int, int]:
     )
 
 
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / VmHWM of ``pid`` in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def health(address: str) -> int | None:
     with grpc.insecure_channel(address) as channel:
         try:
@@ -132,21 +121,12 @@ def wait_serving(popen: subprocess.Popen, address: str, timeout_s: float, log: P
     while True:
         if popen.poll() is not None:
             sys.exit(f"the predictor exited with {popen.returncode}:\n{log.read_text()[-3000:]}")
-        sampled = max(sampled, proc_status(popen.pid)["VmRSS"])
+        sampled = max(sampled, memory_status(popen.pid)["VmRSS"])
         if health(address) == health_pb2.HealthCheckResponse.SERVING:
             return time.monotonic() - started, sampled
         if time.monotonic() - started > timeout_s:
             sys.exit(f"the predictor was not SERVING within {timeout_s}s:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
-
-
-def redis_memory(url: str) -> dict[str, int]:
-    client = redis.Redis.from_url(url)
-    try:
-        info = client.info("memory")
-    finally:
-        client.close()
-    return {k: int(info[k]) for k in ("used_memory", "used_memory_rss", "used_memory_peak")}
 
 
 def mib(n: float) -> str:
@@ -212,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         sys.exit(f"the predictor never held {total} entries:\n{log.read_text()[-3000:]}")
                     time.sleep(0.2)
                 time.sleep(1.0)
-                full = proc_status(popen.pid)
+                full = memory_status(popen.pid)
                 s = stats(address)
                 r = redis_memory(server.url)
                 print(
@@ -243,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = stats(address)
                 loaded_at_serving = s.eamc_entries
                 time.sleep(2.0)
-                after = proc_status(popen.pid)
+                after = memory_status(popen.pid)
                 steady, peak = after["VmRSS"], after["VmHWM"]
                 print(
                     f"restart: SERVING after {ready_s:.1f}s with {loaded_at_serving} of {total} entries loaded "

@@ -3,7 +3,7 @@
     python -m bench.serve [--concurrency 1,4,16,64] [--tokens 16] [--precision mxfp4] ...   (make bench-serve)
     python -m bench.serve --mode load [--duration-s 60] ...                                 (make bench-load)
 
-The model is the e2e benchmark's (``bench.e2e.build``: a random gpt-oss-shaped checkpoint written
+The model is the e2e benchmark's (``bench.gpt_oss.build``: a random gpt-oss-shaped checkpoint written
 by ``save_pretrained``, converted by the real converter, experts at ``--precision``), served by
 real daemon and compute processes (``expertcache.launch``) with routing forced from the shared
 gpt-oss-20b trace (every request replays its own trace request), the daemon's arena holding
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import threading
 import time
@@ -53,16 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from bench.e2e import DATA_DIR, DEFAULT_TRACE, GIB, MIB, PRECISIONS, build, say, tiers
-from bench.e2e import measure_link as measure_arena_link
+from bench.gpt_oss import DEFAULT_TRACE, add_model_arguments, build_from_args, use_torch_threads
+from bench.report import GIB, MIB, RESULTS_DIR, pyplot, save_figure, say
+from bench.stats import percentile
+from bench.systems import add_tier_arguments, device_tier, get_stats, tiers
+from bench.systems import measure_link as measure_arena_link
 from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from expertcache.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_N16 = 1.3
 GOAL_N64 = 3.0
 GOAL_LOAD_P99 = 2.0
@@ -98,22 +98,6 @@ def ceiling_of(args, manifest, budget: int, link_bytes_per_s: float, n: int) -> 
         "mean_union": c.mean_union,
         "link_gbps": link_bytes_per_s / 1e9,
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def daemon_stats(address: str) -> cache_pb2.CacheStats:
-    with grpc.insecure_channel(address) as channel:
-        return cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=30)
-
-
-def store_bytes(stats: cache_pb2.CacheStats) -> int:
-    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE).bytes_in
 
 
 @dataclass
@@ -345,7 +329,7 @@ def run_one(args, store, manifest, budget: int, name: str, n: int, api: str, pro
     daemon, compute = serve(args, store, manifest, work, extra, budget)
     try:
         tally = Tally()
-        before = store_bytes(daemon_stats(daemon.address))
+        before = device_tier(get_stats(daemon.address)).bytes_in
         with grpc.insecure_channel(compute.address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             model = http_model(http_address) if api == "http" else ""
@@ -376,8 +360,8 @@ def run_one(args, store, manifest, budget: int, name: str, n: int, api: str, pro
             for t in threads:
                 t.join()
             wall = time.perf_counter() - started
-        after = daemon_stats(daemon.address)
-        result = summary(tally, wall, store_bytes(after) - before)
+        after = get_stats(daemon.address)
+        result = summary(tally, wall, device_tier(after).bytes_in - before)
         result["pinned_after"] = after.pinned
     finally:
         compute.stop()
@@ -420,11 +404,7 @@ def verdicts_sweep(results: dict) -> dict:
 
 
 def plot_sweep(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, by_n in results.items():
         ns = sorted(by_n)
@@ -447,9 +427,7 @@ def plot_sweep(results: dict, path: Path) -> None:
     ax.set_title("Throughput against concurrency (gpt-oss shape, forced routing)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -464,7 +442,7 @@ def run_load(args, store, manifest, budget: int) -> dict:
             short, long_tally = Tally(), Tally()
             stop = threading.Event()
             rng = random.Random(7)
-            before = store_bytes(daemon_stats(daemon.address))
+            before = device_tier(get_stats(daemon.address)).bytes_in
             with grpc.insecure_channel(compute.address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
 
@@ -505,11 +483,11 @@ def run_load(args, store, manifest, budget: int) -> dict:
                     t.join()
                 wall = time.perf_counter() - started
             time.sleep(0.5)  # the last cancellations reach the daemon
-            after = daemon_stats(daemon.address)
+            after = get_stats(daemon.address)
         finally:
             compute.stop()
             daemon.stop()
-        result = summary(short, wall, store_bytes(after) - before)
+        result = summary(short, wall, device_tier(after).bytes_in - before)
         result["pinned_after"] = after.pinned
         result["long_requests"] = len(long_tally.request_s)
         result["long_ttft_p50_s"] = percentile(long_tally.ttft_s, 50)
@@ -552,26 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=256)
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="mxfp4")
     parser.add_argument("--budget-share", type=float, default=0.25)
     parser.add_argument("--policy", default="activation-aware")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--layer-ahead-accuracy", type=float, default=0.85)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1280)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--host-share",
-        type=float,
-        default=None,
-        help="share of the budget in the host tier (default: none on the CPU; with --device cuda the "
-        "arena gets the whole budget and a pinned host tier holds every expert, as on a GPU node)",
-    )
+    add_model_arguments(parser, hidden=512, intermediate=1280, precision="mxfp4")
+    add_tier_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of compute")
     # load mode
     parser.add_argument("--duration-s", type=float, default=60.0)
@@ -591,17 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems: unknown {sorted(unknown)}; choose from {sorted(SYSTEM_FLAGS)}")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    _, store, manifest = build(
-        args.data_dir,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        layers=args.layers,
-        experts=args.experts,
-        top_k=args.top_k,
-        precision=args.precision,
-    )
+    use_torch_threads(args.threads)
+    _, store, manifest = build_from_args(args)
     budget = int(args.budget_share * manifest.total_expert_bytes)
     say(
         f"model: gpt_oss {len(manifest.moe_layers)} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
@@ -611,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         f"request, prompt {args.prompt_tokens} tokens; API {'+'.join(args.api)}; compute threads {args.threads}; batching: max batch "
         f"size >= {args.max_batch_size}, max batched tokens {args.max_batched_tokens}"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":
         results = run_sweep(args, store, manifest, budget)
         verdicts = verdicts_sweep(results)
@@ -619,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             say(
                 f"{name}: {json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in v.items()})}"
             )
-        out = args.out or RESULTS / "serve.json"
+        out = args.out or RESULTS_DIR / "serve.json"
         out.write_text(
             json.dumps({"settings": vars_of(args), "results": results, "verdicts": verdicts}, indent=2)
         )
@@ -627,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"wrote {out} and {out.with_suffix('.png')}")
     else:
         report = run_load(args, store, manifest, budget)
-        out = args.out or RESULTS / "load.json"
+        out = args.out or RESULTS_DIR / "load.json"
         out.write_text(json.dumps({"settings": vars_of(args), **report}, indent=2))
         say(f"wrote {out}")
     return 0

@@ -1,0 +1,299 @@
+"""The systems served by real daemon + compute processes (ours, lru, resident and their
+variants), as ``bench.e2e`` and ``bench.overhead`` run them: both processes started once and
+kept up while the systems take turns request by request, each Generate's decode latencies kept,
+and the daemon's GetStats and both processes' CPU read before and after the measured requests.
+Also what ``bench.serve`` shares with them: the daemon's tiers for a budget, its GetStats, and
+the host → arena link under them."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import grpc
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from bench.e2e_accelerate import drop_page_cache
+from bench.gpt_oss import PROMPT
+from bench.report import MIB, say
+from bench.usage import cpu_seconds
+from expertcache.launch import start_compute, start_daemon
+from expertcache.manifest import StoreManifest
+
+
+def rotation(systems: list[str], repeat: int) -> list[str]:
+    """The order the systems take turns in during ``repeat``: rotated by one each repeat, so
+    that drift of the machine and the disk hits all alike."""
+    return systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``tiers`` reads: ``--device``, the daemon's arena, and ``--host-share``."""
+    parser.add_argument(
+        "--device", default="cpu", help="the daemon's arena: cpu, or cuda[:n] on a GPU machine"
+    )
+    parser.add_argument(
+        "--host-share",
+        type=float,
+        default=None,
+        help="share of the budget in the host tier (default: none on the CPU; with --device cuda the "
+        "arena gets the whole budget and a pinned host tier holds every expert, as on a GPU node)",
+    )
+
+
+def tiers(budget_bytes: int, manifest: StoreManifest, args: argparse.Namespace) -> tuple[int, int]:
+    """(arena bytes, host tier bytes) of a daemon with ``budget_bytes`` of expert memory.
+
+    ``--host-share`` moves that share of the budget to the host tier. Without it, on a GPU
+    (``--device cuda``) the arena gets the whole budget and a pinned host tier holds every expert
+    besides, as on a GPU node with ample RAM, so that a miss is a PCIe copy and the disk is read
+    once per expert; on the CPU there is none (this machine's "device" arena is CPU memory: a
+    host tier would hold a second copy of the same bytes)."""
+    if args.host_share is not None:
+        host = int(budget_bytes * args.host_share)
+        return budget_bytes - host, host
+    if str(args.device).startswith("cuda"):
+        return budget_bytes, manifest.total_expert_bytes
+    return budget_bytes, 0
+
+
+def get_stats(address: str) -> cache_pb2.CacheStats:
+    with grpc.insecure_channel(address) as channel:
+        return cache_pb2_grpc.ExpertCacheStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=30)
+
+
+def device_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
+    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_DEVICE)
+
+
+def host_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
+    return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_HOST)
+
+
+class ProcessSystem:
+    """One system served by real daemon + compute processes (ours, lru, resident), started once
+    and kept up while the systems take turns request by request; ``stop`` ends both."""
+
+    def __init__(
+        self,
+        system: str,
+        store: Path,
+        manifest: StoreManifest,
+        work: Path,
+        args: argparse.Namespace,
+        budget_bytes: int,
+        *,
+        device_bytes: int | None = None,
+        host_bytes: int | None = None,
+        compute_extra: tuple[str, ...] = (),
+    ) -> None:
+        """``device_bytes`` / ``host_bytes`` override the tiers ``host_tier_bytes`` gives."""
+        self.system, self.args = system, args
+        ours = system in ("ours", "ours-transitions", "ours-resident")
+        # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
+        self.resident = system in ("resident", "ours-resident")
+        self.blob_bytes = manifest.blob_bytes
+        if self.resident:
+            self.device_bytes, self.host_bytes = manifest.total_expert_bytes, 0
+        else:
+            self.device_bytes, self.host_bytes = tiers(budget_bytes, manifest, args)
+        if device_bytes is not None:
+            self.device_bytes = device_bytes
+        if host_bytes is not None:
+            self.host_bytes = host_bytes
+        daemon_extra = [
+            "--eviction-policy",
+            "activation-aware" if ours else "lru",
+            "--prefetch" if ours else "--no-prefetch",
+        ]
+        if system == "ours" and args.next_visit_path is not None:
+            daemon_extra += ["--next-visit-model", str(args.next_visit_path)]
+        compute_extra = [
+            "--force-routing-path",
+            str(args.trace),
+            "--force-routing-request",
+            str(args.request),
+            "--force-routing-layer-ahead-accuracy",
+            str(args.layer_ahead_accuracy),
+            "--layer-ahead" if ours else "--no-layer-ahead",
+            *(
+                ["--layer-ahead-depth", str(args.layer_ahead_depth)]
+                if ours and args.layer_ahead_depth
+                else []
+            ),
+            "--max-new-tokens-limit",
+            str(max(args.tokens, 1)),
+            *compute_extra,
+        ]
+        work.mkdir(parents=True, exist_ok=True)
+        say(
+            f"[{system}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
+            f"{self.device_bytes / MIB:.0f} MiB ({self.device_bytes // manifest.blob_bytes} slots) + host tier "
+            f"{self.host_bytes / MIB:.0f} MiB; compute: layer-ahead {'on' if ours else 'off'}, routing forced "
+            f"from the trace from request {args.request} on (each Generate takes the next)"
+        )
+        self.daemon = start_daemon(
+            store,
+            work,
+            device=args.device,
+            device_budget_bytes=self.device_bytes,
+            host_budget_bytes=self.host_bytes,
+            extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
+        )
+        self.compute = None
+        try:
+            self.compute = start_compute(store, self.daemon, work, extra=compute_extra)
+            drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
+            self.io_mode = get_stats(self.daemon.address).store_io_mode
+        except BaseException:
+            self.stop(dump_logs=True)
+            raise
+        self.channel = grpc.insecure_channel(self.compute.address)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.generated = 0
+        # compute's wait for experts, and its experts not resident when asked for, over decode tokens
+        self.decode_stall_s, self.decode_misses = 0.0, 0
+        self.latencies: list[float] = []
+        self.first_token: list[float] = []
+        self.by_repeat: dict[int, list[float]] = {}
+
+    def generate(self, label: str) -> tuple[list[float], float]:
+        """One Generate of ``--tokens`` tokens: (decode latencies, first-token latency)."""
+        request = inference_pb2.GenerateRequest(
+            token_ids=list(PROMPT), max_new_tokens=self.args.tokens, ignore_eos=True, request_id=label
+        )
+        started = time.perf_counter()
+        decode, first = [], 0.0
+        try:
+            for event in self.stub.Generate(request, timeout=3600):
+                if event.index == 0:
+                    first = event.latency_s
+                else:
+                    decode.append(event.latency_s)
+                    self.decode_stall_s += event.cache.stall_s
+                    self.decode_misses += event.cache.misses
+                if (event.index + 1) % self.args.progress_every == 0:
+                    say(
+                        f"  [{self.system}] {label}: {event.index + 1}/{self.args.tokens} tokens, "
+                        f"{time.perf_counter() - started:.1f} s"
+                    )
+        except BaseException:
+            self.stop(dump_logs=True)
+            raise
+        return decode, first
+
+    def begin(self) -> None:
+        """Start counting: what ``finish`` reports is what happened after this."""
+        if self.resident:  # the warm-up request that loads every expert, not measured
+            self.generate(f"{self.system}-warm-up")
+        self.before = get_stats(self.daemon.address)
+        self.cpu_before = {
+            "daemon": cpu_seconds(self.daemon.popen.pid),
+            "compute": cpu_seconds(self.compute.popen.pid),
+        }
+        self.wall = 0.0
+        self.decode_stall_s, self.decode_misses = 0.0, 0
+
+    def measure(self, repeat: int, r: int) -> None:
+        """One measured Generate (trace request taken in turn), kept under ``repeat``."""
+        t0 = time.perf_counter()
+        decode, first = self.generate(f"{self.system}-{repeat}-{r}")
+        self.wall += time.perf_counter() - t0
+        self.generated += self.args.tokens
+        self.latencies += decode
+        self.first_token.append(first)
+        self.by_repeat.setdefault(repeat, []).extend(decode)
+
+    def finish(self) -> dict:
+        after = get_stats(self.daemon.address)
+        cpu = {
+            "daemon": cpu_seconds(self.daemon.popen.pid) - self.cpu_before["daemon"],
+            "compute": cpu_seconds(self.compute.popen.pid) - self.cpu_before["compute"],
+        }
+        d0, d1 = device_tier(self.before), device_tier(after)
+        hits, misses = d1.hits - d0.hits, d1.misses - d0.misses
+        tokens = max(1, self.generated)
+        h0, h1 = host_tier(self.before), host_tier(after)
+        from_host = (h1.hits - h0.hits) * self.blob_bytes  # arena fills copied from the host tier
+        prefetch = {
+            cache_pb2.PrefetchClass.Name(p.prediction): {
+                "started": p.started,
+                "used": p.used,
+                "wasted": p.wasted,
+                "cancelled": p.cancelled,
+                "promoted": p.promoted,
+            }
+            for p in after.prefetch
+        }
+        return {
+            "latencies_s": self.latencies,
+            "latencies_by_repeat_s": [self.by_repeat[k] for k in sorted(self.by_repeat)],
+            "first_token_s": self.first_token,
+            "store_io_mode": self.io_mode,
+            "hit_rate": hits / max(1, hits + misses),
+            "hits": hits,
+            "misses": misses,
+            # Arena fills over the measured tokens (prefill included), per generated token: what the
+            # policy moves (from the store, or from the host tier when there is one; on a GPU
+            # every one of them crosses PCIe).
+            "bytes_per_token": (d1.bytes_in - d0.bytes_in) / tokens,
+            "host_bytes_per_token": from_host / tokens,  # of which copied from the host tier
+            "store_bytes_per_token": (d1.bytes_in - d0.bytes_in - from_host) / tokens,  # read from the store
+            # (0 from a daemon of an older release, whose GetStats has no arena_copy_seconds)
+            "arena_copy_s": getattr(after, "arena_copy_seconds", 0.0)
+            - getattr(self.before, "arena_copy_seconds", 0.0),
+            "store_read_s": after.store_read_seconds - self.before.store_read_seconds,
+            # CPU seconds per generated token of each process (2 cores shared by both, and any
+            # peer: while the systems take turns, the others' processes are idle).
+            "cpu_s_per_token": {name: value / tokens for name, value in cpu.items()},
+            "generate_wall_s": self.wall,
+            # compute's wait for experts per decode token (each MoE layer's acquire, summed)
+            "stall_s_per_decode_token": self.decode_stall_s / max(1, len(self.latencies)),
+            "misses_per_decode_token": self.decode_misses / max(1, len(self.latencies)),
+            "prefetch": prefetch,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "policy": after.config.eviction_policy,
+            "prefetch_on": after.config.prefetch,
+        }
+
+    def stop(self, dump_logs: bool = False) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+            self.channel = None
+        for proc in (self.compute, self.daemon):
+            if proc is not None and dump_logs:
+                say(f"--- {proc.log_path} (tail) ---\n{proc.log()[-3000:]}")
+        if self.compute is not None:
+            self.compute.stop()
+            self.compute = None
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
+
+
+def measure_link(manifest: StoreManifest, device: str, copies: int = 64) -> dict:
+    """The host → arena link under the systems: ``copies`` expert blobs copied from host memory
+    (page-locked on a GPU, as the host tier is) into device memory, one at a time; GB/s. On the
+    CPU the "device" arena is memory too: a memory copy."""
+    import torch
+
+    n = max(1, min(copies, (1 << 30) // max(1, manifest.blob_bytes)))
+    cuda = str(device).startswith("cuda")
+    src = torch.empty(n, manifest.blob_bytes, dtype=torch.uint8, pin_memory=cuda).fill_(1)
+    dst = torch.empty(n, manifest.blob_bytes, dtype=torch.uint8, device=device if cuda else "cpu")
+    for _ in range(2):
+        started = time.perf_counter()
+        for i in range(n):
+            dst[i].copy_(src[i], non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(dst.device)
+        elapsed = time.perf_counter() - started
+    gbps = n * manifest.blob_bytes / elapsed / 1e9
+    say(
+        f"host -> arena link ({'PCIe, page-locked host memory' if cuda else 'memory copy'}), expert blobs of "
+        f"{manifest.blob_bytes / MIB:.2f} MiB one at a time: {gbps:.2f} GB/s"
+    )
+    return {"gb_per_s": gbps, "copies": n, "device": str(device)}

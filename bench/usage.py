@@ -1,0 +1,43 @@
+"""What the benchmarks read of the processes they run: CPU seconds and memory from ``/proc``,
+and Redis's own memory figures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of ``pid`` in bytes (a process that has exited has neither)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    """The resident set of ``pid`` now, MiB; NaN when ``/proc`` has none."""
+    rss = memory_status(pid).get("VmRSS")
+    return float("nan") if rss is None else rss / MIB
+
+
+def redis_memory(url: str) -> dict[str, int]:
+    """Redis INFO ``used_memory``, ``used_memory_rss`` and ``used_memory_peak``, bytes."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info = client.info("memory")
+    finally:
+        client.close()
+    return {k: int(info[k]) for k in ("used_memory", "used_memory_rss", "used_memory_peak")}
