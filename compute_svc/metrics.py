@@ -1,6 +1,8 @@
 """Compute-service metrics, in a ``prometheus_client`` registry (``expertcache.prom``).
 
-Names carry their unit and no colons (STYLE.md):
+Names follow the Prometheus conventions every service keeps (``expertcache.prom``): base units
+in the name (``_seconds``, ``_bytes``), ``_total`` on counters, no colons (those are for
+recording rules):
 
 - ``moe_compute_tokens_total``                   generated tokens
 - ``moe_compute_token_latency_seconds``          per-token latency (histogram)

@@ -7,8 +7,9 @@ pinned slots, EAMC size, live requests, ...) are read from the service's stats a
 a callback. Histograms, which ``GetStats`` does not carry, are ``prometheus_client.Histogram``
 objects in the service's ``Registry``.
 
-Names follow Prometheus conventions (STYLE.md): base units, ``_total`` counters, ``_seconds``
-histograms. ``serve`` starts the HTTP endpoint (``metrics_port``; 0 = off) on
+Names follow the Prometheus conventions, in every service: ``moe_<service>_`` first, base units
+in the name (``_seconds``, ``_bytes``, never milliseconds), ``_total`` on counters, no colons
+(those are for recording rules). ``serve`` starts the HTTP endpoint (``metrics_port``; 0 = off) on
 ``metrics_address`` (default 127.0.0.1: only what runs beside the service can scrape it).
 """
 

@@ -46,7 +46,6 @@ from expertcache.prom import LATENCY_BUCKETS_S, CountersCollector, Gauge, Regist
 if TYPE_CHECKING:
     from predictor_svc.service import PredictorService
 
-STORE_OPS = ("insert", "sync", "save")
 REFUSAL_REASONS = (
     "unregistered_model",  # Observe / SubscribeHints of a model nobody registered
     "bad_shape",  # an activation or registration disagreeing with the registered shape
