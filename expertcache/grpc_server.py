@@ -27,7 +27,7 @@ from expertcache import telemetry
 from expertcache.aio_bridge import NOT_SERVING, SERVING, Aborted, CallEnded, Health, LoopServer, set_all
 from expertcache.errors import ExpertCacheError, InvalidArgument
 from expertcache.logs import RateLimitedLog
-from expertcache.prom import CountersCollector, Registry
+from expertcache.prom import Registry
 from expertcache.security import ServerSecurity
 from expertcache.transport import StreamAccounting, TransportLimits
 
@@ -197,7 +197,8 @@ def build_server(
         name=name,
     )
     if registry is not None:
-        registry.add(CountersCollector(accounting.stats.counters))
+        registry.add(accounting.stats.refused)
+        registry.add(accounting.stats.cut)
     for add in register:
         add(server)
     names = list(service_names)
