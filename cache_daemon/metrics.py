@@ -158,6 +158,7 @@ def _scrape(daemon: CacheDaemon) -> Iterator[Metric]:
 
 def registry(daemon: CacheDaemon) -> Registry:
     """The daemon's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
-    reg = daemon.metrics.registry
+    reg = Registry()
+    reg.add(daemon.metrics.registry.registry)  # a CollectorRegistry is a collector too
     reg.add(ScrapeCollector(lambda: _scrape(daemon)))
     return reg

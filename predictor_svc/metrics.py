@@ -137,6 +137,7 @@ def _scrape(service: PredictorService) -> Iterator[Metric]:
 
 def registry(service: PredictorService) -> Registry:
     """The predictor's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
-    reg = service.metrics.registry
+    reg = Registry()
+    reg.add(service.metrics.registry.registry)  # a CollectorRegistry is a collector too
     reg.add(ScrapeCollector(lambda: _scrape(service)))
     return reg
