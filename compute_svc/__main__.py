@@ -12,29 +12,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
-from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
-from expertcache.logs import setup_logging
+from expertcache.service_main import EXIT_START_FAILED, ServiceMain
 
-EXIT_START_FAILED = 2
 logger = logging.getLogger("compute_svc")
+
+SERVICE = ServiceMain(
+    name="compute_svc",
+    prog="expertcache-compute",
+    config_cls=ComputeConfig,
+    env_prefix=ENV_PREFIX,
+    description="ExpertCache compute service: serves moe.inference.v1.Inference from an expert store",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="expertcache-compute",
-        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
-        allow_abbrev=False,
-        description="ExpertCache compute service: serves moe.inference.v1.Inference from an expert store",
-    )
-    parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")
-    add_arguments(parser, ComputeConfig)
+    parser = SERVICE.parser()
     # The benchmark's spelling of --force-routing-path (same config field).
     parser.add_argument(
         "--force-routing",
@@ -43,24 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TRACE",
         help="same as --force-routing-path",
     )
-    args = parser.parse_args(argv)
-    if args.print_config_schema:
-        print_config_schema(ComputeConfig, ENV_PREFIX)
-        return 0
-    try:
-        config = load_config(
-            ComputeConfig, cli=cli_values(args, ComputeConfig), env_prefix=ENV_PREFIX, file=args.config_file
-        )
-    except ExpertCacheError as exc:
-        print(f"compute_svc: invalid configuration: {exc}", file=sys.stderr)
-        return EXIT_START_FAILED
-    setup_logging(config.log_level, config.log_format)
-    try:
-        telemetry.setup("expertcache-compute")
-    except ExpertCacheError as exc:
-        print(f"compute_svc: invalid tracing environment: {exc}", file=sys.stderr)
-        return EXIT_START_FAILED
+    return SERVICE.run(argv, serve, parser)
 
+
+def serve(config: ComputeConfig, _args: argparse.Namespace) -> int:
     from compute_svc.server import ComputeServer  # torch and transformers load here, after the config
 
     try:
@@ -69,19 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
         return EXIT_START_FAILED
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = SERVICE.stop_on_signals()
     try:
         server.start()
     except OSError as exc:  # the metrics port cannot be bound
         print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
         server.stop()
         return EXIT_START_FAILED
-    stop.wait()
+    SERVICE.wait(stop)
     logger.info("stopping: draining the streams in progress (up to %gs)", config.drain_timeout_s)
     server.stop(drain_timeout_s=config.drain_timeout_s)
-    telemetry.shutdown()
     return 0
 
 

@@ -21,7 +21,6 @@ from expertcache.security import ClientSecurity, ServerSecurity
 
 ENV_PREFIX = "EXPERTCACHE_COMPUTE_"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
@@ -300,11 +299,6 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     with UNAVAILABLE at once (a client retries another replica); the running and queued ones go
     on until they finish or this many seconds pass, and only those still running then are
     stopped (UNAVAILABLE). The chart sets the pod's terminationGracePeriodSeconds above it."""
-
-    log_level: str = field(
-        default="INFO", metadata={"help": "logging level", "choices": LOG_LEVEL_CHOICES, "upper": True}
-    )
-    """Level of the root logger."""
 
     def check(self) -> None:
         """Cross-field checks beyond the per-field metadata (called by ``load_config``)."""

@@ -1,6 +1,8 @@
 """Compute-service metrics, in a ``prometheus_client`` registry (``expertcache.prom``).
 
-Names carry their unit and no colons (STYLE.md):
+Names follow the Prometheus conventions every service keeps (``expertcache.prom``): base units
+in the name (``_seconds``, ``_bytes``), ``_total`` on counters, no colons (those are for
+recording rules):
 
 - ``moe_compute_tokens_total``                   generated tokens
 - ``moe_compute_token_latency_seconds``          per-token latency (histogram)
@@ -31,9 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
 
-from expertcache.prom import BATCH_BUCKETS, REQUEST_BUCKETS_S, Registry
+from expertcache.prom import BATCH_BUCKETS, REQUEST_BUCKETS_S, Registry, ScrapeCollector
 
 if TYPE_CHECKING:
     from compute_svc.activations import ActivationReporter
@@ -47,7 +50,7 @@ class ComputeMetrics:
     def __init__(self) -> None:
         self.registry = Registry()
         r = self.registry.registry
-        self.tokens = Counter("moe_compute_tokens", "Generated tokens.", registry=r)
+        self.tokens = self.registry.counter("moe_compute_tokens_total", "Generated tokens.")
         self.token_latency = self.registry.histogram(
             "moe_compute_token_latency_seconds",
             "Time from a request's previous token (or arrival) to a token.",
@@ -66,36 +69,33 @@ class ComputeMetrics:
         self.batch_requests = self.registry.histogram(
             "moe_compute_step_batch_requests", "Requests advanced together in one step.", BATCH_BUCKETS
         )
-        self.expert_acquires = Counter(
-            "moe_compute_expert_acquires",
+        self.expert_acquires = self.registry.counter(
+            "moe_compute_expert_acquires_total",
             "Experts used, by the tier they were found in.",
-            ["tier"],
-            registry=r,
+            ("tier",),
         )
-        self.stall_seconds = Counter(
-            "moe_compute_stall_seconds", "Time spent waiting for experts.", registry=r
+        self.stall_seconds = self.registry.counter(
+            "moe_compute_stall_seconds_total", "Time spent waiting for experts."
         )
-        self.moe_layers = Counter("moe_compute_moe_layers", "MoE layer forwards.", registry=r)
-        self.host_syncs = Counter(
-            "moe_compute_host_syncs",
+        self.moe_layers = self.registry.counter("moe_compute_moe_layers_total", "MoE layer forwards.")
+        self.host_syncs = self.registry.counter(
+            "moe_compute_host_syncs_total",
             "Host waits for the device: transfer (routing to the host, one per MoE layer) and "
             "event_wait (a wave's kernels before its slots are reused).",
-            ["kind"],
-            registry=r,
+            ("kind",),
         )
-        self.requests = Counter(
-            "moe_compute_requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
+        self.requests = self.registry.counter(
+            "moe_compute_requests_total", "Finished requests, by finish reason.", ("finish_reason",)
         )
         self.queue_depth = Gauge(
             "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
         )
 
         # The HTTP API's (compute_svc.http_api): route is one of its paths or "other".
-        self.http_requests = Counter(
-            "moe_compute_http_requests",
+        self.http_requests = self.registry.counter(
+            "moe_compute_http_requests_total",
             "HTTP API requests, by route and status code.",
-            ["route", "status"],
-            registry=r,
+            ("route", "status"),
         )
         self.http_duration = self.registry.histogram(
             "moe_compute_http_request_duration_seconds",
@@ -103,18 +103,16 @@ class ComputeMetrics:
             REQUEST_BUCKETS_S,
             labels=("route",),
         )
-        self.http_refused = Counter(
-            "moe_compute_http_refused",
+        self.http_refused = self.registry.counter(
+            "moe_compute_http_refused_total",
             "HTTP API requests refused by a bound: http_max_requests, max_body_bytes.",
-            ["limit"],
-            registry=r,
+            ("limit",),
         )
-        self.http_cut = Counter(
-            "moe_compute_http_cut",
+        self.http_cut = self.registry.counter(
+            "moe_compute_http_cut_total",
             "HTTP API requests ended by the server: stall (an event not taken for stream_stall_timeout_s), "
             "request_timeout (no body within request_timeout_s).",
-            ["reason"],
-            registry=r,
+            ("reason",),
         )
 
     def record_http(self, route: str, status: int, duration_s: float) -> None:
@@ -150,8 +148,8 @@ class ComputeMetrics:
         self.queue_depth.set(depth)
 
     def watch_reporter(self, reporter: ActivationReporter) -> None:
-        """Expose the activation reporter's counters (read from it at each scrape)."""
-        self.registry.add(_ReporterCollector(reporter))
+        """Expose the activation reporter's counts (read from it at each scrape)."""
+        self.registry.add(ScrapeCollector(lambda: _reporter_counters(reporter)))
 
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value (tests, logs); 0 when absent."""
@@ -162,20 +160,11 @@ class ComputeMetrics:
         return self.registry.render()
 
 
-class _ReporterCollector:
-    def __init__(self, reporter: ActivationReporter) -> None:
-        self._reporter = reporter
-
-    def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily
-
-        stats = self._reporter.counter_values()
-        for name, help_text in (
-            ("moe_compute_activations_sent", "Token activations sent to the predictor."),
-            ("moe_compute_activations_dropped", "Token activations dropped (reporter queue full)."),
-            ("moe_compute_predictor_outages", "Observe streams to the predictor that ended in an outage."),
-        ):
-            yield CounterMetricFamily(name, help_text, value=stats[name])
-
-    def describe(self) -> Iterator:
-        return iter(())
+def _reporter_counters(reporter: ActivationReporter) -> Iterator[Metric]:
+    stats = reporter.counter_values()
+    for name, help_text in (
+        ("moe_compute_activations_sent", "Token activations sent to the predictor."),
+        ("moe_compute_activations_dropped", "Token activations dropped (reporter queue full)."),
+        ("moe_compute_predictor_outages", "Observe streams to the predictor that ended in an outage."),
+    ):
+        yield CounterMetricFamily(name, help_text, value=stats[name])

@@ -262,7 +262,7 @@ class Bridge(grpc.aio.ServerInterceptor):
             else:
                 message = await context.read()
         except TimeoutError:
-            self.stats.cut.inc(reason="request_timeout")
+            self.stats.cut.labels("request_timeout").inc()
             self._log.log(
                 logging.WARNING,
                 f"timeout:{method}",
@@ -407,7 +407,7 @@ class Bridge(grpc.aio.ServerInterceptor):
         it. No status can pass the responses it has not read, so the call stays counted (against
         the bounds of its address) until the client reads, cancels or loses its connection; it
         holds no thread meanwhile."""
-        self.stats.cut.inc(reason="stall")
+        self.stats.cut.labels("stall").inc()
         self._log.log(
             logging.WARNING,
             f"stall:{method}",

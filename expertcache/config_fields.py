@@ -6,7 +6,9 @@ environment variable, the ConfigMap key and the schema entry are the same in eve
   predictor); read by ``expertcache.security.ServerSecurity.from_config``.
 - ``PredictorClientFields``: how a client reaches the predictor (compute, daemon); read by
   ``expertcache.security.ClientSecurity.from_config``.
-- ``ObservabilityFields``: ``/metrics`` and the log format (every service).
+- ``ObservabilityFields``: ``/metrics``, the log format and level (every service).
+- ``ConfigMapFields``: the ConfigMap watched through the Kubernetes API (daemon, predictor); read
+  by ``expertcache.live_config.LiveConfig``.
 - ``TransportFields``: the bounds of a gRPC server's transport (every service); read by
   ``expertcache.transport.TransportLimits.from_config``.
 """
@@ -14,6 +16,8 @@ environment variable, the ConfigMap key and the schema entry are the same in eve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,25 @@ class ObservabilityFields:
         },
     )
     """JSON lines carry the trace and span ids of the current span (``expertcache.logs``)."""
+
+    log_level: str = field(
+        default="INFO", metadata={"help": "logging level", "choices": LOG_LEVELS, "upper": True}
+    )
+    """Level of the root logger; any case is accepted ("info" from an env or a ConfigMap)."""
+
+
+@dataclass(frozen=True)
+class ConfigMapFields:
+    config_map_name: str = field(
+        default="",
+        metadata={
+            "help": "ConfigMap to watch through the Kubernetes API (namespace from POD_NAMESPACE); "
+            "this service's key of it (daemon.yaml, predictor.yaml) is applied live. "
+            "Empty: only --config-file is watched."
+        },
+    )
+    """With permission to get/list/watch ConfigMaps, changes arrive at once (the kubelet refreshes
+    a mounted ConfigMap only every minute or so). A refused change posts a Warning Event on it."""
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ is a frozen dataclass whose fields carry ``metadata={"help": ..., "min": ..., "m
 pydantic model per service: it is the single validator of every value, wherever it comes from
 (command line, environment, file, a live reload, the daemon's UpdateConfig RPC), and the source
 of ``--print-config-schema`` (JSON Schema whose properties carry ``x-live``, ``x-env`` and
-``x-flag``). ``load_config`` raises ``InvalidArgument`` naming the field, its source and the
-allowed range; NaN and infinity are refused for every float.
+``x-flag``, and ``x-upper`` where any case is accepted; the chart's ``values.schema.json`` is
+generated from it by ``tools/gen_values_schema.py``). ``load_config`` raises ``InvalidArgument``
+naming the field, its source and the allowed range; NaN and infinity are refused for every float.
 
 pydantic-settings was considered: its sources would replace this module's merge, but it neither
 reports which source a bad value came from nor reloads a file on demand, both of which the live
@@ -113,6 +114,8 @@ def schema_model(cls: type, env_prefix: str = "") -> type[pydantic.BaseModel]:
             "x-env": env_name(env_prefix, f.name),
             "x-flag": flag_name(f.name),
         }
+        if meta.get("upper"):
+            extra["x-upper"] = True  # upper-cased before the check: any case is accepted
         fields[f.name] = (
             typ,
             pydantic.Field(default, description=meta.get("help", ""), json_schema_extra=extra),

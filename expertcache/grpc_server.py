@@ -27,7 +27,7 @@ from expertcache import telemetry
 from expertcache.aio_bridge import NOT_SERVING, SERVING, Aborted, CallEnded, Health, LoopServer, set_all
 from expertcache.errors import ExpertCacheError, InvalidArgument
 from expertcache.logs import RateLimitedLog
-from expertcache.prom import CountersCollector, Registry
+from expertcache.prom import Registry
 from expertcache.security import ServerSecurity
 from expertcache.transport import StreamAccounting, TransportLimits
 
@@ -128,30 +128,15 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
             return inner
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                _tolerant(handler.request_deserializer),
-                handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                _tolerant(handler.request_deserializer),
-                handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                _tolerant(handler.request_deserializer),
-                handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream),
-                _tolerant(handler.request_deserializer),
-                handler.response_serializer,
-            )
+        for kind, make, wrap in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap_unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_stream),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, wrap_unary),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap_stream),
+        ):
+            fn = getattr(handler, kind)
+            if fn:
+                return make(wrap(fn), _tolerant(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
@@ -197,7 +182,8 @@ def build_server(
         name=name,
     )
     if registry is not None:
-        registry.add(CountersCollector(accounting.stats.counters))
+        registry.add(accounting.stats.refused)
+        registry.add(accounting.stats.cut)
     for add in register:
         add(server)
     names = list(service_names)

@@ -2,10 +2,10 @@
 
 Two numberings meet in this project, and every API says which it holds:
 
-- a *decoder layer* (``DecoderLayer``) is a layer number of the Hugging Face model, 0 .. num_layers-1.
+- a *decoder layer* is a layer number of the Hugging Face model, 0 .. num_layers-1.
   ``ExpertKey.layer``, the slot table's entries, the store manifest and the cache daemon's API
   (``moe.cache.v1``: ``decoder_layer`` fields) use it;
-- a *MoE layer* (``MoeLayer``) is an index among the layers that have routed experts, 0 .. M-1.
+- a *MoE layer* is an index among the layers that have routed experts, 0 .. M-1.
   Expert activation matrices, the predictor's API (``moe.predictor.v1``: ``moe_layer`` fields)
   and routing traces use it.
 
@@ -17,14 +17,9 @@ layer has no successor), ``ahead(1, 2) == 3``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NewType
 
 import numpy as np
-
-DecoderLayer = NewType("DecoderLayer", int)
-MoeLayer = NewType("MoeLayer", int)
 
 
 @dataclass(frozen=True)
@@ -63,35 +58,29 @@ class LayerMap:
         """Whether decoder layer ``layer`` has routed experts."""
         return int(layer) in self._index
 
-    def moe_index(self, layer: int) -> MoeLayer:
+    def moe_index(self, layer: int) -> int:
         """The MoE layer index of decoder layer ``layer``; ``ValueError`` if it has no experts."""
         try:
-            return MoeLayer(self._index[int(layer)])
+            return self._index[int(layer)]
         except KeyError:
             raise ValueError(
                 f"decoder layer {layer} is not a MoE layer (MoE layers: {list(self.moe_layers)})"
             ) from None
 
-    def decoder(self, moe_layer: int) -> DecoderLayer:
+    def decoder(self, moe_layer: int) -> int:
         """The decoder layer of MoE layer ``moe_layer``; ``ValueError`` outside 0..M-1."""
         if not 0 <= int(moe_layer) < len(self.moe_layers):
             raise ValueError(f"MoE layer {moe_layer} is outside 0..{len(self.moe_layers) - 1}")
-        return DecoderLayer(self.moe_layers[int(moe_layer)])
+        return self.moe_layers[int(moe_layer)]
 
-    def ahead(self, layer: int, depth: int) -> DecoderLayer | None:
+    def ahead(self, layer: int, depth: int) -> int | None:
         """The decoder layer of the MoE layer ``depth`` MoE layers after decoder layer ``layer``
         (a MoE layer); None past the last one."""
         i = self.moe_index(layer) + int(depth)
-        return DecoderLayer(self.moe_layers[i]) if 0 <= i < len(self.moe_layers) else None
+        return self.moe_layers[i] if 0 <= i < len(self.moe_layers) else None
 
     def ranks(self) -> np.ndarray:
         """int64 [num_layers]: the MoE index of each decoder layer, -1 for a dense one."""
         out = np.full(self.num_layers, -1, np.int64)
         out[list(self.moe_layers)] = np.arange(len(self.moe_layers))
         return out
-
-    def decoder_layers(self, moe_layers: Iterable[int]) -> list[DecoderLayer]:
-        return [self.decoder(i) for i in moe_layers]
-
-
-__all__ = ["DecoderLayer", "LayerMap", "MoeLayer"]

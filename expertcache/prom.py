@@ -1,34 +1,37 @@
-"""Prometheus ``/metrics`` for each service, with ``prometheus-client``.
+"""Prometheus ``/metrics`` for each service, with ``prometheus-client``, in one style:
 
-One source of truth: the daemon's and the predictor's counters stay the plain
-``expertcache.counters.Counter`` objects their ``GetStats`` reads, and ``CountersCollector``
-exposes those very objects at scrape time (nothing is counted twice). Gauges (resident and
-pinned slots, EAMC size, live requests, ...) are read from the service's stats at scrape time by
-a callback. Histograms, which ``GetStats`` does not carry, are ``prometheus_client.Histogram``
-objects in the service's ``Registry``.
+- counters are ``prometheus_client.Counter`` objects (``counter``, ``Registry.counter``), kept by
+  the service's metrics object; code counts on them (``.inc(n)``, ``.labels(tier).inc(n)``) and
+  ``GetStats`` reads those same objects (``value``, ``values``): one source of truth, nothing
+  counted twice;
+- gauges are read from the service's stats at scrape time: a ``ScrapeCollector`` yields them
+  (``gauge``), never a copy kept up to date beside the stats;
+- histograms, which ``GetStats`` does not carry, are ``Registry.histogram`` objects.
 
-Names follow Prometheus conventions (STYLE.md): base units, ``_total`` counters, ``_seconds``
-histograms. ``serve`` starts the HTTP endpoint (``metrics_port``; 0 = off) on
-``metrics_address`` (default 127.0.0.1: only what runs beside the service can scrape it).
+Each service has its own ``Registry`` (never the process-global one, so two services in one
+process, as in tests, do not collide). Names follow the Prometheus conventions, in every service:
+``moe_<service>_`` first, base units in the name (``_seconds``, ``_bytes``, never milliseconds),
+``_total`` on counters, no colons (those are for recording rules). ``serve`` starts the HTTP
+endpoint (``metrics_port``; 0 = off) on ``metrics_address`` (default 127.0.0.1: only what runs
+beside the service can scrape it).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import (
     CollectorRegistry,
+    Counter,
     Histogram,
     disable_created_metrics,
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from expertcache.counters import Counter
 from expertcache.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -45,50 +48,51 @@ REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
-@dataclass(frozen=True)
-class Gauge:
-    """One gauge sample read at scrape time."""
+def counter(
+    name: str, help_text: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None
+) -> Counter:
+    """A counter named with its ``_total`` suffix (as ``/metrics`` shows it); ``registry`` None:
+    registered later, or exposed through a collector (the daemon's per-tier counters)."""
+    if not name.endswith("_total"):
+        raise InvalidArgument(f"counter {name!r} must be named with a _total suffix")
+    return Counter(name, help_text, labelnames=labels, registry=registry)
 
-    name: str
-    help: str
-    value: float
-    labels: dict[str, str] = field(default_factory=dict)
+
+def values(metric: Counter) -> dict[tuple[str, ...], float]:
+    """Every label set's current value (label values in ``labelnames`` order), as a scrape reads
+    them: for ``GetStats``, never on a hot path."""
+    return {
+        tuple(s.labels.values()): s.value
+        for family in metric.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
 
 
-def counter_family(counter: Counter) -> CounterMetricFamily:
-    """``counter`` as a Prometheus counter family (``prometheus_client`` adds ``_total`` back)."""
-    if not counter.name.endswith("_total"):
-        raise InvalidArgument(f"counter {counter.name!r} must be named with a _total suffix")
-    family = CounterMetricFamily(counter.name.removesuffix("_total"), counter.help, labels=counter.labelnames)
-    for labels, value in counter.samples():
-        family.add_metric([labels[n] for n in counter.labelnames], value)
+def value(metric: Counter, *labels: str) -> float:
+    """The current value of ``metric`` for ``labels`` (its label values); 0 when never counted."""
+    return values(metric).get(labels, 0.0)
+
+
+def gauge(name: str, help_text: str, samples: float | dict[str, float], label: str = "") -> GaugeMetricFamily:
+    """A gauge read at scrape time: one value, or one per value of ``label`` (``{"device": 4}``)."""
+    if not label:
+        return GaugeMetricFamily(name, help_text, value=samples)
+    family = GaugeMetricFamily(name, help_text, labels=(label,))
+    for label_value, v in samples.items():
+        family.add_metric([label_value], v)
     return family
 
 
-def gauge_families(gauges: Iterable[Gauge]) -> list[GaugeMetricFamily]:
-    families: dict[str, GaugeMetricFamily] = {}
-    for g in gauges:
-        family = families.get(g.name)
-        if family is None:
-            family = families[g.name] = GaugeMetricFamily(g.name, g.help, labels=tuple(g.labels))
-        family.add_metric(list(g.labels.values()), g.value)
-    return list(families.values())
+class ScrapeCollector(Collector):
+    """What a service reads from its stats at each scrape (gauges, and the daemon's per-tier
+    counters as GetStats reports them): ``read()`` yields the families."""
 
-
-class CountersCollector(Collector):
-    """Exposes a service's ``Counter`` objects and its stats gauges, read at each scrape."""
-
-    def __init__(
-        self, counters: Callable[[], Iterable[Counter]], gauges: Callable[[], Iterable[Gauge]] | None = None
-    ) -> None:
-        self._counters = counters
-        self._gauges = gauges
+    def __init__(self, read: Callable[[], Iterable[Metric]]) -> None:
+        self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        for counter in self._counters():
-            yield counter_family(counter)
-        if self._gauges is not None:
-            yield from gauge_families(self._gauges())
+        yield from self._read()
 
 
 class Registry:
@@ -101,10 +105,13 @@ class Registry:
     def add(self, collector: Collector) -> None:
         self.registry.register(collector)
 
+    def counter(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+        return counter(name, help_text, labels, self.registry)
+
     def histogram(
         self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S, labels: tuple = ()
     ) -> Histogram:
-        if not name.endswith(("_seconds", "_bytes", "_tokens", "_requests")):
+        if not name.endswith(("_seconds", "_bytes", "_tokens", "_requests", "_experts")):
             raise InvalidArgument(f"histogram {name!r} must end with its unit (_seconds, _bytes, ...)")
         return Histogram(name, help_text, labelnames=labels, buckets=buckets, registry=self.registry)
 

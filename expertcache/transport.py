@@ -33,8 +33,8 @@ from collections import Counter as Tally
 from dataclasses import dataclass
 
 from expertcache.config_fields import TransportFields
-from expertcache.counters import Counter
 from expertcache.errors import InvalidArgument, ResourceExhausted
+from expertcache.prom import counter
 
 HEALTH_STREAMS = 64  # concurrent health calls, never shared with the data plane
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
@@ -122,23 +122,21 @@ def peer_address(peer: str) -> tuple[str, str]:
 
 
 class TransportStats:
-    """What the transport refused and cut, by reason (exposed on ``/metrics``)."""
+    """What the transport refused and cut, by reason; ``grpc_server.create_server`` registers
+    them in the service's ``/metrics`` registry."""
 
     def __init__(self) -> None:
-        self.refused = Counter(
+        self.refused = counter(
             "moe_grpc_refused_total",
             "Calls refused by the transport's bounds before reaching a handler, by limit.",
             ("limit",),
         )
-        self.cut = Counter(
+        self.cut = counter(
             "moe_grpc_cut_total",
             "Calls ended by the transport: request_timeout (no request message), stall (a response "
             "not taken by the client for stream_stall_timeout_s).",
             ("reason",),
         )
-
-    def counters(self) -> list[Counter]:
-        return [self.refused, self.cut]
 
 
 class _Ticket:
@@ -203,7 +201,7 @@ class StreamAccounting:
                 self._by_connection[connection] += 1
                 self._connections.setdefault(address, set()).add(connection)
                 return _Ticket(address, connection, False)
-        self.stats.refused.inc(limit=problem[0])
+        self.stats.refused.labels(problem[0]).inc()
         raise ResourceExhausted(f"{method} refused: {problem[1]}; retry later")
 
     def release(self, ticket: _Ticket) -> None:

@@ -24,18 +24,12 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
-from expertcache import telemetry
-from expertcache.config_loader import add_arguments, cli_values, load_config, print_config_schema
 from expertcache.errors import ExpertCacheError
-from expertcache.live_config import LiveConfig
-from expertcache.logs import setup_logging
-from expertcache.prom import serve
 from expertcache.security import ServerSecurity, redact_url
+from expertcache.service_main import EXIT_START_FAILED, ServiceMain
 from expertcache.transport import TransportLimits
 from predictor_svc.config import ENV_PREFIX, PredictorConfig
 from predictor_svc.metrics import registry as metrics_registry
@@ -45,52 +39,24 @@ from predictor_svc.store import RedisOptions, open_store
 
 logger = logging.getLogger("predictor_svc")
 
-CONFIG_MAP_KEY = "predictor.yaml"  # the ConfigMap key holding this service's config file
+SERVICE = ServiceMain(
+    name="predictor_svc",
+    prog="expertcache-predictor",
+    config_cls=PredictorConfig,
+    env_prefix=ENV_PREFIX,
+    description="ExpertCache predictor: traces EAMs, keeps the EAMC (Redis or embedded) and streams "
+    "prefetch hints (moe.predictor.v1.Predictor).",
+    config_flags=("--config", "--config-file"),
+    config_map_key="predictor.yaml",
+)
 STOP_GRACE_S = 1.0  # Observe/SubscribeHints streams live as long as their clients: waiting gains nothing
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="expertcache-predictor",
-        # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
-        allow_abbrev=False,
-        description="ExpertCache predictor: traces EAMs, keeps the EAMC (Redis or embedded) and streams "
-        "prefetch hints (moe.predictor.v1.Predictor).",
-        epilog=f"Every option can also be set as {ENV_PREFIX}<OPTION> or in --config (CLI > env > file).",
-    )
-    parser.add_argument(
-        "--config",
-        "--config-file",
-        dest="config_file",
-        default=None,
-        help="YAML file of config fields (the ConfigMap).",
-    )
-    add_arguments(parser, PredictorConfig)
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.print_config_schema:
-        print_config_schema(PredictorConfig, ENV_PREFIX)
-        return 0
-    try:
-        config = load_config(
-            PredictorConfig,
-            cli=cli_values(args, PredictorConfig),
-            env_prefix=ENV_PREFIX,
-            file=args.config_file,
-        )
-    except ExpertCacheError as exc:
-        print(f"predictor_svc: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level, config.log_format)
-    try:
-        telemetry.setup("expertcache-predictor")
-    except ExpertCacheError as exc:
-        print(f"predictor_svc: invalid tracing environment: {exc}", file=sys.stderr)
-        return 2
+    return SERVICE.run(argv, serve)
 
+
+def serve(config: PredictorConfig, args: argparse.Namespace) -> int:
     try:
         embedded_path = None if config.redis_url else Path(config.embedded_path)
         if embedded_path is not None:
@@ -106,37 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ExpertCacheError, OSError, ValueError) as exc:
         # A corrupt embedded file or an unusable path: starting would silently lose the EAMC.
         logger.error("cannot open the EAMC store: %s", exc)
-        return 2
+        return EXIT_START_FAILED
     service = PredictorService(config, store)
     try:
         registry = metrics_registry(service)
-        metrics_server = serve(registry, config.metrics_address, config.metrics_port, "predictor")
+        metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
         logger.error("cannot start: %s", exc)
         service.close()
         store.close()
-        return 2
+        return EXIT_START_FAILED
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    live = LiveConfig(
-        PredictorConfig,
-        cli=cli_values(args, PredictorConfig),
-        env_prefix=ENV_PREFIX,
-        config_file=args.config_file,
-        apply=lambda fresh, origin: service.reload(fresh, origin),
-        config_map_name=config.config_map_name,
-        config_map_key=CONFIG_MAP_KEY,
-        service="expertcache-predictor",
-    )
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    # Applied by the reload thread, outside the signal handler.
-    signal.signal(signal.SIGHUP, lambda *_: live.trigger(f"file {args.config_file} (SIGHUP)"))
+    live = SERVICE.watch_config(args, config, lambda fresh, origin: service.reload(fresh, origin))
+    stop = SERVICE.stop_on_signals()
 
     server = None
     try:
@@ -152,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
             logger.error("cannot serve on %s: %s", config.listen_address, exc)
-            return 2
+            return EXIT_START_FAILED
         logger.info(
             "predictor on %s, store %s%s, eamc_capacity %d",
             config.listen_address,
@@ -162,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             else f" saved to {config.embedded_path}",
             config.eamc_capacity,
         )
-        while not stop.wait(1.0):
-            pass
+        SERVICE.wait(stop)
         health_servicer.enter_graceful_shutdown()
     finally:
         live.close()
@@ -179,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("embedded EAMC saved to %s", embedded_path)
         if metrics_server is not None:
             metrics_server.close()
-        telemetry.shutdown()
         logger.info("stopped %s", SERVICE_NAME)
     return 0
 

@@ -126,7 +126,7 @@ class ModelCatalog:
         return model
 
     def _refuse(self, reason: str) -> None:
-        self._metrics.refused.inc(reason=reason)
+        self._metrics.refused.labels(reason).inc()
 
     # -- RegisterModel ---------------------------------------------------------------------
     def register(

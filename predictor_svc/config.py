@@ -33,7 +33,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from expertcache.config_fields import ObservabilityFields, ServerSecurityFields, TransportFields
+from expertcache.config_fields import (
+    ConfigMapFields,
+    ObservabilityFields,
+    ServerSecurityFields,
+    TransportFields,
+)
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
 from expertcache.security import ServerSecurity, check_ca_file, read_secret, redact_url
@@ -41,7 +46,6 @@ from predictor_svc.eam import HEADER_BYTES as EAM_HEADER_BYTES
 from predictor_svc.eam import SHAPE_PATTERN, EamShape
 
 ENV_PREFIX = "EXPERTCACHE_PREDICTOR_"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 GIB = 1 << 30
 MIB = 1 << 20
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -73,7 +77,7 @@ def _field(default: Any, help: str, *, live: bool = False, **bounds: float) -> A
 
 
 @dataclass(frozen=True)
-class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields):
+class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields, TransportFields):
     """Everything one predictor replica needs."""
 
     listen_address: str = _field(
@@ -245,24 +249,7 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, TransportFields
     )
     """Thread pool of the server: open streams hold a thread each."""
 
-    log_level: str = field(
-        default="INFO",
-        metadata={"help": "Logging level.", "choices": LOG_LEVELS, "upper": True},
-    )
-    """Level of the root logger."""
-
-    config_map_name: str = field(
-        default="",
-        metadata={
-            "help": "ConfigMap to watch through the Kubernetes API (namespace from POD_NAMESPACE); "
-            "its predictor.yaml key is applied live. Empty: only --config-file is watched."
-        },
-    )
-    """With permission to get/list/watch ConfigMaps, changes arrive at once (the kubelet refreshes
-    a mounted ConfigMap only every minute or so). A refused change posts a Warning Event on it."""
-
     def __post_init__(self) -> None:
-        object.__setattr__(self, "log_level", str(self.log_level).upper())
         object.__setattr__(self, "model_shapes", tuple(s.strip() for s in self.model_shapes if s.strip()))
 
     def shapes(self) -> dict[str, EamShape]:

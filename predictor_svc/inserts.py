@@ -191,7 +191,7 @@ class InsertQueue:
 
     # -- store health ------------------------------------------------------------------------
     def _store_failed(self, op: str, exc: BaseException) -> None:
-        self._metrics.store_errors.inc(op=op)
+        self._metrics.store_errors.labels(op).inc()
         with self._lock:
             was, self._degraded = self._degraded, True
         if not was:

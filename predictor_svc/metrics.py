@@ -1,4 +1,4 @@
-"""The predictor's counters: plain, thread-safe, Prometheus-named (``expertcache.counters``).
+"""The predictor's counters: ``prometheus_client`` counters (``expertcache.prom``).
 
 ============================================  =====  ==========================================
 name                                          label  meaning
@@ -26,8 +26,8 @@ name                                          label  meaning
 
 Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports).
 
-``/metrics`` (``expertcache.prom``, ``registry``) shows these very counters, gauges read from the
-stats at scrape time (``moe_predictor_eamc_entries{model}``, ``moe_predictor_live_requests``,
+Code counts on these objects and ``GetStats`` reads them. ``/metrics`` (``registry``) shows these
+very counters, gauges read from the stats at scrape time (``moe_predictor_eamc_entries{model}``, ``moe_predictor_live_requests``,
 ``moe_predictor_inserts_pending``, ``moe_predictor_subscribers``, ``moe_predictor_store_degraded``)
 and the histograms ``moe_predictor_match_duration_seconds`` (one prediction) and
 ``moe_predictor_store_round_trip_seconds{op}`` (one Redis call: insert, load, changes, register,
@@ -36,17 +36,16 @@ models, count; the embedded store has no round trip).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
+from prometheus_client.core import Metric
 
-from expertcache.counters import Counter
-from expertcache.prom import LATENCY_BUCKETS_S, CountersCollector, Gauge, Registry
+from expertcache.prom import Registry, ScrapeCollector, gauge, value, values
 
 if TYPE_CHECKING:
     from predictor_svc.service import PredictorService
 
-STORE_OPS = ("insert", "sync", "save")
 REFUSAL_REASONS = (
     "unregistered_model",  # Observe / SubscribeHints of a model nobody registered
     "bad_shape",  # an activation or registration disagreeing with the registered shape
@@ -64,106 +63,81 @@ REFUSAL_REASONS = (
 
 
 class PredictorMetrics:
-    """Every counter the predictor keeps; one instance per service."""
+    """Every counter the predictor keeps, in its ``registry``; one instance per service."""
 
     def __init__(self) -> None:
-        self.observed_tokens = Counter("moe_predictor_observed_tokens_total", "Activation messages accepted.")
-        self.requests_done = Counter(
-            "moe_predictor_requests_done_total", "Requests finished with request_done."
-        )
-        self.requests_expired = Counter(
+        self.registry = Registry()
+        c = self.registry.counter
+        self.observed_tokens = c("moe_predictor_observed_tokens_total", "Activation messages accepted.")
+        self.requests_done = c("moe_predictor_requests_done_total", "Requests finished with request_done.")
+        self.requests_expired = c(
             "moe_predictor_requests_expired_total",
             "Live requests dropped without request_done (TTL or max_live_requests); EAM not inserted.",
         )
-        self.entries_inserted = Counter(
+        self.entries_inserted = c(
             "moe_predictor_entries_inserted_total", "EAMs written to the store by this replica."
         )
-        self.inserts_dropped = Counter(
+        self.inserts_dropped = c(
             "moe_predictor_inserts_dropped_total",
             "Finished EAMs not inserted (too short or retry queue full).",
         )
-        self.store_errors = Counter(
-            "moe_predictor_store_errors_total", "Store operations that failed.", ("op",)
-        )
-        self.queries = Counter("moe_predictor_queries_total", "Predictions computed.")
-        self.match_seconds = Counter(
-            "moe_predictor_match_seconds_total", "Seconds spent computing predictions."
-        )
-        self.hint_batches = Counter("moe_predictor_hint_batches_total", "Hint batches handed to subscribers.")
-        self.hints_replaced = Counter(
+        self.store_errors = c("moe_predictor_store_errors_total", "Store operations that failed.", ("op",))
+        self.queries = c("moe_predictor_queries_total", "Predictions computed.")
+        self.match_seconds = c("moe_predictor_match_seconds_total", "Seconds spent computing predictions.")
+        self.hint_batches = c("moe_predictor_hint_batches_total", "Hint batches handed to subscribers.")
+        self.hints_replaced = c(
             "moe_predictor_hints_replaced_total", "Unsent (request, layer) hints replaced by newer ones."
         )
-        self.hints_dropped = Counter(
+        self.hints_dropped = c(
             "moe_predictor_hints_dropped_total",
             "Unsent (request, layer) hints dropped: subscriber queue full.",
         )
-        self.match_duration = Histogram(
-            "moe_predictor_match_duration_seconds",
-            "Time to compute one prediction (EAMC match and top hints).",
-            buckets=LATENCY_BUCKETS_S,
-            registry=None,
-        )
-        self.store_round_trip = Histogram(
-            "moe_predictor_store_round_trip_seconds",
-            "Time of one round trip to the EAMC store (Redis), by operation.",
-            ("op",),
-            buckets=LATENCY_BUCKETS_S,
-            registry=None,
-        )
-        self.refused = Counter(
+        self.refused = c(
             "moe_predictor_refused_total",
             "Registrations, activations and subscriptions refused, by reason.",
             ("reason",),
         )
-
-    def counters(self) -> list[Counter]:
-        return [
-            self.observed_tokens,
-            self.requests_done,
-            self.requests_expired,
-            self.entries_inserted,
-            self.inserts_dropped,
-            self.store_errors,
-            self.queries,
-            self.match_seconds,
-            self.hint_batches,
-            self.hints_replaced,
-            self.hints_dropped,
-            self.refused,
-        ]
+        self.match_duration = self.registry.histogram(
+            "moe_predictor_match_duration_seconds",
+            "Time to compute one prediction (EAMC match and top hints).",
+        )
+        self.store_round_trip = self.registry.histogram(
+            "moe_predictor_store_round_trip_seconds",
+            "Time of one round trip to the EAMC store (Redis), by operation.",
+            labels=("op",),
+        )
 
     def refused_by_reason(self) -> dict[str, int]:
-        return {labels["reason"]: int(value) for labels, value in self.refused.samples()}
+        return {reason: int(v) for (reason,), v in values(self.refused).items()}
 
     def store_errors_total(self) -> int:
-        return int(sum(value for _labels, value in self.store_errors.samples()))
+        return int(sum(values(self.store_errors).values()))
 
     def mean_match_s(self) -> float:
-        queries = self.queries.value()
-        return self.match_seconds.value() / queries if queries else 0.0
+        queries = value(self.queries)
+        return value(self.match_seconds) / queries if queries else 0.0
 
 
-def _gauges(service: PredictorService) -> list[Gauge]:
+def _scrape(service: PredictorService) -> Iterator[Metric]:
+    """The gauges, from one ``stats()``."""
     stats = service.stats()
-    gauges = [
-        Gauge("moe_predictor_eamc_entries", "EAMC entries per model.", m.eamc_entries, {"model": m.model_id})
-        for m in stats.models
-    ]
-    gauges += [
-        Gauge("moe_predictor_live_requests", "Requests observed and not finished.", stats.live_requests),
-        Gauge(
-            "moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending
-        ),
-        Gauge("moe_predictor_subscribers", "Open SubscribeHints streams.", stats.subscribers),
-        Gauge("moe_predictor_store_degraded", "1 while the EAMC store fails.", float(stats.store_degraded)),
-    ]
-    return gauges
+    yield gauge(
+        "moe_predictor_eamc_entries",
+        "EAMC entries per model.",
+        {m.model_id: m.eamc_entries for m in stats.models},
+        "model",
+    )
+    yield gauge("moe_predictor_live_requests", "Requests observed and not finished.", stats.live_requests)
+    yield gauge(
+        "moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending
+    )
+    yield gauge("moe_predictor_subscribers", "Open SubscribeHints streams.", stats.subscribers)
+    yield gauge("moe_predictor_store_degraded", "1 while the EAMC store fails.", float(stats.store_degraded))
 
 
 def registry(service: PredictorService) -> Registry:
     """The predictor's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
     reg = Registry()
-    reg.add(CountersCollector(service.metrics.counters, lambda: _gauges(service)))
-    reg.add(service.metrics.match_duration)
-    reg.add(service.metrics.store_round_trip)
+    reg.add(service.metrics.registry.registry)  # a CollectorRegistry is a collector too
+    reg.add(ScrapeCollector(lambda: _scrape(service)))
     return reg

@@ -63,7 +63,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from expertcache import telemetry
+from expertcache import prom, telemetry
 from expertcache.live_config import live_changes
 from predictor_svc.catalog import Model, ModelCatalog, ModelStats
 from predictor_svc.config import PredictorConfig
@@ -410,7 +410,7 @@ class PredictorService:
                 del self._clients[live.client]
 
     def _refuse(self, reason: str) -> None:
-        self.metrics.refused.inc(reason=reason)
+        self.metrics.refused.labels(reason).inc()
 
     def end_refused(self, a: Activation, why: BaseException) -> None:
         """``a`` was refused (``why``): its request's reporting ends here, not its stream's. Its
@@ -563,19 +563,19 @@ class PredictorService:
         return ServiceStats(
             eamc_entries=sum(i.eamc_entries for i in models),
             live_requests=live,
-            queries=int(m.queries.value()),
+            queries=int(prom.value(m.queries)),
             mean_match_s=m.mean_match_s(),
             store_kind=self.config.store_kind,
             store_errors=m.store_errors_total(),
-            observed_tokens=int(m.observed_tokens.value()),
-            requests_done=int(m.requests_done.value()),
-            entries_inserted=int(m.entries_inserted.value()),
+            observed_tokens=int(prom.value(m.observed_tokens)),
+            requests_done=int(prom.value(m.requests_done)),
+            entries_inserted=int(prom.value(m.entries_inserted)),
             inserts_pending=pending,
-            inserts_dropped=int(m.inserts_dropped.value()),
-            requests_expired=int(m.requests_expired.value()),
-            hint_batches_published=int(m.hint_batches.value()),
-            hints_replaced=int(m.hints_replaced.value()),
-            hints_dropped=int(m.hints_dropped.value()),
+            inserts_dropped=int(prom.value(m.inserts_dropped)),
+            requests_expired=int(prom.value(m.requests_expired)),
+            hint_batches_published=int(prom.value(m.hint_batches)),
+            hints_replaced=int(prom.value(m.hints_replaced)),
+            hints_dropped=int(prom.value(m.hints_dropped)),
             subscribers=self.subscriptions.count(),
             store_degraded=self.inserts.degraded,
             models=models,

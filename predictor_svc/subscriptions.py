@@ -238,7 +238,7 @@ class Subscriptions:
         with self._lock:
             open_subs = self._count()
             if open_subs >= cfg.max_subscribers:
-                self._metrics.refused.inc(reason="max_subscribers")
+                self._metrics.refused.labels("max_subscribers").inc()
                 raise LimitReached(
                     f"{open_subs} hint subscribers are open, the limit max_subscribers="
                     f"{cfg.max_subscribers}: subscription to model {model_id!r} refused"

@@ -204,7 +204,7 @@ class ChannelServer:
         return request_id
 
     def _reject(self, kind: str, why: str) -> None:
-        self.residency.metrics.signals.inc(kind="rejected")
+        self.residency.metrics.signals.labels("rejected").inc()
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning(

@@ -378,13 +378,13 @@ class Residency:
         with self._cond:
             self.signals.begin_request(request_id)
             self._prefetcher.kick()
-        self._metrics.signals.inc(kind="request_begin")
+        self._metrics.signals.labels("request_begin").inc()
 
     def end_request(self, request_id: str) -> None:
         with self._cond:
             self.signals.end_request(request_id)
             self._prefetcher.kick()
-        self._metrics.signals.inc(kind="request_end")
+        self._metrics.signals.labels("request_end").inc()
 
     def observe(self, request_id: str, token: int, layer: int, experts: Iterable[int]) -> None:
         """Decoder layer ``layer`` of token ``token`` was routed to ``experts`` (hits included).
@@ -462,7 +462,7 @@ class Residency:
         if applied:
             self._prefetcher.kick()
         for kind, n in counts.items():
-            self._metrics.signals.inc(n, kind=kind)
+            self._metrics.signals.labels(kind).inc(n)
 
     def _apply_signals_locked(
         self, signals: Iterable[RouteSignal | LookaheadSignal], kick: bool = True
@@ -471,10 +471,10 @@ class Residency:
         for sig in signals:
             if isinstance(sig, RouteSignal):
                 self.signals.observe(sig.layer, sig.experts, sig.token, sig.request_id)
-                self._metrics.signals.inc(kind="route")
+                self._metrics.signals.labels("route").inc()
             else:
                 self.signals.set_lookahead(list(sig.predictions), sig.token, sig.request_id)
-                self._metrics.signals.inc(kind="layer_ahead")
+                self._metrics.signals.labels("layer_ahead").inc()
             applied = True
         if applied and kick:
             self._prefetcher.kick()
@@ -855,7 +855,7 @@ class Residency:
                 else:
                     refused.add(victim)  # compute pinned it between the check and the evict
         if evicted:
-            self._metrics.evictions.inc(evicted, tier=Tier.DEVICE.value)
+            self._metrics.evictions.labels(Tier.DEVICE.value).inc(evicted)
         # Admitted: from here on nothing can fail (but a client whose ledger was just reclaimed).
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
@@ -891,9 +891,9 @@ class Residency:
         finally:
             hits, misses = len(ready), len(pending)
             if hits:
-                self._metrics.hits.inc(hits, tier=Tier.DEVICE.value)
+                self._metrics.hits.labels(Tier.DEVICE.value).inc(hits)
             if misses:
-                self._metrics.misses.inc(misses, tier=Tier.DEVICE.value)
+                self._metrics.misses.labels(Tier.DEVICE.value).inc(misses)
 
     def _admit_each(
         self, session, client, keys, ready, pending, prefetched, created, slots, scheduler
@@ -942,7 +942,7 @@ class Residency:
         if self.queue.promote(load.key) is None:
             return  # already a demand load
         if load.prefetch is not None:
-            self._metrics.prefetch_promoted.inc(kind=PREFETCH_KINDS[load.prefetch])
+            self._metrics.prefetch_promoted.labels(PREFETCH_KINDS[load.prefetch]).inc()
         self._loader.promote(load)
 
     def _cancel_prefetches(self, n: int, wanted: set[ExpertKey]) -> int:
@@ -965,7 +965,7 @@ class Residency:
                 continue  # every chunk already issued: it completes soon anyway
             cancelled += 1
             if load.prefetch is not None:
-                self._metrics.prefetch_cancelled.inc(kind=PREFETCH_KINDS[load.prefetch])
+                self._metrics.prefetch_cancelled.labels(PREFETCH_KINDS[load.prefetch]).inc()
         return freed
 
     def _evicted(self, key: ExpertKey, *, count: bool = True) -> None:
@@ -974,7 +974,7 @@ class Residency:
         self._prefetcher.gone(key, evicted=True)
         self._policy.on_remove(key)
         if count:
-            self._metrics.evictions.inc(tier=Tier.DEVICE.value)
+            self._metrics.evictions.labels(Tier.DEVICE.value).inc()
 
     # -- load results (the loader's callbacks, under the lock) --------------------------------
     def _load_done(self, load: Load, source: Tier) -> None:

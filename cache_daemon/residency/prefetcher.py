@@ -90,7 +90,7 @@ class Prefetcher:
 
     def started(self, start: PrefetchStart) -> None:
         self._unused[start.key] = (start.cls, start.depth)
-        self._metrics.prefetch_started.inc(kind=PREFETCH_KINDS[start.cls])
+        self._metrics.prefetch_started.labels(PREFETCH_KINDS[start.cls]).inc()
 
     def used(self, key: ExpertKey) -> str | None:
         """``key`` was used (acquired, joined, pinned by compute): a prefetch of it paid off.
@@ -101,7 +101,7 @@ class Prefetcher:
         cls, depth = got
         self.scheduler.record_outcome(depth, used=True)
         kind = PREFETCH_KINDS[cls]
-        self._metrics.prefetch_used.inc(kind=kind)
+        self._metrics.prefetch_used.labels(kind).inc()
         return kind
 
     def gone(self, key: ExpertKey, *, evicted: bool) -> None:
@@ -110,7 +110,7 @@ class Prefetcher:
         if got is not None and evicted:
             cls, depth = got
             self.scheduler.record_outcome(depth, used=False)
-            self._metrics.prefetch_wasted.inc(kind=PREFETCH_KINDS[cls])
+            self._metrics.prefetch_wasted.labels(PREFETCH_KINDS[cls]).inc()
 
     def is_unused_prefetch(self, key: ExpertKey) -> bool:
         return key in self._unused

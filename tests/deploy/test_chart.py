@@ -228,6 +228,46 @@ def test_the_schema_refuses_unknown_and_mistyped_values(helm):
     assert "store.type" in refused(helm, "store.type=nfs").replace("/", ".")
 
 
+# The three config values' schemas are generated from the services' config classes
+# (tools/gen_values_schema.py): a ConfigMap key the service would refuse at start is refused here.
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        (
+            "daemon.config.evicton_policy=lru",
+            Schema(
+                "daemon.config",
+                "Additional property evicton_policy is not allowed",
+                "additional properties 'evicton_policy' not allowed",
+            ),
+        ),
+        (
+            "predictor.config.eamc_capacity=0",
+            Schema(
+                "predictor.config.eamc_capacity",
+                "Must be greater than or equal to 1",
+                "minimum: got 0, want 1",
+            ),
+        ),
+        (
+            "compute.config.max_batch_size=-1",
+            Schema(
+                "compute.config.max_batch_size",
+                "Must be greater than or equal to 1",
+                "minimum: got -1, want 1",
+            ),
+        ),
+    ],
+    ids=lambda v: v.split("=")[0] if isinstance(v, str) and "=" in v else None,
+)
+def test_the_schema_refuses_config_keys_the_service_would_refuse(helm, item, message):
+    assert message.text(helm) in refused(helm, item)
+
+
+def test_the_config_schema_accepts_what_the_service_loads(helm):
+    render(helm, "daemon.config.log_level=debug", "predictor.config.model_shapes=m=2x4x2")
+
+
 # -- the GPU pod ---------------------------------------------------------------------------------------
 def test_one_pod_holds_compute_and_the_daemon_sharing_memory_backed_run_dir(default_docs):
     pod = gpu_pod(default_docs)

@@ -8,9 +8,11 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import expertcache
 from cache_daemon.config import ENV_PREFIX as DAEMON_PREFIX
 from cache_daemon.config import LIVE_FIELDS as DAEMON_LIVE
 from cache_daemon.config import DaemonConfig
@@ -174,3 +176,13 @@ def test_a_config_file_that_is_not_utf8_exits_2_naming_it(tmp_path, cls, prefix,
     assert out.returncode == 2, out.stderr
     assert f"invalid configuration: config file {bad} is not UTF-8 text: byte 0xe9 at offset 21" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_charts_config_schema_is_generated_from_the_services():
+    """helm/expertcache/values.schema.json's daemon/predictor/compute ``config`` schemas are what
+    tools/gen_values_schema.py makes of the services' --print-config-schema."""
+    repo = Path(expertcache.__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "tools/gen_values_schema.py", "--check"], capture_output=True, text=True, cwd=repo
+    )
+    assert proc.returncode == 0, proc.stderr + "(regenerate it with `make values-schema`)"

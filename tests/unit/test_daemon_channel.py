@@ -20,6 +20,7 @@ from cache_daemon.tiers.device import ShmArena
 from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
+from expertcache.prom import value
 from tests.unit.test_daemon_store import blob_of, corrupt, write_store
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers, 6 experts each
@@ -139,7 +140,7 @@ def test_a_demand_pins_into_the_ledger_and_reports_each_source(make):
     assert client.channel.source(0) == codes.SOURCE_DEVICE
     client.release(L1, [0])
     stats = h.residency.stats()
-    assert stats.pinned == 0 and h.metrics.demands.value() == 4
+    assert stats.pinned == 0 and value(h.metrics.demands) == 4
 
 
 def test_a_bad_demand_is_refused_with_its_status_and_nothing_pinned(make):
@@ -218,12 +219,12 @@ def test_signals_are_applied_in_order_and_malformed_ones_rejected(make):
     ch.ring_doorbell()
     signals = h.residency.signals
     deadline = time.monotonic() + 5
-    while h.metrics.signals.value(kind="rejected") < 2:
+    while value(h.metrics.signals, "rejected") < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert "req-a" in signals.live_requests
-    assert h.metrics.signals.value(kind="route") == 1
-    assert h.metrics.signals.value(kind="layer_ahead") == 1
+    assert value(h.metrics.signals, "route") == 1
+    assert value(h.metrics.signals, "layer_ahead") == 1
     ch.signal_end(1)
     ch.ring_doorbell()
     while "req-a" in signals.live_requests:

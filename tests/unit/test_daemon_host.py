@@ -17,6 +17,7 @@ from cache_daemon.tiers.host import StagingBuffer, make_host_pool, pool_slots
 from cache_daemon.tiers.store import IO_MODE_PREAD, IO_MODE_URING
 from expertcache import native
 from expertcache.keys import ExpertKey
+from expertcache.prom import value
 from tests.unit.test_daemon_store import blob_of, supports_o_direct, write_store
 
 BLOB = 4096
@@ -43,8 +44,8 @@ def test_host_tier_lru_and_pins():
     host.unpin(c)
     assert host.put(b, blob(2))  # evicts a, the least recently used
     assert not host.contains(a)
-    assert metrics.evictions.value(tier="host") == 2
-    assert metrics.bytes_in.value(tier="host") == 4 * BLOB
+    assert value(metrics.evictions, "host") == 2
+    assert value(metrics.bytes_in, "host") == 4 * BLOB
     assert host.resident_count() == 2
     with pytest.raises(ValueError, match="not pinned"):
         host.unpin(b)

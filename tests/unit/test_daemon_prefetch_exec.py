@@ -30,6 +30,7 @@ from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
+from expertcache.prom import value
 from tests import waiting
 from tests.unit.test_daemon_store import blob_of, write_store
 
@@ -102,7 +103,7 @@ class Harness:
         return blob_of(self.root, self.manifest, key)
 
     def count(self, counter, kind: str = "layer_ahead") -> int:
-        return int(counter.value(kind=kind))
+        return int(value(counter, kind))
 
     def close(self) -> None:
         self.store.resume()
@@ -166,7 +167,7 @@ def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     assert h.state(L3, 4) is SlotState.ABSENT and h.state(L3, 2) is SlotState.RESIDENT
     assert h.count(h.metrics.prefetch_wasted) == 1
     assert scheduler.usefulness(1) == pytest.approx((1 + 4) / (2 + 4))  # the scheduler heard both
-    assert h.metrics.signals.value(kind="route") == 1 and h.metrics.signals.value(kind="layer_ahead") == 1
+    assert value(h.metrics.signals, "route") == 1 and value(h.metrics.signals, "layer_ahead") == 1
 
 
 def test_pinned_experts_are_never_evicted_by_prefetch(make):

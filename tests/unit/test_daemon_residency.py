@@ -31,6 +31,7 @@ from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Re
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
+from expertcache.prom import value
 from tests.unit.test_daemon_store import blob_of, corrupt, write_store
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
@@ -115,10 +116,10 @@ def test_misses_then_resident_first(make):
     assert second[0] == Ready(ExpertKey(L1, 1), next(x.slot for x in first if x.key.expert == 1), Tier.DEVICE)
     assert second[1].key == ExpertKey(L1, 2) and second[1].source is Tier.STORE
     h.check_served(s, second)
-    assert h.metrics.hits.value(tier="device") == 1
-    assert h.metrics.misses.value(tier="device") == 3
-    assert h.metrics.bytes_in.value(tier="device") == 3 * h.manifest.blob_bytes
-    assert h.metrics.demands.value() == 2
+    assert value(h.metrics.hits, "device") == 1
+    assert value(h.metrics.misses, "device") == 3
+    assert value(h.metrics.bytes_in, "device") == 3 * h.manifest.blob_bytes
+    assert value(h.metrics.demands) == 2
     info = r.describe(ExpertKey(L1, 2))
     assert info.state is SlotState.RESIDENT and info.pins == 1 and info.generation == 1
     stats = r.stats()
@@ -140,7 +141,7 @@ def test_pinned_expert_is_never_evicted_or_overwritten(make):
         r.release(b, [got.key])
     assert r.describe(held.key).state is SlotState.RESIDENT and r.slot_owner(held.slot) == held.key
     assert bytes(r.read_slot(a, held.key).numpy()) == before == h.blob(held.key)
-    assert h.metrics.evictions.value(tier="device") == 4
+    assert value(h.metrics.evictions, "device") == 4
     r.release(a, [held.key])
     (got,) = r.acquire(b, L1, [1])  # now the least recently used, unpinned L1E0 may go
     r.release(b, [got.key])
@@ -286,7 +287,7 @@ def test_concurrent_demand_of_the_same_key_loads_once(make):
         t.join(5)
     assert len({results[i][0].slot for i in range(4)}) == 1
     assert all(results[i][0].source is Tier.STORE for i in range(4))
-    assert h.metrics.hits.value(tier="store") == 1
+    assert value(h.metrics.hits, "store") == 1
     assert r.describe(ExpertKey(L1, 4)).generation == 1
     for s in sessions:
         h.check_served(s, results[sessions.index(s)])
@@ -327,7 +328,7 @@ def test_checksum_mismatch_frees_the_slot_and_fails_every_waiter(make):
     info = r.describe(ExpertKey(L1, 3))
     assert (info.state, info.slot, info.pins) == (SlotState.ABSENT, -1, 0)
     assert r.stats().loading == 0
-    assert h.metrics.checksum_failures.value() == 1
+    assert value(h.metrics.checksum_failures) == 1
     # a's pins: L1E0 only if it was handed out before the failure; never the failed key.
     assert r.describe(ExpertKey(L1, 0)).pins == len(first)
     r.close_session(a)
@@ -358,11 +359,11 @@ def test_host_tier_hits(make):
         h.check_served(s, [ready])
         r.release(s, [ready.key])
     m = h.metrics
-    assert (m.hits.value(tier="host"), m.misses.value(tier="host")) == (1, 2)
-    assert m.hits.value(tier="store") == 2
-    assert (m.hits.value(tier="device"), m.misses.value(tier="device")) == (1, 3)
-    assert m.evictions.value(tier="device") == 2
-    assert m.bytes_in.value(tier="host") == 2 * h.manifest.blob_bytes
+    assert (value(m.hits, "host"), value(m.misses, "host")) == (1, 2)
+    assert value(m.hits, "store") == 2
+    assert (value(m.hits, "device"), value(m.misses, "device")) == (1, 3)
+    assert value(m.evictions, "device") == 2
+    assert value(m.bytes_in, "host") == 2 * h.manifest.blob_bytes
     assert h.host.resident_count() == 2 and h.host.pin_count(ExpertKey(L1, 0)) == 0
 
 
@@ -561,12 +562,12 @@ def test_shm_hits_keep_lru_order_and_count_as_device_hits(make):
         compute.try_pin_many([entry(h, x.key)])
         compute.unpin_many([entry(h, x.key)])
     assert r.stats().shm_hits == 2
-    demands = h.metrics.demands.value()
+    demands = value(h.metrics.demands)
     (e3,) = load(h, 3)
     assert e3.slot == e2.slot and r.describe(e2.key).state is SlotState.ABSENT
     (e4,) = load(h, 4)
     assert e4.slot == e0.slot  # then L1E0, whose shm hit was older than L1E1's
-    assert h.metrics.demands.value() == demands + 2
+    assert value(h.metrics.demands) == demands + 2
 
 
 def test_closing_a_session_reclaims_its_client_ledger(make):

@@ -37,6 +37,7 @@ from expertcache.errors import DataLoss, FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob
 from expertcache.native import Reader
+from expertcache.prom import value
 
 URING_OK, URING_WHY = Reader.uring_available()
 BACKENDS = [
@@ -142,10 +143,10 @@ def test_store_read_equals_file_bytes(store, backend, direct):
             reader.read_into(key, buf)
             assert bytes(buf) == blob_of(root, manifest, key)
             assert bytes(reader.get(key).numpy()) == blob_of(root, manifest, key)
-        assert metrics.hits.value(tier="store") == 2 * manifest.num_blobs
-        assert metrics.store_read_bytes.value() == 2 * manifest.num_blobs * manifest.blob_bytes
-        assert metrics.store_read_seconds.value() > 0
-        assert metrics.checksum_failures.value() == 0
+        assert value(metrics.hits, "store") == 2 * manifest.num_blobs
+        assert value(metrics.store_read_bytes) == 2 * manifest.num_blobs * manifest.blob_bytes
+        assert value(metrics.store_read_seconds) > 0
+        assert value(metrics.checksum_failures) == 0
         stats = reader.reader_stats()
         assert stats["completed"] == 2 * manifest.num_blobs and stats["failed"] == 0
     finally:
@@ -255,7 +256,7 @@ def test_checksum_mismatch_names_expert_file_and_offset(store, backend, direct):
             f"expected 0x{expected:08x}, got 0x{got:08x}"
         )
         assert info.value.grpc_code == "DATA_LOSS"
-    assert metrics.checksum_failures.value() == 3
+    assert value(metrics.checksum_failures) == 3
     reader.get(ExpertKey(1, 2))  # its neighbours are intact
     reader.close()
 

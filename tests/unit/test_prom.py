@@ -1,5 +1,6 @@
-"""Prometheus exposition (expertcache.prom): the services' own counters, read at scrape time,
-parsed back with prometheus_client's parser; the HTTP endpoint on a real port."""
+"""Prometheus exposition (expertcache.prom): the services' prometheus_client counters (the objects
+GetStats reads) and gauges read at scrape time, parsed back with prometheus_client's parser; the
+HTTP endpoint on a real port."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_daemon.metrics import DaemonMetrics
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.moe import CacheCounters, Tier
-from expertcache.counters import Counter
 from expertcache.errors import InvalidArgument
-from expertcache.prom import CountersCollector, Gauge, Registry, counter_family, serve
+from expertcache.prom import Registry, ScrapeCollector, counter, gauge, serve, value, values
 from predictor_svc.metrics import PredictorMetrics
 
 
@@ -27,29 +28,31 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_counters_and_gauges_render_and_parse_back():
-    plain = Counter("moe_a_total", "Plain.")
-    tiered = Counter("moe_b_total", "By tier.", ("tier",))
-    plain.inc(3)
-    tiered.inc(2, tier="host")
-    tiered.inc(0.5, tier="device")
     reg = Registry()
-    reg.add(
-        CountersCollector(
-            lambda: [plain, tiered], lambda: [Gauge("moe_slots", "Slots.", 7, {"tier": "device"})]
-        )
-    )
+    plain = reg.counter("moe_a_total", "Plain.")
+    tiered = reg.counter("moe_b_total", "By tier.", ("tier",))
+    plain.inc(3)
+    tiered.labels("host").inc(2)
+    tiered.labels("device").inc(0.5)
+    slots = {"device": 7}
+    reg.add(ScrapeCollector(lambda: [gauge("moe_slots", "Slots.", slots, "tier")]))
     got = samples(reg.render())
     assert got[("moe_a_total", ())] == 3
     assert got[("moe_b_total", (("tier", "device"),))] == 0.5
     assert got[("moe_b_total", (("tier", "host"),))] == 2
     assert got[("moe_slots", (("tier", "device"),))] == 7
-    plain.inc()  # read at scrape time: never a stale copy
-    assert samples(reg.render())[("moe_a_total", ())] == 4
+    plain.inc()  # the same objects: never a stale copy
+    slots["device"] = 6  # gauges read at scrape time
+    got = samples(reg.render())
+    assert got[("moe_a_total", ())] == 4 and got[("moe_slots", (("tier", "device"),))] == 6
+    # What GetStats reads is what /metrics shows.
+    assert value(plain) == 4 and value(tiered, "host") == 2 and value(tiered, "store") == 0
+    assert values(tiered) == {("host",): 2, ("device",): 0.5}
 
 
 def test_counter_without_total_suffix_is_refused():
     with pytest.raises(InvalidArgument, match="'moe_bad' must be named with a _total suffix"):
-        counter_family(Counter("moe_bad", "Bad."))
+        counter("moe_bad", "Bad.")
 
 
 def test_histogram_without_unit_is_refused():
@@ -59,11 +62,14 @@ def test_histogram_without_unit_is_refused():
 
 @pytest.mark.parametrize("metrics", [DaemonMetrics(), PredictorMetrics()], ids=["daemon", "predictor"])
 def test_every_service_counter_is_exposed(metrics):
-    reg = Registry()
-    reg.add(CountersCollector(metrics.counters))
-    names = {f.name for f in text_string_to_metric_families(reg.render())}
-    for counter in metrics.counters():
-        assert counter.name.removesuffix("_total") in names
+    """Every counter the service keeps is in its registry, except the daemon's per-tier ones,
+    which its /metrics takes from the stats (cache_daemon.metrics.registry)."""
+    names = {f.name for f in text_string_to_metric_families(metrics.registry.render())}
+    kept = {n for n, v in vars(metrics).items() if isinstance(v, Counter)}
+    per_tier = {"hits", "misses", "bytes_in", "evictions"} if isinstance(metrics, DaemonMetrics) else set()
+    assert kept > per_tier
+    for attr in kept - per_tier:
+        assert getattr(metrics, attr).describe()[0].name in names
 
 
 def test_compute_metrics_record_and_render():
@@ -92,10 +98,8 @@ def test_compute_metrics_record_and_render():
 
 def test_serve_over_http_and_off_at_port_zero():
     assert serve(Registry(), "127.0.0.1", 0, "test") is None
-    c = Counter("moe_served_total", "Served.")
-    c.inc(5)
     reg = Registry()
-    reg.add(CountersCollector(lambda: [c]))
+    reg.counter("moe_served_total", "Served.").inc(5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -7,6 +7,7 @@ import pytest
 
 from compute_svc.config import ComputeConfig
 from expertcache.errors import InvalidArgument, ResourceExhausted
+from expertcache.prom import value
 from expertcache.transport import HEALTH_STREAMS, StreamAccounting, TransportLimits, peer_address
 
 GENERATE = "/moe.inference.v1.Inference/Generate"
@@ -33,7 +34,7 @@ def test_streams_per_address_are_bounded_and_released():
     acct.release(tickets[0])
     acct.admit("ipv4:1.2.3.4:2000", GENERATE)
     acct.release(other)
-    assert acct.stats.refused.value(limit="max_streams_per_address") == 1
+    assert value(acct.stats.refused, "max_streams_per_address") == 1
     assert acct.snapshot()["streams"] == 3
 
 
