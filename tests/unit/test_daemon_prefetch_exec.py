@@ -28,8 +28,7 @@ from cache_daemon.tiers.store import Priority
 from expertcache.errors import InvalidArgument
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
-from expertcache.native import SlotState as TableState
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 from tests import waiting
 from tests.unit.test_daemon_store import blob_of, write_store
 
