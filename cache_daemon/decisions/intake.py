@@ -15,9 +15,9 @@ A layer's Route and LayerAhead usually come with its Acquire: the residency then
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from threading import Condition
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,22 +54,22 @@ class LookaheadSignal:
 class SignalIntake:
     """Checks incoming signals against the store and applies them to ``signals``.
 
-    ``lock`` is the one that guards ``signals`` (the residency's); ``on_change`` runs under it
-    after every applied batch (wakes the prefetch worker); ``counter`` counts the signals applied
-    by kind (``moe_cache_signals_total``)."""
+    ``layers``: the store's layers (a signal for another is refused), its experts those of
+    ``signals``. ``lock`` is the one that guards ``signals`` (the residency's); ``on_change`` runs
+    under it after every applied batch (wakes the prefetch worker); ``counter`` counts the signals
+    applied by kind (``moe_cache_signals_total``)."""
 
     def __init__(
         self,
         signals: ActivationSignals,
         layers: LayerMap,
-        num_experts: int,
-        lock: threading.RLock | threading.Condition,
+        lock: Condition,
         on_change: Callable[[], None],
         counter: Counter,
     ) -> None:
         self.signals = signals
         self._layers = layers
-        self._num_experts = num_experts
+        self._num_experts = signals.num_experts
         self._lock = lock
         self._on_change = on_change
         self._counter = counter

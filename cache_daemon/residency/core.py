@@ -190,12 +190,7 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
         )
         self._prefetcher = Prefetcher(self, self._cond, scheduler, metrics, threading.Condition(self._lock))
         self.intake = SignalIntake(
-            self.signals,
-            self._layers,
-            manifest.num_experts,
-            self._cond,
-            self._prefetcher.kick,
-            metrics.signals,
+            self.signals, self._layers, self._cond, self._prefetcher.kick, metrics.signals
         )
         self._prefetcher.enabled = prefetch
         self._update_signals_wanted()

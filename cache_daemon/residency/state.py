@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 
 class ResidencyState:
-    """Declarations only: what each part of ``Residency`` may read and change (under ``_cond``)."""
+    """What each part of ``Residency`` may read and change (under ``_cond``), and the one way to
+    the eviction policy."""
 
     _manifest: StoreManifest
     _layers: LayerMap
