@@ -212,7 +212,9 @@ class CacheDaemon:
         # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
         # the prefetcher); the board keeps the latest per request for GetStats. Empty unless
         # subscribed.
-        self.hints = HintBoard(stale_after_s=self.config.hint_stale_s, on_batch=self.residency.apply_hints)
+        self.hints = HintBoard(
+            stale_after_s=self.config.hint_stale_s, on_batch=self.residency.intake.apply_hints
+        )
         self.hint_subscriber: HintSubscriber | None = None
 
     def subscribe_hints(self, config: DaemonConfig, pod: str) -> None:

@@ -18,10 +18,11 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_daemon.config import DaemonConfig
 from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats, ConfigUpdate, PrefetchStats
+from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal
 from cache_daemon.decisions.scheduler import PrefetchClass
 from cache_daemon.decisions.signals import LayerPrediction
 from cache_daemon.hints import HintStats
-from cache_daemon.residency import ClientLedger, LookaheadSignal, Ready, RouteSignal
+from cache_daemon.residency import ClientLedger, Ready
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
 from expertcache import telemetry
@@ -215,13 +216,13 @@ class _StreamSignals:
         self._warned = False
 
     def check(self, kind: str, message) -> RouteSignal | LookaheadSignal | None:
-        residency = self._daemon.residency
+        intake = self._daemon.residency.intake
         try:
             if kind == "route":
-                return residency.check_route(
+                return intake.check_route(
                     message.request_id, message.token, message.decoder_layer, message.experts
                 )
-            return residency.check_layer_ahead(
+            return intake.check_layer_ahead(
                 message.token, lookahead_from_pb(message), message.request_id or None
             )
         except InvalidArgument as exc:
@@ -298,11 +299,11 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
                 elif kind in ("route", "layer_ahead"):
                     checked = signals.check(kind, getattr(request, kind))
                     if checked is not None:
-                        residency.apply_signals([checked])
+                        residency.intake.apply([checked])
                 elif kind == "request_begin":
-                    residency.begin_request(request.request_begin.request_id)
+                    residency.intake.begin_request(request.request_begin.request_id)
                 elif kind == "request_end":
-                    residency.end_request(request.request_end.request_id)
+                    residency.intake.end_request(request.request_end.request_id)
                 else:
                     raise InvalidArgument(
                         "DemandRequest sets none of acquire, release, route, layer_ahead, request_begin, request_end"

@@ -17,7 +17,7 @@ protocol and its races are written up in csrc/include/expertcache/slot_table.h):
 bool`` (releases the GIL); recency: ``access_stamps(entries)``, ``stamp(e)``,
 ``accessed_since(since)``, ``clock``, ``hits``; crash-safe pins: ``attach_client(client, epoch)``,
 ``client_pins(c, e)``, ``reclaim_client(c) -> int`` (``StaleClient`` once a ledger was reclaimed);
-``state(e)`` (a ``SlotState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``,
+``state(e)`` (a ``TableState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``,
 ``resident_slots(entries)`` (slot, -1 loading, -2 absent). Client channels (compute's demands
 and signals in shared memory, csrc/include/expertcache/channel.h): ``channel(c) ->
 ClientChannel``, daemon side ``claim_channel(c)``, ``hold_for_client(c, epoch, e)``,
@@ -65,7 +65,10 @@ MAX_REQUEST_ID_BYTES: int = _native.MAX_REQUEST_ID_BYTES
 HostPool = _native.HostPool
 
 
-class SlotState(IntEnum):
+class TableState(IntEnum):
+    """An entry's state as the shared slot table stores it (``SlotTable.state``), EVICTING
+    included; the residency's own view is ``cache_daemon.residency.slots.SlotState``."""
+
     ABSENT = _native.ABSENT
     LOADING = _native.LOADING
     RESIDENT = _native.RESIDENT
@@ -77,7 +80,7 @@ __all__ = [
     "MAX_REQUEST_ID_BYTES",
     "ClientChannel",
     "HostPool",
-    "SlotState",
+    "TableState",
     "SlotTable",
     "StaleClient",
     "build_summary",

@@ -12,7 +12,7 @@ by ``prior_count`` pseudo-visits at the base rate ``top_k / num_experts``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,26 +24,6 @@ COLD = RECENCY_BUCKETS  # not used yet in this request
 RATE_EDGES = np.array([0.1, 0.2, 0.35, 0.5])  # uses per token in this request
 HINT_EDGES = np.array([0.05, 0.2, 0.5])  # fresh hint score (below 0.05: none)
 MAX_RECENCY = 1 << (RECENCY_BUCKETS - 2)  # 64: the last bucket starts above it
-
-
-class Estimator(Protocol):
-    """What ``ActivationSignals`` asks of a plugged-in estimator."""
-
-    def attach(self, signals: ActivationSignals) -> None: ...
-
-    def begin_request(self, request_id: str) -> None: ...
-
-    def observe(self, request_id: str, layer: int, entries: np.ndarray, token: int) -> None:
-        """Layer ``layer`` of ``token`` routed to ``entries`` (int64, before the signals move)."""
-        ...
-
-    def long_run(self, signals: ActivationSignals) -> list[np.ndarray]:
-        """Per live request, float32 [N] per-visit use probability beyond the next visit."""
-        ...
-
-    def next_use(self, signals: ActivationSignals) -> np.ndarray:
-        """float64 [N] expected layer steps to each entry's next use (a fresh array)."""
-        ...
 
 
 def recency_bucket(d: np.ndarray) -> np.ndarray:
@@ -172,4 +152,4 @@ class HazardEstimator:
         return t
 
 
-__all__ = ["Estimator", "HazardEstimator", "HazardTable", "recency_bucket"]
+__all__ = ["HazardEstimator", "HazardTable", "recency_bucket"]

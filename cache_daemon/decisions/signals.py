@@ -55,36 +55,33 @@ Staleness: a lookahead prediction for a ``(token, layer)`` at or before its requ
 dropped; hints older than ``hint_ttl_tokens`` tokens are ignored.
 
 Not thread-safe and does no I/O: callers (the daemon's residency lock, the replay loop) serialise.
+
+Modules: this one (the inputs: requests, ``observe``, ``set_lookahead``, ``set_hints``),
+``use_estimates`` (the outputs, read by the policies and the scheduler), ``request_signals`` (one
+request's state), ``lookahead`` (kept predictions and each depth's precision).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from cache_daemon.decisions.lookahead import Lookahead, LookaheadPrecision
 from cache_daemon.decisions.next_visit import NextVisitModel
+from cache_daemon.decisions.request_signals import RequestSignals
 from cache_daemon.decisions.transitions import TransitionModel
+from cache_daemon.decisions.use_estimates import UseEstimates
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
-
-if TYPE_CHECKING:
-    from cache_daemon.decisions.estimators import Estimator
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REQUEST = ""  # the request of routing that names none
-PRIOR_WEIGHT = 4.0  # predicted experts' worth of the lookahead precision prior
-# Lookahead precision is also kept per bucket of the predicted expert's own estimate before the
-# prediction (its next-visit probability for the request): a guess of an expert the request was
-# not expected to use is more often wrong, and the bucket's measured precision says by how much.
-PRIOR_BUCKET_EDGES = (0.05, 0.15, 0.4)
-_BUCKET_EDGES = list(PRIOR_BUCKET_EDGES)
 
 
 @dataclass(frozen=True)
@@ -164,81 +161,6 @@ class LayerPrediction:
     scores: np.ndarray
 
 
-@dataclass
-class _Lookahead:
-    token: int
-    depth: int
-    entries: np.ndarray  # int64 [n]
-    scores: np.ndarray  # float32 [n]
-    keys: list[int]  # entries, as a list
-    buckets: list[int]  # [n]: PRIOR_BUCKET_EDGES bucket of each entry's estimate before it
-
-
-class _DepthPrecision:
-    """Running precision of one lookahead depth, overall and per prior bucket. Counts are kept in
-    growing units (each scoring adds ``unit``, which grows by 1 / decay per scoring; rescaled
-    before it overflows), which is the same as fading every count by the decay per scoring."""
-
-    __slots__ = ("unit", "growth", "hits", "predicted", "by")
-
-    def __init__(self, prior: float, growth: float) -> None:
-        self.unit = 1.0
-        self.growth = growth
-        # The prior starts as PRIOR_WEIGHT experts' worth and fades like the counts.
-        self.hits = prior * PRIOR_WEIGHT
-        self.predicted = PRIOR_WEIGHT
-        self.by = [0.0] * (2 * (len(PRIOR_BUCKET_EDGES) + 1))  # hits, predicted of bucket b at 2b, 2b+1
-
-    def score(self, keys: list[int], buckets: list[int], routed: set[int]) -> None:
-        unit = self.unit * self.growth
-        if unit > 1e12:
-            f = 1.0 / unit
-            self.hits *= f
-            self.predicted *= f
-            self.by = [x * f for x in self.by]
-            unit = 1.0
-        self.unit = unit
-        by = self.by
-        for e, b in zip(keys, buckets, strict=True):
-            if e in routed:
-                self.hits += unit
-                by[2 * b] += unit
-            by[2 * b + 1] += unit
-        self.predicted += unit * len(keys)
-
-    def precision(self) -> float:
-        return self.hits / self.predicted
-
-    def by_bucket(self) -> np.ndarray:
-        """float64 [buckets] each bucket's precision, shrunk towards the depth's by PRIOR_WEIGHT
-        experts' worth."""
-        overall = self.precision()
-        w = PRIOR_WEIGHT * self.unit
-        by = self.by
-        return np.array([(by[i] + w * overall) / (by[i + 1] + w) for i in range(0, len(by), 2)])
-
-
-class RequestSignals:
-    """The per-request part of the signals: history, hints, lookahead, position in the request."""
-
-    def __init__(self, request_id: str, n: int, history: np.ndarray, model_latest: int = 0) -> None:
-        self.request_id = request_id
-        self.token = -1  # token of the last observe
-        self.layer = -1
-        self.history = history  # float32 [N]: recency-weighted use per visit, short half-life
-        self.history_long = history.copy()  # float32 [N]: the same with the long half-life
-        self.last_routed: dict[int, np.ndarray] = {}  # layer → experts (int64) of its last visit
-        self.next_p = np.full(n, -1.0, np.float32)  # next-visit estimate (model or transitions); -1: none
-        # For the learned next-visit model: the latest routing of every MoE layer, one-hot in
-        # visit order (float32 [M * E]; empty without a model).
-        self.latest = np.zeros(model_latest, np.float32)
-        self.hints = np.zeros(n, np.float32)
-        self.hint_token = np.full(n, np.iinfo(np.int64).min // 2, np.int64)
-        self.has_hints = False
-        self.lookahead: dict[int, _Lookahead] = {}  # predicted layer → its nearest prediction
-        self.scoring: dict[int, list[_Lookahead]] = {}  # predicted layer → every depth's, to score
-
-
 def next_visit_model_mismatch(
     m: NextVisitModel, num_moe: int, num_experts: int, config: SignalsConfig
 ) -> str | None:
@@ -259,7 +181,27 @@ def next_visit_model_mismatch(
     return None
 
 
-class ActivationSignals:
+class Estimator(Protocol):
+    """What ``ActivationSignals`` asks of a plugged-in estimator (``estimators`` has the replay's)."""
+
+    def attach(self, signals: ActivationSignals) -> None: ...
+
+    def begin_request(self, request_id: str) -> None: ...
+
+    def observe(self, request_id: str, layer: int, entries: np.ndarray, token: int) -> None:
+        """Layer ``layer`` of ``token`` routed to ``entries`` (int64, before the signals move)."""
+        ...
+
+    def long_run(self, signals: ActivationSignals) -> list[np.ndarray]:
+        """Per live request, float32 [N] per-visit use probability beyond the next visit."""
+        ...
+
+    def next_use(self, signals: ActivationSignals) -> np.ndarray:
+        """float64 [N] expected layer steps to each entry's next use (a fresh array)."""
+        ...
+
+
+class ActivationSignals(UseEstimates):
     """Prediction state of one tier's model: history, lookahead and hints, per live request.
 
     ``num_layers`` × ``num_experts`` is the tier's entry grid; ``layer_map`` says which of the
@@ -303,8 +245,7 @@ class ActivationSignals:
         self.version = 0  # bumped on every change, so a waiting prefetcher knows to re-decide
         self._cache: dict[str, object] = {}  # derived values of the current version
         # Running precision of lookahead per depth (and per prior bucket), fading per scoring.
-        self._precision: dict[int, _DepthPrecision] = {}
-        self._precision_growth = float(0.5 ** (-1.0 / self.config.precision_half_life))
+        self._precision = LookaheadPrecision(self.config.precision_half_life)
         cfg = self.config
         self.transitions = TransitionModel(
             num_layers,
@@ -349,19 +290,6 @@ class ActivationSignals:
         problem = next_visit_model_mismatch(m, self.num_moe, self.num_experts, self.config)
         if problem:
             raise ValueError(problem)
-
-    def _bump(self) -> None:
-        self.version += 1
-        self._cache.clear()
-
-    def _cached(self, name: str, compute):
-        v = self._cache.get(name)
-        if v is None:
-            v = compute()
-            if isinstance(v, np.ndarray):
-                v.flags.writeable = False
-            self._cache[name] = v
-        return v
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -471,23 +399,16 @@ class ActivationSignals:
         scoring = req.scoring.pop(layer, ())
         if scoring:
             routed = {base + e for e in listed}
+            prior = cfg.lookahead_prior_precision
             for la in scoring:
                 if la.token == token:
-                    self._score_lookahead(la, routed)
+                    self._precision.score(la, routed, prior)
         if self.estimator is not None:
             self.estimator.observe(req.request_id, layer, entries, int(token))
         req.token, req.layer = int(token), int(layer)
         self._token, self._layer = int(token), int(layer)
         self._needed = entries
         self._bump()
-
-    def _score_lookahead(self, la: _Lookahead, routed: set[int]) -> None:
-        stats = self._precision.get(la.depth)
-        if stats is None:
-            stats = self._precision[la.depth] = _DepthPrecision(
-                self.config.lookahead_prior_precision, self._precision_growth
-            )
-        stats.score(la.keys, la.buckets, routed)
 
     def set_lookahead(
         self, predictions: Iterable[LayerPrediction], token: int, request_id: str | None = None
@@ -496,6 +417,7 @@ class ActivationSignals:
         position the request has passed is dropped; for a layer already predicted at this token,
         the nearer depth wins (it saw a later hidden state)."""
         req = self._request(request_id)
+        cfg = self.config
         changed = False
         for pred in predictions:
             layer = int(pred.layer)
@@ -514,7 +436,8 @@ class ActivationSignals:
                 continue
             entries = layer * self.num_experts + ex
             keys = entries.tolist()
-            la = _Lookahead(int(token), int(pred.depth), entries, sc, keys, self._prior_buckets(req, keys))
+            buckets = req.prior_buckets(keys, cfg.long_history_weight, cfg.transition_weight > 0.0)
+            la = Lookahead(int(token), int(pred.depth), entries, sc, keys, buckets)
             scoring = req.scoring.setdefault(layer, [])
             if scoring and scoring[0].token != la.token:
                 scoring.clear()  # left from a token whose layer was never observed
@@ -526,25 +449,6 @@ class ActivationSignals:
             changed = True
         if changed:
             self._bump()
-
-    def _prior_buckets(self, req: RequestSignals, entries: list[int]) -> list[int]:
-        """The PRIOR_BUCKET_EDGES bucket of each entry's next-visit estimate for the request (its
-        transition estimate, else its history), before any lookahead."""
-        w = self.config.long_history_weight
-        use_next = self.config.transition_weight > 0.0
-        out = []
-        for e in entries:  # a few experts: scalar reads beat numpy calls (and _history_of's N) here
-            p = float(req.next_p[e]) if use_next else -1.0
-            if p < 0.0:  # no transition estimate (a layer not routed yet, or transitions off)
-                p = (1.0 - w) * float(req.history[e]) + w * float(req.history_long[e])  # _history_of at e
-            out.append(bisect.bisect_right(_BUCKET_EDGES, p))
-        return out
-
-    def _passed(self, req: RequestSignals, token: int, layer: int) -> bool:
-        """Whether ``(token, layer)`` is at or before the request's position (visit order)."""
-        if token != req.token:
-            return token < req.token
-        return req.layer >= 0 and self._rank[layer] <= self._rank[req.layer]
 
     def set_hints(
         self,
@@ -579,245 +483,11 @@ class ActivationSignals:
         if names:
             self._bump()
 
-    # -- outputs ---------------------------------------------------------------------------------
-
-    @property
-    def position(self) -> tuple[int, int]:
-        """``(token, layer)`` of the last ``observe``."""
-        return (self._token, self._layer)
-
-    @property
-    def step(self) -> int:
-        """The position as one number, ``token * M + MoE index of the layer``."""
-        return self._token * self.num_moe + int(self._rank[self._layer])
-
-    @property
-    def needed(self) -> np.ndarray:
-        """int64 [k] entries routed at the current position (in use now)."""
-        return self._needed
-
-    def _history_of(self, req: RequestSignals) -> np.ndarray:
-        """float32 [N] the request's per-visit use estimate: its short and long recency-weighted
-        histories, blended (a fresh array)."""
-        w = np.float32(self.config.long_history_weight)
-        return (np.float32(1.0) - w) * req.history + w * req.history_long
-
-    @property
-    def history(self) -> np.ndarray:
-        """float32 [N] recency-weighted use estimate of the current request (the prior, scaled, when
-        there is none); read-only."""
-        req = self._current
-        v = self._history_of(req) if req is not None else self._prior * self.config.prior_weight
-        v.flags.writeable = False
-        return v
-
-    @property
-    def hints(self) -> np.ndarray:
-        """float32 [N] fresh hint scores, the best over the live requests (0 where none or stale)."""
-
-        def compute() -> np.ndarray:
-            out = np.zeros(self.num_entries, np.float32)
-            for req in self._requests.values():
-                if req.has_hints:
-                    fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
-                    np.maximum(out, np.where(fresh, req.hints, np.float32(0.0)), out=out)
-            return out
-
-        return self._cached("hints", compute)
-
-    def _fresh_lookahead(self) -> list[tuple[int, _Lookahead]]:
-        def compute() -> list:
-            out = []
-            for req in self._requests.values():
-                for layer, la in req.lookahead.items():
-                    if not self._passed(req, la.token, layer):
-                        out.append((layer, la))
-            dist = self.layer_distance_of
-            out.sort(key=lambda t: (dist(t[0]), t[1].depth))
-            return out
-
-        return self._cached("fresh_lookahead", compute)
-
-    def lookahead(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """Fresh lookahead predictions of the live requests, nearest first: ``(layer, depth,
-        entries int64 [n], scores float32 [n])``."""
-        return self._cached(
-            "lookahead",
-            lambda: [(layer, la.depth, la.entries, la.scores) for layer, la in self._fresh_lookahead()],
-        )
-
-    def lookahead_confidence(self) -> list[np.ndarray]:
-        """Aligned with ``lookahead()``: per prediction, float64 [n] the measured precision of its
-        depth for each predicted expert's prior bucket (``precision(depth, bucket)``)."""
-
-        def compute() -> list:
-            tables: dict[int, np.ndarray] = {}  # depth -> its bucket precisions, once per depth
-            out = []
-            for _layer, la in self._fresh_lookahead():
-                table = tables.get(la.depth)
-                if table is None:
-                    table = tables[la.depth] = self._bucket_precisions(la.depth)
-                out.append(table[la.buckets])
-            return out
-
-        return self._cached("lookahead_conf", compute)
-
-    def _bucket_precisions(self, depth: int) -> np.ndarray:
-        """float64 [buckets] ``precision(depth, b)`` for every bucket."""
-        stats = self._precision.get(depth)
-        if stats is None:
-            return np.full(len(PRIOR_BUCKET_EDGES) + 1, self.config.lookahead_prior_precision)
-        return stats.by_bucket()
-
-    def precision(self, depth: int, bucket: int | None = None) -> float:
-        """Running precision of lookahead at ``depth``: the share of its predicted experts that the
-        layer then routed (``lookahead_prior_precision`` until some were scored). With
-        ``bucket``: of the predicted experts whose estimate before the prediction fell in that
-        ``PRIOR_BUCKET_EDGES`` bucket (shrunk towards the depth's precision by ``PRIOR_WEIGHT``
-        experts' worth)."""
-        if bucket is not None:
-            return float(self._bucket_precisions(depth)[bucket])
-        stats = self._precision.get(depth)
-        if stats is None:
-            return self.config.lookahead_prior_precision
-        return stats.precision()
-
-    def precisions(self) -> dict[int, float]:
-        return {d: self.precision(d) for d in sorted(self._precision)}
-
-    def layer_distance_of(self, layer: int) -> int:
-        """MoE layers until ``layer`` is visited next, in ``1..M``."""
-        M = self.num_moe
-        return int((self._rank[layer] - self._rank[self._layer] - 1) % M + 1)
-
-    def layer_distance(self) -> np.ndarray:
-        """int64 [N] MoE layers until each entry's layer is visited next, in ``1..M`` (dense
-        layers, never visited: M + 1)."""
-
-        def compute() -> np.ndarray:
-            M = self.num_moe
-            d = (self._rank_of - self._rank[self._layer] - 1) % M + 1
-            return np.where(self._rank_of >= 0, d, M + 1)
-
-        return self._cached("distance", compute)
-
-    def request_probabilities(self) -> list[np.ndarray]:
-        """Per live request, float32 [N] its per-visit use probability beyond the next visit:
-        its history blended with its fresh hints."""
-
-        def compute() -> list:
-            if self.estimator is not None:
-                return self.estimator.long_run(self)
-            out = [self._with_hints(req, hist) for req, hist in self._histories()]
-            if not out:
-                out.append(self._prior * self.config.prior_weight)
-            return out
-
-        return self._cached("per_request", compute)
-
-    def _histories(self) -> list[tuple[RequestSignals, np.ndarray]]:
-        """Per live request, its blended history (``_history_of``), once per version: the long-run
-        and the next-visit estimates both start from it."""
-        return self._cached(
-            "histories", lambda: [(req, self._history_of(req)) for req in self._requests.values()]
-        )
-
-    def _with_hints(self, req: RequestSignals, p: np.ndarray) -> np.ndarray:
-        """``p`` (float32 [N]) blended with the request's fresh hints by ``hint_weight``."""
-        w = self.config.hint_weight
-        if w > 0.0 and req.has_hints:
-            fresh = (req.token - req.hint_token) <= self.config.hint_ttl_tokens
-            h = np.where(fresh, req.hints, np.float32(0.0))
-            p = np.where(h > 0.0, (1.0 - w) * p + w * h, p).astype(np.float32)
-        return p
-
-    def request_next_probabilities(self) -> list[np.ndarray]:
-        """Per live request, float32 [N] its probability of use at each layer's next visit, before
-        lookahead, where the request routed the layer before: the learned model's estimate, or
-        else the transition estimate blended with the request's fresh hints (each weighted by
-        ``transition_weight`` against the history); elsewhere its history blended with its fresh
-        hints. The learned estimate is not blended with hints: on the shared trace that cost
-        0.6% more bytes at 25% (the model already reads what the hints add)."""
-
-        def compute() -> list:
-            tw = np.float32(self.config.transition_weight)
-            if self.estimator is not None or tw == 0.0 or not self._requests:
-                return self.request_probabilities()
-            learned = self.next_visit_model is not None
-            out = []
-            for req, hist in self._histories():
-                blend = tw * req.next_p + (np.float32(1.0) - tw) * hist
-                if learned:  # hints only where the model has no estimate yet
-                    p = np.where(req.next_p >= 0.0, blend, self._with_hints(req, hist))
-                else:
-                    p = self._with_hints(req, np.where(req.next_p >= 0.0, blend, hist).astype(np.float32))
-                out.append(p.astype(np.float32, copy=False))
-            return out
-
-        return self._cached("per_request_next", compute)
-
-    @staticmethod
-    def _any_of(ps: list[np.ndarray]) -> np.ndarray:
-        """Probability that any of the requests uses each entry, ``1 - prod (1 - p)``."""
-        if len(ps) == 1:
-            return ps[0].view()  # a view: the cache marks it read-only, not the request's array
-        miss = np.ones(ps[0].shape, np.float32)
-        for p in ps:
-            miss *= 1.0 - np.clip(p, 0.0, 1.0)
-        return (1.0 - miss).astype(np.float32)
-
-    def long_run_probability(self) -> np.ndarray:
-        """float32 [N] per-visit probability that any live request uses each entry, beyond the
-        next visit."""
-
-        return self._cached("long_run", lambda: self._any_of(self.request_probabilities()))
-
-    def use_probability(self) -> np.ndarray:
-        """float32 [N] estimated probability that each entry is used at its layer's next visit:
-        the requests' next-visit estimates (``request_next_probabilities``) combined, overridden
-        for each predicted layer by its lookahead (a predicted expert gets the depth's measured
-        precision, the layer's others keep ``1 - precision`` of their estimate)."""
-
-        def compute() -> np.ndarray:
-            p = self._any_of(self.request_next_probabilities())
-            la = self.lookahead()
-            if not la:
-                return p
-            p = p.copy()
-            E = self.num_experts
-            for (layer, depth, entries, _scores), conf in zip(la, self.lookahead_confidence(), strict=True):
-                sl = slice(layer * E, (layer + 1) * E)
-                p[sl] *= 1.0 - self.precision(depth)
-                p[entries] = np.maximum(p[entries], conf)
-            return p
-
-        return self._cached("use_p", compute)
-
-    def next_use_layers(self) -> np.ndarray:
-        """float64 [N] expected layer steps until each entry's next use (see the glossary); the
-        entries in use now get 0."""
-
-        def compute() -> np.ndarray:
-            if self.estimator is not None:
-                t = self.estimator.next_use(self)
-            else:
-                M = self.num_moe
-                p_next = self.use_probability().astype(np.float64)
-                p_long = np.maximum(
-                    self.long_run_probability().astype(np.float64), self.config.probability_floor
-                )
-                t = self.layer_distance().astype(np.float64) + M * (1.0 - p_next) / p_long
-            if self._needed.size:
-                t[self._needed] = 0.0
-            return t
-
-        return self._cached("next_use", compute)
-
 
 __all__ = [
     "ActivationSignals",
+    "Estimator",
     "LayerPrediction",
-    "RequestSignals",
     "SignalsConfig",
     "next_visit_model_mismatch",
 ]

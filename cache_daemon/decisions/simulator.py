@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from cache_daemon.decisions.estimators import Estimator
 from cache_daemon.decisions.next_visit import NextVisitModel
 from cache_daemon.decisions.policy import POLICIES, REPLAY_ONLY_POLICIES, FutureUses, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import (
@@ -45,7 +44,7 @@ from cache_daemon.decisions.scheduler import (
     PrefetchScheduler,
     QueuedLoad,
 )
-from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
+from cache_daemon.decisions.signals import ActivationSignals, Estimator, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
 
 # -- timing models -----------------------------------------------------------------------------

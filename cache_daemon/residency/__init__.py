@@ -58,22 +58,18 @@ it, so its demand loads are queued before the prefetches they trigger::
     prefetched key used before eviction    → used (accuracy); evicted unused → wasted
 
 Modules: ``slots`` (the table and the free-slot allocator), ``clients`` (sessions, ledgers,
-recency), ``loader`` (I/O pools and the fill), ``prefetcher`` (the worker), ``core`` (acquire,
-release, admission; ``Residency``). ``cache_daemon.daemon.CacheDaemon`` wires the manifest,
+recency), ``loader`` (I/O pools and the fill), ``prefetcher`` (the worker), ``core``
+(``Residency``: the wiring, reads, introspection, shutdown), with its parts ``admission``
+(acquire, admission, waits), ``loads`` (a load's start, promotion, cancellation, result),
+``sessions`` (Demand sessions, client ledgers, release) and ``switches`` (live settings).
+Incoming signals are checked and applied by ``cache_daemon.decisions.intake`` (``Residency.intake``). ``cache_daemon.daemon.CacheDaemon`` wires the manifest,
 store, host tier, arena and ``Residency`` together; the gRPC servicer (``cache_daemon.server``)
 converts and delegates.
 """
 
+from cache_daemon.residency.admission import Ready
 from cache_daemon.residency.clients import UNBOUND_CLAIM_EXPIRY_S, ClientLedger, Session
-from cache_daemon.residency.core import (
-    LookaheadSignal,
-    Ready,
-    Residency,
-    ResidencyStats,
-    RouteSignal,
-    SlotInfo,
-    table_entries,
-)
+from cache_daemon.residency.core import Residency, ResidencyStats, SlotInfo, table_entries
 from cache_daemon.residency.prefetcher import PREFETCH_KINDS
 from cache_daemon.residency.slots import SlotState
 
@@ -81,11 +77,9 @@ __all__ = [
     "PREFETCH_KINDS",
     "UNBOUND_CLAIM_EXPIRY_S",
     "ClientLedger",
-    "LookaheadSignal",
     "Ready",
     "Residency",
     "ResidencyStats",
-    "RouteSignal",
     "Session",
     "SlotInfo",
     "SlotState",

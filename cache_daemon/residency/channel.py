@@ -118,7 +118,7 @@ class ChannelServer:
                     self._serve(*demand, ops)
                     continue
                 if ops:
-                    self.residency.apply_channel_ops(ops)
+                    self.residency.intake.apply_ops(ops)
                 channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
         except (SessionClosed, ShuttingDown):
             pass
@@ -156,13 +156,13 @@ class ChannelServer:
         metrics.acquire_wait.observe(time.monotonic() - started)
 
     def _drain_signals(self) -> list[tuple[str, object]]:
-        """The ring's records since the last drain, checked: ops for ``apply_channel_ops``."""
+        """The ring's records since the last drain, checked: ops for ``SignalIntake.apply_ops``."""
         records, corrupt = self.channel.drain()
         if corrupt:
             self._reject("corrupt", "a malformed record in the signal ring (the rest of it was skipped)")
         if not records:
             return []
-        residency = self.residency
+        intake = self.residency.intake
         ops: list[tuple[str, object]] = []
         for record in records:
             kind, handle = record[0], record[1]
@@ -179,12 +179,10 @@ class ChannelServer:
                         ops.append(("end", request_id))
                 elif kind == "route":
                     _, _, token, layer, experts = record
-                    ops.append(
-                        ("signal", residency.check_route(self._request(handle), token, layer, experts))
-                    )
+                    ops.append(("signal", intake.check_route(self._request(handle), token, layer, experts)))
                 else:
                     _, _, token, predictions = record
-                    checked = residency.check_layer_ahead(
+                    checked = intake.check_layer_ahead(
                         token,
                         [
                             LayerPrediction(int(lay), int(dep), ex, np.asarray(sc))

@@ -16,7 +16,7 @@ Prefetch loads never occupy a demand I/O thread, so a demand load never queues b
 demand that joins a prefetch load promotes it: the store read's priority rises to DEMAND, or a
 demand I/O thread takes it if no prefetch thread has yet (whichever thread starts first runs it).
 A cancelled load that has not started never reads; one whose read is submitted loses its
-unissued chunks and ends with ``Cancelled``.
+unissued chunks and ends with ``ReadCancelled``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ PRIORITY = {
 }
 
 
-class Cancelled(Exception):
-    """A prefetch load was cancelled before its store read was submitted."""
+class ReadCancelled(Exception):
+    """A prefetch load was cancelled before its store read was submitted: the read never starts."""
 
 
 @dataclass(eq=False)
@@ -175,22 +175,31 @@ class Loader:
     def _fail_copy(self, load: Load, exc: BaseException, release: Callable[[], None]) -> None:
         """A copy from the host tier failed: as ``_run`` does for any failed load."""
         if isinstance(exc, CopyInFlight):
-            logger.error("loading expert %s into slot %d: %s", load.key, load.slot, exc)
-            with self._cond:
-                self._on_failed(load, exc, keep_slot=True)
-            try:
-                exc.wait_done()
-            finally:
-                release()
-                for cleanup in exc.cleanups:
-                    cleanup()
-                with self._cond:
-                    self._on_slot_settled(load.slot)
+            self._settle_late_copy(load, exc, release)
             return
         release()
         logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
         with self._cond:
             self._on_failed(load, exc)
+
+    def _settle_late_copy(
+        self, load: Load, exc: CopyInFlight, release: Callable[[], None] | None = None
+    ) -> None:
+        """A copy into ``load``'s slot failed while still in flight. The waiters fail now; the slot
+        and the copy's source (``release``, then the copy's own cleanups) stay reserved until the
+        copy lands (this thread waits for it), so nothing reuses memory the GPU still writes."""
+        logger.error("loading expert %s into slot %d: %s", load.key, load.slot, exc)
+        with self._cond:
+            self._on_failed(load, exc, keep_slot=True)
+        try:
+            exc.wait_done()
+        finally:
+            if release is not None:
+                release()
+            for cleanup in exc.cleanups:
+                cleanup()
+            with self._cond:
+                self._on_slot_settled(load.slot)
 
     # -- I/O threads -------------------------------------------------------------------------------
     def _run(self, load: Load) -> None:
@@ -201,18 +210,7 @@ class Loader:
         try:
             source = self._fill(load)
         except CopyInFlight as exc:
-            # The waiters fail now; the slot and the copy's source stay reserved until the copy
-            # lands (this I/O thread waits for it), so nothing reuses memory the GPU still writes.
-            logger.error("loading expert %s into slot %d: %s", load.key, load.slot, exc)
-            with self._cond:
-                self._on_failed(load, exc, keep_slot=True)
-            try:
-                exc.wait_done()
-            finally:
-                for cleanup in exc.cleanups:
-                    cleanup()
-                with self._cond:
-                    self._on_slot_settled(load.slot)
+            self._settle_late_copy(load, exc)
             logger.warning("the late copy into slot %d landed: the slot is free again", load.slot)
             return
         except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
@@ -231,7 +229,7 @@ class Loader:
         """Read ``load.key``'s blob into ``out`` at the load's priority, cancellable meanwhile."""
         with self._cond:
             if load.cancelled:
-                raise Cancelled(f"prefetch of {load.key} cancelled")
+                raise ReadCancelled(f"prefetch of {load.key} cancelled")
             handle = load.handle = self._store.submit(load.key, out, load.priority)
         try:
             handle.wait()
@@ -299,4 +297,4 @@ class Loader:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["PRIORITY", "Cancelled", "Load", "Loader"]
+__all__ = ["PRIORITY", "Load", "Loader", "ReadCancelled"]

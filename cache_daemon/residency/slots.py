@@ -14,8 +14,7 @@ from __future__ import annotations
 import enum
 
 from expertcache.keys import ExpertKey
-from expertcache.native import SlotState as TableState
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 
 
 class SlotState(enum.Enum):

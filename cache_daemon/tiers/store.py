@@ -54,6 +54,8 @@ IO_MODE_URING = "o_direct+io_uring"
 IO_MODE_PREAD = "o_direct+pread"
 IO_MODE_BUFFERED = "buffered"
 _ALIGN = Reader.ALIGNMENT
+# A contiguous CPU uint8 buffer a blob is read into.
+BlobBuffer = torch.Tensor | memoryview | mmap.mmap | bytearray
 
 
 class Priority(IntEnum):
@@ -72,7 +74,7 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def as_writable(buf: torch.Tensor | memoryview | mmap.mmap | bytearray) -> memoryview:
+def as_writable(buf: BlobBuffer) -> memoryview:
     """A flat byte ``memoryview`` over ``buf`` (a contiguous CPU tensor of any dtype, or a buffer)."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
@@ -283,10 +285,7 @@ class StoreReader(MemoryTier):
         self._reader.resume()
 
     def submit(
-        self,
-        key: ExpertKey,
-        out: torch.Tensor | memoryview | mmap.mmap | bytearray,
-        priority: Priority = Priority.DEMAND,
+        self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND
     ) -> StoreReadHandle:
         """Start reading ``key``'s blob into the first ``blob_bytes`` of ``out`` (a contiguous CPU
         uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it."""
@@ -313,12 +312,7 @@ class StoreReader(MemoryTier):
             self._outstanding[request_id] = handle
         return handle
 
-    def read_into(
-        self,
-        key: ExpertKey,
-        out: torch.Tensor | memoryview | mmap.mmap | bytearray,
-        priority: Priority = Priority.DEMAND,
-    ) -> None:
+    def read_into(self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND) -> None:
         """Read ``key``'s blob into the first ``blob_bytes`` of ``out`` and verify its checksum.
 
         ``out`` should be page-aligned for O_DIRECT (an unaligned one costs a bounce copy).

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from expertcache.native import MAX_REQUEST_ID_BYTES, SlotState, SlotTable, StaleClient
+from expertcache.native import MAX_REQUEST_ID_BYTES, SlotTable, StaleClient, TableState
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,7 +185,7 @@ def test_the_daemon_pins_into_a_ledger_until_it_is_reclaimed(table):
     assert table.pins(3) == 0
     assert table.channel(1).doorbell_seq != seen  # the channel's thread is woken to see it
     assert not table.hold_for_client(1, epoch, 3)  # the old epoch: refused, nothing pinned
-    assert table.pins(3) == 0 and table.state(3) == SlotState.RESIDENT
+    assert table.pins(3) == 0 and table.state(3) == TableState.RESIDENT
     with pytest.raises(StaleClient):
         compute.unpin_many([3])
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from expertcache.native import SlotState, SlotTable
+from expertcache.native import SlotTable, TableState
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,12 +37,12 @@ def test_create_and_open(table_path):
     t = SlotTable.create(table_path, 8, 3)
     assert (t.num_entries, t.num_slots, t.path) == (8, 3, table_path)
     for e in range(8):
-        assert t.state(e) == SlotState.ABSENT
+        assert t.state(e) == TableState.ABSENT
         assert (t.pins(e), t.slot(e), t.generation(e)) == (0, -1, 0)
     _make_resident(t, 5, 2)
     other = SlotTable.open(table_path)  # a second mapping of the same file sees the same words
     assert (other.num_entries, other.num_slots) == (8, 3)
-    assert other.state(5) == SlotState.RESIDENT
+    assert other.state(5) == TableState.RESIDENT
     assert (other.slot(5), other.generation(5)) == (2, 1)
     assert other.try_pin(5) == 2
     assert t.pins(5) == 1
@@ -52,7 +52,7 @@ def test_lifecycle_and_transitions(table_path):
     t = SlotTable.create(table_path, 2, 2)
     assert t.try_pin(0) is None  # ABSENT
     t.begin_load(0, 1)
-    assert t.state(0) == SlotState.LOADING
+    assert t.state(0) == TableState.LOADING
     assert t.try_pin(0) is None  # LOADING
     with pytest.raises(RuntimeError, match="begin_load of entry 0 in state LOADING"):
         t.begin_load(0, 0)
@@ -62,13 +62,13 @@ def test_lifecycle_and_transitions(table_path):
     assert t.try_pin(0) == 1
     t.unpin(0)
     assert t.try_evict(0)
-    assert (t.state(0), t.slot(0), t.pins(0)) == (SlotState.ABSENT, -1, 0)
+    assert (t.state(0), t.slot(0), t.pins(0)) == (TableState.ABSENT, -1, 0)
     assert not t.try_evict(0)  # already ABSENT
     _make_resident(t, 0, 0)
     assert t.generation(0) == 2
     t.begin_load(1, 0)
     t.abort_load(1)
-    assert t.state(1) == SlotState.ABSENT
+    assert t.state(1) == TableState.ABSENT
 
 
 def test_unpin_below_zero_raises(table_path):
@@ -89,7 +89,7 @@ def test_pinned_entry_cannot_be_evicted(table_path):
     assert t.try_pin(0) == 0
     assert t.try_pin(0) == 0
     assert not t.try_evict(0)
-    assert t.state(0) == SlotState.RESIDENT
+    assert t.state(0) == TableState.RESIDENT
     t.unpin(0)
     assert not t.try_evict(0)
     t.unpin(0)
@@ -106,7 +106,7 @@ def test_bounds_checked(table_path):
             call(-1)
     with pytest.raises(IndexError, match="slot 2 out of range"):
         t.begin_load(0, 2)
-    assert t.state(0) == SlotState.ABSENT
+    assert t.state(0) == TableState.ABSENT
 
 
 def test_concurrent_pin_unpin_two_processes(table_path):
@@ -131,7 +131,7 @@ def test_concurrent_pin_unpin_two_processes(table_path):
         assert c.returncode == 0, err
         assert out.strip() == "ok"
     assert t.pins(0) == 0
-    assert t.state(0) == SlotState.RESIDENT
+    assert t.state(0) == TableState.RESIDENT
 
 
 def test_evict_races_with_pinners_never_evicts_pinned(table_path):
@@ -449,7 +449,7 @@ def test_unpin_to_zero_bumps_the_word_and_nothing_else_does(table_path):
     assert t.wait_unpin(seq, 10.0)  # already moved on: returns at once
     t.wake_unpin_waiters()
     assert t.unpin_seq == seq + 2
-    assert [s for s in t.states()] == [SlotState.RESIDENT, 0, 0, 0] and t.slots() == [0, -1, -1, -1]
+    assert [s for s in t.states()] == [TableState.RESIDENT, 0, 0, 0] and t.slots() == [0, -1, -1, -1]
     with pytest.raises(ValueError, match="timeout_s is NaN"):
         t.wait_unpin(seq, float("nan"))
 

@@ -25,7 +25,7 @@ from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ReadyExpert, Tier
 from expertcache import channel as codes
 from expertcache.manifest import StoreManifest, plan_blob
-from expertcache.native import SlotState, SlotTable
+from expertcache.native import SlotTable, TableState
 
 TENSORS, BLOB = plan_blob([("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))])
 MANIFEST = StoreManifest(
@@ -113,7 +113,7 @@ class ChannelResponder:
         loads = []
         for i, expert in enumerate(experts):
             entry = layer * MANIFEST.num_experts + expert
-            if table.state(entry) != SlotState.RESIDENT:
+            if table.state(entry) != TableState.RESIDENT:
                 used = {slot for slot in table.slots() if slot >= 0}
                 table.begin_load(entry, min(set(range(table.num_slots)) - used))
                 loads.append((i, entry))
@@ -433,7 +433,7 @@ def test_a_failed_load_on_the_channel_raises_its_message(daemon, tmp_path):
     servicer.fail_load = "loading expert L1E2 failed: checksum mismatch"
     with pytest.raises(DataLoss, match="loading expert L1E2 failed: checksum mismatch"):
         list(client.acquire(1, [2]))
-    assert table.client_pins(0, 6) == 0 and table.state(6) == SlotState.ABSENT
+    assert table.client_pins(0, 6) == 0 and table.state(6) == TableState.ABSENT
     client.close()
 
 

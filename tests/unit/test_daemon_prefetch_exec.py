@@ -28,8 +28,7 @@ from cache_daemon.tiers.store import Priority
 from expertcache.errors import InvalidArgument
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
-from expertcache.native import SlotState as TableState
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
 from tests import waiting
 from tests.unit.test_daemon_store import blob_of, write_store
@@ -79,7 +78,7 @@ class Harness:
             max_inflight_bytes=max_inflight_bytes,
         )
         # Hint batches are pushed to the residency as they arrive, as in the daemon.
-        self.board = HintBoard(on_batch=self.residency.apply_hints)
+        self.board = HintBoard(on_batch=self.residency.intake.apply_hints)
 
     def policy(self, name: str):
         return make_policy(
@@ -132,7 +131,7 @@ wait_for = functools.partial(waiting.wait_for, poll_s=0.002)
 
 def ahead(r: Residency, token: int, layer: int, experts, scores, depth: int = 1) -> None:
     """Compute's LayerAhead with one prediction (``depth`` MoE layers early)."""
-    r.layer_ahead(token, [LayerPrediction(layer, depth, experts, scores)])
+    r.intake.layer_ahead(token, [LayerPrediction(layer, depth, experts, scores)])
 
 
 def entry(h: Harness, key: ExpertKey) -> int:
@@ -142,8 +141,8 @@ def entry(h: Harness, key: ExpertKey) -> int:
 def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     h = make(slots=4)
     r = h.residency
-    r.begin_request("req")
-    r.observe("req", 0, L1, [0, 1])
+    r.intake.begin_request("req")
+    r.intake.observe("req", 0, L1, [0, 1])
     ahead(r, 0, L3, [2, 4], [0.8, 0.6])
     wait_for(lambda: h.state(L3, 2) is SlotState.RESIDENT and h.state(L3, 4) is SlotState.RESIDENT)
     assert h.count(h.metrics.prefetch_started) == 2
@@ -180,7 +179,7 @@ def test_pinned_experts_are_never_evicted_by_prefetch(make):
     assert compute.try_pin_many([entry(h, shm_key)]) == [shm_slot]  # a compute shm pin
     before = {held.slot: h.slot_bytes(held.slot), shm_slot: h.slot_bytes(shm_slot)}
 
-    r.observe("req", 5, L1, [2])  # the pinned ones are no longer even needed now
+    r.intake.observe("req", 5, L1, [2])  # the pinned ones are no longer even needed now
     ahead(r, 5, L3, [0, 1, 2], [0.9, 0.9, 0.9])
     assert r.run_prefetch() == 0
     assert h.count(h.metrics.prefetch_started) == 0
@@ -203,7 +202,7 @@ def test_demand_joins_a_queued_prefetch_and_promotes_it_to_demand_priority(make)
     h = make(slots=4, reader_threads=1)
     r = h.residency
     h.store.pause()  # reads stay queued in the native reader until resumed
-    r.observe("req", 0, L1, [0])
+    r.intake.observe("req", 0, L1, [0])
     ahead(r, 0, L3, [4, 5], [0.9, 0.8])
     wait_for(lambda: h.store.reader_stats()["queued"] == 2)
     for e in (4, 5):
@@ -229,7 +228,7 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     h = make(slots=2)
     r = h.residency
     h.store.pause()
-    r.observe("req", 0, L1, [0])
+    r.intake.observe("req", 0, L1, [0])
     ahead(r, 0, L3, [0, 1], [0.9, 0.5])
     wait_for(lambda: h.state(L3, 0) is SlotState.LOADING and h.state(L3, 1) is SlotState.LOADING)
     s = r.open_session("compute")
@@ -257,7 +256,7 @@ def test_a_demand_waiting_for_slots_is_never_overtaken_by_prefetch(make):
     b = r.open_session("b")
     waiter = ThreadPoolExecutor(1).submit(lambda: list(r.acquire(b, L1, [2])))
     wait_for(lambda: r.stats().demands_waiting == 1)  # b waits for a slot
-    r.observe("req", 0, L1, [0, 1])
+    r.intake.observe("req", 0, L1, [0, 1])
     ahead(r, 0, L3, [3], [0.99])
     r.release(a, [pinned[0].key])  # one slot comes free: it must go to b, not to the prefetch
     (ready,) = waiter.result(5)
@@ -271,8 +270,8 @@ def test_a_stale_hint_never_displaces_a_needed_expert(make):
     h = make(slots=3, policy="moe-infinity", hint_ttl_tokens=2)
     r = h.residency
     layer3 = h.manifest.moe_layers.index(L3)  # hints name MoE layer indices
-    r.begin_request("req")
-    r.observe("req", 0, L1, [0, 1])
+    r.intake.begin_request("req")
+    r.intake.observe("req", 0, L1, [0, 1])
     needed = h.load(L1, 0, 1)  # resident, unpinned, routed at the current position
     h.board.apply(HintBatch("req", tuple(Hint(layer3, e, 1.0) for e in range(6))))  # wakes the worker
     # A fresh hint fills the free slot, and displaces nothing needed.
@@ -282,7 +281,7 @@ def test_a_stale_hint_never_displaces_a_needed_expert(make):
     assert r.run_prefetch() == 0
     # Tokens pass: the hints go stale (older than hint_ttl_tokens) and are never acted on.
     for token in (1, 2, 3, 4):
-        r.observe("req", token, L1, [0, 1])
+        r.intake.observe("req", token, L1, [0, 1])
     assert r.run_prefetch() == 0
     assert h.count(h.metrics.prefetch_started, "eamc") == 1
     for key, slot in needed.items():
@@ -315,20 +314,20 @@ def test_prediction_messages_reach_the_signals_and_bad_ones_name_the_value(make)
     h = make(slots=2)
     r = h.residency
     r.configure_prefetch(enabled=False, max_inflight_bytes=0)
-    r.begin_request("r1")
+    r.intake.begin_request("r1")
     assert h.signals.request_id == "r1"
-    r.observe("r1", 7, L1, [4, 2, 4])  # duplicates (several tokens of a prefill) are merged
+    r.intake.observe("r1", 7, L1, [4, 2, 4])  # duplicates (several tokens of a prefill) are merged
     assert h.signals.position == (7, L1)
     assert sorted(h.signals.needed.tolist()) == [entry(h, ExpertKey(L1, 2)), entry(h, ExpertKey(L1, 4))]
     ahead(r, 7, L3, [5], [0.75])
     [(layer, depth, entries, scores)] = h.signals.lookahead()
     assert (entries.tolist(), scores.tolist(), layer, depth) == ([entry(h, ExpertKey(L3, 5))], [0.75], L3, 1)
-    r.observe("r2", 0, L3, [1])  # a Route of another request: its RequestBegin was lost
+    r.intake.observe("r2", 0, L3, [1])  # a Route of another request: its RequestBegin was lost
     assert h.signals.request_id == "r2"
-    r.end_request("r2")
+    r.intake.end_request("r2")
     assert h.signals.request_id is None
     with pytest.raises(InvalidArgument, match=r"Route names layer 2, which is not a MoE layer .*\[1, 3\]"):
-        r.observe("r2", 1, 2, [0])
+        r.intake.observe("r2", 1, 2, [0])
     with pytest.raises(
         InvalidArgument,
         match=r"LayerAhead prediction at depth 1 for layer 3 names expert 6; the store has experts 0..5",
@@ -349,7 +348,7 @@ def test_prediction_messages_reach_the_signals_and_bad_ones_name_the_value(make)
     ):
         ahead(r, 1, L3, [0], [0.5], depth=3)
     with pytest.raises(InvalidArgument, match=r"LayerAhead names depth 1 twice"):
-        r.layer_ahead(1, [LayerPrediction(L3, 1, [0], [0.5]), LayerPrediction(L1, 1, [0], [0.5])])
+        r.intake.layer_ahead(1, [LayerPrediction(L3, 1, [0], [0.5]), LayerPrediction(L1, 1, [0], [0.5])])
 
 
 def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
@@ -372,7 +371,7 @@ def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
         while not stop.is_set():
             token += 1
             for layer in (L1, L3):
-                r.observe("req", token, layer, planned[layer])
+                r.intake.observe("req", token, layer, planned[layer])
                 planned[layer] = rng.sample(range(6), 2)
                 nxt = L3 if layer == L1 else L1
                 ahead(r, token if layer == L1 else token + 1, nxt, planned[nxt], [0.9, 0.5])

@@ -29,8 +29,7 @@ from cache_daemon.tiers import HostTier, StoreReader, Tier
 from cache_daemon.tiers.device import ShmArena
 from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from expertcache.keys import ExpertKey
-from expertcache.native import SlotState as TableState
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
 from tests.unit.test_daemon_store import blob_of, corrupt, write_store
 

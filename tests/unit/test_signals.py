@@ -7,15 +7,11 @@ import numpy as np
 import pytest
 
 from cache_daemon.decisions.estimators import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
+from cache_daemon.decisions.lookahead import PRIOR_BUCKET_EDGES
 from cache_daemon.decisions.policy.base import PolicyShape
 from cache_daemon.decisions.policy.lru import LRUPolicy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig, PrefetchScheduler
-from cache_daemon.decisions.signals import (
-    PRIOR_BUCKET_EDGES,
-    ActivationSignals,
-    LayerPrediction,
-    SignalsConfig,
-)
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
 
@@ -281,7 +277,7 @@ def test_lookahead_precision_is_kept_per_prior_bucket():
         s.observe(0, [1], token=t)  # layer 0 always routes expert 1: its history is high
         s.set_lookahead([pred(1, 1, [1, 6])], token=t)  # 1: a habit (right); 6: never used (wrong)
         s.observe(1, [1], token=t)
-    b_habit, b_new = s._prior_buckets(s._current, [E + 1, E + 6])
+    b_habit, b_new = s._current.prior_buckets([E + 1, E + 6], long_weight=0.0, use_next=False)
     assert b_new == 0 and b_habit == len(PRIOR_BUCKET_EDGES)
     assert s.precision(1) == pytest.approx(0.5, abs=0.05)
     assert s.precision(1, b_habit) > 0.9 and s.precision(1, b_new) < 0.1

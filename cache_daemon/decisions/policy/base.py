@@ -48,6 +48,23 @@ class PolicyShape:
         return self.num_layers * self.num_experts
 
 
+def first_evictable(
+    order: Iterable[ExpertKey], n: int, evictable: Callable[[ExpertKey], bool]
+) -> list[ExpertKey]:
+    """The first ``n`` keys of ``order`` (a policy's victim order, best first) that are
+    ``evictable``: ``choose_victims`` of a policy that keeps an order. Walks no further than it
+    must (the tier's pinned keys are skipped one by one)."""
+    victims: list[ExpertKey] = []
+    if n <= 0:
+        return victims
+    for key in order:
+        if evictable(key):
+            victims.append(key)
+            if len(victims) == n:
+                break
+    return victims
+
+
 class EvictionPolicy(ABC):
     """Orders the keys resident in one tier for eviction."""
 
@@ -212,16 +229,9 @@ class ShapedPolicy(EvictionPolicy):
         return entries
 
     def choose_victims(self, n: int, evictable: Callable[[ExpertKey], bool]) -> list[ExpertKey]:
-        victims: list[ExpertKey] = []
-        if n <= 0 or self._count == 0:
-            return victims
-        for e in self.victim_order():
-            key = self._key(int(e))
-            if evictable(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        return victims
+        if self._count == 0:
+            return []
+        return first_evictable((self._key(int(e)) for e in self.victim_order()), n, evictable)
 
     def keep_value(self, keys: Iterable[ExpertKey]) -> np.ndarray:
         entries = np.array([self._entry(k) for k in keys], np.int64)

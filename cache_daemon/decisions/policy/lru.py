@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.decisions.policy.base import EvictionPolicy, PolicyShape
+from cache_daemon.decisions.policy.base import EvictionPolicy, PolicyShape, first_evictable
 from expertcache.keys import ExpertKey
 
 if TYPE_CHECKING:
@@ -43,15 +43,7 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def choose_victims(self, n: int, evictable: Callable[[ExpertKey], bool]) -> list[ExpertKey]:
-        victims: list[ExpertKey] = []
-        if n <= 0:
-            return victims
-        for key in self._order:
-            if evictable(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        return victims
+        return first_evictable(self._order, n, evictable)
 
     def keep_value(self, keys: Iterable[ExpertKey]) -> np.ndarray:
         """Recency rank (0 = least recent); untracked keys rank above every tracked one."""
