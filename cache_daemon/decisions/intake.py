@@ -27,8 +27,9 @@ from expertcache.errors import InvalidArgument
 from expertcache.layers import LayerMap
 
 if TYPE_CHECKING:  # the board's module also holds the gRPC subscriber, which domain code never imports
-    from cache_daemon.hints import HintBatch
     from prometheus_client import Counter
+
+    from cache_daemon.hints import HintBatch
 
 
 @dataclass(frozen=True, eq=False)
