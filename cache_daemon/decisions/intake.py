@@ -74,6 +74,10 @@ class SignalIntake:
         self._lock = lock
         self._on_change = on_change
         self._counter = counter
+        # Bound once: one of them counts every route and every lookahead (``labels()`` takes a
+        # lock and a lookup at each call).
+        self._routes = counter.labels("route")
+        self._lookaheads = counter.labels("layer_ahead")
         self.hints_dropped = 0  # predictor hints naming no live request or no MoE layer
 
     # -- checks (no lock) --------------------------------------------------------------------------
@@ -165,10 +169,10 @@ class SignalIntake:
         for sig in signals:
             if isinstance(sig, RouteSignal):
                 self.signals.observe(sig.layer, sig.experts, sig.token, sig.request_id)
-                self._counter.labels("route").inc()
+                self._routes.inc()
             else:
                 self.signals.set_lookahead(list(sig.predictions), sig.token, sig.request_id)
-                self._counter.labels("layer_ahead").inc()
+                self._lookaheads.inc()
             applied = True
         if applied and kick:
             self._on_change()
