@@ -18,7 +18,7 @@ from tests import waiting
 from tests.integration.fake_kube_api import FakeKubeApi
 from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, tiers
 from tests.integration.test_predictor_server import SHAPE, request, stats, stub
-from tests.unit.test_daemon_store import write_store
+from tests.unit.daemon.test_store import write_store
 
 pytestmark = pytest.mark.integration
 

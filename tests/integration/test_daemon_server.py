@@ -25,7 +25,7 @@ from compute_svc.layer_ahead import Prediction  # noqa: E402
 from expertcache.keys import ExpertKey  # noqa: E402
 from tests import waiting  # noqa: E402
 from tests.procs import Proc, start_daemon  # noqa: E402
-from tests.unit.test_daemon_store import blob_of, corrupt, write_store  # noqa: E402
+from tests.unit.daemon.test_store import blob_of, corrupt, write_store  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

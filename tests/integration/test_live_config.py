@@ -23,7 +23,7 @@ from expertcache.launch import start, start_compute, start_daemon
 from tests import waiting
 from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, DemandStream, tiers
 from tests.integration.test_predictor_server import request, start_predictor, stats, stub
-from tests.unit.test_daemon_store import write_store
+from tests.unit.daemon.test_store import write_store
 
 pytestmark = pytest.mark.integration
 
@@ -220,7 +220,7 @@ def test_restart_only_key_is_logged_and_not_applied(live_daemon):
 
 
 def test_a_next_visit_model_is_swapped_in_by_an_edit_while_streaming(live_daemon, tmp_path):
-    from tests.unit.test_daemon_config import _next_visit_model
+    from tests.unit.daemon.test_config import _next_visit_model
 
     d, volume = live_daemon
     streamer = Streamer(d)

@@ -29,7 +29,7 @@ from expertcache.manifest import read_manifest
 from expertcache.tiny import make_checkpoint, make_config
 from tests.stores import assert_store_matches, bits, model_tensors, read_expert, read_parts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def dequantized_model(src: Path) -> torch.nn.Module:

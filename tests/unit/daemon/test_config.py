@@ -15,7 +15,7 @@ from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
 from expertcache.keys import ExpertKey
-from tests.unit.test_daemon_store import write_store
+from tests.unit.daemon.test_store import write_store
 
 
 def load(cli=None, env=None, file=None) -> DaemonConfig:

@@ -1,5 +1,5 @@
 """The daemon's tiers on real files: the store reader (native Reader: O_DIRECT via io_uring or
-pread, or buffered), shm arena. The host tier's tests are in test_daemon_host.py.
+pread, or buffered), shm arena. The host tier's tests are in test_host.py.
 
 ``write_store`` builds a small synthetic expert store (the format of ``expertcache.manifest``)
 without the converter; the other daemon tests import it from here.

@@ -19,7 +19,7 @@ from cache_daemon.errors import ArenaUnavailable
 from cache_daemon.shm_files import claim_shm_files, daemon_files, lock_path, sweep_dead_daemons
 from cache_daemon.tiers.device import create_arena
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # A stand-in daemon: claims its id, creates its files, says so, then lives until killed.
 HOLDER = """

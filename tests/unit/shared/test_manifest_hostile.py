@@ -14,7 +14,7 @@ import expertcache.manifest as manifest_mod
 from expertcache.errors import DataLoss
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob, read_manifest, store_path
 
-REPO = manifest_mod.Path(__file__).resolve().parents[2]
+REPO = manifest_mod.Path(__file__).resolve().parents[3]
 
 
 def valid_raw() -> dict:

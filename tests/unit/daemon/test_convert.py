@@ -28,7 +28,7 @@ from expertcache.manifest import read_manifest
 from expertcache.tiny import SUPPORTED_ARCHS, make_checkpoint, make_config
 from tests.stores import assert_store_matches, assert_store_matches_model, model_tensors
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # -- helpers ---------------------------------------------------------------------------------
