@@ -24,7 +24,7 @@ from cache_daemon.tiers import ArenaKind, HostTier, Tier  # noqa: E402
 from cache_daemon.tiers.device import CudaArena, create_arena  # noqa: E402
 from expertcache import native  # noqa: E402
 from expertcache.keys import ExpertKey  # noqa: E402
-from tests.unit.daemon.test_store import blob_of, write_store  # noqa: E402
+from tests.stores import blob_of, write_store  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

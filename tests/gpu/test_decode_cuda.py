@@ -88,8 +88,8 @@ def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
     from compute_svc.model_loader import load_model
     from compute_svc.moe import ExpertRuntime, attach
     from expertcache.tiny import make_checkpoint
-    from tests.conftest import LocalProvider
     from tests.equality import compare_with_routing
+    from tests.providers import LocalProvider
 
     src = make_checkpoint(
         "gpt_oss", tmp_path / "ckpt", quantization="mxfp4", intermediate_size=64, dtype=torch.float32

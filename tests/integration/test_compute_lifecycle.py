@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from tests.integration.test_daemon_server import tiers
-from tests.integration.test_live_config import KubeletVolume
+from tests.daemons import tiers
+from tests.kubelet import KubeletVolume
 from tests.procs import start, start_compute, start_daemon
 from tests.waiting import wait_for
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import queue
 import re
@@ -19,74 +18,18 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
+from moe.cache.v1 import cache_pb2  # noqa: E402
 
 from compute_svc.layer_ahead import Prediction  # noqa: E402
 from expertcache.keys import ExpertKey  # noqa: E402
 from tests import waiting  # noqa: E402
-from tests.procs import Proc, start_daemon  # noqa: E402
-from tests.unit.daemon.test_store import blob_of, corrupt, write_store  # noqa: E402
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers  # noqa: E402
+from tests.procs import start_daemon  # noqa: E402
+from tests.stores import corrupt, write_store  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-BLOB = 4096
 SLOTS = 3
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-
-
-class DemandStream:
-    """One Demand call: requests go through a queue, responses are read in order."""
-
-    def __init__(self, stub: cache_pb2_grpc.ExpertCacheStub) -> None:
-        self._requests: queue.Queue = queue.Queue()
-        self.call = stub.Demand(iter(self._requests.get, None), timeout=60)
-
-    def acquire(self, ticket: int, layer: int, experts: list[int]) -> tuple[list, cache_pb2.AcquireDone]:
-        self._requests.put(
-            cache_pb2.DemandRequest(
-                acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=experts)
-            )
-        )
-        readies = []
-        for response in self.call:
-            if response.WhichOneof("kind") == "ready":
-                assert response.ready.ticket == ticket
-                readies.append(response.ready)
-            else:
-                assert response.done.ticket == ticket
-                return readies, response.done
-        raise AssertionError("the stream ended without AcquireDone")
-
-    def release(self, layer: int, experts: list[int]) -> None:
-        refs = [cache_pb2.ExpertRef(decoder_layer=layer, expert=e) for e in experts]
-        self._requests.put(cache_pb2.DemandRequest(release=cache_pb2.Release(experts=refs)))
-
-    def close(self) -> None:
-        self._requests.put(None)
-
-
-class Daemon:
-    def __init__(self, proc: Proc, store: Path, manifest) -> None:
-        self.proc, self.store, self.manifest = proc, store, manifest
-        self.channel = grpc.insecure_channel(proc.address)
-        self.stub = cache_pb2_grpc.ExpertCacheStub(self.channel)
-        self.attach = self.stub.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10)
-        self.arena_path = Path(os.path.join("/dev/shm", self.attach.arena.shm_name))
-        with open(self.arena_path, "rb") as f:
-            self.arena = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-
-    def slot_bytes(self, slot: int) -> bytes:
-        return self.arena[slot * BLOB : (slot + 1) * BLOB]
-
-    def blob(self, layer: int, expert: int) -> bytes:
-        return blob_of(self.store, self.manifest, ExpertKey(layer, expert))
-
-    def stats(self) -> cache_pb2.CacheStats:
-        return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
-
-    def close(self) -> None:
-        self.arena.close()
-        self.channel.close()
 
 
 def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey | None = None) -> Daemon:
@@ -114,10 +57,6 @@ def daemon(tmp_path_factory):
     yield d
     d.close()
     assert d.proc.stop() == 0, d.proc.log()
-
-
-def tiers(stats: cache_pb2.CacheStats) -> dict[int, cache_pb2.TierStats]:
-    return {t.tier: t for t in stats.tiers}
 
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.02)

@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.procs import Proc, start_daemon  # noqa: E402
-from tests.unit.daemon.test_store import write_store  # noqa: E402
+from tests.stores import write_store  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import signal
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,46 +18,16 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from expertcache.launch import start, start_compute, start_daemon
 from tests import waiting
-from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, DemandStream, tiers
-from tests.integration.test_predictor_server import request, start_predictor, stats, stub
-from tests.unit.daemon.test_store import write_store
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
+from tests.kubelet import KubeletVolume
+from tests.predictors import SHAPE, request, start_predictor, stats, stub
+from tests.stores import write_store
 
 pytestmark = pytest.mark.integration
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.02, timeout_s=15.0)
 # The fixture's starting budgets: an edit that leaves a key out sets it back to its default.
 BUDGETS = f"device_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n"
-
-
-class KubeletVolume:
-    """A directory laid out like a ConfigMap volume: ``<key>`` -> ``..data/<key>``, ``..data`` ->
-    ``..<timestamp>``; ``write`` publishes new content atomically as the kubelet does."""
-
-    def __init__(self, root: Path, key: str, text: str) -> None:
-        self.root, self.key = root, key
-        root.mkdir(parents=True)
-        self._generation = 0
-        self._current = self._new_dir(text)
-        os.symlink(self._current.name, root / "..data")
-        os.symlink(f"..data/{key}", root / key)
-
-    @property
-    def path(self) -> Path:
-        return self.root / self.key
-
-    def _new_dir(self, text: str) -> Path:
-        self._generation += 1
-        d = self.root / f"..2026_11_25_00_00_{self._generation:02d}.{os.getpid()}"
-        d.mkdir()
-        (d / self.key).write_text(text)
-        return d
-
-    def write(self, text: str) -> None:
-        new = self._new_dir(text)
-        os.symlink(new.name, self.root / "..data_tmp")
-        os.rename(self.root / "..data_tmp", self.root / "..data")  # the atomic swap
-        shutil.rmtree(self._current)
-        self._current = new
 
 
 class Streamer:
@@ -220,17 +187,17 @@ def test_restart_only_key_is_logged_and_not_applied(live_daemon):
 
 
 def test_a_next_visit_model_is_swapped_in_by_an_edit_while_streaming(live_daemon, tmp_path):
-    from tests.unit.daemon.test_config import _next_visit_model
+    from tests.next_visit import write_next_visit_model
 
     d, volume = live_daemon
     streamer = Streamer(d)
     try:
-        model = _next_visit_model(tmp_path / "nv-1.safetensors", 2, 6)  # 2 MoE layers x 6 experts
+        model = write_next_visit_model(tmp_path / "nv-1.safetensors", 2, 6)  # 2 MoE layers x 6 experts
         volume.write(f"eviction_policy: activation-aware\nnext_visit_model: {model}\n" + BUDGETS)
         wait_for(lambda: d.stats().config.next_visit_model == str(model), "the model swapped in")
         assert f"next-visit model {model}: 2 MoE layers x 6 experts" in d.proc.log()
         # A model of another shape is refused whole: the policy edit beside it is not applied.
-        wrong = _next_visit_model(tmp_path / "nv-2.safetensors", 3, 6)
+        wrong = write_next_visit_model(tmp_path / "nv-2.safetensors", 3, 6)
         volume.write(f"eviction_policy: lfu\nnext_visit_model: {wrong}\n" + BUDGETS)
         wait_for(
             lambda: "is for 3 MoE layers x 6 experts, the model served has 2 x 6" in d.proc.log(), "refusal"
@@ -270,7 +237,7 @@ def test_sighup_reloads_too(live_daemon):
 # -- the predictor ---------------------------------------------------------------------------------
 def test_predictor_applies_live_keys_and_refuses_a_bad_file(tmp_path):
     volume = KubeletVolume(tmp_path / "config", "predictor.yaml", "max_live_requests: 100\n")
-    proc = start_predictor(tmp_path, "--config-file", str(volume.path))
+    proc = start_predictor(tmp_path, "--model-shapes", SHAPE, "--config-file", str(volume.path))
     try:
         s = stub(proc)
         for i in range(3):  # three live requests, none finished

@@ -1,5 +1,7 @@
 """The import graph runs one way: services import ``expertcache`` (and the generated ``moe`` code),
-never each other, and ``expertcache`` imports no service. Imports inside functions count too."""
+never each other, and ``expertcache`` imports no service. A test imports the helper modules of
+``tests/`` (stores, procs, predictors, ...), never another test module. Imports inside functions
+count too."""
 
 from __future__ import annotations
 
@@ -15,15 +17,38 @@ KNOWN = {
 }
 
 
-def imported_packages(path: Path) -> set[str]:
+def imported_names(path: Path) -> set[str]:
+    """Every dotted name ``path`` imports: ``import a.b`` gives ``a.b``, ``from a import b`` gives
+    ``a.b``, a relative ``from .a import b`` gives ``.a.b``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            out.update(
+                f"{module}.{alias.name}" if node.module else f"{module}{alias.name}" for alias in node.names
+            )
     return out
+
+
+def imported_packages(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_names(path) if not name.startswith(".")}
+
+
+def is_test_module(name: str) -> bool:
+    """A dotted name that goes through a test module (``test_*``) or a conftest."""
+    return any(part.startswith("test_") or part == "conftest" for part in name.split("."))
+
+
+def imports_among_tests() -> set[tuple[str, str]]:
+    found = set()
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for name in imported_names(path):
+            if is_test_module(name):
+                found.add((path.relative_to(REPO).as_posix(), name))
+    return found
 
 
 def arrows() -> set[tuple[str, str]]:
@@ -50,3 +75,30 @@ def test_the_checker_sees_function_level_imports(tmp_path):
         "def f():\n    from cache_daemon.metrics import DaemonMetrics\n    import predictor_svc.eam\n"
     )
     assert imported_packages(module) == {"cache_daemon", "predictor_svc"}
+
+
+def test_no_test_module_imports_another():
+    """Helpers shared between test files live in ``tests/<helper>.py``: a test file imported by
+    another runs its module-level set-up twice (pytest imports it again under its own name) and
+    hides what the importer depends on."""
+    bad = imports_among_tests()
+    assert not bad, "test modules imported by other test files (move the helper into tests/): " + ", ".join(
+        f"{m} -> {n}" for m, n in sorted(bad)
+    )
+
+
+def test_the_checker_sees_test_modules_however_imported(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from tests.unit.daemon.test_store import write_store\n"
+        "from tests.unit.daemon import test_store\n"
+        "from .test_chart import render\n"
+        "def f():\n    import test_daemon_server\n"
+        "from tests.stores import write_store\n"
+    )
+    assert sorted(n for n in imported_names(module) if is_test_module(n)) == [
+        ".test_chart.render",
+        "test_daemon_server",
+        "tests.unit.daemon.test_store",
+        "tests.unit.daemon.test_store.write_store",
+    ]

@@ -12,7 +12,7 @@ from compute_svc.generation import GenerationEngine, GenerationRequest
 from compute_svc.layer_ahead import LayerAheadPredictor, accuracy, find_router
 from compute_svc.model_loader import load_model
 from compute_svc.moe import ExpertRuntime, attach
-from tests.conftest import LocalProvider
+from tests.providers import LocalProvider
 
 
 class SignalProvider(LocalProvider):

@@ -20,7 +20,7 @@ from cache_daemon.tiers.device import ShmArena
 from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
-from tests.unit.daemon.test_store import blob_of, corrupt, write_store
+from tests.stores import blob_of, corrupt, write_store
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers, 6 experts each
 

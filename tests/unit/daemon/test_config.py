@@ -15,7 +15,8 @@ from cache_daemon.errors import BudgetTooSmall, StoreIncomplete
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
 from expertcache.keys import ExpertKey
-from tests.unit.daemon.test_store import write_store
+from tests.next_visit import write_next_visit_model
+from tests.stores import write_store
 
 
 def load(cli=None, env=None, file=None) -> DaemonConfig:
@@ -344,33 +345,10 @@ def test_a_demand_under_a_shrunk_budget_is_not_held_up_by_pins(tmp_path):
         daemon.close()
 
 
-def _next_visit_model(path: Path, layers: int, experts: int) -> Path:
-    import numpy as np
-
-    from cache_daemon.decisions.next_visit import NextVisitModel
-    from cache_daemon.decisions.signals import SignalsConfig
-    from cache_daemon.learn_next_visit import write
-
-    cfg = SignalsConfig()
-    rng = np.random.default_rng(0)
-    write(
-        NextVisitModel(
-            rng.normal(size=(layers, (layers + 2) * experts, experts)).astype(np.float32),
-            rng.normal(size=(layers, experts)).astype(np.float32),
-            layers,
-            cfg.history_half_life_tokens,
-            cfg.long_history_half_life_tokens,
-            cfg.prior_weight,
-        ),
-        path,
-    )
-    return path
-
-
 def test_the_next_visit_model_is_loaded_at_start(tmp_path):
     store = tmp_path / "store"
     write_store(store)  # MoE layers 1 and 3, 6 experts
-    model = _next_visit_model(tmp_path / "nv.safetensors", 2, 6)
+    model = write_next_visit_model(tmp_path / "nv.safetensors", 2, 6)
     daemon = CacheDaemon.start(daemon_config(store, tmp_path, next_visit_model=str(model)))
     try:
         signals = daemon.residency.signals
@@ -385,7 +363,7 @@ def test_the_next_visit_model_is_loaded_at_start(tmp_path):
 def test_a_next_visit_model_that_does_not_fit_stops_the_start(tmp_path, caplog):
     store = tmp_path / "store"
     write_store(store)
-    wrong = _next_visit_model(tmp_path / "wrong.safetensors", 3, 6)
+    wrong = write_next_visit_model(tmp_path / "wrong.safetensors", 3, 6)
     with pytest.raises(
         InvalidArgument,
         match=r"config field 'next_visit_model' = '.*wrong.safetensors': next-visit model is for 3 MoE layers "

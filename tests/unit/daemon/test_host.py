@@ -17,7 +17,7 @@ from cache_daemon.tiers.host import StagingBuffer, make_host_pool, pool_slots
 from cache_daemon.tiers.store import IO_MODE_PREAD, IO_MODE_URING
 from expertcache import native
 from expertcache.keys import ExpertKey
-from tests.unit.daemon.test_store import blob_of, supports_o_direct, write_store
+from tests.stores import blob_of, supports_o_direct, write_store
 
 BLOB = 4096
 

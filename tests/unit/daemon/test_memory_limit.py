@@ -11,7 +11,7 @@ from cache_daemon.config import DaemonConfig
 from cache_daemon.daemon import CacheDaemon
 from cache_daemon.errors import BudgetTooSmall
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
-from tests.unit.daemon.test_store import write_store
+from tests.stores import write_store
 
 BLOB = 4096
 

@@ -31,7 +31,7 @@ from expertcache.layers import LayerMap
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
 from tests import waiting
-from tests.unit.daemon.test_store import blob_of, write_store
+from tests.stores import blob_of, write_store
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers (6 experts each); layer 3 is 2 steps after layer 1
 

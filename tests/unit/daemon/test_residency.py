@@ -31,7 +31,7 @@ from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Re
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
-from tests.unit.daemon.test_store import blob_of, corrupt, write_store
+from tests.stores import blob_of, corrupt, write_store
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 

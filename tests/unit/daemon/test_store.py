@@ -1,13 +1,9 @@
 """The daemon's tiers on real files: the store reader (native Reader: O_DIRECT via io_uring or
-pread, or buffered), shm arena. The host tier's tests are in test_host.py.
-
-``write_store`` builds a small synthetic expert store (the format of ``expertcache.manifest``)
-without the converter; the other daemon tests import it from here.
-"""
+pread, or buffered), shm arena. The host tier's tests are in test_host.py. The synthetic stores
+they read are written by ``tests.stores.write_store``."""
 
 from __future__ import annotations
 
-import errno
 import os
 import zlib
 from pathlib import Path
@@ -35,8 +31,9 @@ from cache_daemon.tiers.store import (
 )
 from expertcache.errors import DataLoss, FailedPrecondition
 from expertcache.keys import ExpertKey
-from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob
+from expertcache.manifest import StoreManifest
 from expertcache.native import Reader
+from tests.stores import blob_of, corrupt, supports_o_direct, write_store
 
 URING_OK, URING_WHY = Reader.uring_available()
 BACKENDS = [
@@ -46,78 +43,6 @@ BACKENDS = [
     ),
 ]
 DIRECT_MODE = {"pread": IO_MODE_PREAD, "io_uring": IO_MODE_URING}
-
-# -- a synthetic store -----------------------------------------------------------------------
-
-
-def write_store(
-    store: Path, *, layers: tuple[int, ...] = (1, 3), num_experts: int = 6, seed: int = 0
-) -> StoreManifest:
-    """A complete store of random float32 experts (4 KiB blobs, zero padding) under ``store``."""
-    tensors, blob_bytes = plan_blob([("gate_up_proj", "float32", (16, 8)), ("down_proj", "float32", (8, 8))])
-    gen = torch.Generator().manual_seed(seed)
-    (store / "experts").mkdir(parents=True, exist_ok=True)
-    layer_files, checksums = {}, {}
-    for layer in layers:
-        rel = f"experts/layer_{layer:04d}.bin"
-        blobs = []
-        for _ in range(num_experts):
-            blob = bytearray(blob_bytes)
-            for part in (p for t in tensors for p in t.parts):
-                data = torch.randn(part.shape, generator=gen).numpy().tobytes()
-                blob[part.offset : part.offset + len(data)] = data
-            blobs.append(bytes(blob))
-        (store / rel).write_bytes(b"".join(blobs))
-        layer_files[layer] = rel
-        checksums[layer] = tuple(zlib.crc32(b) for b in blobs)
-    manifest = StoreManifest(
-        model_type="synthetic",
-        model_id=f"synthetic-{seed}",
-        num_layers=max(layers) + 1,
-        moe_layers=tuple(layers),
-        num_experts=num_experts,
-        top_k=2,
-        blob_bytes=blob_bytes,
-        tensors=tensors,
-        layer_files=layer_files,
-        checksums=checksums,
-    )
-    (store / MANIFEST_NAME).write_text(manifest.to_json())
-    return manifest
-
-
-def blob_of(store: Path, manifest: StoreManifest, key: ExpertKey) -> bytes:
-    rel, offset = manifest.blob_location(key)
-    with open(store / rel, "rb") as f:
-        f.seek(offset)
-        return f.read(manifest.blob_bytes)
-
-
-def corrupt(store: Path, manifest: StoreManifest, key: ExpertKey) -> None:
-    """Flip one byte inside ``key``'s blob."""
-    rel, offset = manifest.blob_location(key)
-    with open(store / rel, "r+b") as f:
-        f.seek(offset + 5)
-        byte = f.read(1)
-        f.seek(offset + 5)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-def supports_o_direct(directory: Path) -> bool:
-    probe = directory / ".o_direct_probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return False
-    else:
-        os.close(fd)
-        return True
-    finally:
-        probe.unlink()
-
 
 # -- store reader ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from cache_daemon.learn_next_visit import fit_trace, write
 from compute_svc.forced_routing import ForcedRouting, load_trace
 from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.trace import read_trace
-from tests.unit.replay.test_forced_routing import write_trace  # 3 layers x 8 experts, top-2
+from tests.traces import write_trace  # 3 layers x 8 experts, top-2
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 

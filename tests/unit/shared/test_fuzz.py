@@ -31,7 +31,7 @@ from expertcache.errors import DataLoss, InvalidArgument
 from expertcache.manifest import StoreManifest
 from predictor_svc.eam import EamShape, add_token, decode_eam, encode_eam, new_eam
 from predictor_svc.errors import CorruptEntry
-from tests.unit.shared.test_manifest_hostile import valid_raw
+from tests.stores import valid_manifest_raw
 
 FUZZ = settings(
     max_examples=150,
@@ -139,7 +139,7 @@ def _paths(raw, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
-VALID = valid_raw()
+VALID = valid_manifest_raw()
 PATHS = [p for p in _paths(VALID) if p]
 
 

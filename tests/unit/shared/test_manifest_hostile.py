@@ -12,26 +12,10 @@ import pytest
 
 import expertcache.manifest as manifest_mod
 from expertcache.errors import DataLoss
-from expertcache.manifest import MANIFEST_NAME, StoreManifest, plan_blob, read_manifest, store_path
+from expertcache.manifest import MANIFEST_NAME, read_manifest, store_path
+from tests.stores import valid_manifest_raw
 
 REPO = manifest_mod.Path(__file__).resolve().parents[3]
-
-
-def valid_raw() -> dict:
-    tensors, blob_bytes = plan_blob([("w1", "float32", (8, 4)), ("w2", "float32", (4, 8))])
-    manifest = StoreManifest(
-        model_type="mixtral",
-        model_id="abc123",
-        num_layers=2,
-        moe_layers=(0, 1),
-        num_experts=4,
-        top_k=2,
-        blob_bytes=blob_bytes,
-        tensors=tensors,
-        layer_files={0: "experts/layer_0000.bin", 1: "experts/layer_0001.bin"},
-        checksums={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
-    )
-    return json.loads(manifest.to_json())
 
 
 def write(store, content: bytes | str | dict):
@@ -55,19 +39,19 @@ def refused(store, content) -> str:
 
 
 def mutated(edit) -> dict:
-    raw = copy.deepcopy(valid_raw())
+    raw = copy.deepcopy(valid_manifest_raw())
     edit(raw)
     return raw
 
 
 def test_valid_manifest_loads(tmp_path):
-    write(tmp_path, valid_raw())
+    write(tmp_path, valid_manifest_raw())
     assert read_manifest(tmp_path).num_experts == 4
 
 
 def test_binary_truncated_and_non_object(tmp_path):
     assert "not UTF-8" in refused(tmp_path, b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
-    text = json.dumps(valid_raw())
+    text = json.dumps(valid_manifest_raw())
     assert "not valid JSON" in refused(tmp_path, text[: len(text) // 2])
     assert "key '(top level)': must be an object" in refused(tmp_path, "[1, 2, 3]")
     assert "nests too deeply" in refused(tmp_path, "[" * 100_000 + "]" * 100_000)
@@ -172,7 +156,7 @@ def test_daemon_exits_2_naming_file_and_key(tmp_path):
 def test_a_manifest_symlinked_out_of_the_store_is_refused(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
-    outside = write(tmp_path / "other", valid_raw())
+    outside = write(tmp_path / "other", valid_manifest_raw())
     (store / MANIFEST_NAME).symlink_to(outside)
     with pytest.raises(
         DataLoss,
