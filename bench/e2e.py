@@ -113,7 +113,7 @@ from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
 from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from compute_svc.forced_routing import modelled_accuracy  # noqa: E402
-from expertcache.launch import start_compute, start_daemon  # noqa: E402
+from devtools.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 
@@ -160,8 +160,8 @@ def build(
 
     from cache_daemon.convert import run_conversion
     from cache_daemon.convert.__main__ import expert_bytes_line
+    from devtools.tiny import make_checkpoint
     from expertcache.errors import DataLoss
-    from expertcache.tiny import make_checkpoint
 
     suffix = "" if precision == "bf16" else f"-{precision}"
     root = data_dir / f"e2e-gpt_oss-h{hidden}-i{intermediate}-e{experts}-k{top_k}-l{layers}{suffix}"

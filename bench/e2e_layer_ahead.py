@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from compute_svc.layer_ahead import LayerAheadPredictor, accuracy  # noqa: E402
+from devtools.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 from expertcache.model_structure import find_experts_sites  # noqa: E402
-from expertcache.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 
 
 def measure(

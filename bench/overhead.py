@@ -68,7 +68,7 @@ from bench.e2e import (  # noqa: E402
     summarise,
 )
 from bench.plain_transformers import TransformersSystem  # noqa: E402
-from expertcache.launch import free_port  # noqa: E402
+from devtools.launch import free_port  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "overhead.json"
 SYSTEMS = ("resident", "lru", "transformers")

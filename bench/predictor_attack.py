@@ -29,8 +29,8 @@ import grpc
 import redis
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import Proc, free_port, start
-from expertcache.redis_server import RedisServer
+from devtools.launch import Proc, free_port, start
+from devtools.redis_server import RedisServer
 
 
 def rss_mb(pid: int) -> float:

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny checkpoints converted to stores, built once per session.
 
 ``tiny_store(arch, **config)`` → ``TinyStore(checkpoint, store, manifest)``: a random-weight
-checkpoint written by transformers (``expertcache.tiny``) and its expert store (the real
+checkpoint written by transformers (``devtools.tiny``) and its expert store (the real
 converter). Equal arguments share one directory for the whole session.
 """
 
@@ -76,7 +76,7 @@ def tiny_store(tmp_path_factory):
         key = f"{arch}-{json.dumps(config, sort_keys=True, default=str)}"
         if key not in built:
             from cache_daemon.convert import convert
-            from expertcache.tiny import make_checkpoint
+            from devtools.tiny import make_checkpoint
 
             root = tmp_path_factory.mktemp(arch)
             checkpoint = make_checkpoint(arch, root / "checkpoint", **config)

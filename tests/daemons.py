@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
+from devtools.launch import Proc
 from expertcache.keys import ExpertKey
-from expertcache.launch import Proc
 from tests.stores import blob_of
 
 BLOB = 4096  # write_store's blob size

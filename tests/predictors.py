@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import Proc, free_port, start
+from devtools.launch import Proc, free_port, start
 
 MODEL = "tiny-moe"
 L, E, K = 4, 8, 2

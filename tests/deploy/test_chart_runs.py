@@ -50,8 +50,8 @@ import pytest
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import free_port, wait_healthy
-from expertcache.redis_server import RedisServer, redis_server_binary
+from devtools.launch import free_port, wait_healthy
+from devtools.redis_server import RedisServer, redis_server_binary
 from tests.charts import (
     FULLNAME,
     NAMESPACE,

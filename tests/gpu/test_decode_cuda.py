@@ -87,7 +87,7 @@ def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
     from compute_svc.generation import GenerationEngine
     from compute_svc.model_loader import load_model
     from compute_svc.moe import ExpertRuntime, attach
-    from expertcache.tiny import make_checkpoint
+    from devtools.tiny import make_checkpoint
     from tests.equality import compare_with_routing
     from tests.providers import LocalProvider
 

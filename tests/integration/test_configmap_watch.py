@@ -12,8 +12,8 @@ import os
 import pytest
 from moe.cache.v1 import cache_pb2
 
+from devtools.launch import free_port, start
 from expertcache.k8s_watch import EVENT_REASON, ConfigMapWatcher
-from expertcache.launch import free_port, start
 from tests import waiting
 from tests.daemons import BLOB, SHM_DIR, Daemon, tiers
 from tests.integration.fake_kube_api import FakeKubeApi

@@ -16,7 +16,7 @@ import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from expertcache.launch import start, start_compute, start_daemon
+from devtools.launch import start, start_compute, start_daemon
 from tests import waiting
 from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
 from tests.kubelet import KubeletVolume

@@ -12,8 +12,8 @@ import pytest
 import redis
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import Proc, free_port
-from expertcache.redis_server import RedisServer
+from devtools.launch import Proc, free_port
+from devtools.redis_server import RedisServer
 from tests import predictors
 from tests.predictors import MODEL, E, K, L, first_hints, register, stats, stub, wait_stats
 
@@ -363,8 +363,8 @@ def test_redis_holds_at_most_the_capacity_and_a_log_of_the_same_length(tmp_path,
 def test_compute_and_daemon_register_their_model_on_connect(tiny_store, tmp_path):
     """Real daemon and compute, each pointed at its own predictor that knows no model: each
     registers the manifest's shape before streaming (the daemon's hint stream then opens)."""
-    from expertcache.launch import start_compute, start_daemon  # noqa: PLC0415
-    from expertcache.launch import start_predictor as launch_predictor  # noqa: PLC0415
+    from devtools.launch import start_compute, start_daemon  # noqa: PLC0415
+    from devtools.launch import start_predictor as launch_predictor  # noqa: PLC0415
 
     tiny = tiny_store("mixtral")
     manifest = tiny.manifest

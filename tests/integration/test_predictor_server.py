@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from moe.predictor.v1 import predictor_pb2
 
-from expertcache.launch import REPO, Proc, free_port
-from expertcache.redis_server import RedisServer
+from devtools.launch import REPO, Proc, free_port
+from devtools.redis_server import RedisServer
 from expertcache.trace import read_trace
 from predictor_svc.replay import ReplayError, replay
 from tests import predictors

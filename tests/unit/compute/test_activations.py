@@ -18,7 +18,7 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from compute_svc.activations import ActivationReporter, RoutingCapture, StepRouting
 from compute_svc.generation import GenerationRequest
-from expertcache.launch import free_port
+from devtools.launch import free_port
 
 PROMPT = tuple(range(5, 25))  # 20 tokens
 NEW_TOKENS = 6

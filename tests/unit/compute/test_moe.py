@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_svc.moe import IMPLEMENTATION, route, waves
+from devtools.tiny import SUPPORTED_ARCHS, make_config
 from expertcache.model_structure import build_skeleton
-from expertcache.tiny import SUPPORTED_ARCHS, make_config
 
 # fp32 logits: the plain model runs grouped_mm/batched GEMMs, we run one GEMM per expert, so
 # the summation order inside the matmuls differs (observed max |diff| ~1e-5 on O(1) logits).

@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from compute_svc.prompt_text import longest_token_bytes
-from expertcache.launch import REPO
-from expertcache.tiny import build_tokenizer
+from devtools.launch import REPO
+from devtools.tiny import build_tokenizer
 
 
 def test_no_text_yields_fewer_tokens_than_its_bytes_over_the_longest_token():
@@ -79,7 +79,7 @@ def test_tokenising_a_large_text_leaves_no_heap_behind():
         """
         from pathlib import Path
         from compute_svc.prompt_text import tokenize
-        from expertcache.tiny import build_tokenizer
+        from devtools.tiny import build_tokenizer
 
         def rss():
             for line in Path("/proc/self/status").read_text().splitlines():

@@ -12,7 +12,7 @@ import pytest
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, QueueFull, Unavailable
 from compute_svc.generation import GenerationRequest, SamplingParams
 from compute_svc.scheduler import BatchLimits, Scheduler
-from expertcache.tiny import SUPPORTED_ARCHS
+from devtools.tiny import SUPPORTED_ARCHS
 
 PROMPTS = [tuple(range(5, 5 + n)) for n in (3, 17, 9, 26)]
 

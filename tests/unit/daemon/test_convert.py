@@ -23,9 +23,9 @@ from cache_daemon.convert import convert, run_conversion
 from cache_daemon.convert import converter as converter_module
 from cache_daemon.convert.__main__ import main as cli_main
 from cache_daemon.convert.sources import SUPPORTED_MODEL_TYPES
+from devtools.tiny import SUPPORTED_ARCHS, make_checkpoint, make_config
 from expertcache.errors import FailedPrecondition, InvalidArgument, NotFound, Unsupported
 from expertcache.manifest import read_manifest
-from expertcache.tiny import SUPPORTED_ARCHS, make_checkpoint, make_config
 from tests.stores import assert_store_matches, assert_store_matches_model, model_tensors
 
 REPO = Path(__file__).resolve().parents[3]

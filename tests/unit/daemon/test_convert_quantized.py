@@ -1,7 +1,7 @@
 """Quantized checkpoints (MXFP4 GPT-OSS, block-FP8 DeepSeek-V3/Qwen3) converted into stores that
 keep the checkpoint's encoding, checked against transformers' own dequantising load on CPU.
 
-Checkpoints are the published on-disk layouts (``expertcache.tiny``: ``*_blocks``/``*_scales``
+Checkpoints are the published on-disk layouts (``devtools.tiny``: ``*_blocks``/``*_scales``
 with ``quantization_config`` mxfp4; e4m3 weights with ``weight_scale_inv`` and DeepSeek-V3's
 fp8 ``quantization_config``). An independent MXFP4 oracle (the OCP spec's table, float64)
 checks the stored bytes and their decoding without using the code under test.
@@ -24,9 +24,9 @@ from cache_daemon.convert import convert, run_conversion
 from cache_daemon.convert.__main__ import main as cli_main
 from cache_daemon.convert.sources import SUPPORTED_QUANTIZATION
 from cache_daemon.tiers.device import slots_for_budget
+from devtools.tiny import make_checkpoint, make_config
 from expertcache.errors import FailedPrecondition, InvalidArgument, NotFound, Unsupported
 from expertcache.manifest import read_manifest
-from expertcache.tiny import make_checkpoint, make_config
 from tests.stores import assert_store_matches, bits, model_tensors, read_expert, read_parts
 
 REPO = Path(__file__).resolve().parents[3]

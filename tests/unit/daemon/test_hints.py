@@ -13,7 +13,7 @@ import pytest
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from cache_daemon.hints import Hint, HintBatch, HintBoard, HintSubscriber
-from expertcache.launch import free_port
+from devtools.launch import free_port
 from tests import waiting
 
 

@@ -18,8 +18,8 @@ from compute_svc.generation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MAX_S
 from compute_svc.scheduler import Scheduler
 from compute_svc.server import SERVICE_NAME as INFERENCE
 from compute_svc.server import InferenceServicer
+from devtools.launch import free_port
 from expertcache.grpc_server import build_server, set_serving
-from expertcache.launch import free_port
 from predictor_svc.config import PredictorConfig
 from predictor_svc.server import create_server
 from predictor_svc.service import PredictorService

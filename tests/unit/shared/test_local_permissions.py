@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cache_daemon.tiers.device import create_arena
-from expertcache.launch import start
+from devtools.launch import start
 from expertcache.native import SlotTable
 
 

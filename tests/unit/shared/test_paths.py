@@ -72,7 +72,7 @@ def test_grpc_binds_a_socket_path_of_the_longest_length_the_daemon_accepts(tmp_p
 
 
 def test_launch_moves_a_socket_too_deep_for_grpc_to_a_private_runtime_dir(tmp_path):
-    from expertcache.launch import daemon_socket_path
+    from devtools.launch import daemon_socket_path
 
     assert daemon_socket_path(tmp_path) == tmp_path / "daemon.sock"
     deep = tmp_path / ("d" * 120)
@@ -84,7 +84,7 @@ def test_launch_moves_a_socket_too_deep_for_grpc_to_a_private_runtime_dir(tmp_pa
 
 
 def test_a_daemon_started_in_a_deep_dir_serves_and_its_socket_dir_goes_with_it(tiny_store, tmp_path):
-    from expertcache.launch import start_daemon
+    from devtools.launch import start_daemon
 
     tiny = tiny_store("mixtral")
     deep = tmp_path / ("d" * 120)

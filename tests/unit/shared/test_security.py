@@ -10,10 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devtools.launch import free_port
 from expertcache.config_loader import load_config
 from expertcache.errors import InvalidArgument
 from expertcache.grpc_server import build_server, set_serving
-from expertcache.launch import free_port
 from expertcache.security import (
     CertificateFiles,
     ClientSecurity,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from expertcache.launch import REPO, Proc, start_compute, start_daemon, start_predictor
+from devtools.launch import REPO, Proc, start_compute, start_daemon, start_predictor
 from expertcache.manifest import read_manifest
 
 DEFAULT_PROMPT = "Once upon a time there was a small model that"
@@ -32,7 +32,7 @@ def _say(msg: str) -> None:
 
 
 def _ensure_checkpoint(data_dir: Path) -> Path:
-    from expertcache.tiny import make_checkpoint
+    from devtools.tiny import make_checkpoint
 
     ckpt = data_dir / "checkpoint-mixtral-demo"
     if (ckpt / "config.json").is_file():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from expertcache.launch import free_port
+from devtools.launch import free_port
 
 
 def redis_server_binary() -> str:
