@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from devtools.launch import Proc
+from devtools.launch import Proc, start
 from expertcache.keys import ExpertKey
 from tests.stores import blob_of
 
@@ -77,3 +77,14 @@ class Daemon:
 
 def tiers(stats: cache_pb2.CacheStats) -> dict[int, cache_pb2.TierStats]:
     return {t.tier: t for t in stats.tiers}
+
+
+def start_live_daemon(
+    store: Path, config_file: Path, work: Path, *flags: str, log: str = "daemon.log"
+) -> Proc:
+    """The daemon on CPU over ``store``, reading ``config_file`` live (a ConfigMap volume's file),
+    ``flags`` after those; its socket and ``log`` in ``work`` (a restart reuses the socket)."""
+    sock = work / "daemon.sock"
+    args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
+    args += ["--config-file", str(config_file), *flags]
+    return start("cache_daemon", args, f"unix://{sock}", work / log)

@@ -13,21 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from moe.cache.v1 import cache_pb2
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from moe.cache.v1 import cache_pb2  # noqa: E402
-
-from compute_svc.layer_ahead import Prediction  # noqa: E402
-from expertcache.keys import ExpertKey  # noqa: E402
-from tests import waiting  # noqa: E402
-from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers  # noqa: E402
-from tests.procs import start_daemon  # noqa: E402
-from tests.stores import corrupt, write_store  # noqa: E402
+from compute_svc.layer_ahead import Prediction
+from expertcache.keys import ExpertKey
+from tests import waiting
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
+from tests.procs import start_daemon
+from tests.stores import corrupt, write_store
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 SLOTS = 3
 
@@ -263,6 +260,18 @@ def test_slow_path_client_demands_every_acquire(daemon):
         client.close()
 
 
+def assert_pins_reclaimed(daemon: Daemon) -> None:
+    """Once the killed holders' pins are reclaimed, a demand for 3 experts (the whole arena) is
+    served with the right bytes."""
+    wait_for(lambda: daemon.stats().pinned == 0)
+    stream = DemandStream(daemon.stub)
+    readies, _ = stream.acquire(1, 1, [4, 5, 0])
+    assert len(readies) == 3
+    for r in readies:
+        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+    stream.close()
+
+
 HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
@@ -300,13 +309,7 @@ def test_shm_pins_block_eviction_until_the_holder_dies(daemon):
     finally:
         holder.kill()  # SIGKILL while holding the pins: its stream ends, the daemon reclaims them
         holder.wait(10)
-    wait_for(lambda: daemon.stats().pinned == 0)
-    stream = DemandStream(daemon.stub)
-    readies, _ = stream.acquire(1, 1, [4, 5, 0])
-    assert len(readies) == 3
-    for r in readies:
-        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
-    stream.close()
+    assert_pins_reclaimed(daemon)
 
 
 CHANNEL_HOLDER = """
@@ -349,13 +352,7 @@ def test_a_killed_client_leaks_no_pin_the_daemon_gave_it_on_its_channel(daemon):
             if proc is not None:
                 proc.kill()
                 proc.wait(10)
-    wait_for(lambda: daemon.stats().pinned == 0)
-    stream = DemandStream(daemon.stub)
-    readies, _ = stream.acquire(1, 1, [4, 5, 0])
-    assert len(readies) == 3
-    for r in readies:
-        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
-    stream.close()
+    assert_pins_reclaimed(daemon)
 
 
 def test_demand_metadata_errors(daemon):

@@ -16,9 +16,9 @@ import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from devtools.launch import start, start_compute, start_daemon
+from devtools.launch import start_compute, start_daemon
 from tests import waiting
-from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, start_live_daemon, tiers
 from tests.kubelet import KubeletVolume
 from tests.predictors import SHAPE, request, start_predictor, stats, stub
 from tests.stores import write_store
@@ -85,11 +85,17 @@ def live_daemon(tmp_path):
         "daemon.yaml",
         f"eviction_policy: lru\ndevice_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n",
     )
-    sock = tmp_path / "daemon.sock"
-    args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(volume.path)]
-    args += ["--device-budget-max-bytes", str(8 * BLOB), "--host-budget-max-bytes", str(6 * BLOB)]
-    proc = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    proc = start_live_daemon(
+        store,
+        volume.path,
+        tmp_path,
+        "--shm-dir",
+        str(SHM_DIR or tmp_path),
+        "--device-budget-max-bytes",
+        str(8 * BLOB),
+        "--host-budget-max-bytes",
+        str(6 * BLOB),
+    )
     d = Daemon(proc, store, manifest)
     yield d, volume
     d.close()
@@ -288,10 +294,8 @@ def test_budget_and_policy_edits_while_a_generation_streams(tiny_store, tmp_path
     volume = KubeletVolume(
         tmp_path / "config", "daemon.yaml", f"eviction_policy: lru\ndevice_budget_bytes: {quarter * blob}\n"
     )
-    sock = tmp_path / "daemon.sock"
-    args = ["--store-dir", str(tiny.store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--config-file", str(volume.path), "--device-budget-max-bytes", str(blobs * blob)]
-    daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    ceiling = ("--device-budget-max-bytes", str(blobs * blob))
+    daemon = start_live_daemon(tiny.store, volume.path, tmp_path, *ceiling)
     compute = None
     try:
         compute = start_compute(tiny.store, daemon, tmp_path)

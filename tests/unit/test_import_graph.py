@@ -63,20 +63,18 @@ def arrows(targets: tuple[str, ...]) -> set[tuple[str, str]]:
     return found
 
 
+def assert_none(found: set[tuple[str, str]], what: str) -> None:
+    assert not found, f"{what}: " + ", ".join(f"{m} -> {t}" for m, t in sorted(found))
+
+
 def test_no_service_imports_another_and_expertcache_imports_none():
-    bad = arrows(SERVICES)
-    assert not bad, "imports against the layering (module -> service it imports): " + ", ".join(
-        f"{m} -> {t}" for m, t in sorted(bad)
-    )
+    assert_none(arrows(SERVICES), "imports against the layering (module -> service it imports)")
 
 
 def test_the_runtime_imports_no_replay_code_and_no_developer_tool():
     """The services and expertcache run in the images without ``replay`` and ``devtools`` (the
     wheel ships neither)."""
-    bad = arrows(OUTSIDE)
-    assert not bad, "runtime modules importing replay/ or devtools/: " + ", ".join(
-        f"{m} -> {t}" for m, t in sorted(bad)
-    )
+    assert_none(arrows(OUTSIDE), "runtime modules importing replay/ or devtools/")
 
 
 def test_the_checker_sees_function_level_imports(tmp_path):
@@ -91,9 +89,8 @@ def test_no_test_module_imports_another():
     """Helpers shared between test files live in ``tests/<helper>.py``: a test file imported by
     another runs its module-level set-up twice (pytest imports it again under its own name) and
     hides what the importer depends on."""
-    bad = imports_among_tests()
-    assert not bad, "test modules imported by other test files (move the helper into tests/): " + ", ".join(
-        f"{m} -> {n}" for m, n in sorted(bad)
+    assert_none(
+        imports_among_tests(), "test modules imported by other test files (move the helper into tests/)"
     )
 
 

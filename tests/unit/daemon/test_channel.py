@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from cache_daemon.decisions.policy import make_policy
-from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.residency import ClientLedger, Residency, table_entries
-from cache_daemon.tiers import HostTier, StoreReader
-from cache_daemon.tiers.device import ShmArena
+from cache_daemon.residency import ClientLedger
 from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
-from tests.stores import blob_of, corrupt, write_store
+from tests.residencies import ResidencyHarness, harnesses
+from tests.stores import corrupt
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers, 6 experts each
 
@@ -60,27 +57,17 @@ class Client:
         self.table.unpin_many([layer * self.num_experts + e for e in experts])
 
 
-class Harness:
+class Harness(ResidencyHarness):
+    """Two I/O threads and a 2 s acquire timeout; ``attach`` plays compute's side."""
+
     def __init__(self, tmp_path: Path, *, slots: int, host_slots: int = 0) -> None:
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        self.root = tmp_path / "store"
-        self.manifest = write_store(self.root)
-        self.metrics = DaemonMetrics()
-        self.store = StoreReader(self.root, self.manifest, self.metrics)
-        self.arena = ShmArena(slots, self.manifest.blob_bytes, shm_dir=tmp_path, daemon_id="chan")
-        self.host = HostTier(host_slots, self.manifest.blob_bytes, make_policy("lru"), self.metrics)
-        self.executor = ThreadPoolExecutor(2)
-        self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(self.manifest), slots, 4)
-        self.residency = Residency(
-            self.manifest,
-            self.arena,
-            self.store,
-            self.host,
-            make_policy("lru"),
-            self.metrics,
-            table=self.table,
+        super().__init__(
+            tmp_path,
+            slots=slots,
+            host_slots=host_slots,
+            io_threads=2,
             acquire_timeout_s=2.0,
-            executor=self.executor,
+            daemon_id="chan",
         )
 
     def attach(self) -> tuple[Client, object]:
@@ -91,29 +78,10 @@ class Harness:
         self.residency.bind_client(session, ledger)
         return client, session
 
-    def blob(self, key: ExpertKey) -> bytes:
-        return blob_of(self.root, self.manifest, key)
-
-    def close(self) -> None:
-        self.residency.shutdown()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-        self.store.close()
-        self.host.close()
-        self.arena.close()
-
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def factory(**kwargs) -> Harness:
-        h = Harness(tmp_path / f"h{len(made)}", **kwargs)
-        made.append(h)
-        return h
-
-    yield factory
-    for h in made:
-        h.close()
+    yield from harnesses(tmp_path, Harness)
 
 
 def test_a_demand_pins_into_the_ledger_and_reports_each_source(make):

@@ -31,6 +31,7 @@ from expertcache.layers import LayerMap
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
 from tests import waiting
+from tests.residencies import harnesses
 from tests.stores import blob_of, write_store
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers (6 experts each); layer 3 is 2 steps after layer 1
@@ -114,16 +115,7 @@ class Harness:
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def factory(**kwargs) -> Harness:
-        harness = Harness(tmp_path / f"h{len(made)}", **kwargs)
-        made.append(harness)
-        return harness
-
-    yield factory
-    for harness in made:
-        harness.close()
+    yield from harnesses(tmp_path, Harness)
 
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.002)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from cache_daemon.decisions.policy import make_policy
 from cache_daemon.errors import (
     AcquireTimeout,
     BadAcquire,
@@ -23,42 +22,24 @@ from cache_daemon.errors import (
     ShuttingDown,
     SlotNotReadable,
 )
-from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.residency import ClientLedger, Ready, Residency, SlotState, table_entries
-from cache_daemon.tiers import HostTier, StoreReader, Tier
-from cache_daemon.tiers.device import ShmArena
+from cache_daemon.residency import ClientLedger, Ready, Residency, SlotState
+from cache_daemon.tiers import Tier
 from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotState as TableState
 from expertcache.native import SlotTable
-from tests.stores import blob_of, corrupt, write_store
+from tests.residencies import ResidencyHarness, harnesses
+from tests.stores import corrupt
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 
 
-class Harness:
-    """A Residency over a synthetic store; ``gate`` (when given) holds the only I/O thread."""
+class Harness(ResidencyHarness):
+    """``single_io_thread``: one I/O thread, which ``hold_io`` can hold."""
 
     def __init__(self, tmp_path: Path, *, slots: int, host_slots: int = 0, single_io_thread: bool = False):
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        self.root = tmp_path / "store"
-        self.manifest = write_store(self.root)
-        self.metrics = DaemonMetrics()
-        self.store = StoreReader(self.root, self.manifest, self.metrics)
-        self.arena = ShmArena(slots, self.manifest.blob_bytes, shm_dir=tmp_path, daemon_id="unit")
-        self.host = HostTier(host_slots, self.manifest.blob_bytes, make_policy("lru"), self.metrics)
-        self.executor = ThreadPoolExecutor(1 if single_io_thread else 4)
-        self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(self.manifest), slots, 4)
-        self.residency = Residency(
-            self.manifest,
-            self.arena,
-            self.store,
-            self.host,
-            make_policy("lru"),
-            self.metrics,
-            table=self.table,
-            acquire_timeout_s=5.0,
-            executor=self.executor,
+        super().__init__(
+            tmp_path, slots=slots, host_slots=host_slots, io_threads=1 if single_io_thread else 4
         )
 
     def hold_io(self) -> threading.Event:
@@ -68,34 +49,15 @@ class Harness:
         assert started.wait(5)
         return release
 
-    def blob(self, key: ExpertKey) -> bytes:
-        return blob_of(self.root, self.manifest, key)
-
     def check_served(self, session, readies: list[Ready]) -> None:
         for ready in readies:
             assert bytes(self.residency.read_slot(session, ready.key).numpy()) == self.blob(ready.key)
             assert self.residency.slot_owner(ready.slot) == ready.key
 
-    def close(self) -> None:
-        self.residency.shutdown()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-        self.store.close()
-        self.host.close()
-        self.arena.close()
-
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def factory(**kwargs) -> Harness:
-        harness = Harness(tmp_path / f"h{len(made)}", **kwargs)
-        made.append(harness)
-        return harness
-
-    yield factory
-    for harness in made:
-        harness.close()
+    yield from harnesses(tmp_path, Harness)
 
 
 def keys(*experts: int, layer: int = L1) -> list[ExpertKey]:
