@@ -118,7 +118,7 @@ test-integration: install
 
 # MODEL=path runs a real checkpoint directory instead of the built-in tiny one.
 demo: install
-	$(PY) -m expertcache.demo $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m devtools.demo $(if $(MODEL),--model $(MODEL),)
 
 clean:
 	rm -rf build dist demo-data .pytest_cache .ruff_cache .tools

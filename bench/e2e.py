@@ -10,7 +10,7 @@ own ``save_pretrained`` (24 layers x 32 experts, top-4, bf16 dense; hidden and e
 printed), converted once with the real converter (``cache_daemon.convert``) into an expert store;
 both cached under bench/.data/. ``--precision`` is the experts' precision in the checkpoint and
 so in the store and every tier: ``mxfp4`` (the default: gpt-oss ships its experts in MXFP4;
-``expertcache.tiny`` quantises the random experts and writes the published ``*_blocks`` /
+``devtools.tiny`` quantises the random experts and writes the published ``*_blocks`` /
 ``*_scales`` layout), ``bf16``, or ``fp8`` (e4m3 with 128 x 128 blocks, transformers' own
 quantiser; gpt-oss does not ship in FP8, and transformers' loader ignores stacked FP8 scales, so
 accelerate then runs unscaled weights at the same cost). The budget is ``--budget-share`` of the
@@ -19,7 +19,7 @@ overrides), and the expert total is several times the budget (printed, checked >
 ``--compare-with`` prints a previous run's figures (the bf16 run) beside this one's, with ours'
 MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
 
-1. ours: real daemon + compute processes (``expertcache.launch``); eviction policy
+1. ours: real daemon + compute processes (``devtools.launch``); eviction policy
    ``activation-aware``, prefetch on, layer-ahead on;
 2. lru: the same processes, eviction policy ``lru``, prefetch off, layer-ahead off (plain LRU
    on-demand fetch);

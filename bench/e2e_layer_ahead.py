@@ -2,7 +2,7 @@
 
     python -m bench.e2e_layer_ahead [--tokens 32] [--hidden 64]
 
-For each architecture of ``expertcache.tiny`` (random weights, transformers' own model code),
+For each architecture of ``devtools.tiny`` (random weights, transformers' own model code),
 greedy-decodes ``--tokens`` tokens with the plain model and, at every MoE layer l of every decode
 step, applies layer l+1's router to layer l's MoE input (``compute_svc.layer_ahead``) and compares
 with what layer l+1 then really routed: accuracy = share of the true top-k named by the
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from compute_svc.layer_ahead import LayerAheadPredictor, accuracy  # noqa: E402
+from devtools.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 from expertcache.model_structure import find_experts_sites  # noqa: E402
-from expertcache.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 
 
 def measure(
@@ -50,7 +50,7 @@ def measure(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2 and "norm" not in name:
-                param.normal_(0.0, 2.0 / param.shape[-1] ** 0.5)  # as expertcache.tiny.make_checkpoint
+                param.normal_(0.0, 2.0 / param.shape[-1] ** 0.5)  # as devtools.tiny.make_checkpoint
     sites = [(s.layer, model.get_submodule(s.path)) for s in find_experts_sites(model)]
     predictor = LayerAheadPredictor(model, sites)
     inputs: dict[int, torch.Tensor] = {}

@@ -16,7 +16,7 @@ from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
-# --precision → expertcache.tiny's quantization of the checkpoint (bf16: none).
+# --precision → devtools.tiny's quantization of the checkpoint (bf16: none).
 PRECISIONS = {"bf16": None, "mxfp4": "mxfp4", "fp8": "fp8"}
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's blocks
 PROMPT = (5, 9, 17, 33, 2, 8, 1, 12)  # every system's prompt, token ids
@@ -38,8 +38,8 @@ def build(
 
     from cache_daemon.convert import run_conversion
     from cache_daemon.convert.__main__ import expert_bytes_line
+    from devtools.tiny import make_checkpoint
     from expertcache.errors import DataLoss
-    from expertcache.tiny import make_checkpoint
 
     suffix = "" if precision == "bf16" else f"-{precision}"
     root = data_dir / f"e2e-gpt_oss-h{hidden}-i{intermediate}-e{experts}-k{top_k}-l{layers}{suffix}"

@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe.inference.v1 import inference_pb2
 
     from cache_daemon.convert import convert
-    from expertcache.launch import free_port, start, start_compute, start_daemon
+    from devtools.launch import free_port, start, start_compute, start_daemon
+    from devtools.tiny import make_checkpoint
     from expertcache.manifest import read_manifest
-    from expertcache.tiny import make_checkpoint
 
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=main.__doc__)
     parser.add_argument("--seconds", type=float, default=12.0, help="how long each attack is held")

@@ -72,7 +72,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 def build_store(size_gib: float, hidden: int, intermediate: int, experts: int) -> tuple[Path, StoreManifest]:
     """A mixtral expert store of about ``size_gib`` of experts (bf16), built once and reused."""
     from cache_daemon.convert import convert
-    from expertcache.tiny import make_checkpoint
+    from devtools.tiny import make_checkpoint
 
     expert_bytes = 3 * hidden * intermediate * 2
     layers = max(1, round(size_gib * GIB / (experts * expert_bytes)))
@@ -323,8 +323,8 @@ def daemon_hit(work: Path, top_k: int, iterations: int, grpc_iterations: int) ->
     """acquire + release of ``top_k`` resident experts through DaemonClient against a real daemon."""
     from cache_daemon.convert import convert
     from compute_svc.cache_client import DaemonClient
-    from expertcache.launch import start_daemon
-    from expertcache.tiny import make_checkpoint
+    from devtools.launch import start_daemon
+    from devtools.tiny import make_checkpoint
 
     store = DATA_DIR / "tiny-mixtral-store"
     if not (store / MANIFEST_NAME).exists():

@@ -11,7 +11,7 @@ shape is written by transformers' ``save_pretrained`` and converted once (``benc
 cached under bench/.data/). Systems, all up at once and taking turns request by request, the
 order rotated each repeat (``bench.e2e``'s interleaving):
 
-- ``resident``: real daemon and compute processes (``expertcache.launch``), an arena that holds
+- ``resident``: real daemon and compute processes (``devtools.launch``), an arena that holds
   every expert (warmed by one unmeasured request), LRU, no prefetch: the bookkeeping of a layer
   whose experts are all resident;
 - ``lru``: the same with 25% of the experts in the arena (``--device-share``) and a host tier
@@ -63,7 +63,7 @@ from bench.plain_transformers import TransformersSystem  # noqa: E402
 from bench.report import RESULTS_DIR, p50_bars, pyplot, save_figure, say, write_json  # noqa: E402
 from bench.stats import repeat_ratios, spread_text, summarise  # noqa: E402
 from bench.systems import ProcessSystem, get_stats, host_tier, rotation  # noqa: E402
-from expertcache.launch import free_port  # noqa: E402
+from devtools.launch import free_port  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overhead.json"
 SYSTEMS = ("resident", "lru", "transformers")

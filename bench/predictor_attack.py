@@ -29,8 +29,8 @@ import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from bench.usage import MIB, redis_memory, rss_mib
-from expertcache.launch import Proc, free_port, start
-from expertcache.redis_server import RedisServer
+from devtools.launch import Proc, free_port, start
+from devtools.redis_server import RedisServer
 
 
 def tokens(model: str, request_id: str, layers: int, experts: int, top_k: int, n: int, done: bool):

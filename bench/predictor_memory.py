@@ -34,8 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from bench.usage import MIB, memory_status, redis_memory
-from expertcache.launch import REPO, free_port
-from expertcache.redis_server import RedisServer
+from devtools.launch import REPO, free_port
+from devtools.redis_server import RedisServer
 from predictor_svc.eam import encode_eam
 from predictor_svc.store.redis_store import RedisStore
 

@@ -5,7 +5,7 @@
 
 The model is the e2e benchmark's (``bench.gpt_oss.build``: a random gpt-oss-shaped checkpoint written
 by ``save_pretrained``, converted by the real converter, experts at ``--precision``), served by
-real daemon and compute processes (``expertcache.launch``) with routing forced from the shared
+real daemon and compute processes (``devtools.launch``) with routing forced from the shared
 gpt-oss-20b trace (every request replays its own trace request), the daemon's arena holding
 ``--budget-share`` of the experts (encoded bytes).
 
@@ -60,7 +60,7 @@ from bench.stats import percentile
 from bench.systems import add_tier_arguments, device_tier, get_stats, tiers
 from bench.systems import measure_link as measure_arena_link
 from cache_daemon.decisions.batch_ceiling import batch_ceiling
-from expertcache.launch import free_port, start_compute, start_daemon
+from devtools.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
 
 GOAL_N16 = 1.3

@@ -19,7 +19,7 @@ from bench.e2e_accelerate import drop_page_cache
 from bench.gpt_oss import PROMPT
 from bench.report import MIB, say
 from bench.usage import cpu_seconds
-from expertcache.launch import start_compute, start_daemon
+from devtools.launch import start_compute, start_daemon
 from expertcache.manifest import StoreManifest
 
 

@@ -171,7 +171,7 @@ def predict_request(
     ``experts`` int [T, L, K] (the request's routing). Returns per source float32 [T, L, E]:
     row t is ``RequestPredictor.scores(source)`` after observing tokens 0..t-1 (complete
     tokens). One EAMC matrix product for all T tokens; same formulas as ``RequestPredictor``
-    (checked equal in tests/unit/test_predictor_predict.py).
+    (checked equal in tests/unit/predictor/test_predict.py).
     """
     experts = np.asarray(experts)
     t_count = experts.shape[0]

@@ -1,7 +1,12 @@
-"""Reading expert stores back in tests: stored parts, decoded experts, comparison with a model."""
+"""Expert stores in tests: small synthetic ones written without the converter (their blobs read
+and corrupted), a valid manifest to break, and stores read back: stored parts, decoded experts,
+comparison with a model."""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import zlib
 from pathlib import Path
 
@@ -10,8 +15,101 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from expertcache.encodings import decode, torch_dtype
-from expertcache.manifest import BLOB_ALIGN, StoreManifest, read_manifest
+from expertcache.keys import ExpertKey
+from expertcache.manifest import BLOB_ALIGN, MANIFEST_NAME, StoreManifest, plan_blob, read_manifest
 from expertcache.model_structure import expert_parameter_names, find_experts_sites
+
+# -- synthetic stores ---------------------------------------------------------------------------
+
+
+def write_store(
+    store: Path, *, layers: tuple[int, ...] = (1, 3), num_experts: int = 6, seed: int = 0
+) -> StoreManifest:
+    """A complete store of random float32 experts (4 KiB blobs, zero padding) under ``store``."""
+    tensors, blob_bytes = plan_blob([("gate_up_proj", "float32", (16, 8)), ("down_proj", "float32", (8, 8))])
+    gen = torch.Generator().manual_seed(seed)
+    (store / "experts").mkdir(parents=True, exist_ok=True)
+    layer_files, checksums = {}, {}
+    for layer in layers:
+        rel = f"experts/layer_{layer:04d}.bin"
+        blobs = []
+        for _ in range(num_experts):
+            blob = bytearray(blob_bytes)
+            for part in (p for t in tensors for p in t.parts):
+                data = torch.randn(part.shape, generator=gen).numpy().tobytes()
+                blob[part.offset : part.offset + len(data)] = data
+            blobs.append(bytes(blob))
+        (store / rel).write_bytes(b"".join(blobs))
+        layer_files[layer] = rel
+        checksums[layer] = tuple(zlib.crc32(b) for b in blobs)
+    manifest = StoreManifest(
+        model_type="synthetic",
+        model_id=f"synthetic-{seed}",
+        num_layers=max(layers) + 1,
+        moe_layers=tuple(layers),
+        num_experts=num_experts,
+        top_k=2,
+        blob_bytes=blob_bytes,
+        tensors=tensors,
+        layer_files=layer_files,
+        checksums=checksums,
+    )
+    (store / MANIFEST_NAME).write_text(manifest.to_json())
+    return manifest
+
+
+def blob_of(store: Path, manifest: StoreManifest, key: ExpertKey) -> bytes:
+    rel, offset = manifest.blob_location(key)
+    with open(store / rel, "rb") as f:
+        f.seek(offset)
+        return f.read(manifest.blob_bytes)
+
+
+def corrupt(store: Path, manifest: StoreManifest, key: ExpertKey) -> None:
+    """Flip one byte inside ``key``'s blob."""
+    rel, offset = manifest.blob_location(key)
+    with open(store / rel, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def supports_o_direct(directory: Path) -> bool:
+    probe = directory / ".o_direct_probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    else:
+        os.close(fd)
+        return True
+    finally:
+        probe.unlink()
+
+
+def valid_manifest_raw() -> dict:
+    """A valid manifest as the JSON object its file holds, for tests to break one key at a time."""
+    tensors, blob_bytes = plan_blob([("w1", "float32", (8, 4)), ("w2", "float32", (4, 8))])
+    manifest = StoreManifest(
+        model_type="mixtral",
+        model_id="abc123",
+        num_layers=2,
+        moe_layers=(0, 1),
+        num_experts=4,
+        top_k=2,
+        blob_bytes=blob_bytes,
+        tensors=tensors,
+        layer_files={0: "experts/layer_0000.bin", 1: "experts/layer_0001.bin"},
+        checksums={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
+    )
+    return json.loads(manifest.to_json())
+
+
+# -- stores read back ----------------------------------------------------------------------------
 
 
 def read_parts(store: Path, manifest: StoreManifest, layer: int, expert: int) -> dict[str, torch.Tensor]:

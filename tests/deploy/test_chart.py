@@ -22,10 +22,7 @@ Without Helm (neither install works and no helm on PATH) the Helm tests skip, sa
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -33,16 +30,27 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.charts import (
+    CHART,
+    FULLNAME,
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    container,
+    gpu_pod,
+    one,
+    predictor_pod,
+    render,
+    run_helm,
+    service_flags,
+    template_args,
+)
+
 pytestmark = pytest.mark.deploy
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "expertcache"
 EXAMPLE = CHART / "examples" / "mixtral-8x7b-24gb.yaml"
-KUBE_VERSION = "1.33.0"  # what `helm template` assumes as the cluster's version
 KUBERNETES_VERSIONS = ("1.29.0", KUBE_VERSION, "1.37.0")  # validated against, offline
-RELEASE, NAMESPACE = "ec", "serving"
-FULLNAME = f"{RELEASE}-expertcache"
-
 # Flags of the shared contract that other branches add to the services (observability, security,
 # live config). The chart passes them already; while a service's --help does not list one yet it
 # is tolerated here, and once it does it is checked like any other flag.
@@ -65,27 +73,8 @@ PENDING_FLAGS = {
 
 
 # -- Helm -------------------------------------------------------------------------------------------
-def _helm(helm: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
-def template_args(values: tuple[str, ...], sets: tuple[str, ...], kube: str = KUBE_VERSION) -> list[str]:
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", kube]
-    for path in values:
-        args += ["-f", path]
-    for item in sets:
-        args += ["--set", item]
-    return args
-
-
-def render(helm: str, *sets: str, values: tuple[str, ...] = (), kube: str = KUBE_VERSION) -> list[dict]:
-    proc = _helm(helm, *template_args(values, sets, kube))
-    assert proc.returncode == 0, proc.stderr
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
-
-
 def refused(helm: str, *sets: str, values: tuple[str, ...] = (), kube: str = KUBE_VERSION) -> str:
-    proc = _helm(helm, *template_args(values, sets, kube))
+    proc = run_helm(helm, *template_args(values, sets, kube))
     assert proc.returncode != 0, f"helm template accepted {sets}"
     return " ".join(proc.stderr.split())
 
@@ -93,7 +82,7 @@ def refused(helm: str, *sets: str, values: tuple[str, ...] = (), kube: str = KUB
 @cache
 def helm_major(helm: str) -> int:
     """3 or 4: the two word the values schema's refusals differently (Helm 4's validator is another)."""
-    proc = _helm(helm, "version", "--short")
+    proc = run_helm(helm, "version", "--short")
     match = re.match(r"v(\d+)\.", proc.stdout)
     assert match, f"{helm} version --short: {proc.stdout!r} {proc.stderr!r}"
     return int(match[1])
@@ -112,19 +101,6 @@ class Schema(str):
         if helm_major(helm) >= 4:
             return f"at '/{self.path.replace('.', '/')}': {self.helm4}".rstrip(": ")
         return f"{self.path}: {self.helm3}".rstrip(": ")
-
-
-def one(docs: list[dict], kind: str, name: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, (
-        f"{kind}/{name}: {len(found)} found among {[(d['kind'], d['metadata']['name']) for d in docs]}"
-    )
-    return found[0]
-
-
-def container(pod_spec: dict, name: str, *, init: bool = False) -> dict:
-    (found,) = [c for c in pod_spec.get("initContainers" if init else "containers", []) if c["name"] == name]
-    return found
 
 
 def flags(c: dict) -> dict[str, str]:
@@ -147,21 +123,13 @@ def example_docs(helm) -> list[dict]:
     return render(helm, values=(str(EXAMPLE),))
 
 
-def gpu_pod(docs: list[dict]) -> dict:
-    return one(docs, "Deployment", f"{FULLNAME}-gpu")["spec"]["template"]
-
-
-def predictor_pod(docs: list[dict]) -> dict:
-    return one(docs, "Deployment", f"{FULLNAME}-predictor")["spec"]["template"]
-
-
 # -- lint and schemas ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("values", [(), (str(EXAMPLE),)], ids=["default", "example"])
 def test_helm_lint_passes(helm, values):
     args = ["lint", "--strict", str(CHART)]
     for path in values:
         args += ["-f", path]
-    proc = _helm(helm, *args)
+    proc = run_helm(helm, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
 
@@ -347,20 +315,6 @@ def test_example_config_keys_load_and_budgets_are_integers(example_docs, tmp_pat
     path = tmp_path / "daemon.yaml"
     path.write_text(yaml.safe_dump(known))
     assert load_config(DaemonConfig, cli={"store_dir": "/s"}, env={}, file=path).io_threads == 16
-
-
-@cache
-def service_flags(module: str) -> frozenset[str]:
-    """The long options a service's command line knows, read from its --help."""
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", proc.stdout))
 
 
 @pytest.mark.parametrize(
@@ -852,7 +806,7 @@ def rendered_notes(helm: str, *sets: str) -> str:
     args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
     for item in sets:
         args += ["--set", item]
-    proc = _helm(helm, *args)
+    proc = run_helm(helm, *args)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.partition("\nNOTES:\n")[2]
 

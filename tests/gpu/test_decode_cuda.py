@@ -5,24 +5,17 @@ model. Skipped without CUDA (the lead runs tests/gpu on a lent GPU machine)."""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
-
-from compute_svc.expert_weights import ExpertDecoder  # noqa: E402
-from expertcache.encodings import Scratch, dequantize_fp8, dequantize_mxfp4, get_encoding  # noqa: E402
-from tests.stores import bits  # noqa: E402
+from compute_svc.expert_weights import ExpertDecoder
+from expertcache.encodings import Scratch, dequantize_fp8, dequantize_mxfp4, get_encoding
+from tests.stores import bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,9 +80,9 @@ def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
     from compute_svc.generation import GenerationEngine
     from compute_svc.model_loader import load_model
     from compute_svc.moe import ExpertRuntime, attach
-    from expertcache.tiny import make_checkpoint
-    from tests.conftest import LocalProvider
+    from devtools.tiny import make_checkpoint
     from tests.equality import compare_with_routing
+    from tests.providers import LocalProvider
 
     src = make_checkpoint(
         "gpt_oss", tmp_path / "ckpt", quantization="mxfp4", intermediate_size=64, dtype=torch.float32

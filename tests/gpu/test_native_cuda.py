@@ -6,17 +6,11 @@ streams, ticket completion and the timeout path, UUIDs equal to torch's.
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
 import traceback
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 try:
     from expertcache import native

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from bench import e2e
-from expertcache.launch import REPO
+from devtools.launch import REPO
 from tests.procs import start_daemon
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from expertcache.launch import free_port, start_predictor
+from devtools.launch import free_port, start_predictor
 from tests.procs import start_compute, start_daemon
 
 pytestmark = pytest.mark.integration

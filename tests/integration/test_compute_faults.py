@@ -40,7 +40,7 @@ def generate(channel, timeout=120, **fields):
 def served(tiny_store, tmp_path_factory):
     """A mixtral of 2,048 positions, a daemon holding a quarter of its experts, a compute process
     batching up to 4 requests, 32 tokens per step, 2 waiting at most."""
-    tiny = tiny_store("mixtral")  # its config: max_position_embeddings 2048 (expertcache.tiny)
+    tiny = tiny_store("mixtral")  # its config: max_position_embeddings 2048 (devtools.tiny)
     work = tmp_path_factory.mktemp("faults")
     budget = max(1, tiny.manifest.num_blobs // 4) * tiny.manifest.blob_bytes
     daemon = start_daemon(tiny.store, work, device="cpu", device_budget_bytes=budget)

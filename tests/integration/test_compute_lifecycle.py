@@ -28,9 +28,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from tests.integration.test_daemon_server import tiers
-from tests.integration.test_live_config import KubeletVolume
-from tests.procs import start, start_compute, start_daemon
+from tests.daemons import start_live_daemon, tiers
+from tests.kubelet import KubeletVolume
+from tests.procs import start_compute, start_daemon
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -193,10 +193,8 @@ def test_sigterm_after_budget_shrinks_and_a_daemon_restart_drains_every_stream(t
     tiny = tiny_store("mixtral")
     blob, blobs = tiny.manifest.blob_bytes, tiny.manifest.num_blobs
     volume = KubeletVolume(tmp_path / "config", "daemon.yaml", f"device_budget_bytes: {blobs * blob}\n")
-    sock = tmp_path / "daemon.sock"
-    args = ["--store-dir", str(tiny.store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--config-file", str(volume.path), "--device-budget-max-bytes", str(blobs * blob)]
-    daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    ceiling = ("--device-budget-max-bytes", str(blobs * blob))
+    daemon = start_live_daemon(tiny.store, volume.path, tmp_path, *ceiling)
     compute = None
     try:
         compute = start_compute(tiny.store, daemon, tmp_path, extra=["--drain-timeout-s", "120"])
@@ -207,7 +205,7 @@ def test_sigterm_after_budget_shrinks_and_a_daemon_restart_drains_every_stream(t
         assert generates(compute.address)
         daemon.popen.kill()
         daemon.popen.wait()
-        daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon-restarted.log")
+        daemon = start_live_daemon(tiny.store, volume.path, tmp_path, *ceiling, log="daemon-restarted.log")
         wait_for(lambda: generates(compute.address), "compute re-attached", timeout_s=60, poll_s=0.2)
         assert device_slots(daemon) == quarter  # booted with the edited budget
         volume.write(f"device_budget_bytes: {blob}\n")  # and shrunk again, live: every layer misses

@@ -21,7 +21,7 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from compute_svc.server import SERVICE_NAME
-from expertcache.launch import REPO
+from devtools.launch import REPO
 from expertcache.manifest import read_manifest
 from tests.procs import start_compute, start_daemon
 

@@ -12,13 +12,13 @@ import os
 import pytest
 from moe.cache.v1 import cache_pb2
 
+from devtools.launch import free_port, start
 from expertcache.k8s_watch import EVENT_REASON, ConfigMapWatcher
-from expertcache.launch import free_port, start
 from tests import waiting
+from tests.daemons import BLOB, SHM_DIR, Daemon, tiers
 from tests.integration.fake_kube_api import FakeKubeApi
-from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, tiers
-from tests.integration.test_predictor_server import SHAPE, request, stats, stub
-from tests.unit.test_daemon_store import write_store
+from tests.predictors import SHAPE, request, stats, stub
+from tests.stores import write_store
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import queue
 import re
@@ -14,79 +13,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+from moe.cache.v1 import cache_pb2
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from moe.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
-
-from compute_svc.layer_ahead import Prediction  # noqa: E402
-from expertcache.keys import ExpertKey  # noqa: E402
-from tests import waiting  # noqa: E402
-from tests.procs import Proc, start_daemon  # noqa: E402
-from tests.unit.test_daemon_store import blob_of, corrupt, write_store  # noqa: E402
+from compute_svc.layer_ahead import Prediction
+from expertcache.keys import ExpertKey
+from tests import waiting
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
+from tests.procs import start_daemon
+from tests.stores import corrupt, write_store
 
 pytestmark = pytest.mark.integration
 
-BLOB = 4096
+REPO = Path(__file__).resolve().parents[2]
+
 SLOTS = 3
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-
-
-class DemandStream:
-    """One Demand call: requests go through a queue, responses are read in order."""
-
-    def __init__(self, stub: cache_pb2_grpc.ExpertCacheStub) -> None:
-        self._requests: queue.Queue = queue.Queue()
-        self.call = stub.Demand(iter(self._requests.get, None), timeout=60)
-
-    def acquire(self, ticket: int, layer: int, experts: list[int]) -> tuple[list, cache_pb2.AcquireDone]:
-        self._requests.put(
-            cache_pb2.DemandRequest(
-                acquire=cache_pb2.Acquire(ticket=ticket, decoder_layer=layer, experts=experts)
-            )
-        )
-        readies = []
-        for response in self.call:
-            if response.WhichOneof("kind") == "ready":
-                assert response.ready.ticket == ticket
-                readies.append(response.ready)
-            else:
-                assert response.done.ticket == ticket
-                return readies, response.done
-        raise AssertionError("the stream ended without AcquireDone")
-
-    def release(self, layer: int, experts: list[int]) -> None:
-        refs = [cache_pb2.ExpertRef(decoder_layer=layer, expert=e) for e in experts]
-        self._requests.put(cache_pb2.DemandRequest(release=cache_pb2.Release(experts=refs)))
-
-    def close(self) -> None:
-        self._requests.put(None)
-
-
-class Daemon:
-    def __init__(self, proc: Proc, store: Path, manifest) -> None:
-        self.proc, self.store, self.manifest = proc, store, manifest
-        self.channel = grpc.insecure_channel(proc.address)
-        self.stub = cache_pb2_grpc.ExpertCacheStub(self.channel)
-        self.attach = self.stub.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10)
-        self.arena_path = Path(os.path.join("/dev/shm", self.attach.arena.shm_name))
-        with open(self.arena_path, "rb") as f:
-            self.arena = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-
-    def slot_bytes(self, slot: int) -> bytes:
-        return self.arena[slot * BLOB : (slot + 1) * BLOB]
-
-    def blob(self, layer: int, expert: int) -> bytes:
-        return blob_of(self.store, self.manifest, ExpertKey(layer, expert))
-
-    def stats(self) -> cache_pb2.CacheStats:
-        return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
-
-    def close(self) -> None:
-        self.arena.close()
-        self.channel.close()
 
 
 def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey | None = None) -> Daemon:
@@ -114,10 +54,6 @@ def daemon(tmp_path_factory):
     yield d
     d.close()
     assert d.proc.stop() == 0, d.proc.log()
-
-
-def tiers(stats: cache_pb2.CacheStats) -> dict[int, cache_pb2.TierStats]:
-    return {t.tier: t for t in stats.tiers}
 
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.02)
@@ -324,6 +260,18 @@ def test_slow_path_client_demands_every_acquire(daemon):
         client.close()
 
 
+def assert_pins_reclaimed(daemon: Daemon) -> None:
+    """Once the killed holders' pins are reclaimed, a demand for 3 experts (the whole arena) is
+    served with the right bytes."""
+    wait_for(lambda: daemon.stats().pinned == 0)
+    stream = DemandStream(daemon.stub)
+    readies, _ = stream.acquire(1, 1, [4, 5, 0])
+    assert len(readies) == 3
+    for r in readies:
+        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
+    stream.close()
+
+
 HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
@@ -361,13 +309,7 @@ def test_shm_pins_block_eviction_until_the_holder_dies(daemon):
     finally:
         holder.kill()  # SIGKILL while holding the pins: its stream ends, the daemon reclaims them
         holder.wait(10)
-    wait_for(lambda: daemon.stats().pinned == 0)
-    stream = DemandStream(daemon.stub)
-    readies, _ = stream.acquire(1, 1, [4, 5, 0])
-    assert len(readies) == 3
-    for r in readies:
-        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
-    stream.close()
+    assert_pins_reclaimed(daemon)
 
 
 CHANNEL_HOLDER = """
@@ -410,13 +352,7 @@ def test_a_killed_client_leaks_no_pin_the_daemon_gave_it_on_its_channel(daemon):
             if proc is not None:
                 proc.kill()
                 proc.wait(10)
-    wait_for(lambda: daemon.stats().pinned == 0)
-    stream = DemandStream(daemon.stub)
-    readies, _ = stream.acquire(1, 1, [4, 5, 0])
-    assert len(readies) == 3
-    for r in readies:
-        assert daemon.slot_bytes(r.slot) == daemon.blob(1, r.expert.expert)
-    stream.close()
+    assert_pins_reclaimed(daemon)
 
 
 def test_demand_metadata_errors(daemon):

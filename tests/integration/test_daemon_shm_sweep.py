@@ -4,17 +4,12 @@ to start in that directory removes them, and no daemon ever removes a live daemo
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.procs import Proc, start_daemon  # noqa: E402
-from tests.unit.test_daemon_store import write_store  # noqa: E402
+from tests.procs import Proc, start_daemon
+from tests.stores import write_store
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from expertcache.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 from predictor_svc.eam import EamShape, decode_eam
 from predictor_svc.eamc import Eamc
 from predictor_svc.errors import StoreUnavailable

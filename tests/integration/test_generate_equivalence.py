@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from compute_svc.cache_client import DaemonClient
 from compute_svc.generation import GenerationRequest, build_engine
-from expertcache.tiny import SUPPORTED_ARCHS
+from devtools.tiny import SUPPORTED_ARCHS
 from tests.procs import start_compute, start_daemon
 
 pytestmark = pytest.mark.integration

@@ -8,59 +8,26 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import signal
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from expertcache.launch import start, start_compute, start_daemon
+from devtools.launch import start_compute, start_daemon
 from tests import waiting
-from tests.integration.test_daemon_server import BLOB, SHM_DIR, Daemon, DemandStream, tiers
-from tests.integration.test_predictor_server import request, start_predictor, stats, stub
-from tests.unit.test_daemon_store import write_store
+from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, start_live_daemon, tiers
+from tests.kubelet import KubeletVolume
+from tests.predictors import SHAPE, request, start_predictor, stats, stub
+from tests.stores import write_store
 
 pytestmark = pytest.mark.integration
 
 wait_for = functools.partial(waiting.wait_for, poll_s=0.02, timeout_s=15.0)
 # The fixture's starting budgets: an edit that leaves a key out sets it back to its default.
 BUDGETS = f"device_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n"
-
-
-class KubeletVolume:
-    """A directory laid out like a ConfigMap volume: ``<key>`` -> ``..data/<key>``, ``..data`` ->
-    ``..<timestamp>``; ``write`` publishes new content atomically as the kubelet does."""
-
-    def __init__(self, root: Path, key: str, text: str) -> None:
-        self.root, self.key = root, key
-        root.mkdir(parents=True)
-        self._generation = 0
-        self._current = self._new_dir(text)
-        os.symlink(self._current.name, root / "..data")
-        os.symlink(f"..data/{key}", root / key)
-
-    @property
-    def path(self) -> Path:
-        return self.root / self.key
-
-    def _new_dir(self, text: str) -> Path:
-        self._generation += 1
-        d = self.root / f"..2026_11_25_00_00_{self._generation:02d}.{os.getpid()}"
-        d.mkdir()
-        (d / self.key).write_text(text)
-        return d
-
-    def write(self, text: str) -> None:
-        new = self._new_dir(text)
-        os.symlink(new.name, self.root / "..data_tmp")
-        os.rename(self.root / "..data_tmp", self.root / "..data")  # the atomic swap
-        shutil.rmtree(self._current)
-        self._current = new
 
 
 class Streamer:
@@ -118,11 +85,17 @@ def live_daemon(tmp_path):
         "daemon.yaml",
         f"eviction_policy: lru\ndevice_budget_bytes: {3 * BLOB}\nhost_budget_bytes: {2 * BLOB}\n",
     )
-    sock = tmp_path / "daemon.sock"
-    args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(volume.path)]
-    args += ["--device-budget-max-bytes", str(8 * BLOB), "--host-budget-max-bytes", str(6 * BLOB)]
-    proc = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    proc = start_live_daemon(
+        store,
+        volume.path,
+        tmp_path,
+        "--shm-dir",
+        str(SHM_DIR or tmp_path),
+        "--device-budget-max-bytes",
+        str(8 * BLOB),
+        "--host-budget-max-bytes",
+        str(6 * BLOB),
+    )
     d = Daemon(proc, store, manifest)
     yield d, volume
     d.close()
@@ -220,17 +193,17 @@ def test_restart_only_key_is_logged_and_not_applied(live_daemon):
 
 
 def test_a_next_visit_model_is_swapped_in_by_an_edit_while_streaming(live_daemon, tmp_path):
-    from tests.unit.test_daemon_config import _next_visit_model
+    from tests.next_visit import write_next_visit_model
 
     d, volume = live_daemon
     streamer = Streamer(d)
     try:
-        model = _next_visit_model(tmp_path / "nv-1.safetensors", 2, 6)  # 2 MoE layers x 6 experts
+        model = write_next_visit_model(tmp_path / "nv-1.safetensors", 2, 6)  # 2 MoE layers x 6 experts
         volume.write(f"eviction_policy: activation-aware\nnext_visit_model: {model}\n" + BUDGETS)
         wait_for(lambda: d.stats().config.next_visit_model == str(model), "the model swapped in")
         assert f"next-visit model {model}: 2 MoE layers x 6 experts" in d.proc.log()
         # A model of another shape is refused whole: the policy edit beside it is not applied.
-        wrong = _next_visit_model(tmp_path / "nv-2.safetensors", 3, 6)
+        wrong = write_next_visit_model(tmp_path / "nv-2.safetensors", 3, 6)
         volume.write(f"eviction_policy: lfu\nnext_visit_model: {wrong}\n" + BUDGETS)
         wait_for(
             lambda: "is for 3 MoE layers x 6 experts, the model served has 2 x 6" in d.proc.log(), "refusal"
@@ -270,7 +243,7 @@ def test_sighup_reloads_too(live_daemon):
 # -- the predictor ---------------------------------------------------------------------------------
 def test_predictor_applies_live_keys_and_refuses_a_bad_file(tmp_path):
     volume = KubeletVolume(tmp_path / "config", "predictor.yaml", "max_live_requests: 100\n")
-    proc = start_predictor(tmp_path, "--config-file", str(volume.path))
+    proc = start_predictor(tmp_path, "--model-shapes", SHAPE, "--config-file", str(volume.path))
     try:
         s = stub(proc)
         for i in range(3):  # three live requests, none finished
@@ -321,10 +294,8 @@ def test_budget_and_policy_edits_while_a_generation_streams(tiny_store, tmp_path
     volume = KubeletVolume(
         tmp_path / "config", "daemon.yaml", f"eviction_policy: lru\ndevice_budget_bytes: {quarter * blob}\n"
     )
-    sock = tmp_path / "daemon.sock"
-    args = ["--store-dir", str(tiny.store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--config-file", str(volume.path), "--device-budget-max-bytes", str(blobs * blob)]
-    daemon = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
+    ceiling = ("--device-budget-max-bytes", str(blobs * blob))
+    daemon = start_live_daemon(tiny.store, volume.path, tmp_path, *ceiling)
     compute = None
     try:
         compute = start_compute(tiny.store, daemon, tmp_path)

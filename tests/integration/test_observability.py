@@ -27,7 +27,7 @@ from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertcache.launch import free_port, start_compute, start_daemon, start_predictor
+from devtools.launch import free_port, start_compute, start_daemon, start_predictor
 from tests import waiting
 
 pytestmark = pytest.mark.integration
@@ -313,7 +313,7 @@ def test_make_demo_exports_its_spans_from_the_environment_alone(collector, tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=collector.endpoint)
     done = subprocess.run(
-        [sys.executable, "-m", "expertcache.demo", "--data-dir", str(tmp_path), "--max-new-tokens", "4"],
+        [sys.executable, "-m", "devtools.demo", "--data-dir", str(tmp_path), "--max-new-tokens", "4"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -14,8 +14,8 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import start_compute, start_daemon, start_predictor
-from expertcache.redis_server import RedisServer
+from devtools.launch import start_compute, start_daemon, start_predictor
+from devtools.redis_server import RedisServer
 from tests import waiting
 
 pytestmark = pytest.mark.integration

@@ -16,18 +16,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import REPO, free_port
-from expertcache.redis_server import RedisServer
-from tests.integration.test_predictor_limits import (
-    MODEL,
-    E,
-    K,
-    L,
-    register,
-    start_predictor,
-    stub,
-    wait_stats,
-)
+from devtools.launch import REPO, free_port
+from devtools.redis_server import RedisServer
+from tests.predictors import MODEL, E, K, L, register, start_predictor, stub, wait_stats
 
 TOKENS = 6
 

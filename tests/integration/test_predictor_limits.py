@@ -5,7 +5,6 @@ served, and the registry survives a restart."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import grpc
@@ -13,47 +12,18 @@ import pytest
 import redis
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.launch import Proc, free_port, start
-from expertcache.redis_server import RedisServer
+from devtools.launch import Proc, free_port
+from devtools.redis_server import RedisServer
+from tests import predictors
+from tests.predictors import MODEL, E, K, L, first_hints, register, stats, stub, wait_stats
 
-MODEL = "tiny-moe"
-L, E, K = 4, 8, 2
 ENTRY_BYTES = 24 + 4 * L * E  # one EAM entry of MODEL: header + uint32 cells
 CAPACITY = 8
 
 
-def start_predictor(work_dir: Path, *extra: str, address: str | None = None, name: str = "predictor") -> Proc:
-    address = address or f"127.0.0.1:{free_port()}"
-    args = ["--listen-address", address, "--sync-interval-s", "0.1", "--eamc-capacity", str(CAPACITY), *extra]
-    return start("predictor_svc", args, address, work_dir / f"{name}.log")
-
-
-def stub(address: str) -> predictor_pb2_grpc.PredictorStub:
-    return predictor_pb2_grpc.PredictorStub(grpc.insecure_channel(address))
-
-
-def stats(proc: Proc) -> predictor_pb2.PredictorStats:
-    return stub(proc.address).GetStats(predictor_pb2.GetStatsRequest(), timeout=5)
-
-
-def wait_stats(proc: Proc, predicate, timeout_s: float = 15.0) -> predictor_pb2.PredictorStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = stats(proc)
-        if predicate(current):
-            return current
-        if time.monotonic() > deadline:
-            raise AssertionError(f"predictor stats never matched: {current}\n{proc.log()[-3000:]}")
-        time.sleep(0.05)
-
-
-def register(address: str, model: str = MODEL, layers: int = L, experts: int = E, top_k: int = K):
-    return stub(address).RegisterModel(
-        predictor_pb2.RegisterModelRequest(
-            model_id=model, num_moe_layers=layers, num_experts=experts, top_k=top_k
-        ),
-        timeout=10,
-    )
+def start_predictor(work_dir: Path, *extra: str, **kwargs) -> Proc:
+    """A predictor whose EAMC holds CAPACITY entries (unless ``extra`` says otherwise)."""
+    return predictors.start_predictor(work_dir, "--eamc-capacity", str(CAPACITY), *extra, **kwargs)
 
 
 def refused(call) -> grpc.RpcError:
@@ -100,26 +70,6 @@ def activation(
 def request(request_id: str, tokens: int, *, done: bool = True, alternate: bool = False, model: str = MODEL):
     for t in range(tokens):
         yield activation(request_id, t, done=done and t == tokens - 1, alternate=alternate, model=model)
-
-
-def first_hints(address: str, request_id: str, send) -> dict[int, set[int]]:
-    channel = grpc.insecure_channel(address)
-    stream = predictor_pb2_grpc.PredictorStub(channel).SubscribeHints(
-        predictor_pb2.SubscribeHintsRequest(model_id=MODEL, pod="pod-a"), timeout=10
-    )
-    time.sleep(0.3)  # the subscription is registered before the tokens arrive
-    send()
-    try:
-        for batch in stream:
-            if batch.request_id == request_id and batch.hints:
-                out: dict[int, set[int]] = {}
-                for hint in batch.hints:
-                    out.setdefault(hint.moe_layer, set()).add(hint.expert)
-                return out
-    finally:
-        stream.cancel()
-        channel.close()
-    raise AssertionError("hint stream ended without hints")
 
 
 @pytest.fixture
@@ -228,16 +178,12 @@ def test_registration_limits_are_refused_with_their_status_and_nothing_is_stored
         assert stored <= {MODEL, "m16a", "small"}, stored
 
         # Not corrupted: the legit model's EAMC still takes entries and shapes hints.
-        before = first_hints(
-            proc.address, "ctl", lambda: stub(proc.address).Observe(request("ctl", 1, done=False))
-        )
+        before = first_hints(proc, "ctl", lambda: stub(proc.address).Observe(request("ctl", 1, done=False)))
         assert all(experts == {0, 1} for experts in before.values()), before
         stub(proc.address).Observe(request("seen", 8, alternate=True), timeout=10)
         s = wait_stats(proc, lambda s: s.eamc_entries == 1)
         assert s.eamc_bytes == ENTRY_BYTES
-        after = first_hints(
-            proc.address, "new", lambda: stub(proc.address).Observe(request("new", 1, done=False))
-        )
+        after = first_hints(proc, "new", lambda: stub(proc.address).Observe(request("new", 1, done=False)))
         assert all({2, 3} & experts for experts in after.values()), after
     finally:
         client.close()
@@ -417,8 +363,8 @@ def test_redis_holds_at_most_the_capacity_and_a_log_of_the_same_length(tmp_path,
 def test_compute_and_daemon_register_their_model_on_connect(tiny_store, tmp_path):
     """Real daemon and compute, each pointed at its own predictor that knows no model: each
     registers the manifest's shape before streaming (the daemon's hint stream then opens)."""
-    from expertcache.launch import start_compute, start_daemon  # noqa: PLC0415
-    from expertcache.launch import start_predictor as launch_predictor  # noqa: PLC0415
+    from devtools.launch import start_compute, start_daemon  # noqa: PLC0415
+    from devtools.launch import start_predictor as launch_predictor  # noqa: PLC0415
 
     tiny = tiny_store("mixtral")
     manifest = tiny.manifest

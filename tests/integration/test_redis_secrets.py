@@ -15,10 +15,10 @@ import grpc
 import pytest
 import redis
 
+from devtools.launch import start_predictor
+from devtools.redis_server import RedisServer
 from expertcache.config_loader import load_config
 from expertcache.errors import InvalidArgument
-from expertcache.launch import start_predictor
-from expertcache.redis_server import RedisServer
 from predictor_svc.config import PredictorConfig
 from predictor_svc.errors import StoreUnavailable
 from predictor_svc.store import RedisOptions, open_store

@@ -1,6 +1,7 @@
 """No sleep loop on a request path: waiting is on events (conditions, futex words, host
 functions), never on a timer. Checked in the services' and the shared package's code, and in
-the native core."""
+the native core; the developer tools (devtools/: launcher, demo, test redis-server) serve no
+request and are not checked."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ PACKAGES = ("cache_daemon", "compute_svc", "predictor_svc", "expertcache")
 # Tools outside any request path, each with why it sleeps.
 ALLOWED = {
     "predictor_svc/replay.py": "a CLI that paces a trace replay at a requested token rate",
-    "expertcache/launch.py": "test/benchmark launcher polling a child process's start-up",
-    "expertcache/demo.py": "the demo script waiting for its services to come up",
-    "expertcache/redis_server.py": "starting a test redis-server and waiting for its socket",
 }
 NATIVE_SLEEPS = re.compile(r"\b(sleep_for|sleep_until|usleep|nanosleep)\s*\(|\bsleep\s*\(")
 

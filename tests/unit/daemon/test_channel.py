@@ -1,0 +1,247 @@
+"""The daemon's side of a client channel (cache_daemon/residency/channel.py) on a real Residency:
+a demand is admitted into the client's ledger and answered, host-tier copies run on the channel's
+thread, failures and refusals reach the client with their status, signals are applied or
+rejected, and nothing is left pinned when the client goes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_daemon.decisions.policy import make_policy
+from cache_daemon.residency import ClientLedger
+from expertcache import channel as codes
+from expertcache.keys import ExpertKey
+from expertcache.native import SlotTable
+from expertcache.prom import value
+from tests.residencies import ResidencyHarness, harnesses
+from tests.stores import corrupt
+
+L1, L3 = 1, 3  # the synthetic store's MoE layers, 6 experts each
+
+
+class Client:
+    """A compute process's view: its own mapping of the table, bound to its ledger."""
+
+    def __init__(self, table_path: str, ledger: ClientLedger, num_experts: int) -> None:
+        self.table = SlotTable.open(table_path)
+        self.table.attach_client(ledger.index, ledger.epoch)
+        self.channel = self.table.channel(ledger.index)
+        self.num_experts = num_experts
+
+    def demand(self, layer: int, experts: list[int], timeout_s: float = 5.0) -> tuple[int, str]:
+        seen = self.channel.notify_seq
+        seq = self.channel.post_demand(layer, experts)
+        self.channel.ring_doorbell()
+        deadline = time.monotonic() + timeout_s
+        while self.channel.reply_seq != seq:
+            assert time.monotonic() < deadline, "no reply"
+            self.channel.wait_notify(seen, 0.5, 100e-6)
+            seen = self.channel.notify_seq
+        return self.channel.reply_status, self.channel.reply_message
+
+    def wait_resident(self, layer: int, experts: list[int], timeout_s: float = 5.0) -> list[int]:
+        entries = [layer * self.num_experts + e for e in experts]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = self.channel.notify_seq
+            slots = self.table.resident_slots(entries)
+            if all(s >= 0 for s in slots):
+                return slots
+            assert time.monotonic() < deadline, f"not resident: {slots}"
+            self.channel.wait_notify(seen, 0.5, 100e-6)
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        self.table.unpin_many([layer * self.num_experts + e for e in experts])
+
+
+class Harness(ResidencyHarness):
+    """Two I/O threads and a 2 s acquire timeout; ``attach`` plays compute's side."""
+
+    def __init__(self, tmp_path: Path, *, slots: int, host_slots: int = 0) -> None:
+        super().__init__(
+            tmp_path,
+            slots=slots,
+            host_slots=host_slots,
+            io_threads=2,
+            acquire_timeout_s=2.0,
+            daemon_id="chan",
+        )
+
+    def attach(self) -> tuple[Client, object]:
+        """Attach (a ledger and an emptied channel) and tie it to a session: the server starts."""
+        ledger = self.residency.claim_client()
+        session = self.residency.open_session("compute")
+        client = Client(self.table.path, ledger, self.manifest.num_experts)
+        self.residency.bind_client(session, ledger)
+        return client, session
+
+
+@pytest.fixture
+def make(tmp_path):
+    yield from harnesses(tmp_path, Harness)
+
+
+def test_a_demand_pins_into_the_ledger_and_reports_each_source(make):
+    h = make(slots=4, host_slots=8)
+    client, session = h.attach()
+    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    slots = client.wait_resident(L1, [0, 1])
+    for expert, slot in zip((0, 1), slots, strict=True):
+        assert bytes(h.arena.slots[slot].numpy()) == h.blob(ExpertKey(L1, expert))
+        assert h.table.client_pins(session.ledger, L1 * 6 + expert) == 1
+    assert [client.channel.source(i) for i in (0, 1)] == [codes.SOURCE_STORE] * 2
+    client.release(L1, [0, 1])
+    assert h.residency.stats().pinned == 0
+    # Evicted from the arena (4 slots, 4 others wanted) but kept by the host tier: a copy, no read.
+    assert client.demand(L3, [0, 1, 2, 3]) == (codes.STATUS_OK, "")
+    client.wait_resident(L3, [0, 1, 2, 3])
+    client.release(L3, [0, 1, 2, 3])
+    assert client.demand(L1, [1, 0]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [1, 0])
+    assert [client.channel.source(i) for i in (0, 1)] == [codes.SOURCE_HOST] * 2
+    client.release(L1, [0, 1])
+    assert client.demand(L1, [0]) == (codes.STATUS_OK, "")  # resident: known at once
+    assert client.channel.source(0) == codes.SOURCE_DEVICE
+    client.release(L1, [0])
+    stats = h.residency.stats()
+    assert stats.pinned == 0 and value(h.metrics.demands) == 4
+
+
+def test_a_bad_demand_is_refused_with_its_status_and_nothing_pinned(make):
+    h = make(slots=2)
+    client, _ = h.attach()
+    status, message = client.demand(L1, [0, 1, 2])
+    assert codes.STATUS_NAMES[status] == "INVALID_ARGUMENT"
+    assert "names 3 experts but the arena has 2 slots" in message
+    status, message = client.demand(2, [0])
+    assert codes.STATUS_NAMES[status] in ("INVALID_ARGUMENT", "NOT_FOUND") and "layer 2" in message
+    status, message = client.demand(L1, [4, 4])
+    assert "names expert 4 more than once" in message
+    assert h.residency.stats().pinned == 0
+    assert client.demand(L1, [5]) == (codes.STATUS_OK, "")  # the channel goes on
+    client.wait_resident(L1, [5])
+    client.release(L1, [5])
+
+
+def test_a_failed_load_unpins_and_tells_the_client_why(make):
+    h = make(slots=4)
+    corrupt(h.root, h.manifest, ExpertKey(L1, 3))
+    client, session = h.attach()
+    fail_seen = client.channel.fail_seq
+    assert client.demand(L1, [2, 3]) == (codes.STATUS_OK, "")
+    deadline = time.monotonic() + 5
+    while client.channel.fail_seq == fail_seen:
+        assert time.monotonic() < deadline
+        client.channel.wait_notify(client.channel.notify_seq, 0.2)
+    assert codes.STATUS_NAMES[client.channel.fail_status] == "DATA_LOSS"
+    assert "L1E3" in client.channel.fail_message and "checksum mismatch" in client.channel.fail_message
+    assert h.table.client_pins(session.ledger, L1 * 6 + 3) == 0  # the daemon took its pin back
+    client.wait_resident(L1, [2])
+    client.release(L1, [2])
+    assert h.residency.stats().pinned == 0
+
+
+def test_a_demand_waits_for_slots_the_client_itself_frees(make):
+    h = make(slots=2)
+    client, _ = h.attach()
+    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [0, 1])
+    # Both slots pinned by this client: the next demand waits until it releases them.
+    seq = client.channel.post_demand(L3, [0, 1])
+    client.channel.ring_doorbell()
+    time.sleep(0.2)
+    assert client.channel.reply_seq != seq
+    client.release(L1, [0, 1])  # an unpin through the table wakes the waiting admission
+    deadline = time.monotonic() + 5
+    while client.channel.reply_seq != seq:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert client.channel.reply_status == codes.STATUS_OK
+    client.wait_resident(L3, [0, 1])
+    client.release(L3, [0, 1])
+
+
+def test_a_demand_that_never_fits_times_out_with_deadline_exceeded(make):
+    h = make(slots=2)
+    client, _ = h.attach()
+    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [0, 1])
+    status, message = client.demand(L3, [0], timeout_s=10)  # its own pins hold every slot
+    assert codes.STATUS_NAMES[status] == "DEADLINE_EXCEEDED" and "acquire_timeout_s" in message
+    client.release(L1, [0, 1])
+
+
+def test_signals_are_applied_in_order_and_malformed_ones_rejected(make):
+    h = make(slots=4)
+    client, _ = h.attach()
+    ch = client.channel
+    ch.signal_begin(1, "req-a")
+    ch.signal_route(1, 0, L1, [0, 2])
+    ch.signal_ahead(1, 0, [L3], [1], [[4]], [[0.9]])
+    ch.signal_route(1, 0, 2, [0])  # layer 2 is not a MoE layer
+    ch.signal_route(9, 0, L1, [0])  # a handle never begun
+    ch.ring_doorbell()
+    signals = h.residency.signals
+    deadline = time.monotonic() + 5
+    while value(h.metrics.signals, "rejected") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "req-a" in signals.live_requests
+    assert value(h.metrics.signals, "route") == 1
+    assert value(h.metrics.signals, "layer_ahead") == 1
+    ch.signal_end(1)
+    ch.ring_doorbell()
+    while "req-a" in signals.live_requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_signals_wanted_follows_the_policy_and_prefetch(make):
+    h = make(slots=4)
+    assert not h.table.signals_wanted  # lru, prefetch off: nothing reads them
+    h.residency.configure_prefetch(enabled=True, max_inflight_bytes=0)
+    assert h.table.signals_wanted
+    h.residency.configure_prefetch(enabled=False, max_inflight_bytes=0)
+    h.residency.set_policy(make_policy("activation-aware", signals=h.residency.signals))
+    assert h.table.signals_wanted
+
+
+def test_closing_the_session_reclaims_the_pins_and_ends_the_thread(make):
+    h = make(slots=4)
+    client, session = h.attach()
+    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [0, 1])
+    assert h.residency.stats().pinned == 2
+    server = h.residency._channels[session]
+    h.residency.close_session(session)  # compute died: its stream ended
+    server.join(5)
+    assert not server._thread.is_alive()
+    assert h.residency.stats().pinned == 0
+
+
+def test_many_clients_are_served_at_once(make):
+    h = make(slots=6, host_slots=12)
+    clients = [h.attach()[0] for _ in range(3)]
+    errors = []
+
+    def work(client: Client, layer: int) -> None:
+        try:
+            for i in range(30):
+                experts = [i % 6, (i + 1) % 6]
+                assert client.demand(layer, experts, timeout_s=10)[0] == codes.STATUS_OK
+                client.wait_resident(layer, experts)
+                client.release(layer, experts)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(c, L1 if i % 2 else L3)) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert h.residency.stats().pinned == 0

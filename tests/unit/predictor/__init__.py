@@ -1,0 +1,1 @@
+"""Tests of the predictor service (predictor_svc/): EAM, EAMC, predict, service, config."""

@@ -1,0 +1,1 @@
+"""Tests of trace replay and research code: simulator, batch ceiling, forced routing, next-visit."""

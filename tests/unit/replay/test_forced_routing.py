@@ -1,0 +1,207 @@
+"""Forced routing (benchmark feature): the runtime computes the trace's experts, not the router's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compute_svc.errors import InvalidArgument
+from compute_svc.forced_routing import ForcedRouting, load_trace
+from compute_svc.generation import GenerationRequest
+from compute_svc.layer_ahead import Prediction
+from compute_svc.moe import StepSegment
+from tests.traces import write_trace
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def test_trace_shape_mismatch_names_both_shapes(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.npz", [4], layers=3, experts=8, top_k=2))
+    with pytest.raises(
+        InvalidArgument,
+        match=r"has 3 MoE layers x 8 experts, top-2 but the model has 24 MoE layers x 32 experts, top-4",
+    ):
+        ForcedRouting(trace, list(range(24)), 32, 4)
+    with pytest.raises(InvalidArgument, match=r"force_routing_request 5 is out of range \[0, 1\)"):
+        ForcedRouting(trace, [0, 1, 2], 8, 2, first_request=5)
+
+
+def test_bad_trace_files(tmp_path):
+    with pytest.raises(InvalidArgument, match="force_routing_path '.*missing.npz' does not exist"):
+        load_trace(tmp_path / "missing.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(InvalidArgument, match="is not a routing trace"):
+        load_trace(tmp_path / "junk.npz")
+    np.savez(tmp_path / "partial.npz", expert_ids=np.zeros((2, 3, 2), np.int8))
+    with pytest.raises(InvalidArgument, match=r"lacks \['req_offsets', 'meta_json'\]"):
+        load_trace(tmp_path / "partial.npz")
+    meta = json.dumps({"num_experts": 8})
+    np.savez(
+        tmp_path / "unweighted.npz",
+        expert_ids=np.zeros((2, 3, 2), np.int8),
+        req_offsets=[0, 2],
+        meta_json=meta,
+    )
+    with pytest.raises(InvalidArgument, match="lacks gate_weights: forced routing needs the router weights"):
+        load_trace(tmp_path / "unweighted.npz")
+
+
+def test_requests_cycle_and_rows_wrap(tmp_path):
+    # Request 1 is prefill only (no decode rows): skipped. Request 2 has one prefill row.
+    trace = load_trace(write_trace(tmp_path / "t.npz", [3, 2, 4], decode_start=[0, 2, 1]))
+    forced = ForcedRouting(trace, [0, 1, 2], 8, 2, first_request=2)
+    assert forced.begin_request("a") == 2
+    assert [forced.row("a", s) for s in range(5)] == [6, 7, 8, 6, 7]  # rows 5 (prefill) skipped, wrap after 3
+    assert forced.begin_request("b") == 0
+    assert forced.begin_request("c") == 2  # 1 has no decode rows
+    assert forced.begin_request("d") == 0
+    # Requests batched together each keep their own trace request.
+    assert (forced.request_of("a"), forced.request_of("b"), forced.request_of("c")) == (2, 0, 2)
+    assert forced.row("b", 1) == 1
+    forced.end_request("a")
+    assert forced.request_of("a") == 2  # a new request of that id takes the next one
+
+
+def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.npz", [200], experts=8, top_k=2))
+    router = Prediction(layer=1, experts=(0, 1), scores=(0.6, 0.4))
+    for acc, lo, hi in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (0.5, 0.4, 0.6)):
+        forced = ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=acc)
+        forced.begin_request("r")
+        kept = []
+        for step in range(200):
+            p = forced.layer_ahead(StepSegment("r", 0, 1, step, step), router)
+            truth = set(forced.experts("r", step, 1).tolist())
+            assert len(set(p.experts)) == 2 and p.layer == 1
+            kept.append(len(truth & set(p.experts)) / 2)
+        assert lo <= np.mean(kept) <= hi
+    with pytest.raises(InvalidArgument, match=r"accuracy 1.5 is out of range \[0, 1\]"):
+        ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=1.5)
+    with pytest.raises(InvalidArgument, match=r"force_routing_accuracy_drop_per_depth -0.1 is out of range"):
+        ForcedRouting(trace, [0, 1, 2], 8, 2, accuracy_drop_per_depth=-0.1)
+
+
+def test_modelled_lookahead_loses_accuracy_by_depth(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.npz", [400], layers=3, experts=8, top_k=2))
+    forced = ForcedRouting(trace, [0, 1, 2], 8, 2, layer_ahead_accuracy=0.9, accuracy_drop_per_depth=0.4)
+    forced.begin_request("r")
+    assert [forced.accuracy(d) for d in (1, 2, 3, 4)] == [0.9, pytest.approx(0.5), pytest.approx(0.1), 0.0]
+    kept = {1: [], 2: []}
+    for step in range(400):
+        for depth in (1, 2):
+            segment = StepSegment("r", 0, 1, step, step)
+            p = forced.layer_ahead(
+                segment, Prediction(layer=2, experts=(0, 1), scores=(0.6, 0.4), depth=depth)
+            )
+            assert p.depth == depth and p.layer == 2
+            kept[depth].append(len(set(forced.experts("r", step, 2).tolist()) & set(p.experts)) / 2)
+    assert 0.85 <= np.mean(kept[1]) <= 0.95 and 0.42 <= np.mean(kept[2]) <= 0.58
+
+
+def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
+    """The plain transformers model, its routers patched to return the trace's rows: the reference."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    start, _ = trace.decode_rows(request)
+    state = {"step": 0}
+    for j, layer in enumerate(moe_layers):
+        block = model.model.layers[layer].mlp
+        name = "router" if hasattr(block, "router") else "gate"
+        router = getattr(block, name)
+        original = router.forward
+
+        def forward(hidden_states, original=original, j=j):
+            logits, weights, _ = original(hidden_states)
+            tokens = logits.shape[0]
+            row = start + state["step"]
+            index = torch.from_numpy(trace.expert_ids[row, j].astype(np.int64)).expand(tokens, -1)
+            w = torch.from_numpy(trace.gate_weights[row, j].astype(np.float32)).to(weights.dtype)
+            return logits, w.expand(tokens, -1), index
+
+        router.forward = forward
+    outputs, past = [], None
+    with torch.no_grad():
+        for step, ids in enumerate(ids_per_step):
+            state["step"] = step
+            out = model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            outputs.append(out.logits[0, -1])
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp_path):
+    engine, provider, tiny = local_engine(arch)
+    manifest = tiny.manifest
+    trace = load_trace(
+        write_trace(
+            tmp_path / "t.npz",
+            [2, 6],
+            layers=len(manifest.moe_layers),
+            experts=manifest.num_experts,
+            top_k=manifest.top_k,
+        )
+    )
+    forced = ForcedRouting(trace, manifest.moe_layers, manifest.num_experts, manifest.top_k, first_request=1)
+    engine.runtime.forced = forced
+    prompt = (3, 4, 5)
+    seen = []
+    original_begin = forced.begin_request
+    forced.begin_request = lambda rid: seen.append(original_begin(rid)) or seen[-1]
+    events = list(
+        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a")))
+    )
+    assert seen == [1]
+    # Every acquire asked exactly for the trace's experts of that forward and layer.
+    per_forward = len(manifest.moe_layers)
+    acquires = provider.acquires[-4 * per_forward :]
+    start, _ = trace.decode_rows(1)
+    for n, (layer, experts) in enumerate(acquires):
+        step, j = divmod(n, per_forward)
+        assert layer == manifest.moe_layers[j]
+        assert sorted(experts) == sorted(trace.expert_ids[start + step, j].tolist())
+    # The generated tokens are those of the plain model forced the same way (a direct computation).
+    ids = [list(prompt)] + [[e.token_id] for e in events[:-1]]
+    reference = plain_forced_logits(tiny.checkpoint, ids, trace, 1, manifest.moe_layers)
+    assert [e.token_id for e in events] == [int(r.argmax()) for r in reference]
+    # Each new Generate takes the next trace request (wrapping after the last).
+    list(
+        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b")))
+    )
+    assert seen == [1, 0]
+    first, _ = trace.decode_rows(0)
+    assert sorted(provider.acquires[-1][1]) == sorted(
+        trace.expert_ids[first, len(manifest.moe_layers) - 1].tolist()
+    )
+
+
+def test_config_fields_and_their_bounds():
+    from compute_svc.config import ENV_PREFIX, ComputeConfig
+    from expertcache.config_loader import load_config
+
+    config = load_config(ComputeConfig, cli={"store_dir": "s"}, env={}, env_prefix=ENV_PREFIX)
+    assert config.layer_ahead is True
+    assert (config.force_routing_path, config.force_routing_request) == ("", 0)
+    assert config.force_routing_layer_ahead_accuracy == 0.9
+    assert config.force_routing_accuracy_drop_per_depth == 0.1 and config.layer_ahead_depth == 1
+    with pytest.raises(InvalidArgument, match="layer_ahead_depth.*below its minimum 1"):
+        load_config(
+            ComputeConfig, cli={"store_dir": "s", "layer_ahead_depth": "0"}, env={}, env_prefix=ENV_PREFIX
+        )
+    with pytest.raises(InvalidArgument, match="force_routing_layer_ahead_accuracy.*above its maximum 1.0"):
+        load_config(
+            ComputeConfig,
+            cli={"store_dir": "s", "force_routing_layer_ahead_accuracy": "1.5"},
+            env={},
+            env_prefix=ENV_PREFIX,
+        )
+    with pytest.raises(InvalidArgument, match="force_routing_request.*below its minimum 0"):
+        load_config(
+            ComputeConfig,
+            cli={"store_dir": "s", "force_routing_request": "-1"},
+            env={},
+            env_prefix=ENV_PREFIX,
+        )

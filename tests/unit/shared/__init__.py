@@ -1,0 +1,1 @@
+"""Tests of the shared library (expertcache/) and of what every service does through it."""
