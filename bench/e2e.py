@@ -39,7 +39,7 @@ its spread over the rounds (median, min, max of the per-round p50 ratios), and
 bench/results/e2e.png plots the p50s with their spread and the shares of the gap.
 
 Routing: ours and lru are forced from the real gpt-oss-20b trace (``--force-routing``, a
-benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``--request`` ..
+benchmark mode of compute: ``python -m replay.forced_compute``, ``replay.forced_routing``), trace requests ``--request`` ..
 ``--request + --requests - 1``, one Generate each; layer-ahead under forced routing is modelled
 at ``--layer-ahead-accuracy`` (printed). Accelerate routes with its own (random) routers, which
 does not change its cost: it streams whole offloaded modules, every expert of them, per forward.
@@ -112,10 +112,11 @@ from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
 from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
 from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
-from compute_svc.forced_routing import modelled_accuracy  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
+from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
+from replay.forced_routing import modelled_accuracy  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -310,7 +311,9 @@ class ProcessSystem:
         )
         self.compute = None
         try:
-            self.compute = start_compute(store, self.daemon, work, extra=compute_extra)
+            self.compute = start_compute(
+                store, self.daemon, work, extra=compute_extra, module="replay.forced_compute"
+            )
             drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
             self.io_mode = get_stats(self.daemon.address).store_io_mode
         except BaseException:
@@ -775,7 +778,7 @@ def simulated_reference(
         ours["ours-transitions"] = None
     calibrated = is_calibrated(manifest)
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
-    drop = ComputeConfig().force_routing_accuracy_drop_per_depth
+    drop = ForcedRoutingConfig().force_routing_accuracy_drop_per_depth
     accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))
     slots = budget // manifest.blob_bytes
     started = time.perf_counter()

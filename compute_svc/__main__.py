@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
 from expertcache import telemetry
@@ -22,11 +23,16 @@ from expertcache.config_loader import add_arguments, cli_values, load_config, pr
 from expertcache.errors import ExpertCacheError
 from expertcache.logs import setup_logging
 
+if TYPE_CHECKING:
+    from compute_svc.server import RoutingOverrideFactory
+
 EXIT_START_FAILED = 2
 logger = logging.getLogger("compute_svc")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, routing_override: RoutingOverrideFactory | None = None) -> int:
+    """``routing_override``: installed on the expert runtime before serving (a benchmark entry
+    point's, ``replay.forced_compute``; the service itself never has one)."""
     parser = argparse.ArgumentParser(
         prog="expertcache-compute",
         # No abbreviations: a flag the chart passes must be the exact name (a renamed flag fails).
@@ -35,14 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config-file", help="YAML file of config fields (the ConfigMap)")
     add_arguments(parser, ComputeConfig)
-    # The benchmark's spelling of --force-routing-path (same config field).
-    parser.add_argument(
-        "--force-routing",
-        dest="force_routing_path",
-        default=None,
-        metavar="TRACE",
-        help="same as --force-routing-path",
-    )
     args = parser.parse_args(argv)
     if args.print_config_schema:
         print_config_schema(ComputeConfig, ENV_PREFIX)
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from compute_svc.server import ComputeServer  # torch and transformers load here, after the config
 
     try:
-        server = ComputeServer(config)
+        server = ComputeServer(config, routing_override=routing_override)
     except (ExpertCacheError, OSError) as exc:  # OSError: the listen address cannot be bound
         print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
         return EXIT_START_FAILED

@@ -73,7 +73,7 @@ from compute_svc.errors import (
     ResourceExhausted,
 )
 from compute_svc.layer_ahead import Prediction
-from compute_svc.moe import ReadyExpert, Tier
+from compute_svc.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
 from expertcache import native
 from expertcache.manifest import StoreManifest
@@ -101,16 +101,16 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
 
-_TIERS = {
-    cache_pb2.TIER_DEVICE: Tier.DEVICE,
-    cache_pb2.TIER_HOST: Tier.HOST,
-    cache_pb2.TIER_STORE: Tier.STORE,
+_SOURCES = {
+    cache_pb2.TIER_DEVICE: ExpertSource.DEVICE,
+    cache_pb2.TIER_HOST: ExpertSource.HOST,
+    cache_pb2.TIER_STORE: ExpertSource.STORE,
 }
-# The channel's source codes (expertcache.channel) → tiers.
-_CHANNEL_TIERS = {
-    codes.SOURCE_DEVICE: Tier.DEVICE,
-    codes.SOURCE_HOST: Tier.HOST,
-    codes.SOURCE_STORE: Tier.STORE,
+# The channel's source codes (expertcache.channel) → sources.
+_CHANNEL_SOURCES = {
+    codes.SOURCE_DEVICE: ExpertSource.DEVICE,
+    codes.SOURCE_HOST: ExpertSource.HOST,
+    codes.SOURCE_STORE: ExpertSource.STORE,
 }
 
 # Demand call metadata naming this client's ledger (cache.proto, Demand).
@@ -455,7 +455,9 @@ class DaemonClient:
                 if kind == "ready" and response.ready.ticket == ticket:
                     ready = response.ready
                     yield [
-                        ReadyExpert(ready.expert.expert, ready.slot, _TIERS.get(ready.source, Tier.UNKNOWN))
+                        ReadyExpert(
+                            ready.expert.expert, ready.slot, _SOURCES.get(ready.source, ExpertSource.UNKNOWN)
+                        )
                     ]
                 elif kind == "done" and response.done.ticket == ticket:
                     break
@@ -523,7 +525,9 @@ class DaemonClient:
             landed = sum(1 for slot in slots if slot >= 0)
             if landed and (landed == len(pending) or not gather):
                 batch = [
-                    ReadyExpert(misses[i], slot, _CHANNEL_TIERS.get(channel.source(i), Tier.UNKNOWN))
+                    ReadyExpert(
+                        misses[i], slot, _CHANNEL_SOURCES.get(channel.source(i), ExpertSource.UNKNOWN)
+                    )
                     for i, slot in zip(pending, slots, strict=True)
                     if slot >= 0
                 ]
@@ -843,7 +847,7 @@ class DaemonClient:
             if slot >= 0:
                 key = (layer, expert)
                 self._shm_held[key] = self._shm_held.get(key, 0) + 1
-                hits.append(ReadyExpert(expert, slot, Tier.DEVICE))
+                hits.append(ReadyExpert(expert, slot, ExpertSource.DEVICE))
         return stream, hits
 
     def _check_same_daemon(self) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from compute_svc import generation
 from compute_svc.generation import GenerationRequest
-from compute_svc.moe import route
+from compute_svc.moe_math import route
 
 PROMPT = tuple(range(5, 20))
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compute_svc.moe import IMPLEMENTATION, route, waves
+from compute_svc.moe import IMPLEMENTATION
+from compute_svc.moe_math import route, waves
 from expertcache.model_structure import build_skeleton
 from expertcache.tiny import SUPPORTED_ARCHS, make_config
 
