@@ -46,7 +46,7 @@ from expertcache.manifest import read_manifest
 
 if TYPE_CHECKING:
     from compute_svc.activations import ActivationReporter, RoutingCapture
-    from compute_svc.cache_client import Attachment
+    from compute_svc.daemon_wire import Attachment
     from compute_svc.trace_recorder import TraceRecorder
 
 logger = logging.getLogger(__name__)

@@ -682,7 +682,7 @@ def test_the_client_writes_signals_to_its_channel_and_rings_once_per_layer(lone)
     # back the doorbell, which the layer's acquire rings (with its demand, or alone for hits).
     client = fast_client(lone)
     try:
-        channel = client._shm_channel
+        channel = client._link.shm_channel
         client.begin_request("req-3")
         rung = channel.doorbell_seq
         client.routed("req-3", 0, 1, [4], with_acquire=True)
