@@ -180,10 +180,6 @@ class DaemonClient:
         return self._link.attachment
 
     @property
-    def fast_path(self) -> bool:
-        return self._link.fast_path
-
-    @property
     def num_slots(self) -> int:
         return self._link.attachment.num_slots
 

@@ -376,7 +376,9 @@ class HttpApi:
             body = await self._body(request)
             request_id = f"{prefix}-{secrets.token_hex(12)}"
             api_request: ApiRequest = parse(
-                body, max_new_tokens_limit=self.scheduler.engine.limits.max_new_tokens, request_id=request_id
+                body,
+                max_new_tokens_limit=self.scheduler.engine.requests.limits.max_new_tokens,
+                request_id=request_id,
             )
             if api_request.model != self.model_id:
                 raise ApiError(

@@ -45,14 +45,9 @@ from compute_svc.errors import (
     QueueFull,
     Unavailable,
 )
-from compute_svc.generation import (
-    GenerationEngine,
-    GenerationRequest,
-    PreparedRequest,
-    RunningRequest,
-    TokenEvent,
-)
+from compute_svc.generation import GenerationEngine, RunningRequest, TokenEvent
 from compute_svc.metrics import ComputeMetrics
+from compute_svc.requests import GenerationRequest, PreparedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +193,7 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here."""
-        prepared = self.engine.prepare(request)
+        prepared = self.engine.requests.prepare(request)
         handle = RequestHandle(prepared, self._wake)
         with self._cond:
             if self._stopping or self._draining:

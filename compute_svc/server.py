@@ -19,20 +19,13 @@ from compute_svc.activations import ActivationReporter, RoutingCapture
 from compute_svc.arena import Arena
 from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
-from compute_svc.generation import (
-    ChatMessage,
-    FinishReason,
-    GenerationRequest,
-    ModelInfo,
-    RequestLimits,
-    SamplingParams,
-    TokenEvent,
-    build_engine,
-)
+from compute_svc.generation import FinishReason, ModelInfo, TokenEvent, build_engine
 from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel
 from compute_svc.moe import RoutingOverride
+from compute_svc.requests import ChatMessage, GenerationRequest, RequestLimits
+from compute_svc.sampling import SamplingParams
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache import telemetry
@@ -223,7 +216,7 @@ class ComputeServer:
         from compute_svc.http_api import HttpApi, HttpLimits
         from compute_svc.http_server import HttpServer
 
-        limits = self.engine.limits
+        limits = self.engine.requests.limits
         security = ServerSecurity.from_config(config)
         api = HttpApi(
             self.scheduler,

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_svc.errors import InvalidArgument
-from compute_svc.generation import GenerationRequest
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import StepSegment
+from compute_svc.requests import GenerationRequest
 from replay.forced_routing import ForcedRouting, load_trace
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -168,7 +168,9 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
     original_begin = forced.begin_request
     forced.begin_request = lambda rid: seen.append(original_begin(rid)) or seen[-1]
     events = list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a")))
+        engine.generate(
+            engine.requests.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a"))
+        )
     )
     assert seen == [1]
     # Every acquire asked exactly for the trace's experts of that forward and layer.
@@ -185,7 +187,9 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
     assert [e.token_id for e in events] == [int(r.argmax()) for r in reference]
     # Each new Generate takes the next trace request (wrapping after the last).
     list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b")))
+        engine.generate(
+            engine.requests.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b"))
+        )
     )
     assert seen == [1, 0]
     first, _ = trace.decode_rows(0)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from compute_svc.generation import ChatMessage, FinishReason, TokenEvent, TokenStats
+from compute_svc.generation import FinishReason, TokenEvent, TokenStats
 from compute_svc.http_api import HttpLimits, _Events, _Stream, error_of
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.openai_schema import (
@@ -19,6 +19,7 @@ from compute_svc.openai_schema import (
     chat_request,
     completion_request,
 )
+from compute_svc.requests import ChatMessage
 from compute_svc.scheduler import _DONE, RequestHandle
 from expertcache.errors import InvalidArgument, ResourceExhausted, Unavailable
 
