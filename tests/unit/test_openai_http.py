@@ -208,7 +208,7 @@ class _Scheduler:
     """Records the span current where the engine would take its Generate span's parent."""
 
     def __init__(self) -> None:
-        self.engine = type("Engine", (), {"limits": _Limits()})()
+        self.engine = type("Engine", (), {"requests": type("RequestCheck", (), {"limits": _Limits()})()})()
         self.parent = None
         self.serving = True
 
