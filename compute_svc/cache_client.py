@@ -172,10 +172,6 @@ class DaemonClient:
             raise
 
     @property
-    def address(self) -> str:
-        return self._link.address
-
-    @property
     def attachment(self) -> Attachment:
         return self._link.attachment
 
@@ -201,16 +197,9 @@ class DaemonClient:
     def signals_dropped(self) -> int:
         return self._signals.dropped
 
-    def acquire(
-        self,
-        layer: int,
-        experts: Sequence[int],
-        *,
-        deadline: float | None = None,
-        trace_context: dict[str, str] | None = None,
-    ) -> Iterator[ReadyExpert]:
-        """``acquire_batches``, one expert at a time."""
-        for batch in self.acquire_batches(layer, experts, deadline=deadline, trace_context=trace_context):
+    def acquire(self, layer: int, experts: Sequence[int], **options) -> Iterator[ReadyExpert]:
+        """``acquire_batches`` (same options), one expert at a time."""
+        for batch in self.acquire_batches(layer, experts, **options):
             yield from batch
 
     def acquire_batches(

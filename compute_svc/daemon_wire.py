@@ -12,29 +12,21 @@ from dataclasses import dataclass
 import grpc
 from moe.cache.v1 import cache_pb2
 
+from compute_svc import errors
 from compute_svc.arena import ArenaHandle, ArenaKind
-from compute_svc.errors import (
-    DaemonUnavailable,
-    DataLoss,
-    DeadlineExceeded,
-    ExpertCacheError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from compute_svc.errors import DaemonUnavailable, ExpertCacheError, FailedPrecondition
 from compute_svc.moe import ExpertSource
 from expertcache import channel as codes
 from expertcache.manifest import StoreManifest
 
 # The daemon's status → the exception compute raises (and serves to its own clients).
 _STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.DATA_LOSS: DataLoss,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
 
