@@ -39,7 +39,7 @@ its spread over the rounds (median, min, max of the per-round p50 ratios), and
 bench/results/e2e.png plots the p50s with their spread and the shares of the gap.
 
 Routing: ours and lru are forced from the real gpt-oss-20b trace (``--force-routing``, a
-benchmark feature of compute: ``compute_svc.forced_routing``), trace requests ``--request`` ..
+benchmark mode of compute: ``python -m replay.forced_compute``, ``replay.forced_routing``), trace requests ``--request`` ..
 ``--request + --requests - 1``, one Generate each; layer-ahead under forced routing is modelled
 at ``--layer-ahead-accuracy`` (printed). Accelerate routes with its own (random) routers, which
 does not change its cost: it streams whole offloaded modules, every expert of them, per forward.
@@ -119,9 +119,10 @@ from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
 from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
 from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
-from compute_svc.forced_routing import modelled_accuracy  # noqa: E402
 from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
+from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
+from replay.forced_routing import modelled_accuracy  # noqa: E402
 
 RESULTS = RESULTS_DIR / "e2e.json"
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
@@ -203,7 +204,7 @@ def simulated_reference(
         ours["ours-transitions"] = None
     calibrated = is_calibrated(manifest)
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
-    drop = ComputeConfig().force_routing_accuracy_drop_per_depth
+    drop = ForcedRoutingConfig().force_routing_accuracy_drop_per_depth
     accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))
     slots = budget // manifest.blob_bytes
     started = time.perf_counter()

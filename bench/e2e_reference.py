@@ -2,7 +2,7 @@
 
 ``bench.e2e`` measures ours and LRU in real processes, but Belady's MIN needs the future, so it
 cannot run there. This module replays the very routing the e2e forces on its systems (the same
-trace rows, taken by ``compute_svc.forced_routing.ForcedRouting`` itself: request by request, row
+trace rows, taken by ``replay.forced_routing.ForcedRouting`` itself: request by request, row
 0 for the prefill, wrapping past a request's end) through ``cache_daemon.decisions.simulator``
 with the same number of slots:
 
@@ -36,8 +36,8 @@ from cache_daemon.decisions.next_visit import NextVisitModel
 from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS
 from cache_daemon.decisions.simulator import CPU_E2E_EXPERT_BYTES, Simulation, cpu_e2e_timing
 from cache_daemon.learn_next_visit import read as read_next_visit
-from compute_svc.forced_routing import ForcedRouting, load_trace
 from expertcache.manifest import StoreManifest
+from replay.forced_routing import ForcedRouting, load_trace
 
 MIB = 1 << 20
 

@@ -231,6 +231,7 @@ def serve(args, store, manifest, work: Path, compute_extra: list[str], budget: i
             store,
             daemon,
             work,
+            module="replay.forced_compute",
             extra=[
                 "--force-routing-path",
                 str(args.trace),

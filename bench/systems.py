@@ -144,7 +144,9 @@ class ProcessSystem:
         )
         self.compute = None
         try:
-            self.compute = start_compute(store, self.daemon, work, extra=compute_extra)
+            self.compute = start_compute(
+                store, self.daemon, work, extra=compute_extra, module="replay.forced_compute"
+            )
             drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
             self.io_mode = get_stats(self.daemon.address).store_io_mode
         except BaseException:

@@ -13,10 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
+from typing import TYPE_CHECKING
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
 from expertcache.errors import ExpertCacheError
 from expertcache.service_main import EXIT_START_FAILED, ServiceMain
+
+if TYPE_CHECKING:
+    from compute_svc.server import RoutingOverrideFactory
 
 logger = logging.getLogger("compute_svc")
 
@@ -29,24 +34,22 @@ SERVICE = ServiceMain(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = SERVICE.parser()
-    # The benchmark's spelling of --force-routing-path (same config field).
-    parser.add_argument(
-        "--force-routing",
-        dest="force_routing_path",
-        default=None,
-        metavar="TRACE",
-        help="same as --force-routing-path",
-    )
-    return SERVICE.run(argv, serve, parser)
+def main(argv: list[str] | None = None, *, routing_override: RoutingOverrideFactory | None = None) -> int:
+    """``routing_override``: installed on the expert runtime before serving (a benchmark entry
+    point's, ``replay.forced_compute``; the service itself never has one)."""
+    return SERVICE.run(argv, partial(serve, routing_override=routing_override))
 
 
-def serve(config: ComputeConfig, _args: argparse.Namespace) -> int:
+def serve(
+    config: ComputeConfig,
+    _args: argparse.Namespace,
+    *,
+    routing_override: RoutingOverrideFactory | None = None,
+) -> int:
     from compute_svc.server import ComputeServer  # torch and transformers load here, after the config
 
     try:
-        server = ComputeServer(config)
+        server = ComputeServer(config, routing_override=routing_override)
     except (ExpertCacheError, OSError) as exc:  # OSError: the listen address cannot be bound
         print(f"compute_svc: cannot start: {exc}", file=sys.stderr)
         return EXIT_START_FAILED

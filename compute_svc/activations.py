@@ -53,8 +53,6 @@ from expertcache.security import ClientSecurity, client_channel
 
 logger = logging.getLogger(__name__)
 
-_WAIT_SLICE_S = 0.2  # how often a blocked request iterator checks whether its stream ended
-
 
 # -- capture ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -182,7 +180,10 @@ class ActivationReporter:
         self.connected = False
         self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
-        self._call_ended = threading.Event()
+        # The Observe call whose request iterator may take from the queue (None: none); every
+        # change is notified on _cond, so that an iterator of an ended call stops waiting.
+        self._calls = 0
+        self._open_call: int | None = None
         self._thread = threading.Thread(target=self._run, name="activation-reporter", daemon=True)
         self._thread.start()
 
@@ -232,15 +233,14 @@ class ActivationReporter:
             return self._queued_tokens
 
     # -- sender thread --------------------------------------------------------------------------
-    def _take(self) -> _Step | _Done | None:
-        """Next queued item, waiting in slices; None once the current call ended or we close."""
+    def _take(self, call: int) -> _Step | _Done | None:
+        """Next queued item for Observe call ``call``; None once that call ended or we close.
+        Waits on ``_cond``: woken by a queued item, the call's end and ``close``."""
         with self._cond:
             while not self._queue:
-                if self._call_ended.is_set():
+                if self._open_call != call or self._closing:
                     return None
-                if self._closing:
-                    return None
-                self._cond.wait(_WAIT_SLICE_S)
+                self._cond.wait()
             if self._closing and time.monotonic() >= self._flush_deadline:
                 return None
             item = self._queue.popleft()
@@ -248,10 +248,10 @@ class ActivationReporter:
                 self._queued_tokens -= int(item.routing.experts.shape[0])
             return item
 
-    def _messages(self) -> Iterator[predictor_pb2.Activation]:
-        """The request iterator of one Observe call (runs in gRPC's request-consumer thread)."""
+    def _messages(self, call: int) -> Iterator[predictor_pb2.Activation]:
+        """The request iterator of Observe call ``call`` (runs in gRPC's request-consumer thread)."""
         while True:
-            item = self._take()
+            item = self._take(call)
             if item is None:
                 return
             if isinstance(item, _Done):
@@ -342,12 +342,14 @@ class ActivationReporter:
                     self._cond.wait(backoff)
                 backoff = next_backoff(backoff)
                 continue
-            self._call_ended.clear()
+            with self._cond:
+                self._calls += 1
+                call = self._open_call = self._calls
             try:
                 # One long stream: it returns when _messages ends (on close) or raises when the
                 # predictor goes away.
-                summary = self._stub.Observe(self._messages())
-                self._call_ended.set()
+                summary = self._stub.Observe(self._messages(call))
+                self._end_call(call)
                 logger.debug("Observe stream closed: %d activations accepted", summary.activations)
                 if summary.requests_refused:
                     logger.warning(
@@ -359,12 +361,19 @@ class ActivationReporter:
                     )
                 backoff = RECONNECT_INITIAL_S
             except grpc.RpcError as exc:
-                self._call_ended.set()
+                self._end_call(call)
                 self._outage(f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc))
                 with self._cond:
                     if self._closing:
                         return
                     self._cond.wait(RECONNECT_INITIAL_S)
+
+    def _end_call(self, call: int) -> None:
+        """Observe call ``call`` is over: its request iterator stops waiting for the queue."""
+        with self._cond:
+            if self._open_call == call:
+                self._open_call = None
+            self._cond.notify_all()
 
     def _register(self) -> str:
         """RegisterModel before a stream; "" when registered (or nothing to register), else why not."""
@@ -393,5 +402,5 @@ class ActivationReporter:
             self._closing = True
             self._flush_deadline = time.monotonic() + flush_timeout_s
             self._cond.notify_all()
-        self._thread.join(flush_timeout_s + 2 * _WAIT_SLICE_S + RECONNECT_MAX_S)
+        self._thread.join(flush_timeout_s + RECONNECT_MAX_S)
         self._channel.close()

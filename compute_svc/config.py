@@ -233,50 +233,6 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     226 ms) and a third less daemon CPU per token. The trace replay's GPU timing model gains
     latency from depth 3 (its ``--lookahead-depth`` sweep) at the cost of those bytes."""
 
-    force_routing_accuracy_drop_per_depth: float = field(
-        default=0.1,
-        metadata={
-            "help": "under forced routing: modelled lookahead accuracy lost per MoE layer of depth",
-            "min": 0.0,
-            "max": 1.0,
-        },
-    )
-    """Under forced routing a prediction made ``d`` MoE layers ahead is modelled at accuracy
-    ``force_routing_layer_ahead_accuracy - (d - 1) * this``, as the trace replay models it."""
-
-    force_routing_path: str = field(
-        default="",
-        metadata={"help": "BENCHMARK ONLY: take expert choices from this routing trace (.npz); empty = off"},
-    )
-    """A benchmark feature (``compute_svc.forced_routing``): the model's router still runs, but
-    the experts and weights used come from this trace (shared trace format), so a random-weight
-    checkpoint accesses experts like the real model did. Outputs are then not the model's; the
-    trace's layers, experts and top-k must equal the model's or start-up fails."""
-
-    force_routing_request: int = field(
-        default=0,
-        metadata={
-            "help": "trace request the first Generate replays (each next Generate takes the next)",
-            "min": 0,
-        },
-    )
-    """Index of the trace request used by the first Generate under forced routing; every new
-    Generate takes the following one, wrapping after the last."""
-
-    force_routing_layer_ahead_accuracy: float = field(
-        default=0.9,
-        metadata={
-            "help": "under forced routing: modelled layer-ahead accuracy (share of the trace's next-layer experts kept)",
-            "min": 0.0,
-            "max": 1.0,
-        },
-    )
-    """A random-weight router predicts nothing of the trace, so under forced routing the
-    lookahead is modelled: each of the trace's experts of the next layer (depth 1) is named with
-    this probability, otherwise replaced by the router's best other pick
-    (``compute_svc.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
-    per depth. 0.9 at depth 1 is the trace replay's default model."""
-
     trace_layer_ratio: float = field(
         default=0.05,
         metadata={

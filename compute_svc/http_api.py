@@ -57,7 +57,6 @@ from compute_svc.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from compute_svc.generation import TokenEvent
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.openai_schema import (
     ApiError,
@@ -70,6 +69,7 @@ from compute_svc.openai_schema import (
 )
 from compute_svc.scheduler import RequestHandle, Scheduler
 from expertcache import telemetry
+from expertcache.aio_bridge import LoopFeed, within
 from expertcache.logs import RateLimitedLog
 from expertcache.security import WatchedToken
 
@@ -79,7 +79,6 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 BODY_OVERHEAD_BYTES = 64 << 10  # the JSON around a prompt: field names, options, message roles
 JSON_ESCAPE_FACTOR = 6  # a prompt byte may be sent as "\u00XX"
 TOKEN_ID_CHARS = 8  # a token id in a JSON list: up to 7 digits and a comma
-_END = object()
 _REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -129,42 +128,6 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-class _Events:
-    """A submitted request's events, handed from a pool thread to the loop as they come."""
-
-    def __init__(
-        self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor
-    ) -> None:
-        self.handle = handle
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        pool.submit(self._produce)
-
-    def _hand(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server stopped
-            pass
-
-    def _produce(self) -> None:
-        try:
-            for event in self.handle:
-                self._hand(event)
-        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which answers with it
-            self._hand(exc)
-            return
-        self._hand(_END)
-
-    async def next(self) -> TokenEvent | None:
-        """The next event; None at the end; raises the request's error."""
-        item = await self._queue.get()
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
 async def _watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
     """Cancel ``handle`` when the client goes away (its batch place and pins go at once)."""
     while True:
@@ -179,28 +142,26 @@ class _Stream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, api: HttpApi, events: _Events, completion: Completion) -> None:
+    def __init__(self, api: HttpApi, handle: RequestHandle, events: LoopFeed, completion: Completion) -> None:
         # Not Response.__init__: its empty body would declare content-length 0.
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-request-id": completion.id})
         self._api = api
+        self._handle = handle
         self._events = events
         self._completion = completion
 
     async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
         message = {"type": "http.response.body", "body": body, "more_body": more}
         stall = self._api.limits.stream_stall_timeout_s
-        if stall <= 0:
-            await send(message)
-            return
         try:
-            await asyncio.wait_for(send(message), stall)
+            await within(send(message), stall)
         except TimeoutError:
             raise _Stalled(stall) from None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handle = self._events.handle
+        handle = self._handle
         watcher = asyncio.ensure_future(_watch_disconnect(receive, handle))
         completion = self._completion
         try:
@@ -376,7 +337,9 @@ class HttpApi:
             body = await self._body(request)
             request_id = f"{prefix}-{secrets.token_hex(12)}"
             api_request: ApiRequest = parse(
-                body, max_new_tokens_limit=self.scheduler.engine.limits.max_new_tokens, request_id=request_id
+                body,
+                max_new_tokens_limit=self.scheduler.engine.requests.limits.max_new_tokens,
+                request_id=request_id,
             )
             if api_request.model != self.model_id:
                 raise ApiError(
@@ -391,12 +354,13 @@ class HttpApi:
             handle = await loop.run_in_executor(
                 self._pool, context.run, self.scheduler.submit, api_request.generation
             )
-            events = _Events(handle, loop, self._pool)
+            # A pool thread hands the request's events to the loop as they come.
+            events = LoopFeed(self._pool, loop, lambda: handle)
             completion = Completion(api_request, request_id)
             if api_request.stream:
                 handed_off = True
-                return _Counted(self, _Stream(self, events, completion))
-            return await self._whole(request, events, completion)
+                return _Counted(self, _Stream(self, handle, events, completion))
+            return await self._whole(request, handle, events, completion)
         except ApiError as exc:
             return error_response(exc)
         except ExpertCacheError as exc:
@@ -408,13 +372,15 @@ class HttpApi:
     def release(self) -> None:
         self._active -= 1
 
-    async def _whole(self, request: Request, events: _Events, completion: Completion) -> Response:
-        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, events.handle))
+    async def _whole(
+        self, request: Request, handle: RequestHandle, events: LoopFeed, completion: Completion
+    ) -> Response:
+        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, handle))
         try:
             while (event := await events.next()) is not None:
                 completion.add(event)
         finally:
-            events.handle.cancel()
+            handle.cancel()
             watcher.cancel()
         return JSONResponse(completion.whole(), headers={"x-request-id": completion.id})
 
@@ -436,7 +402,7 @@ class HttpApi:
 
         timeout = self.limits.request_timeout_s
         try:
-            await (asyncio.wait_for(read(), timeout) if timeout > 0 else read())
+            await within(read(), timeout)
         except TimeoutError:
             self.metrics.http_cut.labels(reason="request_timeout").inc()
             raise ApiError(

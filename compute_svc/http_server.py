@@ -17,7 +17,6 @@ import logging
 import socket
 import ssl
 import threading
-import time
 
 import uvicorn
 
@@ -58,7 +57,8 @@ def _bind(address: str) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with an event set once it has started (``start`` waits on it)."""
+    """uvicorn's server, with an event set once it has started, or its loop has ended without
+    starting (``start`` waits on it; ``started`` tells which)."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -118,17 +118,17 @@ class HttpServer:
         except BaseException as exc:  # noqa: BLE001 - reported by start, or logged once serving
             self._failed = exc
             logger.exception("the HTTP API server stopped on an error")
+        finally:
+            self._server.ready.set()  # a start still waiting learns that the loop is over
 
     def start(self) -> None:
         """Serve; ``OSError`` when uvicorn cannot (e.g. unreadable TLS files)."""
         self._thread = threading.Thread(target=self._run, name="compute-http-loop", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.ready.wait(0.05):
-            if not self._thread.is_alive():
-                raise OSError(f"the HTTP API on {self.address} did not start: {self._failed}")
-            if time.monotonic() > deadline:
-                raise OSError(f"the HTTP API on {self.address} did not start within {START_TIMEOUT_S:g} s")
+        if not self._server.ready.wait(START_TIMEOUT_S):
+            raise OSError(f"the HTTP API on {self.address} did not start within {START_TIMEOUT_S:g} s")
+        if not self._server.started:
+            raise OSError(f"the HTTP API on {self.address} did not start: {self._failed}")
         logger.info("serving the OpenAI-compatible HTTP API on %s", self.address)
 
     def stop(self, grace_s: float = 5.0) -> None:

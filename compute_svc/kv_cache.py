@@ -57,10 +57,6 @@ class SequenceKV:
         self._keys: dict[int, torch.Tensor] = {}  # layer -> [1, h, capacity, d]
         self._values: dict[int, torch.Tensor] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))
-
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,15 +25,14 @@ applied per (token, k) pair and a final reshape+sum over k, so the output equals
 model's. Everything but the GEMMs runs once per batch, not once per expert: a decode step's
 layer whose experts are all resident costs a handful of torch calls beyond its GEMMs.
 
-Before the route stage, when set: forced routing (``compute_svc.forced_routing``, a benchmark
-feature) replaces the router's choice by a trace's; after it, one-way signals go to the daemon
-without a round trip: ``routed`` (this layer's distinct experts) and, from the next layer's router
-on this layer's input, ``layer_ahead`` (``compute_svc.layer_ahead``). At prefill both name the
+Before the route stage, when set: a routing override (``RoutingOverride``, installed from outside
+the service; ``replay.forced_routing`` replaces the router's choice by a trace's); after it,
+one-way signals go to the daemon without a round trip: ``routed`` (this layer's distinct experts)
+and, from the next layer's router on this layer's input, ``layer_ahead`` (``compute_svc.layer_ahead``). At prefill both name the
 union over the prompt's tokens, at the position of its last token.
 
-Glossary: T tokens in the call, K = top-k, H = hidden size, S = T·K (token, k) pairs; a *row*
-is an index into the S pairs (row = token·K + k). Example: T=2, K=2, top_k_index=[[3,1],[1,6]]
-→ experts (1, 3, 6); expert 1 owns rows [1, 2] (token 0 k=1, token 1 k=0).
+The route, compute and combine stages are ``compute_svc.moe_math``; this module acquires, runs
+them and releases.
 """
 
 from __future__ import annotations
@@ -52,13 +51,13 @@ from transformers.integrations.moe import ExpertsInterface
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
+from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
 
 if TYPE_CHECKING:
-    from compute_svc.forced_routing import ForcedRouting
     from compute_svc.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
 
 logger = logging.getLogger(__name__)
@@ -69,8 +68,9 @@ RUNTIME_ATTR = "expertcache_runtime"  # the ExpertRuntime tagged on each experts
 
 
 # -- acquire stage: what the cache daemon hands out ----------------------------------------------
-class Tier(enum.Enum):
-    """Memory tier an expert was found in when it was asked for."""
+class ExpertSource(enum.Enum):
+    """Where an acquired expert was when it was asked for: the daemon's memory tier (the tiers
+    themselves are ``cache_daemon.tiers``; this is only what compute learns of them)."""
 
     DEVICE = "device"
     HOST = "host"
@@ -83,7 +83,7 @@ class ReadyExpert(NamedTuple):
 
     expert: int
     slot: int
-    source: Tier
+    source: ExpertSource
 
 
 class ExpertProvider(Protocol):
@@ -117,220 +117,6 @@ class ExpertProvider(Protocol):
 _SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
 
 
-# -- route stage -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Routing:
-    """The S = T·K (token, k) pairs grouped by expert: ``order`` lists the pair rows expert by
-    expert (ascending expert ids, rows ascending within an expert); ``tokens`` their tokens."""
-
-    num_tokens: int  # T
-    top_k: int  # K
-    experts: tuple[int, ...]  # distinct experts, ascending
-    order: torch.Tensor  # [S] int64 pair rows grouped by expert, on the model's device
-    tokens: torch.Tensor  # [S] int64 the token of each row of ``order`` (row // K)
-    spans: dict[int, tuple[int, int]]  # expert -> (start, end) of its rows in ``order``
-    weights: torch.Tensor  # [S] routing weight of each pair row (router dtype)
-
-    @property
-    def rows(self) -> dict[int, torch.Tensor]:
-        """expert -> [n] int64 rows into the S pairs (views of ``order``)."""
-        return {e: self.order[a:b] for e, (a, b) in self.spans.items()}
-
-    def group(self, experts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        """The pair rows and tokens of ``experts`` (in that order) and each expert's (start, end)
-        within them. The layer's whole expert set, or a run of it in ascending order, is a view."""
-        spans = self.spans
-        first, last = spans[experts[0]][0], spans[experts[-1]][1]
-        bounds = []
-        at = 0
-        contiguous = True
-        for e in experts:
-            a, b = spans[e]
-            contiguous = contiguous and a == first + at
-            bounds.append((at, at + b - a))
-            at += b - a
-        if contiguous and last - first == at:
-            return self.order[first:last], self.tokens[first:last], bounds
-        pieces = [spans[e] for e in experts]
-        return (
-            torch.cat([self.order[a:b] for a, b in pieces]),
-            torch.cat([self.tokens[a:b] for a, b in pieces]),
-            bounds,
-        )
-
-
-def route(
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, host_index: np.ndarray | None = None
-) -> Routing:
-    """Group the S = T*K (token, k) pairs by expert.
-
-    ``top_k_index`` [T, K] int64, ``top_k_weights`` [T, K] float, on the model's device;
-    ``host_index`` the same indices already on the host ([S] or [T, K] integers), as the runtime
-    fetches them (its one device→host transfer per layer). Without it they are fetched here. The
-    experts and their row counts are found on the host (the experts must be known there to ask
-    the daemon anyway); the row order is built where the model runs: on the CPU from the host
-    copy (no copy back), on a GPU by a stable sort there, so nothing is copied host→device.
-    """
-    num_tokens, top_k = top_k_index.shape
-    if host_index is None:
-        host_index = top_k_index.reshape(-1).cpu().numpy()
-    flat = np.asarray(host_index).reshape(-1).astype(np.int64, copy=False)  # [S]
-    order_np = np.argsort(flat, kind="stable")
-    spans = _spans(flat[order_np])
-    if top_k_index.device.type == "cpu":
-        order = torch.from_numpy(order_np)
-        tokens = torch.from_numpy(order_np // top_k)
-    else:
-        order = torch.sort(top_k_index.reshape(-1), stable=True).indices
-        tokens = torch.div(order, top_k, rounding_mode="floor")
-    return Routing(
-        num_tokens=num_tokens,
-        top_k=top_k,
-        experts=tuple(spans),
-        order=order,
-        tokens=tokens,
-        spans=spans,
-        weights=top_k_weights.reshape(-1),
-    )
-
-
-def _spans(grouped: np.ndarray) -> dict[int, tuple[int, int]]:
-    """expert -> (start, end) of its run in ``grouped`` (expert ids, sorted ascending)."""
-    if grouped.size > 64:  # a prompt chunk or a large batch: vectorised
-        starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
-        ends = np.r_[starts[1:], grouped.size]
-        return {
-            int(grouped[a]): (int(a), int(b)) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-        }
-    ids = grouped.tolist()  # a decode step: a few pairs, faster in Python
-    spans = {}
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            spans[ids[start]] = (start, i)
-            start = i
-    return spans
-
-
-def waves(experts: Sequence[int], num_slots: int) -> list[tuple[int, ...]]:
-    """Split a layer's experts into groups that fit in the arena at once (≤ num_slots each)."""
-    if num_slots < 1:
-        raise FailedPrecondition("the cache daemon's arena has no slots: raise its device budget")
-    return [tuple(experts[i : i + num_slots]) for i in range(0, len(experts), num_slots)]
-
-
-# -- compute stage -----------------------------------------------------------------------------
-ParamOf = Callable[[int, str], torch.Tensor]  # (index in the batch, parameter name) -> tensor
-
-
-class ExpertsPass:
-    """The experts module's math over a set of experts (a wave, or a batch of one), in two halves.
-
-    ``up(expert, param)`` runs the expert's first projection (``gate_up_proj``, or ``up_proj``) on
-    its rows, into one buffer for every row of the set, as soon as the expert is pinned;
-    ``finish()`` then runs the activation over every row at once, each expert's ``down_proj``,
-    the optional post-expert norm and the routing weights, and hands back (rows [n] into the S
-    pairs, weighted outputs [n, H]). Like grouped_mm's groups: a GEMM per expert on its rows, then
-    ``out.add_(bias)`` (``_grouped_linear``); the input is brought to the weight's dtype. The calls
-    that are not GEMMs run once per set, however the experts arrived. ``param(name)`` is the
-    expert's tensor (``gate_up_proj`` [2I, H] or [H, 2I] when transposed, ``down_proj`` [H, I] /
-    [I, H], optional ``*_bias``); each is used before the next is asked for (decoded weights share
-    a scratch buffer per tensor)."""
-
-    def __init__(
-        self, module: torch.nn.Module, experts: Sequence[int], hidden_states: torch.Tensor, routing: Routing
-    ) -> None:
-        self.module = module
-        self.rows, tokens, self.bounds = routing.group(experts)
-        self.x = hidden_states.index_select(0, tokens)  # [n, H]
-        self.routing = routing
-        self.index = {e: i for i, e in enumerate(experts)}
-        self.has_bias = bool(module.has_bias)
-        self.transposed = bool(module.is_transposed)
-        self.first_name = "gate_up_proj" if module.has_gate else "up_proj"
-        self.first: torch.Tensor | None = None  # [n, 2I] (or [n, I]) first projection
-        self.params: list[Callable[[str], torch.Tensor] | None] = [None] * len(experts)
-
-    def _linear(self, out: torch.Tensor | None, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
-        """Expert i's projection ``name`` of its rows of ``x`` into its rows of ``out`` (made on
-        the first call); returns ``out``."""
-        weight = self.params[i](name)
-        a, b = self.bounds[i]
-        whole = len(self.bounds) == 1
-        xi = x if whole else x[a:b]
-        if xi.dtype != weight.dtype:
-            xi = xi.to(weight.dtype)
-        w = weight if self.transposed else weight.t()
-        if whole:
-            out = torch.mm(xi, w)
-            rows = out
-        else:
-            if out is None:
-                out = torch.empty(x.shape[0], w.shape[1], dtype=weight.dtype, device=x.device)
-            rows = out[a:b]
-            torch.mm(xi, w, out=rows)
-        if self.has_bias:
-            rows.add_(self.params[i](name + "_bias"))
-        return out
-
-    def up(self, expert: int, param: Callable[[str], torch.Tensor]) -> None:
-        i = self.index[expert]
-        self.params[i] = param
-        self.first = self._linear(self.first, self.x, i, self.first_name)
-
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        module = self.module
-        assert self.first is not None and all(p is not None for p in self.params), "an expert never came up"
-        proj = module._apply_gate(self.first) if module.has_gate else module.act_fn(self.first)  # [n, I]
-        out = None
-        for i in range(len(self.bounds)):
-            out = self._linear(out, proj, i, "down_proj")  # [n, H]
-        if getattr(module, "has_post_expert_norm", False):
-            out = module.post_expert_norm(out)
-        # [n, H] * [n, 1]: promotes like transformers (bf16 output x fp32 router weight → fp32).
-        return self.rows, out * self.routing.weights.index_select(0, self.rows).unsqueeze(-1)
-
-
-def compute_experts(
-    module: torch.nn.Module,
-    experts: Sequence[int],
-    param: ParamOf,
-    hidden_states: torch.Tensor,
-    routing: Routing,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``experts`` (all pinned) through ``ExpertsPass``: (rows, weighted outputs); ``param(i,
-    name)`` is expert i's tensor ``name``."""
-    one = ExpertsPass(module, experts, hidden_states, routing)
-    for i, expert in enumerate(experts):
-        one.up(expert, lambda name, i=i: param(i, name))
-    return one.finish()
-
-
-# -- combine stage -----------------------------------------------------------------------------
-class Combiner:
-    """Collects the weighted outputs into the [S, H] pair buffer and reduces it over k."""
-
-    def __init__(self, routing: Routing, hidden_states: torch.Tensor) -> None:
-        self._routing = routing
-        self._hidden = hidden_states  # [T, H]
-        self._pairs: torch.Tensor | None = None  # [S, H], dtype of the first weighted output
-
-    def add(self, rows: torch.Tensor, weighted: torch.Tensor) -> None:
-        """``weighted`` [n, H] are the outputs of pair rows ``rows`` [n]."""
-        if self._pairs is None:
-            s = self._routing.num_tokens * self._routing.top_k
-            # Every pair row belongs to one expert, and every expert is computed: no zero fill.
-            self._pairs = weighted.new_empty(s, self._hidden.shape[-1])
-        self._pairs.index_copy_(0, rows, weighted.to(self._pairs.dtype))
-
-    def result(self) -> torch.Tensor:
-        """[T, H] in the hidden states' dtype: sum over k in the same order as transformers."""
-        if self._pairs is None:
-            return torch.zeros_like(self._hidden)
-        t, k = self._routing.num_tokens, self._routing.top_k
-        return self._pairs.view(t, k, -1).sum(dim=1).to(self._hidden.dtype)
-
-
 # -- the runtime the experts modules are tagged with ---------------------------------------------
 @dataclass(frozen=True)
 class StepSegment:
@@ -349,6 +135,33 @@ class StepSegment:
         return self.position + self.rows - 1
 
 
+class RoutingOverride(Protocol):
+    """Replaces the router's choice before the route stage (``ExpertRuntime.routing_override``).
+
+    The service never makes one: a benchmark entry point installs it (``replay.forced_compute``
+    takes the experts from a recorded trace). Called from the generation thread only; the router
+    still runs, so its cost stays real."""
+
+    def begin_request(self, request_id: str) -> object: ...
+
+    def end_request(self, request_id: str) -> None: ...
+
+    def routing(
+        self,
+        segments: Sequence[StepSegment],
+        layer: int,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top_k_index [T, K] int64, top_k_weights [T, K]) to use in decoder layer ``layer``, on
+        the router's device and in its dtype; ``segments`` say whose rows are where."""
+        ...
+
+    def layer_ahead(self, segment: StepSegment, predicted: Prediction) -> Prediction:
+        """What to send the daemon in place of the router's lookahead ``predicted``."""
+        ...
+
+
 @dataclass
 class CacheCounters:
     """Expert cache activity since the last ``reset`` (one token, for the engine)."""
@@ -360,11 +173,11 @@ class CacheCounters:
     host_transfers: int = 0  # device→host transfers (one per MoE layer: routing + lookahead)
     event_waits: int = 0  # waits for a wave's kernels before its slots are reused (waves only)
     layer_ahead_s: float = 0.0  # time spent predicting the next layer's experts
-    by_tier: dict[Tier, int] = field(default_factory=dict)
+    by_tier: dict[ExpertSource, int] = field(default_factory=dict)
     acquire_waits: list[float] = field(default_factory=list)  # seconds, one per acquire (wave)
 
-    def record(self, source: Tier) -> None:
-        if source is Tier.DEVICE:
+    def record(self, source: ExpertSource) -> None:
+        if source is ExpertSource.DEVICE:
             self.hits += 1
         else:
             self.misses += 1
@@ -402,12 +215,12 @@ class ExpertRuntime:
         # once per MoE layer per forward: how generation captures each token's routing for the
         # predictor and the trace recorder (compute_svc.activations.RoutingCapture).
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # Layer-ahead prediction (compute_svc.layer_ahead) and forced routing from a trace
-        # (compute_svc.forced_routing, a benchmark feature); both off unless set.
+        # Layer-ahead prediction (compute_svc.layer_ahead) and a routing override installed from
+        # outside the service (``RoutingOverride``); both off unless set.
         self.layer_ahead: LayerAheadPredictor | None = None
-        self.forced: ForcedRouting | None = None
+        self.routing_override: RoutingOverride | None = None
         # The requests of the running forward: which rows are whose, at which positions
-        # (``begin_step``); signals, forced routing and routing capture are per request.
+        # (``begin_step``); signals, the routing override and routing capture are per request.
         self.segments: tuple[StepSegment, ...] = ()
         self.deadline: float | None = None
         # The step span's context while this step's MoE layers are traced (expertcache.telemetry:
@@ -441,15 +254,15 @@ class ExpertRuntime:
         return counters
 
     def begin_request(self, request_id: str) -> None:
-        """A request starts: forced routing gives it its trace request, the daemon is told."""
-        if self.forced is not None:
-            self.forced.begin_request(request_id)
+        """A request starts: the routing override and the daemon are told."""
+        if self.routing_override is not None:
+            self.routing_override.begin_request(request_id)
         if self._signals["begin_request"] is not None:
             self._signals["begin_request"](request_id)
 
     def end_request(self, request_id: str) -> None:
-        if self.forced is not None:
-            self.forced.end_request(request_id)
+        if self.routing_override is not None:
+            self.routing_override.end_request(request_id)
         if self._signals["end_request"] is not None:
             self._signals["end_request"](request_id)
 
@@ -482,8 +295,10 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
         self.counters.layers += 1
-        if self.forced is not None:
-            top_k_index, top_k_weights = self.forced.routing(self.segments, layer, top_k_index, top_k_weights)
+        if self.routing_override is not None:
+            top_k_index, top_k_weights = self.routing_override.routing(
+                self.segments, layer, top_k_index, top_k_weights
+            )
         # Layer-ahead runs on the device before the transfer, so that its result travels with it.
         pending = None
         if self.layer_ahead is not None and self._signals["layer_ahead"] is not None:
@@ -606,8 +421,8 @@ class ExpertRuntime:
         if pending is None or send is None or fetched.predictions is None:
             return
         for seg, predictions in zip(self.segments, fetched.predictions, strict=True):
-            if self.forced is not None:
-                predictions = tuple(self.forced.layer_ahead(seg, p) for p in predictions)
+            if self.routing_override is not None:
+                predictions = tuple(self.routing_override.layer_ahead(seg, p) for p in predictions)
             predictions = tuple(p for p in predictions if p.experts)
             if predictions:
                 send(seg.request_id, seg.last_position, predictions, with_acquire=True)
@@ -661,7 +476,7 @@ class ExpertRuntime:
                         )
                     pending.discard(ready.expert)
                     self.counters.record(ready.source)
-                    device_hits += ready.source is Tier.DEVICE
+                    device_hits += ready.source is ExpertSource.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
                 one = whole or ExpertsPass(module, [r.expert for r in batch], hidden_states, routing)
                 for ready in batch:

@@ -22,7 +22,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from compute_svc.generation import ChatMessage, FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from compute_svc.generation import FinishReason, TokenEvent
+from compute_svc.requests import ChatMessage, GenerationRequest
+from compute_svc.sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_MAX_TEMPERATURE = 2.0

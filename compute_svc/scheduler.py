@@ -45,14 +45,9 @@ from compute_svc.errors import (
     QueueFull,
     Unavailable,
 )
-from compute_svc.generation import (
-    GenerationEngine,
-    GenerationRequest,
-    PreparedRequest,
-    RunningRequest,
-    TokenEvent,
-)
+from compute_svc.generation import GenerationEngine, RunningRequest, TokenEvent
 from compute_svc.metrics import ComputeMetrics
+from compute_svc.requests import GenerationRequest, PreparedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +177,7 @@ class Scheduler:
         experts is interrupted), join the worker; each ends with UNAVAILABLE and a retry hint."""
         with self._cond:
             self._stopping = True
-            waiting = list(self._waiting)
-            self._waiting.clear()
-            self._cond.notify_all()
+            waiting = self._take_waiting_locked()
         for handle in waiting:
             self._fail(handle, Unavailable(f"the compute service is shutting down: {RETRY_ELSEWHERE}"))
         deadline = time.monotonic() + timeout_s
@@ -198,7 +191,7 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here."""
-        prepared = self.engine.prepare(request)
+        prepared = self.engine.requests.prepare(request)
         handle = RequestHandle(prepared, self._wake)
         with self._cond:
             if self._stopping or self._draining:
@@ -408,13 +401,19 @@ class Scheduler:
             f"{'' if started else ', before it started'}: it was stopped"
         )
 
+    def _take_waiting_locked(self) -> list[RequestHandle]:
+        """Every waiting request, taken out (none may wait any more: the caller has just said
+        why, under ``_cond``); the worker wakes to see why."""
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        self._cond.notify_all()
+        return waiting
+
     # -- the daemon's loss and return ---------------------------------------------------------------
     def _set_down(self, reason: str) -> None:
         with self._cond:
             self._down = reason
-            waiting = list(self._waiting)
-            self._waiting.clear()
-            self._cond.notify_all()
+            waiting = self._take_waiting_locked()
         for handle in waiting:
             self._fail(handle, Unavailable(f"{reason}; retry shortly"))
         if self._on_serving is not None:

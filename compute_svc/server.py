@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
@@ -18,19 +19,13 @@ from compute_svc.activations import ActivationReporter, RoutingCapture
 from compute_svc.arena import Arena
 from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
-from compute_svc.forced_routing import ForcedRouting, load_trace
-from compute_svc.generation import (
-    ChatMessage,
-    FinishReason,
-    GenerationRequest,
-    ModelInfo,
-    RequestLimits,
-    SamplingParams,
-    TokenEvent,
-    build_engine,
-)
+from compute_svc.generation import FinishReason, ModelInfo, TokenEvent, build_engine
 from compute_svc.layer_ahead import LayerAheadPredictor
 from compute_svc.metrics import ComputeMetrics
+from compute_svc.model_loader import LoadedModel
+from compute_svc.moe import RoutingOverride
+from compute_svc.requests import ChatMessage, GenerationRequest, RequestLimits
+from compute_svc.sampling import SamplingParams
 from compute_svc.scheduler import BatchLimits, Scheduler
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache import telemetry
@@ -44,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 _EXTRA_RPC_THREADS = 8  # GetModelInfo, health and reflection next to the queued Generate calls
+
+# Makes the routing override from the loaded model (its shape); raising stops the start-up.
+RoutingOverrideFactory = Callable[[LoadedModel], RoutingOverride]
 
 _FINISH_TO_PB = {
     FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
@@ -140,7 +138,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 class ComputeServer:
     """The assembled compute process. ``start`` serves; ``stop`` drains and closes."""
 
-    def __init__(self, config: ComputeConfig) -> None:
+    def __init__(
+        self, config: ComputeConfig, *, routing_override: RoutingOverrideFactory | None = None
+    ) -> None:
+        """``routing_override``: made from the loaded model and installed on the expert runtime
+        before serving (``moe.RoutingOverride``; a benchmark entry point's, never the service's)."""
         self.config = config
         self.metrics = ComputeMetrics()
         # The daemon first: without it nothing can run, and it decides the device.
@@ -171,7 +173,7 @@ class ComputeServer:
         self.engine.layer_sampler = telemetry.LayerSampler(config.trace_layer_ratio)
         self.metrics_server = None
         try:
-            self._enable_prediction(config)
+            self._enable_prediction(config, routing_override)
         except BaseException:
             self.client.close()
             raise
@@ -214,7 +216,7 @@ class ComputeServer:
         from compute_svc.http_api import HttpApi, HttpLimits
         from compute_svc.http_server import HttpServer
 
-        limits = self.engine.limits
+        limits = self.engine.requests.limits
         security = ServerSecurity.from_config(config)
         api = HttpApi(
             self.scheduler,
@@ -237,33 +239,18 @@ class ComputeServer:
             security=security,
         )
 
-    def _enable_prediction(self, config: ComputeConfig) -> None:
-        """Layer-ahead prediction and forced routing (a benchmark feature), as configured."""
+    def _enable_prediction(
+        self, config: ComputeConfig, routing_override: RoutingOverrideFactory | None
+    ) -> None:
+        """Layer-ahead prediction as configured, and the routing override given."""
         loaded = self.engine.loaded
         runtime = self.engine.runtime
         if config.layer_ahead:
             runtime.layer_ahead = LayerAheadPredictor(
                 loaded.model, loaded.experts_modules, depth=config.layer_ahead_depth
             )
-        if config.force_routing_path:
-            manifest = loaded.manifest
-            runtime.forced = ForcedRouting(
-                load_trace(config.force_routing_path),
-                manifest.moe_layers,
-                manifest.num_experts,
-                manifest.top_k,
-                first_request=config.force_routing_request,
-                layer_ahead_accuracy=config.force_routing_layer_ahead_accuracy,
-                accuracy_drop_per_depth=config.force_routing_accuracy_drop_per_depth,
-            )
-            logger.warning(
-                "BENCHMARK MODE: expert routing forced from %s (first request %d, modelled lookahead "
-                "accuracy %.2f at depth 1, %.2f less per depth): outputs are not the model's",
-                config.force_routing_path,
-                config.force_routing_request,
-                config.force_routing_layer_ahead_accuracy,
-                config.force_routing_accuracy_drop_per_depth,
-            )
+        if routing_override is not None:
+            runtime.routing_override = routing_override(loaded)
 
     def _enable_routing(
         self, config: ComputeConfig

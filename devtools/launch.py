@@ -158,6 +158,7 @@ def start_compute(
     *,
     credentials: grpc.ChannelCredentials | None = None,
     log_name: str = "compute.log",
+    module: str = "compute_svc",
 ) -> Proc:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -170,7 +171,7 @@ def start_compute(
         address,
         *(extra or []),
     ]
-    return start("compute_svc", args, address, work_dir / log_name, credentials=credentials)
+    return start(module, args, address, work_dir / log_name, credentials=credentials)
 
 
 def start_predictor(

@@ -40,7 +40,6 @@ from expertcache.transport import StreamAccounting, TransportStats
 
 logger = logging.getLogger(__name__)
 
-_END = object()
 _REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -58,6 +57,71 @@ class _Raised:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+_END = object()
+
+
+class LoopFeed:
+    """A synchronous iterator served on the event loop: a pool thread runs it and hands each item
+    to the loop as it comes, never waiting for the consumer, so a reader that does not read holds
+    no thread; the loop takes them with ``next``. The writer bounds each write on its side (the
+    stall bound, ``within`` or a wait of its own). Used by the gRPC bridge's streaming handlers
+    and by compute's HTTP front door.
+
+    ``responses()`` makes the iterator in the pool thread; ``active()`` false stops taking from
+    it; a generator is closed when it is left (its ``finally`` runs in that thread)."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        loop: asyncio.AbstractEventLoop,
+        responses: Callable[[], Iterable],
+        active: Callable[[], bool] | None = None,
+    ) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses = responses
+        self._active = active
+        pool.submit(self._produce)
+
+    def _hand(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped
+            pass
+
+    def _produce(self) -> None:
+        responses = None
+        try:
+            responses = self._responses()
+            for response in responses:
+                self._hand(response)
+                if self._active is not None and not self._active():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which ends the call with it
+            self._hand(_Raised(exc))
+            return
+        finally:
+            close = getattr(responses, "close", None)
+            if close is not None:
+                close()
+        self._hand(_END)
+
+    async def next(self, end=None):
+        """The next item; ``end`` once the iterator is done; raises what the iterator raised."""
+        item = await self._queue.get()
+        if item is _END:
+            return end
+        if isinstance(item, _Raised):
+            raise item.error
+        return item
+
+
+async def within(awaitable, seconds: float):
+    """``awaitable``'s result, ``TimeoutError`` (and ``awaitable`` cancelled) after ``seconds``;
+    no bound at 0: a request's arrival (``request_timeout_s``), a stream's write (its stall)."""
+    return await (asyncio.wait_for(awaitable, seconds) if seconds > 0 else awaitable)
 
 
 def _behavior(handler: grpc.RpcMethodHandler):
@@ -257,10 +321,7 @@ class Bridge(grpc.aio.ServerInterceptor):
     async def _first_message(self, context: grpc.aio.ServicerContext, method: str):
         timeout = self.accounting.limits.request_timeout_s
         try:
-            if timeout > 0:
-                message = await asyncio.wait_for(context.read(), timeout)
-            else:
-                message = await context.read()
+            message = await within(context.read(), timeout)
         except TimeoutError:
             self.stats.cut.labels("request_timeout").inc()
             self._log.log(
@@ -352,43 +413,19 @@ class Bridge(grpc.aio.ServerInterceptor):
         )
 
     async def _stream(self, behavior, request, context, sync: SyncContext, method: str, loop) -> None:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def hand(item) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: the server stopped
-                pass
-
-        def produce() -> None:
-            responses = None
-            try:
-                responses = behavior(request, sync)
-                for response in responses:
-                    hand(response)
-                    if not sync.is_active():
-                        break
-            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which ends the call with it
-                hand(_Raised(exc))
-                return
-            finally:
-                close = getattr(responses, "close", None)
-                if close is not None:
-                    close()
-            hand(_END)
-
-        self._pool.submit(produce)
+        feed = LoopFeed(self._pool, loop, lambda: behavior(request, sync), sync.is_active)
         stall = self.accounting.limits.stream_stall_timeout_s
         while True:
-            item = await queue.get()
+            try:
+                item = await feed.next(_END)
+            except Aborted:
+                if sync.abort_error is not None:
+                    raise sync.abort_error from None
+                raise
+            except CallEnded:
+                return
             if item is _END:
                 return
-            if isinstance(item, _Raised):
-                if isinstance(item.error, Aborted) and sync.abort_error is not None:
-                    raise sync.abort_error from None
-                if isinstance(item.error, CallEnded):
-                    return
-                raise item.error
             if stall <= 0:
                 await context.write(item)
                 continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from compute_svc.moe import ReadyExpert, Tier
+from compute_svc.moe import ExpertSource, ReadyExpert
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
 
@@ -50,14 +50,14 @@ class LocalProvider:
                 key = ExpertKey(layer, expert)
                 self.lru.move_to_end(key)
                 self.pins[key] = self.pins.get(key, 0) + 1
-            yield [ReadyExpert(e, self.lru[ExpertKey(layer, e)], Tier.DEVICE) for e in hits]
+            yield [ReadyExpert(e, self.lru[ExpertKey(layer, e)], ExpertSource.DEVICE) for e in hits]
         for expert in reversed(experts) if self.reverse else experts:
             if expert in hits:
                 continue
             key = ExpertKey(layer, expert)
             if key in self.lru:
                 self.lru.move_to_end(key)
-                source = Tier.DEVICE
+                source = ExpertSource.DEVICE
             else:
                 used = set(self.lru.values())
                 free = [s for s in range(self.num_slots) if s not in used]
@@ -73,7 +73,7 @@ class LocalProvider:
                 self.arena.slots[slot].copy_(torch.frombuffer(blob, dtype=torch.uint8))
                 self.lru[key] = slot
                 self.loads += 1
-                source = Tier.STORE
+                source = ExpertSource.STORE
             self.pins[key] = self.pins.get(key, 0) + 1
             yield [ReadyExpert(expert, self.lru[key], source)]
 

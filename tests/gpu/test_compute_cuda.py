@@ -19,9 +19,10 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from compute_svc.arena import Arena
-from compute_svc.generation import GenerationEngine, GenerationRequest
+from compute_svc.generation import GenerationEngine
 from compute_svc.model_loader import load_model
 from compute_svc.moe import ExpertRuntime, attach
+from compute_svc.requests import GenerationRequest
 from expertcache import native
 from tests.procs import start_compute, start_daemon
 from tests.providers import LocalProvider
@@ -69,7 +70,9 @@ def test_cuda_engine_equals_the_plain_model_and_syncs_once_per_layer(arch, tiny_
     runtime = engine.runtime
     runtime.host_transfers = runtime.event_waits = 0
     events = list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS)))
+        engine.generate(
+            engine.requests.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS))
+        )
     )
     assert [e.token_id for e in events] == want_tokens
     layers = len(tiny.manifest.moe_layers)
@@ -84,7 +87,7 @@ def test_synchronising_operations_per_decode_step(tiny_store):
     tiny = tiny_store("mixtral")
     engine, _ = cuda_engine(tiny, slots=tiny.manifest.num_blobs)
     list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=2)))
+        engine.generate(engine.requests.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=2)))
     )  # warm
     torch.cuda.synchronize(DEVICE)
     layers = len(tiny.manifest.moe_layers)
@@ -93,7 +96,9 @@ def test_synchronising_operations_per_decode_step(tiny_store):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             list(
-                engine.generate(engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3)))
+                engine.generate(
+                    engine.requests.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3))
+                )
             )
         finally:
             torch.cuda.set_sync_debug_mode("default")

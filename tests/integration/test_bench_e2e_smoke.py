@@ -195,7 +195,7 @@ def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
     try:
         proc = subprocess.run(
             [
-                sys.executable, "-m", "compute_svc",
+                sys.executable, "-m", "replay.forced_compute",
                 "--store-dir", str(tiny.store),
                 "--daemon-address", daemon.address,
                 "--listen-address", "127.0.0.1:0",
@@ -220,7 +220,7 @@ def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
     try:
         proc = subprocess.run(
             [
-                sys.executable, "-m", "compute_svc",
+                sys.executable, "-m", "replay.forced_compute",
                 "--store-dir", str(tiny.store),
                 "--daemon-address", daemon.address,
                 "--listen-address", "127.0.0.1:0",

@@ -209,7 +209,7 @@ def fast_client(daemon: Daemon, **kwargs):
 
 
 def test_second_pass_over_resident_experts_sends_no_demand(daemon):
-    from compute_svc.moe import Tier
+    from compute_svc.moe import ExpertSource
 
     client = fast_client(daemon)
     try:
@@ -223,9 +223,9 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
         for _ in range(3):
             again = list(client.acquire(1, [2, 0, 1]))
             assert [(r.expert, r.source) for r in again] == [
-                (2, Tier.DEVICE),
-                (0, Tier.DEVICE),
-                (1, Tier.DEVICE),
+                (2, ExpertSource.DEVICE),
+                (0, ExpertSource.DEVICE),
+                (1, ExpertSource.DEVICE),
             ]
             assert {r.expert: r.slot for r in again} == {r.expert: r.slot for r in first}
             for r in again:
@@ -244,7 +244,7 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
 
 
 def test_slow_path_client_demands_every_acquire(daemon):
-    from compute_svc.moe import Tier
+    from compute_svc.moe import ExpertSource
 
     client = fast_client(daemon, fast_path=False)
     try:
@@ -253,7 +253,7 @@ def test_slow_path_client_demands_every_acquire(daemon):
         client.release(1, [0])
         before = daemon.stats().demands
         got = list(client.acquire(1, [0]))
-        assert [r.source for r in got] == [Tier.DEVICE]
+        assert [r.source for r in got] == [ExpertSource.DEVICE]
         client.release(1, [0])
         assert daemon.stats().demands == before + 1
     finally:
@@ -618,7 +618,7 @@ def test_the_client_writes_signals_to_its_channel_and_rings_once_per_layer(lone)
     # back the doorbell, which the layer's acquire rings (with its demand, or alone for hits).
     client = fast_client(lone)
     try:
-        channel = client._shm_channel
+        channel = client._link.shm_channel
         client.begin_request("req-3")
         rung = channel.doorbell_seq
         client.routed("req-3", 0, 1, [4], with_acquire=True)

@@ -23,7 +23,8 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from compute_svc.cache_client import DaemonClient
-from compute_svc.generation import GenerationRequest, build_engine
+from compute_svc.generation import build_engine
+from compute_svc.requests import GenerationRequest
 from devtools.tiny import SUPPORTED_ARCHS
 from tests.procs import start_compute, start_daemon
 
@@ -77,7 +78,9 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         assert client.num_slots * 4 <= tiny.manifest.num_blobs
         engine = build_engine(str(tiny.store), client.attachment, client)
         torch.testing.assert_close(engine.forward_logits(PROMPT), want_logits, **tol)
-        prepared = engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS))
+        prepared = engine.requests.prepare(
+            GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS)
+        )
         events = list(engine.generate(prepared))
         assert [e.token_id for e in events] == want_tokens
         decode = events[1:]

@@ -17,7 +17,7 @@ import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from compute_svc.activations import ActivationReporter, RoutingCapture, StepRouting
-from compute_svc.generation import GenerationRequest
+from compute_svc.requests import GenerationRequest
 from devtools.launch import free_port
 
 PROMPT = tuple(range(5, 25))  # 20 tokens
@@ -108,7 +108,7 @@ def generate(engine, request_id: str, **kwargs) -> list[int]:
     kwargs.setdefault("token_ids", PROMPT)
     kwargs.setdefault("max_new_tokens", NEW_TOKENS)
     request = GenerationRequest(request_id=request_id, ignore_eos=True, **kwargs)
-    return [e.token_id for e in engine.generate(engine.prepare(request))]
+    return [e.token_id for e in engine.generate(engine.requests.prepare(request))]
 
 
 def test_capture_stacks_layers_in_manifest_order_and_splits_requests():
@@ -322,15 +322,15 @@ def test_a_request_id_used_twice_is_two_requests_to_the_predictor(engine):
     messages and its request_done), so the predictor never sees one request's tokens go back."""
     engine, tiny = engine
     first = engine.start(
-        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+        engine.requests.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
     )
     second = engine.start(
-        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+        engine.requests.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
     )
     assert first.routing_id == "dup" and second.routing_id.startswith("dup#")
     engine.finish(first, "stop")
     third = engine.start(
-        engine.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
+        engine.requests.prepare(GenerationRequest(request_id="dup", token_ids=PROMPT, max_new_tokens=2))
     )
     assert third.routing_id == "dup"  # free again once the first finished
     engine.finish(second, "stop")

@@ -23,8 +23,8 @@ import sys
 import torch
 
 from compute_svc import generation
-from compute_svc.generation import GenerationRequest
-from compute_svc.moe import route
+from compute_svc.moe_math import route
+from compute_svc.requests import GenerationRequest
 
 PROMPT = tuple(range(5, 20))
 
@@ -74,7 +74,7 @@ class DeviceCopies:
 def test_a_decode_step_copies_to_the_device_once_and_fetches_once_per_layer(local_engine, monkeypatch):
     engine, _, tiny = local_engine("mixtral", slots=64)
     layers = len(tiny.manifest.moe_layers)
-    prepared = engine.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, ignore_eos=True))
+    prepared = engine.requests.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, ignore_eos=True))
     seq = engine.start(prepared)
     engine.step([(seq, len(seq.pending))])  # the prompt
     before = engine.runtime.host_transfers

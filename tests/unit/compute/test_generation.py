@@ -11,14 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_svc.errors import InvalidArgument
-from compute_svc.generation import (
-    ChatMessage,
-    FinishReason,
-    GenerationRequest,
-    IncrementalDetokenizer,
-    SamplingParams,
-)
-from compute_svc.sampling import Sampler
+from compute_svc.generation import FinishReason, IncrementalDetokenizer
+from compute_svc.requests import ChatMessage, GenerationRequest
+from compute_svc.sampling import Sampler, SamplingParams
 
 PROMPT = tuple(range(5, 25))
 
@@ -26,10 +21,10 @@ PROMPT = tuple(range(5, 25))
 @pytest.fixture(scope="module")
 def mixtral(local_engine):
     engine, provider, tiny = local_engine("mixtral", limit=64)
-    engine.limits = type(engine.limits)(
+    engine.requests.limits = type(engine.requests.limits)(
         max_new_tokens=64,
-        max_prompt_tokens=min(engine.limits.max_prompt_tokens, 256),
-        max_total_tokens=min(engine.limits.max_total_tokens, 256),
+        max_prompt_tokens=min(engine.requests.limits.max_prompt_tokens, 256),
+        max_total_tokens=min(engine.requests.limits.max_total_tokens, 256),
         max_prompt_bytes=4096,
     )
     return engine, tiny
@@ -38,7 +33,7 @@ def mixtral(local_engine):
 def run(engine, **kwargs):
     kwargs.setdefault("token_ids", PROMPT)
     kwargs.setdefault("max_new_tokens", 8)
-    return list(engine.generate(engine.prepare(GenerationRequest(**kwargs))))
+    return list(engine.generate(engine.requests.prepare(GenerationRequest(**kwargs))))
 
 
 @pytest.mark.parametrize(
@@ -96,7 +91,7 @@ def run(engine, **kwargs):
 def test_prepare_rejects_bad_requests(mixtral, request_kwargs, message):
     engine, _ = mixtral
     with pytest.raises(InvalidArgument) as info:
-        engine.prepare(GenerationRequest(**request_kwargs))
+        engine.requests.prepare(GenerationRequest(**request_kwargs))
     assert message in str(info.value)
 
 
@@ -180,7 +175,9 @@ def test_stop_string_ends_generation_and_is_included(mixtral):
 def test_cancel_stops_before_the_next_token(mixtral):
     engine, _ = mixtral
     seen = []
-    prepared = engine.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=20, ignore_eos=True))
+    prepared = engine.requests.prepare(
+        GenerationRequest(token_ids=PROMPT, max_new_tokens=20, ignore_eos=True)
+    )
     for event in engine.generate(prepared, should_stop=lambda: len(seen) >= 3):
         seen.append(event)
     assert len(seen) == 3
@@ -248,7 +245,7 @@ def test_chat_messages_use_the_models_template(mixtral):
 def test_chunked_prefill_gives_the_same_tokens(mixtral):
     engine, _ = mixtral
     whole = [e.token_id for e in run(engine, max_new_tokens=8, ignore_eos=True)]
-    prepared = engine.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=8, ignore_eos=True))
+    prepared = engine.requests.prepare(GenerationRequest(token_ids=PROMPT, max_new_tokens=8, ignore_eos=True))
     chunked = [e.token_id for e in engine.generate(prepared, prefill_chunk_tokens=3)]
     assert chunked == whole
 
@@ -288,23 +285,23 @@ class _CountingTokenizer:
 def counting(mixtral, monkeypatch):
     engine, _ = mixtral
     counter = _CountingTokenizer(engine.loaded.tokenizer)
-    monkeypatch.setattr(engine, "loaded", dataclasses.replace(engine.loaded, tokenizer=counter))
+    monkeypatch.setattr(engine.requests, "loaded", dataclasses.replace(engine.loaded, tokenizer=counter))
     return engine, counter
 
 
 def test_text_that_cannot_fit_the_token_limit_is_refused_before_tokenising(counting):
     engine, counter = counting
     # The tiny tokenizer's longest token is '<|endoftext|>', 13 bytes: 256 tokens hold 3328 at most.
-    assert engine.longest_token_bytes == 13
-    assert engine.prompt_text_limit == 256 * 13 < engine.limits.max_prompt_bytes
+    assert engine.requests.longest_token_bytes == 13
+    assert engine.requests.prompt_text_limit == 256 * 13 < engine.requests.limits.max_prompt_bytes
     with pytest.raises(InvalidArgument) as info:
-        engine.prepare(GenerationRequest(text="x" * 3329, max_new_tokens=4))
+        engine.requests.prepare(GenerationRequest(text="x" * 3329, max_new_tokens=4))
     assert "text is 3329 bytes: more than any prompt of at most 256 tokens (max_prompt_tokens) can be" in str(
         info.value
     )
     assert counter.tokenised == 0
     # As long as the limit: tokenised, and taken when it fits (255 tokens + 1 new).
-    prepared = engine.prepare(GenerationRequest(text="<|endoftext|>" * 255, max_new_tokens=1))
+    prepared = engine.requests.prepare(GenerationRequest(text="<|endoftext|>" * 255, max_new_tokens=1))
     assert len(prepared.prompt_ids) == 255 and counter.tokenised == 1
 
 
@@ -313,7 +310,7 @@ def test_messages_are_measured_after_the_chat_template(counting):
     # The content alone (3300 bytes) is under the limit; the template's role headers put it over.
     messages = tuple(ChatMessage("user", "y" * 1100) for _ in range(3))
     with pytest.raises(InvalidArgument) as info:
-        engine.prepare(GenerationRequest(messages=messages, max_new_tokens=4))
+        engine.requests.prepare(GenerationRequest(messages=messages, max_new_tokens=4))
     rendered = 3 * len("<|user|>\n" + "y" * 1100 + "<|endoftext|>\n") + len("<|assistant|>\n")
     assert f"messages after the chat template is {rendered} bytes" in str(info.value)
     assert counter.tokenised == 0
@@ -321,8 +318,10 @@ def test_messages_are_measured_after_the_chat_template(counting):
 
 def test_a_megabyte_prompt_is_refused_at_once(mixtral, monkeypatch):
     engine, _ = mixtral
-    monkeypatch.setattr(engine, "limits", dataclasses.replace(engine.limits, max_prompt_bytes=2 << 20))
+    monkeypatch.setattr(
+        engine.requests, "limits", dataclasses.replace(engine.requests.limits, max_prompt_bytes=2 << 20)
+    )
     started = time.perf_counter()
     with pytest.raises(InvalidArgument, match="max_prompt_tokens"):
-        engine.prepare(GenerationRequest(text="The quick brown fox. " * 50_000, max_new_tokens=4))
+        engine.requests.prepare(GenerationRequest(text="The quick brown fox. " * 50_000, max_new_tokens=4))
     assert time.perf_counter() - started < 0.1

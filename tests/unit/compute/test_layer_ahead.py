@@ -8,10 +8,11 @@ import torch
 
 from compute_svc.arena import Arena
 from compute_svc.errors import FailedPrecondition
-from compute_svc.generation import GenerationEngine, GenerationRequest
+from compute_svc.generation import GenerationEngine
 from compute_svc.layer_ahead import LayerAheadPredictor, accuracy, find_router
 from compute_svc.model_loader import load_model
 from compute_svc.moe import ExpertRuntime, attach
+from compute_svc.requests import GenerationRequest
 from tests.providers import LocalProvider
 
 
@@ -162,7 +163,7 @@ def test_runtime_sends_routing_and_layer_ahead_before_each_layer(arch, tiny_stor
             lambda m, args, layer=layer: seen.append((layer, args[0].clone(), args[1].clone()))
         )
     events = list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=tuple(prompt), max_new_tokens=3)))
+        engine.generate(engine.requests.prepare(GenerationRequest(token_ids=tuple(prompt), max_new_tokens=3)))
     )
     assert len(events) == 3
     assert provider.signals[0][0] == "begin" and provider.signals[-1] == ("end", provider.signals[0][1])
@@ -199,6 +200,6 @@ def test_runtime_sends_routing_and_layer_ahead_before_each_layer(arch, tiny_stor
 
 def test_no_layer_ahead_still_reports_routing(tiny_store):
     engine, provider = signal_engine(tiny_store("mixtral"), layer_ahead=False)
-    list(engine.generate(engine.prepare(GenerationRequest(token_ids=(3, 4), max_new_tokens=2))))
+    list(engine.generate(engine.requests.prepare(GenerationRequest(token_ids=(3, 4), max_new_tokens=2))))
     kinds = {s[0] for s in provider.signals}
     assert kinds == {"begin", "end", "routed"}

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compute_svc.moe import IMPLEMENTATION, route, waves
+from compute_svc.moe import IMPLEMENTATION
+from compute_svc.moe_math import route, waves
 from devtools.tiny import SUPPORTED_ARCHS, make_config
 from expertcache.model_structure import build_skeleton
 
@@ -95,8 +96,8 @@ def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine)
     # On a GPU each device→host transfer blocks the host: one per MoE layer carries the routing
     # and the layer-ahead prediction together; event waits happen only between waves.
     from compute_svc.activations import RoutingCapture
-    from compute_svc.generation import GenerationRequest
     from compute_svc.layer_ahead import LayerAheadPredictor
+    from compute_svc.requests import GenerationRequest
 
     engine, provider, tiny = local_engine("mixtral", slots=64)
     runtime = engine.runtime
@@ -106,7 +107,9 @@ def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine)
         runtime._signals["layer_ahead"] = lambda *args, **kwargs: None
     engine.enable_routing(RoutingCapture(tiny.manifest.moe_layers))  # routing observed with weights
     runtime.host_transfers = runtime.event_waits = 0
-    prepared = engine.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3, ignore_eos=True))
+    prepared = engine.requests.prepare(
+        GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=3, ignore_eos=True)
+    )
     events = list(engine.generate(prepared))
     assert len(events) == 3
     assert runtime.host_transfers == 3 * len(tiny.manifest.moe_layers)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from compute_svc.generation import ChatMessage, FinishReason, TokenEvent, TokenStats
-from compute_svc.http_api import HttpLimits, _Events, _Stream, error_of
+from compute_svc.generation import FinishReason, TokenEvent, TokenStats
+from compute_svc.http_api import HttpLimits, _Stream, error_of
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -19,7 +19,9 @@ from compute_svc.openai_schema import (
     chat_request,
     completion_request,
 )
+from compute_svc.requests import ChatMessage
 from compute_svc.scheduler import _DONE, RequestHandle
+from expertcache.aio_bridge import LoopFeed
 from expertcache.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 
@@ -171,7 +173,7 @@ def test_stalled_reader_is_cut_and_its_request_cancelled():
         for i in range(3):
             handle._put(event(i, "x"))
         pool = ThreadPoolExecutor(2)
-        events = _Events(handle, asyncio.get_running_loop(), pool)
+        events = LoopFeed(pool, asyncio.get_running_loop(), lambda: handle)
         api = _Api(0.2)
         sent = []
         never = asyncio.Event()
@@ -184,7 +186,7 @@ def test_stalled_reader_is_cut_and_its_request_cancelled():
         async def receive():
             await never.wait()
 
-        stream = _Stream(api, events, Completion(completion(stream=True), "cmpl-1"))
+        stream = _Stream(api, handle, events, Completion(completion(stream=True), "cmpl-1"))
         await asyncio.wait_for(stream({"type": "http", "path": "/v1/completions"}, receive, send), 5)
         pool.shutdown(wait=False, cancel_futures=True)
         return handle, api, sent
@@ -207,7 +209,7 @@ class _Scheduler:
     """Records the span current where the engine would take its Generate span's parent."""
 
     def __init__(self) -> None:
-        self.engine = type("Engine", (), {"limits": _Limits()})()
+        self.engine = type("Engine", (), {"requests": type("RequestCheck", (), {"limits": _Limits()})()})()
         self.parent = None
         self.serving = True
 

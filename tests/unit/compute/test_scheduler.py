@@ -10,7 +10,8 @@ import time
 import pytest
 
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, QueueFull, Unavailable
-from compute_svc.generation import GenerationRequest, SamplingParams
+from compute_svc.requests import GenerationRequest
+from compute_svc.sampling import SamplingParams
 from compute_svc.scheduler import BatchLimits, Scheduler
 from devtools.tiny import SUPPORTED_ARCHS
 
@@ -24,7 +25,7 @@ def request(i: int, n: int = 6, **kw) -> GenerationRequest:
 
 
 def alone(engine, req: GenerationRequest) -> list[int]:
-    return [e.token_id for e in engine.generate(engine.prepare(req))]
+    return [e.token_id for e in engine.generate(engine.requests.prepare(req))]
 
 
 class StepLog:
@@ -308,8 +309,8 @@ def test_bf16_batched_logprobs_stay_within_tolerance_of_alone(arch, local_engine
 
     engine, _, _ = local_engine(arch, dtype=torch.bfloat16)
     reqs = [request(i, n=6, logprobs=True) for i in range(3)]
-    alone_events = {r.request_id: list(engine.generate(engine.prepare(r))) for r in reqs}
-    seqs = [engine.start(engine.prepare(r)) for r in reqs]
+    alone_events = {r.request_id: list(engine.generate(engine.requests.prepare(r))) for r in reqs}
+    seqs = [engine.start(engine.requests.prepare(r)) for r in reqs]
     batched: dict[str, list] = {s.routing_id: [] for s in seqs}
     while any(not s.done for s in seqs):
         plan = [(s, len(s.pending)) for s in seqs if not s.done]

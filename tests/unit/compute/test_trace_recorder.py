@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compute_svc.activations import RoutingCapture, StepRouting
-from compute_svc.generation import GenerationRequest
+from compute_svc.requests import GenerationRequest
 from compute_svc.trace_recorder import TraceRecorder
 from expertcache.trace import read_trace
 
@@ -46,7 +46,7 @@ def test_two_requests_through_the_engine_match_the_router(local_engine, tmp_path
     engine.runtime.routing_observer = observe
     for i, (prompt, new) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True)):
         request = GenerationRequest(token_ids=prompt, max_new_tokens=new, ignore_eos=True, request_id=f"r{i}")
-        assert len(list(engine.generate(engine.prepare(request)))) == new
+        assert len(list(engine.generate(engine.requests.prepare(request)))) == new
     recorder.close()
 
     z = np.load(path, allow_pickle=False)

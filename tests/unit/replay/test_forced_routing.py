@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compute_svc.errors import InvalidArgument
-from compute_svc.forced_routing import ForcedRouting, load_trace
-from compute_svc.generation import GenerationRequest
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import StepSegment
+from compute_svc.requests import GenerationRequest
+from replay.forced_routing import ForcedRouting, load_trace
 from tests.traces import write_trace
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -146,13 +146,15 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
         )
     )
     forced = ForcedRouting(trace, manifest.moe_layers, manifest.num_experts, manifest.top_k, first_request=1)
-    engine.runtime.forced = forced
+    engine.runtime.routing_override = forced
     prompt = (3, 4, 5)
     seen = []
     original_begin = forced.begin_request
     forced.begin_request = lambda rid: seen.append(original_begin(rid)) or seen[-1]
     events = list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a")))
+        engine.generate(
+            engine.requests.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=4, request_id="a"))
+        )
     )
     assert seen == [1]
     # Every acquire asked exactly for the trace's experts of that forward and layer.
@@ -169,7 +171,9 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
     assert [e.token_id for e in events] == [int(r.argmax()) for r in reference]
     # Each new Generate takes the next trace request (wrapping after the last).
     list(
-        engine.generate(engine.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b")))
+        engine.generate(
+            engine.requests.prepare(GenerationRequest(token_ids=prompt, max_new_tokens=1, request_id="b"))
+        )
     )
     assert seen == [1, 0]
     first, _ = trace.decode_rows(0)
@@ -181,27 +185,58 @@ def test_runtime_computes_the_forced_experts(arch, tiny_store, local_engine, tmp
 def test_config_fields_and_their_bounds():
     from compute_svc.config import ENV_PREFIX, ComputeConfig
     from expertcache.config_loader import load_config
+    from replay.forced_compute import ForcedRoutingConfig
 
     config = load_config(ComputeConfig, cli={"store_dir": "s"}, env={}, env_prefix=ENV_PREFIX)
-    assert config.layer_ahead is True
-    assert (config.force_routing_path, config.force_routing_request) == ("", 0)
-    assert config.force_routing_layer_ahead_accuracy == 0.9
-    assert config.force_routing_accuracy_drop_per_depth == 0.1 and config.layer_ahead_depth == 1
+    assert config.layer_ahead is True and config.layer_ahead_depth == 1
+    assert not any(name.startswith("force_routing") for name in vars(config))  # replay's, not compute's
     with pytest.raises(InvalidArgument, match="layer_ahead_depth.*below its minimum 1"):
         load_config(
             ComputeConfig, cli={"store_dir": "s", "layer_ahead_depth": "0"}, env={}, env_prefix=ENV_PREFIX
         )
+    forced = load_config(ForcedRoutingConfig, env={}, env_prefix=ENV_PREFIX)
+    assert (forced.force_routing_path, forced.force_routing_request) == ("", 0)
+    assert forced.force_routing_layer_ahead_accuracy == 0.9
+    assert forced.force_routing_accuracy_drop_per_depth == 0.1
     with pytest.raises(InvalidArgument, match="force_routing_layer_ahead_accuracy.*above its maximum 1.0"):
         load_config(
-            ComputeConfig,
-            cli={"store_dir": "s", "force_routing_layer_ahead_accuracy": "1.5"},
+            ForcedRoutingConfig,
+            cli={"force_routing_layer_ahead_accuracy": "1.5"},
             env={},
             env_prefix=ENV_PREFIX,
         )
+    env = {ENV_PREFIX + "FORCE_ROUTING_REQUEST": "-1"}  # the environment names compute had
     with pytest.raises(InvalidArgument, match="force_routing_request.*below its minimum 0"):
-        load_config(
-            ComputeConfig,
-            cli={"store_dir": "s", "force_routing_request": "-1"},
-            env={},
-            env_prefix=ENV_PREFIX,
-        )
+        load_config(ForcedRoutingConfig, env=env, env_prefix=ENV_PREFIX)
+
+
+def test_entry_point_refuses_bad_flags_before_starting_compute(capsys):
+    from replay.forced_compute import main, parser
+
+    args, rest = parser().parse_known_args(
+        ["--store-dir", "s", "--force-routing", "t.npz", "--force-routing-request", "3", "--no-layer-ahead"]
+    )
+    assert (args.force_routing_path, args.force_routing_request) == ("t.npz", "3")
+    assert rest == ["--store-dir", "s", "--no-layer-ahead"]  # compute's own flags, untouched
+    assert main(["--store-dir", "s", "--force-routing", "t.npz", "--force-routing-request", "-1"]) == 2
+    assert "invalid configuration: " in capsys.readouterr().err
+    assert main(["--store-dir", "s"]) == 2
+    assert "pass --force-routing TRACE" in capsys.readouterr().err
+
+
+def test_compute_imports_nothing_from_replay():
+    """Forced routing reaches compute only through its routing-override seam."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted((root / "compute_svc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "replay"]
+    assert not found

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from moe.inference.v1 import inference_pb2
 
 from compute_svc.config import ComputeConfig
-from compute_svc.generation import PreparedRequest
+from compute_svc.requests import PreparedRequest
 from compute_svc.server import request_from_pb
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument
@@ -56,7 +56,7 @@ def engine(local_engine):
 
 def _prepare(engine, pb: inference_pb2.GenerateRequest) -> None:
     try:
-        assert isinstance(engine.prepare(request_from_pb(pb)), PreparedRequest)
+        assert isinstance(engine.requests.prepare(request_from_pb(pb)), PreparedRequest)
     except InvalidArgument as exc:
         assert str(exc)  # a refusal always says why
 

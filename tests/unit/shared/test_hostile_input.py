@@ -14,7 +14,7 @@ import pytest
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from compute_svc.generation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from compute_svc.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from compute_svc.scheduler import Scheduler
 from compute_svc.server import SERVICE_NAME as INFERENCE
 from compute_svc.server import InferenceServicer
@@ -31,7 +31,7 @@ PROMPT_BYTES_LIMIT = 2000
 @pytest.fixture(scope="module")
 def compute(local_engine):
     engine, _, tiny = local_engine("mixtral")
-    engine.limits = dataclasses.replace(engine.limits, max_prompt_bytes=PROMPT_BYTES_LIMIT)
+    engine.requests.limits = dataclasses.replace(engine.requests.limits, max_prompt_bytes=PROMPT_BYTES_LIMIT)
     scheduler = Scheduler(engine)
     scheduler.start()
     address = f"127.0.0.1:{free_port()}"
@@ -81,7 +81,7 @@ def test_undecodable_generate_is_invalid_argument(compute):
 def test_out_of_bounds_fields_name_the_field_and_limit(compute):
     channel, engine = compute
     vocab = engine.loaded.vocab_size
-    limits = engine.limits
+    limits = engine.requests.limits
     assert f"token_ids[1] = {2**32 - 1} is out of range [0, {vocab})" in _refused(
         channel, token_ids=[1, 2**32 - 1]
     )

@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from compute_svc.generation import GenerationRequest, SamplingParams
+from compute_svc.requests import GenerationRequest
+from compute_svc.sampling import SamplingParams
 from expertcache import telemetry
 from expertcache.errors import InvalidArgument
 
@@ -58,7 +59,7 @@ def mixtral(local_engine):
 
 
 def run(engine, request_id: str, n: int = 4) -> list[int]:
-    prepared = engine.prepare(
+    prepared = engine.requests.prepare(
         GenerationRequest(token_ids=tuple(range(5, 17)), max_new_tokens=n, ignore_eos=True,
                           sampling=GREEDY, request_id=request_id)
     )  # fmt: skip

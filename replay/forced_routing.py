@@ -1,10 +1,10 @@
 """Forced routing, a benchmark feature: experts chosen from a recorded trace instead of the router.
 
 A random-weight checkpoint routes like no real model does (its routers are noise), so a cache
-benchmark on one would measure the wrong access pattern. With ``--force-routing TRACE`` the
-compute process still runs the model's router (its cost stays real) but then replaces
-``top_k_index`` and ``top_k_weights`` with the trace's ``expert_ids`` / ``gate_weights``, so the
-experts fetched, cached and computed are those a real model used. Outputs are then not the
+benchmark on one would measure the wrong access pattern. Started by ``python -m
+replay.forced_compute --force-routing TRACE``, the compute process still runs the model's router
+(its cost stays real) but then replaces ``top_k_index`` and ``top_k_weights`` with the trace's
+``expert_ids`` / ``gate_weights``, so the experts fetched, cached and computed are those a real model used. Outputs are then not the
 model's own: never use this for serving.
 
 Which trace row a forward takes::
@@ -15,8 +15,12 @@ Which trace row a forward takes::
     trace layer j ─▶ the model's j-th MoE layer (manifest ``moe_layers[j]``)
 
 Each new Generate takes the next trace request, starting at ``--force-routing-request N`` and
-wrapping after the last one; requests batched together each follow their own trace request. The trace's layers, experts and top-k must equal the model's; a
-mismatch stops the process at start-up with both shapes named.
+wrapping after the last one; requests batched together each follow their own trace request. The
+trace's layers, experts and top-k must equal the model's; a mismatch stops the process at
+start-up with both shapes named.
+
+Installed as the compute runtime's routing override (``compute_svc.moe.RoutingOverride``): the
+service itself knows nothing of traces.
 
 Lookahead under forced routing: the later layers' routers still run, but they predict what the
 random routers would pick, which says nothing of the trace. Each prediction sent to the daemon

@@ -1,0 +1,188 @@
+"""The connection to one cache daemon: what Attach returned, the shared slot table and this
+client's ledger in it (with the pins taken there), and the one Demand stream.
+
+Every piece of that state has this one owner; the acquire/release side
+(``compute_svc.cache_client.DaemonClient``) and the one-way signals
+(``compute_svc.daemon_signals.SignalSender``) read it, under ``lock``. A dropped stream loses the
+ledger too (the daemon reclaims it, with its pins); the next stream re-Attaches for a new one,
+which is also where a restarted daemon is detected.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+from moe.cache.v1 import cache_pb2, cache_pb2_grpc
+
+from compute_svc.daemon_wire import (
+    CLIENT_EPOCH_KEY,
+    CLIENT_INDEX_KEY,
+    Attachment,
+    attachment_from_pb,
+    error_from_rpc,
+)
+from compute_svc.demand_stream import DemandStream
+from compute_svc.errors import DaemonUnavailable, FailedPrecondition
+from expertcache import native
+
+logger = logging.getLogger(__name__)
+
+StaleClient = native.StaleClient  # RuntimeError: the daemon reclaimed our ledger
+
+
+class DaemonLink:
+    """Attach's answer, the slot table and ledger (fast path), and the current Demand stream."""
+
+    def __init__(
+        self, address: str, channel: grpc.Channel, attachment: Attachment, *, fast_path: bool
+    ) -> None:
+        self.address = address
+        self.attachment = attachment
+        self.fast_path = fast_path
+        self.lock = threading.Lock()  # the client's calls, its signals and the stream's changes
+        # The shared slot table (fast path only); bound to the ledger of the current stream.
+        self.table: native.SlotTable | None = None
+        self.shm_channel: native.ClientChannel | None = None  # the ledger's channel (demands, signals)
+        self._ledger: tuple[int, int] | None = None  # (index, epoch) for the next stream
+        self.held: dict[tuple[int, int], int] = {}  # (layer, expert) -> pins taken in the ledger
+        self._channel = channel
+        self._stub = cache_pb2_grpc.ExpertCacheStub(channel)
+        self.stream: DemandStream | None = None
+        self._streams_opened = 0
+        # Told when the Demand stream ends on its own (the daemon died or ended it), so the
+        # service can stop serving and re-attach without waiting for a request to fail.
+        self.on_stream_end: Callable[[str], None] | None = None
+        # Called with each new stream (lock held), before anything else travels on it: the
+        # signals re-announce the running requests there.
+        self.on_open: Callable[[DemandStream], None] | None = None
+        if fast_path:
+            self._map_table(attachment)
+
+    def _map_table(self, attachment: Attachment) -> None:
+        """Map the daemon's slot table for the fast path, or stay on Demand-only if it has none."""
+        if not attachment.slot_table_path or attachment.client_index < 0:
+            logger.warning(
+                "cache daemon at %s offers no shared slot table: every acquire goes through Demand",
+                self.address,
+            )
+            return
+        try:
+            table = native.SlotTable.open(attachment.slot_table_path)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise FailedPrecondition(
+                f"cannot map the cache daemon's slot table {attachment.slot_table_path}: {exc} "
+                "(is its shared-memory directory mounted in this container? or pass --no-shm-fast-path)"
+            ) from None
+        manifest = attachment.manifest
+        if table.num_entries != manifest.num_layers * manifest.num_experts:
+            raise FailedPrecondition(
+                f"slot table {attachment.slot_table_path} has {table.num_entries} entries, expected "
+                f"{manifest.num_layers} layers x {manifest.num_experts} experts"
+            )
+        self.table = table
+        self.shm_channel = table.channel(attachment.client_index)
+        self._ledger = (attachment.client_index, attachment.client_epoch)
+
+    def open_locked(self) -> DemandStream:
+        """The open Demand stream; a new one (tied to the ledger) if there is none."""
+        if self.stream is not None and self.stream.ended and self.table is not None:
+            # Hits never read the stream: notice here that it ended (daemon gone or restarted).
+            self.drop_locked(self.stream)
+        if self.stream is None:
+            if self._streams_opened:
+                self._check_same_daemon()
+            metadata: tuple[tuple[str, str], ...] = ()
+            if self.table is not None:
+                index, epoch = self._ledger
+                try:
+                    self.table.attach_client(index, epoch)
+                except StaleClient as exc:
+                    raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
+                metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
+            self.stream = DemandStream(
+                self._stub, metadata, on_end=self._stream_ended, wake=self.wake_channel
+            )
+            self._streams_opened += 1
+            if self.on_open is not None:
+                self.on_open(self.stream)
+            logger.debug("opened a Demand stream to %s", self.address)
+        return self.stream
+
+    def _attach(self, shm_fast_path: bool) -> cache_pb2.AttachResponse:
+        try:
+            return self._stub.Attach(
+                cache_pb2.AttachRequest(client_name="compute_svc", shm_fast_path=shm_fast_path), timeout=10
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
+
+    def _check_same_daemon(self) -> None:
+        """After a broken stream: a restarted daemon has a new arena, so our mapping is stale."""
+        reply = self._attach(shm_fast_path=self.table is not None)  # a ledger only if we map one
+        if reply.daemon_id != self.attachment.daemon_id:
+            # Slots of the new daemon index an arena this process has not mapped: reading them
+            # would compute with the wrong bytes. The service re-attaches (reattach) and maps it.
+            raise DaemonUnavailable(
+                f"cache daemon at {self.address} restarted (id {self.attachment.daemon_id} -> {reply.daemon_id}): "
+                "re-attaching to its new arena"
+            )
+        if self.table is not None:
+            self._ledger = (reply.client_index, reply.client_epoch)  # the old one went with its stream
+            self.shm_channel = self.table.channel(reply.client_index) if reply.client_index >= 0 else None
+
+    def wake_channel(self) -> None:
+        channel = self.shm_channel
+        if channel is not None:
+            channel.notify()  # a wait for the daemon's answer sees the stream ended (or an interrupt)
+
+    def _stream_ended(self, reason: str) -> None:
+        if self.on_stream_end is not None:
+            self.on_stream_end(f"cache daemon at {self.address}: {reason}")
+
+    def drop(self, stream: DemandStream) -> None:
+        with self.lock:
+            self.drop_locked(stream)
+
+    def drop_locked(self, stream: DemandStream) -> None:
+        stream.close()
+        if self.stream is stream:
+            self.stream = None
+            self.held.clear()  # the daemon reclaims the stream's ledger with its shm pins
+
+    def reattach(self) -> Attachment:
+        """Attach again: a new arena, slot table and ledger (see ``DaemonClient.reattach``)."""
+        with self.lock:
+            if self.stream is not None:
+                self.drop_locked(self.stream)
+            attachment = attachment_from_pb(self._attach(shm_fast_path=self.fast_path), self.address)
+            if attachment.manifest.model_id != self.attachment.manifest.model_id:
+                raise FailedPrecondition(
+                    f"the cache daemon at {self.address} now serves model {attachment.manifest.model_id}, "
+                    f"not {self.attachment.manifest.model_id}: restart compute with its store"
+                )
+            self.attachment = attachment
+            self.table, self._ledger, self.shm_channel = None, None, None
+            self.held.clear()
+            self._streams_opened = 0
+            if self.fast_path:
+                self._map_table(attachment)
+                if self.table is not None:
+                    self.open_locked()
+        logger.info(
+            "re-attached to cache daemon %s at %s: %d slots",
+            attachment.daemon_id,
+            self.address,
+            attachment.num_slots,
+        )
+        return attachment
+
+    def close(self) -> None:
+        with self.lock:
+            if self.stream is not None:
+                self.stream.close()
+                self.stream = None
+            self.shm_channel = None  # nothing serves it any more: later signals are dropped
+        self._channel.close()

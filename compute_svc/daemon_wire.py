@@ -1,0 +1,120 @@
+"""The daemon's wire → compute's domain: what Attach returned, the sources of ready experts, and
+the daemon's status codes as ``expertcache.errors`` exceptions (keeping the daemon's message).
+
+With ``server.py`` the only compute code that knows the daemon's messages; the Demand stream
+(``compute_svc.demand_stream``) and the client (``compute_svc.cache_client``) use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from moe.cache.v1 import cache_pb2
+
+from compute_svc import errors
+from compute_svc.arena import ArenaHandle, ArenaKind
+from compute_svc.errors import DaemonUnavailable, ExpertCacheError, FailedPrecondition
+from compute_svc.moe import ExpertSource
+from expertcache import channel as codes
+from expertcache.manifest import StoreManifest
+
+# The daemon's status → the exception compute raises (and serves to its own clients).
+_STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+}
+
+# Where a ready expert was: the Demand stream's tiers and the client channel's source codes
+# (expertcache.channel).
+SOURCES = {
+    cache_pb2.TIER_DEVICE: ExpertSource.DEVICE,
+    cache_pb2.TIER_HOST: ExpertSource.HOST,
+    cache_pb2.TIER_STORE: ExpertSource.STORE,
+}
+CHANNEL_SOURCES = {
+    codes.SOURCE_DEVICE: ExpertSource.DEVICE,
+    codes.SOURCE_HOST: ExpertSource.HOST,
+    codes.SOURCE_STORE: ExpertSource.STORE,
+}
+
+# Demand call metadata naming this client's ledger (cache.proto, Demand).
+CLIENT_INDEX_KEY = "expertcache-client-index"
+CLIENT_EPOCH_KEY = "expertcache-client-epoch"
+
+_ARENA_KINDS = {
+    cache_pb2.ARENA_KIND_POSIX_SHM: ArenaKind.POSIX_SHM,
+    cache_pb2.ARENA_KIND_CUDA_IPC: ArenaKind.CUDA_IPC,
+}
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What Attach returned: how to read the arena and what the store holds."""
+
+    arena: ArenaHandle
+    num_slots: int
+    slot_bytes: int
+    manifest: StoreManifest
+    daemon_id: str
+    slot_table_path: str = ""  # empty: the daemon offers no shared slot table
+    client_index: int = -1  # our ledger in the table; -1 when none was asked for or given
+    client_epoch: int = 0
+
+
+def arena_from_pb(pb: cache_pb2.ArenaHandle) -> ArenaHandle:
+    kind = _ARENA_KINDS.get(pb.kind)
+    if kind is None:
+        raise FailedPrecondition(f"the cache daemon reports an unknown arena kind {pb.kind}")
+    return ArenaHandle(
+        kind=kind,
+        size_bytes=pb.size_bytes,
+        shm_name=pb.shm_name,
+        cuda_ipc_handle=pb.cuda_ipc_handle,
+        gpu_uuid=pb.gpu_uuid,
+        cuda_offset=pb.cuda_offset,
+        cuda_alloc_bytes=pb.cuda_alloc_bytes,
+    )
+
+
+def attachment_from_pb(pb: cache_pb2.AttachResponse, address: str) -> Attachment:
+    return Attachment(
+        arena=arena_from_pb(pb.arena),
+        num_slots=pb.num_slots,
+        slot_bytes=pb.slot_bytes,
+        manifest=StoreManifest.from_json(
+            pb.manifest_json, origin=f"manifest from the cache daemon at {address}"
+        ),
+        daemon_id=pb.daemon_id,
+        slot_table_path=pb.slot_table_path,
+        client_index=pb.client_index,
+        client_epoch=pb.client_epoch,
+    )
+
+
+def _daemon_error(code: grpc.StatusCode | None, name: str, message: str, address: str) -> ExpertCacheError:
+    """The domain exception for status ``code`` (spelled ``name``) with the daemon's ``message``."""
+    cls = _STATUS_ERRORS.get(code, ExpertCacheError)
+    if cls is DaemonUnavailable:
+        return DaemonUnavailable(f"cache daemon at {address} is unavailable: {message}")
+    if cls is ExpertCacheError:
+        return ExpertCacheError(f"cache daemon at {address} failed with {name}: {message}")
+    return cls(message)
+
+
+def error_from_status(status: int, message: str, address: str) -> ExpertCacheError:
+    """The domain exception for a channel status (a refused demand or a failed load)."""
+    name = codes.STATUS_NAMES.get(status, "INTERNAL")
+    return _daemon_error(getattr(grpc.StatusCode, name), name, message, address)
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> ExpertCacheError:
+    """The domain exception for a failed daemon call; keeps the daemon's message."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    return _daemon_error(code, code.name if code is not None else "UNKNOWN", details, address)
