@@ -151,7 +151,7 @@ class ServiceMain:
 
     @staticmethod
     def wait(stop: threading.Event) -> None:
-        """Until ``stop`` is set; wakes every second so that the main thread runs the signal
-        handlers (reloads run on their own thread)."""
-        while not stop.wait(1.0):
-            pass
+        """Until ``stop`` is set. No timeout is needed for the signal handlers to run: on POSIX a
+        signal interrupts the main thread's lock wait, Python runs the handler (which sets
+        ``stop``) and the wait resumes and returns (reloads run on their own thread)."""
+        stop.wait()

@@ -67,6 +67,18 @@ class InsertQueue:
         # Set once every model's EAMC was loaded from the store (or the store found down): the
         # predictor is ready (health SERVING) only then, not while it predicts from nothing.
         self.loaded = threading.Event()
+        self._settled = threading.Condition()  # notified when loaded is set and at close
+
+    def mark_loaded(self) -> None:
+        with self._settled:
+            self.loaded.set()
+            self._settled.notify_all()
+
+    def wait_loaded(self) -> bool:
+        """Until every model's EAMC is loaded (True) or the queue is closed first (False)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self.loaded.is_set() or self._stop.is_set())
+            return self.loaded.is_set()
 
     def reconfigure(self, config: PredictorConfig) -> None:
         """Adopt a live-reloaded config; the thread picks up ``sync_interval_s`` and the queue
@@ -179,7 +191,7 @@ class InsertQueue:
                     self._store_failed("sync", exc)
                 else:
                     self._store_ok()
-        self.loaded.set()
+        self.mark_loaded()
         self._on_sync()
 
     def sync_catalog(self) -> None:
@@ -208,7 +220,9 @@ class InsertQueue:
     def close(self, timeout_s: float) -> None:
         """Stop the thread, then one last insert attempt: finished requests reach the store
         before it is closed or saved."""
-        self._stop.set()
+        with self._settled:
+            self._stop.set()
+            self._settled.notify_all()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)

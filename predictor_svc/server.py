@@ -253,9 +253,8 @@ def create_server(
     server.start()
 
     def serve_once_loaded() -> None:
-        while not service.loaded.wait(1.0):
-            if service.closed:
-                return
+        if not service.inserts.wait_loaded():  # closed before the EAMC was loaded
+            return
         set_serving(health_servicer, [SERVICE_NAME])
         logger.info("EAMC loaded: %s SERVING", SERVICE_NAME)
 

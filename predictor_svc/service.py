@@ -254,7 +254,7 @@ class PredictorService:
         if background:
             self.inserts.start()
         else:
-            self.inserts.loaded.set()  # nothing loads behind the caller's back: it syncs when it wants
+            self.inserts.mark_loaded()  # nothing loads behind the caller's back: it syncs when it wants
 
     @property
     def loaded(self) -> threading.Event:

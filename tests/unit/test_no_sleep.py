@@ -16,11 +16,7 @@ ALLOWED = {
     "predictor_svc/replay.py": "a CLI that paces a trace replay at a requested token rate",
 }
 # Fixed-slice waits left in place, each with why (see ``polls``).
-ALLOWED_POLLS = {
-    "cache_daemon/__main__.py": "the main thread's wait for SIGTERM (the start-up sequence's owner's to change)",
-    "predictor_svc/__main__.py": "the main thread's wait for SIGTERM (the start-up sequence's owner's to change)",
-    "predictor_svc/server.py": "turning SERVING once the EAMC is loaded polls for a close (the predictor's owner's)",
-}
+ALLOWED_POLLS: dict[str, str] = {}  # path -> why it must poll (none today)
 NATIVE_SLEEPS = re.compile(r"\b(sleep_for|sleep_until|usleep|nanosleep)\s*\(|\bsleep\s*\(")
 
 
