@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from compute_svc.errors import InvalidArgument
-from compute_svc.prompt_text import TRIM_AFTER_BYTES, longest_token_bytes, release_free_heap, tokenize
+from compute_svc.prompt_text import (
+    TRIM_AFTER_BYTES,
+    TooManyTokens,
+    encode_text,
+    longest_token_bytes,
+    release_free_heap,
+    tokenize,
+)
 from compute_svc.sampling import SamplingParams, check_sampling
 from expertcache import telemetry
 
@@ -217,7 +224,10 @@ class RequestCheck:
                     f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
                 )
             self._check_text_size(size, "text")
-            ids = self._fitting(tokenize(lambda: tokenizer.encode(request.text), size), size)
+            try:
+                ids = encode_text(tokenizer, request.text, size, limits.max_prompt_tokens)
+            except TooManyTokens as exc:
+                raise self._too_many_tokens(exc.count) from None
         if not ids:
             raise InvalidArgument("prompt is empty: text encodes to no tokens")
         return ids

@@ -277,8 +277,27 @@ class _CountingTokenizer:
             self.tokenised += 1
         return self._tokenizer.apply_chat_template(*args, **kwargs)
 
+    @property
+    def backend_tokenizer(self):
+        return _CountingBackend(self, self._tokenizer.backend_tokenizer)
+
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
+
+
+class _CountingBackend:
+    """The fast tokenizer's backend, counting its encodes on the wrapper's count."""
+
+    def __init__(self, counter: _CountingTokenizer, backend) -> None:
+        self._counter = counter
+        self._backend = backend
+
+    def encode(self, *args, **kwargs):
+        self._counter.tokenised += 1
+        return self._backend.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
 
 
 @pytest.fixture

@@ -6,12 +6,13 @@ import random
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from compute_svc.prompt_text import longest_token_bytes
+from compute_svc.prompt_text import TooManyTokens, encode_text, longest_token_bytes
 from devtools.launch import REPO
 from devtools.tiny import build_tokenizer
 
@@ -102,3 +103,44 @@ def test_tokenising_a_large_text_leaves_no_heap_behind():
     )
     grown_mib = int(out.stdout.split()[-1])
     assert grown_mib < 50, f"RSS grew by {grown_mib} MiB after tokenising 1 MB three times"
+
+
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_encode_text_gives_what_the_tokenizer_encodes(split_special_tokens):
+    """Counted on the backend or not, the ids are ``tokenizer.encode(text)``'s, special tokens
+    and all (written in the text, or split when the tokenizer says so)."""
+    tokenizer = build_tokenizer()
+    tokenizer.split_special_tokens = split_special_tokens
+    rng = random.Random(11)
+    alphabet = "abc xyz<|endoftext|> éü漢字🙂\n\t"
+    for _ in range(100):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 300)))
+        assert encode_text(tokenizer, text, len(text.encode()), 10_000) == tuple(tokenizer.encode(text)), text
+    text = "<|endoftext|>" * 11
+    with pytest.raises(TooManyTokens) as info:
+        encode_text(tokenizer, text, len(text), 10)
+    assert info.value.count == len(tokenizer.encode(text)) == (121 if split_special_tokens else 11)
+
+
+def test_a_refused_large_text_makes_no_python_objects_of_its_ids():
+    """A 1 MB text over the token limit is counted on the tokenizer's ``Encoding`` (native
+    memory) and refused: the ~475,000 ids never become Python ints. Made into ints, they take
+    pymalloc arenas that other threads' objects then pin (``prompt_text``'s docstring); traced
+    here, ``tokenizer.encode`` of the same text peaks at ~15 MiB of Python memory."""
+    tokenizer = build_tokenizer()
+    sentence = "Mixture of experts models route every token to a few experts in a tiered cache. "
+    text = (sentence * (1_000_000 // len(sentence) + 1))[:1_000_000]
+    encode_text(tokenizer, "warm up", 7, 100_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyTokens) as info:
+            encode_text(tokenizer, text, len(text), 100_000)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        ids = tokenizer.encode(text)
+        _, ids_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.count == len(ids) > 400_000
+    assert peak < 1 << 20, f"refusing the text traced {peak >> 10} KiB of Python memory"
+    assert ids_peak > 8 << 20  # what the count spared
