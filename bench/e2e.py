@@ -108,14 +108,14 @@ from bench.e2e_reference import shares as belady_shares  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
 from bench.plain_transformers import TransformersSystem  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
-from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
-from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
-from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
+from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from compute_svc.forced_routing import modelled_accuracy  # noqa: E402
 from expertcache.launch import start_compute, start_daemon  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
+from replay.learn_next_visit import fit_trace  # noqa: E402
+from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30

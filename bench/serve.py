@@ -58,9 +58,9 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from bench.e2e import DATA_DIR, DEFAULT_TRACE, GIB, MIB, PRECISIONS, build, say, tiers
 from bench.e2e import measure_link as measure_arena_link
-from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from expertcache.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
+from replay.batch_ceiling import batch_ceiling
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_N16 = 1.3

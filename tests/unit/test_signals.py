@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_daemon.decisions.estimators import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
 from cache_daemon.decisions.policy.base import PolicyShape
 from cache_daemon.decisions.policy.lru import LRUPolicy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig, PrefetchScheduler
@@ -18,6 +17,7 @@ from cache_daemon.decisions.signals import (
 )
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
+from replay.hazard import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
 
 L, E = 4, 8
 

@@ -14,7 +14,7 @@ The run modelled is the serving benchmark's (``bench.serve``): requests in waves
 consecutive trace requests that start together and generate ``tokens`` each (continuous batching
 keeps them in lockstep when they are equally long). Forward 0 (the prefill) routes every prompt
 token by the request's first decode row and forward i by row i, wrapping past the request's last
-row, as compute's forced routing does (``compute_svc.forced_routing``). The cache starts cold,
+row, as compute's forced routing does (``replay.forced_routing``). The cache starts cold,
 like a freshly started daemon.
 
 No I/O, no threads: pure arithmetic over the trace, beside the replay's ``simulator``.
