@@ -170,6 +170,7 @@ def device_policy(name: str, manifest: StoreManifest, signals: ActivationSignals
         raise InvalidArgument(f"config field 'eviction_policy' = {name!r}: {exc}") from None
 
 
+@dataclass(kw_only=True, eq=False)
 class CacheDaemon:
     """The daemon's domain objects wired together: manifest, store, host tier, arena, residency.
 
@@ -177,30 +178,18 @@ class CacheDaemon:
     ``__main__`` turns into exit code 2); ``close`` frees everything and removes the shm file.
     """
 
-    def __init__(
-        self,
-        *,
-        manifest: StoreManifest,
-        manifest_json: str,
-        daemon_id: str,
-        metrics: DaemonMetrics,
-        store: StoreReader,
-        host: HostTier,
-        arena: DeviceArena,
-        residency: Residency,
-        table: SlotTable,
-        config: DaemonConfig | None = None,
-    ) -> None:
-        self.manifest = manifest
-        self.manifest_json = manifest_json
-        self.daemon_id = daemon_id
-        self.metrics = metrics
-        self.store = store
-        self.host = host
-        self.arena = arena
-        self.residency = residency
-        self.table = table
-        self.config = config or DaemonConfig(store_dir="(unknown)")
+    manifest: StoreManifest
+    manifest_json: str
+    daemon_id: str
+    metrics: DaemonMetrics
+    store: StoreReader
+    host: HostTier
+    arena: DeviceArena
+    residency: Residency
+    table: SlotTable
+    config: DaemonConfig = dataclasses.field(default_factory=lambda: DaemonConfig(store_dir="(unknown)"))
+
+    def __post_init__(self) -> None:
         # The budgets as started: their ceilings are the memory allocated at start.
         self.budgets = (Budget.device(self.config), Budget.host(self.config))
         self._closed = False
