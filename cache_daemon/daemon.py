@@ -272,11 +272,11 @@ class CacheDaemon:
     def _budget_slots(self, new: DaemonConfig) -> tuple[int, int]:
         """Device and host slots for ``new``'s budgets, within the ceilings allocated at start
         (``Budget.check_ceiling``, ``Budget.slots``: ``InvalidArgument`` naming the field)."""
-        device, host = (b.resized(getattr(new, b.name)) for b in self.budgets)
-        for budget in (device, host):
+        slots = []
+        for budget in (b.resized(getattr(new, b.name)) for b in self.budgets):
             budget.check_ceiling()
-        cap = self.manifest.num_blobs
-        return device.slots(self.manifest.blob_bytes, cap), host.slots(self.manifest.blob_bytes, cap)
+            slots.append(budget.slots(self.manifest.blob_bytes, self.manifest.num_blobs))
+        return slots[0], slots[1]
 
     def reload(self, fresh: DaemonConfig, source: str = "the config file") -> ConfigUpdate:
         """Adopt the live fields of ``fresh`` (the config loaded again after the ConfigMap
