@@ -43,6 +43,7 @@ COPY expertcache ./expertcache
 COPY compute_svc ./compute_svc
 COPY cache_daemon ./cache_daemon
 COPY predictor_svc ./predictor_svc
+COPY replay ./replay
 RUN python -m pip wheel --no-deps -w /wheels . \
       -Ccmake.define.EXPERTCACHE_WITH_CUDA=ON \
       -Ccmake.define.EXPERTCACHE_WITH_URING=ON \

@@ -115,14 +115,14 @@ from bench.report import GIB, MIB, RESULTS_DIR, fmt, say, write_json  # noqa: E4
 from bench.stats import summarise  # noqa: E402
 from bench.systems import ProcessSystem, add_tier_arguments, measure_link, rotation  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
-from cache_daemon.learn_next_visit import fit_trace  # noqa: E402
-from cache_daemon.learn_next_visit import read as read_next_visit  # noqa: E402
-from cache_daemon.learn_next_visit import write as write_next_visit  # noqa: E402
+from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
 from replay.forced_routing import modelled_accuracy  # noqa: E402
+from replay.learn_next_visit import fit_trace  # noqa: E402
+from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 
 RESULTS = RESULTS_DIR / "e2e.json"
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
@@ -214,7 +214,7 @@ def simulated_reference(
     say("")
     say(
         f"simulated on the same routing (trace requests {routes.requests[0]}..{routes.requests[-1]}, {args.tokens} "
-        f"tokens each, {slots} slots; cache_daemon.decisions.simulator, "
+        f"tokens each, {slots} slots; replay.simulator, "
         + (
             "timing model cpu-e2e"
             if calibrated

@@ -3,13 +3,13 @@
 ``bench.e2e`` measures ours and LRU in real processes, but Belady's MIN needs the future, so it
 cannot run there. This module replays the very routing the e2e forces on its systems (the same
 trace rows, taken by ``replay.forced_routing.ForcedRouting`` itself: request by request, row
-0 for the prefill, wrapping past a request's end) through ``cache_daemon.decisions.simulator``
+0 for the prefill, wrapping past a request's end) through ``replay.simulator``
 with the same number of slots:
 
 - ``lru`` and ``belady``: demand fetching, no prefetch. LRU's simulated bytes are checked against
   its measured bytes (printed side by side); Belady's are the fewest any policy can load.
 - ``oracle-next-token``: activation-aware eviction told the exact routing of the next token
-  (``cache_daemon.decisions.policy.oracle``), demand fetching: how far perfect short-term
+  (``replay.oracle``), demand fetching: how far perfect short-term
   prediction could take eviction at all. No online predictor knows the next token exactly.
 - ``ours`` (and ``ours-transitions``): the daemon's own policy, signals and prefetch scheduler with
   the e2e daemon's settings (activation-aware, the learned next-visit model or the transitions,
@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from cache_daemon.decisions.next_visit import NextVisitModel
+from cache_daemon.decisions.next_visit import read as read_next_visit
 from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS
-from cache_daemon.decisions.simulator import CPU_E2E_EXPERT_BYTES, Simulation, cpu_e2e_timing
-from cache_daemon.learn_next_visit import read as read_next_visit
 from expertcache.manifest import StoreManifest
 from replay.forced_routing import ForcedRouting, load_trace
+from replay.simulator import CPU_E2E_EXPERT_BYTES, Simulation, cpu_e2e_timing
 
 MIB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 ::
 
-    trace (npz) ──routes──▶ cache_daemon.decisions.simulator.Simulation ──▶ rows per policy × budget
+    trace (npz) ──routes──▶ replay.simulator.Simulation ──▶ rows per policy × budget
        └─ earlier requests ─▶ predictor_svc Eamc + predict_request ─▶ hints per token
 
 The signals, policies and prefetch scheduler are the daemon's own (``cache_daemon.decisions``);
@@ -35,13 +35,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
-from cache_daemon.decisions.policy import ONLINE_POLICIES, REPLAY_ONLY_POLICIES
+from cache_daemon.decisions.next_visit import read as read_model
 from cache_daemon.decisions.policy.activation_aware import MIN_PREFETCH_PROBABILITY
 from cache_daemon.decisions.scheduler import PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
-from cache_daemon.decisions.simulator import (
+from expertcache.trace import RoutingTrace, TraceError, read_trace
+from replay.batch_ceiling import batch_ceiling
+from replay.learn_next_visit import fit_trace
+from replay.learn_next_visit import write as write_model
+from replay.policies import REFERENCE_POLICIES, REPLAY_POLICIES
+from replay.simulator import (
     EXPERT_PRECISIONS,
     TIMING_MODELS,
     Simulation,
@@ -50,10 +54,6 @@ from cache_daemon.decisions.simulator import (
     gpt_oss_20b_expert_bytes,
     timing_model,
 )
-from cache_daemon.learn_next_visit import fit_trace
-from cache_daemon.learn_next_visit import read as read_model
-from cache_daemon.learn_next_visit import write as write_model
-from expertcache.trace import RoutingTrace, TraceError, read_trace
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "gpt-oss-20b_decode_703req.npz"
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-ALL_POLICIES = (*ONLINE_POLICIES, *REPLAY_ONLY_POLICIES)
 GOAL_BUDGET = 0.25
 SPECULATIVE_MIN_PROBABILITY = 0.2  # the ablation's lowered threshold of the EAMC class
 GOAL_BYTES_RATIO = 1.6  # activation-aware bytes / Belady bytes
@@ -333,7 +332,7 @@ def belady_shares(rows: list[dict]) -> list[dict]:
             continue
         bel_speedup = lru["latency_ms_per_token"] / bel["latency_ms_per_token"]
         for r in main:
-            if r["policy"] in REPLAY_ONLY_POLICIES:
+            if r["policy"] in REFERENCE_POLICIES:
                 continue
             speedup = lru["latency_ms_per_token"] / r["latency_ms_per_token"]
             share = (speedup - 1.0) / (bel_speedup - 1.0) if bel_speedup > 1.0 else math.nan
@@ -422,7 +421,7 @@ def print_batch_ceilings(
     budgets: list[float],
     out: Path,
 ) -> int:
-    """``--batch-size``: the bandwidth-bound ceiling of throughput (``decisions.batch_ceiling``)."""
+    """``--batch-size``: the bandwidth-bound ceiling of throughput (``replay.batch_ceiling``)."""
     total = trace.num_layers * trace.num_experts
     print(
         f"bandwidth-bound ceiling: requests {requests[0]}..{requests[-1]} in waves of B, {tokens} tokens each, "
@@ -476,7 +475,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 64, or half the requests of a smaller trace; 0 with --requests all)",
     )
     ap.add_argument("--budgets", default="0.1,0.25,0.5")
-    ap.add_argument("--policies", default=",".join(ALL_POLICIES))
+    ap.add_argument("--policies", default=",".join(REPLAY_POLICIES))
     ap.add_argument(
         "--lookahead-accuracy",
         default=",".join(map(str, DEFAULT_LOOKAHEAD_ACCURACY)),
@@ -514,7 +513,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="fit",
         help="the signals' learned next-visit model: 'fit' (default: fitted on the --next-visit-requests "
         "requests before the replayed ones, like the EAMC is warmed, and written to OUT/next_visit.safetensors), "
-        "a model file (cache_daemon.learn_next_visit), or 'none' (the routing transitions)",
+        "a model file (replay.learn_next_visit), or 'none' (the routing transitions)",
     )
     ap.add_argument(
         "--next-visit-requests",
@@ -563,9 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 < b <= 1.0:
             raise SystemExit(f"budget {b} outside (0, 1]")
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in ALL_POLICIES]
+    unknown = [p for p in policies if p not in REPLAY_POLICIES]
     if unknown:
-        raise SystemExit(f"unknown policies {unknown}; valid: {', '.join(ALL_POLICIES)}")
+        raise SystemExit(f"unknown policies {unknown}; valid: {', '.join(REPLAY_POLICIES)}")
     if "belady" not in policies:
         policies.append("belady")  # the floor needs it
     if "lru" not in policies:
@@ -642,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         (p, b, la, True, "main")
         for b in budgets
         for p in policies
-        for la in ((False,) if p in REPLAY_ONLY_POLICIES else (False, True))
+        for la in ((False,) if p in REFERENCE_POLICIES else (False, True))
     ]
     if not args.no_ablation and GOAL_BUDGET in budgets:
         runs += [("activation-aware", GOAL_BUDGET, la, False, "ablation") for la in (False, True)]
@@ -682,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
             else "model"
         )
         rows.append(row)
-        if p in REPLAY_ONLY_POLICIES:
+        if p in REFERENCE_POLICIES:
             rows.append({**row, "layer_ahead": True})
     if bar is not None:
         bar.close()
@@ -702,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     print(hdr)
     main_rows = [r for r in rows if r["group"] == "main"]
     for row in sorted(
-        main_rows, key=lambda x: (x["budget"], x["layer_ahead"], ALL_POLICIES.index(x["policy"]))
+        main_rows, key=lambda x: (x["budget"], x["layer_ahead"], REPLAY_POLICIES.index(x["policy"]))
     ):
         print(
             f"{row['budget']:>6.0%} {row['policy']:<17} {'y' if row['layer_ahead'] else 'n':<3} "
@@ -884,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "next_visit_recall": recall,
     }
     (args.out / "replay.json").write_text(json.dumps(result, indent=2))
-    write_png(rows, depth, args.out / "replay.png", budgets, [p for p in ALL_POLICIES if p in policies])
+    write_png(rows, depth, args.out / "replay.png", budgets, [p for p in REPLAY_POLICIES if p in policies])
     print(f"wrote {args.out / 'replay.json'} and {args.out / 'replay.png'}")
     return 0
 

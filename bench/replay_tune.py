@@ -24,10 +24,10 @@ from bench.replay import (
     run_one,
     warm_hints,
 )
-from cache_daemon.decisions.estimators import HazardEstimator
 from cache_daemon.decisions.scheduler import PrefetchConfig
 from cache_daemon.decisions.signals import SignalsConfig
-from cache_daemon.decisions.simulator import timing_model
+from replay.hazard import HazardEstimator
+from replay.simulator import timing_model
 
 
 def main(argv: list[str] | None = None) -> int:

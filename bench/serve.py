@@ -18,7 +18,7 @@ tokens over the wall time of the run), time to first token p50/p99 (client side,
 request), per-token latency p50/p99 (client side, between tokens of a request) and bytes read from
 the store per generated token (the daemon's store→arena bytes over the run). Beside each batching
 run it prints the replay's bandwidth-bound ceiling of throughput for the same run
-(``cache_daemon.decisions.batch_ceiling``: the same trace requests, tokens and arena slots, Belady's
+(``replay.batch_ceiling``: the same trace requests, tokens and arena slots, Belady's
 bytes over the store's read bandwidth measured at the start). Goals (issue "Serve many requests at
 once"): N=16 ≥ 1.3x the one-at-a-time throughput, N=64 ≥ 3x and ≥ 0.8x the ceiling; at N=16 the
 p99 time to first token below one at a time's. Writes bench/results/serve.json and a PNG of
@@ -59,9 +59,9 @@ from bench.report import GIB, MIB, RESULTS_DIR, pyplot, save_figure, say
 from bench.stats import percentile
 from bench.systems import add_tier_arguments, device_tier, get_stats, tiers
 from bench.systems import measure_link as measure_arena_link
-from cache_daemon.decisions.batch_ceiling import batch_ceiling
 from devtools.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
+from replay.batch_ceiling import batch_ceiling
 
 GOAL_N16 = 1.3
 GOAL_N64 = 3.0
@@ -82,7 +82,7 @@ def measure_link(store: Path, manifest) -> float:
 def ceiling_of(args, manifest, budget: int, link_bytes_per_s: float, n: int) -> dict:
     """The replay's bandwidth-bound ceiling of the batching run at ``n`` streams: the same trace
     requests (compute hands out 0, 1, ... in arrival order), tokens, arena slots and blob bytes,
-    over the measured link (``cache_daemon.decisions.batch_ceiling``)."""
+    over the measured link (``replay.batch_ceiling``)."""
     c = batch_ceiling(
         read_trace(args.trace),
         batch=n,

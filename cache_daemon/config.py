@@ -2,8 +2,8 @@
 
 Loaded once in ``__main__`` by ``expertcache.config_loader.load_config`` (CLI > env
 ``EXPERTCACHE_DAEMON_<FIELD>`` > ``--config-file`` YAML > default) and passed down explicitly.
-Budgets that depend on the store (at least one blob) are checked when the daemon starts, where
-the manifest is known: see ``cache_daemon.residency.CacheDaemon.start``.
+A budget's ceiling is checked here; what depends on the store (at least one blob) is checked
+when the daemon starts, where the manifest is known: both by ``cache_daemon.budget.Budget``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cache_daemon.decisions.policy import ONLINE_POLICIES, POLICIES, REPLAY_ONLY_POLICIES
+from cache_daemon.budget import Budget
+from cache_daemon.decisions.policy import POLICIES
 from expertcache.config_fields import (
     ConfigMapFields,
     ObservabilityFields,
@@ -132,19 +133,19 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
         default="activation-aware",
         metadata={
             "live": True,
-            "help": "Eviction policy of the device arena (live; 'belady' and 'oracle-next-token' are trace replay only).",
+            "help": "Eviction policy of the device arena (live).",
             "choices": tuple(sorted(POLICIES)),
         },
     )
-    """Name of the device tier's eviction policy (a key of ``cache_daemon.decisions.policy.POLICIES``;
-    ``belady`` and ``oracle-next-token`` need the future and are refused). The host tier below is
-    an LRU cache."""
+    """Name of the device tier's eviction policy (a key of ``cache_daemon.decisions.policy.POLICIES``:
+    the policies a daemon can run; the replay's references that need the future are not among
+    them). The host tier below is an LRU cache."""
 
     next_visit_model: str = field(
         default="",
         metadata={
             "live": True,
-            "help": "File of the learned next-visit model (python -m cache_daemon.learn_next_visit) the "
+            "help": "File of the learned next-visit model (python -m replay.learn_next_visit) the "
             "eviction and prefetch decisions use in place of the routing transitions; empty = none (live).",
         },
     )
@@ -229,18 +230,8 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
                 f"config field 'device' = {self.device!r} is not one of {', '.join(DEVICES)}, "
                 "cuda:<ordinal>, cuda:<GPU UUID>"
             )
-        if self.eviction_policy in REPLAY_ONLY_POLICIES:
-            raise InvalidArgument(
-                f"config field 'eviction_policy' = {self.eviction_policy!r}: it needs the future (a reference "
-                f"for trace replay only: make bench-replay); the daemon runs {', '.join(ONLINE_POLICIES)}"
-            )
-        for budget in ("device_budget_bytes", "host_budget_bytes"):
-            ceiling = getattr(self, budget.replace("_bytes", "_max_bytes"))
-            if ceiling and getattr(self, budget) > ceiling:
-                raise InvalidArgument(
-                    f"config field {budget!r} = {getattr(self, budget)} is above its ceiling "
-                    f"{budget.replace('_bytes', '_max_bytes')} = {ceiling}"
-                )
+        Budget.device(self).check_ceiling()
+        Budget.host(self).check_ceiling()
         if not self.store_dir:
             raise InvalidArgument(
                 f"config field 'store_dir' is required (--store-dir or {ENV_PREFIX}STORE_DIR)"

@@ -24,22 +24,21 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from cache_daemon.budget import Budget
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
 from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
+from cache_daemon.decisions.next_visit import read as read_next_visit_model
 from cache_daemon.decisions.policy import EvictionPolicy, PolicyShape, make_policy
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig, next_visit_model_mismatch
-from cache_daemon.errors import BudgetTooSmall
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
-from cache_daemon.learn_next_visit import read as read_next_visit_model
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
 from cache_daemon.tiers.base import Tier
-from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device, slots_for_budget
+from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
 from expertcache import native, prom
@@ -47,7 +46,7 @@ from expertcache.config_loader import validate
 from expertcache.errors import InvalidArgument
 from expertcache.layers import LayerMap
 from expertcache.live_config import live_changes
-from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest
+from expertcache.manifest import StoreManifest, read_manifest_text
 from expertcache.native import SlotTable
 from expertcache.security import ClientSecurity
 
@@ -171,6 +170,7 @@ def device_policy(name: str, manifest: StoreManifest, signals: ActivationSignals
         raise InvalidArgument(f"config field 'eviction_policy' = {name!r}: {exc}") from None
 
 
+@dataclass(kw_only=True, eq=False)
 class CacheDaemon:
     """The daemon's domain objects wired together: manifest, store, host tier, arena, residency.
 
@@ -178,35 +178,20 @@ class CacheDaemon:
     ``__main__`` turns into exit code 2); ``close`` frees everything and removes the shm file.
     """
 
-    def __init__(
-        self,
-        *,
-        manifest: StoreManifest,
-        manifest_json: str,
-        daemon_id: str,
-        metrics: DaemonMetrics,
-        store: StoreReader,
-        host: HostTier,
-        arena: DeviceArena,
-        residency: Residency,
-        table: SlotTable,
-        config: DaemonConfig | None = None,
-    ) -> None:
-        self.manifest = manifest
-        self.manifest_json = manifest_json
-        self.daemon_id = daemon_id
-        self.metrics = metrics
-        self.store = store
-        self.host = host
-        self.arena = arena
-        self.residency = residency
-        self.table = table
-        self.config = config or DaemonConfig(store_dir="(unknown)")
-        # The most each live budget may grow to: the memory allocated at start.
-        self.budget_ceilings = {
-            name: getattr(self.config, name.replace("_bytes", "_max_bytes")) or getattr(self.config, name)
-            for name in ("device_budget_bytes", "host_budget_bytes")
-        }
+    manifest: StoreManifest
+    manifest_json: str
+    daemon_id: str
+    metrics: DaemonMetrics
+    store: StoreReader
+    host: HostTier
+    arena: DeviceArena
+    residency: Residency
+    table: SlotTable
+    config: DaemonConfig = dataclasses.field(default_factory=lambda: DaemonConfig(store_dir="(unknown)"))
+
+    def __post_init__(self) -> None:
+        # The budgets as started: their ceilings are the memory allocated at start.
+        self.budgets = (Budget.device(self.config), Budget.host(self.config))
         self._closed = False
         self._config_lock = threading.Lock()  # one update at a time
         # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
@@ -235,9 +220,9 @@ class CacheDaemon:
 
         ``InvalidArgument`` naming the field and value, with the old config kept, for an unknown
         field, a field that is not live (sizes and resources fixed at start), a value out of
-        range or not finite, a budget above its ceiling, or a policy the daemon cannot run
-        (``belady``). A policy switch keeps every
-        resident expert resident and every pin (``Residency.set_policy``).
+        range or not finite, a budget above its ceiling or below one blob (``Budget``), or a policy
+        the daemon does not run. A policy switch keeps every resident expert resident and every
+        pin (``Residency.set_policy``).
         """
         with self._config_lock:
             try:
@@ -287,30 +272,13 @@ class CacheDaemon:
         return new
 
     def _budget_slots(self, new: DaemonConfig) -> tuple[int, int]:
-        """Device and host slots for ``new``'s budgets; ``InvalidArgument`` naming both values
-        when a budget is above its ceiling (the memory allocated at start)."""
-        blob = self.manifest.blob_bytes
-        out = []
-        for name, slots_allocated, least in (
-            ("device_budget_bytes", self.arena.num_slots, 1),
-            ("host_budget_bytes", self.host.num_slots, 0),
-        ):
-            value = getattr(new, name)
-            ceiling_name = name.replace("_bytes", "_max_bytes")
-            ceiling = self.budget_ceilings[name]
-            if value > ceiling:
-                raise InvalidArgument(
-                    f"config field {name!r} = {value} is above its ceiling {ceiling_name} = {ceiling} "
-                    f"(memory allocated at start; {ceiling_name} = 0 makes the starting {name} the "
-                    f"ceiling): raise {ceiling_name} and restart the daemon to grow further"
-                )
-            slots = min(value // blob, slots_allocated)  # the store may hold fewer blobs
-            if slots < least or (value and not slots):
-                raise BudgetTooSmall(
-                    f"config field {name!r} = {value} is smaller than one expert blob (blob_bytes={blob})"
-                )
-            out.append(slots)
-        return out[0], out[1]
+        """Device and host slots for ``new``'s budgets, within the ceilings allocated at start
+        (``Budget.check_ceiling``, ``Budget.slots``: ``InvalidArgument`` naming the field)."""
+        slots = []
+        for budget in (b.resized(getattr(new, b.name)) for b in self.budgets):
+            budget.check_ceiling()
+            slots.append(budget.slots(self.manifest.blob_bytes, self.manifest.num_blobs))
+        return slots[0], slots[1]
 
     def reload(self, fresh: DaemonConfig, source: str = "the config file") -> ConfigUpdate:
         """Adopt the live fields of ``fresh`` (the config loaded again after the ConfigMap
@@ -323,29 +291,15 @@ class CacheDaemon:
     def start(cls, config: DaemonConfig, *, daemon_id: str | None = None) -> CacheDaemon:
         # A build without liburing or ISA-L still works, slower: say so once.
         logger.info("%s", native.build_summary())
-        manifest = read_manifest(config.store_dir)
-        manifest_json = (Path(config.store_dir) / MANIFEST_NAME).read_text()
+        manifest, manifest_json = read_manifest_text(config.store_dir)
         blob = manifest.blob_bytes
         # The arena and the host pool are allocated at their ceilings (restart-only); the live
         # budgets choose how many of their slots the cache fills.
-        device_slots = slots_for_budget(
-            config.device_budget_bytes, blob, "device_budget_bytes", cap=manifest.num_blobs
-        )
-        num_slots = device_slots
-        if config.device_budget_max_bytes:
-            num_slots = slots_for_budget(
-                config.device_budget_max_bytes, blob, "device_budget_max_bytes", cap=manifest.num_blobs
-            )
-        host_in_use = (
-            slots_for_budget(config.host_budget_bytes, blob, "host_budget_bytes", cap=manifest.num_blobs)
-            if config.host_budget_bytes
-            else 0
-        )
-        host_slots = host_in_use
-        if config.host_budget_max_bytes:
-            host_slots = slots_for_budget(
-                config.host_budget_max_bytes, blob, "host_budget_max_bytes", cap=manifest.num_blobs
-            )
+        device, host_budget = Budget.device(config), Budget.host(config)
+        device_slots = device.slots(blob, manifest.num_blobs)
+        num_slots = device.ceiling_slots(blob, manifest.num_blobs)
+        host_in_use = host_budget.slots(blob, manifest.num_blobs)
+        host_slots = host_budget.ceiling_slots(blob, manifest.num_blobs)
         # Pinned host memory and a CPU arena's tmpfs pages cannot be reclaimed: they must fit in
         # the container's memory limit, or the container is OOM-killed later under load.
         arena_in_host_memory = resolve_device(config.device) == "cpu"

@@ -53,6 +53,7 @@ __all__ = [
     "align_up",
     "plan_blob",
     "read_manifest",
+    "read_manifest_text",
     "store_path",
 ]
 
@@ -444,6 +445,11 @@ def read_manifest(store_dir: str | Path) -> StoreManifest:
 
     Whatever the file holds (binary, truncated, wrong types, paths leaving the store), the error
     is a ``DataLoss`` naming the file and the key."""
+    return read_manifest_text(store_dir)[0]
+
+
+def read_manifest_text(store_dir: str | Path) -> tuple[StoreManifest, str]:
+    """``read_manifest`` and the file's text as read (the daemon hands it to compute verbatim)."""
     path = Path(store_dir) / MANIFEST_NAME
     resolved = store_path(store_dir, MANIFEST_NAME, "the manifest")
     if not resolved.is_file():
@@ -458,4 +464,4 @@ def read_manifest(store_dir: str | Path) -> StoreManifest:
         raise DataLoss(f"cannot read {path}: {exc.strerror or exc}") from exc
     if len(data) > MAX_MANIFEST_BYTES:
         raise DataLoss(f"{path} is over {MAX_MANIFEST_BYTES} bytes: not a manifest")
-    return StoreManifest.from_json(data, origin=str(path))
+    return StoreManifest.from_json(data, origin=str(path)), data.decode("utf-8")

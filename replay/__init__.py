@@ -5,8 +5,9 @@ fits something the daemon later reads — never code a running service needs:
 
 - the trace-replay simulator and its timing models (``simulator``),
 - the batch-size ceiling of a trace (``batch_ceiling``),
-- the reference eviction policies that need the future (Belady, the next-token oracle),
-- the replay-only use estimators (``Hazard*``),
+- the reference eviction policies that need the future (``belady``, ``oracle``), built with the
+  daemon's policies by ``policies.make_replay_policy``,
+- the replay-only use estimators (``hazard``: ``HazardTable``, ``HazardEstimator``),
 - the offline next-visit trainer (``python -m replay.learn_next_visit``; the daemon only reads
   its output with ``cache_daemon.decisions.next_visit``),
 - forced routing, a benchmark mode of the compute service (``replay.forced_routing``).

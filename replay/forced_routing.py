@@ -28,7 +28,7 @@ is therefore modelled: each of the trace's top-k experts of the predicted layer 
 accuracy of its depth, ``layer_ahead_accuracy - (depth - 1) * accuracy_drop_per_depth`` (stated
 parameters, seeded per request, step, layer and depth), and otherwise replaced by the router's
 highest-scored expert outside the trace's set — the same model of lookahead the trace replay
-uses (``cache_daemon.decisions.simulator``), made concrete in a real process.
+uses (``replay.simulator``), made concrete in a real process.
 """
 
 from __future__ import annotations

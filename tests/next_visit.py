@@ -1,4 +1,4 @@
-"""Next-visit model files (``cache_daemon.learn_next_visit``'s format) written for tests."""
+"""Next-visit model files (``replay.learn_next_visit``'s format) written for tests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from cache_daemon.decisions.next_visit import NextVisitModel
 from cache_daemon.decisions.signals import SignalsConfig
-from cache_daemon.learn_next_visit import write
+from replay.learn_next_visit import write
 
 
 def write_next_visit_model(path: Path, layers: int, experts: int) -> Path:

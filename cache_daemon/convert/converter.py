@@ -20,7 +20,6 @@ directory is removed by the next run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,34 +30,38 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from cache_daemon.convert.checkpoint import (
+    CONFIG_NAME,
+    SAFETENSORS_ITEMSIZE,
+    Checkpoint,
+    TensorReader,
+    open_checkpoint,
+)
 from cache_daemon.convert.sources import (
     SCALE_CODES,
     ExpertRecipe,
     Quantization,
     SourceLayout,
-    parse_quantization,
     resolve_recipe,
     scale_inv_name,
     source_layout,
 )
+from cache_daemon.convert.store_dir import existing_store, partial_dir, publish, remove_stale
 from expertcache.encodings import ExpertTensor, dequantize_fp8, dtype_name, get_encoding
-from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unsupported
+from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Unsupported
 from expertcache.manifest import (
     DENSE_NAME,
     MANIFEST_NAME,
     StoreManifest,
     plan_blob,
-    read_manifest,
 )
 from expertcache.model_structure import (
     ExpertsSite,
@@ -70,11 +73,6 @@ from expertcache.model_structure import (
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE_NAME = "model.safetensors"
-PARTIAL_SUFFIX = ".partial"
-REPLACED_SUFFIX = ".replaced"  # the previous store, moved aside while --force replaces it
 EXPERTS_DIR = "experts"
 # manifest.source["experts"]: the store keeps the checkpoint's encoding, or dequantised them.
 EXPERTS_AS_CHECKPOINT, EXPERTS_DEQUANTIZED = "checkpoint encoding", "dequantized"
@@ -93,175 +91,12 @@ SIDE_FILE_PATTERNS = (
 )
 # Checkpoint keys transformers drops on load for every model (moved or non-persistent buffers).
 ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
-# Bytes per element of safetensors dtype codes, for the streamed dense file's header.
-SAFETENSORS_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 FLOAT_CODES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 SAFETENSORS_CODE = {dtype_name(dtype): code for code, dtype in FLOAT_CODES.items()}
 
 
 def layer_file_name(layer: int) -> str:
     return f"{EXPERTS_DIR}/layer_{layer:04d}.bin"
-
-
-# -- the source checkpoint -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint directory, validated, with every tensor's file (from headers only)."""
-
-    path: Path
-    config: Mapping[str, object]  # parsed config.json
-    config_bytes: bytes
-    index_bytes: bytes  # model.safetensors.index.json, or b"" for an unsharded checkpoint
-    files: tuple[str, ...]  # safetensors file names relative to ``path``
-    key_files: Mapping[str, str]  # checkpoint key → file name
-
-    @property
-    def model_type(self) -> str:
-        return str(self.config.get("model_type", ""))
-
-    @property
-    def declares_dtype(self) -> bool:
-        return bool(self.config.get("dtype") or self.config.get("torch_dtype"))
-
-    @property
-    def quant_method(self) -> str | None:
-        quantization = self.config.get("quantization_config")
-        return str(quantization.get("quant_method")) if isinstance(quantization, dict) else None
-
-    def quantization(self) -> Quantization:
-        return parse_quantization(self.config)
-
-    def source_id(self) -> str:
-        """Content hash identifying the checkpoint: config, index, and each file's name and size."""
-        digest = hashlib.sha256()
-        for part in (CONFIG_NAME.encode(), self.config_bytes, INDEX_NAME.encode(), self.index_bytes):
-            digest.update(len(part).to_bytes(8, "little") + part)
-        for name in self.files:
-            digest.update(f"{name}\0{(self.path / name).stat().st_size}\0".encode())
-        return digest.hexdigest()
-
-
-def open_checkpoint(src: Path) -> Checkpoint:
-    """Validate ``src`` and read its config and safetensors headers (no tensor data)."""
-    if not src.is_dir():
-        raise NotFound(f"checkpoint directory {src} does not exist (or is not a directory)")
-    config_path = src / CONFIG_NAME
-    if not config_path.is_file():
-        raise NotFound(f"{src} has no {CONFIG_NAME}: not a transformers checkpoint directory")
-    config_bytes = config_path.read_bytes()
-    try:
-        config = json.loads(config_bytes)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or not config.get("model_type"):
-        raise InvalidArgument(f"{config_path} has no model_type")
-    index_bytes, files = _safetensors_files(src)
-    return Checkpoint(
-        path=src,
-        config=config,
-        config_bytes=config_bytes,
-        index_bytes=index_bytes,
-        files=files,
-        key_files=_key_files(src, files),
-    )
-
-
-def _safetensors_files(src: Path) -> tuple[bytes, tuple[str, ...]]:
-    index_path = src / INDEX_NAME
-    if index_path.is_file():
-        index_bytes = index_path.read_bytes()
-        try:
-            files = sorted(set(json.loads(index_bytes)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise InvalidArgument(
-                f"{index_path} is not a safetensors index (no weight_map): {exc!r}"
-            ) from exc
-        missing = [name for name in files if not (src / name).is_file()]
-        if missing:
-            raise NotFound(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-        return index_bytes, tuple(files)
-    if (src / SINGLE_FILE_NAME).is_file():
-        return b"", (SINGLE_FILE_NAME,)
-    files = sorted(p.name for p in src.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-        hint = f" (found {', '.join(others)}: re-save it with save_pretrained)" if others else ""
-        raise NotFound(f"{src} has no *.safetensors weights{hint}")
-    return b"", tuple(files)
-
-
-def _key_files(src: Path, files: tuple[str, ...]) -> dict[str, str]:
-    key_files: dict[str, str] = {}
-    for name in files:
-        try:
-            with safe_open(str(src / name), framework="pt") as handle:
-                keys = list(handle.keys())
-        except Exception as exc:  # safetensors raises its own error types for a bad header
-            raise DataLoss(f"{src / name} is not a readable safetensors file: {exc}") from exc
-        for key in keys:
-            if key in key_files:
-                raise InvalidArgument(f"tensor {key} appears in both {key_files[key]} and {name}")
-            key_files[key] = name
-    return key_files
-
-
-class TensorReader:
-    """Reads checkpoint tensors by *runtime* name: whole, or one expert's slice [e] of dim 0.
-
-    Files are memory-mapped by safetensors and opened once; nothing is cached, so the memory
-    held is the tensor just returned.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, layout: SourceLayout) -> None:
-        self._checkpoint = checkpoint
-        self._names: dict[str, str] = {}  # runtime name → checkpoint key
-        for key in checkpoint.key_files:
-            name = layout.runtime_name(key)
-            if name in self._names:
-                raise InvalidArgument(f"checkpoint keys {self._names[name]} and {key} both map to {name}")
-            self._names[name] = key
-        self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
-
-    def __enter__(self) -> TensorReader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    @property
-    def names(self) -> Mapping[str, str]:
-        """Runtime name → checkpoint key, for every tensor of the checkpoint."""
-        return self._names
-
-    def _handle(self, name: str):
-        file_name = self._checkpoint.key_files[self._names[name]]
-        if file_name not in self._handles:
-            path = self._checkpoint.path / file_name
-            self._handles[file_name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        return self._handles[file_name]
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(self._names[name])
-
-    def get_slice(self, name: str, index: int) -> torch.Tensor:
-        return self._handle(name).get_slice(self._names[name])[index]  # reads only row `index`
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(self._names[name]).get_shape())
-
-    def safetensors_dtype(self, name: str) -> str:
-        return self._handle(name).get_slice(self._names[name]).get_dtype()  # e.g. "BF16"
-
-    def nbytes(self, name: str) -> int:
-        """Bytes of the tensor's data in the checkpoint (from its header)."""
-        return math.prod(self.shape(name)) * SAFETENSORS_ITEMSIZE[self.safetensors_dtype(name)]
 
 
 # -- the plan: what goes where, checked before anything is written ----------------------
@@ -631,61 +466,6 @@ def _sync(f) -> None:
     os.fsync(f.fileno())
 
 
-# -- the store directory: up to date, partial, publish ------------------------------------
-
-
-def partial_dir(dst: Path) -> Path:
-    return dst.with_name(dst.name + PARTIAL_SUFFIX)
-
-
-def _existing_store(dst: Path, force: bool) -> StoreManifest | None:
-    """The manifest of the store at ``dst``, None if there is none; refuse to clobber other data."""
-    if not dst.exists():
-        return None
-    if not dst.is_dir():
-        raise FailedPrecondition(f"destination {dst} exists and is not a directory")
-    if (dst / MANIFEST_NAME).is_file():
-        if force:
-            return None
-        try:
-            return read_manifest(dst)
-        except DataLoss as exc:
-            raise FailedPrecondition(f"{exc}; pass --force to replace the store at {dst}") from exc
-    if any(dst.iterdir()) and not force:
-        raise FailedPrecondition(
-            f"destination {dst} exists, is not empty and holds no expert store; pass --force to replace it"
-        )
-    return None
-
-
-def _publish(partial: Path, dst: Path) -> None:
-    """Atomically put the finished ``partial`` directory in place of ``dst``."""
-    aside = dst.with_name(dst.name + REPLACED_SUFFIX)
-    if aside.exists():
-        shutil.rmtree(aside)
-    if dst.exists():
-        os.replace(dst, aside)  # replace() cannot overwrite a non-empty directory
-    os.replace(partial, dst)
-    _sync_dir(dst.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale(dst: Path) -> None:
-    for stale in (partial_dir(dst), dst.with_name(dst.name + REPLACED_SUFFIX)):
-        if stale.exists():
-            logger.warning("removing %s left by an interrupted conversion", stale)
-            shutil.rmtree(stale)
-
-
 # -- entry points ------------------------------------------------------------------------------
 
 
@@ -718,8 +498,8 @@ def run_conversion(
     checkpoint.quantization()  # an unknown quantisation is refused before anything else
     model_id = checkpoint.source_id()
     experts_as = EXPERTS_DEQUANTIZED if dequantize else EXPERTS_AS_CHECKPOINT
-    existing = _existing_store(dst, force)
-    _remove_stale(dst)
+    existing = existing_store(dst, force)
+    remove_stale(dst)
     if existing is not None:
         if existing.model_id == model_id and existing.source.get("experts") == experts_as:
             logger.info("store %s is up to date with %s (model_id %s)", dst, src, model_id[:12])
@@ -737,7 +517,7 @@ def run_conversion(
     partial.mkdir(parents=True)
     try:
         manifest = _convert_into(checkpoint, layout, model_id, partial, progress, dequantize)
-        _publish(partial, dst)
+        publish(partial, dst)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -804,15 +584,9 @@ def _manifest(
     )
 
 
-def convert(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    force: bool = False,
-    progress: bool = True,
-    dequantize: bool = False,
-) -> StoreManifest:
-    """Convert the checkpoint directory ``src`` into the expert store ``dst``; returns its manifest.
+def convert(src: str | Path, dst: str | Path, **options: bool) -> StoreManifest:
+    """Convert the checkpoint directory ``src`` into the expert store ``dst``; returns its manifest
+    (``run_conversion``'s, with its keyword ``options``: ``force``, ``progress``, ``dequantize``).
 
     Experts keep the checkpoint's encoding (bf16/fp16/fp32, MXFP4, block-scaled FP8) unless
     ``dequantize``. A no-op when ``dst`` already holds the store of this very checkpoint made
@@ -820,4 +594,4 @@ def convert(
     ``force``; ``Unsupported`` for an architecture or quantisation not handled; ``NotFound`` /
     ``InvalidArgument`` / ``DataLoss`` for a missing, inconsistent or unreadable checkpoint.
     """
-    return run_conversion(src, dst, force=force, progress=progress, dequantize=dequantize).manifest
+    return run_conversion(src, dst, **options).manifest

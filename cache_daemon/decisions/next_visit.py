@@ -6,7 +6,7 @@ layers' latest routing says more: on the shared gpt-oss-20b trace a model that r
 0.62 of a layer's next experts in its top-k, against 0.53 for the transitions and the history
 (``make bench-replay`` prints what it does to bytes). ``NextVisitModel`` is one logistic
 regression per MoE layer ``j``, fitted offline on recorded routing
-(``cache_daemon.learn_next_visit``) and evaluated by ``ActivationSignals.observe`` in place of
+(``replay.learn_next_visit``, read back with ``read``) and evaluated by ``ActivationSignals.observe`` in place of
 the transitions when the daemon is given one.
 
 Features of layer ``j`` right after it is routed at token ``t`` (``features``), over the MoE
@@ -32,6 +32,7 @@ w = M = 24, E = 32, top-4: 96 + 64 rows of 32), in the native ``NextVisitLogisti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ FORMAT = "expertcache-next-visit/1"
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 12
 MAX_WEIGHTS = 1 << 28  # floats (1 GiB)
+MAX_FILE_BYTES = MAX_WEIGHTS * 4 + (1 << 20)
 
 
 class NextVisitModelError(ValueError):
@@ -129,10 +131,6 @@ class NextVisitModel:
     @property
     def num_experts(self) -> int:
         return int(self.weights.shape[2])
-
-    @property
-    def num_inputs(self) -> int:
-        return int(self.weights.shape[1])
 
     def window_start(self, layer: int) -> int:
         return window_start(layer, self.num_layers, self.window)
@@ -227,53 +225,26 @@ def _metadata(data: bytes) -> dict[str, str]:
     return meta if isinstance(meta, dict) else {}
 
 
-# -- training examples (the same features, for a whole recorded request) ------------------------
-
-
-def one_hot(routes: np.ndarray, num_experts: int) -> np.ndarray:
-    """int [T, M, K] expert ids → float32 [T, M, E]."""
-    out = np.zeros((*routes.shape[:2], num_experts), np.float32)
-    np.put_along_axis(out, routes.astype(np.int64), 1.0, axis=2)
-    return out
-
-
-def histories(y: np.ndarray, start: np.ndarray, decays: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [T, M, E] short and long histories of a request including each token, as the
-    signals keep them (both start at ``start`` [M, E])."""
-    short_decay, long_decay = (np.float32(d) for d in decays)
-    ha, hb = np.empty_like(y), np.empty_like(y)
-    a, b = start.astype(np.float32), start.astype(np.float32)
-    for t in range(len(y)):
-        a = a * short_decay + (1 - short_decay) * y[t]
-        b = b * long_decay + (1 - long_decay) * y[t]
-        ha[t], hb[t] = a, b
-    return ha, hb
-
-
-def features(
-    y: np.ndarray, ha: np.ndarray, hb: np.ndarray, layer: int, window: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Training examples of MoE layer ``layer`` from one request's one-hot routing ``y`` and
-    histories ``ha``, ``hb`` (float32 [T, M, E] each): ``(x float32 [T - 1, w * E + 2E],
-    target float32 [T - 1, E])``, one per token that has a next one."""
-    T, M, E = y.shape
-    n = T - 1
-    lo = window_start(layer, M, window)
-    latest = np.zeros((n, window, E), np.float32)
-    upto = min(layer + 1, lo + window) - lo  # window layers routed at token t already
-    latest[:, :upto] = y[:n, lo : lo + upto]
-    if upto < window:  # the later layers' latest routing is the previous token's (none at t = 0)
-        latest[1:, upto:] = y[: n - 1, lo + upto : lo + window]
-    x = np.concatenate([latest.reshape(n, -1), ha[:n, layer], hb[:n, layer]], 1)
-    return x, y[1:, layer]
+def read(path: str | os.PathLike) -> NextVisitModel:
+    """The model in file ``path`` (written by ``replay.learn_next_visit``); ``NextVisitModelError``
+    naming the file and what is wrong."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise NextVisitModelError(f"{size} bytes, over the {MAX_FILE_BYTES} a model may have")
+        with open(path, "rb") as f:
+            data = f.read()
+        return NextVisitModel.from_bytes(data)
+    except NextVisitModelError as exc:
+        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc}") from None
+    except OSError as exc:
+        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc.strerror or exc}") from None
 
 
 __all__ = [
     "FORMAT",
     "NextVisitModel",
     "NextVisitModelError",
-    "features",
-    "histories",
-    "one_hot",
+    "read",
     "window_start",
 ]

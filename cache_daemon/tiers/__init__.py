@@ -10,7 +10,6 @@ from cache_daemon.tiers.device import (
     ArenaKind,
     DeviceArena,
     create_arena,
-    slots_for_budget,
 )
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
@@ -25,5 +24,4 @@ __all__ = [
     "StoreReader",
     "Tier",
     "create_arena",
-    "slots_for_budget",
 ]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from cache_daemon.errors import ArenaUnavailable, BudgetTooSmall, CopyInFlight
+from cache_daemon.errors import ArenaUnavailable, CopyInFlight
 from cache_daemon.shm_files import ShmClaim, claim_shm_files
 from cache_daemon.tiers.host import StagingBuffer
 from expertcache import native
@@ -43,17 +43,6 @@ from expertcache.arena_handle import ArenaHandle, ArenaKind
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")  # where shm_open names live on Linux; ArenaHandle.shm_name is relative to it
-
-
-def slots_for_budget(budget_bytes: int, blob_bytes: int, field_name: str, *, cap: int | None = None) -> int:
-    """``budget_bytes // blob_bytes`` (at most ``cap``); below one blob raises ``BudgetTooSmall``."""
-    slots = budget_bytes // blob_bytes
-    if slots < 1:
-        raise BudgetTooSmall(
-            f"{field_name}={budget_bytes} is smaller than one expert blob (blob_bytes={blob_bytes}): "
-            f"set {field_name} to at least {blob_bytes}"
-        )
-    return min(slots, cap) if cap is not None else slots
 
 
 def resolve_device(device: str) -> str:

@@ -162,7 +162,7 @@ def log_record(line: str) -> tuple[str, str]:
         ("eviction_policy: fifo\n", "'eviction_policy' = 'fifo' is not one of"),
         ("eviction_policy: [lfu\n", "config file"),
         ("eviction_policy: lfu\ndevice_budget: 5\n", "unknown field 'device_budget'"),
-        ("eviction_policy: belady\n", "it needs the future"),
+        ("eviction_policy: belady\n", "'eviction_policy' = 'belady' is not one of"),
     ],
 )
 def test_invalid_edit_is_refused_whole_and_the_old_config_stays(live_daemon, text, reason):

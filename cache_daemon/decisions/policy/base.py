@@ -70,7 +70,6 @@ class EvictionPolicy(ABC):
 
     name: str = ""
     needs_signals: bool = False  # True: the constructor refuses ``signals=None``
-    needs_future: bool = False  # True: trace replay only (``FutureUses``); the daemon refuses it
     prefetch_horizon_layers: int | None = None
     """How far ahead (layer steps) ``prefetch_scores`` candidates are taken; None = the
     scheduler's ``horizon_layers``."""

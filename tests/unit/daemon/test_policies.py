@@ -8,23 +8,20 @@ import numpy as np
 import pytest
 
 from cache_daemon.decisions.policy import (
-    ONLINE_POLICIES,
     POLICIES,
-    REPLAY_ONLY_POLICIES,
     ActivationAwarePolicy,
-    BeladyPolicy,
     EvictionPolicy,
-    FutureUses,
     LFUPolicy,
     LRUPolicy,
     MoEInfinityPolicy,
-    NextTokenOraclePolicy,
     PolicyShape,
     make_policy,
 )
-from cache_daemon.decisions.policy.belady import NEVER
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from expertcache.keys import ExpertKey
+from replay.belady import NEVER, BeladyPolicy, FutureUses
+from replay.oracle import NextTokenOraclePolicy
+from replay.policies import REFERENCE_POLICIES, REPLAY_POLICIES, make_replay_policy
 
 L, E, K = 3, 6, 2
 SHAPE = PolicyShape(L, E)
@@ -39,8 +36,7 @@ def routes(tokens: int = 40, seed: int = 1) -> np.ndarray:
 
 def build(name: str, r: np.ndarray | None = None) -> tuple[EvictionPolicy, ActivationSignals]:
     sig = ActivationSignals(L, E)
-    fut = FutureUses(routes() if r is None else r, E) if name in REPLAY_ONLY_POLICIES else None
-    return make_policy(name, SHAPE, sig, future=fut), sig
+    return make_replay_policy(name, SHAPE, sig, routes() if r is None else r), sig
 
 
 def use_routed(
@@ -95,17 +91,17 @@ def drive(name: str, seed: int, steps: int = 200) -> list[list[ExpertKey]]:
     return chosen
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(REPLAY_POLICIES))
 def test_pinned_never_chosen_and_churn(name):
     drive(name, seed=3)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(REPLAY_POLICIES))
 def test_deterministic(name):
     assert drive(name, seed=5) == drive(name, seed=5)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(REPLAY_POLICIES))
 def test_nothing_evictable_and_zero(name):
     policy, sig = build(name)
     sig.observe(0, [0, 1], 0)
@@ -119,21 +115,26 @@ def test_nothing_evictable_and_zero(name):
 
 
 def test_registry_and_errors():
-    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware", "belady", "oracle-next-token"}
-    assert REPLAY_ONLY_POLICIES == ("belady", "oracle-next-token")
-    assert set(ONLINE_POLICIES) == set(POLICIES) - set(REPLAY_ONLY_POLICIES)
+    assert set(POLICIES) == {"lru", "lfu", "moe-infinity", "activation-aware"}  # what a daemon runs
+    assert tuple(REFERENCE_POLICIES) == ("belady", "oracle-next-token")
+    assert REPLAY_POLICIES == (*POLICIES, *REFERENCE_POLICIES)
     policy = make_policy("lru")  # the old call still works
     assert isinstance(policy, LRUPolicy) and policy.name == "lru"
     assert make_policy("lru") is not policy  # a fresh object per tier
     with pytest.raises(
         ValueError,
-        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, belady, lfu, lru, "
-        r"moe-infinity, oracle-next-token",
+        match=r"unknown eviction policy 'fifo'; known policies: activation-aware, lfu, lru, moe-infinity$",
     ):
         make_policy("fifo")
-    for name in REPLAY_ONLY_POLICIES:
-        with pytest.raises(ValueError, match=rf"{name} needs the future: trace replay only"):
+    for name in REFERENCE_POLICIES:  # the replay's own: a daemon does not know them
+        with pytest.raises(ValueError, match=rf"unknown eviction policy '{name}'"):
             make_policy(name, SHAPE, ActivationSignals(L, E))
+    with pytest.raises(
+        ValueError,
+        match=r"unknown eviction policy 'fifo'; known policies: lru, lfu, moe-infinity, activation-aware, "
+        r"belady, oracle-next-token$",
+    ):
+        make_replay_policy("fifo", SHAPE, ActivationSignals(L, E), routes())
     with pytest.raises(ValueError, match=r"belady is the offline optimum: trace replay only"):
         BeladyPolicy(SHAPE, ActivationSignals(L, E))
     with pytest.raises(ValueError, match=r"oracle-next-token knows the future: trace replay only"):
@@ -154,9 +155,9 @@ def test_registry_and_errors():
         PolicyShape(0, 3)
     with pytest.raises(ValueError, match=r"L3E0 is outside 3 layers x 6 experts"):
         make_policy("lfu", SHAPE).on_insert(ExpertKey(3, 0))
-    for name in REPLAY_ONLY_POLICIES:
+    for cls in REFERENCE_POLICIES.values():
         with pytest.raises(ValueError, match=r"FutureUses is 3 x 7 but the policy shape is 3 x 6"):
-            make_policy(name, SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), 7))
+            cls(SHAPE, ActivationSignals(L, E), future=FutureUses(routes(), 7))
 
 
 def test_lfu_counts_and_recency_ties():
@@ -270,7 +271,7 @@ def test_activation_aware_evicts_the_latest_expected_use():
         ActivationAwarePolicy(SHAPE, sig, min_probability=2)
 
 
-@pytest.mark.parametrize("name", ONLINE_POLICIES)
+@pytest.mark.parametrize("name", POLICIES)
 def test_seed_for_a_runtime_switch_keeps_everyone(name):
     old, sig = build("lru")
     keys = [ExpertKey(layer, e) for layer in range(L) for e in range(2)]
@@ -291,7 +292,7 @@ def fresh_victim_order(policy) -> np.ndarray:
     return entries[np.lexsort((policy._tiebreak(entries), policy._keep_scores(entries)))]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "lru"))
+@pytest.mark.parametrize("name", sorted(n for n in REPLAY_POLICIES if n != "lru"))
 def test_cached_victim_order_follows_every_change(name):
     # The vectorised policies sort once per state (policy changes and signals version): through
     # churn, hints, routing and removals the cached order always equals a fresh one, and a repeat

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_daemon.decisions.estimators import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
 from cache_daemon.decisions.lookahead import PRIOR_BUCKET_EDGES
 from cache_daemon.decisions.policy.base import PolicyShape
 from cache_daemon.decisions.policy.lru import LRUPolicy
@@ -14,6 +13,7 @@ from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig, Pref
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
+from replay.hazard import MAX_RECENCY, HazardEstimator, HazardTable, recency_bucket
 
 L, E = 4, 8
 

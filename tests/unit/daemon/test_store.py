@@ -13,14 +13,13 @@ import torch
 
 from cache_daemon.errors import (
     ArenaUnavailable,
-    BudgetTooSmall,
     ChecksumMismatch,
     ShortRead,
     ShuttingDown,
     StoreIncomplete,
 )
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.tiers import ArenaKind, StoreReader, Tier, slots_for_budget
+from cache_daemon.tiers import ArenaKind, StoreReader, Tier
 from cache_daemon.tiers.device import ShmArena
 from cache_daemon.tiers.store import (
     IO_MODE_BUFFERED,
@@ -266,15 +265,6 @@ def test_shm_arena_in_dev_shm_is_named_by_its_file_name():
     finally:
         arena.close()
     assert not Path(f"/dev/shm/expertcache-test-{os.getpid()}").exists()
-
-
-def test_slots_for_budget():
-    assert slots_for_budget(10 * BLOB + 5, BLOB, "device_budget_bytes") == 10
-    assert slots_for_budget(10 * BLOB, BLOB, "device_budget_bytes", cap=4) == 4
-    with pytest.raises(
-        BudgetTooSmall, match=r"device_budget_bytes=4095 is smaller than one expert blob \(blob_bytes=4096\)"
-    ):
-        slots_for_budget(BLOB - 1, BLOB, "device_budget_bytes")
 
 
 def test_tier_names_are_metric_labels():

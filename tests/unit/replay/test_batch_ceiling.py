@@ -1,4 +1,4 @@
-"""The bandwidth-bound ceiling of a batched run (cache_daemon.decisions.batch_ceiling)."""
+"""The bandwidth-bound ceiling of a batched run (replay.batch_ceiling)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from cache_daemon.decisions.batch_ceiling import (
+from expertcache.trace import RoutingTrace
+from replay.batch_ceiling import (
     batch_ceiling,
     batched_unions,
     belady_loads,
     requests_with_decode_rows,
 )
-from expertcache.trace import RoutingTrace
 
 
 def make_trace(per_request: list[np.ndarray], num_experts: int) -> RoutingTrace:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from bench.e2e_reference import forced_routes, is_calibrated, shares, simulate
-from cache_daemon.decisions.simulator import CPU_E2E_EXPERT_BYTES
-from cache_daemon.learn_next_visit import fit_trace, write
 from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.trace import read_trace
 from replay.forced_routing import ForcedRouting, load_trace
+from replay.learn_next_visit import fit_trace, write
+from replay.simulator import CPU_E2E_EXPERT_BYTES
 from tests.traces import write_trace  # 3 layers x 8 experts, top-2
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2

@@ -1,5 +1,5 @@
 """The learned next-visit model: its arithmetic, its file, its features, its fit, and the signals
-running it (cache_daemon.decisions.next_visit, cache_daemon.learn_next_visit)."""
+running it (cache_daemon.decisions.next_visit, replay.learn_next_visit)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-from cache_daemon import learn_next_visit as learn
 from cache_daemon.decisions.next_visit import (
     FORMAT,
     NextVisitModel,
     NextVisitModelError,
     bfloat16_round,
-    features,
-    histories,
-    one_hot,
+    read,
     window_start,
 )
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from expertcache.layers import LayerMap
+from replay import learn_next_visit as learn
+from replay.learn_next_visit import features, histories, one_hot
 
 CFG = SignalsConfig()
 
@@ -179,16 +178,16 @@ def test_malformed_bytes_are_refused_by_name(data, message):
 
 def test_read_names_the_file(tmp_path):
     with pytest.raises(NextVisitModelError, match=r"next-visit model .*nope.safetensors: No such file"):
-        learn.read(tmp_path / "nope.safetensors")
+        read(tmp_path / "nope.safetensors")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x00" * 16)
     with pytest.raises(
         NextVisitModelError, match=r"next-visit model .*bad.safetensors: not a safetensors file"
     ):
-        learn.read(bad)
+        read(bad)
     good = tmp_path / "m.safetensors"
     learn.write(_model(np.random.default_rng(2)), good)
-    assert learn.read(good).num_layers == 5
+    assert read(good).num_layers == 5
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
@@ -307,7 +306,7 @@ def test_cli_fits_a_trace_and_writes_a_model_the_signals_take(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "learning from requests 1..3 of" in printed and "(36 tokens, 3 MoE layers x 8 experts)" in printed
     assert "layer 3/3" in printed and f"wrote {out}" in printed
-    model = learn.read(out)
+    model = read(out)
     assert (model.num_layers, model.num_experts, model.window) == (3, 8, 3)
     assert model.trained_on == "t.npz requests 1:4"
     ActivationSignals(3, 8, next_visit_model=model)  # fits the signals it was fitted for

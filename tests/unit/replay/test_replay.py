@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from bench import replay
-from cache_daemon.decisions import simulator
 from cache_daemon.decisions.policy import POLICIES
 from cache_daemon.decisions.scheduler import PrefetchScheduler
 from cache_daemon.decisions.signals import ActivationSignals
+from replay import simulator
+from replay.policies import REFERENCE_POLICIES
 
 L, E, K = 3, 8, 2
 
@@ -60,7 +61,8 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PrefetchScheduler, "decide", counting_decide)
     monkeypatch.setattr(ActivationSignals, "observe", counting_observe)
-    for name, cls in POLICIES.items():
+    every = {**POLICIES, **REFERENCE_POLICIES}
+    for name, cls in every.items():
         orig = cls.choose_victims
 
         def spy(self, n, evictable, _orig=orig, _name=name):
@@ -86,7 +88,7 @@ def test_replay_drives_the_shared_classes(trace, tmp_path, monkeypatch):
     )
     assert rc == 0
     assert calls["decide"] > 0
-    assert calls["victims"] == set(POLICIES)  # every policy object chose real victims
+    assert calls["victims"] == set(every)  # every policy object chose real victims
     # 4 online policies x 2 lookahead settings + belady + oracle, x 2 budgets, 60 tokens x 3 layers;
     # the ablation (activation-aware without hints, x 2; with the transitions in place of the
     # learned next-visit model, x 2; with neither, x 2) and the EAMC class at a lower threshold
@@ -253,7 +255,7 @@ def test_missing_trace(tmp_path):
 
 def test_precision_sets_the_encoded_expert_bytes():
     # Bytes on the link are the store's encoded bytes; compute pays for decoding into bf16.
-    from cache_daemon.decisions.simulator import gpu_timing
+    from replay.simulator import gpu_timing
 
     bf16, mxfp4, fp8 = (gpu_timing(24, 4, precision=p) for p in ("bf16", "mxfp4", "fp8"))
     assert bf16.expert_bytes == replay.gpt_oss_20b_expert_bytes() == 49_783_680

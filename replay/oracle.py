@@ -26,15 +26,15 @@ import numpy as np
 
 from cache_daemon.decisions.policy.activation_aware import ActivationAwarePolicy
 from cache_daemon.decisions.policy.base import PolicyShape
-from cache_daemon.decisions.policy.belady import FutureUses
+from replay.belady import FuturePolicy, FutureUses
 
 if TYPE_CHECKING:
     from cache_daemon.decisions.signals import ActivationSignals
 
 
-class NextTokenOraclePolicy(ActivationAwarePolicy):
+class NextTokenOraclePolicy(FuturePolicy, ActivationAwarePolicy):
     name = "oracle-next-token"
-    needs_future = True
+    refusal = "oracle-next-token knows the future"
 
     def __init__(
         self,
@@ -44,13 +44,9 @@ class NextTokenOraclePolicy(ActivationAwarePolicy):
         future: FutureUses | None = None,
         horizon_tokens: int = 1,
     ) -> None:
-        if future is None:
-            raise ValueError(f"{self.name} knows the future: trace replay only (it needs FutureUses)")
         if horizon_tokens < 1:
             raise ValueError(f"horizon_tokens must be >= 1, got {horizon_tokens}")
-        super().__init__(shape, signals)
-        future.require_shape(self.shape)
-        self.future = future
+        super().__init__(shape, signals, future=future)
         self.horizon_tokens = horizon_tokens
 
     def next_use(self) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.decisions.policy.base import PolicyShape, ShapedPolicy
+from cache_daemon.decisions.policy.base import EvictionPolicy, PolicyShape, ShapedPolicy
 
 if TYPE_CHECKING:
     from cache_daemon.decisions.signals import ActivationSignals
@@ -80,10 +80,12 @@ class FutureUses:
         return self._next
 
 
-class BeladyPolicy(ShapedPolicy):
-    name = "belady"
-    needs_signals = True
-    needs_future = True
+class FuturePolicy(EvictionPolicy):
+    """Base of the reference policies: constructed with the trace's ``FutureUses`` (checked against
+    the shape), which no running daemon has. ``refusal`` says why one is refused without it."""
+
+    refusal = "a reference policy needs the future"
+    future: FutureUses
 
     def __init__(
         self,
@@ -93,10 +95,16 @@ class BeladyPolicy(ShapedPolicy):
         future: FutureUses | None = None,
     ) -> None:
         if future is None:
-            raise ValueError("belady is the offline optimum: trace replay only (it needs FutureUses)")
-        super().__init__(shape, signals)
-        future.require_shape(self.shape)
+            raise ValueError(f"{self.refusal}: trace replay only (it needs FutureUses)")
+        super().__init__(shape, signals)  # type: ignore[call-arg]
+        future.require_shape(self.shape)  # type: ignore[attr-defined]
         self.future = future
+
+
+class BeladyPolicy(FuturePolicy, ShapedPolicy):
+    name = "belady"
+    refusal = "belady is the offline optimum"
+    needs_signals = True
 
     def next_use(self) -> np.ndarray:
         """int64 [N] next use step of every entry, from the current position on."""

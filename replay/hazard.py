@@ -1,13 +1,11 @@
-"""Use-probability estimators that plug into ``ActivationSignals`` (the trace replay's, not the daemon's).
-
-The daemon runs the signals' built-in estimate (recency-weighted history blended with hints),
-which costs a few microseconds per routed layer. An ``Estimator`` replaces it where its extra
-cost does not matter: ``bench.replay --estimator hazard`` compares them on a trace.
+"""The hazard-table use estimator, an ``Estimator`` for trace replay (the daemon runs the signals' own).
 
 ``HazardEstimator`` learns online P(an entry is used at a visit of its layer | its state at that
 visit), state = (recency bucket or COLD, request-frequency bucket, hint bucket): 9 × 5 × 4 cells
 on generic log-scale edges, from every visit observed so far (nothing from the future), smoothed
-by ``prior_count`` pseudo-visits at the base rate ``top_k / num_experts``.
+by ``prior_count`` pseudo-visits at the base rate ``top_k / num_experts``. It plugs into
+``ActivationSignals(estimator=...)``; ``bench.replay_tune --estimators hazard`` compares it with
+the built-in estimate on a trace.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
        │   set_lookahead (modelled accuracy per depth)                             ├─▶ SimTier ─▶ link model
        └── hints (precomputed per token) ──▶ set_hints ────────────────────────────┘   PrefetchScheduler.decide
 
-The decision objects are the ones the daemon runs (this package); only the tier, its loads and
+The decision objects are the ones the daemon runs (``cache_daemon.decisions``, plus the
+references of ``replay.policies`` that need the future); only the tier, its loads and
 the clock are simulated. The tier's slots are global (not per layer): a budget of 25% holds a
 quarter of all (layer, expert) blobs.
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cache_daemon.decisions.next_visit import NextVisitModel
-from cache_daemon.decisions.policy import POLICIES, REPLAY_ONLY_POLICIES, FutureUses, PolicyShape, make_policy
+from cache_daemon.decisions.policy import PolicyShape
 from cache_daemon.decisions.scheduler import (
     PrefetchClass,
     PrefetchConfig,
@@ -46,6 +47,7 @@ from cache_daemon.decisions.scheduler import (
 )
 from cache_daemon.decisions.signals import ActivationSignals, Estimator, LayerPrediction, SignalsConfig
 from expertcache.keys import ExpertKey
+from replay.policies import REFERENCE_POLICIES, make_replay_policy
 
 # -- timing models -----------------------------------------------------------------------------
 
@@ -407,16 +409,11 @@ class Simulation:
         self.signals = ActivationSignals(
             L, E, config=signals_config, estimator=estimator, next_visit_model=next_visit_model
         )
-        replay_only = policy in REPLAY_ONLY_POLICIES
-        shape = PolicyShape(L, E)
-        if replay_only:
-            self.policy = make_policy(policy, shape, self.signals, future=FutureUses(routes, E))
-        elif policy_kwargs:
-            self.policy = POLICIES[policy](shape, self.signals, **policy_kwargs)
-        else:
-            self.policy = make_policy(policy, shape, self.signals)
+        self.policy = make_replay_policy(
+            policy, PolicyShape(L, E), self.signals, routes, **(policy_kwargs or {})
+        )
         pcfg = prefetch_config or PrefetchConfig()
-        if replay_only:
+        if policy in REFERENCE_POLICIES:
             # The bytes floor: Belady's MIN is the optimum of *demand* fetching; the oracle row
             # measures eviction with perfect next-token knowledge, also without speculation.
             pcfg = replace(pcfg, layer_ahead=False, eamc=False)

@@ -1,9 +1,9 @@
-"""Fit the daemon's learned next-visit model on recorded routing, and read and write its file.
+"""Fit the daemon's learned next-visit model on recorded routing, and write its file.
 
 ::
 
-    python -m cache_daemon.learn_next_visit --trace TRACE.npz --out next_visit.safetensors
-                                            [--requests A:B] [--window W] [--l2 L2] [--iterations N]
+    python -m replay.learn_next_visit --trace TRACE.npz --out next_visit.safetensors
+                                      [--requests A:B] [--window W] [--l2 L2] [--iterations N]
 
 ``TRACE.npz`` is a routing trace (``expertcache.trace``: compute's recorder writes one from
 served requests, ``record_trace_path`` in compute's config); its decode rows are learned from
@@ -11,9 +11,9 @@ served requests, ``record_trace_path`` in compute's config); its decode rows are
 (``cache_daemon.decisions.next_visit``) learns, per MoE layer, which experts the layer routes at
 a request's next token from every layer's latest routing and the request's histories of the
 layer: one L2-regularised logistic regression per layer, fitted with L-BFGS (torch, on the CPU;
-about 2.5 s per layer on 26 K tokens of gpt-oss-20b on 2 cores). The daemon loads the file named
-by its ``next_visit_model`` config field at start and then uses it in place of the routing
-transitions; a file fitted for another model shape or other history half-lives is refused at
+about 2.5 s per layer on 26 K tokens of gpt-oss-20b on 2 cores). The daemon reads the file named
+by its ``next_visit_model`` config field at start (``cache_daemon.decisions.next_visit.read``) and
+then uses it in place of the routing transitions; a file fitted for another model shape or other history half-lives is refused at
 start with a message that says so.
 
 Exit status: 0 written, 2 for bad arguments or an unreadable trace (the message names it).
@@ -33,14 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.decisions.next_visit import (
-    MAX_WEIGHTS,
-    NextVisitModel,
-    NextVisitModelError,
-    features,
-    histories,
-    one_hot,
-)
+from cache_daemon.decisions.next_visit import MAX_WEIGHTS, NextVisitModel, window_start
 from cache_daemon.decisions.signals import SignalsConfig
 
 if TYPE_CHECKING:
@@ -51,7 +44,47 @@ logger = logging.getLogger(__name__)
 DEFAULT_L2 = 1e-4
 DEFAULT_ITERATIONS = 60
 MAX_ITERATIONS = 10_000
-MAX_FILE_BYTES = MAX_WEIGHTS * 4 + (1 << 20)
+
+
+# -- training examples (the features ``NextVisitModel.step`` reads, for a whole recorded request) -
+
+
+def one_hot(routes: np.ndarray, num_experts: int) -> np.ndarray:
+    """int [T, M, K] expert ids → float32 [T, M, E]."""
+    out = np.zeros((*routes.shape[:2], num_experts), np.float32)
+    np.put_along_axis(out, routes.astype(np.int64), 1.0, axis=2)
+    return out
+
+
+def histories(y: np.ndarray, start: np.ndarray, decays: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [T, M, E] short and long histories of a request including each token, as the
+    signals keep them (both start at ``start`` [M, E])."""
+    short_decay, long_decay = (np.float32(d) for d in decays)
+    ha, hb = np.empty_like(y), np.empty_like(y)
+    a, b = start.astype(np.float32), start.astype(np.float32)
+    for t in range(len(y)):
+        a = a * short_decay + (1 - short_decay) * y[t]
+        b = b * long_decay + (1 - long_decay) * y[t]
+        ha[t], hb[t] = a, b
+    return ha, hb
+
+
+def features(
+    y: np.ndarray, ha: np.ndarray, hb: np.ndarray, layer: int, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Training examples of MoE layer ``layer`` from one request's one-hot routing ``y`` and
+    histories ``ha``, ``hb`` (float32 [T, M, E] each): ``(x float32 [T - 1, w * E + 2E],
+    target float32 [T - 1, E])``, one per token that has a next one."""
+    T, M, E = y.shape
+    n = T - 1
+    lo = window_start(layer, M, window)
+    latest = np.zeros((n, window, E), np.float32)
+    upto = min(layer + 1, lo + window) - lo  # window layers routed at token t already
+    latest[:, :upto] = y[:n, lo : lo + upto]
+    if upto < window:  # the later layers' latest routing is the previous token's (none at t = 0)
+        latest[1:, upto:] = y[: n - 1, lo + upto : lo + window]
+    x = np.concatenate([latest.reshape(n, -1), ha[:n, layer], hb[:n, layer]], 1)
+    return x, y[1:, layer]
 
 
 def fit(
@@ -165,21 +198,6 @@ def write(model: NextVisitModel, path: str | os.PathLike) -> None:
         raise
 
 
-def read(path: str | os.PathLike) -> NextVisitModel:
-    """The model in file ``path``; ``NextVisitModelError`` naming the file and what is wrong."""
-    try:
-        size = os.stat(path).st_size
-        if size > MAX_FILE_BYTES:
-            raise NextVisitModelError(f"{size} bytes, over the {MAX_FILE_BYTES} a model may have")
-        with open(path, "rb") as f:
-            data = f.read()
-        return NextVisitModel.from_bytes(data)
-    except NextVisitModelError as exc:
-        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc}") from None
-    except OSError as exc:
-        raise NextVisitModelError(f"next-visit model {os.fspath(path)}: {exc.strerror or exc}") from None
-
-
 def _request_range(text: str, num_requests: int) -> range:
     lo, sep, hi = text.partition(":")
     try:
@@ -196,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from expertcache.trace import TraceError, read_trace
 
     ap = argparse.ArgumentParser(
-        prog="python -m cache_daemon.learn_next_visit", description=__doc__.split("\n\n")[0]
+        prog="python -m replay.learn_next_visit", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--trace", required=True, type=Path, help="routing trace (.npz) to learn from")
     ap.add_argument("--out", required=True, type=Path, help="model file to write (.safetensors)")
