@@ -35,12 +35,15 @@ class StepLog:
         self.plans: list[list[tuple[str, int]]] = []
         self._step = engine.step
         self.gate: threading.Event | None = None  # when set: each step waits for it
+        self.pace_s = 0.0  # each step takes at least this long (a tiny model's step is a few ms)
         engine.step = self
 
     def __call__(self, plan, **kwargs):
         self.plans.append([(seq.prepared.request_id, n) for seq, n in plan])
         if self.gate is not None:
             self.gate.wait(10)
+        if self.pace_s:
+            time.sleep(self.pace_s)
         return self._step(plan, **kwargs)
 
 
@@ -156,6 +159,9 @@ def test_a_deadline_stops_a_request_within_a_step(batching):
     scheduler, engine, _, log = batching(limits=BatchLimits(max_batch_size=4, max_batched_tokens=4))
     keeps = scheduler.submit(request(0, n=6))
     log.gate = threading.Event()
+    # ~50 steps of prefill at 4 tokens a step: paced at 20 ms they take ~1 s, well past the
+    # deadline however fast the machine (unpaced, a quiet one finished them within it).
+    log.pace_s = 0.02
     late = scheduler.submit(
         GenerationRequest(
             token_ids=tuple(range(3, 200)),
