@@ -27,6 +27,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+# DeepSeek-V2 (MLA attention, a dense first layer, shared experts); V3 changes two fields of it.
+_DEEPSEEK_V2 = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    intermediate_size=96,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+)
+
 # Per architecture: config fields that give a small model of the real shape family.
 # Layers: 3, so every architecture has at least two MoE layers (DeepSeek's first is dense).
 ARCH_CONFIGS: dict[str, dict] = {
@@ -40,36 +57,9 @@ ARCH_CONFIGS: dict[str, dict] = {
     ),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=48),
-    "deepseek_v2": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        intermediate_size=96,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        n_group=1,
-        topk_group=1,
-    ),
-    "deepseek_v3": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        intermediate_size=96,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        n_group=2,
-        topk_group=1,
-    ),
+    "deepseek_v2": _DEEPSEEK_V2,
+    # DeepSeek-V3 is V2's layout with a low-rank query projection and grouped routing.
+    "deepseek_v3": dict(_DEEPSEEK_V2, q_lora_rank=24, n_group=2),
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, head_dim=16),
 }
 

@@ -26,6 +26,21 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
+def _builder(subject: x509.Name, issuer: x509.Name, key, *, ca: bool) -> x509.CertificateBuilder:
+    """A certificate valid from five minutes ago for a day, CA or not: what the CA and the leaves share."""
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+
+
 def _write_key(path: Path, key) -> Path:
     path.write_bytes(
         key.private_bytes(
@@ -54,17 +69,9 @@ class Pki:
     @classmethod
     def create(cls, directory: Path, ca_name: str = "test-ca") -> Pki:
         directory.mkdir(parents=True, exist_ok=True)
-        now = datetime.datetime.now(datetime.UTC)
         ca_key = _key()
         ca_cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(ca_name))
-            .issuer_name(_name(ca_name))
-            .public_key(ca_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            _builder(_name(ca_name), _name(ca_name), ca_key, ca=True)
             .add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
@@ -97,23 +104,12 @@ class Pki:
 
     def issue(self, cn: str, cert_path: Path, key_path: Path, *, server: bool) -> tuple[Path, Path]:
         """A certificate signed by this CA (server: for localhost and 127.0.0.1)."""
-        now = datetime.datetime.now(datetime.UTC)
         key = _key()
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(self.ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
+        builder = _builder(_name(cn), self.ca_cert.subject, key, ca=False).add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
         )
         if server:
             builder = builder.add_extension(

@@ -91,12 +91,15 @@ def supports_o_direct(directory: Path) -> bool:
         probe.unlink()
 
 
-def valid_manifest_raw() -> dict:
-    """A valid manifest as the JSON object its file holds, for tests to break one key at a time."""
-    tensors, blob_bytes = plan_blob([("w1", "float32", (8, 4)), ("w2", "float32", (4, 8))])
-    manifest = StoreManifest(
+def two_layer_manifest(
+    tensor_specs: list[tuple[str, str, tuple[int, ...]]], *, model_id: str, checksums: dict
+) -> StoreManifest:
+    """A mixtral manifest of 2 MoE layers x 4 experts, top-2, whose expert blob holds ``tensor_specs``
+    (the layer files are named but not written)."""
+    tensors, blob_bytes = plan_blob(tensor_specs)
+    return StoreManifest(
         model_type="mixtral",
-        model_id="abc123",
+        model_id=model_id,
         num_layers=2,
         moe_layers=(0, 1),
         num_experts=4,
@@ -104,6 +107,15 @@ def valid_manifest_raw() -> dict:
         blob_bytes=blob_bytes,
         tensors=tensors,
         layer_files={0: "experts/layer_0000.bin", 1: "experts/layer_0001.bin"},
+        checksums=checksums,
+    )
+
+
+def valid_manifest_raw() -> dict:
+    """A valid manifest as the JSON object its file holds, for tests to break one key at a time."""
+    manifest = two_layer_manifest(
+        [("w1", "float32", (8, 4)), ("w2", "float32", (4, 8))],
+        model_id="abc123",
         checksums={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
     )
     return json.loads(manifest.to_json())

@@ -12,10 +12,8 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import torch
-from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from compute_svc.arena import Arena
@@ -24,6 +22,7 @@ from compute_svc.model_loader import load_model
 from compute_svc.moe import ExpertRuntime, attach
 from compute_svc.requests import GenerationRequest
 from expertcache import native
+from tests.inference import generate_replies
 from tests.procs import start_compute, start_daemon
 from tests.providers import LocalProvider
 
@@ -179,13 +178,7 @@ def test_generation_through_a_cuda_daemon_equals_the_plain_model(tiny_store, tmp
     compute = None
     try:
         compute = ThreadPoolExecutor(1).submit(start_compute, tiny.store, daemon, tmp_path).result()
-        with grpc.insecure_channel(compute.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            replies = list(
-                stub.Generate(
-                    inference_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=120
-                )
-            )
+        replies = generate_replies(compute.address, PROMPT, NEW_TOKENS)
         assert [r.token_id for r in replies] == want_tokens
     finally:
         if compute is not None:

@@ -186,33 +186,9 @@ def test_e2e_refuses_store_reads_out_of_range(bad, tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # refused before building anything
 
 
-@needs_trace
-def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
-    tiny = tiny_store("mixtral")  # 3 MoE layers x 8 experts, top-2; the trace is 24 x 32, top-4
-    daemon = start_daemon(
-        tiny.store, tmp_path, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes * 8
-    )
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable, "-m", "replay.forced_compute",
-                "--store-dir", str(tiny.store),
-                "--daemon-address", daemon.address,
-                "--listen-address", "127.0.0.1:0",
-                "--force-routing", str(TRACE),
-            ],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    finally:
-        daemon.stop()
-    assert proc.returncode == 2, proc.stderr
-    assert (
-        "has 24 MoE layers x 32 experts, top-4 but the model has 3 MoE layers x 8 experts, top-2"
-        in proc.stderr
-    )
-
-
-def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
+def refused_forced_compute(tiny_store, tmp_path, *routing_args: str) -> str:
+    """The forced-routing compute started beside a real daemon on the tiny mixtral store with
+    ``routing_args``: it must exit 2 (a refused start); its stderr."""
     tiny = tiny_store("mixtral")
     daemon = start_daemon(
         tiny.store, tmp_path, device="cpu", device_budget_bytes=tiny.manifest.blob_bytes * 8
@@ -224,14 +200,26 @@ def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
                 "--store-dir", str(tiny.store),
                 "--daemon-address", daemon.address,
                 "--listen-address", "127.0.0.1:0",
-                "--force-routing-path", str(tmp_path / "nope.npz"),
+                *routing_args,
             ],
             cwd=REPO, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     finally:
         daemon.stop()
     assert proc.returncode == 2, proc.stderr
-    assert f"force_routing_path '{tmp_path / 'nope.npz'}' does not exist" in proc.stderr
+    return proc.stderr
+
+
+@needs_trace
+def test_compute_refuses_a_trace_of_another_shape(tiny_store, tmp_path):
+    # tiny mixtral: 3 MoE layers x 8 experts, top-2; the trace is 24 x 32, top-4
+    stderr = refused_forced_compute(tiny_store, tmp_path, "--force-routing", str(TRACE))
+    assert "has 24 MoE layers x 32 experts, top-4 but the model has 3 MoE layers x 8 experts, top-2" in stderr
+
+
+def test_compute_refuses_a_missing_trace(tiny_store, tmp_path):
+    stderr = refused_forced_compute(tiny_store, tmp_path, "--force-routing-path", str(tmp_path / "nope.npz"))
+    assert f"force_routing_path '{tmp_path / 'nope.npz'}' does not exist" in stderr
 
 
 @needs_trace

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from compute_svc.server import SERVICE_NAME
 from devtools.launch import REPO
 from expertcache.manifest import read_manifest
 from tests.procs import start_compute, start_daemon
+from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.integration
 
@@ -137,11 +137,7 @@ def test_concurrent_requests_are_queued_not_dropped(served):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    run_in_threads(client, range(3), timeout_s=120)
     assert not errors
     assert results == {i: reference for i in range(3)}
 

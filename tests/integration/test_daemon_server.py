@@ -19,7 +19,7 @@ from compute_svc.layer_ahead import Prediction
 from expertcache.keys import ExpertKey
 from tests import waiting
 from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
-from tests.procs import start_daemon
+from tests.procs import run_module, start_daemon
 from tests.stores import corrupt, write_store
 
 pytestmark = pytest.mark.integration
@@ -181,21 +181,19 @@ def test_sigterm_removes_shm_file_and_socket(tmp_path):
 def test_budget_below_one_blob_exits_2(tmp_path):
     store = tmp_path / "store"
     write_store(store)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cache_daemon",
-            "--store-dir",
-            str(store),
-            "--socket-path",
-            str(tmp_path / "d.sock"),
-        ]
-        + ["--device-budget-bytes", "4095", "--shm-dir", str(tmp_path), "--device", "cpu"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_module(
+        "cache_daemon",
+        "--store-dir",
+        str(store),
+        "--socket-path",
+        str(tmp_path / "d.sock"),
+        "--device-budget-bytes",
+        "4095",
+        "--shm-dir",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        timeout_s=60,
     )
     assert result.returncode == 2
     assert "'device_budget_bytes' = 4095 is smaller than one expert blob (blob_bytes=4096)" in result.stderr

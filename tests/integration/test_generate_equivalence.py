@@ -19,13 +19,14 @@ import grpc
 import pytest
 import torch
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
-from moe.inference.v1 import inference_pb2, inference_pb2_grpc
+from moe.inference.v1 import inference_pb2
 from transformers import AutoModelForCausalLM
 
 from compute_svc.cache_client import DaemonClient
 from compute_svc.generation import build_engine
 from compute_svc.requests import GenerationRequest
 from devtools.tiny import SUPPORTED_ARCHS
+from tests.inference import generate_replies
 from tests.procs import start_compute, start_daemon
 
 pytestmark = pytest.mark.integration
@@ -89,13 +90,7 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         )
 
         compute = starting.result()
-        with grpc.insecure_channel(compute.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            replies = list(
-                stub.Generate(
-                    inference_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=120
-                )
-            )
+        replies = generate_replies(compute.address, PROMPT, NEW_TOKENS)
         assert [r.token_id for r in replies] == want_tokens
         assert replies[-1].finish_reason in (
             inference_pb2.FINISH_REASON_LENGTH,

@@ -22,13 +22,13 @@ from pathlib import Path
 import grpc
 import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
-from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.launch import free_port, start_compute, start_daemon, start_predictor
 from tests import waiting
+from tests.inference import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -129,15 +129,8 @@ def stack(tiny_store, tmp_path_factory, collector):
         )
         procs.append(compute)
         with grpc.insecure_channel(compute.address) as channel:
-            request = inference_pb2.GenerateRequest(
-                token_ids=PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                ignore_eos=True,
-                request_id=REQUEST_ID,
-                sampling=inference_pb2.SamplingParams(temperature=0.0),
-            )
-            events = list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=120))
-        assert len(events) == NEW_TOKENS
+            tokens = greedy_tokens(channel, PROMPT, NEW_TOKENS, timeout_s=120, request_id=REQUEST_ID)
+        assert len(tokens) == NEW_TOKENS
         yield {"compute": compute, "daemon": daemon, "predictor": predictor, "ports": ports, "tiny": tiny}
     finally:
         for proc in reversed(procs):

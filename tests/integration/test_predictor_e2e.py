@@ -11,12 +11,12 @@ import functools
 import grpc
 import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
-from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from devtools.launch import start_compute, start_daemon, start_predictor
 from devtools.redis_server import RedisServer
 from tests import waiting
+from tests.inference import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +26,7 @@ POD = "pod-e2e"
 
 def generate(address: str, request_id: str) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        request = inference_pb2.GenerateRequest(
-            token_ids=PROMPT,
-            max_new_tokens=8,
-            ignore_eos=True,
-            request_id=request_id,
-            sampling=inference_pb2.SamplingParams(temperature=0.0),
-        )
-        return [e.token_id for e in inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=120)]
+        return greedy_tokens(channel, PROMPT, 8, timeout_s=120, request_id=request_id)
 
 
 def predictor_stats(address: str) -> predictor_pb2.PredictorStats:

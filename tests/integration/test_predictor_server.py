@@ -4,8 +4,6 @@ save/load, the replay tool on the real trace, and gRPC error statuses."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -13,12 +11,13 @@ import numpy as np
 import pytest
 from moe.predictor.v1 import predictor_pb2
 
-from devtools.launch import REPO, Proc, free_port
+from devtools.launch import Proc, free_port
 from devtools.redis_server import RedisServer
 from expertcache.trace import read_trace
 from predictor_svc.replay import ReplayError, replay
 from tests import predictors
 from tests.predictors import MODEL, SHAPE, K, L, first_hints, request, stats, stub, wait_stats
+from tests.procs import run_module
 
 TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
 
@@ -151,24 +150,17 @@ def test_unreachable_redis_at_start_starts_degraded(tmp_path):
 def test_replay_tool_feeds_the_real_trace(tmp_path):
     proc = start_predictor(tmp_path, "--embedded-path", str(tmp_path / "eamc.bin"))
     try:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "predictor_svc.replay",
-                str(TRACE),
-                "--address",
-                proc.address,
-                "--requests",
-                "5",
-                "--speed",
-                "max",
-                "--no-progress",
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        done = run_module(
+            "predictor_svc.replay",
+            str(TRACE),
+            "--address",
+            proc.address,
+            "--requests",
+            "5",
+            "--speed",
+            "max",
+            "--no-progress",
+            timeout_s=120,
         )
         assert done.returncode == 0, done.stderr
         trace = read_trace(TRACE)
@@ -190,24 +182,12 @@ def test_replay_tool_feeds_the_real_trace(tmp_path):
 def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
     bad = tmp_path / "bad.npz"
     np.savez(bad, expert_ids=np.zeros((3, 2, 2), dtype=np.int8), req_offsets=np.array([0, 2]))
-    done = subprocess.run(
-        [sys.executable, "-m", "predictor_svc.replay", str(bad), "--address", "127.0.0.1:1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_module("predictor_svc.replay", str(bad), "--address", "127.0.0.1:1", timeout_s=60)
     assert done.returncode == 2
     assert "lacks ['meta_json']" in done.stderr
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
-    done = subprocess.run(
-        [sys.executable, "-m", "predictor_svc.replay", str(garbage), "--address", "127.0.0.1:1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_module("predictor_svc.replay", str(garbage), "--address", "127.0.0.1:1", timeout_s=60)
     assert done.returncode == 2 and "is not a routing trace" in done.stderr
     with pytest.raises(ReplayError, match="no predictor answers at 127.0.0.1:"):
         replay(

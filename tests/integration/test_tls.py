@@ -17,12 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
-from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from devtools.launch import start_compute, start_daemon, start_predictor
 from tests import waiting
 from tests.certs import Pki
+from tests.inference import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -44,15 +44,7 @@ def auth(token: str = TOKEN) -> list[tuple[str, str]]:
 
 
 def generate(channel: grpc.Channel, metadata=None, request_id: str = "") -> list[int]:
-    request = inference_pb2.GenerateRequest(
-        token_ids=PROMPT,
-        max_new_tokens=4,
-        ignore_eos=True,
-        request_id=request_id,
-        sampling=inference_pb2.SamplingParams(temperature=0.0),
-    )
-    stub = inference_pb2_grpc.InferenceStub(channel)
-    return [e.token_id for e in stub.Generate(request, timeout=60, metadata=metadata)]
+    return greedy_tokens(channel, PROMPT, 4, timeout_s=60, request_id=request_id, metadata=metadata)
 
 
 def predictor_stats(address: str, pki: Pki) -> predictor_pb2.PredictorStats:

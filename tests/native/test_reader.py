@@ -10,6 +10,7 @@ import random
 import select
 import time
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -148,15 +149,21 @@ def test_poll_reports_tag_nbytes_and_elapsed(tmp_path, backend):
         assert reader.poll() == []
 
 
-def test_priority_order_after_resume(tmp_path, backend):
+@contextmanager
+def paused_serial_reader(tmp_path: Path, backend: str, file_bytes: int, slots: int, chunk_bytes: int):
+    """A paused Reader that runs one read at a time (so completion order is dispatch order) on a
+    ``make_file`` file of ``file_bytes``: the reader, the file's id and ``slots`` 64 KiB slots."""
     path = tmp_path / "data.bin"
-    make_file(path, 1 * MIB)
-    pool = HostPool(5, 64 * KIB)
-    # One read at a time, so completion order is dispatch order.
-    with Reader(threads=1, queue_depth=1, chunk_bytes=64 * KIB, backend=backend) as reader:
+    make_file(path, file_bytes)
+    pool = HostPool(slots, 64 * KIB)
+    with Reader(threads=1, queue_depth=1, chunk_bytes=chunk_bytes, backend=backend) as reader:
         fid = reader.open_file(str(path), direct=False)
         reader.pause()
-        addr = [pool.slot_address(pool.alloc()) for _ in range(5)]
+        yield reader, fid, [pool.slot_address(pool.alloc()) for _ in range(slots)]
+
+
+def test_priority_order_after_resume(tmp_path, backend):
+    with paused_serial_reader(tmp_path, backend, 1 * MIB, 5, chunk_bytes=64 * KIB) as (reader, fid, addr):
         p1 = reader.submit(fid, 0, 64 * KIB, addr[0], Reader.PREFETCH)
         p2 = reader.submit(fid, 0, 64 * KIB, addr[1], Reader.PREFETCH)
         la = reader.submit(fid, 0, 64 * KIB, addr[2], Reader.LAYER_AHEAD)
@@ -232,13 +239,7 @@ def test_background_reads_are_capped_at_background_depth(tmp_path, backend):
 
 
 def test_cancel_and_promote(tmp_path, backend):
-    path = tmp_path / "data.bin"
-    make_file(path, 256 * KIB)
-    pool = HostPool(4, 64 * KIB)
-    with Reader(threads=1, queue_depth=1, chunk_bytes=16 * KIB, backend=backend) as reader:
-        fid = reader.open_file(str(path), direct=False)
-        reader.pause()
-        addr = [pool.slot_address(pool.alloc()) for _ in range(4)]
+    with paused_serial_reader(tmp_path, backend, 256 * KIB, 4, chunk_bytes=16 * KIB) as (reader, fid, addr):
         keep = reader.submit(fid, 0, 64 * KIB, addr[0], Reader.PREFETCH)
         dropped = reader.submit(fid, 0, 64 * KIB, addr[1], Reader.PREFETCH)
         late = reader.submit(fid, 0, 64 * KIB, addr[2], Reader.PREFETCH)

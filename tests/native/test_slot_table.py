@@ -13,14 +13,29 @@ from expertcache.native import SlotTable, TableState
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child(code: str, *args: str) -> subprocess.Popen:
+def _child(code: str, *args: str, stdin: bool = False) -> subprocess.Popen:
     prelude = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom expertcache.native import SlotTable\n"
     return subprocess.Popen(
         [sys.executable, "-c", prelude + code, *args],
+        stdin=subprocess.PIPE if stdin else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _started(code: str, said: str, *args: str, stdin: bool = False) -> subprocess.Popen:
+    """A child that has printed ``said``: it has done what comes before that line of ``code``."""
+    child = _child(code, *args, stdin=stdin)
+    assert child.stdout.readline().strip() == said
+    return child
+
+
+def _output(child: subprocess.Popen) -> str:
+    """What the child printed once it has exited cleanly (within 30 s)."""
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    return out
 
 
 def _make_resident(t: SlotTable, entry: int, slot: int) -> None:
@@ -173,13 +188,10 @@ def test_wait_resident_woken_by_other_process(table_path):
         "ok = t.wait_resident(0, 30.0)\n"
         "print(ok, time.monotonic() - t0)\n"
     )
-    child = _child(code, table_path)
-    assert child.stdout.readline().strip() == "ready"
+    child = _started(code, "ready", table_path)
     time.sleep(0.2)
     t.finish_load(0)
-    out, err = child.communicate(timeout=30)
-    assert child.returncode == 0, err
-    ok, elapsed = out.split()
+    ok, elapsed = _output(child).split()
     assert ok == "True"
     assert float(elapsed) < 5.0  # woken by the futex, not by the 30 s timeout
 
@@ -376,8 +388,7 @@ def test_sigkilled_client_pins_are_reclaimed(table_path):
         "print('pinned', flush=True)\n"
         "import time; time.sleep(60)\n"
     )
-    child = _child(code, table_path, str(t.client_epoch(3)))
-    assert child.stdout.readline().strip() == "pinned"
+    child = _started(code, "pinned", table_path, str(t.client_epoch(3)))
     child.kill()
     child.wait(timeout=10)
     assert [t.pins(e) for e in range(3)] == [1, 0, 1]
@@ -403,13 +414,10 @@ def test_reclaim_races_with_a_live_client_never_loses_count(table_path):
         "except n._native.StaleClient:\n"
         "    print('stale')\n"
     )
-    child = _child(code, table_path)
-    assert child.stdout.readline().strip() == "go"
+    child = _started(code, "go", table_path)
     time.sleep(0.05)
     t.reclaim_client(0)
-    out, err = child.communicate(timeout=30)
-    assert child.returncode == 0, err
-    assert out.strip() == "stale"
+    assert _output(child).strip() == "stale"
     assert t.pins(0) == 0 and t.client_pins(0, 0) == 0
 
 
@@ -466,15 +474,7 @@ def test_a_waiting_daemon_is_woken_by_another_process_unpinning(table_path):
         "t.unpin(1)\n"
         "print('unpinned', flush=True)\n"
     )
-    prelude = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom expertcache.native import SlotTable\n"
-    child = subprocess.Popen(
-        [sys.executable, "-c", prelude + code, table_path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout.readline().strip() == "pinned"
+    child = _started(code, "pinned", table_path, stdin=True)
     seq = t.unpin_seq
     assert not t.try_evict(1)  # compute pins it
     woken = []
@@ -486,8 +486,7 @@ def test_a_waiting_daemon_is_woken_by_another_process_unpinning(table_path):
     child.stdin.flush()
     waiter.join(30)
     assert woken == [True] and t.try_evict(1)
-    out, err = child.communicate(timeout=30)
-    assert child.returncode == 0, err
+    _output(child)
 
 
 def test_reclaim_wakes_a_waiter_and_waits_for_a_client_inside_a_call(table_path):

@@ -24,22 +24,15 @@ from compute_svc.errors import (
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
-from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.native import SlotTable, TableState
+from tests.stores import two_layer_manifest
 
-TENSORS, BLOB = plan_blob([("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))])
-MANIFEST = StoreManifest(
-    model_type="mixtral",
+MANIFEST = two_layer_manifest(
+    [("gate_up_proj", "float32", (8, 4)), ("down_proj", "float32", (4, 4))],
     model_id="test-model",
-    num_layers=2,
-    moe_layers=(0, 1),
-    num_experts=4,
-    top_k=2,
-    blob_bytes=BLOB,
-    tensors=TENSORS,
-    layer_files={0: "experts/layer_0000.bin", 1: "experts/layer_0001.bin"},
     checksums={0: (0, 0, 0, 0), 1: (0, 0, 0, 0)},
 )
+BLOB = MANIFEST.blob_bytes
 
 
 class ChannelResponder:
@@ -344,17 +337,23 @@ def test_reattach_refuses_a_daemon_serving_another_model(daemon):
     client.close()
 
 
+def assert_interrupt_cancels_the_wait(client: DaemonClient, layer: int, experts: list[int]) -> None:
+    """In a new step, an acquire the daemon does not answer is ended by ``interrupt`` (0.2 s later)
+    with Cancelled, well before any deadline."""
+    client.begin_step()
+    waiting = client.acquire(layer, experts)
+    threading.Timer(0.2, client.interrupt).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled, match=f"all cancelled while it waited for experts of layer {layer}"):
+        next(waiting)
+    assert time.monotonic() - started < 5
+
+
 def test_interrupt_wakes_a_wait_for_experts_with_cancelled(daemon):
     servicer, address = daemon
     client = connect(address, fast_path=False)
     servicer.hold = threading.Event()  # the daemon does not answer until released
-    client.begin_step()
-    waiting = client.acquire(0, [2])
-    threading.Timer(0.2, client.interrupt).start()
-    started = time.monotonic()
-    with pytest.raises(Cancelled, match="all cancelled while it waited for experts of layer 0"):
-        next(waiting)
-    assert time.monotonic() - started < 5
+    assert_interrupt_cancels_the_wait(client, 0, [2])
     servicer.hold.set()
     client.begin_step()  # a later step: the old interrupt no longer applies
     assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
@@ -454,13 +453,7 @@ def test_channel_waits_end_at_the_timeout_the_deadline_and_an_interrupt(daemon, 
     client.close()
     client = connect(address)
     servicer.hang_next = True
-    client.begin_step()
-    waiting = client.acquire(1, [1])
-    threading.Timer(0.2, client.interrupt).start()
-    started = time.monotonic()
-    with pytest.raises(Cancelled, match="all cancelled while it waited for experts of layer 1"):
-        next(waiting)
-    assert time.monotonic() - started < 5
+    assert_interrupt_cancels_the_wait(client, 1, [1])
     client.close()
 
 

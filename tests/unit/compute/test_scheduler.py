@@ -14,6 +14,7 @@ from compute_svc.requests import GenerationRequest
 from compute_svc.sampling import SamplingParams
 from compute_svc.scheduler import BatchLimits, Scheduler
 from devtools.tiny import SUPPORTED_ARCHS
+from tests.threads import run_in_threads
 
 PROMPTS = [tuple(range(5, 5 + n)) for n in (3, 17, 9, 26)]
 
@@ -196,11 +197,7 @@ def test_more_clients_than_the_limits_complete_or_are_refused(batching):
             assert "retry later" in str(exc)
             outcomes[i] = "refused"
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    threads = run_in_threads(client, range(24), timeout_s=60)
     assert not any(t.is_alive() for t in threads), "deadlock"
     assert set(outcomes.values()) <= {"ok", "refused"} and len(outcomes) == 24
     assert "ok" in outcomes.values()

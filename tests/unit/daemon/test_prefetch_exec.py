@@ -33,6 +33,7 @@ from expertcache.prom import value
 from tests import waiting
 from tests.residencies import harnesses
 from tests.stores import blob_of, write_store
+from tests.threads import run_in_threads
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers (6 experts each); layer 3 is 2 steps after layer 1
 
@@ -387,11 +388,7 @@ def test_concurrent_demands_and_prefetches_keep_the_invariants(make):
 
     feeder = threading.Thread(target=predictor)
     feeder.start()
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads(stream, range(2), timeout_s=30)
     stop.set()
     feeder.join(5)
     assert not errors, errors

@@ -30,6 +30,7 @@ from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
 from tests.residencies import ResidencyHarness, harnesses
 from tests.stores import corrupt
+from tests.threads import run_in_threads
 
 L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 
@@ -328,30 +329,32 @@ def test_host_tier_hits(make):
     assert h.host.resident_count() == 2 and h.host.pin_count(ExpertKey(L1, 0)) == 0
 
 
-def _demand_in_thread(r: Residency, session, experts: list[int]) -> tuple[threading.Thread, list]:
+def _interrupt_a_waiting_demand(make, interrupt) -> tuple[Residency, object, BaseException]:
+    """With its one slot pinned by session a, session b's demand for another expert waits; the
+    waiting demand's outcome once ``interrupt(residency, b)`` has run (the residency, b and it)."""
+    r = make(slots=1).residency
+    a, b = r.open_session("a"), r.open_session("b")
+    list(r.acquire(a, L1, [0]))
     outcome: list = []
 
     def demand():
         try:
-            outcome.extend(r.acquire(session, L1, experts, timeout_s=10))
+            outcome.extend(r.acquire(b, L1, [1], timeout_s=10))
         except BaseException as exc:  # noqa: BLE001
             outcome.append(exc)
 
     thread = threading.Thread(target=demand)
     thread.start()
-    return thread, outcome
+    time.sleep(0.1)
+    interrupt(r, b)
+    thread.join(2)
+    return r, b, outcome[0]
 
 
 def test_closing_a_session_wakes_its_waiting_acquire(make):
-    h = make(slots=1)
-    r = h.residency
-    a, b = r.open_session("a"), r.open_session("b")
-    list(r.acquire(a, L1, [0]))
-    thread, outcome = _demand_in_thread(r, b, [1])
-    time.sleep(0.1)
-    r.close_session(b)  # e.g. the client cancelled the stream
-    thread.join(2)
-    assert isinstance(outcome[0], SessionClosed)
+    # e.g. the client cancelled the stream
+    r, b, outcome = _interrupt_a_waiting_demand(make, lambda r, b: r.close_session(b))
+    assert isinstance(outcome, SessionClosed)
     with pytest.raises(SessionClosed, match="Demand session b is closed"):
         next(r.acquire(b, L1, [1]))
     with pytest.raises(SessionClosed):
@@ -359,15 +362,8 @@ def test_closing_a_session_wakes_its_waiting_acquire(make):
 
 
 def test_shutdown_wakes_waiting_acquires(make):
-    h = make(slots=1)
-    r = h.residency
-    a, b = r.open_session("a"), r.open_session("b")
-    list(r.acquire(a, L1, [0]))
-    thread, outcome = _demand_in_thread(r, b, [1])
-    time.sleep(0.1)
-    r.shutdown()
-    thread.join(2)
-    assert isinstance(outcome[0], ShuttingDown)
+    r, _, outcome = _interrupt_a_waiting_demand(make, lambda r, b: r.shutdown())
+    assert isinstance(outcome, ShuttingDown)
     with pytest.raises(ShuttingDown):
         r.open_session("late")
 
@@ -413,11 +409,7 @@ def test_random_concurrent_streams_keep_the_invariants(make):
         finally:
             r.close_session(s)
 
-    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads(stream, range(4), timeout_s=30)
     assert not errors, errors
     stats = r.stats()
     assert stats.pinned == 0 and stats.loading == 0 and stats.resident == 4

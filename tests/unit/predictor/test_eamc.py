@@ -13,6 +13,7 @@ from predictor_svc.eam import EamShape, decode_eam, encode_eam
 from predictor_svc.eamc import Eamc, EamcIndex
 from predictor_svc.errors import Conflict, CorruptEntry
 from predictor_svc.store import EmbeddedStore, open_store
+from tests.threads import run_in_threads
 
 SHAPE = EamShape(layers=4, experts=6, top_k=2)
 SHAPE_LE = (SHAPE.layers, SHAPE.experts)
@@ -247,11 +248,7 @@ def test_concurrent_threads_hold_capacity():
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, range(4))
     assert not errors
     entries, _ = store.load("m")
     assert len(entries) == capacity

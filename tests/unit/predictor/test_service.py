@@ -13,6 +13,7 @@ from predictor_svc.errors import BadActivation, ModelNotRegistered, StoreUnavail
 from predictor_svc.service import Activation, PredictorService
 from predictor_svc.store import EmbeddedStore
 from predictor_svc.subscriptions import Subscription, top_hints
+from tests.threads import run_in_threads
 
 L, E, K = 3, 8, 2
 
@@ -349,11 +350,7 @@ def test_concurrent_observers_and_a_slow_subscriber():
         for t in range(50):
             svc.observe(act(f"r{r}", t, done=t == 49))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(10)
+    run_in_threads(run, range(4), timeout_s=10)
     assert svc.stats().requests_done == 4 and svc.stats().observed_tokens == 200
     assert sub.pending_requests() == 4
     assert svc.inserts.flush() and svc.stats().eamc_entries == 4

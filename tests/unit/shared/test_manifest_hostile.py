@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 
 import expertcache.manifest as manifest_mod
 from expertcache.errors import DataLoss
 from expertcache.manifest import MANIFEST_NAME, read_manifest, store_path
+from tests.procs import run_module
 from tests.stores import valid_manifest_raw
-
-REPO = manifest_mod.Path(__file__).resolve().parents[3]
 
 
 def write(store, content: bytes | str | dict):
@@ -129,24 +126,17 @@ def test_oversized_manifest(tmp_path, monkeypatch):
 def test_daemon_exits_2_naming_file_and_key(tmp_path):
     store = tmp_path / "store"
     path = write(store, mutated(lambda r: r["layer_files"].update({"0": "../../../../etc/passwd"})))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cache_daemon",
-            "--store-dir",
-            str(store),
-            "--socket-path",
-            str(tmp_path / "run" / "daemon.sock"),
-            "--device",
-            "cpu",
-            "--shm-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
+    proc = run_module(
+        "cache_daemon",
+        "--store-dir",
+        str(store),
+        "--socket-path",
+        str(tmp_path / "run" / "daemon.sock"),
+        "--device",
+        "cpu",
+        "--shm-dir",
+        str(tmp_path),
+        timeout_s=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert str(path) in proc.stderr and "layer_files.0" in proc.stderr, proc.stderr
