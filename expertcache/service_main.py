@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -137,21 +138,47 @@ class ServiceMain:
         signal.signal(signal.SIGHUP, lambda *_: live.trigger(f"file {args.config_file} (SIGHUP)"))
         return live
 
-    def stop_on_signals(self) -> threading.Event:
-        """An event SIGTERM and SIGINT set (logged), for ``wait``."""
-        stop = threading.Event()
+    def stop_on_signals(self) -> SignalStop:
+        """A ``SignalStop`` that SIGTERM and SIGINT set (logged), for ``wait``; on the main thread."""
+        stop = SignalStop()
 
         def on_signal(signum: int, _frame: object) -> None:
             self.logger.info("received %s, stopping", signal.Signals(signum).name)
-            stop.set()
+            stop.set_by_signal()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         return stop
 
     @staticmethod
-    def wait(stop: threading.Event) -> None:
-        """Until ``stop`` is set. No timeout is needed for the signal handlers to run: on POSIX a
-        signal interrupts the main thread's lock wait, Python runs the handler (which sets
-        ``stop``) and the wait resumes and returns (reloads run on their own thread)."""
-        stop.wait()
+    def wait(stop: SignalStop) -> None:
+        """Until a signal sets ``stop`` (reloads run on their own thread)."""
+        stop.sleep()
+
+
+class SignalStop(threading.Event):
+    """Set by a signal's handler; ``sleep`` is the main thread's wait for it.
+
+    Not ``Event.wait()``: a signal sent to the process is taken by whichever of its threads does
+    not block it, and when that is not the main thread, the main thread's lock wait goes on and
+    Python never gets to run the handler (which runs on the main thread only). So the main thread
+    sleeps on a pipe instead: the interpreter's C-level handler writes each signal to it (the
+    wakeup fd) whatever thread took the signal, which wakes the main thread to run the handler;
+    the handler writes to it too, for a signal handled between the check and the read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+
+    def set_by_signal(self) -> None:
+        self.set()
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
+
+    def sleep(self) -> None:
+        while not self.is_set():
+            os.read(self._read, 64)
