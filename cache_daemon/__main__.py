@@ -95,9 +95,7 @@ def serve(config: DaemonConfig, args: argparse.Namespace) -> int:
         daemon.close()
         if server is not None:  # a failed bind must not remove another process's socket
             socket_path.unlink(missing_ok=True)
-        if metrics_server is not None:
-            metrics_server.close()
-        logger.info("stopped %s", SERVICE_NAME)
+        SERVICE.stopped(metrics_server, SERVICE_NAME)
     return 0
 
 

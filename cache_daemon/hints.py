@@ -35,13 +35,8 @@ import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
 from expertcache import telemetry
-from expertcache.grpc_client import (
-    RECONNECT_CHANNEL_OPTIONS,
-    RECONNECT_INITIAL_S,
-    RECONNECT_MAX_S,
-    next_backoff,
-)
-from expertcache.security import ClientSecurity, client_channel
+from expertcache.grpc_client import RECONNECT_INITIAL_S, RECONNECT_MAX_S, next_backoff, reconnecting_channel
+from expertcache.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +184,7 @@ class HintSubscriber:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
-        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
+        self._channel = reconnecting_channel(address, security)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="hint-subscriber", daemon=True)
         self._thread.start()

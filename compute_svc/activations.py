@@ -42,14 +42,9 @@ import grpc
 import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.grpc_client import (
-    RECONNECT_CHANNEL_OPTIONS,
-    RECONNECT_INITIAL_S,
-    RECONNECT_MAX_S,
-    next_backoff,
-)
+from expertcache.grpc_client import RECONNECT_INITIAL_S, RECONNECT_MAX_S, next_backoff, reconnecting_channel
 from expertcache.layers import LayerMap
-from expertcache.security import ClientSecurity, client_channel
+from expertcache.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +173,7 @@ class ActivationReporter:
         self.requests_done = 0
         self.outages = 0
         self.connected = False
-        self._channel = client_channel(address, security, RECONNECT_CHANNEL_OPTIONS)
+        self._channel = reconnecting_channel(address, security)
         self._stub = predictor_pb2_grpc.PredictorStub(self._channel)
         # The Observe call whose request iterator may take from the queue (None: none); every
         # change is notified on _cond, so that an iterator of an ended call stops waiting.

@@ -242,6 +242,30 @@ class Encoding(ABC):
     def part_shapes(self, tensor: ExpertTensor) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Stored part name → (dtype, shape) this encoding needs for ``tensor``."""
 
+    def _plan_blocks(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        block_size: tuple[int, ...],
+        *,
+        transposed: bool = False,
+    ) -> ExpertTensor:
+        """``plan`` of a block-scaled encoding: the tensor in this encoding and scale layout, its
+        parts laid out (at offset 0) from ``part_shapes``, which also checks shape and blocks."""
+        tensor = ExpertTensor(
+            name,
+            dtype,
+            tuple(shape),
+            parts=(),
+            encoding=self.name,
+            block_size=block_size,
+            scale_layout=self.scale_layout,
+            transposed=transposed,
+        )
+        parts = tuple(TensorLayout(n, d, s, 0) for n, (d, s) in self.part_shapes(tensor).items())
+        return replace(tensor, parts=parts)
+
     def check(self, tensor: ExpertTensor) -> None:
         """Raise ValueError naming ``tensor`` when its parts are not what the encoding needs."""
         if tensor.dtype not in COMPUTE_DTYPES:
@@ -428,18 +452,7 @@ class Mxfp4(Encoding):
     def plan(self, name, dtype, shape, *, block_size=(1, MXFP4_GROUP)):
         if tuple(block_size) != (1, MXFP4_GROUP):
             raise ValueError(f"MXFP4 tensor {name!r}: block size must be [1, 32], got {list(block_size)}")
-        tensor = ExpertTensor(
-            name,
-            dtype,
-            tuple(shape),
-            parts=(),
-            encoding=self.name,
-            block_size=(1, MXFP4_GROUP),
-            scale_layout=self.scale_layout,
-            transposed=True,
-        )
-        parts = tuple(TensorLayout(n, d, s, 0) for n, (d, s) in self.part_shapes(tensor).items())
-        return replace(tensor, parts=parts)
+        return self._plan_blocks(name, dtype, shape, (1, MXFP4_GROUP), transposed=True)
 
     def part_shapes(self, tensor):
         if len(tensor.shape) != 2 or not tensor.transposed:
@@ -598,17 +611,7 @@ class Fp8(Encoding):
     scale_layout: ClassVar[str] = "float32"  # multiplier per block (the checkpoint's weight_scale_inv)
 
     def plan(self, name, dtype, shape, *, block_size=(128, 128)):
-        tensor = ExpertTensor(
-            name,
-            dtype,
-            tuple(shape),
-            parts=(),
-            encoding=self.name,
-            block_size=tuple(int(b) for b in block_size),
-            scale_layout=self.scale_layout,
-        )
-        parts = tuple(TensorLayout(n, d, s, 0) for n, (d, s) in self.part_shapes(tensor).items())
-        return replace(tensor, parts=parts)
+        return self._plan_blocks(name, dtype, shape, tuple(int(b) for b in block_size))
 
     def part_shapes(self, tensor):
         if len(tensor.shape) != 2 or tensor.transposed:

@@ -11,7 +11,8 @@ and each ``__main__`` keeps only what is its own (what it opens, serves and clos
 3. logging (``log_level``, ``log_format``) and tracing (a bad tracing environment exits 2 too);
 4. the service's own ``serve(config, args)``, which uses ``serve_metrics`` (``/metrics``),
    ``watch_config`` (live reload on a file change, a ConfigMap change or SIGHUP) and
-   ``stop_on_signals``/``wait`` (SIGTERM/SIGINT), and returns the exit code;
+   ``stop_on_signals``/``wait`` (SIGTERM/SIGINT) and ``stopped`` (its last step), and returns
+   the exit code;
 5. tracing flushed, whatever ``serve`` returned.
 
 Exit codes: 0 after a clean stop, 2 (``EXIT_START_FAILED``) when the config, the tracing
@@ -149,6 +150,13 @@ class ServiceMain:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         return stop
+
+    def stopped(self, metrics_server: MetricsServer | None, service_name: str) -> None:
+        """The last step of a stop: ``/metrics`` (when served) closed and ``stopped <service_name>``
+        logged, after the gRPC server and the service have closed."""
+        if metrics_server is not None:
+            metrics_server.close()
+        self.logger.info("stopped %s", service_name)
 
     @staticmethod
     def wait(stop: SignalStop) -> None:

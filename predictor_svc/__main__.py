@@ -124,9 +124,7 @@ def serve(config: PredictorConfig, args: argparse.Namespace) -> int:
         else:
             if embedded_path is not None:
                 logger.info("embedded EAMC saved to %s", embedded_path)
-        if metrics_server is not None:
-            metrics_server.close()
-        logger.info("stopped %s", SERVICE_NAME)
+        SERVICE.stopped(metrics_server, SERVICE_NAME)
     return 0
 
 
