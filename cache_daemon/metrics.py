@@ -45,7 +45,8 @@ Acquire, arrival to AcquireDone) and ``moe_cache_acquire_experts`` (experts per 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -55,6 +56,22 @@ if TYPE_CHECKING:
     from cache_daemon.daemon import CacheDaemon
 
 TIERS = ("device", "host", "store")
+
+
+@dataclass(frozen=True)
+class TierCounters:
+    """One tier's children of the per-tier counters (``DaemonMetrics.tier[name]``)."""
+
+    hits: Any
+    misses: Any
+    bytes_in: Any
+    evictions: Any
+
+    @classmethod
+    def bind(cls, metrics: DaemonMetrics, tier: str) -> TierCounters:
+        return cls(
+            *(getattr(metrics, name).labels(tier) for name in ("hits", "misses", "bytes_in", "evictions"))
+        )
 
 
 class DaemonMetrics:
@@ -70,11 +87,9 @@ class DaemonMetrics:
         )
         self.bytes_in = counter("moe_cache_bytes_in_total", "Bytes copied into each tier.", ("tier",))
         self.evictions = counter("moe_cache_evictions_total", "Experts evicted from each tier.", ("tier",))
-        # The device tier's children, bound once: every Acquire counts them, and ``labels()``
-        # takes a lock and a lookup (about 3 µs) at each call.
-        self.device_hits = self.hits.labels("device")
-        self.device_misses = self.misses.labels("device")
-        self.device_evictions = self.evictions.labels("device")
+        # Each tier's children, bound once: every Acquire and every load counts them, and
+        # ``labels()`` takes a lock and a lookup (about 3 µs) at each call.
+        self.tier = {t: TierCounters.bind(self, t) for t in TIERS}
         c = self.registry.counter
         self.demands = c("moe_cache_demands_total", "Acquire requests handled.")
         self.checksum_failures = c(

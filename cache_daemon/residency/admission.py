@@ -285,7 +285,7 @@ class Admission(ResidencyState):
                 else:
                     refused.add(victim)  # compute pinned it between the check and the evict
         if evicted:
-            self._metrics.device_evictions.inc(evicted)
+            self._metrics.tier["device"].evictions.inc(evicted)
         # Admitted: from here on nothing can fail (but a client whose ledger was just reclaimed).
         ready: list[Ready] = []
         pending: dict[ExpertKey, Load] = {}
@@ -321,9 +321,9 @@ class Admission(ResidencyState):
         finally:
             hits, misses = len(ready), len(pending)
             if hits:
-                self._metrics.device_hits.inc(hits)
+                self._metrics.tier["device"].hits.inc(hits)
             if misses:
-                self._metrics.device_misses.inc(misses)
+                self._metrics.tier["device"].misses.inc(misses)
 
     def _admit_each(
         self, session, client, keys, ready, pending, prefetched, created, slots, scheduler

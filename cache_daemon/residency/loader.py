@@ -166,8 +166,8 @@ class Loader:
             metrics.arena_copy_seconds.inc(copy_s)
         if not loads:
             return
-        metrics.hits.labels(Tier.HOST.value).inc(len(loads))
-        metrics.bytes_in.labels(Tier.DEVICE.value).inc(len(loads) * self._arena.slot_bytes)
+        metrics.tier["host"].hits.inc(len(loads))
+        metrics.tier["device"].bytes_in.inc(len(loads) * self._arena.slot_bytes)
         with self._cond:
             for load in loads:
                 self._on_done(load, Tier.HOST)
@@ -221,7 +221,7 @@ class Loader:
                 logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
                 self._on_failed(load, exc)
             return
-        self._metrics.bytes_in.labels(Tier.DEVICE.value).inc(self._arena.slot_bytes)
+        self._metrics.tier["device"].bytes_in.inc(self._arena.slot_bytes)
         with self._cond:
             self._on_done(load, source)
 
@@ -262,10 +262,10 @@ class Loader:
         host = self._host
         if host is not None:
             if host.pin(key):
-                self._metrics.hits.labels(Tier.HOST.value).inc()
+                self._metrics.tier["host"].hits.inc()
                 self._copy_in(slot, host.get(key), lambda: host.unpin(key))
                 return Tier.HOST
-            self._metrics.misses.labels(Tier.HOST.value).inc()
+            self._metrics.tier["host"].misses.inc()
             reservation = host.reserve(key)
             if reservation is not None:
                 if reservation.present:  # another load put it there meanwhile

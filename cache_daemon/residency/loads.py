@@ -82,7 +82,7 @@ class LoadCompletion(ResidencyState):
         self._prefetcher.gone(key, evicted=True)
         self.policy.on_remove(key)
         if count:
-            self._metrics.device_evictions.inc()
+            self._metrics.tier["device"].evictions.inc()
 
     # -- load results (the loader's callbacks, under the lock) --------------------------------
     def _load_done(self, load: Load, source: Tier) -> None:

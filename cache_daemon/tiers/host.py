@@ -248,7 +248,7 @@ class HostTier(MemoryTier):
             self._slot_of[key] = slot
             self._pins[key] = self._pins.get(key, 0) + 1
             self._policy.on_insert(key)
-        self._metrics.bytes_in.labels(Tier.HOST.value).inc(self.blob_bytes)
+        self._metrics.tier["host"].bytes_in.inc(self.blob_bytes)
         return reservation.view
 
     def abandon(self, reservation: HostReservation) -> None:
@@ -296,7 +296,7 @@ class HostTier(MemoryTier):
         victim = victims[0]
         slot = self._slot_of.pop(victim)
         self._policy.on_remove(victim)
-        self._metrics.evictions.labels(Tier.HOST.value).inc()
+        self._metrics.tier["host"].evictions.inc()
         return slot
 
     def set_limit(self, limit: int) -> int:
@@ -315,7 +315,7 @@ class HostTier(MemoryTier):
                 for victim in self._policy.choose_victims(excess, lambda k: self._pins.get(k, 0) == 0):
                     self._pool.free(self._slot_of.pop(victim))
                     self._policy.on_remove(victim)
-                    self._metrics.evictions.labels(Tier.HOST.value).inc()
+                    self._metrics.tier["host"].evictions.inc()
                     evicted += 1
         return evicted
 

@@ -177,7 +177,7 @@ class StoreReadHandle:
         metrics = self._store._metrics
         metrics.store_read_seconds.inc(time.perf_counter() - self._start)
         metrics.store_read_bytes.inc(nbytes)
-        metrics.hits.labels(Tier.STORE.value).inc()
+        metrics.tier["store"].hits.inc()
 
     def _finish(self) -> None:
         self._finished = True
