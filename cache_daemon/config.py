@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cache_daemon.budget import Budget
 from cache_daemon.decisions.policy import POLICIES
 from expertcache.config_fields import (
+    DEVICE_KINDS,
     ConfigMapFields,
     ObservabilityFields,
     PredictorClientFields,
@@ -25,7 +26,6 @@ from expertcache.paths import DEFAULT_DAEMON_SOCKET, MAX_UNIX_SOCKET_PATH_BYTES
 from expertcache.security import ClientSecurity
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -225,9 +225,9 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
         """Cross-field checks run by ``load_config`` after the per-field constraints."""
         ClientSecurity.from_config(self).check()
         kind, sep, gpu = self.device.partition(":")
-        if kind not in DEVICES or (sep and (kind != "cuda" or not gpu)):
+        if kind not in DEVICE_KINDS or (sep and (kind != "cuda" or not gpu)):
             raise InvalidArgument(
-                f"config field 'device' = {self.device!r} is not one of {', '.join(DEVICES)}, "
+                f"config field 'device' = {self.device!r} is not one of {', '.join(DEVICE_KINDS)}, "
                 "cuda:<ordinal>, cuda:<GPU UUID>"
             )
         Budget.device(self).check_ceiling()

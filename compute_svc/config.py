@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from expertcache.config_fields import (
+    DEVICE_KINDS,
     ObservabilityFields,
     PredictorClientFields,
     ServerSecurityFields,
@@ -20,7 +21,6 @@ from expertcache.paths import DEFAULT_DAEMON_ADDRESS
 from expertcache.security import ClientSecurity, ServerSecurity
 
 ENV_PREFIX = "EXPERTCACHE_COMPUTE_"
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         default="auto",
         metadata={
             "help": "torch device for the dense weights: auto follows the daemon's arena",
-            "choices": DEVICE_CHOICES,
+            "choices": DEVICE_KINDS,
         },
     )
     """``auto`` runs where the daemon's arena lives (CUDA IPC → cuda, POSIX shm → cpu); an

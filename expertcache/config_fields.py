@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The kinds of device a service runs on: compute's ``device`` is one of them, the daemon's one of
+# them or ``cuda:<ordinal>`` / ``cuda:<GPU UUID>``.
+DEVICE_KINDS = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
