@@ -2,6 +2,7 @@
 arithmetic-free sizes.
 
     python -m bench.overhead [--device cuda] [--tokens 48] [--requests 2] [--repeats 3]
+                             [--baseline OTHER_CHECKOUT]
     make bench-overhead [BENCH_OVERHEAD_ARGS="--device cuda"]
 
 The e2e model's shape (gpt-oss, 24 layers x 32 experts, top-4) with hidden and expert
@@ -32,16 +33,29 @@ Printed, and written to bench/results/overhead.json (a plot beside it):
 - ``miss_fixed_cost_us``: (lru - resident - the copy and store-read time per token) per expert
   that was not resident when compute asked for it (goal <= 50): the copy time is what the daemon
   measured copying blobs into the arena (``arena_copy_seconds``), the read time its store reads;
+  the same from each repeat's p50s (``miss_fixed_cost_us_per_repeat``), whose spread shows how
+  far one run's figure is from the next: on a shared 2-core machine separate runs of the same
+  code have printed from 8 to 148;
 - ``daemon_cpu_ms_per_token`` / ``compute_cpu_ms_per_token`` of resident (goal: daemon <= 1);
 - ``host_syncs_per_moe_layer``: compute's host waits for the device per MoE layer forward
   (``moe_compute_host_syncs_total`` over ``moe_compute_moe_layers_total``, from its /metrics);
 - ``checkpoint``, and ``systems.NAME.p50_s`` / ``p99_s`` / per repeat for each system.
+
+``--baseline DIR`` compares two builds side by side: DIR is another checkout of this project
+(``git worktree add DIR REV``, then ``make install`` there; a revision that has
+``replay/forced_compute.py``), whose ``resident`` and ``lru`` run as ``baseline-resident`` and
+``baseline-lru`` beside this checkout's, in the same rounds. Printed besides: the baseline's
+``lru_vs_resident`` and ``miss_fixed_cost_us``, and each system's p50 over its baseline's, per
+repeat (``vs_baseline``): a change that leaves the figures unchanged shows ratios around 1, as
+two separate runs cannot show it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,13 +75,14 @@ from bench.gpt_oss import (  # noqa: E402
 )
 from bench.plain_transformers import TransformersSystem  # noqa: E402
 from bench.report import RESULTS_DIR, p50_bars, pyplot, save_figure, say, write_json  # noqa: E402
-from bench.stats import repeat_ratios, spread_text, summarise  # noqa: E402
+from bench.stats import repeat_p50s, repeat_ratios, spread_text, summarise  # noqa: E402
 from bench.systems import ProcessSystem, get_stats, host_tier, rotation  # noqa: E402
-from devtools.launch import free_port  # noqa: E402
+from devtools.launch import checkout_python, free_port  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overhead.json"
 SYSTEMS = ("resident", "lru", "transformers")
 OPTIONAL = ("ours-resident",)
+BASELINE_SYSTEMS = ("resident", "lru")  # what --baseline runs of the other checkout
 GOALS = {
     "resident_vs_transformers": 1.15,
     "resident_vs_transformers_gpu": 1.25,
@@ -105,12 +120,82 @@ def warm_host_tier(proc: ProcessSystem, num_blobs: int) -> int:
     """Generate (unmeasured, each on the next trace request) until the host tier holds every
     expert; returns how many requests it took (the host tier's resident count is printed)."""
     for n in range(1, MAX_WARM_UP_REQUESTS + 1):
-        proc.generate(f"{proc.system}-warm-up-{n}")
+        proc.generate(f"{proc.label}-warm-up-{n}")
         resident = host_tier(get_stats(proc.daemon.address)).resident
         if resident >= num_blobs:
             return n
-    say(f"  [{proc.system}] the host tier holds {resident} of {num_blobs} experts after {n} warm-up requests")
+    say(f"  [{proc.label}] the host tier holds {resident} of {num_blobs} experts after {n} warm-up requests")
     return n
+
+
+def miss_figures(lru: dict, res: dict) -> dict:
+    """lru's fixed cost per miss beyond resident's: from the two systems' p50s, and from each
+    repeat's (the same rounds), the copies and store reads the daemon timed taken out."""
+    tokens = max(1, len(lru["latencies_s"]) + len(lru["first_token_s"]))
+    copy_read = (lru["arena_copy_s"] + lru["store_read_s"]) / tokens
+    misses = lru["misses_per_decode_token"]
+
+    def per_miss(lru_p50: float, res_p50: float) -> float:
+        return (lru_p50 - res_p50 - copy_read) / misses * 1e6
+
+    return {
+        "lru_misses_per_token": misses,
+        "lru_copy_and_read_ms_per_token": copy_read * 1e3,
+        "lru_store_bytes_per_token": lru.get("store_bytes_per_token"),
+        "miss_fixed_cost_us": per_miss(lru["p50_s"], res["p50_s"]) if misses else None,
+        "miss_fixed_cost_us_per_repeat": [
+            per_miss(a, b) for a, b in zip(repeat_p50s(lru), repeat_p50s(res), strict=False)
+        ]
+        if misses
+        else [],
+    }
+
+
+def say_miss(key: str, figures: dict, lru: dict, res: dict) -> None:
+    fixed = figures["miss_fixed_cost_us"]
+    if fixed is None:
+        return
+    goal = GOALS["miss_fixed_cost_us"]
+    say(
+        f"{key}: {fixed:.0f} (goal <= {goal:g}) {'PASS' if fixed <= goal else 'FAIL'}: "
+        f"({lru['p50_s'] * 1e3:.2f} - {res['p50_s'] * 1e3:.2f} - {figures['lru_copy_and_read_ms_per_token']:.2f} "
+        f"ms of copies and reads) per token over {figures['lru_misses_per_token']:.1f} experts not resident "
+        f"when asked for ({lru.get('store_bytes_per_token', 0) / 1024:.0f} KiB per token still read from the "
+        f"store); per repeat {spread_text(figures['miss_fixed_cost_us_per_repeat'], '.0f')}"
+    )
+
+
+def vs_baseline(results: dict) -> dict:
+    """Each system's p50 over its baseline's, overall and repeat by repeat (printed)."""
+    out = {}
+    for system in BASELINE_SYSTEMS:
+        base = results.get(f"baseline-{system}")
+        if base is None or system not in results:
+            continue
+        per = repeat_ratios(results[system], base)
+        out[system] = {
+            "p50_ratio": results[system]["p50_s"] / base["p50_s"],
+            "per_repeat": per,
+            "geometric_mean": statistics.geometric_mean(per) if per else None,
+        }
+        say(
+            f"{system} vs baseline-{system}: {out[system]['p50_ratio']:.3f}; per repeat {spread_text(per, '.3f')}"
+            + (f", geometric mean {out[system]['geometric_mean']:.3f}" if per else "")
+        )
+    return out
+
+
+def revision(checkout: Path) -> str | None:
+    """The baseline checkout's commit, for the report (None outside git)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def write_png(results: dict, report: dict, path: Path) -> None:
@@ -162,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm-dir", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=1000)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (with its .venv) whose resident and lru run beside this one's",
+    )
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS) - set(OPTIONAL))
@@ -173,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device-share {args.device_share} is out of range (0, 1)")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
+    if args.baseline is not None:
+        try:
+            checkout_python(args.baseline)
+        except ValueError as exc:
+            parser.error(f"--baseline: {exc}")
+        if not (args.baseline / "replay" / "forced_compute.py").is_file():
+            parser.error(
+                f"--baseline {args.baseline} has no replay/forced_compute.py: a checkout of an older "
+                "revision cannot run as a baseline"
+            )
+        if not set(BASELINE_SYSTEMS) & set(systems):
+            parser.error(f"--baseline runs the other checkout's {' and '.join(BASELINE_SYSTEMS)}: choose one")
     # What ProcessSystem reads of bench.e2e's arguments: routing forced from the trace, no
     # lookahead modelling beyond ours' defaults, no learned next-visit model.
     args.layer_ahead_accuracy, args.layer_ahead_depth, args.next_visit_path, args.host_share = (
@@ -195,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         f"lru: arena {device_bytes // blob} experts ({device_bytes / total:.0%}), host tier every expert; "
         f"resident: arena every expert; routing forced from {args.trace.name} from request {args.request}"
     )
+    # (label, system, checkout): this checkout's systems, then the baseline's under their labels.
+    runs = [(system, system, None) for system in systems]
+    if args.baseline is not None:
+        runs += [(f"baseline-{s}", s, args.baseline) for s in systems if s in BASELINE_SYSTEMS]
+        say(f"baseline: {', '.join(r[0] for r in runs if r[2])} from {args.baseline}")
+    labels = [r[0] for r in runs]
     results: dict[str, dict] = {}
     ports: dict[str, int] = {}
     syncs: dict[str, dict] = {}
@@ -202,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp:
         running: dict[str, ProcessSystem | TransformersSystem] = {}
         try:
-            for system in systems:
+            for label, system, checkout in runs:
                 if system == "transformers":
-                    running[system] = TransformersSystem(
+                    running[label] = TransformersSystem(
                         checkpoint,
                         device=args.device,
                         threads=args.threads,
@@ -212,34 +321,38 @@ def main(argv: list[str] | None = None) -> int:
                         prompt=PROMPT,
                     )
                     continue
-                ports[system] = free_port()
-                extra = ("--metrics-port", str(ports[system]))
+                ports[label] = free_port()
+                extra = ("--metrics-port", str(ports[label]))
                 sizes = {"device_bytes": device_bytes, "host_bytes": total} if system == "lru" else {}
-                running[system] = ProcessSystem(
+                running[label] = ProcessSystem(
                     system,
                     store,
                     manifest,
-                    Path(tmp) / system,
+                    Path(tmp) / label,
                     args,
                     device_bytes,
                     compute_extra=extra,
+                    checkout=checkout,
+                    label=label,
                     **sizes,
                 )
-            if "lru" in running:
-                warm_ups = warm_host_tier(running["lru"], manifest.num_blobs)
-                say(f"[lru] host tier warmed with {warm_ups} unmeasured request(s)")
+            for label in ("lru", "baseline-lru"):
+                if label in running:
+                    n = warm_host_tier(running[label], manifest.num_blobs)
+                    warm_ups = warm_ups if label.startswith("baseline") else n
+                    say(f"[{label}] host tier warmed with {n} unmeasured request(s)")
             for proc in running.values():
                 proc.begin()
             before = {s: scrape(p) for s, p in ports.items()}
             for repeat in range(args.repeats):
-                order = rotation(systems, repeat)
+                order = rotation(labels, repeat)
                 say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
                 for r in range(args.requests):
-                    for system in order:
-                        running[system].measure(repeat, r)
+                    for label in order:
+                        running[label].measure(repeat, r)
             syncs = {s: host_syncs(before[s], scrape(p)) for s, p in ports.items()}
-            for system, proc in running.items():
-                results[system] = proc.finish()
+            for label, proc in running.items():
+                results[label] = proc.finish()
         finally:
             for proc in running.values():
                 proc.stop()
@@ -249,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             r["host_syncs"] = syncs[system]
 
     say("")
-    say(f"{'system':<16}{'p50 ms':>9}{'p99 ms':>9}{'tokens':>8}  CPU ms per token")
-    for system in systems:
+    say(f"{'system':<18}{'p50 ms':>9}{'p99 ms':>9}{'tokens':>8}  CPU ms per token")
+    for system in labels:
         r = results[system]
         cpu = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["cpu_s_per_token"].items())
-        say(f"{system:<16}{r['p50_s'] * 1e3:>9.2f}{r['p99_s'] * 1e3:>9.2f}{r['tokens']:>8}  {cpu}")
+        say(f"{system:<18}{r['p50_s'] * 1e3:>9.2f}{r['p99_s'] * 1e3:>9.2f}{r['tokens']:>8}  {cpu}")
     report: dict = {
         "device": args.device,
         "model": {
@@ -300,27 +413,24 @@ def main(argv: list[str] | None = None) -> int:
     ratio("resident", "transformers", "resident_vs_transformers")
     ratio("lru", "resident", "lru_vs_resident")
     if "lru" in results and "resident" in results:
-        lru, res = results["lru"], results["resident"]
-        tokens = max(1, len(lru["latencies_s"]) + len(lru["first_token_s"]))
-        copy_read = (lru["arena_copy_s"] + lru["store_read_s"]) / tokens
-        misses = lru["misses_per_decode_token"]
-        fixed = (lru["p50_s"] - res["p50_s"] - copy_read) / misses * 1e6 if misses else None
-        report.update(
-            {
-                "lru_misses_per_token": misses,
-                "lru_copy_and_read_ms_per_token": copy_read * 1e3,
-                "lru_store_bytes_per_token": lru.get("store_bytes_per_token"),
-                "miss_fixed_cost_us": fixed,
-            }
+        report.update(miss_figures(results["lru"], results["resident"]))
+        say_miss("miss_fixed_cost_us", report, results["lru"], results["resident"])
+    if "baseline-lru" in results and "baseline-resident" in results:
+        lru, res = results["baseline-lru"], results["baseline-resident"]
+        baseline = report["baseline"] = {
+            "lru_vs_resident": lru["p50_s"] / res["p50_s"],
+            "lru_vs_resident_per_repeat": repeat_ratios(lru, res),
+            **miss_figures(lru, res),
+        }
+        say(
+            f"baseline lru_vs_resident: {baseline['lru_vs_resident']:.3f}; "
+            f"per repeat {spread_text(baseline['lru_vs_resident_per_repeat'])}"
         )
-        if fixed is not None:
-            goal = GOALS["miss_fixed_cost_us"]
-            say(
-                f"miss_fixed_cost_us: {fixed:.0f} (goal <= {goal:g}) {'PASS' if fixed <= goal else 'FAIL'}: "
-                f"({lru['p50_s'] * 1e3:.2f} - {res['p50_s'] * 1e3:.2f} - {copy_read * 1e3:.2f} ms of copies and "
-                f"reads) per token over {misses:.1f} experts not resident when asked for "
-                f"({lru.get('store_bytes_per_token', 0) / 1024:.0f} KiB per token still read from the store)"
-            )
+        say_miss("baseline miss_fixed_cost_us", baseline, lru, res)
+    if args.baseline is not None:
+        report.setdefault("baseline", {})["checkout"] = str(args.baseline)
+        report["baseline"]["revision"] = revision(args.baseline)
+        report["vs_baseline"] = vs_baseline(results)
     for system in ("resident", "ours-resident"):
         if system in results:
             cpu = results[system]["cpu_s_per_token"]

@@ -35,13 +35,13 @@ def repeat_ratios(numerator: dict, denominator: dict) -> list[float]:
     return [a / b for a, b in zip(repeat_p50s(numerator), repeat_p50s(denominator), strict=False) if b > 0]
 
 
-def spread_text(values: list[float]) -> str:
+def spread_text(values: list[float], fmt: str = ".2f") -> str:
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:.2f} (one repeat: no spread)"
+        return f"{values[0]:{fmt}} (one repeat: no spread)"
     return (
-        f"median {statistics.median(values):.2f}, min {min(values):.2f}, max {max(values):.2f} "
+        f"median {statistics.median(values):{fmt}}, min {min(values):{fmt}}, max {max(values):{fmt}} "
         f"over {len(values)} repeats"
     )
 

@@ -88,9 +88,14 @@ class ProcessSystem:
         device_bytes: int | None = None,
         host_bytes: int | None = None,
         compute_extra: tuple[str, ...] = (),
+        checkout: Path | None = None,
+        label: str = "",
     ) -> None:
-        """``device_bytes`` / ``host_bytes`` override the tiers ``host_tier_bytes`` gives."""
+        """``device_bytes`` / ``host_bytes`` override the tiers ``host_tier_bytes`` gives.
+        ``checkout``: run another checkout's daemon and compute (its own ``.venv``), a baseline
+        named ``label`` (default ``system``) in what is printed and in its request ids."""
         self.system, self.args = system, args
+        self.label = label or system
         ours = system in ("ours", "ours-transitions", "ours-resident")
         # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
         self.resident = system in ("resident", "ours-resident")
@@ -129,7 +134,7 @@ class ProcessSystem:
         ]
         work.mkdir(parents=True, exist_ok=True)
         say(
-            f"[{system}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
+            f"[{self.label}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
             f"{self.device_bytes / MIB:.0f} MiB ({self.device_bytes // manifest.blob_bytes} slots) + host tier "
             f"{self.host_bytes / MIB:.0f} MiB; compute: layer-ahead {'on' if ours else 'off'}, routing forced "
             f"from the trace from request {args.request} on (each Generate takes the next)"
@@ -141,11 +146,17 @@ class ProcessSystem:
             device_budget_bytes=self.device_bytes,
             host_budget_bytes=self.host_bytes,
             extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
+            checkout=checkout,
         )
         self.compute = None
         try:
             self.compute = start_compute(
-                store, self.daemon, work, extra=compute_extra, module="replay.forced_compute"
+                store,
+                self.daemon,
+                work,
+                extra=compute_extra,
+                module="replay.forced_compute",
+                checkout=checkout,
             )
             drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
             self.io_mode = get_stats(self.daemon.address).store_io_mode
@@ -178,7 +189,7 @@ class ProcessSystem:
                     self.decode_misses += event.cache.misses
                 if (event.index + 1) % self.args.progress_every == 0:
                     say(
-                        f"  [{self.system}] {label}: {event.index + 1}/{self.args.tokens} tokens, "
+                        f"  [{self.label}] {label}: {event.index + 1}/{self.args.tokens} tokens, "
                         f"{time.perf_counter() - started:.1f} s"
                     )
         except BaseException:
@@ -189,7 +200,7 @@ class ProcessSystem:
     def begin(self) -> None:
         """Start counting: what ``finish`` reports is what happened after this."""
         if self.resident:  # the warm-up request that loads every expert, not measured
-            self.generate(f"{self.system}-warm-up")
+            self.generate(f"{self.label}-warm-up")
         self.before = get_stats(self.daemon.address)
         self.cpu_before = {
             "daemon": cpu_seconds(self.daemon.popen.pid),
@@ -201,7 +212,7 @@ class ProcessSystem:
     def measure(self, repeat: int, r: int) -> None:
         """One measured Generate (trace request taken in turn), kept under ``repeat``."""
         t0 = time.perf_counter()
-        decode, first = self.generate(f"{self.system}-{repeat}-{r}")
+        decode, first = self.generate(f"{self.label}-{repeat}-{r}")
         self.wall += time.perf_counter() - t0
         self.generated += self.args.tokens
         self.latencies += decode

@@ -91,6 +91,17 @@ def wait_healthy(
     raise TimeoutError(f"{address} not healthy after {timeout_s}s:\n{log_path.read_text()}")
 
 
+def checkout_python(checkout: Path) -> Path:
+    """The interpreter of another checkout of this project: its own ``.venv`` (``make install``
+    there), which imports that checkout's code. ``ValueError`` naming what is missing."""
+    python = Path(checkout) / ".venv" / "bin" / "python"
+    if not python.is_file():
+        raise ValueError(
+            f"{checkout} has no {python.relative_to(checkout)}: run `make install` in that checkout"
+        )
+    return python
+
+
 def start(
     module: str,
     args: list[str],
@@ -98,11 +109,15 @@ def start(
     log_path: Path,
     env: dict | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    checkout: Path | None = None,
 ) -> Proc:
+    """``python -m module args`` from this checkout, or from ``checkout`` (another one, with its
+    own ``.venv``: a benchmark's baseline), waited on until healthy at ``address``."""
+    python, cwd = (sys.executable, REPO) if checkout is None else (checkout_python(checkout), Path(checkout))
     log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     popen = subprocess.Popen(
-        [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env
+        [str(python), "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env
     )
     try:
         wait_healthy(address, popen, log_path, credentials=credentials)
@@ -121,6 +136,7 @@ def start_daemon(
     device_budget_bytes: int,
     host_budget_bytes: int = 0,
     extra: list[str] | None = None,
+    checkout: Path | None = None,
 ) -> Proc:
     """``python -m cache_daemon`` on ``work_dir/daemon.sock`` (``daemon_socket_path``). ``device`` (``cpu``, ``cuda``,
     ``cuda:<n>`` or ``auto``) is required: the daemon's own default, ``auto``, takes a GPU
@@ -141,7 +157,7 @@ def start_daemon(
     ]
     owned = sock.parent if sock.parent != work_dir else None
     try:
-        proc = start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log")
+        proc = start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log", checkout=checkout)
     except BaseException:
         if owned is not None:
             shutil.rmtree(owned, ignore_errors=True)
@@ -159,6 +175,7 @@ def start_compute(
     credentials: grpc.ChannelCredentials | None = None,
     log_name: str = "compute.log",
     module: str = "compute_svc",
+    checkout: Path | None = None,
 ) -> Proc:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -171,7 +188,7 @@ def start_compute(
         address,
         *(extra or []),
     ]
-    return start(module, args, address, work_dir / log_name, credentials=credentials)
+    return start(module, args, address, work_dir / log_name, credentials=credentials, checkout=checkout)
 
 
 def start_predictor(
