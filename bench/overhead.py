@@ -212,10 +212,15 @@ def write_png(results: dict, report: dict, path: Path) -> None:
             names.append(key.replace("_vs_", "\nvs "))
             vals.append(report[key])
             goals.append(report["goals"][key])
-    bars = ax.bar(names, vals, color="tab:green")
+    for system, vs in report.get("vs_baseline", {}).items():  # no goal: 1 is "unchanged"
+        names.append(f"{system}\nvs baseline")
+        vals.append(vs["p50_ratio"])
+        goals.append(None)
+    bars = ax.bar(names, vals, color=["tab:green" if g is not None else "tab:grey" for g in goals])
     ax.bar_label(bars, fmt="%.3f", fontsize=8)
     for i, g in enumerate(goals):
-        ax.plot([i - 0.4, i + 0.4], [g, g], "r--")
+        if g is not None:
+            ax.plot([i - 0.4, i + 0.4], [g, g], "r--")
     ax.axhline(1, color="grey", lw=0.8)
     miss = report.get("miss_fixed_cost_us")
     ax.set_title(
