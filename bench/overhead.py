@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     ports: dict[str, int] = {}
     syncs: dict[str, dict] = {}
-    warm_ups = 0
+    warm_ups: dict[str, int] = {}  # unmeasured requests until each lru's host tier was full
     with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp:
         running: dict[str, ProcessSystem | TransformersSystem] = {}
         try:
@@ -343,9 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             for label in ("lru", "baseline-lru"):
                 if label in running:
-                    n = warm_host_tier(running[label], manifest.num_blobs)
-                    warm_ups = warm_ups if label.startswith("baseline") else n
-                    say(f"[{label}] host tier warmed with {n} unmeasured request(s)")
+                    warm_ups[label] = warm_host_tier(running[label], manifest.num_blobs)
+                    say(f"[{label}] host tier warmed with {warm_ups[label]} unmeasured request(s)")
             for proc in running.values():
                 proc.begin()
             before = {s: scrape(p) for s, p in ports.items()}
@@ -390,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "cpu_count": os.cpu_count(),
         "lru_arena_experts": device_bytes // blob,
-        "lru_host_warm_up_requests": warm_ups,
+        "lru_host_warm_up_requests": warm_ups.get("lru", 0),
         "goals": {
             "resident_vs_transformers": GOALS[
                 "resident_vs_transformers_gpu"
@@ -420,21 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     if "lru" in results and "resident" in results:
         report.update(miss_figures(results["lru"], results["resident"]))
         say_miss("miss_fixed_cost_us", report, results["lru"], results["resident"])
-    if "baseline-lru" in results and "baseline-resident" in results:
-        lru, res = results["baseline-lru"], results["baseline-resident"]
-        baseline = report["baseline"] = {
-            "lru_vs_resident": lru["p50_s"] / res["p50_s"],
-            "lru_vs_resident_per_repeat": repeat_ratios(lru, res),
-            **miss_figures(lru, res),
-        }
-        say(
-            f"baseline lru_vs_resident: {baseline['lru_vs_resident']:.3f}; "
-            f"per repeat {spread_text(baseline['lru_vs_resident_per_repeat'])}"
-        )
-        say_miss("baseline miss_fixed_cost_us", baseline, lru, res)
     if args.baseline is not None:
-        report.setdefault("baseline", {})["checkout"] = str(args.baseline)
-        report["baseline"]["revision"] = revision(args.baseline)
+        baseline = report["baseline"] = {"checkout": str(args.baseline), "revision": revision(args.baseline)}
+        if "baseline-lru" in results and "baseline-resident" in results:
+            lru, res = results["baseline-lru"], results["baseline-resident"]
+            per = repeat_ratios(lru, res)
+            baseline |= {
+                "lru_vs_resident": lru["p50_s"] / res["p50_s"],
+                "lru_vs_resident_per_repeat": per,
+                **miss_figures(lru, res),
+            }
+            say(f"baseline lru_vs_resident: {baseline['lru_vs_resident']:.3f}; per repeat {spread_text(per)}")
+            say_miss("baseline miss_fixed_cost_us", baseline, lru, res)
         report["vs_baseline"] = vs_baseline(results)
     for system in ("resident", "ours-resident"):
         if system in results:

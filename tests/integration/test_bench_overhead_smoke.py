@@ -5,6 +5,7 @@ figure the issue asks for, each equal to its definition."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -18,24 +19,18 @@ needs_trace = pytest.mark.skipif(
 )
 
 
+def run_tiny(tmp_path, *extra: str) -> dict:
+    """bench.overhead at 4 tokens, one request, two repeats; its JSON report."""
+    out = tmp_path / "overhead.json"
+    small = ["--tokens", "4", "--requests", "1", "--repeats", "2"]
+    assert overhead.main([*small, "--data-dir", str(tmp_path), "--out", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
 @needs_trace
 def test_overhead_harness_reports_every_figure(tmp_path, capsys):
-    out = tmp_path / "overhead.json"
-    args = [
-        "--tokens",
-        "4",
-        "--requests",
-        "1",
-        "--repeats",
-        "2",
-        "--data-dir",
-        str(tmp_path),
-        "--out",
-        str(out),
-    ]
-    assert overhead.main([*args, "--systems", "resident,lru,transformers,ours-resident"]) == 0
+    report = run_tiny(tmp_path, "--systems", "resident,lru,transformers,ours-resident")
     printed = capsys.readouterr().out
-    report = json.loads(out.read_text())
     systems = report["systems"]
     assert list(systems) == ["resident", "lru", "transformers", "ours-resident"]
     for r in systems.values():
@@ -66,7 +61,7 @@ def test_overhead_harness_reports_every_figure(tmp_path, capsys):
     )
     assert lru["host_bytes_per_token"] > 0 and lru["misses_per_decode_token"] > 0
     assert report["checkpoint"].endswith("checkpoint") and report["goals"]["miss_fixed_cost_us"] == 50.0
-    assert out.with_suffix(".png").stat().st_size > 0
+    assert (tmp_path / "overhead.png").stat().st_size > 0
     for line in (
         "resident_vs_transformers:",
         "lru_vs_resident:",
@@ -87,28 +82,15 @@ def test_a_baseline_checkout_runs_beside_this_one_in_the_same_rounds(tmp_path, c
     """--baseline: another checkout's resident and lru (here this very checkout, run through its
     own .venv as a baseline is) take turns with this one's; each system's p50 over its baseline's
     is reported repeat by repeat, and the baseline's own miss figures beside ours."""
-    out = tmp_path / "overhead.json"
-    args = [
-        "--tokens",
-        "4",
-        "--requests",
-        "1",
-        "--repeats",
-        "2",
-        "--data-dir",
-        str(tmp_path),
-        "--out",
-        str(out),
-    ]
-    assert overhead.main([*args, "--systems", "resident,lru", "--baseline", str(REPO)]) == 0
+    report = run_tiny(tmp_path, "--systems", "resident,lru", "--baseline", str(REPO))
     printed = capsys.readouterr().out
-    report = json.loads(out.read_text())
     systems = report["systems"]
     assert list(systems) == ["resident", "lru", "baseline-resident", "baseline-lru"]
     for r in systems.values():
         assert r["tokens"] == 2 * 3 and len(r["latencies_by_repeat_s"]) == 2
     base = report["baseline"]
-    assert base["checkout"] == str(REPO)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert base["checkout"] == str(REPO) and base["revision"] == (head.stdout.strip() or None)
     lru, res = systems["baseline-lru"], systems["baseline-resident"]
     assert base["lru_vs_resident"] == pytest.approx(lru["p50_s"] / res["p50_s"])
     assert len(base["miss_fixed_cost_us_per_repeat"]) == 2 and base["lru_misses_per_token"] > 0
