@@ -51,6 +51,7 @@ from transformers.integrations.moe import ExpertsInterface
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
+from compute_svc.fused_experts import FusedExperts, decode_sized
 from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
@@ -191,7 +192,9 @@ class ExpertRuntime:
     scheduler worker thread only, so its counters need no lock.
     """
 
-    def __init__(self, provider: ExpertProvider, arena: Arena, layouts: tuple[ExpertTensor, ...]) -> None:
+    def __init__(
+        self, provider: ExpertProvider, arena: Arena, layouts: tuple[ExpertTensor, ...], *, fused: bool = True
+    ) -> None:
         self.provider = provider
         self.arena = arena
         self.layouts = layouts
@@ -231,6 +234,14 @@ class ExpertRuntime:
         # a wave is then computed in one pass whatever the batches it arrives in.
         self._small_experts = arena.slot_bytes < GATHER_BELOW_BYTES
         self._begin_step = getattr(provider, "begin_step", None)
+        # Decode-sized layers on a CPU arena: the native fused kernel reads the experts in place.
+        self.fused_enabled = fused
+        self._fused = self._make_fused(arena)
+
+    def _make_fused(self, arena: Arena) -> FusedExperts | None:
+        if not self.fused_enabled or not FusedExperts.supports(arena.slots):
+            return None
+        return FusedExperts(arena.slots, self.layouts)
 
     @property
     def num_slots(self) -> int:
@@ -284,6 +295,7 @@ class ExpertRuntime:
         self._unreleased.clear()  # those pins went with the old daemon
         self.arena = arena
         self._slot_views = [arena.slot_views(slot, self.layouts) for slot in range(arena.num_slots)]
+        self._fused = self._make_fused(arena)
 
     def forward(
         self,
@@ -317,6 +329,7 @@ class ExpertRuntime:
         routing = route(top_k_index, top_k_weights, fetched.index.numpy())
         self._send_signals(layer, routing, pending, fetched)
         combiner = Combiner(routing, hidden_states)
+        fused = self._fused_inputs(module, routing, hidden_states)
         layer_span = None
         if self.trace_parent is not None:
             layer_span = telemetry.tracer().start_span(
@@ -333,11 +346,23 @@ class ExpertRuntime:
                 if i:
                     # Waves exist because the slots are short: the next wave needs the last one's.
                     self._release_unreleased()
-                self._run_wave(module, layer, wave, hidden_states, routing, combiner, layer_span)
+                self._run_wave(module, layer, wave, hidden_states, routing, combiner, layer_span, fused)
         finally:
             if layer_span is not None:
                 layer_span.end()
         return combiner.result()
+
+    def _fused_inputs(self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor):
+        """(kernel, x float32 [T, H], routing weights float32 [S]) when the fused kernel runs this
+        layer, else None."""
+        if self._fused is None or not decode_sized(routing):
+            return None
+        ffn = self._fused.kernel(module, routing.weights.dtype)
+        if ffn is None:
+            return None
+        x = hidden_states.detach().float().contiguous().numpy()
+        weights = routing.weights.detach().float().contiguous().numpy()
+        return ffn, x, weights
 
     def end_step(self, *, failed: bool = False) -> None:
         """The step's forward is over (the token was picked, which waited for the device):
@@ -436,6 +461,7 @@ class ExpertRuntime:
         routing: Routing,
         combiner: Combiner,
         layer_span=None,
+        fused=None,
     ) -> None:
         acquire_span = None
         acquire = getattr(self.provider, "acquire_batches", None) or self._singletons
@@ -459,7 +485,11 @@ class ExpertRuntime:
         # Small experts: one pass over the whole wave (the first projection of each as it is
         # pinned, the rest once); large ones: a pass per batch, so that the whole of one batch's
         # compute overlaps the next one's copy.
-        whole = ExpertsPass(module, wave, hidden_states, routing) if self._small_experts else None
+        whole = (
+            ExpertsPass(module, wave, hidden_states, routing)
+            if self._small_experts and fused is None
+            else None
+        )
         try:
             pending = set(wave)
             while True:
@@ -478,6 +508,11 @@ class ExpertRuntime:
                     self.counters.record(ready.source)
                     device_hits += ready.source is ExpertSource.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
+                if fused is not None:
+                    ffn, x, weights = fused
+                    experts = [r.expert for r in batch]
+                    self._fused.run(ffn, [r.slot for r in batch], experts, routing, x, weights, combiner)
+                    continue
                 one = whole or ExpertsPass(module, [r.expert for r in batch], hidden_states, routing)
                 for ready in batch:
                     one.up(ready.expert, lambda name, view=views[ready.slot]: decoder.param(name, view))

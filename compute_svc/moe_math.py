@@ -210,6 +210,16 @@ class Combiner:
             self._pairs = weighted.new_empty(s, self._hidden.shape[-1])
         self._pairs.index_copy_(0, rows, weighted.to(self._pairs.dtype))
 
+    def float_pairs(self) -> np.ndarray:
+        """The [S, H] pair buffer as float32, for a writer that fills rows in place (the fused
+        kernel); a buffer an earlier batch made in another dtype is converted once."""
+        if self._pairs is None:
+            s = self._routing.num_tokens * self._routing.top_k
+            self._pairs = self._hidden.new_empty(s, self._hidden.shape[-1], dtype=torch.float32)
+        elif self._pairs.dtype != torch.float32:
+            self._pairs = self._pairs.float()
+        return self._pairs.numpy()
+
     def result(self) -> torch.Tensor:
         """[T, H] in the hidden states' dtype: sum over k in the same order as transformers."""
         if self._pairs is None:

@@ -174,3 +174,19 @@ if CUDA_BUILT:
 def cuda_available() -> bool:
     """True when the extension has the CUDA path and the CUDA runtime sees at least one device."""
     return CUDA_BUILT and _native.cuda_device_count() > 0
+
+
+# ``ExpertFfn(spec)``: one MoE layer's experts fused on the CPU from their stored encoding
+# (``run(arena, slots, bounds, rows, tokens, weights, x, out)``, ``set_threads``, ``path``); the spec
+# is compute_svc.fused_experts.fused_spec's. See csrc/include/expertcache/expert_ffn.h.
+ExpertFfn = _native.ExpertFfn
+
+
+def expert_ffn(spec: dict, threads: int = 1) -> ExpertFfn:
+    """A fused expert FFN for ``spec``, running on ``threads`` threads (the caller's included)."""
+    ffn = ExpertFfn(spec)
+    ffn.set_threads(max(1, int(threads)))
+    return ffn
+
+
+__all__ += ["ExpertFfn", "expert_ffn"]

@@ -89,13 +89,22 @@ def tiny_store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def local_engine(tiny_store):
-    """``local_engine(arch, slots=..., reverse=False, **config)`` → (engine, provider, TinyStore).
+    """``local_engine(arch, slots=..., reverse=False, fused=True, **config)`` → (engine, provider,
+    TinyStore); ``fused=False`` keeps every layer on the torch path.
 
     The real engine (dense weights from the store, experts from an in-memory arena) fed by
     ``LocalProvider`` instead of a daemon process.
     """
 
-    def build(arch: str, *, slots: int | None = None, reverse: bool = False, limit: int = 256, **config):
+    def build(
+        arch: str,
+        *,
+        slots: int | None = None,
+        reverse: bool = False,
+        limit: int = 256,
+        fused: bool = True,
+        **config,
+    ):
         import torch
 
         from compute_svc.arena import Arena
@@ -110,7 +119,7 @@ def local_engine(tiny_store):
         arena = Arena(torch.zeros(num_slots, manifest.blob_bytes, dtype=torch.uint8))
         provider = LocalProvider(tiny.store, manifest, arena, reverse=reverse)
         loaded = load_model(tiny.store, manifest, torch.device("cpu"))
-        runtime = ExpertRuntime(provider, arena, manifest.tensors)
+        runtime = ExpertRuntime(provider, arena, manifest.tensors, fused=fused)
         attach(loaded.model, loaded.experts_modules, runtime)
         return GenerationEngine(loaded, runtime, max_new_tokens_limit=limit), provider, tiny
 

@@ -33,3 +33,5 @@ void bind_transitions(pybind11::module_& m);
 void bind_next_visit(pybind11::module_& m);
 // Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
 void bind_cuda(pybind11::module_& m);
+// ExpertFfn: one MoE layer's experts fused on the CPU, from their stored encoding.
+void bind_expert_ffn(pybind11::module_& m);

@@ -11,7 +11,7 @@
 void bind_decode(pybind11::module_& m);
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model, expert decode";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model, expert decode, fused CPU expert FFN";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -32,5 +32,6 @@ PYBIND11_MODULE(_native, m) {
   bind_transitions(m);
   bind_next_visit(m);
   bind_decode(m);
+  bind_expert_ffn(m);
   bind_cuda(m);
 }

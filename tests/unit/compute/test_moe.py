@@ -154,6 +154,39 @@ def test_quantized_experts_match_transformers_dequantised_model(arch, quantizati
     assert engine.runtime.decoder.scratch_bytes > 0
 
 
+# -- decode-sized layers through the fused CPU kernel (compute_svc.fused_experts) ----------------
+SHORT = [5, 17, 33]  # 3 tokens: every expert has at most 3 rows, so every layer is fused
+FUSED = [pytest.param(arch, {}, TOL, id=arch) for arch in SUPPORTED_ARCHS] + [
+    pytest.param(p.values[0], quantized_config(*p.values[:3]), p.values[3], id=p.id) for p in QUANTIZED
+]
+
+
+@pytest.mark.parametrize(("arch", "config", "tol"), FUSED)
+def test_fused_kernel_matches_transformers_at_decode_sizes(arch, config, tol, local_engine):
+    engine, _, tiny = local_engine(arch, **config)
+    got = engine.forward_logits(SHORT)
+    fused = engine.runtime._fused
+    assert fused is not None and fused.calls > 0, "the fused kernel did not run"
+    assert all(k is not None for k in fused._by_module.values()), "a layer fell back to the torch path"
+    want = plain_logits(tiny.checkpoint, SHORT)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, local_engine(arch, fused=False, **config)[0].forward_logits(SHORT), **tol)
+
+
+def test_greedy_decode_through_the_fused_kernel_matches_generate(local_engine):
+    from compute_svc.requests import GenerationRequest
+
+    engine, _, tiny = local_engine("gpt_oss", **quantized_config("gpt_oss", "mxfp4", torch.float32))
+    plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()
+    with torch.no_grad():
+        want = plain.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)
+    request = engine.requests.prepare(
+        GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=12, ignore_eos=True)
+    )
+    assert [e.token_id for e in engine.generate(request)] == want[0, len(PROMPT) :].tolist()
+    assert engine.runtime._fused.calls > 0
+
+
 # -- the routing-aware comparison that the GPU test uses (tests/equality.py) ----------------------
 def test_the_routing_aware_comparison_agrees_on_the_cpu_and_finds_a_flip(local_engine):
     from tests.equality import compare_with_routing

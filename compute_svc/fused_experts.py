@@ -1,0 +1,224 @@
+"""Decode-sized batches of experts on the CPU through the native fused expert FFN.
+
+``moe_math.ExpertsPass`` runs an expert as torch ops over a decoded copy of its weights; for a
+decode step (a few rows per expert) that costs more than reading the weights. ``FusedExperts``
+runs the batch in one native call (``expertcache._native.ExpertFfn``, csrc/src/expert_ffn.cc)
+that reads each expert straight from its arena slot in its stored encoding (plain, MXFP4, block
+FP8) and writes the weighted outputs into the combiner's pair rows. The spec it needs (where each
+part sits in a slot, how each matrix is read, the activation) comes from the manifest's expert
+tensors and the experts module; a module whose math the kernel does not have (another gate or
+activation, a post-expert norm, an encoded matrix read transposed) gets ``None`` from
+``fused_spec`` and keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers import activations
+from transformers.integrations import moe as hf_moe
+
+from compute_svc.moe_math import Combiner, Routing
+from expertcache.manifest import ExpertTensor
+
+logger = logging.getLogger(__name__)
+
+# Rows per expert up to which the fused kernel beats a decode + GEMM (bench.kernels measures it).
+MAX_FUSED_ROWS = 16
+
+_ACTS = (
+    ((activations.SiLUActivation, torch.nn.SiLU), "silu"),
+    ((activations.GELUTanh,), "gelu_tanh"),
+    ((activations.GELUActivation,), "gelu"),
+    ((torch.nn.ReLU,), "relu"),
+)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _act_name(act_fn: object) -> str | None:
+    if isinstance(act_fn, activations.GELUActivation) and getattr(act_fn, "act", None) is not None:
+        if getattr(act_fn.act, "__name__", "") != "gelu":  # GELUActivation(use_gelu_python=True)
+            return None
+    return next((name for types, name in _ACTS if type(act_fn) in types), None)
+
+
+def _gate(module: torch.nn.Module) -> dict | None:
+    """The activation stage as the kernel names it, or None."""
+    if not module.has_gate:
+        act = _act_name(getattr(module, "act_fn", None))
+        return None if act is None else dict(gate="plain", act=act)
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is hf_moe._default_apply_gate:
+        act = _act_name(getattr(module, "act_fn", None))
+        return None if act is None else dict(gate="glu_halves", act=act)
+    if type(module).__name__ == "GptOssExperts" and apply_gate.__qualname__ == "GptOssExperts._apply_gate":
+        return dict(gate="gpt_oss", alpha=float(module.alpha), limit=float(module.limit))
+    return None
+
+
+def _projection(tensors: dict[str, ExpertTensor], name: str, inputs: int, outputs: int, transposed: bool):
+    """How the kernel reads parameter ``name`` (x @ W maps inputs → outputs), or None."""
+    t = tensors.get(name)
+    if t is None or t.dtype not in _DTYPES:
+        return None
+    parts = {p.name: p for p in t.parts}
+    if t.encoding == "plain":
+        part = parts[name]
+        if part.dtype not in _DTYPES:
+            return None
+        want = (inputs, outputs) if transposed else (outputs, inputs)
+        if tuple(part.shape) != want:
+            return None
+        spec = dict(
+            encoding="plain",
+            form="axpy" if transposed else "dot",
+            weight_dtype=part.dtype,
+            weight_offset=part.offset,
+        )
+    elif t.encoding == "mxfp4":
+        # Blocks [R, C/32, 16] with the runtime parameter D.T: rows are outputs when the module
+        # computes x @ param with param [in, out].
+        if not (t.transposed and transposed):
+            return None
+        blocks, scales = parts[name + "_blocks"], parts[name + "_scales"]
+        if tuple(blocks.shape) != (outputs, inputs // 32, 16):
+            return None
+        spec = dict(encoding="mxfp4", form="dot", weight_offset=blocks.offset, scale_offset=scales.offset)
+    elif t.encoding == "fp8":
+        if t.transposed or transposed:
+            return None
+        values, scale = parts[name], parts[name + "_scale_inv"]
+        if tuple(values.shape) != (outputs, inputs):
+            return None
+        bm, bn = t.block_size
+        spec = dict(
+            encoding="fp8",
+            form="dot",
+            weight_offset=values.offset,
+            scale_offset=scale.offset,
+            block_rows=bm,
+            block_cols=bn,
+        )
+    else:
+        return None
+    spec.update(inputs=inputs, outputs=outputs)
+    bias = tensors.get(name + "_bias")
+    if bias is not None:
+        if bias.encoding != "plain" or bias.parts[0].dtype not in _DTYPES or tuple(bias.shape) != (outputs,):
+            return None
+        spec.update(bias_offset=bias.parts[0].offset, bias_dtype=bias.parts[0].dtype)
+    return spec
+
+
+def fused_spec(module: torch.nn.Module, layouts: Sequence[ExpertTensor], slot_bytes: int) -> dict | None:
+    """The native kernel's spec for ``module``'s experts stored as ``layouts``, or None when its
+    math or layout is one the kernel does not have."""
+    if getattr(module, "has_post_expert_norm", False):
+        return None
+    gate = _gate(module)
+    if gate is None:
+        return None
+    tensors = {t.name: t for t in layouts}
+    first_name = "gate_up_proj" if module.has_gate else "up_proj"
+    down = tensors.get("down_proj")
+    if down is None or len(down.shape) != 2:
+        return None
+    transposed = bool(module.is_transposed)
+    inter, hidden = down.shape if transposed else down.shape[::-1]
+    first_out = 2 * inter if module.has_gate else inter
+    has_bias = bool(module.has_bias)
+    if has_bias != (first_name + "_bias" in tensors and "down_proj_bias" in tensors):
+        return None
+    first = _projection(tensors, first_name, hidden, first_out, transposed)
+    second = _projection(tensors, "down_proj", inter, hidden, transposed)
+    if first is None or second is None:
+        return None
+    compute = tensors[first_name].dtype
+    if tensors["down_proj"].dtype != compute:
+        return None
+    return dict(first=first, down=second, compute=compute, slot_bytes=int(slot_bytes), **gate)
+
+
+class FusedExperts:
+    """The native fused kernel for every experts module of one model (one per distinct spec)."""
+
+    def __init__(self, arena_slots: torch.Tensor, layouts: Sequence[ExpertTensor]) -> None:
+        from expertcache import native  # the native core: imported where it runs
+
+        self._native = native
+        self.layouts = tuple(layouts)
+        self.arena = arena_slots.reshape(-1).numpy()  # [num_slots * slot_bytes] uint8, no copy
+        self.slot_bytes = int(arena_slots.shape[1])
+        self._by_module: dict[tuple[int, torch.dtype], object | None] = {}
+        self._by_spec: dict[str, object] = {}
+        self.calls = 0  # batches run by the kernel
+
+    @staticmethod
+    def supports(arena_slots: torch.Tensor) -> bool:
+        return arena_slots.device.type == "cpu" and arena_slots.is_contiguous()
+
+    def kernel(self, module: torch.nn.Module, weights_dtype: torch.dtype):
+        """The native ExpertFfn for ``module`` with routing weights of ``weights_dtype``, or None
+        (the torch path)."""
+        key = (id(module), weights_dtype)
+        if key not in self._by_module:
+            spec = fused_spec(module, self.layouts, self.slot_bytes)
+            ffn = None
+            if spec is not None:
+                # transformers' weighted output: float32 with float32 routing weights, else rounded.
+                spec["round_weighted"] = (
+                    str(weights_dtype).removeprefix("torch.") == spec["compute"] != "float32"
+                )
+                text = repr(sorted(spec.items()))
+                ffn = self._by_spec.get(text)
+                if ffn is None:
+                    ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
+                    self._by_spec[text] = ffn
+                    logger.info(
+                        "experts of %s run by the fused CPU kernel (%s path, %d threads)",
+                        type(module).__name__,
+                        ffn.path,
+                        ffn.threads,
+                    )
+            else:
+                logger.info(
+                    "experts of %s run as torch ops (no fused kernel for their math)", type(module).__name__
+                )
+            self._by_module[key] = ffn
+        return self._by_module[key]
+
+    def run(
+        self,
+        ffn,
+        slots: Sequence[int],
+        experts: Sequence[int],
+        routing: Routing,
+        x: np.ndarray,
+        weights: np.ndarray,
+        combiner: Combiner,
+    ) -> None:
+        """The batch ``experts`` (pinned in ``slots``) over their rows of ``routing``, into
+        ``combiner``'s pair rows. ``x`` [T, H] and ``weights`` [S] are the layer's float32 inputs
+        and routing weights (made once per layer)."""
+        self.calls += 1
+        rows, tokens, bounds = routing.group(experts)
+        rows_np = rows.numpy()
+        ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
+        ffn.run(
+            self.arena,
+            np.asarray(slots, dtype=np.int64),
+            np.concatenate(([0], ends)),
+            rows_np,
+            tokens.numpy(),
+            weights[rows_np],
+            x,
+            combiner.float_pairs(),
+        )
+
+
+def decode_sized(routing: Routing) -> bool:
+    """Every expert of the layer has few enough rows for the fused kernel."""
+    return all(b - a <= MAX_FUSED_ROWS for a, b in routing.spans.values())

@@ -1,0 +1,113 @@
+// One MoE layer's experts on the CPU, straight from their stored encoding: for each expert, its
+// rows' first projection (gate_up or up), the activation, the down projection and the routing
+// weight, fused, with no decoded copy of any weight. Used by compute for decode steps (a few rows
+// per expert), where the experts' bytes, not arithmetic, bound the time.
+//
+//   x      float32 [T, H]     the layer's input rows (values of the compute dtype, exact in float32)
+//   expert e (weights at arena + slot_e * slot_bytes): its rows r = pair rows rows[b_e .. b_(e+1))
+//          of token tokens[r], routing weight weights[r]
+//   out    float32 [T * K, H] pair rows, out[r] = weight[r] * down(act(first(x[token r])))
+//
+// A projection reads its matrix M [R, C] (row-major, as stored) in one of two ways:
+//   dot    out[i] = sum_c M[i, c] * in[c]  (R outputs): plain [out, in] weights (transformers'
+//          is_transposed=False), every MXFP4 tensor (its blocks' rows are output features) and
+//          block-FP8 tensors that are not transposed
+//   axpy   out[j] = sum_r in[r] * M[r, j]  (C outputs): plain transposed weights [in, out]
+// Weights: plain bfloat16 / float16 / float32, MXFP4 (E2M1 codes by look-up, one E8M0 scale per 32),
+// block FP8 e4m3 (decoded and multiplied by its block's scale_inv, rounded to the compute dtype
+// as transformers' dequantisation does).
+//
+// Numerics: products and sums in float32 (the order differs from a BLAS GEMM, so the last bits
+// of a sum may too). Every other rounding of transformers' forward in the compute dtype is
+// repeated: each projection's output, its bias add, each op of the activation, the weighted
+// output when the routing weights have the compute dtype. Activations:
+//   kGluHalves   gate, up = h.chunk(2): act(gate) * up        (Mixtral, Qwen-MoE, OLMoE, DeepSeek)
+//   kGptOss      gate, up = h[::2], h[1::2]; gate = min(gate, limit); up = clamp(up, ±limit);
+//                (up + 1) * (gate * sigmoid(gate * alpha))    (GPT-OSS)
+//   kPlain       act(h)                                        (experts without a gate)
+// with act one of silu, gelu (erf), gelu_tanh, relu.
+//
+// Threads: the work of a call is split over `threads` (ExpertFfn::set_threads) by output rows,
+// the caller's thread included; a call allocates nothing once its scratch has grown to the
+// largest call seen.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace expertcache {
+
+enum class FfnDtype { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class FfnEncoding { kPlain = 0, kMxfp4 = 1, kFp8 = 2 };
+enum class FfnForm { kDot = 0, kAxpy = 1 };
+enum class FfnGate { kGluHalves = 0, kGptOss = 1, kPlain = 2 };
+enum class FfnAct { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3 };
+
+// One projection of an expert, at fixed offsets inside every slot.
+struct FfnProjection {
+  FfnEncoding encoding = FfnEncoding::kPlain;
+  FfnForm form = FfnForm::kDot;
+  FfnDtype weight_dtype = FfnDtype::kBFloat16;  // plain weights only
+  size_t inputs = 0, outputs = 0;               // the projection maps inputs -> outputs
+  size_t weight_offset = 0;                     // plain values, MXFP4 blocks, FP8 values
+  size_t scale_offset = 0;                      // MXFP4 scales, FP8 scale_inv
+  size_t block_rows = 0, block_cols = 0;        // FP8 blocks (of M [R, C])
+  int64_t bias_offset = -1;                     // [outputs] of bias_dtype, or -1
+  FfnDtype bias_dtype = FfnDtype::kBFloat16;
+  // Bytes of the slot this projection reads, from offset 0: checked against the slot size.
+  size_t extent() const;
+};
+
+struct FfnSpec {
+  FfnProjection first;  // gate_up (2I outputs) or up (I outputs)
+  FfnProjection down;   // I -> H
+  FfnGate gate = FfnGate::kGluHalves;
+  FfnAct act = FfnAct::kSilu;
+  float alpha = 1.702f, limit = 7.0f;  // kGptOss
+  FfnDtype compute = FfnDtype::kBFloat16;
+  bool round_weighted = false;  // the routing weights have the compute dtype: round the product
+  size_t slot_bytes = 0;
+};
+
+struct FfnPool;
+
+class ExpertFfn {
+ public:
+  // std::invalid_argument naming what is inconsistent (sizes, a form an encoding cannot take, a
+  // projection past the slot).
+  explicit ExpertFfn(const FfnSpec& spec);
+  ~ExpertFfn();
+  ExpertFfn(const ExpertFfn&) = delete;
+  ExpertFfn& operator=(const ExpertFfn&) = delete;
+
+  const FfnSpec& spec() const { return spec_; }
+  size_t hidden() const { return spec_.down.outputs; }
+  size_t intermediate() const { return spec_.down.inputs; }
+  // The SIMD path in use: "avx2" or "portable".
+  const char* path() const;
+  void set_threads(int threads);
+  int threads() const { return threads_; }
+
+  // The layer's experts (see the header comment). `slots`, `bounds` [n + 1] (bounds[0] = 0),
+  // `rows`, `tokens`, `weights` [bounds[n]]. The caller checks every index (the binding does).
+  void run(const uint8_t* arena, const int64_t* slots, size_t n, const int64_t* bounds, const int64_t* rows,
+           const int64_t* tokens, const float* weights, const float* x, float* out);
+
+ private:
+  struct Task;
+  void first_items(const Task& t, size_t begin, size_t end);
+  void down_items(const Task& t, size_t begin, size_t end);
+
+  FfnSpec spec_;
+  bool avx2_ = false;
+  int threads_ = 1;
+  std::unique_ptr<FfnPool> pool_;
+  // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
+  // order), the first projection's outputs and the activations.
+  std::vector<float> xin_, h1_, act_;
+};
+
+}  // namespace expertcache

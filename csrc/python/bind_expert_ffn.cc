@@ -1,0 +1,189 @@
+// Python binding of the fused CPU expert FFN (csrc/include/expertcache/expert_ffn.h), used by
+// compute_svc for decode steps on CPU. `ExpertFfn(spec)` takes a dict describing the two
+// projections and the activation (compute_svc builds it from the manifest); `run` takes numpy
+// views (zero-copy) of the arena, the routing and the rows, checks every index and size against
+// the arena, the slot and the arrays (ValueError naming the argument), and runs without the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "bind.h"
+#include "expertcache/expert_ffn.h"
+
+namespace py = pybind11;
+using expertcache::ExpertFfn;
+using expertcache::FfnDtype;
+using expertcache::FfnProjection;
+using expertcache::FfnSpec;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("ExpertFfn: " + message); }
+
+template <class T>
+T get(const py::dict& d, const char* key, const char* where) {
+  if (!d.contains(key)) fail(std::string(where) + " has no '" + key + "'");
+  return d[key].cast<T>();
+}
+
+template <class T>
+T get_or(const py::dict& d, const char* key, T fallback) {
+  return d.contains(key) ? d[key].cast<T>() : fallback;
+}
+
+FfnDtype dtype_of(const std::string& name, const char* where) {
+  if (name == "float32") return FfnDtype::kFloat32;
+  if (name == "bfloat16") return FfnDtype::kBFloat16;
+  if (name == "float16") return FfnDtype::kFloat16;
+  fail(std::string(where) + ": dtype '" + name + "' is not float32, bfloat16 or float16");
+}
+
+FfnProjection projection_of(const py::dict& d, const char* where) {
+  FfnProjection p;
+  const auto encoding = get<std::string>(d, "encoding", where);
+  if (encoding == "plain")
+    p.encoding = expertcache::FfnEncoding::kPlain;
+  else if (encoding == "mxfp4")
+    p.encoding = expertcache::FfnEncoding::kMxfp4;
+  else if (encoding == "fp8")
+    p.encoding = expertcache::FfnEncoding::kFp8;
+  else
+    fail(std::string(where) + ": encoding '" + encoding + "' is not plain, mxfp4 or fp8");
+  const auto form = get<std::string>(d, "form", where);
+  if (form != "dot" && form != "axpy") fail(std::string(where) + ": form '" + form + "' is not dot or axpy");
+  p.form = form == "dot" ? expertcache::FfnForm::kDot : expertcache::FfnForm::kAxpy;
+  p.weight_dtype = dtype_of(get_or<std::string>(d, "weight_dtype", "bfloat16"), where);
+  p.inputs = get<size_t>(d, "inputs", where);
+  p.outputs = get<size_t>(d, "outputs", where);
+  p.weight_offset = get<size_t>(d, "weight_offset", where);
+  p.scale_offset = get_or<size_t>(d, "scale_offset", 0);
+  p.block_rows = get_or<size_t>(d, "block_rows", 0);
+  p.block_cols = get_or<size_t>(d, "block_cols", 0);
+  p.bias_offset = get_or<int64_t>(d, "bias_offset", -1);
+  p.bias_dtype = dtype_of(get_or<std::string>(d, "bias_dtype", "bfloat16"), where);
+  return p;
+}
+
+struct Ffn {
+  std::unique_ptr<ExpertFfn> ffn;
+  std::mutex busy;  // one call at a time: the scratch is the object's
+};
+
+template <class T>
+py::array_t<T> vector_arg(const py::object& obj, const char* name, const char* what) {
+  if (!py::isinstance<py::array_t<T>>(obj)) fail(std::string(name) + " must be a numpy array of " + what);
+  auto a = obj.cast<py::array_t<T>>();
+  if (!(a.flags() & py::array::c_style)) fail(std::string(name) + " must be C-contiguous");
+  return a;
+}
+
+}  // namespace
+
+void bind_expert_ffn(py::module_& m) {
+  py::class_<Ffn>(m, "ExpertFfn")
+      .def(py::init([](const py::dict& spec) {
+             FfnSpec s;
+             s.first = projection_of(get<py::dict>(spec, "first", "spec"), "spec['first']");
+             s.down = projection_of(get<py::dict>(spec, "down", "spec"), "spec['down']");
+             const auto gate = get<std::string>(spec, "gate", "spec");
+             if (gate == "glu_halves")
+               s.gate = expertcache::FfnGate::kGluHalves;
+             else if (gate == "gpt_oss")
+               s.gate = expertcache::FfnGate::kGptOss;
+             else if (gate == "plain")
+               s.gate = expertcache::FfnGate::kPlain;
+             else
+               fail("spec['gate'] '" + gate + "' is not glu_halves, gpt_oss or plain");
+             const auto act = get_or<std::string>(spec, "act", "silu");
+             if (act == "silu")
+               s.act = expertcache::FfnAct::kSilu;
+             else if (act == "gelu")
+               s.act = expertcache::FfnAct::kGelu;
+             else if (act == "gelu_tanh")
+               s.act = expertcache::FfnAct::kGeluTanh;
+             else if (act == "relu")
+               s.act = expertcache::FfnAct::kRelu;
+             else
+               fail("spec['act'] '" + act + "' is not silu, gelu, gelu_tanh or relu");
+             s.alpha = get_or<float>(spec, "alpha", 1.702f);
+             s.limit = get_or<float>(spec, "limit", 7.0f);
+             s.compute = dtype_of(get<std::string>(spec, "compute", "spec"), "spec['compute']");
+             s.round_weighted = get_or<bool>(spec, "round_weighted", false);
+             s.slot_bytes = get<size_t>(spec, "slot_bytes", "spec");
+             if (s.first.inputs != s.down.outputs)
+               fail("the first projection reads " + std::to_string(s.first.inputs) + " features, the down "
+                    "projection writes " + std::to_string(s.down.outputs));
+             auto f = std::make_unique<Ffn>();
+             f->ffn = std::make_unique<ExpertFfn>(s);
+             return f;
+           }),
+           py::arg("spec"))
+      .def_property_readonly("path", [](const Ffn& f) { return std::string(f.ffn->path()); })
+      .def_property_readonly("hidden", [](const Ffn& f) { return f.ffn->hidden(); })
+      .def_property_readonly("threads", [](const Ffn& f) { return f.ffn->threads(); })
+      .def(
+          "set_threads",
+          [](Ffn& f, int threads) {
+            if (threads < 1 || threads > 1024) fail("threads must be 1 .. 1024, got " + std::to_string(threads));
+            std::lock_guard<std::mutex> lock(f.busy);
+            f.ffn->set_threads(threads);
+          },
+          py::arg("threads"))
+      .def(
+          "run",
+          [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& bounds_obj,
+             const py::object& rows_obj, const py::object& tokens_obj, const py::object& weights_obj,
+             const py::object& x_obj, const py::object& out_obj) {
+            const FfnSpec& s = f.ffn->spec();
+            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
+            py::array arena = arena_obj.cast<py::array>();
+            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
+              fail("arena must be a contiguous numpy uint8 array");
+            const size_t num_slots = size_t(arena.size()) / s.slot_bytes;
+            auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
+            auto bounds = vector_arg<int64_t>(bounds_obj, "bounds", "int64");
+            auto rows = vector_arg<int64_t>(rows_obj, "rows", "int64");
+            auto tokens = vector_arg<int64_t>(tokens_obj, "tokens", "int64");
+            auto weights = vector_arg<float>(weights_obj, "weights", "float32");
+            auto x = vector_arg<float>(x_obj, "x", "float32 [T, H]");
+            auto out = vector_arg<float>(out_obj, "out", "float32 [P, H]");
+            const size_t n = size_t(slots.size()), H = f.ffn->hidden();
+            if (size_t(bounds.size()) != n + 1) fail("bounds must hold len(slots) + 1 = " + std::to_string(n + 1) + " values");
+            const int64_t* b = bounds.data();
+            if (b[0] != 0) fail("bounds[0] must be 0");
+            for (size_t e = 0; e < n; ++e)
+              if (b[e + 1] <= b[e]) fail("bounds must increase (every expert has rows)");
+            const size_t total = size_t(b[n]);
+            if (size_t(rows.size()) != total || size_t(tokens.size()) != total || size_t(weights.size()) != total)
+              fail("rows, tokens and weights must each hold bounds[-1] = " + std::to_string(total) + " values");
+            if (x.ndim() != 2 || size_t(x.shape(1)) != H) fail("x must be float32 [T, " + std::to_string(H) + "]");
+            if (out.ndim() != 2 || size_t(out.shape(1)) != H) fail("out must be float32 [P, " + std::to_string(H) + "]");
+            if (!out.writeable()) fail("out must be writable");
+            const int64_t T = x.shape(0), P = out.shape(0);
+            for (size_t e = 0; e < n; ++e)
+              if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
+                fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
+            for (size_t r = 0; r < total; ++r) {
+              if (tokens.data()[r] < 0 || tokens.data()[r] >= T)
+                fail("token " + std::to_string(tokens.data()[r]) + " is outside x's " + std::to_string(T) + " rows");
+              if (rows.data()[r] < 0 || rows.data()[r] >= P)
+                fail("row " + std::to_string(rows.data()[r]) + " is outside out's " + std::to_string(P) + " rows");
+            }
+            const auto* a = static_cast<const uint8_t*>(arena.data());
+            const int64_t *sp = slots.data(), *rp = rows.data(), *tp = tokens.data();
+            const float *wp = weights.data(), *xp = x.data();
+            float* op = out.mutable_data();
+            std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
+            if (!lock.owns_lock()) fail("run called while another run of the same object is in progress");
+            py::gil_scoped_release release;
+            f.ffn->run(a, sp, n, b, rp, tp, wp, xp, op);
+          },
+          py::arg("arena"), py::arg("slots"), py::arg("bounds"), py::arg("rows"), py::arg("tokens"),
+          py::arg("weights"), py::arg("x"), py::arg("out"),
+          "out[rows[r]] = weights[r] * ffn(x[tokens[r]]) for the experts in arena slots `slots`, expert e "
+          "owning r in bounds[e] .. bounds[e + 1]");
+}

@@ -1,0 +1,710 @@
+// One MoE layer's experts, fused, from their stored encoding (csrc/include/expertcache/expert_ffn.h).
+// The AVX2 + FMA + F16C path is compiled with function-level target attributes and chosen at run
+// time; the portable path is the reference it is tested against.
+#include "expertcache/expert_ffn.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "expertcache/decode.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define EXPERTCACHE_FFN_X86 1
+#include <immintrin.h>
+#define EXPERTCACHE_FFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace expertcache {
+namespace {
+
+constexpr size_t kGroup = 32;       // MXFP4 values per scale
+constexpr size_t kGroupBytes = 16;  // their bytes
+constexpr size_t kDotChunk = 16;    // output rows per work item (dot)
+constexpr size_t kAxpyChunk = 64;   // output columns per work item (axpy)
+
+constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+float fp16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FFu;
+  if (exp == 0) return float_of(sign) + (sign ? -1.0f : 1.0f) * std::ldexp(float(man), -24);
+  if (exp == 31) return float_of(sign | 0x7F800000u | (man << 13));
+  return float_of(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+float bf16_to_float(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
+// The value `v` takes in `dtype` (torch's rounding), as a float.
+inline float round_to(float v, FfnDtype dtype) {
+  switch (dtype) {
+    case FfnDtype::kBFloat16: return bf16_to_float(float_to_bf16(v));
+    case FfnDtype::kFloat16: return fp16_to_float(float_to_fp16(v));
+    default: return v;
+  }
+}
+
+float load_value(const uint8_t* p, FfnDtype dtype, size_t i) {
+  switch (dtype) {
+    case FfnDtype::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      return bf16_to_float(h);
+    }
+    case FfnDtype::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      return fp16_to_float(h);
+    }
+    default: {
+      float f;
+      std::memcpy(&f, p + 4 * i, 4);
+      return f;
+    }
+  }
+}
+
+// Half of each E8M0 scale, 2**(s - 128), against twice each E2M1 value: every factor finite (s = 255
+// included, as in expertcache.encodings), every product exact.
+struct E8m0Half {
+  alignas(64) float value[256];
+  E8m0Half() {
+    for (int s = 0; s < 256; ++s) value[s] = std::ldexp(1.0f, s - 128);
+  }
+};
+const E8m0Half kE8m0Half;
+
+size_t dtype_bytes(FfnDtype dtype) { return dtype == FfnDtype::kFloat32 ? 4 : 2; }
+
+// e4m3 -> float32, exact (NaN codes: NaN).
+float e4m3_value(uint8_t code) { return e4m3_to_float(code); }
+
+float act_value(FfnAct act, float x) {
+  switch (act) {
+    case FfnAct::kSilu: return x / (1.0f + std::exp(-x));
+    case FfnAct::kGelu: return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+    case FfnAct::kGeluTanh: {
+      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+    }
+    case FfnAct::kRelu: return x > 0.0f ? x : (std::isnan(x) ? x : 0.0f);
+  }
+  return x;
+}
+
+// Where input c of an MXFP4 dot row sits in the AVX2 path's order (mxfp4_dot_avx2 decodes a
+// group's 32 codes as [low nibbles 0..3 | high 0..3], [4..7 | 4..7], ...): c itself elsewhere.
+inline size_t mxfp4_position(size_t c) {
+  const size_t g = c / kGroup, k = c % kGroup;
+  const size_t lane = k & 1, j = k >> 1;
+  return g * kGroup + (j >> 2) * 8 + lane * 4 + (j & 3);
+}
+
+// -- portable kernels (the reference) -----------------------------------------------------------------
+
+// h[r][i] for i in [i0, i1), r < nr: dot of weight row i with x[r].
+void dot_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t i0, size_t i1,
+                  float* h, FfnDtype compute) {
+  const size_t C = p.inputs;
+  for (size_t i = i0; i < i1; ++i) {
+    for (size_t r = 0; r < nr; ++r) {
+      const float* xr = x + r * C;
+      float acc = 0.0f;
+      if (p.encoding == FfnEncoding::kPlain) {
+        const uint8_t* w = slot + p.weight_offset + i * C * dtype_bytes(p.weight_dtype);
+        for (size_t c = 0; c < C; ++c) acc += load_value(w, p.weight_dtype, c) * xr[c];
+      } else if (p.encoding == FfnEncoding::kMxfp4) {
+        const size_t groups = C / kGroup;
+        const uint8_t* b = slot + p.weight_offset + i * groups * kGroupBytes;
+        const uint8_t* s = slot + p.scale_offset + i * groups;
+        for (size_t g = 0; g < groups; ++g) {
+          float part = 0.0f;
+          for (size_t k = 0; k < kGroupBytes; ++k) {
+            const uint8_t byte = b[g * kGroupBytes + k];
+            part += 2.0f * kFp4[byte & 0xF] * xr[g * kGroup + 2 * k];
+            part += 2.0f * kFp4[byte >> 4] * xr[g * kGroup + 2 * k + 1];
+          }
+          acc += part * kE8m0Half.value[s[g]];
+        }
+      } else {  // FP8: each weight as transformers decodes it, rounded to the compute dtype
+        const uint8_t* v = slot + p.weight_offset + i * C;
+        const float* scale = reinterpret_cast<const float*>(slot + p.scale_offset);
+        const size_t grid_cols = (C + p.block_cols - 1) / p.block_cols;
+        const float* srow = scale + (i / p.block_rows) * grid_cols;
+        for (size_t c = 0; c < C; ++c) acc += round_to(e4m3_value(v[c]) * srow[c / p.block_cols], compute) * xr[c];
+      }
+      h[r * p.outputs + i] = acc;
+    }
+  }
+}
+
+// h[r][j] for j in [j0, j1): sum over inputs of x[r][k] * M[k][j] (plain M [inputs, outputs]).
+void axpy_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t j0, size_t j1,
+                   float* h) {
+  const size_t C = p.outputs, R = p.inputs, bytes = dtype_bytes(p.weight_dtype);
+  const uint8_t* w = slot + p.weight_offset;
+  for (size_t r = 0; r < nr; ++r)
+    for (size_t j = j0; j < j1; ++j) {
+      float acc = 0.0f;
+      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * C * bytes, p.weight_dtype, j);
+      h[r * C + j] = acc;
+    }
+}
+
+#ifdef EXPERTCACHE_FFN_X86
+// -- AVX2 + FMA + F16C -----------------------------------------------------------------------------------
+
+EXPERTCACHE_FFN_AVX2 inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 8 plain weights as float32.
+template <FfnDtype W>
+EXPERTCACHE_FFN_AVX2 inline __m256 load8(const uint8_t* p) {
+  if constexpr (W == FfnDtype::kBFloat16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (W == FfnDtype::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+// Plain dot rows: two weight rows at a time against NR <= 4 input rows.
+template <FfnDtype W, int NR>
+EXPERTCACHE_FFN_AVX2 void dot_plain_avx2(const uint8_t* w0, size_t C, const float* x, size_t i0, size_t i1,
+                                         float* h, size_t H) {
+  constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
+  const size_t body = C & ~size_t(7);
+  size_t i = i0;
+  for (; i + 2 <= i1; i += 2) {
+    const uint8_t* a = w0 + i * C * B;
+    const uint8_t* b = a + C * B;
+    __m256 acc[2][NR];
+    for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (size_t c = 0; c < body; c += 8) {
+      const __m256 wa = load8<W>(a + c * B), wb = load8<W>(b + c * B);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * C + c);
+        acc[0][r] = _mm256_fmadd_ps(wa, xv, acc[0][r]);
+        acc[1][r] = _mm256_fmadd_ps(wb, xv, acc[1][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float sa = hsum(acc[0][r]), sb = hsum(acc[1][r]);
+      for (size_t c = body; c < C; ++c) {
+        sa += load_value(a, W, c) * x[r * C + c];
+        sb += load_value(b, W, c) * x[r * C + c];
+      }
+      h[r * H + i] = sa;
+      h[r * H + i + 1] = sb;
+    }
+  }
+  for (; i < i1; ++i) {
+    const uint8_t* a = w0 + i * C * B;
+    for (int r = 0; r < NR; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (size_t c = 0; c < body; c += 8) acc = _mm256_fmadd_ps(load8<W>(a + c * B), _mm256_loadu_ps(x + r * C + c), acc);
+      float s = hsum(acc);
+      for (size_t c = body; c < C; ++c) s += load_value(a, W, c) * x[r * C + c];
+      h[r * H + i] = s;
+    }
+  }
+}
+
+// Twice the E2M1 values as bf16 bits (the scales are halved: see kE8m0Half), split into low and high bytes for pshufb (both 128-bit lanes).
+EXPERTCACHE_FFN_AVX2 inline void fp4_tables(__m256i& lo, __m256i& hi) {
+  alignas(16) static const uint8_t kLo[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40,
+                                              0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40};
+  alignas(16) static const uint8_t kHi[16] = {0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41,
+                                              0x80, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0, 0xC1, 0xC1};
+  lo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLo)));
+  hi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHi)));
+}
+
+// One group's 32 values as 4 x 8 floats, in mxfp4_position order.
+EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, __m256i tlo, __m256i thi, __m256 v[4]) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m256i codes =
+      _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
+  const __m256i lo = _mm256_shuffle_epi8(tlo, codes), hi = _mm256_shuffle_epi8(thi, codes);
+  const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
+  const __m256i zero = _mm256_setzero_si256();
+  v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));
+  v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));
+  v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
+  v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
+}
+
+
+// MXFP4 dot rows: one row at a time (its groups decoded once) against NR <= 4 input rows, whose
+// values are in mxfp4_position order.
+template <int NR>
+EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
+                                         size_t i1, float* h) {
+  const size_t C = p.inputs, groups = C / kGroup;
+  __m256i tlo, thi;
+  fp4_tables(tlo, thi);
+  for (size_t i = i0; i < i1; ++i) {
+    const uint8_t* b = slot + p.weight_offset + i * groups * kGroupBytes;
+    const uint8_t* s = slot + p.scale_offset + i * groups;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (size_t g = 0; g < groups; ++g) {
+      __m256 v[4];
+      fp4_group(b + g * kGroupBytes, tlo, thi, v);
+      const __m256 scale = _mm256_broadcast_ss(&kE8m0Half.value[s[g]]);
+      for (int r = 0; r < NR; ++r) {
+        const float* xr = x + r * C + g * kGroup;
+        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
+        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), t);
+        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), t);
+        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), t);
+        acc[r] = _mm256_fmadd_ps(t, scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(acc[r]);
+  }
+}
+
+// 8 FP8 weights times their block's scale, rounded to the compute dtype R (as decoded by
+// transformers). e4m3 -> fp16 bits (magnitude << 7, sign << 8) is exact times 2**-8, which the
+// scale takes (256 * scale); NaN codes stay NaN.
+template <FfnDtype R>
+EXPERTCACHE_FFN_AVX2 inline __m256 fp8_load8(const uint8_t* p, __m256 scale256) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), sign);
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));  // fp16 NaN
+  __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), scale256);
+  if constexpr (R == FfnDtype::kBFloat16) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
+    v = _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  } else if constexpr (R == FfnDtype::kFloat16) {
+    v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return v;
+}
+
+template <FfnDtype R, int NR>
+EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
+                                       size_t i1, float* h) {
+  const size_t C = p.inputs, bn = p.block_cols, grid_cols = (C + bn - 1) / bn;
+  const float* scale = reinterpret_cast<const float*>(slot + p.scale_offset);
+  for (size_t i = i0; i < i1; ++i) {
+    const uint8_t* v = slot + p.weight_offset + i * C;
+    const float* srow = scale + (i / p.block_rows) * grid_cols;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    float tail[NR] = {};
+    for (size_t c0 = 0; c0 < C; c0 += bn) {
+      const size_t c1 = std::min(C, c0 + bn);
+      const float s = srow[c0 / bn];
+      const __m256 s256 = _mm256_set1_ps(s * 256.0f);
+      size_t c = c0;
+      for (; c + 8 <= c1; c += 8) {
+        const __m256 w = fp8_load8<R>(v + c, s256);
+        for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * C + c), acc[r]);
+      }
+      for (; c < c1; ++c) {
+        const float w = round_to(e4m3_value(v[c]) * s, R);
+        for (int r = 0; r < NR; ++r) tail[r] += w * x[r * C + c];
+      }
+    }
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(acc[r]) + tail[r];
+  }
+}
+
+// Plain axpy columns [j0, j1): 16 columns at a time against NR <= 4 input rows.
+template <FfnDtype W, int NR>
+EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t j0,
+                                          size_t j1, float* h) {
+  constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
+  const size_t C = p.outputs, R = p.inputs;
+  const uint8_t* w = slot + p.weight_offset;
+  size_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
+    __m256 acc[2][NR];
+    for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const uint8_t* col = w + j * B;
+    for (size_t k = 0; k < R; ++k) {
+      const uint8_t* row = col + k * C * B;
+      const __m256 w0 = load8<W>(row), w1 = load8<W>(row + 8 * B);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * R + k);
+        acc[0][r] = _mm256_fmadd_ps(w0, xv, acc[0][r]);
+        acc[1][r] = _mm256_fmadd_ps(w1, xv, acc[1][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(h + r * C + j, acc[0][r]);
+      _mm256_storeu_ps(h + r * C + j + 8, acc[1][r]);
+    }
+  }
+  for (; j < j1; ++j)
+    for (int r = 0; r < NR; ++r) {
+      float acc = 0.0f;
+      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * C * B, W, j);
+      h[r * C + j] = acc;
+    }
+}
+
+// Dispatch over the input rows in chunks of 4 (the weights of an item stay in cache between them).
+template <int NR>
+EXPERTCACHE_FFN_AVX2 void project_avx2_nr(const FfnProjection& p, const uint8_t* slot, const float* x, size_t o0,
+                                          size_t o1, float* h, FfnDtype compute) {
+  if (p.form == FfnForm::kAxpy) {
+    switch (p.weight_dtype) {
+      case FfnDtype::kBFloat16: return axpy_plain_avx2<FfnDtype::kBFloat16, NR>(p, slot, x, o0, o1, h);
+      case FfnDtype::kFloat16: return axpy_plain_avx2<FfnDtype::kFloat16, NR>(p, slot, x, o0, o1, h);
+      default: return axpy_plain_avx2<FfnDtype::kFloat32, NR>(p, slot, x, o0, o1, h);
+    }
+  }
+  switch (p.encoding) {
+    case FfnEncoding::kMxfp4: return dot_mxfp4_avx2<NR>(p, slot, x, o0, o1, h);
+    case FfnEncoding::kFp8:
+      switch (compute) {
+        case FfnDtype::kBFloat16: return dot_fp8_avx2<FfnDtype::kBFloat16, NR>(p, slot, x, o0, o1, h);
+        case FfnDtype::kFloat16: return dot_fp8_avx2<FfnDtype::kFloat16, NR>(p, slot, x, o0, o1, h);
+        default: return dot_fp8_avx2<FfnDtype::kFloat32, NR>(p, slot, x, o0, o1, h);
+      }
+    default: {
+      const uint8_t* w = slot + p.weight_offset;
+      switch (p.weight_dtype) {
+        case FfnDtype::kBFloat16: return dot_plain_avx2<FfnDtype::kBFloat16, NR>(w, p.inputs, x, o0, o1, h, p.outputs);
+        case FfnDtype::kFloat16: return dot_plain_avx2<FfnDtype::kFloat16, NR>(w, p.inputs, x, o0, o1, h, p.outputs);
+        default: return dot_plain_avx2<FfnDtype::kFloat32, NR>(w, p.inputs, x, o0, o1, h, p.outputs);
+      }
+    }
+  }
+}
+
+void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
+                  float* h, FfnDtype compute) {
+  for (size_t r = 0; r < nr; r += 4) {
+    const float* xr = x + r * p.inputs;
+    float* hr = h + r * p.outputs;
+    switch (std::min<size_t>(4, nr - r)) {
+      case 1: project_avx2_nr<1>(p, slot, xr, o0, o1, hr, compute); break;
+      case 2: project_avx2_nr<2>(p, slot, xr, o0, o1, hr, compute); break;
+      case 3: project_avx2_nr<3>(p, slot, xr, o0, o1, hr, compute); break;
+      default: project_avx2_nr<4>(p, slot, xr, o0, o1, hr, compute); break;
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+bool cpu_has_avx2() { return false; }
+void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
+#endif
+
+void project_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
+                      float* h, FfnDtype compute) {
+  if (p.form == FfnForm::kAxpy)
+    axpy_portable(p, slot, x, nr, o0, o1, h);
+  else
+    dot_portable(p, slot, x, nr, o0, o1, h, compute);
+}
+
+size_t chunk_of(const FfnProjection& p) { return p.form == FfnForm::kDot ? kDotChunk : kAxpyChunk; }
+size_t items_of(const FfnProjection& p) { return (p.outputs + chunk_of(p) - 1) / chunk_of(p); }
+
+void check_projection(const FfnProjection& p, const char* name, size_t slot_bytes) {
+  const std::string what = std::string("expert ffn: ") + name + " ";
+  if (p.inputs == 0 || p.outputs == 0) throw std::invalid_argument(what + "has no inputs or outputs");
+  if (p.form == FfnForm::kAxpy && p.encoding != FfnEncoding::kPlain)
+    throw std::invalid_argument(what + "is encoded: only plain weights can be read transposed (axpy)");
+  if (p.encoding == FfnEncoding::kMxfp4 && p.inputs % kGroup)
+    throw std::invalid_argument(what + "is MXFP4 with inputs not a multiple of 32");
+  if (p.encoding == FfnEncoding::kFp8 && (p.block_rows == 0 || p.block_cols == 0))
+    throw std::invalid_argument(what + "is FP8 with an empty block");
+  if (p.extent() > slot_bytes)
+    throw std::invalid_argument(what + "reads " + std::to_string(p.extent()) + " bytes, past the slot's " +
+                                std::to_string(slot_bytes));
+}
+
+}  // namespace
+
+size_t FfnProjection::extent() const {
+  size_t end = 0;
+  switch (encoding) {
+    case FfnEncoding::kPlain: end = weight_offset + inputs * outputs * dtype_bytes(weight_dtype); break;
+    case FfnEncoding::kMxfp4: {
+      const size_t groups = inputs / kGroup;
+      end = std::max(weight_offset + outputs * groups * kGroupBytes, scale_offset + outputs * groups);
+      break;
+    }
+    case FfnEncoding::kFp8: {
+      const size_t R = outputs, C = inputs;  // dot form: M [outputs, inputs]
+      const size_t grid = ((R + block_rows - 1) / block_rows) * ((C + block_cols - 1) / block_cols);
+      end = std::max(weight_offset + R * C, scale_offset + grid * 4);
+      break;
+    }
+  }
+  if (bias_offset >= 0) end = std::max(end, size_t(bias_offset) + outputs * dtype_bytes(bias_dtype));
+  return end;
+}
+
+// -- a small pool: the caller and threads - 1 workers take items of one job until none is left ----------
+struct FfnPool {
+  explicit FfnPool(int workers) {
+    for (int i = 0; i < workers; ++i) threads.emplace_back([this] { work(); });
+  }
+  ~FfnPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+      ++generation;
+    }
+    cv.notify_all();
+    for (auto& t : threads) t.join();
+  }
+
+  // Runs fn(0 .. items - 1) on the caller and the workers; returns when every item is done and no
+  // worker still holds the job (a worker enters only while the job is published, under the lock).
+  void run(size_t items, const std::function<void(size_t)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      job = &fn;
+      total = items;
+      next.store(0);
+      done.store(0);
+      ++generation;
+    }
+    cv.notify_all();
+    take(&fn, items);
+    while (done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      job = nullptr;
+    }
+    while (active.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+ private:
+  void take(const std::function<void(size_t)>* fn, size_t items) {
+    for (;;) {
+      const size_t i = next.fetch_add(1);
+      if (i >= items) return;
+      (*fn)(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(size_t)>* fn;
+      size_t items;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return generation != seen; });
+        seen = generation;
+        if (stop) return;
+        if (job == nullptr) continue;
+        fn = job;
+        items = total;
+        active.fetch_add(1);
+      }
+      take(fn, items);
+      active.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t generation = 0;
+  bool stop = false;
+  const std::function<void(size_t)>* job = nullptr;
+  size_t total = 0;
+  std::atomic<size_t> next{0}, done{0};
+  std::atomic<int> active{0};
+};
+
+struct ExpertFfn::Task {
+  const uint8_t* arena;
+  const int64_t* slots;
+  size_t n;
+  const int64_t* bounds;
+  const int64_t* rows;
+  const float* weights;
+  float* out;
+  size_t items1, items2;  // work items per expert, first and down projection
+};
+
+ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
+  check_projection(spec.first, "first projection", spec.slot_bytes);
+  check_projection(spec.down, "down projection", spec.slot_bytes);
+  const size_t inter = spec.down.inputs;
+  const size_t want = spec.gate == FfnGate::kPlain ? inter : 2 * inter;
+  if (spec.first.outputs != want)
+    throw std::invalid_argument("expert ffn: the first projection has " + std::to_string(spec.first.outputs) +
+                                " outputs, the activation needs " + std::to_string(want) + " for " +
+                                std::to_string(inter) + " intermediate features");
+  avx2_ = cpu_has_avx2();
+}
+
+ExpertFfn::~ExpertFfn() = default;
+
+const char* ExpertFfn::path() const { return avx2_ ? "avx2" : "portable"; }
+
+void ExpertFfn::set_threads(int threads) {
+  threads = std::max(1, threads);
+  if (threads == threads_) return;
+  pool_.reset();
+  threads_ = threads;
+  if (threads > 1) pool_ = std::make_unique<FfnPool>(threads - 1);
+}
+
+void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
+  const FfnProjection& p = spec_.first;
+  const size_t chunk = chunk_of(p);
+  for (size_t item = begin; item < end; ++item) {
+    const size_t e = item / t.items1, part = item % t.items1;
+    const size_t o0 = part * chunk, o1 = std::min(p.outputs, o0 + chunk);
+    const size_t r0 = size_t(t.bounds[e]), nr = size_t(t.bounds[e + 1]) - r0;
+    const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
+    const float* x = xin_.data() + r0 * p.inputs;
+    float* h = h1_.data() + r0 * p.outputs;
+    if (avx2_)
+      project_avx2(p, slot, x, nr, o0, o1, h, spec_.compute);
+    else
+      project_portable(p, slot, x, nr, o0, o1, h, spec_.compute);
+    // The projection's output and bias add, rounded as transformers' are.
+    const FfnDtype d = spec_.compute;
+    const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
+    for (size_t r = 0; r < nr; ++r)
+      for (size_t o = o0; o < o1; ++o) {
+        float v = round_to(h[r * p.outputs + o], d);
+        if (bias) v = round_to(v + load_value(bias, p.bias_dtype, o), d);
+        h[r * p.outputs + o] = v;
+      }
+  }
+}
+
+void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
+  const FfnProjection& p = spec_.down;
+  const size_t chunk = chunk_of(p), H = p.outputs;
+  const FfnDtype d = spec_.compute;
+  // The rows' products land in a per-call scratch row block, then weighted into out.
+  for (size_t item = begin; item < end; ++item) {
+    const size_t e = item / t.items2, part = item % t.items2;
+    const size_t o0 = part * chunk, o1 = std::min(H, o0 + chunk);
+    const size_t r0 = size_t(t.bounds[e]), nr = size_t(t.bounds[e + 1]) - r0;
+    const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
+    const float* a = act_.data() + r0 * p.inputs;
+    float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
+    if (avx2_)
+      project_avx2(p, slot, a, nr, o0, o1, h, d);
+    else
+      project_portable(p, slot, a, nr, o0, o1, h, d);
+    const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
+    for (size_t r = 0; r < nr; ++r) {
+      const float w = t.weights[r0 + r];
+      float* dst = t.out + size_t(t.rows[r0 + r]) * H;
+      for (size_t o = o0; o < o1; ++o) {
+        float v = round_to(h[r * H + o], d);
+        if (bias) v = round_to(v + load_value(bias, p.bias_dtype, o), d);
+        v *= w;
+        dst[o] = spec_.round_weighted ? round_to(v, d) : v;
+      }
+    }
+  }
+}
+
+void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const int64_t* bounds, const int64_t* rows,
+                    const int64_t* tokens, const float* weights, const float* x, float* out) {
+  if (n == 0) return;
+  const FfnProjection& first = spec_.first;
+  const FfnProjection& down = spec_.down;
+  const size_t total = size_t(bounds[n]);
+  const size_t H = first.inputs, inter = down.inputs;
+  const FfnDtype d = spec_.compute;
+  if (xin_.size() < total * H) xin_.resize(total * H);
+  if (h1_.size() < total * std::max(first.outputs, down.outputs))
+    h1_.resize(total * std::max(first.outputs, down.outputs));
+  if (act_.size() < total * inter) act_.resize(total * inter);
+  // Inputs gathered by token, in the order the first projection's kernel reads them.
+  const bool permute_first = avx2_ && first.encoding == FfnEncoding::kMxfp4;
+  for (size_t r = 0; r < total; ++r) {
+    const float* src = x + size_t(tokens[r]) * H;
+    float* dst = xin_.data() + r * H;
+    if (permute_first)
+      for (size_t c = 0; c < H; ++c) dst[mxfp4_position(c)] = src[c];
+    else
+      std::memcpy(dst, src, H * sizeof(float));
+  }
+  Task t{arena, slots, n, bounds, rows, weights, out, items_of(first), items_of(down)};
+  auto parallel = [&](size_t items, auto&& body) {
+    if (pool_ && items > 1) {
+      const std::function<void(size_t)> fn = [&](size_t i) { body(i, i + 1); };
+      pool_->run(items, fn);
+    } else {
+      body(0, items);
+    }
+  };
+  parallel(n * t.items1, [&](size_t b, size_t e) { first_items(t, b, e); });
+  // The activation, each op rounded as transformers' is; written in the down kernel's order.
+  const bool permute_down = avx2_ && down.encoding == FfnEncoding::kMxfp4;
+  auto activate = [&](size_t b, size_t e) {
+    for (size_t r = b; r < e; ++r) {
+      const float* h = h1_.data() + r * first.outputs;
+      float* a = act_.data() + r * inter;
+      for (size_t i = 0; i < inter; ++i) {
+        float v;
+        if (spec_.gate == FfnGate::kGluHalves) {
+          v = round_to(round_to(act_value(spec_.act, h[i]), d) * h[inter + i], d);
+        } else if (spec_.gate == FfnGate::kGptOss) {
+          float g = h[2 * i], u = h[2 * i + 1];
+          const float lim = spec_.limit;
+          if (g > lim) g = lim;  // clamp(max=limit); NaN stays NaN
+          if (u > lim) u = lim;
+          if (u < -lim) u = -lim;
+          const float ga = round_to(g * spec_.alpha, d);
+          const float sig = round_to(1.0f / (1.0f + std::exp(-ga)), d);
+          const float glu = round_to(g * sig, d);
+          v = round_to(round_to(u + 1.0f, d) * glu, d);
+        } else {
+          v = round_to(act_value(spec_.act, h[i]), d);
+        }
+        a[permute_down ? mxfp4_position(i) : i] = v;
+      }
+    }
+  };
+  parallel(total, activate);
+  parallel(n * t.items2, [&](size_t b, size_t e) { down_items(t, b, e); });
+}
+
+}  // namespace expertcache

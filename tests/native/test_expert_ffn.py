@@ -1,0 +1,150 @@
+"""The fused CPU expert FFN (``ExpertFfn``, csrc/src/expert_ffn.cc) against transformers' math on
+the same weights: every layout (plain weights read as rows or transposed, MXFP4, block FP8), every
+activation, with and without biases, 1 to 16 rows per expert, several experts per call, float32
+and bfloat16 compute, one thread and several. Sums are float32 in another order than a BLAS
+GEMM, so the tolerance is the last bits of a float32 sum (float32 compute) or one bfloat16
+rounding flipped by them (bfloat16). Every argument a caller can get wrong is refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from devtools.expert_ffn_cases import ExpertLayout, reference
+from expertcache import _native
+from expertcache.encodings import dequantize_fp8, dequantize_mxfp4
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
+
+
+def run(layout: ExpertLayout, arena: np.ndarray, experts, x: torch.Tensor, top_k: int, threads: int = 1):
+    """ExpertFfn over ``experts`` [(slot, [(token, k, weight), ...])]: out [T * K, H]."""
+    ffn = _native.ExpertFfn(layout.spec)
+    ffn.set_threads(threads)
+    slots = np.array([s for s, _ in experts], dtype=np.int64)
+    bounds = np.cumsum([0] + [len(rows) for _, rows in experts]).astype(np.int64)
+    pairs = [r for _, rows in experts for r in rows]
+    rows = np.array([t * top_k + k for t, k, _ in pairs], dtype=np.int64)
+    tokens = np.array([t for t, _, _ in pairs], dtype=np.int64)
+    weights = np.array([w for _, _, w in pairs], dtype=np.float32)
+    out = np.full((x.shape[0] * top_k, H), np.nan, dtype=np.float32)
+    ffn.run(arena, slots, bounds, rows, tokens, weights, x.float().numpy(), out)
+    return torch.from_numpy(out), ffn
+
+
+CASES = [
+    # (first encoding/form, down encoding/form, gate, bias)
+    ("plain-dot", "plain-dot", "glu_halves", False),  # Mixtral, Qwen-MoE, OLMoE, DeepSeek
+    ("plain-axpy", "plain-axpy", "gpt_oss", True),  # GPT-OSS bf16
+    ("mxfp4", "mxfp4", "gpt_oss", True),  # GPT-OSS as it ships
+    ("fp8", "fp8", "glu_halves", False),  # DeepSeek-V3 / Qwen3 FP8
+    ("plain-dot", "plain-dot", "plain", False),  # experts without a gate
+    ("plain-dot", "plain-axpy", "glu_halves", True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+def test_equals_transformers_math(case, dtype, rows):
+    first, down, gate, bias = case
+    gen = torch.Generator().manual_seed(rows)
+    layout = ExpertLayout(H, INTER, first, down, gate, bias, dtype, gen)
+    arena = layout.arena(slots=3)
+    x = torch.randn(rows, H, generator=gen).to(dtype)
+    experts = [
+        (2, [(t, 0, 0.25 + 0.5 * t / rows) for t in range(rows)]),
+        (0, [(t, 1, 0.75) for t in range(rows)]),
+    ]
+    got, ffn = run(layout, arena, experts, x, top_k=2)
+    for slot, pairs in experts:
+        for t, k, w in pairs:
+            want = reference(layout, arena, slot, x[t : t + 1], torch.tensor([[w]], dtype=torch.float32))
+            torch.testing.assert_close(got[t * 2 + k : t * 2 + k + 1], want, **TOL[dtype])
+    assert ffn.path in ("avx2", "portable")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_bits(threads):
+    gen = torch.Generator().manual_seed(0)
+    layout = ExpertLayout(H, INTER, "mxfp4", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
+    arena = layout.arena(slots=4)
+    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    experts = [(s, [(t, s % 2, 0.5) for t in range(5)]) for s in (3, 1)]
+    one, _ = run(layout, arena, experts, x, top_k=2)
+    many, ffn = run(layout, arena, experts, x, top_k=2, threads=threads)
+    assert ffn.threads == threads
+    assert torch.equal(one.view(torch.int32), many.view(torch.int32))  # unwritten rows: NaN in both
+
+
+def test_decoded_weights_match_the_encodings_module():
+    """The layouts the reference reads are the encodings module's own decode."""
+    gen = torch.Generator().manual_seed(1)
+    layout = ExpertLayout(H, INTER, "mxfp4", "fp8", "glu_halves", False, torch.float32, gen)
+    arena = layout.arena(slots=1)
+    parts = layout.parts(arena, 0)
+    w = dequantize_mxfp4(parts["gate_up_proj_blocks"], parts["gate_up_proj_scales"], torch.float32)
+    assert w.shape == (2 * INTER, H)
+    d = dequantize_fp8(parts["down_proj"], parts["down_proj_scale_inv"], (16, 16), torch.float32)
+    assert d.shape == (H, INTER)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(slots=np.array([5], dtype=np.int64)), "outside the arena"),
+        (dict(slots=np.array([-1], dtype=np.int64)), "outside the arena"),
+        (dict(tokens=np.array([9], dtype=np.int64)), "outside x"),
+        (dict(rows=np.array([99], dtype=np.int64)), "outside out"),
+        (dict(bounds=np.array([0, 2], dtype=np.int64)), "bounds\\[-1\\]"),
+        (dict(bounds=np.array([1, 1], dtype=np.int64)), "bounds\\[0\\] must be 0"),
+        (dict(weights=np.ones(1, dtype=np.float64)), "weights must be a numpy array of float32"),
+        (dict(x=np.ones((1, H + 1), dtype=np.float32)), "x must be float32"),
+        (dict(out=np.ones((4, H), dtype=np.float32)[:, ::2]), "out must be"),
+        (dict(arena=np.ones(10, dtype=np.int32)), "arena must be"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(change, message):
+    gen = torch.Generator().manual_seed(2)
+    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
+    ffn = _native.ExpertFfn(layout.spec)
+    args = dict(
+        arena=layout.arena(slots=2),
+        slots=np.array([1], dtype=np.int64),
+        bounds=np.array([0, 1], dtype=np.int64),
+        rows=np.array([0], dtype=np.int64),
+        tokens=np.array([0], dtype=np.int64),
+        weights=np.ones(1, dtype=np.float32),
+        x=np.ones((1, H), dtype=np.float32),
+        out=np.zeros((4, H), dtype=np.float32),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        ffn.run(**args)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(slot_bytes=16), "past the slot"),
+        (dict(gate="swish"), "spec\\['gate'\\]"),
+        (dict(act="tanh"), "spec\\['act'\\]"),
+        (dict(compute="int8"), "dtype 'int8'"),
+    ],
+)
+def test_bad_specs_are_refused_by_name(change, message):
+    gen = torch.Generator().manual_seed(3)
+    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
+    with pytest.raises(ValueError, match=message):
+        _native.ExpertFfn({**layout.spec, **change})
+
+
+def test_an_encoded_matrix_cannot_be_read_transposed():
+    gen = torch.Generator().manual_seed(4)
+    layout = ExpertLayout(H, INTER, "mxfp4", "plain-dot", "glu_halves", False, torch.float32, gen)
+    spec = dict(layout.spec, first=dict(layout.spec["first"], form="axpy"))
+    with pytest.raises(ValueError, match="only plain weights can be read transposed"):
+        _native.ExpertFfn(spec)
