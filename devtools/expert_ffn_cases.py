@@ -20,7 +20,10 @@ class ExpertLayout:
     or ``up_proj`` without a gate) and ``down_proj``, each ``plain-dot`` ([out, in]),
     ``plain-axpy`` ([in, out]), ``mxfp4`` or ``fp8``; biases when ``bias``."""
 
-    def __init__(self, hidden, inter, first, down, gate, bias, dtype, gen, *, scale=None):
+    def __init__(
+        self, hidden, inter, first, down, gate, bias, dtype, gen, *, scale=None, fp8_block=FP8_BLOCK
+    ):
+        self.fp8_block = tuple(fp8_block)
         self.hidden, self.inter, self.gate, self.dtype, self.gen = hidden, inter, gate, dtype, gen
         self.bias = bias
         outs = inter if gate == "plain" else 2 * inter
@@ -52,7 +55,7 @@ class ExpertLayout:
                 (name + "_blocks", torch.uint8, (outputs, inputs // 32, 16)),
                 (name + "_scales", torch.uint8, (outputs, inputs // 32)),
             ]
-        bm, bn = FP8_BLOCK
+        bm, bn = self.fp8_block
         return [
             (name, torch.float8_e4m3fn, (outputs, inputs)),
             (name + "_scale_inv", torch.float32, (-(-outputs // bm), -(-inputs // bn))),
@@ -76,8 +79,8 @@ class ExpertLayout:
             if kind == "fp8":
                 p.update(
                     scale_offset=self.offsets[name + "_scale_inv"][0],
-                    block_rows=FP8_BLOCK[0],
-                    block_cols=FP8_BLOCK[1],
+                    block_rows=self.fp8_block[0],
+                    block_cols=self.fp8_block[1],
                 )
             if self.bias:
                 p.update(bias_offset=self.offsets[name + "_bias"][0], bias_dtype=DTYPE_NAMES[self.dtype])
@@ -93,6 +96,13 @@ class ExpertLayout:
             compute=DTYPE_NAMES[self.dtype],
             slot_bytes=self.slot_bytes,
         )
+
+    def part_bytes(self) -> dict[str, int]:
+        """Each stored part's bytes."""
+        return {
+            part: math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            for part, (_, dt, shape) in self.offsets.items()
+        }
 
     def arena(self, slots: int) -> np.ndarray:
         """``slots`` slots of random experts (each its own weights), as one uint8 array."""
@@ -144,7 +154,7 @@ class ExpertLayout:
             return parts[name]
         if kind == "mxfp4":
             return dequantize_mxfp4(parts[name + "_blocks"], parts[name + "_scales"], self.dtype).t()
-        return dequantize_fp8(parts[name], parts[name + "_scale_inv"], FP8_BLOCK, self.dtype).t()
+        return dequantize_fp8(parts[name], parts[name + "_scale_inv"], self.fp8_block, self.dtype).t()
 
 
 def reference(layout: ExpertLayout, arena: np.ndarray, slot: int, x: torch.Tensor, weight: torch.Tensor):

@@ -57,7 +57,11 @@ float bf16_to_float(uint16_t h) { return float_of(uint32_t(h) << 16); }
 // The value `v` takes in `dtype` (torch's rounding), as a float.
 inline float round_to(float v, FfnDtype dtype) {
   switch (dtype) {
-    case FfnDtype::kBFloat16: return bf16_to_float(float_to_bf16(v));
+    case FfnDtype::kBFloat16: {
+      const uint32_t u = bits_of(v);
+      if ((u & 0x7FFFFFFFu) > 0x7F800000u) return float_of(0xFFFF0000u);  // as float_to_bf16
+      return float_of((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+    }
     case FfnDtype::kFloat16: return fp16_to_float(float_to_fp16(v));
     default: return v;
   }
@@ -111,12 +115,14 @@ float act_value(FfnAct act, float x) {
   return x;
 }
 
-// Where input c of an MXFP4 dot row sits in the AVX2 path's order (mxfp4_dot_avx2 decodes a
-// group's 32 codes as [low nibbles 0..3 | high 0..3], [4..7 | 4..7], ...): c itself elsewhere.
+// Where input c of an MXFP4 dot row sits in the AVX2 path's order (fp4_group decodes a group's 32
+// codes into 4 vectors: v0 = positions 4m (lane 0) and 4m + 1 (lane 1), v1 = 4m + 2 and 4m + 3 for
+// m < 4, v2 and v3 the same for positions 16 + ...): c itself on the portable path.
 inline size_t mxfp4_position(size_t c) {
   const size_t g = c / kGroup, k = c % kGroup;
-  const size_t lane = k & 1, j = k >> 1;
-  return g * kGroup + (j >> 2) * 8 + lane * 4 + (j & 3);
+  const size_t half = k / 16, q = k % 16;
+  const size_t v = 2 * half + ((q & 3) >= 2 ? 1 : 0), lane = q & 1, m = q >> 2;
+  return g * kGroup + v * 8 + lane * 4 + m;
 }
 
 // -- portable kernels (the reference) -----------------------------------------------------------------
@@ -244,24 +250,38 @@ EXPERTCACHE_FFN_AVX2 inline void fp4_tables(__m256i& lo, __m256i& hi) {
   hi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHi)));
 }
 
-// One group's 32 values as 4 x 8 floats, in mxfp4_position order.
+// One group's 32 values as 4 x 8 floats, in mxfp4_position order, with 4 shuffles: the 16 bytes
+// loaded into both lanes, low nibbles kept in lane 0 and high nibbles in lane 1 (a shift per
+// lane), the bf16 bits' low and high bytes looked up (pshufb) and interleaved into words, whose
+// even and odd words become floats by a shift and a mask.
 EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, __m256i tlo, __m256i thi, __m256 v[4]) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m256i codes =
-      _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(0x0F));
   const __m256i lo = _mm256_shuffle_epi8(tlo, codes), hi = _mm256_shuffle_epi8(thi, codes);
   const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
-  const __m256i zero = _mm256_setzero_si256();
-  v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));
-  v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));
-  v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
-  v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+  v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+  v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
 }
-
 
 // MXFP4 dot rows: one row at a time (its groups decoded once) against NR <= 4 input rows, whose
 // values are in mxfp4_position order.
+template <int NR>
+EXPERTCACHE_FFN_AVX2 inline void mxfp4_group_rows(const __m256 v[4], __m256 scale, const float* x, size_t C,
+                                                  __m256* acc) {
+  for (int r = 0; r < NR; ++r) {
+    const float* xr = x + r * C;
+    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
+    __m256 u = _mm256_mul_ps(v[1], _mm256_loadu_ps(xr + 8));
+    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), t);
+    u = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), u);
+    acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t, u), scale, acc[r]);
+  }
+}
+
 template <int NR>
 EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                          size_t i1, float* h) {
@@ -271,22 +291,23 @@ EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* 
   for (size_t i = i0; i < i1; ++i) {
     const uint8_t* b = slot + p.weight_offset + i * groups * kGroupBytes;
     const uint8_t* s = slot + p.scale_offset + i * groups;
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    for (size_t g = 0; g < groups; ++g) {
+    // Two accumulators per input row (even and odd groups): two dependency chains.
+    __m256 even[NR], odd[NR];
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    size_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      __m256 v[4], w[4];
+      fp4_group(b + g * kGroupBytes, tlo, thi, v);
+      fp4_group(b + (g + 1) * kGroupBytes, tlo, thi, w);
+      mxfp4_group_rows<NR>(v, _mm256_broadcast_ss(&kE8m0Half.value[s[g]]), x + g * kGroup, C, even);
+      mxfp4_group_rows<NR>(w, _mm256_broadcast_ss(&kE8m0Half.value[s[g + 1]]), x + (g + 1) * kGroup, C, odd);
+    }
+    if (g < groups) {
       __m256 v[4];
       fp4_group(b + g * kGroupBytes, tlo, thi, v);
-      const __m256 scale = _mm256_broadcast_ss(&kE8m0Half.value[s[g]]);
-      for (int r = 0; r < NR; ++r) {
-        const float* xr = x + r * C + g * kGroup;
-        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
-        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), t);
-        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), t);
-        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), t);
-        acc[r] = _mm256_fmadd_ps(t, scale, acc[r]);
-      }
+      mxfp4_group_rows<NR>(v, _mm256_broadcast_ss(&kE8m0Half.value[s[g]]), x + g * kGroup, C, even);
     }
-    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(acc[r]);
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(_mm256_add_ps(even[r], odd[r]));
   }
 }
 
@@ -343,36 +364,40 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
   }
 }
 
-// Plain axpy columns [j0, j1): 16 columns at a time against NR <= 4 input rows.
+// Plain axpy columns [j0, j1): 8 * V columns at a time (V = 4 for up to 2 input rows, 2 for 3 or
+// 4) against NR <= 4 input rows, walking down the weight rows (a strided stream: the rows a few
+// steps ahead are prefetched).
 template <FfnDtype W, int NR>
 EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t j0,
                                           size_t j1, float* h) {
   constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
-  const size_t C = p.outputs, R = p.inputs;
+  constexpr int V = NR <= 2 ? 4 : 2;
+  constexpr size_t kAhead = 8;
+  const size_t C = p.outputs, R = p.inputs, stride = C * B;
   const uint8_t* w = slot + p.weight_offset;
   size_t j = j0;
-  for (; j + 16 <= j1; j += 16) {
-    __m256 acc[2][NR];
-    for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (; j + 8 * V <= j1; j += 8 * V) {
+    __m256 acc[V][NR];
+    for (int v = 0; v < V; ++v)
+      for (int r = 0; r < NR; ++r) acc[v][r] = _mm256_setzero_ps();
     const uint8_t* col = w + j * B;
     for (size_t k = 0; k < R; ++k) {
-      const uint8_t* row = col + k * C * B;
-      const __m256 w0 = load8<W>(row), w1 = load8<W>(row + 8 * B);
+      const uint8_t* row = col + k * stride;
+      if (k + kAhead < R) _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * stride), _MM_HINT_T0);
+      __m256 wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = load8<W>(row + 8 * v * B);
       for (int r = 0; r < NR; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * R + k);
-        acc[0][r] = _mm256_fmadd_ps(w0, xv, acc[0][r]);
-        acc[1][r] = _mm256_fmadd_ps(w1, xv, acc[1][r]);
+        for (int v = 0; v < V; ++v) acc[v][r] = _mm256_fmadd_ps(wv[v], xv, acc[v][r]);
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      _mm256_storeu_ps(h + r * C + j, acc[0][r]);
-      _mm256_storeu_ps(h + r * C + j + 8, acc[1][r]);
-    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(h + r * C + j + 8 * v, acc[v][r]);
   }
   for (; j < j1; ++j)
     for (int r = 0; r < NR; ++r) {
       float acc = 0.0f;
-      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * C * B, W, j);
+      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * stride, W, j);
       h[r * C + j] = acc;
     }
 }
@@ -421,6 +446,105 @@ void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, s
   }
 }
 
+// -- the element-wise stages, 8 values at a time ------------------------------------------------------
+
+// round_to for 8 values.
+EXPERTCACHE_FFN_AVX2 inline __m256 round8(__m256 v, FfnDtype d) {
+  if (d == FfnDtype::kBFloat16) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u))),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (d == FfnDtype::kFloat16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return v;
+}
+
+EXPERTCACHE_FFN_AVX2 inline __m256 load8_any(const uint8_t* base, FfnDtype dtype, size_t i) {
+  switch (dtype) {
+    case FfnDtype::kBFloat16: return load8<FfnDtype::kBFloat16>(base + 2 * i);
+    case FfnDtype::kFloat16: return load8<FfnDtype::kFloat16>(base + 2 * i);
+    default: return load8<FfnDtype::kFloat32>(base + 4 * i);
+  }
+}
+
+// exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp).
+EXPERTCACHE_FFN_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// v = round(round(h) + bias) over h[0 .. n), in place; bias indexed from o0 (or none).
+EXPERTCACHE_FFN_AVX2 void finish8(float* h, size_t n, const uint8_t* bias, FfnDtype bias_dtype, size_t o0,
+                                  FfnDtype d) {
+  size_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    __m256 v = round8(_mm256_loadu_ps(h + o), d);
+    if (bias) v = round8(_mm256_add_ps(v, load8_any(bias, bias_dtype, o0 + o)), d);
+    _mm256_storeu_ps(h + o, v);
+  }
+  for (; o < n; ++o) {
+    float v = round_to(h[o], d);
+    if (bias) v = round_to(v + load_value(bias, bias_dtype, o0 + o), d);
+    h[o] = v;
+  }
+}
+
+// dst[o] = round(h[o] * w) for o in [o0, o1).
+EXPERTCACHE_FFN_AVX2 void weigh8(const float* h, float* dst, size_t o0, size_t o1, float w, FfnDtype d) {
+  const __m256 wv = _mm256_set1_ps(w);
+  size_t o = o0;
+  for (; o + 8 <= o1; o += 8) _mm256_storeu_ps(dst + o, round8(_mm256_mul_ps(_mm256_loadu_ps(h + o), wv), d));
+  for (; o < o1; ++o) dst[o] = round_to(h[o] * w, d);
+}
+
+// The SiLU-gated and GPT-OSS activations for 8 intermediate features; false for another act.
+EXPERTCACHE_FFN_AVX2 void activate8(const FfnSpec& s, const float* h, size_t inter, float* out, size_t& done) {
+  const FfnDtype d = s.compute;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  size_t i = 0;
+  if (s.gate == FfnGate::kGptOss) {
+    const __m256 lim = _mm256_set1_ps(s.limit), nlim = _mm256_set1_ps(-s.limit), alpha = _mm256_set1_ps(s.alpha);
+    const __m256i deinterleave = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (; i + 8 <= inter; i += 8) {
+      // 16 interleaved values: gate at even, up at odd positions.
+      const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(h + 2 * i), deinterleave);
+      const __m256 b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(h + 2 * i + 8), deinterleave);
+      __m256 g = _mm256_permute2f128_ps(a, b, 0x20), u = _mm256_permute2f128_ps(a, b, 0x31);
+      // clamp keeping NaN: min/max return the second operand when either is NaN.
+      g = _mm256_min_ps(lim, g);
+      u = _mm256_max_ps(nlim, _mm256_min_ps(lim, u));
+      const __m256 ga = round8(_mm256_mul_ps(g, alpha), d);
+      const __m256 sig = round8(_mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), ga)))), d);
+      const __m256 glu = round8(_mm256_mul_ps(g, sig), d);
+      _mm256_storeu_ps(out + i, round8(_mm256_mul_ps(round8(_mm256_add_ps(u, one), d), glu), d));
+    }
+  } else if (s.act == FfnAct::kSilu) {
+    const bool halves = s.gate == FfnGate::kGluHalves;
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 g = _mm256_loadu_ps(h + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      __m256 v = round8(_mm256_div_ps(g, _mm256_add_ps(one, e)), d);
+      if (halves) v = round8(_mm256_mul_ps(v, _mm256_loadu_ps(h + inter + i)), d);
+      _mm256_storeu_ps(out + i, v);
+    }
+  }
+  done = i;
+}
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -428,6 +552,9 @@ bool cpu_has_avx2() {
 #else
 bool cpu_has_avx2() { return false; }
 void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
+void finish8(float*, size_t, const uint8_t*, FfnDtype, size_t, FfnDtype) {}
+void activate8(const FfnSpec&, const float*, size_t, float*, size_t& done) { done = 0; }
+void weigh8(const float*, float*, size_t, size_t, float, FfnDtype) {}
 #endif
 
 void project_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
@@ -605,12 +732,18 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     // The projection's output and bias add, rounded as transformers' are.
     const FfnDtype d = spec_.compute;
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
-    for (size_t r = 0; r < nr; ++r)
-      for (size_t o = o0; o < o1; ++o) {
-        float v = round_to(h[r * p.outputs + o], d);
-        if (bias) v = round_to(v + load_value(bias, p.bias_dtype, o), d);
-        h[r * p.outputs + o] = v;
+    for (size_t r = 0; r < nr; ++r) {
+      float* hr = h + r * p.outputs + o0;
+      if (avx2_) {
+        finish8(hr, o1 - o0, bias, p.bias_dtype, o0, d);
+        continue;
       }
+      for (size_t o = o0; o < o1; ++o) {
+        float v = round_to(hr[o - o0], d);
+        if (bias) v = round_to(v + load_value(bias, p.bias_dtype, o), d);
+        hr[o - o0] = v;
+      }
+    }
   }
 }
 
@@ -634,8 +767,15 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     for (size_t r = 0; r < nr; ++r) {
       const float w = t.weights[r0 + r];
       float* dst = t.out + size_t(t.rows[r0 + r]) * H;
-      for (size_t o = o0; o < o1; ++o) {
-        float v = round_to(h[r * H + o], d);
+      float* hr = h + r * H;
+      size_t o = o0;
+      if (avx2_) {
+        finish8(hr + o0, o1 - o0, bias, p.bias_dtype, o0, d);
+        weigh8(hr, dst, o0, o1, w, spec_.round_weighted ? d : FfnDtype::kFloat32);
+        continue;
+      }
+      for (; o < o1; ++o) {
+        float v = round_to(hr[o], d);
         if (bias) v = round_to(v + load_value(bias, p.bias_dtype, o), d);
         v *= w;
         dst[o] = spec_.round_weighted ? round_to(v, d) : v;
@@ -656,6 +796,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   if (h1_.size() < total * std::max(first.outputs, down.outputs))
     h1_.resize(total * std::max(first.outputs, down.outputs));
   if (act_.size() < total * inter) act_.resize(total * inter);
+  if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
   // Inputs gathered by token, in the order the first projection's kernel reads them.
   const bool permute_first = avx2_ && first.encoding == FfnEncoding::kMxfp4;
   for (size_t r = 0; r < total; ++r) {
@@ -681,8 +822,11 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   auto activate = [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const float* h = h1_.data() + r * first.outputs;
-      float* a = act_.data() + r * inter;
-      for (size_t i = 0; i < inter; ++i) {
+      // Natural order into `a`, or into the row's own scratch when the down kernel permutes.
+      float* a = (permute_down ? nat_.data() : act_.data()) + r * inter;
+      size_t start = 0;
+      if (avx2_) activate8(spec_, h, inter, a, start);
+      for (size_t i = start; i < inter; ++i) {
         float v;
         if (spec_.gate == FfnGate::kGluHalves) {
           v = round_to(round_to(act_value(spec_.act, h[i]), d) * h[inter + i], d);
@@ -699,7 +843,11 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
         } else {
           v = round_to(act_value(spec_.act, h[i]), d);
         }
-        a[permute_down ? mxfp4_position(i) : i] = v;
+        a[i] = v;
+      }
+      if (permute_down) {
+        float* dst = act_.data() + r * inter;
+        for (size_t i = 0; i < inter; ++i) dst[mxfp4_position(i)] = a[i];
       }
     }
   };

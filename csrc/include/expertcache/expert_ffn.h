@@ -106,8 +106,9 @@ class ExpertFfn {
   int threads_ = 1;
   std::unique_ptr<FfnPool> pool_;
   // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
-  // order), the first projection's outputs and the activations.
-  std::vector<float> xin_, h1_, act_;
+  // order), the first projection's outputs, the activations (and in natural order, nat_, when the
+  // down kernel reads them permuted).
+  std::vector<float> xin_, h1_, act_, nat_;
 };
 
 }  // namespace expertcache
