@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy values-schema \
-        bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
+        llama-cpp bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
 
@@ -123,6 +123,14 @@ demo: install
 clean:
 	rm -rf build dist demo-data .pytest_cache .ruff_cache .tools
 
+# llama.cpp, a peer system of bench-e2e and bench-overhead: built from the llama-cpp-python sdist
+# (pip download, once) under .tools/llama.cpp/ (CMake, CPU only, -DGGML_NATIVE=ON, Release), with the
+# benchmarks' driver (bench/llama_cpp_driver.cpp); about 10 minutes on 2 cores the first time.
+# Where it cannot be built it says why in one line and fails; the benchmarks then run without it.
+LLAMA_CPP_JOBS ?= 2
+llama-cpp: install
+	$(PY) -m bench.llama_cpp build --jobs $(LLAMA_CPP_JOBS)
+
 # Predictor quality (eamc / history / combined precision & recall) on the shared gpt-oss trace,
 # and the EAMC matching cost at 1 K / 10 K entries: prints them, writes bench/results/predict.json.
 bench-predict: install
@@ -152,16 +160,19 @@ bench-replay: install
 # LRU on-demand vs HF Accelerate disk offload on the same budget (25% of the encoded experts).
 # First with bf16 experts (bench/results/e2e-bf16.json), then with MXFP4 experts as gpt-oss ships
 # them (bench/results/e2e.json), printed beside the bf16 run. BENCH_E2E_PRECISION picks the second.
+# llama.cpp runs beside them, every expert in memory, where `make llama-cpp` could build it.
 BENCH_E2E_PRECISION ?= mxfp4
 bench-e2e: install
+	-@$(MAKE) --no-print-directory llama-cpp || echo "make llama-cpp failed: bench.e2e runs without llama.cpp"
 	$(PY) -m bench.e2e --precision bf16 --out bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 	$(PY) -m bench.e2e --precision $(BENCH_E2E_PRECISION) --compare-with bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 
 # The fixed costs of serving through the cache: ours (every expert resident; and LRU with 25% in
 # the arena, every expert in a host tier) beside plain transformers, at arithmetic-free sizes
-# (hidden 64), interleaved; prints the ratios and the fixed cost per miss, writes
+# (hidden 64), interleaved, and llama.cpp where it can be built; prints the ratios and the fixed cost per miss, writes
 # bench/results/overhead.json and .png. BENCH_OVERHEAD_ARGS="--device cuda" on a GPU machine.
 bench-overhead: install
+	-@$(MAKE) --no-print-directory llama-cpp || echo "make llama-cpp failed: bench.overhead runs without llama.cpp"
 	$(PY) -m bench.overhead $(BENCH_OVERHEAD_ARGS)
 
 # Hostile clients at the transport (header-only streams, unread streams, refused 1 MB prompts,
