@@ -27,7 +27,8 @@ namespace {
 constexpr size_t kGroup = 32;       // MXFP4 values per scale
 constexpr size_t kGroupBytes = 16;  // their bytes
 constexpr size_t kDotChunk = 16;    // output rows per work item (dot)
-constexpr size_t kAxpyChunk = 64;   // output columns per work item (axpy)
+constexpr size_t kAxpyChunk = 64;   // least output columns per work item (axpy)
+constexpr size_t kPrefetchBytes = 1024;  // how far ahead a dot row stream is prefetched
 
 constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -198,44 +199,44 @@ EXPERTCACHE_FFN_AVX2 inline __m256 load8(const uint8_t* p) {
   }
 }
 
-// Plain dot rows: two weight rows at a time against NR <= 4 input rows.
+// Plain dot rows: RB weight rows at a time (4 for one input row, 2 for more) against NR <= 4 input
+// rows; the rows of a block are adjacent, so the block is one sequential stream.
 template <FfnDtype W, int NR>
 EXPERTCACHE_FFN_AVX2 void dot_plain_avx2(const uint8_t* w0, size_t C, const float* x, size_t i0, size_t i1,
                                          float* h, size_t H) {
   constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
+  constexpr int RB = NR == 1 ? 4 : 2;
   const size_t body = C & ~size_t(7);
   size_t i = i0;
-  for (; i + 2 <= i1; i += 2) {
+  for (; i + RB <= i1; i += RB) {
     const uint8_t* a = w0 + i * C * B;
-    const uint8_t* b = a + C * B;
-    __m256 acc[2][NR];
-    for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    __m256 acc[RB][NR];
+    for (int q = 0; q < RB; ++q)
+      for (int r = 0; r < NR; ++r) acc[q][r] = _mm256_setzero_ps();
     for (size_t c = 0; c < body; c += 8) {
-      const __m256 wa = load8<W>(a + c * B), wb = load8<W>(b + c * B);
+      _mm_prefetch(reinterpret_cast<const char*>(a + c * B) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 wv[RB];
+      for (int q = 0; q < RB; ++q) wv[q] = load8<W>(a + (q * C + c) * B);
       for (int r = 0; r < NR; ++r) {
         const __m256 xv = _mm256_loadu_ps(x + r * C + c);
-        acc[0][r] = _mm256_fmadd_ps(wa, xv, acc[0][r]);
-        acc[1][r] = _mm256_fmadd_ps(wb, xv, acc[1][r]);
+        for (int q = 0; q < RB; ++q) acc[q][r] = _mm256_fmadd_ps(wv[q], xv, acc[q][r]);
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      float sa = hsum(acc[0][r]), sb = hsum(acc[1][r]);
-      for (size_t c = body; c < C; ++c) {
-        sa += load_value(a, W, c) * x[r * C + c];
-        sb += load_value(b, W, c) * x[r * C + c];
+    for (int q = 0; q < RB; ++q)
+      for (int r = 0; r < NR; ++r) {
+        float sum = hsum(acc[q][r]);
+        for (size_t c = body; c < C; ++c) sum += load_value(a + q * C * B, W, c) * x[r * C + c];
+        h[r * H + i + q] = sum;
       }
-      h[r * H + i] = sa;
-      h[r * H + i + 1] = sb;
-    }
   }
   for (; i < i1; ++i) {
     const uint8_t* a = w0 + i * C * B;
     for (int r = 0; r < NR; ++r) {
       __m256 acc = _mm256_setzero_ps();
       for (size_t c = 0; c < body; c += 8) acc = _mm256_fmadd_ps(load8<W>(a + c * B), _mm256_loadu_ps(x + r * C + c), acc);
-      float s = hsum(acc);
-      for (size_t c = body; c < C; ++c) s += load_value(a, W, c) * x[r * C + c];
-      h[r * H + i] = s;
+      float sum = hsum(acc);
+      for (size_t c = body; c < C; ++c) sum += load_value(a, W, c) * x[r * C + c];
+      h[r * H + i] = sum;
     }
   }
 }
@@ -364,55 +365,64 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
   }
 }
 
-// Plain axpy columns [j0, j1): 8 * V columns at a time (V = 4 for up to 2 input rows, 2 for 3 or
-// 4) against NR <= 4 input rows, walking down the weight rows (a strided stream: the rows a few
-// steps ahead are prefetched).
+// One block of 4 weight rows (k .. k + 3) into the partial sums of NR <= 2 input rows.
 template <FfnDtype W, int NR>
-EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t j0,
-                                          size_t j1, float* h) {
+EXPERTCACHE_FFN_AVX2 inline void axpy_block4(const uint8_t* r0, size_t stride, const float* x, size_t R, size_t k,
+                                             size_t j0, size_t body, float* h, size_t C) {
   constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
-  constexpr int V = NR <= 2 ? 4 : 2;
-  constexpr size_t kAhead = 8;
+  __m256 xb[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < 4; ++q) xb[r][q] = _mm256_broadcast_ss(x + r * R + k + q);
+  for (size_t j = j0; j < body; j += 8) {
+    const __m256 w0 = load8<W>(r0 + j * B), w1 = load8<W>(r0 + stride + j * B);
+    const __m256 w2 = load8<W>(r0 + 2 * stride + j * B), w3 = load8<W>(r0 + 3 * stride + j * B);
+    for (int r = 0; r < NR; ++r) {
+      float* hr = h + r * C + j;
+      __m256 a = _mm256_fmadd_ps(w0, xb[r][0], _mm256_loadu_ps(hr));
+      a = _mm256_fmadd_ps(w1, xb[r][1], a);
+      a = _mm256_fmadd_ps(w2, xb[r][2], a);
+      _mm256_storeu_ps(hr, _mm256_fmadd_ps(w3, xb[r][3], a));
+    }
+  }
+}
+
+// Plain axpy columns [j0, j1) for nr input rows: the weight rows streamed in blocks of 4 (four
+// sequential streams), each block applied to the input rows two at a time while it is in L1, the
+// partial sums kept in h (zeroed first), so the weights are read once and in order.
+template <FfnDtype W>
+EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr,
+                                          size_t j0, size_t j1, float* h) {
+  constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
   const size_t C = p.outputs, R = p.inputs, stride = C * B;
   const uint8_t* w = slot + p.weight_offset;
-  size_t j = j0;
-  for (; j + 8 * V <= j1; j += 8 * V) {
-    __m256 acc[V][NR];
-    for (int v = 0; v < V; ++v)
-      for (int r = 0; r < NR; ++r) acc[v][r] = _mm256_setzero_ps();
-    const uint8_t* col = w + j * B;
-    for (size_t k = 0; k < R; ++k) {
-      const uint8_t* row = col + k * stride;
-      if (k + kAhead < R) _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * stride), _MM_HINT_T0);
-      __m256 wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = load8<W>(row + 8 * v * B);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * R + k);
-        for (int v = 0; v < V; ++v) acc[v][r] = _mm256_fmadd_ps(wv[v], xv, acc[v][r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int v = 0; v < V; ++v) _mm256_storeu_ps(h + r * C + j + 8 * v, acc[v][r]);
+  const size_t body = j0 + ((j1 - j0) & ~size_t(7));
+  for (size_t r = 0; r < nr; ++r) std::memset(h + r * C + j0, 0, (j1 - j0) * sizeof(float));
+  size_t k = 0;
+  for (; k + 4 <= R; k += 4) {
+    const uint8_t* r0 = w + k * stride;
+    size_t r = 0;
+    for (; r + 2 <= nr; r += 2) axpy_block4<W, 2>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C);
+    if (r < nr) axpy_block4<W, 1>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C);
+    for (size_t j = body; j < j1; ++j)
+      for (size_t i = 0; i < nr; ++i)
+        for (int q = 0; q < 4; ++q) h[i * C + j] += x[i * R + k + q] * load_value(r0 + q * stride, W, j);
   }
-  for (; j < j1; ++j)
-    for (int r = 0; r < NR; ++r) {
-      float acc = 0.0f;
-      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * stride, W, j);
-      h[r * C + j] = acc;
+  for (; k < R; ++k) {
+    const uint8_t* row = w + k * stride;
+    for (size_t r = 0; r < nr; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * R + k);
+      size_t j = j0;
+      for (; j < body; j += 8)
+        _mm256_storeu_ps(h + r * C + j, _mm256_fmadd_ps(load8<W>(row + j * B), xv, _mm256_loadu_ps(h + r * C + j)));
+      for (; j < j1; ++j) h[r * C + j] += x[r * R + k] * load_value(row, W, j);
     }
+  }
 }
 
 // Dispatch over the input rows in chunks of 4 (the weights of an item stay in cache between them).
 template <int NR>
 EXPERTCACHE_FFN_AVX2 void project_avx2_nr(const FfnProjection& p, const uint8_t* slot, const float* x, size_t o0,
                                           size_t o1, float* h, FfnDtype compute) {
-  if (p.form == FfnForm::kAxpy) {
-    switch (p.weight_dtype) {
-      case FfnDtype::kBFloat16: return axpy_plain_avx2<FfnDtype::kBFloat16, NR>(p, slot, x, o0, o1, h);
-      case FfnDtype::kFloat16: return axpy_plain_avx2<FfnDtype::kFloat16, NR>(p, slot, x, o0, o1, h);
-      default: return axpy_plain_avx2<FfnDtype::kFloat32, NR>(p, slot, x, o0, o1, h);
-    }
-  }
   switch (p.encoding) {
     case FfnEncoding::kMxfp4: return dot_mxfp4_avx2<NR>(p, slot, x, o0, o1, h);
     case FfnEncoding::kFp8:
@@ -434,6 +444,13 @@ EXPERTCACHE_FFN_AVX2 void project_avx2_nr(const FfnProjection& p, const uint8_t*
 
 void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                   float* h, FfnDtype compute) {
+  if (p.form == FfnForm::kAxpy) {  // every input row at once: the weights are streamed once
+    switch (p.weight_dtype) {
+      case FfnDtype::kBFloat16: return axpy_plain_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, o0, o1, h);
+      case FfnDtype::kFloat16: return axpy_plain_avx2<FfnDtype::kFloat16>(p, slot, x, nr, o0, o1, h);
+      default: return axpy_plain_avx2<FfnDtype::kFloat32>(p, slot, x, nr, o0, o1, h);
+    }
+  }
   for (size_t r = 0; r < nr; r += 4) {
     const float* xr = x + r * p.inputs;
     float* hr = h + r * p.outputs;
@@ -565,8 +582,16 @@ void project_portable(const FfnProjection& p, const uint8_t* slot, const float* 
     dot_portable(p, slot, x, nr, o0, o1, h, compute);
 }
 
-size_t chunk_of(const FfnProjection& p) { return p.form == FfnForm::kDot ? kDotChunk : kAxpyChunk; }
-size_t items_of(const FfnProjection& p) { return (p.outputs + chunk_of(p) - 1) / chunk_of(p); }
+// Outputs per work item: a few rows of a dot matrix (each row its own stream), or a thread's share
+// of an axpy matrix's columns (its rows are streamed, so the wider the better).
+size_t chunk_of(const FfnProjection& p, int threads) {
+  if (p.form == FfnForm::kDot) return kDotChunk;
+  const size_t share = (p.outputs + size_t(threads) - 1) / size_t(threads);
+  return std::max(kAxpyChunk, (share + 7) & ~size_t(7));
+}
+size_t items_of(const FfnProjection& p, int threads) {
+  return (p.outputs + chunk_of(p, threads) - 1) / chunk_of(p, threads);
+}
 
 void check_projection(const FfnProjection& p, const char* name, size_t slot_bytes) {
   const std::string what = std::string("expert ffn: ") + name + " ";
@@ -717,7 +742,7 @@ void ExpertFfn::set_threads(int threads) {
 
 void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.first;
-  const size_t chunk = chunk_of(p);
+  const size_t chunk = chunk_of(p, threads_);
   for (size_t item = begin; item < end; ++item) {
     const size_t e = item / t.items1, part = item % t.items1;
     const size_t o0 = part * chunk, o1 = std::min(p.outputs, o0 + chunk);
@@ -749,7 +774,7 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
 
 void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.down;
-  const size_t chunk = chunk_of(p), H = p.outputs;
+  const size_t chunk = chunk_of(p, threads_), H = p.outputs;
   const FfnDtype d = spec_.compute;
   // The rows' products land in a per-call scratch row block, then weighted into out.
   for (size_t item = begin; item < end; ++item) {
@@ -807,7 +832,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
     else
       std::memcpy(dst, src, H * sizeof(float));
   }
-  Task t{arena, slots, n, bounds, rows, weights, out, items_of(first), items_of(down)};
+  Task t{arena, slots, n, bounds, rows, weights, out, items_of(first, threads_), items_of(down, threads_)};
   auto parallel = [&](size_t items, auto&& body) {
     if (pool_ && items > 1) {
       const std::function<void(size_t)> fn = [&](size_t i) { body(i, i + 1); };
