@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy values-schema \
-        llama-cpp bench-predict bench-io bench-decode bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
+        llama-cpp bench-predict bench-io bench-decode bench-kernels bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
 
@@ -147,6 +147,13 @@ bench-io: install
 bench-decode: install
 	$(PY) -m bench.decode_bench $(BENCH_DECODE_ARGS)
 
+# Expert FFN kernels: the fused CPU kernel compute runs for decode (csrc/src/expert_ffn.cc), per
+# layout (bf16, bf16 transposed, MXFP4, FP8), shape (e2e, gpt-oss-20b/120b) and rows per expert,
+# in ms per expert and GB/s beside a memcpy of the same bytes and the torch path (decode + GEMM);
+# writes bench/results/kernels.json.
+bench-kernels: install
+	$(PY) -m bench.kernels $(BENCH_KERNELS_ARGS)
+
 # Trace replay: the daemon's own policies and prefetch scheduler driven by a real routing trace
 # under a stated timing model (gpt-oss-20b, experts mxfp4 as it ships unless BENCH_REPLAY_ARGS has
 # --precision bf16|fp8, PCIe 4.0 x16, A5000-class compute); prints the
@@ -192,6 +199,6 @@ bench-serve: install
 bench-load: install
 	$(PY) -m bench.serve --mode load --max-batched-tokens 64 $(BENCH_LOAD_ARGS)
 
-bench: bench-io bench-predict bench-decode bench-replay bench-e2e bench-overhead bench-serve bench-load bench-hostile
+bench: bench-io bench-predict bench-decode bench-kernels bench-replay bench-e2e bench-overhead bench-serve bench-load bench-hostile
 
 FORCE:
