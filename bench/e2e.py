@@ -1,7 +1,7 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
     python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--repeats 1] ...
-                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate]
+                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate,llama.cpp]
                         [--compare-with bench/results/e2e-bf16.json]
     make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]   # a bf16 run, then an mxfp4 run printed beside it
 
@@ -30,6 +30,15 @@ MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
    unmeasured request (an expert it did not route to loads on first use, counted in its bytes):
    the compute-bound floor. Each system's share of the gap between lru and resident,
    (lru - system) / (lru - resident) in per-token p50, is printed: lru 0, resident 1.
+5. transformers: the checkpoint run by transformers itself, every expert in memory
+   (``bench.plain_transformers``).
+6. llama.cpp: the checkpoint converted to GGUF by the converter of the llama-cpp-python sdist
+   (bf16 experts to BF16, MXFP4 kept MXFP4) and run by llama.cpp built from that sdist, every
+   expert in memory (``bench.llama_cpp``; ``make llama-cpp`` builds it). Where it is not built,
+   or cannot convert the checkpoint, one line says why and the rest run. Printed: its per-token
+   p50 and p99, its GGUF's bytes beside the store's, resident / llama.cpp in per-token p50, and
+   its first ``--check-tokens`` greedy tokens against transformers' on the same checkpoint (or
+   why they cannot agree).
 
 Interleaved: every system's daemon and compute are up at once, and they take turns request by
 request (ours, lru, resident, ours, ...; accelerate, a process per run, once per repeat), the
@@ -94,6 +103,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench import llama_cpp  # noqa: E402
 from bench.e2e_accelerate import merge_accelerate, run_accelerate  # noqa: E402
 from bench.e2e_reference import forced_routes, is_calibrated, simulate  # noqa: E402
 from bench.e2e_reference import shares as belady_shares  # noqa: E402
@@ -127,7 +137,7 @@ from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 RESULTS = RESULTS_DIR / "e2e.json"
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
 # measured, loads them first.
-SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate")
+SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate", llama_cpp.SYSTEM)
 # ours with the routing transitions in place of the learned next-visit model (the daemon without
 # a next_visit_model file): what the model is worth, side by side in one run.
 EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions",)
@@ -344,7 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         "then 4 in flight (the disk time per token is printed from them); 0 = skip",
     )
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of compute and of accelerate")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of compute and of accelerate, llama.cpp's threads",
+    )
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=llama_cpp.CHECK_TOKENS,
+        help="llama.cpp's first greedy tokens checked against transformers' on the same checkpoint (0: not checked)",
+    )
     parser.add_argument(
         "--tracing-costs",
         action="store_true",
@@ -356,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+    if args.check_tokens < 0:
+        parser.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
+    systems, absent = llama_cpp.choose(systems)  # not built here: said, and the rest run
+    if absent:
+        say(absent)
+        if not systems:
+            parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+    args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:
         parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
     if not 0 <= args.layer_ahead_depth <= 64:
@@ -417,12 +446,23 @@ def main(argv: list[str] | None = None) -> int:
     say(f"ours' next-visit estimate: {next_visit_note}")
     if args.tracing_costs:
         return tracing_costs(store, manifest, args, budget)
+    if llama_cpp.SYSTEM in systems:
+        try:
+            gguf = llama_cpp.convert(checkpoint, args.precision)
+        except llama_cpp.Unavailable as exc:
+            say(f"{llama_cpp.SYSTEM}: not run: {exc}")
+            systems.remove(llama_cpp.SYSTEM)
+            if not systems:
+                parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+        else:
+            say(llama_cpp.bytes_line(gguf[1], total + manifest.dense_bytes, total))
     store_reads = measure_store_reads(store, manifest, args.store_reads)
     link = measure_link(manifest, args.device)
 
     results: dict[str, dict] = {}
+    transformers_answer = None  # transformers' greedy tokens, where it ran
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
-        started_systems: dict[str, ProcessSystem | TransformersSystem] = {}
+        started_systems: dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem] = {}
         accelerate_runs: list[dict] = []
         try:
             for system in systems:  # all up at once: they take turns below
@@ -436,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                         threads=args.threads,
                         tokens=args.tokens,
                         prompt=PROMPT,
+                    )
+                elif system == llama_cpp.SYSTEM:
+                    started_systems[system] = llama_cpp.LlamaCppSystem(
+                        *gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT
                     )
                 elif system != "accelerate":
                     proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
@@ -462,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                             started_systems[system].measure(repeat, r)
             for system, proc in started_systems.items():
                 results[system] = proc.finish()
+            if "transformers" in started_systems:  # its greedy tokens, for llama.cpp's
+                transformers_answer = started_systems["transformers"].reference
         finally:
             for proc in started_systems.values():
                 proc.stop()
@@ -476,6 +522,22 @@ def main(argv: list[str] | None = None) -> int:
         print_disk_time(results, store_reads)
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
+    if llama_cpp.SYSTEM in results:
+        refs = None
+        if args.check_tokens:
+            refs = llama_cpp.references(
+                checkpoint,
+                transformers_answer,
+                device=args.device,
+                threads=args.threads,
+                tokens=args.check_tokens,
+                prompt=PROMPT,
+            )
+        verdicts.update(
+            llama_cpp.report(
+                results, precision=args.precision, references=refs, check_tokens=args.check_tokens
+            )
+        )
     reference = simulated_reference(args, manifest, budget, results)
     if reference is not None:
         verdicts["belady_share"] = reference["shares"]

@@ -30,7 +30,7 @@ def gap_shares(results: dict) -> dict:
     lru_r, res_r = repeat_p50s(results["lru"]), repeat_p50s(results["resident"])
     out = {}
     for system, r in results.items():
-        if not r.get("p50_s") or system == "transformers":  # no cache: it has no place on that scale
+        if not r.get("p50_s") or system in ("transformers", "llama.cpp"):  # no cache: no place on that scale
             continue
         per = [
             (a - x) / (a - b)
@@ -202,7 +202,13 @@ def print_systems(results: dict, systems: list[str]) -> None:
     for system in systems:
         r = results[system]
         bpt = r.get("bytes_per_token")
-        io = r.get("store_io_mode", "buffered+fadvise(DONTNEED) per token" if system == "accelerate" else "-")
+        io = r.get(
+            "store_io_mode",
+            {
+                "accelerate": "buffered+fadvise(DONTNEED) per token",
+                "llama.cpp": "GGUF mmap, every expert in memory",
+            }.get(system, "-"),
+        )
         say(
             f"{system:<18}{fmt(r['p50_s'] and r['p50_s'] * 1e3, '>10.1f'):>10}{fmt(r['p99_s'] and r['p99_s'] * 1e3, '>10.1f'):>10}"
             f"{fmt(r['tokens_per_s'], '>8.2f'):>8}{fmt(bpt and bpt / MIB, '>14.1f'):>14}"

@@ -20,6 +20,11 @@ order rotated each repeat (``bench.e2e``'s interleaving):
   copy of one blob from host memory into the arena, and its cost is almost all bookkeeping;
 - ``transformers``: the checkpoint run by transformers itself, every expert in memory on the
   same device (``bench.plain_transformers``), same prompt and tokens;
+- ``llama.cpp``: the checkpoint converted to GGUF (bf16) and run by llama.cpp built from the
+  llama-cpp-python sdist, every expert in memory (``bench.llama_cpp``; ``make llama-cpp``
+  builds it; where it is not built, one line says so and the rest run): its per-token p50 and
+  p99, its GGUF's bytes beside the store's, resident / llama.cpp in per-token p50, and its first
+  ``--check-tokens`` greedy tokens against transformers';
 - ``ours-resident`` (optional, ``--systems``): ``resident`` with ours' policy, prefetch and
   lookahead, so that compute's signals flow: the daemon's CPU per token with them.
 
@@ -66,6 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench import llama_cpp  # noqa: E402
 from bench.gpt_oss import (  # noqa: E402
     DEFAULT_TRACE,
     PROMPT,
@@ -80,7 +86,7 @@ from bench.systems import ProcessSystem, get_stats, host_tier, rotation  # noqa:
 from devtools.launch import checkout_python, free_port  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overhead.json"
-SYSTEMS = ("resident", "lru", "transformers")
+SYSTEMS = ("resident", "lru", "transformers", llama_cpp.SYSTEM)
 OPTIONAL = ("ours-resident",)
 BASELINE_SYSTEMS = ("resident", "lru")  # what --baseline runs of the other checkout
 GOALS = {
@@ -239,7 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request")
     parser.add_argument("--requests", type=int, default=2, help="requests per system per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of every process, llama.cpp's threads"
+    )
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=llama_cpp.CHECK_TOKENS,
+        help="llama.cpp's first greedy tokens checked against transformers' on the same checkpoint (0: not checked)",
+    )
     add_model_arguments(parser, hidden=64, intermediate=64)
     parser.add_argument(
         "--device-share", type=float, default=0.25, help="lru's arena, as a share of the experts"
@@ -265,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + OPTIONAL)}")
     if args.tokens < 2 or args.requests < 1 or args.repeats < 1:
         parser.error("--tokens must be >= 2, --requests and --repeats >= 1")
+    if args.check_tokens < 0:
+        parser.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
+    systems, absent = llama_cpp.choose(systems)  # not built here: said, and the rest run
+    if absent:
+        say(absent)
+        if not systems:
+            parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+    args.systems = ",".join(systems)
     if not 0.0 < args.device_share < 1.0:
         parser.error(f"--device-share {args.device_share} is out of range (0, 1)")
     if not args.trace.is_file():
@@ -303,6 +325,17 @@ def main(argv: list[str] | None = None) -> int:
         f"lru: arena {device_bytes // blob} experts ({device_bytes / total:.0%}), host tier every expert; "
         f"resident: arena every expert; routing forced from {args.trace.name} from request {args.request}"
     )
+    gguf = None
+    if llama_cpp.SYSTEM in systems:
+        try:
+            gguf = llama_cpp.convert(checkpoint, "bf16")
+        except llama_cpp.Unavailable as exc:
+            say(f"{llama_cpp.SYSTEM}: not run: {exc}")
+            systems.remove(llama_cpp.SYSTEM)
+            if not systems:
+                parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+        else:
+            say(llama_cpp.bytes_line(gguf[1], total + manifest.dense_bytes, total))
     # (label, system, checkout): this checkout's systems, then the baseline's under their labels.
     runs = [(system, system, None) for system in systems]
     if args.baseline is not None:
@@ -313,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ports: dict[str, int] = {}
     syncs: dict[str, dict] = {}
     warm_ups: dict[str, int] = {}  # unmeasured requests until each lru's host tier was full
+    transformers_answer = None  # transformers' greedy tokens, where it ran
     with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp:
-        running: dict[str, ProcessSystem | TransformersSystem] = {}
+        running: dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem] = {}
         try:
             for label, system, checkout in runs:
                 if system == "transformers":
@@ -324,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                         threads=args.threads,
                         tokens=args.tokens,
                         prompt=PROMPT,
+                    )
+                    continue
+                if system == llama_cpp.SYSTEM:
+                    running[label] = llama_cpp.LlamaCppSystem(
+                        *gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT
                     )
                     continue
                 ports[label] = free_port()
@@ -357,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             syncs = {s: host_syncs(before[s], scrape(p)) for s, p in ports.items()}
             for label, proc in running.items():
                 results[label] = proc.finish()
+            if "transformers" in running:  # its greedy tokens, for llama.cpp's
+                transformers_answer = running["transformers"].reference
         finally:
             for proc in running.values():
                 proc.stop()
@@ -419,6 +460,20 @@ def main(argv: list[str] | None = None) -> int:
     if "lru" in results and "resident" in results:
         report.update(miss_figures(results["lru"], results["resident"]))
         say_miss("miss_fixed_cost_us", report, results["lru"], results["resident"])
+    if llama_cpp.SYSTEM in results:
+        refs = None
+        if args.check_tokens:
+            refs = llama_cpp.references(
+                checkpoint,
+                transformers_answer,
+                device=args.device,
+                threads=args.threads,
+                tokens=args.check_tokens,
+                prompt=PROMPT,
+            )
+        report.update(
+            llama_cpp.report(results, precision="bf16", references=refs, check_tokens=args.check_tokens)
+        )
     if args.baseline is not None:
         baseline = report["baseline"] = {"checkout": str(args.baseline), "revision": revision(args.baseline)}
         if "baseline-lru" in results and "baseline-resident" in results:

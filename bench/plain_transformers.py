@@ -6,9 +6,11 @@ ignored. It runs in a process of its own (``python -m bench.plain_transformers C
 started once and kept up, so that the benchmarks interleave it request by request with the
 other systems (``TransformersSystem``, the parent's side). The child reads one JSON request per
 line on stdin, ``{"tokens": N, "prompt": [ids]}``, and answers one line on stdout,
-``{"latencies_s": [...], "first_s": s, "cpu_s": s}``: the time of each decode token (a forward
-over the previous token with transformers' own KV cache, and the greedy pick, which waits for
-the device) and the process's CPU seconds over the request. The router picks the experts (no
+``{"latencies_s": [...], "first_s": s, "cpu_s": s, "tokens": [...], "margins": [...]}``: the time
+of each decode token (a forward over the previous token with transformers' own KV cache, and the
+greedy pick, which waits for the device), the process's CPU seconds over the request, and the
+tokens it picked (the first included) with each pick's top-2 logit margin (taken after the
+timing), which ``bench.llama_cpp`` checks llama.cpp's greedy tokens against. The router picks the experts (no
 forced routing): the arithmetic per token is the same, top-k experts per layer. An MXFP4
 checkpoint is dequantised to bf16 by transformers when it loads (no Triton kernels here).
 """
@@ -34,15 +36,23 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def serve(checkpoint: Path, device: str, threads: int) -> None:
-    """The child: load, then answer requests on stdin until it closes."""
+def top2_margin(logits) -> float:
+    """The gap between the highest and the second highest logit: how near the greedy pick was to
+    a tie (what another system's rounding can flip)."""
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def serve(checkpoint: Path, device: str, threads: int, dtype: str = "bfloat16") -> None:
+    """The child: load (the weights and the arithmetic in ``dtype``), then answer requests on
+    stdin until it closes."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from compute_svc.kv_cache import cache_keyword
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
     keyword = cache_keyword(model)
     print(
         json.dumps(
@@ -54,13 +64,15 @@ def serve(checkpoint: Path, device: str, threads: int) -> None:
         request = json.loads(line)
         tokens, prompt = int(request["tokens"]), [int(t) for t in request["prompt"]]
         cpu0 = cpu_seconds()
-        latencies = []
+        latencies, picked, margins = [], [], []
         with torch.inference_mode():
             started = time.perf_counter()
             cache = DynamicCache(config=model.config)
             out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **{keyword: cache})
             token = int(out.logits[0, -1].argmax())
             first = time.perf_counter() - started
+            picked.append(token)
+            margins.append(top2_margin(out.logits[0, -1]))
             for _ in range(tokens - 1):
                 started = time.perf_counter()
                 out = model(
@@ -68,8 +80,18 @@ def serve(checkpoint: Path, device: str, threads: int) -> None:
                 )
                 token = int(out.logits[0, -1].argmax())  # waits for the device
                 latencies.append(time.perf_counter() - started)
+                picked.append(token)
+                margins.append(top2_margin(out.logits[0, -1]))  # after the timing: not part of it
         print(
-            json.dumps({"latencies_s": latencies, "first_s": first, "cpu_s": cpu_seconds() - cpu0}),
+            json.dumps(
+                {
+                    "latencies_s": latencies,
+                    "first_s": first,
+                    "cpu_s": cpu_seconds() - cpu0,
+                    "tokens": picked,
+                    "margins": margins,
+                }
+            ),
             flush=True,
         )
 
@@ -81,8 +103,17 @@ class TransformersSystem:
     system = "transformers"
 
     def __init__(
-        self, checkpoint: Path, *, device: str, threads: int, tokens: int, prompt: tuple[int, ...]
+        self,
+        checkpoint: Path,
+        *,
+        device: str,
+        threads: int,
+        tokens: int,
+        prompt: tuple[int, ...],
+        dtype: str = "bfloat16",
     ) -> None:
+        """``dtype``: what the child computes in (the benchmarks' system: bfloat16, as the
+        checkpoint is; ``bench.llama_cpp``'s greedy check also runs float32)."""
         self.tokens, self.prompt = tokens, prompt
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(
@@ -95,6 +126,8 @@ class TransformersSystem:
                 device,
                 "--threads",
                 str(threads),
+                "--dtype",
+                dtype,
             ],
             cwd=REPO,
             env=env,
@@ -123,7 +156,8 @@ class TransformersSystem:
         return self._read()
 
     def begin(self) -> None:
-        self.generate()  # warm-up, not measured (first calls allocate and pick kernels)
+        # warm-up, not measured (first calls allocate and pick kernels); its greedy tokens kept
+        self.reference = self.generate()
         self.cpu_s, self.generated = 0.0, 0
 
     def measure(self, repeat: int, r: int) -> None:
@@ -142,6 +176,7 @@ class TransformersSystem:
             "first_token_s": self.first_token,
             "cpu_s_per_token": {"transformers": self.cpu_s / max(1, self.generated)},
             "experts_implementation": self.experts_implementation,
+            "greedy_tokens": getattr(self, "reference", {}).get("tokens", []),
         }
 
     def stop(self, dump_logs: bool = False) -> None:
@@ -160,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
-    serve(args.checkpoint, args.device, args.threads)
+    serve(args.checkpoint, args.device, args.threads, args.dtype)
     return 0
 
 
