@@ -1,7 +1,7 @@
 """Expert FFN kernels: one expert's whole FFN from its stored bytes, beside a memcpy of those bytes
 (``make bench-kernels``).
 
-    python -m bench.kernels [--shapes e2e,gpt-oss-20b] [--layouts bf16,bf16-t,mxfp4,fp8]
+    python -m bench.kernels [--shapes e2e,gpt-oss-20b] [--dtype bfloat16|float32] [--layouts plain,plain-t,mxfp4,fp8]
                             [--rows 1,4,16] [--threads 1] [--repeats 5] [--out bench/results/kernels.json]
 
 A decode step reads every routed expert's weights once, so an expert's FFN is bound by memory
@@ -17,9 +17,9 @@ Shapes (GPT-OSS's experts, x @ W with gate_up [H, 2I] and down [I, H]; -20b and 
     e2e           hidden 512, intermediate 1280 (bench.e2e's model)
     gpt-oss-20b   hidden 2880, intermediate 2880 (gpt-oss-120b's experts are the same shape)
 
-Layouts: ``bf16-t`` plain bfloat16 stored transposed ([in, out], as GPT-OSS's bf16 checkpoints),
-``bf16`` plain bfloat16 [out, in] (Mixtral, Qwen-MoE, DeepSeek), ``mxfp4`` (as GPT-OSS ships), ``fp8``
-e4m3 with 128 x 128 blocks (DeepSeek-V3, Qwen3 FP8); compute in bfloat16. The experts rotate
+Layouts: ``plain-t`` plain weights of the compute dtype stored transposed ([in, out], as GPT-OSS's
+bf16 checkpoints), ``plain`` the same [out, in] (Mixtral, Qwen-MoE, DeepSeek), ``mxfp4`` (as GPT-OSS ships), ``fp8``
+e4m3 with 128 x 128 blocks (DeepSeek-V3, Qwen3 FP8); compute in ``--dtype`` (bfloat16). The experts rotate
 through at least 256 MiB of slots, so every expert comes from memory, not from a warm cache; each
 round times every method in turn, rotated per round; figures are medians over ``--repeats``.
 """
@@ -40,19 +40,24 @@ from expertcache import native
 
 SHAPES = {"e2e": (512, 1280), "gpt-oss-20b": (2880, 2880)}
 LAYOUTS = {
-    "bf16-t": ("plain-axpy", "plain-axpy", "gpt_oss"),
-    "bf16": ("plain-dot", "plain-dot", "glu_halves"),
+    "plain-t": ("plain-axpy", "plain-axpy", "gpt_oss"),
+    "plain": ("plain-dot", "plain-dot", "glu_halves"),
     "mxfp4": ("mxfp4", "mxfp4", "gpt_oss"),
     "fp8": ("fp8", "fp8", "glu_halves"),
 }
 ROTATE_BYTES = 256 * MIB
 
 
-def build(layout_name: str, shape: str) -> tuple[ExpertLayout, np.ndarray, int]:
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build(
+    layout_name: str, shape: str, dtype: torch.dtype = torch.bfloat16
+) -> tuple[ExpertLayout, np.ndarray, int]:
     hidden, inter = SHAPES[shape]
     first, down, gate = LAYOUTS[layout_name]
     gen = torch.Generator().manual_seed(0)
-    layout = ExpertLayout(hidden, inter, first, down, gate, True, torch.bfloat16, gen, fp8_block=(128, 128))
+    layout = ExpertLayout(hidden, inter, first, down, gate, True, dtype, gen, fp8_block=(128, 128))
     one = layout.arena(slots=1)
     slots = max(8, -(-ROTATE_BYTES // layout.slot_bytes))
     return layout, np.tile(one, slots), slots
@@ -71,7 +76,7 @@ class Methods:
         self.ffn = native.expert_ffn(layout.spec, threads=threads)
         hidden = layout.hidden
         self.x = np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32)
-        self.x = torch.from_numpy(self.x).to(torch.bfloat16).float().numpy()
+        self.x = torch.from_numpy(self.x).to(layout.dtype).float().numpy()
         self.out = np.zeros((rows, hidden), dtype=np.float32)
         self.rows_ix = np.arange(rows, dtype=np.int64)
         self.weights = np.full(rows, 0.5, dtype=np.float32)
@@ -98,7 +103,7 @@ class Methods:
             np.copyto(self.buffer, self.arena[at : at + size])
 
     def torch(self, n: int) -> None:
-        x = torch.from_numpy(self.x).to(torch.bfloat16)
+        x = torch.from_numpy(self.x).to(self.layout.dtype)
         w = torch.full((self.rows, 1), 0.5)
         with torch.no_grad():
             for _ in range(n):
@@ -125,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-torch", action="store_true", help="skip the torch path (it is slow at big shapes)"
     )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=list(DTYPES),
+        help="compute dtype (plain weights are stored in it)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "kernels.json")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads 1 .. 256 and --repeats >= 1")
     torch.set_num_threads(args.threads)
     say(
-        f"expert FFN kernels: {args.threads} thread(s), compute bfloat16, experts rotating through "
+        f"expert FFN kernels: {args.threads} thread(s), compute {args.dtype}, experts rotating through "
         f"{ROTATE_BYTES // MIB} MiB, median of {args.repeats} rounds"
     )
     say(
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for shape in shapes:
         for layout_name in layouts:
-            layout, arena, slots = build(layout_name, shape)
+            layout, arena, slots = build(layout_name, shape, DTYPES[args.dtype])
             nbytes = stored_bytes(layout)
             for rows in rows_list:
                 m = Methods(layout, arena, slots, rows, args.threads)
@@ -187,15 +198,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['fused_gbps']:6.1f} {row['memcpy_ms']:9.3f} {row['memcpy_gbps']:6.1f} "
                     f"{row['vs_memcpy']:9.2f} {fmt(row['torch_ms'], '9.3f'):>9} {fmt(row['fused_x_torch'], '13.1f'):>13}"
                 )
-    goal = [r for r in results if r["layout"] in ("bf16", "bf16-t", "mxfp4") and r["rows"] in (1, 4)]
-    if goal:
+    goal = [r for r in results if r["layout"] in ("plain", "plain-t", "mxfp4") and r["rows"] in (1, 4)]
+    if goal and args.dtype == "bfloat16":
         worst = min(goal, key=lambda r: r["vs_memcpy"])
         ok = worst["vs_memcpy"] >= 0.7
         say(
             f"goal: bf16 and MXFP4 at 1 and 4 rows >= 0.7x memcpy bandwidth: worst {worst['vs_memcpy']:.2f} "
             f"({worst['shape']} {worst['layout']} {worst['rows']} rows) {'PASS' if ok else 'FAIL'}"
         )
-    write_json(args.out, dict(threads=args.threads, repeats=args.repeats, results=results))
+    write_json(args.out, dict(threads=args.threads, repeats=args.repeats, dtype=args.dtype, results=results))
     say(f"wrote {args.out}")
     return 0
 

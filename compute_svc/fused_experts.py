@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,8 +27,10 @@ from expertcache.manifest import ExpertTensor
 
 logger = logging.getLogger(__name__)
 
-# Rows per expert up to which the fused kernel beats a decode + GEMM (bench.kernels measures it).
-MAX_FUSED_ROWS = 16
+# Rows per expert up to which the fused kernel beats the torch path (decode + GEMMs), per compute
+# dtype: measured by bench.kernels at the e2e shape, 1 thread (float32: even at 32 rows, MKL's
+# GEMM ahead beyond; bfloat16: the fused kernel still 2-5x ahead at 64 rows, beyond unmeasured).
+MAX_FUSED_ROWS = {"float32": 32, "bfloat16": 64, "float16": 64}
 
 _ACTS = (
     ((activations.SiLUActivation, torch.nn.SiLU), "silu"),
@@ -142,6 +145,11 @@ def fused_spec(module: torch.nn.Module, layouts: Sequence[ExpertTensor], slot_by
     return dict(first=first, down=second, compute=compute, slot_bytes=int(slot_bytes), **gate)
 
 
+class FusedKernel(NamedTuple):
+    ffn: object  # expertcache.native.ExpertFfn
+    max_rows: int  # rows per expert up to which it runs a layer
+
+
 class FusedExperts:
     """The native fused kernel for every experts module of one model (one per distinct spec)."""
 
@@ -152,17 +160,17 @@ class FusedExperts:
         self.layouts = tuple(layouts)
         self.arena = arena_slots.reshape(-1).numpy()  # [num_slots * slot_bytes] uint8, no copy
         self.slot_bytes = int(arena_slots.shape[1])
-        self._by_module: dict[tuple[int, torch.dtype], object | None] = {}
-        self._by_spec: dict[str, object] = {}
+        self._by_module: dict[tuple[int, torch.dtype], FusedKernel | None] = {}
+        self._by_spec: dict[str, FusedKernel] = {}
         self.calls = 0  # batches run by the kernel
 
     @staticmethod
     def supports(arena_slots: torch.Tensor) -> bool:
         return arena_slots.device.type == "cpu" and arena_slots.is_contiguous()
 
-    def kernel(self, module: torch.nn.Module, weights_dtype: torch.dtype):
-        """The native ExpertFfn for ``module`` with routing weights of ``weights_dtype``, or None
-        (the torch path)."""
+    def kernel(self, module: torch.nn.Module, weights_dtype: torch.dtype) -> FusedKernel | None:
+        """The native ExpertFfn for ``module`` with routing weights of ``weights_dtype`` and the
+        most rows per expert it takes, or None (the torch path)."""
         key = (id(module), weights_dtype)
         if key not in self._by_module:
             spec = fused_spec(module, self.layouts, self.slot_bytes)
@@ -175,13 +183,15 @@ class FusedExperts:
                 text = repr(sorted(spec.items()))
                 ffn = self._by_spec.get(text)
                 if ffn is None:
-                    ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
+                    native_ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
+                    ffn = FusedKernel(native_ffn, MAX_FUSED_ROWS.get(spec["compute"], 0))
                     self._by_spec[text] = ffn
                     logger.info(
-                        "experts of %s run by the fused CPU kernel (%s path, %d threads)",
+                        "experts of %s run by the fused CPU kernel up to %d rows per expert (%s path, %d threads)",
                         type(module).__name__,
-                        ffn.path,
-                        ffn.threads,
+                        ffn.max_rows,
+                        native_ffn.path,
+                        native_ffn.threads,
                     )
             else:
                 logger.info(
@@ -192,7 +202,7 @@ class FusedExperts:
 
     def run(
         self,
-        ffn,
+        kernel: FusedKernel,
         slots: Sequence[int],
         experts: Sequence[int],
         routing: Routing,
@@ -207,7 +217,7 @@ class FusedExperts:
         rows, tokens, bounds = routing.group(experts)
         rows_np = rows.numpy()
         ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
-        ffn.run(
+        kernel.ffn.run(
             self.arena,
             np.asarray(slots, dtype=np.int64),
             np.concatenate(([0], ends)),
@@ -219,6 +229,6 @@ class FusedExperts:
         )
 
 
-def decode_sized(routing: Routing) -> bool:
-    """Every expert of the layer has few enough rows for the fused kernel."""
-    return all(b - a <= MAX_FUSED_ROWS for a, b in routing.spans.values())
+def decode_sized(routing: Routing, max_rows: int) -> bool:
+    """Every expert of the layer has at most ``max_rows`` rows."""
+    return all(b - a <= max_rows for a, b in routing.spans.values())

@@ -355,14 +355,14 @@ class ExpertRuntime:
     def _fused_inputs(self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor):
         """(kernel, x float32 [T, H], routing weights float32 [S]) when the fused kernel runs this
         layer, else None."""
-        if self._fused is None or not decode_sized(routing):
+        if self._fused is None:
             return None
-        ffn = self._fused.kernel(module, routing.weights.dtype)
-        if ffn is None:
+        kernel = self._fused.kernel(module, routing.weights.dtype)
+        if kernel is None or not decode_sized(routing, kernel.max_rows):
             return None
         x = hidden_states.detach().float().contiguous().numpy()
         weights = routing.weights.detach().float().contiguous().numpy()
-        return ffn, x, weights
+        return kernel, x, weights
 
     def end_step(self, *, failed: bool = False) -> None:
         """The step's forward is over (the token was picked, which waited for the device):
@@ -509,9 +509,9 @@ class ExpertRuntime:
                     device_hits += ready.source is ExpertSource.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
                 if fused is not None:
-                    ffn, x, weights = fused
+                    kernel, x, weights = fused
                     experts = [r.expert for r in batch]
-                    self._fused.run(ffn, [r.slot for r in batch], experts, routing, x, weights, combiner)
+                    self._fused.run(kernel, [r.slot for r in batch], experts, routing, x, weights, combiner)
                     continue
                 one = whole or ExpertsPass(module, [r.expert for r in batch], hidden_states, routing)
                 for ready in batch:
