@@ -297,6 +297,7 @@ EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* 
     for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     size_t g = 0;
     for (; g + 2 <= groups; g += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + g * kGroupBytes) + kPrefetchBytes, _MM_HINT_T0);
       __m256 v[4], w[4];
       fp4_group(b + g * kGroupBytes, tlo, thi, v);
       fp4_group(b + (g + 1) * kGroupBytes, tlo, thi, w);
@@ -368,12 +369,15 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
 // One block of 4 weight rows (k .. k + 3) into the partial sums of NR <= 2 input rows.
 template <FfnDtype W, int NR>
 EXPERTCACHE_FFN_AVX2 inline void axpy_block4(const uint8_t* r0, size_t stride, const float* x, size_t R, size_t k,
-                                             size_t j0, size_t body, float* h, size_t C) {
+                                             size_t j0, size_t body, float* h, size_t C, bool prefetch) {
   constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
   __m256 xb[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int q = 0; q < 4; ++q) xb[r][q] = _mm256_broadcast_ss(x + r * R + k + q);
+  const uint8_t* next = r0 + 8 * stride;  // the block after next: its rows prefetched a line at a time
   for (size_t j = j0; j < body; j += 8) {
+    if (prefetch && ((j * B) & 63) == 0)
+      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + j * B), _MM_HINT_T0);
     const __m256 w0 = load8<W>(r0 + j * B), w1 = load8<W>(r0 + stride + j * B);
     const __m256 w2 = load8<W>(r0 + 2 * stride + j * B), w3 = load8<W>(r0 + 3 * stride + j * B);
     for (int r = 0; r < NR; ++r) {
@@ -401,8 +405,9 @@ EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t*
   for (; k + 4 <= R; k += 4) {
     const uint8_t* r0 = w + k * stride;
     size_t r = 0;
-    for (; r + 2 <= nr; r += 2) axpy_block4<W, 2>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C);
-    if (r < nr) axpy_block4<W, 1>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C);
+    const bool ahead = k + 12 <= R;  // the first pair of rows prefetches two blocks ahead
+    for (; r + 2 <= nr; r += 2) axpy_block4<W, 2>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
+    if (r < nr) axpy_block4<W, 1>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
     for (size_t j = body; j < j1; ++j)
       for (size_t i = 0; i < nr; ++i)
         for (int q = 0; q < 4; ++q) h[i * C + j] += x[i * R + k + q] * load_value(r0 + q * stride, W, j);
