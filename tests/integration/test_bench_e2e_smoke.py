@@ -30,7 +30,10 @@ def bytes_ratio_of(systems: dict) -> float:
 
 
 @needs_trace
-def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys):
+def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch):
+    # The default systems without llama.cpp, whether or not this machine has built it (its own
+    # tests are tests/unit/test_bench_llama_cpp.py).
+    monkeypatch.setenv("EXPERTCACHE_LLAMA_CPP", "off")
     common = [
         "--hidden", "64", "--intermediate", "64",
         "--tokens", "4", "--requests", "2",
