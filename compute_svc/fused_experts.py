@@ -200,32 +200,56 @@ class FusedExperts:
             self._by_module[key] = ffn
         return self._by_module[key]
 
-    def run(
+    def layer(
+        self, kernel: FusedKernel, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner
+    ) -> FusedLayer:
+        """The layer's inputs to ``kernel``, made once per layer."""
+        return FusedLayer(self, kernel, routing, hidden_states, combiner)
+
+
+class FusedLayer:
+    """One MoE layer run by the fused kernel: its float32 inputs [T, H], its pair rows grouped by
+    expert with their tokens and routing weights (numpy, made once), and the combiner's float32
+    pair buffer the kernel writes into; ``run`` takes each batch of pinned experts."""
+
+    def __init__(
         self,
+        owner: FusedExperts,
         kernel: FusedKernel,
-        slots: Sequence[int],
-        experts: Sequence[int],
         routing: Routing,
-        x: np.ndarray,
-        weights: np.ndarray,
+        hidden_states: torch.Tensor,
         combiner: Combiner,
     ) -> None:
-        """The batch ``experts`` (pinned in ``slots``) over their rows of ``routing``, into
-        ``combiner``'s pair rows. ``x`` [T, H] and ``weights`` [S] are the layer's float32 inputs
-        and routing weights (made once per layer)."""
-        self.calls += 1
-        rows, tokens, bounds = routing.group(experts)
-        rows_np = rows.numpy()
-        ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
-        kernel.ffn.run(
-            self.arena,
-            np.asarray(slots, dtype=np.int64),
-            np.concatenate(([0], ends)),
-            rows_np,
-            tokens.numpy(),
-            weights[rows_np],
-            x,
-            combiner.float_pairs(),
+        self._owner = owner
+        self._ffn = kernel.ffn
+        self._experts = routing.experts
+        self._spans = routing.spans
+        self._x = hidden_states.detach().float().contiguous().numpy()  # [T, H]
+        self._rows = routing.order.numpy()  # [S] pair rows, expert by expert
+        self._tokens = routing.tokens.numpy()
+        self._weights = routing.weights.detach().float().contiguous().numpy()[self._rows]
+        self._pairs = combiner.float_pairs()
+
+    def run(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """The batch ``experts`` (pinned in ``slots``, in the same order) into the pair rows."""
+        self._owner.calls += 1
+        spans = self._spans
+        if tuple(experts) == self._experts:  # the whole layer at once (every expert resident)
+            rows, tokens, weights = self._rows, self._tokens, self._weights
+            ends = [spans[e][1] for e in experts]
+        else:
+            take = np.concatenate([np.arange(*spans[e]) for e in experts])
+            rows, tokens, weights = self._rows[take], self._tokens[take], self._weights[take]
+            ends = np.cumsum([spans[e][1] - spans[e][0] for e in experts]).tolist()
+        self._ffn.run(
+            self._owner.arena,
+            np.array(slots, dtype=np.int64),
+            np.array([0, *ends], dtype=np.int64),
+            rows,
+            tokens,
+            weights,
+            self._x,
+            self._pairs,
         )
 
 

@@ -51,7 +51,7 @@ from transformers.integrations.moe import ExpertsInterface
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
-from compute_svc.fused_experts import FusedExperts, decode_sized
+from compute_svc.fused_experts import FusedExperts, FusedLayer, decode_sized
 from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
@@ -329,7 +329,7 @@ class ExpertRuntime:
         routing = route(top_k_index, top_k_weights, fetched.index.numpy())
         self._send_signals(layer, routing, pending, fetched)
         combiner = Combiner(routing, hidden_states)
-        fused = self._fused_inputs(module, routing, hidden_states)
+        fused = self._fused_layer(module, routing, hidden_states, combiner)
         layer_span = None
         if self.trace_parent is not None:
             layer_span = telemetry.tracer().start_span(
@@ -352,17 +352,16 @@ class ExpertRuntime:
                 layer_span.end()
         return combiner.result()
 
-    def _fused_inputs(self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor):
-        """(kernel, x float32 [T, H], routing weights float32 [S]) when the fused kernel runs this
-        layer, else None."""
+    def _fused_layer(
+        self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner
+    ) -> FusedLayer | None:
+        """The layer's inputs to the fused kernel when it runs this layer, else None."""
         if self._fused is None:
             return None
         kernel = self._fused.kernel(module, routing.weights.dtype)
         if kernel is None or not decode_sized(routing, kernel.max_rows):
             return None
-        x = hidden_states.detach().float().contiguous().numpy()
-        weights = routing.weights.detach().float().contiguous().numpy()
-        return kernel, x, weights
+        return self._fused.layer(kernel, routing, hidden_states, combiner)
 
     def end_step(self, *, failed: bool = False) -> None:
         """The step's forward is over (the token was picked, which waited for the device):
@@ -461,7 +460,7 @@ class ExpertRuntime:
         routing: Routing,
         combiner: Combiner,
         layer_span=None,
-        fused=None,
+        fused: FusedLayer | None = None,
     ) -> None:
         acquire_span = None
         acquire = getattr(self.provider, "acquire_batches", None) or self._singletons
@@ -509,9 +508,7 @@ class ExpertRuntime:
                     device_hits += ready.source is ExpertSource.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
                 if fused is not None:
-                    kernel, x, weights = fused
-                    experts = [r.expert for r in batch]
-                    self._fused.run(kernel, [r.slot for r in batch], experts, routing, x, weights, combiner)
+                    fused.run([r.slot for r in batch], [r.expert for r in batch])
                     continue
                 one = whole or ExpertsPass(module, [r.expert for r in batch], hidden_states, routing)
                 for ready in batch:
