@@ -156,9 +156,11 @@ def test_quantized_experts_match_transformers_dequantised_model(arch, quantizati
 
 # -- decode-sized layers through the fused CPU kernel (compute_svc.fused_experts) ----------------
 SHORT = [5, 17, 33]  # 3 tokens: every expert has at most 3 rows, so every layer is fused
-FUSED = [pytest.param(arch, {}, TOL, id=arch) for arch in SUPPORTED_ARCHS] + [
-    pytest.param(p.values[0], quantized_config(*p.values[:3]), p.values[3], id=p.id) for p in QUANTIZED
+FUSED = [
+    *(pytest.param(arch, {}, TOL, id=arch) for arch in SUPPORTED_ARCHS),
+    *(pytest.param(arch, {"dtype": torch.bfloat16}, BF16_TOL, id=f"{arch}-bf16") for arch in SUPPORTED_ARCHS),
 ]
+FUSED += [pytest.param(p.values[0], quantized_config(*p.values[:3]), p.values[3], id=p.id) for p in QUANTIZED]
 
 
 @pytest.mark.parametrize(("arch", "config", "tol"), FUSED)
