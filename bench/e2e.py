@@ -523,19 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
     if llama_cpp.SYSTEM in results:
-        refs = None
-        if args.check_tokens:
-            refs = llama_cpp.references(
-                checkpoint,
-                transformers_answer,
+        verdicts.update(
+            llama_cpp.check_and_report(
+                results,
+                checkpoint=checkpoint,
+                have=transformers_answer,
+                precision=args.precision,
                 device=args.device,
                 threads=args.threads,
-                tokens=args.check_tokens,
+                check_tokens=args.check_tokens,
                 prompt=PROMPT,
-            )
-        verdicts.update(
-            llama_cpp.report(
-                results, precision=args.precision, references=refs, check_tokens=args.check_tokens
             )
         )
     reference = simulated_reference(args, manifest, budget, results)

@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.report import MIB, say  # noqa: E402
+from bench.usage import end_line_process  # noqa: E402
 
 SYSTEM = "llama.cpp"
 VERSION = "0.3.36"  # llama-cpp-python's sdist
@@ -481,13 +482,7 @@ class LlamaCppSystem:
 
     def stop(self, dump_logs: bool = False) -> None:
         del dump_logs
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_line_process(self.proc)
 
 
 # -- reporting -----------------------------------------------------------------------------------
@@ -609,6 +604,27 @@ def report(results: dict, *, precision: str, references: dict | None, check_toke
         r["greedy_check"] = greedy_check(r.get("greedy_tokens", []), references, precision, check_tokens)
         out["llama_cpp_greedy_tokens_agree"] = r["greedy_check"].get("agree")
     return out
+
+
+def check_and_report(
+    results: dict,
+    *,
+    checkpoint: Path,
+    have: dict | None,
+    precision: str,
+    device: str,
+    threads: int,
+    check_tokens: int,
+    prompt: tuple[int, ...],
+) -> dict:
+    """``report``, with transformers' greedy tokens made first when ``check_tokens`` asks for them
+    (``references``; ``have``: the benchmark's own transformers' answer, where it ran)."""
+    refs = None
+    if check_tokens:
+        refs = references(
+            checkpoint, have, device=device, threads=threads, tokens=check_tokens, prompt=prompt
+        )
+    return report(results, precision=precision, references=refs, check_tokens=check_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -461,18 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         report.update(miss_figures(results["lru"], results["resident"]))
         say_miss("miss_fixed_cost_us", report, results["lru"], results["resident"])
     if llama_cpp.SYSTEM in results:
-        refs = None
-        if args.check_tokens:
-            refs = llama_cpp.references(
-                checkpoint,
-                transformers_answer,
+        report.update(
+            llama_cpp.check_and_report(
+                results,
+                checkpoint=checkpoint,
+                have=transformers_answer,
+                precision="bf16",
                 device=args.device,
                 threads=args.threads,
-                tokens=args.check_tokens,
+                check_tokens=args.check_tokens,
                 prompt=PROMPT,
             )
-        report.update(
-            llama_cpp.report(results, precision="bf16", references=refs, check_tokens=args.check_tokens)
         )
     if args.baseline is not None:
         baseline = report["baseline"] = {"checkout": str(args.baseline), "revision": revision(args.baseline)}

@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.usage import end_line_process  # noqa: E402
+
 
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -181,13 +183,7 @@ class TransformersSystem:
 
     def stop(self, dump_logs: bool = False) -> None:
         del dump_logs
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_line_process(self.proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ and Redis's own memory figures."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 MIB = 1 << 20
@@ -41,3 +42,15 @@ def redis_memory(url: str) -> dict[str, int]:
     finally:
         client.close()
     return {k: int(info[k]) for k in ("used_memory", "used_memory_rss", "used_memory_peak")}
+
+
+def end_line_process(proc: subprocess.Popen) -> None:
+    """End a process that answers one request per stdin line (a benchmark's driver): close its
+    stdin, which ends it, and kill it when it has not ended 30 s later."""
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

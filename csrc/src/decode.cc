@@ -3,6 +3,7 @@
 // function-level target attributes, so every build has them whatever its -march; whether they run
 // is decided at run time from cpuid.
 #include "expertcache/decode.h"
+#include "expertcache/float_bits.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,18 +30,6 @@ constexpr uint8_t kE4m3NanMagnitude = 0x7F;
 // FP8 blocks decoded by look-up tables (AVX-512, 16-bit outputs): at least this wide and this big.
 constexpr size_t kTableMinBlockCols = 32;
 constexpr size_t kTableMinBlockValues = 2048;
-
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // Per scale byte s, the 16 values FP4[c] * 2**(s - 127) in each output dtype (header: exact by
 // construction). The AVX2 path looks 16-bit values up byte-wise (pshufb), so those tables also

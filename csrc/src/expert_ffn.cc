@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "expertcache/decode.h"
+#include "expertcache/float_bits.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define EXPERTCACHE_FFN_X86 1
@@ -32,18 +33,6 @@ constexpr size_t kPrefetchBytes = 1024;  // how far ahead a dot row stream is pr
 
 constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 float fp16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
