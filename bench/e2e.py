@@ -377,13 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
-    if args.check_tokens < 0:
-        parser.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
-    systems, absent = llama_cpp.choose(systems)  # not built here: said, and the rest run
-    if absent:
-        say(absent)
-        if not systems:
-            parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+    systems = llama_cpp.checked_systems(parser, args, systems)
     args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:
         parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
@@ -446,16 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"ours' next-visit estimate: {next_visit_note}")
     if args.tracing_costs:
         return tracing_costs(store, manifest, args, budget)
-    if llama_cpp.SYSTEM in systems:
-        try:
-            gguf = llama_cpp.convert(checkpoint, args.precision)
-        except llama_cpp.Unavailable as exc:
-            say(f"{llama_cpp.SYSTEM}: not run: {exc}")
-            systems.remove(llama_cpp.SYSTEM)
-            if not systems:
-                parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
-        else:
-            say(llama_cpp.bytes_line(gguf[1], total + manifest.dense_bytes, total))
+    gguf = llama_cpp.convert_or_drop(
+        parser, args, systems, checkpoint, args.precision, total + manifest.dense_bytes, total
+    )
     store_reads = measure_store_reads(store, manifest, args.store_reads)
     link = measure_link(manifest, args.device)
 

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.report import MIB, say  # noqa: E402
-from bench.usage import end_line_process  # noqa: E402
+from bench.usage import ask_line_process, end_line_process  # noqa: E402
 
 SYSTEM = "llama.cpp"
 VERSION = "0.3.36"  # llama-cpp-python's sdist
@@ -438,16 +438,11 @@ class LlamaCppSystem:
         self.cpu_s, self.generated = 0.0, 0
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait(timeout=30)
-            raise RuntimeError(f"the llama.cpp driver exited with {code} (its stderr is above)")
-        return json.loads(line)
+        return ask_line_process(self.proc, None, "the llama.cpp driver")
 
     def generate(self) -> dict:
-        self.proc.stdin.write(" ".join(str(t) for t in (self.tokens, *self.prompt)) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        request = " ".join(str(t) for t in (self.tokens, *self.prompt))
+        return ask_line_process(self.proc, request, "the llama.cpp driver")
 
     def begin(self) -> None:
         self.picked.append(self.generate()["tokens"])  # warm-up, not measured (pages the GGUF in)
@@ -604,6 +599,45 @@ def report(results: dict, *, precision: str, references: dict | None, check_toke
         r["greedy_check"] = greedy_check(r.get("greedy_tokens", []), references, precision, check_tokens)
         out["llama_cpp_greedy_tokens_agree"] = r["greedy_check"].get("agree")
     return out
+
+
+def checked_systems(parser, args, systems: list[str]) -> list[str]:
+    """A benchmark's ``--systems`` without llama.cpp where it is not built (one line says why),
+    after checking ``--check-tokens``; a parser error when nothing is left to run."""
+    if args.check_tokens < 0:
+        parser.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
+    systems, absent = choose(systems)  # not built here: said, and the rest run
+    if absent:
+        say(absent)
+        if not systems:
+            parser.error(f"--systems {args.systems!r}: nothing left to run without {SYSTEM}")
+    return systems
+
+
+def convert_or_drop(
+    parser,
+    args,
+    systems: list[str],
+    checkpoint: Path,
+    precision: str,
+    store_bytes: int,
+    store_expert_bytes: int,
+) -> tuple[Path, dict] | None:
+    """The GGUF of ``checkpoint`` when llama.cpp is among ``systems`` (its bytes printed beside the
+    store's); where it cannot be converted, one line says why and llama.cpp leaves ``systems``
+    (a parser error when nothing is left)."""
+    if SYSTEM not in systems:
+        return None
+    try:
+        gguf = convert(checkpoint, precision)
+    except Unavailable as exc:
+        say(f"{SYSTEM}: not run: {exc}")
+        systems.remove(SYSTEM)
+        if not systems:
+            parser.error(f"--systems {args.systems!r}: nothing left to run without {SYSTEM}")
+        return None
+    say(bytes_line(gguf[1], store_bytes, store_expert_bytes))
+    return gguf
 
 
 def check_and_report(

@@ -279,13 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + OPTIONAL)}")
     if args.tokens < 2 or args.requests < 1 or args.repeats < 1:
         parser.error("--tokens must be >= 2, --requests and --repeats >= 1")
-    if args.check_tokens < 0:
-        parser.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
-    systems, absent = llama_cpp.choose(systems)  # not built here: said, and the rest run
-    if absent:
-        say(absent)
-        if not systems:
-            parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
+    systems = llama_cpp.checked_systems(parser, args, systems)
     args.systems = ",".join(systems)
     if not 0.0 < args.device_share < 1.0:
         parser.error(f"--device-share {args.device_share} is out of range (0, 1)")
@@ -325,17 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         f"lru: arena {device_bytes // blob} experts ({device_bytes / total:.0%}), host tier every expert; "
         f"resident: arena every expert; routing forced from {args.trace.name} from request {args.request}"
     )
-    gguf = None
-    if llama_cpp.SYSTEM in systems:
-        try:
-            gguf = llama_cpp.convert(checkpoint, "bf16")
-        except llama_cpp.Unavailable as exc:
-            say(f"{llama_cpp.SYSTEM}: not run: {exc}")
-            systems.remove(llama_cpp.SYSTEM)
-            if not systems:
-                parser.error(f"--systems {args.systems!r}: nothing left to run without {llama_cpp.SYSTEM}")
-        else:
-            say(llama_cpp.bytes_line(gguf[1], total + manifest.dense_bytes, total))
+    gguf = llama_cpp.convert_or_drop(
+        parser, args, systems, checkpoint, "bf16", total + manifest.dense_bytes, total
+    )
     # (label, system, checkout): this checkout's systems, then the baseline's under their labels.
     runs = [(system, system, None) for system in systems]
     if args.baseline is not None:

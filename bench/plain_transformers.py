@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.usage import end_line_process  # noqa: E402
+from bench.usage import ask_line_process, end_line_process  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -146,16 +146,11 @@ class TransformersSystem:
         self.generated = 0
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait(timeout=30)
-            raise RuntimeError(f"bench.plain_transformers exited with {code} (its stderr is above)")
-        return json.loads(line)
+        return ask_line_process(self.proc, None, "bench.plain_transformers")
 
     def generate(self) -> dict:
-        self.proc.stdin.write(json.dumps({"tokens": self.tokens, "prompt": list(self.prompt)}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        request = json.dumps({"tokens": self.tokens, "prompt": list(self.prompt)})
+        return ask_line_process(self.proc, request, "bench.plain_transformers")
 
     def begin(self) -> None:
         # warm-up, not measured (first calls allocate and pick kernels); its greedy tokens kept

@@ -3,6 +3,7 @@ and Redis's own memory figures."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -42,6 +43,20 @@ def redis_memory(url: str) -> dict[str, int]:
     finally:
         client.close()
     return {k: int(info[k]) for k in ("used_memory", "used_memory_rss", "used_memory_peak")}
+
+
+def ask_line_process(proc: subprocess.Popen, request: str | None, what: str) -> dict:
+    """Send one request line (None: none, only read) to a process that answers one JSON line per
+    request (a benchmark's driver) and read its answer; RuntimeError naming ``what`` when it has
+    exited instead."""
+    if request is not None:
+        proc.stdin.write(request + "\n")
+        proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        code = proc.wait(timeout=30)
+        raise RuntimeError(f"{what} exited with {code} (its stderr is above)")
+    return json.loads(line)
 
 
 def end_line_process(proc: subprocess.Popen) -> None:
