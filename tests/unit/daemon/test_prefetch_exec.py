@@ -224,6 +224,10 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     r.intake.observe("req", 0, L1, [0])
     ahead(r, 0, L3, [0, 1], [0.9, 0.5])
     wait_for(lambda: h.state(L3, 0) is SlotState.LOADING and h.state(L3, 1) is SlotState.LOADING)
+    # A load is LOADING before its pool thread hands the read to the reader: wait until both reads
+    # sit queued in the paused reader, the state this test is about (on a busy machine the demand
+    # could otherwise drop a prefetch whose read was never submitted, and no read is cut short).
+    wait_for(lambda: h.store.reader_stats()["queued"] == 2, "both prefetch reads queued in the paused reader")
     s = r.open_session("compute")
     waiter = ThreadPoolExecutor(1).submit(lambda: list(r.acquire(s, L1, [2])))
     # Both slots hold prefetch loads nobody pins: the demand cancels one (the lowest score) and
