@@ -32,7 +32,8 @@ and, from the next layer's router on this layer's input, ``layer_ahead`` (``comp
 union over the prompt's tokens, at the position of its last token.
 
 The route, compute and combine stages are ``compute_svc.moe_math``; this module acquires, runs
-them and releases.
+them and releases. On a CPU arena, a decode-sized layer's compute stage is the native fused kernel
+instead (``compute_svc.fused_experts``: the experts read in place in their stored encoding).
 """
 
 from __future__ import annotations
