@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.report import MIB, say  # noqa: E402
-from bench.usage import ask_line_process, end_line_process  # noqa: E402
+from bench.usage import ask_line_process, end_line_process, record_answer  # noqa: E402
 
 SYSTEM = "llama.cpp"
 VERSION = "0.3.36"  # llama-cpp-python's sdist
@@ -451,12 +451,8 @@ class LlamaCppSystem:
     def measure(self, repeat: int, r: int) -> None:
         del r
         got = self.generate()
-        self.latencies += got["latencies_s"]
-        self.first_token.append(got["first_s"])
-        self.by_repeat.setdefault(repeat, []).extend(got["latencies_s"])
+        record_answer(self, got, repeat)
         self.picked.append(got["tokens"])
-        self.cpu_s += got["cpu_s"]
-        self.generated += self.tokens
 
     def finish(self) -> dict:
         return {

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.usage import ask_line_process, end_line_process  # noqa: E402
+from bench.usage import ask_line_process, end_line_process, record_answer  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -160,11 +160,7 @@ class TransformersSystem:
     def measure(self, repeat: int, r: int) -> None:
         del r
         got = self.generate()
-        self.latencies += got["latencies_s"]
-        self.first_token.append(got["first_s"])
-        self.by_repeat.setdefault(repeat, []).extend(got["latencies_s"])
-        self.cpu_s += got["cpu_s"]
-        self.generated += self.tokens
+        record_answer(self, got, repeat)
 
     def finish(self) -> dict:
         return {

@@ -69,3 +69,13 @@ def end_line_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def record_answer(system, got: dict, repeat: int) -> None:
+    """Keep a driver's answer to one measured request on ``system`` (its ``latencies``,
+    ``first_token``, ``by_repeat``, ``cpu_s`` and ``generated`` of ``system.tokens`` tokens)."""
+    system.latencies += got["latencies_s"]
+    system.first_token.append(got["first_s"])
+    system.by_repeat.setdefault(repeat, []).extend(got["latencies_s"])
+    system.cpu_s += got["cpu_s"]
+    system.generated += system.tokens
