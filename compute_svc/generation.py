@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compute_svc.arena import Arena, resolve_device
+from compute_svc.decode_step import DecodeStep
 from compute_svc.errors import FailedPrecondition
 from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forward, use_packed_attention
 from compute_svc.metrics import ComputeMetrics
@@ -191,6 +192,7 @@ class GenerationEngine:
         max_new_tokens_limit: int = 4096,
         limits: RequestLimits | None = None,
         metrics: ComputeMetrics | None = None,
+        native_decode: bool = True,
     ) -> None:
         self.loaded = loaded
         self._cache_keyword = cache_keyword(loaded.model)
@@ -207,6 +209,9 @@ class GenerationEngine:
         self.reporter: ActivationReporter | None = None
         self.recorder: TraceRecorder | None = None
         self.attention = use_packed_attention(loaded.model)
+        # Steps that feed one token per request skip transformers' per-op overhead where it can
+        # (compute_svc.decode_step); None: every step is a transformers forward.
+        self.decode_step = DecodeStep.build(loaded.model, self.attention.original) if native_decode else None
         # Routing ids of the running requests: a client's request_id is only unique per client
         # (a retry reuses it), and the daemon, the reporter and the trace key requests by it.
         self._routing_ids: set[str] = set()
@@ -365,14 +370,19 @@ class GenerationEngine:
         step_span = self._start_step_span(plan) if telemetry.ENABLED else None
         failed = True
         try:
-            with packed_forward(segments) as cache:
-                out = self.loaded.model(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    **{self._cache_keyword: cache},
-                    logits_to_keep=keep if logits_rows else 1,
-                )
+            if self.decode_step is not None and t == len(plan):  # one token per request
+                step_logits = self.decode_step.forward(input_ids, position_ids, [s.kv for s in segments])
+                logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
+            else:
+                with packed_forward(segments) as cache:
+                    out = self.loaded.model(
+                        input_ids=input_ids,
+                        position_ids=position_ids,
+                        use_cache=True,
+                        **{self._cache_keyword: cache},
+                        logits_to_keep=keep if logits_rows else 1,
+                    )
+                logits = out.logits[0] if logits_rows else None  # [rows, V]
             failed = False
         finally:
             if failed:
@@ -386,7 +396,6 @@ class GenerationEngine:
         if self.routing_capture is not None:
             self._report_routing(step_segments, {seq.routing_id: seq.prompt_tokens for seq, _ in plan})
         events = []
-        logits = out.logits[0] if logits_rows else None  # [rows, V]
         for row, seq in enumerate(emitting):
             events.append((seq, self._emit(seq, logits[row])))
         # Token picks waited for the device: the step's last experts may be released.

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -56,20 +57,51 @@ class SequenceKV:
         self.length = 0
         self._keys: dict[int, torch.Tensor] = {}  # layer -> [1, h, capacity, d]
         self._values: dict[int, torch.Tensor] = {}
+        self._table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # see reserve
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``keys``/``values`` [1, h, t, d] after the committed past; the past and them as views."""
         end = self.length + keys.shape[2]
-        self._keys[layer] = k = _ensure(self._keys.get(layer), keys, end)
-        self._values[layer] = v = _ensure(self._values.get(layer), values, end)
+        k, v = self._buffers(layer, keys, values, end)
         k[:, :, self.length : end] = keys
         v[:, :, self.length : end] = values
         return k[:, :, :end], v[:, :, :end]
 
     def commit(self, tokens: int) -> None:
         self.length += tokens
+
+    def reserve(
+        self, layers: int, like: torch.Tensor, needed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Room for ``needed`` tokens in layers 0 .. layers-1 (new buffers like ``like`` [1, h, 1, d]),
+        as the buffers' addresses and capacities: (keys [layers], values [layers], capacity
+        [layers]) int64, for a native writer (``compute_svc.decode_step``); kept until a buffer grows."""
+        table = self._table
+        if table is None or len(table[2]) != layers or int(table[2].min()) < needed:
+            for layer in range(layers):
+                self._buffers(layer, like, like, needed)
+            ks = [self._keys[layer] for layer in range(layers)]
+            vs = [self._values[layer] for layer in range(layers)]
+            table = self._table = (
+                np.array([k.data_ptr() for k in ks], dtype=np.int64),
+                np.array([v.data_ptr() for v in vs], dtype=np.int64),
+                np.array([k.shape[2] for k in ks], dtype=np.int64),
+            )
+        return table
+
+    def _buffers(
+        self, layer: int, key_like: torch.Tensor, value_like: torch.Tensor, needed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s buffers with room for ``needed`` tokens (grown like the ``*_like``)."""
+        k = self._keys.get(layer)
+        v = self._values.get(layer)
+        if k is None or v is None or k.shape[2] < needed or v.shape[2] < needed:
+            self._keys[layer] = k = _ensure(k, key_like, needed)
+            self._values[layer] = v = _ensure(v, value_like, needed)
+            self._table = None
+        return k, v
 
 
 def _ensure(buf: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:

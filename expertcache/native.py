@@ -190,3 +190,10 @@ def expert_ffn(spec: dict, threads: int = 1) -> ExpertFfn:
 
 
 __all__ += ["ExpertFfn", "expert_ffn"]
+
+# ``DecodeAttention(spec)``: the dense half of a decoder layer for decode steps on the CPU
+# (``add_layer``, ``begin_step``, ``run(layer)``, ``end_step``); the spec is
+# compute_svc.decode_step's. See csrc/include/expertcache/decode_attention.h.
+DecodeAttention = _native.DecodeAttention
+
+__all__ += ["DecodeAttention"]

@@ -35,3 +35,5 @@ void bind_next_visit(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 // ExpertFfn: one MoE layer's experts fused on the CPU, from their stored encoding.
 void bind_expert_ffn(pybind11::module_& m);
+// DecodeAttention: the dense half of a decoder layer for decode steps on the CPU.
+void bind_decode_attention(pybind11::module_& m);

@@ -33,5 +33,6 @@ PYBIND11_MODULE(_native, m) {
   bind_next_visit(m);
   bind_decode(m);
   bind_expert_ffn(m);
+  bind_decode_attention(m);
   bind_cuda(m);
 }

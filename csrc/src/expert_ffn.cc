@@ -623,6 +623,24 @@ size_t FfnProjection::extent() const {
   return end;
 }
 
+float ffn_round(float v, FfnDtype dtype) { return round_to(v, dtype); }
+
+float ffn_load(const uint8_t* p, FfnDtype dtype, size_t i) { return load_value(p, dtype, i); }
+
+bool ffn_cpu_has_avx2() { return cpu_has_avx2(); }
+
+void ffn_plain_dot(const uint8_t* w, FfnDtype wdtype, size_t inputs, size_t outputs, const float* x, size_t rows,
+                   float* out, bool avx2) {
+  FfnProjection p;
+  p.weight_dtype = wdtype;
+  p.inputs = inputs;
+  p.outputs = outputs;
+  if (avx2)
+    project_avx2(p, w, x, rows, 0, outputs, out, wdtype);
+  else
+    project_portable(p, w, x, rows, 0, outputs, out, wdtype);
+}
+
 // -- a small pool: the caller and threads - 1 workers take items of one job until none is left ----------
 struct FfnPool {
   explicit FfnPool(int workers) {

@@ -111,4 +111,16 @@ class ExpertFfn {
   std::vector<float> xin_, h1_, act_, nat_;
 };
 
+// Shared with the dense part of a decode step (decode_attention.h):
+// the value `v` takes in `dtype` (torch's round to nearest even), as a float;
+float ffn_round(float v, FfnDtype dtype);
+// value i of an array of `dtype` at `p`, as a float;
+float ffn_load(const uint8_t* p, FfnDtype dtype, size_t i);
+// out[r * outputs + i] = sum_c W[i, c] * x[r * inputs + c] for i < outputs, r < rows: plain W
+// [outputs, inputs] of `wdtype`, float32 products and sums (the FFN's dot kernel; `avx2` where
+// ffn_cpu_has_avx2()).
+void ffn_plain_dot(const uint8_t* w, FfnDtype wdtype, size_t inputs, size_t outputs, const float* x, size_t rows,
+                   float* out, bool avx2);
+bool ffn_cpu_has_avx2();
+
 }  // namespace expertcache

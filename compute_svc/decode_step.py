@@ -1,0 +1,178 @@
+"""Decode steps on the CPU without transformers' per-op overhead.
+
+A decode step feeds one token per request. Through transformers it costs about 1 ms of Python per
+decoder layer at any size, more than the arithmetic of a small layer. Here each layer's dense
+half (input norm, q/k/v, rotary, the KV write, attention, o_proj, the residual and the
+post-attention norm) is one native call (``expertcache.native.DecodeAttention``) over every row of
+the step, reading the model's own weights and writing the requests' own KV buffers
+(``kv_cache.SequenceKV``); the layer's MLP is the model's own module (router, our experts through
+``compute_svc.moe``, shared experts); the embedding, final norm and head are the model's own.
+
+``DecodeStep.build`` returns None where this does not apply (a GPU, a model type or attention
+implementation it does not cover): the step then runs through transformers as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from compute_svc.kv_cache import SequenceKV
+
+logger = logging.getLogger(__name__)
+
+# model_type -> (RMSNorm rounding, the attention the model runs by default)
+_MODELS = {
+    "gpt_oss": ("weight_then_cast", "eager"),
+    "mixtral": ("cast_then_weight", "sdpa"),
+    "qwen2_moe": ("cast_then_weight", "sdpa"),
+    "qwen3_moe": ("cast_then_weight", "sdpa"),
+}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _storage(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s storage (2-byte dtypes as int16)."""
+    t = t.detach()
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+
+
+class DecodeStep:
+    """One model's decode steps through the native dense half (see the module docstring)."""
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, original_attention: str) -> DecodeStep | None:
+        """The decode step of ``model`` (loaded, on its device), or None where it does not apply
+        (saying why in the log). ``original_attention``: the attention implementation the packed
+        attention wraps ("sdpa" or "eager"), whose numerics the native attention follows."""
+        config = model.config
+        why = None
+        kind = _MODELS.get(config.model_type)
+        dtype = next(model.parameters()).dtype
+        if kind is None:
+            why = f"model type {config.model_type} is not one it covers ({', '.join(sorted(_MODELS))})"
+        elif next(model.parameters()).device.type != "cpu":
+            why = "the model is not on the CPU"
+        elif dtype not in _DTYPES:
+            why = f"dtype {dtype}"
+        elif original_attention not in ("sdpa", "eager") or (kind[1] == "eager") != (
+            original_attention == "eager"
+        ):
+            why = f"attention {original_attention!r}"
+        if why is not None:
+            logger.info("decode steps run through transformers: %s", why)
+            return None
+        try:
+            from expertcache import native
+        except ImportError as exc:  # pragma: no cover - the native core is part of the package
+            logger.info("decode steps run through transformers: no native core (%s)", exc)
+            return None
+        return cls(model, native, kind[0], "eager" if original_attention == "eager" else "fused", dtype)
+
+    def __init__(self, model: torch.nn.Module, native, norm: str, softmax: str, dtype: torch.dtype) -> None:
+        config = model.config
+        inner = model.model
+        self.model = model
+        self.layers = list(inner.layers)
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm
+        self.head = model.lm_head
+        self.dtype = dtype
+        first = self.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.hidden = int(config.hidden_size)
+        self.attention = native.DecodeAttention(
+            {
+                "hidden": self.hidden,
+                "heads": int(config.num_attention_heads),
+                "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "dtype": _DTYPES[dtype],
+                "eps": float(self.layers[0].input_layernorm.variance_epsilon),
+                "scaling": float(first.scaling),
+                "norm": norm,
+                "softmax": softmax,
+            }
+        )
+        for layer in self.layers:
+            attn = layer.self_attn
+            weights = {
+                "input_norm": layer.input_layernorm.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "q": attn.q_proj.weight,
+                "k": attn.k_proj.weight,
+                "v": attn.v_proj.weight,
+                "o": attn.o_proj.weight,
+                "q_bias": attn.q_proj.bias,
+                "k_bias": attn.k_proj.bias,
+                "v_bias": attn.v_proj.bias,
+                "o_bias": attn.o_proj.bias,
+                "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
+                "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
+                "sinks": getattr(attn, "sinks", None),
+            }
+            self.attention.add_layer(
+                {k: None if v is None else _storage(v) for k, v in weights.items()},
+                _window(config, attn) or 0,
+            )
+        # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
+        self._like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=dtype)
+        logger.info(
+            "decode steps: the dense half of each of %d layers in one native call (%s path, %s attention)",
+            len(self.layers),
+            self.attention.path,
+            softmax,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SequenceKV]
+    ) -> torch.Tensor:
+        """Logits [R, V] of R requests' next tokens: ``input_ids``/``position_ids`` [1, R], one
+        token per request, whose KV (``caches``, in row order) holds everything before it. The new
+        keys and values are written past each cache's length; ``commit`` is the caller's."""
+        rows = input_ids.shape[1]
+        layers = len(self.layers)
+        keys = np.empty((layers, rows), dtype=np.int64)
+        values = np.empty((layers, rows), dtype=np.int64)
+        capacity = np.empty((layers, rows), dtype=np.int64)
+        length = np.empty(rows, dtype=np.int64)
+        for r, kv in enumerate(caches):
+            k, v, c = kv.reserve(layers, self._like, kv.length + 1)
+            keys[:, r], values[:, r], capacity[:, r] = k, v, c
+            length[r] = kv.length
+        h = self.embed(input_ids).view(rows, self.hidden).contiguous()  # [R, H], the residual stream
+        mlp_in = torch.empty_like(h)
+        cos, sin = self.rotary(h, position_ids)  # [1, R, head_dim] or [1, R, head_dim / 2]
+        half = self.head_dim // 2
+        cos = cos.reshape(rows, -1)[:, :half].contiguous()
+        sin = sin.reshape(rows, -1)[:, :half].contiguous()
+        attention = self.attention
+        attention.begin_step(
+            _storage(h), _storage(mlp_in), _storage(cos), _storage(sin), keys, values, capacity, length
+        )
+        try:
+            mlp_view = mlp_in.view(1, rows, self.hidden)
+            flat = h.view(1, rows, self.hidden)
+            for i, layer in enumerate(self.layers):
+                attention.run(i)
+                out = layer.mlp(mlp_view)
+                if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
+                    out = out[0]
+                flat.add_(out)
+        finally:
+            attention.end_step()
+        return self.head(self.final_norm(flat))[0]
+
+
+def _window(config, attn) -> int | None:
+    """The sliding window packed attention applies to ``attn``'s layer (kv_cache.PackedAttention:
+    the window the model passes, else the module's)."""
+    passed = attn.sliding_window if config.model_type in ("gpt_oss", "qwen3_moe") else None
+    if config.model_type == "mixtral":
+        passed = getattr(config, "sliding_window", None)
+    return passed or getattr(attn, "sliding_window", None)

@@ -1,0 +1,89 @@
+// The dense half of a decoder layer for a decode step on the CPU, in one call: for R rows (one
+// new token each, of R requests),
+//
+//   x       = input_norm(h)                       RMSNorm
+//   q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv   (optional per-head RMSNorm of q and k)
+//   q, k    = rotary(q, k) at each row's position  half-split rotation, cos/sin given [R, d/2]
+//   cache   : k, v written at index length[r] of row r's cache of this layer
+//   a       = attention of q over row r's keys/values 0 .. length[r] (within the sliding window)
+//   h       = h + (a Wo^T + bo)                   the residual, in place
+//   mlp_in  = post_norm(h)
+//
+// which is the part of every decoder layer of GPT-OSS, Mixtral, Qwen2-MoE and Qwen3-MoE before its
+// MLP; the MLP (router, experts, shared experts) stays the model's own module. Values are the
+// compute dtype's (bf16, fp16 or fp32 bits in memory); each op's output is rounded to it as
+// transformers' eager ops round, products and sums in float32 (their order differs from a BLAS
+// GEMM, so the last bits of a sum may too). Attention follows the model's implementation:
+//   kEager  transformers' eager attention (GPT-OSS): scores rounded, scaled, the sink appended,
+//           the max subtracted, softmax, probabilities rounded, then weighted values;
+//   kFused  scaled_dot_product_attention on the CPU: scores, softmax and the weighted sum in
+//           float32, the exponentials rounded to the compute dtype for the value product.
+// RMSNorm: kCastThenWeight (Llama's: w * dtype(x / rms)) or kWeightThenCast (GPT-OSS: dtype(w * x / rms)).
+//
+// A row's cache of a layer is the model's own tensor [kv_heads, capacity, head_dim] of the compute
+// dtype (compute_svc.kv_cache.SequenceKV's buffers). Single-threaded; allocates only when a call
+// is larger than every earlier one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "expertcache/expert_ffn.h"
+
+namespace expertcache {
+
+enum class AttnNorm { kCastThenWeight = 0, kWeightThenCast = 1 };
+enum class AttnSoftmax { kEager = 0, kFused = 1 };
+
+struct AttentionSpec {
+  size_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  FfnDtype dtype = FfnDtype::kBFloat16;
+  float eps = 1e-6f;
+  float scaling = 1.0f;
+  AttnNorm norm = AttnNorm::kCastThenWeight;
+  AttnSoftmax softmax = AttnSoftmax::kFused;
+};
+
+// One layer's tensors (of the compute dtype), nullptr where the model has none.
+struct AttentionWeights {
+  const uint8_t* input_norm = nullptr;  // [hidden]
+  const uint8_t* post_norm = nullptr;   // [hidden]
+  const uint8_t *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;  // [out, in]
+  const uint8_t *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *o_bias = nullptr;
+  const uint8_t *q_norm = nullptr, *k_norm = nullptr;  // [head_dim], per head
+  const uint8_t* sinks = nullptr;                       // [heads] (kEager only)
+  size_t window = 0;                                    // keys within the last `window` (0: all)
+};
+
+class DecodeAttention {
+ public:
+  // std::invalid_argument naming what is inconsistent.
+  explicit DecodeAttention(const AttentionSpec& spec);
+
+  const AttentionSpec& spec() const { return spec_; }
+  size_t layers() const { return layers_.size(); }
+  const char* path() const { return avx2_ ? "avx2" : "portable"; }
+  void add_layer(const AttentionWeights& w);
+
+  // Rows r < rows: h and mlp_in [rows, hidden], cos/sin [rows, head_dim / 2]; keys[r], values[r]
+  // the layer's cache of row r, capacity[r] > length[r] positions. The caller checks every size.
+  void run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in, const uint8_t* cos, const uint8_t* sin,
+           uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length);
+
+ private:
+  void norm(const uint8_t* weight, const float* x, size_t n, float* out) const;
+  void linear(const uint8_t* w, const uint8_t* bias, const float* x, size_t rows, size_t in, size_t out,
+              float* y);
+  void attend(const AttentionWeights& w, const float* q, const uint8_t* keys, const uint8_t* values,
+              size_t capacity, size_t length, float* out);
+
+  AttentionSpec spec_;
+  bool avx2_ = false;
+  std::vector<AttentionWeights> layers_;
+  // Scratch, grown to the largest call: the normed rows, q, k, v, the attention output, one
+  // projection's sums, one head's scores.
+  std::vector<float> x_, q_, k_, v_, a_, y_, s_;
+};
+
+}  // namespace expertcache

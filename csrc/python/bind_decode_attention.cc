@@ -1,0 +1,199 @@
+// Python binding of the dense half of a decoder layer for decode steps
+// (csrc/include/expertcache/decode_attention.h), used by compute_svc.decode_step.
+//
+//   att = DecodeAttention(spec)            sizes, dtype, eps, scaling, norm, softmax
+//   att.add_layer(weights, window)         numpy views of the layer's tensors, kept alive here
+//   att.begin_step(h, mlp_in, cos, sin, keys, values, capacity, length)
+//   att.run(layer)                         once per layer of the step, without the GIL
+//
+// Arrays hold the compute dtype's storage: 2-byte items for bf16 / fp16 (numpy int16, uint16 or
+// float16 views of torch tensors), float32 for fp32. Every size is checked (ValueError naming the
+// argument). `keys` / `values` / `capacity` [layers, rows] are the addresses of each row's cache tensors of each
+// layer ([kv_heads, capacity, head_dim], contiguous) and their capacities: compute's own tensors, which it keeps alive
+// for the step; the addresses themselves cannot be checked here.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bind.h"
+#include "expertcache/decode_attention.h"
+
+namespace py = pybind11;
+using expertcache::AttentionSpec;
+using expertcache::AttentionWeights;
+using expertcache::DecodeAttention;
+using expertcache::FfnDtype;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("DecodeAttention: " + message); }
+
+template <class T>
+T get(const py::dict& d, const char* key) {
+  if (!d.contains(key)) fail(std::string("spec has no '") + key + "'");
+  return d[key].cast<T>();
+}
+
+size_t item_bytes(FfnDtype d) { return d == FfnDtype::kFloat32 ? 4 : 2; }
+
+// `obj` as a contiguous array of `count` items of the compute dtype's storage.
+py::array storage(const py::object& obj, FfnDtype d, size_t count, const std::string& name, bool writable = false) {
+  if (!py::isinstance<py::array>(obj)) fail(name + " must be a numpy array");
+  py::array a = obj.cast<py::array>();
+  const bool f32 = d == FfnDtype::kFloat32;
+  const char kind = a.dtype().kind();
+  if (size_t(a.itemsize()) != item_bytes(d) || (f32 ? kind != 'f' : (kind != 'i' && kind != 'u' && kind != 'f')))
+    fail(name + " must hold " + (f32 ? "float32" : "2-byte (bf16 / fp16 storage)") + " items");
+  if (!(a.flags() & py::array::c_style)) fail(name + " must be C-contiguous");
+  if (size_t(a.size()) != count) fail(name + " must hold " + std::to_string(count) + " values, not " + std::to_string(a.size()));
+  if (writable && !a.writeable()) fail(name + " must be writable");
+  return a;
+}
+
+py::array_t<int64_t> int64s(const py::object& obj, size_t count, const std::string& name) {
+  if (!py::isinstance<py::array_t<int64_t>>(obj)) fail(name + " must be a numpy int64 array");
+  auto a = obj.cast<py::array_t<int64_t>>();
+  if (!(a.flags() & py::array::c_style)) fail(name + " must be C-contiguous");
+  if (size_t(a.size()) != count) fail(name + " must hold " + std::to_string(count) + " values, not " + std::to_string(a.size()));
+  return a;
+}
+
+struct Step {
+  size_t rows = 0;
+  py::array h, mlp_in, cos, sin;
+  py::array_t<int64_t> keys, values, capacity, length;
+  std::vector<uint8_t*> key_ptrs, value_ptrs;  // [layers * rows]
+};
+
+struct Attention {
+  std::unique_ptr<DecodeAttention> att;
+  std::vector<py::object> kept;  // the layers' arrays
+  std::unique_ptr<Step> step;
+  std::mutex busy;
+};
+
+}  // namespace
+
+void bind_decode_attention(py::module_& m) {
+  py::class_<Attention>(m, "DecodeAttention")
+      .def(py::init([](const py::dict& spec) {
+             AttentionSpec s;
+             s.hidden = get<size_t>(spec, "hidden");
+             s.heads = get<size_t>(spec, "heads");
+             s.kv_heads = get<size_t>(spec, "kv_heads");
+             s.head_dim = get<size_t>(spec, "head_dim");
+             const auto dtype = get<std::string>(spec, "dtype");
+             if (dtype == "float32") s.dtype = FfnDtype::kFloat32;
+             else if (dtype == "bfloat16") s.dtype = FfnDtype::kBFloat16;
+             else if (dtype == "float16") s.dtype = FfnDtype::kFloat16;
+             else fail("spec['dtype'] '" + dtype + "' is not float32, bfloat16 or float16");
+             s.eps = get<float>(spec, "eps");
+             s.scaling = get<float>(spec, "scaling");
+             const auto norm = get<std::string>(spec, "norm");
+             if (norm == "cast_then_weight") s.norm = expertcache::AttnNorm::kCastThenWeight;
+             else if (norm == "weight_then_cast") s.norm = expertcache::AttnNorm::kWeightThenCast;
+             else fail("spec['norm'] '" + norm + "' is not cast_then_weight or weight_then_cast");
+             const auto softmax = get<std::string>(spec, "softmax");
+             if (softmax == "eager") s.softmax = expertcache::AttnSoftmax::kEager;
+             else if (softmax == "fused") s.softmax = expertcache::AttnSoftmax::kFused;
+             else fail("spec['softmax'] '" + softmax + "' is not eager or fused");
+             auto a = std::make_unique<Attention>();
+             a->att = std::make_unique<DecodeAttention>(s);
+             return a;
+           }),
+           py::arg("spec"))
+      .def_property_readonly("layers", [](const Attention& a) { return a.att->layers(); })
+      .def_property_readonly("path", [](const Attention& a) { return std::string(a.att->path()); })
+      .def(
+          "add_layer",
+          [](Attention& a, const py::dict& weights, size_t window) {
+            const AttentionSpec& s = a.att->spec();
+            const size_t H = s.hidden, Q = s.heads * s.head_dim, KV = s.kv_heads * s.head_dim;
+            AttentionWeights w;
+            const auto take = [&](const char* name, size_t count, bool required) -> const uint8_t* {
+              if (!weights.contains(name) || weights[name].is_none()) {
+                if (required) fail(std::string("the layer has no '") + name + "'");
+                return nullptr;
+              }
+              py::array arr = storage(weights[name], s.dtype, count, name);
+              a.kept.push_back(arr);
+              return static_cast<const uint8_t*>(arr.data());
+            };
+            w.input_norm = take("input_norm", H, true);
+            w.post_norm = take("post_norm", H, true);
+            w.q = take("q", Q * H, true);
+            w.k = take("k", KV * H, true);
+            w.v = take("v", KV * H, true);
+            w.o = take("o", H * Q, true);
+            w.q_bias = take("q_bias", Q, false);
+            w.k_bias = take("k_bias", KV, false);
+            w.v_bias = take("v_bias", KV, false);
+            w.o_bias = take("o_bias", H, false);
+            w.q_norm = take("q_norm", s.head_dim, false);
+            w.k_norm = take("k_norm", s.head_dim, false);
+            w.sinks = take("sinks", s.heads, false);
+            w.window = window;
+            a.att->add_layer(w);
+          },
+          py::arg("weights"), py::arg("window") = 0)
+      .def(
+          "begin_step",
+          [](Attention& a, const py::object& h, const py::object& mlp_in, const py::object& cos, const py::object& sin,
+             const py::object& keys, const py::object& values, const py::object& capacity, const py::object& length) {
+            const AttentionSpec& s = a.att->spec();
+            const size_t L = a.att->layers();
+            if (!py::isinstance<py::array>(h) || h.cast<py::array>().ndim() != 2) fail("h must be [rows, hidden]");
+            const size_t rows = size_t(h.cast<py::array>().shape(0));
+            if (rows == 0) fail("a step has at least one row");
+            auto step = std::make_unique<Step>();
+            step->rows = rows;
+            step->h = storage(h, s.dtype, rows * s.hidden, "h", true);
+            step->mlp_in = storage(mlp_in, s.dtype, rows * s.hidden, "mlp_in", true);
+            step->cos = storage(cos, s.dtype, rows * s.head_dim / 2, "cos");
+            step->sin = storage(sin, s.dtype, rows * s.head_dim / 2, "sin");
+            step->keys = int64s(keys, L * rows, "keys");
+            step->values = int64s(values, L * rows, "values");
+            step->capacity = int64s(capacity, L * rows, "capacity");
+            step->length = int64s(length, rows, "length");
+            for (size_t i = 0; i < L * rows; ++i) {
+              const int64_t len = step->length.data()[i % rows], cap = step->capacity.data()[i];
+              if (len < 0 || len >= cap)
+                fail("row " + std::to_string(i % rows) + " of layer " + std::to_string(i / rows) + ": length " +
+                     std::to_string(len) + " leaves no room in a capacity of " + std::to_string(cap));
+            }
+            for (size_t i = 0; i < L * rows; ++i) {
+              if (step->keys.data()[i] == 0 || step->values.data()[i] == 0) fail("a cache address is null");
+              step->key_ptrs.push_back(reinterpret_cast<uint8_t*>(step->keys.data()[i]));
+              step->value_ptrs.push_back(reinterpret_cast<uint8_t*>(step->values.data()[i]));
+            }
+            std::lock_guard<std::mutex> lock(a.busy);
+            a.step = std::move(step);
+          },
+          py::arg("h"), py::arg("mlp_in"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"),
+          py::arg("capacity"), py::arg("length"))
+      .def(
+          "run",
+          [](Attention& a, size_t layer) {
+            std::unique_lock<std::mutex> lock(a.busy, std::try_to_lock);
+            if (!lock.owns_lock()) fail("run called while another call of the same object is in progress");
+            if (!a.step) fail("run before begin_step");
+            if (layer >= a.att->layers()) fail("no layer " + std::to_string(layer));
+            Step& st = *a.step;
+            const size_t at = layer * st.rows;
+            auto* h = static_cast<uint8_t*>(st.h.mutable_data());
+            auto* mlp_in = static_cast<uint8_t*>(st.mlp_in.mutable_data());
+            py::gil_scoped_release release;
+            a.att->run(layer, st.rows, h, mlp_in, static_cast<const uint8_t*>(st.cos.data()),
+                       static_cast<const uint8_t*>(st.sin.data()), st.key_ptrs.data() + at, st.value_ptrs.data() + at,
+                       st.capacity.data() + at, st.length.data());
+          },
+          py::arg("layer"))
+      .def("end_step", [](Attention& a) {
+        std::lock_guard<std::mutex> lock(a.busy);
+        a.step.reset();
+      });
+}

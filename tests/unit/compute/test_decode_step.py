@@ -1,0 +1,146 @@
+"""Decode steps through the native dense half (compute_svc.decode_step) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compute_svc.requests import GenerationRequest
+
+PROMPT = [5, 17, 33, 2, 9, 41, 7]
+COVERED = ["gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def prepare(engine, prompt, n):
+    return engine.requests.prepare(
+        GenerationRequest(token_ids=tuple(prompt), max_new_tokens=n, ignore_eos=True)
+    )
+
+
+def greedy(engine, prompt, n):
+    return [e.token_id for e in engine.generate(prepare(engine, prompt, n))]
+
+
+def plain_model(checkpoint, dtype=None):
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
+
+
+def plain_greedy(checkpoint, prompt, n, dtype=None):
+    with torch.no_grad():
+        out = plain_model(checkpoint, dtype).generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def counting(engine):
+    """Counts the engine's native decode steps."""
+    step = engine.decode_step
+    calls = []
+    original = step.forward
+
+    def forward(*args, **kwargs):
+        logits = original(*args, **kwargs)
+        calls.append(logits.clone())
+        return logits
+
+    step.forward = forward
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", COVERED)
+def test_greedy_decode_through_the_native_dense_half_matches_generate(arch, dtype, local_engine):
+    engine, _, tiny = local_engine(arch, dtype=dtype)
+    assert engine.decode_step is not None
+    calls = counting(engine)
+    assert greedy(engine, PROMPT, 12) == plain_greedy(tiny.checkpoint, PROMPT, 12, dtype)
+    assert len(calls) == 11  # every token after the prompt's first
+
+
+# The native sums run in another order than oneDNN's GEMMs and sdpa's flash kernel, so bf16 logits
+# may differ in their last bits: at most this many bf16 units in the last place of the largest
+# logit, measured 1 (GPT-OSS, eager attention, every other rounding repeated) and 4 (sdpa models).
+ULPS = {"gpt_oss": 1, "mixtral": 5, "qwen2_moe": 5, "qwen3_moe": 5}
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [(arch, torch.bfloat16) for arch in COVERED] + [("gpt_oss", torch.float32)]
+)
+def test_decode_logits_equal_transformers_past_the_window_and_as_the_cache_grows(arch, dtype, local_engine):
+    # 130 prompt tokens: past gpt-oss's 128-token window, and the KV buffers grow while decoding.
+    engine, _, tiny = local_engine(arch, dtype=dtype)
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(130)]
+    calls = counting(engine)
+    tokens = greedy(engine, prompt, 5)
+    assert len(calls) == 4
+    # transformers' own decode steps (generate, with its KV cache) are the reference.
+    with torch.no_grad():
+        out = plain_model(tiny.checkpoint, dtype).generate(
+            torch.tensor([prompt]),
+            max_new_tokens=5,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences[0, len(prompt) :].tolist() == tokens
+    for got, want in zip(calls, out.logits[1:], strict=True):
+        got, want = got[0].float(), want[0].float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, **TOL)
+            continue
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())).item() - 7)  # bf16: 8 significant bits
+        assert (got - want).abs().max().item() <= ULPS[arch] * ulp
+
+
+def test_a_batch_of_requests_decodes_as_each_alone(local_engine):
+    engine, _, tiny = local_engine("gpt_oss", dtype=torch.bfloat16)
+    prompts = [PROMPT, [3, 8, 1, 44, 21, 6, 6, 9, 12, 30, 2], [19, 4]]
+    alone = [greedy(engine, p, 6) for p in prompts]
+    seqs = [engine.start(prepare(engine, p, 6)) for p in prompts]
+    got = [[] for _ in prompts]
+    for i, seq in enumerate(seqs):  # prefill each, then decode all three in the same steps
+        for _, event in engine.step([(seq, len(seq.pending))]):
+            got[i].append(event.token_id)
+    calls = counting(engine)
+    while not all(seq.done for seq in seqs):
+        plan = [(seq, 1) for seq in seqs if not seq.done]
+        for s, event in engine.step(plan):
+            got[seqs.index(s)].append(event.token_id)
+    for seq in seqs:
+        engine.finish(seq, "length")
+    assert got == alone
+    assert len(calls) == 5 and calls[0].shape[0] == 3
+
+
+def test_a_failed_decode_step_leaves_the_requests_as_they_were(local_engine):
+    engine, _, tiny = local_engine("mixtral")
+    runtime = engine.runtime
+    original = runtime.forward
+    seq = engine.start(prepare(engine, PROMPT, 8))
+    tokens = [e.token_id for _, e in engine.step([(seq, len(seq.pending))])]
+    failures = iter([False, True])  # the second MoE layer of the next step fails
+
+    def flaky(*args, **kwargs):
+        if next(failures, False):
+            raise RuntimeError("the daemon went away")
+        return original(*args, **kwargs)
+
+    runtime.forward = flaky
+    with pytest.raises(RuntimeError, match="went away"):
+        engine.step([(seq, 1)])
+    del runtime.forward
+    while not seq.done:
+        tokens += [e.token_id for _, e in engine.step([(seq, 1)])]
+    engine.finish(seq, "length")
+    assert tokens == plain_greedy(tiny.checkpoint, PROMPT, 8)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])
+def test_models_it_does_not_cover_decode_through_transformers(arch, local_engine):
+    engine, _, tiny = local_engine(arch)
+    assert engine.decode_step is None
+    assert greedy(engine, PROMPT, 4) == plain_greedy(tiny.checkpoint, PROMPT, 4)
