@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from compute_svc.fused_experts import storage_view
 from compute_svc.kv_cache import SequenceKV
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,6 @@ _MODELS = {
     "qwen3_moe": ("cast_then_weight", "sdpa"),
 }
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _storage(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s storage (2-byte dtypes as int16)."""
-    t = t.detach()
-    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
 
 
 class DecodeStep:
@@ -117,7 +112,7 @@ class DecodeStep:
                 "sinks": getattr(attn, "sinks", None),
             }
             self.attention.add_layer(
-                {k: None if v is None else _storage(v) for k, v in weights.items()},
+                {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
                 _window(config, attn) or 0,
             )
         # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
@@ -153,7 +148,14 @@ class DecodeStep:
         sin = sin.reshape(rows, -1)[:, :half].contiguous()
         attention = self.attention
         attention.begin_step(
-            _storage(h), _storage(mlp_in), _storage(cos), _storage(sin), keys, values, capacity, length
+            storage_view(h),
+            storage_view(mlp_in),
+            storage_view(cos),
+            storage_view(sin),
+            keys,
+            values,
+            capacity,
+            length,
         )
         try:
             mlp_view = mlp_in.view(1, rows, self.hidden)

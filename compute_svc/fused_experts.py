@@ -148,6 +148,7 @@ def fused_spec(module: torch.nn.Module, layouts: Sequence[ExpertTensor], slot_by
 class FusedKernel(NamedTuple):
     ffn: object  # expertcache.native.ExpertFfn
     max_rows: int  # rows per expert up to which it runs a layer
+    compute: torch.dtype  # its compute dtype (the hidden states')
 
 
 class FusedExperts:
@@ -184,7 +185,9 @@ class FusedExperts:
                 ffn = self._by_spec.get(text)
                 if ffn is None:
                     native_ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
-                    ffn = FusedKernel(native_ffn, MAX_FUSED_ROWS.get(spec["compute"], 0))
+                    ffn = FusedKernel(
+                        native_ffn, MAX_FUSED_ROWS.get(spec["compute"], 0), getattr(torch, spec["compute"])
+                    )
                     self._by_spec[text] = ffn
                     logger.info(
                         "experts of %s run by the fused CPU kernel up to %d rows per expert (%s path, %d threads)",
@@ -205,6 +208,69 @@ class FusedExperts:
     ) -> FusedLayer:
         """The layer's inputs to ``kernel``, made once per layer."""
         return FusedLayer(self, kernel, routing, hidden_states, combiner)
+
+    def routed(
+        self,
+        kernel: FusedKernel,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+    ) -> RoutedLayer | None:
+        """A decode step's layer straight from its routing (no ``Routing``, no ``Combiner``), or
+        None where ``RoutedLayer`` does not apply: more tokens than the kernel's rows per expert,
+        or hidden states not of its compute dtype."""
+        if top_k_index.shape[0] > kernel.max_rows or hidden_states.dtype != kernel.compute:
+            return None
+        return RoutedLayer(self, kernel, top_k_index, top_k_weights, hidden_states)
+
+
+class RoutedLayer:
+    """One decode step's MoE layer through the fused kernel, with the route and combine stages
+    native too: the kernel groups the (token, k) pairs by expert itself (``run_routed``) and sums
+    them over k into the compute dtype (``combine``), so the layer costs a few Python calls.
+    T tokens of at most ``max_rows`` rows per expert (each token picks an expert once)."""
+
+    def __init__(
+        self,
+        owner: FusedExperts,
+        kernel: FusedKernel,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+    ) -> None:
+        self._owner = owner
+        self._ffn = kernel.ffn
+        self._hidden = hidden_states.contiguous()
+        self._top_k = top_k_index.shape[1]
+        self._ids = top_k_index.reshape(-1).numpy()  # [S] int64 (host)
+        self.experts = tuple(sorted(set(self._ids.tolist())))
+        self._weights = top_k_weights.detach().reshape(-1).float().numpy()  # [S]
+        self._x = storage_view(self._hidden)
+        self._pairs = np.empty((self._ids.size, hidden_states.shape[-1]), dtype=np.float32)
+
+    def run(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """The batch ``experts`` (pinned in ``slots``, in the same order) into the pair rows."""
+        self._owner.calls += 1
+        self._ffn.run_routed(
+            self._owner.arena,
+            np.array(slots, dtype=np.int64),
+            np.array(experts, dtype=np.int64),
+            self._ids,
+            self._weights,
+            self._x,
+            self._pairs,
+        )
+
+    def result(self) -> torch.Tensor:
+        """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums them."""
+        out = torch.empty_like(self._hidden)
+        self._ffn.combine(self._pairs, self._top_k, storage_view(out))
+        return out
+
+
+def storage_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s storage (2-byte dtypes as int16)."""
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
 
 
 class FusedLayer:

@@ -52,7 +52,7 @@ from transformers.integrations.moe import ExpertsInterface
 from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
-from compute_svc.fused_experts import FusedExperts, FusedLayer, decode_sized
+from compute_svc.fused_experts import FusedExperts, FusedLayer, RoutedLayer, decode_sized
 from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
@@ -327,10 +327,14 @@ class ExpertRuntime:
         self._release_unreleased()
         if self.routing_observer is not None:
             self.routing_observer(layer, fetched.index, fetched.weights)
-        routing = route(top_k_index, top_k_weights, fetched.index.numpy())
-        self._send_signals(layer, routing, pending, fetched)
-        combiner = Combiner(routing, hidden_states)
-        fused = self._fused_layer(module, routing, hidden_states, combiner)
+        routed = self._routed_layer(module, fetched.index, top_k_weights, hidden_states)
+        if routed is not None:  # a decode step's layer: route, compute and combine native
+            experts, routing, combiner, fused = routed.experts, None, None, routed
+        else:
+            routing = route(top_k_index, top_k_weights, fetched.index.numpy())
+            combiner = Combiner(routing, hidden_states)
+            experts, fused = routing.experts, self._fused_layer(module, routing, hidden_states, combiner)
+        self._send_signals(layer, experts, pending, fetched)
         layer_span = None
         if self.trace_parent is not None:
             layer_span = telemetry.tracer().start_span(
@@ -338,12 +342,12 @@ class ExpertRuntime:
                 context=self.trace_parent,
                 attributes={
                     "expertcache.layer": layer,
-                    "expertcache.experts": len(routing.experts),
-                    "expertcache.tokens": routing.num_tokens,
+                    "expertcache.experts": len(experts),
+                    "expertcache.tokens": hidden_states.shape[0],
                 },
             )
         try:
-            for i, wave in enumerate(waves(routing.experts, self.num_slots)):
+            for i, wave in enumerate(waves(experts, self.num_slots)):
                 if i:
                     # Waves exist because the slots are short: the next wave needs the last one's.
                     self._release_unreleased()
@@ -351,7 +355,23 @@ class ExpertRuntime:
         finally:
             if layer_span is not None:
                 layer_span.end()
-        return combiner.result()
+        return routed.result() if routed is not None else combiner.result()
+
+    def _routed_layer(
+        self,
+        module: torch.nn.Module,
+        index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+    ) -> RoutedLayer | None:
+        """The layer through the fused kernel with its route and combine stages native (a
+        decode step on a CPU arena), else None."""
+        if self._fused is None:
+            return None
+        kernel = self._fused.kernel(module, top_k_weights.dtype)
+        if kernel is None:
+            return None
+        return self._fused.routed(kernel, index, top_k_weights, hidden_states)
 
     def _fused_layer(
         self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner
@@ -425,7 +445,7 @@ class ExpertRuntime:
             self._unreleased.pop(0)
 
     def _send_signals(
-        self, layer: int, routing: Routing, pending: DevicePrediction | None, fetched: _Fetched
+        self, layer: int, experts: tuple[int, ...], pending: DevicePrediction | None, fetched: _Fetched
     ) -> None:
         """Tell the daemon, per request of the step, what layer ``layer`` routed it to and, before
         the experts run, what the next layers will likely need (one prediction per lookahead
@@ -436,9 +456,9 @@ class ExpertRuntime:
         if routed is not None:
             if len(self.segments) == 1:
                 seg = self.segments[0]
-                routed(seg.request_id, seg.last_position, layer, routing.experts, with_acquire=True)
+                routed(seg.request_id, seg.last_position, layer, experts, with_acquire=True)
             else:
-                index = fetched.index.reshape(routing.num_tokens, -1)
+                index = fetched.index.reshape(-1, fetched.index.shape[-1])
                 for seg in self.segments:
                     experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
                     routed(seg.request_id, seg.last_position, layer, tuple(experts), with_acquire=True)
@@ -458,10 +478,10 @@ class ExpertRuntime:
         layer: int,
         wave: tuple[int, ...],
         hidden_states: torch.Tensor,
-        routing: Routing,
-        combiner: Combiner,
+        routing: Routing | None,
+        combiner: Combiner | None,
         layer_span=None,
-        fused: FusedLayer | None = None,
+        fused: FusedLayer | RoutedLayer | None = None,
     ) -> None:
         acquire_span = None
         acquire = getattr(self.provider, "acquire_batches", None) or self._singletons

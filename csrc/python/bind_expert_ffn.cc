@@ -7,12 +7,16 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "bind.h"
+#include "expertcache/decode.h"
 #include "expertcache/expert_ffn.h"
+#include "expertcache/float_bits.h"
 
 namespace py = pybind11;
 using expertcache::ExpertFfn;
@@ -71,7 +75,24 @@ FfnProjection projection_of(const py::dict& d, const char* where) {
 struct Ffn {
   std::unique_ptr<ExpertFfn> ffn;
   std::mutex busy;  // one call at a time: the scratch is the object's
+  // run_routed's scratch: the batch's grouping and the rows as float32.
+  std::vector<int64_t> bounds, rows, tokens;
+  std::vector<float> weights, x;
 };
+
+// `obj` as a contiguous array of `count` values of the compute dtype's storage (2-byte items for
+// bf16 / fp16, float32 for fp32).
+py::array storage_arg(const py::object& obj, FfnDtype d, size_t count, const char* name, bool writable) {
+  if (!py::isinstance<py::array>(obj)) fail(std::string(name) + " must be a numpy array");
+  py::array a = obj.cast<py::array>();
+  const size_t bytes = d == FfnDtype::kFloat32 ? 4 : 2;
+  if (size_t(a.itemsize()) != bytes || (d == FfnDtype::kFloat32 && a.dtype().kind() != 'f'))
+    fail(std::string(name) + " must hold the compute dtype's " + std::to_string(bytes) + "-byte values");
+  if (!(a.flags() & py::array::c_style)) fail(std::string(name) + " must be C-contiguous");
+  if (size_t(a.size()) != count) fail(std::string(name) + " must hold " + std::to_string(count) + " values");
+  if (writable && !a.writeable()) fail(std::string(name) + " must be writable");
+  return a;
+}
 
 template <class T>
 py::array_t<T> vector_arg(const py::object& obj, const char* name, const char* what) {
@@ -185,5 +206,94 @@ void bind_expert_ffn(py::module_& m) {
           py::arg("arena"), py::arg("slots"), py::arg("bounds"), py::arg("rows"), py::arg("tokens"),
           py::arg("weights"), py::arg("x"), py::arg("out"),
           "out[rows[r]] = weights[r] * ffn(x[tokens[r]]) for the experts in arena slots `slots`, expert e "
-          "owning r in bounds[e] .. bounds[e + 1]");
+          "owning r in bounds[e] .. bounds[e + 1]")
+      .def(
+          "run_routed",
+          [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
+             const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
+             const py::object& pairs_obj) {
+            const FfnSpec& s = f.ffn->spec();
+            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
+            py::array arena = arena_obj.cast<py::array>();
+            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
+              fail("arena must be a contiguous numpy uint8 array");
+            const size_t num_slots = size_t(arena.size()) / s.slot_bytes, H = f.ffn->hidden();
+            auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
+            auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
+            auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
+            auto weights = vector_arg<float>(weights_obj, "weights", "float32 [T * K]");
+            auto pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
+            const size_t n = size_t(slots.size()), S = size_t(ids.size());
+            if (size_t(experts.size()) != n) fail("experts and slots must have the same length");
+            if (size_t(weights.size()) != S) fail("weights must hold one value per pair (ids)");
+            if (pairs.ndim() != 2 || size_t(pairs.shape(0)) != S || size_t(pairs.shape(1)) != H || !pairs.writeable())
+              fail("pairs must be a writable float32 [" + std::to_string(S) + ", " + std::to_string(H) + "]");
+            if (!py::isinstance<py::array>(x_obj) || x_obj.cast<py::array>().ndim() != 2)
+              fail("x must be [T, " + std::to_string(H) + "]");
+            const size_t T = size_t(x_obj.cast<py::array>().shape(0));
+            if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
+            const size_t K = S / T;
+            py::array x = storage_arg(x_obj, s.compute, T * H, "x", false);
+            for (size_t e = 0; e < n; ++e)
+              if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
+                fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
+            std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
+            if (!lock.owns_lock()) fail("run_routed called while another run of the same object is in progress");
+            // The batch's pairs grouped by expert, rows ascending within each.
+            f.bounds.assign(1, 0);
+            f.rows.clear();
+            f.tokens.clear();
+            f.weights.clear();
+            for (size_t e = 0; e < n; ++e) {
+              for (size_t r = 0; r < S; ++r)
+                if (ids.data()[r] == experts.data()[e]) {
+                  f.rows.push_back(int64_t(r));
+                  f.tokens.push_back(int64_t(r / K));
+                  f.weights.push_back(weights.data()[r]);
+                }
+              if (int64_t(f.rows.size()) == f.bounds.back())
+                fail("expert " + std::to_string(experts.data()[e]) + " has no pair in ids");
+              f.bounds.push_back(int64_t(f.rows.size()));
+            }
+            f.x.resize(T * H);
+            const auto* xs = static_cast<const uint8_t*>(x.data());
+            for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(xs, s.compute, i);
+            const auto* a = static_cast<const uint8_t*>(arena.data());
+            float* op = pairs.mutable_data();
+            py::gil_scoped_release release;
+            f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
+                       f.x.data(), op);
+          },
+          py::arg("arena"), py::arg("slots"), py::arg("experts"), py::arg("ids"), py::arg("weights"), py::arg("x"),
+          py::arg("pairs"),
+          "pairs[r] = weights[r] * ffn(x[r // K]) for every pair r whose expert ids[r] is in `experts` (pinned in "
+          "`slots`, same order); x [T, H] holds the compute dtype's values, K = len(ids) / T")
+      .def(
+          "combine",
+          [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {
+            const FfnSpec& s = f.ffn->spec();
+            const size_t H = f.ffn->hidden();
+            auto pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
+            if (top_k == 0 || pairs.ndim() != 2 || size_t(pairs.shape(1)) != H || size_t(pairs.shape(0)) % top_k)
+              fail("pairs must be float32 [T * top_k, " + std::to_string(H) + "]");
+            const size_t T = size_t(pairs.shape(0)) / top_k;
+            py::array out = storage_arg(out_obj, s.compute, T * H, "out", true);
+            const float* p = pairs.data();
+            auto* o = static_cast<uint8_t*>(out.mutable_data());
+            for (size_t t = 0; t < T; ++t)
+              for (size_t h = 0; h < H; ++h) {
+                float sum = p[(t * top_k) * H + h];
+                for (size_t k = 1; k < top_k; ++k) sum += p[(t * top_k + k) * H + h];
+                sum = expertcache::ffn_round(sum, s.compute);
+                if (s.compute == FfnDtype::kFloat32) {
+                  std::memcpy(o + 4 * (t * H + h), &sum, 4);
+                } else {
+                  const uint16_t bits = s.compute == FfnDtype::kBFloat16 ? uint16_t(expertcache::bits_of(sum) >> 16)
+                                                                          : expertcache::float_to_fp16(sum);
+                  std::memcpy(o + 2 * (t * H + h), &bits, 2);
+                }
+              }
+          },
+          py::arg("pairs"), py::arg("top_k"), py::arg("out"),
+          "out[t] = sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype");
 }

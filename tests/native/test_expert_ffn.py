@@ -148,3 +148,65 @@ def test_an_encoded_matrix_cannot_be_read_transposed():
     spec = dict(layout.spec, first=dict(layout.spec["first"], form="axpy"))
     with pytest.raises(ValueError, match="only plain weights can be read transposed"):
         _native.ExpertFfn(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_routed_runs_and_combine_equal_grouped_runs_and_a_sum_over_k(dtype):
+    # run_routed groups the pairs by expert itself; batches in any order fill the same pairs, and
+    # combine sums them over k in order into the compute dtype, as the torch combiner does.
+    gen = torch.Generator().manual_seed(3)
+    layout = ExpertLayout(H, INTER, "mxfp4", "plain-axpy", "gpt_oss", True, dtype, gen)
+    arena = layout.arena(slots=4)
+    x = torch.randn(3, H, generator=gen).to(dtype)
+    ids = np.array([2, 0, 0, 3, 3, 2], dtype=np.int64)  # T = 3 tokens, K = 2
+    weights = np.array([0.5, 0.25, 0.75, 0.5, 0.125, 0.875], dtype=np.float32)
+    slot_of = {0: 1, 2: 3, 3: 0}
+    experts = [
+        (slot_of[e], [(r // 2, r % 2, float(weights[r])) for r in range(6) if ids[r] == e]) for e in (0, 2, 3)
+    ]
+    want, ffn = run(layout, arena, experts, x, top_k=2)
+    storage = x.view(torch.int16).numpy() if dtype == torch.bfloat16 else x.numpy()
+    pairs = np.full((6, H), np.nan, dtype=np.float32)
+    for batch in ([3], [0, 2]):  # the loads' order, not the experts'
+        slots = np.array([slot_of[e] for e in batch], dtype=np.int64)
+        ffn.run_routed(arena, slots, np.array(batch, dtype=np.int64), ids, weights, storage, pairs)
+    assert torch.equal(torch.from_numpy(pairs).view(torch.int32), want.view(torch.int32))
+    out = torch.empty(3, H, dtype=dtype)
+    ffn.combine(pairs, 2, out.view(torch.int16).numpy() if dtype == torch.bfloat16 else out.numpy())
+    assert torch.equal(out, torch.from_numpy(pairs).view(3, 2, H).sum(dim=1).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(slots=np.array([7], dtype=np.int64)), "outside the arena"),
+        (dict(experts=np.array([5], dtype=np.int64)), "expert 5 has no pair in ids"),
+        (dict(experts=np.array([0, 1], dtype=np.int64)), "same length"),
+        (dict(weights=np.ones(3, dtype=np.float32)), "one value per pair"),
+        (dict(x=np.ones((3, H), dtype=np.float32)), "ids must hold T \\* K values"),
+        (dict(x=np.ones((2, H), dtype=np.float64)), "x must hold the compute dtype"),
+        (dict(pairs=np.zeros((4, H + 1), dtype=np.float32)), "pairs must be a writable float32"),
+    ],
+)
+def test_routed_arguments_are_refused_by_name(change, message):
+    gen = torch.Generator().manual_seed(4)
+    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
+    ffn = _native.ExpertFfn(layout.spec)
+    args = dict(
+        arena=layout.arena(slots=2),
+        slots=np.array([1], dtype=np.int64),
+        experts=np.array([0], dtype=np.int64),
+        ids=np.array([0, 1, 1, 0], dtype=np.int64),
+        weights=np.ones(4, dtype=np.float32),
+        x=np.ones((2, H), dtype=np.float32),
+        pairs=np.zeros((4, H), dtype=np.float32),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        ffn.run_routed(**args)
+    with pytest.raises(ValueError, match="pairs must be float32"):
+        ffn.combine(np.zeros((5, H), dtype=np.float32), 2, np.zeros((2, H), dtype=np.float32))
+    with pytest.raises(ValueError, match="out must be writable"):
+        out = np.zeros((2, H), dtype=np.float32)
+        out.flags.writeable = False
+        ffn.combine(np.zeros((4, H), dtype=np.float32), 2, out)
