@@ -22,6 +22,7 @@ import torch
 
 from compute_svc.fused_experts import storage_view
 from compute_svc.kv_cache import SequenceKV
+from compute_svc.moe import RUNTIME_ATTR, expertcache_experts_forward
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class DecodeStep:
         self.head = model.lm_head
         self.dtype = dtype
         first = self.layers[0].self_attn
+        # GPT-OSS's MLP (router, then experts) taken apart: the router's logits come with the
+        # native call, then topk and softmax as its router does, then our experts forward.
+        self.routers = _gpt_oss_routers(self.layers)
         self.head_dim = int(first.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.hidden = int(config.hidden_size)
@@ -92,6 +96,7 @@ class DecodeStep:
                 "scaling": float(first.scaling),
                 "norm": norm,
                 "softmax": softmax,
+                "router_outputs": self.routers[0].weight.shape[0] if self.routers else 0,
             }
         )
         for layer in self.layers:
@@ -110,6 +115,8 @@ class DecodeStep:
                 "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
                 "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
                 "sinks": getattr(attn, "sinks", None),
+                "router": layer.mlp.router.weight if self.routers else None,
+                "router_bias": layer.mlp.router.bias if self.routers else None,
             }
             self.attention.add_layer(
                 {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
@@ -147,6 +154,9 @@ class DecodeStep:
         cos = cos.reshape(rows, -1)[:, :half].contiguous()
         sin = sin.reshape(rows, -1)[:, :half].contiguous()
         attention = self.attention
+        logits = (
+            torch.empty(rows, self.routers[0].weight.shape[0], dtype=self.dtype) if self.routers else None
+        )
         attention.begin_step(
             storage_view(h),
             storage_view(mlp_in),
@@ -156,12 +166,18 @@ class DecodeStep:
             values,
             capacity,
             length,
+            None if logits is None else storage_view(logits),
         )
         try:
             mlp_view = mlp_in.view(1, rows, self.hidden)
             flat = h.view(1, rows, self.hidden)
             for i, layer in enumerate(self.layers):
                 attention.run(i)
+                if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
+                    top, index = torch.topk(logits, self.routers[i].top_k, dim=-1)
+                    scores = torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
+                    h.add_(expertcache_experts_forward(layer.mlp.experts, mlp_in, index, scores))
+                    continue
                 out = layer.mlp(mlp_view)
                 if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
                     out = out[0]
@@ -169,6 +185,22 @@ class DecodeStep:
         finally:
             attention.end_step()
         return self.head(self.final_norm(flat))[0]
+
+
+def _gpt_oss_routers(layers) -> list:
+    """Each layer's GPT-OSS router where every layer's MLP is GPT-OSS's (router, then experts
+    attached to our runtime), else []."""
+    routers = []
+    for layer in layers:
+        mlp = layer.mlp
+        if (
+            type(mlp).__name__ != "GptOssMLP"
+            or type(getattr(mlp, "router", None)).__name__ != "GptOssTopKRouter"
+            or getattr(mlp.experts, RUNTIME_ATTR, None) is None
+        ):
+            return []
+        routers.append(mlp.router)
+    return routers
 
 
 def _window(config, attn) -> int | None:

@@ -3,7 +3,7 @@
 //
 //   att = DecodeAttention(spec)            sizes, dtype, eps, scaling, norm, softmax
 //   att.add_layer(weights, window)         numpy views of the layer's tensors, kept alive here
-//   att.begin_step(h, mlp_in, cos, sin, keys, values, capacity, length)
+//   att.begin_step(h, mlp_in, cos, sin, keys, values, capacity, length, logits=None)
 //   att.run(layer)                         once per layer of the step, without the GIL
 //
 // Arrays hold the compute dtype's storage: 2-byte items for bf16 / fp16 (numpy int16, uint16 or
@@ -64,7 +64,7 @@ py::array_t<int64_t> int64s(const py::object& obj, size_t count, const std::stri
 
 struct Step {
   size_t rows = 0;
-  py::array h, mlp_in, cos, sin;
+  py::array h, mlp_in, cos, sin, logits;
   py::array_t<int64_t> keys, values, capacity, length;
   std::vector<uint8_t*> key_ptrs, value_ptrs;  // [layers * rows]
 };
@@ -101,6 +101,7 @@ void bind_decode_attention(py::module_& m) {
              if (softmax == "eager") s.softmax = expertcache::AttnSoftmax::kEager;
              else if (softmax == "fused") s.softmax = expertcache::AttnSoftmax::kFused;
              else fail("spec['softmax'] '" + softmax + "' is not eager or fused");
+             if (spec.contains("router_outputs")) s.router_outputs = spec["router_outputs"].cast<size_t>();
              auto a = std::make_unique<Attention>();
              a->att = std::make_unique<DecodeAttention>(s);
              return a;
@@ -136,6 +137,10 @@ void bind_decode_attention(py::module_& m) {
             w.q_norm = take("q_norm", s.head_dim, false);
             w.k_norm = take("k_norm", s.head_dim, false);
             w.sinks = take("sinks", s.heads, false);
+            if (s.router_outputs == 0 && weights.contains("router") && !weights["router"].is_none())
+              fail("a router's weights go with spec router_outputs > 0");
+            w.router = take("router", s.router_outputs * H, s.router_outputs > 0);
+            w.router_bias = take("router_bias", s.router_outputs, false);
             w.window = window;
             a.att->add_layer(w);
           },
@@ -143,7 +148,8 @@ void bind_decode_attention(py::module_& m) {
       .def(
           "begin_step",
           [](Attention& a, const py::object& h, const py::object& mlp_in, const py::object& cos, const py::object& sin,
-             const py::object& keys, const py::object& values, const py::object& capacity, const py::object& length) {
+             const py::object& keys, const py::object& values, const py::object& capacity, const py::object& length,
+             const py::object& logits) {
             const AttentionSpec& s = a.att->spec();
             const size_t L = a.att->layers();
             if (!py::isinstance<py::array>(h) || h.cast<py::array>().ndim() != 2) fail("h must be [rows, hidden]");
@@ -159,6 +165,12 @@ void bind_decode_attention(py::module_& m) {
             step->values = int64s(values, L * rows, "values");
             step->capacity = int64s(capacity, L * rows, "capacity");
             step->length = int64s(length, rows, "length");
+            if (s.router_outputs > 0) {
+              if (logits.is_none()) fail("logits are needed: the layers have a router");
+              step->logits = storage(logits, s.dtype, rows * s.router_outputs, "logits", true);
+            } else if (!logits.is_none()) {
+              fail("logits given, but the layers have no router");
+            }
             for (size_t i = 0; i < L * rows; ++i) {
               const int64_t len = step->length.data()[i % rows], cap = step->capacity.data()[i];
               if (len < 0 || len >= cap)
@@ -174,7 +186,7 @@ void bind_decode_attention(py::module_& m) {
             a.step = std::move(step);
           },
           py::arg("h"), py::arg("mlp_in"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"),
-          py::arg("capacity"), py::arg("length"))
+          py::arg("capacity"), py::arg("length"), py::arg("logits") = py::none())
       .def(
           "run",
           [](Attention& a, size_t layer) {
@@ -186,10 +198,12 @@ void bind_decode_attention(py::module_& m) {
             const size_t at = layer * st.rows;
             auto* h = static_cast<uint8_t*>(st.h.mutable_data());
             auto* mlp_in = static_cast<uint8_t*>(st.mlp_in.mutable_data());
+            auto* logits =
+                a.att->spec().router_outputs > 0 ? static_cast<uint8_t*>(st.logits.mutable_data()) : nullptr;
             py::gil_scoped_release release;
             a.att->run(layer, st.rows, h, mlp_in, static_cast<const uint8_t*>(st.cos.data()),
                        static_cast<const uint8_t*>(st.sin.data()), st.key_ptrs.data() + at, st.value_ptrs.data() + at,
-                       st.capacity.data() + at, st.length.data());
+                       st.capacity.data() + at, st.length.data(), logits);
           },
           py::arg("layer"))
       .def("end_step", [](Attention& a) {

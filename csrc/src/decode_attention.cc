@@ -95,6 +95,8 @@ void DecodeAttention::add_layer(const AttentionWeights& w) {
     throw std::invalid_argument("decode attention: a layer lacks a norm or a projection");
   if (w.sinks && spec_.softmax != AttnSoftmax::kEager)
     throw std::invalid_argument("decode attention: sinks need the eager softmax");
+  if ((w.router != nullptr) != (spec_.router_outputs > 0))
+    throw std::invalid_argument("decode attention: a router's weights go with spec router_outputs > 0");
   layers_.push_back(w);
 }
 
@@ -180,7 +182,7 @@ void DecodeAttention::attend(const AttentionWeights& w, const float* q, const ui
 
 void DecodeAttention::run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in, const uint8_t* cos,
                           const uint8_t* sin, uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity,
-                          const int64_t* length) {
+                          const int64_t* length, uint8_t* logits) {
   if (layer >= layers_.size()) throw std::out_of_range("decode attention: no layer " + std::to_string(layer));
   const AttentionWeights& w = layers_[layer];
   const FfnDtype d = spec_.dtype;
@@ -237,8 +239,14 @@ void DecodeAttention::run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in
     }
   }
   for (size_t r = 0; r < rows; ++r) {
-    norm(w.post_norm, x + r * H, H, y_.data());
-    for (size_t i = 0; i < H; ++i) store(mlp_in, d, r * H + i, y_[i]);
+    norm(w.post_norm, x + r * H, H, y_.data() + r * H);
+    for (size_t i = 0; i < H; ++i) store(mlp_in, d, r * H + i, y_[r * H + i]);
+  }
+  if (w.router != nullptr && logits != nullptr) {
+    const size_t E = spec_.router_outputs;
+    q_.resize(std::max(q_.size(), rows * E));
+    linear(w.router, w.router_bias, y_.data(), rows, H, E, q_.data());
+    for (size_t i = 0; i < rows * E; ++i) store(logits, d, i, q_[i]);
   }
 }
 

@@ -117,3 +117,22 @@ def test_a_step_writes_its_key_and_value_at_the_length_and_updates_the_residual(
     assert np.any(keys[0, 3] != 0) and np.any(values[0, 3] != 0)
     assert not np.any(keys[0, 4:]) and not np.any(values[0, 4:])
     assert np.any(args["h"] != 1.0) and np.any(args["mlp_in"] != 0.0)
+
+
+def test_a_router_needs_its_spec_and_its_logits():
+    with pytest.raises(ValueError, match="router_outputs > 0"):
+        DecodeAttention(SPEC).add_layer(layer(router=np.ones((4, H), np.float32)))
+    att = DecodeAttention({**SPEC, "router_outputs": 4})
+    with pytest.raises(ValueError, match="has no 'router'"):
+        att.add_layer(layer())
+    att.add_layer(layer(router=np.ones((4, H), np.float32), router_bias=np.arange(4, dtype=np.float32)))
+    args, _ = step_args()
+    with pytest.raises(ValueError, match="logits are needed"):
+        att.begin_step(**args)
+    logits = np.zeros((1, 4), np.float32)
+    att.begin_step(**args, logits=logits)
+    att.run(0)
+    # A router of ones: every logit is the sum of mlp_in, plus its bias.
+    np.testing.assert_allclose(logits[0], args["mlp_in"][0].sum() + np.arange(4), rtol=1e-5)
+    with pytest.raises(ValueError, match="no router"):
+        attention().begin_step(**args, logits=logits)

@@ -8,6 +8,7 @@
 //   a       = attention of q over row r's keys/values 0 .. length[r] (within the sliding window)
 //   h       = h + (a Wo^T + bo)                   the residual, in place
 //   mlp_in  = post_norm(h)
+//   logits  = mlp_in Wr^T + br                    the router's logits, where the spec asks for them
 //
 // which is the part of every decoder layer of GPT-OSS, Mixtral, Qwen2-MoE and Qwen3-MoE before its
 // MLP; the MLP (router, experts, shared experts) stays the model's own module. Values are the
@@ -43,6 +44,7 @@ struct AttentionSpec {
   float scaling = 1.0f;
   AttnNorm norm = AttnNorm::kCastThenWeight;
   AttnSoftmax softmax = AttnSoftmax::kFused;
+  size_t router_outputs = 0;  // the router's experts (0: the caller routes)
 };
 
 // One layer's tensors (of the compute dtype), nullptr where the model has none.
@@ -53,6 +55,7 @@ struct AttentionWeights {
   const uint8_t *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *o_bias = nullptr;
   const uint8_t *q_norm = nullptr, *k_norm = nullptr;  // [head_dim], per head
   const uint8_t* sinks = nullptr;                       // [heads] (kEager only)
+  const uint8_t *router = nullptr, *router_bias = nullptr;  // [router_outputs, hidden], [router_outputs]
   size_t window = 0;                                    // keys within the last `window` (0: all)
 };
 
@@ -67,9 +70,11 @@ class DecodeAttention {
   void add_layer(const AttentionWeights& w);
 
   // Rows r < rows: h and mlp_in [rows, hidden], cos/sin [rows, head_dim / 2]; keys[r], values[r]
-  // the layer's cache of row r, capacity[r] > length[r] positions. The caller checks every size.
+  // the layer's cache of row r, capacity[r] > length[r] positions; logits [rows, router_outputs]
+  // (nullptr without a router). The caller checks every size.
   void run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in, const uint8_t* cos, const uint8_t* sin,
-           uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length);
+           uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length,
+           uint8_t* logits);
 
  private:
   void norm(const uint8_t* weight, const float* x, size_t n, float* out) const;
