@@ -15,7 +15,15 @@ the thread pool:
   a write the client does not take within ``stream_stall_timeout_s`` ends the call;
 - the handlers keep the ``grpc.ServicerContext`` they were written for (``SyncContext``):
   ``add_callback`` callbacks run once when the call ends for any reason (client cancel, stall,
-  server stop, completion), ``is_active`` turns false then, ``abort`` sends the status at once.
+  server stop, completion), ``is_active`` turns false then, ``abort`` ends the call with its
+  status as soon as its ``Aborted`` reaches the loop.
+
+A handler's abort is sent as the call's status (``set_code``, ``set_details``) when the call
+returns, not by ``grpc.aio``'s own ``abort``: that one keeps its ``AbortError`` on the call's state
+for as long as the call lives, and the error's traceback holds the frames it went through, which
+hold the call: a cycle, so every aborted call (its request, 1 MB of prompt text for a refused
+prompt) stayed in memory until the cyclic garbage collector ran. Nothing of a call refers back to
+it now, and what a call held is freed when it ends.
 
 Health is served by gRPC's asynchronous health servicer on the loop itself, within a budget of its
 own (``transport.HEALTH_STREAMS``): a probe needs no pool thread and no data-plane capacity.
@@ -114,7 +122,10 @@ class LoopFeed:
         if item is _END:
             return end
         if isinstance(item, _Raised):
-            raise item.error
+            try:
+                raise item.error
+            finally:
+                del item  # the error's traceback holds this frame: no cycle through it
         return item
 
 
@@ -142,7 +153,7 @@ class SyncContext:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self._active = True
-        self.abort_error: BaseException | None = None
+        self.aborted: tuple[grpc.StatusCode, str] | None = None  # the status ``abort`` asked for
 
     # -- the call's end ---------------------------------------------------------------------
     def is_active(self) -> bool:
@@ -179,11 +190,11 @@ class SyncContext:
 
     # -- what handlers ask of their context ---------------------------------------------------
     def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        future = asyncio.run_coroutine_threadsafe(self._context.abort(code, details), self._loop)
-        try:
-            future.result()
-        except BaseException as exc:  # noqa: BLE001 - grpc's AbortError: the status is sent
-            self.abort_error = exc
+        """Ends the call with ``code`` and ``details``: the ``Aborted`` raised here carries them to
+        the loop (``Bridge.call``), which sets them as the call's status and returns."""
+        if code == grpc.StatusCode.OK:  # as grpc's own servers: an abort is never a success
+            code, details = grpc.StatusCode.UNKNOWN, ""
+        self.aborted = (code, details)
         raise Aborted(details)
 
     def abort_with_status(self, status) -> None:
@@ -214,13 +225,13 @@ class SyncContext:
         self._context.set_code(code)
 
     def code(self):
-        return self._context.code()
+        return self.aborted[0] if self.aborted is not None else self._context.code()
 
     def set_details(self, details: str) -> None:
         self._context.set_details(details)
 
     def details(self):
-        return self._context.details()
+        return self.aborted[1] if self.aborted is not None else self._context.details()
 
     def set_trailing_metadata(self, metadata) -> None:
         self._context.set_trailing_metadata(metadata)
@@ -397,9 +408,10 @@ class Bridge(grpc.aio.ServerInterceptor):
                 try:
                     response = await loop.run_in_executor(bridge._pool, behavior, request, sync)
                 except Aborted:
-                    if sync.abort_error is not None:
-                        raise sync.abort_error from None
-                    raise
+                    if sync.aborted is None:
+                        raise
+                    _set_status(context, *sync.aborted)
+                    return None
                 await context.write(response)
                 return None
             finally:
@@ -419,9 +431,10 @@ class Bridge(grpc.aio.ServerInterceptor):
             try:
                 item = await feed.next(_END)
             except Aborted:
-                if sync.abort_error is not None:
-                    raise sync.abort_error from None
-                raise
+                if sync.aborted is None:
+                    raise
+                _set_status(context, *sync.aborted)
+                return
             except CallEnded:
                 return
             if item is _END:
@@ -459,6 +472,12 @@ class Bridge(grpc.aio.ServerInterceptor):
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
         )
+
+
+def _set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """The status a handler's ``SyncContext.abort`` asked for, sent when the call returns."""
+    context.set_code(code)
+    context.set_details(details)
 
 
 class Health:

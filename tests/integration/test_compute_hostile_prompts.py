@@ -2,11 +2,15 @@
 
 Every process is real (a cache daemon, ``python -m compute_svc``); compute's resident set is read
 from ``/proc``. Twenty 1 MB prompts that cannot fit the token limit are sent one after the
-other; compute's RSS may grow by at most 200 MiB and must come back within 50 MiB of where it
-started within 30 s. Two ways to be refused:
+other; compute's RSS may grow by at most 200 MiB and must be back within 50 MiB of where it
+started once the last refusal is answered: a call's memory goes when the call ends (nothing of it
+is left for the cyclic garbage collector, ``expertcache.aio_bridge``) and the tokenizer's goes
+back to the kernel before the refusal (``compute_svc.prompt_text``), so nothing is waited for.
+Two ways to be refused:
 
 - by their size, before the tokenizer sees them (the tiny model's 2048 positions × its longest
-  token, 13 bytes, make 26,624 bytes at most): each refusal is immediate;
+  token, 13 bytes, make 26,624 bytes at most): each refusal is immediate, a small part of what
+  tokenising the text takes (timed here, on the same machine as loaded now);
 - by their token count, after tokenising (a model of 2^20 positions, max_prompt_tokens 100,000:
   1.3 MB of text may fit, so 1 MB is tokenised, ~560,000 tokens, then refused): what the
   tokenizer freed must go back to the kernel.
@@ -29,7 +33,8 @@ PROMPTS = 20
 PROMPT_BYTES = 1_000_000
 MAX_GROWTH = 200 << 20
 SETTLED_WITHIN = 50 << 20
-SETTLE_S = 30.0
+# A refusal before tokenising takes less than this share of tokenising the text.
+REFUSAL_SHARE = 0.25
 SENTENCE = "Mixture of experts models route every token to a few experts in a tiered cache. "
 TEXT = (SENTENCE * (PROMPT_BYTES // len(SENTENCE) + 1))[:PROMPT_BYTES]
 
@@ -49,23 +54,35 @@ def refuse(stub, text: str) -> tuple[str, float]:
     return info.value.details(), time.monotonic() - started
 
 
+def tokenising_s(store: Path, text: str) -> float:
+    """Seconds the store's tokenizer takes on ``text`` in this process: what an immediate
+    refusal is measured against."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(store)
+    started = time.monotonic()
+    tokenizer.backend_tokenizer.encode(text)
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize(
-    ("model", "flags", "refusal", "per_prompt_s"),
+    ("model", "flags", "refusal", "immediate"),
     [
-        ({}, [], "more than any prompt of at most 2048 tokens (max_prompt_tokens) can be", 0.5),
+        ({}, [], "more than any prompt of at most 2048 tokens (max_prompt_tokens) can be", True),
         (
             {"max_position_embeddings": 1 << 20},
             ["--max-prompt-tokens", "100000"],
             "this service takes at most 100000",
-            None,
+            False,
         ),
     ],
     ids=["refused-before-tokenising", "refused-after-tokenising"],
 )
 def test_refused_megabyte_prompts_leave_no_memory_behind(
-    tiny_store, tmp_path, model, flags, refusal, per_prompt_s
+    tiny_store, tmp_path, model, flags, refusal, immediate
 ):
     tiny = tiny_store("mixtral", **model)
+    per_prompt_s = REFUSAL_SHARE * tokenising_s(tiny.store, TEXT) if immediate else None
     daemon = start_daemon(
         tiny.store,
         tmp_path,
@@ -87,18 +104,16 @@ def test_refused_megabyte_prompts_leave_no_memory_behind(
                 details, took = refuse(stub, TEXT)
                 assert refusal in details
                 if per_prompt_s is not None:
-                    assert took < per_prompt_s, f"a refusal took {took:.2f}s: {details}"
+                    assert took < per_prompt_s, (
+                        f"a refusal took {took:.3f}s, tokenising the text {per_prompt_s / REFUSAL_SHARE:.3f}s"
+                    )
                 peak = max(peak, rss(pid))
             assert peak - start <= MAX_GROWTH, (
                 f"compute's RSS grew from {start >> 20} to {peak >> 20} MiB over {PROMPTS} refused prompts"
             )
-            deadline = time.monotonic() + SETTLE_S
             now = rss(pid)
-            while now - start > SETTLED_WITHIN and time.monotonic() < deadline:
-                time.sleep(0.5)
-                now = rss(pid)
             assert now - start <= SETTLED_WITHIN, (
-                f"compute's RSS is {now >> 20} MiB {SETTLE_S:.0f}s after the refusals, from {start >> 20} MiB"
+                f"compute's RSS is {now >> 20} MiB after the refusals, from {start >> 20} MiB"
             )
     finally:
         if compute is not None:

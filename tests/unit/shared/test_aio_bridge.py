@@ -5,16 +5,19 @@ handler thread."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import grpc
 import pytest
 
 from bench.hostile import Attack
-from expertcache.errors import NotFound
+from expertcache.errors import InvalidArgument, NotFound
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.transport import TransportLimits
+from tests.waiting import wait_for
 
 SERVICE = "test.Bridge"
 
@@ -23,11 +26,25 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+class Held:
+    """Something a handler holds while it runs (as Generate holds its request)."""
+
+
 class Servicer:
     def __init__(self) -> None:
         self.ended = threading.Event()
         self.active_after_end: list[bool] = []
         self.started = threading.Event()
+        self.held: list[weakref.ref] = []
+
+    def refuse(self, request: bytes, context) -> bytes:
+        held = Held()
+        self.held.append(weakref.ref(held))
+        raise InvalidArgument(f"refused {len(request)} bytes")
+
+    def refuse_stream(self, request: bytes, context):
+        yield from ()
+        self.refuse(request, context)
 
     def echo(self, request: bytes, context) -> bytes:
         if request == b"missing":
@@ -57,6 +74,8 @@ def server():
         "Echo": grpc.unary_unary_rpc_method_handler(servicer.echo, _identity, _identity),
         "Count": grpc.unary_stream_rpc_method_handler(servicer.count, _identity, _identity),
         "Total": grpc.stream_unary_rpc_method_handler(servicer.total, _identity, _identity),
+        "Refuse": grpc.unary_unary_rpc_method_handler(servicer.refuse, _identity, _identity),
+        "RefuseStream": grpc.unary_stream_rpc_method_handler(servicer.refuse_stream, _identity, _identity),
     }
     limits = TransportLimits.from_config(None, request_timeout_s=0.5, max_streams_per_address=40)
     srv, health = build_server(
@@ -88,6 +107,31 @@ def test_unary_calls_and_domain_errors_as_statuses(server):
         call(channel, "Echo")(b"missing", timeout=5)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "'missing'" in info.value.details()
+
+
+@pytest.mark.parametrize(("method", "kind"), [("Refuse", "unary_unary"), ("RefuseStream", "unary_stream")])
+def test_a_refused_call_is_freed_as_it_ends_not_by_the_cyclic_collector(server, method, kind):
+    """What a refused call held (its request, the handler's frames) goes when the call ends: no
+    reference cycle (grpc's AbortError, a traceback through the frames holding the call) keeps it
+    until the cyclic garbage collector runs. Refused 1 MB prompts stayed in compute's memory so."""
+    servicer, channel, _port, _srv = server
+    gc.collect()
+    gc.disable()  # what a cycle keeps now stays
+    try:
+        rpc = call(channel, method, kind)
+        with pytest.raises(grpc.RpcError) as info:
+            if kind == "unary_stream":
+                list(rpc(b"x" * 1000, timeout=30))
+            else:
+                rpc(b"x" * 1000, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "refused 1000 bytes"
+        (held,) = servicer.held
+        wait_for(
+            lambda: held() is None, "the call's objects freed without the cyclic collector", timeout_s=30
+        )
+    finally:
+        gc.enable()
 
 
 def test_request_streams_reach_the_handler_whole(server):
