@@ -89,13 +89,22 @@ def test_a_long_prompt_past_its_deadline_does_not_hold_the_engine(tiny_store, tm
     )
     try:
         with grpc.insecure_channel(compute.address) as channel:
+            # References: the small request alone, cold (its first forward) and warm (4 steps).
+            alone = []
+            for _ in range(2):
+                started = time.monotonic()
+                generate(channel, token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True, timeout=30)
+                alone.append(time.monotonic() - started)
+            cold_s, warm_s = alone
+            # The long prompt's deadline: ~10 steps' worth of its 500, ample to be admitted.
+            deadline_s = 2.5 * warm_s
             long_call = stub(channel).Generate(
                 inference_pb2.GenerateRequest(
                     token_ids=[5] * 2000, max_new_tokens=8, ignore_eos=True, request_id="long"
                 ),
-                timeout=0.3,
+                timeout=deadline_s,
             )
-            time.sleep(0.4)  # its deadline has passed; its prefill is far from done
+            time.sleep(deadline_s + warm_s)  # its deadline has passed; its prefill is far from done
             started = time.monotonic()
             replies = generate(channel, token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True, timeout=30)
             elapsed = time.monotonic() - started
@@ -103,7 +112,7 @@ def test_a_long_prompt_past_its_deadline_does_not_hold_the_engine(tiny_store, tm
                 list(long_call)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert len(replies) == 4
-        assert elapsed < 5, f"the small request took {elapsed:.1f}s"
+        assert elapsed < 5 * cold_s, f"the small request took {elapsed:.1f}s, {cold_s:.1f}s alone"
         # The service stopped working on it (it did not finish its prefill in the background).
         wait_for(lambda: "request 'long' stopped" in compute.log(), timeout_s=10)
         assert "request 'long': " not in compute.log()  # no finished-request line for it

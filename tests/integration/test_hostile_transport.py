@@ -8,10 +8,14 @@ spoken by hand (``bench.hostile``), below what a gRPC library lets a client do.
 - streams whose client never reads are cut after ``stream_stall_timeout_s``: their requests leave
   the batch and their pins go, while health and other Generates are served;
 - the per-address bound refuses with RESOURCE_EXHAUSTED naming it, and health keeps its own budget.
+
+"Health answers" is measured against health's own latency before the attack, taken in the same
+test on the machine as loaded then (``health_reference_s``), not against a fixed time.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import grpc
@@ -28,6 +32,9 @@ pytestmark = pytest.mark.integration
 
 REQUEST_TIMEOUT_S = 3.0
 STALL_S = 2.0
+# Health under an attack answers within this many times its latency before it (a health held by
+# the attack waits for the attack's streams to be cut: seconds, every time).
+HEALTH_SLOWDOWN = 50
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +64,20 @@ def health_s(channel) -> float:
     return time.monotonic() - start_t
 
 
+def health_reference_s(channel, samples: int = 5) -> float:
+    """Health's median latency before an attack: what its latency under the attack is held to."""
+    return statistics.median(health_s(channel) for _ in range(samples))
+
+
+def assert_health_unhindered(channel, reference_s: float, samples: int = 3) -> None:
+    """The fastest of ``samples`` health Checks within HEALTH_SLOWDOWN x ``reference_s``: one slow
+    Check is the machine, a health the attack holds is slow every time."""
+    fastest = min(health_s(channel) for _ in range(samples))
+    assert fastest < HEALTH_SLOWDOWN * reference_s, (
+        f"health took {fastest * 1e3:.1f} ms under the attack, {reference_s * 1e3:.1f} ms before it"
+    )
+
+
 def short_generate(channel, within_s: float = 60.0) -> list:
     """A short greedy Generate, retried while the server says it is full (RESOURCE_EXHAUSTED)."""
     deadline = time.monotonic() + within_s
@@ -79,11 +100,12 @@ def host_port(address: str) -> tuple[str, int]:
 
 def test_header_only_streams_hold_nothing_and_end_after_the_request_timeout(served):
     _daemon, compute, channel = served
+    reference_s = health_reference_s(channel)
     attack = Attack(*host_port(compute.address), GENERATE, connections=12, streams=10).start()
     try:
         assert attack.wait_held(120) == 120
         for _ in range(3):
-            assert health_s(channel) < 1.0
+            assert_health_unhindered(channel, reference_s)
             info = inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
                 inference_pb2.GetModelInfoRequest(), timeout=5
             )
@@ -104,6 +126,10 @@ def test_header_only_streams_hold_nothing_and_end_after_the_request_timeout(serv
 def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
     daemon, compute, channel = served
     request = inference_pb2.GenerateRequest(text="hello there", max_new_tokens=400, ignore_eos=True)
+    reference_s = health_reference_s(channel)
+    started = time.monotonic()
+    assert len(short_generate(channel)) == 3
+    generate_reference_s = time.monotonic() - started
     attack = Attack(
         *host_port(compute.address),
         GENERATE,
@@ -115,10 +141,10 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
     ).start()
     try:
         assert attack.wait_held(80, timeout_s=20) >= 80
-        assert health_s(channel) < 1.0
+        assert_health_unhindered(channel, reference_s)
         events = short_generate(channel)
         assert len(events) == 3
-        assert health_s(channel) < 1.0
+        assert_health_unhindered(channel, reference_s)
         # Every unread stream is cut: nothing is left in the batch, nothing pinned.
         cache = cache_pb2_grpc.ExpertCacheStub(grpc.insecure_channel(daemon.address))
         deadline = time.monotonic() + 60
@@ -132,24 +158,28 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
         assert cache.GetStats(cache_pb2.GetStatsRequest(), timeout=5).pinned == 0
         assert "stream_stall_timeout_s" in compute.log()
         # The streams are still open on the attacker's side (nothing can pass its full window),
-        # yet a request is served as soon as it comes.
+        # yet a request is served as soon as it comes: as fast as before the attack, give or take.
         assert attack.held() >= 64
         start_t = time.monotonic()
         assert len(short_generate(channel, within_s=5.0)) == 3
-        assert time.monotonic() - start_t < 10.0
+        took = time.monotonic() - start_t
+        assert took < 10 * generate_reference_s, (
+            f"{took:.2f} s; {generate_reference_s:.2f} s before the attack"
+        )
     finally:
         attack.stop()
 
 
 def test_the_per_address_bound_refuses_naming_it_and_health_keeps_its_budget(served):
     _daemon, compute, channel = served
+    reference_s = health_reference_s(channel)
     attack = Attack(*host_port(compute.address), GENERATE, connections=3, streams=80).start()
     try:
         deadline = time.monotonic() + 10
         while attack.tally().statuses.get("8", 0) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert attack.tally().statuses.get("8", 0) > 0  # RESOURCE_EXHAUSTED beyond 200 streams
-        assert health_s(channel) < 1.0
+        assert_health_unhindered(channel, reference_s)
         with pytest.raises(grpc.RpcError) as info:
             list(
                 inference_pb2_grpc.InferenceStub(channel).Generate(
@@ -165,19 +195,20 @@ def test_the_per_address_bound_refuses_naming_it_and_health_keeps_its_budget(ser
 
 def test_the_daemon_socket_is_bounded_the_same_way(served):
     daemon, _compute, _channel = served
-    attack = Attack(
-        daemon.address, 0, "/moe.cache.v1.ExpertCache/GetStats", connections=4, streams=30
-    ).start()
-    try:
-        assert attack.wait_held(120) == 120
-        with grpc.insecure_channel(daemon.address) as ch:
-            assert health_s(ch) < 1.0
+    with grpc.insecure_channel(daemon.address) as ch:
+        reference_s = health_reference_s(ch)
+        attack = Attack(
+            daemon.address, 0, "/moe.cache.v1.ExpertCache/GetStats", connections=4, streams=30
+        ).start()
+        try:
+            assert attack.wait_held(120) == 120
+            assert_health_unhindered(ch, reference_s)
             assert (
                 cache_pb2_grpc.ExpertCacheStub(ch).GetStats(cache_pb2.GetStatsRequest(), timeout=5).demands
                 >= 0
             )
-    finally:
-        attack.stop()
+        finally:
+            attack.stop()
 
 
 def test_the_predictor_refuses_tokenless_calls_at_their_headers(tmp_path):
@@ -187,6 +218,8 @@ def test_the_predictor_refuses_tokenless_calls_at_their_headers(tmp_path):
     args = ["--listen-address", address, "--auth-token-file", str(token), "--request-timeout-s", "30"]
     predictor = start("predictor_svc", args, address, tmp_path / "predictor.log")
     path = "/moe.predictor.v1.Predictor/GetStats"
+    ch = grpc.insecure_channel(address)
+    reference_s = health_reference_s(ch)
     attack = Attack(*host_port(address), path, connections=12, streams=10).start()
     try:
         deadline = time.monotonic() + 10
@@ -194,32 +227,34 @@ def test_the_predictor_refuses_tokenless_calls_at_their_headers(tmp_path):
             time.sleep(0.05)
         # UNAUTHENTICATED at once: well before the 30 s request timeout.
         assert attack.tally().statuses.get("16", 0) >= 120, attack.tally()
-        with grpc.insecure_channel(address) as ch:
-            assert health_s(ch) < 1.0
-            stats = predictor_pb2_grpc.PredictorStub(ch).GetStats(
-                predictor_pb2.GetStatsRequest(),
-                timeout=5,
-                metadata=(("authorization", "Bearer s3cret-token"),),
-            )
-            assert stats is not None
+        assert_health_unhindered(ch, reference_s)
+        stats = predictor_pb2_grpc.PredictorStub(ch).GetStats(
+            predictor_pb2.GetStatsRequest(),
+            timeout=5,
+            metadata=(("authorization", "Bearer s3cret-token"),),
+        )
+        assert stats is not None
     finally:
         attack.stop()
+        ch.close()
         predictor.stop()
 
 
 def test_the_predictor_answers_under_header_only_streams(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     predictor = start("predictor_svc", ["--listen-address", address], address, tmp_path / "predictor.log")
+    ch = grpc.insecure_channel(address)
+    reference_s = health_reference_s(ch)
     attack = Attack(
         *host_port(address), "/moe.predictor.v1.Predictor/GetStats", connections=12, streams=10
     ).start()
     try:
         assert attack.wait_held(120) == 120
-        with grpc.insecure_channel(address) as ch:
-            for _ in range(3):
-                assert health_s(ch) < 1.0
-                predictor_pb2_grpc.PredictorStub(ch).GetStats(predictor_pb2.GetStatsRequest(), timeout=5)
-                time.sleep(0.3)
+        for _ in range(3):
+            assert_health_unhindered(ch, reference_s)
+            predictor_pb2_grpc.PredictorStub(ch).GetStats(predictor_pb2.GetStatsRequest(), timeout=5)
+            time.sleep(0.3)
     finally:
         attack.stop()
+        ch.close()
         predictor.stop()
