@@ -21,7 +21,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 # of the recorded switches.
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
-.PHONY: install native gen-proto wheel lint test test-unit test-integration demo clean helm test-deploy values-schema \
+.PHONY: install native gen-proto wheel lint test test-unit test-integration test-soak demo clean helm test-deploy values-schema \
         llama-cpp bench-predict bench-io bench-decode bench-kernels bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
@@ -115,6 +115,17 @@ test-unit: install
 
 test-integration: install
 	$(VENV)/bin/pytest -q $(PYTEST_PARALLEL) tests/integration
+
+# Flaky tests found before users find them: SOAK_TESTS run SOAK_RUNS times, each in a fresh pytest
+# process as `make test` runs them, with one busy process per core beside them when SOAK_LOAD=1
+# (stress-ng where present); lists every test that failed at least once, with counts. Reports and
+# logs per run under build/soak/ (devtools/soak.py).
+SOAK_TESTS ?= tests
+SOAK_RUNS ?= 3
+SOAK_LOAD ?= 0
+test-soak: install
+	$(PY) -m devtools.soak --runs $(SOAK_RUNS) $(if $(filter 1,$(SOAK_LOAD)),--load,) --out build/soak \
+	    -- $(PYTEST_PARALLEL) $(SOAK_TESTS)
 
 # MODEL=path runs a real checkpoint directory instead of the built-in tiny one.
 demo: install
