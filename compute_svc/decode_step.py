@@ -22,7 +22,7 @@ import torch
 
 from compute_svc.fused_experts import storage_view
 from compute_svc.kv_cache import SequenceKV
-from compute_svc.moe import RUNTIME_ATTR, expertcache_experts_forward
+from compute_svc.moe import RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ class DecodeStep:
                 if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
                     top, index = torch.topk(logits, self.routers[i].top_k, dim=-1)
                     scores = torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
-                    h.add_(expertcache_experts_forward(layer.mlp.experts, mlp_in, index, scores))
+                    # The experts module itself (not its forward function): its hooks still run.
+                    h.add_(layer.mlp.experts(mlp_in, index, scores))
                     continue
                 out = layer.mlp(mlp_view)
                 if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
