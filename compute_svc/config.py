@@ -133,6 +133,28 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     """Bounds a step's work: a long prompt is fed in chunks, so other requests' next tokens wait
     one chunk at most. Must be at least ``max_batch_size`` (or 0)."""
 
+    graph_kv_rows: int = field(
+        default=8,
+        metadata={
+            "help": "requests whose decode steps a GPU replays as CUDA graphs (KV pool rows); 0 = none",
+            "min": 0,
+            "max": 1024,
+        },
+    )
+    """On a GPU, decode steps of requests holding a row of the KV pool run as replayed CUDA graphs
+    (compute_svc.graph_step); the pool is graph_kv_rows x graph_kv_tokens tokens of keys and
+    values, allocated at the first request. Requests beyond it decode through transformers."""
+
+    graph_kv_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "prompt + new tokens a KV pool row holds (never above max_total_tokens)",
+            "min": 1,
+            "max": 1 << 20,
+        },
+    )
+    """A longer request gets its own KV buffers and decodes through transformers."""
+
     max_waiting_requests: int = field(
         default=64,
         metadata={"help": "requests that may wait for a place in the batch", "min": 0, "max": 1 << 16},

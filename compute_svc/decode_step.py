@@ -120,7 +120,7 @@ class DecodeStep:
             }
             self.attention.add_layer(
                 {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
-                _window(config, attn) or 0,
+                attention_window(config, attn) or 0,
             )
         # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
         self._like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=dtype)
@@ -204,7 +204,7 @@ def _gpt_oss_routers(layers) -> list:
     return routers
 
 
-def _window(config, attn) -> int | None:
+def attention_window(config, attn) -> int | None:
     """The sliding window packed attention applies to ``attn``'s layer (kv_cache.PackedAttention:
     the window the model passes, else the module's)."""
     passed = attn.sliding_window if config.model_type in ("gpt_oss", "qwen3_moe") else None

@@ -37,6 +37,7 @@ import torch
 from compute_svc.arena import Arena, resolve_device
 from compute_svc.decode_step import DecodeStep
 from compute_svc.errors import FailedPrecondition
+from compute_svc.graph_step import GraphStep
 from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forward, use_packed_attention
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.model_loader import LoadedModel, load_model
@@ -193,6 +194,9 @@ class GenerationEngine:
         limits: RequestLimits | None = None,
         metrics: ComputeMetrics | None = None,
         native_decode: bool = True,
+        graph_step: bool | None = None,
+        graph_kv_rows: int = 8,
+        graph_kv_tokens: int = 4096,
     ) -> None:
         self.loaded = loaded
         self._cache_keyword = cache_keyword(loaded.model)
@@ -212,6 +216,15 @@ class GenerationEngine:
         # Steps that feed one token per request skip transformers' per-op overhead where it can
         # (compute_svc.decode_step); None: every step is a transformers forward.
         self.decode_step = DecodeStep.build(loaded.model, self.attention.original) if native_decode else None
+        # On a GPU such steps are replayed as CUDA graphs over a KV pool (compute_svc.graph_step;
+        # ``graph_step``: None = on a GPU, True = also elsewhere, eagerly). A request holds a pool
+        # row when one is free and long enough (``graph_kv_tokens`` covers prompt + new tokens).
+        self.graph_step: GraphStep | None = None
+        if graph_step if graph_step is not None else loaded.device.type == "cuda":
+            tokens = min(graph_kv_tokens, self.requests.limits.max_total_tokens)
+            self.graph_step = GraphStep.build(
+                loaded.model, self.attention.original, rows=graph_kv_rows, tokens=tokens
+            )
         # Routing ids of the running requests: a client's request_id is only unique per client
         # (a retry reuses it), and the daemon, the reporter and the trace key requests by it.
         self._routing_ids: set[str] = set()
@@ -253,6 +266,8 @@ class GenerationEngine:
             with self._routing_lock:
                 self._routing_ids.discard(routing_id)
             raise
+        if self.graph_step is not None:
+            seq.kv = self.graph_step.new_kv(seq.prompt_tokens + request.max_new_tokens)
         if telemetry.ENABLED:
             self._start_span(seq, routing_id)
         self.runtime.begin_request(routing_id)
@@ -270,6 +285,7 @@ class GenerationEngine:
             self.reporter.on_request_end(seq.routing_id)
         if self.recorder is not None:
             self.recorder.on_request_end(seq.routing_id, outcome)
+        seq.kv.close()  # a pool row goes back to its pool
         seq.kv = SequenceKV()
         duration_s = time.perf_counter() - seq.prepared.arrived_at
         self.metrics.record_finish(outcome, duration_s if seq.generated else None)
@@ -370,8 +386,12 @@ class GenerationEngine:
         step_span = self._start_step_span(plan) if telemetry.ENABLED else None
         failed = True
         try:
-            if self.decode_step is not None and t == len(plan):  # one token per request
-                step_logits = self.decode_step.forward(input_ids, position_ids, [s.kv for s in segments])
+            caches = [s.kv for s in segments]
+            if self.graph_step is not None and t == len(plan) and self.graph_step.covers(caches):
+                step_logits = self.graph_step.forward(input_ids, position_ids, caches)
+                logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
+            elif self.decode_step is not None and t == len(plan):  # one token per request
+                step_logits = self.decode_step.forward(input_ids, position_ids, caches)
                 logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
             else:
                 with packed_forward(segments) as cache:
@@ -584,6 +604,8 @@ def build_engine(
     max_new_tokens_limit: int = 4096,
     limits: RequestLimits | None = None,
     metrics: ComputeMetrics | None = None,
+    graph_kv_rows: int = 8,
+    graph_kv_tokens: int = 4096,
 ) -> GenerationEngine:
     """Map the arena, load the dense model and wire the experts forward to ``provider``."""
     local = read_manifest(store_dir)
@@ -599,5 +621,11 @@ def build_engine(
     runtime = ExpertRuntime(provider, arena, attachment.manifest.tensors)
     attach(loaded.model, loaded.experts_modules, runtime)
     return GenerationEngine(
-        loaded, runtime, max_new_tokens_limit=max_new_tokens_limit, limits=limits, metrics=metrics
+        loaded,
+        runtime,
+        max_new_tokens_limit=max_new_tokens_limit,
+        limits=limits,
+        metrics=metrics,
+        graph_kv_rows=graph_kv_rows,
+        graph_kv_tokens=graph_kv_tokens,
     )

@@ -72,6 +72,12 @@ class SequenceKV:
     def commit(self, tokens: int) -> None:
         self.length += tokens
 
+    def close(self) -> None:
+        """The request is over: its buffers may go (a pooled row goes back to its pool)."""
+        self._keys.clear()
+        self._values.clear()
+        self._table = None
+
     def reserve(
         self, layers: int, like: torch.Tensor, needed: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +119,85 @@ def _ensure(buf: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.
     if buf is not None:
         grown[:, :, : buf.shape[2]] = buf
     return grown
+
+
+class KVPool:
+    """Keys and values of up to ``rows`` requests at fixed addresses, for steps replayed as CUDA
+    graphs (``compute_svc.graph_step``): per attention layer one [rows, kv_heads, tokens, head_dim]
+    tensor for keys and one for values, made at the first ``take``. A request holding a row
+    (``PooledKV``) keeps its keys and values there for every kind of step, so the packed forward
+    of transformers and the replayed step read and write the same memory."""
+
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        tokens: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if rows < 1 or tokens < 1:
+            raise ValueError(f"a KV pool needs rows and tokens, not {rows} x {tokens}")
+        self.layers, self.rows, self.tokens = layers, rows, tokens
+        self.shape = (rows, kv_heads, tokens, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        rows, heads, tokens, dim = self.shape
+        return (
+            2 * self.layers * rows * heads * tokens * dim * torch.empty((), dtype=self.dtype).element_size()
+        )
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def take(self, tokens: int) -> PooledKV | None:
+        """A row for a request of at most ``tokens`` tokens, or None (none free, or too long)."""
+        if tokens > self.tokens or not self._free:
+            return None
+        if not self.keys:
+            # Zeros: a row's tokens past its length are masked, and must not be NaN (0 x NaN).
+            self.keys = [
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)
+            ]
+            self.values = [
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)
+            ]
+        return PooledKV(self, self._free.pop())
+
+    def give(self, row: int) -> None:
+        self._free.append(row)
+
+
+class PooledKV(SequenceKV):
+    """A request's keys and values in row ``row`` of a ``KVPool`` (room for ``pool.tokens``)."""
+
+    def __init__(self, pool: KVPool, row: int) -> None:
+        super().__init__()
+        self.pool = pool
+        self.row = row
+
+    def _buffers(self, layer, key_like, value_like, needed):  # noqa: ARG002 - the pool's shape
+        if needed > self.pool.tokens:
+            raise ValueError(f"{needed} tokens do not fit a KV pool row of {self.pool.tokens}")
+        k = self._keys.get(layer)
+        if k is None:
+            k = self._keys[layer] = self.pool.keys[layer][self.row : self.row + 1]
+            self._values[layer] = self.pool.values[layer][self.row : self.row + 1]
+        return k, self._values[layer]
+
+    def close(self) -> None:
+        if self.row >= 0:
+            self.pool.give(self.row)
+            self.row = -1
+        super().close()
 
 
 @dataclass(frozen=True)
@@ -176,6 +261,20 @@ _SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.Cont
 # The masks of that forward, made once and shared by its layers (as transformers builds its mask
 # once per forward): (past, tokens, window, dtype, device) -> mask.
 _MASKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("expertcache_masks", default=None)
+# Set while a step runs requests as a batch (one row per request, its own mask given): attention
+# is then the model's own function as called (compute_svc.graph_step).
+_BATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("expertcache_batched", default=False)
+
+
+@contextmanager
+def batched_attention() -> Iterator[None]:
+    """Attention calls in this context go straight to the model's own function, with the mask
+    and keys they are given (one request per batch row)."""
+    token = _BATCHED.set(True)
+    try:
+        yield
+    finally:
+        _BATCHED.reset(token)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -211,6 +310,8 @@ class PackedAttention:
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):  # noqa: ARG002 - mask is ours
         """query [1, hq, T, d], key/value [1, hk, Σ(past + t), d] → ([1, T, hq, dv], None)."""
+        if _BATCHED.get():
+            return self.function(module)(module, query, key, value, attention_mask, **kwargs)
         segments = _SEGMENTS.get()
         if segments is None:  # no cache (forward_logits): one sequence, all of it new
             segments = (Segment(SequenceKV(), query.shape[2]),)

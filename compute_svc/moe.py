@@ -54,6 +54,8 @@ from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.expert_weights import ExpertDecoder
 from compute_svc.fused_experts import FusedExperts, FusedLayer, RoutedLayer, decode_sized
 from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
+from compute_svc.slot_experts import MAX_TOKENS as SLOT_MAX_TOKENS
+from compute_svc.slot_experts import SlotExperts, SlotLayer
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.keys import ExpertKey
@@ -194,7 +196,13 @@ class ExpertRuntime:
     """
 
     def __init__(
-        self, provider: ExpertProvider, arena: Arena, layouts: tuple[ExpertTensor, ...], *, fused: bool = True
+        self,
+        provider: ExpertProvider,
+        arena: Arena,
+        layouts: tuple[ExpertTensor, ...],
+        *,
+        fused: bool = True,
+        slotted: bool | None = None,
     ) -> None:
         self.provider = provider
         self.arena = arena
@@ -238,11 +246,22 @@ class ExpertRuntime:
         # Decode-sized layers on a CPU arena: the native fused kernel reads the experts in place.
         self.fused_enabled = fused
         self._fused = self._make_fused(arena)
+        # Decode-sized layers on a GPU arena: the experts read by slot index in one fixed sequence
+        # of kernels, replayed as a CUDA graph (compute_svc.slot_experts). ``slotted``: None = on a
+        # GPU only; True also on a CPU, without graphs (tests).
+        self.slotted_enabled = slotted
+        self.slotted = self._make_slotted(arena)
 
     def _make_fused(self, arena: Arena) -> FusedExperts | None:
         if not self.fused_enabled or not FusedExperts.supports(arena.slots):
             return None
         return FusedExperts(arena.slots, self.layouts)
+
+    def _make_slotted(self, arena: Arena) -> SlotExperts | None:
+        wanted = arena.device.type == "cuda" if self.slotted_enabled is None else self.slotted_enabled
+        if not wanted or not SlotExperts.supports(arena.slots, self.layouts):
+            return None
+        return SlotExperts(arena.slots, self.layouts)
 
     @property
     def num_slots(self) -> int:
@@ -297,6 +316,7 @@ class ExpertRuntime:
         self.arena = arena
         self._slot_views = [arena.slot_views(slot, self.layouts) for slot in range(arena.num_slots)]
         self._fused = self._make_fused(arena)
+        self.slotted = self._make_slotted(arena)
 
     def forward(
         self,
@@ -327,7 +347,7 @@ class ExpertRuntime:
         self._release_unreleased()
         if self.routing_observer is not None:
             self.routing_observer(layer, fetched.index, fetched.weights)
-        routed = self._routed_layer(module, fetched.index, top_k_weights, hidden_states)
+        routed = self._routed_layer(module, layer, fetched.index, top_k_index, top_k_weights, hidden_states)
         if routed is not None:  # a decode step's layer: route, compute and combine native
             experts, routing, combiner, fused = routed.experts, None, None, routed
         else:
@@ -360,12 +380,23 @@ class ExpertRuntime:
     def _routed_layer(
         self,
         module: torch.nn.Module,
+        layer: int,
         index: torch.Tensor,
+        top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         hidden_states: torch.Tensor,
-    ) -> RoutedLayer | None:
+    ) -> RoutedLayer | SlotLayer | None:
         """The layer through the fused kernel with its route and combine stages native (a
-        decode step on a CPU arena), else None."""
+        decode step on a CPU arena), or by slot index in one fixed sequence of kernels (a decode
+        step on a GPU arena whose experts fit in one wave), else None. ``index``: the routing on
+        the host; ``top_k_index``: the same where the model runs."""
+        slotted = self.slotted
+        if (
+            slotted is not None
+            and index.shape[0] <= SLOT_MAX_TOKENS
+            and len(np.unique(index.numpy())) <= self.num_slots
+        ):
+            return slotted.routed(module, layer, index, top_k_index, top_k_weights, hidden_states)
         if self._fused is None:
             return None
         kernel = self._fused.kernel(module, top_k_weights.dtype)
@@ -481,7 +512,7 @@ class ExpertRuntime:
         routing: Routing | None,
         combiner: Combiner | None,
         layer_span=None,
-        fused: FusedLayer | RoutedLayer | None = None,
+        fused: FusedLayer | RoutedLayer | SlotLayer | None = None,
     ) -> None:
         acquire_span = None
         acquire = getattr(self.provider, "acquire_batches", None) or self._singletons

@@ -165,6 +165,8 @@ class ComputeServer:
                     max_prompt_bytes=config.max_prompt_bytes,
                 ),
                 metrics=self.metrics,
+                graph_kv_rows=config.graph_kv_rows,
+                graph_kv_tokens=config.graph_kv_tokens,
             )
         except BaseException:
             self.client.close()

@@ -89,8 +89,10 @@ def tiny_store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def local_engine(tiny_store):
-    """``local_engine(arch, slots=..., reverse=False, fused=True, **config)`` → (engine, provider,
-    TinyStore); ``fused=False`` keeps every layer on the torch path.
+    """``local_engine(arch, slots=..., reverse=False, fused=True, graph=False, **config)`` →
+    (engine, provider, TinyStore); ``fused=False`` keeps every layer on the torch path; ``graph``
+    runs decode steps through compute_svc.graph_step eagerly (its KV pool ``graph_rows`` x
+    ``graph_tokens``) and decode-sized MoE layers through compute_svc.slot_experts.
 
     The real engine (dense weights from the store, experts from an in-memory arena) fed by
     ``LocalProvider`` instead of a daemon process.
@@ -103,6 +105,9 @@ def local_engine(tiny_store):
         reverse: bool = False,
         limit: int = 256,
         fused: bool = True,
+        graph: bool = False,
+        graph_rows: int = 8,
+        graph_tokens: int = 256,
         **config,
     ):
         import torch
@@ -119,8 +124,19 @@ def local_engine(tiny_store):
         arena = Arena(torch.zeros(num_slots, manifest.blob_bytes, dtype=torch.uint8))
         provider = LocalProvider(tiny.store, manifest, arena, reverse=reverse)
         loaded = load_model(tiny.store, manifest, torch.device("cpu"))
-        runtime = ExpertRuntime(provider, arena, manifest.tensors, fused=fused)
+        runtime = ExpertRuntime(provider, arena, manifest.tensors, fused=fused, slotted=True if graph else None)
         attach(loaded.model, loaded.experts_modules, runtime)
-        return GenerationEngine(loaded, runtime, max_new_tokens_limit=limit), provider, tiny
+        if not graph:
+            return GenerationEngine(loaded, runtime, max_new_tokens_limit=limit), provider, tiny
+        engine = GenerationEngine(
+            loaded,
+            runtime,
+            max_new_tokens_limit=limit,
+            native_decode=False,
+            graph_step=True,
+            graph_kv_rows=graph_rows,
+            graph_kv_tokens=graph_tokens,
+        )
+        return engine, provider, tiny
 
     return build
