@@ -191,26 +191,39 @@ class ForcedRouting:
         while its prompt is fed, see the module doc); weights keep the router's dtype and device.
         """
         j = self._layers.moe_index(layer)
+        device, dtype = top_k_weights.device, top_k_weights.dtype
+        k = top_k_index.shape[-1]
         if len(segments) == 1:  # one request (a decode step or a prompt chunk): its row for every token
             seg = segments[0]
-            row = self.row(seg.request_id, seg.step)
+            index, weights = self._tensors(seg.request_id, device, dtype)
+            at = self.row(seg.request_id, seg.step) - self._live[seg.request_id].start
             shape = tuple(top_k_index.shape)
-            index = torch.from_numpy(self.trace.expert_ids[row, j].astype(np.int64)).expand(shape)
-            weights = torch.from_numpy(self.trace.gate_weights[row, j].astype(np.float32)).expand(shape)
-            return (
-                index.to(top_k_index.device),
-                weights.to(device=top_k_weights.device, dtype=top_k_weights.dtype),
-            )
-        index = np.empty(tuple(top_k_index.shape), dtype=np.int64)
-        weights = np.empty(tuple(top_k_index.shape), dtype=np.float32)
+            return index[at, j].expand(shape), weights[at, j].expand(shape)
+        parts_i, parts_w = [], []
         for seg in segments:
-            row = self.row(seg.request_id, seg.step)
-            index[seg.start : seg.start + seg.rows] = self.trace.expert_ids[row, j]
-            weights[seg.start : seg.start + seg.rows] = self.trace.gate_weights[row, j]
-        return (
-            torch.from_numpy(index).to(top_k_index.device),
-            torch.from_numpy(weights).to(device=top_k_weights.device, dtype=top_k_weights.dtype),
-        )
+            index, weights = self._tensors(seg.request_id, device, dtype)
+            at = self.row(seg.request_id, seg.step) - self._live[seg.request_id].start
+            parts_i.append(index[at, j].expand(seg.rows, k))
+            parts_w.append(weights[at, j].expand(seg.rows, k))
+        return torch.cat(parts_i), torch.cat(parts_w)
+
+    def _tensors(
+        self, request_id: str, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's trace rows as (expert ids [rows, layers, K] int64, weights [rows, layers, K]
+        of ``dtype``) on ``device``, made once per request: a forward's routing is then a view,
+        with no host-to-device copy per layer."""
+        self.request_of(request_id)
+        replay = self._live[request_id]
+        cached = replay.tensors
+        if cached is None or cached[0].device != device or cached[1].dtype != dtype:
+            rows = slice(replay.start, replay.end)
+            index = torch.from_numpy(self.trace.expert_ids[rows].astype(np.int64)).to(device)
+            weights = torch.from_numpy(self.trace.gate_weights[rows].astype(np.float32)).to(
+                device=device, dtype=dtype
+            )
+            cached = replay.tensors = (index, weights)
+        return cached
 
     def accuracy(self, depth: int) -> float:
         """The modelled accuracy of a prediction made ``depth`` MoE layers ahead."""
@@ -262,3 +275,4 @@ class _Replay:
     start: int
     end: int
     wrapped: bool = False
+    tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # see ForcedRouting._tensors
