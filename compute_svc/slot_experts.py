@@ -202,7 +202,7 @@ class _Plan:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream):
                 self._body()  # warm-up on the side stream, as torch.cuda.graphs asks
-                with torch.cuda.graph(graph, stream=stream):
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     self.out = self._body()
             torch.cuda.current_stream(self.x.device).wait_stream(stream)
         except Exception as exc:  # noqa: BLE001 - a capture failure means eager from now on
