@@ -22,8 +22,9 @@ A handler's abort is sent as the call's status (``set_code``, ``set_details``) w
 returns, not by ``grpc.aio``'s own ``abort``: that one keeps its ``AbortError`` on the call's state
 for as long as the call lives, and the error's traceback holds the frames it went through, which
 hold the call: a cycle, so every aborted call (its request, 1 MB of prompt text for a refused
-prompt) stayed in memory until the cyclic garbage collector ran. Nothing of a call refers back to
-it now, and what a call held is freed when it ends.
+prompt) stayed in memory until the cyclic garbage collector ran. The loop's own refusals (admission,
+no request message, a stalled stream) end the same way (``_end``). Nothing of a call refers back
+to it now, and what a call held is freed when it ends.
 
 Health is served by gRPC's asynchronous health servicer on the loop itself, within a budget of its
 own (``transport.HEALTH_STREAMS``): a probe needs no pool thread and no data-plane capacity.
@@ -53,6 +54,18 @@ _REFUSAL_LOG_INTERVAL_S = 10.0
 
 class Aborted(Exception):  # noqa: N818 - the name says what happened, like grpc's own
     """Raised in a handler's thread by ``SyncContext.abort``: the status is already sent."""
+
+
+class _Ended(Exception):  # noqa: N818 - raised by ``_end``, caught by the call's own coroutine
+    """A call the loop ends: its status is set, and its coroutine returns."""
+
+
+def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str):
+    """End the call with ``code`` and ``details`` (``grpc.aio``'s ``abort`` would keep a cycle
+    through the call: see the module docstring)."""
+    context.set_code(code)
+    context.set_details(details)
+    raise _Ended
 
 
 class CallEnded(grpc.RpcError):
@@ -313,7 +326,7 @@ class Bridge(grpc.aio.ServerInterceptor):
         """A call refused by its headers alone (no token): answered at once, its request unread."""
 
         async def refuse(_requests, context):  # logged (rate-limited) by the interceptor that refused it
-            await context.abort(code, message)
+            _set_status(context, code, message)
 
         return grpc.stream_stream_rpc_method_handler(
             refuse, handler.request_deserializer, handler.response_serializer
@@ -327,7 +340,7 @@ class Bridge(grpc.aio.ServerInterceptor):
             self._log.log(
                 logging.WARNING, f"refused:{method}", "refused %s from %s: %s", method, context.peer(), exc
             )
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _first_message(self, context: grpc.aio.ServicerContext, method: str):
         timeout = self.accounting.limits.request_timeout_s
@@ -343,12 +356,14 @@ class Bridge(grpc.aio.ServerInterceptor):
                 context.peer(),
                 timeout,
             )
-            await context.abort(
+            _end(
+                context,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no request message arrived within {timeout:g} s of the call's headers (request_timeout_s)",
             )
         if message is grpc.aio.EOF:
-            await context.abort(
+            _end(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{method} takes one request message; the call ended without one",
             )
@@ -361,7 +376,10 @@ class Bridge(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
-                ticket = await bridge._admit(context, method)
+                try:
+                    ticket = await bridge._admit(context, method)
+                except _Ended:
+                    return None
                 try:
                     return await inner(request, context)
                 finally:
@@ -374,7 +392,10 @@ class Bridge(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
-                ticket = await bridge._admit(context, method)
+                try:
+                    ticket = await bridge._admit(context, method)
+                except _Ended:
+                    return
                 try:
                     async for response in inner_stream(request, context):
                         yield response
@@ -393,6 +414,12 @@ class Bridge(grpc.aio.ServerInterceptor):
         bridge = self
 
         async def call(requests, context):
+            try:
+                return await serve(context)
+            except _Ended:
+                return None
+
+        async def serve(context):
             loop = asyncio.get_running_loop()
             ticket = await bridge._admit(context, method)
             sync = SyncContext(context, loop)
@@ -468,7 +495,8 @@ class Bridge(grpc.aio.ServerInterceptor):
         )
         sync.end_soon()
         await write
-        await context.abort(
+        _end(
+            context,
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
         )

@@ -134,6 +134,64 @@ def test_a_refused_call_is_freed_as_it_ends_not_by_the_cyclic_collector(server, 
         gc.enable()
 
 
+class HeldRequest:
+    """A request message that can be watched (bytes cannot be weakly referenced)."""
+
+    made: list[weakref.ref] = []
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        HeldRequest.made.append(weakref.ref(self))
+
+
+def flood(request: HeldRequest, context):
+    for _ in range(1000):  # far more than the client's flow-control window: the writes stall
+        yield b"y" * (1 << 20)
+
+
+def test_a_stalled_stream_cut_by_the_loop_is_freed_as_it_ends(caplog):
+    """The loop's own refusals (here a client that reads nothing, cut after
+    stream_stall_timeout_s) end the call without grpc's abort, whose error keeps a cycle through
+    the call: once the client has read what was sent before the cut and the status, the call has
+    ended and its request is gone, with no cyclic collection."""
+    handlers = {"Flood": grpc.unary_stream_rpc_method_handler(flood, HeldRequest, _identity)}
+    limits = TransportLimits.from_config(None, request_timeout_s=5.0, stream_stall_timeout_s=0.5)
+    srv, _health = build_server(
+        "127.0.0.1:0",
+        [lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))],
+        [SERVICE],
+        max_workers=2,
+        limits=limits,
+    )
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    HeldRequest.made.clear()
+    gc.collect()
+    gc.disable()  # what a cycle keeps now stays
+    try:
+        responses = call(channel, "Flood", "unary_stream")(b"x" * 1000, timeout=60)
+        wait_for(lambda: len(HeldRequest.made) == 1, "the request reached the server", timeout_s=30)
+        (held,) = HeldRequest.made
+        wait_for(
+            lambda: any("stream_stall_timeout_s" in r.getMessage() for r in caplog.records),
+            "the stalled stream cut",
+            timeout_s=30,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in responses:  # what was sent before the cut, then the status
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stream_stall_timeout_s" in info.value.details()
+        wait_for(
+            lambda: held() is None, "the cut call's request freed without the cyclic collector", timeout_s=30
+        )
+    finally:
+        gc.enable()
+        channel.close()
+        srv.stop(0).wait(10)
+
+
 def test_request_streams_reach_the_handler_whole(server):
     _servicer, channel, _port, _srv = server
     assert call(channel, "Total", "stream_unary")(iter([b"1", b"2", b"39"]), timeout=5) == b"42"
