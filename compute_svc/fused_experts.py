@@ -164,6 +164,18 @@ class FusedExperts:
         self._by_module: dict[tuple[int, torch.dtype], FusedKernel | None] = {}
         self._by_spec: dict[str, FusedKernel] = {}
         self.calls = 0  # batches run by the kernel
+        # The last hidden states' numpy view (a decode step passes the same buffer to every layer);
+        # holding the tensor keeps its memory, so a match is the same memory.
+        self._viewed: tuple[torch.Tensor, np.ndarray] | None = None
+
+    def view_of(self, hidden: torch.Tensor) -> np.ndarray:
+        """``storage_view(hidden)``, made once per buffer in a row."""
+        viewed = self._viewed
+        if viewed is not None and viewed[0] is hidden:
+            return viewed[1]
+        view = storage_view(hidden)
+        self._viewed = (hidden, view)
+        return view
 
     @staticmethod
     def supports(arena_slots: torch.Tensor) -> bool:
@@ -242,10 +254,11 @@ class RoutedLayer:
         self._ffn = kernel.ffn
         self._hidden = hidden_states.contiguous()
         self._top_k = top_k_index.shape[1]
-        self._ids = top_k_index.reshape(-1).numpy()  # [S] int64 (host)
-        self.experts = tuple(sorted(set(self._ids.tolist())))
-        self._weights = top_k_weights.detach().reshape(-1).float().numpy()  # [S]
-        self._x = storage_view(self._hidden)
+        # Host tensors, possibly expanded views (forced routing): numpy reads them as they are.
+        self._ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
+        self.experts = tuple(np.unique(self._ids).tolist())
+        self._weights = float_array(top_k_weights).reshape(-1)  # [S] float32
+        self._x = owner.view_of(self._hidden)
         self._pairs = np.empty((self._ids.size, hidden_states.shape[-1]), dtype=np.float32)
 
     def run(self, slots: Sequence[int], experts: Sequence[int]) -> None:
@@ -263,9 +276,23 @@ class RoutedLayer:
 
     def result(self) -> torch.Tensor:
         """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums them."""
-        out = torch.empty_like(self._hidden)
-        self._ffn.combine(self._pairs, self._top_k, storage_view(out))
-        return out
+        hidden = self._hidden
+        two_bytes = hidden.element_size() == 2
+        out = np.empty(tuple(hidden.shape), dtype=np.int16 if two_bytes else np.float32)
+        self._ffn.combine(self._pairs, self._top_k, out)
+        result = torch.from_numpy(out)
+        return result.view(hidden.dtype) if two_bytes else result
+
+
+def float_array(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as a float32 numpy array (bfloat16 widened by its bits: exact, and
+    without a torch call)."""
+    t = t.detach()
+    if t.dtype == torch.float32:
+        return t.numpy()
+    if t.dtype == torch.bfloat16:
+        return (t.view(torch.int16).numpy().astype(np.int32) << 16).view(np.float32)
+    return t.float().numpy()
 
 
 def storage_view(t: torch.Tensor) -> np.ndarray:
