@@ -124,7 +124,9 @@ def local_engine(tiny_store):
         arena = Arena(torch.zeros(num_slots, manifest.blob_bytes, dtype=torch.uint8))
         provider = LocalProvider(tiny.store, manifest, arena, reverse=reverse)
         loaded = load_model(tiny.store, manifest, torch.device("cpu"))
-        runtime = ExpertRuntime(provider, arena, manifest.tensors, fused=fused, slotted=True if graph else None)
+        runtime = ExpertRuntime(
+            provider, arena, manifest.tensors, fused=fused, slotted=True if graph else None
+        )
         attach(loaded.model, loaded.experts_modules, runtime)
         if not graph:
             return GenerationEngine(loaded, runtime, max_new_tokens_limit=limit), provider, tiny

@@ -60,7 +60,11 @@ def test_decode_logits_equal_transformers_past_the_window_and_across_buckets(arc
     assert sorted(b for _, b in engine.graph_step._plans) == [128, 256]
     with torch.no_grad():
         out = plain_model(tiny.checkpoint, dtype).generate(
-            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     assert out.sequences[0, len(prompt) :].tolist() == tokens
     for got, want in zip(calls, out.logits[1:], strict=True):
