@@ -94,7 +94,11 @@ def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
     runtime = ExpertRuntime(provider, arena, manifest.tensors)
     attach(loaded.model, loaded.experts_modules, runtime)
     engine = GenerationEngine(loaded, runtime, max_new_tokens_limit=16)
-    plain = AutoModelForCausalLM.from_pretrained(src).to(CUDA).eval()  # dequantised when loaded
+    # Dequantised when loaded: by transformers 5.17 always to bf16 (later versions to the model's
+    # dtype), which left the reference's experts in bf16 beside our fp32 ones (a GPU run on
+    # 2026-11-28 saw routing flips at gaps of 0.998). MXFP4 values are exact in bf16, so float32
+    # restores the exact dequantised weights on any version.
+    plain = AutoModelForCausalLM.from_pretrained(src).to(CUDA, torch.float32).eval()
     result = compare_with_routing(engine, plain, list(range(3, 40)), CUDA)
     print(
         f"routing agrees: {result.routing_agrees}; flips (MoE layer, token): {result.flips[:8]}; "
