@@ -134,7 +134,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     one chunk at most. Must be at least ``max_batch_size`` (or 0)."""
 
     graph_kv_rows: int = field(
-        default=8,
+        default=4,
         metadata={
             "help": "requests whose decode steps a GPU replays as CUDA graphs (KV pool rows); 0 = none",
             "min": 0,
@@ -143,10 +143,12 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     )
     """On a GPU, decode steps of requests holding a row of the KV pool run as replayed CUDA graphs
     (compute_svc.graph_step); the pool is graph_kv_rows x graph_kv_tokens tokens of keys and
-    values, allocated at the first request. Requests beyond it decode through transformers."""
+    values, allocated at the first request (GPU memory beside max_cache_tokens' KV of the requests
+    outside it: Mixtral-8x7B's 128 KiB per token make the default pool 1 GiB). Requests beyond it
+    decode through transformers."""
 
     graph_kv_tokens: int = field(
-        default=4096,
+        default=2048,
         metadata={
             "help": "prompt + new tokens a KV pool row holds (never above max_total_tokens)",
             "min": 1,

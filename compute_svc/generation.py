@@ -195,8 +195,8 @@ class GenerationEngine:
         metrics: ComputeMetrics | None = None,
         native_decode: bool = True,
         graph_step: bool | None = None,
-        graph_kv_rows: int = 8,
-        graph_kv_tokens: int = 4096,
+        graph_kv_rows: int = 4,
+        graph_kv_tokens: int = 2048,
     ) -> None:
         self.loaded = loaded
         self._cache_keyword = cache_keyword(loaded.model)
@@ -604,8 +604,8 @@ def build_engine(
     max_new_tokens_limit: int = 4096,
     limits: RequestLimits | None = None,
     metrics: ComputeMetrics | None = None,
-    graph_kv_rows: int = 8,
-    graph_kv_tokens: int = 4096,
+    graph_kv_rows: int = 4,
+    graph_kv_tokens: int = 2048,
 ) -> GenerationEngine:
     """Map the arena, load the dense model and wire the experts forward to ``provider``."""
     local = read_manifest(store_dir)
