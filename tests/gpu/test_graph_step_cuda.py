@@ -14,7 +14,7 @@ import torch
 
 from compute_svc.requests import GenerationRequest
 from expertcache import native
-from tests.gpu.test_compute_cuda import DEVICE, PROMPT, cuda_engine, plain
+from tests.cuda_engines import DEVICE, PROMPT, cuda_engine, plain
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,51 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from compute_svc.requests import GenerationRequest
+from tests.decoding import PROMPT, TOL, counting, greedy, plain_greedy, plain_model, prepare
 
-PROMPT = [5, 17, 33, 2, 9, 41, 7]
 COVERED = ["gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
-TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def prepare(engine, prompt, n):
-    return engine.requests.prepare(
-        GenerationRequest(token_ids=tuple(prompt), max_new_tokens=n, ignore_eos=True)
-    )
-
-
-def greedy(engine, prompt, n):
-    return [e.token_id for e in engine.generate(prepare(engine, prompt, n))]
-
-
-def plain_model(checkpoint, dtype=None):
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    return AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
-
-
-def plain_greedy(checkpoint, prompt, n, dtype=None):
-    with torch.no_grad():
-        out = plain_model(checkpoint, dtype).generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def counting(engine):
-    """Counts the engine's native decode steps."""
-    step = engine.decode_step
-    calls = []
-    original = step.forward
-
-    def forward(*args, **kwargs):
-        logits = original(*args, **kwargs)
-        calls.append(logits.clone())
-        return logits
-
-    step.forward = forward
-    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -56,7 +15,7 @@ def counting(engine):
 def test_greedy_decode_through_the_native_dense_half_matches_generate(arch, dtype, local_engine):
     engine, _, tiny = local_engine(arch, dtype=dtype)
     assert engine.decode_step is not None
-    calls = counting(engine)
+    calls = counting(engine.decode_step)
     assert greedy(engine, PROMPT, 12) == plain_greedy(tiny.checkpoint, PROMPT, 12, dtype)
     assert len(calls) == 11  # every token after the prompt's first
 
@@ -74,7 +33,7 @@ def test_decode_logits_equal_transformers_past_the_window_and_as_the_cache_grows
     # 130 prompt tokens: past gpt-oss's 128-token window, and the KV buffers grow while decoding.
     engine, _, tiny = local_engine(arch, dtype=dtype)
     prompt = [(7 * i + 3) % 250 + 1 for i in range(130)]
-    calls = counting(engine)
+    calls = counting(engine.decode_step)
     tokens = greedy(engine, prompt, 5)
     assert len(calls) == 4
     # transformers' own decode steps (generate, with its KV cache) are the reference.
@@ -105,7 +64,7 @@ def test_a_batch_of_requests_decodes_as_each_alone(local_engine):
     for i, seq in enumerate(seqs):  # prefill each, then decode all three in the same steps
         for _, event in engine.step([(seq, len(seq.pending))]):
             got[i].append(event.token_id)
-    calls = counting(engine)
+    calls = counting(engine.decode_step)
     while not all(seq.done for seq in seqs):
         plan = [(seq, 1) for seq in seqs if not seq.done]
         for s, event in engine.step(plan):

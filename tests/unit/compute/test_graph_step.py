@@ -7,24 +7,9 @@ import pytest
 import torch
 
 from compute_svc.kv_cache import PooledKV, SequenceKV
-from tests.unit.compute.test_decode_step import PROMPT, TOL, greedy, plain_greedy, plain_model, prepare
+from tests.decoding import PROMPT, TOL, counting, greedy, plain_greedy, plain_model, prepare
 
 COVERED = ["gpt_oss", "mixtral", "qwen3_moe"]
-
-
-def counting(engine):
-    """Counts the engine's graph steps (their logits, cloned)."""
-    step = engine.graph_step
-    calls = []
-    original = step.forward
-
-    def forward(*args, **kwargs):
-        logits = original(*args, **kwargs)
-        calls.append(logits.clone())
-        return logits
-
-    step.forward = forward
-    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -32,7 +17,7 @@ def counting(engine):
 def test_greedy_decode_through_graph_steps_matches_generate(arch, dtype, local_engine):
     engine, _, tiny = local_engine(arch, dtype=dtype, graph=True)
     assert engine.graph_step is not None
-    calls = counting(engine)
+    calls = counting(engine.graph_step)
     assert greedy(engine, PROMPT, 12) == plain_greedy(tiny.checkpoint, PROMPT, 12, dtype)
     assert len(calls) == 11  # every token after the prompt's first
     assert engine.runtime.slotted.calls >= 11 * len(tiny.manifest.moe_layers)  # and small prompts
@@ -54,7 +39,7 @@ def test_decode_logits_equal_transformers_past_the_window_and_across_buckets(arc
     # the pool row holds the prompt written by transformers' packed forward.
     engine, _, tiny = local_engine(arch, dtype=dtype, graph=True, graph_tokens=512)
     prompt = [(7 * i + 3) % 250 + 1 for i in range(126)]
-    calls = counting(engine)
+    calls = counting(engine.graph_step)
     tokens = greedy(engine, prompt, 6)  # positions 126 .. 131: buckets 128 then 256
     assert len(calls) == 5
     assert sorted(b for _, b in engine.graph_step._plans) == [128, 256]
@@ -82,7 +67,7 @@ def test_a_batch_decodes_as_each_alone_and_rows_are_reused(local_engine):
     prompts = [PROMPT, [3, 8, 1, 44, 21, 6, 6, 9, 12, 30, 2], [19, 4], [7, 7, 1]]
     lengths = [6, 3, 6, 5]
     alone = [greedy(engine, p, n) for p, n in zip(prompts, lengths, strict=True)]
-    calls = counting(engine)
+    calls = counting(engine.graph_step)
     seqs = [engine.start(prepare(engine, p, n)) for p, n in zip(prompts[:3], lengths[:3], strict=True)]
     assert pool.free_rows == 0 and all(isinstance(s.kv, PooledKV) for s in seqs)
     got = {id(s): [] for s in seqs}
@@ -114,7 +99,7 @@ def test_requests_without_a_row_decode_through_transformers(local_engine):
     first = engine.start(prepare(engine, PROMPT, 5))
     second = engine.start(prepare(engine, PROMPT, 5))
     assert isinstance(first.kv, PooledKV) and not isinstance(second.kv, PooledKV)
-    calls = counting(engine)
+    calls = counting(engine.graph_step)
     tokens = {id(first): [], id(second): []}
     for seq in (first, second):
         for _, event in engine.step([(seq, len(seq.pending))]):
