@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -48,3 +49,51 @@ def counting(step):
 
     step.forward = forward
     return calls
+
+
+def check_a_failed_step_changes_nothing(engine, checkpoint) -> None:
+    """The second MoE layer of a decode step fails (the daemon went away): the step raises, and the
+    request then decodes on to the plain model's tokens, as if that step had never run."""
+    runtime = engine.runtime
+    original = runtime.forward
+    seq = engine.start(prepare(engine, PROMPT, 8))
+    tokens = [e.token_id for _, e in engine.step([(seq, len(seq.pending))])]
+    failures = iter([False, True])
+
+    def flaky(*args, **kwargs):
+        if next(failures, False):
+            raise RuntimeError("the daemon went away")
+        return original(*args, **kwargs)
+
+    runtime.forward = flaky
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            engine.step([(seq, 1)])
+    finally:
+        del runtime.forward
+    while not seq.done:
+        tokens += [e.token_id for _, e in engine.step([(seq, 1)])]
+    engine.finish(seq, "length")
+    assert tokens == plain_greedy(checkpoint, PROMPT, 8)
+
+
+def check_decode_logits(calls, checkpoint, prompt, tokens, dtype, ulps: int) -> None:
+    """``tokens`` (greedy after ``prompt``) and the logits of each decode step after the first
+    (``calls``) against transformers' own decode steps (generate, with its KV cache): float32
+    within TOL, bf16 within ``ulps`` units in the last place of the largest logit."""
+    with torch.no_grad():
+        out = plain_model(checkpoint, dtype).generate(
+            torch.tensor([prompt]),
+            max_new_tokens=len(tokens),
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences[0, len(prompt) :].tolist() == tokens
+    for got, want in zip(calls, out.logits[1:], strict=True):
+        got, want = got[0].float(), want[0].float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, **TOL)
+            continue
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())).item() - 7)  # bf16: 8 significant bits
+        assert (got - want).abs().max().item() <= ulps * ulp

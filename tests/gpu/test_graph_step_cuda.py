@@ -15,6 +15,7 @@ import torch
 from compute_svc.requests import GenerationRequest
 from expertcache import native
 from tests.cuda_engines import DEVICE, PROMPT, cuda_engine, plain
+from tests.decoding import counting
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,15 +27,7 @@ pytestmark = [
 def decode(engine, tokens: int) -> tuple[list[int], list[torch.Tensor], float]:
     """Greedy tokens of PROMPT, each graph step's logits and the mean decode step in ms."""
     step = engine.graph_step
-    logits = []
-    original = step.forward
-
-    def forward(*args, **kwargs):
-        out = original(*args, **kwargs)
-        logits.append(out.clone())
-        return out
-
-    step.forward = forward
+    logits = counting(step)
     try:
         events = []
         request = engine.requests.prepare(

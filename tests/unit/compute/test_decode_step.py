@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.decoding import PROMPT, TOL, counting, greedy, plain_greedy, plain_model, prepare
+from tests.decoding import (
+    PROMPT,
+    check_a_failed_step_changes_nothing,
+    check_decode_logits,
+    counting,
+    greedy,
+    plain_greedy,
+    prepare,
+)
 
 COVERED = ["gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
 
@@ -36,23 +44,7 @@ def test_decode_logits_equal_transformers_past_the_window_and_as_the_cache_grows
     calls = counting(engine.decode_step)
     tokens = greedy(engine, prompt, 5)
     assert len(calls) == 4
-    # transformers' own decode steps (generate, with its KV cache) are the reference.
-    with torch.no_grad():
-        out = plain_model(tiny.checkpoint, dtype).generate(
-            torch.tensor([prompt]),
-            max_new_tokens=5,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    assert out.sequences[0, len(prompt) :].tolist() == tokens
-    for got, want in zip(calls, out.logits[1:], strict=True):
-        got, want = got[0].float(), want[0].float()
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, **TOL)
-            continue
-        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())).item() - 7)  # bf16: 8 significant bits
-        assert (got - want).abs().max().item() <= ULPS[arch] * ulp
+    check_decode_logits(calls, tiny.checkpoint, prompt, tokens, dtype, ULPS[arch])
 
 
 def test_a_batch_of_requests_decodes_as_each_alone(local_engine):
@@ -77,25 +69,7 @@ def test_a_batch_of_requests_decodes_as_each_alone(local_engine):
 
 def test_a_failed_decode_step_leaves_the_requests_as_they_were(local_engine):
     engine, _, tiny = local_engine("mixtral")
-    runtime = engine.runtime
-    original = runtime.forward
-    seq = engine.start(prepare(engine, PROMPT, 8))
-    tokens = [e.token_id for _, e in engine.step([(seq, len(seq.pending))])]
-    failures = iter([False, True])  # the second MoE layer of the next step fails
-
-    def flaky(*args, **kwargs):
-        if next(failures, False):
-            raise RuntimeError("the daemon went away")
-        return original(*args, **kwargs)
-
-    runtime.forward = flaky
-    with pytest.raises(RuntimeError, match="went away"):
-        engine.step([(seq, 1)])
-    del runtime.forward
-    while not seq.done:
-        tokens += [e.token_id for _, e in engine.step([(seq, 1)])]
-    engine.finish(seq, "length")
-    assert tokens == plain_greedy(tiny.checkpoint, PROMPT, 8)
+    check_a_failed_step_changes_nothing(engine, tiny.checkpoint)
 
 
 @pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from compute_svc.kv_cache import PooledKV, SequenceKV
-from tests.decoding import PROMPT, TOL, counting, greedy, plain_greedy, plain_model, prepare
+from tests.decoding import (
+    PROMPT,
+    check_a_failed_step_changes_nothing,
+    check_decode_logits,
+    counting,
+    greedy,
+    plain_greedy,
+    prepare,
+)
 
 COVERED = ["gpt_oss", "mixtral", "qwen3_moe"]
 
@@ -35,30 +43,15 @@ ULPS = 4
     ("arch", "dtype"), [(arch, torch.bfloat16) for arch in COVERED] + [("gpt_oss", torch.float32)]
 )
 def test_decode_logits_equal_transformers_past_the_window_and_across_buckets(arch, dtype, local_engine):
-    # 130 prompt tokens: past gpt-oss's 128-token window; the context bucket grows 256 -> ... and
-    # the pool row holds the prompt written by transformers' packed forward.
+    # 126 prompt tokens: past gpt-oss's 128-token window while decoding, the context bucket grows
+    # from 128 to 256, and the pool row holds the prompt written by transformers' packed forward.
     engine, _, tiny = local_engine(arch, dtype=dtype, graph=True, graph_tokens=512)
     prompt = [(7 * i + 3) % 250 + 1 for i in range(126)]
     calls = counting(engine.graph_step)
     tokens = greedy(engine, prompt, 6)  # positions 126 .. 131: buckets 128 then 256
     assert len(calls) == 5
     assert sorted(b for _, b in engine.graph_step._plans) == [128, 256]
-    with torch.no_grad():
-        out = plain_model(tiny.checkpoint, dtype).generate(
-            torch.tensor([prompt]),
-            max_new_tokens=6,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    assert out.sequences[0, len(prompt) :].tolist() == tokens
-    for got, want in zip(calls, out.logits[1:], strict=True):
-        got, want = got[0].float(), want[0].float()
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, **TOL)
-            continue
-        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())).item() - 7)
-        assert (got - want).abs().max().item() <= ULPS * ulp
+    check_decode_logits(calls, tiny.checkpoint, prompt, tokens, dtype, ULPS)
 
 
 def test_a_batch_decodes_as_each_alone_and_rows_are_reused(local_engine):
@@ -120,25 +113,7 @@ def test_requests_without_a_row_decode_through_transformers(local_engine):
 
 def test_a_failed_graph_step_leaves_the_requests_as_they_were(local_engine):
     engine, _, tiny = local_engine("gpt_oss", graph=True)
-    runtime = engine.runtime
-    original = runtime.forward
-    seq = engine.start(prepare(engine, PROMPT, 8))
-    tokens = [e.token_id for _, e in engine.step([(seq, len(seq.pending))])]
-    failures = iter([False, True])  # the second MoE layer of the next step fails
-
-    def flaky(*args, **kwargs):
-        if next(failures, False):
-            raise RuntimeError("the daemon went away")
-        return original(*args, **kwargs)
-
-    runtime.forward = flaky
-    with pytest.raises(RuntimeError, match="went away"):
-        engine.step([(seq, 1)])
-    del runtime.forward
-    while not seq.done:
-        tokens += [e.token_id for _, e in engine.step([(seq, 1)])]
-    engine.finish(seq, "length")
-    assert tokens == plain_greedy(tiny.checkpoint, PROMPT, 8)
+    check_a_failed_step_changes_nothing(engine, tiny.checkpoint)
 
 
 def test_layers_with_more_experts_than_slots_take_the_waves(local_engine):

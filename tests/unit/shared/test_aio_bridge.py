@@ -78,6 +78,15 @@ def server():
         "RefuseStream": grpc.unary_stream_rpc_method_handler(servicer.refuse_stream, _identity, _identity),
     }
     limits = TransportLimits.from_config(None, request_timeout_s=0.5, max_streams_per_address=40)
+    srv, port = serve(handlers, limits)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield servicer, channel, port, srv
+    channel.close()
+    srv.stop(0).wait(10)
+
+
+def serve(handlers: dict, limits: TransportLimits):
+    """A started bridge server of ``handlers`` (SERVICE's methods) on a free port: (server, port)."""
     srv, health = build_server(
         "127.0.0.1:0",
         [lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))],
@@ -88,10 +97,7 @@ def server():
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
     set_serving(health, [SERVICE])
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield servicer, channel, port, srv
-    channel.close()
-    srv.stop(0).wait(10)
+    return srv, port
 
 
 def call(channel, method: str, kind: str = "unary_unary"):
@@ -156,15 +162,7 @@ def test_a_stalled_stream_cut_by_the_loop_is_freed_as_it_ends(caplog):
     ended and its request is gone, with no cyclic collection."""
     handlers = {"Flood": grpc.unary_stream_rpc_method_handler(flood, HeldRequest, _identity)}
     limits = TransportLimits.from_config(None, request_timeout_s=5.0, stream_stall_timeout_s=0.5)
-    srv, _health = build_server(
-        "127.0.0.1:0",
-        [lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))],
-        [SERVICE],
-        max_workers=2,
-        limits=limits,
-    )
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
+    srv, port = serve(handlers, limits)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     HeldRequest.made.clear()
     gc.collect()
