@@ -176,6 +176,7 @@ class _Plan:
         self.masks: dict[int | None, torch.Tensor] = {}
         self.logits: torch.Tensor | None = None
         self.cache = _RowsCache(step.pool, self)
+        self.pieces = self._pieces()
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
     def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_rows: list[int]) -> None:
@@ -271,12 +272,12 @@ class _Plan:
 
     def run(self) -> torch.Tensor:
         if self.graphs is None:
-            for piece, experts in self._pieces():
+            for piece, experts in self.pieces:
                 piece()
                 if experts is not None:
                     self.experts(experts)
         else:
-            for graph, (_, experts) in zip(self.graphs, self._pieces(), strict=True):
+            for graph, (_, experts) in zip(self.graphs, self.pieces, strict=True):
                 graph.replay()
                 if experts is not None:
                     self.experts(experts)
@@ -292,7 +293,7 @@ class _Plan:
             stream.wait_stream(torch.cuda.current_stream(device))
             pool = torch.cuda.graph_pool_handle()
             graphs = []
-            for piece, _ in self._pieces():
+            for piece, _ in self.pieces:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     piece()

@@ -391,12 +391,10 @@ class ExpertRuntime:
         step on a GPU arena whose experts fit in one wave), else None. ``index``: the routing on
         the host; ``top_k_index``: the same where the model runs."""
         slotted = self.slotted
-        if (
-            slotted is not None
-            and index.shape[0] <= SLOT_MAX_TOKENS
-            and len(np.unique(index.numpy())) <= self.num_slots
-        ):
-            return slotted.routed(module, layer, index, top_k_index, top_k_weights, hidden_states)
+        if slotted is not None and index.shape[0] <= SLOT_MAX_TOKENS:
+            routed = slotted.routed(module, layer, index, top_k_index, top_k_weights, hidden_states)
+            if len(routed.experts) <= self.num_slots:  # one wave: every expert pinned at once
+                return routed
         if self._fused is None:
             return None
         kernel = self._fused.kernel(module, top_k_weights.dtype)
