@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 # Layers of at most this many tokens go through here (decode steps); larger ones copy too many
 # experts' weights per pair and take the grouped path of moe_math.
 MAX_TOKENS = 16
-# Graphs kept per layer: one per token count seen (1 .. MAX_TOKENS).
 
 
 def slotted_forward(
@@ -163,7 +162,6 @@ class _Plan:
         self.table = torch.zeros(table.shape, dtype=torch.int64, device=x.device)
         self.out: torch.Tensor | None = None
         self.graph = None
-        self.eager_runs = 0
 
     def fits(self, x, index, weights, table) -> bool:
         return (
@@ -189,9 +187,8 @@ class _Plan:
             self.graph.replay()
             return self.out
         out = self._body()
-        self.eager_runs += 1
-        # Captured after one eager run (which warmed up the libraries' handles and workspaces).
-        if self.eager_runs >= 1 and self.owner.capture_failed is None:
+        # Captured after this eager run (which warmed up the libraries' handles and workspaces).
+        if self.owner.capture_failed is None:
             self._capture()
         return out
 
