@@ -470,6 +470,8 @@ class Bridge(grpc.aio.ServerInterceptor):
                 await context.write(item)
                 continue
             write = asyncio.ensure_future(context.write(item))
+            # A write the call's end leaves behind (its connection lost) fails quietly.
+            write.add_done_callback(_retrieved)
             done, _ = await asyncio.wait({write}, timeout=stall)
             if not done:
                 await self._stalled(write, context, sync, method, stall)
@@ -500,6 +502,13 @@ class Bridge(grpc.aio.ServerInterceptor):
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
         )
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark ``future``'s outcome as seen: a write that failed because its call ended is not an
+    error to report ("Task exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
