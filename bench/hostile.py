@@ -8,15 +8,20 @@ a client do.
 Both keep their connections alive the way a patient attacker would: they answer SETTINGS and PING
 frames, and re-open a stream as soon as the server ends one (``Attack.hold``). ``refused_prompts``
 sends prompts too large to be served (refused with INVALID_ARGUMENT) through a normal gRPC stub.
+The HTTP front door's attacks (idle connections, slow headers and bodies, unread SSE streams,
+large refused bodies) are in ``bench.http_hostile``.
 
-``python -m bench.serve --mode hostile`` (``make bench-load BENCH_LOAD_ARGS=--hostile``) runs them
-one after another against real compute and predictor processes while a well-behaved client
-measures health and short Generates; ``tests/integration/test_hostile_transport.py`` asserts the
-issue's bounds with the same code.
+``python -m bench.hostile`` (``make bench-hostile``) runs them all, one phase after another,
+against real compute (with its HTTP API) and predictor processes at their default flags, while a
+well-behaved client measures health and short requests over gRPC and HTTP, and checks each phase
+against ``BOUNDS``; ``tests/integration/test_hostile_transport.py`` and
+``tests/integration/test_http_hostile.py`` assert the same bounds with the same code.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import struct
 import threading
@@ -53,14 +58,19 @@ class H2Connection:
     """One connection to ``host:port`` (or the unix socket ``host="unix:/path"``) speaking
     HTTP/2 with prior knowledge (gRPC's h2c)."""
 
-    def __init__(self, host: str, port: int, *, window: int = 65535, authority: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, *, window: int = 65535, authority: str = "", source: str = ""
+    ) -> None:
+        """``source``: the local address to connect from (e.g. ``127.0.0.2``: another client
+        host on one machine); empty: the system's choice."""
         if host.startswith("unix:"):  # the daemon's socket: host "unix:/path", port unused
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(10.0)
             self.sock.connect(host.removeprefix("unix:").removeprefix("//"))
             authority = authority or "localhost"
         else:
-            self.sock = socket.create_connection((host, port), timeout=10.0)
+            bind = (source, 0) if source else None
+            self.sock = socket.create_connection((host, port), timeout=10.0, source_address=bind)
         self.sock.settimeout(0.2)
         self.authority = authority or f"{host}:{port}"
         self.conn = h2.connection.H2Connection(
@@ -159,8 +169,10 @@ class H2Connection:
 
 class Attack:
     """``connections`` connections with ``streams`` calls each to ``path``, kept open: a call the
-    server ends is opened again (``reopen=False``: each connection opens its calls once). ``message``: None for header-only calls, else the request sent
-    whole; ``window``: the HTTP/2 window announced (small: the answers are never read)."""
+    server ends is opened again (``reopen=False``: each connection opens its calls once).
+    ``message``: None for header-only calls, else the request sent whole; ``window``: the HTTP/2
+    window announced (small: the answers are never read); ``source``: the local address the
+    connections come from (another client host)."""
 
     def __init__(
         self,
@@ -174,8 +186,10 @@ class Attack:
         window: int = 65535,
         metadata: tuple[tuple[str, str], ...] = (),
         reopen: bool = True,
+        source: str = "",
     ) -> None:
         self.host, self.port, self.path = host, port, path
+        self.source = source
         self.connections_wanted = connections
         self.streams = streams
         self.message = message
@@ -188,7 +202,7 @@ class Attack:
 
     def start(self) -> Attack:
         for _ in range(self.connections_wanted):
-            conn = H2Connection(self.host, self.port, window=self.window)
+            conn = H2Connection(self.host, self.port, window=self.window, source=self.source)
             self.conns.append(conn)
             thread = threading.Thread(target=self._hold, args=(conn,), daemon=True, name="hostile-h2")
             self._threads.append(thread)
@@ -241,7 +255,9 @@ class WellBehaved:
     timed; a Generate refused with RESOURCE_EXHAUSTED (the server is full) is retried, and its
     time counts until it succeeds."""
 
-    def __init__(self, address: str, tokens: int = 3) -> None:
+    def __init__(self, address: str, tokens: int = 3, http_port: int = 0, model: str = "") -> None:
+        """``http_port``: also a health and a short completion over the HTTP API each turn (from
+        127.0.0.1; the HTTP attacks come from 127.0.0.2), naming ``model``."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from moe.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -255,6 +271,9 @@ class WellBehaved:
         self._request = inference_pb2.GenerateRequest(text="hello", max_new_tokens=tokens)
         self.health_s: list[float] = []
         self.generate_s: list[float] = []
+        self.http_port, self.model, self.tokens = http_port, model, tokens
+        self.http_health_s: list[float] = []
+        self.http_generate_s: list[float] = []
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -274,12 +293,41 @@ class WellBehaved:
             try:
                 list(self._stub.Generate(self._request, timeout=60))
                 self.generate_s.append(time.monotonic() - start)
-                return
+                break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.failures.append(f"Generate {exc.code().name}")
-                    return
+                    break
                 time.sleep(0.1)
+        if self.http_port:
+            self._http_once()
+
+    def _http_once(self) -> None:
+        from bench.http_hostile import get, post_json
+
+        start = time.monotonic()
+        try:
+            status, _ = get(self.http_port, "/health", timeout_s=5)
+        except OSError as exc:
+            status = f"{type(exc).__name__}"
+        if status == 200:
+            self.http_health_s.append(time.monotonic() - start)
+        else:
+            self.failures.append(f"HTTP health {status}")
+        body = {"model": self.model, "prompt": "hello", "max_tokens": self.tokens}
+        start = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                status, _ = post_json(self.http_port, "/v1/completions", body, timeout_s=60)
+            except OSError as exc:
+                status = f"{type(exc).__name__}"
+            if status == 200:
+                self.http_generate_s.append(time.monotonic() - start)
+                return
+            if status != 429:
+                self.failures.append(f"HTTP completion {status}")
+                return
+            time.sleep(0.1)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -303,19 +351,76 @@ class WellBehaved:
             "generate_p50_s": percentile(self.generate_s, 50),
             "generate_p99_s": percentile(self.generate_s, 99),
             "generates": len(self.generate_s),
+            "http_health_max_s": max(self.http_health_s, default=float("nan")),
+            "http_generate_max_s": max(self.http_generate_s, default=float("nan")),
+            "http_generates": len(self.http_generate_s),
             "failures": self.failures,
         }
 
 
+BOUNDS = {  # the issue's bounds of every phase
+    "health_max_s": 1.0,
+    "http_health_max_s": 1.0,
+    "generate_max_s": 10.0,
+    "http_generate_max_s": 10.0,
+    "rss_growth_mib": 200.0,
+    # Lines other than each finished request's one summary line (the well-behaved client's own
+    # requests write one each: about 6 a second here).
+    "compute_log_lines_beyond_requests": 100,
+    "daemon_log_lines": 100,
+}
+_REQUEST_SUMMARY = re.compile(rb"request \S+: \d+ prompt \+ \d+ generated tokens")
+
+
+class _Peak:
+    """The largest resident set of ``pid`` seen, sampled every 0.2 s on a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_mib(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.peak = max(self.peak, rss_mib(self.pid))
+            except OSError:
+                return  # the process is gone
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join(2)
+        return max(self.peak, rss_mib(self.pid))
+
+
+def _lines(path) -> tuple[int, int]:
+    """(lines, lines that are not a finished request's summary) of the log at ``path``."""
+    total = summaries = 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                total += 1
+                summaries += bool(_REQUEST_SUMMARY.search(line))
+    except OSError:
+        pass
+    return total, total - summaries
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Real daemon, compute and predictor processes on a tiny random mixtral; each attack of the
-    issue "Hostile clients" in turn for ``--seconds``, a well-behaved client measuring beside it."""
+    """Real daemon, compute (with its HTTP API) and predictor processes on a tiny random mixtral,
+    every flag at its default; each attack of the issues "Hostile clients" and "Nothing a client
+    does stops the service" in turn for ``--seconds``, a well-behaved client (gRPC and HTTP, from
+    127.0.0.1) measuring beside it; the HTTP attacks and the gRPC unread streams come from
+    127.0.0.2. Each phase is checked against ``BOUNDS``; the exit code is 1 when one is not met."""
     import argparse
     import tempfile
     from pathlib import Path
 
     from moe.inference.v1 import inference_pb2
 
+    from bench.http_hostile import IdleFlood, RefusedBodies, Trickle, UnreadStreams, get
     from cache_daemon.convert import convert
     from devtools.launch import free_port, start, start_compute, start_daemon
     from devtools.tiny import make_checkpoint
@@ -323,8 +428,6 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=main.__doc__)
     parser.add_argument("--seconds", type=float, default=12.0, help="how long each attack is held")
-    parser.add_argument("--stall-s", type=float, default=3.0, help="compute's stream_stall_timeout_s")
-    parser.add_argument("--request-timeout-s", type=float, default=5.0, help="request_timeout_s of compute")
     parser.add_argument("--prompts", type=int, default=20, help="refused 1 MB prompts")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "hostile.json"
@@ -338,40 +441,58 @@ def main(argv: list[str] | None = None) -> int:
     daemon = start_daemon(
         work / "store", work, device="cpu", device_budget_bytes=manifest.num_blobs * manifest.blob_bytes
     )
-    extra = [
-        "--stream-stall-timeout-s",
-        str(args.stall_s),
-        "--request-timeout-s",
-        str(args.request_timeout_s),
-    ]
-    compute = start_compute(work / "store", daemon, work, extra=extra)
+    http_port = free_port()
+    compute = start_compute(
+        work / "store", daemon, work, extra=["--http-listen-address", f"127.0.0.1:{http_port}"]
+    )
     predictor_address = f"127.0.0.1:{free_port()}"
     predictor = start(
         "predictor_svc", ["--listen-address", predictor_address], predictor_address, work / "p.log"
     )
     host, port = compute.address.rsplit(":", 1)
-    results: dict = {"seconds": args.seconds, "phases": {}}
+    model = json.loads(get(http_port, "/v1/models")[1])["data"][0]["id"]
+    results: dict = {"seconds": args.seconds, "bounds": BOUNDS, "phases": {}}
+    missed: list[str] = []
 
     def phase(name: str, attack_factory, settle_s: float = 0.0) -> None:
         rss0 = rss_mib(compute.popen.pid)
-        client = WellBehaved(compute.address).start()
+        logs0 = _lines(compute.log_path), _lines(daemon.log_path)
+        peak = _Peak(compute.popen.pid)
+        client = WellBehaved(compute.address, http_port=http_port, model=model).start()
         attack = attack_factory()
         time.sleep(args.seconds)
         held = attack.held() if attack is not None else 0
         if attack is not None:
             attack.stop()
         figures = client.stop()
-        figures.update(held_at_end=held, rss_start_mib=rss0, rss_peak_mib=rss_mib(compute.popen.pid))
+        figures.update(
+            held_at_end=held,
+            rss_start_mib=rss0,
+            rss_peak_mib=peak.stop(),
+            generate_max_s=max(client.generate_s, default=float("nan")),
+            compute_log_lines=_lines(compute.log_path)[0] - logs0[0][0],
+            compute_log_lines_beyond_requests=_lines(compute.log_path)[1] - logs0[0][1],
+            daemon_log_lines=_lines(daemon.log_path)[0] - logs0[1][0],
+        )
+        figures["rss_growth_mib"] = figures["rss_peak_mib"] - rss0
+        for what in ("statuses", "closed_by_server", "opened"):
+            if attack is not None and hasattr(attack, what):
+                figures[f"attack_{what}"] = getattr(attack, what)
         if settle_s:
             time.sleep(settle_s)
             figures["rss_after_settle_mib"] = rss_mib(compute.popen.pid)
+        over = [k for k, bound in BOUNDS.items() if not figures.get(k, float("nan")) <= bound]
+        figures["bounds_missed"] = over
+        missed.extend(f"{name}: {k} {figures.get(k)}" for k in over)
         results["phases"][name] = figures
         print(
-            f"{name:>14}: health p99 {figures['health_p99_s'] * 1e3:7.1f} ms (max {figures['health_max_s'] * 1e3:.1f}), "
-            f"short Generate p50 {figures['generate_p50_s'] * 1e3:7.1f} ms p99 {figures['generate_p99_s'] * 1e3:7.1f} ms "
-            f"({figures['generates']} done), failures {len(figures['failures'])}, compute RSS "
-            f"{rss0:.0f} -> {figures['rss_peak_mib']:.0f} MiB"
-            + (f" -> {figures['rss_after_settle_mib']:.0f} after {settle_s:g} s" if settle_s else ""),
+            f"{name:>16}: health max gRPC {figures['health_max_s'] * 1e3:6.1f} ms HTTP "
+            f"{figures['http_health_max_s'] * 1e3:6.1f} ms; short request max gRPC "
+            f"{figures['generate_max_s']:5.2f} s HTTP {figures['http_generate_max_s']:5.2f} s "
+            f"({figures['generates']}+{figures['http_generates']} done); failures {len(figures['failures'])}; "
+            f"compute RSS +{figures['rss_growth_mib']:.0f} MiB; log lines compute {figures['compute_log_lines']} "
+            f"({figures['compute_log_lines_beyond_requests']} beyond request summaries) "
+            f"daemon {figures['daemon_log_lines']}; " + ("all bounds met" if not over else f"MISSED {over}"),
             flush=True,
         )
 
@@ -414,11 +535,13 @@ def main(argv: list[str] | None = None) -> int:
             results["refused_prompts"] = self.codes
 
     unread = inference_pb2.GenerateRequest(text="hello there", max_new_tokens=400, ignore_eos=True)
+    sse = {"model": model, "prompt": "hello there", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    attacker = "127.0.0.2"
     try:
         phase("baseline", lambda: None)
         phase("header-only", lambda: Attack(host, int(port), GENERATE, connections=12, streams=10).start())
         phase(
-            "unread",
+            "grpc-unread",
             lambda: Attack(
                 host,
                 int(port),
@@ -427,9 +550,22 @@ def main(argv: list[str] | None = None) -> int:
                 streams=10,
                 message=unread.SerializeToString(),
                 window=64,
+                source=attacker,
             ).start(),
         )
         phase("refused-1MB", _Prompts, settle_s=30.0)
+        phase("http-idle-1000", lambda: IdleFlood(http_port, connections=1000, source=attacker).start())
+        phase("http-slow-headers", lambda: Trickle(http_port, connections=300, source=attacker).start())
+        phase(
+            "http-slow-bodies",
+            lambda: Trickle(http_port, connections=300, source=attacker, kind="body").start(),
+        )
+        phase("http-unread-sse", lambda: UnreadStreams(http_port, sse, count=200, source=attacker).start())
+        phase(
+            "http-refused-6MB",
+            lambda: RefusedBodies(http_port, count=30, size=6 << 20, source=attacker).start(),
+            settle_s=10.0,
+        )
         phost, pport = predictor_address.rsplit(":", 1)
         attack = Attack(
             phost, int(pport), "/moe.predictor.v1.Predictor/GetStats", connections=12, streams=10
@@ -453,9 +589,12 @@ def main(argv: list[str] | None = None) -> int:
         predictor.stop()
         compute.stop()
         daemon.stop()
+    results["bounds_missed"] = missed
     write_json(args.out, results, indent=2)
     print(f"wrote {args.out}")
-    return 0
+    if missed:
+        print("bounds missed:\n  " + "\n  ".join(missed))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

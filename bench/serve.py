@@ -267,12 +267,17 @@ def summary(tally: Tally, wall: float, bytes_read: int) -> dict:
 
 
 # -- sweep -----------------------------------------------------------------------------------------
+# The load generator is one address standing for many clients: the per-client share is off.
 SYSTEM_FLAGS = {
-    "one-at-a-time": lambda n, args: ["--max-batch-size", "1", "--max-batched-tokens", "0", "--max-waiting-requests", str(max(n, 1) * 2)],
+    "one-at-a-time": lambda n, args: [
+        "--max-batch-size", "1", "--max-batched-tokens", "0", "--max-waiting-requests", str(max(n, 1) * 2),
+        "--max-client-share", "1",
+    ],
     "batching": lambda n, args: [
         "--max-batch-size", str(max(n, args.max_batch_size)),
         "--max-batched-tokens", str(max(args.max_batched_tokens, n, args.max_batch_size)),
         "--max-waiting-requests", str(max(n, 1) * 2),
+        "--max-client-share", "1",
     ],
 }  # fmt: skip
 

@@ -67,8 +67,44 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             "max": 1 << 16,
         },
     )
-    """Bounds the HTTP API's requests before the scheduler's own admission (max_waiting_requests);
-    uvicorn also refuses connections beyond this plus 64 (probes) with 503."""
+    """Bounds the HTTP API's requests before the scheduler's own admission (max_waiting_requests).
+    One client address holds at most max_client_share of them."""
+
+    http_max_connections: int = field(
+        default=0,
+        metadata={
+            "help": "HTTP connections open at once; 0 = as many as the open-files limit leaves (3/4 of it)",
+            "min": 0,
+            "max": 1 << 20,
+        },
+    )
+    """Never more than the open-files limit (``ulimit -n``) leaves after gRPC, the daemon and the
+    store (a quarter, at least 128). At the limit a new connection closes the idlest one (of its
+    own client address first); see ``compute_svc.http_guard``."""
+
+    http_header_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds an HTTP connection may take to send a whole request's headers; 0 = no limit",
+            "min": 0.0,
+            "max": 3600.0,
+        },
+    )
+    """Counted from the connection's opening or its previous answer: a connection that sends
+    nothing, or headers a byte at a time, is closed."""
+
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the model's name in the HTTP API (GET /v1/models, a request's model); "
+            "empty = the converted checkpoint's name"
+        },
+    )
+    """What OpenAI clients call the model (vLLM's ``--served-model-name``). By default the name of
+    the checkpoint the store was converted from, as its manifest records it
+    (``StoreManifest.checkpoint_name``: the directory's name, or ``org/name`` of a Hugging Face
+    cache snapshot), else the store's model id. A request may also name the store's model id (the
+    64-hex-digit hash ``/v1/models`` listed before this setting existed)."""
 
     device: str = field(
         default="auto",
@@ -163,6 +199,19 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     )
     """One more is refused at once with RESOURCE_EXHAUSTED (retry later) instead of queueing
     without bound."""
+
+    max_client_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "the most of the batch and of the waiting queue one client address may hold (1 = no bound)",
+            "min": 0.01,
+            "max": 1.0,
+        },
+    )
+    """Fairness: one address (a gRPC peer's host, an HTTP client's) runs at most this share of
+    max_batch_size and waits in at most this share of max_waiting_requests; more is refused with
+    RESOURCE_EXHAUSTED (HTTP 429), and its waiting requests let other addresses' pass. Behind a
+    proxy every client has the proxy's address: set 1 there."""
 
     max_cache_tokens: int = field(
         default=0,
@@ -294,6 +343,11 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             from compute_svc.http_server import parse_address
 
             parse_address(self.http_listen_address)
+        if not self.served_model_name.isprintable():
+            raise InvalidArgument(
+                f"config field 'served_model_name' = {self.served_model_name!r} holds a character that "
+                "is not printable (a control character, or bytes that are not UTF-8)"
+            )
         ServerSecurity.from_config(self).check()
         ClientSecurity.from_config(self).check()
         if self.max_batched_tokens and self.max_batched_tokens < self.max_batch_size:

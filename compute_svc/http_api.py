@@ -18,10 +18,18 @@ is submitted to the scheduler in a pool thread (tokenising is not done on the lo
 then hands the request's events to the loop as they come; the loop writes them.
 
 Bounds, the same as a Generate over gRPC: the engine's ``RequestLimits`` and the scheduler's
-admission (``QueueFull`` → 429); at most ``http_max_requests`` generation requests at once (429
-beyond); a client that disconnects cancels its request at once (its batch place and pins go);
-one that does not read its stream for ``stream_stall_timeout_s`` has its request cancelled and its
-connection closed, like gRPC's stalled stream.
+admission (``QueueFull`` → 429; one client address holds at most ``max_client_share`` of the batch
+and queue); at most ``http_max_requests`` generation requests at once, and ``max_client_share`` of
+them from one client address (429 beyond); a client that disconnects cancels its request at once
+(its batch place and pins go). A stream is cut on the bytes its client has not taken: its
+socket's send buffer is bounded (``STREAM_SEND_BUFFER``, instead of the kernel's autotuned
+hundreds of KB, which took every write of a stream nobody read) and so is its transport's
+(``STREAM_UNSENT_BYTES``), so a client that stops reading blocks the stream's writes within a
+hundred KB or so; one blocked for ``stream_stall_timeout_s`` has its request cancelled and its
+connection closed, like gRPC's stalled stream. Bodies are read within a byte budget shared by all requests
+(``HttpLimits.body_budget``: a request waits for its share, within ``request_timeout_s``) and
+parsed in a pool thread, never on the event loop. The connections themselves are bounded by
+``compute_svc.http_guard``.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
 field, 401 without the token, 404 for another model, 413 for a body too large, 429 when admission
@@ -33,17 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hmac
 import json
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -57,11 +67,13 @@ from compute_svc.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from compute_svc.http_guard import TRANSPORT_KEY
 from compute_svc.metrics import ComputeMetrics
 from compute_svc.openai_schema import (
     ApiError,
     ApiRequest,
     Completion,
+    ServedModel,
     chat_request,
     completion_request,
     invalid,
@@ -80,6 +92,12 @@ BODY_OVERHEAD_BYTES = 64 << 10  # the JSON around a prompt: field names, options
 JSON_ESCAPE_FACTOR = 6  # a prompt byte may be sent as "\u00XX"
 TOKEN_ID_CHARS = 8  # a token id in a JSON list: up to 7 digits and a comma
 _REFUSAL_LOG_INTERVAL_S = 10.0
+# What a stream may have written that its client has not taken before its writes block: the
+# socket's send buffer (the kernel doubles it) and the transport's own.
+STREAM_SEND_BUFFER = 32 << 10
+STREAM_UNSENT_BYTES = 32 << 10
+BODY_BUDGET_MIN_BYTES = 16 << 20
+CLIENT_GONE = 499  # what a request whose client disconnected is counted as (nobody gets it)
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,18 @@ class HttpLimits:
     max_body_bytes: int  # a request body; larger ones are refused (413) before parsing
     max_requests: int  # generation requests in progress at once; one more gets 429
     request_timeout_s: float  # the body must arrive within this (0: no limit)
-    stream_stall_timeout_s: float  # an SSE event the client does not take within this ends it (0: no limit)
+    stream_stall_timeout_s: float  # a stream its client does not read for this long ends (0: no limit)
+    max_requests_per_client: int = 0  # of max_requests, from one client address (0: no bound)
+    body_budget_bytes: int = 0  # request bodies read or parsed at once (0: ``body_budget``'s default)
+
+    @property
+    def body_budget(self) -> int:
+        """Bytes of request bodies read or being parsed at once, all requests together; by
+        default two of the largest (parsing a body takes several times its size), at least
+        16 MiB. A body is never refused by it, only made to wait."""
+        if self.body_budget_bytes:
+            return max(self.body_budget_bytes, self.max_body_bytes)
+        return max(2 * self.max_body_bytes, BODY_BUDGET_MIN_BYTES)
 
     @staticmethod
     def body_bytes(max_prompt_bytes: int, max_prompt_tokens: int) -> int:
@@ -102,10 +131,14 @@ class HttpLimits:
 
 
 def error_of(exc: ExpertCacheError) -> ApiError:
-    """A domain error as OpenAI's HTTP status and error type."""
+    """A domain error as OpenAI's HTTP status and error type; an invalid argument's ``param`` is
+    the field at fault, the engine's name for it (``GenerationRequest``) written as the body's."""
     message = str(exc)
     if isinstance(exc, InvalidArgument):
-        return ApiError(400, message, type_="invalid_request_error")
+        field = {"max_new_tokens": "max_tokens", "token_ids": "prompt", "text": "prompt"}.get(
+            exc.field, exc.field
+        )
+        return ApiError(400, message, type_="invalid_request_error", param=field)
     if isinstance(exc, ResourceExhausted):
         return ApiError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, Unavailable):
@@ -162,6 +195,7 @@ class _Stream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handle = self._handle
+        bound_unsent(scope.get("extensions", {}).get(TRANSPORT_KEY))
         watcher = asyncio.ensure_future(_watch_disconnect(receive, handle))
         completion = self._completion
         try:
@@ -189,6 +223,21 @@ class _Stream(Response):
             watcher.cancel()
 
 
+def bound_unsent(transport) -> None:
+    """Bound what ``transport`` (a stream's connection) may hold that its client has not taken:
+    its socket's send buffer and its own buffer, so that the stream's writes block (and its
+    stall is seen) once the client stops reading."""
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=STREAM_UNSENT_BYTES)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+        except OSError:
+            pass  # not a socket that has one: the transport's bound alone
+
+
 class _Stalled(Exception):  # noqa: N818 - what happened to the stream
     def __init__(self, seconds: float) -> None:
         super().__init__(f"the client took no event for {seconds:g} s (stream_stall_timeout_s)")
@@ -196,13 +245,14 @@ class _Stalled(Exception):  # noqa: N818 - what happened to the stream
 
 
 class HttpApi:
-    """The app and what it needs: the scheduler, the model's id, the token, the bounds."""
+    """The app and what it needs: the scheduler, the served model (a plain name: no aliases), the
+    token, the bounds."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         *,
-        model_id: str,
+        model: ServedModel | str,
         limits: HttpLimits,
         metrics: ComputeMetrics,
         token: WatchedToken | None = None,
@@ -210,13 +260,17 @@ class HttpApi:
         pool_threads: int = 32,
     ) -> None:
         self.scheduler = scheduler
-        self.model_id = model_id
+        self.model = model if isinstance(model, ServedModel) else ServedModel(model)
         self.limits = limits
         self.metrics = metrics
         self._token = token
         self._serving = serving or (lambda: scheduler.serving)
         self._created = int(time.time())
-        self._active = 0  # generation requests in progress (read and written on the loop only)
+        # Generation requests in progress, all and per client address (on the loop only).
+        self._active = 0
+        self._active_of: dict[str, int] = {}
+        self._body_bytes = 0  # request bodies being read or parsed (on the loop only)
+        self._body_room: asyncio.Condition | None = None  # made on the loop, at the first wait
         self._pool = ThreadPoolExecutor(max_workers=pool_threads, thread_name_prefix="compute-http")
         self._log = RateLimitedLog(logger, _REFUSAL_LOG_INTERVAL_S)
         routes = [
@@ -311,7 +365,7 @@ class HttpApi:
         return JSONResponse({"status": "not_serving"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(model_list(self.model_id, self._created))
+        return JSONResponse(model_list(self.model.name, self._created))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, completion_request, "cmpl")
@@ -320,57 +374,81 @@ class HttpApi:
         return await self._generate(request, chat_request, "chatcmpl")
 
     async def _generate(self, request: Request, parse, prefix: str) -> Response:
-        if self._active >= self.limits.max_requests:
-            self.metrics.http_refused.labels(limit="http_max_requests").inc()
-            return error_response(
-                ApiError(
-                    429,
-                    f"this server holds its maximum of {self.limits.max_requests} HTTP generation requests "
-                    "(http_max_requests): retry later, with backoff",
-                    type_="rate_limit_error",
-                    code="rate_limit_exceeded",
-                )
-            )
+        client = request.client.host if request.client else "?"
+        refusal = self._refusal(client)
+        if refusal is not None:
+            return error_response(refusal)
         self._active += 1
+        self._active_of[client] = self._active_of.get(client, 0) + 1
         handed_off = False
         try:
-            body = await self._body(request)
             request_id = f"{prefix}-{secrets.token_hex(12)}"
-            api_request: ApiRequest = parse(
-                body,
-                max_new_tokens_limit=self.scheduler.engine.requests.limits.max_new_tokens,
-                request_id=request_id,
+            limit = self.scheduler.engine.requests.limits.max_new_tokens
+            api_request: ApiRequest = await self._parsed(
+                request, functools.partial(parse, max_new_tokens_limit=limit, request_id=request_id)
             )
-            if api_request.model != self.model_id:
+            if not self.model.named_by(api_request.model):
                 raise ApiError(
                     404,
-                    f"the model {api_request.model!r} does not exist here: this server serves {self.model_id!r}",
+                    f"the model {api_request.model!r} does not exist here: this server serves {self.model.name!r}",
                     type_="invalid_request_error",
                     param="model",
                     code="model_not_found",
                 )
             loop = asyncio.get_running_loop()
             context = contextvars.copy_context()  # the request's span: the engine's Generate parent
-            handle = await loop.run_in_executor(
-                self._pool, context.run, self.scheduler.submit, api_request.generation
-            )
+            submit = functools.partial(self.scheduler.submit, api_request.generation, client=client)
+            handle = await loop.run_in_executor(self._pool, context.run, submit)
             # A pool thread hands the request's events to the loop as they come.
             events = LoopFeed(self._pool, loop, lambda: handle)
             completion = Completion(api_request, request_id)
             if api_request.stream:
                 handed_off = True
-                return _Counted(self, _Stream(self, handle, events, completion))
+                return _Counted(self, _Stream(self, handle, events, completion), client)
             return await self._whole(request, handle, events, completion)
         except ApiError as exc:
             return error_response(exc)
         except ExpertCacheError as exc:
             return error_response(error_of(exc))
+        except ClientDisconnect:
+            # Gone before its body arrived: nobody to answer, nothing to log.
+            self.metrics.http_cut.labels(reason="client_disconnect").inc()
+            return Response(status_code=CLIENT_GONE)
         finally:
             if not handed_off:
-                self._active -= 1
+                self.release(client)
 
-    def release(self) -> None:
+    def _refusal(self, client: str) -> ApiError | None:
+        """429 when the server, or this client address, holds its maximum of requests."""
+        per_client = self.limits.max_requests_per_client
+        if self._active >= self.limits.max_requests:
+            limit, message = (
+                "http_max_requests",
+                (
+                    f"this server holds its maximum of {self.limits.max_requests} HTTP generation requests "
+                    "(http_max_requests): retry later, with backoff"
+                ),
+            )
+        elif per_client and self._active_of.get(client, 0) >= per_client:
+            limit, message = (
+                "max_requests_per_client",
+                (
+                    f"the client {client} holds its maximum of {per_client} HTTP generation requests "
+                    "(max_client_share of http_max_requests): retry later, with backoff"
+                ),
+            )
+        else:
+            return None
+        self.metrics.http_refused.labels(limit=limit).inc()
+        return ApiError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
+
+    def release(self, client: str) -> None:
         self._active -= 1
+        left = self._active_of.get(client, 0) - 1
+        if left > 0:
+            self._active_of[client] = left
+        else:
+            self._active_of.pop(client, None)
 
     async def _whole(
         self, request: Request, handle: RequestHandle, events: LoopFeed, completion: Completion
@@ -384,37 +462,75 @@ class HttpApi:
             watcher.cancel()
         return JSONResponse(completion.whole(), headers={"x-request-id": completion.id})
 
-    async def _body(self, request: Request) -> object:
-        """The JSON body, read within ``max_body_bytes`` and ``request_timeout_s``."""
+    async def _parsed(self, request: Request, parse) -> ApiRequest:
+        """The body read within ``max_body_bytes``, ``request_timeout_s`` and the bodies' byte
+        budget, then decoded and ``parse``d in a pool thread (a large body's JSON is never
+        decoded on the event loop, and no more of them at once than the budget holds)."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise self._too_large(declared)
-        chunks, size = [], 0
-
-        async def read() -> None:
-            nonlocal size
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise self._too_large(f"more than {limit}")
-                chunks.append(chunk)
-
+        share = int(declared) if declared is not None else limit
         timeout = self.limits.request_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self._take_budget(share, timeout)
         try:
-            await within(read(), timeout)
-        except TimeoutError:
-            self.metrics.http_cut.labels(reason="request_timeout").inc()
-            raise ApiError(
-                408,
-                f"the request body did not arrive within {timeout:g} s (request_timeout_s)",
-                type_="invalid_request_error",
-                code="request_timeout",
-            ) from None
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as exc:
-            raise invalid(None, f"the request body is not valid JSON: {exc}") from None
+            chunks, size = [], 0
+
+            async def read() -> None:
+                nonlocal size
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise self._too_large(f"more than {limit}")
+                    chunks.append(chunk)
+
+            left = timeout - (loop.time() - started) if timeout > 0 else 0
+            try:
+                await within(read(), max(left, 1e-3) if timeout > 0 else 0)
+            except TimeoutError:
+                raise self._timed_out(timeout) from None
+            body = b"".join(chunks)
+            chunks.clear()
+            return await loop.run_in_executor(self._pool, _decode_and_parse, body, parse)
+        finally:
+            self._give_budget(share)
+
+    async def _take_budget(self, size: int, timeout: float) -> None:
+        """Hold ``size`` bytes of the bodies' budget, waiting for them within ``timeout`` (408)."""
+        budget = self.limits.body_budget
+        if self._body_bytes + size <= budget:
+            self._body_bytes += size
+            return
+        if self._body_room is None:
+            self._body_room = asyncio.Condition()
+        async with self._body_room:
+            try:
+                await within(self._body_room.wait_for(lambda: self._body_bytes + size <= budget), timeout)
+            except TimeoutError:
+                raise self._timed_out(timeout) from None
+            self._body_bytes += size
+
+    def _give_budget(self, size: int) -> None:
+        self._body_bytes -= size
+        if self._body_room is not None:
+            room = self._body_room
+
+            async def notify() -> None:
+                async with room:
+                    room.notify_all()
+
+            asyncio.ensure_future(notify())
+
+    def _timed_out(self, timeout: float) -> ApiError:
+        self.metrics.http_cut.labels(reason="request_timeout").inc()
+        return ApiError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (request_timeout_s)",
+            type_="invalid_request_error",
+            code="request_timeout",
+        )
 
     def _too_large(self, size: str) -> ApiError:
         self.metrics.http_refused.labels(limit="max_body_bytes").inc()
@@ -439,15 +555,26 @@ class HttpApi:
         )
 
 
+def _decode_and_parse(body: bytes, parse) -> ApiRequest:
+    """A body's JSON, then ``parse`` of it (in a pool thread)."""
+    try:
+        decoded = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(None, f"the request body is not valid JSON: {exc}") from None
+    del body
+    return parse(decoded)
+
+
 class _Counted(Response):
     """A streaming answer that gives its place among ``http_max_requests`` back when it ends."""
 
-    def __init__(self, api: HttpApi, inner: Response) -> None:
+    def __init__(self, api: HttpApi, inner: Response, client: str) -> None:
         self._api = api
         self._inner = inner
+        self._client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._inner(scope, receive, send)
         finally:
-            self._api.release()
+            self._api.release(self._client)

@@ -8,12 +8,22 @@ client never gets an answer to a question it did not ask; fields that change not
 
 Mapping (OpenAI → ``GenerationRequest``): ``prompt`` (text, or a list of token ids) → text /
 token_ids; ``messages`` → messages (the checkpoint's chat template applies); ``max_tokens`` (chat:
-``max_completion_tokens`` too) → max_new_tokens, default 16 for completions (OpenAI's) and the
-service's ``max_new_tokens_limit`` for chat; ``temperature`` (OpenAI's default 1, 0 = greedy),
-``top_p``, ``seed``, ``presence_penalty`` → sampling; ``stop`` → stop strings; ``logprobs`` → the
-chosen token's log-probability (alternatives, ``top_logprobs`` > 0, are not computed). One
-extension, vLLM's: ``ignore_eos`` (generate max_tokens whatever the model ends with; benchmarks).
-Finish reasons: ``length`` for max_tokens, ``stop`` for an end-of-sequence token or a stop string.
+``max_completion_tokens`` too) → max_new_tokens, exactly (refused when the prompt leaves less
+room); left out, a ceiling (``fit_max_new_tokens``) the engine lowers to what the prompt leaves
+of the request's total-token limit, as vLLM does (the official client sends no max_tokens): 16
+for completions (OpenAI's default), the service's ``max_new_tokens_limit`` for chat;
+``temperature`` (OpenAI's default 1, 0 = greedy), ``top_p``, ``seed``, ``presence_penalty`` →
+sampling; ``stop`` → stop strings; ``logprobs`` → the chosen token's log-probability
+(alternatives, ``top_logprobs`` > 0, are not computed). One extension, vLLM's: ``ignore_eos``
+(generate max_tokens whatever the model ends with; benchmarks). Finish reasons: ``length`` for
+max_tokens, ``stop`` for an end-of-sequence token or a stop string. ``model`` is the served
+model's name (``served_model_name``, by default the checkpoint's) or the store's model id, an
+alias (``ServedModel``).
+
+A hostile body's strings and numbers are refused naming their field: a string holding a lone
+surrogate (JSON's ``"\\ud800"`` escape decodes to one: no character, so no UTF-8 and no tokens),
+a number no float holds (a 400-digit integer). The engine's own refusals (its limits) name their
+field too: ``InvalidArgument.field``, written as the body's name by ``http_api.error_of``.
 """
 
 from __future__ import annotations
@@ -21,15 +31,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from compute_svc.generation import FinishReason, TokenEvent
 from compute_svc.requests import ChatMessage, GenerationRequest
 from compute_svc.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from expertcache.manifest import StoreManifest
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_MAX_TEMPERATURE = 2.0
 OPENAI_MAX_STOP = 4
 MAX_SEED = (1 << 63) - 1
+MAX_SHOWN_CHARS = 40  # of a bad value in an error message
 ZERO_SEED = 0x5EED  # what an OpenAI seed of 0 runs with (the engine's 0 draws a fresh seed)
 # Fields that would change the answer in ways this service does not implement.
 _UNSUPPORTED = (
@@ -66,6 +81,29 @@ def invalid(param: str | None, message: str, code: str | None = None) -> ApiErro
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """The served model's ``name`` (``served_model_name``, by default the checkpoint's) and its
+    ``aliases``: the store's model id, the name before ``served_model_name`` existed, so that
+    clients written against it go on working. ``/v1/models`` and error messages show the name."""
+
+    name: str
+    aliases: frozenset[str] = frozenset()
+
+    def named_by(self, model: str) -> bool:
+        """Whether a request's ``model`` names this model."""
+        return model == self.name or model in self.aliases
+
+
+def served_model(configured: str, manifest: StoreManifest) -> ServedModel:
+    """The model as the HTTP API names it: ``configured`` (``served_model_name``), else the
+    checkpoint's name, else the store's model id; the model id is always an alias. A checkpoint
+    name that is not printable (a directory named in bytes that are not UTF-8) is passed over."""
+    checkpoint = manifest.checkpoint_name if manifest.checkpoint_name.isprintable() else ""
+    name = configured or checkpoint or manifest.model_id
+    return ServedModel(name, frozenset({manifest.model_id}) - {name})
+
+
+@dataclass(frozen=True)
 class ApiRequest:
     """A parsed body: what the engine runs, and how the answer is to be written."""
 
@@ -78,17 +116,29 @@ class ApiRequest:
 
 
 # -- parsing ----------------------------------------------------------------------------------------
+def _shown(value: object) -> str:
+    """``value`` for a message: a number of hundreds of digits as its head, tail and length."""
+    text = repr(value)
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:8]}...{text[-8:]} ({len(text)} characters)"
+
+
 def _number(
     body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False
 ) -> float:
+    """A float field within [low, high] (``low_open``: (low, high]). Integers are compared as
+    they are (exactly, whatever their size: ``math.isfinite`` would overflow on a 400-digit one)."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(name, f"'{name}' must be a number, got {_shown(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
         raise invalid(name, f"'{name}' must be a number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise invalid(name, f"'{name}' {value} is out of range {bracket}{low:g}, {high:g}]")
+        raise invalid(name, f"'{name}' {_shown(value)} is out of range {bracket}{low:g}, {high:g}]")
     return float(value)
 
 
@@ -97,9 +147,24 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"'{name}' must be an integer, got {value!r}")
+        raise invalid(name, f"'{name}' must be an integer, got {_shown(value)}")
     if not low <= value <= high:
-        raise invalid(name, f"'{name}' {value} is out of range [{low}, {high}]")
+        raise invalid(name, f"'{name}' {_shown(value)} is out of range [{low}, {high}]")
+    return value
+
+
+def _unicode(value: str, param: str) -> str:
+    """``value``, refused (400 naming ``param``) when it holds a lone surrogate: JSON's
+    ``"\\ud800"`` escape decodes to one, which is no character and has no UTF-8 (tokenising it,
+    or writing it into an answer, would fail)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise invalid(
+            param,
+            f"'{param}' is not valid Unicode: it holds a lone surrogate "
+            f"(U+{ord(value[exc.start]):04X} at character {exc.start})",
+        ) from None
     return value
 
 
@@ -115,7 +180,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise invalid("stop", f"'stop' holds {len(stop)} strings; at most {OPENAI_MAX_STOP}")
     if any(not s for s in stop):
         raise invalid("stop", "'stop' holds an empty string")
-    return tuple(stop)
+    return tuple(_unicode(s, "stop") for s in stop)
 
 
 def _seed(body: dict) -> int:
@@ -133,6 +198,7 @@ def _common(body: object) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "'model' is required: a model id from GET /v1/models")
+    _unicode(model, "model")
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, [], {}, ""):
             raise invalid(name, f"'{name}' is not supported by this service")
@@ -171,12 +237,15 @@ def _common(body: object) -> dict:
     }
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int, limit: int) -> int:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int, limit: int) -> dict:
+    """The ``GenerationRequest`` fields of the count asked for under the first of ``names``
+    given: that count exactly, or without one ``default`` as a ceiling the engine lowers to what
+    the prompt leaves of the total-token limit (``fit_max_new_tokens``)."""
     for name in names:
         value = _integer(body, name, None, 1, limit)
         if value is not None:
-            return value
-    return default
+            return {"max_new_tokens": value, "fit_max_new_tokens": False}
+    return {"max_new_tokens": min(default, limit), "fit_max_new_tokens": True}
 
 
 def completion_request(body: object, *, max_new_tokens_limit: int, request_id: str) -> ApiRequest:
@@ -189,7 +258,7 @@ def completion_request(body: object, *, max_new_tokens_limit: int, request_id: s
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "'prompt' is empty")
-        text = prompt
+        text = _unicode(prompt, "prompt")
     elif (
         isinstance(prompt, list)
         and prompt
@@ -209,7 +278,7 @@ def completion_request(body: object, *, max_new_tokens_limit: int, request_id: s
         generation=GenerationRequest(
             text=text,
             token_ids=token_ids,
-            max_new_tokens=_max_tokens(body, ("max_tokens",), default, max_new_tokens_limit),
+            **_max_tokens(body, ("max_tokens",), default, max_new_tokens_limit),
             sampling=common["sampling"],
             stop=common["stop"],
             ignore_eos=common["ignore_eos"],
@@ -229,7 +298,7 @@ def _content(message: dict, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _unicode(content, f"messages[{i}].content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
@@ -239,7 +308,7 @@ def _content(message: dict, i: int) -> str:
                 or not isinstance(part.get("text"), str)
             ):
                 raise invalid(f"messages[{i}].content[{j}]", "only text content parts are supported")
-            parts.append(part["text"])
+            parts.append(_unicode(part["text"], f"messages[{i}].content[{j}]"))
         return "".join(parts)
     raise invalid(f"messages[{i}].content", "'content' must be a string or a list of text parts")
 
@@ -254,7 +323,8 @@ def chat_request(body: object, *, max_new_tokens_limit: int, request_id: str) ->
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid(f"messages[{i}]", "each message must be an object with a string 'role'")
-        parsed.append(ChatMessage(message["role"], _content(message, i)))
+        role = _unicode(message["role"], f"messages[{i}].role")
+        parsed.append(ChatMessage(role, _content(message, i)))
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool | None):
         raise invalid("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
@@ -263,7 +333,7 @@ def chat_request(body: object, *, max_new_tokens_limit: int, request_id: str) ->
     return ApiRequest(
         generation=GenerationRequest(
             messages=tuple(parsed),
-            max_new_tokens=_max_tokens(
+            **_max_tokens(
                 body, ("max_completion_tokens", "max_tokens"), max_new_tokens_limit, max_new_tokens_limit
             ),
             sampling=common["sampling"],
@@ -281,10 +351,11 @@ def chat_request(body: object, *, max_new_tokens_limit: int, request_id: str) ->
 
 
 # -- answers ----------------------------------------------------------------------------------------
-def model_list(model_id: str, created: int) -> dict:
+def model_list(name: str, created: int) -> dict:
+    """``GET /v1/models``: the served model, by its name (its aliases are not listed)."""
     return {
         "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "expertcache"}],
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "expertcache"}],
     }
 
 

@@ -1,12 +1,14 @@
 """A generation request: what a client may ask (``GenerationRequest``), the limits it is held
 to (``RequestLimits``), and the check that turns it into a ``PreparedRequest`` (prompt ids
-resolved, every limit checked) or refuses it with ``InvalidArgument`` naming the field, its value
-and the limit. Sizes are checked before any work that grows with them (tokenisation, id
-conversion), so a huge prompt is refused at once. ``compute_svc.generation`` runs what passes.
+resolved, every limit checked) or refuses it with ``InvalidArgument`` naming the field (in its
+message and as its ``field``), its value and the limit. Sizes are checked before any work that
+grows with them (tokenisation, id conversion), so a huge prompt is refused at once.
+``compute_svc.generation`` runs what passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -49,6 +51,9 @@ class GenerationRequest:
     token_ids: tuple[int, ...] = ()
     messages: tuple[ChatMessage, ...] = ()  # instead of text: the model's chat template applies
     max_new_tokens: int = 0
+    # max_new_tokens is a ceiling, lowered to what the prompt leaves of max_total_tokens (a client
+    # that named no count: the HTTP API's default); False: exactly max_new_tokens, or refused.
+    fit_max_new_tokens: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -113,7 +118,8 @@ class RequestCheck:
         """Validate ``request``; ``InvalidArgument`` names the bad field, its value and the limit.
 
         Sizes are checked before any work that grows with them (tokenisation, id conversion), so
-        a huge prompt is refused at once."""
+        a huge prompt is refused at once. The prepared request's ``max_new_tokens`` is the one
+        asked for, or with ``fit_max_new_tokens`` what fits after the prompt."""
         limits = self.limits
         given = sum(bool(x) for x in (request.text, request.token_ids, request.messages))
         if given > 1:
@@ -122,42 +128,29 @@ class RequestCheck:
             raise InvalidArgument("prompt is empty: set text, token_ids or messages")
         if not 1 <= request.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument(
-                f"max_new_tokens {request.max_new_tokens} is out of range [1, {limits.max_new_tokens}]"
+                f"max_new_tokens {request.max_new_tokens} is out of range [1, {limits.max_new_tokens}]",
+                field="max_new_tokens",
             )
         problems = check_sampling(request.sampling)
         if problems:
             raise InvalidArgument("; ".join(problems))
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(
-                f"request_id is {len(request.request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+                f"request_id is {len(request.request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}",
+                field="request_id",
             )
-        if len(request.stop) > MAX_STOP_STRINGS:
-            raise InvalidArgument(f"stop holds {len(request.stop)} strings; at most {MAX_STOP_STRINGS}")
-        if any(not s for s in request.stop):
-            raise InvalidArgument("stop holds an empty string")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in request.stop):
-            raise InvalidArgument(f"stop holds a string longer than {MAX_STOP_STRING_CHARS} characters")
-        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidArgument(
-                f"stop_token_ids holds {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
-            )
-        tokenizer = self.loaded.tokenizer
-        if request.stop and tokenizer is None:
-            raise InvalidArgument("stop strings need a tokenizer, which this model lacks: use stop_token_ids")
+        self._check_stops(request)
         prompt_ids = self._prompt_ids(request)
         vocab = self.loaded.vocab_size
         for field_name, ids in (("token_ids", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
             for i, token in enumerate(ids):
                 if not 0 <= token < vocab:
-                    raise InvalidArgument(f"{field_name}[{i}] = {token} is out of range [0, {vocab})")
+                    raise InvalidArgument(
+                        f"{field_name}[{i}] = {token} is out of range [0, {vocab})", field=field_name
+                    )
         if len(prompt_ids) > limits.max_prompt_tokens:
-            raise self._too_many_tokens(len(prompt_ids))
-        total = len(prompt_ids) + request.max_new_tokens
-        if total > limits.max_total_tokens:
-            raise InvalidArgument(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} exceeds "
-                f"{limits.max_total_tokens} (max_total_tokens, and the model's maximum positions): ask for fewer tokens"
-            )
+            raise self._too_many_tokens(len(prompt_ids), _prompt_field(request))
+        request = self._with_new_tokens(request, len(prompt_ids))
         if telemetry.ENABLED:  # the Generate RPC's span (opentelemetry-instrumentation-grpc)
             from opentelemetry import context as otel_context
 
@@ -166,80 +159,145 @@ class RequestCheck:
             )
         return PreparedRequest(request=request, prompt_ids=prompt_ids)
 
+    def _check_stops(self, request: GenerationRequest) -> None:
+        """Stop strings and stop token ids within their counts and sizes."""
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(
+                f"stop holds {len(request.stop)} strings; at most {MAX_STOP_STRINGS}", field="stop"
+            )
+        if any(not s for s in request.stop):
+            raise InvalidArgument("stop holds an empty string", field="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in request.stop):
+            raise InvalidArgument(
+                f"stop holds a string longer than {MAX_STOP_STRING_CHARS} characters", field="stop"
+            )
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"stop_token_ids holds {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                field="stop_token_ids",
+            )
+        if request.stop and self.loaded.tokenizer is None:
+            raise InvalidArgument(
+                "stop strings need a tokenizer, which this model lacks: use stop_token_ids", field="stop"
+            )
+
+    def _with_new_tokens(self, request: GenerationRequest, prompt_tokens: int) -> GenerationRequest:
+        """``request`` once its prompt is known to be ``prompt_tokens`` long: its max_new_tokens
+        must fit max_total_tokens with the prompt, or (``fit_max_new_tokens``, the count being a
+        ceiling) is lowered to what fits, as vLLM does for a client that names none. Refused when
+        the prompt leaves no room for even one new token."""
+        limit = self.limits.max_total_tokens
+        room = limit - prompt_tokens
+        if request.fit_max_new_tokens:
+            if room < 1:
+                raise InvalidArgument(
+                    f"the prompt ({prompt_tokens} tokens) leaves no room for a new token within {limit} "
+                    "(max_total_tokens, and the model's maximum positions): shorten the prompt",
+                    field=_prompt_field(request),
+                )
+            return dataclasses.replace(request, max_new_tokens=min(request.max_new_tokens, room))
+        if request.max_new_tokens > room:
+            raise InvalidArgument(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) = "
+                f"{prompt_tokens + request.max_new_tokens} exceeds {limit} (max_total_tokens, and the model's "
+                "maximum positions): ask for fewer tokens",
+                field="max_new_tokens",
+            )
+        return request
+
     def _prompt_ids(self, request: GenerationRequest) -> tuple[int, ...]:
         limits = self.limits
-        tokenizer = self.loaded.tokenizer
         if request.token_ids:
             if len(request.token_ids) > limits.max_prompt_tokens:
                 raise InvalidArgument(
                     f"token_ids holds {len(request.token_ids)} ids; this service takes at most "
-                    f"{limits.max_prompt_tokens} prompt tokens (max_prompt_tokens)"
+                    f"{limits.max_prompt_tokens} prompt tokens (max_prompt_tokens)",
+                    field="token_ids",
                 )
             return tuple(int(t) for t in request.token_ids)
-        if tokenizer is None:
+        if self.loaded.tokenizer is None:
             raise InvalidArgument(
-                "text or messages were given but the model has no tokenizer: send token_ids instead"
+                "text or messages were given but the model has no tokenizer: send token_ids instead",
+                field=_prompt_field(request),
             )
-        if request.messages:
-            if len(request.messages) > MAX_MESSAGES:
-                raise InvalidArgument(
-                    f"messages holds {len(request.messages)} messages; at most {MAX_MESSAGES}"
-                )
-            size = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
-            if size > limits.max_prompt_bytes:
-                raise InvalidArgument(
-                    f"messages hold {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
-                )
-            for i, m in enumerate(request.messages):
-                if not m.role or len(m.role) > MAX_ROLE_CHARS:
-                    raise InvalidArgument(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} characters")
-            if not getattr(tokenizer, "chat_template", None):
-                raise InvalidArgument(
-                    "the model has no chat template: send text or token_ids instead of messages"
-                )
-            chat = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-                rendered_size = len(rendered.encode())
-                self._check_text_size(rendered_size, "messages after the chat template")
-                ids = self._fitting(
-                    tokenize(
-                        lambda: _ids_of(
-                            tokenizer.apply_chat_template(
-                                chat, add_generation_prompt=True, tokenize=True, return_dict=False
-                            )
-                        ),
-                        rendered_size,
-                    ),
-                    rendered_size,
-                )
-            except InvalidArgument:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-                raise InvalidArgument(f"messages: the chat template failed on them: {exc}") from None
-        else:
-            size = len(request.text.encode())
-            if size > limits.max_prompt_bytes:
-                raise InvalidArgument(
-                    f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)"
-                )
-            self._check_text_size(size, "text")
-            try:
-                ids = encode_text(tokenizer, request.text, size, limits.max_prompt_tokens)
-            except TooManyTokens as exc:
-                raise self._too_many_tokens(exc.count) from None
+        ids = self._message_ids(request.messages) if request.messages else self._text_ids(request.text)
         if not ids:
-            raise InvalidArgument("prompt is empty: text encodes to no tokens")
+            raise InvalidArgument("prompt is empty: text encodes to no tokens", field=_prompt_field(request))
         return ids
 
-    def _too_many_tokens(self, count: int) -> InvalidArgument:
+    def _message_ids(self, messages: tuple[ChatMessage, ...]) -> tuple[int, ...]:
+        """The ids of ``messages`` rendered by the checkpoint's chat template."""
+        limits = self.limits
+        tokenizer = self.loaded.tokenizer
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidArgument(
+                f"messages holds {len(messages)} messages; at most {MAX_MESSAGES}", field="messages"
+            )
+        size = sum(
+            _utf8_bytes(m.content, f"messages[{i}].content") + len(m.role) for i, m in enumerate(messages)
+        )
+        if size > limits.max_prompt_bytes:
+            raise InvalidArgument(
+                f"messages hold {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)",
+                field="messages",
+            )
+        for i, m in enumerate(messages):
+            if not m.role or len(m.role) > MAX_ROLE_CHARS:
+                raise InvalidArgument(
+                    f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} characters",
+                    field=f"messages[{i}].role",
+                )
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidArgument(
+                "the model has no chat template: send text or token_ids instead of messages", field="messages"
+            )
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            rendered_size = len(rendered.encode())
+            self._check_text_size(rendered_size, "messages after the chat template", "messages")
+            return self._fitting(
+                tokenize(
+                    lambda: _ids_of(
+                        tokenizer.apply_chat_template(
+                            chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                        )
+                    ),
+                    rendered_size,
+                ),
+                rendered_size,
+            )
+        except InvalidArgument:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise InvalidArgument(
+                f"messages: the chat template failed on them: {exc}", field="messages"
+            ) from None
+
+    def _text_ids(self, text: str) -> tuple[int, ...]:
+        """The ids of prompt ``text``."""
+        limits = self.limits
+        size = _utf8_bytes(text, "text")
+        if size > limits.max_prompt_bytes:
+            raise InvalidArgument(
+                f"text is {size} bytes; this service takes at most {limits.max_prompt_bytes} (max_prompt_bytes)",
+                field="text",
+            )
+        self._check_text_size(size, "text", "text")
+        try:
+            return encode_text(self.loaded.tokenizer, text, size, limits.max_prompt_tokens)
+        except TooManyTokens as exc:
+            raise self._too_many_tokens(exc.count, "text") from None
+
+    def _too_many_tokens(self, count: int, field_name: str) -> InvalidArgument:
         return InvalidArgument(
             f"the prompt has {count} tokens; this service takes at most {self.limits.max_prompt_tokens} "
-            "(max_prompt_tokens, and the model's maximum positions)"
+            "(max_prompt_tokens, and the model's maximum positions)",
+            field=field_name,
         )
 
     def _fitting(self, ids: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
-        """``ids`` tokenised from ``nbytes`` of text, refused when over max_prompt_tokens; the
+        """``ids`` tokenised from ``nbytes`` of messages, refused when over max_prompt_tokens; the
         heap they held goes back first (a refused 1 MB prompt leaves ~5 MiB of ids per thread)."""
         if len(ids) <= self.limits.max_prompt_tokens:
             return ids
@@ -247,7 +305,7 @@ class RequestCheck:
         del ids
         if nbytes >= TRIM_AFTER_BYTES:
             release_free_heap()
-        raise self._too_many_tokens(count)
+        raise self._too_many_tokens(count, "messages")
 
     @property
     def prompt_text_limit(self) -> int:
@@ -258,13 +316,34 @@ class RequestCheck:
             limit = min(limit, self.limits.max_prompt_tokens * self.longest_token_bytes)
         return limit
 
-    def _check_text_size(self, size: int, what: str) -> None:
+    def _check_text_size(self, size: int, what: str, field_name: str) -> None:
         """Refuse text that cannot fit max_prompt_tokens, before it is tokenised."""
         if size > self.prompt_text_limit:
             raise InvalidArgument(
                 f"{what} is {size} bytes: more than any prompt of at most {self.limits.max_prompt_tokens} tokens "
-                f"(max_prompt_tokens) can be; this service takes at most {self.prompt_text_limit} bytes"
+                f"(max_prompt_tokens) can be; this service takes at most {self.prompt_text_limit} bytes",
+                field=field_name,
             )
+
+
+def _prompt_field(request: GenerationRequest) -> str:
+    """The field that holds ``request``'s prompt: ``token_ids``, ``messages`` or ``text``."""
+    if request.token_ids:
+        return "token_ids"
+    return "messages" if request.messages else "text"
+
+
+def _utf8_bytes(text: str, field_name: str) -> int:
+    """The UTF-8 size of ``text``; ``InvalidArgument`` when it holds a lone surrogate (no
+    character, so no UTF-8 and no tokens: a JSON ``\\ud800`` escape decodes to one)."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{field_name} is not valid Unicode: it holds a lone surrogate "
+            f"(U+{ord(text[exc.start]):04X} at character {exc.start})",
+            field=field_name,
+        ) from None
 
 
 def _ids_of(encoded) -> list[int]:

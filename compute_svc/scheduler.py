@@ -30,6 +30,7 @@ resumes with no restart of this process.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -69,13 +70,27 @@ class BatchLimits:
     max_batched_tokens: int = 256  # tokens in one step (decode tokens + prompt chunks); 0 = no limit
     max_waiting_requests: int = 64  # admitted requests waiting for a place in the batch
     max_cache_tokens: int = 0  # prompt + max_new_tokens of the running requests together; 0 = no limit
+    # The most of the batch and of the queue that one client address may hold (1.0: no bound).
+    max_client_share: float = 1.0
+
+    def client_places(self) -> tuple[int, int]:
+        """(running, waiting) places one client address may hold: its share of each, at least
+        one running place."""
+        share = self.max_client_share
+        return (
+            max(1, math.ceil(share * self.max_batch_size - 1e-9)),
+            math.ceil(share * self.max_waiting_requests - 1e-9),
+        )
 
 
 class RequestHandle:
     """A submitted request: iterate it for its TokenEvents (raises the request's error)."""
 
-    def __init__(self, prepared: PreparedRequest, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, prepared: PreparedRequest, wake: Callable[[], None], client: str | None = None
+    ) -> None:
         self.prepared = prepared
+        self.client = client  # the caller's address, for the per-client share (None: not counted)
         self._events: queue.Queue = queue.Queue()  # TokenEvent | Exception | _DONE
         self._cancelled = threading.Event()
         self._wake = wake
@@ -144,6 +159,8 @@ class Scheduler:
         self._interrupt = interrupt
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
+        # Waiting + running requests of each client address (under _cond; ``_release_locked`` ends them).
+        self._held: dict[str, int] = {}
         self._stepping: tuple[RequestHandle, ...] = ()  # the requests of the step in flight
         self._cond = threading.Condition()
         self._stopping = False
@@ -189,10 +206,16 @@ class Scheduler:
                 break
             self._worker.join(min(STOP_INTERRUPT_EVERY_S, remaining))
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here."""
+    def submit(self, request: GenerationRequest, client: str | None = None) -> RequestHandle:
+        """Validate and enqueue; ``InvalidArgument``, ``QueueFull`` or ``Unavailable`` are raised here.
+
+        ``client``: the caller's address (gRPC peer or HTTP client host). One address holds at
+        most ``max_client_share`` of the batch and of the queue: its requests beyond are refused,
+        and those it has waiting let other addresses' requests pass them, so a client that opens
+        streams and never reads them cannot keep everyone else out. None: an in-process caller,
+        not counted."""
         prepared = self.engine.requests.prepare(request)
-        handle = RequestHandle(prepared, self._wake)
+        handle = RequestHandle(prepared, self._wake, client)
         with self._cond:
             if self._stopping or self._draining:
                 raise Unavailable(f"the compute service is shutting down: {RETRY_ELSEWHERE}")
@@ -207,6 +230,16 @@ class Scheduler:
                     f"(max_waiting_requests {self.limits.max_waiting_requests}, {len(self._running)} running): "
                     "retry later, with backoff"
                 )
+            if client is not None:
+                held = self._held.get(client, 0)
+                running, waiting = self.limits.client_places()
+                if held >= running + waiting:
+                    raise QueueFull(
+                        f"the client {client} already holds {held} Generate requests, its share of the "
+                        f"batch and queue (max_client_share {self.limits.max_client_share:g}: {running} "
+                        f"running + {waiting} waiting): retry later, with backoff"
+                    )
+                self._held[client] = held + 1
             self._waiting.append(handle)
             self.metrics.set_queue_depth(len(self._waiting))
             self._cond.notify_all()
@@ -246,29 +279,56 @@ class Scheduler:
             self._leave(handle, "error", self._stopped_error(handle))
 
     def _admit_locked(self) -> None:
-        """Move waiting requests into the batch, in arrival order, while it has room."""
+        """Move waiting requests into the batch, in arrival order, while it has room. A request
+        whose client already runs its share of the batch stays waiting; those behind it pass."""
         now = time.monotonic()
         budget = self.limits.max_cache_tokens
         used = sum(self._footprint(h) for h in self._running)
+        share, _ = self.limits.client_places()
+        running_of: dict[str, int] = {}
+        for h in self._running:
+            if h.client is not None:
+                running_of[h.client] = running_of.get(h.client, 0) + 1
+        passed: list[RequestHandle] = []  # kept waiting, in their order, ahead of the rest
         while self._waiting and len(self._running) < self.limits.max_batch_size:
-            head = self._waiting[0]
+            head = self._waiting.popleft()
             if head.cancelled or head.expired(now):
-                self._waiting.popleft()
+                self._release_locked(head)
                 self._fail(head, self._gone_error(head, now, started=False))
                 continue
+            if head.client is not None and running_of.get(head.client, 0) >= share:
+                passed.append(head)
+                continue
             if budget and self._running and used + self._footprint(head) > budget:
+                self._waiting.appendleft(head)
                 break  # the KV budget is full: it waits for a running request to finish
-            self._waiting.popleft()
             try:
                 head.seq = self.engine.start(head.prepared)
             except ExpertCacheError as exc:
+                self._release_locked(head)
                 self._fail(head, exc)
                 continue
             self._running.append(head)
+            if head.client is not None:
+                running_of[head.client] = running_of.get(head.client, 0) + 1
             used += self._footprint(head)
+        self._waiting.extendleft(reversed(passed))
         self.metrics.set_queue_depth(len(self._waiting))
         if not self._waiting and not self._running:
             self._cond.notify_all()  # a drain waiting for the last request
+
+    def _release_locked(self, handle: RequestHandle) -> None:
+        """``handle`` no longer counts against its client's share (under ``_cond``, when it leaves
+        the queue or the batch; a second call changes nothing)."""
+        client = handle.client
+        if client is None:
+            return
+        handle.client = None
+        left = self._held.get(client, 0) - 1
+        if left > 0:
+            self._held[client] = left
+        else:
+            self._held.pop(client, None)
 
     @staticmethod
     def _footprint(handle: RequestHandle) -> int:
@@ -373,6 +433,7 @@ class Scheduler:
             handle._put(error)
         handle._put(_DONE)
         with self._cond:
+            self._release_locked(handle)
             self._cond.notify_all()  # room for a waiting request
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
@@ -406,6 +467,8 @@ class Scheduler:
         why, under ``_cond``); the worker wakes to see why."""
         waiting = list(self._waiting)
         self._waiting.clear()
+        for handle in waiting:
+            self._release_locked(handle)
         self._cond.notify_all()
         return waiting
 

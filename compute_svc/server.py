@@ -9,6 +9,7 @@ process: daemon client → engine → scheduler → gRPC server with health and 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from expertcache.aio_bridge import NOT_SERVING, SERVING
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.prom import serve
 from expertcache.security import ClientSecurity, ServerSecurity, WatchedToken
-from expertcache.transport import TransportLimits
+from expertcache.transport import TransportLimits, peer_address
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def Generate(self, request, context):  # noqa: N802 - gRPC method name
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        handle = self._scheduler.submit(request_from_pb(request, deadline))
+        client, _ = peer_address(context.peer())
+        handle = self._scheduler.submit(request_from_pb(request, deadline), client=client)
         # Fires when the RPC ends for any reason; for a finished request it changes nothing.
         context.add_callback(handle.cancel)
         try:
@@ -189,6 +191,7 @@ class ComputeServer:
                 max_batched_tokens=config.max_batched_tokens,
                 max_waiting_requests=config.max_waiting_requests,
                 max_cache_tokens=config.max_cache_tokens,
+                max_client_share=config.max_client_share,
             ),
             metrics=self.metrics,
             recover=self._reattach,
@@ -217,15 +220,19 @@ class ComputeServer:
         """The OpenAI-compatible HTTP API over the same scheduler (``compute_svc.http_api``)."""
         from compute_svc.http_api import HttpApi, HttpLimits
         from compute_svc.http_server import HttpServer
+        from compute_svc.openai_schema import served_model
 
         limits = self.engine.requests.limits
         security = ServerSecurity.from_config(config)
         api = HttpApi(
             self.scheduler,
-            model_id=self.engine.model_id,
+            model=served_model(config.served_model_name, self.engine.loaded.manifest),
             limits=HttpLimits(
                 max_body_bytes=HttpLimits.body_bytes(limits.max_prompt_bytes, limits.max_prompt_tokens),
                 max_requests=config.http_max_requests,
+                max_requests_per_client=max(
+                    1, math.ceil(config.max_client_share * config.http_max_requests - 1e-9)
+                ),
                 request_timeout_s=config.request_timeout_s,
                 stream_stall_timeout_s=config.stream_stall_timeout_s,
             ),
@@ -238,6 +245,10 @@ class ComputeServer:
             config.http_listen_address,
             max_requests=config.http_max_requests,
             idle_timeout_s=config.max_connection_idle_s,
+            header_timeout_s=config.http_header_timeout_s,
+            client_share=config.max_client_share,
+            max_connections=config.http_max_connections,
+            metrics=self.metrics,
             security=security,
         )
 

@@ -14,9 +14,17 @@ class ExpertCacheError(Exception):
 
 
 class InvalidArgument(ExpertCacheError):
-    """A request field is missing or out of range. gRPC ``INVALID_ARGUMENT``."""
+    """A request field is missing or out of range. gRPC ``INVALID_ARGUMENT``.
+
+    ``field``: the request field at fault where one is (``max_new_tokens``, ``stop``,
+    ``messages[2].role``, ...), for an edge that names it apart from the message (the HTTP API's
+    ``param``); None when the fault is not one field's. gRPC sends the message only."""
 
     grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self.field = field
 
 
 class NotFound(ExpertCacheError):

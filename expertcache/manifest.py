@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from expertcache.encodings import DTYPE_ITEMSIZE, ExpertTensor, TensorLayout, check_tensor, get_encoding
 from expertcache.errors import DataLoss, InvalidArgument
@@ -237,6 +237,17 @@ class StoreManifest:
     @property
     def num_blobs(self) -> int:
         return len(self.moe_layers) * self.num_experts
+
+    @property
+    def checkpoint_name(self) -> str:
+        """The name of the checkpoint this store was converted from (``source.path``): its
+        directory's (``/models/Mixtral-8x7B-v0.1`` → ``Mixtral-8x7B-v0.1``), or for a Hugging
+        Face cache snapshot (``.../models--mistralai--Mixtral-8x7B-v0.1/snapshots/<revision>``)
+        its repository's, ``mistralai/Mixtral-8x7B-v0.1``; "" when the path is not recorded."""
+        parts = PurePosixPath(self.source.get("path", "")).parts
+        if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+            return parts[-3].removeprefix("models--").replace("--", "/")
+        return parts[-1] if parts and parts[-1] != "/" else ""
 
     @property
     def total_expert_bytes(self) -> int:

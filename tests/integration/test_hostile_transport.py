@@ -6,7 +6,9 @@ spoken by hand (``bench.hostile``), below what a gRPC library lets a client do.
   ``request_timeout_s``; on the predictor, calls without the required token are refused at their
   headers, not after a request that never comes;
 - streams whose client never reads are cut after ``stream_stall_timeout_s``: their requests leave
-  the batch and their pins go, while health and other Generates are served;
+  the batch and their pins go, while health and other Generates are served; one client host
+  holds at most its share of the batch and queue (``max_client_share``), so another host's
+  Generate is never refused meanwhile;
 - the per-address bound refuses with RESOURCE_EXHAUSTED naming it, and health keeps its own budget.
 
 "Health answers" is measured against health's own latency before the attack, taken in the same
@@ -124,6 +126,9 @@ def test_header_only_streams_hold_nothing_and_end_after_the_request_timeout(serv
 
 
 def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
+    """100 unread streams from one client host (127.0.0.2) at the default max_client_share: it holds
+    its share of the batch and queue (8 running + 32 waiting), the rest is refused at once, and
+    another host's short Generate is served while the attack lasts, never refused."""
     daemon, compute, channel = served
     request = inference_pb2.GenerateRequest(text="hello there", max_new_tokens=400, ignore_eos=True)
     reference_s = health_reference_s(channel)
@@ -138,28 +143,36 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
         message=request.SerializeToString(),
         window=64,
         reopen=False,  # refused ones are not opened again: what was admitted must all be released
+        source="127.0.0.2",
     ).start()
     try:
-        assert attack.wait_held(80, timeout_s=20) >= 80
+        deadline = time.monotonic() + 20
+        while attack.tally().statuses.get("8", 0) < 60 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert attack.tally().statuses.get("8", 0) >= 60, attack.tally()  # beyond its 40 places
         assert_health_unhindered(channel, reference_s)
-        events = short_generate(channel)
+        start_t = time.monotonic()
+        events = short_generate(channel, within_s=0)  # refused once would raise
+        took = time.monotonic() - start_t
         assert len(events) == 3
+        assert took < 10.0 + 10 * generate_reference_s, (
+            f"{took:.2f} s beside the attack; {generate_reference_s:.2f} s before it"
+        )
         assert_health_unhindered(channel, reference_s)
         # Every unread stream is cut: nothing is left in the batch, nothing pinned.
         cache = cache_pb2_grpc.ExpertCacheStub(grpc.insecure_channel(daemon.address))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if (
-                compute.log().count("stopped (cancelled)") >= 80
+                compute.log().count("stopped (cancelled)") >= 40
                 and cache.GetStats(cache_pb2.GetStatsRequest(), timeout=5).pinned == 0
             ):
                 break
             time.sleep(0.2)
+        assert compute.log().count("stopped (cancelled)") >= 40
         assert cache.GetStats(cache_pb2.GetStatsRequest(), timeout=5).pinned == 0
         assert "stream_stall_timeout_s" in compute.log()
-        # The streams are still open on the attacker's side (nothing can pass its full window),
-        # yet a request is served as soon as it comes: as fast as before the attack, give or take.
-        assert attack.held() >= 64
+        # A request is served as soon as it comes: as fast as before the attack, give or take.
         start_t = time.monotonic()
         assert len(short_generate(channel, within_s=5.0)) == 3
         took = time.monotonic() - start_t

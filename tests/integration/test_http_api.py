@@ -28,6 +28,8 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "s3cret-http-token"
 LIMIT = 1024
+POSITIONS = 2048  # the tiny checkpoint's max_position_embeddings: max_total_tokens
+SERVED = "tiny-mixtral"  # --served-model-name
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,8 @@ def served(tiny_store, tmp_path_factory):
                 str(token_file),
                 "--max-new-tokens-limit",
                 str(LIMIT),
+                "--served-model-name",
+                SERVED,
                 "--max-batch-size",
                 "1",
                 "--max-waiting-requests",
@@ -127,8 +131,53 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 def test_models_lists_the_served_checkpoint(served):
     models = served["client"].models.list().data
-    assert [m.id for m in models] == [served["tiny"].manifest.model_id]
+    assert [m.id for m in models] == [SERVED]
     assert models[0].object == "model"
+
+
+def test_the_store_model_id_is_an_alias_of_the_served_name(served):
+    """Clients written when /v1/models listed the store's model id go on working."""
+    for name in (SERVED, served["tiny"].manifest.model_id):
+        reply = served["client"].completions.create(model=name, prompt="hi", max_tokens=2)
+        assert reply.usage.completion_tokens <= 2 and reply.model == name
+
+
+def test_chat_without_max_tokens_gets_what_the_positions_leave(served):
+    """The official client sends no max_tokens: the answer runs to the end of the model's positions
+    (not the service's max_new_tokens_limit, which this prompt does not leave room for)."""
+    reply = served["client"].chat.completions.create(
+        model=SERVED,
+        messages=[{"role": "user", "content": "Hello there " * 200}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.usage.prompt_tokens + LIMIT > POSITIONS  # the old default would not fit
+    assert reply.usage.completion_tokens == POSITIONS - reply.usage.prompt_tokens
+    assert reply.choices[0].finish_reason == "length"
+    # A prompt that leaves no room at all is refused, naming it.
+    status, answer = raw(
+        served, "POST", "/v1/completions", {"model": SERVED, "prompt": [5] * POSITIONS}, TOKEN
+    )
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    assert "leaves no room for a new token" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "ab\ud800cd"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "ab\ud800cd"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(served, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, answer = raw(served, "POST", path, {"model": SERVED, "max_tokens": 2, **body}, TOKEN)
+    assert status == 400 and answer["error"]["param"] == param
+    assert "is not valid Unicode: it holds a lone surrogate" in answer["error"]["message"]
 
 
 def test_chat_completion_streams_with_the_chat_template(served):
@@ -214,7 +263,11 @@ def test_seeded_sampling_repeats(served):
         ({"temperature": 3}, "temperature", "'temperature' 3 is out of range [0, 2]"),
         ({"n": 2}, "n", "'n' must be 1"),
         ({"prompt": ""}, "prompt", "'prompt' is empty"),
-        ({"prompt": [1, 320]}, None, "token_ids[1] = 320 is out of range [0, 320)"),
+        ({"prompt": [1, 320]}, "prompt", "token_ids[1] = 320 is out of range [0, 320)"),
+        ({"stop": ["x" * 300]}, "stop", "stop holds a string longer than 256 characters"),
+        ({"prompt": [5] * 1100, "max_tokens": 1000}, "max_tokens", "= 2100 exceeds 2048 (max_total_tokens"),
+        ({"temperature": 10**400}, "temperature", "is out of range [0, 2]"),
+        ({"top_p": -(10**400)}, "top_p", "is out of range (0, 1]"),
     ],
 )
 def test_bad_request_is_400_naming_the_field(served, fields, param, message):

@@ -19,6 +19,7 @@ def test_defaults_and_env_prefix():
     assert config.max_waiting_requests == 3 and config.device == "cpu"
     assert config.max_new_tokens_limit == 4096
     assert config.listen_address == "127.0.0.1:50051"  # loopback by default; the chart passes 0.0.0.0
+    assert config.served_model_name == ""  # the HTTP API names the checkpoint (openai_schema.served_model)
 
 
 def test_cli_beats_env_beats_file(tmp_path):
@@ -48,6 +49,11 @@ def test_cli_beats_env_beats_file(tmp_path):
             "'max_new_tokens_limit' = 0 is below its minimum 1",
         ),
         ({"store_dir": "/s", "daemon_connect_timeout_s": "abc"}, "'daemon_connect_timeout_s'"),
+        # Bytes of the command line that are not UTF-8 (surrogate escapes) have no name to serve.
+        (
+            {"store_dir": "/s", "served_model_name": "tiny\udcff"},
+            r"'served_model_name' = .* holds a character that is not printable",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(cli, message):

@@ -213,7 +213,7 @@ class _Scheduler:
         self.parent = None
         self.serving = True
 
-    def submit(self, request):
+    def submit(self, request, client=None):
         from opentelemetry import trace
 
         self.parent = trace.get_current_span().get_span_context()
@@ -284,7 +284,7 @@ def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     telemetry.install(provider)
     scheduler = _Scheduler()
-    api = HttpApi(scheduler, model_id="m", limits=_Api(0).limits, metrics=ComputeMetrics())
+    api = HttpApi(scheduler, model="m", limits=_Api(0).limits, metrics=ComputeMetrics())
     try:
         trace_id, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
         status, body = asgi_post(
@@ -303,3 +303,87 @@ def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
     # What the engine's Generate span takes as its parent: the HTTP span, in the submit's pool thread.
     assert scheduler.parent.span_id == span.context.span_id
     assert api.metrics.value("moe_compute_http_requests_total", route="/v1/completions", status="200") == 1
+
+
+def test_bodies_wait_for_the_byte_budget_and_are_parsed_off_the_event_loop(monkeypatch):
+    """Budget 2,000 bytes, bodies of 900: two are read at once, the third waits until one is
+    parsed; every body is decoded and parsed in a pool thread, never on the event loop's."""
+    import threading
+
+    import compute_svc.http_api as http_api
+    from compute_svc.http_api import HttpApi
+
+    parsed_on: list[str] = []
+    real = http_api.completion_request
+
+    def parse(body, **kw):
+        parsed_on.append(threading.current_thread().name)
+        return real(body, **kw)
+
+    monkeypatch.setattr(http_api, "completion_request", parse)
+    limits = HttpLimits(
+        max_body_bytes=1000,
+        max_requests=8,
+        request_timeout_s=30,
+        stream_stall_timeout_s=0,
+        body_budget_bytes=2000,
+    )
+    api = HttpApi(_Scheduler(), model="m", limits=limits, metrics=ComputeMetrics())
+
+    async def run():
+        body = json.dumps({"model": "m", "prompt": "x" * 800, "max_tokens": 1}).encode()
+        gates = [asyncio.Event() for _ in range(3)]
+        reading: list[int] = []
+        statuses: list[int] = []
+
+        def post(i):
+            sent = False
+
+            async def receive():
+                nonlocal sent
+                if not sent:
+                    reading.append(i)  # this request's body is being read: it holds its share
+                    await gates[i].wait()
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await asyncio.Event().wait()
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/completions",
+                "raw_path": b"/v1/completions",
+                "root_path": "",
+                "query_string": b"",
+                "headers": [(b"content-length", str(len(body)).encode())],
+                "client": ("127.0.0.1", i),
+                "server": ("127.0.0.1", 8080),
+            }
+            return asyncio.ensure_future(api(scope, receive, send))
+
+        tasks = [post(i) for i in range(3)]
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert sorted(reading) == [0, 1]  # the third waits for the budget
+        gates[0].set()
+        gates[2].set()
+        for _ in range(200):
+            if len(reading) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(reading) == [0, 1, 2]  # the first one's bytes came back to the budget
+        gates[1].set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return statuses, threading.current_thread().name
+
+    try:
+        statuses, loop_thread = asyncio.run(run())
+    finally:
+        api.close()
+    assert statuses == [200, 200, 200]
+    assert len(parsed_on) == 3 and loop_thread not in parsed_on
+    assert api._body_bytes == 0

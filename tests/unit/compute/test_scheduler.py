@@ -208,6 +208,48 @@ def test_more_clients_than_the_limits_complete_or_are_refused(batching):
     assert scheduler._running == [] and not scheduler._waiting  # every request's state is gone
 
 
+def test_one_client_holds_its_share_and_another_passes_its_waiting_requests(batching):
+    """max_client_share 0.5 of a batch of 4 and a queue of 4: client A holds 2 running + 2
+    waiting, its fifth request is refused naming the share, and client B's request, behind A's
+    waiting ones, runs at once in the places A may not take."""
+    limits = BatchLimits(
+        max_batch_size=4, max_batched_tokens=16, max_waiting_requests=4, max_client_share=0.5
+    )
+    assert limits.client_places() == (2, 2)
+    scheduler, engine, provider, log = batching(limits=limits)
+    log.gate = threading.Event()  # steps wait: nothing finishes while the test looks
+    a = [scheduler.submit(request(i, n=3), client="10.0.0.1") for i in range(4)]
+    with pytest.raises(QueueFull, match="max_client_share 0.5: 2 running \\+ 2 waiting"):
+        scheduler.submit(request(9, n=3), client="10.0.0.1")
+    b = scheduler.submit(request(5, n=3), client="10.0.0.2")
+    in_process = scheduler.submit(request(6, n=3))  # not counted: no client
+    deadline = time.monotonic() + 10
+    while len(scheduler._running) < 4 and time.monotonic() < deadline:
+        log.gate.set()
+        log.gate.clear()
+        time.sleep(0.01)
+    running = {h.request_id for h in scheduler._running}
+    assert running == {"r0", "r1", "r5", "r6"}, running  # B and the in-process one passed r2, r3
+    log.gate.set()
+    log.gate = None
+    results = collect([*a, b, in_process])
+    assert all(len(tokens) == 3 for tokens in results.values()), results
+    assert scheduler._held == {}  # every request gave its place back
+    # A's places are free again: it may submit as much as before.
+    assert len(list(scheduler.submit(request(7, n=2), client="10.0.0.1"))) == 2
+
+
+def test_a_client_share_of_1_bounds_nothing_beyond_the_batch_and_queue():
+    assert BatchLimits(max_batch_size=16, max_waiting_requests=64, max_client_share=1.0).client_places() == (
+        16,
+        64,
+    )
+    assert BatchLimits(max_batch_size=1, max_waiting_requests=0, max_client_share=0.01).client_places() == (
+        1,
+        0,
+    )
+
+
 def test_validation_errors_are_raised_by_submit(batching):
     scheduler, *_ = batching()
     from compute_svc.errors import InvalidArgument

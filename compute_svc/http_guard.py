@@ -1,0 +1,278 @@
+"""The HTTP front door's connections: how many one client and all of them together may hold open,
+and how long a connection may sit without sending a whole request.
+
+A hostile client needs no request at all to take an HTTP server down: it opens connections and
+sends nothing, or half a header, or a body a byte at a time, until the server runs out of
+places or of file descriptors. uvicorn bounds none of that (its ``limit_concurrency`` answers
+503 to everyone once it is reached, probes included). Here every connection is counted by
+``ConnectionGuard``, on the event loop, from ``connection_made`` to ``connection_lost``:
+
+- **Header timeout.** A connection must complete a request's headers within
+  ``header_timeout_s`` of opening, or of its previous answer; otherwise it is closed. A trickle
+  of bytes does not reset it.
+- **Idle connections yield.** A connection is idle while it has no request in progress (before
+  its first one, between keep-alive requests, while its headers trickle in). When one client
+  address holds ``max_connections_per_client`` connections, or all of them together hold
+  ``max_connections``, a new connection closes the idlest connection, of that client first: a
+  flood of idle connections costs its sender its own oldest ones, and a health probe or another
+  client still gets in. Only when every counted connection has a request in progress (bounded
+  by ``http_max_requests`` and its per-client share) is the new one refused, by closing it.
+- **File descriptors.** ``max_connections`` is derived at start from the process's limit on open
+  files (``RLIMIT_NOFILE``), leaving room for gRPC, the daemon channel and the store: accepting
+  never fails for want of a descriptor.
+- **Answered before its body arrived** (413, 429, 401, 404, ...): the connection is closed once
+  the answer is written, instead of waiting for the rest of the body.
+
+What is refused and cut is counted (``moe_compute_http_refused_total{limit}``,
+``moe_compute_http_cut_total{reason}``) and logged at most once per reason per 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from compute_svc.metrics import ComputeMetrics
+from expertcache.errors import InvalidArgument
+from expertcache.logs import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+PROBE_CONNECTIONS = 64  # connections beyond http_max_requests: health probes, model listings
+TRANSPORT_KEY = "expertcache.transport"  # the scope's extensions entry holding the connection's transport
+
+
+def open_files_limit() -> int:
+    """This process's soft limit on open file descriptors."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def descriptors_for_others(open_files: int) -> int:
+    """Descriptors kept for everything but HTTP connections: gRPC, the daemon, files, threads."""
+    return max(128, open_files // 4)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int  # all clients together
+    max_connections_per_client: int  # one client address
+    header_timeout_s: float  # a request's headers must be complete this long after the last answer
+
+    @classmethod
+    def derive(
+        cls,
+        *,
+        max_requests: int,
+        client_share: float,
+        header_timeout_s: float,
+        configured_max: int = 0,
+        open_files: int | None = None,
+    ) -> ConnectionLimits:
+        """The limits of a server taking ``max_requests`` generation requests at once: at most
+        ``configured_max`` connections (0: as many as the descriptors allow), never more than
+        the open-files limit leaves; a client address gets ``client_share`` of them.
+        ``InvalidArgument`` when the descriptors cannot carry ``max_requests`` plus probes."""
+        open_files = open_files_limit() if open_files is None else open_files
+        room = open_files - descriptors_for_others(open_files)
+        needed = max_requests + PROBE_CONNECTIONS
+        if room < needed:
+            raise InvalidArgument(
+                f"the open-files limit ({open_files}, ulimit -n) leaves {room} descriptors for HTTP "
+                f"connections, fewer than http_max_requests ({max_requests}) + {PROBE_CONNECTIONS} for "
+                "probes: raise the limit or lower http_max_requests"
+            )
+        total = min(room, configured_max) if configured_max else room
+        total = max(total, needed)
+        per_client = max(PROBE_CONNECTIONS, math.ceil(client_share * total - 1e-9))
+        return cls(
+            max_connections=total,
+            max_connections_per_client=min(per_client, total),
+            header_timeout_s=header_timeout_s,
+        )
+
+
+class ConnectionGuard:
+    """The one owner of the HTTP connections' bookkeeping; used on the server's event loop only."""
+
+    def __init__(self, limits: ConnectionLimits, metrics: ComputeMetrics) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self._log = RateLimitedLog(logger, 10.0)
+        self._client_of: dict[GuardedH11Protocol, str] = {}
+        self._count: dict[str, int] = {}  # connections of each client address
+        self._idle: OrderedDict[GuardedH11Protocol, None] = OrderedDict()  # oldest first
+        self._idle_of: dict[str, OrderedDict[GuardedH11Protocol, None]] = {}
+
+    @property
+    def connections(self) -> int:
+        return len(self._client_of)
+
+    def opened(self, conn: GuardedH11Protocol, client: str) -> bool:
+        """Count a new connection, closing an idle one to make room; False: refused (every
+        connection in its way has a request in progress)."""
+        if self._count.get(client, 0) >= self.limits.max_connections_per_client:
+            if not self._yield(self._idle_of.get(client), "max_connections_per_client"):
+                return self._refuse(client, "max_connections_per_client")
+        if len(self._client_of) >= self.limits.max_connections:
+            if not self._yield(self._idle, "max_connections"):
+                return self._refuse(client, "max_connections")
+        self._client_of[conn] = client
+        self._count[client] = self._count.get(client, 0) + 1
+        self.idle(conn)
+        return True
+
+    def _yield(self, idle: OrderedDict | None, limit: str) -> bool:
+        if not idle:
+            return False
+        victim = next(iter(idle))
+        self.metrics.http_cut.labels(reason="idle_yielded").inc()
+        self._log.log(
+            logging.WARNING,
+            f"yield:{limit}",
+            "closed an idle HTTP connection from %s for a new one (%s %d reached)",
+            self._client_of.get(victim, "?"),
+            limit,
+            getattr(self.limits, limit),
+        )
+        self.closed(victim)
+        victim.transport.abort()
+        return True
+
+    def _refuse(self, client: str, limit: str) -> bool:
+        self.metrics.http_refused.labels(limit=limit).inc()
+        self._log.log(
+            logging.WARNING,
+            f"refuse:{limit}",
+            "refused an HTTP connection from %s: %s %d reached, each with a request in progress",
+            client,
+            limit,
+            getattr(self.limits, limit),
+        )
+        return False
+
+    def busy(self, conn: GuardedH11Protocol) -> None:
+        """``conn`` has a request in progress: it cannot be closed to make room."""
+        self._idle.pop(conn, None)
+        client = self._client_of.get(conn)
+        if client is not None:
+            self._idle_of.get(client, {}).pop(conn, None)
+
+    def idle(self, conn: GuardedH11Protocol) -> None:
+        client = self._client_of.get(conn)
+        if client is None:
+            return
+        self._idle[conn] = None
+        self._idle.move_to_end(conn)
+        self._idle_of.setdefault(client, OrderedDict())[conn] = None
+
+    def closed(self, conn: GuardedH11Protocol) -> None:
+        """Forget ``conn`` (idempotent: a yielded connection is forgotten before its loss)."""
+        client = self._client_of.pop(conn, None)
+        if client is None:
+            return
+        self._idle.pop(conn, None)
+        idle = self._idle_of.get(client)
+        if idle is not None:
+            idle.pop(conn, None)
+            if not idle:
+                del self._idle_of[client]
+        left = self._count[client] - 1
+        if left:
+            self._count[client] = left
+        else:
+            del self._count[client]
+
+    def cut(self, conn: GuardedH11Protocol, reason: str, what: str) -> None:
+        self.metrics.http_cut.labels(reason=reason).inc()
+        self._log.log(
+            logging.WARNING,
+            f"cut:{reason}",
+            "closed the HTTP connection from %s: %s",
+            self._client_of.get(conn, "?"),
+            what,
+        )
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol under a ``ConnectionGuard`` (``guarded`` makes the class of one
+    server). It also hands the app its transport (``scope["extensions"][TRANSPORT_KEY]``), so a
+    stream can see how much of what it wrote the client has not taken."""
+
+    guard: ConnectionGuard
+
+    @classmethod
+    def guarded(cls, guard: ConnectionGuard) -> type[GuardedH11Protocol]:
+        return type("GuardedH11Protocol", (cls,), {"guard": guard})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        inner = self.app
+
+        async def app(scope, receive, send) -> None:
+            scope.setdefault("extensions", {})[TRANSPORT_KEY] = self.transport
+            await inner(scope, receive, send)
+
+        self.app = app
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        client = self.client[0] if self.client else "?"
+        if not self.guard.opened(self, client):
+            transport.abort()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        self.guard.closed(self)
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before and self.cycle is not None and not self.cycle.response_complete:
+            self._disarm_header_timer()  # a whole request's headers are in
+            self.guard.busy(self)
+
+    def on_response_complete(self) -> None:
+        unread_body = self.conn.their_state is h11.SEND_BODY
+        self.guard.idle(self)
+        self._arm_header_timer()
+        super().on_response_complete()  # may start a pipelined request: busy again
+        if unread_body and not self.transport.is_closing():
+            # Answered before its body arrived (a refusal): the rest is not waited for.
+            self._disarm_header_timer()
+            self.transport.close()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        timeout = self.guard.limits.header_timeout_s
+        if timeout > 0:
+            self._header_timer = self.loop.call_later(timeout, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request is in progress (its body has request_timeout_s)
+        self.guard.cut(
+            self,
+            "header_timeout",
+            f"no whole request within {self.guard.limits.header_timeout_s:g} s (http_header_timeout_s)",
+        )
+        self.transport.abort()
