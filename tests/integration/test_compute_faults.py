@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -44,7 +45,9 @@ def served(tiny_store, tmp_path_factory):
     work = tmp_path_factory.mktemp("faults")
     budget = max(1, tiny.manifest.num_blobs // 4) * tiny.manifest.blob_bytes
     daemon = start_daemon(tiny.store, work, device="cpu", device_budget_bytes=budget)
+    # One client address here: the per-client share is off, the global bounds are what is tested.
     extra = ["--max-batch-size", "4", "--max-batched-tokens", "32", "--max-waiting-requests", "2"]
+    extra += ["--max-client-share", "1"]
     compute = start_compute(tiny.store, daemon, work, extra=extra)
     channel = grpc.insecure_channel(compute.address)
     yield tiny, daemon, compute, channel
@@ -105,17 +108,28 @@ def test_a_long_prompt_past_its_deadline_does_not_hold_the_engine(tiny_store, tm
                 timeout=deadline_s,
             )
             time.sleep(deadline_s + warm_s)  # its deadline has passed; its prefill is far from done
-            started = time.monotonic()
-            replies = generate(channel, token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True, timeout=30)
-            elapsed = time.monotonic() - started
+            replies = generate(
+                channel,
+                token_ids=[1, 2, 3],
+                max_new_tokens=4,
+                ignore_eos=True,
+                timeout=30,
+                request_id="small",
+            )
             with pytest.raises(grpc.RpcError) as info:
                 list(long_call)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert len(replies) == 4
-        assert elapsed < 5 * cold_s, f"the small request took {elapsed:.1f}s, {cold_s:.1f}s alone"
-        # The service stopped working on it (it did not finish its prefill in the background).
-        wait_for(lambda: "request 'long' stopped" in compute.log(), timeout_s=10)
-        assert "request 'long': " not in compute.log()  # no finished-request line for it
+        # The long request left the engine at its deadline, before the small one finished (not a
+        # time bound: a busy machine's timings say nothing), and never finished its prefill.
+        # (Its deadline reaches the scheduler as the call's cancellation or as its own expiry.)
+        log = compute.log()
+        stopped = re.search(r"request 'long' stopped \((cancelled|expired)\)", log)
+        assert stopped is not None, log
+        assert stopped.start() < log.index("request small: ")
+        assert re.search(
+            r"request long: 2000 prompt \+ 0 generated tokens .* finish (cancelled|expired)", log
+        )
     finally:
         compute.stop()
         daemon.stop()
