@@ -122,6 +122,27 @@ def body_trickle(port: int, *, declared: int, sent: bytes, source: str) -> socke
     return sock
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer has closed the non-blocking ``sock`` (what it sent is left unread)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _still_open(socks: list[socket.socket]) -> list[socket.socket]:
+    """``socks`` less those the peer closed, which are closed here too."""
+    alive = []
+    for sock in socks:
+        if _closed_by_peer(sock):
+            sock.close()
+        else:
+            alive.append(sock)
+    return alive
+
+
 class IdleFlood:
     """``connections`` connections from ``source`` that send nothing, kept open: each one the
     server closes is counted and opened again."""
@@ -155,20 +176,8 @@ class IdleFlood:
         while not self._stop.is_set():
             while len(self._socks) < self.wanted and not self._stop.is_set():
                 self._open()
-            alive = []
-            for sock in self._socks:
-                try:
-                    data = sock.recv(1, socket.MSG_PEEK)
-                    gone = not data
-                except BlockingIOError:
-                    gone = False
-                except OSError:
-                    gone = True
-                if gone:
-                    self.closed_by_server += 1
-                    sock.close()
-                else:
-                    alive.append(sock)
+            alive = _still_open(self._socks)
+            self.closed_by_server += len(self._socks) - len(alive)
             with self._lock:
                 self._socks = alive
             self._stop.wait(0.05)
@@ -226,12 +235,7 @@ class Trickle:
                 self._socks[sock] = 0
                 self.opened += 1
             for sock, sent in list(self._socks.items()):
-                try:
-                    if sock.recv(65536, socket.MSG_PEEK) == b"":
-                        raise ConnectionResetError
-                except BlockingIOError:
-                    pass
-                except OSError:
+                if _closed_by_peer(sock):
                     self._gone(sock)
                     continue
                 try:
@@ -289,19 +293,7 @@ class UnreadStreams:
                     self._socks.append(sock)
                 else:
                     sock.close()
-            alive = []
-            for sock in self._socks:
-                try:
-                    gone = sock.recv(1, socket.MSG_PEEK) == b""
-                except BlockingIOError:
-                    gone = False
-                except OSError:
-                    gone = True
-                if gone:
-                    sock.close()
-                else:
-                    alive.append(sock)
-            self._socks = alive
+            self._socks = _still_open(self._socks)
             self._stop.wait(0.2)
 
     def held(self) -> int:

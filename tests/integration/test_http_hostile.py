@@ -90,6 +90,17 @@ def completes(served, source: str = CLIENT) -> tuple[int, float]:
     return status, time.monotonic() - started
 
 
+def long_stream(served) -> dict:
+    """A streamed completion of 1,500 tokens: far more than an unread stream's buffers take."""
+    return {
+        "model": model(served),
+        "prompt": [5, 6, 7],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 def health_s(port: int, source: str) -> float:
     started = time.monotonic()
     status, _ = get(port, "/health", source=source, timeout_s=10)
@@ -174,13 +185,7 @@ def test_a_client_gone_mid_body_is_counted_not_logged_as_an_error(served):
 def test_an_unread_stream_is_cut_on_what_its_client_has_not_taken(served):
     compute = served["compute"]
     before = compute.log().count("stream_stall_timeout_s")
-    body = {
-        "model": model(served),
-        "prompt": [5, 6, 7],
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_stream(served)
     sock = stream_request(served["port"], body, source=ATTACKER, rcvbuf=4096)
     try:
         wait_for(
@@ -204,13 +209,7 @@ def test_an_unread_stream_is_cut_on_what_its_client_has_not_taken(served):
 def test_one_client_host_holds_its_share_of_the_http_places(served):
     """8 HTTP places and a batch of 4 + 4 waiting, max_client_share 0.5: the attacker's 8 unread
     streams get 4 places (429 beyond, naming the share); another host's completion is served."""
-    body = {
-        "model": model(served),
-        "prompt": [5, 6, 7],
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_stream(served)
     socks = [stream_request(served["port"], body, source=ATTACKER, rcvbuf=4096) for _ in range(8)]
     try:
         statuses = [read_status(s) for s in socks]

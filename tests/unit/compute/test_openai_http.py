@@ -23,6 +23,7 @@ from compute_svc.requests import ChatMessage
 from compute_svc.scheduler import _DONE, RequestHandle
 from expertcache.aio_bridge import LoopFeed
 from expertcache.errors import InvalidArgument, ResourceExhausted, Unavailable
+from tests.asgi import asgi_call
 
 
 def completion(**body):
@@ -226,51 +227,6 @@ class _Scheduler:
         return handle
 
 
-def asgi_post(app, path: str, body: dict, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
-    async def run():
-        data = json.dumps(body).encode()
-        messages = [{"type": "http.request", "body": data, "more_body": False}]
-        done = asyncio.Event()
-        out = {"status": 0, "body": b""}
-
-        async def receive():
-            if messages:
-                return messages.pop(0)
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            if message["type"] == "http.response.start":
-                out["status"] = message["status"]
-            elif message["type"] == "http.response.body":
-                out["body"] += message.get("body", b"")
-                if not message.get("more_body"):
-                    done.set()
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "root_path": "",
-            "query_string": b"",
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-                *headers,
-            ],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 8080),
-        }
-        await app(scope, receive, send)
-        return out["status"], out["body"]
-
-    return asyncio.run(run())
-
-
 def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -287,8 +243,9 @@ def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
     api = HttpApi(scheduler, model="m", limits=_Api(0).limits, metrics=ComputeMetrics())
     try:
         trace_id, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-        status, body = asgi_post(
+        status, body = asgi_call(
             api,
+            "POST",
             "/v1/completions",
             {"model": "m", "prompt": "hi", "max_tokens": 1},
             [(b"traceparent", f"00-{trace_id}-{caller}-01".encode())],
