@@ -62,6 +62,34 @@ def read_status(sock: socket.socket, timeout_s: float = 30.0) -> int:
     return int(data.split(b" ", 2)[1])
 
 
+def read_response(sock: socket.socket, timeout_s: float = 30.0) -> tuple[int, bytes]:
+    """(status, body) of one answer with a Content-Length on a connection that stays open."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(head.split(b" ", 2)[1]), body
+
+
+def keep_alive_get(path: str) -> bytes:
+    """``GET path`` asking to keep the connection open."""
+    return _request("GET", path, None, close=False)
+
+
 def _request(method: str, path: str, body: bytes | None, close: bool = True) -> bytes:
     head = [f"{method} {path} HTTP/1.1", "Host: expertcache"]
     if body is not None:

@@ -90,8 +90,9 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             "max": 3600.0,
         },
     )
-    """Counted from the connection's opening or its previous answer: a connection that sends
-    nothing, or headers a byte at a time, is closed."""
+    """Counted from the connection's opening, or from the first byte of a keep-alive
+    connection's next request: a connection that sends nothing, or headers a byte at a time, is
+    closed (one idle between requests is closed after max_connection_idle_s)."""
 
     served_model_name: str = field(
         default="",

@@ -8,8 +8,9 @@ places or of file descriptors. uvicorn bounds none of that (its ``limit_concurre
 ``ConnectionGuard``, on the event loop, from ``connection_made`` to ``connection_lost``:
 
 - **Header timeout.** A connection must complete a request's headers within
-  ``header_timeout_s`` of opening, or of its previous answer; otherwise it is closed. A trickle
-  of bytes does not reset it.
+  ``header_timeout_s`` of opening, or of the first byte of its next request; otherwise it is
+  closed. A trickle of bytes does not reset it. Between requests a keep-alive connection that
+  sends nothing is left to uvicorn's idle timeout (``max_connection_idle_s``), and to yielding.
 - **Idle connections yield.** A connection is idle while it has no request in progress (before
   its first one, between keep-alive requests, while its headers trickle in). When one client
   address holds ``max_connections_per_client`` connections, or all of them together hold
@@ -64,7 +65,7 @@ def descriptors_for_others(open_files: int) -> int:
 class ConnectionLimits:
     max_connections: int  # all clients together
     max_connections_per_client: int  # one client address
-    header_timeout_s: float  # a request's headers must be complete this long after the last answer
+    header_timeout_s: float  # a request's headers must be whole this long after the connection or its first byte
 
     @classmethod
     def derive(
@@ -236,6 +237,11 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.closed(self)
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()  # the first byte of a keep-alive connection's next request
+        super().data_received(data)
+
     def handle_events(self) -> None:
         before = self.cycle
         super().handle_events()
@@ -246,11 +252,9 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         unread_body = self.conn.their_state is h11.SEND_BODY
         self.guard.idle(self)
-        self._arm_header_timer()
         super().on_response_complete()  # may start a pipelined request: busy again
         if unread_body and not self.transport.is_closing():
             # Answered before its body arrived (a refusal): the rest is not waited for.
-            self._disarm_header_timer()
             self.transport.close()
 
     def _arm_header_timer(self) -> None:

@@ -28,7 +28,9 @@ from bench.http_hostile import (
     closed_within,
     connect,
     get,
+    keep_alive_get,
     post_json,
+    read_response,
     read_status,
     stream_request,
 )
@@ -135,6 +137,22 @@ def test_idle_and_trickling_connections_are_closed_after_the_header_timeout(serv
         idle.close()
         trickling.close()
     assert "http_header_timeout_s" in served["compute"].log()
+
+
+def test_a_keep_alive_connection_may_wait_between_requests_but_not_trickle_one(served):
+    """Idle between two requests past the header timeout: kept (uvicorn's idle timeout governs);
+    the next request's headers, once begun, must be whole within the header timeout."""
+    sock = connect(served["port"], source=CLIENT)
+    try:
+        sock.sendall(keep_alive_get("/health"))
+        assert read_response(sock)[0] == 200
+        time.sleep(3 * HEADER_TIMEOUT_S)  # the time passing is what is tested
+        sock.sendall(keep_alive_get("/health"))
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"GET /hea")
+        assert closed_within(sock, 30 * HEADER_TIMEOUT_S)
+    finally:
+        sock.close()
 
 
 def test_a_flood_of_idle_connections_costs_its_sender_its_own_connections(served):
