@@ -65,7 +65,9 @@ def descriptors_for_others(open_files: int) -> int:
 class ConnectionLimits:
     max_connections: int  # all clients together
     max_connections_per_client: int  # one client address
-    header_timeout_s: float  # a request's headers must be whole this long after the connection or its first byte
+    header_timeout_s: (
+        float  # a request's headers must be whole this long after the connection or its first byte
+    )
 
     @classmethod
     def derive(
