@@ -42,6 +42,7 @@ PROVIDES = {
     "prometheus-client": {"prometheus_client"},
     "starlette": {"starlette"},
     "uvicorn": {"uvicorn"},
+    "h11": {"h11"},
 }
 # Built by this package (the native core, the generated gRPC code).
 OWN_OR_OPTIONAL = {*SHIPPED, "moe"}
