@@ -19,8 +19,9 @@ places or of file descriptors. uvicorn bounds none of that (its ``limit_concurre
   client still gets in. Only when every counted connection has a request in progress (bounded
   by ``http_max_requests`` and its per-client share) is the new one refused, by closing it.
 - **File descriptors.** ``max_connections`` is derived at start from the process's limit on open
-  files (``RLIMIT_NOFILE``), leaving room for gRPC, the daemon channel and the store: accepting
-  never fails for want of a descriptor.
+  files (``RLIMIT_NOFILE``), leaving room for gRPC, the daemon channel and the store, and for the
+  connections accepted in one go (the listen backlog, an eighth of the limit, at most 512):
+  accepting never fails for want of a descriptor.
 - **Answered before its body arrived** (413, 429, 401, 404, ...): the connection is closed once
   the answer is written, instead of waiting for the rest of the body.
 
@@ -61,10 +62,18 @@ def descriptors_for_others(open_files: int) -> int:
     return max(128, open_files // 4)
 
 
+def accept_backlog(open_files: int) -> int:
+    """The listen backlog, which is also how many connections asyncio accepts in one go, each a
+    descriptor, before any of them is counted (uvicorn's 2,048 ran a 1,024-descriptor process out
+    of them under a flood of connections)."""
+    return min(512, max(16, open_files // 8))
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int  # all clients together
     max_connections_per_client: int  # one client address
+    backlog: int  # the listen backlog: connections accepted in one go
     header_timeout_s: (
         float  # a request's headers must be whole this long after the connection or its first byte
     )
@@ -84,7 +93,8 @@ class ConnectionLimits:
         the open-files limit leaves; a client address gets ``client_share`` of them.
         ``InvalidArgument`` when the descriptors cannot carry ``max_requests`` plus probes."""
         open_files = open_files_limit() if open_files is None else open_files
-        room = open_files - descriptors_for_others(open_files)
+        backlog = accept_backlog(open_files)
+        room = open_files - descriptors_for_others(open_files) - backlog
         needed = max_requests + PROBE_CONNECTIONS
         if room < needed:
             raise InvalidArgument(
@@ -98,6 +108,7 @@ class ConnectionLimits:
         return cls(
             max_connections=total,
             max_connections_per_client=min(per_client, total),
+            backlog=backlog,
             header_timeout_s=header_timeout_s,
         )
 

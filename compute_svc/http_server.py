@@ -216,6 +216,7 @@ class HttpServer:
             access_log=False,  # moe_compute_http_requests_total counts them
             proxy_headers=False,  # a client is the address it connects from
             limit_concurrency=None,  # http_guard bounds connections; http_api bounds requests
+            backlog=self.limits.backlog,
             timeout_keep_alive=max(1, round(idle_timeout_s)) if idle_timeout_s > 0 else 5,
             timeout_graceful_shutdown=5,
             server_header=False,

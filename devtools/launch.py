@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -110,14 +111,29 @@ def start(
     env: dict | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     checkout: Path | None = None,
+    open_files: int | None = None,
 ) -> Proc:
     """``python -m module args`` from this checkout, or from ``checkout`` (another one, with its
-    own ``.venv``: a benchmark's baseline), waited on until healthy at ``address``."""
+    own ``.venv``: a benchmark's baseline), waited on until healthy at ``address``;
+    ``open_files``: the process's limit on open descriptors (``ulimit -n``)."""
     python, cwd = (sys.executable, REPO) if checkout is None else (checkout_python(checkout), Path(checkout))
     log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    limit = None
+    if open_files is not None:
+
+        def limit() -> None:
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+            )
+
     popen = subprocess.Popen(
-        [str(python), "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env
+        [str(python), "-m", module, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=full_env,
+        preexec_fn=limit,
     )
     try:
         wait_healthy(address, popen, log_path, credentials=credentials)
@@ -176,6 +192,7 @@ def start_compute(
     log_name: str = "compute.log",
     module: str = "compute_svc",
     checkout: Path | None = None,
+    open_files: int | None = None,
 ) -> Proc:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -188,7 +205,15 @@ def start_compute(
         address,
         *(extra or []),
     ]
-    return start(module, args, address, work_dir / log_name, credentials=credentials, checkout=checkout)
+    return start(
+        module,
+        args,
+        address,
+        work_dir / log_name,
+        credentials=credentials,
+        checkout=checkout,
+        open_files=open_files,
+    )
 
 
 def start_predictor(

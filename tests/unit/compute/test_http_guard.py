@@ -9,8 +9,9 @@ from expertcache.errors import InvalidArgument
 
 
 def test_connection_limits_follow_the_open_files_limit():
+    # 1,024 descriptors: 256 kept for the rest, 128 for a backlog accepted in one go.
     limits = ConnectionLimits.derive(max_requests=256, client_share=0.5, header_timeout_s=10, open_files=1024)
-    assert (limits.max_connections, limits.max_connections_per_client) == (768, 384)
+    assert (limits.max_connections, limits.max_connections_per_client, limits.backlog) == (640, 320, 128)
     configured = ConnectionLimits.derive(
         max_requests=8, client_share=0.5, header_timeout_s=1, configured_max=200, open_files=1 << 20
     )
@@ -20,7 +21,7 @@ def test_connection_limits_follow_the_open_files_limit():
         ConnectionLimits.derive(
             max_requests=8, client_share=1.0, header_timeout_s=1, configured_max=5000, open_files=1024
         ).max_connections
-        == 768
+        == 640
     )
 
 
