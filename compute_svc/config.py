@@ -73,14 +73,15 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     http_max_connections: int = field(
         default=0,
         metadata={
-            "help": "HTTP connections open at once; 0 = as many as the open-files limit leaves (3/4 of it)",
+            "help": "HTTP connections open at once; 0 = what the open-files limit leaves (3/4 of it, less the listen backlog)",
             "min": 0,
             "max": 1 << 20,
         },
     )
     """Never more than the open-files limit (``ulimit -n``) leaves after gRPC, the daemon and the
-    store (a quarter, at least 128). At the limit a new connection closes the idlest one (of its
-    own client address first); see ``compute_svc.http_guard``."""
+    store (a quarter, at least 128) and the listen backlog (an eighth, at most 512). At the limit a
+    new connection closes the idlest one (of its own client address first); see
+    ``compute_svc.http_guard``."""
 
     http_header_timeout_s: float = field(
         default=10.0,
