@@ -9,7 +9,8 @@ Both keep their connections alive the way a patient attacker would: they answer 
 frames, and re-open a stream as soon as the server ends one (``Attack.hold``). ``refused_prompts``
 sends prompts too large to be served (refused with INVALID_ARGUMENT) through a normal gRPC stub.
 The HTTP front door's attacks (idle connections, slow headers and bodies, unread SSE streams,
-large refused bodies) are in ``bench.http_hostile``.
+large refused bodies) are in ``bench.http_hostile``; a compute client writing random bytes into
+all the shared memory it can write (``shm-fuzz``) is in ``bench.shm_hostile``.
 
 ``python -m bench.hostile`` (``make bench-hostile``) runs them all, one phase after another,
 against real compute (with its HTTP API) and predictor processes at their default flags, while a
@@ -421,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe.inference.v1 import inference_pb2
 
     from bench.http_hostile import IdleFlood, RefusedBodies, Trickle, UnreadStreams, get
+    from bench.shm_hostile import RegionFuzz
     from cache_daemon.convert import convert
     from devtools.launch import free_port, start, start_compute, start_daemon
     from devtools.tiny import make_checkpoint
@@ -475,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon_log_lines=_lines(daemon.log_path)[0] - logs0[1][0],
         )
         figures["rss_growth_mib"] = figures["rss_peak_mib"] - rss0
-        for what in ("statuses", "closed_by_server", "opened"):
+        for what in ("statuses", "closed_by_server", "opened", "attaches", "bytes_written", "errors"):
             if attack is not None and hasattr(attack, what):
                 figures[f"attack_{what}"] = getattr(attack, what)
         if settle_s:
@@ -566,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: RefusedBodies(http_port, count=30, size=6 << 20, source=attacker).start(),
             settle_s=10.0,
         )
+        phase("shm-fuzz", lambda: RegionFuzz(daemon.address.removeprefix("unix://")).start())
         phost, pport = predictor_address.rsplit(":", 1)
         attack = Attack(
             phost, int(pport), "/moe.predictor.v1.Predictor/GetStats", connections=12, streams=10

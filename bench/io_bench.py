@@ -298,25 +298,25 @@ def safetensors_read(path: Path, manifest: StoreManifest) -> tuple[int, float]:
 
 def slot_table_hit(top_k: int, iterations: int) -> dict[str, float]:
     """try_pin_many + unpin_many of ``top_k`` resident entries of a shared-memory slot table."""
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path = shm / f"expertcache-bench-{os.getpid()}.table"
-    table = SlotTable.create(str(path), 64, 16)
-    try:
-        entries = list(range(8, 8 + top_k))
-        for slot, e in enumerate(entries):
-            table.begin_load(e, slot)
-            table.finish_load(e)
-        samples = []
-        clock = time.perf_counter_ns
-        for _ in range(iterations):
-            t0 = clock()
-            slots = table.try_pin_many(entries)
-            table.unpin_many(entries)
-            samples.append(clock() - t0)
-        assert all(s >= 0 for s in slots)
-        return percentiles_us(samples)
-    finally:
-        path.unlink(missing_ok=True)
+    owner = SlotTable.create(f"expertcache-bench-{os.getpid()}", 64, 16)
+    epoch = owner.claim_channel(0)
+    table_fd, region_fd = owner.table_fd(), owner.client_fd(0)
+    table = SlotTable.attach(table_fd, region_fd, 0, epoch)  # compute's handle, as the handoff gives it
+    os.close(table_fd)
+    os.close(region_fd)
+    entries = list(range(8, 8 + top_k))
+    for slot, e in enumerate(entries):
+        owner.begin_load(e, slot)
+        owner.finish_load(e)
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(iterations):
+        t0 = clock()
+        slots = table.try_pin_many(entries)
+        table.unpin_many(entries)
+        samples.append(clock() - t0)
+    assert all(s >= 0 for s in slots)
+    return percentiles_us(samples)
 
 
 def daemon_hit(work: Path, top_k: int, iterations: int, grpc_iterations: int) -> dict[str, dict]:

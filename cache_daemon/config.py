@@ -238,10 +238,13 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
             )
         if not self.socket_path:
             raise InvalidArgument("config field 'socket_path' must not be empty")
-        if len(os.fsencode(self.socket_path)) > MAX_UNIX_SOCKET_PATH_BYTES:
+        # The handoff socket beside it ("<socket_path>.handoff") must fit too.
+        limit = MAX_UNIX_SOCKET_PATH_BYTES - len(".handoff")
+        if len(os.fsencode(self.socket_path)) > limit:
             raise InvalidArgument(
-                f"config field 'socket_path' is {len(os.fsencode(self.socket_path))} bytes long; unix socket "
-                f"paths are limited to {MAX_UNIX_SOCKET_PATH_BYTES} bytes: {self.socket_path}"
+                f"config field 'socket_path' is {len(os.fsencode(self.socket_path))} bytes long; it may be "
+                f"at most {limit} bytes (unix socket paths are limited to {MAX_UNIX_SOCKET_PATH_BYTES} bytes, "
+                f"and the handoff socket adds '.handoff'): {self.socket_path}"
             )
         if not self.shm_dir:
             raise InvalidArgument("config field 'shm_dir' must not be empty")

@@ -5,7 +5,8 @@ CacheDaemon.start(config)
   ├─ StoreReader                        O_DIRECT reads + CRC checks
   ├─ HostTier                           host_budget_bytes // blob_bytes slots (0 = none)
   ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (shm / CUDA)
-  ├─ SlotTable                          <shm_dir>/expertcache-<daemon_id>.slots, mapped by compute
+  ├─ SlotTable                          memfds: the table (compute maps it read-only) and a region
+  │                                     per client, handed over the handoff socket (client_handoff)
   ├─ ActivationSignals                  compute's routing / lookahead, predictor hints
   ├─ Residency                          slot table, pins, policy, demand loads, prefetch worker
   └─ HintBoard (+ HintSubscriber)       predictor hints, pushed to the residency as they arrive
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from cache_daemon.budget import Budget
+from cache_daemon.client_handoff import ClientHandoff
 from cache_daemon.config import LIVE_FIELDS, DaemonConfig
 from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
 from cache_daemon.decisions.next_visit import read as read_next_visit_model
@@ -65,8 +66,9 @@ class AttachInfo:
     slot_bytes: int
     manifest_json: str  # manifest.json, verbatim
     daemon_id: str
-    slot_table_path: str  # absolute path of the shared slot table file
     client: ClientLedger | None  # the caller's client ledger, when it asked for one
+    handoff_socket: str = ""  # where the client trades handoff_token for the table and its region
+    handoff_token: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class CacheDaemon:
         # The budgets as started: their ceilings are the memory allocated at start.
         self.budgets = (Budget.device(self.config), Budget.host(self.config))
         self._closed = False
+        self.handoff = ClientHandoff(self.residency.handoff_fds)
         self._config_lock = threading.Lock()  # one update at a time
         # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
         # the prefetcher); the board keeps the latest per request for GetStats. Empty unless
@@ -317,12 +320,9 @@ class CacheDaemon:
         arena = host = table = None
         try:
             arena = create_arena(config.device, num_slots, blob, shm_dir=config.shm_dir, daemon_id=daemon_id)
-            # Next to the shm arena (tmpfs): compute maps it and pins resident experts without RPC.
-            table = SlotTable.create(
-                os.path.abspath(os.path.join(config.shm_dir, f"expertcache-{daemon_id}.slots")),
-                table_entries(manifest),
-                num_slots,
-            )
+            # Compute maps it (read-only, with a region of its own) and pins resident experts
+            # without RPC; memfds, handed over the handoff socket: no file to open or leave behind.
+            table = SlotTable.create(f"expertcache-{daemon_id}", table_entries(manifest), num_slots)
             # The host tier is a plain LRU cache below the arena: predictions rank the arena.
             host = HostTier(
                 host_slots,
@@ -350,8 +350,6 @@ class CacheDaemon:
             )
             residency.set_slot_limit(device_slots)
         except BaseException:
-            if table is not None:
-                _remove(table.path)
             for part in (host, arena, store):
                 if part is not None:
                     part.close()
@@ -384,9 +382,15 @@ class CacheDaemon:
             config=config,
         )
 
+    def serve_handoff(self, path: str) -> None:
+        """Hand clients their table and region on the unix socket ``path`` (``create_server``
+        starts it beside the gRPC socket); without it, Attach offers no client ledger."""
+        self.handoff.start(path)
+
     def attach(self, client_name: str, *, want_client: bool = False) -> AttachInfo:
-        """``want_client``: the caller pins through the slot table and needs a client ledger."""
-        client = self.residency.claim_client() if want_client else None
+        """``want_client``: the caller pins through the slot table and needs a client ledger (only
+        while the handoff socket is served)."""
+        client = self.residency.claim_client() if want_client and self.handoff.path else None
         logger.info(
             "attach from %s%s",
             client_name or "an unnamed client",
@@ -398,8 +402,9 @@ class CacheDaemon:
             slot_bytes=self.arena.slot_bytes,
             manifest_json=self.manifest_json,
             daemon_id=self.daemon_id,
-            slot_table_path=self.table.path,
             client=client,
+            handoff_socket=self.handoff.path if client is not None else "",
+            handoff_token=self.handoff.issue(client) if client is not None else b"",
         )
 
     def stats(self) -> CacheStats:
@@ -470,13 +475,6 @@ class CacheDaemon:
             )
         self.store.close()
         self.host.close()
+        self.handoff.close()
         self.arena.close()
-        _remove(self.table.path)
         logger.info("daemon %s closed", self.daemon_id)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

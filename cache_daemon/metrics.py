@@ -125,6 +125,14 @@ class DaemonMetrics:
         self.signals = c(
             "moe_cache_signals_total", "One-way prediction messages received from compute.", ("kind",)
         )
+        self.clients_revoked = c(
+            "moe_cache_clients_revoked_total",
+            "Client sessions ended because their shared-memory region broke the pin protocol.",
+        )
+        self.channel_failures = c(
+            "moe_cache_channel_failures_total",
+            "Client channels ended by an internal error (their demand answered INTERNAL).",
+        )
         # Histograms (not in GetStats).
         self.acquire_wait = self.registry.histogram(
             "moe_cache_acquire_wait_seconds", "Time from an Acquire's arrival to its AcquireDone."

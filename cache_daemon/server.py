@@ -81,9 +81,10 @@ def attach_to_pb(info: AttachInfo) -> cache_pb2.AttachResponse:
         slot_bytes=info.slot_bytes,
         manifest_json=info.manifest_json,
         daemon_id=info.daemon_id,
-        slot_table_path=info.slot_table_path,
         client_index=info.client.index if info.client is not None else -1,
         client_epoch=info.client.epoch if info.client is not None else 0,
+        handoff_socket=info.handoff_socket,
+        handoff_token=info.handoff_token,
     )
 
 
@@ -389,6 +390,11 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         return update_to_pb(self._daemon.update_config(update_from_pb(request)))
 
 
+def handoff_path(socket_path: str) -> str:
+    """The handoff socket beside the gRPC socket ``socket_path`` (``expertcache.handoff``)."""
+    return socket_path + ".handoff"
+
+
 def create_server(
     daemon: CacheDaemon,
     socket_path: str,
@@ -416,6 +422,7 @@ def create_server(
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, SOCKET_MODE)  # just bound by this process, in a directory only we can write
+    daemon.serve_handoff(handoff_path(socket_path))
     server.start()
     set_serving(health_servicer, [SERVICE_NAME])
     logger.info("serving %s on unix://%s", SERVICE_NAME, socket_path)

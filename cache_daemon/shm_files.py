@@ -1,6 +1,6 @@
 """Ownership of the daemon's shared-memory files, so a killed daemon leaves nothing behind for long.
 
-A daemon keeps its arena and slot table as files in ``shm_dir`` (a tmpfs: RAM). ``close``
+A daemon keeps its arena as a file in ``shm_dir`` (a tmpfs: RAM). ``close``
 removes them, but a daemon killed with SIGKILL (OOM killer, ``kubectl delete --force``) cannot,
 and on a node that restarts the daemon container the leftovers would add up to whole arenas of
 RAM. Every daemon therefore holds an ``flock`` on a lock file for as long as it lives, and the
@@ -10,9 +10,11 @@ flock when its holder dies, however it dies.
 ::
 
     <shm_dir>/expertcache-<daemon_id>.lock    flock(LOCK_EX) held by the live daemon
-    <shm_dir>/expertcache-<daemon_id>         arena (CPU)                 ┐ removed by a later
-    <shm_dir>/expertcache-<daemon_id>.slots   slot table                  ┘ daemon's sweep once
+    <shm_dir>/expertcache-<daemon_id>         arena (CPU)                   removed by a later
+                                                                            daemon's sweep once
                                                                             the lock is free
+    (<shm_dir>/expertcache-<daemon_id>.slots  the slot table of releases before it became memfds,
+                                              swept the same way)
 
 Only ids that have a lock file are ever swept: other ``expertcache-*`` files in a shared
 ``/dev/shm`` (tests, benchmarks, a daemon of an older version) are left alone. A new lock file

@@ -283,8 +283,11 @@ class DaemonClient:
     ) -> Iterator[list[ReadyExpert]]:
         """The daemon's answer to demand ``seq``, then the misses in batches as they land."""
         while channel.reply_seq != seq:
+            # Read before the checks: a stream end or an interrupt after them bumps it and ends
+            # the wait at once (read after them, it would be slept through).
+            seen = channel.notify_seq
             remaining = self._remaining(stream, limit, deadline, layer, misses)
-            channel.wait_reply(seq, remaining, CHANNEL_SPIN_S, CHANNEL_GRACE_S)
+            channel.wait_reply(seq, seen, remaining, CHANNEL_SPIN_S, CHANNEL_GRACE_S)
         if channel.reply_status != codes.STATUS_OK:
             raise error_from_status(channel.reply_status, channel.reply_message, self._link.address)
         # Admitted: the daemon pinned every miss into our ledger; we release them like our hits.

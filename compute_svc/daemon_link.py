@@ -1,5 +1,6 @@
-"""The connection to one cache daemon: what Attach returned, the shared slot table and this
-client's ledger in it (with the pins taken there), and the one Demand stream.
+"""The connection to one cache daemon: what Attach returned, the shared slot table (read-only)
+and this client's own region (its ledger: the pins taken there, and its channel), handed over
+the daemon's handoff socket, and the one Demand stream.
 
 Every piece of that state has this one owner; the acquire/release side
 (``compute_svc.cache_client.DaemonClient``) and the one-way signals
@@ -10,7 +11,9 @@ which is also where a restarted daemon is detected.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -26,7 +29,8 @@ from compute_svc.daemon_wire import (
 )
 from compute_svc.demand_stream import DemandStream
 from compute_svc.errors import DaemonUnavailable, FailedPrecondition
-from expertcache import native
+from expertcache import handoff, native
+from expertcache.errors import ExpertCacheError
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +67,53 @@ class DaemonLink:
 
     def _map_table(self, attachment: Attachment) -> None:
         """Map the daemon's slot table for the fast path, or stay on Demand-only if it has none."""
-        if not attachment.slot_table_path or attachment.client_index < 0:
+        if not attachment.handoff_socket or attachment.client_index < 0:
             logger.warning(
                 "cache daemon at %s offers no shared slot table: every acquire goes through Demand",
                 self.address,
             )
             return
+        self._bind_region(attachment.handoff_socket, attachment.handoff_token, attachment.client_index)
+
+    def _bind_region(self, socket_path: str, token: bytes, index: int) -> None:
+        """Trade Attach's token for the table (read-only) and our ledger's region (ours alone)."""
         try:
-            table = native.SlotTable.open(attachment.slot_table_path)
-        except (OSError, RuntimeError, ValueError) as exc:
+            payload, fds = handoff.receive(socket_path, token)
+        except ExpertCacheError as exc:
             raise FailedPrecondition(
-                f"cannot map the cache daemon's slot table {attachment.slot_table_path}: {exc} "
-                "(is its shared-memory directory mounted in this container? or pass --no-shm-fast-path)"
+                f"cannot get the slot table from the cache daemon's handoff socket {socket_path}: {exc} "
+                "(is its socket directory mounted in this container? or pass --no-shm-fast-path)"
             ) from None
-        manifest = attachment.manifest
+        try:
+            granted = json.loads(payload)
+            if len(fds) != 2 or granted.get("client_index") != index:
+                raise FailedPrecondition(
+                    f"the cache daemon's handoff at {socket_path} sent {len(fds)} descriptors for ledger "
+                    f"{granted.get('client_index')}, expected 2 for ledger {index}"
+                )
+            epoch = int(granted["client_epoch"])
+            try:
+                table = native.SlotTable.attach(fds[0], fds[1], index, epoch)
+            except StaleClient as exc:
+                raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise FailedPrecondition(f"cannot map the cache daemon's slot table: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FailedPrecondition(
+                f"the cache daemon's handoff at {socket_path} answered badly: {exc}"
+            ) from None
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings keep what they need
+        manifest = self.attachment.manifest
         if table.num_entries != manifest.num_layers * manifest.num_experts:
             raise FailedPrecondition(
-                f"slot table {attachment.slot_table_path} has {table.num_entries} entries, expected "
+                f"the cache daemon's slot table has {table.num_entries} entries, expected "
                 f"{manifest.num_layers} layers x {manifest.num_experts} experts"
             )
         self.table = table
-        self.shm_channel = table.channel(attachment.client_index)
-        self._ledger = (attachment.client_index, attachment.client_epoch)
+        self.shm_channel = table.channel(index)
+        self._ledger = (index, epoch)
 
     def open_locked(self) -> DemandStream:
         """The open Demand stream; a new one (tied to the ledger) if there is none."""
@@ -97,10 +126,6 @@ class DaemonLink:
             metadata: tuple[tuple[str, str], ...] = ()
             if self.table is not None:
                 index, epoch = self._ledger
-                try:
-                    self.table.attach_client(index, epoch)
-                except StaleClient as exc:
-                    raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
                 metadata = ((CLIENT_INDEX_KEY, str(index)), (CLIENT_EPOCH_KEY, str(epoch)))
             self.stream = DemandStream(
                 self._stub, metadata, on_end=self._stream_ended, wake=self.wake_channel
@@ -130,8 +155,10 @@ class DaemonLink:
                 "re-attaching to its new arena"
             )
         if self.table is not None:
-            self._ledger = (reply.client_index, reply.client_epoch)  # the old one went with its stream
-            self.shm_channel = self.table.channel(reply.client_index) if reply.client_index >= 0 else None
+            # The old ledger went with its stream; the new one comes with a region of its own.
+            self.table, self.shm_channel, self._ledger = None, None, None
+            if reply.client_index >= 0 and reply.handoff_socket:
+                self._bind_region(reply.handoff_socket, reply.handoff_token, reply.client_index)
 
     def wake_channel(self) -> None:
         channel = self.shm_channel

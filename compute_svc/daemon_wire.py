@@ -62,9 +62,10 @@ class Attachment:
     slot_bytes: int
     manifest: StoreManifest
     daemon_id: str
-    slot_table_path: str = ""  # empty: the daemon offers no shared slot table
     client_index: int = -1  # our ledger in the table; -1 when none was asked for or given
     client_epoch: int = 0
+    handoff_socket: str = ""  # where handoff_token buys the table and our region (empty: no fast path)
+    handoff_token: bytes = b""
 
 
 def arena_from_pb(pb: cache_pb2.ArenaHandle) -> ArenaHandle:
@@ -91,9 +92,10 @@ def attachment_from_pb(pb: cache_pb2.AttachResponse, address: str) -> Attachment
             pb.manifest_json, origin=f"manifest from the cache daemon at {address}"
         ),
         daemon_id=pb.daemon_id,
-        slot_table_path=pb.slot_table_path,
         client_index=pb.client_index,
         client_epoch=pb.client_epoch,
+        handoff_socket=pb.handoff_socket,
+        handoff_token=pb.handoff_token,
     )
 
 

@@ -5,23 +5,25 @@ checkout, which installs the checkout in editable mode); ``FEATURES`` says which
 paths it was built with. Exceptions come from C++:
 ``IndexError`` (entry/slot index out of range), ``ValueError`` (bad argument, bad slot-table
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
-messages name the slot-table path where there is one.
+messages name the slot table where there is one.
 
-``SlotTable`` (shared memory, version 4, one entry per ``(layer, expert)`` index; the pin
-protocol and its races are written up in csrc/include/expertcache/slot_table.h):
-``create(path, num_entries, num_slots, num_clients=32, max_demand=0, ring_bytes=128 KiB)`` /
-``open(path)``;
-``try_pin(e) -> int | None``, ``unpin(e)``, batch ``try_pin_many(entries) -> list[int]`` (slot or
--1) and ``unpin_many(entries)`` (the compute hit path); ``begin_load(e, slot)``,
-``finish_load(e)``, ``abort_load(e)``, ``try_evict(e) -> bool``, ``wait_resident(e, timeout_s) ->
-bool`` (releases the GIL); recency: ``access_stamps(entries)``, ``stamp(e)``,
-``accessed_since(since)``, ``clock``, ``hits``; crash-safe pins: ``attach_client(client, epoch)``,
-``client_pins(c, e)``, ``reclaim_client(c) -> int`` (``StaleClient`` once a ledger was reclaimed);
-``state(e)`` (a ``TableState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)``,
-``resident_slots(entries)`` (slot, -1 loading, -2 absent). Client channels (compute's demands
-and signals in shared memory, csrc/include/expertcache/channel.h): ``channel(c) ->
-ClientChannel``, daemon side ``claim_channel(c)``, ``hold_for_client(c, epoch, e)``,
-``unhold_for_client(c, epoch, e)``, ``signals_wanted`` (read by compute, set by the daemon).
+``SlotTable`` (shared memory, version 5, one entry per ``(layer, expert)`` index; the layout, the
+pin protocol and what the daemon trusts are written up in csrc/include/expertcache/slot_table.h).
+The daemon's handle: ``create(name, num_entries, num_slots, num_clients=32, max_demand=0,
+ring_bytes=128 KiB)`` (memfds, no file); ``begin_load(e, slot)``, ``finish_load(e)``,
+``abort_load(e)``, ``try_evict(e) -> bool``, ``hold(e, n)`` and ``unpin_many`` (its own pins);
+client ledgers: ``claim_channel(c) -> epoch`` (a new region), ``table_fd()``, ``client_fd(c)``
+(descriptors for the handoff), ``hold_for_client(c, epoch, e)``, ``unhold_for_client(c, epoch,
+e)``, ``reclaim_client(c) -> int``, ``audit_client(c) -> (pinned, stray)``, ``client_epoch(c)``,
+``client_pins(c, e)``; recency ``accessed_since(since) -> (entries, until)``, ``hits``;
+``state(e)`` (a ``TableState`` value), ``pins(e)``, ``slot(e)``, ``generation(e)`` from its private
+record. Compute's handle: ``attach(table_fd, region_fd, c, epoch)`` (the table read-only, its own
+region read-write; ``StaleClient`` once its ledger was reclaimed); ``try_pin(e) -> int | None``,
+``unpin(e)``, batch ``try_pin_many(entries) -> list[int]`` (slot or -1) and ``unpin_many(entries)``
+(the hit path), ``wait_resident(e, timeout_s) -> bool`` (releases the GIL),
+``resident_slots(entries)`` (slot, -1 loading, -2 absent). Client channels (compute's demands and
+signals in its region, csrc/include/expertcache/channel.h): ``channel(c) -> ClientChannel``;
+``signals_wanted`` (read by compute, set by the daemon).
 
 ``HostPool(num_slots, slot_bytes, pin=False)``: 4 KiB-aligned slots, registered with CUDA when
 ``pin`` (``RuntimeError`` when it cannot be); ``alloc() -> int``, ``free(i)``, ``view(i) ->

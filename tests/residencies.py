@@ -4,6 +4,7 @@ together. The daemon's unit tests subclass ``ResidencyHarness`` with what they d
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +43,7 @@ class ResidencyHarness:
         self.arena = ShmArena(slots, self.manifest.blob_bytes, shm_dir=tmp_path, daemon_id=daemon_id)
         self.host = HostTier(host_slots, self.manifest.blob_bytes, make_policy("lru"), self.metrics)
         self.executor = ThreadPoolExecutor(io_threads)
-        self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(self.manifest), slots, 4)
+        self.table = SlotTable.create(f"expertcache-{daemon_id}", table_entries(self.manifest), slots, 4)
         self.residency = Residency(
             self.manifest,
             self.arena,
@@ -64,6 +65,17 @@ class ResidencyHarness:
         self.store.close()
         self.host.close()
         self.arena.close()
+
+
+def compute_handle(table: SlotTable, client: int) -> SlotTable:
+    """Compute's handle on claimed ledger ``client`` of the daemon's ``table``: the table
+    read-only and the ledger's own region, from descriptors as the handoff socket gives them."""
+    table_fd, region_fd = table.table_fd(), table.client_fd(client)
+    try:
+        return SlotTable.attach(table_fd, region_fd, client, table.client_epoch(client))
+    finally:
+        os.close(table_fd)
+        os.close(region_fd)
 
 
 def harnesses(tmp_path: Path, make: Callable[..., H]) -> Iterator[Callable[..., H]]:

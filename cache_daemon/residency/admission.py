@@ -28,6 +28,7 @@ from cache_daemon.residency.channel import ChannelServer
 from cache_daemon.residency.clients import Session
 from cache_daemon.residency.loader import Load
 from cache_daemon.residency.prefetcher import PREFETCH_KINDS
+from cache_daemon.residency.sessions import STRAY_CONFIRM_S
 from cache_daemon.residency.slots import SlotState
 from cache_daemon.residency.state import ResidencyState
 from cache_daemon.tiers.base import Tier
@@ -125,6 +126,8 @@ class Admission(ResidencyState):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AcquireTimeout(self._timeout_message(layer, keys, timeout))
+                if self.audit_clients():  # a client pinning at will ends here, its pins with it
+                    remaining = min(remaining, STRAY_CONFIRM_S)
                 if not waiting:
                     waiting = True
                     self.demand_waiting += 1  # the prefetcher takes no slot meanwhile

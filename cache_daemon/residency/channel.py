@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 # Requests one client may have begun and not ended at once (compute's batch is far smaller): a
 # begin beyond it is dropped and counted as a rejected signal.
 MAX_LIVE_REQUESTS = 4096
+# Signal records applied in one hold of the residency lock, at most.
+MAX_OPS_PER_HOLD = 512
 _EXPERT_OVERFLOW = 0xFFFFFFFF  # take_demand's mark of a count beyond the mailbox
 
 
@@ -65,6 +67,7 @@ class ChannelServer:
         self.channel = channel
         self._requests: dict[int, str] = {}  # the client's request handles -> request ids
         self._taken = 0  # the last demand sequence number served
+        self._serving: int | None = None  # the demand taken up and not yet answered
         self._warned: set[str] = set()
         self.gather = residency.blob_bytes < GATHER_BELOW_BYTES
         self._thread = threading.Thread(
@@ -112,6 +115,11 @@ class ChannelServer:
                 seen = channel.doorbell_seq
                 ops = self._drain_signals()
                 demand = channel.take_demand(self._taken)
+                # A flood of records is applied in bounded holds of the lock: one client's ring
+                # never keeps the others' admissions waiting for long.
+                while len(ops) > MAX_OPS_PER_HOLD:
+                    self.residency.intake.apply_ops(ops[:MAX_OPS_PER_HOLD])
+                    ops = ops[MAX_OPS_PER_HOLD:]
                 if demand is not None:
                     # The layer's signals go in the admission's hold of the lock, just before it:
                     # its demand loads are started before any prefetch they trigger.
@@ -122,11 +130,32 @@ class ChannelServer:
                 channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
         except (SessionClosed, ShuttingDown):
             pass
-        except Exception:  # noqa: BLE001 - a bug here must not take the daemon down silently
-            logger.exception("the channel of client ledger %d failed", self.ledger.index)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the daemon down silently
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        """Any other error ends the channel: the demand in progress is answered INTERNAL (compute
+        fails that layer at once instead of waiting out its deadline) and the session is closed,
+        which reclaims the client's pins; compute attaches again for the next request."""
+        self.residency.metrics.channel_failures.inc()
+        logger.error(
+            "the channel of client ledger %d failed; ending its session: %s: %s",
+            self.ledger.index,
+            type(exc).__name__,
+            exc,
+            exc_info=logger.isEnabledFor(logging.DEBUG),
+        )
+        if self._serving is not None and not self.session.closed:
+            self.channel.reply(
+                self._serving,
+                status_of("INTERNAL"),
+                f"the cache daemon's channel failed: {type(exc).__name__}",
+            )
+        self.residency.close_session(self.session)  # this thread: close skips joining itself
 
     def _serve(self, seq: int, layer: int, experts: list[int], ops: list[tuple[str, object]]) -> None:
         self._taken = seq
+        self._serving = seq
         started = time.monotonic()
         try:
             if experts and experts[-1] == _EXPERT_OVERFLOW:
@@ -138,6 +167,7 @@ class ChannelServer:
             raise
         except ExpertCacheError as exc:
             self.channel.reply(seq, status_of(exc.grpc_code), str(exc))
+            self._serving = None
             return
         metrics = self.residency.metrics
         metrics.acquire_experts.observe(len(experts))
@@ -149,9 +179,11 @@ class ChannelServer:
             self.residency.run_deferred(deferred)
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
+            self._serving = None
         else:
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
+            self._serving = None
             self.residency.run_deferred(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
 
@@ -213,4 +245,4 @@ class ChannelServer:
             )
 
 
-__all__ = ["MAX_LIVE_REQUESTS", "ChannelServer"]
+__all__ = ["MAX_LIVE_REQUESTS", "MAX_OPS_PER_HOLD", "ChannelServer"]

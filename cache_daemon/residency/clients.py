@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 # A client ledger claimed at Attach but never tied to a Demand stream is taken back after this
 # long, when every ledger is in use (the client died between Attach and Demand).
 UNBOUND_CLAIM_EXPIRY_S = 30.0
+# At most this share of the ledgers is claimed and not yet tied to a stream: an Attach beyond it
+# takes back the oldest unbound claim, so a flood of Attach calls churns among unbound claims and
+# never exhausts the ledgers that working clients hold.
+MAX_UNBOUND_SHARE = 0.5
 
 
 class Session:
@@ -84,35 +88,53 @@ class ClientLedgers:
     def __init__(self, table: SlotTable) -> None:
         self._table = table
         self._claims: dict[int, tuple[Session | None, float]] = {}  # index -> (bound session, claimed at)
+        self._warned_at = -1e9
 
     def claim(self) -> ClientLedger:
-        """A free ledger for an attaching compute process (``ResourceExhausted`` if none)."""
+        """A free ledger for an attaching compute process, with a new region (the table's
+        ``claim_channel``); ``ResourceExhausted`` if none."""
         table = self._table
         now = time.monotonic()
+        unbound = sorted((since, i) for i, (bound, since) in self._claims.items() if bound is None)
         free = next((i for i in range(table.num_clients) if i not in self._claims), None)
-        if free is None:
+        take_back = None
+        if unbound and len(unbound) >= max(1, int(table.num_clients * MAX_UNBOUND_SHARE)):
+            take_back = unbound[0][1]  # too many Attach calls without a stream: the oldest goes
+        elif free is None:
             # A ledger claimed long ago and never tied to a stream: its client died after Attach.
-            free = next(
-                (
-                    i
-                    for i, (bound, since) in sorted(self._claims.items())
-                    if bound is None and now - since > UNBOUND_CLAIM_EXPIRY_S
-                ),
-                None,
-            )
-            if free is None:
+            take_back = next((i for since, i in unbound if now - since > UNBOUND_CLAIM_EXPIRY_S), None)
+            if take_back is None:
                 raise ResourceExhausted(
-                    f"all {table.num_clients} client ledgers of slot table {table.path} are in "
-                    "use by attached compute processes; detach one or attach with the shm fast path off"
+                    f"all {table.num_clients} client ledgers of the slot table are in use by attached "
+                    "compute processes; detach one or attach with the shm fast path off"
                 )
-            logger.warning(
-                "taking back client ledger %d, claimed %.0fs ago and never used",
-                free,
-                now - self._claims[free][1],
-            )
-            table.reclaim_client(free)
+        if take_back is not None:
+            if now - self._warned_at > 10.0:
+                self._warned_at = now
+                logger.warning(
+                    "taking back client ledger %d, claimed %.1fs ago and never tied to a Demand stream "
+                    "(%d unbound claims)",
+                    take_back,
+                    now - self._claims[take_back][1],
+                    len(unbound),
+                )
+            table.reclaim_client(take_back)
+            del self._claims[take_back]
+            free = take_back if free is None else free
+        epoch = table.claim_channel(free)  # a new region: nothing of a previous client in it
         self._claims[free] = (None, now)
-        return ClientLedger(free, table.client_epoch(free))
+        return ClientLedger(free, int(epoch))
+
+    def unbound(self, ledger: ClientLedger) -> bool:
+        """``ledger`` is claimed at its epoch and not yet tied to a stream."""
+        claim = self._claims.get(ledger.index)
+        return (
+            claim is not None and claim[0] is None and self._table.client_epoch(ledger.index) == ledger.epoch
+        )
+
+    def bound(self) -> list[tuple[int, Session]]:
+        """(index, session) of every ledger tied to a stream."""
+        return [(i, bound) for i, (bound, _since) in self._claims.items() if bound is not None]
 
     def bind(self, session: Session, ledger: ClientLedger) -> None:
         """Tie ``ledger`` (claimed at Attach) to ``session``; ``FailedPrecondition`` if it is not
@@ -139,25 +161,29 @@ class ClientLedgers:
 
 
 class Recency:
-    """Feeds the policy the accesses compute made through the table (its access stamps)."""
+    """Feeds the policy the accesses compute made through the table (its regions' stamps)."""
 
     def __init__(self, table: SlotTable, slots: Slots) -> None:
         self._table = table
         self._slots = slots
-        self._synced = table.clock  # access stamps up to here are known to the policy
+        self._synced = 0  # access stamps up to here (monotonic ns) are known to the policy
 
     def sync(self, policy: EvictionPolicy, on_used) -> None:
         """Tell ``policy`` about every table hit since the last sync, in stamp order;
         ``on_used(key)`` for each (a prefetch of it paid off)."""
-        clock = self._table.clock
-        if clock == self._synced:
-            return
-        for index in self._table.accessed_since(self._synced):
+        entries, self._synced = self._table.accessed_since(self._synced)
+        for index in entries:
             key = self._slots.key_of(index)
             if self._slots.state(key) is SlotState.RESIDENT:
                 policy.on_access(key)
                 on_used(key)
-        self._synced = clock
 
 
-__all__ = ["UNBOUND_CLAIM_EXPIRY_S", "ClientLedger", "ClientLedgers", "Recency", "Session"]
+__all__ = [
+    "MAX_UNBOUND_SHARE",
+    "UNBOUND_CLAIM_EXPIRY_S",
+    "ClientLedger",
+    "ClientLedgers",
+    "Recency",
+    "Session",
+]

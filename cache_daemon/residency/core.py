@@ -159,6 +159,7 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
         self._closing = False
         self.demand_waiting = 0
         self._unpin_seen = None
+        self._strays = {}
         self.signals = signals or ActivationSignals(
             manifest.num_layers, manifest.num_experts, layer_map=self._layers
         )

@@ -10,6 +10,9 @@ ledger's pins are reclaimed and the thread ends.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from collections.abc import Iterable
 
 from cache_daemon.errors import BadAcquire, SessionClosed, ShuttingDown
@@ -19,6 +22,10 @@ from cache_daemon.residency.state import ResidencyState
 from expertcache.keys import ExpertKey
 
 logger = logging.getLogger(__name__)
+
+# A client's stray pins (on entries not LOADING or RESIDENT) must be seen again this much later,
+# on the same entry, before its session is ended: far longer than any pin call takes.
+STRAY_CONFIRM_S = 0.05
 
 # How long closing a session waits for its channel's thread to end (it ends at its next check:
 # an admission waiting for slots is woken by the close, a copy in progress finishes).
@@ -30,11 +37,24 @@ class ClientSessions(ResidencyState):
 
     # -- client ledgers (shm pins of compute processes) ----------------------------------
     def claim_client(self) -> ClientLedger:
-        """A free client ledger for an attaching compute process (``ResourceExhausted`` if none)."""
+        """A free client ledger for an attaching compute process, with a new region of its own
+        (``ResourceExhausted`` if none)."""
         with self._cond:
-            ledger = self._ledgers.claim()
-        self._table.claim_channel(ledger.index)  # emptied before the client can write to it
-        return ledger
+            return self._ledgers.claim()
+
+    def handoff_fds(self, ledger: ClientLedger) -> list[int] | None:
+        """New descriptors of the table and of ``ledger``'s region, for the client that claimed
+        it; None unless it is still claimed, unbound, at that epoch (checked under the lock that
+        claims, so a region is never handed to the wrong client)."""
+        with self._cond:
+            if not self._ledgers.unbound(ledger):
+                return None
+            table_fd = self._table.table_fd()
+            try:
+                return [table_fd, self._table.client_fd(ledger.index)]
+            except BaseException:
+                os.close(table_fd)
+                raise
 
     def bind_client(self, session: Session, ledger: ClientLedger) -> None:
         """Tie ``ledger`` (claimed at Attach) to ``session``: when the session closes, the
@@ -46,6 +66,42 @@ class ClientSessions(ResidencyState):
             server = ChannelServer(self, session, ledger, self._table.channel(ledger.index))
             self._channels[session] = server
         server.start()
+
+    def audit_clients(self) -> bool:
+        """Under the lock, when admission lacks slots: end the session of every client whose
+        region pins entries that are neither LOADING nor RESIDENT on two audits at least
+        ``STRAY_CONFIRM_S`` apart (a real pin is there only inside a pin call, for a few
+        instructions: such a client writes its pins at will, and could hold every slot).
+        Returns True while a suspect awaits its second audit (the caller audits again soon)."""
+        now = time.monotonic()
+        suspects: dict[int, tuple[frozenset[int], float]] = {}
+        revoke: list[tuple[int, Session, int]] = []
+        for index, session in self._ledgers.bound():
+            _pinned, stray = self._table.audit_client(index)
+            if not stray:
+                continue
+            seen = self._strays.get(index)
+            if seen is not None and now - seen[1] >= STRAY_CONFIRM_S and seen[0] & set(stray):
+                revoke.append((index, session, len(stray)))
+            else:
+                suspects[index] = seen if seen is not None else (frozenset(stray), now)
+        self._strays = suspects
+        for index, session, n in revoke:
+            self._metrics.clients_revoked.inc()
+            logger.warning(
+                "ending the session of client ledger %d (%s): its region pins %d%s entries that are not "
+                "resident, twice %.2fs apart (its pins are not what the protocol writes)",
+                index,
+                session,
+                n,
+                "+" if n >= 64 else "",
+                STRAY_CONFIRM_S,
+            )
+            # Not here: closing joins the channel's thread, which may wait for this lock.
+            threading.Thread(
+                target=self.close_session, args=(session,), name=f"expertcache-revoke-{index}", daemon=True
+            ).start()
+        return bool(suspects)
 
     # -- sessions -----------------------------------------------------------------------
     def open_session(self, name: str = "") -> Session:
@@ -121,4 +177,4 @@ class ClientSessions(ResidencyState):
             self.slots.unhold(key)
 
 
-__all__ = ["CHANNEL_JOIN_S", "ClientSessions"]
+__all__ = ["CHANNEL_JOIN_S", "STRAY_CONFIRM_S", "ClientSessions"]

@@ -44,7 +44,7 @@ class ResidencyState:
     _lock: threading.RLock
     _cond: threading.Condition  # admissions and acquires waiting for slots or loads
     _watch: threading.Condition  # the unpin watcher
-    _table: SlotTable  # entry state, slot, generation and every pin
+    _table: SlotTable  # entry state, slot, generation, the daemon's holds, the clients' regions
     slots: Slots  # the table's view, and the free-slot allocator
     queue: PrefetchQueue  # loads in flight, demand and prefetch
     _ledgers: ClientLedgers
@@ -55,6 +55,7 @@ class ResidencyState:
     _closing: bool
     demand_waiting: int  # admissions waiting for slots: prefetch stands aside
     _unpin_seen: int | None  # the unpin word as the oldest waiting admission read it
+    _strays: dict[int, tuple[frozenset[int], float]]  # suspect client ledgers: stray pins, first seen
     signals: ActivationSignals
     intake: SignalIntake
     _loader: Loader

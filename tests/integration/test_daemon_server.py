@@ -66,11 +66,12 @@ def test_attach(daemon):
     assert reply.arena.size_bytes == SLOTS * BLOB == daemon.arena_path.stat().st_size
     assert reply.manifest_json == (daemon.store / "manifest.json").read_text()
     assert reply.daemon_id and reply.daemon_id in reply.arena.shm_name
-    # The shared slot table sits next to the arena; no ledger unless asked for.
-    table = Path(reply.slot_table_path)
-    assert table.is_absolute() and table.exists() and reply.daemon_id in table.name
-    assert table.parent == daemon.arena_path.parent
-    assert reply.client_index == -1
+    # No ledger unless asked for: no region, no handoff token. The table is a memfd: no file.
+    assert reply.client_index == -1 and not reply.handoff_socket and not reply.handoff_token
+    assert sorted(p.name for p in daemon.arena_path.parent.glob(f"expertcache-{reply.daemon_id}*")) == [
+        f"expertcache-{reply.daemon_id}",
+        f"expertcache-{reply.daemon_id}.lock",
+    ]
 
 
 def test_demand_release_and_stats(daemon):
@@ -169,12 +170,12 @@ def test_sigterm_removes_shm_file_and_socket(tmp_path):
     stream = DemandStream(d.stub)
     stream.acquire(1, 1, [0])  # an open stream holding a pin does not block the stop
     sock = Path(d.proc.address.removeprefix("unix://"))
-    table = Path(d.attach.slot_table_path)
-    assert sock.exists() and d.arena_path.exists() and table.exists()
+    handoff = Path(str(sock) + ".handoff")
+    assert sock.exists() and d.arena_path.exists() and handoff.exists()
     d.close()
     d.proc.popen.send_signal(signal.SIGTERM)
     assert d.proc.popen.wait(15) == 0, d.proc.log()
-    assert not d.arena_path.exists() and not sock.exists() and not table.exists()
+    assert not d.arena_path.exists() and not sock.exists() and not handoff.exists()
     stream.close()
 
 

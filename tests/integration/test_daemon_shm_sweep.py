@@ -43,7 +43,7 @@ def test_sigkilled_daemons_files_are_removed_by_the_next_start(tmp_path):
     second = third = None
     try:
         (killed,) = daemon_ids(shm_dir)
-        expected = {f"expertcache-{killed}{s}" for s in ("", ".slots", ".lock")}
+        expected = {f"expertcache-{killed}{s}" for s in ("", ".lock")}
         assert files_of(shm_dir, killed) == expected
         first.popen.send_signal(signal.SIGKILL)
         assert first.popen.wait(15) == -signal.SIGKILL
@@ -52,11 +52,11 @@ def test_sigkilled_daemons_files_are_removed_by_the_next_start(tmp_path):
         second = launch(tmp_path / "d2", store, shm_dir)
         assert files_of(shm_dir, killed) == set()  # swept at the second daemon's start
         (alive,) = daemon_ids(shm_dir)
-        assert files_of(shm_dir, alive) == {f"expertcache-{alive}{s}" for s in ("", ".slots", ".lock")}
-        assert f"removed {shm_dir}/expertcache-{killed}.slots, left by daemon {killed}" in second.log()
+        assert files_of(shm_dir, alive) == {f"expertcache-{alive}{s}" for s in ("", ".lock")}
+        assert f"removed {shm_dir}/expertcache-{killed}, left by daemon {killed}" in second.log()
 
         third = launch(tmp_path / "d3", store, shm_dir)  # sweeps too, but the second is alive
-        assert files_of(shm_dir, alive) == {f"expertcache-{alive}{s}" for s in ("", ".slots", ".lock")}
+        assert files_of(shm_dir, alive) == {f"expertcache-{alive}{s}" for s in ("", ".lock")}
         assert len(daemon_ids(shm_dir)) == 2
         assert "no longer running" not in third.log()
         assert third.stop() == 0, third.log()

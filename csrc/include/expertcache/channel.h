@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -83,7 +84,8 @@ struct SignalRecord {
 class ClientChannel {
  public:
   ClientChannel(ChannelHeader* header, uint32_t* experts, uint8_t* sources, uint8_t* ring,
-                uint32_t max_demand, uint32_t ring_bytes, std::string where);
+                uint32_t max_demand, uint32_t ring_bytes, std::string where,
+                std::shared_ptr<void> keep = nullptr);
 
   static size_t region_bytes(uint32_t max_demand, uint32_t ring_bytes);
   static void layout(char* base, uint32_t max_demand, uint32_t ring_bytes, ChannelHeader** header,
@@ -118,11 +120,12 @@ class ClientChannel {
   // it for up to spin_s (at most 1 ms) without sleeping. True when it changed.
   bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0);
   // Waits until demand `seq` is answered (true) or timeout_s passes (false), waking also on any
-  // notify (an interrupt, the stream's end: the caller checks). Polls without sleeping while the
+  // notify after `seen` (read notify_seq() *before* checking for an interrupt or the stream's
+  // end, so that one arriving after the check is not slept through: the caller checks again). Polls without sleeping while the
   // daemon's thread has taken the demand up (for up to spin_s), but only `grace_s` for it to take
   // it: a daemon thread that does not run soon may share this CPU, which polling would keep
   // from it. Then sleeps on the notify word.
-  bool wait_reply(uint32_t seq, double timeout_s, double spin_s, double grace_s);
+  bool wait_reply(uint32_t seq, uint32_t seen, double timeout_s, double spin_s, double grace_s);
   // The source tier the daemon recorded for demand position `i` (0 until it knows).
   uint8_t source(uint32_t i) const;
   uint64_t ring_dropped() const { return header_->ring_dropped.load(); }
@@ -160,6 +163,7 @@ class ClientChannel {
   uint32_t max_demand_;
   uint32_t ring_bytes_;
   std::string where_;
+  std::shared_ptr<void> keep_;  // the mapping this view points into
 };
 
 }  // namespace expertcache

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import threading
 import time
 from concurrent import futures
@@ -24,6 +26,7 @@ from compute_svc.errors import (
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
+from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer
 from expertcache.native import SlotTable, TableState
 from tests.stores import two_layer_manifest
 
@@ -137,7 +140,9 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.hang_next = False
         self.stream_closed = threading.Event()
         self.daemon_id = "d1"
-        self.table_path = ""  # a shared slot table offered at Attach (fast path), if set
+        self.table: SlotTable | None = None  # a shared slot table offered at Attach (fast path), if set
+        self.handoff: HandoffServer | None = None  # hands each client the table and its region
+        self.tokens: dict[bytes, int] = {}  # handoff token -> client ledger
         self.attaches: list[bool] = []  # shm_fast_path of each Attach
         self.acquired: list[tuple[int, list[int]]] = []  # every Acquire received
         self.metadata: list[dict[str, str]] = []  # of each Demand call
@@ -150,11 +155,18 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
 
     def Attach(self, request, context):  # noqa: N802
         self.attaches.append(request.shm_fast_path)
-        offer = bool(self.table_path) and request.shm_fast_path
+        offer = self.table is not None and request.shm_fast_path
+        index, epoch, token = -1, 0, b""
+        if offer:
+            index = len(self.attaches) - 1
+            epoch = self.table.claim_channel(index)
+            token = os.urandom(HANDOFF_TOKEN_BYTES)
+            self.tokens[token] = index
         return cache_pb2.AttachResponse(
-            slot_table_path=self.table_path,
-            client_index=len(self.attaches) - 1 if offer else -1,
-            client_epoch=0,
+            client_index=index,
+            client_epoch=epoch,
+            handoff_socket=self.handoff.path if offer else "",
+            handoff_token=token,
             arena=cache_pb2.ArenaHandle(
                 kind=cache_pb2.ARENA_KIND_POSIX_SHM, shm_name="x", size_bytes=2 * BLOB
             ),
@@ -164,15 +176,21 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
             daemon_id=self.daemon_id,
         )
 
+    def grant(self, token: bytes, peer_pid: int) -> Grant:
+        """The handoff: the table (read-only for the client) and the ledger's region."""
+        index = self.tokens.pop(token, None)
+        if index is None:
+            raise FailedPrecondition("unknown handoff token")
+        payload = json.dumps({"client_index": index, "client_epoch": self.table.client_epoch(index)})
+        return Grant(payload=payload.encode(), fds=[self.table.table_fd(), self.table.client_fd(index)])
+
     def Demand(self, request_iterator, context):  # noqa: N802
         self.streams += 1
         metadata = dict(context.invocation_metadata())
         self.metadata.append(metadata)
         context.add_callback(self.stream_closed.set)
-        if self.table_path and "expertcache-client-index" in metadata:
-            responder = ChannelResponder(
-                self, SlotTable.open(self.table_path), int(metadata["expertcache-client-index"])
-            )
+        if self.table is not None and "expertcache-client-index" in metadata:
+            responder = ChannelResponder(self, self.table, int(metadata["expertcache-client-index"]))
             self.responders.append(responder)
             context.add_callback(responder.stop)
         for req in request_iterator:
@@ -231,6 +249,8 @@ def daemon(tmp_path):
     server.start()
     yield servicer, address
     server.stop(0)
+    if servicer.handoff is not None:
+        servicer.handoff.close()
     for responder in servicer.responders:  # none may be left inside a native wait at exit
         responder.stop()
 
@@ -375,11 +395,14 @@ def test_a_step_deadline_bounds_the_wait_for_experts(daemon):
 # -- fast path: hits pinned in the shared slot table, misses through Demand ----------------------
 def offer_table(servicer: ScriptedCache, tmp_path, *, entries: int = 8, resident=((1, 3, 1),)) -> SlotTable:
     """A table like the daemon's (layer * 4 + expert), with ``(layer, expert, slot)`` resident."""
-    table = SlotTable.create(str(tmp_path / "slots"), entries, 2, 4)
+    table = SlotTable.create("test-slots", entries, 2, 4)
     for layer, expert, slot in resident:
         table.begin_load(layer * 4 + expert, slot)
         table.finish_load(layer * 4 + expert)
-    servicer.table_path = table.path
+    servicer.table = table
+    if servicer.handoff is None:
+        servicer.handoff = HandoffServer(str(tmp_path / "daemon.sock.handoff"), servicer.grant)
+        servicer.handoff.start()
     return table
 
 
@@ -457,6 +480,33 @@ def test_channel_waits_end_at_the_timeout_the_deadline_and_an_interrupt(daemon, 
     client.close()
 
 
+def test_an_interrupt_just_after_the_checks_is_not_slept_through(daemon, tmp_path, monkeypatch):
+    """Finding C4: the wait for the daemon's answer read the notify word after the interrupt and
+    stream checks, so an interrupt (or a daemon death) landing between the two was slept through
+    for the whole acquire timeout (120 s by default). Here it lands exactly there."""
+    servicer, address = daemon
+    offer_table(servicer, tmp_path)
+    client = connect(address, acquire_timeout_s=30.0)
+    servicer.hang_next = True  # the demand is never answered
+    real = client._remaining
+    calls = []
+
+    def remaining_then_interrupted(*args):
+        left = real(*args)  # the checks pass ...
+        if not calls:
+            calls.append(left)
+            client.interrupt()  # ... and the interrupt arrives before the wait starts
+        return left
+
+    monkeypatch.setattr(client, "_remaining", remaining_then_interrupted)
+    client.begin_step()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        list(client.acquire(1, [2]))
+    assert time.monotonic() - started < calls[0] / 3  # not the 30 s it would have slept
+    client.close()
+
+
 def test_fast_path_off_sends_every_acquire(daemon, tmp_path):
     servicer, address = daemon
     table = offer_table(servicer, tmp_path)
@@ -469,12 +519,14 @@ def test_fast_path_off_sends_every_acquire(daemon, tmp_path):
 
 def test_unmappable_slot_table_is_failed_precondition(daemon, tmp_path):
     servicer, address = daemon
-    servicer.table_path = str(tmp_path / "missing.slots")
+    offer_table(servicer, tmp_path)
+    servicer.handoff.close()  # the handoff socket is gone
     with pytest.raises(
         FailedPrecondition,
-        match=r"cannot map the cache daemon's slot table .*missing.slots.*--no-shm-fast-path",
+        match=r"cannot get the slot table from the cache daemon's handoff socket .*--no-shm-fast-path",
     ):
         connect(address)
+    servicer.handoff = None
     offer_table(servicer, tmp_path, entries=9)
     with pytest.raises(FailedPrecondition, match="has 9 entries, expected 2 layers x 4 experts"):
         connect(address)

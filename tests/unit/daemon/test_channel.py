@@ -5,6 +5,9 @@ rejected, and nothing is left pinned when the client goes."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -17,18 +20,19 @@ from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
 from expertcache.prom import value
-from tests.residencies import ResidencyHarness, harnesses
+from tests.residencies import ResidencyHarness, compute_handle, harnesses
 from tests.stores import corrupt
+from tests.waiting import wait_for
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers, 6 experts each
+CLIENT_HEADER_BYTES = 128  # a client region: header, then uint32 pins[num_entries] (slot_table.h)
 
 
 class Client:
-    """A compute process's view: its own mapping of the table, bound to its ledger."""
+    """A compute process's view: the table read-only and its ledger's own region."""
 
-    def __init__(self, table_path: str, ledger: ClientLedger, num_experts: int) -> None:
-        self.table = SlotTable.open(table_path)
-        self.table.attach_client(ledger.index, ledger.epoch)
+    def __init__(self, daemon_table: SlotTable, ledger: ClientLedger, num_experts: int) -> None:
+        self.table = compute_handle(daemon_table, ledger.index)
         self.channel = self.table.channel(ledger.index)
         self.num_experts = num_experts
 
@@ -75,7 +79,7 @@ class Harness(ResidencyHarness):
         """Attach (a ledger and an emptied channel) and tie it to a session: the server starts."""
         ledger = self.residency.claim_client()
         session = self.residency.open_session("compute")
-        client = Client(self.table.path, ledger, self.manifest.num_experts)
+        client = Client(self.table, ledger, self.manifest.num_experts)
         self.residency.bind_client(session, ledger)
         return client, session
 
@@ -244,4 +248,59 @@ def test_many_clients_are_served_at_once(make):
     for t in threads:
         t.join(60)
     assert not errors
+    assert h.residency.stats().pinned == 0
+
+
+def test_an_internal_error_answers_internal_and_ends_the_session(make, monkeypatch):
+    """Finding C5: the channel's thread died on any exception other than ExpertCacheError; the
+    demand was never answered and compute stalled for its whole deadline (120 s)."""
+    h = make(slots=4)
+    client, session = h.attach()
+    index = session.ledger
+    epoch = h.table.client_epoch(index)
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug in admission")
+
+    monkeypatch.setattr(h.residency, "admit_for_client", broken)
+    status, message = client.demand(L1, [0])
+    assert codes.STATUS_NAMES[status] == "INTERNAL" and "KeyError" in message
+    wait_for(lambda: h.table.client_epoch(index) != epoch, "the failed channel's ledger reclaimed")
+    assert value(h.metrics.channel_failures) == 1
+    # Its ledger went with it: the client's next call learns it must attach again.
+    with pytest.raises(RuntimeError, match="reclaimed by the cache daemon"):
+        client.table.try_pin_many([0])
+
+
+def stray_pins(table: SlotTable, ledger: int, entries: list[int], count: int = 1) -> None:
+    """What a hostile compute can do in its own region: write pin counts at will."""
+    fd = table.client_fd(ledger)
+    try:
+        region = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    with region:
+        for e in entries:
+            struct.pack_into("<I", region, CLIENT_HEADER_BYTES + 4 * e, count)
+
+
+def test_a_client_pinning_at_will_loses_its_session_and_the_others_go_on(make):
+    """Finding C3 (and S2): a client's pins lived in counts every client could write, so one
+    compute could hold every slot, or unpin another's experts. Now each client pins in its own
+    region; one whose region pins experts that are not even resident (no real pin stays there)
+    has its session ended by the next admission that lacks slots, and its pins go with it."""
+    h = make(slots=2)
+    good, _ = h.attach()
+    hostile, hostile_session = h.attach()
+    assert good.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    good.wait_resident(L1, [0, 1])
+    good.release(L1, [0, 1])
+    everything = list(range(h.table.num_entries))
+    stray_pins(h.table, hostile_session.ledger, everything)  # both resident slots "pinned" too
+    started = time.monotonic()
+    assert good.demand(L1, [2, 3]) == (codes.STATUS_OK, "")  # within the 2 s acquire timeout
+    good.wait_resident(L1, [2, 3])
+    assert hostile_session.closed and value(h.metrics.clients_revoked) == 1
+    assert time.monotonic() - started < 2.0
+    good.release(L1, [2, 3])
     assert h.residency.stats().pinned == 0

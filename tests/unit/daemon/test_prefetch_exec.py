@@ -31,7 +31,7 @@ from expertcache.layers import LayerMap
 from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
 from tests import waiting
-from tests.residencies import harnesses
+from tests.residencies import compute_handle, harnesses
 from tests.stores import blob_of, write_store
 from tests.threads import run_in_threads
 
@@ -59,7 +59,7 @@ class Harness:
         self.store = StoreReader(self.root, m, self.metrics, io_threads=reader_threads)
         self.arena = ShmArena(slots, m.blob_bytes, shm_dir=tmp_path, daemon_id="prefetch")
         self.host = HostTier(0, m.blob_bytes, make_policy("lru"), self.metrics)
-        self.table = SlotTable.create(str(tmp_path / "slots"), table_entries(m), slots, 4)
+        self.table = SlotTable.create("expertcache-prefetch", table_entries(m), slots, 4)
         self.signals = ActivationSignals(
             m.num_layers,
             m.num_experts,
@@ -168,7 +168,7 @@ def test_pinned_experts_are_never_evicted_by_prefetch(make):
     a = r.open_session("a")
     (held,) = r.acquire(a, L1, [0])  # a Demand pin
     shm_key, shm_slot = next(iter(h.load(L1, 1).items()))
-    compute = SlotTable.open(h.table.path)
+    compute = compute_handle(h.table, r.claim_client().index)
     assert compute.try_pin_many([entry(h, shm_key)]) == [shm_slot]  # a compute shm pin
     before = {held.slot: h.slot_bytes(held.slot), shm_slot: h.slot_bytes(shm_slot)}
 

@@ -6,6 +6,7 @@ readable only RESIDENT and pinned; every byte served equals the store's blob.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -28,7 +29,7 @@ from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Re
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
-from tests.residencies import ResidencyHarness, harnesses
+from tests.residencies import ResidencyHarness, compute_handle, harnesses
 from tests.stores import corrupt
 from tests.threads import run_in_threads
 
@@ -421,11 +422,11 @@ def entry(h: Harness, key: ExpertKey) -> int:
 
 
 def compute_view(h: Harness, client: int | None = None) -> SlotTable:
-    """A second mapping of the table, as a compute process has it (bound to a claimed ledger)."""
-    table = SlotTable.open(h.table.path)
-    if client is not None:
-        table.attach_client(client, h.table.client_epoch(client))
-    return table
+    """Compute's handle on the table (read-only) and a claimed ledger's region (a new claim
+    unless ``client`` names one)."""
+    if client is None:
+        client = h.residency.claim_client().index
+    return compute_handle(h.table, client)
 
 
 def load(h: Harness, *experts: int) -> list[Ready]:
@@ -539,7 +540,7 @@ def test_closing_a_session_reclaims_its_client_ledger(make):
     with pytest.raises(RuntimeError, match="reclaimed by the cache daemon"):
         compute.unpin_many([entry(h, readies[0].key)])
     again = r.claim_client()
-    assert again.index == ledger.index and again.epoch == ledger.epoch + 1
+    assert again.index == ledger.index and again.epoch == ledger.epoch + 2  # the reclaim's, then its own
 
 
 def test_bind_client_errors(make):
@@ -551,7 +552,9 @@ def test_bind_client_errors(make):
     ):
         r.bind_client(s, ClientLedger(0, 0))
     ledger = r.claim_client()
-    with pytest.raises(FailedPrecondition, match=r"epoch 7\) is not an unused ledger.*current epoch 0"):
+    with pytest.raises(
+        FailedPrecondition, match=rf"epoch 7\) is not an unused ledger.*current epoch {ledger.epoch}"
+    ):
         r.bind_client(s, ClientLedger(ledger.index, 7))
     with pytest.raises(FailedPrecondition, match="client ledger 99"):
         r.bind_client(s, ClientLedger(99, 0))
@@ -563,9 +566,35 @@ def test_bind_client_errors(make):
 def test_every_client_ledger_in_use(make):
     h = make(slots=2)  # the harness table has 4 ledgers
     r = h.residency
-    assert [r.claim_client().index for _ in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(ResourceExhausted, match="all 4 client ledgers of slot table .* are in use"):
+    ledgers = []
+    for _ in range(4):  # each tied to its stream right after its Attach, as compute does
+        ledgers.append(r.claim_client())
+        r.bind_client(r.open_session("compute"), ledgers[-1])
+    assert [x.index for x in ledgers] == [0, 1, 2, 3]
+    with pytest.raises(ResourceExhausted, match="all 4 client ledgers of the slot table are in use"):
         r.claim_client()
+
+
+def test_attach_calls_without_a_stream_never_exhaust_the_ledgers_of_working_clients(make):
+    """Finding C7: 40 Attach calls took all 32 ledgers (each claim held 30 s). Unbound claims
+    are bounded to half the ledgers: more Attach calls take back the oldest unbound claim, and
+    ledgers tied to a stream are never taken."""
+    h = make(slots=2)  # 4 ledgers: at most 2 unbound claims
+    r = h.residency
+    working = r.claim_client()
+    r.bind_client(r.open_session("working"), working)
+    flood = [r.claim_client() for _ in range(40)]
+    assert all(x.index != working.index for x in flood)
+    assert h.table.client_epoch(working.index) == working.epoch  # never taken back
+    # Only the two newest flood claims still stand; the older ones were taken back.
+    assert r.handoff_fds(flood[0]) is None and r.handoff_fds(flood[-3]) is None
+    fds = r.handoff_fds(flood[-1])
+    assert fds is not None and len(fds) == 2
+    for fd in fds:
+        os.close(fd)
+    # A newcomer still gets a ledger and can tie it to its stream.
+    newcomer = r.claim_client()
+    r.bind_client(r.open_session("newcomer"), newcomer)
 
 
 def test_a_copy_that_outlives_its_timeout_keeps_its_slot_and_source_until_it_lands(make, monkeypatch):

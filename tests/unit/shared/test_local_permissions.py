@@ -3,6 +3,7 @@ the daemon's socket (0600) and its directory (0700), the arena and slot table fi
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -25,23 +26,21 @@ def open_umask():
     os.umask(old)
 
 
-def test_slot_table_is_owner_only_and_refuses_symlinks(tmp_path, open_umask):
-    path = tmp_path / "expertcache-x.slots"
-    table = SlotTable.create(str(path), 8, 2)
-    assert mode(path) == 0o600
-    del table
-    victim = tmp_path / "victim"
-    victim.write_bytes(b"precious")
-    link = tmp_path / "expertcache-y.slots"
-    link.symlink_to(victim)
-    with pytest.raises(RuntimeError, match="cannot open: Too many levels of symbolic links"):
-        SlotTable.open(str(link))
-    # A symlink planted at the temporary name is removed, not written through.
-    planted = tmp_path / f"expertcache-z.slots.tmp.{os.getpid()}"
-    planted.symlink_to(victim)
-    SlotTable.create(str(tmp_path / "expertcache-z.slots"), 8, 2)
-    assert victim.read_bytes() == b"precious"
-    assert mode(tmp_path / "expertcache-z.slots") == 0o600
+def test_slot_table_has_no_file_and_maps_read_only_outside_the_daemon(tmp_path, open_umask):
+    """The table is a sealed memfd: nothing appears in any directory (no file to open, plant or
+    leave behind), and a process it is handed to can only map it read-only."""
+    before = set(os.listdir(tmp_path))
+    table = SlotTable.create("expertcache-x", 8, 2)
+    assert set(os.listdir(tmp_path)) == before
+    fd = table.table_fd()
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(
+                fd, SlotTable.table_bytes(8), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        mmap.mmap(fd, SlotTable.table_bytes(8), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ).close()
+    finally:
+        os.close(fd)
 
 
 def test_shm_arena_is_owner_only_and_refuses_a_planted_symlink(tmp_path, open_umask):
@@ -90,8 +89,8 @@ def test_daemon_socket_and_directory_are_owner_only(tiny_store, tmp_path, open_u
     try:
         assert mode(run / "daemon.sock") == 0o600
         assert mode(run) == 0o700
-        slots = [p for p in tmp_path.iterdir() if p.name.endswith(".slots")]
-        assert slots and all(mode(p) == 0o600 for p in slots)
+        assert mode(run / "daemon.sock.handoff") == 0o600  # the handoff socket beside it
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".slots")]  # memfds now
         arenas = [p for p in tmp_path.iterdir() if p.name.startswith("expertcache-") and "." not in p.name]
         assert arenas and all(mode(p) == 0o600 for p in arenas)
     finally:
