@@ -22,7 +22,12 @@ from expertcache.config_fields import (
 )
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
-from expertcache.paths import DEFAULT_DAEMON_SOCKET, MAX_UNIX_SOCKET_PATH_BYTES
+from expertcache.paths import (
+    DEFAULT_DAEMON_SOCKET,
+    HANDOFF_SOCKET_SUFFIX,
+    MAX_DAEMON_SOCKET_PATH_BYTES,
+    MAX_UNIX_SOCKET_PATH_BYTES,
+)
 from expertcache.security import ClientSecurity
 
 ENV_PREFIX = "EXPERTCACHE_DAEMON_"
@@ -239,12 +244,12 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
         if not self.socket_path:
             raise InvalidArgument("config field 'socket_path' must not be empty")
         # The handoff socket beside it ("<socket_path>.handoff") must fit too.
-        limit = MAX_UNIX_SOCKET_PATH_BYTES - len(".handoff")
+        limit = MAX_DAEMON_SOCKET_PATH_BYTES
         if len(os.fsencode(self.socket_path)) > limit:
             raise InvalidArgument(
                 f"config field 'socket_path' is {len(os.fsencode(self.socket_path))} bytes long; it may be "
                 f"at most {limit} bytes (unix socket paths are limited to {MAX_UNIX_SOCKET_PATH_BYTES} bytes, "
-                f"and the handoff socket adds '.handoff'): {self.socket_path}"
+                f"and the handoff socket adds '{HANDOFF_SOCKET_SUFFIX}'): {self.socket_path}"
             )
         if not self.shm_dir:
             raise InvalidArgument("config field 'shm_dir' must not be empty")

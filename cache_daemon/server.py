@@ -30,6 +30,7 @@ from expertcache.aio_bridge import Health, LoopServer
 from expertcache.errors import InvalidArgument
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.keys import ExpertKey
+from expertcache.paths import HANDOFF_SOCKET_SUFFIX
 from expertcache.prom import Registry
 from expertcache.transport import TransportLimits
 
@@ -392,7 +393,7 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
 
 def handoff_path(socket_path: str) -> str:
     """The handoff socket beside the gRPC socket ``socket_path`` (``expertcache.handoff``)."""
-    return socket_path + ".handoff"
+    return socket_path + HANDOFF_SOCKET_SUFFIX
 
 
 def create_server(

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertcache.paths import MAX_UNIX_SOCKET_PATH_BYTES, RUNTIME_DIR, ensure_private_dir
+from expertcache.paths import MAX_DAEMON_SOCKET_PATH_BYTES, RUNTIME_DIR, ensure_private_dir
 
 REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run from here
 
@@ -27,7 +27,7 @@ def daemon_socket_path(work_dir: Path) -> Path:
     benchmark or test directory), a socket in a new private directory under the runtime
     directory (``expertcache.paths``), which ``Proc.stop`` of the daemon removes."""
     sock = work_dir / "daemon.sock"
-    if len(os.fsencode(sock)) <= MAX_UNIX_SOCKET_PATH_BYTES:
+    if len(os.fsencode(sock)) <= MAX_DAEMON_SOCKET_PATH_BYTES:  # its handoff socket fits beside it
         return sock
     short = tempfile.mkdtemp(prefix="launch-", dir=ensure_private_dir(RUNTIME_DIR))
     return Path(short) / "daemon.sock"

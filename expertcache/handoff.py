@@ -44,6 +44,7 @@ from the accept thread, without blocking), and logs each kind of failure at most
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import os
 import re
@@ -241,12 +242,21 @@ class HandoffServer:
                 raise errors.FailedPrecondition(
                     f"handoff socket path {path} exists and is not a socket; not replacing it"
                 )
-        directory = os.path.dirname(os.path.abspath(path))
-        tmp = os.path.join(directory, f".handoff-{secrets.token_hex(8)}.sock")
-        _check_path(tmp)
+        # A temporary name in the same directory no longer than the final one (a path that
+        # fits fits its temporary too), random so that two servers never share it.
+        directory = os.path.dirname(path)
+        length = max(6, len(os.path.basename(path)) - 1)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(tmp)
+            for attempt in range(8):
+                tmp = os.path.join(directory, "." + secrets.token_hex(length)[:length])
+                _check_path(tmp)
+                try:
+                    sock.bind(tmp)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or attempt == 7:
+                        raise
             try:
                 os.chmod(tmp, 0o600)
                 sock.listen(backlog)

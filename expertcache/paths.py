@@ -34,6 +34,10 @@ def _state_dir() -> Path:
 # The longest unix socket path gRPC binds: sun_path has 108 bytes, but gRPC's bind fails from 106
 # on (measured with grpcio 1.85: 105 binds, 106 and 107 give "Failed to bind to address").
 MAX_UNIX_SOCKET_PATH_BYTES = 105
+# The daemon's handoff socket (expertcache.handoff) sits beside its gRPC socket with this suffix,
+# so the gRPC socket's path may be this much shorter at most.
+HANDOFF_SOCKET_SUFFIX = ".handoff"
+MAX_DAEMON_SOCKET_PATH_BYTES = MAX_UNIX_SOCKET_PATH_BYTES - len(HANDOFF_SOCKET_SUFFIX)
 
 RUNTIME_DIR = _runtime_dir()
 DEFAULT_DAEMON_SOCKET = str(RUNTIME_DIR / "daemon.sock")

@@ -77,7 +77,7 @@ def test_launch_moves_a_socket_too_deep_for_grpc_to_a_private_runtime_dir(tmp_pa
     assert daemon_socket_path(tmp_path) == tmp_path / "daemon.sock"
     deep = tmp_path / ("d" * 120)
     sock = daemon_socket_path(deep)
-    assert len(os.fsencode(str(sock))) <= paths.MAX_UNIX_SOCKET_PATH_BYTES
+    assert len(os.fsencode(str(sock))) <= paths.MAX_DAEMON_SOCKET_PATH_BYTES
     assert sock.name == "daemon.sock" and sock.parent.parent == paths.RUNTIME_DIR
     assert (sock.parent.stat().st_mode & 0o777) == 0o700
     sock.parent.rmdir()
