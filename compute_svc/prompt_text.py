@@ -183,18 +183,22 @@ def _counting_backend(tokenizer):
     return backend
 
 
-def encode_text(tokenizer, text: str, nbytes: int, max_tokens: int) -> tuple[int, ...]:
-    """``tokenizer.encode(text)`` (``nbytes`` of UTF-8) as a tuple of ids, or ``TooManyTokens``
-    when it holds more than ``max_tokens``: counted on the backend's ``Encoding`` before any id
-    becomes a Python int. After a large text the freed heap goes back to the kernel."""
+def encode_text(
+    tokenizer, text: str, nbytes: int, max_tokens: int, *, add_special_tokens: bool = True
+) -> tuple[int, ...]:
+    """``tokenizer.encode(text, add_special_tokens=...)`` (``nbytes`` of UTF-8) as a tuple of ids,
+    or ``TooManyTokens`` when it holds more than ``max_tokens``: counted on the backend's
+    ``Encoding`` before any id becomes a Python int. After a large text the freed heap goes back
+    to the kernel. A rendered chat template is encoded without special tokens (the template
+    writes them), as ``apply_chat_template(tokenize=True)`` does."""
     # Whatever is refused is dropped before the raise: the exception's traceback keeps this
     # frame, and with it the locals, for as long as the caller's error lives.
     backend = _counting_backend(tokenizer)
     try:
         if backend is None:
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
-            encoding = backend.encode(text, add_special_tokens=True)
+            encoding = backend.encode(text, add_special_tokens=add_special_tokens)
             count = len(encoding)
             if count > max_tokens:
                 del encoding

@@ -16,12 +16,9 @@ from typing import TYPE_CHECKING
 
 from compute_svc.errors import InvalidArgument
 from compute_svc.prompt_text import (
-    TRIM_AFTER_BYTES,
     TooManyTokens,
     encode_text,
     longest_token_bytes,
-    release_free_heap,
-    tokenize,
 )
 from compute_svc.sampling import SamplingParams, check_sampling
 from expertcache import telemetry
@@ -256,17 +253,14 @@ class RequestCheck:
             rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             rendered_size = len(rendered.encode())
             self._check_text_size(rendered_size, "messages after the chat template", "messages")
-            return self._fitting(
-                tokenize(
-                    lambda: _ids_of(
-                        tokenizer.apply_chat_template(
-                            chat, add_generation_prompt=True, tokenize=True, return_dict=False
-                        )
-                    ),
-                    rendered_size,
-                ),
-                rendered_size,
+            # The rendered text, encoded as apply_chat_template(tokenize=True) would (the template
+            # writes the special tokens): counted before any id becomes a Python int, so a refused
+            # prompt leaves nothing behind, as with text prompts.
+            return encode_text(
+                tokenizer, rendered, rendered_size, limits.max_prompt_tokens, add_special_tokens=False
             )
+        except TooManyTokens as exc:
+            raise self._too_many_tokens(exc.count, "messages") from None
         except InvalidArgument:
             raise
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -295,17 +289,6 @@ class RequestCheck:
             "(max_prompt_tokens, and the model's maximum positions)",
             field=field_name,
         )
-
-    def _fitting(self, ids: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
-        """``ids`` tokenised from ``nbytes`` of messages, refused when over max_prompt_tokens; the
-        heap they held goes back first (a refused 1 MB prompt leaves ~5 MiB of ids per thread)."""
-        if len(ids) <= self.limits.max_prompt_tokens:
-            return ids
-        count = len(ids)
-        del ids
-        if nbytes >= TRIM_AFTER_BYTES:
-            release_free_heap()
-        raise self._too_many_tokens(count, "messages")
 
     @property
     def prompt_text_limit(self) -> int:
@@ -344,8 +327,3 @@ def _utf8_bytes(text: str, field_name: str) -> int:
             f"(U+{ord(text[exc.start]):04X} at character {exc.start})",
             field=field_name,
         ) from None
-
-
-def _ids_of(encoded) -> list[int]:
-    """The ids ``apply_chat_template`` returned (a list, or a mapping holding ``input_ids``)."""
-    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)

@@ -13,7 +13,8 @@ Two ways to be refused:
   tokenising the text takes (timed here, on the same machine as loaded now);
 - by their token count, after tokenising (a model of 2^20 positions, max_prompt_tokens 100,000:
   1.3 MB of text may fit, so 1 MB is tokenised, ~560,000 tokens, then refused): what the
-  tokenizer freed must go back to the kernel.
+  tokenizer freed must go back to the kernel. The same as one chat message, through the chat
+  template: counted before any id becomes a Python int, as a text prompt is.
 """
 
 from __future__ import annotations
@@ -46,10 +47,17 @@ def rss(pid: int) -> int:
     raise KeyError("VmRSS")
 
 
-def refuse(stub, text: str) -> tuple[str, float]:
+def refuse(stub, text: str, *, chat: bool = False) -> tuple[str, float]:
+    """Send ``text`` as the prompt (or as a user message, through the chat template)."""
+    if chat:
+        request = inference_pb2.GenerateRequest(
+            messages=[inference_pb2.ChatMessage(role="user", content=text)], max_new_tokens=1
+        )
+    else:
+        request = inference_pb2.GenerateRequest(text=text, max_new_tokens=1)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(inference_pb2.GenerateRequest(text=text, max_new_tokens=1), timeout=120))
+        list(stub.Generate(request, timeout=120))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     return info.value.details(), time.monotonic() - started
 
@@ -66,20 +74,28 @@ def tokenising_s(store: Path, text: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("model", "flags", "refusal", "immediate"),
+    ("model", "flags", "refusal", "immediate", "chat"),
     [
-        ({}, [], "more than any prompt of at most 2048 tokens (max_prompt_tokens) can be", True),
+        ({}, [], "more than any prompt of at most 2048 tokens (max_prompt_tokens) can be", True, False),
         (
             {"max_position_embeddings": 1 << 20},
             ["--max-prompt-tokens", "100000"],
             "this service takes at most 100000",
             False,
+            False,
+        ),
+        (
+            {"max_position_embeddings": 1 << 20},
+            ["--max-prompt-tokens", "100000"],
+            "this service takes at most 100000",
+            False,
+            True,
         ),
     ],
-    ids=["refused-before-tokenising", "refused-after-tokenising"],
+    ids=["refused-before-tokenising", "refused-after-tokenising", "chat-refused-after-tokenising"],
 )
 def test_refused_megabyte_prompts_leave_no_memory_behind(
-    tiny_store, tmp_path, model, flags, refusal, immediate
+    tiny_store, tmp_path, model, flags, refusal, immediate, chat
 ):
     tiny = tiny_store("mixtral", **model)
     per_prompt_s = REFUSAL_SHARE * tokenising_s(tiny.store, TEXT) if immediate else None
@@ -101,7 +117,7 @@ def test_refused_megabyte_prompts_leave_no_memory_behind(
             start = rss(pid)
             peak = start
             for _ in range(PROMPTS):
-                details, took = refuse(stub, TEXT)
+                details, took = refuse(stub, TEXT, chat=chat)
                 assert refusal in details
                 if per_prompt_s is not None:
                     assert took < per_prompt_s, (
