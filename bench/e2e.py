@@ -131,6 +131,8 @@ from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
 from replay.forced_routing import modelled_accuracy  # noqa: E402
+from replay.learn_next_visit import DEFAULT_ITERATIONS as DEFAULT_FIT_ITERATIONS  # noqa: E402
+from replay.learn_next_visit import MAX_ITERATIONS as MAX_FIT_ITERATIONS  # noqa: E402
 from replay.learn_next_visit import fit_trace  # noqa: E402
 from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 
@@ -165,8 +167,15 @@ def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             f"--next-visit-requests must be in [1, {trace.num_requests - first}] (trace requests after the "
             f"measured ones), got {args.next_visit_requests}"
         )
+    if not 1 <= args.next_visit_iterations <= MAX_FIT_ITERATIONS:
+        parser.error(
+            f"--next-visit-iterations must be in [1, {MAX_FIT_ITERATIONS}], got {args.next_visit_iterations}"
+        )
     learn = range(first, first + args.next_visit_requests)
-    path = args.data_dir / f"next_visit-{args.trace.stem}-{learn.start}-{learn.stop}.safetensors"
+    iterations = (
+        "" if args.next_visit_iterations == DEFAULT_FIT_ITERATIONS else f"-it{args.next_visit_iterations}"
+    )
+    path = args.data_dir / f"next_visit-{args.trace.stem}-{learn.start}-{learn.stop}{iterations}.safetensors"
     note = f"the learned model, fitted on trace requests {learn.start}..{learn.stop - 1} (after the measured ones)"
     try:
         read_next_visit(path)
@@ -175,7 +184,7 @@ def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         pass
     started = time.perf_counter()
     say(f"fitting the next-visit model on trace requests {learn.start}..{learn.stop - 1} ...")
-    model = fit_trace(trace, learn)
+    model = fit_trace(trace, learn, iterations=args.next_visit_iterations)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     write_next_visit(model, path)
     return path, f"{note} in {time.perf_counter() - started:.0f} s, written to {path}"
@@ -341,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=64,
         help="with --next-visit-model fit: requests it learns from",
+    )
+    parser.add_argument(
+        "--next-visit-iterations",
+        type=int,
+        default=DEFAULT_FIT_ITERATIONS,
+        help="with --next-visit-model fit: optimizer iterations per layer (fewer: a faster, rougher "
+        "model; the smoke test's)",
     )
     add_model_arguments(parser, hidden=512, intermediate=1280, precision="mxfp4")
     parser.add_argument("--shm-dir", default="", help="daemon's shm directory (default: the daemon's)")

@@ -39,6 +39,9 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
         "--tokens", "4", "--requests", "2",
         "--request", "5",
         "--next-visit-requests", "2",
+        # A rough model is enough to run ours with it; the default 60 iterations took 300 s of
+        # this test's 600 on a loaded 2-core machine.
+        "--next-visit-iterations", "3",
         "--data-dir", str(tmp_path),
         "--progress-every", "2",
     ]  # fmt: skip
@@ -97,7 +100,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
     # Ours' daemon ran the learned next-visit model, fitted on the two requests after the measured
     # ones (5..8) and cached for the next run with the same range.
     assert report["next_visit_model"].startswith("the learned model, fitted on trace requests 9..10 (after")
-    assert (tmp_path / f"next_visit-{TRACE.stem}-9-11.safetensors").is_file()
+    assert (tmp_path / f"next_visit-{TRACE.stem}-9-11-it3.safetensors").is_file()
     assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
     assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
     assert systems["resident"]["device_bytes"] == report["model"]["total_expert_bytes"]
