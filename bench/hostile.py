@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         phase("http-unread-sse", lambda: UnreadStreams(http_port, sse, count=200, source=attacker).start())
         phase(
             "http-refused-6MB",
-            lambda: RefusedBodies(http_port, count=30, size=6 << 20, source=attacker).start(),
+            lambda: RefusedBodies(http_port, count=30, size=6 << 20, source=attacker, model=model).start(),
             settle_s=10.0,
         )
         phase("shm-fuzz", lambda: RegionFuzz(daemon.address.removeprefix("unix://")).start())

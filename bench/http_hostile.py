@@ -339,9 +339,10 @@ class RefusedBodies:
     """``count`` bodies of ``size`` bytes sent at once, ``{"prompt": [1, 1, ...]}``: far more
     token ids than any prompt may hold, refused after parsing."""
 
-    def __init__(self, port: int, *, count: int, size: int, source: str) -> None:
-        ids = (size - 32) // 2
-        self.body = b'{"model": "m", "prompt": [' + b"1," * (ids - 1) + b"1]}"
+    def __init__(self, port: int, *, count: int, size: int, source: str, model: str = "m") -> None:
+        head = b'{"model": ' + json.dumps(model).encode() + b', "prompt": ['
+        ids = (size - len(head) - 2) // 2
+        self.body = head + b"1," * (ids - 1) + b"1]}"
         self.port, self.count, self.source = port, count, source
         self.statuses: dict[int, int] = {}
         self._lock = threading.Lock()
