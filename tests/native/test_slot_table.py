@@ -649,7 +649,8 @@ def test_reclaim_races_with_a_live_client_and_never_waits_for_it():
     child = _started(t, 0, code, "go")
     started = time.monotonic()
     removed = t.reclaim_client(0)
-    assert time.monotonic() - started < 0.5 and 0 <= removed <= 2
+    # Version 4 waited kReclaimWaitS (1 s) for a client inside a call; nothing waits now.
+    assert time.monotonic() - started < 1.0 and 0 <= removed <= 2
     assert _output(child).strip() == "stale"
     assert t.pins(0) == 0 and t.client_pins(0, 0) == 0
     assert t.try_evict(0)

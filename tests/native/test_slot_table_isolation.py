@@ -382,7 +382,7 @@ finally:
 pins = struct.unpack_from(f"<{N}I", region, PINS)
 started = time.monotonic()
 assert t.reclaim_client(0) == sum(pins)
-assert time.monotonic() - started < 0.5
+assert time.monotonic() - started < 1.0  # version 4 waited 1 s for a client's busy word
 scribble("ones")
 assert all(t.pins(e) == 0 for e in range(N))
 assert t.audit_client(0) == (0, []) and t.accessed_since(0)[0] == []
@@ -599,7 +599,8 @@ def test_c3_a_client_cannot_reach_another_ledger():
     started = time.monotonic()
     assert t.reclaim_client(0) == 0xFFFFFFFF * 8
     busy_s = time.monotonic() - started
-    assert busy_s < 0.5 and clean_s < 0.5, (busy_s, clean_s)
+    # Version 4 waited 1 s (kReclaimWaitS) for a region whose busy word was set: nothing waits now.
+    assert busy_s < 1.0 and clean_s < 1.0, (busy_s, clean_s)
     assert t.client_epoch(1) == epoch1 and h1.try_pin(1) == 1  # ledger 1 untouched by either
     with pytest.raises(StaleClient):
         h2.try_pin(1)

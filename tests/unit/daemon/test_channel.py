@@ -297,10 +297,9 @@ def test_a_client_pinning_at_will_loses_its_session_and_the_others_go_on(make):
     good.release(L1, [0, 1])
     everything = list(range(h.table.num_entries))
     stray_pins(h.table, hostile_session.ledger, everything)  # both resident slots "pinned" too
-    started = time.monotonic()
-    assert good.demand(L1, [2, 3]) == (codes.STATUS_OK, "")  # within the 2 s acquire timeout
+    # Admitted, not DEADLINE_EXCEEDED: within the harness's 2 s acquire timeout.
+    assert good.demand(L1, [2, 3]) == (codes.STATUS_OK, "")
     good.wait_resident(L1, [2, 3])
     assert hostile_session.closed and value(h.metrics.clients_revoked) == 1
-    assert time.monotonic() - started < 2.0
     good.release(L1, [2, 3])
     assert h.residency.stats().pinned == 0
