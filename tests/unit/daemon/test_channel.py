@@ -16,6 +16,7 @@ import pytest
 
 from cache_daemon.decisions.policy import make_policy
 from cache_daemon.residency import ClientLedger
+from cache_daemon.residency.channel import MAX_OPS_PER_HOLD
 from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
@@ -202,6 +203,30 @@ def test_signals_are_applied_in_order_and_malformed_ones_rejected(make):
     while "req-a" in signals.live_requests:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_flood_of_signal_records_is_applied_in_bounded_holds_of_the_lock(make, monkeypatch):
+    """Finding C7: one client's ring flood was applied in one hold of the daemon's lock (up to the
+    ring's 16,000 records), keeping every other client's admission waiting meanwhile."""
+    h = make(slots=4)
+    client, _ = h.attach()
+    intake = h.residency.intake
+    holds: list[int] = []
+    real = intake.apply_ops
+
+    def counted(ops):
+        holds.append(len(ops))
+        real(ops)
+
+    monkeypatch.setattr(intake, "apply_ops", counted)
+    ch = client.channel
+    ch.signal_begin(1, "req-flood")
+    floods = 2000
+    for token in range(floods):
+        assert ch.signal_route(1, token, L1, [token % 6])
+    ch.ring_doorbell()  # the channel's thread finds them all at once
+    wait_for(lambda: value(h.metrics.signals, "route") == floods, "every route applied")
+    assert sum(holds) == floods + 1 and max(holds) <= MAX_OPS_PER_HOLD, holds
 
 
 def test_signals_wanted_follows_the_policy_and_prefetch(make):
