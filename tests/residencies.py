@@ -4,7 +4,6 @@ together. The daemon's unit tests subclass ``ResidencyHarness`` with what they d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,17 +64,6 @@ class ResidencyHarness:
         self.store.close()
         self.host.close()
         self.arena.close()
-
-
-def compute_handle(table: SlotTable, client: int) -> SlotTable:
-    """Compute's handle on claimed ledger ``client`` of the daemon's ``table``: the table
-    read-only and the ledger's own region, from descriptors as the handoff socket gives them."""
-    table_fd, region_fd = table.table_fd(), table.client_fd(client)
-    try:
-        return SlotTable.attach(table_fd, region_fd, client, table.client_epoch(client))
-    finally:
-        os.close(table_fd)
-        os.close(region_fd)
 
 
 def harnesses(tmp_path: Path, make: Callable[..., H]) -> Iterator[Callable[..., H]]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from expertcache.native import MAX_REQUEST_ID_BYTES, SlotTable, StaleClient, TableState
+from tests.slot_tables import claim_and_attach
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,18 +43,6 @@ def _channel_offsets(num_entries: int, max_demand: int, ring_bytes: int) -> dict
     return {"pins": pins, "stamps": stamps, "channel": channel, "experts": experts, "ring": ring}
 
 
-def _attach(t: SlotTable, client: int) -> SlotTable:
-    """A compute handle of ledger ``client``: a new region (claim_channel), the fds, attach, and
-    the fds closed again."""
-    epoch = t.claim_channel(client)
-    table_fd, region_fd = t.table_fd(), t.client_fd(client)
-    try:
-        return SlotTable.attach(table_fd, region_fd, client, epoch)
-    finally:
-        os.close(table_fd)
-        os.close(region_fd)
-
-
 @pytest.fixture
 def table():
     return SlotTable.create("ch-table", ENTRIES, SLOTS, CLIENTS, MAX_DEMAND, RING)
@@ -62,7 +51,7 @@ def table():
 @pytest.fixture
 def handle(table):
     """Compute's handle of ledger 1."""
-    return _attach(table, 1)
+    return claim_and_attach(table, 1)
 
 
 def test_layout_is_in_the_header_and_both_sides_share_the_channel(table, handle):
@@ -397,7 +386,7 @@ def test_hold_for_client_and_reclaim_never_leave_a_stray_pin(table):
 
 
 def test_a_channel_view_keeps_its_region_mapped(table):
-    compute = _attach(table, 2).channel(2)  # no name keeps the handle
+    compute = claim_and_attach(table, 2).channel(2)  # no name keeps the handle
     daemon = table.channel(2)
     gc.collect()
     seq = compute.post_demand(1, [4])

@@ -15,21 +15,10 @@ import pytest
 
 from expertcache import _native
 from expertcache.native import SlotTable, StaleClient, TableState
+from tests.slot_tables import claim_and_attach
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _attach(t: SlotTable, client: int) -> SlotTable:
-    """A compute handle of ledger ``client``, made as the daemon hands one over: a new region
-    (claim_channel), the table's and the region's fds, attach, and the fds closed again."""
-    epoch = t.claim_channel(client)
-    table_fd, region_fd = t.table_fd(), t.client_fd(client)
-    try:
-        return SlotTable.attach(table_fd, region_fd, client, epoch)
-    finally:
-        os.close(table_fd)
-        os.close(region_fd)
 
 
 def _child(t: SlotTable, client: int, code: str, *, stdin: bool = False) -> subprocess.Popen:
@@ -138,7 +127,7 @@ def test_create_and_attach():
 
 def test_lifecycle_and_transitions():
     t = SlotTable.create("st-life", 2, 2)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     assert h.try_pin(0) is None  # ABSENT
     t.begin_load(0, 1)
     assert t.state(0) == h.state(0) == TableState.LOADING
@@ -166,7 +155,7 @@ def test_lifecycle_and_transitions():
 
 def test_unpin_below_zero_raises():
     t = SlotTable.create("st-unpin0", 1, 1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 0, 0)
     with pytest.raises(RuntimeError, match="unpin of entry 0 which this client has not pinned"):
         h.unpin(0)
@@ -185,7 +174,7 @@ def test_unpin_below_zero_raises():
 
 def test_pinned_entry_cannot_be_evicted():
     t = SlotTable.create("st-pinned", 1, 1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 0, 0)
     assert h.try_pin(0) == 0
     assert h.try_pin(0) == 0
@@ -200,7 +189,7 @@ def test_pinned_entry_cannot_be_evicted():
 
 def test_pins_of_every_attached_region_and_the_holds_count():
     t = SlotTable.create("st-sum", 2, 2, num_clients=3)
-    handles = [_attach(t, c) for c in range(3)]
+    handles = [claim_and_attach(t, c) for c in range(3)]
     _make_resident(t, 0, 0)
     for n, h in enumerate(handles):
         for _ in range(n + 1):
@@ -218,7 +207,7 @@ def test_pins_of_every_attached_region_and_the_holds_count():
 
 def test_bounds_checked():
     t = SlotTable.create("st-bounds", 4, 2, num_clients=2)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     for call in (h.try_pin, h.unpin, h.state, h.pins, h.slot, h.generation):
         with pytest.raises(IndexError, match="entry 4 out of range"):
             call(4)
@@ -308,7 +297,7 @@ def test_attach_refuses_what_is_not_a_table_or_region_of_it():
 
 def test_roles_are_enforced():
     t = SlotTable.create("st-roles", 4, 2, num_clients=2)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 0, 0)
     with pytest.raises(RuntimeError, match="try_pin is compute's"):
         t.try_pin(0)
@@ -433,7 +422,7 @@ def test_wait_resident_woken_by_other_process():
 
 def test_wait_resident_times_out():
     t = SlotTable.create("st-timeout", 1, 1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     t.begin_load(0, 0)
     t0 = time.monotonic()
     assert h.wait_resident(0, 0.2) is False
@@ -444,7 +433,7 @@ def test_wait_resident_times_out():
 
 def test_wait_resident_returns_immediately_unless_loading():
     t = SlotTable.create("st-immediate", 2, 1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     started = time.monotonic()
     assert h.wait_resident(0, 30.0) is False  # ABSENT
     _make_resident(t, 1, 0)
@@ -458,7 +447,7 @@ def test_wait_resident_returns_immediately_unless_loading():
 
 def test_wait_resident_releases_gil_and_sees_abort():
     t = SlotTable.create("st-gil", 2, 1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     t.begin_load(0, 0)
     t.begin_load(1, 0)
     results = {}
@@ -481,7 +470,7 @@ def test_wait_resident_releases_gil_and_sees_abort():
 
 def test_try_pin_many_and_unpin_many():
     t = SlotTable.create("st-many", 6, 4)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 1, 3)
     _make_resident(t, 4, 0)
     t.begin_load(2, 1)  # LOADING: not pinnable
@@ -500,7 +489,7 @@ def test_try_pin_many_and_unpin_many():
 
 def test_batches_check_every_index_first():
     t = SlotTable.create("st-check", 4, 2)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 0, 0)
     with pytest.raises(IndexError, match="entry 4 out of range"):
         h.try_pin_many([0, 4])
@@ -540,7 +529,7 @@ def _tick() -> None:
 
 def test_accessed_since_follows_pin_order():
     t = SlotTable.create("st-stamps", 4, 4)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     for e in range(4):
         _make_resident(t, e, e)
     entries, until = t.accessed_since(0)
@@ -567,7 +556,7 @@ def test_accessed_since_follows_pin_order():
 
 def test_accessed_since_covers_every_region_until_it_is_detached():
     t = SlotTable.create("st-stamps-2", 4, 4, num_clients=2)
-    h0, h1 = _attach(t, 0), _attach(t, 1)
+    h0, h1 = claim_and_attach(t, 0), claim_and_attach(t, 1)
     for e in range(4):
         _make_resident(t, e, e)
     h1.try_pin(3)
@@ -583,12 +572,12 @@ def test_client_ledger_tracks_and_reclaims_pins():
     assert t.num_clients == 2
     for e in range(3):
         _make_resident(t, e, e)
-    compute = _attach(t, 1)
+    compute = claim_and_attach(t, 1)
     epoch = t.client_epoch(1)
     assert compute.bound_client == 1 and compute.client_epoch(1) == epoch
     assert compute.try_pin_many([0, 1, 3]) == [0, 1, -1]
     assert compute.try_pin(1) == 1
-    other = _attach(t, 0)
+    other = claim_and_attach(t, 0)
     assert other.try_pin(2) == 2  # another client's pin
     assert [t.client_pins(1, e) for e in range(4)] == [1, 2, 0, 0]
     assert [compute.client_pins(1, e) for e in range(4)] == [1, 2, 0, 0]
@@ -613,7 +602,7 @@ def test_client_ledger_tracks_and_reclaims_pins():
         t.client_fd(1)
     assert t.reclaim_client(1) == 0  # nothing to detach
     assert t.try_evict(0) and t.try_evict(1) and not t.try_evict(2)
-    again = _attach(t, 1)  # a new region at the new epoch
+    again = claim_and_attach(t, 1)  # a new region at the new epoch
     assert again.client_epoch(1) == t.client_epoch(1) == epoch + 3  # two reclaims, then the claim
     assert [again.pins(e) for e in range(4)] == [0] * 4
 
@@ -676,7 +665,7 @@ def test_two_processes_pin_many_with_ledgers():
 # -- the unpin word (a daemon waiting for slots sleeps until something is unpinned) ----------------
 def test_the_daemons_own_unpins_bump_the_word():
     t = SlotTable.create("st-word", 4, 4, num_clients=1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     _make_resident(t, 0, 0)
     seq = t.unpin_seq
     assert h.unpin_seq == seq  # compute reads the same word
@@ -738,7 +727,7 @@ def test_a_polling_daemon_sees_another_process_unpin():
 def test_reclaim_bumps_the_unpin_word():
     t = SlotTable.create("st-reclaim-word", 1, 1, num_clients=1)
     _make_resident(t, 0, 0)
-    client = _attach(t, 0)
+    client = claim_and_attach(t, 0)
     client.try_pin(0)
     seq = t.unpin_seq
     assert t.reclaim_client(0) == 1
@@ -763,7 +752,7 @@ def test_daemon_holds_count_with_compute_pins():
 
 def test_the_owner_reports_its_own_record():
     t = SlotTable.create("st-record", 3, 2)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     t.begin_load(0, 1)
     _make_resident(t, 2, 0)
     assert t.states() == [TableState.LOADING, TableState.ABSENT, TableState.RESIDENT]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from expertcache.native import SlotTable, StaleClient, TableState
+from tests.slot_tables import claim_and_attach
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,18 +37,6 @@ def _pins_at(num_entries: int) -> tuple[int, int]:
     """Offsets of pins[] and stamps[] in a client region: ClientHeader is 128 bytes, then uint32
     pins[num_entries] and uint64 stamps[num_entries], each padded to 64 bytes."""
     return 128, 128 + _round64(4 * num_entries)
-
-
-def _attach(t: SlotTable, client: int) -> SlotTable:
-    """A compute handle of ledger ``client``: a new region (claim_channel), the table's and the
-    region's fds, attach, and the fds closed again."""
-    epoch = t.claim_channel(client)
-    table_fd, region_fd = t.table_fd(), t.client_fd(client)
-    try:
-        return SlotTable.attach(table_fd, region_fd, client, epoch)
-    finally:
-        os.close(table_fd)
-        os.close(region_fd)
 
 
 def _map_region(t: SlotTable, client: int) -> mmap.mmap:
@@ -103,7 +92,7 @@ def test_c1_compute_cannot_write_the_table_or_resize_anything():
     t = SlotTable.create("c1-seal", 8, 4, num_clients=2, max_demand=4, ring_bytes=4096)
     t.begin_load(1, 3)
     t.finish_load(1)
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     table_fd, region_fd = t.table_fd(), t.client_fd(0)
     libc = _libc()
     size = os.fstat(table_fd).st_size
@@ -163,7 +152,7 @@ def test_c1_compute_cannot_write_the_table_or_resize_anything():
         os.close(region_fd)
     assert (t.num_entries, t.num_slots, t.max_demand, t.ring_bytes) == (8, 4, 4, 4096)
     assert (h.state(1), h.slot(1), h.generation(1)) == (TableState.RESIDENT, 3, 1)
-    assert _attach(t, 1).num_entries == 8  # the header a new client reads is intact
+    assert claim_and_attach(t, 1).num_entries == 8  # the header a new client reads is intact
 
 
 def test_c1_a_compute_process_maps_the_table_read_only():
@@ -485,8 +474,8 @@ def test_c2_region_pins_never_choose_a_slot():
     n, slots = 24, 6
     rng = random.Random(3)
     t = SlotTable.create("c2-slots", n, slots, num_clients=2)
-    _attach(t, 0)  # ledger 0's region: written below as its client could
-    other = _attach(t, 1)
+    claim_and_attach(t, 0)  # ledger 0's region: written below as its client could
+    other = claim_and_attach(t, 1)
     slot_of: dict[int, int] = {}
     for e in range(slots):
         t.begin_load(e, e)
@@ -533,7 +522,7 @@ def test_c3_a_client_cannot_reach_another_ledger():
     for e in range(4):
         t.begin_load(e, e)
         t.finish_load(e)
-    h0, h1 = _attach(t, 0), _attach(t, 1)
+    h0, h1 = claim_and_attach(t, 0), claim_and_attach(t, 1)
     epoch1 = t.client_epoch(1)
     assert h1.try_pin_many([1, 2]) == [1, 2]
     assert t.hold_for_client(1, epoch1, 3)
@@ -591,7 +580,7 @@ def test_c3_a_client_cannot_reach_another_ledger():
 
     # Reclaim of ledger 0 with every byte of its region set ("busy", counts at their maximum)
     # returns at once, like the reclaim of a clean ledger; version 4 waited up to 1 s.
-    h2 = _attach(t, 2)
+    h2 = claim_and_attach(t, 2)
     started = time.monotonic()
     assert t.reclaim_client(2) == 0
     clean_s = time.monotonic() - started
@@ -618,7 +607,7 @@ def test_c6_a_ledger_handed_out_again_is_a_new_region():
     for e in range(3):
         t.begin_load(e, e)
         t.finish_load(e)
-    old = _attach(t, 0)
+    old = claim_and_attach(t, 0)
     old_epoch = t.client_epoch(0)
     assert old.try_pin(0) == 0
     old_daemon = t.channel(0)  # the old session's thread keeps its view
@@ -628,7 +617,7 @@ def test_c6_a_ledger_handed_out_again_is_a_new_region():
     old_fd = t.client_fd(0)
     try:
         assert t.reclaim_client(0) == 1
-        new = _attach(t, 0)
+        new = claim_and_attach(t, 0)
         new_epoch = t.client_epoch(0)
         assert new_epoch != old_epoch
         new_fd = t.client_fd(0)
@@ -687,7 +676,7 @@ def test_c6_a_detached_region_never_yields_a_working_handle():
     t.begin_load(0, 0)
     t.finish_load(0)
     # (a) the old handle after a claim over its live region (no reclaim in between)
-    old = _attach(t, 0)
+    old = claim_and_attach(t, 0)
     t.claim_channel(0)
     with pytest.raises(StaleClient):
         old.try_pin(0)
@@ -712,7 +701,7 @@ def test_audit_finds_stray_pins():
     t.begin_load(0, 0)
     t.finish_load(0)  # RESIDENT
     t.begin_load(1, 1)  # LOADING
-    h = _attach(t, 0)
+    h = claim_and_attach(t, 0)
     epoch = t.client_epoch(0)
     assert h.try_pin(0) == 0
     assert t.hold_for_client(0, epoch, 1)
@@ -744,7 +733,7 @@ def test_audit_reports_at_most_64_stray_entries():
     """Audit: the stray list is bounded (64 entries), the count is not."""
     n = 100
     t = SlotTable.create("audit-many", n, 4, num_clients=1)
-    _attach(t, 0)
+    claim_and_attach(t, 0)
     region = _map_region(t, 0)
     pins_at, _ = _pins_at(n)
     try:

@@ -21,7 +21,8 @@ from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
 from expertcache.prom import value
-from tests.residencies import ResidencyHarness, compute_handle, harnesses
+from tests.residencies import ResidencyHarness, harnesses
+from tests.slot_tables import compute_handle
 from tests.stores import corrupt
 from tests.waiting import wait_for
 

@@ -31,7 +31,8 @@ from expertcache.layers import LayerMap
 from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
 from tests import waiting
-from tests.residencies import compute_handle, harnesses
+from tests.residencies import harnesses
+from tests.slot_tables import compute_handle
 from tests.stores import blob_of, write_store
 from tests.threads import run_in_threads
 

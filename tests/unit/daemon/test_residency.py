@@ -29,7 +29,8 @@ from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, Re
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable, TableState
 from expertcache.prom import value
-from tests.residencies import ResidencyHarness, compute_handle, harnesses
+from tests.residencies import ResidencyHarness, harnesses
+from tests.slot_tables import compute_handle
 from tests.stores import corrupt
 from tests.threads import run_in_threads
 

@@ -1,0 +1,25 @@
+"""Compute's handle on a daemon's slot table, made as the handoff gives it: the table's and the
+ledger's region's descriptors, ``SlotTable.attach``, and the descriptors closed again."""
+
+from __future__ import annotations
+
+import os
+
+from expertcache.native import SlotTable
+
+
+def compute_handle(table: SlotTable, client: int) -> SlotTable:
+    """Compute's handle on claimed ledger ``client`` of the daemon's ``table``: the table
+    read-only and the ledger's own region."""
+    table_fd, region_fd = table.table_fd(), table.client_fd(client)
+    try:
+        return SlotTable.attach(table_fd, region_fd, client, table.client_epoch(client))
+    finally:
+        os.close(table_fd)
+        os.close(region_fd)
+
+
+def claim_and_attach(table: SlotTable, client: int) -> SlotTable:
+    """A new region for ledger ``client`` (``claim_channel``), and compute's handle on it."""
+    table.claim_channel(client)
+    return compute_handle(table, client)
