@@ -8,8 +8,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 
 from expertcache.native import MAX_REQUEST_ID_BYTES, SlotTable, StaleClient, TableState
-from tests.slot_tables import claim_and_attach
+from tests.slot_tables import claim_and_attach, spawn_holding
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -298,17 +296,7 @@ def test_another_process_posts_and_is_woken(table):
     )
     daemon = table.channel(1)
     seen = daemon.doorbell_seq
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-c", code, *map(str, (*fds, epoch))],
-            pass_fds=fds,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
+    child = spawn_holding(code, fds, (*fds, epoch))
     assert daemon.wait_doorbell(seen, 30.0)
     demand = daemon.take_demand(0)
     assert demand is not None and demand[1:] == (1, [2, 3])

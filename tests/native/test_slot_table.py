@@ -15,7 +15,7 @@ import pytest
 
 from expertcache import _native
 from expertcache.native import SlotTable, StaleClient, TableState
-from tests.slot_tables import claim_and_attach
+from tests.slot_tables import claim_and_attach, spawn_holding
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,18 +35,7 @@ def _child(t: SlotTable, client: int, code: str, *, stdin: bool = False) -> subp
         "os.close(tf)\n"
         "os.close(rf)\n"
     )
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-c", prelude + code, *map(str, (*fds, client, epoch))],
-            pass_fds=fds,
-            stdin=subprocess.PIPE if stdin else None,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return spawn_holding(prelude + code, fds, (*fds, client, epoch), stdin=stdin)
 
 
 def _started(t: SlotTable, client: int, code: str, said: str, *, stdin: bool = False) -> subprocess.Popen:
