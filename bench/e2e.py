@@ -359,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         "model; the smoke test's)",
     )
     add_model_arguments(parser, hidden=512, intermediate=1280, precision="mxfp4")
-    parser.add_argument("--shm-dir", default="", help="daemon's shm directory (default: the daemon's)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=8)
     parser.add_argument(

@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(settle_s)
             figures["rss_after_settle_mib"] = rss_mib(compute.popen.pid)
         over = [k for k, bound in BOUNDS.items() if not figures.get(k, float("nan")) <= bound]
+        if getattr(attack, "writable", None):  # the shm fuzzer mapped the table or the arena writable
+            figures["attack_writable"] = sorted(attack.writable)
+            over.append("attack_writable")
         figures["bounds_missed"] = over
         missed.extend(f"{name}: {k} {figures.get(k)}" for k in over)
         results["phases"][name] = figures

@@ -263,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--request", type=int, default=0, help="first trace request")
-    parser.add_argument("--shm-dir", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--progress-every", type=int, default=1000)
     parser.add_argument(

@@ -5,8 +5,8 @@ socket for the table and its own region, a Demand stream that ties the ledger to
 writes random bytes into every byte of shared memory it can write: its region's pins and access
 stamps, its channel's demand mailbox, words and signal ring. It rings the daemon's doorbell after
 each write, so that the daemon's thread for it reads what it wrote, and attaches again every
-``reattach_s`` (a new ledger and region each time; the old one is reclaimed). The table itself is
-mapped read-only: it cannot write there, and it checks that (``table_writable`` stays False).
+``reattach_s`` (a new ledger and region each time; the old one is reclaimed). The table and the
+CPU arena map read-only: it cannot write there, and it checks that (``writable`` stays empty).
 
 ``bench.hostile`` runs it as the ``shm-fuzz`` phase beside a real compute process;
 ``tests/integration/test_shm_fuzz.py`` checks that the other client's output still equals
@@ -15,6 +15,7 @@ transformers' while it runs.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import random
@@ -40,7 +41,7 @@ class RegionFuzz:
         self.attaches = 0
         self.bytes_written = 0
         self.errors: dict[str, int] = {}  # what went wrong on our side, by kind (refusals included)
-        self.table_writable = False
+        self.writable: set[str] = set()  # handed descriptors it could map writable (none, or a bug)
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shm-fuzz", daemon=True)
@@ -74,14 +75,20 @@ class RegionFuzz:
         reply = stub.Attach(cache_pb2.AttachRequest(client_name="shm-fuzz", shm_fast_path=True), timeout=10)
         if reply.client_index < 0 or not reply.handoff_socket:
             raise RuntimeError("the daemon offered no client ledger")
-        _payload, fds = handoff.receive(reply.handoff_socket, reply.handoff_token)
+        payload, fds = handoff.receive(reply.handoff_socket, reply.handoff_token)
         try:
-            table_fd, region_fd = fds
-            try:
-                mmap.mmap(table_fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE).close()
-                self.table_writable = True
-            except PermissionError:
-                pass
+            handed = dict(zip(json.loads(payload)["descriptors"], fds, strict=True))
+            table_fd, region_fd = handed["table"], handed["region"]
+            for name in ("table", "arena"):
+                if name in handed:
+                    try:
+                        writable = mmap.mmap(
+                            handed[name], 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                        )
+                    except PermissionError:
+                        continue
+                    writable.close()
+                    self.writable.add(name)
             handle = native.SlotTable.attach(table_fd, region_fd, reply.client_index, reply.client_epoch)
             size = os.fstat(region_fd).st_size
             region = mmap.mmap(region_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -145,7 +145,7 @@ class ProcessSystem:
             device=args.device,
             device_budget_bytes=self.device_bytes,
             host_budget_bytes=self.host_bytes,
-            extra=[*daemon_extra, "--shm-dir", str(args.shm_dir)] if args.shm_dir else daemon_extra,
+            extra=daemon_extra,
             checkout=checkout,
         )
         self.compute = None

@@ -1,11 +1,15 @@
-"""Handing a compute process its slot table and client region, and to nobody else.
+"""Handing a compute process its arena, slot table and client region, and to nobody else.
 
-The slot table and each client's region are memfds (csrc/include/expertcache/slot_table.h): no
-path in a shared directory another process could open. ``Attach`` claims a client ledger and
-answers with a one-time token; the client trades it on the handoff socket (``expertcache.handoff``,
-SCM_RIGHTS) for two descriptors: the table, sealed so that it maps read-only, and the ledger's
-region, made anew for this claim. A token is good once, for the claim it was issued with, and
-only while that claim is unbound and not taken back.
+The CPU arena, the slot table and each client's region are memfds (``expertcache.memfd``,
+csrc/include/expertcache/slot_table.h): no path in a shared directory another process could open.
+``Attach`` answers with a one-time token (and, for the fast path, claims a client ledger); the
+client trades the token on the handoff socket (``expertcache.handoff``, SCM_RIGHTS) for its
+descriptors, in this order:
+- the arena, when it is a memfd (sealed: it maps read-only);
+- with a ledger: the table, sealed so that it maps read-only, and the ledger's region, made anew
+  for this claim.
+The grant's payload names them. A token is good once, within ``UNBOUND_CLAIM_EXPIRY_S``, and a
+ledger's token only while that claim is unbound and not taken back.
 
 ::
 
@@ -13,7 +17,8 @@ only while that claim is unbound and not taken back.
     Attach(shm_fast_path) ────────▶ claim ledger c (new region, epoch E), token T
                           ◀──────── (c, E, handoff socket, T)
     connect, send T ──────────────▶ T → (c, E): still claimed and unbound at E?
-                          ◀──────── {"client_index": c, "client_epoch": E} + [table fd, region fd]
+                          ◀──────── {"descriptors": ["arena", "table", "region"],
+                                     "client_index": c, "client_epoch": E} + [arena, table, region]
     Demand stream (c, E) ─────────▶ bind_client: the ledger is the stream's until it ends
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -40,12 +46,19 @@ MAX_TOKENS = 1024
 class ClientHandoff:
     """The tokens issued at Attach and the socket that redeems them."""
 
-    def __init__(self, fds_for: Callable[[ClientLedger], list[int] | None]) -> None:
+    def __init__(
+        self,
+        arena_fd: Callable[[], int | None] | None,
+        fds_for: Callable[[ClientLedger], list[int] | None],
+    ) -> None:
+        # A new descriptor of the arena (None once it is closed); None when the arena is not
+        # shared by descriptor (CUDA IPC).
+        self._arena_fd = arena_fd
         # The table's and the ledger's region's descriptors, if the ledger is still claimed,
         # unbound, at that epoch (checked and duplicated at once: Residency.handoff_fds).
         self._fds_for = fds_for
         self._lock = threading.Lock()
-        self._tokens: OrderedDict[bytes, tuple[ClientLedger, float]] = OrderedDict()
+        self._tokens: OrderedDict[bytes, tuple[ClientLedger | None, float]] = OrderedDict()
         self._server: HandoffServer | None = None
 
     @property
@@ -66,8 +79,11 @@ class ClientHandoff:
         with self._lock:
             self._tokens.clear()
 
-    def issue(self, ledger: ClientLedger) -> bytes:
-        """A one-time token for ``ledger`` (just claimed)."""
+    def issue(self, ledger: ClientLedger | None) -> bytes:
+        """A one-time token for the arena and ``ledger`` (just claimed), or for the arena alone;
+        empty when there is nothing to hand over or the socket is not served."""
+        if not self.path or (ledger is None and self._arena_fd is None):
+            return b""
         token = secrets.token_bytes(HANDOFF_TOKEN_BYTES)
         with self._lock:
             self._tokens[token] = (ledger, time.monotonic())
@@ -81,14 +97,33 @@ class ClientHandoff:
         if found is None:
             raise FailedPrecondition("unknown or already used handoff token: Attach again")
         ledger, issued = found
-        fds = self._fds_for(ledger) if time.monotonic() - issued <= UNBOUND_CLAIM_EXPIRY_S else None
-        if fds is None:
-            raise FailedPrecondition(
-                f"client ledger {ledger.index} (epoch {ledger.epoch}) is no longer yours: Attach again"
-            )
-        logger.debug("handed client ledger %d to pid %d", ledger.index, peer_pid)
-        payload = json.dumps({"client_index": ledger.index, "client_epoch": ledger.epoch}).encode()
-        return Grant(payload=payload, fds=fds)
+        if time.monotonic() - issued > UNBOUND_CLAIM_EXPIRY_S:
+            raise FailedPrecondition("the handoff token expired: Attach again")
+        names: list[str] = []
+        fds: list[int] = []
+        try:
+            if self._arena_fd is not None:
+                arena = self._arena_fd()
+                if arena is None:
+                    raise FailedPrecondition("the cache daemon is closing its arena: Attach again")
+                names.append("arena")
+                fds.append(arena)
+            payload: dict[str, object] = {"descriptors": names}
+            if ledger is not None:
+                region = self._fds_for(ledger)
+                if region is None:
+                    raise FailedPrecondition(
+                        f"client ledger {ledger.index} (epoch {ledger.epoch}) is no longer yours: Attach again"
+                    )
+                names += ["table", "region"]
+                fds += region
+                payload.update(client_index=ledger.index, client_epoch=ledger.epoch)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        logger.debug("handed %s to pid %d", "+".join(names), peer_pid)
+        return Grant(payload=json.dumps(payload).encode(), fds=fds)
 
 
 __all__ = ["MAX_TOKENS", "ClientHandoff"]

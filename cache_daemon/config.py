@@ -101,18 +101,12 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
     device: str = field(
         default="auto",
         metadata={
-            "help": "Where the arena lives: cuda, cuda:<ordinal>, cuda:<GPU UUID>, cpu (POSIX shm), "
+            "help": "Where the arena lives: cuda, cuda:<ordinal>, cuda:<GPU UUID>, cpu (a memfd shared with compute), "
             "or auto (cuda if available).",
         },
     )
-    """Arena device: ``cuda`` / ``cuda:<ordinal>`` / ``cuda:<GPU UUID>`` (CUDA IPC), ``cpu`` (POSIX shm
-    file) or ``auto``. A UUID names the GPU the same way in every container of the pod."""
-
-    shm_dir: str = field(
-        default="/dev/shm",
-        metadata={"help": "Directory of the shared-memory arena file on CPU (a tmpfs shared with compute)."},
-    )
-    """Directory holding the CPU arena file ``expertcache-<daemon_id>`` (deleted at exit)."""
+    """Arena device: ``cuda`` / ``cuda:<ordinal>`` / ``cuda:<GPU UUID>`` (CUDA IPC), ``cpu`` (a sealed
+    memfd) or ``auto``. A UUID names the GPU the same way in every container of the pod."""
 
     io_threads: int = field(
         default=4,
@@ -251,8 +245,6 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
                 f"at most {limit} bytes (unix socket paths are limited to {MAX_UNIX_SOCKET_PATH_BYTES} bytes, "
                 f"and the handoff socket adds '{HANDOFF_SOCKET_SUFFIX}'): {self.socket_path}"
             )
-        if not self.shm_dir:
-            raise InvalidArgument("config field 'shm_dir' must not be empty")
 
 
 # Fields UpdateConfig (and a config reload) may change while serving (``metadata["live"]``); the

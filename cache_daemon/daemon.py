@@ -4,7 +4,7 @@ CacheDaemon.start(config)
   ├─ read_manifest(store_dir)          the store must be complete
   ├─ StoreReader                        O_DIRECT reads + CRC checks
   ├─ HostTier                           host_budget_bytes // blob_bytes slots (0 = none)
-  ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (shm / CUDA)
+  ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (memfd / CUDA)
   ├─ SlotTable                          memfds: the table (compute maps it read-only) and a region
   │                                     per client, handed over the handoff socket (client_handoff)
   ├─ ActivationSignals                  compute's routing / lookahead, predictor hints
@@ -39,7 +39,7 @@ from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
 from cache_daemon.tiers.base import Tier
-from cache_daemon.tiers.device import ArenaHandle, DeviceArena, create_arena, resolve_device
+from cache_daemon.tiers.device import ArenaHandle, ArenaKind, DeviceArena, create_arena, resolve_device
 from cache_daemon.tiers.host import HostTier
 from cache_daemon.tiers.store import StoreReader
 from expertcache import native, prom
@@ -67,7 +67,9 @@ class AttachInfo:
     manifest_json: str  # manifest.json, verbatim
     daemon_id: str
     client: ClientLedger | None  # the caller's client ledger, when it asked for one
-    handoff_socket: str = ""  # where the client trades handoff_token for the table and its region
+    # Where the client trades handoff_token for the arena (a memfd) and, with a ledger, the table
+    # and its region (cache_daemon.client_handoff); empty when there is nothing to hand over.
+    handoff_socket: str = ""
     handoff_token: bytes = b""
 
 
@@ -177,7 +179,7 @@ class CacheDaemon:
     """The daemon's domain objects wired together: manifest, store, host tier, arena, residency.
 
     ``start`` checks the store and budgets (raising ``ExpertCacheError`` subclasses that
-    ``__main__`` turns into exit code 2); ``close`` frees everything and removes the shm file.
+    ``__main__`` turns into exit code 2); ``close`` frees everything.
     """
 
     manifest: StoreManifest
@@ -195,7 +197,9 @@ class CacheDaemon:
         # The budgets as started: their ceilings are the memory allocated at start.
         self.budgets = (Budget.device(self.config), Budget.host(self.config))
         self._closed = False
-        self.handoff = ClientHandoff(self.residency.handoff_fds)
+        self.handoff = ClientHandoff(
+            self.arena.arena_fd if self.arena.kind is ArenaKind.MEMFD else None, self.residency.handoff_fds
+        )
         self._config_lock = threading.Lock()  # one update at a time
         # Predictor hints: each batch goes to the residency's signals as it arrives (and wakes
         # the prefetcher); the board keeps the latest per request for GetStats. Empty unless
@@ -303,7 +307,7 @@ class CacheDaemon:
         num_slots = device.ceiling_slots(blob, manifest.num_blobs)
         host_in_use = host_budget.slots(blob, manifest.num_blobs)
         host_slots = host_budget.ceiling_slots(blob, manifest.num_blobs)
-        # Pinned host memory and a CPU arena's tmpfs pages cannot be reclaimed: they must fit in
+        # Pinned host memory and a CPU arena's shared pages cannot be reclaimed: they must fit in
         # the container's memory limit, or the container is OOM-killed later under load.
         arena_in_host_memory = resolve_device(config.device) == "cpu"
         check_host_memory(
@@ -319,9 +323,10 @@ class CacheDaemon:
         store = StoreReader(config.store_dir, manifest, metrics, io_threads=config.io_threads)
         arena = host = table = None
         try:
-            arena = create_arena(config.device, num_slots, blob, shm_dir=config.shm_dir, daemon_id=daemon_id)
+            arena = create_arena(config.device, num_slots, blob, daemon_id=daemon_id)
             # Compute maps it (read-only, with a region of its own) and pins resident experts
-            # without RPC; memfds, handed over the handoff socket: no file to open or leave behind.
+            # without RPC; memfds like a CPU arena, handed over the handoff socket: no file to
+            # open or leave behind.
             table = SlotTable.create(f"expertcache-{daemon_id}", table_entries(manifest), num_slots)
             # The host tier is a plain LRU cache below the arena: predictions rank the arena.
             host = HostTier(
@@ -383,8 +388,9 @@ class CacheDaemon:
         )
 
     def serve_handoff(self, path: str) -> None:
-        """Hand clients their table and region on the unix socket ``path`` (``create_server``
-        starts it beside the gRPC socket); without it, Attach offers no client ledger."""
+        """Hand clients the arena, their table and region on the unix socket ``path``
+        (``create_server`` starts it beside the gRPC socket); without it, Attach offers no client
+        ledger and a CPU arena cannot be mapped."""
         self.handoff.start(path)
 
     def attach(self, client_name: str, *, want_client: bool = False) -> AttachInfo:
@@ -396,6 +402,7 @@ class CacheDaemon:
             client_name or "an unnamed client",
             f" (client ledger {client.index})" if client is not None else "",
         )
+        token = self.handoff.issue(client)
         return AttachInfo(
             arena=self.arena.handle(),
             num_slots=self.arena.num_slots,
@@ -403,8 +410,8 @@ class CacheDaemon:
             manifest_json=self.manifest_json,
             daemon_id=self.daemon_id,
             client=client,
-            handoff_socket=self.handoff.path if client is not None else "",
-            handoff_token=self.handoff.issue(client) if client is not None else b"",
+            handoff_socket=self.handoff.path if token else "",
+            handoff_token=token,
         )
 
     def stats(self) -> CacheStats:
@@ -454,7 +461,7 @@ class CacheDaemon:
         )
 
     def close(self, detach_grace_s: float = DETACH_GRACE_S) -> None:
-        """Fail waiting Acquires, stop the I/O threads, free the tiers, remove the shm files.
+        """Fail waiting Acquires, stop the I/O threads, free the tiers.
 
         The arena is freed only once no compute process pins a slot of it (waiting at most
         ``detach_grace_s``): compute releases a pin after the kernels reading the slot are done,

@@ -41,7 +41,7 @@ class SlotNotReadable(FailedPrecondition):
 
 
 class ArenaUnavailable(FailedPrecondition):
-    """The device arena cannot be created (shm file exists, no CUDA device). ``FAILED_PRECONDITION``."""
+    """The device arena cannot be created (no memory for it, no CUDA device). ``FAILED_PRECONDITION``."""
 
 
 class ShuttingDown(Unavailable):

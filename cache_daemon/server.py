@@ -46,7 +46,7 @@ MAX_CARRIED_SIGNALS = 4096
 GRPC_MAX_WORKERS = 16  # one per concurrent Demand stream, plus room for Attach/GetStats/health
 
 _ARENA_KIND_TO_PB = {
-    ArenaKind.POSIX_SHM: cache_pb2.ARENA_KIND_POSIX_SHM,
+    ArenaKind.MEMFD: cache_pb2.ARENA_KIND_MEMFD,
     ArenaKind.CUDA_IPC: cache_pb2.ARENA_KIND_CUDA_IPC,
 }
 _PREFETCH_CLASS_TO_PB = {
@@ -66,7 +66,6 @@ _TIER_TO_PB = {
 def arena_to_pb(arena: ArenaHandle) -> cache_pb2.ArenaHandle:
     return cache_pb2.ArenaHandle(
         kind=_ARENA_KIND_TO_PB[arena.kind],
-        shm_name=arena.shm_name,
         cuda_ipc_handle=arena.cuda_ipc_handle,
         gpu_uuid=arena.gpu_uuid,
         cuda_offset=arena.cuda_offset,

@@ -13,7 +13,8 @@ manifest's ``tensors`` (encoded as the checkpoint was: ``expertcache.encodings``
     i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` is each stored part;
     ``compute_svc.expert_weights`` turns the parts into ``experts.<name>[expert]``.
 
-CPU serving shares the arena through a POSIX shm file (mmap, read-only here); CUDA serving
+CPU serving shares the arena as a sealed memfd that the daemon hands over its handoff socket
+(``compute_svc.daemon_link``), mapped read-only: nothing here could write it; CUDA serving
 through CUDA IPC: the native core opens the daemon's 64-byte handle on the GPU named by UUID
 (``expertcache.native.CudaArena.open``; ordinals differ between containers) and torch views it
 through ``__cuda_array_interface__`` (rows ``stride`` bytes apart, cut to ``slot_bytes``).
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -35,16 +34,6 @@ from expertcache.arena_handle import ArenaHandle, ArenaKind
 from expertcache.manifest import ExpertTensor
 
 logger = logging.getLogger(__name__)
-
-SHM_ROOT = Path("/dev/shm")  # where POSIX shm_open names live on Linux
-
-
-def shm_path(shm_name: str) -> Path:
-    """The file behind a shm name: an absolute path as is, else (``/name`` or ``name``) under /dev/shm."""
-    path = Path(shm_name)
-    if path.is_absolute() and path.exists():
-        return path
-    return SHM_ROOT / shm_name.lstrip("/")
 
 
 def resolve_device(requested: str, kind: ArenaKind, cuda_available: bool | None = None) -> torch.device:
@@ -85,43 +74,41 @@ class Arena:
         return self.slots.device
 
     @classmethod
-    def open(cls, handle: ArenaHandle, num_slots: int, slot_bytes: int, device: torch.device) -> Arena:
+    def open(
+        cls,
+        handle: ArenaHandle,
+        num_slots: int,
+        slot_bytes: int,
+        device: torch.device,
+        memory: mmap.mmap | None = None,
+    ) -> Arena:
+        """``memory``: a memfd arena's read-only mapping (``Attachment.arena_memory``)."""
         if handle.size_bytes < num_slots * slot_bytes:
             raise ArenaMismatch(
                 f"arena of {handle.size_bytes} bytes cannot hold {num_slots} slots of {slot_bytes} bytes"
             )
-        if handle.kind is ArenaKind.POSIX_SHM:
-            return cls._open_shm(handle, num_slots, slot_bytes)
+        if handle.kind is ArenaKind.MEMFD:
+            return cls._open_memfd(memory, num_slots, slot_bytes)
         if handle.kind is ArenaKind.CUDA_IPC:
             return cls._open_cuda(handle, num_slots, slot_bytes, device)
         raise ArenaMismatch(f"arena kind {handle.kind!r} is not supported")
 
     @classmethod
-    def _open_shm(cls, handle: ArenaHandle, num_slots: int, slot_bytes: int) -> Arena:
-        path = shm_path(handle.shm_name)
+    def _open_memfd(cls, memory: mmap.mmap | None, num_slots: int, slot_bytes: int) -> Arena:
         nbytes = num_slots * slot_bytes
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symlink there is refused
-        except OSError as exc:
+        if memory is None:
+            raise ArenaMismatch("the cache daemon's arena is a memfd, and its handoff did not give it")
+        if len(memory) < nbytes:
             raise ArenaMismatch(
-                f"cannot open the cache daemon's arena {path}: {exc.strerror} "
-                "(compute and daemon must share /dev/shm: same pod, same IPC namespace)"
-            ) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ArenaMismatch(f"arena file {path} has {size} bytes, expected at least {nbytes}")
-            # Read-only on purpose: a stray write from compute would fault instead of silently
-            # corrupting an expert the daemon believes intact.
-            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+                f"the cache daemon's arena maps {len(memory)} bytes, expected at least {nbytes}"
+            )
         with warnings.catch_warnings():
-            # torch warns that the buffer is not writable; that is the point.
+            # torch warns that the buffer is not writable; that is the point: the mapping is
+            # read-only, and a stray write from compute faults instead of corrupting an expert.
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)  # [nbytes] uint8
-        logger.info("mapped arena %s: %d slots x %d bytes", path, num_slots, slot_bytes)
-        return cls(flat.view(num_slots, slot_bytes), keepalive=buf)
+            flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)  # [nbytes] uint8
+        logger.info("mapped the arena (memfd, read-only): %d slots x %d bytes", num_slots, slot_bytes)
+        return cls(flat.view(num_slots, slot_bytes), keepalive=memory)
 
     @classmethod
     def _open_cuda(cls, handle: ArenaHandle, num_slots: int, slot_bytes: int, device: torch.device) -> Arena:

@@ -115,7 +115,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
             "choices": DEVICE_KINDS,
         },
     )
-    """``auto`` runs where the daemon's arena lives (CUDA IPC → cuda, POSIX shm → cpu); an
+    """``auto`` runs where the daemon's arena lives (CUDA IPC → cuda, memfd → cpu); an
     explicit value must agree with the arena, since experts are read in place."""
 
     max_new_tokens_limit: int = field(

@@ -11,6 +11,7 @@ which is also where a restarted daemon is detected.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,8 @@ from compute_svc.daemon_wire import (
 )
 from compute_svc.demand_stream import DemandStream
 from compute_svc.errors import DaemonUnavailable, FailedPrecondition
-from expertcache import handoff, native
+from expertcache import handoff, memfd, native
+from expertcache.arena_handle import ArenaKind
 from expertcache.errors import ExpertCacheError
 
 logger = logging.getLogger(__name__)
@@ -62,42 +64,59 @@ class DaemonLink:
         # Called with each new stream (lock held), before anything else travels on it: the
         # signals re-announce the running requests there.
         self.on_open: Callable[[DemandStream], None] | None = None
-        if fast_path:
-            self._map_table(attachment)
-
-    def _map_table(self, attachment: Attachment) -> None:
-        """Map the daemon's slot table for the fast path, or stay on Demand-only if it has none."""
-        if not attachment.handoff_socket or attachment.client_index < 0:
+        self.attachment = self._take_handoff(attachment, attachment.handoff_socket, attachment.handoff_token)
+        if fast_path and self.table is None:
             logger.warning(
-                "cache daemon at %s offers no shared slot table: every acquire goes through Demand",
-                self.address,
+                "cache daemon at %s offers no shared slot table: every acquire goes through Demand", address
             )
-            return
-        self._bind_region(attachment.handoff_socket, attachment.handoff_token, attachment.client_index)
 
-    def _bind_region(self, socket_path: str, token: bytes, index: int) -> None:
-        """Trade Attach's token for the table (read-only) and our ledger's region (ours alone)."""
+    def _take_handoff(self, attachment: Attachment, socket_path: str, token: bytes) -> Attachment:
+        """Trade Attach's token for what the daemon hands over: the arena (a memfd, mapped
+        read-only: returned in ``attachment.arena_memory`` unless this daemon's arena is mapped
+        already), and with a ledger, the table (read-only) and our region (ours alone)."""
+        needs_arena = attachment.arena.kind is ArenaKind.MEMFD and attachment.arena_memory is None
+        if not token or not socket_path:
+            if needs_arena:
+                raise FailedPrecondition(
+                    f"the cache daemon at {self.address} has a CPU arena but offered no handoff socket to get it"
+                )
+            return attachment
         try:
             payload, fds = handoff.receive(socket_path, token)
         except ExpertCacheError as exc:
             raise FailedPrecondition(
-                f"cannot get the slot table from the cache daemon's handoff socket {socket_path}: {exc} "
-                "(is its socket directory mounted in this container? or pass --no-shm-fast-path)"
+                f"cannot get the arena and slot table from the cache daemon's handoff socket {socket_path}: "
+                f"{exc} (is its socket directory mounted in this container?)"
             ) from None
         try:
             granted = json.loads(payload)
-            if len(fds) != 2 or granted.get("client_index") != index:
+            names = granted["descriptors"]
+            expected = (["arena"] if attachment.arena.kind is ArenaKind.MEMFD else []) + (
+                ["table", "region"] if attachment.client_index >= 0 else []
+            )
+            if names != expected or len(fds) != len(names):
                 raise FailedPrecondition(
-                    f"the cache daemon's handoff at {socket_path} sent {len(fds)} descriptors for ledger "
-                    f"{granted.get('client_index')}, expected 2 for ledger {index}"
+                    f"the cache daemon's handoff at {socket_path} sent {len(fds)} descriptors named {names}, "
+                    f"expected {expected}"
                 )
-            epoch = int(granted["client_epoch"])
-            try:
-                table = native.SlotTable.attach(fds[0], fds[1], index, epoch)
-            except StaleClient as exc:
-                raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise FailedPrecondition(f"cannot map the cache daemon's slot table: {exc}") from None
+            handed = dict(zip(names, fds, strict=True))
+            if needs_arena:
+                try:
+                    memory = memfd.map_readonly(
+                        handed["arena"], attachment.arena.size_bytes, "the cache daemon's arena"
+                    )
+                except memfd.MemfdError as exc:
+                    raise FailedPrecondition(str(exc)) from None
+                attachment = dataclasses.replace(attachment, arena_memory=memory)
+            if "table" in handed:
+                if granted.get("client_index") != attachment.client_index:
+                    raise FailedPrecondition(
+                        f"the cache daemon's handoff at {socket_path} sent ledger {granted.get('client_index')}, "
+                        f"expected {attachment.client_index}"
+                    )
+                self._bind_region(
+                    handed["table"], handed["region"], attachment.client_index, int(granted["client_epoch"])
+                )
         except (ValueError, KeyError, TypeError) as exc:
             raise FailedPrecondition(
                 f"the cache daemon's handoff at {socket_path} answered badly: {exc}"
@@ -105,6 +124,16 @@ class DaemonLink:
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep what they need
+        return attachment
+
+    def _bind_region(self, table_fd: int, region_fd: int, index: int, epoch: int) -> None:
+        """Map the table (read-only) and our ledger's region for the fast path."""
+        try:
+            table = native.SlotTable.attach(table_fd, region_fd, index, epoch)
+        except StaleClient as exc:
+            raise DaemonUnavailable(f"cache daemon at {self.address}: {exc}") from None
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise FailedPrecondition(f"cannot map the cache daemon's slot table: {exc}") from None
         manifest = self.attachment.manifest
         if table.num_entries != manifest.num_layers * manifest.num_experts:
             raise FailedPrecondition(
@@ -157,8 +186,9 @@ class DaemonLink:
         if self.table is not None:
             # The old ledger went with its stream; the new one comes with a region of its own.
             self.table, self.shm_channel, self._ledger = None, None, None
-            if reply.client_index >= 0 and reply.handoff_socket:
-                self._bind_region(reply.handoff_socket, reply.handoff_token, reply.client_index)
+        if reply.client_index >= 0:  # our new region (and the arena again, mapped already: closed)
+            answered = dataclasses.replace(self.attachment, client_index=reply.client_index)
+            self._take_handoff(answered, reply.handoff_socket, reply.handoff_token)
 
     def wake_channel(self) -> None:
         channel = self.shm_channel
@@ -194,10 +224,11 @@ class DaemonLink:
             self.table, self._ledger, self.shm_channel = None, None, None
             self.held.clear()
             self._streams_opened = 0
-            if self.fast_path:
-                self._map_table(attachment)
-                if self.table is not None:
-                    self.open_locked()
+            self.attachment = attachment = self._take_handoff(
+                attachment, attachment.handoff_socket, attachment.handoff_token
+            )
+            if self.table is not None:
+                self.open_locked()
         logger.info(
             "re-attached to cache daemon %s at %s: %d slots",
             attachment.daemon_id,

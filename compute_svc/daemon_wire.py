@@ -7,7 +7,8 @@ With ``server.py`` the only compute code that knows the daemon's messages; the D
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import mmap
+from dataclasses import dataclass, field
 
 import grpc
 from moe.cache.v1 import cache_pb2
@@ -48,7 +49,7 @@ CLIENT_INDEX_KEY = "expertcache-client-index"
 CLIENT_EPOCH_KEY = "expertcache-client-epoch"
 
 _ARENA_KINDS = {
-    cache_pb2.ARENA_KIND_POSIX_SHM: ArenaKind.POSIX_SHM,
+    cache_pb2.ARENA_KIND_MEMFD: ArenaKind.MEMFD,
     cache_pb2.ARENA_KIND_CUDA_IPC: ArenaKind.CUDA_IPC,
 }
 
@@ -64,8 +65,12 @@ class Attachment:
     daemon_id: str
     client_index: int = -1  # our ledger in the table; -1 when none was asked for or given
     client_epoch: int = 0
-    handoff_socket: str = ""  # where handoff_token buys the table and our region (empty: no fast path)
+    # Where handoff_token buys the arena (a memfd) and, with a ledger, the table and our region;
+    # empty when there is nothing to hand over.
+    handoff_socket: str = ""
     handoff_token: bytes = b""
+    # The arena's read-only mapping, once the handoff gave it (a memfd arena; compute_svc.daemon_link).
+    arena_memory: mmap.mmap | None = field(default=None, compare=False, repr=False)
 
 
 def arena_from_pb(pb: cache_pb2.ArenaHandle) -> ArenaHandle:
@@ -75,7 +80,6 @@ def arena_from_pb(pb: cache_pb2.ArenaHandle) -> ArenaHandle:
     return ArenaHandle(
         kind=kind,
         size_bytes=pb.size_bytes,
-        shm_name=pb.shm_name,
         cuda_ipc_handle=pb.cuda_ipc_handle,
         gpu_uuid=pb.gpu_uuid,
         cuda_offset=pb.cuda_offset,

@@ -615,7 +615,9 @@ def build_engine(
             f"{attachment.manifest.model_id}: point both at the same store"
         )
     torch_device = resolve_device(device, attachment.arena.kind)
-    arena = Arena.open(attachment.arena, attachment.num_slots, attachment.slot_bytes, torch_device)
+    arena = Arena.open(
+        attachment.arena, attachment.num_slots, attachment.slot_bytes, torch_device, attachment.arena_memory
+    )
     # The arena decides the exact device (its GPU index); the dense weights go next to it.
     loaded = load_model(store_dir, attachment.manifest, arena.device)
     runtime = ExpertRuntime(provider, arena, attachment.manifest.tensors)

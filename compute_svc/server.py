@@ -312,7 +312,11 @@ class ComputeServer:
         attachment = self.client.reattach()
         runtime = self.engine.runtime
         arena = Arena.open(
-            attachment.arena, attachment.num_slots, attachment.slot_bytes, runtime.arena.device
+            attachment.arena,
+            attachment.num_slots,
+            attachment.slot_bytes,
+            runtime.arena.device,
+            attachment.arena_memory,
         )
         runtime.remap(arena)
 

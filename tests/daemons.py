@@ -4,7 +4,6 @@ Attach, its arena mapped read-only, Demand streams, stats. Its store is ``tests.
 
 from __future__ import annotations
 
-import mmap
 import os
 import queue
 from pathlib import Path
@@ -13,11 +12,11 @@ import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from devtools.launch import Proc, start
+from expertcache import handoff, memfd
 from expertcache.keys import ExpertKey
 from tests.stores import blob_of
 
 BLOB = 4096  # write_store's blob size
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
 
 class DemandStream:
@@ -57,9 +56,13 @@ class Daemon:
         self.channel = grpc.insecure_channel(proc.address)
         self.stub = cache_pb2_grpc.ExpertCacheStub(self.channel)
         self.attach = self.stub.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10)
-        self.arena_path = Path(os.path.join("/dev/shm", self.attach.arena.shm_name))
-        with open(self.arena_path, "rb") as f:
-            self.arena = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        # The arena is a memfd: Attach's one-time token buys its descriptor (read-only).
+        _, fds = handoff.receive(self.attach.handoff_socket, self.attach.handoff_token)
+        try:
+            self.arena = memfd.map_readonly(fds[0], self.attach.arena.size_bytes, "the arena")
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def slot_bytes(self, slot: int) -> bytes:
         return self.arena[slot * BLOB : (slot + 1) * BLOB]

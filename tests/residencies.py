@@ -13,7 +13,7 @@ from cache_daemon.decisions.policy import make_policy
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import Residency, table_entries
 from cache_daemon.tiers import HostTier, StoreReader
-from cache_daemon.tiers.device import ShmArena
+from cache_daemon.tiers.device import MemfdArena
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
 from tests.stores import blob_of, write_store
@@ -39,7 +39,7 @@ class ResidencyHarness:
         self.manifest = write_store(self.root)
         self.metrics = DaemonMetrics()
         self.store = StoreReader(self.root, self.manifest, self.metrics)
-        self.arena = ShmArena(slots, self.manifest.blob_bytes, shm_dir=tmp_path, daemon_id=daemon_id)
+        self.arena = MemfdArena(slots, self.manifest.blob_bytes, daemon_id=daemon_id)
         self.host = HostTier(host_slots, self.manifest.blob_bytes, make_policy("lru"), self.metrics)
         self.executor = ThreadPoolExecutor(io_threads)
         self.table = SlotTable.create(f"expertcache-{daemon_id}", table_entries(self.manifest), slots, 4)

@@ -3,7 +3,8 @@
 ::
 
     arena  [num_slots, slot_bytes] uint8        slot i = bytes [i*slot_bytes, (i+1)*slot_bytes)
-      cpu : file <shm_dir>/expertcache-<daemon_id> (tmpfs), mmap'ed MAP_SHARED by both processes
+      cpu : a sealed memfd (expertcache.memfd), mapped MAP_SHARED: writable here, read-only in
+            compute, which gets its descriptor over the handoff socket (cache_daemon.client_handoff)
       cuda: one cudaMalloc by the native core (expertcache.native.CudaArena), rows ``stride``
             bytes apart (slot_bytes rounded up to 256), exported by a 64-byte CUDA IPC handle
             and found by GPU UUID in compute; filled by the native CopyEngine
@@ -12,17 +13,13 @@ The arena is raw memory: which expert a slot holds, and whether it may be read o
 is decided by ``cache_daemon.residency.Residency`` (the slot table). ``copy_in`` returns only
 when the bytes are in the slot, so a slot reported ready is complete.
 
-The POSIX shm file is created with ``O_CREAT|O_EXCL`` under a per-process name and removed by
-``close``. ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks segments
-behind our back when a process that merely attached exits. ``create_arena`` first claims the
-daemon's shm files (``cache_daemon.shm_files``): it removes what dead (SIGKILLed) daemons left in
-``shm_dir`` and holds a lock marking this daemon's files as live until the arena is closed.
+The CPU arena has no name in any directory: no other process can open it, and nothing is left
+behind when the daemon dies, however it dies (the kernel frees a memfd with its last reference).
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import glob
 import itertools
 import logging
@@ -30,19 +27,15 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
-from pathlib import Path
 
 import torch
 
 from cache_daemon.errors import ArenaUnavailable, CopyInFlight
-from cache_daemon.shm_files import ShmClaim, claim_shm_files
 from cache_daemon.tiers.host import StagingBuffer
-from expertcache import native
+from expertcache import memfd, native
 from expertcache.arena_handle import ArenaHandle, ArenaKind
 
 logger = logging.getLogger(__name__)
-
-SHM_ROOT = Path("/dev/shm")  # where shm_open names live on Linux; ArenaHandle.shm_name is relative to it
 
 
 def resolve_device(device: str) -> str:
@@ -94,9 +87,6 @@ class DeviceArena(ABC):
             raise ValueError(f"an arena needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        # Set by create_arena: the lock that keeps this daemon's shm files safe from other
-        # daemons' sweeps; released by close().
-        self.shm_claim: ShmClaim | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -120,6 +110,11 @@ class DeviceArena(ABC):
     def handle(self) -> ArenaHandle:
         """How another process maps this arena."""
 
+    def arena_fd(self) -> int | None:
+        """A new descriptor of the arena for a client (the handoff sends it and closes it), or
+        None when the arena is not shared by descriptor (CUDA IPC) or is closed."""
+        return None
+
     def host_buffer(self, slot: int) -> memoryview | None:
         """A writable host view of ``slot`` to read the store into directly, or None (CUDA)."""
         return None
@@ -136,66 +131,52 @@ class DeviceArena(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Free the arena (and remove the shm file). Idempotent."""
-
-    def _release_claim(self) -> None:
-        claim, self.shm_claim = self.shm_claim, None
-        if claim is not None:
-            claim.release()
+        """Free the arena. Idempotent."""
 
 
-class ShmArena(DeviceArena):
-    """CPU arena: a file on tmpfs mapped ``MAP_SHARED`` (compute maps the same file read-only)."""
+class MemfdArena(DeviceArena):
+    """CPU arena: a sealed memfd mapped ``MAP_SHARED``, writable here and read-only everywhere else
+    (``expertcache.memfd``). No name: compute gets the descriptor over the handoff socket
+    (``arena_fd``), and the memory goes when the last mapping and descriptor go, however the
+    daemon dies."""
 
-    kind = ArenaKind.POSIX_SHM
+    kind = ArenaKind.MEMFD
 
     def __init__(
-        self,
-        num_slots: int,
-        slot_bytes: int,
-        *,
-        shm_dir: str | Path,
-        daemon_id: str,
-        gpu: int | str | None = None,
+        self, num_slots: int, slot_bytes: int, *, daemon_id: str, gpu: int | str | None = None
     ) -> None:
         del gpu  # a CUDA-arena argument; accepted so every arena is built the same way
         super().__init__(num_slots, slot_bytes)
-        self.path = Path(shm_dir) / f"expertcache-{daemon_id}"
         nbytes = self.size_bytes
         try:
-            # Owner-only, and never through a planted file or symlink (O_EXCL, O_NOFOLLOW).
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise ArenaUnavailable(f"cannot create the arena file {self.path}: {exc.strerror}") from exc
+            self._fd = memfd.create(f"expertcache-arena-{daemon_id}", nbytes)
+        except memfd.MemfdError as exc:
+            raise ArenaUnavailable(
+                f"cannot make the CPU arena: {exc} (raise the daemon container's memory limit or lower "
+                "device_budget_bytes)"
+            ) from None
         try:
-            os.fchmod(fd, 0o600)  # the mode above is already owner-only; this states it whatever the umask
-            try:
-                # Reserve the pages now: on a full tmpfs this fails here with ENOSPC instead of
-                # killing the daemon with SIGBUS on the first write into a sparse file.
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise ArenaUnavailable(
-                        f"cannot reserve {nbytes} bytes for the arena in {shm_dir}: {exc.strerror} "
-                        "(enlarge the shared-memory volume or lower device_budget_bytes)"
-                    ) from exc
-                os.ftruncate(fd, nbytes)
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+            self._mmap = mmap.mmap(
+                self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            memfd.seal(self._fd)  # after our writable mapping: no other may be made
+        except (OSError, memfd.MemfdError) as exc:
+            os.close(self._fd)
+            raise ArenaUnavailable(f"cannot map the CPU arena: {exc}") from None
         self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(num_slots, slot_bytes)
         self._base = self.slots.data_ptr()  # the mapping's address: copies go there by memmove
         self._views: dict[int, torch.Tensor] = {}  # slot -> its row of slots, made on first use
         self._local = threading.local()
+        self._lock = threading.Lock()  # arena_fd against close
         self._closed = False
-        logger.info("arena: %s, %d slots x %d bytes", self.path, num_slots, slot_bytes)
+        logger.info("arena: memfd, %d slots x %d bytes", num_slots, slot_bytes)
+
+    def arena_fd(self) -> int | None:
+        with self._lock:
+            return None if self._closed else os.dup(self._fd)
 
     def handle(self) -> ArenaHandle:
-        shm_name = self.path.name if self.path.parent.resolve() == SHM_ROOT else str(self.path.resolve())
-        return ArenaHandle(kind=self.kind, size_bytes=self.size_bytes, shm_name=shm_name)
+        return ArenaHandle(kind=self.kind, size_bytes=self.size_bytes)
 
     def host_buffer(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -226,17 +207,17 @@ class ShmArena(DeviceArena):
         view.copy_(src if src.dim() == 1 else src.reshape(-1))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.path.unlink(missing_ok=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._fd)
         self._views.clear()
         self.slots = torch.empty(0, 0, dtype=torch.uint8)
         try:
             self._mmap.close()
         except BufferError:
             pass  # views handed out earlier are still alive; the mapping goes with them
-        self._release_claim()
 
 
 class CudaArena(DeviceArena):
@@ -262,13 +243,12 @@ class CudaArena(DeviceArena):
         num_slots: int,
         slot_bytes: int,
         *,
-        shm_dir: str | Path = "",
         daemon_id: str = "",
         gpu: int | str | None = None,
     ) -> None:
         """``gpu``: a CUDA ordinal, a GPU UUID ("GPU-…", case and prefix free), or None for
         torch's current device."""
-        del shm_dir, daemon_id  # CPU-arena arguments; accepted so every arena is built the same way
+        del daemon_id  # a CPU-arena argument; accepted so every arena is built the same way
         super().__init__(num_slots, slot_bytes)
         require_native_cuda()
         self.index = _gpu_ordinal(gpu)
@@ -357,7 +337,6 @@ class CudaArena(DeviceArena):
         self._engine.synchronize()
         self.slots = torch.empty(0, 0, dtype=torch.uint8)
         self._native = None
-        self._release_claim()
 
 
 def _gpu_ordinal(gpu: int | str | None) -> int:
@@ -377,27 +356,13 @@ def _gpu_ordinal(gpu: int | str | None) -> int:
         raise ArenaUnavailable(f"the configured GPU {gpu!r} is not visible: {exc}") from exc
 
 
-# Every arena class takes (num_slots, slot_bytes, *, shm_dir, daemon_id, gpu).
-ARENAS: dict[str, type[DeviceArena]] = {"cpu": ShmArena, "cuda": CudaArena}
+# Every arena class takes (num_slots, slot_bytes, *, daemon_id, gpu).
+ARENAS: dict[str, type[DeviceArena]] = {"cpu": MemfdArena, "cuda": CudaArena}
 
 
-def create_arena(
-    device: str, num_slots: int, slot_bytes: int, *, shm_dir: str | Path, daemon_id: str
-) -> DeviceArena:
+def create_arena(device: str, num_slots: int, slot_bytes: int, *, daemon_id: str) -> DeviceArena:
     """The arena for ``device`` (``auto``/``cpu``/``cuda``/``cuda:<ordinal or UUID>``) with
-    ``num_slots`` slots of ``slot_bytes``.
-
-    First claims the daemon's shm files in ``shm_dir`` (``claim_shm_files``: sweeps files of
-    dead daemons, then locks ``daemon_id``'s); the claim travels with the arena and is released
-    by its ``close``.
-    """
+    ``num_slots`` slots of ``slot_bytes``."""
     kind = resolve_device(device)
     gpu = device.partition(":")[2] or None
-    claim = claim_shm_files(shm_dir, daemon_id)
-    try:
-        arena = ARENAS[kind](num_slots, slot_bytes, shm_dir=shm_dir, daemon_id=daemon_id, gpu=gpu)
-    except BaseException:
-        claim.release()
-        raise
-    arena.shm_claim = claim
-    return arena
+    return ARENAS[kind](num_slots, slot_bytes, daemon_id=daemon_id, gpu=gpu)

@@ -252,7 +252,7 @@ def test_one_pod_holds_compute_and_the_daemon_sharing_memory_backed_run_dir(defa
         assert mounts["tmp"]["mountPath"] == "/tmp"
     socket = flags(daemon)["--socket-path"]
     assert socket.startswith("/run/expertcache/")
-    assert flags(daemon)["--shm-dir"] == "/run/expertcache"
+    assert "--shm-dir" not in flags(daemon)  # the CPU arena is a memfd: no directory
     assert flags(compute)["--daemon-address"] == f"unix://{socket}"
     assert flags(compute)["--store-dir"] == flags(daemon)["--store-dir"] == "/var/lib/expertcache/store"
     assert volumes["store"]["hostPath"]["path"] == "/var/lib/expertcache/store"
@@ -598,7 +598,7 @@ def test_declared_inference_clients_replace_the_default(example_docs):
             "12Gi (12884901888 bytes)",
         ),
         (
-            ("daemon.device=cpu", "gpu.mode=none", "gpuPod.runtimeVolumeSizeLimit=8Gi"),
+            ("daemon.device=cpu", "gpu.mode=none"),
             "+ daemon.deviceBudgetBytes (4294967296, the arena is in host memory with daemon.device cpu) = "
             "15032385536 bytes > daemon.resources.limits.memory 12Gi",
         ),
@@ -673,10 +673,6 @@ def test_declared_inference_clients_replace_the_default(example_docs):
         (("tls.enabled=true",), "tls.enabled needs tls.secretName"),
         (("gpu.mode=dra",), "gpu.mode dra needs gpu.claimTemplateName"),
         (("gpu.mode=none",), "gpu.mode none gives the pod no GPU, but daemon.device is cuda"),
-        (
-            ("daemon.device=cpu", "gpu.mode=none", "daemon.resources.limits.memory=20Gi"),
-            "gpuPod.runtimeVolumeSizeLimit 1Gi (1073741824 bytes) cannot hold the CPU arena",
-        ),
         (("convert.enabled=true", "convert.checkpoint.type=pvc"), "convert.checkpoint.type pvc needs"),
         (
             ("daemon.deviceBudgetBytes=0",),

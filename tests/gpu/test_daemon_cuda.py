@@ -98,7 +98,7 @@ def test_cuda_arena_export_is_readable_from_another_process(slot_bytes):
 def test_gpu_by_ordinal_or_uuid_and_copy_in_checks(tmp_path):
     last = torch.cuda.device_count() - 1
     for device in (f"cuda:{last}", f"cuda:{native.cuda_device_uuid(last)}"):
-        arena = create_arena(device, 2, BLOB, shm_dir=tmp_path, daemon_id="gpu1")
+        arena = create_arena(device, 2, BLOB, daemon_id="gpu1")
         try:
             assert arena.index == last and arena.slots.device == torch.device("cuda", last)
             assert {p.name for p in tmp_path.iterdir()} == {"expertcache-gpu1.lock"}  # no arena file
@@ -142,7 +142,6 @@ def test_daemon_on_cuda_serves_checksummed_experts(tmp_path):
         device_budget_bytes=2 * manifest.blob_bytes,
         host_budget_bytes=3 * manifest.blob_bytes,
         device="cuda",
-        shm_dir=str(tmp_path),
     )
     daemon = CacheDaemon.start(config)
     try:
@@ -164,7 +163,6 @@ def test_daemon_on_cuda_serves_checksummed_experts(tmp_path):
         store_dir=str(store),
         socket_path=str(tmp_path / "d.sock"),
         device_budget_bytes=manifest.blob_bytes,
-        shm_dir=str(tmp_path),
     )
     # device "auto" picks CUDA; without a host tier the store is read into a pinned staging buffer.
     daemon = CacheDaemon.start(config)
@@ -175,4 +173,3 @@ def test_daemon_on_cuda_serves_checksummed_experts(tmp_path):
         assert bytes(r.read_slot(s, ready.key).cpu().numpy()) == blob_of(store, manifest, ready.key)
     finally:
         daemon.close()
-    assert list(tmp_path.glob("expertcache-*")) == []

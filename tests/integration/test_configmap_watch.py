@@ -15,7 +15,7 @@ from moe.cache.v1 import cache_pb2
 from devtools.launch import free_port, start
 from expertcache.k8s_watch import EVENT_REASON, ConfigMapWatcher
 from tests import waiting
-from tests.daemons import BLOB, SHM_DIR, Daemon, tiers
+from tests.daemons import BLOB, Daemon, tiers
 from tests.integration.fake_kube_api import FakeKubeApi
 from tests.predictors import SHAPE, request, stats, stub
 from tests.stores import write_store
@@ -120,7 +120,7 @@ def test_daemon_follows_its_configmap(kube, tmp_path):
     mounted.write_text(first)
     sock = tmp_path / "daemon.sock"
     args = ["--store-dir", str(store), "--socket-path", str(sock), "--device", "cpu"]
-    args += ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(mounted)]
+    args += ["--config-file", str(mounted)]
     args += ["--config-map-name", NAME, "--device-budget-max-bytes", str(6 * BLOB)]
     proc = start("cache_daemon", args, f"unix://{sock}", tmp_path / "daemon.log")
     d = Daemon(proc, store, manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import queue
 import re
@@ -16,9 +17,11 @@ import pytest
 from moe.cache.v1 import cache_pb2
 
 from compute_svc.layer_ahead import Prediction
+from expertcache import handoff
+from expertcache.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
 from tests import waiting
-from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, tiers
+from tests.daemons import BLOB, Daemon, DemandStream, tiers
 from tests.procs import run_module, start_daemon
 from tests.stores import corrupt, write_store
 
@@ -34,14 +37,13 @@ def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey
     manifest = write_store(store)
     if corrupt_key is not None:
         corrupt(store, manifest, corrupt_key)
-    shm = ["--shm-dir", str(SHM_DIR or work)]
     proc = start_daemon(
         store,
         work,
         device="cpu",
         device_budget_bytes=SLOTS * BLOB + 100,
         host_budget_bytes=4 * BLOB,
-        extra=[*shm, *(extra or [])],
+        extra=extra or [],
     )
     return Daemon(proc, store, manifest)
 
@@ -61,16 +63,30 @@ wait_for = functools.partial(waiting.wait_for, poll_s=0.02)
 
 def test_attach(daemon):
     reply = daemon.attach
-    assert reply.arena.kind == cache_pb2.ARENA_KIND_POSIX_SHM
+    assert reply.arena.kind == cache_pb2.ARENA_KIND_MEMFD
     assert reply.num_slots == SLOTS and reply.slot_bytes == BLOB
-    assert reply.arena.size_bytes == SLOTS * BLOB == daemon.arena_path.stat().st_size
+    assert reply.arena.size_bytes == SLOTS * BLOB == len(daemon.arena)
     assert reply.manifest_json == (daemon.store / "manifest.json").read_text()
-    assert reply.daemon_id and reply.daemon_id in reply.arena.shm_name
-    # No ledger unless asked for: no region, no handoff token. The table is a memfd: no file.
-    assert reply.client_index == -1 and not reply.handoff_socket and not reply.handoff_token
-    assert sorted(p.name for p in daemon.arena_path.parent.glob(f"expertcache-{reply.daemon_id}*")) == [
-        f"expertcache-{reply.daemon_id}",
-        f"expertcache-{reply.daemon_id}.lock",
+    assert reply.daemon_id
+    # No ledger unless asked for; the token buys the arena alone, once.
+    assert reply.client_index == -1 and reply.handoff_socket.endswith(".handoff")
+    again = daemon.stub.Attach(cache_pb2.AttachRequest(client_name="test"), timeout=10)
+    payload, fds = handoff.receive(again.handoff_socket, again.handoff_token)
+    try:
+        assert json.loads(payload) == {"descriptors": ["arena"]} and len(fds) == 1
+        assert os.readlink(f"/proc/self/fd/{fds[0]}").startswith(
+            f"/memfd:expertcache-arena-{reply.daemon_id}"
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(FailedPrecondition, match="already used"):
+        handoff.receive(again.handoff_socket, again.handoff_token)
+    # The arena, the table and the regions are memfds: no file beside the sockets.
+    sock = Path(daemon.proc.address.removeprefix("unix://"))
+    assert sorted(p.name for p in sock.parent.iterdir() if p.name.startswith(sock.name)) == [
+        sock.name,
+        sock.name + ".handoff",
     ]
 
 
@@ -165,17 +181,17 @@ def test_all_slots_pinned_is_deadline_exceeded_and_cancel_releases(daemon):
     stream.close()
 
 
-def test_sigterm_removes_shm_file_and_socket(tmp_path):
+def test_sigterm_removes_the_sockets(tmp_path):
     d = launch(tmp_path)
     stream = DemandStream(d.stub)
     stream.acquire(1, 1, [0])  # an open stream holding a pin does not block the stop
     sock = Path(d.proc.address.removeprefix("unix://"))
     handoff = Path(str(sock) + ".handoff")
-    assert sock.exists() and d.arena_path.exists() and handoff.exists()
+    assert sock.exists() and handoff.exists()
     d.close()
     d.proc.popen.send_signal(signal.SIGTERM)
     assert d.proc.popen.wait(15) == 0, d.proc.log()
-    assert not d.arena_path.exists() and not sock.exists() and not handoff.exists()
+    assert not sock.exists() and not handoff.exists()
     stream.close()
 
 
@@ -190,8 +206,6 @@ def test_budget_below_one_blob_exits_2(tmp_path):
         str(tmp_path / "d.sock"),
         "--device-budget-bytes",
         "4095",
-        "--shm-dir",
-        str(tmp_path),
         "--device",
         "cpu",
         timeout_s=60,

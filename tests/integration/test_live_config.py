@@ -18,7 +18,7 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from devtools.launch import start_compute, start_daemon
 from tests import waiting
-from tests.daemons import BLOB, SHM_DIR, Daemon, DemandStream, start_live_daemon, tiers
+from tests.daemons import BLOB, Daemon, DemandStream, start_live_daemon, tiers
 from tests.kubelet import KubeletVolume
 from tests.predictors import SHAPE, request, start_predictor, stats, stub
 from tests.stores import write_store
@@ -89,8 +89,6 @@ def live_daemon(tmp_path):
         store,
         volume.path,
         tmp_path,
-        "--shm-dir",
-        str(SHM_DIR or tmp_path),
         "--device-budget-max-bytes",
         str(8 * BLOB),
         "--host-budget-max-bytes",
@@ -222,7 +220,7 @@ def test_a_file_key_overridden_by_a_flag_is_named(tmp_path):
     store = tmp_path / "store"
     write_store(store)
     volume = KubeletVolume(tmp_path / "config", "daemon.yaml", "eviction_policy: lru\n")
-    extra = ["--shm-dir", str(SHM_DIR or tmp_path), "--config-file", str(volume.path)]
+    extra = ["--config-file", str(volume.path)]
     proc = start_daemon(store, tmp_path, device="cpu", device_budget_bytes=3 * BLOB, extra=extra)
     try:
         volume.write(f"eviction_policy: lfu\ndevice_budget_bytes: {2 * BLOB}\n")

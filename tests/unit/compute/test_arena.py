@@ -1,17 +1,17 @@
-"""Arena mapping: a real shm file, typed per-slot views, device agreement, and the CUDA IPC
+"""Arena mapping: a real memfd arena as the daemon makes it, typed per-slot views, device agreement, and the CUDA IPC
 path's errors that a machine without a GPU can reach (the mapping itself is in tests/gpu/)."""
 
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import torch
 
-from compute_svc.arena import Arena, ArenaHandle, ArenaKind, cuda_device_for_uuid, resolve_device, shm_path
+from cache_daemon.tiers.device import MemfdArena
+from compute_svc.arena import Arena, ArenaHandle, ArenaKind, cuda_device_for_uuid, resolve_device
 from compute_svc.errors import ArenaMismatch
-from expertcache import native
+from expertcache import memfd, native
 from expertcache.manifest import plan_blob
 
 LAYOUT, BLOB = plan_blob(
@@ -19,19 +19,10 @@ LAYOUT, BLOB = plan_blob(
 )
 
 
-@pytest.fixture
-def shm_file():
-    name = f"expertcache-test-{uuid.uuid4().hex}"
-    path = shm_path(name)
-    yield name, path
-    path.unlink(missing_ok=True)
-
-
-def write_arena(path, num_slots: int) -> list[dict[str, torch.Tensor]]:
-    """Fill each slot with known tensors laid out as LAYOUT (what the daemon would copy in)."""
+def write_arena(arena: MemfdArena) -> list[dict[str, torch.Tensor]]:
+    """Fill each slot with known tensors laid out as LAYOUT, as the daemon copies them in."""
     expected = []
-    raw = bytearray(num_slots * BLOB)
-    for slot in range(num_slots):
+    for slot in range(arena.num_slots):
         tensors = {
             "gate_up_proj": torch.arange(24, dtype=torch.float32).view(6, 4) + 100 * slot,
             "down_proj": (torch.arange(12, dtype=torch.float32).view(4, 3) - slot).to(torch.bfloat16),
@@ -40,61 +31,76 @@ def write_arena(path, num_slots: int) -> list[dict[str, torch.Tensor]]:
         for t in LAYOUT:
             (part,) = t.parts  # plain tensors: one stored part each
             data = tensors[t.name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-            start = slot * BLOB + part.offset
-            raw[start : start + len(data)] = data
+            arena.host_buffer(slot)[part.offset : part.offset + len(data)] = data
         expected.append(tensors)
-    path.write_bytes(bytes(raw))
     return expected
 
 
-def test_shm_arena_views_alias_the_daemon_bytes(shm_file):
-    name, path = shm_file
-    expected = write_arena(path, 3)
-    handle = ArenaHandle(kind=ArenaKind.POSIX_SHM, size_bytes=3 * BLOB, shm_name=name)
-    arena = Arena.open(handle, 3, BLOB, torch.device("cpu"))
-    assert (arena.num_slots, arena.slot_bytes) == (3, BLOB)
-    for slot in range(3):
-        views = arena.slot_views(slot, LAYOUT)
-        for key, want in expected[slot].items():
-            assert views[key].dtype == want.dtype and views[key].shape == want.shape
-            assert torch.equal(views[key], want)
-    # The mapping is shared: a later write by the daemon is seen through the same views.
-    views = arena.slot_views(1, LAYOUT)
-    with open(path, "r+b") as f:
-        f.seek(1 * BLOB + LAYOUT[2].parts[0].offset)
-        f.write(torch.full((4,), 7.0).numpy().tobytes())
-    assert views["b"].tolist() == [7.0] * 4
+def compute_side(arena: MemfdArena, nbytes: int | None = None):
+    """The read-only mapping compute makes of the arena's handed-over descriptor."""
+    fd = arena.arena_fd()
+    try:
+        return memfd.map_readonly(fd, arena.size_bytes if nbytes is None else nbytes, "the arena")
+    finally:
+        os.close(fd)
 
 
-def test_shm_name_may_be_an_absolute_path(tmp_path):
-    path = tmp_path / "arena.bin"
-    write_arena(path, 1)
-    handle = ArenaHandle(kind=ArenaKind.POSIX_SHM, size_bytes=BLOB, shm_name=str(path))
-    arena = Arena.open(handle, 1, BLOB, torch.device("cpu"))
-    assert arena.slot_views(0, LAYOUT)["b"].tolist() == [0.0] * 4
-    assert shm_path("/expertcache-x") == shm_path("expertcache-x")  # POSIX "/name" spelling
+def test_memfd_arena_views_alias_the_daemon_bytes():
+    daemon_side = MemfdArena(3, BLOB, daemon_id="views")
+    try:
+        expected = write_arena(daemon_side)
+        arena = Arena.open(daemon_side.handle(), 3, BLOB, torch.device("cpu"), compute_side(daemon_side))
+        assert (arena.num_slots, arena.slot_bytes) == (3, BLOB)
+        for slot in range(3):
+            views = arena.slot_views(slot, LAYOUT)
+            for key, want in expected[slot].items():
+                assert views[key].dtype == want.dtype and views[key].shape == want.shape
+                assert torch.equal(views[key], want)
+        # The mapping is shared: a later write by the daemon is seen through the same views.
+        views = arena.slot_views(1, LAYOUT)
+        offset = LAYOUT[2].parts[0].offset
+        daemon_side.host_buffer(1)[offset : offset + 16] = torch.full((4,), 7.0).numpy().tobytes()
+        assert views["b"].tolist() == [7.0] * 4
+    finally:
+        daemon_side.close()
 
 
-def test_missing_or_short_arena_is_a_clear_error(shm_file):
-    name, path = shm_file
-    handle = ArenaHandle(kind=ArenaKind.POSIX_SHM, size_bytes=2 * BLOB, shm_name=name)
-    with pytest.raises(
-        ArenaMismatch, match="cannot open the cache daemon's arena .*same pod, same IPC namespace"
-    ):
+def test_a_missing_or_short_arena_is_a_clear_error():
+    handle = ArenaHandle(kind=ArenaKind.MEMFD, size_bytes=2 * BLOB)
+    with pytest.raises(ArenaMismatch, match="arena is a memfd, and its handoff did not give it"):
         Arena.open(handle, 2, BLOB, torch.device("cpu"))
-    path.write_bytes(b"\0" * BLOB)
-    with pytest.raises(ArenaMismatch, match=f"has {BLOB} bytes, expected at least {2 * BLOB}"):
-        Arena.open(handle, 2, BLOB, torch.device("cpu"))
-    assert os.path.exists(path)
+    daemon_side = MemfdArena(1, BLOB, daemon_id="short")
+    try:
+        with pytest.raises(
+            memfd.MemfdError, match=f"the arena has {BLOB} bytes, expected at least {2 * BLOB}"
+        ):
+            compute_side(daemon_side, 2 * BLOB)
+        with pytest.raises(ArenaMismatch, match=f"maps {BLOB} bytes, expected at least {2 * BLOB}"):
+            Arena.open(handle, 2, BLOB, torch.device("cpu"), compute_side(daemon_side))
+    finally:
+        daemon_side.close()
+
+
+def test_an_unsealed_descriptor_is_refused():
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)  # writable by whoever holds it
+    try:
+        os.ftruncate(fd, BLOB)
+        with pytest.raises(memfd.MemfdError, match="the arena is not sealed"):
+            memfd.map_readonly(fd, BLOB, "the arena")
+    finally:
+        os.close(fd)
+    with open(__file__, "rb") as f:  # not a memfd at all
+        with pytest.raises(memfd.MemfdError, match="the arena is not a sealed memfd"):
+            memfd.map_readonly(f.fileno(), BLOB, "the arena")
 
 
 def test_device_must_agree_with_the_arena():
-    assert resolve_device("auto", ArenaKind.POSIX_SHM) == torch.device("cpu")
+    assert resolve_device("auto", ArenaKind.MEMFD) == torch.device("cpu")
     assert resolve_device("auto", ArenaKind.CUDA_IPC, cuda_available=True) == torch.device("cuda")
     with pytest.raises(
-        ArenaMismatch, match="device 'cuda' was configured but the cache daemon's arena is posix_shm"
+        ArenaMismatch, match="device 'cuda' was configured but the cache daemon's arena is memfd"
     ):
-        resolve_device("cuda", ArenaKind.POSIX_SHM)
+        resolve_device("cuda", ArenaKind.MEMFD)
     with pytest.raises(ArenaMismatch, match="sees no CUDA device"):
         resolve_device("auto", ArenaKind.CUDA_IPC, cuda_available=False)
 

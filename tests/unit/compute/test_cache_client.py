@@ -26,6 +26,7 @@ from compute_svc.errors import (
 from compute_svc.layer_ahead import Prediction
 from compute_svc.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
+from expertcache import memfd
 from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer
 from expertcache.native import SlotTable, TableState
 from tests.stores import two_layer_manifest
@@ -141,8 +142,11 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         self.stream_closed = threading.Event()
         self.daemon_id = "d1"
         self.table: SlotTable | None = None  # a shared slot table offered at Attach (fast path), if set
-        self.handoff: HandoffServer | None = None  # hands each client the table and its region
-        self.tokens: dict[bytes, int] = {}  # handoff token -> client ledger
+        self.handoff: HandoffServer | None = None  # hands each client the arena, the table and its region
+        self.tokens: dict[bytes, int] = {}  # handoff token -> client ledger (-1: the arena alone)
+        # The arena: a sealed memfd, as the daemon's (never written here: compute only maps it).
+        self.arena_fd = memfd.create("scripted-arena", 2 * BLOB)
+        memfd.seal(self.arena_fd)
         self.attaches: list[bool] = []  # shm_fast_path of each Attach
         self.acquired: list[tuple[int, list[int]]] = []  # every Acquire received
         self.metadata: list[dict[str, str]] = []  # of each Demand call
@@ -156,20 +160,18 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
     def Attach(self, request, context):  # noqa: N802
         self.attaches.append(request.shm_fast_path)
         offer = self.table is not None and request.shm_fast_path
-        index, epoch, token = -1, 0, b""
+        index, epoch = -1, 0
         if offer:
             index = len(self.attaches) - 1
             epoch = self.table.claim_channel(index)
-            token = os.urandom(HANDOFF_TOKEN_BYTES)
-            self.tokens[token] = index
+        token = os.urandom(HANDOFF_TOKEN_BYTES)
+        self.tokens[token] = index
         return cache_pb2.AttachResponse(
             client_index=index,
             client_epoch=epoch,
-            handoff_socket=self.handoff.path if offer else "",
+            handoff_socket=self.handoff.path if self.handoff is not None else "",
             handoff_token=token,
-            arena=cache_pb2.ArenaHandle(
-                kind=cache_pb2.ARENA_KIND_POSIX_SHM, shm_name="x", size_bytes=2 * BLOB
-            ),
+            arena=cache_pb2.ArenaHandle(kind=cache_pb2.ARENA_KIND_MEMFD, size_bytes=2 * BLOB),
             num_slots=2,
             slot_bytes=BLOB,
             manifest_json=dataclasses.replace(MANIFEST, model_id=self.model_id).to_json(),
@@ -177,12 +179,20 @@ class ScriptedCache(cache_pb2_grpc.ExpertCacheServicer):
         )
 
     def grant(self, token: bytes, peer_pid: int) -> Grant:
-        """The handoff: the table (read-only for the client) and the ledger's region."""
+        """The handoff: the arena, and with a ledger the table (read-only for the client) and the
+        ledger's region."""
         index = self.tokens.pop(token, None)
         if index is None:
             raise FailedPrecondition("unknown handoff token")
-        payload = json.dumps({"client_index": index, "client_epoch": self.table.client_epoch(index)})
-        return Grant(payload=payload.encode(), fds=[self.table.table_fd(), self.table.client_fd(index)])
+        if index < 0:
+            return Grant(payload=json.dumps({"descriptors": ["arena"]}).encode(), fds=[os.dup(self.arena_fd)])
+        payload = {
+            "descriptors": ["arena", "table", "region"],
+            "client_index": index,
+            "client_epoch": self.table.client_epoch(index),
+        }
+        fds = [os.dup(self.arena_fd), self.table.table_fd(), self.table.client_fd(index)]
+        return Grant(payload=json.dumps(payload).encode(), fds=fds)
 
     def Demand(self, request_iterator, context):  # noqa: N802
         self.streams += 1
@@ -246,11 +256,14 @@ def daemon(tmp_path):
     cache_pb2_grpc.add_ExpertCacheServicer_to_server(servicer, server)
     address = f"unix://{tmp_path}/daemon.sock"
     server.add_insecure_port(address)
+    servicer.handoff = HandoffServer(str(tmp_path / "daemon.sock.handoff"), servicer.grant)
+    servicer.handoff.start()
     server.start()
     yield servicer, address
     server.stop(0)
     if servicer.handoff is not None:
         servicer.handoff.close()
+    os.close(servicer.arena_fd)
     for responder in servicer.responders:  # none may be left inside a native wait at exit
         responder.stop()
 
@@ -265,7 +278,7 @@ def test_attach_converts_the_handle_and_manifest(daemon):
     _, address = daemon
     client = connect(address)
     att = client.attachment
-    assert att.arena.kind is ArenaKind.POSIX_SHM and att.arena.shm_name == "x"
+    assert att.arena.kind is ArenaKind.MEMFD and len(att.arena_memory) == 2 * BLOB
     assert (att.num_slots, att.slot_bytes, att.daemon_id) == (2, BLOB, "d1")
     assert att.manifest == MANIFEST
     client.close()
@@ -400,9 +413,6 @@ def offer_table(servicer: ScriptedCache, tmp_path, *, entries: int = 8, resident
         table.begin_load(layer * 4 + expert, slot)
         table.finish_load(layer * 4 + expert)
     servicer.table = table
-    if servicer.handoff is None:
-        servicer.handoff = HandoffServer(str(tmp_path / "daemon.sock.handoff"), servicer.grant)
-        servicer.handoff.start()
     return table
 
 
@@ -523,10 +533,14 @@ def test_unmappable_slot_table_is_failed_precondition(daemon, tmp_path):
     servicer.handoff.close()  # the handoff socket is gone
     with pytest.raises(
         FailedPrecondition,
-        match=r"cannot get the slot table from the cache daemon's handoff socket .*--no-shm-fast-path",
+        match=r"cannot get the arena and slot table from the cache daemon's handoff socket .*mounted",
     ):
         connect(address)
     servicer.handoff = None
+    with pytest.raises(FailedPrecondition, match="has a CPU arena but offered no handoff socket"):
+        connect(address)
+    servicer.handoff = HandoffServer(str(tmp_path / "daemon.sock.handoff"), servicer.grant)
+    servicer.handoff.start()
     offer_table(servicer, tmp_path, entries=9)
     with pytest.raises(FailedPrecondition, match="has 9 entries, expected 2 layers x 4 experts"):
         connect(address)

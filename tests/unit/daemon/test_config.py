@@ -59,7 +59,7 @@ def test_defaults_and_precedence(tmp_path):
     assert config.io_threads == 3  # env > file; unprefixed env ignored
     assert config.host_budget_bytes == 1000  # file > default
     assert config.log_level == "DEBUG"
-    assert config.device == "auto" and config.shm_dir == "/dev/shm"
+    assert config.device == "auto"
     assert config.eviction_policy == "activation-aware" and config.prefetch is True
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.io_threads = 5  # type: ignore[misc]
@@ -135,7 +135,6 @@ def daemon_config(store: Path, tmp_path: Path, **overrides) -> DaemonConfig:
         "socket_path": str(tmp_path / "d.sock"),
         "device_budget_bytes": 2 * 4096,
         "device": "cpu",
-        "shm_dir": str(tmp_path),
         **overrides,
     }
     return load(cli=values)
@@ -151,7 +150,7 @@ def test_budget_below_one_blob(tmp_path):
         CacheDaemon.start(daemon_config(store, tmp_path, device_budget_bytes=4000))
     with pytest.raises(BudgetTooSmall, match=r"'host_budget_bytes' = 100 is smaller than one expert blob"):
         CacheDaemon.start(daemon_config(store, tmp_path, host_budget_bytes=100))
-    assert not list(tmp_path.glob("expertcache-*"))  # nothing left behind
+    assert not list(tmp_path.glob("d.sock*"))  # nothing left behind
 
 
 def test_budgets_larger_than_the_model_are_capped(tmp_path):
@@ -163,10 +162,9 @@ def test_budgets_larger_than_the_model_are_capped(tmp_path):
     try:
         assert daemon.arena.num_slots == manifest.num_blobs
         assert daemon.host.num_slots == manifest.num_blobs
-        assert (tmp_path / f"expertcache-{daemon.daemon_id}").exists()
+        assert daemon.arena.size_bytes == manifest.num_blobs * manifest.blob_bytes
     finally:
         daemon.close()
-    assert not (tmp_path / f"expertcache-{daemon.daemon_id}").exists()
 
 
 def test_missing_or_incomplete_store(tmp_path):
@@ -187,8 +185,6 @@ def test_main_exits_2_with_a_clear_message(tmp_path, capsys, caplog):
         str(store),
         "--socket-path",
         str(tmp_path / "d.sock"),
-        "--shm-dir",
-        str(tmp_path),
     ]
     assert main([*common, "--device-budget-bytes", "4095"]) == 2
     assert "'device_budget_bytes' = 4095 is smaller than one expert blob (blob_bytes=4096)" in caplog.text
@@ -406,7 +402,7 @@ def test_a_next_visit_model_that_does_not_fit_stops_the_start(tmp_path, caplog):
         )
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"{}" * 10)
-    args = ["--store-dir", str(store), "--socket-path", str(tmp_path / "d.sock"), "--shm-dir", str(tmp_path)]
+    args = ["--store-dir", str(store), "--socket-path", str(tmp_path / "d.sock")]
     assert main([*args, "--device", "cpu", "--next-visit-model", str(garbage)]) == 2
     assert "next-visit model" in caplog.text and "garbage.safetensors: not a safetensors file" in caplog.text
-    assert not list(tmp_path.glob("expertcache-*"))  # nothing left behind
+    assert not list(tmp_path.glob("d.sock*"))  # nothing left behind

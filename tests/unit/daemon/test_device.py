@@ -33,7 +33,7 @@ def test_cuda_without_a_device_is_refused(device, tmp_path):
     with pytest.raises(
         ArenaUnavailable, match=rf"device='{device}' was configured but torch sees no CUDA device"
     ):
-        create_arena(device, 1, 4096, shm_dir=tmp_path, daemon_id="nocuda")
+        create_arena(device, 1, 4096, daemon_id="nocuda")
     assert list(tmp_path.iterdir()) == []  # refused before claiming anything
 
 

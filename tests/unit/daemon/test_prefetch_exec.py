@@ -23,7 +23,7 @@ from cache_daemon.hints import Hint, HintBatch, HintBoard
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import Residency, SlotState, table_entries
 from cache_daemon.tiers import HostTier, StoreReader, Tier
-from cache_daemon.tiers.device import ShmArena
+from cache_daemon.tiers.device import MemfdArena
 from cache_daemon.tiers.store import Priority
 from expertcache.errors import InvalidArgument
 from expertcache.keys import ExpertKey
@@ -58,7 +58,7 @@ class Harness:
         m = self.manifest
         self.metrics = DaemonMetrics()
         self.store = StoreReader(self.root, m, self.metrics, io_threads=reader_threads)
-        self.arena = ShmArena(slots, m.blob_bytes, shm_dir=tmp_path, daemon_id="prefetch")
+        self.arena = MemfdArena(slots, m.blob_bytes, daemon_id="prefetch")
         self.host = HostTier(0, m.blob_bytes, make_policy("lru"), self.metrics)
         self.table = SlotTable.create("expertcache-prefetch", table_entries(m), slots, 4)
         self.signals = ActivationSignals(

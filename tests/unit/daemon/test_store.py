@@ -4,6 +4,7 @@ they read are written by ``tests.stores.write_store``."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from pathlib import Path
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from cache_daemon.errors import (
-    ArenaUnavailable,
     ChecksumMismatch,
     ShortRead,
     ShuttingDown,
@@ -20,7 +20,7 @@ from cache_daemon.errors import (
 )
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.tiers import ArenaKind, StoreReader, Tier
-from cache_daemon.tiers.device import ShmArena
+from cache_daemon.tiers.device import MemfdArena
 from cache_daemon.tiers.store import (
     IO_MODE_BUFFERED,
     IO_MODE_PREAD,
@@ -28,6 +28,8 @@ from cache_daemon.tiers.store import (
     Priority,
     aligned_buffer,
 )
+from expertcache import memfd
+from expertcache.arena_handle import ArenaHandle
 from expertcache.errors import DataLoss, FailedPrecondition
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
@@ -232,39 +234,34 @@ def blob(value: int) -> torch.Tensor:
     return torch.full((BLOB,), value, dtype=torch.uint8)
 
 
-# -- shm arena -------------------------------------------------------------------------------
+# -- CPU arena -------------------------------------------------------------------------------
 
 
-def test_shm_arena_is_shared_and_removed(tmp_path):
-    arena = ShmArena(3, BLOB, shm_dir=tmp_path, daemon_id="t1")
-    path = tmp_path / "expertcache-t1"
-    assert path.stat().st_size == 3 * BLOB
+def test_memfd_arena_is_shared_read_only_and_nameless():
+    arena = MemfdArena(3, BLOB, daemon_id="t1")
     handle = arena.handle()
-    assert handle.kind is ArenaKind.POSIX_SHM and handle.size_bytes == 3 * BLOB
-    assert handle.shm_name == str(path)  # outside /dev/shm: an absolute path
-    assert os.path.join("/dev/shm", handle.shm_name) == str(path)
+    assert handle == ArenaHandle(kind=ArenaKind.MEMFD, size_bytes=3 * BLOB)  # no name to open
     arena.copy_in(1, blob(9))
-    with open(path, "rb") as f:  # what another process sees through the file
-        data = f.read()
-    assert data[BLOB : 2 * BLOB] == bytes([9]) * BLOB and data[:BLOB] == bytes(BLOB)
     arena.host_buffer(2)[:4] = b"abcd"
     assert bytes(arena.slots[2, :4].numpy()) == b"abcd"
-    with pytest.raises(ArenaUnavailable, match="expertcache-t1"):
-        ShmArena(1, BLOB, shm_dir=tmp_path, daemon_id="t1")  # O_EXCL
-    arena.close()
-    assert not path.exists()
-    arena.close()  # idempotent
-
-
-def test_shm_arena_in_dev_shm_is_named_by_its_file_name():
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    arena = ShmArena(1, BLOB, shm_dir="/dev/shm", daemon_id=f"test-{os.getpid()}")
+    fd = arena.arena_fd()
     try:
-        assert arena.handle().shm_name == f"expertcache-test-{os.getpid()}"
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:expertcache-arena-t1")
+        seen = memfd.map_readonly(fd, 3 * BLOB, "the arena")  # what compute sees
+        assert seen[BLOB : 2 * BLOB] == bytes([9]) * BLOB and seen[:BLOB] == bytes(BLOB)
+        assert seen[2 * BLOB : 2 * BLOB + 4] == b"abcd"
+        seen.close()
+        with pytest.raises(PermissionError):  # sealed: no writable mapping but the daemon's own
+            mmap.mmap(fd, BLOB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, BLOB)
     finally:
-        arena.close()
-    assert not Path(f"/dev/shm/expertcache-test-{os.getpid()}").exists()
+        os.close(fd)
+    arena.close()
+    assert arena.arena_fd() is None
+    arena.close()  # idempotent
 
 
 def test_tier_names_are_metric_labels():

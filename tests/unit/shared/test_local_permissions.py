@@ -1,5 +1,5 @@
 """Local surfaces are owner-only whatever the umask, and never followed through a planted symlink:
-the daemon's socket (0600) and its directory (0700), the arena and slot table files (0600)."""
+the daemon's socket (0600) and its directory (0700); the arena and the slot table have no file."""
 
 from __future__ import annotations
 
@@ -43,34 +43,44 @@ def test_slot_table_has_no_file_and_maps_read_only_outside_the_daemon(tmp_path, 
         os.close(fd)
 
 
-def test_shm_arena_is_owner_only_and_refuses_a_planted_symlink(tmp_path, open_umask):
-    arena = create_arena("cpu", 2, 4096, shm_dir=tmp_path, daemon_id="perm")
+def test_cpu_arena_has_no_file_and_maps_read_only_outside_the_daemon(tmp_path, open_umask):
+    """The CPU arena is a sealed memfd too: no name to open or plant, nothing left behind, and a
+    process it is handed to cannot write it by any route."""
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
     try:
-        assert mode(arena.path) == 0o600
+        arena = create_arena("cpu", 2, 4096, daemon_id="perm")
+    finally:
+        os.chdir(cwd)
+    assert list(tmp_path.iterdir()) == []
+    try:
+        fd = arena.arena_fd()
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 8192, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)  # a shrink would SIGBUS the daemon's reads
+            # Re-opening it writable through /proc gives no way around the seals.
+            again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                with pytest.raises(PermissionError):
+                    os.write(again, b"x")
+                with pytest.raises(PermissionError):
+                    mmap.mmap(again, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+            finally:
+                os.close(again)
+            mmap.mmap(fd, 8192, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ).close()
+            # A private writable mapping copies on write: the arena is untouched.
+            private = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            private[:1] = b"x"
+            private.close()
+            assert bytes(arena.slots[0, :1].numpy()) == b"\0"
+        finally:
+            os.close(fd)
     finally:
         arena.close()
-    victim = tmp_path / "victim"
-    victim.write_bytes(b"precious")
-    (tmp_path / "expertcache-planted").symlink_to(victim)
-    with pytest.raises(Exception, match="cannot create the arena file"):
-        create_arena("cpu", 2, 4096, shm_dir=tmp_path, daemon_id="planted")
-    assert victim.read_bytes() == b"precious"
-
-
-def test_compute_refuses_a_symlinked_arena(tmp_path):
-    import torch
-
-    from compute_svc.arena import Arena
-    from compute_svc.errors import ArenaMismatch
-    from expertcache.arena_handle import ArenaHandle, ArenaKind
-
-    target = tmp_path / "real"
-    target.write_bytes(b"\0" * 8192)
-    link = tmp_path / "expertcache-link"
-    link.symlink_to(target)
-    handle = ArenaHandle(kind=ArenaKind.POSIX_SHM, size_bytes=8192, shm_name=str(link))
-    with pytest.raises(ArenaMismatch, match="cannot open the cache daemon's arena"):
-        Arena.open(handle, 2, 4096, torch.device("cpu"))
 
 
 def test_daemon_socket_and_directory_are_owner_only(tiny_store, tmp_path, open_umask):
@@ -81,7 +91,6 @@ def test_daemon_socket_and_directory_are_owner_only(tiny_store, tmp_path, open_u
     args = [
         "--store-dir", str(tiny.store),
         "--socket-path", str(run / "daemon.sock"),
-        "--shm-dir", str(tmp_path),
         "--device", "cpu",
         "--device-budget-bytes", str(4 * tiny.manifest.blob_bytes),
     ]  # fmt: skip
@@ -90,8 +99,7 @@ def test_daemon_socket_and_directory_are_owner_only(tiny_store, tmp_path, open_u
         assert mode(run / "daemon.sock") == 0o600
         assert mode(run) == 0o700
         assert mode(run / "daemon.sock.handoff") == 0o600  # the handoff socket beside it
-        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".slots")]  # memfds now
-        arenas = [p for p in tmp_path.iterdir() if p.name.startswith("expertcache-") and "." not in p.name]
-        assert arenas and all(mode(p) == 0o600 for p in arenas)
+        # The arena and the slot table are memfds: the sockets are the daemon's only files.
+        assert sorted(p.name for p in run.iterdir()) == ["daemon.sock", "daemon.sock.handoff"]
     finally:
         daemon.stop()

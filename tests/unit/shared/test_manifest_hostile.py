@@ -134,8 +134,6 @@ def test_daemon_exits_2_naming_file_and_key(tmp_path):
         str(tmp_path / "run" / "daemon.sock"),
         "--device",
         "cpu",
-        "--shm-dir",
-        str(tmp_path),
         timeout_s=120,
     )
     assert proc.returncode == 2, proc.stderr
