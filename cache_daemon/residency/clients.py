@@ -50,6 +50,7 @@ class Session:
         self.id = next(Session._ids)
         self.name = name
         self.closed = False
+        self.revoked = False  # ended by the audit of its client's region; closing in a thread
         self.held: dict[ExpertKey, int] = {}  # key -> pins this session holds (also in the table)
         self.ledger: int | None = None  # the client ledger tied to this stream (bind_client)
 

@@ -77,6 +77,8 @@ class ClientSessions(ResidencyState):
         suspects: dict[int, tuple[frozenset[int], float]] = {}
         revoke: list[tuple[int, Session, int]] = []
         for index, session in self._ledgers.bound():
+            if session.revoked:  # its close is under way: counted once
+                continue
             _pinned, stray = self._table.audit_client(index)
             if not stray:
                 continue
@@ -87,6 +89,7 @@ class ClientSessions(ResidencyState):
                 suspects[index] = seen if seen is not None else (frozenset(stray), now)
         self._strays = suspects
         for index, session, n in revoke:
+            session.revoked = True
             self._metrics.clients_revoked.inc()
             logger.warning(
                 "ending the session of client ledger %d (%s): its region pins %d%s entries that are not "

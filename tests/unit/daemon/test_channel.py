@@ -17,6 +17,7 @@ import pytest
 from cache_daemon.decisions.policy import make_policy
 from cache_daemon.residency import ClientLedger
 from cache_daemon.residency.channel import MAX_OPS_PER_HOLD
+from cache_daemon.residency.sessions import STRAY_CONFIRM_S
 from expertcache import channel as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
@@ -329,3 +330,25 @@ def test_a_client_pinning_at_will_loses_its_session_and_the_others_go_on(make):
     assert hostile_session.closed and value(h.metrics.clients_revoked) == 1
     good.release(L1, [2, 3])
     assert h.residency.stats().pinned == 0
+
+
+def test_a_revoked_client_is_counted_once_while_its_session_closes(make, monkeypatch):
+    """The session of a revoked client closes in a thread; audits meanwhile do not revoke (and
+    count) it again."""
+    h = make(slots=2)
+    _, session = h.attach()
+    stray_pins(h.table, session.ledger, list(range(h.table.num_entries)))
+    slow_close = threading.Event()
+    monkeypatch.setattr(h.residency, "close_session", lambda s: slow_close.wait(30))
+
+    def audit() -> float:
+        with h.residency._cond:  # audit_clients runs under the residency's lock
+            h.residency.audit_clients()
+        return value(h.metrics.clients_revoked)
+
+    wait_for(lambda: audit() == 1, "the client revoked")
+    assert session.revoked and not session.closed
+    later = time.monotonic() + 3 * STRAY_CONFIRM_S
+    wait_for(lambda: audit() > 1 or time.monotonic() > later, "three confirmation periods of audits")
+    assert value(h.metrics.clients_revoked) == 1
+    slow_close.set()
