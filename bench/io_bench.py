@@ -20,7 +20,9 @@ mixtral checkpoint, cached under bench/.data/):
 5. a cache-hit acquire + release of one layer's top_k experts: through the shared slot table
    directly (``try_pin_many``/``unpin_many``), through ``DaemonClient`` with the shm fast path,
    and through ``DaemonClient`` over gRPC only, against a real daemon on a tiny store
-   (goal <= 20 us per layer for the shm path).
+   (goal <= 20 us per layer for the shm path);
+6. CRC-32 per implementation (the one in use, the core's own carry-less multiply, zlib) beside a
+   memcpy of the same bytes, at one blob and at 4 MiB (``--crc-only``: this alone).
 
 Paths 1-3 are measured ``--repeats`` times, interleaved, and their medians compared: the
 bandwidth of a shared VM disk varies from run to run (and a host-side cache under the virtual
@@ -32,6 +34,7 @@ Results also go to bench/results/io.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import math
 import mmap
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +57,7 @@ import torch  # noqa: E402
 
 from bench.report import DATA_DIR, GIB, MIB, RESULTS_DIR, say, write_json  # noqa: E402
 from bench.stats import percentiles_us  # noqa: E402
+from expertcache import native  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.native import HostPool, Reader, SlotTable  # noqa: E402
 
@@ -369,6 +374,44 @@ def daemon_hit(work: Path, top_k: int, iterations: int, grpc_iterations: int) ->
 # -- main -----------------------------------------------------------------------------------------
 
 
+def crc_speeds(nbytes: int, rounds: int = 7) -> dict[str, float]:
+    """GB/s of CRC-32 over ``nbytes`` (warm in cache), per implementation this machine has, beside
+    a memcpy of the same bytes on the same thread: the median of ``rounds`` interleaved rounds.
+    ``in use`` is what the reader checks blobs with (``native.CRC32_IMPL``)."""
+    data = os.urandom(nbytes)
+    dest = bytearray(nbytes)
+    src_buf = ctypes.create_string_buffer(data, nbytes)
+    dest_buf = (ctypes.c_char * nbytes).from_buffer(dest)
+    impls: dict[str, Callable[[], object]] = {f"in use ({native.CRC32_IMPL})": lambda: native.crc32(data)}
+    try:
+        native.crc32_by("pclmul", b"")
+        impls["pclmul (the core's own)"] = lambda: native.crc32_by("pclmul", data)
+    except ValueError:
+        pass  # no PCLMULQDQ on this CPU
+    impls["zlib"] = lambda: native.crc32_by("zlib", data)
+    impls["memcpy of the same bytes"] = lambda: ctypes.memmove(dest_buf, src_buf, nbytes)
+    reps = max(1, (64 * MIB) // nbytes)
+    runs: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, fn in impls.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            runs[name].append(gbps(nbytes * reps, time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in runs.items()}
+
+
+def report_crc(sizes: list[int]) -> dict[str, dict[str, float]]:
+    """Print [6], CRC-32 GB/s per implementation beside memcpy, for each size; return it."""
+    say("[6] CRC-32 (the store's checksum) per implementation, warm buffers, one thread, beside memcpy")
+    out = {}
+    for nbytes in sizes:
+        speeds = crc_speeds(nbytes)
+        out[str(nbytes)] = speeds
+        say(f"    {nbytes / MIB:.2f} MiB: " + ", ".join(f"{name} {v:.2f} GB/s" for name, v in speeds.items()))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gib", type=float, default=1.5, help="experts in the store, GiB (default 1.5)")
@@ -393,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=20000, help="shm acquire+release iterations")
     ap.add_argument("--grpc-iterations", type=int, default=1000, help="gRPC acquire+release iterations")
     ap.add_argument("--skip-daemon", action="store_true", help="skip the daemon round-trip measurements")
+    ap.add_argument("--crc-only", action="store_true", help="measure the CRC-32 implementations only ([6])")
     args = ap.parse_args(argv)
+    if args.crc_only:
+        crc = report_crc([4 * MIB, 64 * 1024])
+        write_json(RESULTS.with_name("io-crc.json"), {"crc32_gb_per_s": crc}, indent=2)
+        return 0
     if not 1 <= args.random_reads <= 100_000:
         ap.error(f"--random-reads must be in [1, 100000], got {args.random_reads}")
 
@@ -492,9 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         f"shm path p50 = {shm_p50:.2f} us per layer (goal <= {GOAL_SHM_US:.0f} us)  {verdict(shm_p50 <= GOAL_SHM_US)}"
     )
 
+    say("")
+    crc = report_crc([manifest.blob_bytes, 4 * MIB])
+
     write_json(
         RESULTS,
         {
+            "crc32_gb_per_s": crc,
             "store": {
                 "path": str(store),
                 "layers": len(manifest.moe_layers),

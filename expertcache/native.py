@@ -47,7 +47,12 @@ FEATURES: frozenset[str] = frozenset(_native.FEATURES)
 # What each feature gives, and what runs instead when the build lacks it.
 _FALLBACKS = {
     "io_uring": ("store reads through io_uring", "store reads through a pread thread pool (no liburing)"),
-    "isa-l": ("CRC-32 by ISA-L", "CRC-32 by zlib (no ISA-L)"),
+    "isa-l": (
+        "CRC-32 by ISA-L",
+        "CRC-32 by the core's carry-less multiply (no ISA-L)"
+        if _native.CRC32_IMPL == "pclmul"
+        else "CRC-32 by zlib (no ISA-L, no PCLMULQDQ)",
+    ),
     "cuda": ("CUDA path", "no CUDA path (built without nvcc)"),
 }
 
@@ -98,13 +103,26 @@ __all__ = [
 # See csrc/include/expertcache/reader.h.
 Reader = _native.Reader
 ReadError = _native.ReadError
-# ``crc32(buffer) -> int``: zlib-compatible CRC-32 (GIL released); ``CRC32_IMPL`` "isa-l" or "zlib".
+# ``crc32(buffer) -> int``: zlib-compatible CRC-32 (GIL released); ``CRC32_IMPL`` names the
+# implementation it uses here: "isa-l" (built with libisal), "pclmul" (the core's own carry-less
+# multiply, on a CPU with PCLMULQDQ) or "zlib". ``crc32_by(impl, buffer, crc=0)`` runs one of
+# "pclmul" and "zlib" by name (tests and benchmarks compare them).
 crc32 = _native.crc32
+crc32_by = _native.crc32_by
 CRC32_IMPL: str = _native.CRC32_IMPL
 READ_DEMAND = Reader.DEMAND
 READ_LAYER_AHEAD = Reader.LAYER_AHEAD
 READ_PREFETCH = Reader.PREFETCH
-__all__ += ["CRC32_IMPL", "READ_DEMAND", "READ_LAYER_AHEAD", "READ_PREFETCH", "ReadError", "Reader", "crc32"]
+__all__ += [
+    "CRC32_IMPL",
+    "READ_DEMAND",
+    "READ_LAYER_AHEAD",
+    "READ_PREFETCH",
+    "ReadError",
+    "Reader",
+    "crc32",
+    "crc32_by",
+]
 
 # ``TransitionTable(layers, experts, prior_count, history_exponent, half_life_visits)``: the routing
 # transitions of cache_daemon/decisions/transitions.py; ``step(layer, previous, current, history,

@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include "bind.h"
+#include "expertcache/crc32.h"
 #include "expertcache/reader.h"
 
 namespace py = pybind11;
@@ -58,7 +59,7 @@ void bind_reader(py::module_& m) {
       "(attribute kind). str() is the message naming the path and offset.",
       PyExc_OSError, nullptr);
   m.attr("ReadError") = py::handle(g_read_error);
-  m.attr("CRC32_IMPL") = expertcache::kCrc32Impl;
+  m.attr("CRC32_IMPL") = expertcache::crc32_impl();
   m.def(
       "crc32",
       [](py::buffer data) {
@@ -68,6 +69,25 @@ void bind_reader(py::module_& m) {
         return expertcache::crc32(info.ptr, nbytes);
       },
       py::arg("data"), "zlib-compatible CRC-32 of a contiguous buffer (GIL released).");
+  m.def(
+      "crc32_by",
+      [](const std::string& impl, py::buffer data, uint32_t crc) {
+        py::buffer_info info = data.request();
+        const uint64_t nbytes = static_cast<uint64_t>(info.size) * static_cast<uint64_t>(info.itemsize);
+        const auto* p = static_cast<const uint8_t*>(info.ptr);
+        if (impl == "pclmul") {
+          if (!expertcache::detail::cpu_has_pclmul()) throw py::value_error("this CPU has no PCLMULQDQ");
+          py::gil_scoped_release release;
+          return expertcache::detail::crc32_pclmul(crc, p, nbytes);
+        }
+        if (impl == "zlib") {
+          py::gil_scoped_release release;
+          return expertcache::detail::crc32_zlib(crc, p, nbytes);
+        }
+        throw py::value_error("crc32_by: impl must be 'pclmul' or 'zlib', got '" + impl + "'");
+      },
+      py::arg("impl"), py::arg("data"), py::arg("crc") = 0,
+      "zlib's crc32(crc, data) by one named implementation, 'pclmul' or 'zlib' (tests, benchmarks).");
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

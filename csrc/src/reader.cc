@@ -7,11 +7,6 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
-#include <zlib.h>
-
-#ifdef EXPERTCACHE_WITH_ISAL
-#include <isa-l/crc.h>
-#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -24,25 +19,13 @@
 #include <thread>
 #include <unordered_map>
 
+#include "expertcache/crc32.h"
+
 #ifdef EXPERTCACHE_WITH_URING
 #include <liburing.h>
 #endif
 
 namespace expertcache {
-
-#ifdef EXPERTCACHE_WITH_ISAL
-const char* const kCrc32Impl = "isa-l";
-#else
-const char* const kCrc32Impl = "zlib";
-#endif
-
-namespace {
-uint32_t crc32_of(const uint8_t* p, uint64_t n);
-}  // namespace
-
-uint32_t crc32(const void* data, uint64_t nbytes) {
-  return crc32_of(static_cast<const uint8_t*>(data), nbytes);
-}
 
 namespace {
 
@@ -52,24 +35,6 @@ std::string hex32(uint32_t v) {
   char buf[16];
   std::snprintf(buf, sizeof buf, "0x%08x", v);
   return buf;
-}
-
-uint32_t crc32_of(const uint8_t* p, uint64_t n) {
-#ifdef EXPERTCACHE_WITH_ISAL
-  // ISA-L's reflected CRC-32 is gzip's (= zlib's) CRC, computed with carry-less multiplication:
-  // several times zlib's table-driven speed, which matters at hundreds of MiB per token.
-  return crc32_gzip_refl(0, p, n);
-#else
-  // zlib's crc32 takes a uInt length: feed it in pieces.
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  while (n > 0) {
-    const uInt piece = static_cast<uInt>(std::min<uint64_t>(n, 1u << 30));
-    crc = ::crc32(crc, p, piece);
-    p += piece;
-    n -= piece;
-  }
-  return static_cast<uint32_t>(crc);
-#endif
 }
 
 struct FileEntry {
@@ -276,7 +241,7 @@ struct Reader::Impl {
   void finish(const std::shared_ptr<Request>& r, std::unique_lock<std::mutex>& lk) {
     if (r->result.kind == ReadErrorKind::kNone && r->has_crc) {
       lk.unlock();
-      const uint32_t got = crc32_of(r->dest, r->length);
+      const uint32_t got = crc32(r->dest, r->length);
       lk.lock();
       if (got != r->crc) {
         r->result.kind = ReadErrorKind::kChecksum;

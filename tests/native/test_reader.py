@@ -460,8 +460,39 @@ def test_destructor_with_reads_in_flight_does_not_hang(tmp_path, backend):
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, 65537, 3 << 20])
 def test_crc32_equals_zlib_whatever_the_implementation(size):
-    """The store's checksums are zlib's crc32: the compiled-in CRC (ISA-L or zlib) must agree."""
+    """The store's checksums are zlib's crc32: the CRC in use (ISA-L, the core's carry-less
+    multiply or zlib) must agree."""
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    assert native.CRC32_IMPL in ("isa-l", "zlib")
+    assert native.CRC32_IMPL in ("isa-l", "pclmul", "zlib")
     assert native.crc32(data) == zlib.crc32(data.tobytes())
     assert native.crc32(memoryview(data.tobytes())) == zlib.crc32(data.tobytes())
+
+
+def cpu_has_pclmul() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return "pclmulqdq" in flags and "sse4_1" in flags
+
+
+@pytest.mark.skipif(not cpu_has_pclmul(), reason="this CPU has no PCLMULQDQ")
+def test_carry_less_multiply_crc_equals_zlib_at_every_length_and_seed():
+    """The core's own CRC (used where ISA-L is not built in): every length across its paths
+    (under 64 bytes: zlib; 64-127: four lanes; 128 and up: eight; a tail of n mod 16 bytes), and
+    continued from any earlier CRC, as zlib.crc32(data, crc) is."""
+    rng = np.random.default_rng(7)
+    for size in [*range(0, 400), 4096, 65537, (1 << 20) + 13]:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        crc = int(rng.integers(0, 1 << 32))
+        assert native.crc32_by("pclmul", data) == zlib.crc32(data), size
+        assert native.crc32_by("pclmul", data, crc) == zlib.crc32(data, crc), size
+    # Split anywhere, continued: the CRC of the whole.
+    data = rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    for cut in (0, 1, 63, 64, 127, 128, 5000, 10_000):
+        assert native.crc32_by("pclmul", data[cut:], native.crc32_by("pclmul", data[:cut])) == zlib.crc32(
+            data
+        )
+
+
+def test_crc32_by_refuses_an_unknown_implementation():
+    with pytest.raises(ValueError, match="impl must be 'pclmul' or 'zlib', got 'crc32c'"):
+        native.crc32_by("crc32c", b"x")
+    assert native.crc32_by("zlib", b"abc", 5) == zlib.crc32(b"abc", 5)

@@ -22,7 +22,7 @@
 //        │            pread:    `threads` workers, one chunk in flight each
 //        ▼
 //   all chunks back ──▶ CRC-32 of the whole dest range (if expected) ──▶ completion
-//        │                 (zlib's crc32; pread workers / io_uring finisher threads)
+//        │                 (zlib's crc32, expertcache/crc32.h; pread workers / io_uring finishers)
 //        ▼
 //   completions not yet consumed: wait(id) or poll() consumes each exactly once; event_fd() is
 //   readable while any exist, so an event loop can sleep on it.
@@ -43,11 +43,6 @@
 
 namespace expertcache {
 
-// The CRC-32 implementation compiled in: "isa-l" (carry-less multiply; when libisal is found at
-// build time) or "zlib". Both compute zlib's crc32 (the store manifest's checksum).
-extern const char* const kCrc32Impl;
-// zlib-compatible CRC-32 of nbytes at data, with the compiled-in implementation.
-uint32_t crc32(const void* data, uint64_t nbytes);
 
 // Priority classes; a lower value is dispatched first.
 enum ReadPriority : int { kDemand = 0, kLayerAhead = 1, kPrefetch = 2 };
