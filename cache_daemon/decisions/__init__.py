@@ -11,6 +11,6 @@
 Nothing here performs I/O, starts a thread or waits: every call returns at once and the caller
 serialises calls (the daemon under its residency lock, the replay in its loop). So the trace
 replay (``replay.simulator``) and the daemon run the same decision code, and only the tier and
-the clock differ. Estimators that only the replay uses plug in through ``estimators.Estimator``
+the clock differ. Estimators that only the replay uses plug in through ``signals.Estimator``
 (``replay.hazard``) and cost the daemon nothing.
 """

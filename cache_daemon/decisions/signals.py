@@ -182,7 +182,7 @@ def next_visit_model_mismatch(
 
 
 class Estimator(Protocol):
-    """What ``ActivationSignals`` asks of a plugged-in estimator (``estimators`` has the replay's)."""
+    """What ``ActivationSignals`` asks of a plugged-in estimator (the replay's: ``replay.hazard``)."""
 
     def attach(self, signals: ActivationSignals) -> None: ...
 
