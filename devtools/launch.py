@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,24 @@ def daemon_socket_path(work_dir: Path) -> Path:
     return Path(short) / "daemon.sock"
 
 
+# Ports free_port has handed out in this process: never handed out twice.
+_HANDED_PORTS: set[int] = set()
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, and never one this process was given before. The kernel
+    may give the same ephemeral port to two binds in a row once the first socket is closed, and
+    two servers of one launch (a listen address and a metrics port) would then race for it."""
+    with _HANDED_LOCK:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_PORTS:
+                _HANDED_PORTS.add(port)
+                return port
+    raise RuntimeError(f"no port not handed out before after 1000 tries ({len(_HANDED_PORTS)} handed out)")
 
 
 @dataclass
