@@ -4,7 +4,7 @@
 
 For each architecture of ``devtools.tiny`` (random weights, transformers' own model code),
 greedy-decodes ``--tokens`` tokens with the plain model and, at every MoE layer l of every decode
-step, applies layer l+1's router to layer l's MoE input (``compute_svc.layer_ahead``) and compares
+step, applies layer l+1's router to layer l's MoE input (``compute_svc.experts.layer_ahead``) and compares
 with what layer l+1 then really routed: accuracy = share of the true top-k named by the
 prediction. Also times one prediction (router product + top-k) against the layer's experts time.
 
@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from compute_svc.layer_ahead import LayerAheadPredictor, accuracy  # noqa: E402
+from compute_svc.experts.layer_ahead import LayerAheadPredictor, accuracy  # noqa: E402
 from devtools.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 from expertcache.model_structure import find_experts_sites  # noqa: E402
 

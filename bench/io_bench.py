@@ -327,7 +327,7 @@ def slot_table_hit(top_k: int, iterations: int) -> dict[str, float]:
 def daemon_hit(work: Path, top_k: int, iterations: int, grpc_iterations: int) -> dict[str, dict]:
     """acquire + release of ``top_k`` resident experts through DaemonClient against a real daemon."""
     from cache_daemon.convert import convert
-    from compute_svc.cache_client import DaemonClient
+    from compute_svc.daemon.client import DaemonClient
     from devtools.launch import start_daemon
     from devtools.tiny import make_checkpoint
 

@@ -51,7 +51,7 @@ def serve(checkpoint: Path, device: str, threads: int, dtype: str = "bfloat16") 
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from compute_svc.kv_cache import cache_keyword
+    from compute_svc.engine.kv_cache import cache_keyword
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()

@@ -26,7 +26,7 @@ throughput against N with the ceiling.
 
 ``--api grpc,http`` runs each configuration once per API, on fresh processes (the same trace
 requests, the same cold arena): gRPC Generate, and the OpenAI-compatible HTTP API's streaming
-``/v1/completions`` for the same greedy request (``compute_svc.http_api``), read with plain
+``/v1/completions`` for the same greedy request (``compute_svc.http.api``), read with plain
 ``http.client``. Goal (issue "The interfaces people already use"): HTTP streaming adds at most 5%
 to the per-token p50 of gRPC, e.g. ``python -m bench.serve --concurrency 1 --tokens 32 --systems
 batching --api grpc,http --requests-per-client 8``.
@@ -161,7 +161,7 @@ def stream_one(
 
 
 def stream_one_http(address: str, body: dict, tally: Tally) -> None:
-    """One streaming ``POST /v1/completions`` (the HTTP API, ``compute_svc.http_api``), timed like
+    """One streaming ``POST /v1/completions`` (the HTTP API, ``compute_svc.http.api``), timed like
     ``stream_one``: a token when its ``data:`` event arrives (plain ``http.client``, so that the
     client's own cost stays as small as gRPC's)."""
     host, port = address.rsplit(":", 1)

@@ -25,7 +25,7 @@ import time
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from compute_svc.daemon_wire import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
+from compute_svc.daemon.wire import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
 from expertcache import handoff, native
 
 

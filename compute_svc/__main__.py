@@ -17,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from compute_svc.config import ENV_PREFIX, ComputeConfig
-from compute_svc.prompt_text import one_malloc_arena
+from compute_svc.engine.prompt_text import one_malloc_arena
 from expertcache.errors import ExpertCacheError
 from expertcache.service_main import EXIT_START_FAILED, ServiceMain
 
@@ -38,7 +38,7 @@ SERVICE = ServiceMain(
 def main(argv: list[str] | None = None, *, routing_override: RoutingOverrideFactory | None = None) -> int:
     """``routing_override``: installed on the expert runtime before serving (a benchmark entry
     point's, ``replay.forced_compute``; the service itself never has one)."""
-    one_malloc_arena()  # before any thread starts (compute_svc.prompt_text)
+    one_malloc_arena()  # before any thread starts (compute_svc.engine.prompt_text)
     return SERVICE.run(argv, partial(serve, routing_override=routing_override))
 
 

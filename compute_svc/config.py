@@ -56,7 +56,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         },
     )
     """Optional: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/health``
-    (``compute_svc.http_api``), served by this process over the same scheduler and limits as
+    (``compute_svc.http.api``), served by this process over the same scheduler and limits as
     gRPC, with the same bearer token (``auth_token_file``) and TLS files."""
 
     http_max_requests: int = field(
@@ -81,7 +81,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     """Never more than the open-files limit (``ulimit -n``) leaves after gRPC, the daemon and the
     store (a quarter, at least 128) and the listen backlog (an eighth, at most 512). At the limit a
     new connection closes the idlest one (of its own client address first); see
-    ``compute_svc.http_guard``."""
+    ``compute_svc.http.guard``."""
 
     http_header_timeout_s: float = field(
         default=10.0,
@@ -180,7 +180,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         },
     )
     """On a GPU, decode steps of requests holding a row of the KV pool run as replayed CUDA graphs
-    (compute_svc.graph_step); the pool is graph_kv_rows x graph_kv_tokens tokens of keys and
+    (compute_svc.engine.graph_step); the pool is graph_kv_rows x graph_kv_tokens tokens of keys and
     values, allocated at the first request (GPU memory beside max_cache_tokens' KV of the requests
     outside it: Mixtral-8x7B's 128 KiB per token make the default pool 1 GiB). Requests beyond it
     decode through transformers."""
@@ -260,7 +260,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
     record_trace_path: str = field(
         default="", metadata={"help": "write every request's routing to this .npz trace; empty = off"}
     )
-    """Trace file in the format of the shared routing traces (``compute_svc.trace_recorder``),
+    """Trace file in the format of the shared routing traces (``compute_svc.engine.trace_recorder``),
     rewritten atomically every ``record_trace_every_requests`` requests and at shutdown."""
 
     record_trace_every_requests: int = field(
@@ -286,7 +286,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         metadata={"help": "send the daemon the next MoE layers' experts, predicted layers early"},
     )
     """In each MoE layer, the routers of the next ``layer_ahead_depth`` MoE layers are applied to
-    this layer's input (one [T, H] x [H, E] product each, ``compute_svc.layer_ahead``) and the
+    this layer's input (one [T, H] x [H, E] product each, ``compute_svc.experts.layer_ahead``) and the
     predicted experts go to the daemon as one one-way LayerAhead message, so it can fetch them
     during this and the following layers. ``--no-layer-ahead`` turns it off (the daemon still gets
     each layer's actual routing)."""
@@ -342,7 +342,7 @@ class ComputeConfig(ServerSecurityFields, PredictorClientFields, ObservabilityFi
         if not self.listen_address:
             raise InvalidArgument("config field 'listen_address' is empty: pass --listen-address HOST:PORT")
         if self.http_listen_address:
-            from compute_svc.http_server import parse_address
+            from compute_svc.http.server import parse_address
 
             parse_address(self.http_listen_address)
         if not self.served_model_name.isprintable():

@@ -18,7 +18,7 @@ recording rules):
   wave's kernels, before its slots are reused)
 - ``moe_compute_requests_total{finish_reason}``  finished requests (``error``, ``cancelled`` too)
 - ``moe_compute_queue_depth``                    requests waiting for a place in the batch
-- ``moe_compute_http_requests_total{route,status}``  requests of the HTTP API (``compute_svc.http_api``)
+- ``moe_compute_http_requests_total{route,status}``  requests of the HTTP API (``compute_svc.http.api``)
 - ``moe_compute_http_request_duration_seconds{route}``  their duration, to the last byte of a stream
 - ``moe_compute_http_refused_total{limit}`` / ``moe_compute_http_cut_total{reason}``  refused by a
   bound (http_max_requests, max_body_bytes), ended by the server (stall, request_timeout)
@@ -30,17 +30,30 @@ Tokens per second is ``rate(moe_compute_tokens_total[1m])``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from expertcache.prom import BATCH_BUCKETS, REQUEST_BUCKETS_S, Registry, ScrapeCollector
 
-if TYPE_CHECKING:
-    from compute_svc.activations import ActivationReporter
-    from compute_svc.moe import CacheCounters
+
+class StepCounters(Protocol):
+    """What one forward's expert cache activity reports (``experts.moe.CacheCounters``)."""
+
+    @property
+    def stall_s(self) -> float: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def host_transfers(self) -> int: ...
+    @property
+    def event_waits(self) -> int: ...
+    @property
+    def by_tier(self) -> Mapping[Any, int]: ...  # keyed by an enum of tiers (its ``value`` is the label)
+    @property
+    def acquire_waits(self) -> Sequence[float]: ...
 
 
 class ComputeMetrics:
@@ -91,7 +104,7 @@ class ComputeMetrics:
             "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
         )
 
-        # The HTTP API's (compute_svc.http_api): route is one of its paths or "other".
+        # The HTTP API's (compute_svc.http.api): route is one of its paths or "other".
         self.http_requests = self.registry.counter(
             "moe_compute_http_requests_total",
             "HTTP API requests, by route and status code.",
@@ -125,7 +138,7 @@ class ComputeMetrics:
         if first:
             self.ttft.observe(latency_s)
 
-    def record_step(self, counters: CacheCounters, batch_requests: int = 1, batch_tokens: int = 1) -> None:
+    def record_step(self, counters: StepCounters, batch_requests: int = 1, batch_tokens: int = 1) -> None:
         """One forward's expert cache activity (shared by the requests of the step)."""
         self.stall_seconds.inc(counters.stall_s)
         self.moe_layers.inc(counters.layers)
@@ -147,9 +160,9 @@ class ComputeMetrics:
     def set_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
 
-    def watch_reporter(self, reporter: ActivationReporter) -> None:
-        """Expose the activation reporter's counts (read from it at each scrape)."""
-        self.registry.add(ScrapeCollector(lambda: _reporter_counters(reporter)))
+    def watch_activations(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Expose the activation reporter's counts: ``counts()`` is read at each scrape."""
+        self.registry.add(ScrapeCollector(lambda: _reporter_counters(counts())))
 
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value (tests, logs); 0 when absent."""
@@ -160,8 +173,7 @@ class ComputeMetrics:
         return self.registry.render()
 
 
-def _reporter_counters(reporter: ActivationReporter) -> Iterator[Metric]:
-    stats = reporter.counter_values()
+def _reporter_counters(stats: Mapping[str, int]) -> Iterator[Metric]:
     for name, help_text in (
         ("moe_compute_activations_sent", "Token activations sent to the predictor."),
         ("moe_compute_activations_dropped", "Token activations dropped (reporter queue full)."),

@@ -16,19 +16,19 @@ from collections.abc import Callable
 
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from compute_svc.activations import ActivationReporter, RoutingCapture
-from compute_svc.arena import Arena
-from compute_svc.cache_client import DaemonClient
 from compute_svc.config import ComputeConfig
-from compute_svc.generation import FinishReason, ModelInfo, TokenEvent, build_engine
-from compute_svc.layer_ahead import LayerAheadPredictor
+from compute_svc.daemon.client import DaemonClient
+from compute_svc.engine.activations import ActivationReporter, RoutingCapture
+from compute_svc.engine.generation import FinishReason, ModelInfo, TokenEvent, build_engine
+from compute_svc.engine.model_loader import LoadedModel
+from compute_svc.engine.requests import ChatMessage, GenerationRequest, RequestLimits
+from compute_svc.engine.sampling import SamplingParams
+from compute_svc.engine.scheduler import BatchLimits, Scheduler
+from compute_svc.engine.trace_recorder import TraceRecorder
+from compute_svc.experts.arena import Arena
+from compute_svc.experts.layer_ahead import LayerAheadPredictor
+from compute_svc.experts.moe import RoutingOverride
 from compute_svc.metrics import ComputeMetrics
-from compute_svc.model_loader import LoadedModel
-from compute_svc.moe import RoutingOverride
-from compute_svc.requests import ChatMessage, GenerationRequest, RequestLimits
-from compute_svc.sampling import SamplingParams
-from compute_svc.scheduler import BatchLimits, Scheduler
-from compute_svc.trace_recorder import TraceRecorder
 from expertcache import telemetry
 from expertcache.aio_bridge import NOT_SERVING, SERVING
 from expertcache.grpc_server import build_server, set_serving
@@ -183,7 +183,7 @@ class ComputeServer:
             raise
         self.reporter, self.recorder = self._enable_routing(config)
         if self.reporter is not None:
-            self.metrics.watch_reporter(self.reporter)
+            self.metrics.watch_activations(self.reporter.counter_values)
         self.scheduler = Scheduler(
             self.engine,
             limits=BatchLimits(
@@ -217,10 +217,10 @@ class ComputeServer:
         self.http = self._http_server(config) if config.http_listen_address else None
 
     def _http_server(self, config: ComputeConfig):
-        """The OpenAI-compatible HTTP API over the same scheduler (``compute_svc.http_api``)."""
-        from compute_svc.http_api import HttpApi, HttpLimits
-        from compute_svc.http_server import HttpServer
-        from compute_svc.openai_schema import served_model
+        """The OpenAI-compatible HTTP API over the same scheduler (``compute_svc.http.api``)."""
+        from compute_svc.http.api import HttpApi, HttpLimits
+        from compute_svc.http.openai_schema import served_model
+        from compute_svc.http.server import HttpServer
 
         limits = self.engine.requests.limits
         security = ServerSecurity.from_config(config)

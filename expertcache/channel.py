@@ -1,4 +1,4 @@
-"""The client channel's codes, shared by compute (``compute_svc.cache_client``) and the daemon
+"""The client channel's codes, shared by compute (``compute_svc.daemon.client``) and the daemon
 (``cache_daemon.residency.channel``).
 
 The channel itself is native (``expertcache.native.ClientChannel``, csrc/include/expertcache/

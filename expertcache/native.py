@@ -198,7 +198,7 @@ def cuda_available() -> bool:
 
 # ``ExpertFfn(spec)``: one MoE layer's experts fused on the CPU from their stored encoding
 # (``run(arena, slots, bounds, rows, tokens, weights, x, out)``, ``set_threads``, ``path``); the spec
-# is compute_svc.fused_experts.fused_spec's. See csrc/include/expertcache/expert_ffn.h.
+# is compute_svc.experts.fused.fused_spec's. See csrc/include/expertcache/expert_ffn.h.
 ExpertFfn = _native.ExpertFfn
 
 
@@ -213,7 +213,7 @@ __all__ += ["ExpertFfn", "expert_ffn"]
 
 # ``DecodeAttention(spec)``: the dense half of a decoder layer for decode steps on the CPU
 # (``add_layer``, ``begin_step``, ``run(layer)``, ``end_step``); the spec is
-# compute_svc.decode_step's. See csrc/include/expertcache/decode_attention.h.
+# compute_svc.engine.decode_step's. See csrc/include/expertcache/decode_attention.h.
 DecodeAttention = _native.DecodeAttention
 
 __all__ += ["DecodeAttention"]

@@ -1,7 +1,7 @@
 """Routing traces: the one reader and the one writer of the ``.npz`` trace format.
 
 A trace records which experts every token of a set of requests was routed to, layer by layer.
-Compute's recorder writes it (``compute_svc.trace_recorder``), forced routing reads it
+Compute's recorder writes it (``compute_svc.engine.trace_recorder``), forced routing reads it
 (``replay.forced_routing``), the predictor's replay tool sends it to a predictor
 (``predictor_svc.replay``), and the benchmarks replay it (``bench.replay``, ``bench.predict_bench``).
 

@@ -31,7 +31,7 @@ from expertcache.config_loader import cli_values, flag_name, load_config
 from expertcache.errors import ExpertCacheError
 
 if TYPE_CHECKING:
-    from compute_svc.model_loader import LoadedModel
+    from compute_svc.engine.model_loader import LoadedModel
     from replay.forced_routing import ForcedRouting
 
 logger = logging.getLogger("compute_svc")

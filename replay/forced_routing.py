@@ -19,7 +19,7 @@ wrapping after the last one; requests batched together each follow their own tra
 trace's layers, experts and top-k must equal the model's; a mismatch stops the process at
 start-up with both shapes named.
 
-Installed as the compute runtime's routing override (``compute_svc.moe.RoutingOverride``): the
+Installed as the compute runtime's routing override (``compute_svc.experts.moe.RoutingOverride``): the
 service itself knows nothing of traces.
 
 Lookahead under forced routing: the later layers' routers still run, but they predict what the
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from compute_svc.errors import InvalidArgument
-from compute_svc.layer_ahead import Prediction
+from compute_svc.experts.layer_ahead import Prediction
 from expertcache.layers import LayerMap
 from expertcache.trace import RoutingTrace, TraceError, read_trace
 
@@ -186,7 +186,7 @@ class ForcedRouting:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's (top_k_index [T, K] int64, top_k_weights [T, K]) in place of the router's.
 
-        ``segments`` (``compute_svc.moe.StepSegment``) say whose rows are where: every token of
+        ``segments`` (``compute_svc.experts.moe.StepSegment``) say whose rows are where: every token of
         one request's rows gets that request's trace row of its forward (several tokens only
         while its prompt is fed, see the module doc); weights keep the router's dtype and device.
         """

@@ -91,8 +91,8 @@ def tiny_store(tmp_path_factory):
 def local_engine(tiny_store):
     """``local_engine(arch, slots=..., reverse=False, fused=True, graph=False, **config)`` →
     (engine, provider, TinyStore); ``fused=False`` keeps every layer on the torch path; ``graph``
-    runs decode steps through compute_svc.graph_step eagerly (its KV pool ``graph_rows`` x
-    ``graph_tokens``) and decode-sized MoE layers through compute_svc.slot_experts.
+    runs decode steps through compute_svc.engine.graph_step eagerly (its KV pool ``graph_rows`` x
+    ``graph_tokens``) and decode-sized MoE layers through compute_svc.experts.slots.
 
     The real engine (dense weights from the store, experts from an in-memory arena) fed by
     ``LocalProvider`` instead of a daemon process.
@@ -112,10 +112,10 @@ def local_engine(tiny_store):
     ):
         import torch
 
-        from compute_svc.arena import Arena
-        from compute_svc.generation import GenerationEngine
-        from compute_svc.model_loader import load_model
-        from compute_svc.moe import ExpertRuntime, attach
+        from compute_svc.engine.generation import GenerationEngine
+        from compute_svc.engine.model_loader import load_model
+        from compute_svc.experts.arena import Arena
+        from compute_svc.experts.moe import ExpertRuntime, attach
         from tests.providers import LocalProvider
 
         tiny = tiny_store(arch, **config)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from compute_svc.arena import Arena
-from compute_svc.generation import GenerationEngine
-from compute_svc.model_loader import load_model
-from compute_svc.moe import ExpertRuntime, attach
+from compute_svc.engine.generation import GenerationEngine
+from compute_svc.engine.model_loader import load_model
+from compute_svc.experts.arena import Arena
+from compute_svc.experts.moe import ExpertRuntime, attach
 from tests.providers import LocalProvider
 
 PROMPT = list(range(5, 40))

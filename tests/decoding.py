@@ -1,5 +1,5 @@
 """Greedy decoding through the engine and through transformers, for the decode-step tests
-(compute_svc.decode_step on the CPU, compute_svc.graph_step)."""
+(compute_svc.engine.decode_step on the CPU, compute_svc.engine.graph_step)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compute_svc.requests import GenerationRequest
+from compute_svc.engine.requests import GenerationRequest
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
 TOL = dict(rtol=1e-4, atol=1e-4)

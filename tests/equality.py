@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_svc.moe import ExpertRuntime
+from compute_svc.experts.moe import ExpertRuntime
 from expertcache.model_structure import is_experts_module
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from compute_svc.moe import ExpertSource, ReadyExpert
+from compute_svc.experts.moe import ExpertSource, ReadyExpert
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
 

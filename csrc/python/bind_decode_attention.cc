@@ -1,5 +1,5 @@
 // Python binding of the dense half of a decoder layer for decode steps
-// (csrc/include/expertcache/decode_attention.h), used by compute_svc.decode_step.
+// (csrc/include/expertcache/decode_attention.h), used by compute_svc.engine.decode_step.
 //
 //   att = DecodeAttention(spec)            sizes, dtype, eps, scaling, norm, softmax
 //   att.add_layer(weights, window)         numpy views of the layer's tensors, kept alive here

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from compute_svc.requests import GenerationRequest
+from compute_svc.engine.requests import GenerationRequest
 from expertcache import native
 from tests.cuda_engines import DEVICE, NEW_TOKENS, PROMPT, TOL, cuda_engine, plain
 from tests.inference import generate_replies

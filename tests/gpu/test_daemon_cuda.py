@@ -36,7 +36,7 @@ ODD = 5000  # not a multiple of 256: rows are padded to a 5120-byte stride
 # Run in a child: a process cannot open its own CUDA IPC handle. Compute's own opening code.
 IMPORTER = """
 import ast, sys, zlib, torch
-from compute_svc.arena import Arena, ArenaHandle, ArenaKind
+from compute_svc.experts.arena import Arena, ArenaHandle, ArenaKind
 h = ast.literal_eval(sys.stdin.read())
 num_slots, slot_bytes = h.pop("num_slots"), h.pop("slot_bytes")
 arena = Arena.open(ArenaHandle(kind=ArenaKind.CUDA_IPC, **h), num_slots, slot_bytes, torch.device("cuda"))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from compute_svc.expert_weights import ExpertDecoder
+from compute_svc.experts.weights import ExpertDecoder
 from expertcache.encodings import Scratch, dequantize_fp8, dequantize_mxfp4, get_encoding
 from tests.stores import bits
 
@@ -76,10 +76,10 @@ def test_forward_with_gpu_arena_matches_transformers_on_the_gpu(tmp_path):
     # the logits must; where it does not, every flip must be a near-tie of transformers' router
     # and ours, forced to transformers' routing, must give transformers' logits.
     from cache_daemon.convert import convert
-    from compute_svc.arena import Arena
-    from compute_svc.generation import GenerationEngine
-    from compute_svc.model_loader import load_model
-    from compute_svc.moe import ExpertRuntime, attach
+    from compute_svc.engine.generation import GenerationEngine
+    from compute_svc.engine.model_loader import load_model
+    from compute_svc.experts.arena import Arena
+    from compute_svc.experts.moe import ExpertRuntime, attach
     from devtools.tiny import make_checkpoint
     from tests.equality import compare_with_routing
     from tests.providers import LocalProvider

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (compute_svc.graph_step, compute_svc.slot_experts) on a
+"""Decode steps replayed as CUDA graphs (compute_svc.engine.graph_step, compute_svc.experts.slots) on a
 GPU: the pieces are captured, the replayed steps equal the eager ones bit for bit and the plain
 model's tokens, and a step costs one host synchronisation per MoE layer plus the token pick.
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from compute_svc.requests import GenerationRequest
+from compute_svc.engine.requests import GenerationRequest
 from expertcache import native
 from tests.cuda_engines import DEVICE, PROMPT, cuda_engine, plain
 from tests.decoding import counting

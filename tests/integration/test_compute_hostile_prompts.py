@@ -5,7 +5,7 @@ from ``/proc``. Twenty 1 MB prompts that cannot fit the token limit are sent one
 other; compute's RSS may grow by at most 200 MiB and must be back within 50 MiB of where it
 started once the last refusal is answered: a call's memory goes when the call ends (nothing of it
 is left for the cyclic garbage collector, ``expertcache.aio_bridge``) and the tokenizer's goes
-back to the kernel before the refusal (``compute_svc.prompt_text``), so nothing is waited for.
+back to the kernel before the refusal (``compute_svc.engine.prompt_text``), so nothing is waited for.
 Two ways to be refused:
 
 - by their size, before the tokenizer sees them (the tiny model's 2048 positions × its longest

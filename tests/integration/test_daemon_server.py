@@ -16,7 +16,7 @@ import grpc
 import pytest
 from moe.cache.v1 import cache_pb2
 
-from compute_svc.layer_ahead import Prediction
+from compute_svc.experts.layer_ahead import Prediction
 from expertcache import handoff
 from expertcache.errors import FailedPrecondition
 from expertcache.keys import ExpertKey
@@ -216,13 +216,13 @@ def test_budget_below_one_blob_exits_2(tmp_path):
 
 # -- the compute fast path: hits through the shared slot table, no RPC ------------------------------
 def fast_client(daemon: Daemon, **kwargs):
-    from compute_svc.cache_client import DaemonClient
+    from compute_svc.daemon.client import DaemonClient
 
     return DaemonClient.connect(daemon.proc.address, connect_timeout_s=10, acquire_timeout_s=10, **kwargs)
 
 
 def test_second_pass_over_resident_experts_sends_no_demand(daemon):
-    from compute_svc.moe import ExpertSource
+    from compute_svc.experts.moe import ExpertSource
 
     client = fast_client(daemon)
     try:
@@ -257,7 +257,7 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
 
 
 def test_slow_path_client_demands_every_acquire(daemon):
-    from compute_svc.moe import ExpertSource
+    from compute_svc.experts.moe import ExpertSource
 
     client = fast_client(daemon, fast_path=False)
     try:
@@ -288,7 +288,7 @@ def assert_pins_reclaimed(daemon: Daemon) -> None:
 HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from compute_svc.cache_client import DaemonClient
+from compute_svc.daemon.client import DaemonClient
 c = DaemonClient.connect(sys.argv[1], connect_timeout_s=10, acquire_timeout_s=10)
 list(c.acquire(3, [0, 1, 2]))
 c.release(3, [0, 1, 2])
@@ -328,7 +328,7 @@ def test_shm_pins_block_eviction_until_the_holder_dies(daemon):
 CHANNEL_HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from compute_svc.cache_client import DaemonClient
+from compute_svc.daemon.client import DaemonClient
 c = DaemonClient.connect(sys.argv[1], connect_timeout_s=10, acquire_timeout_s=60)
 got = list(c.acquire(int(sys.argv[3]), [int(e) for e in sys.argv[4].split(",")]))
 print("pinned", sorted(r.source.value for r in got), flush=True)

@@ -22,9 +22,9 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2
 from transformers import AutoModelForCausalLM
 
-from compute_svc.cache_client import DaemonClient
-from compute_svc.generation import build_engine
-from compute_svc.requests import GenerationRequest
+from compute_svc.daemon.client import DaemonClient
+from compute_svc.engine.generation import build_engine
+from compute_svc.engine.requests import GenerationRequest
 from devtools.tiny import SUPPORTED_ARCHS
 from tests.inference import generate_replies
 from tests.procs import start_compute, start_daemon

@@ -22,7 +22,7 @@
 // RMSNorm: kCastThenWeight (Llama's: w * dtype(x / rms)) or kWeightThenCast (GPT-OSS: dtype(w * x / rms)).
 //
 // A row's cache of a layer is the model's own tensor [kv_heads, capacity, head_dim] of the compute
-// dtype (compute_svc.kv_cache.SequenceKV's buffers). Single-threaded; allocates only when a call
+// dtype (compute_svc.engine.kv_cache.SequenceKV's buffers). Single-threaded; allocates only when a call
 // is larger than every earlier one.
 #pragma once
 

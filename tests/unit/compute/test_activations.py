@@ -16,8 +16,8 @@ import pytest
 import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from compute_svc.activations import ActivationReporter, RoutingCapture, StepRouting
-from compute_svc.requests import GenerationRequest
+from compute_svc.engine.activations import ActivationReporter, RoutingCapture, StepRouting
+from compute_svc.engine.requests import GenerationRequest
 from devtools.launch import free_port
 
 PROMPT = tuple(range(5, 25))  # 20 tokens
@@ -112,7 +112,7 @@ def generate(engine, request_id: str, **kwargs) -> list[int]:
 
 
 def test_capture_stacks_layers_in_manifest_order_and_splits_requests():
-    from compute_svc.moe import StepSegment
+    from compute_svc.experts.moe import StepSegment
 
     capture = RoutingCapture([1, 3])
     capture.begin()

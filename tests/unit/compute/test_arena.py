@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cache_daemon.tiers.device import MemfdArena
-from compute_svc.arena import Arena, ArenaHandle, ArenaKind, cuda_device_for_uuid, resolve_device
 from compute_svc.errors import ArenaMismatch
+from compute_svc.experts.arena import Arena, ArenaHandle, ArenaKind, cuda_device_for_uuid, resolve_device
 from expertcache import memfd, native
 from expertcache.manifest import plan_blob
 

@@ -13,8 +13,7 @@ import grpc
 import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from compute_svc.arena import ArenaKind
-from compute_svc.cache_client import DaemonClient
+from compute_svc.daemon.client import DaemonClient
 from compute_svc.errors import (
     Cancelled,
     DaemonUnavailable,
@@ -23,8 +22,9 @@ from compute_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
-from compute_svc.layer_ahead import Prediction
-from compute_svc.moe import ExpertSource, ReadyExpert
+from compute_svc.experts.arena import ArenaKind
+from compute_svc.experts.layer_ahead import Prediction
+from compute_svc.experts.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
 from expertcache import memfd
 from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer

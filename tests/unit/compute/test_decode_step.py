@@ -1,4 +1,4 @@
-"""Decode steps through the native dense half (compute_svc.decode_step) against transformers."""
+"""Decode steps through the native dense half (compute_svc.engine.decode_step) against transformers."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from compute_svc import generation
-from compute_svc.moe_math import route
-from compute_svc.requests import GenerationRequest
+from compute_svc.engine import generation
+from compute_svc.engine.requests import GenerationRequest
+from compute_svc.experts.stages import route
 
 PROMPT = tuple(range(5, 20))
 

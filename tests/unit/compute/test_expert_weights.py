@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from compute_svc.arena import Arena
-from compute_svc.expert_weights import ExpertDecoder
+from compute_svc.experts.arena import Arena
+from compute_svc.experts.weights import ExpertDecoder
 from expertcache.encodings import get_encoding
 from expertcache.manifest import plan_blob
 from tests.stores import bits

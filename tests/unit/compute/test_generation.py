@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_svc.engine.generation import FinishReason, IncrementalDetokenizer
+from compute_svc.engine.requests import ChatMessage, GenerationRequest
+from compute_svc.engine.sampling import Sampler, SamplingParams
 from compute_svc.errors import InvalidArgument
-from compute_svc.generation import FinishReason, IncrementalDetokenizer
-from compute_svc.requests import ChatMessage, GenerationRequest
-from compute_svc.sampling import Sampler, SamplingParams
 
 PROMPT = tuple(range(5, 25))
 

@@ -1,12 +1,12 @@
-"""Decode steps as replayed pieces over a KV pool (compute_svc.graph_step) and MoE layers read by
-slot index (compute_svc.slot_experts), run eagerly on the CPU, against transformers."""
+"""Decode steps as replayed pieces over a KV pool (compute_svc.engine.graph_step) and MoE layers read by
+slot index (compute_svc.experts.slots), run eagerly on the CPU, against transformers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compute_svc.kv_cache import PooledKV, SequenceKV
+from compute_svc.engine.kv_cache import PooledKV, SequenceKV
 from tests.decoding import (
     PROMPT,
     check_a_failed_step_changes_nothing,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_svc.http_guard import ConnectionLimits
+from compute_svc.http.guard import ConnectionLimits
 from expertcache.errors import InvalidArgument
 
 

@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-import compute_svc.http_server as http_server
-from compute_svc.http_server import HttpServer
+import compute_svc.http.server as http_server
+from compute_svc.http.server import HttpServer
 from expertcache.security import ServerSecurity
 from tests.certs import Pki
 from tests.waiting import wait_for

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_svc.arena import Arena
+from compute_svc.engine.generation import GenerationEngine
+from compute_svc.engine.model_loader import load_model
+from compute_svc.engine.requests import GenerationRequest
 from compute_svc.errors import FailedPrecondition
-from compute_svc.generation import GenerationEngine
-from compute_svc.layer_ahead import LayerAheadPredictor, accuracy, find_router
-from compute_svc.model_loader import load_model
-from compute_svc.moe import ExpertRuntime, attach
-from compute_svc.requests import GenerationRequest
+from compute_svc.experts.arena import Arena
+from compute_svc.experts.layer_ahead import LayerAheadPredictor, accuracy, find_router
+from compute_svc.experts.moe import ExpertRuntime, attach
 from tests.providers import LocalProvider
 
 

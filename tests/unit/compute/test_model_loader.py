@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from compute_svc.engine.model_loader import load_model
 from compute_svc.errors import DataLoss, FailedPrecondition
-from compute_svc.model_loader import load_model
-from compute_svc.moe import LAYER_ATTR
+from compute_svc.experts.moe import LAYER_ATTR
 from expertcache.model_structure import expert_parameter_names, find_experts_sites
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compute_svc.moe import IMPLEMENTATION
-from compute_svc.moe_math import route, waves
+from compute_svc.experts.moe import IMPLEMENTATION
+from compute_svc.experts.stages import route, waves
 from devtools.tiny import SUPPORTED_ARCHS, make_config
 from expertcache.model_structure import build_skeleton
 
@@ -95,9 +95,9 @@ def test_route_takes_the_host_copy_of_the_indices():
 def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine):
     # On a GPU each device→host transfer blocks the host: one per MoE layer carries the routing
     # and the layer-ahead prediction together; event waits happen only between waves.
-    from compute_svc.activations import RoutingCapture
-    from compute_svc.layer_ahead import LayerAheadPredictor
-    from compute_svc.requests import GenerationRequest
+    from compute_svc.engine.activations import RoutingCapture
+    from compute_svc.engine.requests import GenerationRequest
+    from compute_svc.experts.layer_ahead import LayerAheadPredictor
 
     engine, provider, tiny = local_engine("mixtral", slots=64)
     runtime = engine.runtime
@@ -154,7 +154,7 @@ def test_quantized_experts_match_transformers_dequantised_model(arch, quantizati
     assert engine.runtime.decoder.scratch_bytes > 0
 
 
-# -- decode-sized layers through the fused CPU kernel (compute_svc.fused_experts) ----------------
+# -- decode-sized layers through the fused CPU kernel (compute_svc.experts.fused) ----------------
 SHORT = [5, 17, 33]  # 3 tokens: every expert has at most 3 rows, so every layer is fused
 FUSED = [
     *(pytest.param(arch, {}, TOL, id=arch) for arch in SUPPORTED_ARCHS),
@@ -176,7 +176,7 @@ def test_fused_kernel_matches_transformers_at_decode_sizes(arch, config, tol, lo
 
 
 def test_greedy_decode_through_the_fused_kernel_matches_generate(local_engine):
-    from compute_svc.requests import GenerationRequest
+    from compute_svc.engine.requests import GenerationRequest
 
     engine, _, tiny = local_engine("gpt_oss", **quantized_config("gpt_oss", "mxfp4", torch.float32))
     plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()

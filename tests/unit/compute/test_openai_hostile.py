@@ -15,10 +15,11 @@ import dataclasses
 
 import pytest
 
-from compute_svc.generation import FinishReason, TokenEvent, TokenStats
-from compute_svc.http_api import HttpApi, HttpLimits, error_of
-from compute_svc.metrics import ComputeMetrics
-from compute_svc.openai_schema import (
+from compute_svc.engine.generation import FinishReason, TokenEvent, TokenStats
+from compute_svc.engine.requests import GenerationRequest
+from compute_svc.engine.scheduler import _DONE, RequestHandle
+from compute_svc.http.api import HttpApi, HttpLimits, error_of
+from compute_svc.http.openai_schema import (
     ApiError,
     ServedModel,
     chat_request,
@@ -26,8 +27,7 @@ from compute_svc.openai_schema import (
     model_list,
     served_model,
 )
-from compute_svc.requests import GenerationRequest
-from compute_svc.scheduler import _DONE, RequestHandle
+from compute_svc.metrics import ComputeMetrics
 from expertcache.errors import InvalidArgument
 from tests.asgi import asgi_json
 

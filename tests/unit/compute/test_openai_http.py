@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from compute_svc.generation import FinishReason, TokenEvent, TokenStats
-from compute_svc.http_api import HttpLimits, _Stream, error_of
-from compute_svc.metrics import ComputeMetrics
-from compute_svc.openai_schema import (
+from compute_svc.engine.generation import FinishReason, TokenEvent, TokenStats
+from compute_svc.engine.requests import ChatMessage
+from compute_svc.engine.scheduler import _DONE, RequestHandle
+from compute_svc.http.api import HttpLimits, _Stream, error_of
+from compute_svc.http.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ZERO_SEED,
     ApiError,
@@ -19,8 +20,7 @@ from compute_svc.openai_schema import (
     chat_request,
     completion_request,
 )
-from compute_svc.requests import ChatMessage
-from compute_svc.scheduler import _DONE, RequestHandle
+from compute_svc.metrics import ComputeMetrics
 from expertcache.aio_bridge import LoopFeed
 from expertcache.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tests.asgi import asgi_call
@@ -221,7 +221,7 @@ class _Scheduler:
         # No scheduler here: the handle's cancel ends its events as the scheduler's step would.
         handle = RequestHandle(_Prepared(), lambda: handle._put(_DONE))
         handle._put(event(0, "ok", FinishReason.LENGTH, prompt=1))
-        from compute_svc.scheduler import _DONE
+        from compute_svc.engine.scheduler import _DONE
 
         handle._put(_DONE)
         return handle
@@ -232,7 +232,7 @@ def test_the_http_span_continues_the_callers_trace_and_parents_the_generate():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from compute_svc.http_api import HttpApi
+    from compute_svc.http.api import HttpApi
     from expertcache import telemetry
 
     exporter = InMemorySpanExporter()
@@ -267,8 +267,8 @@ def test_bodies_wait_for_the_byte_budget_and_are_parsed_off_the_event_loop(monke
     parsed; every body is decoded and parsed in a pool thread, never on the event loop's."""
     import threading
 
-    import compute_svc.http_api as http_api
-    from compute_svc.http_api import HttpApi
+    import compute_svc.http.api as http_api
+    from compute_svc.http.api import HttpApi
 
     parsed_on: list[str] = []
     real = http_api.completion_request

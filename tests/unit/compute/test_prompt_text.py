@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from compute_svc.prompt_text import TooManyTokens, encode_text, longest_token_bytes
+from compute_svc.engine.prompt_text import TooManyTokens, encode_text, longest_token_bytes
 from devtools.launch import REPO
 from devtools.tiny import build_tokenizer
 
@@ -79,7 +79,7 @@ def test_tokenising_a_large_text_leaves_no_heap_behind():
     script = textwrap.dedent(
         """
         from pathlib import Path
-        from compute_svc.prompt_text import tokenize
+        from compute_svc.engine.prompt_text import tokenize
         from devtools.tiny import build_tokenizer
 
         def rss():

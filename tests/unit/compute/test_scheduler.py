@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from compute_svc.engine.requests import GenerationRequest
+from compute_svc.engine.sampling import SamplingParams
+from compute_svc.engine.scheduler import BatchLimits, Scheduler
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, QueueFull, Unavailable
-from compute_svc.requests import GenerationRequest
-from compute_svc.sampling import SamplingParams
-from compute_svc.scheduler import BatchLimits, Scheduler
 from devtools.tiny import SUPPORTED_ARCHS
 from tests.threads import run_in_threads
 

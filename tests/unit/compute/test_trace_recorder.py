@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from compute_svc.activations import RoutingCapture, StepRouting
-from compute_svc.requests import GenerationRequest
-from compute_svc.trace_recorder import TraceRecorder
+from compute_svc.engine.activations import RoutingCapture, StepRouting
+from compute_svc.engine.requests import GenerationRequest
+from compute_svc.engine.trace_recorder import TraceRecorder
 from expertcache.trace import read_trace
 
 PROMPTS = (tuple(range(5, 17)), tuple(range(40, 47)))  # 12 and 7 tokens

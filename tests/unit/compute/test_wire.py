@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from moe.inference.v1 import inference_pb2
 
-from compute_svc.generation import FinishReason, ModelInfo, TokenEvent, TokenStats
-from compute_svc.requests import ChatMessage
-from compute_svc.sampling import SamplingParams
+from compute_svc.engine.generation import FinishReason, ModelInfo, TokenEvent, TokenStats
+from compute_svc.engine.requests import ChatMessage
+from compute_svc.engine.sampling import SamplingParams
 from compute_svc.server import event_to_pb, model_info_to_pb, request_from_pb
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_svc.engine.requests import GenerationRequest
 from compute_svc.errors import InvalidArgument
-from compute_svc.layer_ahead import Prediction
-from compute_svc.moe import StepSegment
-from compute_svc.requests import GenerationRequest
+from compute_svc.experts.layer_ahead import Prediction
+from compute_svc.experts.moe import StepSegment
 from replay.forced_routing import ForcedRouting, load_trace
 from tests.traces import write_trace
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from moe.inference.v1 import inference_pb2
 
 from compute_svc.config import ComputeConfig
-from compute_svc.requests import PreparedRequest
+from compute_svc.engine.requests import PreparedRequest
 from compute_svc.server import request_from_pb
 from expertcache.config_loader import load_config
 from expertcache.errors import DataLoss, InvalidArgument

@@ -14,8 +14,8 @@ import pytest
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from compute_svc.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from compute_svc.scheduler import Scheduler
+from compute_svc.engine.requests import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from compute_svc.engine.scheduler import Scheduler
 from compute_svc.server import SERVICE_NAME as INFERENCE
 from compute_svc.server import InferenceServicer
 from devtools.launch import free_port

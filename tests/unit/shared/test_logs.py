@@ -19,7 +19,7 @@ class Tty(io.StringIO):
 
 
 def record(msg: str = "request %s done", **extra) -> logging.LogRecord:
-    rec = logging.LogRecord("compute_svc.generation", logging.INFO, __file__, 1, msg, ("r-1",), None)
+    rec = logging.LogRecord("compute_svc.engine.generation", logging.INFO, __file__, 1, msg, ("r-1",), None)
     for key, value in extra.items():
         setattr(rec, key, value)
     return rec
@@ -36,7 +36,7 @@ def test_auto_is_json_unless_on_a_terminal():
 def test_json_line_carries_message_and_request_fields():
     line = json.loads(JsonFormatter().format(record(request={"request_id": "r-1", "tokens": 3})))
     assert line["message"] == "request r-1 done"
-    assert line["level"] == "INFO" and line["logger"] == "compute_svc.generation"
+    assert line["level"] == "INFO" and line["logger"] == "compute_svc.engine.generation"
     assert line["request"] == {"request_id": "r-1", "tokens": 3}
     assert "trace_id" not in line  # tracing off
 

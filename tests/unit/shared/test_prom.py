@@ -12,8 +12,8 @@ from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_daemon.metrics import DaemonMetrics
+from compute_svc.experts.moe import CacheCounters, ExpertSource
 from compute_svc.metrics import ComputeMetrics
-from compute_svc.moe import CacheCounters, ExpertSource
 from expertcache.errors import InvalidArgument
 from expertcache.prom import Registry, ScrapeCollector, counter, gauge, serve, value, values
 from predictor_svc.metrics import PredictorMetrics

@@ -10,8 +10,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from compute_svc.requests import GenerationRequest
-from compute_svc.sampling import SamplingParams
+from compute_svc.engine.requests import GenerationRequest
+from compute_svc.engine.sampling import SamplingParams
 from expertcache import telemetry
 from expertcache.errors import InvalidArgument
 

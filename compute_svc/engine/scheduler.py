@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from compute_svc.engine.generation import GenerationEngine, RunningRequest, TokenEvent
+from compute_svc.engine.requests import GenerationRequest, PreparedRequest
 from compute_svc.errors import (
     Cancelled,
     DaemonUnavailable,
@@ -46,9 +48,7 @@ from compute_svc.errors import (
     QueueFull,
     Unavailable,
 )
-from compute_svc.generation import GenerationEngine, RunningRequest, TokenEvent
 from compute_svc.metrics import ComputeMetrics
-from compute_svc.requests import GenerationRequest, PreparedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ that are captured once per (rows, context bucket) and replayed::
     layer i    h += previous MoE output; input norm; the model's attention over the KV pool rows
                (write at each row's position, read the bucket's first tokens); residual;
                post-attention norm → mlp_in; the router → top-k index and weights
-    ─ host ─   the experts module itself: compute_svc.moe fetches the routing (one host sync),
+    ─ host ─   the experts module itself: compute_svc.experts.moe fetches the routing (one host sync),
                acquires the experts from the daemon and computes them by slot index
-               (compute_svc.slot_experts, its own graph) → MoE output
+               (compute_svc.experts.slots, its own graph) → MoE output
     epilogue   h += last MoE output; final norm; head → logits
 
 Keys and values live in a ``kv_cache.KVPool`` (fixed addresses: a graph reads and writes the
@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from compute_svc.kv_cache import KVPool, PooledKV, SequenceKV, batched_attention
-from compute_svc.moe import RUNTIME_ATTR
+from compute_svc.engine.kv_cache import KVPool, PooledKV, SequenceKV, batched_attention
+from compute_svc.experts.moe import RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class GraphStep:
     def __init__(
         self, model: torch.nn.Module, original_attention: str, rows: int, tokens: int, graphs: bool
     ) -> None:
-        from compute_svc.decode_step import attention_window
+        from compute_svc.engine.decode_step import attention_window
 
         config = model.config
         inner = model.model

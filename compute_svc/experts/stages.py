@@ -1,6 +1,6 @@
 """The route, compute and combine stages of a MoE layer's experts: tensor math, no daemon.
 
-``compute_svc.moe`` runs them around the acquire stage (pinned arena slots)::
+``compute_svc.experts.moe`` runs them around the acquire stage (pinned arena slots)::
 
     top_k_index [T,K] ──route──▶ Routing ──waves──▶ ≤ num_slots experts at a time
     per batch of pinned experts ──ExpertsPass──▶ (rows, weighted outputs [n,H])

@@ -83,7 +83,7 @@ class SequenceKV:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Room for ``needed`` tokens in layers 0 .. layers-1 (new buffers like ``like`` [1, h, 1, d]),
         as the buffers' addresses and capacities: (keys [layers], values [layers], capacity
-        [layers]) int64, for a native writer (``compute_svc.decode_step``); kept until a buffer grows."""
+        [layers]) int64, for a native writer (``compute_svc.engine.decode_step``); kept until a buffer grows."""
         table = self._table
         if table is None or len(table[2]) != layers or int(table[2].min()) < needed:
             for layer in range(layers):
@@ -123,7 +123,7 @@ def _ensure(buf: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.
 
 class KVPool:
     """Keys and values of up to ``rows`` requests at fixed addresses, for steps replayed as CUDA
-    graphs (``compute_svc.graph_step``): per attention layer one [rows, kv_heads, tokens, head_dim]
+    graphs (``compute_svc.engine.graph_step``): per attention layer one [rows, kv_heads, tokens, head_dim]
     tensor for keys and one for values, made at the first ``take``. A request holding a row
     (``PooledKV``) keeps its keys and values there for every kind of step, so the packed forward
     of transformers and the replayed step read and write the same memory."""
@@ -262,7 +262,7 @@ _SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.Cont
 # once per forward): (past, tokens, window, dtype, device) -> mask.
 _MASKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("expertcache_masks", default=None)
 # Set while a step runs requests as a batch (one row per request, its own mask given): attention
-# is then the model's own function as called (compute_svc.graph_step).
+# is then the model's own function as called (compute_svc.engine.graph_step).
 _BATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("expertcache_batched", default=False)
 
 

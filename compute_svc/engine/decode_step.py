@@ -6,7 +6,7 @@ half (input norm, q/k/v, rotary, the KV write, attention, o_proj, the residual a
 post-attention norm) is one native call (``expertcache.native.DecodeAttention``) over every row of
 the step, reading the model's own weights and writing the requests' own KV buffers
 (``kv_cache.SequenceKV``); the layer's MLP is the model's own module (router, our experts through
-``compute_svc.moe``, shared experts); the embedding, final norm and head are the model's own.
+``compute_svc.experts.moe``, shared experts); the embedding, final norm and head are the model's own.
 
 ``DecodeStep.build`` returns None where this does not apply (a GPU, a model type or attention
 implementation it does not cover): the step then runs through transformers as before.
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from compute_svc.fused_experts import storage_view
-from compute_svc.kv_cache import SequenceKV
-from compute_svc.moe import RUNTIME_ATTR
+from compute_svc.engine.kv_cache import SequenceKV
+from compute_svc.experts.fused import storage_view
+from compute_svc.experts.moe import RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-import compute_svc.moe  # noqa: F401 - registers the "expertcache" experts implementation
+import compute_svc.experts.moe  # noqa: F401 - registers the "expertcache" experts implementation
 from compute_svc.errors import DataLoss, FailedPrecondition
-from compute_svc.moe import IMPLEMENTATION
+from compute_svc.experts.moe import IMPLEMENTATION
 from expertcache.manifest import StoreManifest, store_path
 from expertcache.model_structure import build_skeleton, expert_parameter_names, find_experts_sites
 

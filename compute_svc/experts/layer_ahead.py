@@ -96,7 +96,7 @@ class LayerAheadPredictor:
     """Predicts the experts of the next ``depth`` MoE layers from the current layer's MoE input.
 
     ``experts_modules``: ``(decoder layer, experts module)`` in layer order, as
-    ``compute_svc.model_loader.LoadedModel.experts_modules``. Used from the generation thread.
+    ``compute_svc.engine.model_loader.LoadedModel.experts_modules``. Used from the generation thread.
     """
 
     def __init__(

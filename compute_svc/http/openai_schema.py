@@ -1,6 +1,6 @@
 """OpenAI's request and response bodies ↔ the engine's ``GenerationRequest`` and ``TokenEvent``.
 
-Pure functions, no HTTP: ``compute_svc.http_api`` parses a body with ``completion_request`` or
+Pure functions, no HTTP: ``compute_svc.http.api`` parses a body with ``completion_request`` or
 ``chat_request`` and writes what the scheduler streams back with ``Completion``. A field this
 service cannot honour is refused (``ApiError``, 400, naming the field) rather than ignored, so a
 client never gets an answer to a question it did not ask; fields that change nothing here
@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from compute_svc.generation import FinishReason, TokenEvent
-from compute_svc.requests import ChatMessage, GenerationRequest
-from compute_svc.sampling import SamplingParams
+from compute_svc.engine.generation import FinishReason, TokenEvent
+from compute_svc.engine.requests import ChatMessage, GenerationRequest
+from compute_svc.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from expertcache.manifest import StoreManifest

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compute_svc.activations import StepRouting
+from compute_svc.engine.activations import StepRouting
 from expertcache.trace import TraceRequest, expert_dtype, write_trace
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 from transformers import activations
 from transformers.integrations import moe as hf_moe
 
-from compute_svc.moe_math import Combiner, Routing
+from compute_svc.experts.stages import Combiner, Routing
 from expertcache.manifest import ExpertTensor
 
 logger = logging.getLogger(__name__)

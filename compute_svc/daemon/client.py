@@ -12,7 +12,7 @@ Demand stream, driven from the one scheduler worker thread::
                      ◀─ AcquireDone(ticket)                             → iterator ends
     release(layer, experts) ─▶ Release(experts)
 
-Predictions travel one way, without a reply (``compute_svc.daemon_signals``). After an error the
+Predictions travel one way, without a reply (``compute_svc.daemon.signals``). After an error the
 stream is dropped (the daemon then releases its pins) and the next call opens a new one.
 
 Fast path (``fast_path=True``, the default, when the daemon offers a slot table): Attach also
@@ -48,9 +48,10 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from compute_svc.daemon_link import DaemonLink, StaleClient
-from compute_svc.daemon_signals import SignalSender
-from compute_svc.daemon_wire import (
+from compute_svc.daemon.demand_stream import END, INTERRUPT, DemandStream
+from compute_svc.daemon.link import DaemonLink, StaleClient
+from compute_svc.daemon.signals import SignalSender
+from compute_svc.daemon.wire import (
     CHANNEL_SOURCES,
     SOURCES,
     Attachment,
@@ -58,9 +59,8 @@ from compute_svc.daemon_wire import (
     error_from_rpc,
     error_from_status,
 )
-from compute_svc.demand_stream import END, INTERRUPT, DemandStream
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
-from compute_svc.moe import ExpertSource, ReadyExpert
+from compute_svc.experts.moe import ExpertSource, ReadyExpert
 from expertcache import channel as codes
 from expertcache import native
 

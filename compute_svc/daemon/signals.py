@@ -24,9 +24,9 @@ from moe.cache.v1 import cache_pb2
 from compute_svc.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from compute_svc.daemon_link import DaemonLink
-    from compute_svc.demand_stream import DemandStream
-    from compute_svc.layer_ahead import Prediction
+    from compute_svc.daemon.demand_stream import DemandStream
+    from compute_svc.daemon.link import DaemonLink
+    from compute_svc.experts.layer_ahead import Prediction
 
 
 class SignalSender:

@@ -13,7 +13,7 @@ A request's life: the middleware counts it (``moe_compute_http_requests_total{ro
 ``traceparent`` header; the engine's Generate span becomes its child) and checks the bearer token
 (``auth_token_file``, the gRPC services' token, compared in constant time). The body is read
 within ``max_body_bytes`` (derived from the prompt limits, refused with 413 before parsing) and
-``request_timeout_s``; ``compute_svc.openai_schema`` turns it into a ``GenerationRequest``, which
+``request_timeout_s``; ``compute_svc.http.openai_schema`` turns it into a ``GenerationRequest``, which
 is submitted to the scheduler in a pool thread (tokenising is not done on the loop). A pool thread
 then hands the request's events to the loop as they come; the loop writes them.
 
@@ -29,7 +29,7 @@ hundred KB or so; one blocked for ``stream_stall_timeout_s`` has its request can
 connection closed, like gRPC's stalled stream. Bodies are read within a byte budget shared by all requests
 (``HttpLimits.body_budget``: a request waits for its share, within ``request_timeout_s``) and
 parsed in a pool thread, never on the event loop. The connections themselves are bounded by
-``compute_svc.http_guard``.
+``compute_svc.http.guard``.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
 field, 401 without the token, 404 for another model, 413 for a body too large, 429 when admission
@@ -58,6 +58,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from compute_svc.engine.scheduler import RequestHandle, Scheduler
 from compute_svc.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -67,9 +68,8 @@ from compute_svc.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from compute_svc.http_guard import TRANSPORT_KEY
-from compute_svc.metrics import ComputeMetrics
-from compute_svc.openai_schema import (
+from compute_svc.http.guard import TRANSPORT_KEY
+from compute_svc.http.openai_schema import (
     ApiError,
     ApiRequest,
     Completion,
@@ -79,7 +79,7 @@ from compute_svc.openai_schema import (
     invalid,
     model_list,
 )
-from compute_svc.scheduler import RequestHandle, Scheduler
+from compute_svc.metrics import ComputeMetrics
 from expertcache import telemetry
 from expertcache.aio_bridge import LoopFeed, within
 from expertcache.logs import RateLimitedLog

@@ -1,7 +1,7 @@
 """One open ``ExpertCache.Demand`` call: requests go through a queue that the call's request
 iterator drains; a reader thread moves responses into a queue, so that each wait for one can
 have a deadline (``acquire_timeout_s``). Closing it (half-close and cancel) makes the daemon
-release every pin the stream holds; ``compute_svc.cache_client`` opens the next one.
+release every pin the stream holds; ``compute_svc.daemon.client`` opens the next one.
 """
 
 from __future__ import annotations

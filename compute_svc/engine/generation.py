@@ -2,21 +2,21 @@
 
 ::
 
-    GenerationRequest ─engine.requests.prepare─▶ PreparedRequest (compute_svc.requests: prompt
+    GenerationRequest ─engine.requests.prepare─▶ PreparedRequest (compute_svc.engine.requests: prompt
         │                                          ids resolved, every limit checked)
         │ start
         ▼
-    RunningRequest: its KV (compute_svc.kv_cache.SequenceKV), sampler, detokenizer, stop rules;
+    RunningRequest: its KV (compute_svc.engine.kv_cache.SequenceKV), sampler, detokenizer, stop rules;
               input still to feed: the prompt (in chunks), then each generated token
         │
         ▼ step([(seq A, 1), (seq B, 1), (seq C, 48)])     one forward over every request of a step
     input_ids [1, 50] ─model─▶ logits of the last token of each request whose input is all fed
         ─▶ Sampler.pick (its own RNG) ─▶ detokenise ─▶ stop? ─▶ TokenEvent per request
 
-Every MoE layer of that forward sees the 50 tokens at once (``compute_svc.moe``): the union of
+Every MoE layer of that forward sees the 50 tokens at once (``compute_svc.experts.moe``): the union of
 their experts is acquired once and every expert runs once over all rows routed to it. Attention
-stays per request (``compute_svc.kv_cache``), so a request's tokens do not depend on what it is
-batched with. The scheduler (``compute_svc.scheduler``) decides which requests each step holds;
+stays per request (``compute_svc.engine.kv_cache``), so a request's tokens do not depend on what it is
+batched with. The scheduler (``compute_svc.engine.scheduler``) decides which requests each step holds;
 ``generate`` drives one request alone through the same ``step`` (tests, the equivalence seam).
 Nothing here knows gRPC.
 """
@@ -34,23 +34,29 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compute_svc.arena import Arena, resolve_device
-from compute_svc.decode_step import DecodeStep
+from compute_svc.engine.decode_step import DecodeStep
+from compute_svc.engine.graph_step import GraphStep
+from compute_svc.engine.kv_cache import (
+    Segment,
+    SequenceKV,
+    cache_keyword,
+    packed_forward,
+    use_packed_attention,
+)
+from compute_svc.engine.model_loader import LoadedModel, load_model
+from compute_svc.engine.requests import GenerationRequest, PreparedRequest, RequestCheck, RequestLimits
+from compute_svc.engine.sampling import Sampler
 from compute_svc.errors import FailedPrecondition
-from compute_svc.graph_step import GraphStep
-from compute_svc.kv_cache import Segment, SequenceKV, cache_keyword, packed_forward, use_packed_attention
+from compute_svc.experts.arena import Arena, resolve_device
+from compute_svc.experts.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
 from compute_svc.metrics import ComputeMetrics
-from compute_svc.model_loader import LoadedModel, load_model
-from compute_svc.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
-from compute_svc.requests import GenerationRequest, PreparedRequest, RequestCheck, RequestLimits
-from compute_svc.sampling import Sampler
 from expertcache import telemetry
 from expertcache.manifest import read_manifest
 
 if TYPE_CHECKING:
-    from compute_svc.activations import ActivationReporter, RoutingCapture
-    from compute_svc.daemon_wire import Attachment
-    from compute_svc.trace_recorder import TraceRecorder
+    from compute_svc.daemon.wire import Attachment
+    from compute_svc.engine.activations import ActivationReporter, RoutingCapture
+    from compute_svc.engine.trace_recorder import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +220,9 @@ class GenerationEngine:
         self.recorder: TraceRecorder | None = None
         self.attention = use_packed_attention(loaded.model)
         # Steps that feed one token per request skip transformers' per-op overhead where it can
-        # (compute_svc.decode_step); None: every step is a transformers forward.
+        # (compute_svc.engine.decode_step); None: every step is a transformers forward.
         self.decode_step = DecodeStep.build(loaded.model, self.attention.original) if native_decode else None
-        # On a GPU such steps are replayed as CUDA graphs over a KV pool (compute_svc.graph_step;
+        # On a GPU such steps are replayed as CUDA graphs over a KV pool (compute_svc.engine.graph_step;
         # ``graph_step``: None = on a GPU, True = also elsewhere, eagerly). A request holds a pool
         # row when one is free and long enough (``graph_kv_tokens`` covers prompt + new tokens).
         self.graph_step: GraphStep | None = None

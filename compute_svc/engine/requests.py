@@ -3,7 +3,7 @@ to (``RequestLimits``), and the check that turns it into a ``PreparedRequest`` (
 resolved, every limit checked) or refuses it with ``InvalidArgument`` naming the field (in its
 message and as its ``field``), its value and the limit. Sizes are checked before any work that
 grows with them (tokenisation, id conversion), so a huge prompt is refused at once.
-``compute_svc.generation`` runs what passes.
+``compute_svc.engine.generation`` runs what passes.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from compute_svc.errors import InvalidArgument
-from compute_svc.prompt_text import (
+from compute_svc.engine.prompt_text import (
     TooManyTokens,
     encode_text,
     longest_token_bytes,
 )
-from compute_svc.sampling import SamplingParams, check_sampling
+from compute_svc.engine.sampling import SamplingParams, check_sampling
+from compute_svc.errors import InvalidArgument
 from expertcache import telemetry
 
 if TYPE_CHECKING:
-    from compute_svc.model_loader import LoadedModel
+    from compute_svc.engine.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class RequestCheck:
     """Turns a ``GenerationRequest`` into a ``PreparedRequest`` or refuses it (``prepare``).
 
     Owns the service's request limits, brought within the model's maximum positions, and the
-    bound on prompt text before it is tokenised (``compute_svc.prompt_text``)."""
+    bound on prompt text before it is tokenised (``compute_svc.engine.prompt_text``)."""
 
     def __init__(self, loaded: LoadedModel, limits: RequestLimits) -> None:
         self.loaded = loaded

@@ -5,7 +5,7 @@
     ExpertRuntime.forward(layer l) ──routing_observer──▶ RoutingCapture   (one [T, K] per layer)
     GenerationEngine, after each forward: capture.take(segments) ─▶ StepRouting [t, L, K] per request
         ├─▶ ActivationReporter.on_step   (bounded queue put; full → drop and count)
-        └─▶ TraceRecorder.on_step        (compute_svc.trace_recorder)
+        └─▶ TraceRecorder.on_step        (compute_svc.engine.trace_recorder)
     reporter thread: queue ─▶ Activation messages ─▶ one long Observe stream ─▶ predictor
                      (stream broken or predictor absent → back off, reconnect; never blocks a step)
 
@@ -90,7 +90,7 @@ class RoutingCapture:
 
     def take(self, segments: Sequence, with_weights: bool) -> list[StepRouting]:
         """The forward just finished, one ``StepRouting`` [t, L, K] per request of ``segments``
-        (``compute_svc.moe.StepSegment``: whose rows are where, at which positions); [] when some
+        (``compute_svc.experts.moe.StepSegment``: whose rows are where, at which positions); [] when some
         layer did not route."""
         if any(e is None for e in self._experts):
             logger.warning("a forward did not route every MoE layer: its routing is not reported")

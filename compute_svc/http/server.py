@@ -1,9 +1,9 @@
-"""uvicorn serving the HTTP API (``compute_svc.http_api``) on a thread and event loop of its own,
+"""uvicorn serving the HTTP API (``compute_svc.http.api``) on a thread and event loop of its own,
 started and stopped with the compute process (``ComputeServer.start``/``stop``).
 
 The socket is bound when the server is made, so a bad or taken ``http_listen_address`` fails
 start-up with the address in the message, like the gRPC port. Connections are bounded by
-``compute_svc.http_guard`` (header timeout, per-client and total connections derived from the
+``compute_svc.http.guard`` (header timeout, per-client and total connections derived from the
 open-files limit, idle connections yielding to new ones) instead of uvicorn's
 ``limit_concurrency``, which answers 503 to everyone, probes included, once reached. Idle
 keep-alive connections are also closed after ``max_connection_idle_s``, and headers are bounded
@@ -25,7 +25,7 @@ import threading
 
 import uvicorn
 
-from compute_svc.http_guard import ConnectionGuard, ConnectionLimits, GuardedH11Protocol
+from compute_svc.http.guard import ConnectionGuard, ConnectionLimits, GuardedH11Protocol
 from compute_svc.metrics import ComputeMetrics
 from expertcache.errors import InvalidArgument
 from expertcache.logs import RateLimitedLog

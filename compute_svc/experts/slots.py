@@ -1,7 +1,7 @@
 """A decode step's MoE layer on a GPU: the experts read from their arena slots by index.
 
 On a GPU every torch call costs a kernel launch and some microseconds of Python, and the experts
-pass of ``compute_svc.moe_math`` makes a handful per expert. Here a decode-sized layer (a few
+pass of ``compute_svc.experts.stages`` makes a handful per expert. Here a decode-sized layer (a few
 tokens) is one fixed sequence of calls whatever experts it routes to, so that it can be captured
 once in a CUDA graph and replayed::
 
@@ -13,9 +13,9 @@ once in a CUDA graph and replayed::
 which is transformers' own ``batched_mm`` experts forward with the weights read from the slots.
 S = T·K (token, k) pairs, as in ``moe_math``. The weights of the S pairs are copied out of the
 arena (a few MiB per layer, cheap beside a launch on a GPU); plain (unencoded) experts only, since
-MXFP4 and FP8 decode expert by expert (``compute_svc.expert_weights``).
+MXFP4 and FP8 decode expert by expert (``compute_svc.experts.weights``).
 
-The runtime (``compute_svc.moe``) still owns acquire, release, signals and counters: it hands
+The runtime (``compute_svc.experts.moe``) still owns acquire, release, signals and counters: it hands
 each batch of pinned experts to ``SlotLayer.run`` and takes ``result``. On a CPU the same calls
 run without a graph (the tests check them there against ``moe_math``).
 """

@@ -11,10 +11,10 @@ manifest's ``tensors`` (encoded as the checkpoint was: ``expertcache.encodings``
     or     ├─ gate_up_proj_blocks  → view(uint8).view([2I, H/32, 16])       (MXFP4)
            ├─ gate_up_proj_scales  → view(uint8).view([2I, H/32])  ...
     i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` is each stored part;
-    ``compute_svc.expert_weights`` turns the parts into ``experts.<name>[expert]``.
+    ``compute_svc.experts.weights`` turns the parts into ``experts.<name>[expert]``.
 
 CPU serving shares the arena as a sealed memfd that the daemon hands over its handoff socket
-(``compute_svc.daemon_link``), mapped read-only: nothing here could write it; CUDA serving
+(``compute_svc.daemon.link``), mapped read-only: nothing here could write it; CUDA serving
 through CUDA IPC: the native core opens the daemon's 64-byte handle on the GPU named by UUID
 (``expertcache.native.CudaArena.open``; ordinals differ between containers) and torch views it
 through ``__cuda_array_interface__`` (rows ``stride`` bytes apart, cut to ``slot_bytes``).

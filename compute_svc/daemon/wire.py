@@ -2,7 +2,7 @@
 the daemon's status codes as ``expertcache.errors`` exceptions (keeping the daemon's message).
 
 With ``server.py`` the only compute code that knows the daemon's messages; the Demand stream
-(``compute_svc.demand_stream``) and the client (``compute_svc.cache_client``) use it.
+(``compute_svc.daemon.demand_stream``) and the client (``compute_svc.daemon.client``) use it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import grpc
 from moe.cache.v1 import cache_pb2
 
 from compute_svc import errors
-from compute_svc.arena import ArenaHandle, ArenaKind
 from compute_svc.errors import DaemonUnavailable, ExpertCacheError, FailedPrecondition
-from compute_svc.moe import ExpertSource
+from compute_svc.experts.arena import ArenaHandle, ArenaKind
+from compute_svc.experts.moe import ExpertSource
 from expertcache import channel as codes
 from expertcache.manifest import StoreManifest
 
@@ -69,7 +69,7 @@ class Attachment:
     # empty when there is nothing to hand over.
     handoff_socket: str = ""
     handoff_token: bytes = b""
-    # The arena's read-only mapping, once the handoff gave it (a memfd arena; compute_svc.daemon_link).
+    # The arena's read-only mapping, once the handoff gave it (a memfd arena; compute_svc.daemon.link).
     arena_memory: mmap.mmap | None = field(default=None, compare=False, repr=False)
 
 

@@ -28,12 +28,12 @@ layer whose experts are all resident costs a handful of torch calls beyond its G
 Before the route stage, when set: a routing override (``RoutingOverride``, installed from outside
 the service; ``replay.forced_routing`` replaces the router's choice by a trace's); after it,
 one-way signals go to the daemon without a round trip: ``routed`` (this layer's distinct experts)
-and, from the next layer's router on this layer's input, ``layer_ahead`` (``compute_svc.layer_ahead``). At prefill both name the
+and, from the next layer's router on this layer's input, ``layer_ahead`` (``compute_svc.experts.layer_ahead``). At prefill both name the
 union over the prompt's tokens, at the position of its last token.
 
-The route, compute and combine stages are ``compute_svc.moe_math``; this module acquires, runs
+The route, compute and combine stages are ``compute_svc.experts.stages``; this module acquires, runs
 them and releases. On a CPU arena, a decode-sized layer's compute stage is the native fused kernel
-instead (``compute_svc.fused_experts``: the experts read in place in their stored encoding).
+instead (``compute_svc.experts.fused``: the experts read in place in their stored encoding).
 """
 
 from __future__ import annotations
@@ -49,20 +49,20 @@ import numpy as np
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from compute_svc.arena import Arena
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
-from compute_svc.expert_weights import ExpertDecoder
-from compute_svc.fused_experts import FusedExperts, FusedLayer, RoutedLayer, decode_sized
-from compute_svc.moe_math import Combiner, ExpertsPass, Routing, route, waves
-from compute_svc.slot_experts import MAX_TOKENS as SLOT_MAX_TOKENS
-from compute_svc.slot_experts import SlotExperts, SlotLayer
+from compute_svc.experts.arena import Arena
+from compute_svc.experts.fused import FusedExperts, FusedLayer, RoutedLayer, decode_sized
+from compute_svc.experts.slots import MAX_TOKENS as SLOT_MAX_TOKENS
+from compute_svc.experts.slots import SlotExperts, SlotLayer
+from compute_svc.experts.stages import Combiner, ExpertsPass, Routing, route, waves
+from compute_svc.experts.weights import ExpertDecoder
 from expertcache import telemetry
 from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
 
 if TYPE_CHECKING:
-    from compute_svc.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
+    from compute_svc.experts.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +225,9 @@ class ExpertRuntime:
         self.event_waits = 0
         # Optional ``(layer, top_k_index [T, K] int64, top_k_weights [T, K])`` callback, called
         # once per MoE layer per forward: how generation captures each token's routing for the
-        # predictor and the trace recorder (compute_svc.activations.RoutingCapture).
+        # predictor and the trace recorder (compute_svc.engine.activations.RoutingCapture).
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # Layer-ahead prediction (compute_svc.layer_ahead) and a routing override installed from
+        # Layer-ahead prediction (compute_svc.experts.layer_ahead) and a routing override installed from
         # outside the service (``RoutingOverride``); both off unless set.
         self.layer_ahead: LayerAheadPredictor | None = None
         self.routing_override: RoutingOverride | None = None
@@ -247,7 +247,7 @@ class ExpertRuntime:
         self.fused_enabled = fused
         self._fused = self._make_fused(arena)
         # Decode-sized layers on a GPU arena: the experts read by slot index in one fixed sequence
-        # of kernels, replayed as a CUDA graph (compute_svc.slot_experts). ``slotted``: None = on a
+        # of kernels, replayed as a CUDA graph (compute_svc.experts.slots). ``slotted``: None = on a
         # GPU only; True also on a CPU, without graphs (tests).
         self.slotted_enabled = slotted
         self.slotted = self._make_slotted(arena)
@@ -628,7 +628,7 @@ def expertcache_experts_forward(
     if runtime is None:
         raise FailedPrecondition(
             f"{type(self).__name__} uses experts_implementation={IMPLEMENTATION!r} but was never attached "
-            "to an ExpertRuntime (compute_svc.moe.attach)"
+            "to an ExpertRuntime (compute_svc.experts.moe.attach)"
         )
     return runtime.forward(self, getattr(self, LAYER_ATTR), hidden_states, top_k_index, top_k_weights)
 

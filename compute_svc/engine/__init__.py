@@ -1,0 +1,1 @@
+"""Generation: requests, continuous batching, the forward and its decode steps, sampling."""
