@@ -3,7 +3,7 @@
 Loaded once in ``__main__`` by ``expertcache.config_loader.load_config`` (CLI > env
 ``EXPERTCACHE_PREDICTOR_<FIELD>`` > ``--config-file`` YAML > default) and passed down explicitly.
 
-Decisions recorded here (the fields' docstrings repeat them):
+Decisions recorded here:
 
 - ``redis_url`` empty → the embedded store, loaded from and saved to ``embedded_path``.
 - Redis unreachable at start → the predictor starts anyway, *degraded*: it serves Observe and
@@ -83,28 +83,28 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
     listen_address: str = _field(
         "127.0.0.1:50070", "host:port the gRPC server listens on (0.0.0.0:50070 in a pod)."
     )
-    """Address of ``moe.predictor.v1.Predictor`` (TCP; the predictor is its own Deployment)."""
 
     redis_url: str = _field(
         "", "Redis URL of the shared EAMC (redis://host:port/db); empty = embedded store."
     )
-    """The EAMC store. Empty: the embedded in-process store saved to ``embedded_path``."""
 
     redis_username: str = _field("", "Redis ACL user name; empty = the default user.")
-    """User of Redis 6 ACLs (with ``redis_password_file``); a name in ``redis_url`` also works."""
 
-    redis_password_file: str = _field("", "File holding the Redis password (a mounted Secret); empty = none.")
-    """Read at start; the password is never logged. Prefer it to a password inside ``redis_url``,
-    which would show in the process's arguments and environment."""
+    redis_password_file: str = _field(
+        "",
+        "File holding the Redis password (a mounted Secret; never logged, unlike a password in "
+        "redis_url, which shows in the process's arguments); empty = none.",
+    )
 
-    redis_tls_ca_file: str = _field("", "PEM CA bundle to verify Redis's certificate (rediss:// URLs).")
-    """With a ``rediss://`` URL: Redis's certificate is verified against this CA (the system's
-    roots when empty). Setting it with a plain ``redis://`` URL is refused as a likely mistake."""
+    redis_tls_ca_file: str = _field(
+        "", "PEM CA bundle to verify Redis's certificate (rediss:// URLs only); empty = the system's roots."
+    )
 
     embedded_path: str = _field(
-        DEFAULT_EAMC_PATH, "File the embedded store is loaded from at start and saved to at shutdown."
+        DEFAULT_EAMC_PATH,
+        "File the embedded store (redis_url empty) is loaded from at start and saved to, atomically, "
+        "at shutdown.",
     )
-    """Only used when ``redis_url`` is empty. Written atomically (tmp + rename) on SIGTERM."""
 
     eamc_capacity: int = _field(
         512,
@@ -113,30 +113,24 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         min=1,
         max=1_000_000,
     )
-    """Bound of each model's collection (the paper found a few hundred enough)."""
 
     hint_top_n: int = _field(
         8, "Hinted experts per layer and token (highest scores first).", live=True, min=1, max=4096
     )
-    """At most this many ``(layer, expert)`` hints per layer in a batch."""
 
     min_score: float = _field(0.05, "Hints scoring below this are not sent.", live=True, min=0.0, max=1.0)
-    """Score threshold in [0, 1]: a hint below it is noise to the prefetcher."""
 
     match_top_n: int = _field(
         16, "EAMC entries (most similar first) that a prediction mixes.", live=True, min=1, max=100_000
     )
-    """How many best matches feed the EAMC part of a prediction."""
 
     max_live_requests: int = _field(
         4096,
-        "Live requests tracked; the least recently active is dropped beyond it.",
+        "Live requests tracked; the least recently active is dropped beyond it (its EAM not inserted).",
         live=True,
         min=1,
         max=10_000_000,
     )
-    """Bound on in-memory live EAMs: a flood of request ids never exhausts memory. The dropped
-    request's EAM is not inserted (counted as expired); Observe never fails for this."""
 
     live_request_ttl_s: float = _field(
         600.0,
@@ -145,13 +139,10 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         min=0.1,
         max=86400.0 * 7,
     )
-    """A request whose compute vanished without ``request_done`` is dropped; partial EAMs are not
-    inserted (they would look like short requests and displace complete ones)."""
 
     min_request_tokens: int = _field(
         1, "Finished requests with fewer tokens are not inserted into the EAMC.", live=True, min=1
     )
-    """A request of fewer observed tokens carries too little routing to be a useful entry."""
 
     sync_interval_s: float = _field(
         1.0,
@@ -160,7 +151,6 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         min=0.01,
         max=3600.0,
     )
-    """How stale another replica's inserts may look here; also the insert retry period."""
 
     max_pending_inserts: int = _field(
         1024,
@@ -169,85 +159,84 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         min=1,
         max=1_000_000,
     )
-    """Bound of the retry queue of inserts that failed with the store unavailable."""
 
     subscriber_queue_requests: int = _field(
         256, "Requests with unsent hints per subscriber; the oldest is dropped beyond.", min=1, max=1_000_000
     )
-    """Per subscriber, unsent hints are coalesced per (request, layer); this bounds the number of
-    requests pending, so a stalled subscriber never grows an unbounded backlog."""
 
     subscriber_queue_bytes: int = _field(
-        8 * MIB, "Bytes of unsent hints per subscriber; the oldest request's are dropped beyond.", min=1
+        8 * MIB,
+        "Bytes of unsent hints per subscriber (about 96 per hint, 128 per request and layer); the "
+        "oldest request's are dropped beyond.",
+        min=1,
     )
-    """With ``max_subscribers`` this bounds the memory of every hint queue together (an estimate:
-    96 bytes per hint, 128 per (request, layer))."""
 
     model_shapes: tuple[str, ...] = _field(
-        (), "Comma-separated MODEL_ID=LAYERSxEXPERTSxTOP_K known before any activation."
+        (),
+        "Comma-separated MODEL_ID=LAYERSxEXPERTSxTOP_K registered at start (counted against "
+        "max_models); other models need RegisterModel.",
     )
-    """Models whose geometry is fixed by configuration (registered at start, counted against
-    ``max_models``); others must be registered with RegisterModel before use."""
 
     allow_registration: bool = _field(
-        True, "Accept RegisterModel for models not in model_shapes (false: only those)."
+        True,
+        "Accept RegisterModel for models not in model_shapes (false: only those and the store's "
+        "catalog; PERMISSION_DENIED for others).",
     )
-    """False: the configured ``model_shapes`` (and models already in the store's model catalog) are
-    the only models; RegisterModel of another gets PERMISSION_DENIED."""
 
-    max_layers: int = _field(256, "Largest num_moe_layers a model may register.", min=1, max=4096)
-    """RegisterModel beyond it: INVALID_ARGUMENT naming the limit."""
+    max_layers: int = _field(
+        256, "Largest num_moe_layers a model may register (INVALID_ARGUMENT beyond).", min=1, max=4096
+    )
 
-    max_experts: int = _field(1024, "Largest num_experts a model may register.", min=1, max=65536)
-    """RegisterModel beyond it: INVALID_ARGUMENT naming the limit."""
+    max_experts: int = _field(
+        1024, "Largest num_experts a model may register (INVALID_ARGUMENT beyond).", min=1, max=65536
+    )
 
-    max_models: int = _field(16, "Most models registered (configured ones included).", min=1, max=4096)
-    """The model catalog (shared by replicas through the store) holds at most this many models;
-    RegisterModel of one more: RESOURCE_EXHAUSTED."""
+    max_models: int = _field(
+        16,
+        "Most models registered, shared by replicas, configured ones included (RESOURCE_EXHAUSTED beyond).",
+        min=1,
+        max=4096,
+    )
 
     max_client_models: int = _field(
-        4, "Models one client may register (new ones; re-registering is free).", min=1
+        4, "Models one client may register (new ones, counted per replica; re-registering is free).", min=1
     )
-    """Per client (as for the live caps): one client cannot fill the model catalog (``max_models``)
-    and lock every other model out. Counted per replica since it started."""
 
     max_eamc_bytes: int = _field(
-        2 * GIB, "Bytes the registered models' EAMCs may reserve (eamc_capacity full entries each).", min=1
+        2 * GIB,
+        "Bytes the registered models' EAMCs may reserve (eamc_capacity entries of 24 + 4 x layers x experts "
+        "bytes each; memory holds about 1.25x that, the store at most 2x).",
+        min=1,
     )
-    """Each registered model reserves ``eamc_capacity`` entries of 24 + 4·layers·experts bytes;
-    RegisterModel beyond the sum: RESOURCE_EXHAUSTED naming the limit and the value. In memory
-    the index holds about 1.25x that (float32 and int8 rows); in the store the entries plus a
-    change log of at most ``eamc_capacity`` blobs per model, so at most 2x."""
 
     max_live_bytes: int = _field(
         1 * GIB, "Bytes of live request state in all; the least recently active is dropped beyond.", min=1
     )
-    """Total bound on live request state (the LRU request dropped beyond, as max_live_requests)."""
 
     max_client_live_requests: int = _field(
-        1024, "Live requests one client may hold; one more is refused (its reporting ends).", min=1
+        1024,
+        "Live requests one client (address without port, or mTLS common name) may hold; one more is "
+        "refused (its reporting ends).",
+        min=1,
     )
-    """Per client (peer address without port, or mTLS common name): RESOURCE_EXHAUSTED beyond."""
 
     max_client_live_bytes: int = _field(
         256 * MIB, "Bytes of live request state one client may hold; a request beyond is refused.", min=1
     )
-    """Per client: RESOURCE_EXHAUSTED beyond, naming the limit."""
 
     max_pending_insert_bytes: int = _field(
-        256 * MIB, "Bytes of finished EAMs kept for retry while the store is down.", min=1
+        256 * MIB,
+        "Bytes of finished EAMs kept for retry while the store is down; oldest dropped beyond.",
+        min=1,
     )
-    """The insert retry queue in bytes; the oldest is dropped beyond (counted)."""
 
     max_subscribers: int = _field(
         128, "Open SubscribeHints streams; one more gets RESOURCE_EXHAUSTED.", min=1
     )
-    """Each subscriber holds a bounded queue (subscriber_queue_requests); this bounds how many."""
 
     grpc_max_workers: int = _field(
         32, "gRPC worker threads (each open Observe/SubscribeHints stream holds one).", min=2, max=4096
     )
-    """Thread pool of the server: open streams hold a thread each."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_shapes", tuple(s.strip() for s in self.model_shapes if s.strip()))

@@ -43,47 +43,40 @@ class ForcedRoutingConfig:
 
     force_routing_path: str = field(
         default="",
-        metadata={"help": "BENCHMARK ONLY: take expert choices from this routing trace (.npz)"},
+        metadata={
+            "help": "BENCHMARK ONLY: take expert choices from this routing trace (.npz); outputs are then "
+            "not the model's, and the trace's layers, experts and top-k must be the model's"
+        },
     )
-    """The model's router still runs, but the experts and weights used come from this trace
-    (shared trace format), so a random-weight checkpoint accesses experts like the real model
-    did. Outputs are then not the model's; the trace's layers, experts and top-k must equal the
-    model's or start-up fails."""
 
     force_routing_request: int = field(
         default=0,
         metadata={
-            "help": "trace request the first Generate replays (each next Generate takes the next)",
+            "help": "trace request the first Generate replays (each next Generate takes the next, "
+            "wrapping after the last)",
             "min": 0,
         },
     )
-    """Index of the trace request used by the first Generate under forced routing; every new
-    Generate takes the following one, wrapping after the last."""
 
     force_routing_layer_ahead_accuracy: float = field(
         default=0.9,
         metadata={
-            "help": "under forced routing: modelled layer-ahead accuracy (share of the trace's next-layer experts kept)",
+            "help": "under forced routing: modelled layer-ahead accuracy at depth 1 (share of the trace's "
+            "next-layer experts kept, the rest replaced by the router's best other pick)",
             "min": 0.0,
             "max": 1.0,
         },
     )
-    """A random-weight router predicts nothing of the trace, so under forced routing the
-    lookahead is modelled: each of the trace's experts of the next layer (depth 1) is named with
-    this probability, otherwise replaced by the router's best other pick
-    (``replay.forced_routing``); deeper predictions lose ``force_routing_accuracy_drop_per_depth``
-    per depth. 0.9 at depth 1 is the trace replay's default model."""
 
     force_routing_accuracy_drop_per_depth: float = field(
         default=0.1,
         metadata={
-            "help": "under forced routing: modelled lookahead accuracy lost per MoE layer of depth",
+            "help": "under forced routing: modelled lookahead accuracy lost per MoE layer of depth "
+            "beyond the first",
             "min": 0.0,
             "max": 1.0,
         },
     )
-    """Under forced routing a prediction made ``d`` MoE layers ahead is modelled at accuracy
-    ``force_routing_layer_ahead_accuracy - (d - 1) * this``, as the trace replay models it."""
 
 
 def forced_routing(config: ForcedRoutingConfig, loaded: LoadedModel) -> ForcedRouting:
