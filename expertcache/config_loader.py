@@ -7,7 +7,7 @@ pydantic model per service: it is the single validator of every value, wherever 
 (command line, environment, file, a live reload, the daemon's UpdateConfig RPC), and the source
 of ``--print-config-schema`` (JSON Schema whose properties carry ``x-live``, ``x-env`` and
 ``x-flag``, and ``x-upper`` where any case is accepted; the chart's ``values.schema.json`` is
-generated from it by ``tools/gen_values_schema.py``). ``load_config`` raises ``InvalidArgument``
+generated from it by ``devtools/gen_values_schema.py``). ``load_config`` raises ``InvalidArgument``
 naming the field, its source and the allowed range; NaN and infinity are refused for every float.
 
 pydantic-settings was considered: its sources would replace this module's merge, but it neither

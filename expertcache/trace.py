@@ -2,8 +2,8 @@
 
 A trace records which experts every token of a set of requests was routed to, layer by layer.
 Compute's recorder writes it (``compute_svc.engine.trace_recorder``), forced routing reads it
-(``replay.forced_routing``), the predictor's replay tool sends it to a predictor
-(``predictor_svc.replay``), and the benchmarks replay it (``bench.replay``, ``bench.predict_bench``).
+(``replay.forced_routing``), ``expertcache feed-trace`` sends it to a predictor
+(``expertcache.feed_trace``), and the benchmarks replay it (``bench.replay``, ``bench.predict_bench``).
 
 Format (``np.load(path, allow_pickle=False)``; every key a plain array, no pickles):
 

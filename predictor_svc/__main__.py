@@ -1,15 +1,8 @@
 """``python -m predictor_svc``: serve ``moe.predictor.v1.Predictor`` on a TCP address.
 
 Exit codes: 0 after SIGTERM/SIGINT, 2 when the configuration is invalid (the message names the
-field) or the address cannot be bound, 1 on an unexpected error.
-
-An unreachable Redis at start is *not* fatal: the predictor starts degraded (logged, counted
-in GetStats ``store_errors``/``store_degraded``), predicts from memory, and catches up when Redis
-answers — a Kubernetes Deployment should come up and report rather than crash-loop on its
-dependency. SIGHUP, a change of ``--config-file`` (its directory is watched) or of the ConfigMap
-``config_map_name`` (Kubernetes API) applies the live fields (``expertcache.live_config``); an
-invalid change is refused whole and logged, and the running config stays. With the embedded store (no ``redis_url``) the collection is loaded from
-``embedded_path`` at start and saved there (atomically) on SIGTERM/SIGINT.
+field) or the address cannot be bound, 1 on an unexpected error. An unreachable Redis at start is
+not fatal (the predictor starts degraded); start, reload and stop: docs/predictor.md.
 """
 
 from __future__ import annotations
@@ -75,7 +68,7 @@ def serve(config: PredictorConfig, args: argparse.Namespace) -> int:
         return EXIT_START_FAILED
     service = PredictorService(config, store)
     try:
-        registry = metrics_registry(service)
+        registry = metrics_registry(service.metrics, service.gauge_stats)
         metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
         logger.error("cannot start: %s", exc)

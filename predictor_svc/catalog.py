@@ -1,19 +1,9 @@
 """The model catalog: which models this predictor serves, each with its shape and EAMC.
 
-Called the *catalog* (not a registry: ``expertcache.prom.Registry`` is the metrics one). A
-model enters it three ways, each checked against the config's bounds (``max_layers``,
-``max_experts``, ``max_models``, ``max_eamc_bytes``) before anything is allocated:
-
-- configured (``model_shapes``): added at start and written to the store's catalog;
-- registered (RegisterModel, ``register``): written to the store's catalog first, atomically
-  (``EamcStore.register_model``), so two replicas never hold one model with two shapes;
-- registered on another replica: taken from the store's catalog by ``sync`` (every sync tick),
-  unless ``allow_registration`` is false here.
-
-``sync`` also writes back the models held here that the store lacks (a Redis restarted empty).
-Shapes are never taken from an activation. The catalog owns the models; the background thread
-(``inserts``) loads and syncs their EAMCs (its next step does, which ``PredictorService`` brings
-forward after a RegisterModel).
+A model enters it configured (``model_shapes``), registered (RegisterModel: in the store's catalog
+first, atomically) or registered on another replica (``sync``), always within the config's
+bounds and never from an activation; the background thread (``inserts``) loads its EAMC. Why:
+docs/predictor.md.
 """
 
 from __future__ import annotations

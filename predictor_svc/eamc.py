@@ -1,49 +1,16 @@
-"""The EAM collection (EAMC): an in-memory similarity index kept in sync with a store.
+"""The EAM collection (EAMC): an in-memory similarity index of one model's finished EAMs
+(``EamcIndex``), kept in sync with a store (``Eamc``).
 
-    store (Redis / embedded)  --load/changes-->  Eamc  --upsert/remove-->  EamcIndex
-          ^                                        |                        rows [N, L*E] f32
-          +------------- insert (atomic) ----------+                        (pre-normalised)
-
-Normalisation (why): every row is the entry's EAM with each layer block L2-normalised
-separately. Each layer then weighs the same in the similarity whatever its token count, and the
-norm of a row restricted to its first ``l`` layers is sqrt(number of non-empty blocks among
-them), kept as a per-row prefix count, so a query over the layers seen so far needs no
-re-normalisation: one matrix product over a column slice, divided by known norms. The result is
-exactly the cosine of the block-normalised vectors over the first ``l`` layers, which (when
-every block is non-empty, as for any request with a token) is the mean over those layers of the
-per-layer cosine of the counts.
-
-Prediction: the scores of an entry are its per-layer expert frequencies (count / tokens, in
-[0, 1]: the share of its tokens that used the expert), recovered from the normalised row and a
-per-(row, layer) scale. A query's prediction is the similarity-weighted mean of the frequencies
-of its ``top_n`` most similar entries, so it stays in [0, 1].
-
-Matching cost (why two stages): the exact scan reads every row in float32 (30 MB at 10 K entries
-of 24 × 32: about 1.6 ms on the development machine, memory-bound). ``predict`` first scans a
-4-bit copy of the rows (each row quantised to 0..15 with its own scale when it is upserted, two
-values to a byte: 3.8 MB at 10 K entries; one integer pass over the layers seen so far), takes the
-``candidates(top_n)`` best by that approximate cosine (a partial top-k, no sort), and rescores
-only those exactly in float32 before choosing the ``top_n``. The chosen entries and their
-weights are the exact ones unless the 4-bit rounding ranks a true top-``n`` entry below the
-candidates (``bench.predict_bench`` counts how often: it prints the agreement with the exact
-scan; see CANDIDATE_FACTOR). The 4-bit layout is ``expertcache/_native``'s (csrc/include/expertcache/eamc_match.h):
-``pack_q4`` writes it, ``unpack_q4`` reads it back.
-
-Scans (``EamcIndex.scan``, from ``SCANS``): ``native`` (the default where the native core has it)
-is ``expertcache._native.eamc_match`` (csrc/src/eamc_match.cc): the whole match of a query in
-one call without Python, its first stage with AVX2 where the CPU has it; its formulas are the
-ones below. ``numpy`` is the same match in numpy and torch (``torch._int_mm`` over the unpacked
-rows, ``torch.topk``), what runs when the native core lacks it, and the reference the tests hold
-the native match to. The two agree on the chosen entries except where scores tie (the native
-match keeps the lower row) and on cosines and predictions to float32 rounding (sums run in
-another order). ``exact`` skips the first stage and scans every row in float32: the reference the
-benchmark compares the others with.
+Rows are L2-normalised per layer block, so that a query over the layers seen so far is one matrix
+product; a match scans a 4-bit copy of the rows first and rescores its candidates exactly (in the
+native core where it has ``eamc_match``). Why and how: docs/predictor.md.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,10 +20,8 @@ from predictor_svc.errors import Conflict, CorruptEntry, StoreUnavailable
 from predictor_svc.store.base import EamcStore
 
 try:  # the native core's match; an install without it (or an older build) uses numpy
-    from expertcache import _native
-
-    _NATIVE_MATCH = getattr(_native, "eamc_match", None)
-except ImportError:  # pragma: no cover - an install without its build
+    from expertcache._native import eamc_match as _NATIVE_MATCH
+except ImportError:  # pragma: no cover - an install without its build, or a build without the match
     _NATIVE_MATCH = None
 
 logger = logging.getLogger(__name__)
@@ -74,12 +39,12 @@ LOAD_BATCH_BYTES = 8 << 20
 CANDIDATE_FACTOR = 3
 MIN_CANDIDATES = 32
 QUERY_CHUNK = 32  # queries of a batch rescored together (bounds the gathered rows' memory)
-# The first-stage scans an index can use (module docstring), and the default one.
+# The first-stage scans an index can use (docs/predictor.md), and the default one.
 SCANS = ("native", "numpy", "exact")
 DEFAULT_SCAN = "native" if _NATIVE_MATCH is not None else "numpy"
 
 
-Q4_GROUP = 64  # values per 32-byte group of the 4-bit layout (module docstring)
+Q4_GROUP = 64  # values per 32-byte group of the 4-bit layout (pack_q4)
 
 
 def q4_row_bytes(width: int) -> int:
@@ -310,7 +275,7 @@ class EamcIndex:
         the ``top_n`` best matches over the first ``layers_seen`` layers (weights sim**sharpness,
         negative sims clipped; equal weights when none is positive). With no layer seen, the
         collection's mean frequency. Query [L, E] -> float32 [L, E]; a batch [T, L, E] ->
-        [T, L, E]. Zeros if the collection is empty. Matching in two stages (module docstring)."""
+        [T, L, E]. Zeros if the collection is empty. Matching in two stages (docs/predictor.md)."""
         q = np.asarray(partial_eam)
         single = q.ndim == 2
         q = q[None] if single else q
@@ -461,12 +426,24 @@ class EamcIndex:
         self._rank = rank
 
 
+@dataclass
+class SyncCounters:
+    """What one ``Eamc`` counted of its traffic with the store."""
+
+    full_reloads: int = 0
+    incremental_syncs: int = 0
+    changes_applied: int = 0
+    conflicts: int = 0  # inserts the store refused (the collection had changed): re-synced, retried
+    corrupt_entries: int = 0  # entries skipped because their blob did not decode
+    store_errors: int = 0
+    refills: int = 0  # times this replica put its entries back into a store that lost them
+
+
 class Eamc:
     """One model's EAM collection: an ``EamcIndex`` kept in sync with an ``EamcStore``.
 
     Thread-safe. Store errors propagate as StoreUnavailable (callers count and log them); the
-    index keeps answering from what it has. Counters (``full_reloads``, ``incremental_syncs``,
-    ``changes_applied``, ``conflicts``, ``corrupt_entries``, ``store_errors``) are for metrics.
+    index keeps answering from what it has. ``counters`` says what the syncing did.
     """
 
     def __init__(
@@ -490,13 +467,7 @@ class Eamc:
         self._cursor: str | None = None  # guarded by _io_lock
         self._io_lock = threading.Lock()  # serialises store I/O (sync / insert) and the cursor
         self._lock = threading.Lock()  # guards the index; never held across store I/O
-        self.full_reloads = 0
-        self.incremental_syncs = 0
-        self.changes_applied = 0
-        self.conflicts = 0
-        self.corrupt_entries = 0
-        self.store_errors = 0
-        self.refills = 0  # times this replica put its entries back into a store that lost them
+        self.counters = SyncCounters()
 
     @property
     def entries(self) -> int:
@@ -528,8 +499,8 @@ class Eamc:
                                 self._upsert_blob(self.index, change.entry_id, change.blob)
                             else:
                                 self.index.remove(change.entry_id)
-                        self.incremental_syncs += 1
-                        self.changes_applied += len(changes)
+                        self.counters.incremental_syncs += 1
+                        self.counters.changes_applied += len(changes)
                     self._cursor = cursor
                     applied += len(changes)
                     if len(changes) < limit:
@@ -537,7 +508,7 @@ class Eamc:
                 logger.info("EAMC %s: cursor %s too old, reloading", self.model_id, self._cursor)
             return self._reload()
         except StoreUnavailable:
-            self.store_errors += 1
+            self.counters.store_errors += 1
             raise
 
     def _batch_entries(self) -> int:
@@ -567,7 +538,7 @@ class Eamc:
                 try:
                     eam, n_tokens = decode_eam(blob or b"", self.shape)
                 except CorruptEntry as exc:
-                    self.corrupt_entries += 1
+                    self.counters.corrupt_entries += 1
                     logger.warning("EAMC %s: skipping entry %s: %s", self.model_id, entry_id, exc)
                     continue
                 batch_ids.append(entry_id)
@@ -579,7 +550,7 @@ class Eamc:
                     self.index.upsert_many(batch_ids, np.stack(eams), np.asarray(tokens))
             loaded += len(batch_ids)
         with self._lock:
-            self.full_reloads += 1
+            self.counters.full_reloads += 1
         self._cursor = cursor
         return loaded
 
@@ -621,7 +592,7 @@ class Eamc:
             for entry_id in self.index.ids()[written:]:
                 self.index.remove(entry_id)
         self._cursor = cursor
-        self.refills += 1
+        self.counters.refills += 1
         return written
 
     def insert(self, eam: np.ndarray, tokens: int) -> str:
@@ -641,11 +612,11 @@ class Eamc:
                 try:
                     entry_id = self.store.insert(self.model_id, blob, self.capacity, victim)
                 except Conflict:
-                    self.conflicts += 1
+                    self.counters.conflicts += 1
                     self._sync_locked()
                     continue
                 except StoreUnavailable:
-                    self.store_errors += 1
+                    self.counters.store_errors += 1
                     raise
                 # Pull our own change (and any others) through the log, keeping the cursor true.
                 try:
@@ -685,7 +656,7 @@ class Eamc:
         try:
             eam, tokens = decode_eam(blob or b"", self.shape)
         except CorruptEntry as exc:
-            self.corrupt_entries += 1
+            self.counters.corrupt_entries += 1
             logger.warning("EAMC %s: skipping entry %s: %s", self.model_id, entry_id, exc)
             index.remove(entry_id)
             return

@@ -1,17 +1,8 @@
 """The predictor's side of the store: finished EAMs queued for insertion, the background thread
 that inserts and syncs them, and whether the store answers.
 
-Owns the insert retry queue (bounded by ``max_pending_inserts`` / ``max_pending_insert_bytes``;
-the oldest EAM dropped beyond, counted), the one-at-a-time access to the store
-(``_store_lock``), the store's health (``degraded``: a failure is logged once per outage, each
-one counted in ``store_errors``), the ``loaded`` event (every model's EAMC loaded once) and the
-``predictor-sync`` thread. ``observe`` never waits here: ``add`` only queues and wakes the
-thread, so a store outage never slows or fails Observe.
-
-Each step of the thread: insert what is queued (in order; a failure leaves it queued), and every
-``sync_interval_s`` (or after a failure) sync the model catalog and each model's EAMC with the
-store, then expire quiet live requests (the ``on_sync`` the service gives). With the store down
-it waits a full interval between tries rather than spinning on wake-ups.
+``observe`` only queues here and wakes the thread, so a store outage never slows or fails Observe
+(docs/predictor.md).
 """
 
 from __future__ import annotations

@@ -1,50 +1,18 @@
-"""The predictor's counters: ``prometheus_client`` counters (``expertcache.prom``).
+"""The predictor's counters (``prometheus_client``, ``expertcache.prom``) and its ``/metrics``.
 
-============================================  =====  ==========================================
-name                                          label  meaning
-============================================  =====  ==========================================
-``moe_predictor_observed_tokens_total``              Activation messages accepted
-``moe_predictor_requests_done_total``                requests finished with request_done
-``moe_predictor_requests_expired_total``             live requests dropped (TTL or
-                                                     max_live_requests); EAM not inserted
-``moe_predictor_entries_inserted_total``             EAMs written to the store by this replica
-``moe_predictor_inserts_dropped_total``              finished EAMs not inserted (too short, or
-                                                     the retry queue overflowed)
-``moe_predictor_store_errors_total``          op     store operations that failed
-                                                     (op = insert | sync | save)
-``moe_predictor_queries_total``                      predictions computed
-``moe_predictor_match_seconds_total``                seconds spent computing predictions
-``moe_predictor_hint_batches_total``                 hint batches handed to subscribers
-``moe_predictor_hints_replaced_total``               unsent (request, layer) hints replaced by
-                                                     newer ones (coalescing)
-``moe_predictor_hints_dropped_total``                unsent (request, layer) hints dropped
-                                                     because a subscriber's queue was full
-``moe_predictor_refused_total``               reason registrations, activations and
-                                                     subscriptions refused (reason: see
-                                                     ``REFUSAL_REASONS``)
-============================================  =====  ==========================================
-
-Mean match time = ``match_seconds_total / queries_total`` (what GetStats reports).
-
-Code counts on these objects and ``GetStats`` reads them. ``/metrics`` (``registry``) shows these
-very counters, gauges read from the stats at scrape time (``moe_predictor_eamc_entries{model}``, ``moe_predictor_live_requests``,
-``moe_predictor_inserts_pending``, ``moe_predictor_subscribers``, ``moe_predictor_store_degraded``)
-and the histograms ``moe_predictor_match_duration_seconds`` (one prediction) and
-``moe_predictor_store_round_trip_seconds{op}`` (one Redis call: insert, load, changes, register,
-models, count; the embedded store has no round trip).
+Code counts on ``PredictorMetrics`` and GetStats reads it; ``registry`` adds the gauges of a
+``GaugeStats`` snapshot, taken per scrape through a function so that this module imports no
+service. The metrics, one by one: docs/predictor.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
 from expertcache.prom import Registry, ScrapeCollector, gauge, value, values
-
-if TYPE_CHECKING:
-    from predictor_svc.service import PredictorService
 
 REFUSAL_REASONS = (
     "unregistered_model",  # Observe / SubscribeHints of a model nobody registered
@@ -118,15 +86,21 @@ class PredictorMetrics:
         return value(self.match_seconds) / queries if queries else 0.0
 
 
-def _scrape(service: PredictorService) -> Iterator[Metric]:
-    """The gauges, from one ``stats()``."""
-    stats = service.stats()
-    yield gauge(
-        "moe_predictor_eamc_entries",
-        "EAMC entries per model.",
-        {m.model_id: m.eamc_entries for m in stats.models},
-        "model",
-    )
+@dataclass(frozen=True)
+class GaugeStats:
+    """What the gauges show, read at each scrape: a plain snapshot, so that this module needs no
+    service (the service's ``gauge_stats`` makes one from its ``stats()``)."""
+
+    eamc_entries: Mapping[str, int]  # model id -> EAMC entries
+    live_requests: int
+    inserts_pending: int
+    subscribers: int
+    store_degraded: bool
+
+
+def _scrape(stats: GaugeStats) -> Iterator[Metric]:
+    """The gauges, from one snapshot."""
+    yield gauge("moe_predictor_eamc_entries", "EAMC entries per model.", dict(stats.eamc_entries), "model")
     yield gauge("moe_predictor_live_requests", "Requests observed and not finished.", stats.live_requests)
     yield gauge(
         "moe_predictor_inserts_pending", "Finished EAMs waiting to be inserted.", stats.inserts_pending
@@ -135,9 +109,10 @@ def _scrape(service: PredictorService) -> Iterator[Metric]:
     yield gauge("moe_predictor_store_degraded", "1 while the EAMC store fails.", float(stats.store_degraded))
 
 
-def registry(service: PredictorService) -> Registry:
-    """The predictor's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
+def registry(metrics: PredictorMetrics, stats: Callable[[], GaugeStats]) -> Registry:
+    """The predictor's ``/metrics``: its counters (the ones GetStats reads), histograms, and the
+    gauges of one ``stats()`` call per scrape."""
     reg = Registry()
-    reg.add(service.metrics.registry.registry)  # a CollectorRegistry is a collector too
-    reg.add(ScrapeCollector(lambda: _scrape(service)))
+    reg.add(metrics.registry.registry)  # a CollectorRegistry is a collector too
+    reg.add(ScrapeCollector(lambda: _scrape(stats())))
     return reg

@@ -1,19 +1,8 @@
 """Per-request expert prediction from the request's own history and the EAMC.
 
-Sources, each a float32 [L, E] score in [0, 1] per (layer, expert) for the coming layers of the
-current token and for the next token:
-
-- ``history``: the request's recency-weighted routing frequency,
-  h = sum_t d**(T-1-t) x_t / sum_t d**(T-1-t), with x_t the token's one-hot routing and d the
-  decay (real traces re-use an expert on the very next token 45% of the time, so recent tokens
-  weigh most).
-- ``eamc``: the similarity-weighted expert frequencies of the best EAMC matches of the request's
-  EAM so far (``EamcIndex.predict``); before any token the collection's mean.
-- ``combined``: a*history + (1-a)*eamc with a = ``history_weight`` once the request has
-  ``history_min_tokens`` tokens (before that, or with an empty EAMC, the available source alone).
-
-What a prediction may use: every complete earlier token of the request, the layers of the
-current token observed so far (they extend the EAM used for matching), and the EAMC.
+Scores float32 [L, E] in [0, 1] from three sources: ``history`` (the request's recency-weighted
+routing frequency), ``eamc`` (the best EAMC matches' frequencies) and ``combined`` (the two mixed
+by ``history_weight``). The formulas: docs/predictor.md.
 """
 
 from __future__ import annotations

@@ -1,53 +1,8 @@
-"""The predictor's domain: live requests and their hints (no gRPC here), and the wiring of its rooms.
+"""The predictor's domain: live requests and their hints (no gRPC here), and the wiring of its parts.
 
-Rooms: ``service`` (this module: observe, live requests, stats, live config) ·
-``catalog`` (the models served, RegisterModel, the store's catalog) · ``subscriptions`` (hint
-subscribers and their queues, ``top_hints``) · ``inserts`` (the insert queue, the sync thread,
-store health). ``PredictorService`` holds one of each and is the only entry the server uses.
-
-::
-
-    Observe (gRPC threads)                         background thread (every sync_interval_s)
-    ──────────────────────                         ───────────────────────────────────────────
-    activation ─▶ validate ─▶ live request         pending inserts ─▶ Eamc.insert ─▶ store
-                              (EAM += token,       Eamc.sync() per model (other replicas' inserts)
-                               RequestPredictor)   expire quiet requests (live_request_ttl_s)
-                   │ subscribers of (model, pod)?
-                   ▼
-               scores [L, E] ─▶ top hint_top_n per layer ≥ min_score ─▶ Subscription.offer
-                   (request_done: EAM queued for insertion, woken at once)      │ coalesce per
-                                                                                ▼ (request, layer)
-                                                                  SubscribeHints stream: get()
-
-Decisions:
-- ``observe`` never talks to the store: inserting a finished EAM (Redis round trips, the
-  most-similar search) happens on the background thread, woken as soon as a request ends. So a
-  store outage never slows or fails Observe.
-- Store unavailable on insert: the EAM stays in a bounded retry queue and is retried every
-  ``sync_interval_s``; beyond ``max_pending_inserts`` the oldest is dropped (counted). Each
-  failure is counted (``store_errors``) and logged once per outage, not per attempt.
-- A request quiet for ``live_request_ttl_s`` is dropped without inserting its partial EAM.
-- Hints are only computed for a token when some subscriber follows its (model, pod): nobody
-  would read them otherwise.
-- Activations carry all layers of one token; a request's tokens must arrive with increasing
-  ``token_index`` (gaps allowed: a reporter may drop tokens).
-- Shapes are registered (``register_model``; ``model_shapes`` at start), never taken from an
-  activation: an unregistered model fails with ModelNotRegistered before anything is allocated,
-  and an activation is checked against the registered shape (lengths first, then values) before
-  it touches any state. The model catalog (``catalog``) lives in the store (shared by
-  replicas, reloaded every sync) and within the limits of the config (max_layers,
-  max_experts, max_models, max_eamc_bytes).
-- Requests are keyed by (model, caller, pod, request_id, nonce) (``RequestKey``): a client's
-  request_id, reused by a retry or by another client, is another request. A refused message
-  (LimitReached, BadActivation, ModelNotRegistered) ends its request's reporting
-  (``end_refused``: its state dropped, its later messages ignored until its request_done), never
-  the Observe stream, which compute shares between all its requests.
-- Memory bounds: per client (``max_client_live_requests`` / ``max_client_live_bytes``: one
-  more request is refused, LimitReached), in all (``max_live_requests`` /
-  ``max_live_bytes``: the least recently active request is dropped), the insert retry queue
-  (``max_pending_inserts`` / ``max_pending_insert_bytes``: the oldest dropped), subscribers
-  (``max_subscribers``, each queue bounded by ``subscriber_queue_requests``). Every refusal is
-  counted by reason (``moe_predictor_refused_total``, GetStats ``refused``).
+``PredictorService`` holds the model catalog, the hint subscriptions and the insert queue and is the
+only entry the server uses; Observe validates against the registered shape and never waits on the
+store. Its design and decisions: docs/predictor.md.
 """
 
 from __future__ import annotations
@@ -76,7 +31,7 @@ from predictor_svc.errors import (
     RequestEnded,
 )
 from predictor_svc.inserts import InsertQueue
-from predictor_svc.metrics import PredictorMetrics
+from predictor_svc.metrics import GaugeStats, PredictorMetrics
 from predictor_svc.predict import PredictionConfig, RequestPredictor
 from predictor_svc.store.base import EamcStore
 from predictor_svc.subscriptions import HINT_SOURCE, Subscription, Subscriptions, top_hints
@@ -218,7 +173,7 @@ class _LiveRequest:
 
 # -- the service -----------------------------------------------------------------------------
 class PredictorService:
-    """Live EAMs, the EAMC per model, hint subscribers. Thread-safe; see the module docstring."""
+    """Live EAMs, the EAMC per model, hint subscribers. Thread-safe; design in docs/predictor.md."""
 
     def __init__(
         self,
@@ -231,10 +186,9 @@ class PredictorService:
     ) -> None:
         self.config = config
         self.metrics = metrics or PredictorMetrics()
-        if hasattr(store, "round_trip"):  # a store over the network (Redis): time its calls
-            store.round_trip = lambda op, seconds: self.metrics.store_round_trip.labels(op=op).observe(
-                seconds
-            )
+        store.time_round_trips(
+            lambda op, seconds: self.metrics.store_round_trip.labels(op=op).observe(seconds)
+        )
         self._clock = clock
         self._prediction_config = _prediction_config(config)
         self._lock = threading.Lock()  # live requests, per-client usage, ended requests
@@ -584,6 +538,17 @@ class PredictorService:
             eamc_reserved_bytes=reserved,
             pending_insert_bytes=pending_bytes,
             refused=m.refused_by_reason(),
+        )
+
+    def gauge_stats(self) -> GaugeStats:
+        """What the ``/metrics`` gauges show (``metrics.registry``), from one ``stats()``."""
+        stats = self.stats()
+        return GaugeStats(
+            eamc_entries={m.model_id: m.eamc_entries for m in stats.models},
+            live_requests=stats.live_requests,
+            inserts_pending=stats.inserts_pending,
+            subscribers=stats.subscribers,
+            store_degraded=stats.store_degraded,
         )
 
     @property

@@ -1,16 +1,8 @@
 """Hint subscribers: who follows which (model, pod), what each has not read yet, and how a
-prediction becomes hints.
+prediction becomes hints (``top_hints``).
 
-Owns the open ``Subscription`` streams (``Subscriptions``: the ``max_subscribers`` bound, opened
-by ``PredictorService.subscribe``, removed as each closes) and, per stream, its unsent hints
-coalesced per (request, layer) and bounded (``subscriber_queue_requests`` /
-``subscriber_queue_bytes``). ``top_hints`` turns a request's scores into the hints offered.
-Nothing here blocks on a reader: a slow subscriber loses its oldest unsent hints (counted), it
-never slows Observe.
-
-The names say which side of ``SubscribeHints`` they live on: the predictor publishes
-``PredictedExpert`` hints in ``PublishedHints`` batches (converted to the wire ``HintBatch`` by
-``server``); the daemon receives them as its own ``cache_daemon.hints.HintBatch``.
+Each stream's unsent hints are coalesced per (request, layer) and bounded: a slow subscriber loses
+its oldest ones (counted), it never slows Observe (docs/predictor.md).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ never overwrites a registered shape and never registers more than ``max_models``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -36,7 +37,8 @@ class Change:
 
 @runtime_checkable
 class EamcStore(Protocol):
-    """Per-model EAM collections with a change log. See the module docstring for semantics."""
+    """Per-model EAM collections with a change log. See the module docstring for semantics. The
+    stores subclass it, so that they inherit its optional methods' defaults (``time_round_trips``)."""
 
     def load(self, model_id: str) -> tuple[dict[str, bytes], str]:
         """All entries of ``model_id`` and the cursor at which that snapshot was taken."""
@@ -91,3 +93,8 @@ class EamcStore(Protocol):
     def close(self) -> None:
         """Release connections / flush nothing; idempotent."""
         ...
+
+    def time_round_trips(self, observe: Callable[[str, float], None]) -> None:
+        """Have ``observe(operation, seconds)`` called after every round trip to a server (failed
+        ones too), for the metrics. By default nothing: a store in process has no round trip."""
+        return None

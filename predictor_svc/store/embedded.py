@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from predictor_svc.errors import Conflict, CorruptEntry
-from predictor_svc.store.base import Change
+from predictor_svc.store.base import Change, EamcStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _parse_cursor(cursor: str) -> tuple[str, int]:
         return epoch, -1
 
 
-class EmbeddedStore:
+class EmbeddedStore(EamcStore):
     """In-process per-model EAM collections; ``path`` (optional) is where ``close()`` saves."""
 
     def __init__(self, path: Path | None = None, log_len: int = DEFAULT_LOG_LEN) -> None:

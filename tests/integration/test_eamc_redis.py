@@ -48,8 +48,10 @@ def test_two_replicas_share_one_eamc_incrementally(server):
     new_id = a.insert(eams[4] * 2 + 1, 21)
     assert b.sync() == 2  # one del, one put
     assert ids[4] not in b.ids() and new_id in b.ids() and b.entries == 6
-    assert a.full_reloads == 1 and b.full_reloads == 1  # everything after the first load was incremental
-    assert b.incremental_syncs >= 2
+    assert (
+        a.counters.full_reloads == 1 and b.counters.full_reloads == 1
+    )  # everything after the first load was incremental
+    assert b.counters.incremental_syncs >= 2
     client = redis.Redis.from_url(server.url)
     assert client.hlen("expertcache:eamc:gpt:entries") == 6
     assert client.exists("expertcache:eamc:gpt:log")
@@ -107,7 +109,7 @@ def test_capacity_holds_under_concurrent_threads_and_processes(server):
     assert int(client.get("expertcache:eamc:gpt:seq")) == 72 + (72 - capacity)  # puts + dels
     observer.sync()  # the incremental view equals the store
     assert sorted(observer.ids()) == sorted(k.decode() for k in entries)
-    assert observer.full_reloads == 1
+    assert observer.counters.full_reloads == 1
 
 
 def test_redis_restart_loses_no_entry(server):
@@ -120,7 +122,7 @@ def test_redis_restart_loses_no_entry(server):
     assert sorted(fresh.ids()) == sorted(ids)
     a.insert(random_eam(rng), 10)  # the old replica carries on incrementally
     fresh.sync()
-    assert fresh.entries == 8 and fresh.full_reloads == 1 and a.full_reloads == 1
+    assert fresh.entries == 8 and fresh.counters.full_reloads == 1 and a.counters.full_reloads == 1
 
 
 def test_redis_down_raises_store_unavailable_and_index_keeps_answering(server):
@@ -137,14 +139,14 @@ def test_redis_down_raises_store_unavailable_and_index_keeps_answering(server):
     assert info.value.grpc_code == "UNAVAILABLE"
     with pytest.raises(StoreUnavailable, match=r"unavailable \(changes\)"):
         eamc.sync()
-    assert eamc.store_errors == 2
+    assert eamc.counters.store_errors == 2
     np.testing.assert_array_equal(eamc.similarities(query), before)  # still serving
     assert eamc.predict(query).shape == (6, 8)
     server.start()
     other.insert(random_eam(rng), 10)  # written while `eamc` was cut off
     assert eamc.sync() == 1 and eamc.entries == 5
     eamc.insert(random_eam(rng), 10)
-    assert eamc.entries == 6 and eamc.full_reloads == 1
+    assert eamc.entries == 6 and eamc.counters.full_reloads == 1
 
 
 def test_trimmed_change_log_forces_reload(server):
@@ -153,15 +155,15 @@ def test_trimmed_change_log_forces_reload(server):
     b = Eamc(RedisStore(server.url, log_len=3), "gpt", SHAPE, 50)
     b.sync()
     a.insert(random_eam(rng), 10)
-    assert b.sync() == 1 and b.full_reloads == 1
+    assert b.sync() == 1 and b.counters.full_reloads == 1
     for _ in range(5):
         a.insert(random_eam(rng), 10)
     b.sync()
-    assert b.full_reloads == 2 and sorted(b.ids()) == sorted(a.ids())
+    assert b.counters.full_reloads == 2 and sorted(b.ids()) == sorted(a.ids())
     client = redis.Redis.from_url(server.url)
     client.delete("expertcache:eamc:gpt:entries", "expertcache:eamc:gpt:seq", "expertcache:eamc:gpt:epoch")
     b.sync()  # collection wiped: the epoch changed, reload to empty
-    assert b.full_reloads == 3 and b.entries == 0
+    assert b.counters.full_reloads == 3 and b.entries == 0
 
 
 def test_unreachable_url_names_it():
@@ -183,7 +185,7 @@ def test_every_redis_round_trip_is_timed_for_the_metrics(server):
     a = Eamc(store, "gpt", SHAPE, 20)
     a.insert(random_eam(rng), 10)
     a.sync()
-    text = registry(service).render()
+    text = registry(service.metrics, service.gauge_stats).render()
     counts = {
         line.split('op="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -193,5 +195,5 @@ def test_every_redis_round_trip_is_timed_for_the_metrics(server):
     server.stop()
     with pytest.raises(StoreUnavailable):
         store.count("gpt")
-    failed = registry(service).render()
+    failed = registry(service.metrics, service.gauge_stats).render()
     assert 'moe_predictor_store_round_trip_seconds_count{op="count"} 1.0' in failed  # failures are timed too

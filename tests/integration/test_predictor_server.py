@@ -1,25 +1,19 @@
 """The predictor as real processes (``python -m predictor_svc``) on real sockets, with a real
 redis-server: shared EAMC between replicas, restarts, a Redis outage, the embedded store's
-save/load, the replay tool on the real trace, and gRPC error statuses."""
+save/load, and gRPC error statuses."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from moe.predictor.v1 import predictor_pb2
 
 from devtools.launch import Proc, free_port
 from devtools.redis_server import RedisServer
-from expertcache.trace import read_trace
-from predictor_svc.replay import ReplayError, replay
 from tests import predictors
 from tests.predictors import MODEL, SHAPE, K, L, first_hints, request, stats, stub, wait_stats
-from tests.procs import run_module
-
-TRACE = Path("/work/shared/traces/gpt-oss-20b_decode_703req.npz")
 
 
 def start_predictor(work_dir: Path, *extra: str, **kwargs) -> Proc:
@@ -145,57 +139,3 @@ def test_unreachable_redis_at_start_starts_degraded(tmp_path):
         assert s.store_degraded and s.store_kind == "redis"
     finally:
         assert proc.stop() == 0
-
-
-def test_replay_tool_feeds_the_real_trace(tmp_path):
-    proc = start_predictor(tmp_path, "--embedded-path", str(tmp_path / "eamc.bin"))
-    try:
-        done = run_module(
-            "predictor_svc.replay",
-            str(TRACE),
-            "--address",
-            proc.address,
-            "--requests",
-            "5",
-            "--speed",
-            "max",
-            "--no-progress",
-            timeout_s=120,
-        )
-        assert done.returncode == 0, done.stderr
-        trace = read_trace(TRACE)
-        tokens = int(trace.req_offsets[5])
-        assert f"replayed 5 requests, {tokens} tokens" in done.stdout
-        model = "openai/gpt-oss-20b"
-        s = wait_stats(proc, lambda s: s.eamc_entries == 5)
-        assert s.observed_tokens == tokens and s.requests_done == 5 and s.live_requests == 0
-        replayed = [
-            (m.num_moe_layers, m.num_experts, m.top_k, m.eamc_entries)
-            for m in s.models
-            if m.model_id == model
-        ]
-        assert replayed == [(24, 32, 4, 5)]
-    finally:
-        proc.stop()
-
-
-def test_replay_rejects_a_bad_trace_and_a_missing_predictor(tmp_path):
-    bad = tmp_path / "bad.npz"
-    np.savez(bad, expert_ids=np.zeros((3, 2, 2), dtype=np.int8), req_offsets=np.array([0, 2]))
-    done = run_module("predictor_svc.replay", str(bad), "--address", "127.0.0.1:1", timeout_s=60)
-    assert done.returncode == 2
-    assert "lacks ['meta_json']" in done.stderr
-    garbage = tmp_path / "garbage.npz"
-    garbage.write_bytes(b"not a zip")
-    done = run_module("predictor_svc.replay", str(garbage), "--address", "127.0.0.1:1", timeout_s=60)
-    assert done.returncode == 2 and "is not a routing trace" in done.stderr
-    with pytest.raises(ReplayError, match="no predictor answers at 127.0.0.1:"):
-        replay(
-            read_trace(TRACE),
-            f"127.0.0.1:{free_port()}",
-            model_id="m",
-            pod="p",
-            requests=1,
-            show_progress=False,
-            connect_timeout_s=0.5,
-        )

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("cache_daemon", "compute_svc", "predictor_svc", "expertcache")
 # Tools outside any request path, each with why it sleeps.
 ALLOWED = {
-    "predictor_svc/replay.py": "a CLI that paces a trace replay at a requested token rate",
+    "expertcache/feed_trace.py": "a CLI that paces a trace fed to a predictor at a requested token rate",
 }
 # Fixed-slice waits left in place, each with why (see ``polls``).
 ALLOWED_POLLS: dict[str, str] = {}  # path -> why it must poll (none today)

@@ -175,13 +175,13 @@ def test_two_replicas_sync_incrementally():
     a.sync(), b.sync()
     for _ in range(3):
         a.insert(random_eam(rng), 20)
-    assert b.sync() == 3 and b.full_reloads == 1 and b.incremental_syncs == 1
+    assert b.sync() == 3 and b.counters.full_reloads == 1 and b.counters.incremental_syncs == 1
     assert sorted(b.ids()) == sorted(a.ids())
     for _ in range(7):  # passes capacity: b sees the replacements as put+del changes
         b.insert(random_eam(rng), 20)
     a.sync()
     assert sorted(a.ids()) == sorted(b.ids()) and a.entries == 8
-    assert a.full_reloads == 1 and b.full_reloads == 1
+    assert a.counters.full_reloads == 1 and b.counters.full_reloads == 1
 
 
 def test_conflicting_victim_is_retried():
@@ -194,7 +194,7 @@ def test_conflicting_victim_is_retried():
     target = random_eam(rng)
     a.insert(target, 20)  # replaces a victim b still has in its (stale) view
     b.insert(target + 1, 20)  # b picks the same stale victim first -> Conflict -> sync -> retry
-    assert b.conflicts >= 1 and store.count("m") == 3
+    assert b.counters.conflicts >= 1 and store.count("m") == 3
     a.sync()
     assert sorted(a.ids()) == sorted(b.ids())
 
@@ -207,7 +207,7 @@ def test_insert_gives_up_after_attempts():
     eamc = Eamc(AlwaysConflict(), "m", SHAPE, 3, max_insert_attempts=3)
     with pytest.raises(Conflict, match="gave up after 3 conflicting attempts") as info:
         eamc.insert(random_eam(np.random.default_rng(0)), 20)
-    assert info.value.grpc_code == "FAILED_PRECONDITION" and eamc.conflicts == 3
+    assert info.value.grpc_code == "FAILED_PRECONDITION" and eamc.counters.conflicts == 3
 
 
 def test_store_rejects_stale_views():
@@ -229,7 +229,7 @@ def test_trimmed_log_forces_full_reload():
     for _ in range(6):
         a.insert(random_eam(rng), 20)
     b.sync()
-    assert b.full_reloads == 2 and sorted(b.ids()) == sorted(a.ids())
+    assert b.counters.full_reloads == 2 and sorted(b.ids()) == sorted(a.ids())
     assert store.changes("m", "other-epoch:0") is None
 
 
@@ -262,7 +262,7 @@ def test_corrupt_entry_in_store_is_skipped_and_counted():
     store.insert("m", encode_eam(np.ones((4, 6), np.uint32), 1), 5, None)
     eamc = Eamc(store, "m", SHAPE, 5)
     eamc.sync()
-    assert eamc.entries == 1 and eamc.corrupt_entries == 1
+    assert eamc.entries == 1 and eamc.counters.corrupt_entries == 1
 
 
 # -- embedded store file -----------------------------------------------------------------------

@@ -180,9 +180,12 @@ def test_a_config_file_that_is_not_utf8_exits_2_naming_it(tmp_path, cls, prefix,
 
 def test_the_charts_config_schema_is_generated_from_the_services():
     """helm/expertcache/values.schema.json's daemon/predictor/compute ``config`` schemas are what
-    tools/gen_values_schema.py makes of the services' --print-config-schema."""
+    devtools/gen_values_schema.py makes of the services' --print-config-schema."""
     repo = Path(expertcache.__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "tools/gen_values_schema.py", "--check"], capture_output=True, text=True, cwd=repo
+        [sys.executable, "-m", "devtools.gen_values_schema", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=repo,
     )
     assert proc.returncode == 0, proc.stderr + "(regenerate it with `make values-schema`)"

