@@ -52,7 +52,7 @@ def serve(config: DaemonConfig, args: argparse.Namespace) -> int:
         return EXIT_START_FAILED
 
     try:
-        registry = metrics_registry(daemon)
+        registry = metrics_registry(daemon.metrics, daemon.scrape_stats)
         metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
         logger.error("cannot start: %s", exc)

@@ -1,33 +1,33 @@
-"""A memory budget of the daemon: its config field, its bytes, its ceiling and its slots.
+"""A memory budget of the daemon (``Budget``): its config field, its bytes, its ceiling and its slots.
 
-Two budgets size the cache: ``device_budget_bytes`` (the arena) and ``host_budget_bytes`` (the
-host tier below it, 0 = none). Each is live up to a ceiling, ``*_budget_max_bytes``, the memory
-allocated at start (0 there: the starting budget is the ceiling). ``Budget`` is the one place
-that knows this, so the config check (``DaemonConfig.check``), the daemon's start and a live
-update (``CacheDaemon.update_config``) refuse the same faults with the same message:
-
->>> b = Budget.device(DaemonConfig(store_dir="s", device_budget_bytes=3 * 4096))
->>> b.ceiling, b.slots(4096), b.resized(2 * 4096).slots(4096)
-(12288, 3, 2)
-
-(``b.resized(4 * 4096).check_ceiling()`` raises ``InvalidArgument``: "config field
-'device_budget_bytes' = 16384 is above its ceiling device_budget_max_bytes = 12288 ...".)
-
-The chart checks the starting values against the pod's memory limit at install
-(``helm/expertcache/templates/validate.yaml``); that is the chart's own check.
+One place sizes both budgets (device arena, host tier), so the config check, the start and a live
+update refuse the same faults with the same message; ``docs/daemon.md`` explains the ceilings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cache_daemon.errors import BudgetTooSmall
 from expertcache.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from cache_daemon.config import DaemonConfig
+
+class BudgetFields(Protocol):
+    """The config fields the budgets are read from (``cache_daemon.config.DaemonConfig``'s)."""
+
+    @property
+    def device_budget_bytes(self) -> int: ...
+
+    @property
+    def device_budget_max_bytes(self) -> int: ...
+
+    @property
+    def host_budget_bytes(self) -> int: ...
+
+    @property
+    def host_budget_max_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,15 @@ class Budget:
     optional: bool = False
 
     @classmethod
-    def device(cls, config: DaemonConfig) -> Budget:
+    def device(cls, config: BudgetFields) -> Budget:
         return cls._of(config, "device_budget_bytes", "device_budget_max_bytes", optional=False)
 
     @classmethod
-    def host(cls, config: DaemonConfig) -> Budget:
+    def host(cls, config: BudgetFields) -> Budget:
         return cls._of(config, "host_budget_bytes", "host_budget_max_bytes", optional=True)
 
     @classmethod
-    def _of(cls, config: DaemonConfig, name: str, ceiling_name: str, *, optional: bool) -> Budget:
+    def _of(cls, config: BudgetFields, name: str, ceiling_name: str, *, optional: bool) -> Budget:
         value = getattr(config, name)
         return cls(name, value, ceiling_name, getattr(config, ceiling_name) or value, optional)
 
@@ -86,4 +86,4 @@ class Budget:
         return dataclasses.replace(self, name=self.ceiling_name, bytes=self.ceiling).slots(blob_bytes, cap)
 
 
-__all__ = ["Budget"]
+__all__ = ["Budget", "BudgetFields"]

@@ -1,25 +1,7 @@
-"""Handing a compute process its arena, slot table and client region, and to nobody else.
-
-The CPU arena, the slot table and each client's region are memfds (``expertcache.memfd``,
-csrc/include/expertcache/slot_table.h): no path in a shared directory another process could open.
-``Attach`` answers with a one-time token (and, for the fast path, claims a client ledger); the
-client trades the token on the handoff socket (``expertcache.handoff``, SCM_RIGHTS) for its
-descriptors, in this order:
-- the arena, when it is a memfd (sealed: it maps read-only);
-- with a ledger: the table, sealed so that it maps read-only, and the ledger's region, made anew
-  for this claim.
-The grant's payload names them. A token is good once, within ``UNBOUND_CLAIM_EXPIRY_S``, and a
-ledger's token only while that claim is unbound and not taken back.
-
-::
-
-    compute                         daemon
-    Attach(shm_fast_path) ────────▶ claim ledger c (new region, epoch E), token T
-                          ◀──────── (c, E, handoff socket, T)
-    connect, send T ──────────────▶ T → (c, E): still claimed and unbound at E?
-                          ◀──────── {"descriptors": ["arena", "table", "region"],
-                                     "client_index": c, "client_epoch": E} + [arena, table, region]
-    Demand stream (c, E) ─────────▶ bind_client: the ledger is the stream's until it ends
+"""Handing a compute process its arena, slot table and client region, and to nobody else: a
+one-time token from ``Attach`` is traded on the handoff socket (SCM_RIGHTS) for memfds, so no
+path in a shared directory exists that another process could open. ``docs/daemon.md`` shows the
+exchange.
 """
 
 from __future__ import annotations

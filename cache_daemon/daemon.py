@@ -1,20 +1,6 @@
-"""The daemon's domain objects wired together: store, host tier, device arena, residency.
-
-CacheDaemon.start(config)
-  ├─ read_manifest(store_dir)          the store must be complete
-  ├─ StoreReader                        O_DIRECT reads + CRC checks
-  ├─ HostTier                           host_budget_bytes // blob_bytes slots (0 = none)
-  ├─ DeviceArena                        device_budget_bytes // blob_bytes slots (memfd / CUDA)
-  ├─ SlotTable                          memfds: the table (compute maps it read-only) and a region
-  │                                     per client, handed over the handoff socket (client_handoff)
-  ├─ ActivationSignals                  compute's routing / lookahead, predictor hints
-  ├─ Residency                          slot table, pins, policy, demand loads, prefetch worker
-  └─ HintBoard (+ HintSubscriber)       predictor hints, pushed to the residency as they arrive
-
-Live settings (``LIVE_FIELDS``: budgets, policy, prefetch, hint handling) change through
-``update_config`` (the UpdateConfig RPC, or ``reload`` of the config file or ConfigMap):
-validated whole, applied whole or not at all. Budgets move within the ceilings allocated at start
-(``device_budget_max_bytes`` / ``host_budget_max_bytes``).
+"""The daemon's domain objects wired together (``CacheDaemon``): store, host tier, device arena,
+slot table, signals, residency and predictor hints, started from one ``DaemonConfig``, with its
+live settings changed whole or not at all (``update_config``). ``docs/daemon.md`` shows the start.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig, next_visit_model_mismatch
 from cache_daemon.hints import HintBoard, HintStats, HintSubscriber
 from cache_daemon.memory_limit import cgroup_memory_limit, check_host_memory
-from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.metrics import DaemonMetrics, ScrapeStats, TierScrape
 from cache_daemon.residency import PREFETCH_KINDS, ClientLedger, Residency, table_entries
 from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind, DeviceArena, create_arena, resolve_device
@@ -189,8 +175,7 @@ class CacheDaemon:
     store: StoreReader
     host: HostTier
     arena: DeviceArena
-    residency: Residency
-    table: SlotTable
+    residency: Residency  # owns the slot table too (``Residency.table``)
     config: DaemonConfig = dataclasses.field(default_factory=lambda: DaemonConfig(store_dir="(unknown)"))
 
     def __post_init__(self) -> None:
@@ -383,7 +368,6 @@ class CacheDaemon:
             host=host,
             arena=arena,
             residency=residency,
-            table=table,
             config=config,
         )
 
@@ -458,6 +442,25 @@ class CacheDaemon:
                 for cls, kind in PREFETCH_KINDS.items()
             ),
             config=self.config,
+        )
+
+    def scrape_stats(self) -> ScrapeStats:
+        """What ``/metrics`` shows besides the counters (``cache_daemon.metrics.registry``): the
+        tiers as ``stats`` reports them, loads in flight, the store reader's queue."""
+        stats = self.stats()
+        reader = self.store.reader_stats()
+        return ScrapeStats(
+            tiers=tuple(
+                TierScrape(
+                    t.tier.value, t.hits, t.misses, t.bytes_in, t.evictions, t.capacity_slots, t.resident
+                )
+                for t in stats.tiers
+            ),
+            pinned=stats.pinned,
+            inflight_bytes=self.residency.inflight_bytes,
+            reader_queued=reader.get("queued", 0),
+            reader_in_flight=reader.get("in_flight", 0),
+            hint_requests=stats.hints.requests if stats.hints is not None else None,
         )
 
     def close(self, detach_grace_s: float = DETACH_GRACE_S) -> None:

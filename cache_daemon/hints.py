@@ -1,25 +1,7 @@
-"""Prefetch hints from the predictor: a subscriber thread and the board it keeps up to date.
-
-::
-
-    predictor ──SubscribeHints(model_id, pod)──▶ HintSubscriber thread ──apply──▶ HintBoard
-                 (stream broken / predictor absent: back off, reconnect)          │ on_batch(batch)
-                                                                                  ▼
-                                           the residency: the request's hints (MoE layers mapped to
-                                           decoder layers) into its signals, prefetcher woken
-
-Hints name MoE layer indices (``moe_layer``), as the predictor numbers layers; the residency maps
-them to decoder layers through the manifest (``expertcache.layers.LayerMap``), the one place
-that translates.
-
-The board holds, per live request, the latest hints of each layer: a newer batch replaces the
-layers it names and leaves the others. It is bounded (``max_requests``; the least recently
-updated request goes first) and forgets a request that has been quiet for ``stale_after_s`` or
-that the predictor reported done. Nothing here is on the demand path: a missing, slow or
-restarting predictor only leaves the board empty or stale.
-
-Example: batch(r1, {MoE layer 0: [(5, .9)], 1: [(2, .8)]}) then batch(r1, {1: [(7, .6)]})
-→ r1 holds layer 0: [(5, .9)], layer 1: [(7, .6)]; stats: batches 2, hints 3, replaced 1.
+"""Prefetch hints from the predictor: a subscriber thread (``HintSubscriber``) and the board it keeps
+up to date (``HintBoard``: per live request, the latest hints of each MoE layer), which hands each
+batch to the residency. Never on the demand path: a missing predictor only leaves the board
+empty. ``docs/daemon.md`` shows the flow.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The container's memory limit, and whether the daemon's host memory fits in it.
-
-Pinned host memory (the host tier, page-locked when it feeds a GPU) and the tmpfs pages of a CPU
-arena are charged to the daemon's memory cgroup like any other memory, but the kernel cannot
-reclaim or swap them: a budget that does not fit gets the container OOM-killed at some later
-load, not refused. So the daemon checks at start, against the limit of its own cgroup (the
-smallest ``memory.max`` from its cgroup up to the root in cgroup v2, ``memory.limit_in_bytes``
-in v1), and refuses a budget that exceeds it, naming the fields and the limit.
+"""The container's memory limit, and whether the daemon's host memory fits in it: pinned host memory
+and a CPU arena's pages cannot be reclaimed, so a budget above the cgroup's limit is refused at
+start instead of getting the container OOM-killed later (``docs/daemon.md``).
 """
 
 from __future__ import annotations

@@ -1,59 +1,18 @@
-"""The daemon's counters: ``prometheus_client`` counters (``expertcache.prom``).
-
-=========================================  ======  =============================================
-name                                       labels  meaning
-=========================================  ======  =============================================
-``moe_cache_hits_total``                   tier    experts served from ``tier`` (device: resident
-                                                   at Acquire; host: found in host memory on a
-                                                   device miss; store: blobs read from the store)
-``moe_cache_misses_total``                 tier    device: not resident at Acquire; host: not in
-                                                   host memory on a device miss
-``moe_cache_bytes_in_total``               tier    bytes copied into ``tier`` (never the store)
-``moe_cache_evictions_total``              tier    experts evicted to make room in ``tier``
-``moe_cache_demands_total``                        Acquire requests handled
-``moe_cache_checksum_failures_total``              store reads that failed their CRC-32
-``moe_cache_store_read_seconds_total``             seconds spent reading (and checking) store blobs
-``moe_cache_arena_copy_seconds_total``             seconds spent copying experts from host memory into the arena
-``moe_cache_store_read_bytes_total``               bytes read from the store
-``moe_cache_prefetch_started_total``       kind    prefetch loads started (kind: layer_ahead,
-                                                   eamc = history / next token / EAMC hints)
-``moe_cache_prefetch_used_total``          kind    prefetched experts used (acquired, joined by
-                                                   a demand, or pinned by compute) before eviction
-``moe_cache_prefetch_wasted_total``        kind    prefetched experts evicted unused (accuracy =
-                                                   used / (used + wasted))
-``moe_cache_prefetch_cancelled_total``     kind    queued prefetch reads cancelled to give their
-                                                   slot to a demand
-``moe_cache_prefetch_promoted_total``      kind    prefetch loads a demand joined and promoted to
-                                                   demand priority
-``moe_cache_signals_total``                kind    one-way prediction messages from compute
-                                                   (route, layer_ahead, request_begin, request_end)
-=========================================  ======  =============================================
-
-Gauges (resident experts, pinned experts) are not counters: they are read from the tiers when
-stats are taken, never kept twice.
-
-Code counts on these objects (``metrics.hits.labels("device").inc(n)``) and ``GetStats`` reads
-them (``expertcache.prom.value``). ``/metrics`` (``registry``) shows these very counters, with the
-per-tier ones (hits, misses, bytes in, evictions) exactly as ``GetStats`` reports them (device hits
-include the pins compute took through the shared slot table, which no counter sees), and adds
-gauges read at scrape time (``moe_cache_capacity_slots``, ``moe_cache_resident_slots``, ``moe_cache_pinned_slots``,
-``moe_cache_inflight_bytes``, ``moe_cache_reader_queued``, ``moe_cache_reader_in_flight``,
-``moe_cache_hint_requests``) and the histograms ``moe_cache_acquire_wait_seconds`` (one
-Acquire, arrival to AcquireDone) and ``moe_cache_acquire_experts`` (experts per Acquire).
+"""The daemon's counters (``DaemonMetrics``, ``prometheus_client`` counters read by ``GetStats``)
+and its ``/metrics`` (``registry``), whose per-tier counters and gauges come from a stats function
+(``ScrapeStats``) so that this module imports neither the daemon nor its tiers. The table of
+names and meanings is in ``docs/daemon.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from expertcache.prom import Registry, ScrapeCollector, counter, gauge
-
-if TYPE_CHECKING:
-    from cache_daemon.daemon import CacheDaemon
 
 TIERS = ("device", "host", "store")
 
@@ -152,41 +111,64 @@ _TIER_COUNTERS = (
 )
 
 
-def _scrape(daemon: CacheDaemon) -> Iterator[Metric]:
-    """The per-tier counters and the gauges, from one ``stats()``."""
-    stats = daemon.stats()
+@dataclass(frozen=True)
+class TierScrape:
+    """One tier's values on ``/metrics``, as ``GetStats`` reports them."""
+
+    tier: str  # a name of ``TIERS``
+    hits: int
+    misses: int
+    bytes_in: int
+    evictions: int
+    capacity_slots: int
+    resident: int
+
+
+@dataclass(frozen=True)
+class ScrapeStats:
+    """What one ``/metrics`` scrape shows besides the registered counters, taken at once
+    (``CacheDaemon.scrape_stats``)."""
+
+    tiers: tuple[TierScrape, ...]
+    pinned: int  # device slots pinned by compute
+    inflight_bytes: int  # bytes of every expert load in flight
+    reader_queued: int  # store read chunks queued
+    reader_in_flight: int  # store read chunks in flight
+    hint_requests: int | None = None  # requests on the hint board; None: not subscribed
+
+
+def _scrape(stats: ScrapeStats) -> Iterator[Metric]:
+    """The per-tier counters and the gauges, from one ``ScrapeStats``."""
     for name, help_text, attr in _TIER_COUNTERS:
         family = CounterMetricFamily(name, help_text, labels=("tier",))
         for t in stats.tiers:
-            family.add_metric([t.tier.value], getattr(t, attr))
+            family.add_metric([t.tier], getattr(t, attr))
         yield family
     yield gauge("moe_cache_pinned_slots", "Device slots pinned by compute now.", stats.pinned)
-    slotted = [t for t in stats.tiers if t.tier.value != "store"]
+    slotted = [t for t in stats.tiers if t.tier != "store"]
     yield gauge(
         "moe_cache_capacity_slots",
         "Slots of each tier.",
-        {t.tier.value: t.capacity_slots for t in slotted},
+        {t.tier: t.capacity_slots for t in slotted},
         "tier",
     )
     yield gauge(
         "moe_cache_resident_slots",
         "Experts resident in each tier now.",
-        {t.tier.value: t.resident for t in slotted},
+        {t.tier: t.resident for t in slotted},
         "tier",
     )
-    yield gauge(
-        "moe_cache_inflight_bytes", "Bytes of every expert load in flight.", daemon.residency.inflight_bytes
-    )
-    reader = daemon.store.reader_stats()
-    yield gauge("moe_cache_reader_queued", "Store read chunks queued.", reader.get("queued", 0))
-    yield gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", reader.get("in_flight", 0))
-    if stats.hints is not None:
-        yield gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hints.requests)
+    yield gauge("moe_cache_inflight_bytes", "Bytes of every expert load in flight.", stats.inflight_bytes)
+    yield gauge("moe_cache_reader_queued", "Store read chunks queued.", stats.reader_queued)
+    yield gauge("moe_cache_reader_in_flight", "Store read chunks in flight.", stats.reader_in_flight)
+    if stats.hint_requests is not None:
+        yield gauge("moe_cache_hint_requests", "Requests on the hint board.", stats.hint_requests)
 
 
-def registry(daemon: CacheDaemon) -> Registry:
-    """The daemon's ``/metrics``: its counters (the ones GetStats reads), gauges, histograms."""
+def registry(metrics: DaemonMetrics, stats: Callable[[], ScrapeStats]) -> Registry:
+    """The daemon's ``/metrics``: the counters of ``metrics`` (the ones GetStats reads), and the
+    per-tier counters and gauges of a fresh ``stats()`` at each scrape, and the histograms."""
     reg = Registry()
-    reg.add(daemon.metrics.registry.registry)  # a CollectorRegistry is a collector too
-    reg.add(ScrapeCollector(lambda: _scrape(daemon)))
+    reg.add(metrics.registry.registry)  # a CollectorRegistry is a collector too
+    reg.add(ScrapeCollector(lambda: _scrape(stats())))
     return reg

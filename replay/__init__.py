@@ -7,7 +7,8 @@ fits something the daemon later reads — never code a running service needs:
 - the batch-size ceiling of a trace (``batch_ceiling``),
 - the reference eviction policies that need the future (``belady``, ``oracle``), built with the
   daemon's policies by ``policies.make_replay_policy``,
-- the replay-only use estimators (``hazard``: ``HazardTable``, ``HazardEstimator``),
+- the replay-only use estimate (``hazard``: ``HazardTable``, ``HazardEstimator``, an ``Estimator``
+  of ``cache_daemon.decisions.signals``),
 - the offline next-visit trainer (``python -m replay.learn_next_visit``; the daemon only reads
   its output with ``cache_daemon.decisions.next_visit``),
 - forced routing, a benchmark mode of the compute service (``replay.forced_routing``).

@@ -123,7 +123,8 @@ class HazardEstimator:
 
     def _next_visit(self, sig: ActivationSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t, layer = sig.position
-        visit = np.where(sig._rank_of > sig._rank[layer], t, t + 1)  # later in this token, or the next
+        grid = sig.grid
+        visit = np.where(grid.rank_of > grid.rank[layer], t, t + 1)  # later in this token, or the next
         if self._fresh:
             visit = np.full(sig.num_entries, max(t + 1, 0))
         r, f, h = self._cells(slice(None), visit)

@@ -1,21 +1,9 @@
 """Streaming converter: a transformers checkpoint directory → an expert store.
 
-::
-
-    SRC/ (save_pretrained)                                  DST.partial/ ──rename──▶ DST/
-      config.json ──▶ skeleton (meta device) ──▶ experts sites, blob plan, dense key set
-      *.safetensors ─┬─ expert tensors ── recipe per (layer, tensor), one expert at a time
-      (headers only  │     └─▶ pack blob (4 KiB aligned, CRC-32) ─────────▶ experts/layer_0001.bin
-       until read)   └─ dense tensors ── rename, check against skeleton ──▶ dense.safetensors
-      tokenizer*, generation_config.json, config.json ── copy ───────────▶ (same names)
-                                                                          manifest.json (last)
-
-Nothing is written until the whole plan checks out against the skeleton (every expert tensor
-has a source of the right shape, every dense key is known, none is missing). Data is read one
-tensor, or one expert's slice of a stacked tensor, at a time: memory stays at a few experts
-plus one dense tensor. Everything is written into ``DST.partial`` and renamed onto ``DST`` at
-the end, so an interrupted run never leaves a store that looks complete; a stale partial
-directory is removed by the next run.
+The whole plan is checked against the model's skeleton before anything is written; data is read
+one tensor (or one expert's slice) at a time; the store is written into ``DST.partial`` and
+renamed onto ``DST`` at the end, so an interrupted run never leaves a store that looks complete.
+``docs/daemon.md`` draws the flow.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""How checkpoint tensors map to the runtime model's tensors, per architecture.
-
-A checkpoint key is first *renamed* to its runtime name (the architecture's ``renames``), then
-each stacked expert parameter of the runtime model is matched to a *recipe* that reads one
-expert's slice of it from the checkpoint, in one of five forms::
-
-    runtime parameter (experts module at P = model.layers.L.mlp.experts)          stored as
-      P.gate_up_proj[e]  ◀── stacked      P.gate_up_proj [E, ...] slice [e]                   plain
-                         ◀── mxfp4        P.gate_up_proj_blocks/_scales slice [e]            mxfp4
-                         ◀── stacked-fp8  P.gate_up_proj + P.gate_up_proj_scale_inv [e]      fp8
-                         ◀── per-expert   cat(P.e.gate_proj.weight, P.e.up_proj.weight; dim 0) plain
-                         ◀── per-expert-fp8  the same with each part's weight_scale_inv      fp8
-
-Quantized forms keep their checkpoint encoding in the store (``expertcache.encodings``) unless
-the conversion dequantises (``--dequantize``), which decodes them with the same code compute
-uses. Stacked and MXFP4 are the same for every architecture (transformers 5's own layout,
-GPT-OSS); the per-expert form and the renames are the architecture's, in ``SOURCES``. Worked
-example (Mixtral, layer 1, expert 3)::
-
-    model.layers.1.block_sparse_moe.experts.3.w1.weight [I, H]  ─rename─▶ model.layers.1.mlp.experts.3.w1.weight
-    runtime model.layers.1.mlp.experts.gate_up_proj[3] [2I, H] = cat(…3.w1.weight, …3.w3.weight)
-    runtime model.layers.1.mlp.experts.down_proj[3]    [H, I]  = …3.w2.weight
-
-DeepSeek-V3 in FP8: ``gate_up_proj[3]`` = cat(gate_proj.weight, up_proj.weight) in e4m3 [2I, H]
-with cat(gate_proj.weight_scale_inv, up_proj.weight_scale_inv) [2I/128, H/128] beside it.
+"""How checkpoint tensors map to the runtime model's tensors, per architecture (``SOURCES``): a
+checkpoint key is renamed to its runtime name, then each stacked expert parameter is read, one
+expert at a time, by a recipe (stacked, mxfp4, stacked-fp8, per-expert, per-expert-fp8). The
+forms, with worked examples, are in ``docs/daemon.md``.
 """
 
 from __future__ import annotations

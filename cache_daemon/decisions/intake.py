@@ -1,16 +1,7 @@
-"""Incoming prediction signals: compute's Route and LayerAhead, the predictor's hint batches.
-
-Each message is checked against the store's shape first (``InvalidArgument`` naming the value,
-nothing applied), outside any lock, then applied to the ``ActivationSignals`` under the caller's
-lock, and the prefetch worker is woken once per batch::
-
-    compute Route ──────▶ check_route ─────────▶ RouteSignal     ─┐
-    compute LayerAhead ─▶ check_layer_ahead ───▶ LookaheadSignal ─┼─▶ apply / apply_locked
-    channel records ────▶ (checked by the channel thread) ────────┘   (signals.observe,
-    predictor hints ────▶ apply_hints: MoE layers → decoder layers     set_lookahead, set_hints)
-
-A layer's Route and LayerAhead usually come with its Acquire: the residency then applies them
-(``apply_locked``) in the same hold of its lock as the admission, just before it.
+"""Incoming prediction signals: compute's Route and LayerAhead, the predictor's hint batches. Each
+message is checked against the store's shape outside any lock (``InvalidArgument``, nothing
+applied), then applied to the ``ActivationSignals`` under the caller's lock, and the prefetch
+worker is woken once per batch (``docs/daemon.md``).
 """
 
 from __future__ import annotations

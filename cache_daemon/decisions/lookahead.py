@@ -1,12 +1,6 @@
-"""Lookahead bookkeeping of ``ActivationSignals``: the predictions kept, and how precise each
-depth has proved.
-
-A prediction of layer ``l`` made ``d`` MoE layers early is kept per request until ``l`` is routed
-for its token; then it is scored: its *precision* is the share of its predicted experts that were
-routed. Each depth keeps a running precision, overall and per *prior bucket*
-(``PRIOR_BUCKET_EDGES`` of the predicted expert's own next-visit estimate before the
-prediction): a guess of an expert the request was not expected to use is more often wrong, and the
-bucket's measured precision says by how much.
+"""Lookahead bookkeeping of ``ActivationSignals``: the predictions kept per request until their layer
+is routed, and how precise each depth has proved (overall and per prior bucket of the predicted
+expert's own estimate: a guess the request did not expect is more often wrong).
 """
 
 from __future__ import annotations

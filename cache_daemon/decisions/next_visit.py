@@ -1,33 +1,7 @@
-"""The learned next-visit model: a layer's experts at its next visit, from every layer's latest routing.
-
-The routing transitions (``transitions``) predict a layer's next routing from that layer's own
-last routing. Consecutive layers of a token are routed by related hidden states, so the *other*
-layers' latest routing says more: on the shared gpt-oss-20b trace a model that reads them names
-0.62 of a layer's next experts in its top-k, against 0.53 for the transitions and the history
-(``make bench-replay`` prints what it does to bytes). ``NextVisitModel`` is one logistic
-regression per MoE layer ``j``, fitted offline on recorded routing
-(``replay.learn_next_visit``, read back with ``read``) and evaluated by ``ActivationSignals.observe`` in place of
-the transitions when the daemon is given one.
-
-Features of layer ``j`` right after it is routed at token ``t`` (``features``), over the MoE
-layers in visit order (``M`` of them, ``E`` experts each), for a window of ``w`` layers starting
-at ``lo = clip(j - (w - 1) // 2, 0, M - w)``::
-
-    x = [ one-hot of the latest routing of layers lo .. lo + w - 1   (w * E: token t's for the
-          layers up to j, token t - 1's for the later ones; zeros for a layer the request has
-          not routed yet)
-        , the request's short history of layer j                   (E)
-        , the request's long history of layer j ]                  (E)
-    q = sigmoid(x @ weights[j] + bias[j])                           (E: each expert at t + 1)
-
-The histories are the signals' own (recency-weighted use per visit, with the half-lives the
-model records; both start at ``history_start`` times the per-token use rate). Example: E = 4,
-M = 2, w = 2; layer 1 routed {3} at token t after layer 0 routed {0}: x = [1 0 0 0, 0 0 0 1,
-h_short(1), h_long(1)], and q[3] is the chance layer 1 routes expert 3 at token t + 1.
-
-Cost per routed layer: the routed rows of the window and two ``E x E`` products (gpt-oss-20b,
-w = M = 24, E = 32, top-4: 96 + 64 rows of 32), in the native ``NextVisitLogistic``. Pure arithmetic: no I/O, no threads; the file format is bytes in and out
-(``to_bytes``, ``from_bytes``: safetensors, float32 tensors and a JSON-free string metadata).
+"""The learned next-visit model (``NextVisitModel``): a layer's experts at its next visit, from every
+layer's latest routing; one logistic regression per MoE layer, fitted offline
+(``replay.learn_next_visit``) and read here (``read``). Its features, an example and its cost are
+in ``docs/daemon.md``. Pure arithmetic: no I/O but the file, no threads.
 """
 
 from __future__ import annotations

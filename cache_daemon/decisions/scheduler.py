@@ -1,49 +1,7 @@
-"""The prefetch scheduler: which experts to start loading ahead of demand, and in what order.
-
-Pure decision code, shared by the daemon (its prefetcher, over the residency) and the trace
-replay (over ``simulator.SimTier``). It never performs I/O and never waits: ``decide`` looks at
-the ``TierState`` (and its ``PrefetchQueue`` of loads in flight) and the ``ActivationSignals``
-and returns the loads to start.
-
-::
-
-    ActivationSignals ──┐                                    ┌── DEMAND       (compute waits: not ours)
-    EvictionPolicy ─────┼─▶ decide(state) ─▶ [PrefetchStart] ┼── LAYER_AHEAD  (lookahead, by depth)
-    TierState + queue ──┘                                    └── EAMC         (history / EAMC hints)
-
-Rules:
-- priority classes: DEMAND (0) > LAYER_AHEAD (1) > EAMC (2); the tier reads demands first and a
-  demand pre-empts prefetch I/O at chunk boundaries (the reader's priorities);
-- candidates are taken in order of (deadline, confidence): the nearest layer first (deadline =
-  MoE layers until the candidate's layer is visited), the likeliest first within a layer. A
-  lookahead prediction is a candidate only while its depth's measured precision is at least
-  ``min_precision`` (a wrong guess costs a whole blob of link time and a victim), and so is each
-  predicted expert by the precision measured for its depth and its prior bucket (guesses of an
-  expert the request was not expected to use are more often wrong), and is started
-  only while at least ``min_usefulness`` of that depth's recent prefetches were used before
-  eviction (``record_outcome``, reported by the tier; a cut depth is tried again as its counts
-  fade); history and
-  EAMC hints give candidates through the policy's ``prefetch_scores`` within ``horizon_layers``,
-  under the same usefulness rule (as depth 0);
-- at most ``max_inflight_bytes`` of loads in flight (demand and prefetch, ``PrefetchQueue``), so a
-  farther layer is fetched only while the link has room and prefetch never hogs what a demand
-  needs;
-- a free slot is used first; otherwise a start names its ``victim`` (chosen by the policy among
-  evictable keys) and is made only if the policy values the candidate above that victim
-  (``keep_value``);
-- never displace an expert that is pinned (the tier's ``evictable``), needed now (routed at the
-  current position or demanded), or predicted by lookahead for a layer no later than the
-  candidate's (needed sooner);
-- stale predictions are dropped: lookahead for a passed layer, hints older than the TTL
-  (``ActivationSignals`` does both);
-- pre-emption: a demand short of slots asks the ``PrefetchQueue`` for ``cancel_candidates``
-  (lowest class, then lowest score first), cancels them and takes their slots; a dropped
-  prefetch is never awaited.
-
-Example: 2 free slots, blob 10 bytes, bound 30 bytes, 10 in flight, lookahead predicts experts
-{3, 5} of the next layer at depth 1 (precision 0.8) and {1} of the layer after at depth 2 → two
-starts, ``L1E3`` and ``L1E5`` (deadline 1), class LAYER_AHEAD, no victims; ``L2E1`` would exceed
-the bound and waits for the next call.
+"""The prefetch scheduler (``PrefetchScheduler``): which experts to start loading ahead of demand,
+and in what order. Pure decision code shared by the daemon's prefetcher and the trace replay:
+``decide`` reads the ``TierState`` and the ``ActivationSignals`` and returns the loads to start,
+never waiting. Its rules, with an example, are in ``docs/daemon.md``.
 """
 
 from __future__ import annotations

@@ -1,72 +1,152 @@
-"""The read side of ``ActivationSignals``: what the eviction policies and the prefetch scheduler
-ask of it (positions, lookahead, use probabilities, next-use estimates). The terms are those of
-``cache_daemon.decisions.signals``' glossary.
-
-Every answer is derived from the signals' state and cached until the next change (``version``):
+"""The read side of ``ActivationSignals`` (``UseEstimates``): what the eviction policies and the
+prefetch scheduler ask of it (positions, lookahead, use probabilities, next-use estimates), with
+the state those answers read. Each answer is derived once per change of that state (``version``):
 a policy and the scheduler read the same arrays many times between two routed layers.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
 from cache_daemon.decisions.lookahead import Lookahead, LookaheadPrecision
 from cache_daemon.decisions.request_signals import RequestSignals
+from expertcache.layers import LayerMap
 
 if TYPE_CHECKING:
     from cache_daemon.decisions.next_visit import NextVisitModel
-    from cache_daemon.decisions.signals import Estimator, SignalsConfig
-    from expertcache.layers import LayerMap
+    from cache_daemon.decisions.signals_config import SignalsConfig
+
+T = TypeVar("T")
 
 
-class UseEstimates:
-    """The queries of ``ActivationSignals`` (which sets the state declared here and changes it)."""
+class SignalsGrid:
+    """The entries of one tier's model, ``num_layers * num_experts`` (an entry is ``layer *
+    num_experts + expert``), and the order in which ``layer_map`` visits its MoE layers (default:
+    every layer, in order)."""
 
-    num_layers: int
-    num_experts: int
-    num_entries: int
-    num_moe: int
-    layer_map: LayerMap
-    config: SignalsConfig
-    version: int  # bumped on every change, so a waiting prefetcher knows to re-decide
-    estimator: Estimator | None
-    next_visit_model: NextVisitModel | None
-    _rank: np.ndarray  # [num_layers] MoE index per layer, -1 dense
-    _rank_of: np.ndarray  # [N]
-    _prior: np.ndarray  # slow cross-request estimate
-    _requests: OrderedDict[str, RequestSignals]  # live, least recent first
-    _current: RequestSignals | None  # the request of the last observe
-    _token: int
-    _layer: int
-    _needed: np.ndarray  # entries routed at the current position
-    _cache: dict[str, object]  # derived values of the current version
-    _precision: LookaheadPrecision
+    def __init__(self, num_layers: int, num_experts: int, layer_map: LayerMap | None = None) -> None:
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"num_layers and num_experts must be >= 1, got {num_layers} and {num_experts}")
+        layer_map = layer_map or LayerMap.dense(num_layers)
+        if layer_map.num_layers != num_layers:
+            raise ValueError(f"layer map covers {layer_map.num_layers} layers, the signals {num_layers}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.num_entries = num_layers * num_experts
+        self.layer_map = layer_map
+        self.num_moe = layer_map.num_moe
+        self.rank = layer_map.ranks()  # [num_layers] MoE index per layer, -1 dense
+        self.rank_of = np.repeat(self.rank, num_experts)  # [N] the rank of each entry's layer
 
-    def _bump(self) -> None:
+
+class DerivedValues:
+    """Values derived from the signals' state, each computed once per ``version``."""
+
+    def __init__(self) -> None:
+        self.version = 0  # bumped on every change, so a waiting prefetcher knows to re-decide
+        self._values: dict[str, object] = {}
+
+    def bump(self) -> None:
         self.version += 1
-        self._cache.clear()
+        self._values.clear()
 
-    def _cached(self, name: str, compute):
-        v = self._cache.get(name)
+    def get(self, name: str, compute: Callable[[], T]) -> T:
+        """The value ``name`` of this version, ``compute()``d at its first read (an array
+        read-only)."""
+        v = self._values.get(name)
         if v is None:
             v = compute()
             if isinstance(v, np.ndarray):
                 v.flags.writeable = False
-            self._cache[name] = v
+            self._values[name] = v
         return v
+
+
+class Estimator(Protocol):
+    """A use-probability estimate plugged into ``ActivationSignals`` in place of the built-in one
+    (the replay's ``replay.hazard.HazardEstimator``); the daemon plugs in none."""
+
+    def attach(self, signals: UseEstimates) -> None: ...
+
+    def begin_request(self, request_id: str) -> None: ...
+
+    def observe(self, request_id: str, layer: int, entries: np.ndarray, token: int) -> None:
+        """Layer ``layer`` of ``token`` routed to ``entries`` (int64, before the signals move)."""
+        ...
+
+    def long_run(self, signals: UseEstimates) -> list[np.ndarray]:
+        """Per live request, float32 [N] per-visit use probability beyond the next visit."""
+        ...
+
+    def next_use(self, signals: UseEstimates) -> np.ndarray:
+        """float64 [N] expected layer steps to each entry's next use (a fresh array)."""
+        ...
+
+
+class UseEstimates:
+    """The queries of ``ActivationSignals`` over the state they read: the grid, the live requests,
+    the position of the last ``observe`` and what was learned across requests (the inputs, in
+    ``ActivationSignals``, change it)."""
+
+    def __init__(self, grid: SignalsGrid, config: SignalsConfig, estimator: Estimator | None) -> None:
+        self.grid = grid
+        self.config = config
+        self.estimator = estimator
+        self.next_visit_model: NextVisitModel | None = None
+        self._derived = DerivedValues()
+        self._prior = np.zeros(grid.num_entries, np.float32)  # slow cross-request estimate
+        self._requests: OrderedDict[str, RequestSignals] = OrderedDict()  # live, least recent first
+        self._current: RequestSignals | None = None  # the request of the last observe
+        self._position = (-1, grid.layer_map.moe_layers[-1])  # (token, layer) of the last observe
+        self._needed = np.zeros(0, np.int64)  # entries routed at the current position
+        # Running precision of lookahead per depth (and per prior bucket), fading per scoring.
+        self._precision = LookaheadPrecision(config.precision_half_life)
+
+    @property
+    def num_layers(self) -> int:
+        return self.grid.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.grid.num_experts
+
+    @property
+    def num_entries(self) -> int:
+        return self.grid.num_entries
+
+    @property
+    def num_moe(self) -> int:
+        return self.grid.num_moe
+
+    @property
+    def layer_map(self) -> LayerMap:
+        return self.grid.layer_map
+
+    @property
+    def version(self) -> int:
+        """Bumped on every change, so a waiting prefetcher knows to re-decide."""
+        return self._derived.version
+
+    def _bump(self) -> None:
+        self._derived.bump()
+
+    def _cached(self, name: str, compute: Callable[[], T]) -> T:
+        return self._derived.get(name, compute)
 
     @property
     def position(self) -> tuple[int, int]:
         """``(token, layer)`` of the last ``observe``."""
-        return (self._token, self._layer)
+        return self._position
 
     @property
     def step(self) -> int:
         """The position as one number, ``token * M + MoE index of the layer``."""
-        return self._token * self.num_moe + int(self._rank[self._layer])
+        token, layer = self._position
+        return token * self.grid.num_moe + int(self.grid.rank[layer])
 
     @property
     def needed(self) -> np.ndarray:
@@ -91,7 +171,7 @@ class UseEstimates:
         """float32 [N] fresh hint scores, the best over the live requests (0 where none or stale)."""
 
         def compute() -> np.ndarray:
-            out = np.zeros(self.num_entries, np.float32)
+            out = np.zeros(self.grid.num_entries, np.float32)
             for req in self._requests.values():
                 if req.has_hints:
                     np.maximum(out, req.fresh_hints(self.config.hint_ttl_tokens), out=out)
@@ -155,17 +235,18 @@ class UseEstimates:
 
     def layer_distance_of(self, layer: int) -> int:
         """MoE layers until ``layer`` is visited next, in ``1..M``."""
-        M = self.num_moe
-        return int((self._rank[layer] - self._rank[self._layer] - 1) % M + 1)
+        M, rank = self.grid.num_moe, self.grid.rank
+        return int((rank[layer] - rank[self._position[1]] - 1) % M + 1)
 
     def layer_distance(self) -> np.ndarray:
         """int64 [N] MoE layers until each entry's layer is visited next, in ``1..M`` (dense
         layers, never visited: M + 1)."""
 
         def compute() -> np.ndarray:
-            M = self.num_moe
-            d = (self._rank_of - self._rank[self._layer] - 1) % M + 1
-            return np.where(self._rank_of >= 0, d, M + 1)
+            grid = self.grid
+            M, rank_of = grid.num_moe, grid.rank_of
+            d = (rank_of - grid.rank[self._position[1]] - 1) % M + 1
+            return np.where(rank_of >= 0, d, M + 1)
 
         return self._cached("distance", compute)
 
@@ -248,7 +329,7 @@ class UseEstimates:
             if not la:
                 return p
             p = p.copy()
-            E = self.num_experts
+            E = self.grid.num_experts
             for (layer, depth, entries, _scores), conf in zip(la, self.lookahead_confidence(), strict=True):
                 sl = slice(layer * E, (layer + 1) * E)
                 p[sl] *= 1.0 - self.precision(depth)
@@ -265,7 +346,7 @@ class UseEstimates:
             if self.estimator is not None:
                 t = self.estimator.next_use(self)
             else:
-                M = self.num_moe
+                M = self.grid.num_moe
                 p_next = self.use_probability().astype(np.float64)
                 p_long = np.maximum(
                     self.long_run_probability().astype(np.float64), self.config.probability_floor
@@ -281,7 +362,8 @@ class UseEstimates:
         """Whether ``(token, layer)`` is at or before the request's position (visit order)."""
         if token != req.token:
             return token < req.token
-        return req.layer >= 0 and self._rank[layer] <= self._rank[req.layer]
+        rank = self.grid.rank
+        return req.layer >= 0 and rank[layer] <= rank[req.layer]
 
 
-__all__ = ["UseEstimates"]
+__all__ = ["DerivedValues", "Estimator", "SignalsGrid", "UseEstimates"]

@@ -1,19 +1,6 @@
-"""Activation-aware eviction (ours, the default): an online approximation of Belady.
-
-Belady evicts the expert whose next use is furthest away. We do not know the future, but
-``ActivationSignals`` estimates it per entry, in layer steps:
-
-    next_use = distance + L * (1 - p_next) / p_long
-
-with ``distance`` the layer steps until the entry's layer comes round again (1..L), ``p_next`` the
-probability of use at that visit (layer-ahead prediction where fresh, else the learned next-visit
-model or the routing-transition estimate, else the history) and ``p_long`` the request's
-recency-weighted per-visit use probability blended with EAMC hints.
-The resident entry with the largest estimate leaves first; ties go to the least recently used.
-
-Example (L = 24): at position layer 10, an entry of layer 12 with p = 0.5 expects
-``2 + 24 * 0.5 / 0.5 = 26`` steps; an entry of layer 9 with p = 0.5 expects
-``23 + 24 = 47`` steps and is evicted first.
+"""Activation-aware eviction (ours, the default): an online approximation of Belady. The resident
+entry whose next use ``ActivationSignals`` estimates furthest away leaves first; ties go to the
+least recently used. The estimate, with an example, is in ``docs/daemon.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The eviction policy interface: which unpinned expert leaves a full tier.
+"""The eviction policy interface (``EvictionPolicy``): which unpinned expert leaves a full tier.
 
-A policy only orders keys; it never owns memory and never decides whether a key *may* leave.
-The tier (the daemon's residency for the device arena, ``HostTier`` for host memory, ``SimTier``
-in the trace replay) tells it what entered and left, and asks it for victims among the keys it says are
-evictable (resident and unpinned), so "a pinned expert is never evicted" is enforced in one place,
-by the tier.
-
-Every policy is constructed as ``cls(shape, signals)``: ``shape`` is the model's
-``PolicyShape(num_layers, num_experts)`` (policies keep numpy arrays indexed by entry
-``layer * num_experts + expert`` and score all residents in one vectorised pass per eviction);
-``signals`` is the tier's shared ``ActivationSignals`` (position, history, hints, layer-ahead),
-required by the policies that read predictions.
-
-Policies are not thread-safe: every call is made under the owning tier's lock.
+A policy only orders keys; the tier tells it what entered and left and asks for victims among
+the keys it says are evictable, so "a pinned expert is never evicted" is enforced by the tier
+alone. Policies are not thread-safe: every call is made under the owning tier's lock.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""MoE-Infinity's activation-aware priorities (arXiv 2401.14361), implemented as the paper states.
-
-The paper matches the running request's Expert Activation Matrix against the EAMC and turns the
-match into a probability ``p`` per (layer, expert) — here the predictor's hints as kept by
-``ActivationSignals.hints`` (0 where the predictor gave none). With ``L`` layers and the request
-at layer ``l``:
-
-- eviction removes the resident expert of layer ``i`` with the lowest ``(p + eps) * (1 - i/L)``
-  (earlier layers are kept: the next token needs them first);
-- the prefetch score of an expert of a future layer ``i > l`` is ``p * (1 - (i - l)/L)``.
-
-Worked example (L = 24, eps = 1e-3): an expert of layer 6 with p = 0.5 keeps
-``0.501 * 0.75 = 0.37575``; at position layer 4, an expert of layer 6 with p = 0.5 gets the
-prefetch score ``0.5 * (1 - 2/24) = 0.4583``. Ties go to the least recently used.
+"""MoE-Infinity's activation-aware priorities (arXiv 2401.14361), implemented as the paper states,
+over the predictor's hints (``ActivationSignals.hints``). The formulas, with a worked example, are
+in ``docs/daemon.md``.
 """
 
 from __future__ import annotations
