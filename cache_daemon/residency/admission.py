@@ -1,40 +1,32 @@
-"""Admission: an Acquire (or a client's channel demand) pins its experts, all or nothing.
-
-::
-
-    acquire(session, layer, experts, signals)
-      check (BadAcquire / InvalidArgument, nothing taken)
-      under the lock: apply the carried signals, then _admit:
-        _try_admit: free-or-evictable slots for every missing key? (short: cancel queued
-                    prefetches, else wait, woken by releases, loads and compute's unpins)
-          yes → _admit_keys: pin each key; resident → Ready now; loading → join (promote);
-                absent → a deferred demand load (run_deferred, outside the lock)
-      then yield Ready per key as its load lands; pins of keys never yielded are dropped
-
-A wait for slots ends at ``acquire_timeout_s`` (``AcquireTimeout``); a failed load raises its
-error in every Acquire waiting for it.
+"""Admission: an Acquire (or a client channel's demand) pins its experts, all or nothing
+(``Admission``), waiting for slots while short, woken by releases, loads and compute's unpins
+(``UnpinWatcher``). Taking nothing until everything fits is what keeps two Acquires from
+deadlocking (docs/residency.md, "Admission").
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal
-from cache_daemon.decisions.scheduler import PrefetchClass
+from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal, SignalIntake
+from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchQueue
 from cache_daemon.errors import AcquireTimeout, BadAcquire
+from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency.channel import ChannelServer
-from cache_daemon.residency.clients import Session
+from cache_daemon.residency.clients import Recency, Session
 from cache_daemon.residency.loader import Load
-from cache_daemon.residency.prefetcher import PREFETCH_KINDS
-from cache_daemon.residency.sessions import STRAY_CONFIRM_S
-from cache_daemon.residency.slots import SlotState
-from cache_daemon.residency.state import ResidencyState
+from cache_daemon.residency.loads import Loads
+from cache_daemon.residency.prefetcher import PREFETCH_KINDS, Prefetcher
+from cache_daemon.residency.sessions import STRAY_CONFIRM_S, Sessions
+from cache_daemon.residency.slots import Slots
 from cache_daemon.tiers.base import Tier
-from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.errors import ExpertCacheError
 from expertcache.keys import ExpertKey
+from expertcache.manifest import StoreManifest
+from expertcache.native import SlotTable, TableState
 
 
 @dataclass(frozen=True)
@@ -50,8 +42,116 @@ class Ready:
     prefetch: str = field(default="", compare=False)
 
 
-class Admission(ResidencyState):
-    """The demand side of ``Residency``: acquire, admission and its waits."""
+@dataclass(slots=True)
+class Admitted:
+    """What one admission took for its keys."""
+
+    ready: list[Ready] = field(default_factory=list)  # resident: pinned, ready now
+    pending: dict[ExpertKey, Load] = field(default_factory=dict)  # pinned, their loads in flight
+    # pending keys a prefetch was already loading: that prefetch's kind
+    prefetched: dict[ExpertKey, str] = field(default_factory=dict)
+    created: list[Load] = field(default_factory=list)  # loads this admission started
+
+
+class UnpinWatcher:
+    """A thread that turns compute's unpins (the slot table's futex word) into wake-ups of the
+    admissions waiting on ``cond``; asleep (on ``watch``, a condition of the same lock) unless
+    one waits."""
+
+    def __init__(self, cond: threading.Condition, watch: threading.Condition, table: SlotTable) -> None:
+        self._cond = cond
+        self._watch = watch
+        self._table = table
+        self._seen: int | None = None  # the unpin word as the oldest waiting admission read it
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="expertcache-unpin-watch", daemon=True)
+        self._thread.start()
+
+    # -- under the lock ------------------------------------------------------------------------
+    def watch(self, seen: int) -> None:
+        """An admission waits, having read the unpin word as ``seen``: wake it on a change."""
+        if self._seen is None:
+            self._seen = seen
+            self._watch.notify()
+
+    def unwatch(self) -> None:
+        """No admission waits any more."""
+        self._seen = None
+
+    def stop(self) -> None:
+        self._closing = True
+        self._watch.notify_all()
+
+    # -- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and self._seen is None:
+                    self._watch.wait()
+                if self._closing:
+                    return
+                seen, self._seen = self._seen, None
+            self._table.wait_unpin(seen)  # no timeout: an unpin, or shutdown's wake, ends it
+            with self._cond:
+                self._cond.notify_all()
+
+    def join(self) -> None:
+        """After ``stop`` and the table's ``wake_unpin_waiters``."""
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class Admission:
+    """The demand side of the residency: acquire, admission and its waits. It is also the tier
+    as the prefetch scheduler sees it (``TierState``): while a demand waits for slots, no slot
+    is free or evictable for prefetch."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        table: SlotTable,
+        slots: Slots,
+        loads: Loads,
+        sessions: Sessions,
+        prefetcher: Prefetcher,
+        recency: Recency,
+        watcher: UnpinWatcher,
+        intake: SignalIntake,
+        metrics: DaemonMetrics,
+        manifest: StoreManifest,
+        *,
+        timeout_s: float,
+    ) -> None:
+        """``manifest`` checks the keys; ``timeout_s``: acquire_timeout_s."""
+        self._cond = cond
+        self._table = table
+        self._slots = slots
+        self._loads = loads
+        self._sessions = sessions
+        self._prefetcher = prefetcher
+        self._recency = recency
+        self._watcher = watcher
+        self._intake = intake
+        self._metrics = metrics
+        self._manifest = manifest
+        self._timeout_s = timeout_s
+        self.demand_waiting = 0  # admissions waiting for slots: prefetch stands aside
+
+    # -- TierState (read by the prefetch scheduler, under the lock) ---------------------
+    @property
+    def free_slots(self) -> int:
+        # While a demand waits for slots, none is free for prefetch.
+        return 0 if self.demand_waiting else self._slots.free
+
+    @property
+    def queue(self) -> PrefetchQueue:
+        return self._loads.queue
+
+    def is_resident(self, key: ExpertKey) -> bool:
+        return self._slots.is_resident(key)
+
+    def evictable(self, key: ExpertKey) -> bool:
+        return not self.demand_waiting and self._slots.evictable(key)
 
     # -- acquire ------------------------------------------------------------------------
     def acquire(
@@ -86,7 +186,7 @@ class Admission(ResidencyState):
         """``layer`` and the keys of ``experts``, checked (``BadAcquire`` / ``InvalidArgument``)."""
         experts = [int(e) for e in experts]
         # Compute sizes its waves by the arena (Attach's num_slots), not by the live budget.
-        arena_slots = self._arena.num_slots
+        arena_slots = self._slots.num_slots
         if len(experts) > arena_slots:
             raise BadAcquire(
                 f"{what} for layer {layer} names {len(experts)} experts but the arena has {arena_slots} "
@@ -111,13 +211,13 @@ class Admission(ResidencyState):
         deadline: float,
         timeout: float,
         client: ChannelServer | None = None,
-    ) -> tuple[list[Ready], dict[ExpertKey, Load], dict[ExpertKey, str]]:
+    ) -> Admitted:
         """Admission under the lock, waiting for slots (woken by releases, loads, unpins) until
         ``deadline`` → ``AcquireTimeout``."""
         waiting = False
         try:
             while True:
-                self._check_open(session)
+                self._sessions.check_open(session)
                 # Read before the check: an unpin after it changes the word and wakes us.
                 seen = self._table.unpin_seq
                 admitted = self._try_admit(session, layer, keys, client)
@@ -126,20 +226,18 @@ class Admission(ResidencyState):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AcquireTimeout(self._timeout_message(layer, keys, timeout))
-                if self.audit_clients():  # a client pinning at will ends here, its pins with it
+                if self._sessions.audit_clients():  # a client pinning at will ends here, its pins with it
                     remaining = min(remaining, STRAY_CONFIRM_S)
                 if not waiting:
                     waiting = True
                     self.demand_waiting += 1  # the prefetcher takes no slot meanwhile
-                if self._unpin_seen is None:
-                    self._unpin_seen = seen  # the watcher wakes us when compute unpins
-                    self._watch.notify()
+                self._watcher.watch(seen)  # the watcher wakes us when compute unpins
                 self._cond.wait(remaining)
         finally:
             if waiting:
                 self.demand_waiting -= 1
                 if not self.demand_waiting:
-                    self._unpin_seen = None
+                    self._watcher.unwatch()
                 self._prefetcher.kick()
 
     def _acquire(
@@ -152,15 +250,16 @@ class Admission(ResidencyState):
         signals: tuple[RouteSignal | LookaheadSignal, ...],
     ) -> Iterator[Ready]:
         with self._cond:
-            self.intake.apply_locked(signals)
-            ready, pending, prefetched = self._admit(session, layer, keys, deadline, timeout)
+            self._intake.apply_locked(signals)
+            admitted = self._admit(session, layer, keys, deadline, timeout)
+        ready, pending, prefetched = admitted.ready, admitted.pending, admitted.prefetched
         unyielded = {item.key for item in ready} | set(pending)
         deferred = [load for load in pending.values() if load.deferred]
         try:
             for item in ready:
                 unyielded.discard(item.key)  # suspended at the yield = the caller has it
                 yield item
-            self.run_deferred(deferred)  # host-tier copies in this thread, after the hits went out
+            self._loads.run_deferred(deferred)  # host-tier copies in this thread, after the hits went out
             deferred = []
             while pending:
                 with self._cond:
@@ -168,7 +267,7 @@ class Admission(ResidencyState):
                         finished = [key for key, load in pending.items() if load.done]
                         if finished:
                             break
-                        self._check_open(session)
+                        self._sessions.check_open(session)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             raise AcquireTimeout(
@@ -186,12 +285,12 @@ class Admission(ResidencyState):
                     yield Ready(key, load.slot, load.source, prefetched.get(key, ""))
         finally:
             if deferred:
-                self.run_deferred(deferred)  # never left LOADING without a reader
+                self._loads.run_deferred(deferred)  # never left LOADING without a reader
             if unyielded:
                 # Never handed out: the caller cannot know to release these pins, so drop them.
                 with self._cond:
                     for key in unyielded:
-                        self._drop_pin(session, key)
+                        self._sessions.drop_pin(session, key)
                     self._cond.notify_all()
 
     def admit_for_client(
@@ -202,58 +301,45 @@ class Admission(ResidencyState):
         get source DEVICE at once; the client is told as each missing one lands (or fails).
         ``ops`` (the channel's signals that came with it, ``SignalIntake.apply_ops``) are applied in the
         same hold of the lock, just before the admission, as an Acquire's carried signals are.
-        Returns the loads to run in the calling thread (``run_deferred``, outside the lock)."""
+        Returns the loads to run in the calling thread (``Loads.run_deferred``, outside the lock)."""
         try:
             layer, keys = self._check_demand("a demand", layer, experts)
         except BaseException:
-            self.intake.apply_ops(ops)
+            self._intake.apply_ops(ops)
             raise
         self._metrics.demands.inc()
         with self._cond:
-            self.intake.apply_ops_locked(ops)
-            ready, pending, _ = self._admit(
+            self._intake.apply_ops_locked(ops)
+            admitted = self._admit(
                 client.session, layer, keys, time.monotonic() + self._timeout_s, self._timeout_s, client
             )
             position = {key: i for i, key in enumerate(keys)}
-            for item in ready:
-                client.set_source(position[item.key], Tier.DEVICE)
-            for key in pending:
-                self._client_waits.setdefault(key, []).append((client, position[key]))
-        return [load for load in pending.values() if load.deferred]
-
-    def run_deferred(self, loads: Iterable[Load]) -> None:
-        """Run demand loads admission left to the acquiring thread (outside the lock): those the
-        host tier holds are copied here, in order (no hop to an I/O thread), published one by one
-        when experts are large (compute starts on the first while the next is copied) or all at
-        once (``GATHER_BELOW_BYTES``); the others go to the I/O pool (a store read), first, so that
-        their reads start at once."""
-        with self._cond:  # a demand that joined the load lists it too: the first to claim it runs it
-            loads = [load for load in loads if not load.claimed]
-            for load in loads:
-                load.claimed = True
-        if loads:
-            # Those the host tier does not hold are submitted to the I/O pool as they are met
-            # (their reads start at once); the others are copied here.
-            self._loader.copy_from_host(loads, publish_each=self._blob_bytes >= GATHER_BELOW_BYTES)
+            for item in admitted.ready:
+                client.set_source(position[item.key], Tier.DEVICE, item.prefetch)
+            if admitted.pending:
+                self._sessions.wait_for_loads(client, admitted.pending, position)
+        return [load for load in admitted.pending.values() if load.deferred]
 
     def _try_admit(
         self, session: Session, layer: int, keys: list[ExpertKey], client: ChannelServer | None = None
-    ) -> tuple[list[Ready], dict[ExpertKey, Load], dict[ExpertKey, str]] | None:
+    ) -> Admitted | None:
         """Pin everything ``keys`` needs and start its loads, or take nothing and return None.
         The pins go to ``session``, or with ``client`` into that client's ledger. Demand loads are
-        left to the caller (``Load.deferred``: ``run_deferred`` once the lock is released)."""
+        left to the caller (``Load.deferred``: ``Loads.run_deferred`` once the lock is released)."""
         wanted = set(keys)
+        slots = self._slots
         if client is None:
             held_elsewhere = len(set(session.held) - wanted)
-            if held_elsewhere + len(keys) > self._arena.num_slots:
+            if held_elsewhere + len(keys) > slots.num_slots:
                 raise BadAcquire(
                     f"Acquire of {len(keys)} experts for layer {layer} can never fit: this stream still pins "
-                    f"{held_elsewhere} other experts and the arena has {self._arena.num_slots} slots; release "
+                    f"{held_elsewhere} other experts and the arena has {slots.num_slots} slots; release "
                     "them first"
                 )
-        self.sync_recency()
-        slots = self.slots
-        loads = [self.queue.get(key) for key in keys]
+        prefetcher = self._prefetcher
+        self._recency.sync(prefetcher.scheduler.policy, prefetcher.used)
+        queue = self._loads.queue
+        loads = [queue.get(key) for key in keys]
         if any(ld is not None and ld.cancelled for ld in loads):
             return None  # a cancelled prefetch of a key still holds its slot: wait until it lets go
         missing = [
@@ -263,7 +349,7 @@ class Admission(ResidencyState):
         evicted = 0  # counted once below (a counter increment takes a lock)
 
         while (need := len(missing) - slots.free_for(len(missing))) > 0:
-            victims = self.policy.choose_victims(
+            victims = prefetcher.scheduler.policy.choose_victims(
                 need, lambda k: k not in wanted and k not in refused and slots.evictable(k)
             )
             if len(victims) < need:
@@ -273,68 +359,59 @@ class Admission(ResidencyState):
                     # beyond it rather than wait on its own pins; later admissions evict back.
                     for victim in victims:
                         if slots.try_evict(victim):
-                            self._evicted(victim, count=False)
+                            prefetcher.evicted(victim, count=False)
                             evicted += 1
                     break
                 # Short of slots: queued prefetches give way. A cancelled one frees its slot now,
                 # or once the chunks its read already issued land; the admission is retried.
-                if self._cancel_prefetches(need - len(victims), wanted):
+                if self._loads.cancel_prefetches(need - len(victims), wanted):
                     continue  # some slots came free at once: choose again
                 return None  # nothing taken; slots freed by earlier rounds simply stay free
             for victim in victims:
                 if slots.try_evict(victim):
-                    self._evicted(victim, count=False)
+                    prefetcher.evicted(victim, count=False)
                     evicted += 1
                 else:
                     refused.add(victim)  # compute pinned it between the check and the evict
         if evicted:
             self._metrics.tier["device"].evictions.inc(evicted)
         # Admitted: from here on nothing can fail (but a client whose ledger was just reclaimed).
-        ready: list[Ready] = []
-        pending: dict[ExpertKey, Load] = {}
-        prefetched: dict[ExpertKey, str] = {}  # pending keys a prefetch was already loading
-        created: list[Load] = []
+        admitted = Admitted()
         try:
-            self._admit_keys(session, client, keys, ready, pending, prefetched, created)
+            self._admit_keys(session, client, keys, admitted)
         except BaseException:
             # A client whose ledger was reclaimed meanwhile: its loads were started for nobody.
             # They still complete into the cache (the I/O pool runs them), never LOADING for ever.
-            for load in created:
+            for load in admitted.created:
                 load.claimed = True
-                self._loader.submit(load)
+                self._loads.submit(load)
             raise
-        return ready, pending, prefetched
+        return admitted
 
     def _admit_keys(
-        self,
-        session: Session,
-        client: ChannelServer | None,
-        keys: list[ExpertKey],
-        ready: list[Ready],
-        pending: dict[ExpertKey, Load],
-        prefetched: dict[ExpertKey, str],
-        created: list[Load],
+        self, session: Session, client: ChannelServer | None, keys: list[ExpertKey], into: Admitted
     ) -> None:
-        """The admitted half of ``_try_admit``: pin each key, start the loads of missing ones."""
-        slots = self.slots
-        scheduler = self._prefetcher.scheduler
-        hits = misses = 0
+        """The admitted half of ``_try_admit``: pin each key, start the loads of missing ones
+        (into ``into``), and count the hits and misses."""
         try:
-            self._admit_each(session, client, keys, ready, pending, prefetched, created, slots, scheduler)
+            self._admit_each(session, client, keys, into)
         finally:
-            hits, misses = len(ready), len(pending)
+            hits, misses = len(into.ready), len(into.pending)
             if hits:
                 self._metrics.tier["device"].hits.inc(hits)
             if misses:
                 self._metrics.tier["device"].misses.inc(misses)
 
     def _admit_each(
-        self, session, client, keys, ready, pending, prefetched, created, slots, scheduler
+        self, session: Session, client: ChannelServer | None, keys: list[ExpertKey], into: Admitted
     ) -> None:
+        slots, queue, prefetcher = self._slots, self._loads.queue, self._prefetcher
+        scheduler = prefetcher.scheduler
+        ready, pending = into.ready, into.pending
         for key in keys:
-            kind = self._prefetcher.used(key)
+            kind = prefetcher.used(key)
             scheduler.on_demand(key)
-            load = self.queue.get(key)
+            load = queue.get(key)
             if load is None and slots.is_resident(key):
                 self._hold(session, client, key)
                 scheduler.policy.on_access(key)
@@ -344,30 +421,31 @@ class Admission(ResidencyState):
                 if kind is None and load.prefetch is not None:
                     kind = PREFETCH_KINDS[load.prefetch]
                 if kind:
-                    prefetched[key] = kind
-                self._promote(load)
+                    into.prefetched[key] = kind
+                self._loads.promote(load)
             else:
-                load = self._start_load(key, PrefetchClass.DEMAND, defer=True)
-                created.append(load)
+                load = self._loads.start(key, PrefetchClass.DEMAND, defer=True)
+                into.created.append(load)
             self._hold(session, client, key)
             pending[key] = load
 
     def _hold(self, session: Session, client: ChannelServer | None, key: ExpertKey) -> None:
         if client is None:
-            self.slots.hold(key)
+            self._slots.hold(key)
             session.add(key)
         else:
             client.hold(key)
 
     def _timeout_message(self, layer: int, keys: list[ExpertKey], timeout: float) -> str:
-        occupied = self.slots.occupied()
-        pinned = sum(1 for key, _state in occupied.values() if self.slots.pins(key) > 0)
-        loading = sum(1 for _key, state in occupied.values() if state is SlotState.LOADING)
-        missing = sum(1 for key in keys if self.slots.state(key) is SlotState.ABSENT)
+        slots = self._slots
+        occupied = slots.occupied()
+        pinned = sum(1 for key, _state in occupied.values() if slots.pins(key) > 0)
+        loading = sum(1 for _key, state in occupied.values() if state is TableState.LOADING)
+        missing = sum(1 for key in keys if slots.state(key) is TableState.ABSENT)
         return (
             f"timed out after {timeout:.3g}s (acquire_timeout_s) waiting for {missing} free slot(s) for "
-            f"layer {layer}: {pinned} of {self.num_slots} slots are pinned ({loading} loading) by "
-            f"{len(self._sessions)} stream(s)"
+            f"layer {layer}: {pinned} of {slots.limit} slots are pinned ({loading} loading) by "
+            f"{self._sessions.count} stream(s)"
         )
 
 
@@ -378,4 +456,4 @@ def _fresh_error(error: BaseException, key: ExpertKey) -> BaseException:
     return ExpertCacheError(f"loading expert {key} failed: {type(error).__name__}: {error}")
 
 
-__all__ = ["Admission", "Ready"]
+__all__ = ["Admission", "Admitted", "Ready", "UnpinWatcher"]

@@ -1,16 +1,6 @@
-"""The residency's clients: Demand sessions and their pins, compute's client ledgers, and the
-recency of compute's shared-memory hits.
-
-- ``Session``: one Demand stream; ``held`` counts the pins it holds per key. Those pins are also
-  in the slot table's shared count (``Slots.hold``), which is what eviction checks: the session
-  keeps only what it must give back when it ends.
-- ``ClientLedgers``: the table's per-client pin ledgers handed out at Attach and tied to a Demand
-  stream, so a compute process that dies never leaves slots pinned.
-- ``Recency``: compute's hits through the table never reach the daemon as calls; their access
-  stamps are fed to the policy in stamp order before each decision, so LRU stays LRU.
-
-Everything here is called under the residency lock, except ``ClientLedgers.reclaim`` (it may
-wait, bounded, for a client inside a pin call).
+"""The residency's clients: Demand sessions and their pins (``Session``), compute's client
+ledgers (``ClientLedgers``), and the recency of compute's shared-memory hits (``Recency``), so a
+dead compute process never leaves slots pinned and LRU stays LRU (docs/residency.md, "Clients").
 """
 
 from __future__ import annotations
@@ -21,10 +11,10 @@ import time
 from dataclasses import dataclass
 
 from cache_daemon.decisions.policy import EvictionPolicy
-from cache_daemon.residency.slots import Slots, SlotState
+from cache_daemon.residency.slots import Slots
 from expertcache.errors import FailedPrecondition, ResourceExhausted
 from expertcache.keys import ExpertKey
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +165,7 @@ class Recency:
         entries, self._synced = self._table.accessed_since(self._synced)
         for index in entries:
             key = self._slots.key_of(index)
-            if self._slots.state(key) is SlotState.RESIDENT:
+            if self._slots.state(key) is TableState.RESIDENT:
                 policy.on_access(key)
                 on_used(key)
 

@@ -1,21 +1,8 @@
-"""The device tier: acquire, release and admission over the arena's slots.
+"""The device tier's facade (``Residency``): one lock, the public API, and the parts it wires.
 
-``Residency`` wires the parts (``slots``, ``clients``, ``loader``, ``prefetcher``) under one
-condition variable and implements the scheduler's ``TierState``; its methods are grouped by
-concern in ``admission``, ``loads``, ``sessions`` and ``switches`` (the state they share is
-declared in ``state``). Its state, each with one owner:
-
-- entry state, slot, generation and every pin: the native slot table (``Slots``);
-- free slots: ``Slots``' allocator;
-- loads in flight, demand and prefetch: one ``PrefetchQueue`` of ``Load`` records;
-- which session holds which pins (to give them back): each ``Session``;
-- predictions: ``ActivationSignals`` (fed through ``cache_daemon.decisions.intake``); eviction
-  order: the policy, held by the prefetch scheduler.
-
-Waiting is event-driven: an Acquire waiting for slots sleeps on the condition, woken by a
-release, a finished or cancelled load, or (through the unpin watcher thread, asleep on the slot
-table's futex word) compute dropping the last shared-memory pin of an entry; an Acquire waiting
-for a load is woken when the load completes.
+Each part owns its state and gets only the collaborators it uses (docs/residency.md, "Parts"):
+``Slots`` (the table), ``Sessions`` (pins and clients), ``Loads`` (loads in flight),
+``Admission`` (acquire and its waits), ``Prefetcher`` / ``PrefetchWorker`` and ``LiveSwitches``.
 """
 
 from __future__ import annotations
@@ -23,29 +10,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
 
-from cache_daemon.decisions.intake import SignalIntake
+from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal, SignalIntake
 from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.decisions.scheduler import (
     DEFAULT_INFLIGHT_BLOBS,
     PrefetchConfig,
-    PrefetchQueue,
     PrefetchScheduler,
 )
 from cache_daemon.decisions.signals import ActivationSignals
 from cache_daemon.errors import SlotNotReadable
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.residency.admission import Admission
-from cache_daemon.residency.clients import ClientLedgers, Recency, Session
-from cache_daemon.residency.loader import Load, Loader
-from cache_daemon.residency.loads import LoadCompletion
-from cache_daemon.residency.prefetcher import Prefetcher
-from cache_daemon.residency.sessions import ClientSessions
-from cache_daemon.residency.slots import Slots, SlotState
+from cache_daemon.residency.admission import Admission, Ready, UnpinWatcher
+from cache_daemon.residency.channel import ChannelPort
+from cache_daemon.residency.clients import ClientLedger, Recency, Session
+from cache_daemon.residency.loader import Load
+from cache_daemon.residency.loads import Loads
+from cache_daemon.residency.prefetcher import Prefetcher, PrefetchWorker
+from cache_daemon.residency.sessions import Sessions
+from cache_daemon.residency.slots import Slots
 from cache_daemon.residency.switches import LiveSwitches
 from cache_daemon.tiers.device import DeviceArena
 from cache_daemon.tiers.host import HostTier
@@ -53,7 +41,7 @@ from cache_daemon.tiers.store import Priority, StoreReader
 from expertcache.keys import ExpertKey
 from expertcache.layers import LayerMap
 from expertcache.manifest import StoreManifest
-from expertcache.native import SlotTable
+from expertcache.native import SlotTable, TableState
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +51,7 @@ class SlotInfo:
     """A snapshot of one entry of the slot table."""
 
     key: ExpertKey
-    state: SlotState
+    state: TableState
     slot: int  # -1 when ABSENT
     pins: int  # every pin: Demand sessions' and compute's shared-memory ones
     generation: int  # loads completed into a slot so far (the table's)
@@ -90,13 +78,12 @@ def table_entries(manifest: StoreManifest) -> int:
     return manifest.num_layers * manifest.num_experts
 
 
-class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
+class Residency:
     """The device tier: the slot table over a ``DeviceArena``, the demand logic and the prefetcher.
 
-    All state is guarded by one condition variable — the sessions, the queue of loads, the
-    policy, the activation signals and the prefetch scheduler alike; loads run on a private pool
-    of ``io_threads`` threads (prefetch loads on a second pool of as many) and take the lock only
-    to publish their result.
+    All state is guarded by one lock, held through the condition ``_cond`` that admissions and
+    acquires wait on (the parts share it); loads run on a private pool of ``io_threads`` threads
+    (prefetch loads on a second pool of as many) and take the lock only to publish their result.
     """
 
     def __init__(
@@ -135,52 +122,23 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
                 f"slot table {table.path} has {table.num_entries} entries and {table.num_slots} slots; "
                 f"expected {table_entries(manifest)} entries and {arena.num_slots} slots"
             )
-        self._manifest = manifest
-        self._layers = LayerMap(tuple(manifest.moe_layers), manifest.num_layers)
-        self._num_experts = manifest.num_experts
-        self._arena = arena
-        self._metrics = metrics
-        self._timeout_s = acquire_timeout_s
-        self._blob_bytes = manifest.blob_bytes
+        layers = LayerMap(tuple(manifest.moe_layers), manifest.num_layers)
         # One lock; waiters on three conditions of it, so that a change wakes only who needs it:
-        # admissions and acquires waiting for slots or loads (``_cond``), the unpin watcher
-        # (``_watch``), the prefetch worker (its own, woken by ``Prefetcher.kick``).
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
-        self._watch = threading.Condition(self._lock)
+        # admissions and acquires waiting for slots or loads (``_cond``), the unpin watcher, the
+        # prefetch worker (woken by ``Prefetcher.kick``).
+        lock = threading.RLock()
+        self._cond = cond = threading.Condition(lock)
         self._table = table
-        self.slots = Slots(table, arena.num_slots, manifest.num_experts)
-        self.queue = PrefetchQueue(manifest.blob_bytes)
-        self._ledgers = ClientLedgers(table)
-        self._recency = Recency(table, self.slots)
-        self._sessions = set()
-        self._channels = {}
-        self._client_waits = {}
-        self._closing = False
-        self.demand_waiting = 0
-        self._unpin_seen = None
-        self._strays = {}
+        self._arena = arena
+        self.slots = slots = Slots(table, arena.num_slots, manifest.num_experts)
         self.signals = signals or ActivationSignals(
-            manifest.num_layers, manifest.num_experts, layer_map=self._layers
+            manifest.num_layers, manifest.num_experts, layer_map=layers
         )
         if (self.signals.num_layers, self.signals.num_experts) != (manifest.num_layers, manifest.num_experts):
             raise ValueError(
                 f"signals cover {self.signals.num_layers} layers x {self.signals.num_experts} experts; the store "
                 f"has {manifest.num_layers} x {manifest.num_experts}"
             )
-        self._loader = Loader(
-            self._cond,
-            arena,
-            store,
-            host,
-            metrics,
-            io_threads=io_threads,
-            executor=executor,
-            on_done=self._load_done,
-            on_failed=self._load_failed,
-            on_cancelled=self._drop_cancelled,
-            on_slot_settled=self._slot_settled,
-        )
         # The one holder of the eviction policy, which eviction reads too (``policy``).
         scheduler = PrefetchScheduler(
             self.signals,
@@ -189,16 +147,54 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
             max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
             config=prefetch_config,
         )
-        self._prefetcher = Prefetcher(self, self._cond, scheduler, metrics, threading.Condition(self._lock))
-        self.intake = SignalIntake(
-            self.signals, self._layers, self._cond, self._prefetcher.kick, metrics.signals
+        self._prefetcher = prefetcher = Prefetcher(cond, threading.Condition(lock), scheduler, metrics)
+        recency = Recency(table, slots)
+        self._sessions = sessions = Sessions(cond, table, slots, metrics, prefetcher.kick)
+        self._loads = loads = Loads(
+            cond,
+            slots,
+            prefetcher,
+            sessions,
+            metrics,
+            arena,
+            store,
+            host,
+            io_threads=io_threads,
+            executor=executor,
         )
-        self._prefetcher.enabled = prefetch
-        self._update_signals_wanted()
-        self._watcher = threading.Thread(
-            target=self._watch_unpins, name="expertcache-unpin-watch", daemon=True
+        self.intake = SignalIntake(self.signals, layers, cond, prefetcher.kick, metrics.signals)
+        self._watcher = UnpinWatcher(cond, threading.Condition(lock), table)
+        self._admission = admission = Admission(
+            cond,
+            table,
+            slots,
+            loads,
+            sessions,
+            prefetcher,
+            recency,
+            self._watcher,
+            self.intake,
+            metrics,
+            manifest,
+            timeout_s=acquire_timeout_s,
         )
-        self._watcher.start()
+        self._worker = PrefetchWorker(cond, prefetcher, admission, slots, recency, loads.start)
+        prefetcher.enabled = prefetch
+        self._switches = LiveSwitches(
+            cond, table, slots, recency, prefetcher, self.signals, blob_bytes=manifest.blob_bytes
+        )
+        self._switches.update_signals_wanted()
+        self._channel_port = ChannelPort(
+            admit=admission.admit_for_client,
+            run_deferred=loads.run_deferred,
+            close_session=sessions.close_session,
+            closing=lambda: sessions.closing,
+            intake=self.intake,
+            metrics=metrics,
+            table=table,
+            num_experts=manifest.num_experts,
+            blob_bytes=manifest.blob_bytes,
+        )
 
     @property
     def num_slots(self) -> int:
@@ -211,65 +207,102 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
 
     @property
     def num_experts(self) -> int:
-        return self._num_experts
-
-    @property
-    def blob_bytes(self) -> int:
-        return self._blob_bytes
-
-    @property
-    def metrics(self) -> DaemonMetrics:
-        return self._metrics
+        return self.slots.num_experts
 
     @property
     def closing(self) -> bool:
-        return self._closing
+        return self._sessions.closing
 
     @property
-    def layers(self) -> LayerMap:
-        return self._layers
+    def scheduler(self) -> PrefetchScheduler:
+        """The prefetch scheduler; it holds the eviction policy that the residency evicts by too."""
+        return self._prefetcher.scheduler
 
-    # -- TierState (read by the prefetch scheduler, under the lock) ---------------------
     @property
-    def free_slots(self) -> int:
-        # While a demand waits for slots, none is free for prefetch.
-        return 0 if self.demand_waiting else self.slots.free
-
-    def is_resident(self, key: ExpertKey) -> bool:
-        return self.slots.is_resident(key)
-
-    def evictable(self, key: ExpertKey) -> bool:
-        return not self.demand_waiting and self.slots.evictable(key)
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
+        return self._prefetcher.scheduler.policy
 
     @property
     def inflight_bytes(self) -> int:
-        return self.queue.inflight_bytes
+        return self._loads.queue.inflight_bytes
 
-    # -- the prefetcher's side -----------------------------------------------------------
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self._prefetcher.enabled
+
+    # -- demand (``Admission``) and pins (``Sessions``) -------------------------------------
+    def acquire(
+        self,
+        session: Session,
+        layer: int,
+        experts: Iterable[int],
+        timeout_s: float | None = None,
+        signals: Iterable[RouteSignal | LookaheadSignal] = (),
+    ) -> Iterator[Ready]:
+        """Pin ``layer``'s ``experts`` for ``session``, yielding a ``Ready`` per expert as it is
+        ready (``Admission.acquire``)."""
+        return self._admission.acquire(session, layer, experts, timeout_s, signals)
+
+    def release(self, session: Session, keys: Iterable[ExpertKey]) -> None:
+        """Drop one pin per key (``BadAcquire``, nothing released, for a key not pinned)."""
+        self._sessions.release(session, keys)
+
+    def open_session(self, name: str = "") -> Session:
+        return self._sessions.open_session(name)
+
+    def close_session(self, session: Session) -> None:
+        """Drop every pin ``session`` holds and end it. Idempotent; any thread."""
+        self._sessions.close_session(session)
+
+    def claim_client(self) -> ClientLedger:
+        """A free client ledger for an attaching compute process (``ResourceExhausted`` if none)."""
+        return self._sessions.claim_client()
+
+    def handoff_fds(self, ledger: ClientLedger) -> list[int] | None:
+        """New descriptors of the table and of ``ledger``'s region (``Sessions.handoff_fds``)."""
+        return self._sessions.handoff_fds(ledger)
+
+    def bind_client(self, session: Session, ledger: ClientLedger) -> None:
+        """Tie ``ledger`` (claimed at Attach) to ``session`` and serve its channel until the
+        session closes (``FailedPrecondition`` if it is not claimed, bound elsewhere, or at
+        another epoch)."""
+        self._sessions.bind_client(session, ledger, self._channel_port)
+
+    def audit_clients(self) -> bool:
+        """Under the lock: end the sessions of clients whose regions pin at will
+        (``Sessions.audit_clients``)."""
+        return self._sessions.audit_clients()
+
+    # -- prefetch and live switches ----------------------------------------------------------
     def run_prefetch(self) -> int:
         """Decide and start prefetches now, in the calling thread (what the worker does when
         woken); returns the number of loads started. Nothing while prefetch is off or a demand
         waits for slots."""
         with self._cond:
-            return self._prefetcher.run()
+            return self._worker.run()
 
-    def sync_recency(self) -> None:
-        """Feed the policy compute's table hits since the last sync (under the lock)."""
-        self._recency.sync(self.policy, self._prefetcher.used)
+    def set_slot_limit(self, limit: int) -> int:
+        """Change the live device budget; returns how many experts were evicted now
+        (``LiveSwitches.set_slot_limit``)."""
+        return self._switches.set_slot_limit(limit)
 
-    def _watch_unpins(self) -> None:
-        """Turns compute's unpins (the slot table's futex word) into wake-ups of waiting admissions;
-        asleep unless an admission waits."""
-        while True:
-            with self._cond:
-                while not self._closing and not (self.demand_waiting and self._unpin_seen is not None):
-                    self._watch.wait()
-                if self._closing:
-                    return
-                seen, self._unpin_seen = self._unpin_seen, None
-            self._table.wait_unpin(seen)  # no timeout: an unpin, or shutdown's wake, ends it
-            with self._cond:
-                self._cond.notify_all()
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Switch the eviction policy at runtime, losing nothing (``LiveSwitches.set_policy``)."""
+        self._switches.set_policy(policy)
+
+    def configure_prefetch(
+        self, *, enabled: bool, max_inflight_bytes: int, config: PrefetchConfig | None = None
+    ) -> None:
+        """Turn prefetch on/off and retune it at runtime (loads already started complete)."""
+        self._switches.configure_prefetch(
+            enabled=enabled, max_inflight_bytes=max_inflight_bytes, config=config
+        )
+
+    def set_next_visit_model(self, model) -> None:
+        """Swap the signals' learned next-visit model at runtime (``ValueError`` for a model of
+        another shape, nothing changed)."""
+        self._switches.set_next_visit_model(model)
 
     # -- read ---------------------------------------------------------------------------
     def read_slot(self, session: Session, key: ExpertKey) -> torch.Tensor:
@@ -277,9 +310,9 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
         with self._cond:
             state = self.slots.state(key)
             pinned = session.pins(key) > 0
-            if state is not SlotState.RESIDENT or not pinned:
+            if state is not TableState.RESIDENT or not pinned:
                 raise SlotNotReadable(
-                    f"expert {key} is {state.value} and {'pinned' if pinned else 'not pinned'} by this stream: "
+                    f"expert {key} is {state.name.lower()} and {'pinned' if pinned else 'not pinned'} by this stream: "
                     "a slot is readable only while RESIDENT and pinned"
                 )
             return self._arena.slots[self.slots.slot(key)]
@@ -288,7 +321,7 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
     def describe(self, key: ExpertKey) -> SlotInfo:
         with self._cond:
             state = self.slots.state(key)
-            load = self.queue.get(key)
+            load = self._loads.queue.get(key)
             priority = None
             if isinstance(load, Load):
                 # The native reader's own view when the read is submitted (what it serves by).
@@ -297,7 +330,7 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
             return SlotInfo(
                 key,
                 state,
-                self.slots.slot(key) if state is not SlotState.ABSENT else -1,
+                self.slots.slot(key) if state is not TableState.ABSENT else -1,
                 self.slots.pins(key),
                 self.slots.generation(key),
                 priority,
@@ -312,16 +345,17 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
     def stats(self) -> ResidencyStats:
         with self._cond:
             occupied = self.slots.occupied()
+            queue = self._loads.queue
             return ResidencyStats(
                 num_slots=self.num_slots,
-                resident=sum(1 for _k, s in occupied.values() if s is SlotState.RESIDENT),
-                loading=sum(1 for _k, s in occupied.values() if s is SlotState.LOADING),
+                resident=sum(1 for _k, s in occupied.values() if s is TableState.RESIDENT),
+                loading=sum(1 for _k, s in occupied.values() if s is TableState.LOADING),
                 pinned=sum(1 for k, _s in occupied.values() if self.slots.pins(k) > 0),
-                sessions=len(self._sessions),
+                sessions=self._sessions.count,
                 shm_hits=self._table.hits,
-                prefetching=self.queue.prefetching(),
-                inflight_bytes=self.queue.inflight_bytes,
-                demands_waiting=self.demand_waiting,
+                prefetching=queue.prefetching(),
+                inflight_bytes=queue.inflight_bytes,
+                demands_waiting=self._admission.demand_waiting,
                 hints_dropped=self.intake.hints_dropped,
             )
 
@@ -329,19 +363,17 @@ class Residency(Admission, LoadCompletion, ClientSessions, LiveSwitches):
         """Wake and fail every waiting Acquire (``ShuttingDown``), then stop the prefetcher, the
         unpin watcher and the I/O threads."""
         with self._cond:
-            self._closing = True
+            servers = self._sessions.close()
             self._cond.notify_all()
-            self._watch.notify_all()
-            servers = list(self._channels.values())
+            self._watcher.stop()
         for server in servers:
             server.wake()
         for server in servers:
             server.join(5.0)
         self._table.wake_unpin_waiters()
-        if self._watcher is not threading.current_thread():
-            self._watcher.join()
-        self._prefetcher.close()
-        self._loader.shutdown()
+        self._watcher.join()
+        self._worker.close()
+        self._loads.shutdown()
 
     def drain(self, timeout_s: float) -> int:
         """After ``shutdown``: evict every expert nobody pins, and wait (at most ``timeout_s``) for

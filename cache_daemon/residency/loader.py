@@ -1,22 +1,6 @@
-"""Loads: an expert's blob from the host tier or the store into its arena slot, on I/O threads.
-
-::
-
-    Loader.submit(load) ─▶ demand pool (io_threads)   or   prefetch pool (io_threads)
-                               │ _run: host tier has it? copy host slot → arena slot   (source HOST)
-                               │       else reserve a host slot, read the store into it at the
-                               │       load's priority, commit, copy to the arena      (source STORE)
-                               │       (no host slot free: read into the arena slot or a staging
-                               │       buffer directly)
-                               ▼
-                          on_done(load, source) / on_failed(load, error) / on_cancelled(load)
-                          (the residency's callbacks, under its lock: they publish the result)
-
-Prefetch loads never occupy a demand I/O thread, so a demand load never queues behind one. A
-demand that joins a prefetch load promotes it: the store read's priority rises to DEMAND, or a
-demand I/O thread takes it if no prefetch thread has yet (whichever thread starts first runs it).
-A cancelled load that has not started never reads; one whose read is submitted loses its
-unissued chunks and ends with ``ReadCancelled``.
+"""Loads: an expert's blob from the host tier or the store into its arena slot, on I/O threads
+(a demand pool and a prefetch pool, so a demand load never queues behind a prefetch). Results go
+back through the callbacks of ``Loads``, under the residency lock (docs/residency.md, "Loads").
 """
 
 from __future__ import annotations
@@ -59,7 +43,7 @@ class Load(QueuedLoad):
 
     slot: int = -1
     priority: Priority = Priority.DEMAND
-    # Left to the admitting thread (Residency.run_deferred), not queued on a pool at admission;
+    # Left to the admitting thread (Loads.run_deferred), not queued on a pool at admission;
     # ``claimed`` once a thread took it (a demand that joined it may hold it in its list too).
     deferred: bool = False
     claimed: bool = False

@@ -1,51 +1,86 @@
-"""A load's life in the residency: started, promoted by a demand, cancelled, and its result.
-
-The loader runs a load on its I/O threads and calls back here under the lock (``_load_done``,
-``_load_failed``, ``_drop_cancelled``, ``_slot_settled``): the result is published to the slot
-table, the policy, the waiting Acquires and client channels, and the prefetch worker is woken.
+"""The loads in flight (``Loads``): started, promoted by a demand, cancelled, run, and their
+results published. It owns the ``PrefetchQueue`` (every load in flight, demand and prefetch) and
+the ``Loader`` (the I/O pools), which calls back here under the residency lock.
 """
 
 from __future__ import annotations
 
-from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchStart
-from cache_daemon.residency.loader import PRIORITY, Load
-from cache_daemon.residency.prefetcher import PREFETCH_KINDS
-from cache_daemon.residency.slots import SlotState
-from cache_daemon.residency.state import ResidencyState
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Executor
+
+from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchQueue
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.residency.loader import PRIORITY, Load, Loader
+from cache_daemon.residency.prefetcher import PREFETCH_KINDS, Prefetcher
+from cache_daemon.residency.sessions import Sessions
+from cache_daemon.residency.slots import Slots
 from cache_daemon.tiers.base import Tier
+from cache_daemon.tiers.device import DeviceArena
+from cache_daemon.tiers.host import HostTier
+from cache_daemon.tiers.store import StoreReader
 from expertcache.keys import ExpertKey
+from expertcache.protocol import GATHER_BELOW_BYTES
 
 
-class LoadCompletion(ResidencyState):
-    """Starting, promoting and cancelling loads, and publishing their results."""
+class Loads:
+    """Every load in flight (``queue``) and the I/O that runs them. Called under the residency
+    lock (``cond``), but ``run_deferred`` and ``shutdown``."""
 
-    def start_prefetch(self, start: PrefetchStart) -> bool:
-        """Execute one decision if the tier still allows it (a victim must still be evictable)."""
-        key = start.key
-        if self.slots.state(key) is not SlotState.ABSENT or key in self.queue:
-            return False
-        if start.victim is not None and not self.slots.free:
-            if not self.evictable(start.victim) or not self.slots.try_evict(start.victim):
-                return False  # pinned meanwhile: never displaced
-            self._evicted(start.victim)
-        if not self.slots.free:
-            return False
-        self._prefetcher.started(start)
-        self._start_load(key, start.cls, start.score, start.depth)
-        return True
+    def __init__(
+        self,
+        cond: threading.Condition,
+        slots: Slots,
+        prefetcher: Prefetcher,
+        sessions: Sessions,
+        metrics: DaemonMetrics,
+        arena: DeviceArena,
+        store: StoreReader,
+        host: HostTier | None,
+        *,
+        io_threads: int,
+        executor: Executor | None,
+    ) -> None:
+        """``executor`` runs the demand loads; by default a private pool of ``io_threads``
+        threads, shut down by ``shutdown`` (one passed in is left running)."""
+        self._cond = cond
+        self._slots = slots
+        self._prefetcher = prefetcher
+        self._sessions = sessions
+        self._metrics = metrics
+        self.queue = PrefetchQueue(arena.slot_bytes)
+        # Large experts are published one by one as copied (compute starts on the first).
+        self._publish_each = arena.slot_bytes >= GATHER_BELOW_BYTES
+        self._loader = Loader(
+            cond,
+            arena,
+            store,
+            host,
+            metrics,
+            io_threads=io_threads,
+            executor=executor,
+            on_done=self._load_done,
+            on_failed=self._load_failed,
+            on_cancelled=self._drop_cancelled,
+            on_slot_settled=self._slot_settled,
+        )
 
-    def _start_load(
+    def start(
         self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0, *, defer: bool = False
     ) -> Load:
         """A LOADING entry for ``key`` in a free slot, its load queued on the I/O pools, or with
         ``defer`` left to the admitting thread (``run_deferred``)."""
-        slot = self.slots.begin_load(key)
+        slot = self._slots.begin_load(key)
         load = self.queue.add(Load(key, cls, score, depth, slot=slot, priority=PRIORITY[cls], deferred=defer))
         if not defer:
             self._loader.submit(load)  # type: ignore[arg-type]
         return load  # type: ignore[return-value]
 
-    def _promote(self, load: Load) -> None:
+    def submit(self, load: Load) -> None:
+        """Queue ``load`` on its class's I/O pool."""
+        self._loader.submit(load)
+
+    def promote(self, load: Load) -> None:
         """A demand joined ``load``: from now on it is a demand load, read at demand priority."""
         if self.queue.promote(load.key) is None:
             return  # already a demand load
@@ -53,7 +88,7 @@ class LoadCompletion(ResidencyState):
             self._metrics.prefetch_promoted.labels(PREFETCH_KINDS[load.prefetch]).inc()
         self._loader.promote(load)
 
-    def _cancel_prefetches(self, n: int, wanted: set[ExpertKey]) -> int:
+    def cancel_prefetches(self, n: int, wanted: set[ExpertKey]) -> int:
         """Cancel up to ``n`` queued prefetch loads no demand holds; returns the slots freed now.
 
         Lowest class first (EAMC before layer-ahead), unstarted before started. A load whose read
@@ -76,52 +111,58 @@ class LoadCompletion(ResidencyState):
                 self._metrics.prefetch_cancelled.labels(PREFETCH_KINDS[load.prefetch]).inc()
         return freed
 
-    def _evicted(self, key: ExpertKey, *, count: bool = True) -> None:
-        """``key`` left the arena through ``try_evict``: tell the policy and the accounting (the
-        caller counts the eviction itself when ``count`` is False)."""
-        self._prefetcher.gone(key, evicted=True)
-        self.policy.on_remove(key)
-        if count:
-            self._metrics.tier["device"].evictions.inc()
+    def run_deferred(self, loads: Iterable[Load]) -> None:
+        """Run demand loads admission left to the acquiring thread (outside the lock): those the
+        host tier holds are copied here, in order (no hop to an I/O thread), published one by one
+        when experts are large (compute starts on the first while the next is copied) or all at
+        once (``GATHER_BELOW_BYTES``); the others go to the I/O pool (a store read), first, so that
+        their reads start at once."""
+        with self._cond:  # a demand that joined the load lists it too: the first to claim it runs it
+            loads = [load for load in loads if not load.claimed]
+            for load in loads:
+                load.claimed = True
+        if loads:
+            # Those the host tier does not hold are submitted to the I/O pool as they are met
+            # (their reads start at once); the others are copied here.
+            self._loader.copy_from_host(loads, publish_each=self._publish_each)
+
+    def shutdown(self) -> None:
+        """Stop the I/O threads (queued loads are dropped; running ones finish)."""
+        self._loader.shutdown()
 
     # -- load results (the loader's callbacks, under the lock) --------------------------------
     def _load_done(self, load: Load, source: Tier) -> None:
         self.queue.remove(load.key)
-        self.slots.finish_load(load.key)
-        self.policy.on_insert(load.key)
+        self._slots.finish_load(load.key)
+        self._prefetcher.policy.on_insert(load.key)
         load.source, load.done = source, True
-        for client, position in self._client_waits.pop(load.key, ()):
-            client.loaded(position, source)
+        self._sessions.load_landed(load.key, source)
         self._prefetcher.kick()
 
     def _load_failed(self, load: Load, error: BaseException, keep_slot: bool = False) -> None:
         """Back to ABSENT: free the slot (unless ``keep_slot``: a late copy may still write it),
         drop every pin on the key, wake the waiters with ``error``."""
         key = load.key
-        for session in self._sessions:
-            n = session.held.pop(key, 0)
-            self.slots.unhold(key, n)
-        for client, _position in self._client_waits.pop(key, ()):
-            client.failed(key, error)
+        self._sessions.load_failed(key, error)
         self.queue.remove(key)
-        self.slots.abort_load(key, load.slot, free_slot=not keep_slot)
+        self._slots.abort_load(key, load.slot, free_slot=not keep_slot)
         self._prefetcher.gone(key, evicted=False)
         load.error, load.done = error, True
         self._prefetcher.kick()
 
     def _slot_settled(self, slot: int) -> None:
         """The late copy into ``slot`` landed: it is free for loads again."""
-        self.slots.release_slot(slot)
+        self._slots.release_slot(slot)
         self._prefetcher.kick()
         self._cond.notify_all()
 
     def _drop_cancelled(self, load: Load) -> None:
         """A cancelled prefetch load lets go of its slot (no holder waits for it)."""
         self.queue.remove(load.key)
-        self.slots.abort_load(load.key, load.slot)
+        self._slots.abort_load(load.key, load.slot)
         self._prefetcher.gone(load.key, evicted=False)
         load.done = True
         self._prefetcher.kick()
 
 
-__all__ = ["LoadCompletion"]
+__all__ = ["Loads"]

@@ -1,36 +1,26 @@
-"""The prefetch worker: one thread that turns the scheduler's decisions into loads.
-
-::
-
-    compute's Route / LayerAhead ─┐
-    predictor hint batch (pushed) ├─▶ kick() ─▶ worker wakes (condition, no timeout)
-    load done, pin released ──────┘                │ decide(tier) (cache_daemon.decisions)
-                                                   ▼
-                              start(PrefetchStart): victim still evictable? try_evict → LOADING,
-                              no holders, in the residency's one PrefetchQueue, read at its class's
-                              priority on the prefetch pool
-
-The worker stands aside while a demand waits for slots (it takes no slot a demand needs), and it
-evicts only through the same checks as a demand (no pin of anyone, ``try_evict``): a pinned
-expert is never evicted or overwritten by prefetch either.
-
-Accounting (``moe_cache_prefetch_*_total{kind}``): a prefetched expert is *used* when it is
-acquired, joined by a demand or pinned by compute before eviction, *wasted* when it is evicted
-unused.
+"""Prefetch: ``Prefetcher`` holds the scheduler (and so the eviction policy), the prefetches not
+used yet and the worker's wake-up; ``PrefetchWorker`` is the thread that starts the loads the
+scheduler decides. Split so the parts that report changes need no reference to the worker, which
+needs them (docs/residency.md, "Prefetch").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchScheduler, PrefetchStart
+from cache_daemon.decisions.policy import EvictionPolicy
+from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchScheduler, PrefetchStart, TierState
 from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.residency.slots import Slots
 from expertcache.keys import ExpertKey
+from expertcache.native import TableState
 
 if TYPE_CHECKING:
-    from cache_daemon.residency.core import Residency
+    from cache_daemon.residency.clients import Recency
+    from cache_daemon.residency.loader import Load
 
 logger = logging.getLogger(__name__)
 
@@ -38,35 +28,43 @@ logger = logging.getLogger(__name__)
 PREFETCH_KINDS = {PrefetchClass.LAYER_AHEAD: "layer_ahead", PrefetchClass.EAMC: "eamc"}
 
 
+class PrefetchTarget(TierState, Protocol):
+    """The tier as the worker sees it: the scheduler's ``TierState``, and whether an admission
+    waits for slots (prefetch then stands aside)."""
+
+    @property
+    def demand_waiting(self) -> int: ...
+
+
 class Prefetcher:
-    """Runs ``scheduler.decide`` over ``residency`` whenever something it reads changed."""
+    """The scheduler, whether prefetch is on, and what prefetch started and was not used yet.
+    Everything here runs under the residency lock (``cond``'s); ``wake`` is the worker's own
+    condition on that lock."""
 
     def __init__(
         self,
-        residency: Residency,
         cond: threading.Condition,
+        wake: threading.Condition,
         scheduler: PrefetchScheduler,
         metrics: DaemonMetrics,
-        wake: threading.Condition,
     ) -> None:
-        """``cond``: the residency's condition (its waiters are woken by every change); ``wake``:
-        the worker's own condition on the same lock."""
-        self._residency = residency
         self._cond = cond  # the residency's: its waiters are woken by every change
         self._wake = wake
         self.scheduler = scheduler
         self._metrics = metrics
         self.enabled = False
+        self.closing = False
         self._dirty = True  # something the scheduler reads changed since its last decide
         self._sleeping = False  # the worker waits on _wake (under the lock)
         self._woken = False  # and was notified since it began to
-        self._closing = False
         # prefetched, resident or loading, not used yet: its class and lookahead depth
         self._unused: dict[ExpertKey, tuple[PrefetchClass, int]] = {}
-        self._thread = threading.Thread(target=self._loop, name="expertcache-prefetcher", daemon=True)
-        self._thread.start()
 
-    # -- under the residency lock ------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
+        return self.scheduler.policy
+
     def kick(self) -> None:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
         every waiting admission (a slot, a load or a pin may have come free)."""
@@ -77,16 +75,6 @@ class Prefetcher:
             self._woken = True
             self._wake.notify()
         self._cond.notify_all()
-
-    def run(self) -> int:
-        """Decide and start prefetches now (what the worker does when woken); the number started."""
-        if not self.enabled or self._residency.demand_waiting or self._closing:
-            return 0
-        started = 0
-        self._residency.sync_recency()
-        for start in self.scheduler.decide(self._residency):
-            started += self._residency.start_prefetch(start)
-        return started
 
     def started(self, start: PrefetchStart) -> None:
         self._unused[start.key] = (start.cls, start.depth)
@@ -112,24 +100,91 @@ class Prefetcher:
             self.scheduler.record_outcome(depth, used=False)
             self._metrics.prefetch_wasted.labels(PREFETCH_KINDS[cls]).inc()
 
+    def evicted(self, key: ExpertKey, *, count: bool = True) -> None:
+        """``key`` left the arena through ``try_evict``: tell the policy and the accounting (the
+        caller counts the eviction itself when ``count`` is False)."""
+        self.gone(key, evicted=True)
+        self.scheduler.policy.on_remove(key)
+        if count:
+            self._metrics.tier["device"].evictions.inc()
+
     def is_unused_prefetch(self, key: ExpertKey) -> bool:
         return key in self._unused
 
-    # -- the worker --------------------------------------------------------------------------------
+    def await_work(self, tier: PrefetchTarget) -> bool:
+        """The worker's wait (under the lock): until something changed while prefetch is on and
+        no admission waits for slots. False once closing."""
+        while not self.closing and not (self._dirty and self.enabled and not tier.demand_waiting):
+            self._sleeping, self._woken = True, False
+            try:
+                self._wake.wait()  # no timeout: every change kicks
+            finally:
+                self._sleeping = False
+        if self.closing:
+            return False
+        self._dirty = False
+        return True
+
+    def stop(self) -> None:
+        """Under the lock: the worker ends at its next check."""
+        self.closing = True
+        self._wake.notify_all()
+
+
+class PrefetchWorker:
+    """The thread that runs ``scheduler.decide`` over ``tier`` whenever the ``Prefetcher`` is
+    kicked, and starts the loads it decides (``start_load``) in free or evicted slots."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        prefetcher: Prefetcher,
+        tier: PrefetchTarget,
+        slots: Slots,
+        recency: Recency,
+        start_load: Callable[[ExpertKey, PrefetchClass, float, int], Load],
+    ) -> None:
+        self._cond = cond
+        self._prefetcher = prefetcher
+        self._tier = tier
+        self._slots = slots
+        self._recency = recency
+        self._start_load = start_load
+        self._thread = threading.Thread(target=self._loop, name="expertcache-prefetcher", daemon=True)
+        self._thread.start()
+
+    def run(self) -> int:
+        """Decide and start prefetches now (under the lock; what the worker does when woken); the
+        number started."""
+        prefetcher = self._prefetcher
+        if not prefetcher.enabled or self._tier.demand_waiting or prefetcher.closing:
+            return 0
+        started = 0
+        self._recency.sync(prefetcher.scheduler.policy, prefetcher.used)
+        for start in prefetcher.scheduler.decide(self._tier):
+            started += self.start(start)
+        return started
+
+    def start(self, start: PrefetchStart) -> bool:
+        """Execute one decision if the tier still allows it (a victim must still be evictable)."""
+        key, slots = start.key, self._slots
+        if slots.state(key) is not TableState.ABSENT or key in self._tier.queue:
+            return False
+        if start.victim is not None and not slots.free:
+            if not self._tier.evictable(start.victim) or not slots.try_evict(start.victim):
+                return False  # pinned meanwhile: never displaced
+            self._prefetcher.evicted(start.victim)
+        if not slots.free:
+            return False
+        self._prefetcher.started(start)
+        self._start_load(key, start.cls, start.score, start.depth)
+        return True
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closing and not (
-                    self._dirty and self.enabled and not self._residency.demand_waiting
-                ):
-                    self._sleeping, self._woken = True, False
-                    try:
-                        self._wake.wait()  # no timeout: every change kicks
-                    finally:
-                        self._sleeping = False
-                if self._closing:
+                if not self._prefetcher.await_work(self._tier):
                     return
-                self._dirty = False
                 try:
                     self.run()
                 except Exception:  # noqa: BLE001 - a scheduling bug must not stop serving demands
@@ -138,10 +193,9 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the worker (called with the lock *not* held)."""
         with self._cond:
-            self._closing = True
-            self._wake.notify_all()
+            self._prefetcher.stop()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
 
-__all__ = ["PREFETCH_KINDS", "Prefetcher"]
+__all__ = ["PREFETCH_KINDS", "PrefetchTarget", "PrefetchWorker", "Prefetcher"]

@@ -1,10 +1,6 @@
-"""Demand sessions and client ledgers: who pins what, and giving it back.
-
-A Demand stream opens a ``Session`` (its pins are counted in the slot table and recorded in the
-session, to give them back at ``release`` or ``close_session``). A compute process that attached
-with the shared-memory fast path claims a client ledger (``claim_client``) and ties it to its
-Demand stream (``bind_client``), which starts its channel's thread; when the stream ends the
-ledger's pins are reclaimed and the thread ends.
+"""Who pins what, and giving it back: Demand sessions, compute's client ledgers, the channel
+servers of bound clients and the loads they wait for (``Sessions``). A killed client's pins are
+reclaimed when its stream ends (docs/residency.md, "Clients").
 """
 
 from __future__ import annotations
@@ -13,13 +9,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from cache_daemon.errors import BadAcquire, SessionClosed, ShuttingDown
-from cache_daemon.residency.channel import ChannelServer
-from cache_daemon.residency.clients import ClientLedger, Session
-from cache_daemon.residency.state import ResidencyState
+from cache_daemon.metrics import DaemonMetrics
+from cache_daemon.residency.channel import ChannelPort, ChannelServer
+from cache_daemon.residency.clients import ClientLedger, ClientLedgers, Session
+from cache_daemon.residency.slots import Slots
+from cache_daemon.tiers.base import Tier
 from expertcache.keys import ExpertKey
+from expertcache.native import SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +31,36 @@ STRAY_CONFIRM_S = 0.05
 CHANNEL_JOIN_S = 10.0
 
 
-class ClientSessions(ResidencyState):
-    """Opening and closing Demand sessions, binding client ledgers, releasing pins."""
+class Sessions:
+    """The open Demand sessions, the client ledgers, the channel servers of the bound ones and
+    which of them wait for which load; ``closing`` once the daemon shuts down. Methods without
+    their own ``with cond`` run under the residency lock (``cond``)."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        table: SlotTable,
+        slots: Slots,
+        metrics: DaemonMetrics,
+        kick: Callable[[], None],
+    ) -> None:
+        """``kick``: tells the prefetcher (and every waiting admission) that pins were dropped."""
+        self._cond = cond
+        self._table = table
+        self._slots = slots
+        self._metrics = metrics
+        self._kick = kick
+        self._ledgers = ClientLedgers(table)
+        self._open: set[Session] = set()
+        self._channels: dict[Session, ChannelServer] = {}  # the channel servers of bound ledgers
+        self._client_waits: dict[ExpertKey, list[tuple[ChannelServer, int]]] = {}  # load -> waiters
+        self._strays: dict[int, tuple[frozenset[int], float]] = {}  # suspect ledgers: stray pins, seen at
+        self.closing = False
+
+    @property
+    def count(self) -> int:
+        """Open sessions."""
+        return len(self._open)
 
     # -- client ledgers (shm pins of compute processes) ----------------------------------
     def claim_client(self) -> ClientLedger:
@@ -56,14 +83,14 @@ class ClientSessions(ResidencyState):
                 os.close(table_fd)
                 raise
 
-    def bind_client(self, session: Session, ledger: ClientLedger) -> None:
-        """Tie ``ledger`` (claimed at Attach) to ``session``: when the session closes, the
-        ledger's shm pins are reclaimed. ``FailedPrecondition`` if it is not claimed, bound
-        elsewhere, or at another epoch."""
+    def bind_client(self, session: Session, ledger: ClientLedger, port: ChannelPort) -> None:
+        """Tie ``ledger`` (claimed at Attach) to ``session`` and start its channel's server (over
+        ``port``): when the session closes, the ledger's shm pins are reclaimed.
+        ``FailedPrecondition`` if it is not claimed, bound elsewhere, or at another epoch."""
         with self._cond:
-            self._check_open(session)
+            self.check_open(session)
             self._ledgers.bind(session, ledger)
-            server = ChannelServer(self, session, ledger, self._table.channel(ledger.index))
+            server = ChannelServer(port, session, ledger, self._table.channel(ledger.index))
             self._channels[session] = server
         server.start()
 
@@ -110,9 +137,9 @@ class ClientSessions(ResidencyState):
     def open_session(self, name: str = "") -> Session:
         session = Session(name)
         with self._cond:
-            if self._closing:
+            if self.closing:
                 raise ShuttingDown("the cache daemon is shutting down")
-            self._sessions.add(session)
+            self._open.add(session)
         return session
 
     def close_session(self, session: Session) -> None:
@@ -122,14 +149,14 @@ class ClientSessions(ResidencyState):
                 return
             session.closed = True
             for key, n in session.held.items():
-                self.slots.unhold(key, n)
+                self._slots.unhold(key, n)
             session.held.clear()
-            self._sessions.discard(session)
+            self._open.discard(session)
             ledger, session.ledger = session.ledger, None
             server = self._channels.pop(session, None)
             if server is not None:
                 self._forget_client_waits(server)
-            self._prefetcher.kick()
+            self._kick()
         if server is not None:
             server.wake()  # it sees the session closed and ends
         if ledger is not None:
@@ -145,6 +172,12 @@ class ClientSessions(ResidencyState):
             if removed:
                 logger.info("reclaimed %d shm pin(s) of client ledger %d (%s)", removed, ledger, session)
 
+    def close(self) -> list[ChannelServer]:
+        """Under the lock, at shutdown: refuse new sessions and end every wait; returns the
+        channel servers to wake."""
+        self.closing = True
+        return list(self._channels.values())
+
     def _forget_client_waits(self, client: ChannelServer) -> None:
         for key in list(self._client_waits):
             waiters = [w for w in self._client_waits[key] if w[0] is not client]
@@ -153,8 +186,8 @@ class ClientSessions(ResidencyState):
             else:
                 del self._client_waits[key]
 
-    def _check_open(self, session: Session) -> None:
-        if self._closing:
+    def check_open(self, session: Session) -> None:
+        if self.closing:
             raise ShuttingDown("the cache daemon is shutting down")
         if session.closed:
             raise SessionClosed(f"Demand session {session.name or session.id} is closed")
@@ -165,19 +198,39 @@ class ClientSessions(ResidencyState):
         releases nothing."""
         keys = list(keys)
         with self._cond:
-            self._check_open(session)
+            self.check_open(session)
             counts: dict[ExpertKey, int] = {}
             for key in keys:
                 counts[key] = counts.get(key, 0) + 1
                 if counts[key] > session.pins(key):
                     raise BadAcquire(f"Release of expert {key}, which this stream does not pin")
             for key in keys:
-                self._drop_pin(session, key)
-            self._prefetcher.kick()
+                self.drop_pin(session, key)
+            self._kick()
 
-    def _drop_pin(self, session: Session, key: ExpertKey) -> None:
+    def drop_pin(self, session: Session, key: ExpertKey) -> None:
         if session.drop(key):  # not already dropped (the load failed, or the session was closed)
-            self.slots.unhold(key)
+            self._slots.unhold(key)
+
+    # -- client channels waiting for loads (under the lock) -------------------------------------
+    def wait_for_loads(
+        self, client: ChannelServer, keys: Iterable[ExpertKey], position: dict[ExpertKey, int]
+    ) -> None:
+        """``client`` is told as each load of ``keys`` lands (or fails), at its ``position``."""
+        for key in keys:
+            self._client_waits.setdefault(key, []).append((client, position[key]))
+
+    def load_landed(self, key: ExpertKey, source: Tier) -> None:
+        for client, position in self._client_waits.pop(key, ()):
+            client.loaded(position, source)
+
+    def load_failed(self, key: ExpertKey, error: BaseException) -> None:
+        """Every pin on ``key`` goes (sessions' and waiting clients'); the clients hear why."""
+        for session in self._open:
+            n = session.held.pop(key, 0)
+            self._slots.unhold(key, n)
+        for client, _position in self._client_waits.pop(key, ()):
+            client.failed(key, error)
 
 
-__all__ = ["CHANNEL_JOIN_S", "STRAY_CONFIRM_S", "ClientSessions"]
+__all__ = ["CHANNEL_JOIN_S", "STRAY_CONFIRM_S", "Sessions"]

@@ -1,34 +1,20 @@
-"""The arena's slots as the shared slot table records them, and the allocator of free slots.
-
-The native ``SlotTable`` is the only record of each entry's state, slot, generation and pins —
-compute's shared-memory pins and the daemon's Demand pins (``hold``) alike — so eviction checks
-one number and nothing here mirrors it. The only state kept beside it is the allocator's list
-of free slots (slots no entry names), changed only through this class.
-
-Every method is called under the residency lock (the table's atomics make each call safe
-against compute's concurrent pins; the lock orders the daemon's own transitions).
+"""The arena's slots as the shared slot table records them (``Slots``), and the allocator of free
+slots. The native table is the only record of each entry's state, slot and pins: nothing here
+mirrors it (docs/residency.md, "Slots"). Called under the residency lock.
 """
 
 from __future__ import annotations
 
-import enum
-
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable, TableState
 
-
-class SlotState(enum.Enum):
-    ABSENT = "absent"
-    LOADING = "loading"
-    RESIDENT = "resident"
-
-
-# EVICTING exists only inside the daemon's own try_evict call, under its lock.
+# An entry's state is the table's own (``TableState``); EVICTING exists only inside the daemon's
+# own try_evict call, under its lock, so outside it reads as RESIDENT.
 _STATE = {
-    int(TableState.ABSENT): SlotState.ABSENT,
-    int(TableState.LOADING): SlotState.LOADING,
-    int(TableState.RESIDENT): SlotState.RESIDENT,
-    int(TableState.EVICTING): SlotState.RESIDENT,
+    int(TableState.ABSENT): TableState.ABSENT,
+    int(TableState.LOADING): TableState.LOADING,
+    int(TableState.RESIDENT): TableState.RESIDENT,
+    int(TableState.EVICTING): TableState.RESIDENT,
 }
 
 
@@ -52,7 +38,7 @@ class Slots:
         return ExpertKey.of_entry(index, self.num_experts)
 
     # -- reads -----------------------------------------------------------------------------------
-    def state(self, key: ExpertKey) -> SlotState:
+    def state(self, key: ExpertKey) -> TableState:
         return _STATE[int(self.table.state(self.index(key)))]
 
     def slot(self, key: ExpertKey) -> int:
@@ -95,7 +81,7 @@ class Slots:
         """Slots some entry names, or held back for a late copy."""
         return self.num_slots - len(self._free)
 
-    def occupied(self) -> dict[int, tuple[ExpertKey, SlotState]]:
+    def occupied(self) -> dict[int, tuple[ExpertKey, TableState]]:
         """slot → (key, state) of every slot in use (one pass over the table)."""
         out = {}
         for i, (state, slot) in enumerate(zip(self.table.states(), self.table.slots(), strict=True)):
@@ -148,4 +134,4 @@ class Slots:
             self.table.unpin_many([self.index(key)] * n)
 
 
-__all__ = ["SlotState", "Slots"]
+__all__ = ["TableState", "Slots"]

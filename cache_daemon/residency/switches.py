@@ -1,24 +1,49 @@
-"""Live switches: the device budget, the eviction policy, prefetch and the next-visit model,
-changed at runtime (``CacheDaemon.reconfigure``) without losing a resident expert or a pin.
-
-The eviction policy has one holder, the prefetch scheduler: eviction and prefetch read the same
-one, so a switch is one assignment.
+"""Live switches (``LiveSwitches``): the device budget, the eviction policy, prefetch and the
+next-visit model, changed at runtime (``CacheDaemon.reconfigure``) without losing a resident
+expert or a pin. The policy has one holder, the prefetch scheduler, so a switch is one assignment.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS, PrefetchConfig
-from cache_daemon.residency.slots import SlotState
-from cache_daemon.residency.state import ResidencyState
+from cache_daemon.decisions.signals import ActivationSignals
+from cache_daemon.residency.clients import Recency
+from cache_daemon.residency.prefetcher import Prefetcher
+from cache_daemon.residency.slots import Slots
+from expertcache.native import SlotTable, TableState
 
 logger = logging.getLogger(__name__)
 
 
-class LiveSwitches(ResidencyState):
-    """Runtime changes of the residency's settings."""
+class LiveSwitches:
+    """Runtime changes of the residency's settings, each in one hold of the lock (``cond``)."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        table: SlotTable,
+        slots: Slots,
+        recency: Recency,
+        prefetcher: Prefetcher,
+        signals: ActivationSignals,
+        *,
+        blob_bytes: int,
+    ) -> None:
+        self._cond = cond
+        self._table = table
+        self._slots = slots
+        self._recency = recency
+        self._prefetcher = prefetcher
+        self._signals = signals
+        self._blob_bytes = blob_bytes
+
+    def _sync_recency(self) -> None:
+        """Feed the policy compute's table hits since the last sync (under the lock)."""
+        self._recency.sync(self._prefetcher.scheduler.policy, self._prefetcher.used)
 
     def set_slot_limit(self, limit: int) -> int:
         """Change how many of the arena's slots the cache may fill (the live device budget).
@@ -27,17 +52,18 @@ class LiveSwitches(ResidencyState):
         loading expert is never evicted under its reader: its slot is reclaimed by later
         admissions once it is released. Growing lets more stay resident. Every expert that
         still fits stays. Returns how many were evicted now."""
-        if not 1 <= limit <= self._arena.num_slots:
-            raise ValueError(f"slot limit must be in [1, {self._arena.num_slots}], got {limit}")
+        slots = self._slots
+        if not 1 <= limit <= slots.num_slots:
+            raise ValueError(f"slot limit must be in [1, {slots.num_slots}], got {limit}")
         evicted = 0
         with self._cond:
-            self.slots.limit = limit
-            self.sync_recency()
-            excess = self.slots.used - limit
+            slots.limit = limit
+            self._sync_recency()
+            excess = slots.used - limit
             if excess > 0:
-                for victim in self.policy.choose_victims(excess, self.slots.evictable):
-                    if self.slots.try_evict(victim):
-                        self._evicted(victim)
+                for victim in self._prefetcher.policy.choose_victims(excess, slots.evictable):
+                    if slots.try_evict(victim):
+                        self._prefetcher.evicted(victim)
                         evicted += 1
             self._cond.notify_all()
             self._prefetcher.kick()
@@ -46,22 +72,22 @@ class LiveSwitches(ResidencyState):
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Switch the device tier's eviction policy at runtime, losing nothing.
 
-        ``policy`` (fresh, over ``self.signals``) is seeded with every resident expert, in the
+        ``policy`` (fresh, over the tier's signals) is seeded with every resident expert, in the
         old policy's eviction order (best victim first = oldest), so each stays resident and
         ranked; pins are the tier's, untouched; loads in flight complete and are inserted into
         the new policy when they do."""
-        if getattr(policy, "signals", None) not in (None, self.signals):
+        if getattr(policy, "signals", None) not in (None, self._signals):
             raise ValueError(f"policy {policy.name!r} reads other ActivationSignals than this tier's")
         with self._cond:
-            self.sync_recency()  # the old policy's order is complete before it is read
-            resident = [key for key, state in self.slots.occupied().values() if state is SlotState.RESIDENT]
-            old = self.policy
+            self._sync_recency()  # the old policy's order is complete before it is read
+            resident = [key for key, state in self._slots.occupied().values() if state is TableState.RESIDENT]
+            old = self._prefetcher.policy
             order = old.choose_victims(len(resident), lambda k: True)
             ranked = set(order)
             seed = order + [key for key in resident if key not in ranked]
-            policy.seed(key for key in seed if self.slots.is_resident(key))
-            self.scheduler.set_policy(policy)
-            self._update_signals_wanted()
+            policy.seed(key for key in seed if self._slots.is_resident(key))
+            self._prefetcher.scheduler.set_policy(policy)
+            self.update_signals_wanted()
             self._prefetcher.kick()
         logger.info("eviction policy %s -> %s (%d resident experts kept)", old.name, policy.name, len(seed))
 
@@ -73,11 +99,11 @@ class LiveSwitches(ResidencyState):
             raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
         with self._cond:
             self._prefetcher.enabled = enabled
-            scheduler = self.scheduler
+            scheduler = self._prefetcher.scheduler
             scheduler.max_inflight_bytes = max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * self._blob_bytes
             if config is not None:
                 scheduler.config = config
-            self._update_signals_wanted()
+            self.update_signals_wanted()
             self._prefetcher.kick()
 
     def set_next_visit_model(self, model) -> None:
@@ -85,19 +111,13 @@ class LiveSwitches(ResidencyState):
         (``ActivationSignals.set_next_visit_model``; ``ValueError`` for a model of another shape,
         nothing changed)."""
         with self._cond:
-            self.signals.set_next_visit_model(model)
+            self._signals.set_next_visit_model(model)
             self._prefetcher.kick()
 
-    @property
-    def prefetch_enabled(self) -> bool:
-        return self._prefetcher.enabled
-
-    def _update_signals_wanted(self) -> None:
+    def update_signals_wanted(self) -> None:
         """Tell compute (the table's flag) whether routing and lookahead signals are used now:
         by a policy that reads them, or by prefetch. Without them compute writes none."""
-        self._table.signals_wanted = bool(
-            self._prefetcher.enabled or getattr(self.policy, "needs_signals", False)
-        )
+        self._table.signals_wanted = bool(self._prefetcher.enabled or self._prefetcher.policy.needs_signals)
 
 
 __all__ = ["LiveSwitches"]

@@ -1,20 +1,6 @@
-"""The device arena: ``num_slots`` fixed-size slots in one allocation shared with compute.
-
-::
-
-    arena  [num_slots, slot_bytes] uint8        slot i = bytes [i*slot_bytes, (i+1)*slot_bytes)
-      cpu : a sealed memfd (expertcache.memfd), mapped MAP_SHARED: writable here, read-only in
-            compute, which gets its descriptor over the handoff socket (cache_daemon.client_handoff)
-      cuda: one cudaMalloc by the native core (expertcache.native.CudaArena), rows ``stride``
-            bytes apart (slot_bytes rounded up to 256), exported by a 64-byte CUDA IPC handle
-            and found by GPU UUID in compute; filled by the native CopyEngine
-
-The arena is raw memory: which expert a slot holds, and whether it may be read or overwritten,
-is decided by ``cache_daemon.residency.Residency`` (the slot table). ``copy_in`` returns only
-when the bytes are in the slot, so a slot reported ready is complete.
-
-The CPU arena has no name in any directory: no other process can open it, and nothing is left
-behind when the daemon dies, however it dies (the kernel frees a memfd with its last reference).
+"""The device arena: ``num_slots`` fixed-size slots in one allocation shared with compute, a
+sealed memfd (CPU) or one CUDA allocation exported by IPC. Raw memory: which expert a slot holds is
+the residency's (docs/residency.md, "The device arena").
 """
 
 from __future__ import annotations
@@ -36,6 +22,12 @@ from expertcache import memfd, native
 from expertcache.arena_handle import ArenaHandle, ArenaKind
 
 logger = logging.getLogger(__name__)
+
+
+class _ThreadStaging(threading.local):
+    """Each I/O thread's staging buffer, made on its first read that needs one."""
+
+    staging: StagingBuffer | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -166,7 +158,7 @@ class MemfdArena(DeviceArena):
         self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(num_slots, slot_bytes)
         self._base = self.slots.data_ptr()  # the mapping's address: copies go there by memmove
         self._views: dict[int, torch.Tensor] = {}  # slot -> its row of slots, made on first use
-        self._local = threading.local()
+        self._local = _ThreadStaging()
         self._lock = threading.Lock()  # arena_fd against close
         self._closed = False
         logger.info("arena: memfd, %d slots x %d bytes", num_slots, slot_bytes)
@@ -183,7 +175,7 @@ class MemfdArena(DeviceArena):
         return memoryview(self._mmap)[start : start + self.slot_bytes]
 
     def staging_buffer(self) -> torch.Tensor:
-        buf = getattr(self._local, "staging", None)
+        buf = self._local.staging
         if buf is None:
             buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=False)
         return buf.tensor
@@ -264,7 +256,7 @@ class CudaArena(DeviceArena):
         full = torch.as_tensor(self._native, device=f"cuda:{self.index}")  # [num_slots, stride] uint8
         self.slots = full[:, :slot_bytes]  # [num_slots, slot_bytes] uint8, rows stride apart
         self._next_stream = itertools.count()
-        self._local = threading.local()
+        self._local = _ThreadStaging()
         self._closed = False
         logger.info(
             "arena: cuda:%d (%s), %d slots x %d bytes (stride %d)",
@@ -299,7 +291,7 @@ class CudaArena(DeviceArena):
 
     def staging_buffer(self) -> torch.Tensor:
         # One per I/O thread, kept for the thread's life (the pool lives as long as the daemon).
-        buf = getattr(self._local, "staging", None)
+        buf = self._local.staging
         if buf is None:
             buf = self._local.staging = StagingBuffer(self.slot_bytes, pin=True, numa_node=self.numa_node)
         return buf.tensor

@@ -1,15 +1,6 @@
-"""The host tier: a fixed pool of blob-sized slots in host memory, an LRU cache below the arena.
-
-One allocation, made once: the native ``HostPool`` (csrc/include/expertcache/host_pool.h), an
-anonymous mapping cut into slots that each start on a 4 KiB boundary, so the store reads into a
-slot with O_DIRECT and no bounce buffer. Feeding a CUDA arena the pool is page-locked
-(``cudaHostRegister``) so host→device copies are asynchronous DMA; when it cannot be (no driver,
-memlock limit) the tier runs on pageable memory and logs why. A miss thus costs one read into a
-host slot and one copy into the arena.
-
-    host pool  num_slots slots of blob_bytes, slot i at base + i*stride (stride: 4 KiB multiple)
-    _slots     [num_slots, blob_bytes] uint8 torch view over the pool (row stride = stride)
-    key → slot   (``_slot_of``), pins per key; free slots are the pool's (alloc / free)
+"""The host tier: an LRU cache below the arena, a fixed pool of 4 KiB-aligned blob-sized slots in
+host memory (page-locked for a CUDA arena) that the store reads into with O_DIRECT
+(docs/residency.md, "The host tier").
 """
 
 from __future__ import annotations

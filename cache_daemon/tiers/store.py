@@ -1,29 +1,6 @@
-"""The store tier: expert blobs read from the layer files with O_DIRECT, checksum-verified.
-
-Each MoE layer file is opened once in one shared native ``expertcache.native.Reader`` (csrc/:
-io_uring where the kernel allows it, a pread thread pool otherwise). O_DIRECT bypasses the page
-cache, so a model larger than RAM does not evict everything else on the node, and a read costs
-one DMA into our buffer. O_DIRECT needs the buffer, file offset and length aligned to 4 KiB:
-offsets and lengths are multiples of ``BLOB_ALIGN`` by the store format, callers normally pass
-page-aligned buffers (``aligned_buffer``, host slots, arena slots), and the rare unaligned
-destination is read into an aligned bounce buffer and copied. The CRC-32 of every blob is checked
-in C++ against the manifest.
-
-Where a filesystem refuses O_DIRECT (``EINVAL`` at open: some overlay or FUSE setups), that file
-is read buffered by the same native Reader (``direct=False``) and its pages are dropped with
-``posix_fadvise(DONTNEED)`` after each read, which keeps the same effect on memory at the cost of
-one more copy. ``io_mode`` reports ``"o_direct+io_uring"``, ``"o_direct+pread"`` or ``"buffered"``.
-
-Priorities (``Priority``): a demand read overtakes queued layer-ahead and prefetch reads, chunk by
-chunk (``chunk_bytes``), even one already half read; no layer-ahead or prefetch chunk starts while
-a demand read is queued or in flight, and at most half the reader's concurrency of them run at
-once (parallel reads share the device's bandwidth: each one in flight slows a demand beside it).
-
-    submit(key, out, priority) ──▶ StoreReadHandle ──wait(timeout_s)──▶ out filled and verified
-    read_into(key, out, priority=DEMAND) = submit(...).wait()
-
-``read_into`` blocks (with the GIL released) and runs on the daemon's I/O threads
-(``Residency``), never on a thread that serves RPCs.
+"""The store tier: expert blobs read from the layer files with O_DIRECT (buffered where a
+filesystem refuses it), checksum-verified, a demand read overtaking prefetch reads chunk by chunk
+(docs/residency.md, "The store"). Reads run on the daemon's I/O threads, never on an RPC thread.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from cache_daemon.decisions.policy import PolicyShape, make_policy
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from cache_daemon.hints import Hint, HintBatch, HintBoard
 from cache_daemon.metrics import DaemonMetrics
-from cache_daemon.residency import Residency, SlotState, table_entries
+from cache_daemon.residency import Residency, table_entries
 from cache_daemon.tiers import HostTier, StoreReader, Tier
 from cache_daemon.tiers.device import MemfdArena
 from cache_daemon.tiers.store import Priority
@@ -88,7 +88,7 @@ class Harness:
             name, PolicyShape(self.manifest.num_layers, self.manifest.num_experts), self.signals
         )
 
-    def state(self, layer: int, expert: int) -> SlotState:
+    def state(self, layer: int, expert: int) -> TableState:
         return self.residency.describe(ExpertKey(layer, expert)).state
 
     def load(self, layer: int, *experts: int) -> dict[ExpertKey, int]:
@@ -138,7 +138,7 @@ def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     r.intake.begin_request("req")
     r.intake.observe("req", 0, L1, [0, 1])
     ahead(r, 0, L3, [2, 4], [0.8, 0.6])
-    wait_for(lambda: h.state(L3, 2) is SlotState.RESIDENT and h.state(L3, 4) is SlotState.RESIDENT)
+    wait_for(lambda: h.state(L3, 2) is TableState.RESIDENT and h.state(L3, 4) is TableState.RESIDENT)
     assert h.count(h.metrics.prefetch_started) == 2
     for e in (2, 4):  # mirrored in the shared table: compute pins it without any RPC
         key = ExpertKey(L3, e)
@@ -152,12 +152,12 @@ def test_layer_ahead_prediction_is_prefetched_and_its_use_counted(make):
     assert ready.source is Tier.DEVICE
     r.release(s, [ready.key])
     assert h.count(h.metrics.prefetch_used) == 1 and not r.describe(ready.key).prefetched
-    scheduler = r._prefetcher.scheduler  # the daemon's decisions hear every outcome
+    scheduler = r.scheduler  # the daemon's decisions hear every outcome
     assert scheduler.usefulness(1) == 1.0  # one used, none wasted yet
     # Evicting the other one unused counts it wasted: accuracy = used / (used + wasted) = 1/2.
     r.configure_prefetch(enabled=False, max_inflight_bytes=0)
     h.load(L1, 0, 1, 3)  # 2 free slots + 1 victim: LRU picks L3E4 (L3E2 was used since)
-    assert h.state(L3, 4) is SlotState.ABSENT and h.state(L3, 2) is SlotState.RESIDENT
+    assert h.state(L3, 4) is TableState.ABSENT and h.state(L3, 2) is TableState.RESIDENT
     assert h.count(h.metrics.prefetch_wasted) == 1
     assert scheduler.usefulness(1) == pytest.approx((1 + 4) / (2 + 4))  # the scheduler heard both
     assert value(h.metrics.signals, "route") == 1 and value(h.metrics.signals, "layer_ahead") == 1
@@ -184,8 +184,8 @@ def test_pinned_experts_are_never_evicted_by_prefetch(make):
     # The shm pin goes: that slot may now be displaced, the Demand-pinned one still never.
     compute.unpin_many([entry(h, shm_key)])
     r.run_prefetch()
-    wait_for(lambda: h.state(L3, 0) is SlotState.RESIDENT)
-    assert h.state(L1, 1) is SlotState.ABSENT
+    wait_for(lambda: h.state(L3, 0) is TableState.RESIDENT)
+    assert h.state(L1, 1) is TableState.ABSENT
     assert r.slot_owner(held.slot) == held.key and h.slot_bytes(held.slot) == before[held.slot]
     assert r.describe(held.key).pins == 1
     assert h.count(h.metrics.prefetch_wasted) == 0  # L1E1 was demanded, not prefetched
@@ -201,7 +201,7 @@ def test_demand_joins_a_queued_prefetch_and_promotes_it_to_demand_priority(make)
     wait_for(lambda: h.store.reader_stats()["queued"] == 2)
     for e in (4, 5):
         info = r.describe(ExpertKey(L3, e))
-        assert info.state is SlotState.LOADING and info.load_priority is Priority.LAYER_AHEAD
+        assert info.state is TableState.LOADING and info.load_priority is Priority.LAYER_AHEAD
     s = r.open_session("compute")
     waiter = ThreadPoolExecutor(1).submit(lambda: list(r.acquire(s, L3, [5])))
     wait_for(lambda: h.count(h.metrics.prefetch_promoted) == 1)
@@ -211,7 +211,7 @@ def test_demand_joins_a_queued_prefetch_and_promotes_it_to_demand_priority(make)
     (ready,) = waiter.result(5)
     assert ready.key == ExpertKey(L3, 5) and ready.source is Tier.STORE
     assert h.slot_bytes(ready.slot) == h.blob(ready.key)
-    wait_for(lambda: h.state(L3, 4) is SlotState.RESIDENT)
+    wait_for(lambda: h.state(L3, 4) is TableState.RESIDENT)
     # One read per key: the demand joined the prefetch's read rather than starting another.
     assert h.store.reader_stats()["completed"] == 2
     assert h.count(h.metrics.prefetch_used) == 1
@@ -224,7 +224,7 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     h.store.pause()
     r.intake.observe("req", 0, L1, [0])
     ahead(r, 0, L3, [0, 1], [0.9, 0.5])
-    wait_for(lambda: h.state(L3, 0) is SlotState.LOADING and h.state(L3, 1) is SlotState.LOADING)
+    wait_for(lambda: h.state(L3, 0) is TableState.LOADING and h.state(L3, 1) is TableState.LOADING)
     # A load is LOADING before its pool thread hands the read to the reader: wait until both reads
     # sit queued in the paused reader, the state this test is about (on a busy machine the demand
     # could otherwise drop a prefetch whose read was never submitted, and no read is cut short).
@@ -234,12 +234,12 @@ def test_demand_short_of_slots_cancels_queued_prefetches(make):
     # Both slots hold prefetch loads nobody pins: the demand cancels one (the lowest score) and
     # takes its slot without waiting for its read; the other prefetch goes on.
     wait_for(lambda: h.count(h.metrics.prefetch_cancelled) == 1)
-    wait_for(lambda: h.state(L1, 2) is SlotState.LOADING)
-    assert h.state(L3, 1) is SlotState.ABSENT and h.state(L3, 0) is SlotState.LOADING
+    wait_for(lambda: h.state(L1, 2) is TableState.LOADING)
+    assert h.state(L3, 1) is TableState.ABSENT and h.state(L3, 0) is TableState.LOADING
     h.store.resume()
     (ready,) = waiter.result(5)
     assert ready.key == ExpertKey(L1, 2) and h.slot_bytes(ready.slot) == h.blob(ready.key)
-    wait_for(lambda: h.state(L3, 0) is SlotState.RESIDENT)
+    wait_for(lambda: h.state(L3, 0) is TableState.RESIDENT)
     assert h.store.reader_stats()["cancelled"] == 1
     assert r.describe(ExpertKey(L3, 1)).generation == 0  # its read was cut short: no load completed
     assert h.table.state(entry(h, ExpertKey(L3, 1))) == TableState.ABSENT
@@ -275,7 +275,7 @@ def test_a_stale_hint_never_displaces_a_needed_expert(make):
     # A fresh hint fills the free slot, and displaces nothing needed.
     wait_for(lambda: h.count(h.metrics.prefetch_started, "eamc") == 1)
     wait_for(lambda: r.stats().loading == 0)
-    assert all(h.state(k.layer, k.expert) is SlotState.RESIDENT for k in needed)
+    assert all(h.state(k.layer, k.expert) is TableState.RESIDENT for k in needed)
     assert r.run_prefetch() == 0
     # Tokens pass: the hints go stale (older than hint_ttl_tokens) and are never acted on.
     for token in (1, 2, 3, 4):

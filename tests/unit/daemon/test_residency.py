@@ -23,7 +23,7 @@ from cache_daemon.errors import (
     ShuttingDown,
     SlotNotReadable,
 )
-from cache_daemon.residency import ClientLedger, Ready, Residency, SlotState
+from cache_daemon.residency import ClientLedger, Ready, Residency
 from cache_daemon.tiers import Tier
 from expertcache.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from expertcache.keys import ExpertKey
@@ -85,7 +85,7 @@ def test_misses_then_resident_first(make):
     assert value(h.metrics.bytes_in, "device") == 3 * h.manifest.blob_bytes
     assert value(h.metrics.demands) == 2
     info = r.describe(ExpertKey(L1, 2))
-    assert info.state is SlotState.RESIDENT and info.pins == 1 and info.generation == 1
+    assert info.state is TableState.RESIDENT and info.pins == 1 and info.generation == 1
     stats = r.stats()
     assert (stats.resident, stats.loading, stats.pinned, stats.sessions) == (3, 0, 2, 1)
     r.close_session(s)
@@ -103,14 +103,14 @@ def test_pinned_expert_is_never_evicted_or_overwritten(make):
         assert got.slot != held.slot
         h.check_served(b, [got])
         r.release(b, [got.key])
-    assert r.describe(held.key).state is SlotState.RESIDENT and r.slot_owner(held.slot) == held.key
+    assert r.describe(held.key).state is TableState.RESIDENT and r.slot_owner(held.slot) == held.key
     assert bytes(r.read_slot(a, held.key).numpy()) == before == h.blob(held.key)
     assert value(h.metrics.evictions, "device") == 4
     r.release(a, [held.key])
     (got,) = r.acquire(b, L1, [1])  # now the least recently used, unpinned L1E0 may go
     r.release(b, [got.key])
     (got,) = r.acquire(b, L1, [2])
-    assert r.describe(held.key).state is SlotState.ABSENT
+    assert r.describe(held.key).state is TableState.ABSENT
 
 
 def test_slot_readable_only_resident_and_pinned(make):
@@ -184,7 +184,7 @@ def test_waits_for_a_slot_released_by_another_thread(make):
     thread.start()
     time.sleep(0.3)
     assert thread.is_alive() and not got  # every slot is pinned: b waits, holding nothing
-    assert r.describe(ExpertKey(L1, 1)).state is SlotState.ABSENT
+    assert r.describe(ExpertKey(L1, 1)).state is TableState.ABSENT
     r.release(a, [held.key])
     thread.join(5)
     assert got[0].key == ExpertKey(L1, 1) and got[0].slot == held.slot and got[1] >= 0.25
@@ -245,7 +245,7 @@ def test_concurrent_demand_of_the_same_key_loads_once(make):
     while r.describe(ExpertKey(L1, 4)).pins < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     info = r.describe(ExpertKey(L1, 4))
-    assert info.state is SlotState.LOADING and info.pins == 4  # all four wait on one load
+    assert info.state is TableState.LOADING and info.pins == 4  # all four wait on one load
     gate.set()
     for t in threads:
         t.join(5)
@@ -290,7 +290,7 @@ def test_checksum_mismatch_frees_the_slot_and_fails_every_waiter(make):
         assert isinstance(exc, ChecksumMismatch)
         assert "checksum mismatch for expert L1E3 in experts/layer_0001.bin at offset 12288" in str(exc)
     info = r.describe(ExpertKey(L1, 3))
-    assert (info.state, info.slot, info.pins) == (SlotState.ABSENT, -1, 0)
+    assert (info.state, info.slot, info.pins) == (TableState.ABSENT, -1, 0)
     assert r.stats().loading == 0
     assert value(h.metrics.checksum_failures) == 1
     # a's pins: L1E0 only if it was handed out before the failure; never the failed key.
@@ -456,7 +456,7 @@ def test_transitions_are_mirrored_in_the_shared_table(make):
     load(h, 1)
     load(h, 2)  # evicts L1E0 (least recently used) through try_evict
     assert (t.state(e0), t.slot(e0)) == (TableState.ABSENT, -1)
-    assert r.describe(ready.key).state is SlotState.ABSENT
+    assert r.describe(ready.key).state is TableState.ABSENT
 
 
 def test_failed_load_is_aborted_in_the_shared_table(make):
@@ -479,8 +479,8 @@ def test_shm_pinned_expert_is_skipped_as_victim(make):
     assert r.describe(e0.key).pins == 1 and r.stats().pinned == 1
     (e2,) = load(h, 2)  # must evict L1E1, not the shm-pinned L1E0
     assert e2.slot == e1.slot
-    assert r.describe(e0.key).state is SlotState.RESIDENT and r.slot_owner(e0.slot) == e0.key
-    assert r.describe(e1.key).state is SlotState.ABSENT
+    assert r.describe(e0.key).state is TableState.RESIDENT and r.slot_owner(e0.slot) == e0.key
+    assert r.describe(e1.key).state is TableState.ABSENT
     compute.unpin_many([entry(h, e0.key)])
 
 
@@ -495,7 +495,7 @@ def test_demand_waits_for_shm_pins_and_times_out_with_the_clear_message(make):
         AcquireTimeout, match=r"waiting for 1 free slot\(s\) for layer 1: 2 of 2 slots are pinned"
     ):
         list(r.acquire(s, L1, [2], timeout_s=0.2))
-    assert all(r.describe(x.key).state is SlotState.RESIDENT for x in readies)
+    assert all(r.describe(x.key).state is TableState.RESIDENT for x in readies)
     # A waiting demand proceeds once compute drops a shm pin (no RPC tells the daemon).
     it = r.acquire(s, L1, [2], timeout_s=5)
     waiter = ThreadPoolExecutor(1).submit(list, it)
@@ -504,7 +504,7 @@ def test_demand_waits_for_shm_pins_and_times_out_with_the_clear_message(make):
     compute.unpin_many([entry(h, readies[1].key)])
     (got,) = waiter.result(5)
     assert got.slot == readies[1].slot
-    assert r.describe(readies[0].key).state is SlotState.RESIDENT
+    assert r.describe(readies[0].key).state is TableState.RESIDENT
     h.check_served(s, [got])
 
 
@@ -519,7 +519,7 @@ def test_shm_hits_keep_lru_order_and_count_as_device_hits(make):
     assert r.stats().shm_hits == 2
     demands = value(h.metrics.demands)
     (e3,) = load(h, 3)
-    assert e3.slot == e2.slot and r.describe(e2.key).state is SlotState.ABSENT
+    assert e3.slot == e2.slot and r.describe(e2.key).state is TableState.ABSENT
     (e4,) = load(h, 4)
     assert e4.slot == e0.slot  # then L1E0, whose shm hit was older than L1E1's
     assert value(h.metrics.demands) == demands + 2
@@ -651,11 +651,11 @@ def test_drain_evicts_everything_and_waits_for_compute_to_release_before_the_are
     drainer.start()
     drainer.join(0.3)
     assert drainer.is_alive(), "drain returned while compute still pinned a slot"
-    assert [r.slots.state(x.key) for x in readies[1:]] == [SlotState.ABSENT] * 2  # nobody's: evicted
+    assert [r.slots.state(x.key) for x in readies[1:]] == [TableState.ABSENT] * 2  # nobody's: evicted
     assert compute.try_pin_many([entry(h, readies[1].key)]) == [-1]  # no new hit can pin one
     compute.unpin_many([entry(h, readies[0].key)])
     drainer.join(5)
-    assert result == [0] and r.slots.state(readies[0].key) is SlotState.ABSENT
+    assert result == [0] and r.slots.state(readies[0].key) is TableState.ABSENT
     # A compute that never lets go: drain gives up after its grace and says how many are pinned.
     h2 = make(slots=2)
     (ready,) = load(h2, 3)
