@@ -1,12 +1,7 @@
-"""compute_svc: the GPU pod's main process.
+"""compute_svc: the GPU pod's main process, serving ``moe.inference.v1.Inference`` (and HTTP).
 
-Loads a model's config, tokenizer and dense weights from the expert store, runs generation and
-serves ``moe.inference.v1.Inference``. Expert tensors are never materialised here: every MoE
-layer's experts run from views into the cache daemon's arena (``moe.py``), acquired over the
-daemon's Demand stream (``cache_client.py``).
-
-Modules: ``config`` (ComputeConfig), ``server`` (gRPC edge and process assembly),
-``scheduler`` (queue + single worker), ``generation`` (engine), ``model_loader`` (dense
-weights), ``moe`` (experts forward), ``arena`` (arena views), ``cache_client`` (daemon
-protocol), ``errors``, ``metrics``.
+Rooms, each importing only those below it: ``http`` (the OpenAI-compatible front door),
+``engine`` (requests, batching, the forward), ``daemon`` (the link to the cache daemon),
+``experts`` (a MoE layer's experts over the daemon's arena). ``server`` assembles them;
+``config``, ``errors`` and ``metrics`` serve all. Design: docs/compute.md.
 """

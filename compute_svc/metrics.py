@@ -1,32 +1,6 @@
 """Compute-service metrics, in a ``prometheus_client`` registry (``expertcache.prom``).
 
-Names follow the Prometheus conventions every service keeps (``expertcache.prom``): base units
-in the name (``_seconds``, ``_bytes``), ``_total`` on counters, no colons (those are for
-recording rules):
-
-- ``moe_compute_tokens_total``                   generated tokens
-- ``moe_compute_token_latency_seconds``          per-token latency (histogram)
-- ``moe_compute_time_to_first_token_seconds``    arrival to first token (histogram)
-- ``moe_compute_request_duration_seconds``       arrival to last token of requests that produced one
-- ``moe_compute_acquire_wait_seconds``           one wait for a MoE layer's experts (histogram)
-- ``moe_compute_step_batch_requests``            requests in one step (histogram)
-- ``moe_compute_expert_acquires_total{tier}``    experts used, by the tier they were found in
-- ``moe_compute_stall_seconds_total``            time spent waiting for experts
-- ``moe_compute_moe_layers_total``               MoE layer forwards
-- ``moe_compute_host_syncs_total{kind}``         host waits for the device: ``transfer`` (one
-  device→host transfer per MoE layer, routing and lookahead together) and ``event_wait`` (a
-  wave's kernels, before its slots are reused)
-- ``moe_compute_requests_total{finish_reason}``  finished requests (``error``, ``cancelled`` too)
-- ``moe_compute_queue_depth``                    requests waiting for a place in the batch
-- ``moe_compute_http_requests_total{route,status}``  requests of the HTTP API (``compute_svc.http.api``)
-- ``moe_compute_http_request_duration_seconds{route}``  their duration, to the last byte of a stream
-- ``moe_compute_http_refused_total{limit}`` / ``moe_compute_http_cut_total{reason}``  refused by a
-  bound (http_max_requests, max_body_bytes), ended by the server (stall, request_timeout)
-- ``moe_compute_activations_sent_total`` / ``_dropped_total``, ``moe_compute_predictor_outages_total``
-  (the activation reporter's, when one runs)
-
-Tokens per second is ``rate(moe_compute_tokens_total[1m])``.
-"""
+The metrics and what each counts: docs/compute.md."""
 
 from __future__ import annotations
 
@@ -54,6 +28,39 @@ class StepCounters(Protocol):
     def by_tier(self) -> Mapping[Any, int]: ...  # keyed by an enum of tiers (its ``value`` is the label)
     @property
     def acquire_waits(self) -> Sequence[float]: ...
+
+
+class HttpMetrics:
+    """The HTTP API's metrics (``compute_svc.http.api`` and ``compute_svc.http.guard``): ``route``
+    is one of its paths or "other"."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.requests = registry.counter(
+            "moe_compute_http_requests_total",
+            "HTTP API requests, by route and status code.",
+            ("route", "status"),
+        )
+        self.duration = registry.histogram(
+            "moe_compute_http_request_duration_seconds",
+            "HTTP API requests from arrival to the last byte of the answer (of the stream, when streaming).",
+            REQUEST_BUCKETS_S,
+            labels=("route",),
+        )
+        self.refused = registry.counter(
+            "moe_compute_http_refused_total",
+            "HTTP API requests refused by a bound: http_max_requests, max_body_bytes.",
+            ("limit",),
+        )
+        self.cut = registry.counter(
+            "moe_compute_http_cut_total",
+            "HTTP API requests ended by the server: stall (an event not taken for stream_stall_timeout_s), "
+            "request_timeout (no body within request_timeout_s).",
+            ("reason",),
+        )
+
+    def record(self, route: str, status: int, duration_s: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.duration.labels(route=route).observe(duration_s)
 
 
 class ComputeMetrics:
@@ -103,34 +110,7 @@ class ComputeMetrics:
         self.queue_depth = Gauge(
             "moe_compute_queue_depth", "Requests waiting for a place in the batch.", registry=r
         )
-
-        # The HTTP API's (compute_svc.http.api): route is one of its paths or "other".
-        self.http_requests = self.registry.counter(
-            "moe_compute_http_requests_total",
-            "HTTP API requests, by route and status code.",
-            ("route", "status"),
-        )
-        self.http_duration = self.registry.histogram(
-            "moe_compute_http_request_duration_seconds",
-            "HTTP API requests from arrival to the last byte of the answer (of the stream, when streaming).",
-            REQUEST_BUCKETS_S,
-            labels=("route",),
-        )
-        self.http_refused = self.registry.counter(
-            "moe_compute_http_refused_total",
-            "HTTP API requests refused by a bound: http_max_requests, max_body_bytes.",
-            ("limit",),
-        )
-        self.http_cut = self.registry.counter(
-            "moe_compute_http_cut_total",
-            "HTTP API requests ended by the server: stall (an event not taken for stream_stall_timeout_s), "
-            "request_timeout (no body within request_timeout_s).",
-            ("reason",),
-        )
-
-    def record_http(self, route: str, status: int, duration_s: float) -> None:
-        self.http_requests.labels(route=route, status=str(status)).inc()
-        self.http_duration.labels(route=route).observe(duration_s)
+        self.http = HttpMetrics(self.registry)
 
     def record_token(self, latency_s: float, *, first: bool = False) -> None:
         self.tokens.inc()

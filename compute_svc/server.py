@@ -250,6 +250,7 @@ class ComputeServer:
             max_connections=config.http_max_connections,
             metrics=self.metrics,
             security=security,
+            on_stop=api.close,
         )
 
     def _enable_prediction(

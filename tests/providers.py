@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 
-from compute_svc.experts.moe import ExpertSource, ReadyExpert
+from compute_svc.experts.moe import ExpertProvider, ReadyExpert
 from expertcache.keys import ExpertKey
 from expertcache.manifest import StoreManifest
+from expertcache.protocol import Tier
 
 
-class LocalProvider:
+class LocalProvider(ExpertProvider):
     """An in-process stand-in for the cache daemon over a real store (unit tests only).
 
     LRU over ``arena.num_slots`` slots, blobs read from the store files, pins honoured.
@@ -50,14 +51,14 @@ class LocalProvider:
                 key = ExpertKey(layer, expert)
                 self.lru.move_to_end(key)
                 self.pins[key] = self.pins.get(key, 0) + 1
-            yield [ReadyExpert(e, self.lru[ExpertKey(layer, e)], ExpertSource.DEVICE) for e in hits]
+            yield [ReadyExpert(e, self.lru[ExpertKey(layer, e)], Tier.DEVICE) for e in hits]
         for expert in reversed(experts) if self.reverse else experts:
             if expert in hits:
                 continue
             key = ExpertKey(layer, expert)
             if key in self.lru:
                 self.lru.move_to_end(key)
-                source = ExpertSource.DEVICE
+                source = Tier.DEVICE
             else:
                 used = set(self.lru.values())
                 free = [s for s in range(self.num_slots) if s not in used]
@@ -73,7 +74,7 @@ class LocalProvider:
                 self.arena.slots[slot].copy_(torch.frombuffer(blob, dtype=torch.uint8))
                 self.lru[key] = slot
                 self.loads += 1
-                source = ExpertSource.STORE
+                source = Tier.STORE
             self.pins[key] = self.pins.get(key, 0) + 1
             yield [ReadyExpert(expert, self.lru[key], source)]
 

@@ -1,16 +1,8 @@
 """Decode steps on the CPU without transformers' per-op overhead.
 
-A decode step feeds one token per request. Through transformers it costs about 1 ms of Python per
-decoder layer at any size, more than the arithmetic of a small layer. Here each layer's dense
-half (input norm, q/k/v, rotary, the KV write, attention, o_proj, the residual and the
-post-attention norm) is one native call (``expertcache.native.DecodeAttention``) over every row of
-the step, reading the model's own weights and writing the requests' own KV buffers
-(``kv_cache.SequenceKV``); the layer's MLP is the model's own module (router, our experts through
-``compute_svc.experts.moe``, shared experts); the embedding, final norm and head are the model's own.
-
-``DecodeStep.build`` returns None where this does not apply (a GPU, a model type or attention
-implementation it does not cover): the step then runs through transformers as before.
-"""
+Each layer's dense half is one native call (``expertcache.native.DecodeAttention``) over every row
+of the step; the MLP stays the model's own. ``DecodeStep.build`` returns None where this does not
+apply. Why: docs/compute.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """The generation engine: requests validated, then advanced together, one packed forward per step.
 
-::
-
-    GenerationRequest ─engine.requests.prepare─▶ PreparedRequest (compute_svc.engine.requests: prompt
-        │                                          ids resolved, every limit checked)
-        │ start
-        ▼
-    RunningRequest: its KV (compute_svc.engine.kv_cache.SequenceKV), sampler, detokenizer, stop rules;
-              input still to feed: the prompt (in chunks), then each generated token
-        │
-        ▼ step([(seq A, 1), (seq B, 1), (seq C, 48)])     one forward over every request of a step
-    input_ids [1, 50] ─model─▶ logits of the last token of each request whose input is all fed
-        ─▶ Sampler.pick (its own RNG) ─▶ detokenise ─▶ stop? ─▶ TokenEvent per request
-
-Every MoE layer of that forward sees the 50 tokens at once (``compute_svc.experts.moe``): the union of
-their experts is acquired once and every expert runs once over all rows routed to it. Attention
-stays per request (``compute_svc.engine.kv_cache``), so a request's tokens do not depend on what it is
-batched with. The scheduler (``compute_svc.engine.scheduler``) decides which requests each step holds;
-``generate`` drives one request alone through the same ``step`` (tests, the equivalence seam).
-Nothing here knows gRPC.
-"""
+The scheduler decides which requests each step holds; ``generate`` drives one request alone
+through the same ``step`` (tests, the equivalence seam). Nothing here knows gRPC. A step's walk:
+docs/compute.md."""
 
 from __future__ import annotations
 
@@ -48,7 +31,7 @@ from compute_svc.engine.requests import GenerationRequest, PreparedRequest, Requ
 from compute_svc.engine.sampling import Sampler
 from compute_svc.errors import FailedPrecondition
 from compute_svc.experts.arena import Arena, resolve_device
-from compute_svc.experts.moe import ExpertProvider, ExpertRuntime, StepSegment, attach
+from compute_svc.experts.moe import CacheCounters, ExpertProvider, ExpertRuntime, StepSegment, attach
 from compute_svc.metrics import ComputeMetrics
 from expertcache import telemetry
 from expertcache.manifest import read_manifest
@@ -139,6 +122,22 @@ class IncrementalDetokenizer:
         return ""
 
 
+@dataclass
+class RequestStats:
+    """For a request's log line and span: cache activity of the steps it took part in (a step's
+    counters are shared by its requests, as in ``TokenStats``), and its time to first token."""
+
+    hits: int = 0
+    misses: int = 0
+    stall_s: float = 0.0
+    ttft_s: float | None = None
+
+    def add_step(self, counters: CacheCounters) -> None:
+        self.hits += counters.hits
+        self.misses += counters.misses
+        self.stall_s += counters.stall_s
+
+
 class RunningRequest:
     """One running request: what it has fed, what it must still feed, how it chooses and stops.
 
@@ -157,12 +156,7 @@ class RunningRequest:
         self.text = ""  # generated text, kept only when stop strings need it
         self.last_event_at = prepared.arrived_at
         self.finish: FinishReason | None = None
-        # For the request's log line and span: cache activity of the steps it took part in
-        # (a step's counters are shared by its requests, as in TokenStats), time to first token.
-        self.hits = 0
-        self.misses = 0
-        self.stall_s = 0.0
-        self.ttft_s: float | None = None
+        self.stats = RequestStats()
         self.span = None  # its Generate span while tracing is on and the request is sampled
 
     @property
@@ -296,14 +290,15 @@ class GenerationEngine:
         duration_s = time.perf_counter() - seq.prepared.arrived_at
         self.metrics.record_finish(outcome, duration_s if seq.generated else None)
         span, seq.span = seq.span, None
+        stats = seq.stats
         if span is not None:
             span.set_attributes(
                 {
                     "expertcache.generated_tokens": seq.generated,
                     "expertcache.finish": outcome,
-                    "expertcache.hits": seq.hits,
-                    "expertcache.misses": seq.misses,
-                    "expertcache.stall_s": seq.stall_s,
+                    "expertcache.hits": stats.hits,
+                    "expertcache.misses": stats.misses,
+                    "expertcache.stall_s": stats.stall_s,
                 }
             )
             span.end()
@@ -312,11 +307,11 @@ class GenerationEngine:
             "request_id": seq.routing_id,
             "prompt_tokens": seq.prompt_tokens,
             "tokens": seq.generated,
-            "ttft_s": round(seq.ttft_s, 6) if seq.ttft_s is not None else None,
+            "ttft_s": round(stats.ttft_s, 6) if stats.ttft_s is not None else None,
             "duration_s": round(duration_s, 6),
-            "hits": seq.hits,
-            "misses": seq.misses,
-            "stall_s": round(seq.stall_s, 6),
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "stall_s": round(stats.stall_s, 6),
             "finish": outcome,
         }
         logger.info(
@@ -325,9 +320,9 @@ class GenerationEngine:
             seq.prompt_tokens,
             seq.generated,
             duration_s,
-            f"{seq.ttft_s:.3f}s" if seq.ttft_s is not None else "-",
-            seq.hits,
-            seq.misses,
+            f"{stats.ttft_s:.3f}s" if stats.ttft_s is not None else "-",
+            stats.hits,
+            stats.misses,
             outcome,
             extra={"request": fields, "span": span},
         )
@@ -431,13 +426,11 @@ class GenerationEngine:
         events = [(seq, _with_stats(event, stats)) for seq, event in events]
         self.metrics.record_step(counters, len(plan), sum(n for _, n in plan))
         for seq, _ in plan:
-            seq.hits += counters.hits
-            seq.misses += counters.misses
-            seq.stall_s += counters.stall_s
+            seq.stats.add_step(counters)
         for seq, event in events:
             self.metrics.record_token(event.latency_s, first=event.index == 0)
             if event.index == 0:
-                seq.ttft_s = event.latency_s
+                seq.stats.ttft_s = event.latency_s
         if step_span is not None:
             self.runtime.trace_parent = None
             step_span.set_attributes(

@@ -1,28 +1,8 @@
 """Decode steps on a GPU replayed as CUDA graphs, one per layer half.
 
-On a GPU a decode step through transformers is a few thousand small kernels, each launched from
-Python: the GPU waits for the host. Here the requests of a step that feed one token each run as a
-batch of rows (one per request, sequence length 1), through the model's own modules, in pieces
-that are captured once per (rows, context bucket) and replayed::
-
-    prologue   embed(ids) → h; rotary(positions) → cos, sin; the masks of each window
-    layer i    h += previous MoE output; input norm; the model's attention over the KV pool rows
-               (write at each row's position, read the bucket's first tokens); residual;
-               post-attention norm → mlp_in; the router → top-k index and weights
-    ─ host ─   the experts module itself: compute_svc.experts.moe fetches the routing (one host sync),
-               acquires the experts from the daemon and computes them by slot index
-               (compute_svc.experts.slots, its own graph) → MoE output
-    epilogue   h += last MoE output; final norm; head → logits
-
-Keys and values live in a ``kv_cache.KVPool`` (fixed addresses: a graph reads and writes the
-same memory at each replay); requests hold a row from start to finish, and steps with a prompt
-chunk write the same rows through transformers' packed forward. The attention reads the first
-``bucket`` tokens of each row (a power of two at least the longest row), masked beyond each
-row's position and outside its sliding window; masked tokens weigh exactly zero.
-
-``GraphStep.build`` returns None where this does not apply (the model type or the structure of
-its MLP). Without CUDA (``graphs=False``, the tests on a CPU) the same pieces run eagerly.
-"""
+A step's one-token requests run as rows through the model's own modules, in pieces captured once
+per (rows, context bucket) and replayed; ``GraphStep.build`` returns None where this does not
+apply. Without CUDA the same pieces run eagerly. Design: docs/compute.md."""
 
 from __future__ import annotations
 
@@ -146,12 +126,39 @@ class GraphStep:
         fresh = plan is None
         if fresh:
             plan = self._plans[key] = _Plan(self, rows, bucket)
-        plan.load(input_ids, position_ids, [kv.row for kv in caches])
+        plan.inputs.load(input_ids, position_ids, [kv.row for kv in caches])
         with batched_attention():
             logits = plan.run()
             if fresh and self.graphs and self.capture_failed is None:
                 plan.capture()
         return logits
+
+
+class _Inputs:
+    """A plan's static inputs, loaded before each run: token ids, positions and KV pool rows."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.kv_rows = torch.zeros(rows, dtype=torch.long, device=device)
+        self._rows_host = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
+
+    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_rows: list[int]) -> None:
+        self.ids.copy_(input_ids.view(self.rows, 1))
+        self.pos.copy_(position_ids.view(self.rows, 1))
+        self._rows_host.copy_(torch.tensor(kv_rows, dtype=torch.long))
+        self.kv_rows.copy_(self._rows_host, non_blocking=True)
+
+
+class _Positional:
+    """What the prologue computes from the positions for every layer: the rotary ``cos`` and
+    ``sin``, and the attention mask of each window (made at the first run)."""
+
+    def __init__(self) -> None:
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+        self.masks: dict[int | None, torch.Tensor] = {}
 
 
 class _Plan:
@@ -162,41 +169,30 @@ class _Plan:
         self.rows = rows
         self.bucket = bucket
         dev, dtype, hidden = step.device, step.dtype, step.hidden
-        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        self.kv_rows = torch.zeros(rows, dtype=torch.long, device=dev)
-        self._rows_host = torch.zeros(rows, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.inputs = _Inputs(rows, dev)
+        self.positional = _Positional()
         self.h = torch.zeros(rows, 1, hidden, dtype=dtype, device=dev)
         self.moe = torch.zeros(rows, hidden, dtype=dtype, device=dev)
         self.mlp_in = torch.zeros(rows, hidden, dtype=dtype, device=dev)
         self.index: list[torch.Tensor | None] = []
         self.scores: list[torch.Tensor | None] = []
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-        self.masks: dict[int | None, torch.Tensor] = {}
         self.logits: torch.Tensor | None = None
         self.cache = _RowsCache(step.pool, self)
         self.pieces = self._pieces()
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
-    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_rows: list[int]) -> None:
-        self.ids.copy_(input_ids.view(self.rows, 1))
-        self.pos.copy_(position_ids.view(self.rows, 1))
-        self._rows_host.copy_(torch.tensor(kv_rows, dtype=torch.long))
-        self.kv_rows.copy_(self._rows_host, non_blocking=True)
-
     # -- pieces: each writes its outputs into the plan's static tensors -------------------------
     def prologue(self) -> None:
-        step = self.step
-        h = step.inner.embed_tokens(self.ids)  # [R, 1, H]
+        step, inputs, positional = self.step, self.inputs, self.positional
+        h = step.inner.embed_tokens(inputs.ids)  # [R, 1, H]
         self.h.copy_(h)
-        cos, sin = step.inner.rotary_emb(self.h, self.pos)  # [R, 1, D]
-        if self.cos is None:
-            self.cos, self.sin = torch.empty_like(cos), torch.empty_like(sin)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
+        cos, sin = step.inner.rotary_emb(self.h, inputs.pos)  # [R, 1, D]
+        if positional.cos is None:
+            positional.cos, positional.sin = torch.empty_like(cos), torch.empty_like(sin)
+        positional.cos.copy_(cos)
+        positional.sin.copy_(sin)
         at = torch.arange(self.bucket, device=step.device).unsqueeze(0)  # [1, B]
-        pos = self.pos  # [R, 1]
+        pos = inputs.pos  # [R, 1]
         for window in set(step.windows):
             allowed = at <= pos
             if window:
@@ -208,9 +204,9 @@ class _Plan:
             else:
                 mask = allowed
             mask = mask[:, None, None, :]  # [R, 1, 1, B]
-            if window not in self.masks:
-                self.masks[window] = torch.empty_like(mask)
-            self.masks[window].copy_(mask)
+            if window not in positional.masks:
+                positional.masks[window] = torch.empty_like(mask)
+            positional.masks[window].copy_(mask)
 
     def layer(self, i: int, add_moe: bool) -> None:
         step = self.step
@@ -219,10 +215,11 @@ class _Plan:
             self.h.add_(self.moe.view_as(self.h))
         residual = self.h
         x = layer.input_layernorm(residual)
+        positional = self.positional
         out, _ = layer.self_attn(
             hidden_states=x,
-            position_embeddings=(self.cos, self.sin),
-            attention_mask=self.masks[step.windows[i]],
+            position_embeddings=(positional.cos, positional.sin),
+            attention_mask=positional.masks[step.windows[i]],
             **{step._cache_kw: self.cache},
         )
         h = residual + out
@@ -320,7 +317,7 @@ class _RowsCache:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: ARG002 - Cache API
         plan = self.plan
-        rows, pos = plan.kv_rows, plan.pos.view(-1)
+        rows, pos = plan.inputs.kv_rows, plan.inputs.pos.view(-1)
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         keys[rows, :, pos] = key_states[:, :, 0]
         values[rows, :, pos] = value_states[:, :, 0]

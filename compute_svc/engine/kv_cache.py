@@ -1,30 +1,8 @@
 """Many requests in one forward: packed tokens, per-request KV caches, per-request attention.
 
-Continuous batching runs one forward over the tokens of every request of a step, packed into one
-sequence ``[1, T]`` (decode tokens and prefill chunks side by side); the MoE layers then see all
-``T`` tokens at once and acquire the union of their experts once per layer. What must stay per
-request is attention: each request attends to its own past only. Two seams of transformers make
-that possible without touching the models' code:
-
-- the KV cache (``Cache.update``, called by every attention layer with the layer's new keys and
-  values): ``PackedCache`` appends each request's slice to that request's own buffers
-  (``SequenceKV``) and hands back every request's full keys and values, concatenated;
-- the attention function (``AttentionInterface``, selected by ``config._attn_implementation``):
-  ``packed_attention`` splits queries and keys by request and calls the model's *own* attention
-  function (sdpa, or the model's eager one, e.g. gpt-oss's with sinks) once per request, with the
-  mask a lone request would get. Each request's attention is thus computed exactly as if it ran
-  alone; only the dense and expert matmuls see the packed rows.
-
-::
-
-    step: [ A: 1 decode token | B: 1 decode token | C: prefill chunk of 6 ]   → input_ids [1, 8]
-    layer l:  q/k/v [1, h, 8, d] ──PackedCache.update──▶ A: k[0:L_A+1]  B: k[0:L_B+1]  C: k[0:L_C+6]
-              packed_attention: sdpa(q_A, k_A) | sdpa(q_B, k_B) | sdpa(q_C, k_C, causal from L_C)
-              → [1, 8, h, d] → o_proj → MoE over 8 rows (one acquire of the union)
-
-Glossary: a *segment* is one request's tokens in the step (``t`` tokens at positions ``past ..
-past + t - 1``); ``past`` is how many tokens of that request the cache already holds.
-"""
+Through two seams of transformers (the KV ``Cache`` and ``AttentionInterface``) each request's
+attention is computed as if it ran alone; only the matmuls see the packed rows. Design:
+docs/compute.md."""
 
 from __future__ import annotations
 

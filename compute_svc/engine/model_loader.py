@@ -1,16 +1,7 @@
 """Loading the dense part of the model from the expert store; experts stay on the meta device.
 
-::
-
-    STORE/config.json ──▶ build_skeleton(config, experts_implementation="expertcache")
-                             every parameter on meta, real buffers (rotary tables)
-    STORE/dense.safetensors ──▶ load_state_dict(assign=True)   every non-expert weight
-    expert parameters ──▶ stay on meta for ever; the experts forward reads the daemon's arena
-    STORE/tokenizer* ──▶ AutoTokenizer (optional: token ids are always accepted)
-
-The strict check after loading: every parameter and buffer that is not a stacked expert
-parameter is real, and the store's blob layout matches the experts modules of this model.
-"""
+After loading, a strict check: every non-expert parameter and buffer is real, and the store's
+blob layout matches this model's experts modules. Steps: docs/compute.md."""
 
 from __future__ import annotations
 

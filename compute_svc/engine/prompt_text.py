@@ -1,33 +1,7 @@
 """How long a prompt's text may be before it is tokenised, and tokenising it without keeping memory.
 
-A prompt of ``n`` tokens decodes to at most ``n × longest`` bytes, ``longest`` being the longest
-text any one token stands for (computed once from the vocabulary). So a text longer than
-``max_prompt_tokens × longest`` cannot fit the token limit, and is refused before the tokenizer
-sees it: tokenising 1 MB takes seconds of CPU and builds an ``Encoding`` of ~60 MiB (ids, token
-strings, offsets) only to be refused.
-
-The bound holds only where the tokenizer never makes text shorter before its model cuts it: a
-normalizer may shrink it by a known factor (NFC/NFKC/lowercase: at most 3x, Hangul jamo or
-fullwidth letters; ``Replace`` by the ratio of its strings); one that can delete text (``Strip``,
-``StripAccents``, a regex ``Replace``, sentencepiece's precompiled map), a pre-tokenizer that drops
-whitespace, or an unknown token that swallows any run of text leaves no bound
-(``longest_token_bytes`` answers None, and only ``max_prompt_bytes`` applies).
-
-Memory: what the tokenizer frees (the ``Encoding``, transformers' lists) stays in glibc's heaps
-(one arena per thread that allocated it: the gRPC handler's, the tokenizer's rayon workers');
-measured on a 1 MB prompt, 100 to 300 MiB held after it was refused, returned only by
-``malloc_trim``. So after tokenising a large text the free heap is handed back. ``malloc_trim``
-returns the free pages inside every arena, but the free top of the main arena's heap only: a
-thread arena's top (what that thread freed last, the ``Encoding`` among it: up to 38 MiB
-measured) stayed resident. So compute allocates from the main arena alone (``one_malloc_arena``).
-
-What ``malloc_trim`` cannot hand back is Python's own small-object heap: a 1 MB text is ~500,000
-ids, each an ``int`` object in pymalloc's arenas, and an arena goes back only once every object
-in it is freed. Other threads (gRPC, the scheduler) allocate into the same arenas meanwhile, so
-after the ids are freed many arenas stay mapped: measured with one such thread, 48 MiB kept after
-20 refused 1 MB prompts, and more under load. So a text is counted first, on the fast tokenizer's
-``Encoding`` (native memory), and only a text that fits becomes Python ints (``encode_text``).
-"""
+A text that cannot fit the token limit is refused before the tokenizer sees it, and the memory a
+large one took is handed back. Why, and what was measured: docs/compute.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Choosing each request's next token from its logits, with the request's own options and RNG.
 
-::
-
-    logits [V] (float32) ─ repetition penalty (prompt + output) ─ presence penalty (output)
-        ─▶ greedy: argmax                          (temperature 0)
-        ─▶ sample: / temperature ─ top-k ─ top-p ─ multinomial(request's own torch.Generator)
-        logprob: log-softmax of the penalised logits at the request's temperature (1 when greedy),
-                 before top-k/top-p truncation — the model's belief, not the truncated draw's.
-
-Each request owns its generator, seeded from its ``seed`` (a fresh one when 0), so its samples
-do not depend on the other requests batched with it: equal seeds give equal tokens, alone or in
-a batch. Penalties follow their usual definitions: ``repetition_penalty`` p divides positive and
-multiplies negative logits of every token already seen (prompt or output; transformers'
-``RepetitionPenaltyLogitsProcessor``), ``presence_penalty`` subtracts a constant from the logits
-of every token already generated (OpenAI's presence penalty).
-"""
+A request's samples do not depend on what it is batched with: equal seeds give equal tokens.
+Pipeline and penalties: docs/compute.md."""
 
 from __future__ import annotations
 

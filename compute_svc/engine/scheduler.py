@@ -1,31 +1,7 @@
 """Continuous batching: every step runs one forward over the requests that can advance.
 
-::
-
-    gRPC threads:  submit(request) ─ prepare (validate, limits) ─▶ waiting (≤ max_waiting_requests)
-                                                                      │ admitted while the batch
-                                                                      ▼ and the KV budget allow
-    worker thread: loop ─ drop cancelled / expired ─ plan ─ engine.step(plan) ─ events to handles
-                   plan: every decoding request feeds its 1 token; prefilling requests feed
-                         prompt chunks in arrival order until max_batched_tokens are taken
-    cancel(), a deadline, the daemon's loss: the request leaves at the next step; a step whose
-    requests are all gone is interrupted inside its wait for experts
-    drain(): new requests refused, the admitted ones run on for drain_timeout_s; stop() then
-    interrupts the step in flight (a wait for experts too) and ends what is left with
-    UNAVAILABLE saying to retry on another replica, never as if the client had cancelled
-
-A new request joins the running batch at the next step and a finished one leaves at once. A long
-prompt is fed in chunks, so it delays the others' next token by one chunk's compute at most,
-never by its whole prefill; a request never holds the engine past its deadline by more than one
-step. Overload is refused at ``submit`` with RESOURCE_EXHAUSTED saying what to retry, instead of
-letting every caller time out.
-
-Daemon loss: a step failing with ``DaemonUnavailable`` fails the requests it held (UNAVAILABLE)
-and the scheduler re-attaches (``DaemonClient.reattach``, with backoff) before admitting more;
-meanwhile submits are refused with UNAVAILABLE and health reports NOT_SERVING
-(``on_serving``). Once re-attached to the restarted daemon (new arena, new slot table) serving
-resumes with no restart of this process.
-"""
+A new request joins at the next step, a long prompt is fed in chunks, overload is refused at
+``submit``, and a lost daemon is re-attached without a restart. Design: docs/compute.md."""
 
 from __future__ import annotations
 

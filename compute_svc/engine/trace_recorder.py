@@ -1,18 +1,7 @@
 """Records every request's routing to an ``.npz`` routing trace (format: ``expertcache.trace``).
 
-::
-
-    generation thread: on_step(StepRouting [T, L, K]) ─▶ the request's row list (append only)
-                       on_request_end(id, prompt_tokens, finish) ─▶ finished requests
-    writer thread:     every ``every_requests`` finished requests, and on close:
-                       expertcache.trace.write_trace ─▶ PATH.tmp ─▶ rename to PATH (atomic)
-
-``decode_start`` of each request is its prompt length (rows before it are prefill tokens);
-``req_meta_json`` holds its id, prompt length, rows and finish reason. Every row is one fed-back token; the last generated token is never fed back, so a request of P
-prompt tokens and G generated ones has P + G - 1 rows. Layers are MoE layer indices (manifest
-order). The whole recording is kept in memory until close: it is a tool for building traces,
-not an always-on log.
-"""
+Written by a thread of its own, kept in memory until close: a tool for building traces, not an
+always-on log. Rows and layers: docs/compute.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
 """Reading the daemon's device arena in place: typed tensor views of one slot.
 
-The daemon owns the arena (``num_slots × slot_bytes`` bytes, one allocation); compute maps it
-and never writes it. A slot holds one expert blob laid out as the stored parts of the
-manifest's ``tensors`` (encoded as the checkpoint was: ``expertcache.encodings``)::
-
-    arena  [num_slots, slot_bytes] uint8
-    slot s ├─ gate_up_proj   offset 0      → view(float32).view([2*I, H])       (plain)
-           ├─ down_proj      offset 256·k  → view(float32).view([H, I])
-           └─ (biases)       ...
-    or     ├─ gate_up_proj_blocks  → view(uint8).view([2I, H/32, 16])       (MXFP4)
-           ├─ gate_up_proj_scales  → view(uint8).view([2I, H/32])  ...
-    i.e. ``arena[s, off:off + nbytes].view(dtype).view(shape)`` is each stored part;
-    ``compute_svc.experts.weights`` turns the parts into ``experts.<name>[expert]``.
-
-CPU serving shares the arena as a sealed memfd that the daemon hands over its handoff socket
-(``compute_svc.daemon.link``), mapped read-only: nothing here could write it; CUDA serving
-through CUDA IPC: the native core opens the daemon's 64-byte handle on the GPU named by UUID
-(``expertcache.native.CudaArena.open``; ordinals differ between containers) and torch views it
-through ``__cuda_array_interface__`` (rows ``stride`` bytes apart, cut to ``slot_bytes``).
-"""
+The daemon owns the arena; compute maps it (a sealed memfd on a CPU, CUDA IPC on a GPU) and never
+writes it. Slot layout and sharing: docs/compute.md."""
 
 from __future__ import annotations
 

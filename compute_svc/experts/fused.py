@@ -1,15 +1,7 @@
 """Decode-sized batches of experts on the CPU through the native fused expert FFN.
 
-``moe_math.ExpertsPass`` runs an expert as torch ops over a decoded copy of its weights; for a
-decode step (a few rows per expert) that costs more than reading the weights. ``FusedExperts``
-runs the batch in one native call (``expertcache._native.ExpertFfn``, csrc/src/expert_ffn.cc)
-that reads each expert straight from its arena slot in its stored encoding (plain, MXFP4, block
-FP8) and writes the weighted outputs into the combiner's pair rows. The spec it needs (where each
-part sits in a slot, how each matrix is read, the activation) comes from the manifest's expert
-tensors and the experts module; a module whose math the kernel does not have (another gate or
-activation, a post-expert norm, an encoded matrix read transposed) gets ``None`` from
-``fused_spec`` and keeps the torch path.
-"""
+The kernel reads each expert straight from its arena slot in its stored encoding; a module whose
+math it does not have keeps the torch path (``fused_spec`` is None). Why: docs/compute.md."""
 
 from __future__ import annotations
 

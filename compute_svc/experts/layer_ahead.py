@@ -1,41 +1,8 @@
 """Lookahead: the routers of the next MoE layers applied to layer l's MoE input, d layers early.
 
-::
-
-    MoE layer l: hidden [T, H] ──router(l)──▶ top_k(l) ──▶ acquire / compute experts of l
-                     │
-                     ├──router(l+1) (same [T, H]) ──▶ predicted top_k(l+1)  depth 1 ┐ on the device,
-                     ├──router(l+2) ─────────────────▶ predicted top_k(l+2)  depth 2 ├ one transfer
-                     └── ... up to depth d                                           ┘ for all depths
-                                                      ──▶ provider.layer_ahead(token, [Prediction ...])
-
-The residual stream changes little from one layer to the next, so a later layer's router, fed the
-current layer's MoE input, mostly picks what it will pick when its turn comes — the more so the
-nearer the layer (ProMoE's stride prefetch, here without a trained predictor). The daemon gets
-whole layers of attention + experts time to fetch what the deeper layers will want; it measures
-each depth's precision as the layers are routed and stops prefetching a depth that does not pay.
-The cost is one ``[T, H] × [H, E]`` product per depth per MoE layer (E = experts), no extra
-weights: the routers are already resident with the dense model. The predictions stay on the
-device until one host transfer of all depths together (``DevicePrediction``): a GPU pays one
-synchronisation per MoE layer for them, not one per depth.
-
-Finding the routers is generic, not a table per architecture: a MoE block holds the experts
-module (``expertcache.model_structure.is_experts_module``) and, beside it, the router — the
-sibling holding a ``weight`` of shape ``[num_experts, hidden]`` (gpt-oss adds ``bias``,
-DeepSeek-V3 a buffer ``e_score_correction_bias``). The router is *called* (its own forward, no
-hooks), so group-limited selection, score correction, softmax-before or after top-k all stay
-the model's own code. Every transformers router returns ``(logits [T, E], weights [T, K],
-indices [T, K])``; that contract is checked once at construction.
-
-Prefill (T > 1): each depth's prediction is the union over the prompt's tokens of their predicted
-experts, each scored by its largest probability across tokens, highest first — every one of
-them is needed at that layer of the prefill. Decode (T = 1) predicts the token's top-k.
-
-Glossary: "layer" is a decoder layer number (the manifest's ``moe_layers``); "next" is the next
-MoE layer in that list (DeepSeek's dense first layers are skipped); "depth" counts MoE layers
-ahead. Example: moe_layers (1, 2, 3, 5), depth 2: inside layer 1 the routers of layers 2 (depth
-1) and 3 (depth 2) run; inside layer 3 only layer 5's (depth 1); layer 5 predicts nothing.
-"""
+The residual stream changes little from one layer to the next, so a later layer's router mostly
+picks now what it will pick then, and the daemon gets that long to fetch. Design:
+docs/compute.md."""
 
 from __future__ import annotations
 

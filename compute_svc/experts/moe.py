@@ -1,47 +1,14 @@
 """The MoE experts forward over the daemon's arena, plugged into transformers' ExpertsInterface.
 
-transformers routes (router → ``top_k_index``/``top_k_weights``) and then calls the experts
-module's forward, which dispatches on ``config._experts_implementation``. Registering
-``"expertcache"`` there replaces only the expert math; attention, routers, shared experts and
-everything else stay the model's own code. The forward runs in four stages::
-
-    top_k_index [T,K] int64 ──route──▶ Routing (distinct experts, the T·K pairs grouped by expert)
-                                          │  waves of ≤ num_slots experts
-                                          ▼
-                     acquire ──▶ [ReadyExpert(expert, slot, source), ...] batches in readiness
-                                          │  order (the resident ones first, as one batch)
-                                          ▼
-                     compute ──▶ per batch: its rows' inputs gathered once, one GEMM per expert
-                                          │  into one buffer, the gate once, one GEMM per
-                                          │  expert, weighted by the routing → [n,H]
-                                          ▼
-                     combine ──▶ [T·K,H] → view [T,K,H] → sum(dim=1) → [T,H]
-
-then the wave's experts are released (unpinned) so the daemon may evict them. The math mirrors
-transformers' ``grouped_mm`` experts forward (``integrations/moe.py``): same projections (a
-GEMM per expert over its rows, as grouped_mm's groups), the module's own ``_apply_gate`` /
-``act_fn`` over all rows of the batch, optional biases and post-expert norm, routing weights
-applied per (token, k) pair and a final reshape+sum over k, so the output equals the plain
-model's. Everything but the GEMMs runs once per batch, not once per expert: a decode step's
-layer whose experts are all resident costs a handful of torch calls beyond its GEMMs.
-
-Before the route stage, when set: a routing override (``RoutingOverride``, installed from outside
-the service; ``replay.forced_routing`` replaces the router's choice by a trace's); after it,
-one-way signals go to the daemon without a round trip: ``routed`` (this layer's distinct experts)
-and, from the next layer's router on this layer's input, ``layer_ahead`` (``compute_svc.experts.layer_ahead``). At prefill both name the
-union over the prompt's tokens, at the position of its last token.
-
-The route, compute and combine stages are ``compute_svc.experts.stages``; this module acquires, runs
-them and releases. On a CPU arena, a decode-sized layer's compute stage is the native fused kernel
-instead (``compute_svc.experts.fused``: the experts read in place in their stored encoding).
-"""
+Registering ``"expertcache"`` there replaces only the expert math: the forward routes, acquires
+pinned arena slots from the daemon (``ExpertProvider``), computes (``compute_svc.experts.stages``,
+or the native ``fused``/``slots`` paths) and releases. Stages and signals: docs/compute.md."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -57,9 +24,9 @@ from compute_svc.experts.slots import SlotExperts, SlotLayer
 from compute_svc.experts.stages import Combiner, ExpertsPass, Routing, route, waves
 from compute_svc.experts.weights import ExpertDecoder
 from expertcache import telemetry
-from expertcache.channel import GATHER_BELOW_BYTES
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
+from expertcache.protocol import GATHER_BELOW_BYTES, Tier
 
 if TYPE_CHECKING:
     from compute_svc.experts.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
@@ -72,33 +39,27 @@ RUNTIME_ATTR = "expertcache_runtime"  # the ExpertRuntime tagged on each experts
 
 
 # -- acquire stage: what the cache daemon hands out ----------------------------------------------
-class ExpertSource(enum.Enum):
-    """Where an acquired expert was when it was asked for: the daemon's memory tier (the tiers
-    themselves are ``cache_daemon.tiers``; this is only what compute learns of them)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    STORE = "store"
-    UNKNOWN = "unknown"
-
-
 class ReadyExpert(NamedTuple):
     """One expert resident in arena ``slot`` and pinned for this process."""
 
     expert: int
     slot: int
-    source: ExpertSource
+    source: Tier
 
 
 class ExpertProvider(Protocol):
-    """Hands out pinned arena slots (implemented by ``cache_client.DaemonClient``).
+    """Hands out pinned arena slots (implemented by ``compute_svc.daemon.client.DaemonClient``).
 
-    ``acquire`` yields one ``ReadyExpert`` per requested expert in readiness order; the slot
-    stays pinned until ``release``. A wait never goes beyond ``deadline``
-    (``time.monotonic()``). Closing the iterator early drops every pin it holds. A provider may
-    also have ``acquire_batches`` (same arguments): the same experts in batches of what became
-    ready together (the resident ones first, then the loads as they land), which the runtime
-    prefers: it computes a batch's experts together.
+    ``acquire`` yields one ``ReadyExpert`` per requested expert in readiness order; the slot stays
+    pinned until ``release``. A wait never goes beyond ``deadline`` (``time.monotonic()``).
+    Closing the generator early drops every pin it holds. ``acquire_batches`` (same arguments)
+    yields the same experts in batches of what became ready together (the resident ones first,
+    then the loads as they land): the runtime computes a batch's experts together.
+
+    The one-way signals to the daemon (``begin_step``, ``begin_request``, ``end_request``,
+    ``routed``, ``layer_ahead``) do nothing here: a provider that subclasses this without them
+    simply sends none. ``with_acquire=True``: an acquire follows at once, and the message may
+    travel with it.
     """
 
     def acquire(
@@ -108,17 +69,45 @@ class ExpertProvider(Protocol):
         *,
         deadline: float | None = None,
         trace_context: dict[str, str] | None = None,
-    ) -> Iterator[ReadyExpert]: ...
+    ) -> Generator[ReadyExpert, None, None]: ...
 
     def release(self, layer: int, experts: Sequence[int]) -> None: ...
 
+    def acquire_batches(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        *,
+        deadline: float | None = None,
+        trace_context: dict[str, str] | None = None,
+    ) -> Generator[list[ReadyExpert], None, None]:
+        """By default each expert of ``acquire`` is a batch of its own; closing this generator
+        closes ``acquire``'s (which drops its pins)."""
+        it = self.acquire(layer, experts, deadline=deadline, trace_context=trace_context)
+        try:
+            for ready in it:
+                yield [ready]
+        finally:
+            it.close()
 
-# Optional one-way provider methods (``cache_client.DaemonClient`` has them; a provider without
-# them simply gets no signals): ``begin_request(request_id)``, ``end_request(request_id)``,
-# ``routed(request_id, token, layer, experts, *, with_acquire)``,
-# ``layer_ahead(request_id, token, predictions, *, with_acquire)``; ``with_acquire=True``: an
-# acquire follows at once, and the message may travel with it.
-_SIGNALS = ("begin_request", "end_request", "routed", "layer_ahead")
+    def begin_step(self) -> None:
+        """A new step starts (a provider forgets an interrupt of an earlier one)."""
+
+    def begin_request(self, request_id: str) -> None:
+        """A request starts."""
+
+    def end_request(self, request_id: str) -> None:
+        """A request ended."""
+
+    def routed(
+        self, request_id: str, token: int, layer: int, experts: Sequence[int], *, with_acquire: bool = False
+    ) -> None:
+        """Layer ``layer`` of token ``token`` of ``request_id`` was routed to ``experts``."""
+
+    def layer_ahead(
+        self, request_id: str, token: int, predictions: Sequence[Prediction], *, with_acquire: bool = False
+    ) -> None:
+        """The experts the next layers of token ``token`` of ``request_id`` will likely need."""
 
 
 # -- the runtime the experts modules are tagged with ---------------------------------------------
@@ -177,15 +166,53 @@ class CacheCounters:
     host_transfers: int = 0  # device→host transfers (one per MoE layer: routing + lookahead)
     event_waits: int = 0  # waits for a wave's kernels before its slots are reused (waves only)
     layer_ahead_s: float = 0.0  # time spent predicting the next layer's experts
-    by_tier: dict[ExpertSource, int] = field(default_factory=dict)
+    by_tier: dict[Tier, int] = field(default_factory=dict)
     acquire_waits: list[float] = field(default_factory=list)  # seconds, one per acquire (wave)
 
-    def record(self, source: ExpertSource) -> None:
-        if source is ExpertSource.DEVICE:
+    def record(self, source: Tier) -> None:
+        if source is Tier.DEVICE:
             self.hits += 1
         else:
             self.misses += 1
         self.by_tier[source] = self.by_tier.get(source, 0) + 1
+
+
+class ArenaReader:
+    """How the runtime reads experts out of one arena: each slot's views (one layout in every
+    slot: built once) and the native paths that apply to it. A new arena gets a new reader
+    (``ExpertRuntime.remap``)."""
+
+    def __init__(
+        self, arena: Arena, layouts: tuple[ExpertTensor, ...], *, fused: bool, slotted: bool | None
+    ) -> None:
+        self.arena = arena
+        self.layouts = layouts
+        self.fused_enabled = fused
+        self.slotted_enabled = slotted
+        self.views = [arena.slot_views(slot, layouts) for slot in range(arena.num_slots)]
+        # On a GPU the experts' kernels run asynchronously: a wave's slots may be released only
+        # once its kernels are done (``ExpertRuntime._unreleased``).
+        self.cuda = arena.device.type == "cuda"
+        # Experts small enough that the calls around their GEMMs cost more than their copies:
+        # a wave is then computed in one pass whatever the batches it arrives in.
+        self.small_experts = arena.slot_bytes < GATHER_BELOW_BYTES
+        # Decode-sized layers on a CPU arena: the native fused kernel reads the experts in place.
+        self.fused = (
+            FusedExperts(arena.slots, layouts) if fused and FusedExperts.supports(arena.slots) else None
+        )
+        # Decode-sized layers on a GPU arena: the experts read by slot index in one fixed sequence
+        # of kernels, replayed as a CUDA graph (compute_svc.experts.slots). ``slotted``: None = on a
+        # GPU only; True also on a CPU, without graphs (tests).
+        wanted = self.cuda if slotted is None else slotted
+        self.slotted = (
+            SlotExperts(arena.slots, layouts)
+            if wanted and SlotExperts.supports(arena.slots, layouts)
+            else None
+        )
+
+    def remapped(self, arena: Arena) -> ArenaReader:
+        """The same reader over ``arena`` (a restarted daemon's; same layout and device)."""
+        return ArenaReader(arena, self.layouts, fused=self.fused_enabled, slotted=self.slotted_enabled)
 
 
 class ExpertRuntime:
@@ -205,19 +232,14 @@ class ExpertRuntime:
         slotted: bool | None = None,
     ) -> None:
         self.provider = provider
-        self.arena = arena
-        self.layouts = layouts
         self.counters = CacheCounters()
-        # Views are fixed per slot (same layout in every slot): build them once.
-        self._slot_views = [arena.slot_views(slot, layouts) for slot in range(arena.num_slots)]
         # Stored parts → compute-dtype weights, at the last moment (encoded experts: MXFP4, FP8).
         self.decoder = ExpertDecoder(layouts, arena.device)
-        # On a GPU the experts' kernels run asynchronously: a wave's slots may be released (and
-        # overwritten by the daemon) only once its kernels are done. The wave records an event on
-        # the arena device's current stream and its release waits in ``_unreleased`` until the
-        # next host transfer of that stream (the next MoE layer's, or the step's token pick) has
-        # passed the event, so a MoE layer costs one host synchronisation, not two.
-        self._cuda = arena.device.type == "cuda"
+        self.reader = ArenaReader(arena, layouts, fused=fused, slotted=slotted)
+        # On a GPU a wave records an event on the arena device's current stream and its release
+        # waits in ``_unreleased`` until the next host transfer of that stream (the next MoE
+        # layer's, or the step's token pick) has passed the event, so a MoE layer costs one host
+        # synchronisation, not two.
         self._unreleased: list[tuple[int, tuple[int, ...], torch.cuda.Event | None]] = []
         # Host synchronisations, counted: one device→host transfer per MoE layer (routing and
         # layer-ahead together), and event waits (only between the waves of an oversized layer).
@@ -227,8 +249,8 @@ class ExpertRuntime:
         # once per MoE layer per forward: how generation captures each token's routing for the
         # predictor and the trace recorder (compute_svc.engine.activations.RoutingCapture).
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # Layer-ahead prediction (compute_svc.experts.layer_ahead) and a routing override installed from
-        # outside the service (``RoutingOverride``); both off unless set.
+        # Layer-ahead prediction (compute_svc.experts.layer_ahead) and a routing override installed
+        # from outside the service (``RoutingOverride``); both off unless set.
         self.layer_ahead: LayerAheadPredictor | None = None
         self.routing_override: RoutingOverride | None = None
         # The requests of the running forward: which rows are whose, at which positions
@@ -238,46 +260,14 @@ class ExpertRuntime:
         # The step span's context while this step's MoE layers are traced (expertcache.telemetry:
         # set by the engine for a share trace_layer_ratio of the steps); None = no layer spans.
         self.trace_parent = None
-        self._signals = {name: getattr(provider, name, None) for name in _SIGNALS}
-        # Experts small enough that the calls around their GEMMs cost more than their copies:
-        # a wave is then computed in one pass whatever the batches it arrives in.
-        self._small_experts = arena.slot_bytes < GATHER_BELOW_BYTES
-        self._begin_step = getattr(provider, "begin_step", None)
-        # Decode-sized layers on a CPU arena: the native fused kernel reads the experts in place.
-        self.fused_enabled = fused
-        self._fused = self._make_fused(arena)
-        # Decode-sized layers on a GPU arena: the experts read by slot index in one fixed sequence
-        # of kernels, replayed as a CUDA graph (compute_svc.experts.slots). ``slotted``: None = on a
-        # GPU only; True also on a CPU, without graphs (tests).
-        self.slotted_enabled = slotted
-        self.slotted = self._make_slotted(arena)
 
-    def _make_fused(self, arena: Arena) -> FusedExperts | None:
-        if not self.fused_enabled or not FusedExperts.supports(arena.slots):
-            return None
-        return FusedExperts(arena.slots, self.layouts)
-
-    def _make_slotted(self, arena: Arena) -> SlotExperts | None:
-        wanted = arena.device.type == "cuda" if self.slotted_enabled is None else self.slotted_enabled
-        if not wanted or not SlotExperts.supports(arena.slots, self.layouts):
-            return None
-        return SlotExperts(arena.slots, self.layouts)
+    @property
+    def arena(self) -> Arena:
+        return self.reader.arena
 
     @property
     def num_slots(self) -> int:
-        return self.arena.num_slots
-
-    def _singletons(self, layer: int, experts: Sequence[int], **kwargs) -> Iterator[list[ReadyExpert]]:
-        """A provider without ``acquire_batches``: each expert is its own batch. The generator's
-        ``close`` closes the provider's iterator (which drops its pins)."""
-        it = self.provider.acquire(layer, experts, **kwargs)
-        try:
-            for ready in it:
-                yield [ready]
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+        return self.reader.arena.num_slots
 
     def reset_counters(self) -> CacheCounters:
         """Return the counters since the last reset and start new ones."""
@@ -288,22 +278,19 @@ class ExpertRuntime:
         """A request starts: the routing override and the daemon are told."""
         if self.routing_override is not None:
             self.routing_override.begin_request(request_id)
-        if self._signals["begin_request"] is not None:
-            self._signals["begin_request"](request_id)
+        self.provider.begin_request(request_id)
 
     def end_request(self, request_id: str) -> None:
         if self.routing_override is not None:
             self.routing_override.end_request(request_id)
-        if self._signals["end_request"] is not None:
-            self._signals["end_request"](request_id)
+        self.provider.end_request(request_id)
 
     def begin_step(self, segments: Sequence[StepSegment], *, deadline: float | None = None) -> None:
         """The next forward holds ``segments``, in row order (one per request); its waits for
         experts end at ``deadline`` (``time.monotonic()``) at the latest."""
         self.segments = tuple(segments)
         self.deadline = deadline
-        if self._begin_step is not None:
-            self._begin_step()  # the provider forgets an interrupt of an earlier step
+        self.provider.begin_step()  # the provider forgets an interrupt of an earlier step
 
     def remap(self, arena: Arena) -> None:
         """Read experts from ``arena`` from now on (a restarted daemon's; same layout and device)."""
@@ -313,10 +300,7 @@ class ExpertRuntime:
                 "restart compute"
             )
         self._unreleased.clear()  # those pins went with the old daemon
-        self.arena = arena
-        self._slot_views = [arena.slot_views(slot, self.layouts) for slot in range(arena.num_slots)]
-        self._fused = self._make_fused(arena)
-        self.slotted = self._make_slotted(arena)
+        self.reader = self.reader.remapped(arena)
 
     def forward(
         self,
@@ -334,7 +318,7 @@ class ExpertRuntime:
             )
         # Layer-ahead runs on the device before the transfer, so that its result travels with it.
         pending = None
-        if self.layer_ahead is not None and self._signals["layer_ahead"] is not None:
+        if self.layer_ahead is not None:
             started = time.perf_counter()
             pending = self.layer_ahead.predict_device(
                 layer, hidden_states, [(g.start, g.rows) for g in self.segments]
@@ -390,28 +374,31 @@ class ExpertRuntime:
         decode step on a CPU arena), or by slot index in one fixed sequence of kernels (a decode
         step on a GPU arena whose experts fit in one wave), else None. ``index``: the routing on
         the host; ``top_k_index``: the same where the model runs."""
-        slotted = self.slotted
+        reader = self.reader
+        slotted = reader.slotted
         if slotted is not None and index.shape[0] <= SLOT_MAX_TOKENS:
             routed = slotted.routed(module, layer, index, top_k_index, top_k_weights, hidden_states)
             if len(routed.experts) <= self.num_slots:  # one wave: every expert pinned at once
                 return routed
-        if self._fused is None:
+        fused = reader.fused
+        if fused is None:
             return None
-        kernel = self._fused.kernel(module, top_k_weights.dtype)
+        kernel = fused.kernel(module, top_k_weights.dtype)
         if kernel is None:
             return None
-        return self._fused.routed(kernel, index, top_k_weights, hidden_states)
+        return fused.routed(kernel, index, top_k_weights, hidden_states)
 
     def _fused_layer(
         self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner
     ) -> FusedLayer | None:
         """The layer's inputs to the fused kernel when it runs this layer, else None."""
-        if self._fused is None:
+        fused = self.reader.fused
+        if fused is None:
             return None
-        kernel = self._fused.kernel(module, routing.weights.dtype)
+        kernel = fused.kernel(module, routing.weights.dtype)
         if kernel is None or not decode_sized(routing, kernel.max_rows):
             return None
-        return self._fused.layer(kernel, routing, hidden_states, combiner)
+        return fused.layer(kernel, routing, hidden_states, combiner)
 
     def end_step(self, *, failed: bool = False) -> None:
         """The step's forward is over (the token was picked, which waited for the device):
@@ -481,25 +468,23 @@ class ExpertRuntime:
         depth, brought to the host with the routing in one transfer). One-way messages, held for
         the layer's first acquire (``with_acquire``): they travel in its Acquire when it has
         misses, so the daemon takes one message and starts the demand loads first."""
-        routed = self._signals["routed"]
-        if routed is not None:
-            if len(self.segments) == 1:
-                seg = self.segments[0]
-                routed(seg.request_id, seg.last_position, layer, experts, with_acquire=True)
-            else:
-                index = fetched.index.reshape(-1, fetched.index.shape[-1])
-                for seg in self.segments:
-                    experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
-                    routed(seg.request_id, seg.last_position, layer, tuple(experts), with_acquire=True)
-        send = self._signals["layer_ahead"]
-        if pending is None or send is None or fetched.predictions is None:
+        provider = self.provider
+        if len(self.segments) == 1:
+            seg = self.segments[0]
+            provider.routed(seg.request_id, seg.last_position, layer, experts, with_acquire=True)
+        else:
+            index = fetched.index.reshape(-1, fetched.index.shape[-1])
+            for seg in self.segments:
+                experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
+                provider.routed(seg.request_id, seg.last_position, layer, tuple(experts), with_acquire=True)
+        if pending is None or fetched.predictions is None:
             return
         for seg, predictions in zip(self.segments, fetched.predictions, strict=True):
             if self.routing_override is not None:
                 predictions = tuple(self.routing_override.layer_ahead(seg, p) for p in predictions)
             predictions = tuple(p for p in predictions if p.experts)
             if predictions:
-                send(seg.request_id, seg.last_position, predictions, with_acquire=True)
+                provider.layer_ahead(seg.request_id, seg.last_position, predictions, with_acquire=True)
 
     def _run_wave(
         self,
@@ -513,7 +498,8 @@ class ExpertRuntime:
         fused: FusedLayer | RoutedLayer | SlotLayer | None = None,
     ) -> None:
         acquire_span = None
-        acquire = getattr(self.provider, "acquire_batches", None) or self._singletons
+        acquire = self.provider.acquire_batches
+        reader = self.reader
         if layer_span is None:
             ready_iter = acquire(layer, wave, deadline=self.deadline)
         else:
@@ -530,13 +516,13 @@ class ExpertRuntime:
         wait_s = 0.0
         device_hits = 0
         decoder = self.decoder
-        views = self._slot_views
+        views = reader.views
         # Small experts: one pass over the whole wave (the first projection of each as it is
         # pinned, the rest once); large ones: a pass per batch, so that the whole of one batch's
         # compute overlaps the next one's copy.
         whole = (
             ExpertsPass(module, wave, hidden_states, routing)
-            if self._small_experts and fused is None
+            if reader.small_experts and fused is None
             else None
         )
         try:
@@ -555,7 +541,7 @@ class ExpertRuntime:
                         )
                     pending.discard(ready.expert)
                     self.counters.record(ready.source)
-                    device_hits += ready.source is ExpertSource.DEVICE
+                    device_hits += ready.source is Tier.DEVICE
                 # Reordered execution: run each batch as soon as it is pinned.
                 if fused is not None:
                     fused.run([r.slot for r in batch], [r.expert for r in batch])
@@ -586,13 +572,11 @@ class ExpertRuntime:
                 acquire_span.end()
             if not done:
                 # Closing the iterator drops the stream and with it every pin it holds.
-                close = getattr(ready_iter, "close", None)
-                if close is not None:
-                    close()
-        if self._cuda:
+                ready_iter.close()
+        if reader.cuda:
             # The kernels reading the slots may still run: release after they are done.
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.arena.device))
+            event.record(torch.cuda.current_stream(reader.arena.device))
             self._unreleased.append((layer, wave, event))
         else:
             self.provider.release(layer, wave)

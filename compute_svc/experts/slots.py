@@ -1,24 +1,7 @@
 """A decode step's MoE layer on a GPU: the experts read from their arena slots by index.
 
-On a GPU every torch call costs a kernel launch and some microseconds of Python, and the experts
-pass of ``compute_svc.experts.stages`` makes a handful per expert. Here a decode-sized layer (a few
-tokens) is one fixed sequence of calls whatever experts it routes to, so that it can be captured
-once in a CUDA graph and replayed::
-
-    slot_of [E] int64 (host fills it from the acquire, one copy up) ──▶ slots s = slot_of[index]  [S]
-    arena typed as [num_slots, *shape] per stored tensor ──index_select(s)──▶ [S, 2I, H], [S, H, I]
-    x [T, H] repeated per (token, k) pair ──bmm──▶ gate (the module's own) ──bmm──▶ × weight
-    ──▶ [T, K, H] summed over k ──▶ [T, H]
-
-which is transformers' own ``batched_mm`` experts forward with the weights read from the slots.
-S = T·K (token, k) pairs, as in ``moe_math``. The weights of the S pairs are copied out of the
-arena (a few MiB per layer, cheap beside a launch on a GPU); plain (unencoded) experts only, since
-MXFP4 and FP8 decode expert by expert (``compute_svc.experts.weights``).
-
-The runtime (``compute_svc.experts.moe``) still owns acquire, release, signals and counters: it hands
-each batch of pinned experts to ``SlotLayer.run`` and takes ``result``. On a CPU the same calls
-run without a graph (the tests check them there against ``moe_math``).
-"""
+One fixed sequence of calls whatever experts the layer routes to, so that it is captured once in
+a CUDA graph and replayed; plain (unencoded) experts only. Design: docs/compute.md."""
 
 from __future__ import annotations
 
@@ -33,7 +16,7 @@ from expertcache.manifest import ExpertTensor
 logger = logging.getLogger(__name__)
 
 # Layers of at most this many tokens go through here (decode steps); larger ones copy too many
-# experts' weights per pair and take the grouped path of moe_math.
+# experts' weights per pair and take the grouped path of compute_svc.experts.stages.
 MAX_TOKENS = 16
 
 

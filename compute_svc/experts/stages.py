@@ -1,15 +1,7 @@
 """The route, compute and combine stages of a MoE layer's experts: tensor math, no daemon.
 
-``compute_svc.experts.moe`` runs them around the acquire stage (pinned arena slots)::
-
-    top_k_index [T,K] ──route──▶ Routing ──waves──▶ ≤ num_slots experts at a time
-    per batch of pinned experts ──ExpertsPass──▶ (rows, weighted outputs [n,H])
-    ──Combiner──▶ [T·K,H] → view [T,K,H] → sum(dim=1) → [T,H]
-
-Glossary: T tokens in the call, K = top-k, H = hidden size, S = T·K (token, k) pairs; a *row*
-is an index into the S pairs (row = token·K + k). Example: T=2, K=2, top_k_index=[[3,1],[1,6]]
-→ experts (1, 3, 6); expert 1 owns rows [1, 2] (token 0 k=1, token 1 k=0).
-"""
+``compute_svc.experts.moe`` runs them around the acquire stage (pinned arena slots). Stages and
+glossary: docs/compute.md."""
 
 from __future__ import annotations
 

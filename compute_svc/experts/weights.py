@@ -1,26 +1,7 @@
 """The compute stage's input: one expert's weights in the compute dtype, from its arena slot.
 
-::
-
-    arena slot s [slot_bytes] uint8 ──views (Arena.slot_views)──▶ stored parts, e.g.
-        gate_up_proj_blocks uint8 [2I, H/32, 16], gate_up_proj_scales uint8 [2I, H/32], ...
-                           ──ExpertDecoder.weights──▶ {"gate_up_proj": bf16 [H, 2I], ...}
-
-The store keeps experts in their checkpoint's encoding (``expertcache.encodings``), so every
-tier moves the encoded bytes; here, inside the ExpertsInterface forward, each expert becomes
-weights of the compute dtype at the last moment. Plain tensors are the arena views themselves
-(no copy). MXFP4 and FP8 tensors are decoded on the arena's device (on CPU by the native core,
-on a GPU by torch ops) into one scratch buffer per tensor, reused by every expert of every
-layer: an expert's decoded tensor is valid until the same tensor of another expert is decoded,
-which is after the GEMM that reads it (on a GPU, the same stream orders the kernels); the
-experts forward decodes ``gate_up_proj`` expert by expert, then ``down_proj`` expert by expert. Scratch memory
-is one expert's decoded bytes (``scratch_bytes``), plus the torch ops' index buffers on a GPU;
-the arena holds only encoded blobs.
-
-No maintained kernel package offers an MXFP4 or block-FP8 grouped matmul for torch 2.13 on
-CPU (torchao's block-FP8 GEMM needs Triton and CUDA; transformers' MXFP4 kernels come from the
-Hub at run time), so every device decodes first.
-"""
+Experts travel in their checkpoint's encoding; MXFP4 and FP8 parts are decoded here, at the last
+moment, into scratch buffers reused by every expert. Design: docs/compute.md."""
 
 from __future__ import annotations
 

@@ -1,41 +1,8 @@
 """The OpenAI-compatible HTTP front door of compute: a Starlette app over the same ``Scheduler``
 as the gRPC ``Inference`` service (no second engine).
 
-::
-
-    GET  /v1/models               the served checkpoint (its manifest's model id)
-    POST /v1/completions          prompt text or token ids → text   (stream: SSE, ``data: [DONE]``)
-    POST /v1/chat/completions     messages, the checkpoint's chat template → text
-    GET  /health                  200 while serving, 503 otherwise (no token needed: for probes)
-
-A request's life: the middleware counts it (``moe_compute_http_requests_total{route,status}``,
-``moe_compute_http_request_duration_seconds{route}``), opens its span (the parent from a W3C
-``traceparent`` header; the engine's Generate span becomes its child) and checks the bearer token
-(``auth_token_file``, the gRPC services' token, compared in constant time). The body is read
-within ``max_body_bytes`` (derived from the prompt limits, refused with 413 before parsing) and
-``request_timeout_s``; ``compute_svc.http.openai_schema`` turns it into a ``GenerationRequest``, which
-is submitted to the scheduler in a pool thread (tokenising is not done on the loop). A pool thread
-then hands the request's events to the loop as they come; the loop writes them.
-
-Bounds, the same as a Generate over gRPC: the engine's ``RequestLimits`` and the scheduler's
-admission (``QueueFull`` → 429; one client address holds at most ``max_client_share`` of the batch
-and queue); at most ``http_max_requests`` generation requests at once, and ``max_client_share`` of
-them from one client address (429 beyond); a client that disconnects cancels its request at once
-(its batch place and pins go). A stream is cut on the bytes its client has not taken: its
-socket's send buffer is bounded (``STREAM_SEND_BUFFER``, instead of the kernel's autotuned
-hundreds of KB, which took every write of a stream nobody read) and so is its transport's
-(``STREAM_UNSENT_BYTES``), so a client that stops reading blocks the stream's writes within a
-hundred KB or so; one blocked for ``stream_stall_timeout_s`` has its request cancelled and its
-connection closed, like gRPC's stalled stream. Bodies are read within a byte budget shared by all requests
-(``HttpLimits.body_budget``: a request waits for its share, within ``request_timeout_s``) and
-parsed in a pool thread, never on the event loop. The connections themselves are bounded by
-``compute_svc.http.guard``.
-
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field, 401 without the token, 404 for another model, 413 for a body too large, 429 when admission
-refuses, 503 while draining or without the cache daemon, 504 past a deadline. An error after a
-stream has begun is sent as one last ``data: {"error": ...}`` event (no ``[DONE]``).
-"""
+Routes, a request's life, its bounds (those of a Generate over gRPC) and the errors:
+docs/compute.md."""
 
 from __future__ import annotations
 
@@ -306,7 +273,7 @@ class HttpApi:
             else:
                 await self._checked(scope, receive, send_counted)
         finally:
-            self.metrics.record_http(route, status, time.perf_counter() - started)
+            self.metrics.http.record(route, status, time.perf_counter() - started)
 
     async def _traced(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         headers = {
@@ -412,7 +379,7 @@ class HttpApi:
             return error_response(error_of(exc))
         except ClientDisconnect:
             # Gone before its body arrived: nobody to answer, nothing to log.
-            self.metrics.http_cut.labels(reason="client_disconnect").inc()
+            self.metrics.http.cut.labels(reason="client_disconnect").inc()
             return Response(status_code=CLIENT_GONE)
         finally:
             if not handed_off:
@@ -439,7 +406,7 @@ class HttpApi:
             )
         else:
             return None
-        self.metrics.http_refused.labels(limit=limit).inc()
+        self.metrics.http.refused.labels(limit=limit).inc()
         return ApiError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
 
     def release(self, client: str) -> None:
@@ -524,7 +491,7 @@ class HttpApi:
             asyncio.ensure_future(notify())
 
     def _timed_out(self, timeout: float) -> ApiError:
-        self.metrics.http_cut.labels(reason="request_timeout").inc()
+        self.metrics.http.cut.labels(reason="request_timeout").inc()
         return ApiError(
             408,
             f"the request body did not arrive within {timeout:g} s (request_timeout_s)",
@@ -533,7 +500,7 @@ class HttpApi:
         )
 
     def _too_large(self, size: str) -> ApiError:
-        self.metrics.http_refused.labels(limit="max_body_bytes").inc()
+        self.metrics.http.refused.labels(limit="max_body_bytes").inc()
         return ApiError(
             413,
             f"the request body is {size} bytes; this server takes at most {self.limits.max_body_bytes} "
@@ -543,7 +510,7 @@ class HttpApi:
         )
 
     def stalled(self, scope: Scope, seconds: float) -> None:
-        self.metrics.http_cut.labels(reason="stall").inc()
+        self.metrics.http.cut.labels(reason="stall").inc()
         client = scope.get("client")
         self._log.log(
             logging.WARNING,

@@ -1,33 +1,7 @@
 """The HTTP front door's connections: how many one client and all of them together may hold open,
 and how long a connection may sit without sending a whole request.
 
-A hostile client needs no request at all to take an HTTP server down: it opens connections and
-sends nothing, or half a header, or a body a byte at a time, until the server runs out of
-places or of file descriptors. uvicorn bounds none of that (its ``limit_concurrency`` answers
-503 to everyone once it is reached, probes included). Here every connection is counted by
-``ConnectionGuard``, on the event loop, from ``connection_made`` to ``connection_lost``:
-
-- **Header timeout.** A connection must complete a request's headers within
-  ``header_timeout_s`` of opening, or of the first byte of its next request; otherwise it is
-  closed. A trickle of bytes does not reset it. Between requests a keep-alive connection that
-  sends nothing is left to uvicorn's idle timeout (``max_connection_idle_s``), and to yielding.
-- **Idle connections yield.** A connection is idle while it has no request in progress (before
-  its first one, between keep-alive requests, while its headers trickle in). When one client
-  address holds ``max_connections_per_client`` connections, or all of them together hold
-  ``max_connections``, a new connection closes the idlest connection, of that client first: a
-  flood of idle connections costs its sender its own oldest ones, and a health probe or another
-  client still gets in. Only when every counted connection has a request in progress (bounded
-  by ``http_max_requests`` and its per-client share) is the new one refused, by closing it.
-- **File descriptors.** ``max_connections`` is derived at start from the process's limit on open
-  files (``RLIMIT_NOFILE``), leaving room for gRPC, the daemon channel and the store, and for the
-  connections accepted in one go (the listen backlog, an eighth of the limit, at most 512):
-  accepting never fails for want of a descriptor.
-- **Answered before its body arrived** (413, 429, 401, 404, ...): the connection is closed once
-  the answer is written, instead of waiting for the rest of the body.
-
-What is refused and cut is counted (``moe_compute_http_refused_total{limit}``,
-``moe_compute_http_cut_total{reason}``) and logged at most once per reason per 10 s.
-"""
+uvicorn bounds none of that; ``ConnectionGuard`` counts every connection. Rules: docs/compute.md."""
 
 from __future__ import annotations
 
@@ -147,7 +121,7 @@ class ConnectionGuard:
         if not idle:
             return False
         victim = next(iter(idle))
-        self.metrics.http_cut.labels(reason="idle_yielded").inc()
+        self.metrics.http.cut.labels(reason="idle_yielded").inc()
         self._log.log(
             logging.WARNING,
             f"yield:{limit}",
@@ -161,7 +135,7 @@ class ConnectionGuard:
         return True
 
     def _refuse(self, client: str, limit: str) -> bool:
-        self.metrics.http_refused.labels(limit=limit).inc()
+        self.metrics.http.refused.labels(limit=limit).inc()
         self._log.log(
             logging.WARNING,
             f"refuse:{limit}",
@@ -205,7 +179,7 @@ class ConnectionGuard:
             del self._count[client]
 
     def cut(self, conn: GuardedH11Protocol, reason: str, what: str) -> None:
-        self.metrics.http_cut.labels(reason=reason).inc()
+        self.metrics.http.cut.labels(reason=reason).inc()
         self._log.log(
             logging.WARNING,
             f"cut:{reason}",

@@ -1,30 +1,7 @@
 """OpenAI's request and response bodies ↔ the engine's ``GenerationRequest`` and ``TokenEvent``.
 
-Pure functions, no HTTP: ``compute_svc.http.api`` parses a body with ``completion_request`` or
-``chat_request`` and writes what the scheduler streams back with ``Completion``. A field this
-service cannot honour is refused (``ApiError``, 400, naming the field) rather than ignored, so a
-client never gets an answer to a question it did not ask; fields that change nothing here
-(``user``, ``stream_options`` without usage, ...) are accepted.
-
-Mapping (OpenAI → ``GenerationRequest``): ``prompt`` (text, or a list of token ids) → text /
-token_ids; ``messages`` → messages (the checkpoint's chat template applies); ``max_tokens`` (chat:
-``max_completion_tokens`` too) → max_new_tokens, exactly (refused when the prompt leaves less
-room); left out, a ceiling (``fit_max_new_tokens``) the engine lowers to what the prompt leaves
-of the request's total-token limit, as vLLM does (the official client sends no max_tokens): 16
-for completions (OpenAI's default), the service's ``max_new_tokens_limit`` for chat;
-``temperature`` (OpenAI's default 1, 0 = greedy), ``top_p``, ``seed``, ``presence_penalty`` →
-sampling; ``stop`` → stop strings; ``logprobs`` → the chosen token's log-probability
-(alternatives, ``top_logprobs`` > 0, are not computed). One extension, vLLM's: ``ignore_eos``
-(generate max_tokens whatever the model ends with; benchmarks). Finish reasons: ``length`` for
-max_tokens, ``stop`` for an end-of-sequence token or a stop string. ``model`` is the served
-model's name (``served_model_name``, by default the checkpoint's) or the store's model id, an
-alias (``ServedModel``).
-
-A hostile body's strings and numbers are refused naming their field: a string holding a lone
-surrogate (JSON's ``"\\ud800"`` escape decodes to one: no character, so no UTF-8 and no tokens),
-a number no float holds (a 400-digit integer). The engine's own refusals (its limits) name their
-field too: ``InvalidArgument.field``, written as the body's name by ``http_api.error_of``.
-"""
+Pure functions, no HTTP. A field this service cannot honour is refused (``ApiError``, 400, naming
+the field) rather than ignored. The field mapping: docs/compute.md."""
 
 from __future__ import annotations
 

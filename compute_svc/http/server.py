@@ -1,19 +1,7 @@
 """uvicorn serving the HTTP API (``compute_svc.http.api``) on a thread and event loop of its own,
 started and stopped with the compute process (``ComputeServer.start``/``stop``).
 
-The socket is bound when the server is made, so a bad or taken ``http_listen_address`` fails
-start-up with the address in the message, like the gRPC port. Connections are bounded by
-``compute_svc.http.guard`` (header timeout, per-client and total connections derived from the
-open-files limit, idle connections yielding to new ones) instead of uvicorn's
-``limit_concurrency``, which answers 503 to everyone, probes included, once reached. Idle
-keep-alive connections are also closed after ``max_connection_idle_s``, and headers are bounded
-by h11's 16 KiB. ``X-Forwarded-For`` is not trusted: a client is the address it connects from.
-What the loop and uvicorn log about clients (accept errors, malformed requests) is rate-limited.
-
-With ``tls_cert_file`` set the HTTP API is served over TLS with the same files as gRPC (and
-``tls_client_ca_file``: client certificates required); like gRPC's, the files are read again when
-they change (a rotated certificate serves new connections within ``TLS_RELOAD_CHECK_S``).
-"""
+Binding, connection bounds and TLS reloads: docs/compute.md."""
 
 from __future__ import annotations
 
@@ -22,12 +10,13 @@ import logging
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
+from compute_svc.config import parse_address
 from compute_svc.http.guard import ConnectionGuard, ConnectionLimits, GuardedH11Protocol
 from compute_svc.metrics import ComputeMetrics
-from expertcache.errors import InvalidArgument
 from expertcache.logs import RateLimitedLog
 from expertcache.security import ServerSecurity, file_version
 
@@ -120,15 +109,6 @@ def _loop_errors(log: RateLimitedLog):
     return handle
 
 
-def parse_address(address: str, field: str = "http_listen_address") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) → (host, port); ``InvalidArgument`` naming ``field``."""
-    host, sep, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgument(f"config field {field!r} = {address!r} is not HOST:PORT (e.g. 0.0.0.0:8080)")
-    return host, int(port)
-
-
 def _bind(address: str) -> socket.socket:
     host, port = parse_address(address)
     try:
@@ -173,7 +153,8 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """One uvicorn server of ``app`` on ``address``."""
+    """One uvicorn server of ``app`` on ``address``; ``on_stop`` (the app's own clean-up, e.g.
+    ``HttpApi.close``) runs once it has stopped."""
 
     def __init__(
         self,
@@ -187,18 +168,17 @@ class HttpServer:
         max_connections: int = 0,
         metrics: ComputeMetrics | None = None,
         security: ServerSecurity | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
-        self._app = app
+        self._on_stop = on_stop
         self.limits = ConnectionLimits.derive(
             max_requests=max_requests,
             client_share=client_share,
             header_timeout_s=header_timeout_s,
             configured_max=max_connections,
         )
-        self.guard = ConnectionGuard(
-            self.limits, metrics or getattr(app, "metrics", None) or ComputeMetrics()
-        )
+        self.guard = ConnectionGuard(self.limits, metrics or ComputeMetrics())
         self._sock = _bind(address)
         tls = {}
         if security is not None and security.tls:
@@ -215,7 +195,7 @@ class HttpServer:
             log_config=None,  # the process's logging as configured
             access_log=False,  # moe_compute_http_requests_total counts them
             proxy_headers=False,  # a client is the address it connects from
-            limit_concurrency=None,  # http_guard bounds connections; http_api bounds requests
+            limit_concurrency=None,  # http.guard bounds connections; http.api bounds requests
             backlog=self.limits.backlog,
             timeout_keep_alive=max(1, round(idle_timeout_s)) if idle_timeout_s > 0 else 5,
             timeout_graceful_shutdown=5,
@@ -258,6 +238,5 @@ class HttpServer:
         self._server.should_exit = True
         self._thread.join(grace_s + 5.0)
         self._sock.close()
-        close = getattr(self._app, "close", None)
-        if close is not None:
-            close()
+        if self._on_stop is not None:
+            self._on_stop()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from compute_svc.engine.requests import GenerationRequest
+from compute_svc.experts.moe import ExpertProvider
 from expertcache import native
 from tests.cuda_engines import DEVICE, NEW_TOKENS, PROMPT, TOL, cuda_engine, plain
 from tests.inference import generate_replies
@@ -77,7 +78,7 @@ def test_synchronising_operations_per_decode_step(tiny_store):
     assert per_step <= layers + 3, [str(w.message) for w in syncs[:10]]
 
 
-class SlowKernels:
+class SlowKernels(ExpertProvider):
     """A provider whose waves' kernels run long: after a wave's experts were computed (their
     kernels queued), a sleep kernel is queued behind them on the same stream, before the runtime
     records the wave's event. The next wave then finds them still running when it wants the

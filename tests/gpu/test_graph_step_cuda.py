@@ -53,7 +53,7 @@ def test_replayed_steps_equal_eager_ones_and_the_plain_model(arch, tiny_store):
     assert step is not None and step.graphs
     eager_tokens, eager_logits, _ = decode(engine, 16)  # first use of each plan: eager, then captured
     assert step.capture_failed is None and step.captures >= 1
-    slotted = engine.runtime.slotted
+    slotted = engine.runtime.reader.slotted
     assert slotted is not None and slotted.capture_failed is None and slotted.captures >= 1
     tokens, logits, replay_ms = decode(engine, 16)  # every plan replayed
     assert tokens == eager_tokens

@@ -177,7 +177,7 @@ def test_every_token_arrives_in_order_with_request_done(engine):
             torch.stack([idx for _, idx in forward], dim=1).reshape(forward[0][1].shape[0], -1).tolist()
         )
     assert [list(m.experts) for m in tokens] == rows
-    assert reporter.dropped_tokens == 0
+    assert reporter.counters.dropped_tokens == 0
 
 
 def test_absent_predictor_drops_and_never_fails_generation(engine):
@@ -187,10 +187,10 @@ def test_absent_predictor_drops_and_never_fails_generation(engine):
     engine.enable_routing(RoutingCapture(tiny.manifest.moe_layers), reporter)
     for i in range(3):  # 3 x 25 routed tokens against a 30-token queue nobody drains
         assert generate(engine, f"req-{i}") == baseline
-    assert reporter.dropped_tokens > 0
+    assert reporter.counters.dropped_tokens > 0
     assert reporter.queued_tokens <= 30
-    assert reporter.sent_tokens == 0
-    assert reporter.counter_values()["moe_compute_activations_dropped"] == reporter.dropped_tokens
+    assert reporter.counters.sent_tokens == 0
+    assert reporter.counter_values()["moe_compute_activations_dropped"] == reporter.counters.dropped_tokens
 
 
 def test_slow_predictor_makes_the_queue_drop_instead_of_blocking(engine):
@@ -225,12 +225,12 @@ def test_slow_predictor_makes_the_queue_drop_instead_of_blocking(engine):
         reporter.on_step = on_step
         long_prompt = tuple(5 + i % 300 for i in range(240))
         requests = 0
-        while reporter.dropped_tokens == 0 and requests < 60:
+        while reporter.counters.dropped_tokens == 0 and requests < 60:
             out = generate(engine, f"slow-{requests}", token_ids=long_prompt, max_new_tokens=2)
             assert len(out) == 2  # every request completes while the predictor reads nothing
             requests += 1
         # The queue stayed within its bound and the overflow was dropped, not waited for.
-        assert reporter.dropped_tokens > 0, f"no drop after {requests} requests"
+        assert reporter.counters.dropped_tokens > 0, f"no drop after {requests} requests"
         assert queued_max <= 256
         release.set()
         messages = predictor.wait_done("slow-0", timeout_s=20)
@@ -262,7 +262,7 @@ def test_reporting_resumes_after_a_predictor_restart(engine):
         assert [m.token_index for m in messages if not m.request_done] == list(
             range(len(PROMPT) + NEW_TOKENS - 1)
         )
-        assert reporter.outages >= 1
+        assert reporter.counters.outages >= 1
     finally:
         server.stop(0)
 
@@ -304,9 +304,9 @@ def test_a_refused_registration_streams_nothing_and_counts_an_outage():
     try:
         reporter.on_step(_step("r", 0, 2))
         deadline = time.monotonic() + 10
-        while reporter.outages == 0 and time.monotonic() < deadline:
+        while reporter.counters.outages == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert reporter.outages == 1 and not reporter.connected
+        assert reporter.counters.outages == 1 and not reporter.counters.connected
         with predictor.cond:
             assert predictor.messages and all(
                 isinstance(m, predictor_pb2.RegisterModelRequest) for m in predictor.messages

@@ -28,7 +28,7 @@ def test_greedy_decode_through_graph_steps_matches_generate(arch, dtype, local_e
     calls = counting(engine.graph_step)
     assert greedy(engine, PROMPT, 12) == plain_greedy(tiny.checkpoint, PROMPT, 12, dtype)
     assert len(calls) == 11  # every token after the prompt's first
-    assert engine.runtime.slotted.calls >= 11 * len(tiny.manifest.moe_layers)  # and small prompts
+    assert engine.runtime.reader.slotted.calls >= 11 * len(tiny.manifest.moe_layers)  # and small prompts
     assert engine.graph_step.pool.free_rows == engine.graph_step.pool.rows  # the row went back
 
 
@@ -127,12 +127,12 @@ def test_layers_with_more_experts_than_slots_take_the_waves(local_engine):
     for seq in seqs:
         for _, event in engine.step([(seq, len(seq.pending))]):
             got[id(seq)].append(event.token_id)
-    before = engine.runtime.slotted.calls
+    before = engine.runtime.reader.slotted.calls
     while not seqs[0].done:
         for s, event in engine.step([(s, 1) for s in seqs]):
             got[id(s)].append(event.token_id)
     assert [got[id(s)] for s in seqs] == alone
-    assert engine.runtime.slotted.calls - before < 3 * len(tiny.manifest.moe_layers)
+    assert engine.runtime.reader.slotted.calls - before < 3 * len(tiny.manifest.moe_layers)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "deepseek_v2"])

@@ -104,7 +104,6 @@ def test_one_host_transfer_per_moe_layer_and_no_waits(layer_ahead, local_engine)
     if layer_ahead:
         loaded = engine.loaded
         runtime.layer_ahead = LayerAheadPredictor(loaded.model, loaded.experts_modules)
-        runtime._signals["layer_ahead"] = lambda *args, **kwargs: None
     engine.enable_routing(RoutingCapture(tiny.manifest.moe_layers))  # routing observed with weights
     runtime.host_transfers = runtime.event_waits = 0
     prepared = engine.requests.prepare(
@@ -167,7 +166,7 @@ FUSED += [pytest.param(p.values[0], quantized_config(*p.values[:3]), p.values[3]
 def test_fused_kernel_matches_transformers_at_decode_sizes(arch, config, tol, local_engine):
     engine, _, tiny = local_engine(arch, **config)
     got = engine.forward_logits(SHORT)
-    fused = engine.runtime._fused
+    fused = engine.runtime.reader.fused
     assert fused is not None and fused.calls > 0, "the fused kernel did not run"
     assert all(k is not None for k in fused._by_module.values()), "a layer fell back to the torch path"
     want = plain_logits(tiny.checkpoint, SHORT)
@@ -186,7 +185,7 @@ def test_greedy_decode_through_the_fused_kernel_matches_generate(local_engine):
         GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=12, ignore_eos=True)
     )
     assert [e.token_id for e in engine.generate(request)] == want[0, len(PROMPT) :].tolist()
-    assert engine.runtime._fused.calls > 0
+    assert engine.runtime.reader.fused.calls > 0
 
 
 # -- the routing-aware comparison that the GPU test uses (tests/equality.py) ----------------------

@@ -158,7 +158,7 @@ class _Api:
         self.stalls = []
 
     def stalled(self, scope, seconds):
-        self.metrics.http_cut.labels(reason="stall").inc()
+        self.metrics.http.cut.labels(reason="stall").inc()
         self.stalls.append(seconds)
 
 

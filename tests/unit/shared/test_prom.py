@@ -12,10 +12,11 @@ from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_daemon.metrics import DaemonMetrics
-from compute_svc.experts.moe import CacheCounters, ExpertSource
+from compute_svc.experts.moe import CacheCounters
 from compute_svc.metrics import ComputeMetrics
 from expertcache.errors import InvalidArgument
 from expertcache.prom import Registry, ScrapeCollector, counter, gauge, serve, value, values
+from expertcache.protocol import Tier
 from predictor_svc.metrics import PredictorMetrics
 
 
@@ -74,9 +75,7 @@ def test_every_service_counter_is_exposed(metrics):
 
 def test_compute_metrics_record_and_render():
     m = ComputeMetrics()
-    counters = CacheCounters(
-        hits=3, misses=1, stall_s=0.25, by_tier={ExpertSource.DEVICE: 3, ExpertSource.STORE: 1}
-    )
+    counters = CacheCounters(hits=3, misses=1, stall_s=0.25, by_tier={Tier.DEVICE: 3, Tier.STORE: 1})
     counters.acquire_waits.extend([0.001, 0.2])
     m.record_step(counters, batch_requests=2)
     m.record_token(0.5, first=True)
