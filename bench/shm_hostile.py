@@ -25,8 +25,8 @@ import time
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
-from compute_svc.daemon.wire import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
 from expertcache import handoff, native
+from expertcache.protocol import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
 
 
 class RegionFuzz:

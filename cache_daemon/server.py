@@ -16,33 +16,28 @@ import grpc
 import numpy as np
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
+from cache_daemon.client_messages import AcquireTrace, ClientMessages, Op
 from cache_daemon.config import DaemonConfig
 from cache_daemon.daemon import AttachInfo, CacheDaemon, CacheStats, ConfigUpdate, PrefetchStats
-from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal
 from cache_daemon.decisions.scheduler import PrefetchClass
 from cache_daemon.decisions.signals import LayerPrediction
 from cache_daemon.hints import HintStats
 from cache_daemon.residency import ClientLedger, Ready
-from cache_daemon.tiers.base import Tier
 from cache_daemon.tiers.device import ArenaHandle, ArenaKind
-from expertcache import telemetry
 from expertcache.aio_bridge import Health, LoopServer
 from expertcache.errors import InvalidArgument
 from expertcache.grpc_server import build_server, set_serving
 from expertcache.keys import ExpertKey
 from expertcache.paths import HANDOFF_SOCKET_SUFFIX
 from expertcache.prom import Registry
+from expertcache.protocol import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY, PB_TIER
 from expertcache.transport import TransportLimits
 
 logger = logging.getLogger(__name__)
 SOCKET_MODE = 0o600
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["ExpertCache"].full_name
-# Demand call metadata naming the caller's client ledger (see cache.proto, Demand).
-CLIENT_INDEX_KEY = "expertcache-client-index"
-CLIENT_EPOCH_KEY = "expertcache-client-epoch"
 # Route and LayerAhead messages one Acquire may carry, of each kind: compute's largest batch.
-MAX_CARRIED_SIGNALS = 4096
 GRPC_MAX_WORKERS = 16  # one per concurrent Demand stream, plus room for Attach/GetStats/health
 
 _ARENA_KIND_TO_PB = {
@@ -55,11 +50,6 @@ _PREFETCH_CLASS_TO_PB = {
 }
 # UpdateConfigRequest's optional fields, all named as DaemonConfig's fields.
 _UPDATE_FIELDS = tuple(f.name for f in cache_pb2.UpdateConfigRequest.DESCRIPTOR.fields)
-_TIER_TO_PB = {
-    Tier.DEVICE: cache_pb2.TIER_DEVICE,
-    Tier.HOST: cache_pb2.TIER_HOST,
-    Tier.STORE: cache_pb2.TIER_STORE,
-}
 
 
 # -- wire <-> domain -------------------------------------------------------------------------
@@ -124,7 +114,7 @@ def ready_to_pb(ticket: int, ready: Ready) -> cache_pb2.DemandResponse:
             ticket=ticket,
             expert=cache_pb2.ExpertRef(decoder_layer=ready.key.layer, expert=ready.key.expert),
             slot=ready.slot,
-            source=_TIER_TO_PB[ready.source],
+            source=PB_TIER[ready.source],
         )
     )
 
@@ -137,7 +127,7 @@ def stats_to_pb(stats: CacheStats) -> cache_pb2.CacheStats:
     return cache_pb2.CacheStats(
         tiers=[
             cache_pb2.TierStats(
-                tier=_TIER_TO_PB[t.tier],
+                tier=PB_TIER[t.tier],
                 hits=t.hits,
                 misses=t.misses,
                 bytes_in=t.bytes_in,
@@ -206,51 +196,15 @@ def hint_stats_to_pb(h: HintStats) -> cache_pb2.HintStats:
 
 
 # -- the servicer ----------------------------------------------------------------------------
-class _StreamSignals:
-    """Checks one Demand stream's Route and LayerAhead messages, on their own or carried by an
-    Acquire. A prediction is advice: a malformed one is dropped and counted (signals_rejected)
-    and the stream, and the generation it serves, goes on; the first is logged per stream."""
-
-    def __init__(self, daemon: CacheDaemon, peer: str) -> None:
-        self._daemon = daemon
-        self._peer = peer
-        self._warned = False
-
-    def check(self, kind: str, message) -> RouteSignal | LookaheadSignal | None:
-        intake = self._daemon.residency.intake
-        try:
-            if kind == "route":
-                return intake.check_route(
-                    message.request_id, message.token, message.decoder_layer, message.experts
-                )
-            return intake.check_layer_ahead(
-                message.token, lookahead_from_pb(message), message.request_id or None
-            )
-        except InvalidArgument as exc:
-            self._daemon.metrics.signals.labels("rejected").inc()
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "dropping malformed %s messages from %s (counted in signals_rejected): %s",
-                    kind,
-                    self._peer,
-                    exc,
-                )
-            return None
-
-    def carried_by(self, acquire: cache_pb2.Acquire) -> list[RouteSignal | LookaheadSignal]:
-        """The checked signals ``acquire`` carries, routes first (``InvalidArgument`` if it carries
-        more than ``MAX_CARRIED_SIGNALS`` of a kind)."""
-        for name in ("routes", "layer_aheads"):
-            count = len(getattr(acquire, name))
-            if count > MAX_CARRIED_SIGNALS:
-                raise InvalidArgument(
-                    f"Acquire for layer {acquire.decoder_layer} carries {count} {name}; at most "
-                    f"{MAX_CARRIED_SIGNALS} (one per request of compute's largest batch)"
-                )
-        out = [self.check("route", r) for r in acquire.routes]
-        out += [self.check("layer_ahead", a) for a in acquire.layer_aheads]
-        return [s for s in out if s is not None]
+def _signal_op(messages: ClientMessages, kind: str, message) -> Op | None:
+    """One of the Demand stream's one-way messages, checked (``ClientMessages``)."""
+    if kind == "request_begin":
+        return messages.begin(message.request_id)
+    if kind == "request_end":
+        return messages.end(message.request_id)
+    if kind == "route":
+        return messages.route(message.request_id, message.token, message.decoder_layer, message.experts)
+    return messages.layer_ahead(message.request_id, message.token, lookahead_from_pb(message))
 
 
 class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
@@ -267,8 +221,10 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
     def Demand(
         self, request_iterator: Iterator[cache_pb2.DemandRequest], context: grpc.ServicerContext
     ) -> Iterator[cache_pb2.DemandResponse]:
-        residency = self._daemon.residency
-        metrics = self._daemon.metrics
+        """The Demand stream's transport: each message decoded and handed to ``ClientMessages``
+        (as the channel's records are, ``residency.channel``)."""
+        daemon = self._daemon
+        residency, metrics = daemon.residency, daemon.metrics
         session = residency.open_session(context.peer())
         # A cancelled stream may be blocked inside an Acquire: closing the session wakes it.
         context.add_callback(lambda: residency.close_session(session))
@@ -277,34 +233,17 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
             if ledger is not None:
                 # From now on the end of this stream reclaims the ledger's shm pins.
                 residency.bind_client(session, ledger)
-            signals = _StreamSignals(self._daemon, context.peer())
+            messages = ClientMessages(residency.intake, metrics.signals.labels("rejected"), context.peer())
             for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "acquire":
-                    acquire = request.acquire
-                    start = time.monotonic()
-                    carried = signals.carried_by(acquire)
-                    if telemetry.ENABLED and acquire.trace_context:
-                        yield from self._traced_acquire(session, acquire, carried)
-                    else:
-                        for ready in residency.acquire(
-                            session, acquire.decoder_layer, acquire.experts, signals=carried
-                        ):
-                            yield ready_to_pb(acquire.ticket, ready)
-                    elapsed = time.monotonic() - start
-                    metrics.acquire_wait.observe(elapsed)
-                    metrics.acquire_experts.observe(len(acquire.experts))
-                    yield done_to_pb(acquire.ticket, elapsed)
+                    yield from self._acquire(session, messages, request.acquire)
                 elif kind == "release":
                     residency.release(session, [key_from_pb(ref) for ref in request.release.experts])
-                elif kind in ("route", "layer_ahead"):
-                    checked = signals.check(kind, getattr(request, kind))
-                    if checked is not None:
-                        residency.intake.apply([checked])
-                elif kind == "request_begin":
-                    residency.intake.begin_request(request.request_begin.request_id)
-                elif kind == "request_end":
-                    residency.intake.end_request(request.request_end.request_id)
+                elif kind in ("route", "layer_ahead", "request_begin", "request_end"):
+                    op = _signal_op(messages, kind, getattr(request, kind))
+                    if op is not None:
+                        residency.intake.apply_ops([op])
                 else:
                     raise InvalidArgument(
                         "DemandRequest sets none of acquire, release, route, layer_ahead, request_begin, request_end"
@@ -312,72 +251,32 @@ class ExpertCacheServicer(cache_pb2_grpc.ExpertCacheServicer):
         finally:
             residency.close_session(session)
 
-    def _traced_acquire(
-        self, session, acquire: cache_pb2.Acquire, signals: list[RouteSignal | LookaheadSignal]
+    def _acquire(
+        self, session, messages: ClientMessages, acquire: cache_pb2.Acquire
     ) -> Iterator[cache_pb2.DemandResponse]:
-        """An Acquire whose compute span sent its trace context: an ``acquire`` span under it, a
-        ``fetch`` span per expert that was not resident (its tier, bytes, whether and by which
-        signal it was prefetched) and a ``wait`` span until the last of them was ready."""
-        tracer = telemetry.tracer()
-        parent = telemetry.extract(acquire.trace_context)
-        started_ns = time.time_ns()
-        span = tracer.start_span(
-            "acquire",
-            context=parent,
-            kind=telemetry.SpanKind.SERVER,
-            start_time=started_ns,
-            attributes={
-                "expertcache.layer": acquire.decoder_layer,
-                "expertcache.experts": list(acquire.experts),
-            },
+        daemon = self._daemon
+        start = time.monotonic()
+        messages.check_carried(acquire.decoder_layer, len(acquire.routes), len(acquire.layer_aheads))
+        ops = [_signal_op(messages, "route", r) for r in acquire.routes]
+        ops += [_signal_op(messages, "layer_ahead", a) for a in acquire.layer_aheads]
+        carried = [op[1] for op in ops if op is not None]
+        trace = AcquireTrace.start(
+            acquire.trace_context, acquire.decoder_layer, acquire.experts, daemon.manifest.blob_bytes
         )
-        ctx = telemetry.context_of(span)
-        blob_bytes = self._daemon.manifest.blob_bytes
-        hits = prefetch_hits = moved = 0
-        last_ns = None
         try:
-            for ready in self._daemon.residency.acquire(
-                session, acquire.decoder_layer, acquire.experts, signals=signals
+            for ready in daemon.residency.acquire(
+                session, acquire.decoder_layer, acquire.experts, signals=carried
             ):
-                if ready.source is Tier.DEVICE:
-                    hits += 1
-                    prefetch_hits += bool(ready.prefetch)
-                else:
-                    last_ns = time.time_ns()
-                    moved += blob_bytes
-                    prefetch_hits += bool(ready.prefetch)
-                    tracer.start_span(
-                        "fetch",
-                        context=ctx,
-                        start_time=started_ns,
-                        attributes={
-                            "expertcache.layer": ready.key.layer,
-                            "expertcache.expert": ready.key.expert,
-                            "expertcache.tier": ready.source.value,
-                            "expertcache.bytes": blob_bytes,
-                            "expertcache.prefetch_hit": bool(ready.prefetch),
-                            "expertcache.prefetch_kind": ready.prefetch,
-                        },
-                    ).end(end_time=last_ns)
+                if trace is not None:
+                    trace.ready(ready.key, ready.source, ready.prefetch)
                 yield ready_to_pb(acquire.ticket, ready)
-            if last_ns is not None:
-                tracer.start_span(
-                    "wait",
-                    context=ctx,
-                    start_time=started_ns,
-                    attributes={"expertcache.wait_s": (last_ns - started_ns) / 1e9},
-                ).end(end_time=last_ns)
         finally:
-            span.set_attributes(
-                {
-                    "expertcache.device_hits": hits,
-                    "expertcache.misses": len(acquire.experts) - hits,
-                    "expertcache.prefetch_hits": prefetch_hits,
-                    "expertcache.bytes_moved": moved,
-                    "expertcache.wait_s": (time.time_ns() - started_ns) / 1e9,
-                }
-            )
-            span.end()
+            if trace is not None:
+                trace.end()
+        elapsed = time.monotonic() - start
+        daemon.metrics.acquire_wait.observe(elapsed)
+        daemon.metrics.acquire_experts.observe(len(acquire.experts))
+        yield done_to_pb(acquire.ticket, elapsed)
 
     def GetStats(
         self, request: cache_pb2.GetStatsRequest, context: grpc.ServicerContext

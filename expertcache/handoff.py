@@ -217,8 +217,7 @@ class HandoffServer:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as connections finish
         self._active: set[socket.socket] = set()
-        self._closing = threading.Event()
-        self._closed = False
+        self._closing = threading.Event()  # close() began
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="handoff")
         self._sock, self._identity = self._listen(path, backlog=min(socket.SOMAXCONN, 2 * max_connections))
@@ -291,9 +290,8 @@ class HandoffServer:
         for those being answered, remove the socket file (if it is still this server's).
         Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            if self._closing.is_set():
+                return  # set here only, under the lock: closed already
             self._closing.set()  # from here on no connection is admitted
         try:
             os.write(self._wake_w, b"x")

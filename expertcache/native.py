@@ -7,7 +7,7 @@ paths it was built with. Exceptions come from C++:
 file, double free), ``RuntimeError`` (illegal state transition, pool exhausted, system error);
 messages name the slot table where there is one.
 
-``SlotTable`` (shared memory, version 5, one entry per ``(layer, expert)`` index; the layout, the
+``SlotTable`` (shared memory, version 6, one entry per ``(layer, expert)`` index; the layout, the
 pin protocol and what the daemon trusts are written up in csrc/include/expertcache/slot_table.h).
 The daemon's handle: ``create(name, num_entries, num_slots, num_clients=32, max_demand=0,
 ring_bytes=128 KiB)`` (memfds, no file); ``begin_load(e, slot)``, ``finish_load(e)``,
@@ -73,8 +73,8 @@ HostPool = _native.HostPool
 
 
 class TableState(IntEnum):
-    """An entry's state as the shared slot table stores it (``SlotTable.state``), EVICTING
-    included; the residency's own view is ``cache_daemon.residency.slots.SlotState``."""
+    """An entry's state as the shared slot table stores it (``SlotTable.state``). EVICTING exists
+    only inside the daemon's own eviction, under its lock; the residency reads it as RESIDENT."""
 
     ABSENT = _native.ABSENT
     LOADING = _native.LOADING

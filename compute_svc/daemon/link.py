@@ -3,8 +3,8 @@ and this client's own region (its ledger: the pins taken there, and its channel)
 the daemon's handoff socket, and the one Demand stream.
 
 Every piece of that state has this one owner; the acquire/release side
-(``compute_svc.daemon.client.DaemonClient``) and the one-way signals
-(``compute_svc.daemon.signals.SignalSender``) read it, under ``lock``. A dropped stream loses the
+(``compute_svc.daemon.client.DaemonClient``) and its transports (``compute_svc.daemon.transport``)
+read it, under ``lock``. A dropped stream loses the
 ledger too (the daemon reclaims it, with its pins); the next stream re-Attaches for a new one,
 which is also where a restarted daemon is detected.
 """
@@ -22,17 +22,12 @@ import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from compute_svc.daemon.demand_stream import DemandStream
-from compute_svc.daemon.wire import (
-    CLIENT_EPOCH_KEY,
-    CLIENT_INDEX_KEY,
-    Attachment,
-    attachment_from_pb,
-    error_from_rpc,
-)
+from compute_svc.daemon.wire import Attachment, attachment_from_pb, error_from_rpc
 from compute_svc.errors import DaemonUnavailable, FailedPrecondition
 from expertcache import handoff, memfd, native
 from expertcache.arena_handle import ArenaKind
 from expertcache.errors import ExpertCacheError
+from expertcache.protocol import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from moe.cache.v1 import cache_pb2
 from compute_svc import errors
 from compute_svc.errors import DaemonUnavailable, ExpertCacheError, FailedPrecondition
 from compute_svc.experts.arena import ArenaHandle, ArenaKind
-from compute_svc.experts.moe import ExpertSource
-from expertcache import channel as codes
+from expertcache import protocol as codes
 from expertcache.manifest import StoreManifest
 
 # The daemon's status → the exception compute raises (and serves to its own clients).
@@ -30,23 +29,6 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[ExpertCacheError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
-
-# Where a ready expert was: the Demand stream's tiers and the client channel's source codes
-# (expertcache.channel).
-SOURCES = {
-    cache_pb2.TIER_DEVICE: ExpertSource.DEVICE,
-    cache_pb2.TIER_HOST: ExpertSource.HOST,
-    cache_pb2.TIER_STORE: ExpertSource.STORE,
-}
-CHANNEL_SOURCES = {
-    codes.SOURCE_DEVICE: ExpertSource.DEVICE,
-    codes.SOURCE_HOST: ExpertSource.HOST,
-    codes.SOURCE_STORE: ExpertSource.STORE,
-}
-
-# Demand call metadata naming this client's ledger (cache.proto, Demand).
-CLIENT_INDEX_KEY = "expertcache-client-index"
-CLIENT_EPOCH_KEY = "expertcache-client-epoch"
 
 _ARENA_KINDS = {
     cache_pb2.ARENA_KIND_MEMFD: ArenaKind.MEMFD,

@@ -10,7 +10,7 @@ namespace py = pybind11;
 using expertcache::ClientChannel;
 using expertcache::SignalRecord;
 using expertcache::SignalType;
-using expertcache::SlotState;
+using expertcache::TableState;
 using expertcache::SlotTable;
 
 namespace {
@@ -53,10 +53,10 @@ py::object record_to_py(const SignalRecord& r) {
 }  // namespace
 
 void bind_slot_table(py::module_& m) {
-  m.attr("ABSENT") = static_cast<uint32_t>(SlotState::kAbsent);
-  m.attr("LOADING") = static_cast<uint32_t>(SlotState::kLoading);
-  m.attr("RESIDENT") = static_cast<uint32_t>(SlotState::kResident);
-  m.attr("EVICTING") = static_cast<uint32_t>(SlotState::kEvicting);
+  m.attr("ABSENT") = static_cast<uint32_t>(TableState::kAbsent);
+  m.attr("LOADING") = static_cast<uint32_t>(TableState::kLoading);
+  m.attr("RESIDENT") = static_cast<uint32_t>(TableState::kResident);
+  m.attr("EVICTING") = static_cast<uint32_t>(TableState::kEvicting);
   m.attr("SLOT_TABLE_VERSION") = expertcache::kSlotTableVersion;
   // Subclass of RuntimeError: the handle's client ledger was reclaimed by the daemon.
   py::register_exception<expertcache::StaleClient>(m, "StaleClient", PyExc_RuntimeError);
@@ -72,9 +72,11 @@ void bind_slot_table(py::module_& m) {
   py::class_<PyChannel>(m, "ClientChannel")
       .def_property_readonly("max_demand", [](const PyChannel& c) { return c.channel.max_demand(); })
       .def_property_readonly("ring_bytes", [](const PyChannel& c) { return c.channel.ring_bytes(); })
-      .def("post_demand", [](PyChannel& c, uint32_t layer, const std::vector<int64_t>& experts) {
-            return c.channel.post_demand(layer, experts);
-          }, py::arg("layer"), py::arg("experts"))
+      .def("post_demand", [](PyChannel& c, uint32_t layer, const std::vector<int64_t>& experts,
+                             const py::bytes& trace) {
+            return c.channel.post_demand(layer, experts, std::string(trace));
+          }, py::arg("layer"), py::arg("experts"), py::arg("trace") = py::bytes(),
+          "Posts a demand (with a traced demand's W3C context, expertcache.protocol); its seq.")
       .def("signal_begin", [](PyChannel& c, uint32_t handle, const std::string& id) {
             return c.channel.signal_begin(handle, id);
           }, py::arg("handle"), py::arg("request_id"))
@@ -125,11 +127,12 @@ void bind_slot_table(py::module_& m) {
       .def("take_demand", [](PyChannel& c, uint32_t taken) -> py::object {
             uint32_t seq = 0, layer = 0;
             std::vector<uint32_t> experts;
-            if (!c.channel.take_demand(taken, &seq, &layer, &experts)) return py::none();
-            return py::make_tuple(seq, layer, experts);
+            std::string trace;
+            if (!c.channel.take_demand(taken, &seq, &layer, &experts, &trace)) return py::none();
+            return py::make_tuple(seq, layer, experts, py::bytes(trace));
           }, py::arg("taken"),
-          "The posted demand newer than `taken`: (seq, layer, experts), or None. An expert of "
-          "4294967295 marks a count beyond the mailbox.")
+          "The posted demand newer than `taken`: (seq, layer, experts, trace), or None. An expert "
+          "of 4294967295 marks a count beyond the mailbox; trace is b'' for an untraced demand.")
       .def("reply", [](PyChannel& c, uint32_t seq, int32_t status, const std::string& message) {
             c.channel.reply(seq, status, message);
           }, py::arg("seq"), py::arg("status"), py::arg("message") = "")

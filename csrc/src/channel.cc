@@ -45,20 +45,8 @@ class Reader {
     at_ += 4;
     return true;
   }
-  bool experts(uint32_t n, std::vector<uint16_t>* out) {
-    if (static_cast<uint64_t>(n) * 2 > size_ - at_) return false;
-    out->resize(n);
-    std::memcpy(out->data(), data_ + at_, static_cast<size_t>(n) * 2);
-    at_ += static_cast<size_t>(n) * 2;
-    return true;
-  }
-  bool floats(uint32_t n, std::vector<float>* out) {
-    if (static_cast<uint64_t>(n) * 4 > size_ - at_) return false;
-    out->resize(n);
-    std::memcpy(out->data(), data_ + at_, static_cast<size_t>(n) * 4);
-    at_ += static_cast<size_t>(n) * 4;
-    return true;
-  }
+  bool experts(uint32_t n, std::vector<uint16_t>* out) { return array(n, out); }
+  bool floats(uint32_t n, std::vector<float>* out) { return array(n, out); }
   bool bytes(uint32_t n, std::string* out) {
     if (n > size_ - at_) return false;
     out->assign(reinterpret_cast<const char*>(data_ + at_), n);
@@ -68,6 +56,16 @@ class Reader {
   void align4() { at_ = std::min(size_, (at_ + 3) / 4 * 4); }
 
  private:
+  // `n` values of T, copied out as they lie (the producer's byte order is ours).
+  template <class T>
+  bool array(uint32_t n, std::vector<T>* out) {
+    if (static_cast<uint64_t>(n) * sizeof(T) > size_ - at_) return false;
+    out->resize(n);
+    std::memcpy(out->data(), data_ + at_, static_cast<size_t>(n) * sizeof(T));
+    at_ += static_cast<size_t>(n) * sizeof(T);
+    return true;
+  }
+
   const uint8_t* data_;
   size_t size_;
   size_t at_ = 0;
@@ -112,10 +110,15 @@ void ClientChannel::layout(char* base, uint32_t max_demand, uint32_t ring_bytes,
 }
 
 // -- compute side ----------------------------------------------------------------------------------
-uint32_t ClientChannel::post_demand(uint32_t layer, const std::vector<int64_t>& experts) {
+uint32_t ClientChannel::post_demand(uint32_t layer, const std::vector<int64_t>& experts,
+                                   const std::string& trace) {
   if (experts.empty() || experts.size() > max_demand_)
     throw std::invalid_argument(where_ + ": a demand names 1.." + std::to_string(max_demand_) +
                                 " experts, got " + std::to_string(experts.size()));
+  if (trace.size() > kChannelTraceBytes)
+    throw std::invalid_argument(where_ + ": a demand's trace context is at most " +
+                                std::to_string(kChannelTraceBytes) + " bytes, got " +
+                                std::to_string(trace.size()));
   for (size_t i = 0; i < experts.size(); ++i) {
     if (experts[i] < 0 || experts[i] > static_cast<int64_t>(UINT32_MAX))
       throw std::invalid_argument(where_ + ": demand expert " + std::to_string(experts[i]) +
@@ -125,6 +128,8 @@ uint32_t ClientChannel::post_demand(uint32_t layer, const std::vector<int64_t>& 
   }
   header_->demand_layer = layer;
   header_->demand_count = static_cast<uint32_t>(experts.size());
+  std::memcpy(header_->demand_trace, trace.data(), trace.size());
+  header_->demand_trace_len = static_cast<uint32_t>(trace.size());
   const uint32_t seq = header_->demand_seq.load(std::memory_order_relaxed) + 1;
   header_->demand_seq.store(seq, std::memory_order_release);
   return seq;
@@ -259,9 +264,7 @@ bool ClientChannel::wait_reply(uint32_t seq, uint32_t seen, double timeout_s, do
       if (now >= spin_until) break;
       if (now >= grace_until && header_->taken_seq.load(std::memory_order_acquire) != seq) break;
     }
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+    cpu_relax();
   }
   if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
   double left = -1.0;
@@ -304,7 +307,7 @@ bool ClientChannel::wait_doorbell(uint32_t seen, double timeout_s) {
 }
 
 bool ClientChannel::take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer,
-                                std::vector<uint32_t>* experts) {
+                                std::vector<uint32_t>* experts, std::string* trace) {
   const uint32_t s = header_->demand_seq.load(std::memory_order_acquire);
   if (s == taken) return false;
   header_->taken_seq.store(s, std::memory_order_release);
@@ -314,6 +317,8 @@ bool ClientChannel::take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer,
   // A count beyond the mailbox is compute's fault: hand back what fits, the check refuses it.
   experts->assign(experts_, experts_ + std::min(count, max_demand_));
   if (count > max_demand_) experts->push_back(UINT32_MAX);
+  // Compute writes the length: bounded here (the bytes themselves are checked by the caller).
+  trace->assign(header_->demand_trace, std::min(header_->demand_trace_len, kChannelTraceBytes));
   return true;
 }
 

@@ -3,7 +3,6 @@
 #include "expertcache/futex.h"
 
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -36,12 +35,12 @@ namespace {
   throw std::system_error(errno, std::generic_category(), what);
 }
 
-constexpr uint32_t kAbsent = static_cast<uint32_t>(SlotState::kAbsent);
-constexpr uint32_t kLoading = static_cast<uint32_t>(SlotState::kLoading);
-constexpr uint32_t kResident = static_cast<uint32_t>(SlotState::kResident);
-constexpr uint32_t kEvicting = static_cast<uint32_t>(SlotState::kEvicting);
+constexpr uint32_t kAbsent = static_cast<uint32_t>(TableState::kAbsent);
+constexpr uint32_t kLoading = static_cast<uint32_t>(TableState::kLoading);
+constexpr uint32_t kResident = static_cast<uint32_t>(TableState::kResident);
+constexpr uint32_t kEvicting = static_cast<uint32_t>(TableState::kEvicting);
 
-std::string state_str(uint32_t s) { return slot_state_name(static_cast<SlotState>(s)); }
+std::string state_str(uint32_t s) { return slot_state_name(static_cast<TableState>(s)); }
 
 size_t round64(size_t n) { return (n + 63) / 64 * 64; }
 
@@ -54,6 +53,73 @@ uint64_t monotonic_ns() {
 timespec to_timespec(double s) {
   const auto ns = static_cast<int64_t>(s * 1e9);
   return timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+}
+
+// Throws std::out_of_range unless 0 <= i < n, naming the table `*name` (null: no name).
+void check_index(const std::string* name, const char* what, int64_t i, uint32_t n) {
+  if (i >= 0 && i < static_cast<int64_t>(n)) return;
+  throw std::out_of_range((name ? "slot table " + *name : std::string("slot table")) + ": " + what + " " +
+                          std::to_string(i) + " out of range [0, " + std::to_string(n) + ")");
+}
+
+// A daemon-side transition asked of an entry in the wrong state.
+[[noreturn]] void throw_bad_state(const std::string& name, const char* op, int64_t entry, uint32_t state,
+                                  const char* expected) {
+  throw std::runtime_error("slot table " + name + ": " + op + " of entry " + std::to_string(entry) +
+                           " in state " + state_str(state) + ", expected " + expected);
+}
+
+[[noreturn]] void throw_no_region(const std::string& name, int64_t client) {
+  throw std::runtime_error("slot table " + name + ": client ledger " + std::to_string(client) +
+                           " has no region (not claimed)");
+}
+
+// A close-on-exec duplicate of `fd`, for handing to another process.
+int dup_cloexec(int fd, const std::string& name) {
+  const int out = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (out < 0) throw_errno("slot table " + name + ": dup");
+  return out;
+}
+
+// The entries array, right after the header of a mapped table.
+SlotEntry* entries_of(void* table) {
+  return reinterpret_cast<SlotEntry*>(static_cast<char*>(table) + sizeof(SlotTableHeader));
+}
+
+// A ledger's next epoch: a new one at every claim and reclaim, never kDetachedEpoch.
+uint32_t next_epoch(uint32_t& epoch) {
+  if (++epoch == kDetachedEpoch) ++epoch;
+  return epoch;
+}
+
+// Wakes the daemon's threads sleeping on the table's unpin word, if any (FUTEX_WAKE needs no
+// write access: compute's view of the table is read-only).
+void wake_unpin_sleepers(SlotTableHeader* h) {
+  if (h->unpin_waiters.load() != 0) futex_wake_all(&h->unpin_word);
+}
+
+// Takes (entry, n) pins off `pins` for each of `counts`, after checking that all are there (a
+// missing one throws std::runtime_error(missing(entry)) and takes none off). True when one
+// reached zero.
+template <class Missing>
+bool release_pins(std::atomic<uint32_t>* pins, const std::vector<std::pair<int64_t, uint32_t>>& counts,
+                  const Missing& missing) {
+  for (const auto& [entry, n] : counts)
+    if (pins[entry].load() < n) throw std::runtime_error(missing(entry));
+  bool zero = false;
+  for (const auto& [entry, n] : counts) zero = (pins[entry].fetch_sub(n) == n) || zero;
+  return zero;
+}
+
+// The view of the channel that follows a client region's pins and stamps.
+ClientChannel channel_at(char* base, uint32_t max_demand, uint32_t ring_bytes, std::string where,
+                         std::shared_ptr<void> keep) {
+  ChannelHeader* h = nullptr;
+  uint32_t* experts = nullptr;
+  uint8_t* sources = nullptr;
+  uint8_t* ring = nullptr;
+  ClientChannel::layout(base, max_demand, ring_bytes, &h, &experts, &sources, &ring);
+  return ClientChannel(h, experts, sources, ring, max_demand, ring_bytes, std::move(where), std::move(keep));
 }
 
 // A memfd of `size` zero bytes mapped read-write, sealed against shrinking and growing.
@@ -118,12 +184,12 @@ struct SlotTable::Region {
   }
 };
 
-const char* slot_state_name(SlotState s) {
+const char* slot_state_name(TableState s) {
   switch (s) {
-    case SlotState::kAbsent: return "ABSENT";
-    case SlotState::kLoading: return "LOADING";
-    case SlotState::kResident: return "RESIDENT";
-    case SlotState::kEvicting: return "EVICTING";
+    case TableState::kAbsent: return "ABSENT";
+    case TableState::kLoading: return "LOADING";
+    case TableState::kResident: return "RESIDENT";
+    case TableState::kEvicting: return "EVICTING";
   }
   return "UNKNOWN";
 }
@@ -170,7 +236,7 @@ std::unique_ptr<SlotTable> SlotTable::create(const std::string& name, uint32_t n
   t->ring_bytes_ = ring_bytes;
   t->table_ = make_memfd(name, table_bytes(num_entries));
   t->header_ = static_cast<SlotTableHeader*>(t->table_->base);
-  t->entries_ = reinterpret_cast<SlotEntry*>(static_cast<char*>(t->table_->base) + sizeof(SlotTableHeader));
+  t->entries_ = entries_of(t->table_->base);
   t->state_.assign(num_entries, kAbsent);
   t->slot_.assign(num_entries, -1);
   t->generation_.assign(num_entries, 0);
@@ -218,9 +284,7 @@ std::unique_ptr<SlotTable> SlotTable::attach(int table_fd, int region_fd, int64_
   t->num_clients_ = h.num_clients;
   t->max_demand_ = h.max_demand;
   t->ring_bytes_ = h.ring_bytes;
-  if (client < 0 || client >= static_cast<int64_t>(t->num_clients_))
-    throw std::out_of_range("slot table: client " + std::to_string(client) + " out of range [0, " +
-                            std::to_string(t->num_clients_) + ")");
+  check_index(nullptr, "client", client, t->num_clients_);
   const size_t rbytes = region_bytes(t->num_entries_, t->max_demand_, t->ring_bytes_);
   auto mem = map_fd(region_fd, rbytes, true, "client region");
   if (mem->size != rbytes) throw std::invalid_argument("client region: " + std::to_string(mem->size) +
@@ -231,7 +295,7 @@ std::unique_ptr<SlotTable> SlotTable::attach(int table_fd, int region_fd, int64_
     throw std::invalid_argument("client region: not a region of this slot table");
   t->table_ = std::move(table);
   t->header_ = static_cast<SlotTableHeader*>(t->table_->base);
-  t->entries_ = reinterpret_cast<SlotEntry*>(static_cast<char*>(t->table_->base) + sizeof(SlotTableHeader));
+  t->entries_ = entries_of(t->table_->base);
   const uint32_t now = region->header->epoch.load();
   if (now != epoch || epoch == kDetachedEpoch)
     throw StaleClient("slot table: client ledger " + std::to_string(client) + " is at epoch " +
@@ -245,15 +309,11 @@ std::unique_ptr<SlotTable> SlotTable::attach(int table_fd, int region_fd, int64_
 
 // -- checks ------------------------------------------------------------------------------------
 void SlotTable::check_entry(int64_t entry) const {
-  if (entry < 0 || entry >= static_cast<int64_t>(num_entries_))
-    throw std::out_of_range("slot table " + name_ + ": entry " + std::to_string(entry) +
-                            " out of range [0, " + std::to_string(num_entries_) + ")");
+  check_index(&name_, "entry", entry, num_entries_);
 }
 
 void SlotTable::check_client(int64_t client) const {
-  if (client < 0 || client >= static_cast<int64_t>(num_clients_))
-    throw std::out_of_range("slot table " + name_ + ": client " + std::to_string(client) +
-                            " out of range [0, " + std::to_string(num_clients_) + ")");
+  check_index(&name_, "client", client, num_clients_);
 }
 
 void SlotTable::require_owner(const char* what) const {
@@ -332,30 +392,21 @@ void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
     else ++it->second;
   }
   if (owner_) {  // the daemon's holds
-    for (const auto& [entry, n] : counts)
-      if (holds_[entry].load() < n)
-        throw std::runtime_error("slot table " + name_ + ": unpin of entry " + std::to_string(entry) +
-                                 " which has no pins");
-    bool zero = false;
-    for (const auto& [entry, n] : counts) zero = (holds_[entry].fetch_sub(n) == n) || zero;
-    if (zero) notify_unpinned();
+    const auto missing = [&](int64_t entry) {
+      return "slot table " + name_ + ": unpin of entry " + std::to_string(entry) + " which has no pins";
+    };
+    if (release_pins(holds_.get(), counts, missing)) notify_unpinned();
     return;
   }
   if (!own_) throw std::logic_error("slot table: unpin on a handle with no client region");
   Region& r = *own_;
   enter_ledger();
-  for (const auto& [entry, n] : counts) {
-    if (r.pins[entry].load() < n) {
-      throw std::runtime_error("slot table: unpin of entry " + std::to_string(entry) +
-                               " which this client has not pinned");
-    }
-  }
-  bool zero = false;
-  for (const auto& [entry, n] : counts) zero = (r.pins[entry].fetch_sub(n) == n) || zero;
-  if (zero) {
+  const auto missing = [](int64_t entry) {
+    return "slot table: unpin of entry " + std::to_string(entry) + " which this client has not pinned";
+  };
+  if (release_pins(r.pins, counts, missing)) {
     r.header->unpin_seq.fetch_add(1);  // seq_cst: ordered before the waiters load
-    // FUTEX_WAKE needs no write access: the table is read-only here.
-    if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_word);
+    wake_unpin_sleepers(header_);
   }
 }
 
@@ -364,17 +415,12 @@ bool SlotTable::wait_resident(int64_t entry, double timeout_s) {
   if (!(timeout_s >= 0) || std::isinf(timeout_s))
     throw std::invalid_argument("wait_resident: timeout_s must be finite and >= 0");
   SlotEntry& e = entries_[entry];
-  using clock = std::chrono::steady_clock;
-  const auto deadline =
-      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline = futex_deadline(timeout_s);
   for (;;) {
     const uint32_t s = e.state.load();
     if (s != kLoading) return s == kResident;
-    const auto left = deadline - clock::now();
-    if (left <= clock::duration::zero()) return false;
-    const timespec ts = to_timespec(std::chrono::duration<double>(left).count());
-    if (futex_wait(&e.state, kLoading, &ts) != 0 && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT)
-      throw_errno("slot table " + name_ + ": futex wait");
+    // No sleeper count (compute cannot write the table): the daemon wakes at every change.
+    if (!futex_wait_until(&e.state, nullptr, kLoading, deadline, "slot table " + name_)) return false;
   }
 }
 
@@ -395,43 +441,30 @@ ClientChannel SlotTable::channel(int64_t client) {
   std::shared_ptr<Region> r;
   if (owner_) {
     r = region_of(client);
-    if (!r)
-      throw std::runtime_error("slot table " + name_ + ": client ledger " + std::to_string(client) +
-                               " has no region (not claimed)");
+    if (!r) throw_no_region(name_, client);
   } else {
     if (client != client_)
       throw std::invalid_argument("slot table: this process holds client ledger " + std::to_string(client_) +
                                   ", not " + std::to_string(client));
     r = own_;
   }
-  ChannelHeader* h = nullptr;
-  uint32_t* experts = nullptr;
-  uint8_t* sources = nullptr;
-  uint8_t* ring = nullptr;
-  ClientChannel::layout(r->channel, max_demand_, ring_bytes_, &h, &experts, &sources, &ring);
-  return ClientChannel(h, experts, sources, ring, max_demand_, ring_bytes_,
-                       "slot table " + name_ + " channel " + std::to_string(client), r);
+  return channel_at(r->channel, max_demand_, ring_bytes_,
+                    "slot table " + name_ + " channel " + std::to_string(client), r);
 }
 
 // -- daemon side -------------------------------------------------------------------------------
 void SlotTable::begin_load(int64_t entry, int64_t slot) {
   require_owner("begin_load");
   check_entry(entry);
-  if (slot < 0 || slot >= static_cast<int64_t>(num_slots_))
-    throw std::out_of_range("slot table " + name_ + ": slot " + std::to_string(slot) + " out of range [0, " +
-                            std::to_string(num_slots_) + ")");
-  if (state_[entry] != kAbsent)
-    throw std::runtime_error("slot table " + name_ + ": begin_load of entry " + std::to_string(entry) +
-                             " in state " + state_str(state_[entry]) + ", expected ABSENT");
+  check_index(&name_, "slot", slot, num_slots_);
+  if (state_[entry] != kAbsent) throw_bad_state(name_, "begin_load", entry, state_[entry], "ABSENT");
   publish(entry, kLoading, static_cast<int32_t>(slot));
 }
 
 void SlotTable::finish_load(int64_t entry) {
   require_owner("finish_load");
   check_entry(entry);
-  if (state_[entry] != kLoading)
-    throw std::runtime_error("slot table " + name_ + ": finish_load of entry " + std::to_string(entry) +
-                             " in state " + state_str(state_[entry]) + ", expected LOADING");
+  if (state_[entry] != kLoading) throw_bad_state(name_, "finish_load", entry, state_[entry], "LOADING");
   // Generation first, so a pinner that sees RESIDENT also sees the new generation.
   entries_[entry].generation.store(++generation_[entry]);
   publish(entry, kResident, slot_[entry]);
@@ -441,9 +474,7 @@ void SlotTable::finish_load(int64_t entry) {
 void SlotTable::abort_load(int64_t entry) {
   require_owner("abort_load");
   check_entry(entry);
-  if (state_[entry] != kLoading)
-    throw std::runtime_error("slot table " + name_ + ": abort_load of entry " + std::to_string(entry) +
-                             " in state " + state_str(state_[entry]) + ", expected LOADING");
+  if (state_[entry] != kLoading) throw_bad_state(name_, "abort_load", entry, state_[entry], "LOADING");
   publish(entry, kAbsent, -1);
   futex_wake_all(&entries_[entry].state);
 }
@@ -472,9 +503,7 @@ void SlotTable::hold(int64_t entry, uint32_t n) {
   require_owner("hold");
   check_entry(entry);
   const uint32_t s = state_[entry];
-  if (s != kLoading && s != kResident)
-    throw std::runtime_error("slot table " + name_ + ": hold of entry " + std::to_string(entry) + " in state " +
-                             state_str(s) + ", expected LOADING or RESIDENT");
+  if (s != kLoading && s != kResident) throw_bad_state(name_, "hold", entry, s, "LOADING or RESIDENT");
   holds_[entry].fetch_add(n);
 }
 
@@ -490,8 +519,7 @@ uint32_t SlotTable::claim_channel(int64_t client) {
   h.num_entries = num_entries_;
   // A new epoch for every claim: no region this ledger had before (detached, or still attached
   // when claimed over) is ever at the epoch of the new one.
-  if (++epochs_[client] == kDetachedEpoch) ++epochs_[client];
-  const uint32_t epoch = epochs_[client];
+  const uint32_t epoch = next_epoch(epochs_[client]);
   h.epoch.store(epoch);
   h.magic = kClientRegionMagic;
   {
@@ -507,20 +535,15 @@ uint32_t SlotTable::claim_channel(int64_t client) {
 
 int SlotTable::table_fd() const {
   require_owner("table_fd");
-  const int fd = fcntl(table_->fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) throw_errno("slot table " + name_ + ": dup");
-  return fd;
+  return dup_cloexec(table_->fd, name_);
 }
 
 int SlotTable::client_fd(int64_t client) const {
   require_owner("client_fd");
   check_client(client);
   auto r = region_of(client);
-  if (!r) throw std::runtime_error("slot table " + name_ + ": client ledger " + std::to_string(client) +
-                                   " has no region (not claimed)");
-  const int fd = fcntl(r->mem->fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) throw_errno("slot table " + name_ + ": dup");
-  return fd;
+  if (!r) throw_no_region(name_, client);
+  return dup_cloexec(r->mem->fd, name_);
 }
 
 bool SlotTable::hold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
@@ -532,8 +555,7 @@ bool SlotTable::hold_for_client(int64_t client, uint32_t epoch, int64_t entry) {
   if (!r || epochs_[client] != epoch) return false;
   const uint32_t s = state_[entry];
   if (s != kLoading && s != kResident)
-    throw std::runtime_error("slot table " + name_ + ": hold_for_client of entry " + std::to_string(entry) +
-                             " in state " + state_str(s) + ", expected LOADING or RESIDENT");
+    throw_bad_state(name_, "hold_for_client", entry, s, "LOADING or RESIDENT");
   r->pins[entry].fetch_add(1);
   return true;
 }
@@ -573,7 +595,7 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
   require_owner("reclaim_client");
   check_client(client);
   std::lock_guard<std::mutex> guard(client_locks_[client]);
-  if (++epochs_[client] == kDetachedEpoch) ++epochs_[client];
+  next_epoch(epochs_[client]);
   auto r = region_of(client);
   if (!r) return 0;
   ClientHeader& h = *r->header;
@@ -588,12 +610,7 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
   notify_unpinned();
   // The daemon's thread serving this client sleeps on the channel's doorbell: wake it to see
   // the end; a compute still waiting on its notify word learns it too.
-  ChannelHeader* ch = nullptr;
-  uint32_t* experts = nullptr;
-  uint8_t* sources = nullptr;
-  uint8_t* ring = nullptr;
-  ClientChannel::layout(r->channel, max_demand_, ring_bytes_, &ch, &experts, &sources, &ring);
-  ClientChannel view(ch, experts, sources, ring, max_demand_, ring_bytes_, name_, r);
+  ClientChannel view = channel_at(r->channel, max_demand_, ring_bytes_, name_, r);
   view.ring_doorbell();
   view.notify();
   return removed;
@@ -641,29 +658,21 @@ uint32_t SlotTable::unpin_seq() const { return header_->unpin_word.load(); }
 
 void SlotTable::notify_unpinned() {
   header_->unpin_word.fetch_add(1);  // seq_cst: ordered before the waiters load
-  if (header_->unpin_waiters.load() != 0) futex_wake_all(&header_->unpin_word);
+  wake_unpin_sleepers(header_);
 }
 
 bool SlotTable::wait_unpin(uint32_t seen, double timeout_s) {
   require_owner("wait_unpin");
   if (std::isnan(timeout_s)) throw std::invalid_argument("wait_unpin: timeout_s is NaN");
   if (timeout_s < 0 || timeout_s > kUnpinPollS) timeout_s = kUnpinPollS;
-  header_->unpin_waiters.fetch_add(1);  // before the word is read (both seq_cst)
-  bool woke = header_->unpin_word.load() != seen;
-  if (!woke) {
-    const timespec ts = to_timespec(timeout_s);
-    const long rc = futex_wait(&header_->unpin_word, seen, &ts);
-    const int err = errno;
-    // Woken (by the daemon's change or a client's wake), or the word already moved on.
-    woke = rc == 0 || err == EAGAIN || header_->unpin_word.load() != seen;
-    if (rc != 0 && err != EAGAIN && err != EINTR && err != ETIMEDOUT) {
-      header_->unpin_waiters.fetch_sub(1);
-      errno = err;
-      throw_errno("slot table " + name_ + ": futex wait (unpin)");
-    }
-  }
-  header_->unpin_waiters.fetch_sub(1);
-  return woke;
+  const FutexSleeper sleeping(&header_->unpin_waiters);  // before the word is read (both seq_cst)
+  if (header_->unpin_word.load() != seen) return true;
+  // One wait, not a loop: a client's wake (its unpin) leaves the word as it is.
+  const timespec ts = to_timespec(timeout_s);
+  const bool woken = futex_wait_checked(&header_->unpin_word, seen, &ts,
+                                        [&] { return "slot table " + name_ + ": futex wait (unpin)"; });
+  // Woken (by the daemon's change or a client's wake), or the word already moved on.
+  return woken || header_->unpin_word.load() != seen;
 }
 
 void SlotTable::wake_unpin_waiters() {
@@ -686,9 +695,9 @@ std::vector<int32_t> SlotTable::slots() const {
 }
 
 // -- introspection -------------------------------------------------------------------------------
-SlotState SlotTable::state(int64_t entry) const {
+TableState SlotTable::state(int64_t entry) const {
   check_entry(entry);
-  return static_cast<SlotState>(owner_ ? state_[entry] : entries_[entry].state.load());
+  return static_cast<TableState>(owner_ ? state_[entry] : entries_[entry].state.load());
 }
 
 uint32_t SlotTable::pins(int64_t entry) const {

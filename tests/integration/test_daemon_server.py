@@ -222,7 +222,7 @@ def fast_client(daemon: Daemon, **kwargs):
 
 
 def test_second_pass_over_resident_experts_sends_no_demand(daemon):
-    from compute_svc.experts.moe import ExpertSource
+    from expertcache.protocol import Tier
 
     client = fast_client(daemon)
     try:
@@ -236,9 +236,9 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
         for _ in range(3):
             again = list(client.acquire(1, [2, 0, 1]))
             assert [(r.expert, r.source) for r in again] == [
-                (2, ExpertSource.DEVICE),
-                (0, ExpertSource.DEVICE),
-                (1, ExpertSource.DEVICE),
+                (2, Tier.DEVICE),
+                (0, Tier.DEVICE),
+                (1, Tier.DEVICE),
             ]
             assert {r.expert: r.slot for r in again} == {r.expert: r.slot for r in first}
             for r in again:
@@ -257,7 +257,7 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
 
 
 def test_slow_path_client_demands_every_acquire(daemon):
-    from compute_svc.experts.moe import ExpertSource
+    from expertcache.protocol import Tier
 
     client = fast_client(daemon, fast_path=False)
     try:
@@ -266,7 +266,7 @@ def test_slow_path_client_demands_every_acquire(daemon):
         client.release(1, [0])
         before = daemon.stats().demands
         got = list(client.acquire(1, [0]))
-        assert [r.source for r in got] == [ExpertSource.DEVICE]
+        assert [r.source for r in got] == [Tier.DEVICE]
         client.release(1, [0])
         assert daemon.stats().demands == before + 1
     finally:
@@ -554,7 +554,7 @@ def test_an_acquire_carries_its_layers_signals(lone):
     """Route and LayerAhead ride in an Acquire: applied with it (the lookahead starts its
     prefetches), a malformed one dropped and counted while the Acquire is served, and an
     Acquire carrying more than MAX_CARRIED_SIGNALS of a kind refused by name."""
-    from cache_daemon.server import MAX_CARRIED_SIGNALS
+    from cache_daemon.client_messages import MAX_CARRIED_SIGNALS
 
     stream = DemandStream(lone.stub)
     try:

@@ -30,11 +30,11 @@ def _round64(n: int) -> int:
 
 def _channel_offsets(num_entries: int, max_demand: int, ring_bytes: int) -> dict[str, int]:
     """Where the parts of a client region lie (slot_table.h, channel.h): ClientHeader 128 B, pins,
-    stamps, then the channel: ChannelHeader 640 B, experts, sources, ring (each part padded to 64 B)."""
+    stamps, then the channel: ChannelHeader 960 B, experts, sources, ring (each part padded to 64 B)."""
     pins = 128
     stamps = pins + _round64(4 * num_entries)
     channel = stamps + _round64(8 * num_entries)
-    experts = channel + 640
+    experts = channel + 960
     sources = experts + _round64(4 * max_demand)
     ring = sources + _round64(max_demand)
     assert ring + ring_bytes == SlotTable.region_bytes(num_entries, max_demand, ring_bytes)
@@ -58,7 +58,7 @@ def test_layout_is_in_the_header_and_both_sides_share_the_channel(table, handle)
     compute, daemon = handle.channel(1), table.channel(1)
     assert (compute.max_demand, compute.ring_bytes) == (daemon.max_demand, daemon.ring_bytes) == (8, 4096)
     seq = compute.post_demand(3, [1, 2])
-    assert daemon.take_demand(0) == (seq, 3, [1, 2])
+    assert daemon.take_demand(0) == (seq, 3, [1, 2], b"")
     assert daemon.take_demand(seq) is None  # taken: nothing newer
     table.signals_wanted = False
     assert not handle.signals_wanted
@@ -113,7 +113,7 @@ def test_a_demand_is_answered_with_its_sequence_number_and_message(table, handle
     # A second demand supersedes the first in the mailbox; its sources start unknown.
     seq2 = compute.post_demand(4, [6, 7])
     assert seq2 != seq and compute.source(0) == 0
-    assert daemon.take_demand(seq) == (seq2, 4, [6, 7])
+    assert daemon.take_demand(seq) == (seq2, 4, [6, 7], b"")
 
 
 def test_a_count_beyond_the_mailbox_is_marked(table, handle):
@@ -125,7 +125,7 @@ def test_a_count_beyond_the_mailbox_is_marked(table, handle):
         with mmap.mmap(region_fd, 0) as region:
             region[at + 8 : at + 12] = (1000).to_bytes(4, "little")  # demand_count
             got = table.channel(1).take_demand(0)
-            expected = np.frombuffer(region[at + 640 : at + 640 + 4 * MAX_DEMAND], np.uint32).tolist()
+            expected = np.frombuffer(region[at + 960 : at + 960 + 4 * MAX_DEMAND], np.uint32).tolist()
     finally:
         os.close(region_fd)
     assert got is not None and got[:2] == (seq, 1)
@@ -299,7 +299,7 @@ def test_another_process_posts_and_is_woken(table):
     child = spawn_holding(code, fds, (*fds, epoch))
     assert daemon.wait_doorbell(seen, 30.0)
     demand = daemon.take_demand(0)
-    assert demand is not None and demand[1:] == (1, [2, 3])
+    assert demand is not None and demand[1:] == (1, [2, 3], b"")
     daemon.reply(demand[0], 0, "admitted")
     out, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
@@ -378,7 +378,7 @@ def test_a_channel_view_keeps_its_region_mapped(table):
     daemon = table.channel(2)
     gc.collect()
     seq = compute.post_demand(1, [4])
-    assert daemon.take_demand(0) == (seq, 1, [4])
+    assert daemon.take_demand(0) == (seq, 1, [4], b"")
     table.reclaim_client(2)  # detached: both views still point into the (old) region
     gc.collect()
     daemon.reply(seq, 0, "late")

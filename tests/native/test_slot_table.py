@@ -1,4 +1,4 @@
-"""The shared slot table, version 5 (csrc/include/expertcache/slot_table.h): the daemon's table in
+"""The shared slot table, version 6 (csrc/include/expertcache/slot_table.h): the daemon's table in
 memfds, compute handles attached from its descriptors, pins in per-client regions, evictions,
 loads and the waits across processes. Hostile clients: test_slot_table_isolation.py."""
 
@@ -77,7 +77,7 @@ def _sealed_memfd(data: bytes) -> int:
 
 
 def test_version_and_layout_sizes():
-    assert _native.SLOT_TABLE_VERSION == 5
+    assert _native.SLOT_TABLE_VERSION == 6
     # Header 128 B + 16 B per entry (padded to 64 B).
     assert SlotTable.table_bytes(8) == 128 + 128 and SlotTable.table_bytes(5) == 128 + 128
     # ClientHeader 128 B | pins (4 B each) | stamps (8 B each) | channel: each part padded to 64 B.
@@ -251,15 +251,15 @@ def test_attach_refuses_what_is_not_a_table_or_region_of_it():
             SlotTable.attach(table_fd, plain, 0, epoch)
         with pytest.raises(ValueError, match="not a sealed memfd of the cache daemon"):
             SlotTable.attach(plain, region_fd, 0, epoch)
-        # A table of another release: magic right, version 4.
+        # A table of another release: magic right, version 5.
         old = bytearray(header)
-        old[8:12] = (4).to_bytes(4, "little")
+        old[8:12] = (5).to_bytes(4, "little")
         forged.append(_sealed_memfd(bytes(old) + bytes(128)))
-        with pytest.raises(ValueError, match="version 4, expected 5"):
+        with pytest.raises(ValueError, match="version 5, expected 6"):
             SlotTable.attach(forged[-1], region_fd, 0, epoch)
-        # Version 5, but the header's sizes disagree with the memfd's (8 entries in 256 bytes).
+        # Version 6, but the header's sizes disagree with the memfd's (8 entries in 256 bytes).
         bad = bytearray(header)
-        for at, value in ((8, 5), (12, 8), (16, 2), (20, 2), (24, 4), (28, 4096)):
+        for at, value in ((8, 6), (12, 8), (16, 2), (20, 2), (24, 4), (28, 4096)):
             bad[at : at + 4] = value.to_bytes(4, "little")
         forged.append(_sealed_memfd(bytes(bad) + bytes(64)))
         with pytest.raises(ValueError, match="inconsistent header"):

@@ -1,4 +1,4 @@
-"""Hostile compute clients against the slot table, version 5 (csrc/include/expertcache/slot_table.h,
+"""Hostile compute clients against the slot table, version 6 (csrc/include/expertcache/slot_table.h,
 "Trust"): what a client can write is only its own region, and nothing it writes there can move
 the daemon's sizes, states or slots, reach another client, or outlive its ledger. Each test names
 the review finding of version 4 it answers (C1, C2, C3, C6, and the audit of stray pins); in
@@ -187,7 +187,7 @@ from expertcache.native import SlotTable, StaleClient, TableState
 N, SLOTS, MAXD, RING = 64, 16, 8, 4096
 PINS, STAMPS = 128, 128 + 4 * N
 CHANNEL = STAMPS + 8 * N
-EXPERTS = CHANNEL + 640
+EXPERTS = CHANNEL + 960
 RING_AT = EXPERTS + 64 + 64
 assert RING_AT + RING == SlotTable.region_bytes(N, MAXD, RING)
 LIVE = (TableState.LOADING, TableState.RESIDENT)
@@ -317,7 +317,8 @@ for round_ in range(360):
     if seq == taken:
         assert got is None
     else:
-        assert got == (seq, layer, experts[:min(count, MAXD)] + ([0xFFFFFFFF] if count > MAXD else []))
+        assert got[:3] == (seq, layer, experts[:min(count, MAXD)] + ([0xFFFFFFFF] if count > MAXD else []))
+        assert isinstance(got[3], bytes) and len(got[3]) <= 256  # the trace context: bounded
         taken = seq
     recs, corrupt = daemon.drain()
     assert isinstance(corrupt, bool) and all(r[0] in KINDS for r in recs)
@@ -572,7 +573,7 @@ def test_c3_a_client_cannot_reach_another_ledger():
     assert bytes(region1) == snapshot
     assert t.client_epoch(1) == epoch1
     assert [t.client_pins(1, e) for e in range(8)] == [0, 1, 1, 1, 0, 0, 0, 0]
-    assert t.channel(1).take_demand(0) == (seq1, 2, [5, 6])
+    assert t.channel(1).take_demand(0) == (seq1, 2, [5, 6], b"")
     records, corrupt = t.channel(1).drain()
     assert not corrupt and [(r[0], r[1], r[4].tolist()) for r in records] == [("route", 4, [5, 6])]
     h1.unpin_many([1, 2, 3])  # not stale, its pins intact
@@ -663,7 +664,7 @@ def test_c6_a_ledger_handed_out_again_is_a_new_region():
         assert t.try_evict(0) and t.try_evict(1) and t.try_evict(2)
         # The new client works; its channel is its own.
         seq = fresh.post_demand(3, [1])
-        assert daemon.take_demand(0) == (seq, 3, [1])
+        assert daemon.take_demand(0) == (seq, 3, [1], b"")
     finally:
         old_region.close()
         os.close(old_fd)

@@ -5,7 +5,8 @@
 // client that holds the ledger and by the daemon thread that serves it:
 //
 //   demand mailbox   compute posts one demand at a time (it runs one MoE layer at a time):
-//                    layer + up to max_demand experts, then bumps demand_seq and rings the
+//                    layer + up to max_demand experts (+ the W3C trace context of a traced
+//                    demand), then bumps demand_seq and rings the
 //                    doorbell. The daemon's thread for that client admits it (all or nothing),
 //                    pins every expert *into the client's ledger* (SlotTable::hold_for_client:
 //                    LOADING or RESIDENT), and answers with reply_seq = demand_seq and a status
@@ -38,6 +39,7 @@
 namespace expertcache {
 
 constexpr uint32_t kChannelMessageBytes = 256;
+constexpr uint32_t kChannelTraceBytes = 256;  // a demand's W3C trace context (expertcache/protocol.py)
 constexpr uint32_t kDefaultRingBytes = 128 * 1024;
 constexpr uint32_t kMaxRequestIdBytes = 1024;
 
@@ -65,6 +67,9 @@ struct alignas(64) ChannelHeader {
   std::atomic<uint32_t> taken_seq;  // the demand the daemon's thread took up (it is running)
   alignas(64) char reply_message[kChannelMessageBytes];
   char fail_message[kChannelMessageBytes];
+  // -- written by compute with each demand, before demand_seq --------------------------------
+  alignas(64) uint32_t demand_trace_len;  // 0: not traced
+  char demand_trace[kChannelTraceBytes];
 };
 
 // One decoded signal record (daemon side).
@@ -95,9 +100,10 @@ class ClientChannel {
   uint32_t ring_bytes() const { return ring_bytes_; }
 
   // -- compute side ---------------------------------------------------------------------------
-  // Writes a demand for `experts` of `layer` and returns its sequence number (the daemon answers
-  // with the same one). Throws std::invalid_argument when more than max_demand experts.
-  uint32_t post_demand(uint32_t layer, const std::vector<int64_t>& experts);
+  // Writes a demand for `experts` of `layer`, with its trace context (empty: not traced), and
+  // returns its sequence number (the daemon answers with the same one). Throws
+  // std::invalid_argument when more than max_demand experts or kChannelTraceBytes of trace.
+  uint32_t post_demand(uint32_t layer, const std::vector<int64_t>& experts, const std::string& trace = {});
   // Signal records; false when the ring is full (the record is dropped and counted).
   bool signal_begin(uint32_t handle, const std::string& request_id);
   bool signal_end(uint32_t handle);
@@ -141,8 +147,9 @@ class ClientChannel {
   uint32_t doorbell_seq() const { return header_->doorbell.load(); }
   // Sleeps while the doorbell equals `seen` (timeout_s < 0: no limit); true when it changed.
   bool wait_doorbell(uint32_t seen, double timeout_s);
-  // The posted demand newer than `taken`, if any: (seq, layer, experts); marks it taken up.
-  bool take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer, std::vector<uint32_t>* experts);
+  // The posted demand newer than `taken`, if any: (seq, layer, experts, trace); marks it taken up.
+  bool take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer, std::vector<uint32_t>* experts,
+                   std::string* trace);
   // Answers demand `seq` (status 0: admitted) and notifies compute.
   void reply(uint32_t seq, int32_t status, const std::string& message);
   // Records that a load compute waits for failed (message kept for compute), and notifies.

@@ -33,43 +33,84 @@ inline void futex_wake_one(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
 }
 
+// One FUTEX_WAIT while `*word == expected`, at most `timeout` (null: no limit). True when woken or
+// the word was no longer `expected`; false when the time ran out or a signal came. Any other error
+// throws std::system_error with the text `message()` (made only then).
+template <class Message>
+inline bool futex_wait_checked(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout,
+                               const Message& message) {
+  if (futex_wait(word, expected, timeout) == 0) return true;
+  const int e = errno;
+  if (e == EAGAIN) return true;
+  if (e == EINTR || e == ETIMEDOUT) return false;
+  throw std::system_error(e, std::generic_category(), message());
+}
+
+// Counts its owner in `sleepers` (null: no count) while it lives, so that a waker makes the wake
+// syscall only when someone sleeps.
+class FutexSleeper {
+ public:
+  explicit FutexSleeper(std::atomic<uint32_t>* sleepers) : sleepers_(sleepers) {
+    if (sleepers_ != nullptr) sleepers_->fetch_add(1);
+  }
+  ~FutexSleeper() {
+    if (sleepers_ != nullptr) sleepers_->fetch_sub(1);
+  }
+  FutexSleeper(const FutexSleeper&) = delete;
+  FutexSleeper& operator=(const FutexSleeper&) = delete;
+
+ private:
+  std::atomic<uint32_t>* sleepers_;
+};
+
+// The steady-clock time `timeout_s` from now; time_point::max() (no limit) when < 0 or infinite.
+inline std::chrono::steady_clock::time_point futex_deadline(double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  if (timeout_s < 0 || std::isinf(timeout_s)) return clock::time_point::max();
+  return clock::now() +
+         std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+}
+
+// Sleeps while `*word == seen`, until `deadline` (time_point::max(): no limit), counted in
+// `sleepers` (null: none, for a word whose wakers always make the wake syscall). Returns true
+// when the word changed. `what` names the word in errors.
+inline bool futex_wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
+                             uint32_t seen, std::chrono::steady_clock::time_point deadline,
+                             const std::string& what) {
+  using clock = std::chrono::steady_clock;
+  const bool forever = deadline == clock::time_point::max();
+  // Registered before the word is read (both seq_cst): a waker either sees a sleeper and wakes,
+  // or changed the word before our read and we return at once.
+  const FutexSleeper sleeping(sleepers);
+  for (;;) {
+    if (word->load() != seen) return true;
+    timespec ts{};
+    const timespec* tp = nullptr;
+    if (!forever) {
+      const auto left = deadline - clock::now();
+      if (left <= clock::duration::zero()) return false;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      ts = timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      tp = &ts;
+    }
+    futex_wait_checked(word, seen, tp, [&] { return what + ": futex wait"; });
+  }
+}
+
 // Sleeps while `*word == seen`, at most `timeout_s` (< 0 or inf: no limit), announcing itself in
 // `sleepers` first so that a waker makes the wake syscall only when someone sleeps. Returns true
 // when the word changed. `what` names the word in errors.
 inline bool futex_wait_changed(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
                                uint32_t seen, double timeout_s, const std::string& what) {
   if (std::isnan(timeout_s)) throw std::invalid_argument(what + ": timeout_s is NaN");
-  using clock = std::chrono::steady_clock;
-  const bool forever = timeout_s < 0 || std::isinf(timeout_s);
-  const auto deadline = forever ? clock::time_point::max()
-                                : clock::now() + std::chrono::duration_cast<clock::duration>(
-                                                     std::chrono::duration<double>(timeout_s));
-  // Registered before the word is read (both seq_cst): a waker either sees a sleeper and wakes,
-  // or changed the word before our read and we return at once.
-  sleepers->fetch_add(1);
-  bool changed = false;
-  for (;;) {
-    if (word->load() != seen) {
-      changed = true;
-      break;
-    }
-    timespec ts{};
-    const timespec* tp = nullptr;
-    if (!forever) {
-      const auto left = deadline - clock::now();
-      if (left <= clock::duration::zero()) break;
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-      ts = timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-      tp = &ts;
-    }
-    if (futex_wait(word, seen, tp) != 0 && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
-      const int e = errno;
-      sleepers->fetch_sub(1);
-      throw std::system_error(e, std::generic_category(), what + ": futex wait");
-    }
-  }
-  sleepers->fetch_sub(1);
-  return changed;
+  return futex_wait_until(word, sleepers, seen, futex_deadline(timeout_s), what);
+}
+
+// A hint to the CPU inside a polling loop (x86's PAUSE; nothing elsewhere).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
 }
 
 // Polls `*word` for up to `spin_s` seconds (a waiter whose answer usually comes within tens of
@@ -83,9 +124,7 @@ inline bool spin_until_changed(std::atomic<uint32_t>* word, uint32_t seen, doubl
   for (unsigned i = 0;; ++i) {
     if (word->load(std::memory_order_acquire) != seen) return true;
     if ((i & 63) == 63 && clock::now() >= until) return false;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+    cpu_relax();
   }
 }
 

@@ -2,7 +2,7 @@
 // cache daemon alone, plus one private region per attached compute client (its pins, access stamps
 // and channel), which only that client and the daemon map.
 //
-// Memory (version 5; every part is a memfd, never a path another process could open):
+// Memory (version 6; every part is a memfd, never a path another process could open):
 //   table    SlotTableHeader (128 B) | SlotEntry[num_entries] (16 B each). The daemon maps it
 //            read-write; it is then sealed (F_SEAL_FUTURE_WRITE, SHRINK, GROW, SEAL), so compute
 //            can only map it read-only.
@@ -59,7 +59,7 @@
 
 namespace expertcache {
 
-enum class SlotState : uint32_t { kAbsent = 0, kLoading = 1, kResident = 2, kEvicting = 3 };
+enum class TableState : uint32_t { kAbsent = 0, kLoading = 1, kResident = 2, kEvicting = 3 };
 
 // One entry of the table, as published for compute (the daemon's own copy is private).
 struct alignas(16) SlotEntry {
@@ -104,7 +104,7 @@ static_assert(sizeof(ClientHeader) == 128, "client header must be two cache line
 
 constexpr uint64_t kSlotTableMagic = 0x4C42545453435845ULL;   // "EXCSTTBL" little-endian
 constexpr uint64_t kClientRegionMagic = 0x4E47524343435845ULL;  // "EXCCRGN" little-endian
-constexpr uint32_t kSlotTableVersion = 5;
+constexpr uint32_t kSlotTableVersion = 6;
 constexpr uint32_t kDefaultClients = 32;
 constexpr uint32_t kMaxClients = 4096;
 // The epoch a detached region is left at: no ledger is ever handed out at it.
@@ -237,7 +237,7 @@ class SlotTable {
   uint32_t ring_bytes() const { return ring_bytes_; }
 
   // -- introspection ---------------------------------------------------------------------------------
-  SlotState state(int64_t entry) const;
+  TableState state(int64_t entry) const;
   // Every pin on `entry`: the daemon's holds and every attached region's (daemon side); this
   // client's own (compute side).
   uint32_t pins(int64_t entry) const;
@@ -290,6 +290,6 @@ class SlotTable {
   std::shared_ptr<Region> own_;
 };
 
-const char* slot_state_name(SlotState s);
+const char* slot_state_name(TableState s);
 
 }  // namespace expertcache

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
+from compute_svc.daemon import client as daemon_client
 from compute_svc.daemon.client import DaemonClient
 from compute_svc.errors import (
     Cancelled,
@@ -24,11 +25,12 @@ from compute_svc.errors import (
 )
 from compute_svc.experts.arena import ArenaKind
 from compute_svc.experts.layer_ahead import Prediction
-from compute_svc.experts.moe import ExpertSource, ReadyExpert
-from expertcache import channel as codes
+from compute_svc.experts.moe import ReadyExpert
 from expertcache import memfd
+from expertcache import protocol as codes
 from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer
 from expertcache.native import SlotTable, TableState
+from expertcache.protocol import Tier
 from tests.stores import two_layer_manifest
 
 MANIFEST = two_layer_manifest(
@@ -93,7 +95,7 @@ class ChannelResponder:
                 self.servicer.signals.append(("layer_ahead", self.requests[handle], token, preds))
             self.servicer.got_signal.set()
 
-    def serve(self, seq: int, layer: int, experts: list[int]) -> None:
+    def serve(self, seq: int, layer: int, experts: list[int], trace: bytes = b"") -> None:
         servicer, table, channel = self.servicer, self.table, self.channel
         servicer.acquired.append((layer, list(experts)))
         if servicer.fail_next is not None:
@@ -288,9 +290,9 @@ def test_acquire_yields_in_readiness_order_and_release_unpins(daemon):
     servicer, address = daemon
     client = connect(address)
     got = list(client.acquire(1, [2, 3]))
-    assert got == [ReadyExpert(3, 0, ExpertSource.DEVICE), ReadyExpert(2, 1, ExpertSource.STORE)]
+    assert got == [ReadyExpert(3, 0, Tier.DEVICE), ReadyExpert(2, 1, Tier.STORE)]
     client.release(1, [2, 3])
-    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     deadline = time.monotonic() + 5
     while len(servicer.released) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -309,7 +311,7 @@ def test_stream_errors_become_domain_errors_and_the_stream_reopens(daemon, code,
     servicer.fail_next = (code, "checksum mismatch for L1E2 in experts/layer_0001.bin")
     with pytest.raises(error, match="checksum mismatch for L1E2"):
         list(client.acquire(1, [2]))
-    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, ExpertSource.STORE)]
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.STORE)]
     assert servicer.streams == 2
     client.close()
 
@@ -330,7 +332,7 @@ def test_closing_an_unfinished_acquire_drops_the_stream(daemon):
     next(it)
     it.close()  # e.g. compute failed mid-wave: the daemon must drop this stream's pins
     assert servicer.stream_closed.wait(5)
-    assert list(client.acquire(1, [0])) == [ReadyExpert(0, 0, ExpertSource.STORE)]
+    assert list(client.acquire(1, [0])) == [ReadyExpert(0, 0, Tier.STORE)]
     client.close()
 
 
@@ -357,7 +359,7 @@ def test_a_restarted_daemon_is_detected_and_reattached(daemon):
         list(client.acquire(0, [1]))
     attachment = client.reattach()
     assert attachment.daemon_id == "d2" and client.attachment is attachment
-    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.close()
 
 
@@ -389,7 +391,7 @@ def test_interrupt_wakes_a_wait_for_experts_with_cancelled(daemon):
     assert_interrupt_cancels_the_wait(client, 0, [2])
     servicer.hold.set()
     client.begin_step()  # a later step: the old interrupt no longer applies
-    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.close()
 
 
@@ -425,14 +427,14 @@ def test_fast_path_pins_hits_in_shm_and_demands_only_misses(daemon, tmp_path):
     assert servicer.metadata[0]["expertcache-client-index"] == "0"
     # The hit comes first, as a batch of its own, without a round trip; the miss went as a demand
     # on the client channel (no Acquire message) and was pinned into our ledger by the daemon.
-    assert batches == [[ReadyExpert(3, 1, ExpertSource.DEVICE)], [ReadyExpert(2, 0, ExpertSource.STORE)]]
+    assert batches == [[ReadyExpert(3, 1, Tier.DEVICE)], [ReadyExpert(2, 0, Tier.STORE)]]
     assert servicer.acquired == [(1, [2])]
     assert table.pins(7) == 1 and table.client_pins(0, 7) == 1
     assert table.pins(6) == 1 and table.client_pins(0, 6) == 1
     client.release(1, [2, 3])
     assert table.pins(7) == table.pins(6) == 0  # both unpinned locally, no Release message
-    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, ExpertSource.DEVICE)]
-    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, ExpertSource.DEVICE)]  # resident now: a hit
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.DEVICE)]  # resident now: a hit
     client.release(1, [3])
     client.release(1, [2])
     assert servicer.released == []
@@ -452,7 +454,7 @@ def test_a_refused_channel_demand_is_the_daemons_error_and_the_stream_reopens(da
     with pytest.raises(error, match="checksum mismatch for L1E2"):
         list(client.acquire(1, [2]))
     assert servicer.stream_closed.wait(5)  # the failed acquire dropped its stream (and pins)
-    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, ExpertSource.STORE)]
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.STORE)]
     assert servicer.streams == 2 and table.client_pins(1, 6) == 1  # a new ledger
     client.release(1, [2])
     client.close()
@@ -498,17 +500,17 @@ def test_an_interrupt_just_after_the_checks_is_not_slept_through(daemon, tmp_pat
     offer_table(servicer, tmp_path)
     client = connect(address, acquire_timeout_s=30.0)
     servicer.hang_next = True  # the demand is never answered
-    real = client._remaining
+    real = daemon_client._Wait.remaining
     calls = []
 
-    def remaining_then_interrupted(*args):
-        left = real(*args)  # the checks pass ...
+    def remaining_then_interrupted(wait, *args):
+        left = real(wait, *args)  # the checks pass ...
         if not calls:
             calls.append(left)
             client.interrupt()  # ... and the interrupt arrives before the wait starts
         return left
 
-    monkeypatch.setattr(client, "_remaining", remaining_then_interrupted)
+    monkeypatch.setattr(daemon_client._Wait, "remaining", remaining_then_interrupted)
     client.begin_step()
     started = time.monotonic()
     with pytest.raises(Cancelled):
@@ -522,7 +524,7 @@ def test_fast_path_off_sends_every_acquire(daemon, tmp_path):
     table = offer_table(servicer, tmp_path)
     client = connect(address, fast_path=False)
     assert servicer.attaches == [False] and client.attachment.client_index == -1
-    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 0, ExpertSource.DEVICE)]
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 0, Tier.DEVICE)]
     assert servicer.acquired == [(1, [3])] and table.hits == 0
     client.close()
 
@@ -550,7 +552,7 @@ def test_pins_reclaimed_while_in_use_fail_the_release(daemon, tmp_path):
     servicer, address = daemon
     table = offer_table(servicer, tmp_path)
     client = connect(address)
-    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, ExpertSource.DEVICE)]
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
     table.reclaim_client(0)  # as the daemon does when the stream ends under us
     assert table.pins(7) == 0
     with pytest.raises(
@@ -558,7 +560,7 @@ def test_pins_reclaimed_while_in_use_fail_the_release(daemon, tmp_path):
     ):
         client.release(1, [3])
     # The next acquire notices the stale ledger, re-attaches for a new one and pins again.
-    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, ExpertSource.DEVICE)]
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
     assert servicer.attaches == [True, True] and table.client_pins(1, 7) == 1
     client.release(1, [3])
     client.close()
@@ -580,7 +582,7 @@ def test_prediction_messages_travel_one_way_on_the_client_channel(daemon, tmp_pa
     client.routed("req-1", 4, 1, [3, 0])
     client.layer_ahead("req-1", 4, [Prediction(1, (2, 1), (0.7, 0.2)), Prediction(2, (5,), (0.5,), depth=2)])
     # Interleaved with an acquire (a channel demand), whose answers are still its own.
-    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.release(0, [1])
     client.end_request("req-1")
     assert wait_signals(servicer, 4) == [
@@ -607,7 +609,7 @@ def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
     assert (client.signals_sent, client.signals_dropped) == (0, 3)
     assert servicer.streams == 0
     # The first acquire opens a stream, which is told the running request before anything else.
-    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, ExpertSource.STORE)]
+    assert list(client.acquire(0, [1])) == [ReadyExpert(1, 0, Tier.STORE)]
     client.routed("req-9", 1, 0, [1])
     assert wait_signals(servicer, 2) == [("request_begin", "req-9"), ("route", "req-9", 1, 0, [1])]
     client.end_request("req-9")

@@ -18,7 +18,7 @@ from cache_daemon.decisions.policy import make_policy
 from cache_daemon.residency import ClientLedger
 from cache_daemon.residency.channel import MAX_OPS_PER_HOLD
 from cache_daemon.residency.sessions import STRAY_CONFIRM_S
-from expertcache import channel as codes
+from expertcache import protocol as codes
 from expertcache.keys import ExpertKey
 from expertcache.native import SlotTable
 from expertcache.prom import value
@@ -247,10 +247,11 @@ def test_closing_the_session_reclaims_the_pins_and_ends_the_thread(make):
     assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
     client.wait_resident(L1, [0, 1])
     assert h.residency.stats().pinned == 2
-    server = h.residency._channels[session]
+    name = f"expertcache-channel-{session.ledger}"
+    (thread,) = [t for t in threading.enumerate() if t.name == name]
     h.residency.close_session(session)  # compute died: its stream ended
-    server.join(5)
-    assert not server._thread.is_alive()
+    thread.join(5)
+    assert not thread.is_alive()
     assert h.residency.stats().pinned == 0
 
 
@@ -289,7 +290,9 @@ def test_an_internal_error_answers_internal_and_ends_the_session(make, monkeypat
     def broken(*args, **kwargs):
         raise KeyError("a bug in admission")
 
-    monkeypatch.setattr(h.residency, "admit_for_client", broken)
+    # The first step of the demand's admission, under the lock (the server's port is bound to the
+    # admission's method at start, so it is patched one call down).
+    monkeypatch.setattr(h.residency.intake, "apply_ops_locked", broken)
     status, message = client.demand(L1, [0])
     assert codes.STATUS_NAMES[status] == "INTERNAL" and "KeyError" in message
     wait_for(lambda: h.table.client_epoch(index) != epoch, "the failed channel's ledger reclaimed")
@@ -339,7 +342,8 @@ def test_a_revoked_client_is_counted_once_while_its_session_closes(make, monkeyp
     _, session = h.attach()
     stray_pins(h.table, session.ledger, list(range(h.table.num_entries)))
     slow_close = threading.Event()
-    monkeypatch.setattr(h.residency, "close_session", lambda s: slow_close.wait(30))
+    # The audit closes a revoked client's session in a thread of its own (``Sessions``).
+    monkeypatch.setattr(h.residency._sessions, "close_session", lambda s: slow_close.wait(30))
 
     def audit() -> float:
         with h.residency._cond:  # audit_clients runs under the residency's lock

@@ -265,7 +265,7 @@ def test_memfd_arena_is_shared_read_only_and_nameless():
 
 
 def test_tier_names_are_metric_labels():
-    assert [t.value for t in Tier] == ["device", "host", "store"]
+    assert [t.value for t in Tier] == ["device", "host", "store", "unknown"]  # unknown: compute only
 
 
 def test_a_layer_file_symlinked_out_of_the_store_is_refused(tmp_path):
