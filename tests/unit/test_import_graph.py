@@ -109,3 +109,93 @@ def test_the_checker_sees_test_modules_however_imported(tmp_path):
         "tests.unit.daemon.test_store",
         "tests.unit.daemon.test_store.write_store",
     ]
+
+
+# -- circles ----------------------------------------------------------------------------------------
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_arrows(packages: tuple[str, ...] = RUNTIME, root: Path = REPO) -> dict[str, set[str]]:
+    """module -> the modules of ``packages`` it imports (``from a import b`` names module ``a.b``
+    when there is one, else ``a``), anywhere in the file: type-only and function-level too."""
+    paths = {module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name in paths)
+            elif isinstance(node, ast.ImportFrom):
+                prefix = base[: len(base) - node.level + 1] if node.level else []
+                source = ".".join(prefix + ([node.module] if node.module else []))
+                for alias in node.names:
+                    target = f"{source}.{alias.name}"
+                    found.add(target if target in paths else source)
+        graph[module] = {m for m in found if m in paths and m != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    found.append(sorted(members))
+    return found
+
+
+def test_no_import_circle_in_the_runtime():
+    """No module of the services or of ``expertcache`` reaches itself through imports, counting
+    type-only and function-level ones: each room is built from the rooms below it."""
+    found = circles(import_arrows())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_check_sees_a_type_only_circle(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
+    (package / "c.py").write_text("from . import a\n")
+    graph = import_arrows(("pkg",), tmp_path)
+    assert graph["pkg.c"] == {"pkg.a"}
+    assert circles(graph) == [["pkg.a", "pkg.b"]]
