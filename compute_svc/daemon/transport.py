@@ -143,7 +143,7 @@ class ChannelTransport:
         self, request_id: str, token: int, layer: int, experts: Sequence[int], *, with_acquire: bool = False
     ) -> None:
         with self._link.lock:
-            if self._link.table.signals_wanted and self._live_locked():
+            if self._wanted_locked() and self._live_locked():
                 handle = self._handle_locked(request_id)
                 channel = self._link.shm_channel
                 self._counts.count(channel.signal_route(handle, token, layer, [int(e) for e in experts]))
@@ -154,7 +154,7 @@ class ChannelTransport:
     ) -> None:
         _check_predictions(predictions)
         with self._link.lock:
-            if self._link.table.signals_wanted and self._live_locked():
+            if self._wanted_locked() and self._live_locked():
                 handle = self._handle_locked(request_id)
                 self._counts.count(
                     self._link.shm_channel.signal_ahead(
@@ -188,7 +188,8 @@ class ChannelTransport:
         return lambda wait: self._wait(wait, stream, channel, seq, fail_seen, layer, misses)
 
     def release_locked(self, layer: int, experts: list[int]) -> None:
-        raise AssertionError("the channel's experts are pinned in the ledger: released through the table")
+        """Experts not pinned in our ledger: their pins went with a ledger the daemon took back
+        (its stream ended), so there is nothing to release."""
 
     def _wait(
         self,
@@ -242,6 +243,12 @@ class ChannelTransport:
                     "(its stream ended)"
                 )
             channel.wait_notify(seen, wait.remaining(stream, [misses[i] for i in pending]), CHANNEL_SPIN_S)
+
+    def _wanted_locked(self) -> bool:
+        """Whether the daemon uses routes and lookaheads now (the table's ``signals_wanted``);
+        not while the link holds no table (a re-attach is under way)."""
+        table = self._link.table
+        return table is not None and table.signals_wanted
 
     def _live_locked(self) -> bool:
         """Whether a daemon thread serves the channel now (a stream is open); a signal written

@@ -566,6 +566,21 @@ def test_pins_reclaimed_while_in_use_fail_the_release(daemon, tmp_path):
     client.close()
 
 
+def test_a_release_after_the_ledger_went_with_its_stream_sends_nothing(daemon, tmp_path):
+    """Pins taken in a ledger the daemon took back (its stream ended) went with it: releasing
+    them later, on a new stream, neither raises nor sends a Release the daemon would refuse."""
+    servicer, address = daemon
+    offer_table(servicer, tmp_path)
+    client = connect(address)
+    assert list(client.acquire(1, [3])) == [ReadyExpert(3, 1, Tier.DEVICE)]
+    client._link.drop(client._link.stream)  # the stream ends: the ledger and its pins go with it
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.STORE)]  # a new stream and ledger
+    client.release(1, [3])
+    client.release(1, [2])
+    assert servicer.released == []
+    client.close()
+
+
 # -- one-way prediction messages: queued on the Demand stream, never answered, never waited for ---
 def wait_signals(servicer: ScriptedCache, n: int) -> list[tuple]:
     deadline = time.monotonic() + 5
