@@ -254,13 +254,13 @@ class DaemonClient(ExpertProvider):
                 waiting = transport.post_locked(stream, layer, misses, trace_context)
             else:
                 transport.no_demand_locked()
-        wait = _Wait(self, stream, layer, time.monotonic() + self._acquire_timeout_s, deadline)
+        limit = time.monotonic() + self._acquire_timeout_s
         finished = False
         try:
             if hits:
                 yield hits  # resident experts first: compute starts on them at once
-            if misses:
-                yield from waiting(wait)
+            if misses:  # the limits of a wait, made only when there is one to wait for
+                yield from waiting(_Wait(self, stream, layer, limit, deadline))
             finished = True
         finally:
             if not finished:
