@@ -120,10 +120,20 @@ from bench.e2e_report import (  # noqa: E402
 from bench.e2e_tracing import tracing_costs  # noqa: E402
 from bench.gpt_oss import DEFAULT_TRACE, PROMPT, add_model_arguments, build_from_args, use_torch_threads  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
-from bench.plain_transformers import TransformersSystem  # noqa: E402
 from bench.report import GIB, MIB, RESULTS_DIR, fmt, say, write_json  # noqa: E402
 from bench.stats import summarise  # noqa: E402
-from bench.systems import ProcessSystem, add_tier_arguments, measure_link, rotation  # noqa: E402
+from bench.systems import (  # noqa: E402
+    PEERS,
+    ProcessSystem,
+    add_check_tokens_argument,
+    add_tier_arguments,
+    all_stopped,
+    finish_all,
+    llama_cpp_figures,
+    measure_link,
+    start_peer,
+    take_turns,
+)
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
@@ -375,12 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch threads of compute and of accelerate, llama.cpp's threads",
     )
-    parser.add_argument(
-        "--check-tokens",
-        type=int,
-        default=llama_cpp.CHECK_TOKENS,
-        help="llama.cpp's first greedy tokens checked against transformers' on the same checkpoint (0: not checked)",
-    )
+    add_check_tokens_argument(parser)
     parser.add_argument(
         "--tracing-costs",
         action="store_true",
@@ -461,28 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     store_reads = measure_store_reads(store, manifest, args.store_reads)
     link = measure_link(manifest, args.device)
 
-    results: dict[str, dict] = {}
-    transformers_answer = None  # transformers' greedy tokens, where it ran
     with tempfile.TemporaryDirectory(prefix="e2e-", dir=args.data_dir) as tmp:
-        started_systems: dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem] = {}
         accelerate_runs: list[dict] = []
-        try:
+        with all_stopped() as started_systems:
             for system in systems:  # all up at once: they take turns below
                 if system == "transformers":
                     say(
                         f"[transformers] {checkpoint} loaded by transformers on {args.device}, every expert in memory"
                     )
-                    started_systems[system] = TransformersSystem(
-                        checkpoint,
-                        device=args.device,
-                        threads=args.threads,
-                        tokens=args.tokens,
-                        prompt=PROMPT,
-                    )
-                elif system == llama_cpp.SYSTEM:
-                    started_systems[system] = llama_cpp.LlamaCppSystem(
-                        *gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT
-                    )
+                if system in PEERS:
+                    started_systems[system] = start_peer(system, checkpoint, gguf, args)
                 elif system != "accelerate":
                     proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
                     started_systems[system] = proc
@@ -490,29 +483,20 @@ def main(argv: list[str] | None = None) -> int:
                         say(f"  WARNING: the daemon reads the store as {proc.io_mode!r}, not O_DIRECT")
             for proc in started_systems.values():
                 proc.begin()
+
+            def measure(system: str, repeat: int, r: int) -> None:
+                if system != "accelerate":
+                    started_systems[system].measure(repeat, r)
+                elif r == 0:  # its own process per run: one run (of its requests) per repeat
+                    run = run_accelerate(checkpoint, Path(tmp) / system, args, budget + manifest.dense_bytes)
+                    run["repeat"] = repeat
+                    accelerate_runs.append(run)
+
             # Interleaved: request r of every system before request r + 1 of any, the order of the
             # systems rotated each repeat, so that drift of the machine and the disk hits all alike.
-            for repeat in range(args.repeats):
-                order = rotation(systems, repeat)
-                say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
-                for r in range(args.requests):
-                    for system in order:
-                        if system == "accelerate":
-                            if r == 0:  # its own process per run: one run (of its requests) per repeat
-                                run = run_accelerate(
-                                    checkpoint, Path(tmp) / system, args, budget + manifest.dense_bytes
-                                )
-                                run["repeat"] = repeat
-                                accelerate_runs.append(run)
-                        else:
-                            started_systems[system].measure(repeat, r)
-            for system, proc in started_systems.items():
-                results[system] = proc.finish()
-            if "transformers" in started_systems:  # its greedy tokens, for llama.cpp's
-                transformers_answer = started_systems["transformers"].reference
-        finally:
-            for proc in started_systems.values():
-                proc.stop()
+            take_turns(systems, args, measure)
+            # transformers_answer: its greedy tokens, where it ran, for llama.cpp's
+            results, transformers_answer = finish_all(started_systems)
         if accelerate_runs:
             results["accelerate"] = merge_accelerate(accelerate_runs)
         results = {system: results[system] for system in systems}
@@ -524,19 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         print_disk_time(results, store_reads)
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
-    if llama_cpp.SYSTEM in results:
-        verdicts.update(
-            llama_cpp.check_and_report(
-                results,
-                checkpoint=checkpoint,
-                have=transformers_answer,
-                precision=args.precision,
-                device=args.device,
-                threads=args.threads,
-                check_tokens=args.check_tokens,
-                prompt=PROMPT,
-            )
-        )
+    verdicts.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, args.precision))
     reference = simulated_reference(args, manifest, budget, results)
     if reference is not None:
         verdicts["belady_share"] = reference["shares"]

@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from typing import Self
 
 
 def connect(
@@ -171,23 +172,49 @@ def _still_open(socks: list[socket.socket]) -> list[socket.socket]:
     return alive
 
 
-class IdleFlood:
+class _Holder:
+    """Connections (``_socks``) that a thread of its own (``_run``) keeps open from ``start``
+    until ``stop``, which waits ``join_s`` for it and closes them."""
+
+    join_s = 5.0
+
+    def __init__(self, socks: list[socket.socket] | dict[socket.socket, int], *, name: str) -> None:
+        self._socks = socks
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def held(self) -> int:
+        """Connections open now (as far as this side has seen)."""
+        with self._lock:
+            return len(self._socks)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.join_s)
+        with self._lock:
+            for sock in list(self._socks):
+                sock.close()
+            self._socks.clear()
+
+
+class IdleFlood(_Holder):
     """``connections`` connections from ``source`` that send nothing, kept open: each one the
     server closes is counted and opened again."""
 
     def __init__(self, port: int, *, connections: int, source: str) -> None:
+        super().__init__([], name="http-idle-flood")
         self.port, self.wanted, self.source = port, connections, source
         self.opened = 0
         self.closed_by_server = 0
         self.refused = 0
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="http-idle-flood")
-
-    def start(self) -> IdleFlood:
-        self._thread.start()
-        return self
 
     def _open(self) -> None:
         try:
@@ -210,28 +237,18 @@ class IdleFlood:
                 self._socks = alive
             self._stop.wait(0.05)
 
-    def held(self) -> int:
-        """Connections open now (as far as this side has seen)."""
-        with self._lock:
-            return len(self._socks)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        with self._lock:
-            for sock in self._socks:
-                sock.close()
-            self._socks = []
-
-
-class Trickle:
+class Trickle(_Holder):
     """``connections`` connections from ``source`` sending a request a byte every ``interval_s``:
     its headers (``kind="headers"``) or, after whole headers declaring 1 MB, its body
     (``kind="body"``). One the server closes is counted and opened again."""
 
+    join_s = 10.0
+
     def __init__(
         self, port: int, *, connections: int, source: str, kind: str = "headers", interval_s: float = 1.0
     ) -> None:
+        super().__init__({}, name=f"http-trickle-{kind}")  # socket -> bytes of the drip sent
         if kind == "headers":
             self._prefix, self._drip = b"", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100_000
         else:
@@ -243,13 +260,6 @@ class Trickle:
         self.port, self.wanted, self.source, self.interval_s = port, connections, source, interval_s
         self.opened = 0
         self.closed_by_server = 0
-        self._socks: dict[socket.socket, int] = {}  # socket -> bytes of the drip sent
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"http-trickle-{kind}")
-
-    def start(self) -> Trickle:
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -280,32 +290,18 @@ class Trickle:
         self._socks.pop(sock, None)
         sock.close()
 
-    def held(self) -> int:
-        return len(self._socks)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for sock in list(self._socks):
-            sock.close()
-        self._socks.clear()
-
-
-class UnreadStreams:
+class UnreadStreams(_Holder):
     """``count`` ``stream: true`` completions from ``source`` whose answers are never read (a
     4 KiB receive buffer); each answered with a status is counted by it, and one the server
     closes is opened again."""
 
+    join_s = 30.0
+
     def __init__(self, port: int, body: dict, *, count: int, source: str) -> None:
+        super().__init__([], name="http-unread")
         self.port, self.body, self.count, self.source = port, body, count, source
         self.statuses: dict[int, int] = {}
-        self._socks: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="http-unread")
-
-    def start(self) -> UnreadStreams:
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -323,16 +319,6 @@ class UnreadStreams:
                     sock.close()
             self._socks = _still_open(self._socks)
             self._stop.wait(0.2)
-
-    def held(self) -> int:
-        return len(self._socks)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        for sock in self._socks:
-            sock.close()
-        self._socks = []
 
 
 class RefusedBodies:

@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 from bench.report import DATA_DIR, GIB, MIB, RESULTS_DIR, say, write_json  # noqa: E402
 from bench.stats import percentiles_us  # noqa: E402
+from bench.threads import run_threads  # noqa: E402
 from expertcache import native  # noqa: E402
 from expertcache.manifest import MANIFEST_NAME, StoreManifest, read_manifest  # noqa: E402
 from expertcache.native import HostPool, Reader, SlotTable  # noqa: E402
@@ -160,13 +161,7 @@ def raw_sequential(path: Path, read_bytes: int, in_flight: int) -> tuple[int, fl
             totals[i] += os.preadv(fd, [buf], off)
         buf.close()
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(in_flight)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
+    elapsed = run_threads([threading.Thread(target=worker, args=(i,)) for i in range(in_flight)])
     os.close(fd)
     return sum(totals), elapsed
 

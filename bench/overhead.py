@@ -72,17 +72,21 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import llama_cpp  # noqa: E402
-from bench.gpt_oss import (  # noqa: E402
-    DEFAULT_TRACE,
-    PROMPT,
-    add_model_arguments,
-    build_from_args,
-    use_torch_threads,
-)
-from bench.plain_transformers import TransformersSystem  # noqa: E402
+from bench.gpt_oss import DEFAULT_TRACE, add_model_arguments, build_from_args, use_torch_threads  # noqa: E402
 from bench.report import RESULTS_DIR, p50_bars, pyplot, save_figure, say, write_json  # noqa: E402
 from bench.stats import repeat_p50s, repeat_ratios, spread_text, summarise  # noqa: E402
-from bench.systems import ProcessSystem, get_stats, host_tier, rotation  # noqa: E402
+from bench.systems import (  # noqa: E402
+    PEERS,
+    ProcessSystem,
+    add_check_tokens_argument,
+    all_stopped,
+    finish_all,
+    get_stats,
+    host_tier,
+    llama_cpp_figures,
+    start_peer,
+    take_turns,
+)
 from devtools.launch import checkout_python, free_port  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overhead.json"
@@ -248,12 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of every process, llama.cpp's threads"
     )
-    parser.add_argument(
-        "--check-tokens",
-        type=int,
-        default=llama_cpp.CHECK_TOKENS,
-        help="llama.cpp's first greedy tokens checked against transformers' on the same checkpoint (0: not checked)",
-    )
+    add_check_tokens_argument(parser)
     add_model_arguments(parser, hidden=64, intermediate=64)
     parser.add_argument(
         "--device-share", type=float, default=0.25, help="lru's arena, as a share of the experts"
@@ -327,65 +326,40 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(f"baseline-{s}", s, args.baseline) for s in systems if s in BASELINE_SYSTEMS]
         say(f"baseline: {', '.join(r[0] for r in runs if r[2])} from {args.baseline}")
     labels = [r[0] for r in runs]
-    results: dict[str, dict] = {}
     ports: dict[str, int] = {}
     syncs: dict[str, dict] = {}
     warm_ups: dict[str, int] = {}  # unmeasured requests until each lru's host tier was full
-    transformers_answer = None  # transformers' greedy tokens, where it ran
-    with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp:
-        running: dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem] = {}
-        try:
-            for label, system, checkout in runs:
-                if system == "transformers":
-                    running[label] = TransformersSystem(
-                        checkpoint,
-                        device=args.device,
-                        threads=args.threads,
-                        tokens=args.tokens,
-                        prompt=PROMPT,
-                    )
-                    continue
-                if system == llama_cpp.SYSTEM:
-                    running[label] = llama_cpp.LlamaCppSystem(
-                        *gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT
-                    )
-                    continue
-                ports[label] = free_port()
-                extra = ("--metrics-port", str(ports[label]))
-                sizes = {"device_bytes": device_bytes, "host_bytes": total} if system == "lru" else {}
-                running[label] = ProcessSystem(
-                    system,
-                    store,
-                    manifest,
-                    Path(tmp) / label,
-                    args,
-                    device_bytes,
-                    compute_extra=extra,
-                    checkout=checkout,
-                    label=label,
-                    **sizes,
-                )
-            for label in ("lru", "baseline-lru"):
-                if label in running:
-                    warm_ups[label] = warm_host_tier(running[label], manifest.num_blobs)
-                    say(f"[{label}] host tier warmed with {warm_ups[label]} unmeasured request(s)")
-            for proc in running.values():
-                proc.begin()
-            before = {s: scrape(p) for s, p in ports.items()}
-            for repeat in range(args.repeats):
-                order = rotation(labels, repeat)
-                say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
-                for r in range(args.requests):
-                    for label in order:
-                        running[label].measure(repeat, r)
-            syncs = {s: host_syncs(before[s], scrape(p)) for s, p in ports.items()}
-            for label, proc in running.items():
-                results[label] = proc.finish()
-            if "transformers" in running:  # its greedy tokens, for llama.cpp's
-                transformers_answer = running["transformers"].reference
-        finally:
-            for proc in running.values():
-                proc.stop()
+    with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.data_dir) as tmp, all_stopped() as running:
+        for label, system, checkout in runs:
+            if system in PEERS:
+                running[label] = start_peer(system, checkpoint, gguf, args)
+                continue
+            ports[label] = free_port()
+            extra = ("--metrics-port", str(ports[label]))
+            sizes = {"device_bytes": device_bytes, "host_bytes": total} if system == "lru" else {}
+            running[label] = ProcessSystem(
+                system,
+                store,
+                manifest,
+                Path(tmp) / label,
+                args,
+                device_bytes,
+                compute_extra=extra,
+                checkout=checkout,
+                label=label,
+                **sizes,
+            )
+        for label in ("lru", "baseline-lru"):
+            if label in running:
+                warm_ups[label] = warm_host_tier(running[label], manifest.num_blobs)
+                say(f"[{label}] host tier warmed with {warm_ups[label]} unmeasured request(s)")
+        for proc in running.values():
+            proc.begin()
+        before = {s: scrape(p) for s, p in ports.items()}
+        take_turns(labels, args, lambda label, repeat, r: running[label].measure(repeat, r))
+        syncs = {s: host_syncs(before[s], scrape(p)) for s, p in ports.items()}
+        # transformers_answer: its greedy tokens, where it ran, for llama.cpp's
+        results, transformers_answer = finish_all(running)
     for system, r in results.items():
         r.update(summarise(r))
         if system in syncs:
@@ -445,19 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if "lru" in results and "resident" in results:
         report.update(miss_figures(results["lru"], results["resident"]))
         say_miss("miss_fixed_cost_us", report, results["lru"], results["resident"])
-    if llama_cpp.SYSTEM in results:
-        report.update(
-            llama_cpp.check_and_report(
-                results,
-                checkpoint=checkpoint,
-                have=transformers_answer,
-                precision="bf16",
-                device=args.device,
-                threads=args.threads,
-                check_tokens=args.check_tokens,
-                prompt=PROMPT,
-            )
-        )
+    report.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, "bf16"))
     if args.baseline is not None:
         baseline = report["baseline"] = {"checkout": str(args.baseline), "revision": revision(args.baseline)}
         if "baseline-lru" in results and "baseline-resident" in results:

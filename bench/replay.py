@@ -90,15 +90,16 @@ def load_trace(path: Path) -> RoutingTrace:
 
 class HintSource:
     """The hints the daemon would receive: predictor_svc's Eamc (embedded store) and its request
-    predictor, warmed only by requests before the one replayed."""
+    predictor, warmed only by requests before the one replayed. (predictor_svc is imported where
+    used: it brings torch.)"""
 
     def __init__(self, trace: RoutingTrace, *, capacity: int = 512, top_n: int | None = None) -> None:
         from predictor_svc.config import PredictorConfig
-        from predictor_svc.eam import EamShape, add_token, new_eam
+        from predictor_svc.eam import EamShape
         from predictor_svc.eamc import Eamc
-        from predictor_svc.predict import PredictionConfig, predict_request
+        from predictor_svc.predict import PredictionConfig
         from predictor_svc.store.embedded import EmbeddedStore
-        from predictor_svc.subscriptions import HINT_SOURCE, top_hints
+        from predictor_svc.subscriptions import HINT_SOURCE
 
         pcfg = PredictorConfig()
         self._shape = EamShape(trace.num_layers, trace.num_experts, trace.top_k)
@@ -106,11 +107,6 @@ class HintSource:
         self._config = PredictionConfig(top_n=pcfg.match_top_n)
         self._top_n = top_n or pcfg.hint_top_n
         self._min_score = pcfg.min_score
-        self._source = HINT_SOURCE
-        self._predict_request = predict_request
-        self._top_hints = top_hints
-        self._new_eam = new_eam
-        self._add_token = add_token
         self.inserted = 0
         self.notes = (
             f"hints: predictor_svc Eamc (embedded store, capacity {capacity}) + predict_request "
@@ -121,18 +117,23 @@ class HintSource:
 
     def insert(self, experts: np.ndarray) -> None:
         """A finished request's routing ``experts`` int [T, L, K] joins the EAMC."""
-        eam = self._new_eam(self._shape)
+        from predictor_svc.eam import add_token, new_eam
+
+        eam = new_eam(self._shape)
         for row in experts:
-            self._add_token(eam, row)
+            add_token(eam, row)
         self._eamc.insert(eam, len(experts))
         self.inserted += 1
 
     def request_hints(self, experts: np.ndarray) -> list[list[tuple[int, int, float]]]:
         """Per token of a request (int [T, L, K]) the hints known before that token."""
-        scores = self._predict_request(self._eamc, self._shape, self._config, experts)[self._source]
+        from predictor_svc.predict import predict_request
+        from predictor_svc.subscriptions import HINT_SOURCE, top_hints
+
+        scores = predict_request(self._eamc, self._shape, self._config, experts)[HINT_SOURCE]
         out = []
         for t in range(len(experts)):
-            layers = self._top_hints(scores[t], self._top_n, self._min_score)
+            layers = top_hints(scores[t], self._top_n, self._min_score)
             out.append([(h.moe_layer, h.expert, h.score) for hs in layers.values() for h in hs])
         return out
 

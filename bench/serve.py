@@ -59,6 +59,7 @@ from bench.report import GIB, MIB, RESULTS_DIR, pyplot, save_figure, say
 from bench.stats import percentile
 from bench.systems import add_tier_arguments, device_tier, get_stats, tiers
 from bench.systems import measure_link as measure_arena_link
+from bench.threads import run_threads
 from devtools.launch import free_port, start_compute, start_daemon
 from expertcache.trace import read_trace
 from replay.batch_ceiling import batch_ceiling
@@ -101,6 +102,27 @@ def ceiling_of(args, manifest, budget: int, link_bytes_per_s: float, n: int) -> 
 
 
 @dataclass
+class Stream:
+    """The client side of one streamed request, timed from sending it (made then)."""
+
+    sent: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    def token(self) -> None:
+        """A token arrived now."""
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.sent
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+        self.tokens += 1
+
+
+@dataclass
 class Tally:
     """What the clients of one run saw."""
 
@@ -113,39 +135,31 @@ class Tally:
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, ttft: float | None, gaps: list[float], total: float | None, tokens: int) -> None:
+    def add(self, stream: Stream, *, finished: bool = True) -> None:
+        """``stream``'s times, and its request's whole time when it ``finished`` (not cancelled)."""
+        total = time.perf_counter() - stream.sent if finished else None
         with self.lock:
-            if ttft is not None:
-                self.ttft_s.append(ttft)
-            self.token_s += gaps
+            if stream.ttft is not None:
+                self.ttft_s.append(stream.ttft)
+            self.token_s += stream.gaps
             if total is not None:
                 self.request_s.append(total)
-            self.tokens += tokens
+            self.tokens += stream.tokens
 
 
 def stream_one(
     stub, request: inference_pb2.GenerateRequest, tally: Tally, cancel_after: int | None = None
 ) -> None:
-    sent = time.perf_counter()
-    last = sent
-    ttft = None
-    gaps: list[float] = []
-    n = 0
+    stream = Stream()
     call = stub.Generate(request, timeout=3600)
     try:
         for _ in call:
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - sent
-            else:
-                gaps.append(now - last)
-            last = now
-            n += 1
-            if cancel_after is not None and n >= cancel_after:
+            stream.token()
+            if cancel_after is not None and stream.tokens >= cancel_after:
                 call.cancel()
                 with tally.lock:
                     tally.cancelled += 1
-                tally.add(ttft, gaps, None, n)
+                tally.add(stream, finished=False)
                 return
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -157,7 +171,7 @@ def stream_one(
         with tally.lock:
             tally.errors.append(f"{exc.code().name}: {exc.details()}")
         return
-    tally.add(ttft, gaps, time.perf_counter() - sent, n)
+    tally.add(stream)
 
 
 def stream_one_http(address: str, body: dict, tally: Tally) -> None:
@@ -166,11 +180,7 @@ def stream_one_http(address: str, body: dict, tally: Tally) -> None:
     client's own cost stays as small as gRPC's)."""
     host, port = address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=3600)
-    sent = time.perf_counter()
-    last = sent
-    ttft = None
-    gaps: list[float] = []
-    n = 0
+    stream = Stream()
     try:
         connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
         reply = connection.getresponse()
@@ -193,16 +203,10 @@ def stream_one_http(address: str, body: dict, tally: Tally) -> None:
                 with tally.lock:
                     tally.errors.append(f"stream error: {event['error']['message']}")
                 return
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - sent
-            else:
-                gaps.append(now - last)
-            last = now
-            n += 1
+            stream.token()
     finally:
         connection.close()
-    tally.add(ttft, gaps, time.perf_counter() - sent, n)
+    tally.add(stream)
 
 
 def http_model(address: str) -> str:
@@ -359,13 +363,7 @@ def run_one(args, store, manifest, budget: int, name: str, n: int, api: str, pro
                     )
                     stream_one(stub, request, tally)
 
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
+            wall = run_threads([threading.Thread(target=client, args=(i,)) for i in range(n)])
         after = get_stats(daemon.address)
         result = summary(tally, wall, device_tier(after).bytes_in - before)
         result["pinned_after"] = after.pinned
@@ -480,14 +478,12 @@ def run_load(args, store, manifest, budget: int) -> dict:
                 threads = [threading.Thread(target=client, args=(i,)) for i in range(args.load_streams)]
                 if with_long:
                     threads.append(threading.Thread(target=long_client))
-                started = time.perf_counter()
-                for t in threads:
-                    t.start()
-                stop.wait(args.duration_s)
-                stop.set()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - started
+
+                def stop_after_duration(stop=stop) -> None:
+                    stop.wait(args.duration_s)
+                    stop.set()
+
+                wall = run_threads(threads, stop_after_duration)
             time.sleep(0.5)  # the last cancellations reach the daemon
             after = get_stats(daemon.address)
         finally:

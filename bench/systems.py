@@ -1,32 +1,109 @@
 """The systems served by real daemon + compute processes (ours, lru, resident and their
 variants), as ``bench.e2e`` and ``bench.overhead`` run them: both processes started once and
 kept up while the systems take turns request by request, each Generate's decode latencies kept,
-and the daemon's GetStats and both processes' CPU read before and after the measured requests.
-Also what ``bench.serve`` shares with them: the daemon's tiers for a budget, its GetStats, and
-the host → arena link under them."""
+and the daemon's GetStats and both processes' CPU read before and after the measured requests;
+their peers (transformers, llama.cpp) and the turns they all take. Also what ``bench.serve``
+shares with them: the daemon's tiers for a budget, its GetStats, and the host → arena link under
+them."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from bench import llama_cpp
 from bench.e2e_accelerate import drop_page_cache
 from bench.gpt_oss import PROMPT
+from bench.plain_transformers import TransformersSystem
 from bench.report import MIB, say
 from bench.usage import cpu_seconds
 from devtools.launch import start_compute, start_daemon
 from expertcache.manifest import StoreManifest
+
+# The systems that run in a process of their own beside the daemon's, every expert in memory.
+PEERS = ("transformers", llama_cpp.SYSTEM)
 
 
 def rotation(systems: list[str], repeat: int) -> list[str]:
     """The order the systems take turns in during ``repeat``: rotated by one each repeat, so
     that drift of the machine and the disk hits all alike."""
     return systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+
+
+def start_peer(
+    system: str, checkpoint: Path, gguf: tuple | None, args: argparse.Namespace
+) -> TransformersSystem | llama_cpp.LlamaCppSystem:
+    """One of ``PEERS`` on ``checkpoint`` (llama.cpp on its ``gguf``), ``args.tokens`` per request
+    on ``args.threads`` threads."""
+    if system == "transformers":
+        return TransformersSystem(
+            checkpoint, device=args.device, threads=args.threads, tokens=args.tokens, prompt=PROMPT
+        )
+    return llama_cpp.LlamaCppSystem(*gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT)
+
+
+@contextmanager
+def all_stopped() -> Iterator[dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem]]:
+    """A dict, label -> system, to start the systems into; each one in it is stopped on leaving."""
+    running: dict[str, ProcessSystem | TransformersSystem | llama_cpp.LlamaCppSystem] = {}
+    try:
+        yield running
+    finally:
+        for proc in running.values():
+            proc.stop()
+
+
+def take_turns(labels: list[str], args: argparse.Namespace, measure: Callable[[str, int, int], None]) -> None:
+    """``measure(label, repeat, r)`` of request r of every system before request r + 1 of any,
+    ``args.requests`` of them per repeat, the order rotated each of ``args.repeats`` repeats."""
+    for repeat in range(args.repeats):
+        order = rotation(labels, repeat)
+        say(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}")
+        for r in range(args.requests):
+            for label in order:
+                measure(label, repeat, r)
+
+
+def finish_all(running: dict) -> tuple[dict[str, dict], dict | None]:
+    """Each system's ``finish``, and transformers' greedy tokens where it ran (for llama.cpp's)."""
+    answer = running["transformers"].reference if "transformers" in running else None
+    return {label: proc.finish() for label, proc in running.items()}, answer
+
+
+def add_check_tokens_argument(parser: argparse.ArgumentParser) -> None:
+    """``--check-tokens``, what ``llama_cpp_figures`` checks."""
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=llama_cpp.CHECK_TOKENS,
+        help="llama.cpp's first greedy tokens checked against transformers' on the same checkpoint (0: not checked)",
+    )
+
+
+def llama_cpp_figures(
+    results: dict, args: argparse.Namespace, checkpoint: Path, have: dict | None, precision: str
+) -> dict:
+    """``llama_cpp.check_and_report`` where llama.cpp ran (``have``: transformers' greedy tokens),
+    else nothing."""
+    if llama_cpp.SYSTEM not in results:
+        return {}
+    return llama_cpp.check_and_report(
+        results,
+        checkpoint=checkpoint,
+        have=have,
+        precision=precision,
+        device=args.device,
+        threads=args.threads,
+        check_tokens=args.check_tokens,
+        prompt=PROMPT,
+    )
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -48,16 +48,13 @@ def serve(config: DaemonConfig, args: argparse.Namespace) -> int:
     try:
         daemon = CacheDaemon.start(config)
     except (ExpertCacheError, OSError) as exc:
-        logger.error("cannot start: %s", exc)
-        return EXIT_START_FAILED
+        return SERVICE.start_failed(exc)
 
     try:
         registry = metrics_registry(daemon.metrics, daemon.scrape_stats)
         metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
-        logger.error("cannot start: %s", exc)
-        daemon.close()
-        return EXIT_START_FAILED
+        return SERVICE.start_failed(exc, daemon.close)
 
     if config.predictor_address:
         daemon.subscribe_hints(config, config.pod_name or socket.gethostname())

@@ -9,7 +9,7 @@ when the daemon starts, where the manifest is known: both by ``cache_daemon.budg
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache_daemon.budget import Budget
 from cache_daemon.decisions.policy import POLICIES
@@ -19,6 +19,7 @@ from expertcache.config_fields import (
     ObservabilityFields,
     PredictorClientFields,
     TransportFields,
+    setting,
 )
 from expertcache.config_loader import live_fields
 from expertcache.errors import InvalidArgument
@@ -37,163 +38,122 @@ ENV_PREFIX = "EXPERTCACHE_DAEMON_"
 class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, TransportFields):
     """Everything the daemon needs to serve one expert store."""
 
-    store_dir: str = field(
-        default="",
-        metadata={"help": "Expert store directory written by `python -m cache_daemon.convert` (required)."},
+    store_dir: str = setting(
+        "", "Expert store directory written by `python -m cache_daemon.convert` (required)."
     )
 
-    socket_path: str = field(
-        default=DEFAULT_DAEMON_SOCKET,
-        metadata={
-            "help": "Unix socket path the daemon serves moe.cache.v1.ExpertCache on (removed at exit, "
-            "its directory created owner-only); the default is where compute looks."
-        },
+    socket_path: str = setting(
+        DEFAULT_DAEMON_SOCKET,
+        "Unix socket path the daemon serves moe.cache.v1.ExpertCache on (removed at exit, "
+        "its directory created owner-only); the default is where compute looks.",
     )
 
-    device_budget_bytes: int = field(
-        default=1 << 30,
-        metadata={
-            "live": True,
-            "help": "Bytes of the device arena in use; slots = budget // blob_bytes (at least one). "
-            "Live up to device_budget_max_bytes: shrinking evicts the experts the policy ranks last.",
-            "min": 1,
-        },
+    device_budget_bytes: int = setting(
+        1 << 30,
+        "Bytes of the device arena in use; slots = budget // blob_bytes (at least one). "
+        "Live up to device_budget_max_bytes: shrinking evicts the experts the policy ranks last.",
+        live=True,
+        min=1,
     )
 
-    device_budget_max_bytes: int = field(
-        default=0,
-        metadata={
-            "help": "Ceiling of device_budget_bytes while running: the arena is allocated this large "
-            "at start; 0 = the starting device_budget_bytes.",
-            "min": 0,
-        },
+    device_budget_max_bytes: int = setting(
+        0,
+        "Ceiling of device_budget_bytes while running: the arena is allocated this large "
+        "at start; 0 = the starting device_budget_bytes.",
+        min=0,
     )
 
-    host_budget_bytes: int = field(
-        default=0,
-        metadata={
-            "live": True,
-            "help": "Bytes of the host tier below the arena (pinned with CUDA); 0 disables it. "
-            "Live up to host_budget_max_bytes.",
-            "min": 0,
-        },
+    host_budget_bytes: int = setting(
+        0,
+        "Bytes of the host tier below the arena (pinned with CUDA); 0 disables it. "
+        "Live up to host_budget_max_bytes.",
+        live=True,
+        min=0,
     )
 
-    host_budget_max_bytes: int = field(
-        default=0,
-        metadata={
-            "help": "Ceiling of host_budget_bytes while running: the host pool is allocated this large "
-            "at start (and must fit the memory limit); 0 = the starting host_budget_bytes.",
-            "min": 0,
-        },
+    host_budget_max_bytes: int = setting(
+        0,
+        "Ceiling of host_budget_bytes while running: the host pool is allocated this large "
+        "at start (and must fit the memory limit); 0 = the starting host_budget_bytes.",
+        min=0,
     )
 
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "Where the arena lives: cuda, cuda:<ordinal>, cuda:<GPU UUID> (the same in every container "
-            "of the pod), cpu (a memfd shared with compute), or auto (cuda if available).",
-        },
+    device: str = setting(
+        "auto",
+        "Where the arena lives: cuda, cuda:<ordinal>, cuda:<GPU UUID> (the same in every container "
+        "of the pod), cpu (a memfd shared with compute), or auto (cuda if available).",
     )
 
-    io_threads: int = field(
-        default=4,
-        metadata={
-            "help": "Threads that read the store and copy experts into the arena.",
-            "min": 1,
-            "max": 256,
-        },
+    io_threads: int = setting(
+        4, "Threads that read the store and copy experts into the arena.", min=1, max=256
     )
 
-    acquire_timeout_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "Seconds an Acquire may wait for free slots and loads before DEADLINE_EXCEEDED.",
-            "min": 0.001,
-            "max": 86400.0,
-        },
+    acquire_timeout_s: float = setting(
+        60.0,
+        "Seconds an Acquire may wait for free slots and loads before DEADLINE_EXCEEDED.",
+        min=0.001,
+        max=86400.0,
     )
 
-    eviction_policy: str = field(
-        default="activation-aware",
-        metadata={
-            "live": True,
-            "help": "Eviction policy of the device arena (live); the host tier below is LRU.",
-            "choices": tuple(sorted(POLICIES)),
-        },
+    eviction_policy: str = setting(
+        "activation-aware",
+        "Eviction policy of the device arena (live); the host tier below is LRU.",
+        live=True,
+        choices=tuple(sorted(POLICIES)),
     )
 
-    next_visit_model: str = field(
-        default="",
-        metadata={
-            "live": True,
-            "help": "File of the learned next-visit model (python -m replay.learn_next_visit) the "
-            "eviction and prefetch decisions use in place of the routing transitions; empty = none (live). "
-            "A bad file stops the start; live, a new path is swapped in whole or refused keeping the old "
-            "model (the same path is not read again: write a refitted model under a new name).",
-        },
+    next_visit_model: str = setting(
+        "",
+        "File of the learned next-visit model (python -m replay.learn_next_visit) the "
+        "eviction and prefetch decisions use in place of the routing transitions; empty = none (live). "
+        "A bad file stops the start; live, a new path is swapped in whole or refused keeping the old "
+        "model (the same path is not read again: write a refitted model under a new name).",
+        live=True,
     )
 
-    prefetch: bool = field(
-        default=True,
-        metadata={
-            "live": True,
-            "help": "Load experts ahead of demand from layer-ahead predictions, the request's history "
-            "and predictor hints (live).",
-        },
+    prefetch: bool = setting(
+        True,
+        "Load experts ahead of demand from layer-ahead predictions, the request's history "
+        "and predictor hints (live).",
+        live=True,
     )
 
-    max_inflight_bytes: int = field(
-        default=0,
-        metadata={
-            "live": True,
-            "help": "Bytes of loads in flight beyond which no prefetch starts (demands are never bounded); "
-            "0 = four experts (live).",
-            "min": 0,
-        },
+    max_inflight_bytes: int = setting(
+        0,
+        "Bytes of loads in flight beyond which no prefetch starts (demands are never bounded); "
+        "0 = four experts (live).",
+        live=True,
+        min=0,
     )
 
-    prefetch_horizon_layers: int = field(
-        default=2,
-        metadata={
-            "live": True,
-            "help": "History/hint prefetch looks at most this many layers ahead (live).",
-            "min": 1,
-            "max": 1 << 16,
-        },
+    prefetch_horizon_layers: int = setting(
+        2, "History/hint prefetch looks at most this many layers ahead (live).", live=True, min=1, max=1 << 16
     )
 
-    hint_ttl_tokens: int = field(
-        default=64,
-        metadata={
-            "live": True,
-            "help": "Predictor hints older than this many tokens are ignored: never prefetched, never "
-            "protecting a slot (live).",
-            "min": 0,
-        },
+    hint_ttl_tokens: int = setting(
+        64,
+        "Predictor hints older than this many tokens are ignored: never prefetched, never "
+        "protecting a slot (live).",
+        live=True,
+        min=0,
     )
 
-    predictor_address: str = field(
-        default="",
-        metadata={
-            "help": "gRPC address of the predictor (host:port) to take prefetch hints from, off the demand "
-            "path (an absent predictor only means no hints); empty = none."
-        },
+    predictor_address: str = setting(
+        "",
+        "gRPC address of the predictor (host:port) to take prefetch hints from, off the demand "
+        "path (an absent predictor only means no hints); empty = none.",
     )
 
-    pod_name: str = field(
-        default="",
-        metadata={"help": "Pod name to subscribe hints for (compute's pod_name); empty = this host's name."},
+    pod_name: str = setting(
+        "", "Pod name to subscribe hints for (compute's pod_name); empty = this host's name."
     )
 
-    hint_stale_s: float = field(
-        default=30.0,
-        metadata={
-            "live": True,
-            "help": "Seconds after which a request without new hints is forgotten (live).",
-            "min": 0.001,
-            "max": 86400.0,
-        },
+    hint_stale_s: float = setting(
+        30.0,
+        "Seconds after which a request without new hints is forgotten (live).",
+        live=True,
+        min=0.001,
+        max=86400.0,
     )
 
     def check(self) -> None:

@@ -53,28 +53,24 @@ _UPDATE_FIELDS = tuple(f.name for f in cache_pb2.UpdateConfigRequest.DESCRIPTOR.
 
 
 # -- wire <-> domain -------------------------------------------------------------------------
+def _same_named(pb_cls, obj, **converted):
+    """A ``pb_cls`` message: ``converted`` as given, every other field ``obj``'s attribute of the
+    same name (the domain types mirror their messages field for field, as ``_UPDATE_FIELDS``)."""
+    names = [f.name for f in pb_cls.DESCRIPTOR.fields if f.name not in converted]
+    return pb_cls(**{name: getattr(obj, name) for name in names}, **converted)
+
+
 def arena_to_pb(arena: ArenaHandle) -> cache_pb2.ArenaHandle:
-    return cache_pb2.ArenaHandle(
-        kind=_ARENA_KIND_TO_PB[arena.kind],
-        cuda_ipc_handle=arena.cuda_ipc_handle,
-        gpu_uuid=arena.gpu_uuid,
-        cuda_offset=arena.cuda_offset,
-        size_bytes=arena.size_bytes,
-        cuda_alloc_bytes=arena.cuda_alloc_bytes,
-    )
+    return _same_named(cache_pb2.ArenaHandle, arena, kind=_ARENA_KIND_TO_PB[arena.kind])
 
 
 def attach_to_pb(info: AttachInfo) -> cache_pb2.AttachResponse:
-    return cache_pb2.AttachResponse(
+    return _same_named(
+        cache_pb2.AttachResponse,
+        info,
         arena=arena_to_pb(info.arena),
-        num_slots=info.num_slots,
-        slot_bytes=info.slot_bytes,
-        manifest_json=info.manifest_json,
-        daemon_id=info.daemon_id,
         client_index=info.client.index if info.client is not None else -1,
         client_epoch=info.client.epoch if info.client is not None else 0,
-        handoff_socket=info.handoff_socket,
-        handoff_token=info.handoff_token,
     )
 
 
@@ -124,53 +120,22 @@ def done_to_pb(ticket: int, elapsed_s: float) -> cache_pb2.DemandResponse:
 
 
 def stats_to_pb(stats: CacheStats) -> cache_pb2.CacheStats:
-    return cache_pb2.CacheStats(
-        tiers=[
-            cache_pb2.TierStats(
-                tier=PB_TIER[t.tier],
-                hits=t.hits,
-                misses=t.misses,
-                bytes_in=t.bytes_in,
-                capacity_slots=t.capacity_slots,
-                resident=t.resident,
-                evictions=t.evictions,
-            )
-            for t in stats.tiers
-        ],
-        pinned=stats.pinned,
-        demands=stats.demands,
-        checksum_failures=stats.checksum_failures,
-        store_io_mode=stats.store_io_mode,
-        store_read_seconds=stats.store_read_seconds,
-        arena_copy_seconds=stats.arena_copy_seconds,
+    return _same_named(
+        cache_pb2.CacheStats,
+        stats,
+        tiers=[_same_named(cache_pb2.TierStats, t, tier=PB_TIER[t.tier]) for t in stats.tiers],
         hints=hint_stats_to_pb(stats.hints) if stats.hints is not None else None,
         prefetch=[prefetch_stats_to_pb(p) for p in stats.prefetch],
         config=live_config_to_pb(stats.config) if stats.config is not None else None,
-        signals_rejected=stats.signals_rejected,
     )
 
 
 def prefetch_stats_to_pb(p: PrefetchStats) -> cache_pb2.PrefetchStats:
-    return cache_pb2.PrefetchStats(
-        prediction=_PREFETCH_CLASS_TO_PB[p.cls],
-        started=p.started,
-        used=p.used,
-        wasted=p.wasted,
-        cancelled=p.cancelled,
-        promoted=p.promoted,
-    )
+    return _same_named(cache_pb2.PrefetchStats, p, prediction=_PREFETCH_CLASS_TO_PB[p.cls])
 
 
 def live_config_to_pb(config: DaemonConfig) -> cache_pb2.LiveConfig:
-    return cache_pb2.LiveConfig(
-        eviction_policy=config.eviction_policy,
-        prefetch=config.prefetch,
-        max_inflight_bytes=config.max_inflight_bytes,
-        hint_stale_s=config.hint_stale_s,
-        prefetch_horizon_layers=config.prefetch_horizon_layers,
-        hint_ttl_tokens=config.hint_ttl_tokens,
-        next_visit_model=config.next_visit_model,
-    )
+    return _same_named(cache_pb2.LiveConfig, config)
 
 
 def update_from_pb(request: cache_pb2.UpdateConfigRequest) -> dict[str, object]:
@@ -185,14 +150,7 @@ def update_to_pb(update: ConfigUpdate) -> cache_pb2.UpdateConfigResponse:
 
 
 def hint_stats_to_pb(h: HintStats) -> cache_pb2.HintStats:
-    return cache_pb2.HintStats(
-        batches=h.batches,
-        hints=h.hints,
-        replaced=h.replaced,
-        dropped=h.dropped,
-        requests=h.requests,
-        subscribed=h.subscribed,
-    )
+    return _same_named(cache_pb2.HintStats, h)
 
 
 # -- the servicer ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 _EXTRA_RPC_THREADS = 8  # GetModelInfo, health and reflection next to the queued Generate calls
+_Limits = TypeVar("_Limits")
 
 # Makes the routing override from the loaded model (its shape); raising stops the start-up.
 RoutingOverrideFactory = Callable[[LoadedModel], RoutingOverride]
@@ -114,6 +116,14 @@ def model_info_to_pb(info: ModelInfo) -> inference_pb2.ModelInfo:
     )
 
 
+def _limits_of(config: ComputeConfig, limits_cls: type[_Limits], **config_names: str) -> _Limits:
+    """``limits_cls`` (a dataclass) with each field the config field of the same name, or of the
+    name ``config_names`` gives it (as ``TransportLimits.from_config``)."""
+    return limits_cls(
+        **{name: getattr(config, config_names.get(name, name)) for name in limits_cls.__dataclass_fields__}
+    )
+
+
 # -- the servicer ---------------------------------------------------------------------------------
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, scheduler: Scheduler) -> None:
@@ -160,12 +170,7 @@ class ComputeServer:
                 self.client.attachment,
                 self.client,
                 device=config.device,
-                limits=RequestLimits(
-                    max_new_tokens=config.max_new_tokens_limit,
-                    max_prompt_tokens=config.max_prompt_tokens,
-                    max_total_tokens=config.max_total_tokens,
-                    max_prompt_bytes=config.max_prompt_bytes,
-                ),
+                limits=_limits_of(config, RequestLimits, max_new_tokens="max_new_tokens_limit"),
                 metrics=self.metrics,
                 graph_kv_rows=config.graph_kv_rows,
                 graph_kv_tokens=config.graph_kv_tokens,
@@ -186,13 +191,7 @@ class ComputeServer:
             self.metrics.watch_activations(self.reporter.counter_values)
         self.scheduler = Scheduler(
             self.engine,
-            limits=BatchLimits(
-                max_batch_size=config.max_batch_size,
-                max_batched_tokens=config.max_batched_tokens,
-                max_waiting_requests=config.max_waiting_requests,
-                max_cache_tokens=config.max_cache_tokens,
-                max_client_share=config.max_client_share,
-            ),
+            limits=_limits_of(config, BatchLimits),
             metrics=self.metrics,
             recover=self._reattach,
             on_serving=self._set_serving,

@@ -120,6 +120,14 @@ class ServiceMain:
         naming the address when it cannot bind."""
         return serve(registry, config.metrics_address, config.metrics_port, self.short)
 
+    def start_failed(self, exc: BaseException, *close: Callable[[], object]) -> int:
+        """``serve``'s way out when its start fails: ``cannot start: <exc>`` logged, what had
+        started closed (``close``, in order), and ``EXIT_START_FAILED`` to return."""
+        self.logger.error("cannot start: %s", exc)
+        for closer in close:
+            closer()
+        return EXIT_START_FAILED
+
     def watch_config(
         self, args: argparse.Namespace, config: Any, apply: Callable[[Any, str], None]
     ) -> LiveConfig:

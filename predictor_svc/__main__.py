@@ -71,10 +71,7 @@ def serve(config: PredictorConfig, args: argparse.Namespace) -> int:
         registry = metrics_registry(service.metrics, service.gauge_stats)
         metrics_server = SERVICE.serve_metrics(registry, config)
     except OSError as exc:
-        logger.error("cannot start: %s", exc)
-        service.close()
-        store.close()
-        return EXIT_START_FAILED
+        return SERVICE.start_failed(exc, service.close, store.close)
 
     live = SERVICE.watch_config(args, config, lambda fresh, origin: service.reload(fresh, origin))
     stop = SERVICE.stop_on_signals()

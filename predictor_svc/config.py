@@ -30,14 +30,14 @@ Decisions recorded here:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from expertcache.config_fields import (
     ConfigMapFields,
     ObservabilityFields,
     ServerSecurityFields,
     TransportFields,
+    setting,
 )
 from expertcache.errors import InvalidArgument
 from expertcache.paths import DEFAULT_EAMC_PATH
@@ -69,44 +69,37 @@ def parse_model_shape(text: str) -> tuple[str, EamShape]:
         ) from None
 
 
-def _field(default: Any, help: str, *, live: bool = False, **bounds: float) -> Any:
-    """A config field: its ``help``, whether it applies ``live`` (without a restart) and its
-    ``min`` / ``max``, in the metadata that the loader, the CLI and the schema read."""
-    metadata: dict[str, Any] = {"live": True} if live else {}
-    return field(default=default, metadata={**metadata, "help": help, **bounds})
-
-
 @dataclass(frozen=True)
 class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields, TransportFields):
     """Everything one predictor replica needs."""
 
-    listen_address: str = _field(
+    listen_address: str = setting(
         "127.0.0.1:50070", "host:port the gRPC server listens on (0.0.0.0:50070 in a pod)."
     )
 
-    redis_url: str = _field(
+    redis_url: str = setting(
         "", "Redis URL of the shared EAMC (redis://host:port/db); empty = embedded store."
     )
 
-    redis_username: str = _field("", "Redis ACL user name; empty = the default user.")
+    redis_username: str = setting("", "Redis ACL user name; empty = the default user.")
 
-    redis_password_file: str = _field(
+    redis_password_file: str = setting(
         "",
         "File holding the Redis password (a mounted Secret; never logged, unlike a password in "
         "redis_url, which shows in the process's arguments); empty = none.",
     )
 
-    redis_tls_ca_file: str = _field(
+    redis_tls_ca_file: str = setting(
         "", "PEM CA bundle to verify Redis's certificate (rediss:// URLs only); empty = the system's roots."
     )
 
-    embedded_path: str = _field(
+    embedded_path: str = setting(
         DEFAULT_EAMC_PATH,
         "File the embedded store (redis_url empty) is loaded from at start and saved to, atomically, "
         "at shutdown.",
     )
 
-    eamc_capacity: int = _field(
+    eamc_capacity: int = setting(
         512,
         "Entries per model in the EAMC; when full a new EAM replaces the most similar.",
         live=True,
@@ -114,17 +107,17 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         max=1_000_000,
     )
 
-    hint_top_n: int = _field(
+    hint_top_n: int = setting(
         8, "Hinted experts per layer and token (highest scores first).", live=True, min=1, max=4096
     )
 
-    min_score: float = _field(0.05, "Hints scoring below this are not sent.", live=True, min=0.0, max=1.0)
+    min_score: float = setting(0.05, "Hints scoring below this are not sent.", live=True, min=0.0, max=1.0)
 
-    match_top_n: int = _field(
+    match_top_n: int = setting(
         16, "EAMC entries (most similar first) that a prediction mixes.", live=True, min=1, max=100_000
     )
 
-    max_live_requests: int = _field(
+    max_live_requests: int = setting(
         4096,
         "Live requests tracked; the least recently active is dropped beyond it (its EAM not inserted).",
         live=True,
@@ -132,7 +125,7 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         max=10_000_000,
     )
 
-    live_request_ttl_s: float = _field(
+    live_request_ttl_s: float = setting(
         600.0,
         "Seconds without activity after which a live request is dropped (EAM not inserted).",
         live=True,
@@ -140,11 +133,11 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         max=86400.0 * 7,
     )
 
-    min_request_tokens: int = _field(
+    min_request_tokens: int = setting(
         1, "Finished requests with fewer tokens are not inserted into the EAMC.", live=True, min=1
     )
 
-    sync_interval_s: float = _field(
+    sync_interval_s: float = setting(
         1.0,
         "Seconds between EAMC syncs with the store (and retries of failed inserts).",
         live=True,
@@ -152,7 +145,7 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         max=3600.0,
     )
 
-    max_pending_inserts: int = _field(
+    max_pending_inserts: int = setting(
         1024,
         "Finished EAMs kept for retry while the store is down; oldest dropped beyond.",
         live=True,
@@ -160,81 +153,81 @@ class PredictorConfig(ServerSecurityFields, ObservabilityFields, ConfigMapFields
         max=1_000_000,
     )
 
-    subscriber_queue_requests: int = _field(
+    subscriber_queue_requests: int = setting(
         256, "Requests with unsent hints per subscriber; the oldest is dropped beyond.", min=1, max=1_000_000
     )
 
-    subscriber_queue_bytes: int = _field(
+    subscriber_queue_bytes: int = setting(
         8 * MIB,
         "Bytes of unsent hints per subscriber (about 96 per hint, 128 per request and layer); the "
         "oldest request's are dropped beyond.",
         min=1,
     )
 
-    model_shapes: tuple[str, ...] = _field(
+    model_shapes: tuple[str, ...] = setting(
         (),
         "Comma-separated MODEL_ID=LAYERSxEXPERTSxTOP_K registered at start (counted against "
         "max_models); other models need RegisterModel.",
     )
 
-    allow_registration: bool = _field(
+    allow_registration: bool = setting(
         True,
         "Accept RegisterModel for models not in model_shapes (false: only those and the store's "
         "catalog; PERMISSION_DENIED for others).",
     )
 
-    max_layers: int = _field(
+    max_layers: int = setting(
         256, "Largest num_moe_layers a model may register (INVALID_ARGUMENT beyond).", min=1, max=4096
     )
 
-    max_experts: int = _field(
+    max_experts: int = setting(
         1024, "Largest num_experts a model may register (INVALID_ARGUMENT beyond).", min=1, max=65536
     )
 
-    max_models: int = _field(
+    max_models: int = setting(
         16,
         "Most models registered, shared by replicas, configured ones included (RESOURCE_EXHAUSTED beyond).",
         min=1,
         max=4096,
     )
 
-    max_client_models: int = _field(
+    max_client_models: int = setting(
         4, "Models one client may register (new ones, counted per replica; re-registering is free).", min=1
     )
 
-    max_eamc_bytes: int = _field(
+    max_eamc_bytes: int = setting(
         2 * GIB,
         "Bytes the registered models' EAMCs may reserve (eamc_capacity entries of 24 + 4 x layers x experts "
         "bytes each; memory holds about 1.25x that, the store at most 2x).",
         min=1,
     )
 
-    max_live_bytes: int = _field(
+    max_live_bytes: int = setting(
         1 * GIB, "Bytes of live request state in all; the least recently active is dropped beyond.", min=1
     )
 
-    max_client_live_requests: int = _field(
+    max_client_live_requests: int = setting(
         1024,
         "Live requests one client (address without port, or mTLS common name) may hold; one more is "
         "refused (its reporting ends).",
         min=1,
     )
 
-    max_client_live_bytes: int = _field(
+    max_client_live_bytes: int = setting(
         256 * MIB, "Bytes of live request state one client may hold; a request beyond is refused.", min=1
     )
 
-    max_pending_insert_bytes: int = _field(
+    max_pending_insert_bytes: int = setting(
         256 * MIB,
         "Bytes of finished EAMs kept for retry while the store is down; oldest dropped beyond.",
         min=1,
     )
 
-    max_subscribers: int = _field(
+    max_subscribers: int = setting(
         128, "Open SubscribeHints streams; one more gets RESOURCE_EXHAUSTED.", min=1
     )
 
-    grpc_max_workers: int = _field(
+    grpc_max_workers: int = setting(
         32, "gRPC worker threads (each open Observe/SubscribeHints stream holds one).", min=2, max=4096
     )
 

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,34 +31,29 @@ class _PendingInsert:
     tokens: int
 
 
+@dataclass(eq=False, repr=False)
 class InsertQueue:
     """Finished EAMs on their way to the store, and the thread that takes them; thread-safe."""
 
-    def __init__(
-        self,
-        config: PredictorConfig,
-        catalog: ModelCatalog,
-        metrics: PredictorMetrics,
-        clock: Callable[[], float],
-        on_sync: Callable[[], object],
-    ) -> None:
-        self._config = config
-        self._catalog = catalog
-        self._metrics = metrics
-        self._clock = clock
-        self._on_sync = on_sync
-        self._lock = threading.Lock()  # _inserts, _bytes, _degraded
-        self._inserts: deque[_PendingInsert] = deque()
-        self._bytes = 0
-        self._degraded = False
-        self._store_lock = threading.Lock()  # one thread at a time talks to the store
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Set once every model's EAMC was loaded from the store (or the store found down): the
-        # predictor is ready (health SERVING) only then, not while it predicts from nothing.
-        self.loaded = threading.Event()
-        self._settled = threading.Condition()  # notified when loaded is set and at close
+    _config: PredictorConfig
+    _catalog: ModelCatalog
+    _metrics: PredictorMetrics
+    _clock: Callable[[], float]
+    _on_sync: Callable[[], object]
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)  # _inserts, _bytes, _degraded
+    _inserts: deque[_PendingInsert] = field(default_factory=deque, init=False)
+    _bytes: int = field(default=0, init=False)
+    _degraded: bool = field(default=False, init=False)
+    # one thread at a time talks to the store
+    _store_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _wake: threading.Event = field(default_factory=threading.Event, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    # Set once every model's EAMC was loaded from the store (or the store found down): the
+    # predictor is ready (health SERVING) only then, not while it predicts from nothing.
+    loaded: threading.Event = field(default_factory=threading.Event, init=False)
+    # notified when loaded is set and at close
+    _settled: threading.Condition = field(default_factory=threading.Condition, init=False)
 
     def mark_loaded(self) -> None:
         with self._settled:

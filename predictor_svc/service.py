@@ -203,7 +203,7 @@ class PredictorService:
         self._closed = False
         self.catalog = ModelCatalog(config, store, self.metrics)
         self.subscriptions = Subscriptions(config, self.metrics)
-        self.inserts = InsertQueue(config, self.catalog, self.metrics, clock, on_sync=self.expire)
+        self.inserts = InsertQueue(config, self.catalog, self.metrics, clock, self.expire)
         self.inserts.sync_catalog()  # the store down: degraded, the background thread retries
         if background:
             self.inserts.start()

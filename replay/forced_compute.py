@@ -20,13 +20,14 @@ import argparse
 import dataclasses
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 from compute_svc.__main__ import EXIT_START_FAILED
 from compute_svc.__main__ import main as compute_main
 from compute_svc.config import ENV_PREFIX
+from expertcache.config_fields import setting
 from expertcache.config_loader import cli_values, flag_name, load_config
 from expertcache.errors import ExpertCacheError
 
@@ -41,41 +42,32 @@ logger = logging.getLogger("compute_svc")
 class ForcedRoutingConfig:
     """The forced-routing flags (validated like compute's config fields, with the same names)."""
 
-    force_routing_path: str = field(
-        default="",
-        metadata={
-            "help": "BENCHMARK ONLY: take expert choices from this routing trace (.npz); outputs are then "
-            "not the model's, and the trace's layers, experts and top-k must be the model's"
-        },
+    force_routing_path: str = setting(
+        "",
+        "BENCHMARK ONLY: take expert choices from this routing trace (.npz); outputs are then "
+        "not the model's, and the trace's layers, experts and top-k must be the model's",
     )
 
-    force_routing_request: int = field(
-        default=0,
-        metadata={
-            "help": "trace request the first Generate replays (each next Generate takes the next, "
-            "wrapping after the last)",
-            "min": 0,
-        },
+    force_routing_request: int = setting(
+        0,
+        "trace request the first Generate replays (each next Generate takes the next, "
+        "wrapping after the last)",
+        min=0,
     )
 
-    force_routing_layer_ahead_accuracy: float = field(
-        default=0.9,
-        metadata={
-            "help": "under forced routing: modelled layer-ahead accuracy at depth 1 (share of the trace's "
-            "next-layer experts kept, the rest replaced by the router's best other pick)",
-            "min": 0.0,
-            "max": 1.0,
-        },
+    force_routing_layer_ahead_accuracy: float = setting(
+        0.9,
+        "under forced routing: modelled layer-ahead accuracy at depth 1 (share of the trace's "
+        "next-layer experts kept, the rest replaced by the router's best other pick)",
+        min=0.0,
+        max=1.0,
     )
 
-    force_routing_accuracy_drop_per_depth: float = field(
-        default=0.1,
-        metadata={
-            "help": "under forced routing: modelled lookahead accuracy lost per MoE layer of depth "
-            "beyond the first",
-            "min": 0.0,
-            "max": 1.0,
-        },
+    force_routing_accuracy_drop_per_depth: float = setting(
+        0.1,
+        "under forced routing: modelled lookahead accuracy lost per MoE layer of depth beyond the first",
+        min=0.0,
+        max=1.0,
     )
 
 

@@ -101,41 +101,25 @@ class UnpinWatcher:
             self._thread.join()
 
 
+@dataclass(eq=False, repr=False)
 class Admission:
     """The demand side of the residency: acquire, admission and its waits. It is also the tier
     as the prefetch scheduler sees it (``TierState``): while a demand waits for slots, no slot
     is free or evictable for prefetch."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        table: SlotTable,
-        slots: Slots,
-        loads: Loads,
-        sessions: Sessions,
-        prefetcher: Prefetcher,
-        recency: Recency,
-        watcher: UnpinWatcher,
-        intake: SignalIntake,
-        metrics: DaemonMetrics,
-        manifest: StoreManifest,
-        *,
-        timeout_s: float,
-    ) -> None:
-        """``manifest`` checks the keys; ``timeout_s``: acquire_timeout_s."""
-        self._cond = cond
-        self._table = table
-        self._slots = slots
-        self._loads = loads
-        self._sessions = sessions
-        self._prefetcher = prefetcher
-        self._recency = recency
-        self._watcher = watcher
-        self._intake = intake
-        self._metrics = metrics
-        self._manifest = manifest
-        self._timeout_s = timeout_s
-        self.demand_waiting = 0  # admissions waiting for slots: prefetch stands aside
+    _cond: threading.Condition
+    _table: SlotTable
+    _slots: Slots
+    _loads: Loads
+    _sessions: Sessions
+    _prefetcher: Prefetcher
+    _recency: Recency
+    _watcher: UnpinWatcher
+    _intake: SignalIntake
+    _metrics: DaemonMetrics
+    _manifest: StoreManifest  # checks the keys
+    timeout_s: float  # acquire_timeout_s
+    demand_waiting: int = field(default=0, init=False)  # admissions waiting for slots: prefetch stands aside
 
     # -- TierState (read by the prefetch scheduler, under the lock) ---------------------
     @property
@@ -179,7 +163,7 @@ class Admission:
         """
         layer, keys = self._check_demand("Acquire", layer, experts)
         self._metrics.demands.inc()
-        timeout = self._timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         return self._acquire(session, layer, keys, time.monotonic() + timeout, timeout, tuple(signals))
 
     def _check_demand(self, what: str, layer: int, experts: Iterable[int]) -> tuple[int, list[ExpertKey]]:
@@ -311,7 +295,7 @@ class Admission:
         with self._cond:
             self._intake.apply_ops_locked(ops)
             admitted = self._admit(
-                client.session, layer, keys, time.monotonic() + self._timeout_s, self._timeout_s, client
+                client.session, layer, keys, time.monotonic() + self.timeout_s, self.timeout_s, client
             )
             position = {key: i for i, key in enumerate(keys)}
             for item in admitted.ready:

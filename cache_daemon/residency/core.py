@@ -181,7 +181,7 @@ class Residency:
         self._worker = PrefetchWorker(cond, prefetcher, admission, slots, recency, loads.start)
         prefetcher.enabled = prefetch
         self._switches = LiveSwitches(
-            cond, table, slots, recency, prefetcher, self.signals, blob_bytes=manifest.blob_bytes
+            cond, table, slots, recency, prefetcher, self.signals, manifest.blob_bytes
         )
         self._switches.update_signals_wanted()
         self._channel_port = ChannelPort(

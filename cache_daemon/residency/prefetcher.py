@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cache_daemon.decisions.policy import EvictionPolicy
@@ -131,25 +132,20 @@ class Prefetcher:
         self._wake.notify_all()
 
 
+@dataclass(eq=False, repr=False)
 class PrefetchWorker:
     """The thread that runs ``scheduler.decide`` over ``tier`` whenever the ``Prefetcher`` is
     kicked, and starts the loads it decides (``start_load``) in free or evicted slots."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        prefetcher: Prefetcher,
-        tier: PrefetchTarget,
-        slots: Slots,
-        recency: Recency,
-        start_load: Callable[[ExpertKey, PrefetchClass, float, int], Load],
-    ) -> None:
-        self._cond = cond
-        self._prefetcher = prefetcher
-        self._tier = tier
-        self._slots = slots
-        self._recency = recency
-        self._start_load = start_load
+    _cond: threading.Condition
+    _prefetcher: Prefetcher
+    _tier: PrefetchTarget
+    _slots: Slots
+    _recency: Recency
+    _start_load: Callable[[ExpertKey, PrefetchClass, float, int], Load]
+    _thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="expertcache-prefetcher", daemon=True)
         self._thread.start()
 

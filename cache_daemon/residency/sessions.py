@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from cache_daemon.errors import BadAcquire, SessionClosed, ShuttingDown
 from cache_daemon.metrics import DaemonMetrics
@@ -31,31 +32,28 @@ STRAY_CONFIRM_S = 0.05
 CHANNEL_JOIN_S = 10.0
 
 
+@dataclass(eq=False, repr=False)
 class Sessions:
     """The open Demand sessions, the client ledgers, the channel servers of the bound ones and
     which of them wait for which load; ``closing`` once the daemon shuts down. Methods without
     their own ``with cond`` run under the residency lock (``cond``)."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        table: SlotTable,
-        slots: Slots,
-        metrics: DaemonMetrics,
-        kick: Callable[[], None],
-    ) -> None:
-        """``kick``: tells the prefetcher (and every waiting admission) that pins were dropped."""
-        self._cond = cond
-        self._table = table
-        self._slots = slots
-        self._metrics = metrics
-        self._kick = kick
-        self._ledgers = ClientLedgers(table)
-        self._open: set[Session] = set()
-        self._channels: dict[Session, ChannelServer] = {}  # the channel servers of bound ledgers
-        self._client_waits: dict[ExpertKey, list[tuple[ChannelServer, int]]] = {}  # load -> waiters
-        self._strays: dict[int, tuple[frozenset[int], float]] = {}  # suspect ledgers: stray pins, seen at
-        self.closing = False
+    _cond: threading.Condition
+    _table: SlotTable
+    _slots: Slots
+    _metrics: DaemonMetrics
+    _kick: Callable[[], None]  # tells the prefetcher (and every waiting admission) that pins were dropped
+    closing: bool = field(default=False, init=False)
+    _ledgers: ClientLedgers = field(init=False)
+    _open: set[Session] = field(default_factory=set, init=False)
+    # the channel servers of bound ledgers; which channel servers wait for which load
+    _channels: dict[Session, ChannelServer] = field(default_factory=dict, init=False)
+    _client_waits: dict[ExpertKey, list[tuple[ChannelServer, int]]] = field(default_factory=dict, init=False)
+    # suspect ledgers: their stray pins, and when those were seen
+    _strays: dict[int, tuple[frozenset[int], float]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._ledgers = ClientLedgers(self._table)
 
     @property
     def count(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS, PrefetchConfig
@@ -19,27 +20,17 @@ from expertcache.native import SlotTable, TableState
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class LiveSwitches:
     """Runtime changes of the residency's settings, each in one hold of the lock (``cond``)."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        table: SlotTable,
-        slots: Slots,
-        recency: Recency,
-        prefetcher: Prefetcher,
-        signals: ActivationSignals,
-        *,
-        blob_bytes: int,
-    ) -> None:
-        self._cond = cond
-        self._table = table
-        self._slots = slots
-        self._recency = recency
-        self._prefetcher = prefetcher
-        self._signals = signals
-        self._blob_bytes = blob_bytes
+    _cond: threading.Condition
+    _table: SlotTable
+    _slots: Slots
+    _recency: Recency
+    _prefetcher: Prefetcher
+    _signals: ActivationSignals
+    blob_bytes: int
 
     def _sync_recency(self) -> None:
         """Feed the policy compute's table hits since the last sync (under the lock)."""
@@ -76,7 +67,7 @@ class LiveSwitches:
         old policy's eviction order (best victim first = oldest), so each stays resident and
         ranked; pins are the tier's, untouched; loads in flight complete and are inserted into
         the new policy when they do."""
-        if getattr(policy, "signals", None) not in (None, self._signals):
+        if policy.signals not in (None, self._signals):
             raise ValueError(f"policy {policy.name!r} reads other ActivationSignals than this tier's")
         with self._cond:
             self._sync_recency()  # the old policy's order is complete before it is read
@@ -100,7 +91,7 @@ class LiveSwitches:
         with self._cond:
             self._prefetcher.enabled = enabled
             scheduler = self._prefetcher.scheduler
-            scheduler.max_inflight_bytes = max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * self._blob_bytes
+            scheduler.max_inflight_bytes = max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * self.blob_bytes
             if config is not None:
                 scheduler.config = config
             self.update_signals_wanted()

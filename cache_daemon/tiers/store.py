@@ -10,7 +10,7 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
@@ -77,31 +77,21 @@ class _LayerFile:
     fadvise_fd: int  # buffered files only (-1 otherwise): where DONTNEED is applied
 
 
+@dataclass(eq=False, repr=False)
 class StoreReadHandle:
     """One submitted blob read. ``wait`` must be called (once it returns or raises, the buffer is
     the caller's again); until then the destination buffer must stay alive and untouched."""
 
-    def __init__(
-        self,
-        store: StoreReader,
-        key: ExpertKey,
-        lf: _LayerFile,
-        offset: int,
-        out: memoryview,
-        bounce: mmap.mmap | None,
-        request_id: int,
-        priority: Priority,
-    ) -> None:
-        self.key = key
-        self.priority = priority
-        self.request_id = request_id
-        self._store = store
-        self._lf = lf
-        self._offset = offset
-        self._out = out  # [blob_bytes] uint8, the caller's buffer (kept alive until wait)
-        self._bounce = bounce  # page-aligned stand-in for an unaligned ``out`` of a direct file
-        self._start = time.perf_counter()
-        self._finished = False
+    _store: StoreReader
+    key: ExpertKey
+    _lf: _LayerFile
+    _offset: int
+    _out: memoryview  # [blob_bytes] uint8, the caller's buffer (kept alive until wait)
+    _bounce: mmap.mmap | None  # page-aligned stand-in for an unaligned ``out`` of a direct file
+    request_id: int
+    priority: Priority
+    _start: float = field(default_factory=time.perf_counter, init=False)
+    _finished: bool = field(default=False, init=False)
 
     @property
     def state(self) -> dict[str, int | bool] | None:

@@ -12,7 +12,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -582,16 +582,7 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _with_stats(event: TokenEvent, stats: TokenStats) -> TokenEvent:
-    return TokenEvent(
-        index=event.index,
-        token_id=event.token_id,
-        text=event.text,
-        latency_s=event.latency_s,
-        cache=stats,
-        finish_reason=event.finish_reason,
-        prompt_tokens=event.prompt_tokens,
-        logprob=event.logprob,
-    )
+    return replace(event, cache=stats)
 
 
 def build_engine(

@@ -18,9 +18,10 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from bench.predictor_memory import health  # the status, None while the call fails
 from tests.procs import start_compute, start_daemon
 from tests.waiting import wait_for
 
@@ -156,18 +157,6 @@ def test_overload_is_refused_with_resource_exhausted(served):
         call.cancel()
     assert outcomes.count("ok") == 6  # 4 batched + 2 waiting
     assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6
-
-
-def health(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return (
-                health_pb2_grpc.HealthStub(ch)
-                .Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                .status
-            )
-        except grpc.RpcError:
-            return -1
 
 
 def test_kill_9_of_the_daemon_is_not_an_outage(tiny_store, tmp_path, capsys):

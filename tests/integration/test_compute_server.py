@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from compute_svc.server import SERVICE_NAME
 from devtools.launch import REPO
 from expertcache.manifest import read_manifest
-from tests.procs import start_compute, start_daemon
+from tests.procs import compute_over, start_compute, start_daemon
 from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.integration
@@ -194,9 +194,7 @@ def test_corrupt_expert_is_data_loss_and_no_token_is_streamed(tiny_store, tmp_pa
     layer = manifest.moe_layers[0]
     victim = routed_experts(tiny.checkpoint, layer, PROMPT)[0]
     daemon = start_daemon(store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest))
-    compute = None
-    try:
-        compute = start_compute(store, daemon, tmp_path)
+    with compute_over(daemon, store, tmp_path) as compute:
         # After both started, before first use: flip one byte inside the victim's blob.
         path = store / manifest.layer_files[layer]
         offset = victim * manifest.blob_bytes + manifest.parts[0].offset + 10
@@ -217,10 +215,6 @@ def test_corrupt_expert_is_data_loss_and_no_token_is_streamed(tiny_store, tmp_pa
         assert info.value.code() == grpc.StatusCode.DATA_LOSS
         assert f"L{layer}E{victim}" in info.value.details()
         assert received == []
-    finally:
-        if compute is not None:
-            compute.stop()
-        daemon.stop()
 
 
 # -- memory: experts are never materialised in compute ------------------------------------------
@@ -248,9 +242,7 @@ def test_compute_memory_stays_below_dense_plus_arena_plus_margin(tiny_store, tmp
     arena_bytes = (manifest.total_expert_bytes // 10) // manifest.blob_bytes * manifest.blob_bytes
     assert manifest.total_expert_bytes >= 10 * arena_bytes
     daemon = start_daemon(big.store, tmp_path, device="cpu", device_budget_bytes=arena_bytes)
-    compute = None
-    try:
-        compute = start_compute(big.store, daemon, tmp_path)
+    with compute_over(daemon, big.store, tmp_path) as compute:
         with grpc.insecure_channel(compute.address) as channel:
             replies = generate(channel, token_ids=list(range(1, 60)), max_new_tokens=16, ignore_eos=True)
         assert len(replies) == 16
@@ -263,10 +255,6 @@ def test_compute_memory_stays_below_dense_plus_arena_plus_margin(tiny_store, tmp
             f"{arena_bytes / 2**20:.0f} MiB + margin {RSS_MARGIN_BYTES / 2**20:.0f} MiB "
             f"(experts total {manifest.total_expert_bytes / 2**20:.0f} MiB)"
         )
-    finally:
-        if compute is not None:
-            compute.stop()
-        daemon.stop()
 
 
 def test_no_shm_fast_path_sends_every_acquire_through_demand(served, tmp_path):

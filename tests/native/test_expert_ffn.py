@@ -35,6 +35,24 @@ def run(layout: ExpertLayout, arena: np.ndarray, experts, x: torch.Tensor, top_k
     return torch.from_numpy(out), ffn
 
 
+def plain_layout(seed: int) -> ExpertLayout:
+    """Plain weights read as rows, GLU halves, no bias, float32 compute."""
+    gen = torch.Generator().manual_seed(seed)
+    return ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
+
+
+def refuses(seed: int, method: str, change: dict, message: str, **args):
+    """``method`` of a ``plain_layout(seed)`` ExpertFfn, called on a two-slot arena and slot 1 with
+    ``args`` overridden by ``change``, raises ValueError naming ``message``. Returns the ffn."""
+    layout = plain_layout(seed)
+    ffn = _native.ExpertFfn(layout.spec)
+    args = dict(arena=layout.arena(slots=2), slots=np.array([1], dtype=np.int64), **args)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        getattr(ffn, method)(**args)
+    return ffn
+
+
 CASES = [
     # (first encoding/form, down encoding/form, gate, bias)
     ("plain-dot", "plain-dot", "glu_halves", False),  # Mixtral, Qwen-MoE, OLMoE, DeepSeek
@@ -108,12 +126,11 @@ def test_decoded_weights_match_the_encodings_module():
     ],
 )
 def test_bad_arguments_are_refused_by_name(change, message):
-    gen = torch.Generator().manual_seed(2)
-    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
-    ffn = _native.ExpertFfn(layout.spec)
-    args = dict(
-        arena=layout.arena(slots=2),
-        slots=np.array([1], dtype=np.int64),
+    refuses(
+        2,
+        "run",
+        change,
+        message,
         bounds=np.array([0, 1], dtype=np.int64),
         rows=np.array([0], dtype=np.int64),
         tokens=np.array([0], dtype=np.int64),
@@ -121,9 +138,6 @@ def test_bad_arguments_are_refused_by_name(change, message):
         x=np.ones((1, H), dtype=np.float32),
         out=np.zeros((4, H), dtype=np.float32),
     )
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        ffn.run(**args)
 
 
 @pytest.mark.parametrize(
@@ -136,8 +150,7 @@ def test_bad_arguments_are_refused_by_name(change, message):
     ],
 )
 def test_bad_specs_are_refused_by_name(change, message):
-    gen = torch.Generator().manual_seed(3)
-    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
+    layout = plain_layout(3)
     with pytest.raises(ValueError, match=message):
         _native.ExpertFfn({**layout.spec, **change})
 
@@ -189,21 +202,17 @@ def test_routed_runs_and_combine_equal_grouped_runs_and_a_sum_over_k(dtype):
     ],
 )
 def test_routed_arguments_are_refused_by_name(change, message):
-    gen = torch.Generator().manual_seed(4)
-    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.float32, gen)
-    ffn = _native.ExpertFfn(layout.spec)
-    args = dict(
-        arena=layout.arena(slots=2),
-        slots=np.array([1], dtype=np.int64),
+    ffn = refuses(
+        4,
+        "run_routed",
+        change,
+        message,
         experts=np.array([0], dtype=np.int64),
         ids=np.array([0, 1, 1, 0], dtype=np.int64),
         weights=np.ones(4, dtype=np.float32),
         x=np.ones((2, H), dtype=np.float32),
         pairs=np.zeros((4, H), dtype=np.float32),
     )
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        ffn.run_routed(**args)
     with pytest.raises(ValueError, match="pairs must be float32"):
         ffn.combine(np.zeros((5, H), dtype=np.float32), 2, np.zeros((2, H), dtype=np.float32))
     with pytest.raises(ValueError, match="out must be writable"):

@@ -136,12 +136,19 @@ def test_many_concurrent_reads_of_mixed_sizes_and_priorities(tmp_path, backend):
         assert stats["completed"] == 64 and stats["bytes_read"] == sum(n for _, _, n in want.values())
 
 
-def test_poll_reports_tag_nbytes_and_elapsed(tmp_path, backend):
+@contextmanager
+def one_thread_reader(tmp_path: Path, backend: str, file_bytes: int):
+    """A one-thread Reader with a ``make_file`` file of ``file_bytes`` open (not O_DIRECT): the
+    reader, the file's id, the file's bytes and a buffer of their size."""
     path = tmp_path / "data.bin"
-    data = make_file(path, 64 * KIB)
-    buf = (ctypes.c_char * (64 * KIB))()
+    data = make_file(path, file_bytes)
+    buf = (ctypes.c_char * file_bytes)()
     with Reader(threads=1, backend=backend) as reader:
-        fid = reader.open_file(str(path), direct=False)
+        yield reader, reader.open_file(str(path), direct=False), data, buf
+
+
+def test_poll_reports_tag_nbytes_and_elapsed(tmp_path, backend):
+    with one_thread_reader(tmp_path, backend, 64 * KIB) as (reader, fid, data, buf):
         rid = reader.submit(fid, 0, 64 * KIB, ctypes.addressof(buf), Reader.DEMAND, tag=77)
         ((got_id, tag, error, nbytes, elapsed_s),) = collect(reader, 1)
         assert (got_id, tag, error, nbytes) == (rid, 77, None, 64 * KIB) and elapsed_s > 0
@@ -384,11 +391,7 @@ def test_constructor_errors():
 
 
 def test_wait_timeout_and_close_file_with_pending_reads(tmp_path, backend):
-    path = tmp_path / "data.bin"
-    data = make_file(path, 16 * KIB)
-    buf = (ctypes.c_char * (16 * KIB))()
-    with Reader(threads=1, backend=backend) as reader:
-        fid = reader.open_file(str(path), direct=False)
+    with one_thread_reader(tmp_path, backend, 16 * KIB) as (reader, fid, data, buf):
         reader.pause()
         rid = reader.submit(fid, 0, 16 * KIB, ctypes.addressof(buf), Reader.DEMAND)
         with pytest.raises(TimeoutError, match=f"request {rid} did not complete within"):
@@ -402,12 +405,8 @@ def test_wait_timeout_and_close_file_with_pending_reads(tmp_path, backend):
 
 
 def test_event_fd_is_readable_while_completions_are_unconsumed(tmp_path, backend):
-    path = tmp_path / "data.bin"
-    make_file(path, 16 * KIB)
-    buf = (ctypes.c_char * (16 * KIB))()
-    with Reader(threads=1, backend=backend) as reader:
+    with one_thread_reader(tmp_path, backend, 16 * KIB) as (reader, fid, _, buf):
         fd = reader.event_fd
-        fid = reader.open_file(str(path), direct=False)
         reader.pause()
         a = reader.submit(fid, 0, 8 * KIB, ctypes.addressof(buf), Reader.DEMAND)
         b = reader.submit(fid, 8 * KIB, 8 * KIB, ctypes.addressof(buf) + 8 * KIB, Reader.DEMAND)

@@ -61,6 +61,13 @@ def _make_resident(t: SlotTable, entry: int, slot: int) -> None:
     t.finish_load(entry)
 
 
+def _one_resident_entry(name: str) -> SlotTable:
+    """A table of one entry, resident in its one slot, with one client ledger."""
+    t = SlotTable.create(name, 1, 1, num_clients=1)
+    _make_resident(t, 0, 0)
+    return t
+
+
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -356,8 +363,6 @@ def test_concurrent_pin_unpin_two_processes():
 
 
 def test_evict_races_with_pinners_never_evicts_pinned():
-    t = SlotTable.create("st-evict-race", 1, 1, num_clients=1)
-    _make_resident(t, 0, 0)
     # The child pins, checks the entry is still there while pinned (in its slot, of the same load),
     # and unpins: 50 000 tries and at least 2 000 pins (on a loaded machine the evicting parent may
     # win many in a row). While pinned the state may read EVICTING for an instant: an evictor that
@@ -378,6 +383,7 @@ def test_evict_races_with_pinners_never_evicts_pinned():
         "        h.unpin(0)\n"
         "print(held)\n"
     )
+    t = _one_resident_entry("st-evict-race")
     child = _child(t, 0, code)
     evicted = 0
     deadline = time.monotonic() + 240
@@ -614,8 +620,6 @@ def test_sigkilled_client_pins_are_reclaimed():
 def test_reclaim_races_with_a_live_client_and_never_waits_for_it():
     # A client pins/unpins in a loop while the daemon reclaims its ledger: the reclaim returns at
     # once, the client's next call is refused, and the detached region's pins count nowhere.
-    t = SlotTable.create("st-reclaim-race", 1, 1, num_clients=1)
-    _make_resident(t, 0, 0)
     code = (
         "print('go', flush=True)\n"
         "try:\n"
@@ -624,6 +628,7 @@ def test_reclaim_races_with_a_live_client_and_never_waits_for_it():
         "except StaleClient:\n"
         "    print('stale')\n"
     )
+    t = _one_resident_entry("st-reclaim-race")
     child = _started(t, 0, code, "go")
     started = time.monotonic()
     removed = t.reclaim_client(0)
@@ -714,8 +719,7 @@ def test_a_polling_daemon_sees_another_process_unpin():
 
 
 def test_reclaim_bumps_the_unpin_word():
-    t = SlotTable.create("st-reclaim-word", 1, 1, num_clients=1)
-    _make_resident(t, 0, 0)
+    t = _one_resident_entry("st-reclaim-word")
     client = claim_and_attach(t, 0)
     client.try_pin(0)
     seq = t.unpin_seq

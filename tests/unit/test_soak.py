@@ -5,15 +5,26 @@ from __future__ import annotations
 
 from devtools.soak import aggregate, main, parse_junit
 
-# Two runs as pytest writes them with -o junit_family=xunit1 (a ``file`` on each testcase).
-RUN_1 = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5">
+
+def junit_run(counts: str, flaky_failure: str, others: str) -> str:
+    """One run's report as pytest writes it with -o junit_family=xunit1 (a ``file`` on each
+    testcase): ``counts``, the suite's attributes; test_prefetch_exec's test_ok passed and its
+    test_flaky failed with ``flaky_failure``, as in every run; then the ``others`` testcases."""
+    return f"""<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" {counts}>
   <testcase classname="tests.unit.daemon.test_prefetch_exec" name="test_ok"
             file="tests/unit/daemon/test_prefetch_exec.py" line="3" time="0.1"/>
   <testcase classname="tests.unit.daemon.test_prefetch_exec" name="test_flaky"
             file="tests/unit/daemon/test_prefetch_exec.py" line="9" time="0.2">
-    <failure message="AssertionError">boom</failure></testcase>
-  <testcase classname="tests.integration.test_compute_hostile_prompts"
+    <failure message="AssertionError">{flaky_failure}</failure></testcase>
+{others}</testsuite></testsuites>
+"""
+
+
+RUN_1 = junit_run(
+    'errors="1" failures="1" skipped="1" tests="5"',
+    "boom",
+    """  <testcase classname="tests.integration.test_compute_hostile_prompts"
             name="test_refused[refused-after-tokenising]"
             file="tests/integration/test_compute_hostile_prompts.py" line="60" time="9">
     <error message="fixture failed">setup</error></testcase>
@@ -21,20 +32,16 @@ RUN_1 = """<?xml version="1.0" encoding="utf-8"?>
             file="tests/unit/test_x.py" line="20" time="0.1"/>
   <testcase classname="tests.unit.test_x" name="test_skipped" file="tests/unit/test_x.py" line="30">
     <skipped message="no GPU" type="pytest.skip">no GPU</skipped></testcase>
-</testsuite></testsuites>
-"""
-RUN_2 = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="0" failures="2" skipped="0" tests="3">
-  <testcase classname="tests.unit.daemon.test_prefetch_exec" name="test_ok"
-            file="tests/unit/daemon/test_prefetch_exec.py" line="3" time="0.1"/>
-  <testcase classname="tests.unit.daemon.test_prefetch_exec" name="test_flaky"
-            file="tests/unit/daemon/test_prefetch_exec.py" line="9" time="0.2">
-    <failure message="AssertionError">boom again</failure></testcase>
-  <testcase classname="tests.unit.test_x.TestGroup" name="test_in_class[a.b]"
+""",
+)
+RUN_2 = junit_run(
+    'errors="0" failures="2" skipped="0" tests="3"',
+    "boom again",
+    """  <testcase classname="tests.unit.test_x.TestGroup" name="test_in_class[a.b]"
             file="tests/unit/test_x.py" line="20" time="0.1">
     <failure message="AssertionError">once</failure></testcase>
-</testsuite></testsuites>
-"""
+""",
+)
 FLAKY = "tests/unit/daemon/test_prefetch_exec.py::test_flaky"
 HOSTILE = "tests/integration/test_compute_hostile_prompts.py::test_refused[refused-after-tokenising]"
 IN_CLASS = "tests/unit/test_x.py::TestGroup::test_in_class[a.b]"

@@ -60,6 +60,7 @@ class EvictionPolicy(ABC):
 
     name: str = ""
     needs_signals: bool = False  # True: the constructor refuses ``signals=None``
+    signals: ActivationSignals | None = None  # the signals the policy reads, if any
     prefetch_horizon_layers: int | None = None
     """How far ahead (layer steps) ``prefetch_scores`` candidates are taken; None = the
     scheduler's ``horizon_layers``."""

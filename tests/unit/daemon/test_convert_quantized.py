@@ -176,9 +176,11 @@ QUANTIZED = [
 ]
 
 
-def quantized_checkpoint(arch: str, quantization: str, dtype: torch.dtype, path: Path) -> Path:
-    extra = {"intermediate_size": 64} if arch == "gpt_oss" else {}  # MXFP4 groups of 32
-    return make_checkpoint(arch, path, quantization=quantization, dtype=dtype, with_tokenizer=False, **extra)
+def quantized_checkpoint(arch: str, quantization: str, dtype: torch.dtype, path: Path, **sizes) -> Path:
+    """A tiny checkpoint without a tokenizer; ``sizes`` (``make_checkpoint``'s) replace the tiny ones."""
+    if arch == "gpt_oss":
+        sizes.setdefault("intermediate_size", 64)  # MXFP4 groups of 32
+    return make_checkpoint(arch, path, quantization=quantization, dtype=dtype, with_tokenizer=False, **sizes)
 
 
 @pytest.mark.parametrize(("arch", "quantization", "dtype"), QUANTIZED)
@@ -249,17 +251,16 @@ def test_stacked_fp8_experts_decode_as_transformers_fp8_dequantize(tmp_path):
 
 def test_gpt_oss_shaped_mxfp4_store_bytes(tmp_path):
     # gpt-oss's expert shape family at the benchmark's size (hidden 512, expert intermediate 1280).
-    src = make_checkpoint(
+    src = quantized_checkpoint(
         "gpt_oss",
+        "mxfp4",
+        torch.bfloat16,
         tmp_path / "ckpt",
-        quantization="mxfp4",
-        dtype=torch.bfloat16,
         hidden_size=512,
         intermediate_size=1280,
         head_dim=64,
         num_layers=2,
         num_experts=4,
-        with_tokenizer=False,
     )
     result = subprocess.run(
         [sys.executable, "-m", "cache_daemon.convert", str(src), str(tmp_path / "store"), "--no-progress"],

@@ -128,13 +128,10 @@ def test_slot_readable_only_resident_and_pinned(make):
 
 
 def test_a_layer_larger_than_the_arena_is_processed_in_waves(make):
+    # acquiring the whole layer at once is refused: see test_bad_acquire_arguments
     h = make(slots=2)
     r = h.residency
     s = r.open_session("waves")
-    with pytest.raises(
-        BadAcquire, match=r"names 3 experts but the arena has 2 slots: acquire them in waves of at most 2"
-    ):
-        r.acquire(s, L1, [0, 1, 2])
     seen = []
     for wave in ([0, 1], [2, 3], [4, 5]):
         readies = list(r.acquire(s, L1, wave))
@@ -147,18 +144,39 @@ def test_a_layer_larger_than_the_arena_is_processed_in_waves(make):
         list(r.acquire(s, L1, [1, 2]))  # would wait for itself: refused, not a deadlock
 
 
-def test_bad_acquire_arguments(make):
+@pytest.mark.parametrize(
+    "slots, layer, experts, error, match",
+    [
+        (
+            4,
+            2,
+            [0],
+            InvalidArgument,
+            r"layer 2 is not a MoE layer of this synthetic model \(MoE layers: \[1, 3\]\)",
+        ),
+        (4, L1, [0, 6], InvalidArgument, "expert 6 is out of range for layer 1"),
+        (4, L1, [3, 1, 3], BadAcquire, "names expert 3 more than once"),
+        (
+            2,
+            L1,
+            [0, 1, 2],
+            BadAcquire,
+            r"names 3 experts but the arena has 2 slots: acquire them in waves of at most 2",
+        ),
+    ],
+)
+def test_bad_acquire_arguments(make, slots, layer, experts, error, match):
+    r = make(slots=slots).residency
+    s = r.open_session("bad")
+    with pytest.raises(error, match=match):
+        r.acquire(s, layer, experts)
+    assert r.stats().pinned == 0  # refused whole: not one of the experts named is pinned
+
+
+def test_bad_releases_and_an_empty_acquire(make):
     h = make(slots=4)
     r = h.residency
     s = r.open_session("bad")
-    with pytest.raises(
-        InvalidArgument, match=r"layer 2 is not a MoE layer of this synthetic model \(MoE layers: \[1, 3\]\)"
-    ):
-        r.acquire(s, 2, [0])
-    with pytest.raises(InvalidArgument, match="expert 6 is out of range for layer 1"):
-        r.acquire(s, L1, [0, 6])
-    with pytest.raises(BadAcquire, match="names expert 3 more than once"):
-        r.acquire(s, L1, [3, 1, 3])
     with pytest.raises(BadAcquire, match="Release of expert L1E0, which this stream does not pin"):
         r.release(s, keys(0))
     (ready,) = r.acquire(s, L1, [0])

@@ -30,24 +30,33 @@ def test_trace_shape_mismatch_names_both_shapes(tmp_path):
         ForcedRouting(trace, [0, 1, 2], 8, 2, first_request=5)
 
 
-def test_bad_trace_files(tmp_path):
-    with pytest.raises(InvalidArgument, match="force_routing_path '.*missing.npz' does not exist"):
-        load_trace(tmp_path / "missing.npz")
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(InvalidArgument, match="is not a routing trace"):
-        load_trace(tmp_path / "junk.npz")
-    np.savez(tmp_path / "partial.npz", expert_ids=np.zeros((2, 3, 2), np.int8))
-    with pytest.raises(InvalidArgument, match=r"lacks \['req_offsets', 'meta_json'\]"):
-        load_trace(tmp_path / "partial.npz")
-    meta = json.dumps({"num_experts": 8})
-    np.savez(
-        tmp_path / "unweighted.npz",
-        expert_ids=np.zeros((2, 3, 2), np.int8),
-        req_offsets=[0, 2],
-        meta_json=meta,
-    )
-    with pytest.raises(InvalidArgument, match="lacks gate_weights: forced routing needs the router weights"):
-        load_trace(tmp_path / "unweighted.npz")
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (None, "force_routing_path '.*bad.npz' does not exist"),
+        (lambda path: path.write_bytes(b"not a zip"), "is not a routing trace"),
+        (
+            lambda path: np.savez(path, expert_ids=np.zeros((2, 3, 2), np.int8)),
+            r"lacks \['req_offsets', 'meta_json'\]",
+        ),
+        (
+            lambda path: np.savez(
+                path,
+                expert_ids=np.zeros((2, 3, 2), np.int8),
+                req_offsets=[0, 2],
+                meta_json=json.dumps({"num_experts": 8}),
+            ),
+            "lacks gate_weights: forced routing needs the router weights",
+        ),
+    ],
+    ids=["missing", "junk", "partial", "unweighted"],
+)
+def test_bad_trace_files(tmp_path, write, message):
+    path = tmp_path / "bad.npz"
+    if write is not None:
+        write(path)
+    with pytest.raises(InvalidArgument, match=message):
+        load_trace(path)
 
 
 def test_requests_cycle_and_rows_wrap(tmp_path):
