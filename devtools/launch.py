@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import shutil
 import signal
@@ -37,21 +38,43 @@ def daemon_socket_path(work_dir: Path) -> Path:
 # Ports free_port has handed out in this process: never handed out twice.
 _HANDED_PORTS: set[int] = set()
 _HANDED_LOCK = threading.Lock()
+_RANDOM = random.Random()
+LOWEST_PORT = 10000  # below it lie the ports well-known services listen on
+
+
+def listen_ports(local_range: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
+    """The ports ``free_port`` picks from: those the kernel never picks itself. A port it picks
+    (for an outgoing connection, or a bind to port 0 in another test process) may be taken again
+    between the probe and the server's bind; the servers do not share ports (no SO_REUSEPORT),
+    so a server that lost that race would not start."""
+    try:
+        low, high = (int(x) for x in local_range.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default ephemeral range
+    below = range(LOWEST_PORT, low)
+    above = range(high + 1, 65536)
+    return below if len(below) >= len(above) else above
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, and never one this process was given before. The kernel
-    may give the same ephemeral port to two binds in a row once the first socket is closed, and
-    two servers of one launch (a listen address and a metrics port) would then race for it."""
+    """A TCP port free on 127.0.0.1 now, outside the kernel's ephemeral range (``listen_ports``,
+    at random in it: two test processes rarely probe the same one), and never one this process
+    was given before (two servers of one launch, a listen address and a metrics port, would race
+    for it)."""
+    ports = listen_ports()
     with _HANDED_LOCK:
         for _ in range(1000):
+            port = _RANDOM.randrange(ports.start, ports.stop)
+            if port in _HANDED_PORTS:
+                continue
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _HANDED_PORTS:
-                _HANDED_PORTS.add(port)
-                return port
-    raise RuntimeError(f"no port not handed out before after 1000 tries ({len(_HANDED_PORTS)} handed out)")
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # in use
+            _HANDED_PORTS.add(port)
+            return port
+    raise RuntimeError(f"no free port in {ports} after 1000 tries ({len(_HANDED_PORTS)} handed out)")
 
 
 @dataclass

@@ -176,6 +176,9 @@ def build_server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # A server owns its port: a second one on it fails to start instead of silently
+            # taking a share of the connections (gRPC's default on Linux is SO_REUSEPORT).
+            ("grpc.so_reuseport", 0),
             *limits.server_options(),
         ],
         max_workers=max_workers,

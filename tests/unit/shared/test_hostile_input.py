@@ -116,6 +116,19 @@ def predictor():
     service.close()
 
 
+def test_a_second_server_on_a_port_in_use_does_not_start():
+    """Not sharing the port (SO_REUSEPORT): a client of the first would reach either one."""
+    service = PredictorService(PredictorConfig(), EmbeddedStore(), background=False)
+    address = f"127.0.0.1:{free_port()}"
+    server, _ = create_server(service, address, max_workers=4)
+    try:
+        with pytest.raises(RuntimeError, match=f"Failed to bind to address {address}"):
+            create_server(service, address, max_workers=4)
+    finally:
+        server.stop(0).wait()
+        service.close()
+
+
 def test_undecodable_predictor_requests_are_invalid_argument(predictor):
     observe = predictor.stream_unary("/moe.predictor.v1.Predictor/Observe")
     with pytest.raises(grpc.RpcError) as err:
