@@ -197,16 +197,29 @@ class ChannelServer:
         # them all. Large ones: answered first, each announced as it lands.
         # (Never answered once the client is gone: its channel may soon be another client's.)
         if self.gather:
-            self._port.run_deferred(deferred)
+            self._copy(deferred)
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
         else:
+            if deferred:
+                self.channel.copying = True  # before the answer: the client polls for the copies
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
-            self._port.run_deferred(deferred)
+            self._copy(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
+
+    def _copy(self, deferred: list[Load]) -> None:
+        """Run the demand's deferred loads here, with the channel's ``copying`` raised meanwhile:
+        the client polls for what lands rather than sleeping (each copy takes microseconds)."""
+        if not deferred:
+            return
+        self.channel.copying = True
+        try:
+            self._port.run_deferred(deferred)
+        finally:
+            self.channel.copying = False
 
     def _drain_signals(self) -> list[Op]:
         """The ring's records since the last drain, checked: ops for ``SignalIntake.apply_ops``."""

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 # for that thread to take the demand up at all: one that does not may be waiting for this CPU.
 CHANNEL_SPIN_S = 300e-6
 CHANNEL_GRACE_S = 20e-6
+# A wait for admitted experts to land polls this long, and longer only while the daemon's thread
+# copies them from its host tier (the channel's ``copying``): a store read takes milliseconds, and
+# polling through it would take a core from the daemon's own threads.
+CHANNEL_LANDING_GRACE_S = 5e-6
 # Experts smaller than this that an acquire misses are handed over together once all have landed
 # (the daemon answers once the host-tier copies are done).
 GATHER_MISSES_BELOW_BYTES = codes.GATHER_BELOW_BYTES
@@ -242,7 +246,12 @@ class ChannelTransport:
                     f"cache daemon at {link.address} dropped experts of layer {layer} it had admitted "
                     "(its stream ended)"
                 )
-            channel.wait_notify(seen, wait.remaining(stream, [misses[i] for i in pending]), CHANNEL_SPIN_S)
+            channel.wait_notify(
+                seen,
+                wait.remaining(stream, [misses[i] for i in pending]),
+                CHANNEL_SPIN_S,
+                CHANNEL_LANDING_GRACE_S,
+            )
 
     def _wanted_locked(self) -> bool:
         """Whether the daemon uses routes and lookaheads now (the table's ``signals_wanted``);
@@ -450,6 +459,7 @@ class StreamTransport:
 
 __all__ = [
     "CHANNEL_GRACE_S",
+    "CHANNEL_LANDING_GRACE_S",
     "CHANNEL_SPIN_S",
     "GATHER_MISSES_BELOW_BYTES",
     "AcquireWait",

@@ -105,10 +105,15 @@ void bind_slot_table(py::module_& m) {
       .def_property_readonly("fail_message", [](const PyChannel& c) { return c.channel.fail_message(); })
       .def_property_readonly("notify_seq", [](const PyChannel& c) { return c.channel.notify_seq(); })
       .def_property_readonly("ring_dropped", [](const PyChannel& c) { return c.channel.ring_dropped(); })
-      .def("wait_notify", [](PyChannel& c, uint32_t seen, double timeout_s, double spin_s) {
+      .def("wait_notify", [](PyChannel& c, uint32_t seen, double timeout_s, double spin_s, double grace_s) {
             py::gil_scoped_release nogil;
-            return c.channel.wait_notify(seen, timeout_s, spin_s);
-          }, py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0)
+            return c.channel.wait_notify(seen, timeout_s, spin_s, grace_s);
+          }, py::arg("seen"), py::arg("timeout_s") = -1.0, py::arg("spin_s") = 0.0, py::arg("grace_s") = 0.0,
+          "Sleeps until the notify word moves past `seen`; polls first for grace_s, and for up to "
+          "spin_s while the daemon's thread copies for this client (`copying`)")
+      .def_property("copying", [](const PyChannel& c) { return c.channel.copying(); },
+                    [](PyChannel& c, bool on) { c.channel.set_copying(on); },
+                    "Whether the daemon's thread copies experts for this client now (the daemon sets it)")
       .def("wait_reply", [](PyChannel& c, uint32_t seq, uint32_t seen, double timeout_s, double spin_s,
                             double grace_s) {
             py::gil_scoped_release nogil;

@@ -235,9 +235,9 @@ std::string ClientChannel::fail_message() const {
   return std::string(header_->fail_message, strnlen(header_->fail_message, kChannelMessageBytes));
 }
 
-bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s) {
-  if (spin_until_changed(&header_->notify, seen, std::min(spin_s, timeout_s < 0 ? spin_s : timeout_s)))
-    return true;
+bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s, double grace_s) {
+  const double poll_s = timeout_s < 0 ? spin_s : std::min(spin_s, timeout_s);
+  if (poll_while_worth(&header_->notify, seen, poll_s, grace_s, [this] { return copying(); })) return true;
   return futex_wait_changed(&header_->notify, &header_->compute_sleeping, seen, timeout_s,
                             where_ + " (notify)");
 }
@@ -296,6 +296,7 @@ void ClientChannel::reset() {
   header_->fail_seq.store(0);
   header_->fail_status = 0;
   header_->taken_seq.store(0);
+  header_->copying.store(0);
   header_->reply_message[0] = '\0';
   header_->fail_message[0] = '\0';
   // doorbell / notify keep counting (a sleeper compares against what it read).

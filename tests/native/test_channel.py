@@ -251,6 +251,39 @@ def test_waits_end_at_a_notify_a_doorbell_or_the_timeout(table, handle):
         compute.wait_notify(compute.notify_seq, float("nan"))
 
 
+def _cpu_of_a_wait(channel, seen: int, timeout_s: float, spin_s: float, grace_s: float) -> float:
+    """CPU seconds the waiting thread spent in ``wait_notify`` (asleep in the futex costs none)."""
+    spent: list[float] = []
+
+    def wait() -> None:
+        started = time.thread_time()
+        channel.wait_notify(seen, timeout_s, spin_s, grace_s)
+        spent.append(time.thread_time() - started)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join()
+    return spent[0]
+
+
+def test_a_wait_for_landings_polls_only_while_the_daemon_copies_for_it(table, handle):
+    compute, daemon = handle.channel(1), table.channel(1)
+    assert not compute.copying
+    # Nothing being copied: a few microseconds of grace, then asleep (1 ms of polling allowed).
+    assert _cpu_of_a_wait(compute, compute.notify_seq, 0.05, 1e-3, 5e-6) < 0.5e-3
+    # Copying for it: polls, and sees the landing without sleeping.
+    daemon.copying = True
+    assert compute.copying
+    seen = compute.notify_seq
+    threading.Timer(0.0, daemon.notify).start()
+    assert compute.wait_notify(seen, 30.0, 1e-3, 5e-6)
+    daemon.copying = False
+    assert not compute.copying
+    daemon.copying = True
+    daemon.reset()
+    assert not compute.copying
+
+
 def test_wait_reply_ends_at_the_reply_a_notify_after_seen_or_the_timeout(table, handle):
     compute, daemon = handle.channel(1), table.channel(1)
     seen = compute.notify_seq

@@ -65,6 +65,7 @@ struct alignas(64) ChannelHeader {
   std::atomic<uint32_t> fail_seq;   // bumped when fail_message is written (a failed load)
   int32_t fail_status;
   std::atomic<uint32_t> taken_seq;  // the demand the daemon's thread took up (it is running)
+  std::atomic<uint32_t> copying;    // nonzero while the daemon's thread copies experts for this client
   alignas(64) char reply_message[kChannelMessageBytes];
   char fail_message[kChannelMessageBytes];
   // -- written by compute with each demand, before demand_seq --------------------------------
@@ -122,9 +123,11 @@ class ClientChannel {
   int32_t fail_status() const { return header_->fail_status; }
   std::string fail_message() const;
   uint32_t notify_seq() const { return header_->notify.load(); }
-  // Sleeps while the notify word equals `seen` (at most timeout_s; < 0: no limit), after polling
-  // it for up to spin_s (at most 1 ms) without sleeping. True when it changed.
-  bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0);
+  // Sleeps while the notify word equals `seen` (at most timeout_s; < 0: no limit). Polls it first
+  // without sleeping for grace_s, and for up to spin_s (at most 1 ms) while the daemon's thread
+  // copies for this client (`copying`): those copies land in microseconds, a store read in
+  // milliseconds, which polling would only take from the CPUs. True when it changed.
+  bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0, double grace_s = 0.0);
   // Waits until demand `seq` is answered (true) or timeout_s passes (false), waking also on any
   // notify after `seen` (read notify_seq() *before* checking for an interrupt or the stream's
   // end, so that one arriving after the check is not slept through: the caller checks again). Polls without sleeping while the
@@ -134,6 +137,7 @@ class ClientChannel {
   bool wait_reply(uint32_t seq, uint32_t seen, double timeout_s, double spin_s, double grace_s);
   // The source tier the daemon recorded for demand position `i` (0 until it knows).
   uint8_t source(uint32_t i) const;
+  bool copying() const { return header_->copying.load(std::memory_order_acquire) != 0; }
   uint64_t ring_dropped() const { return header_->ring_dropped.load(); }
 
   // -- both sides -----------------------------------------------------------------------------
@@ -155,6 +159,8 @@ class ClientChannel {
   // Records that a load compute waits for failed (message kept for compute), and notifies.
   void fail(int32_t status, const std::string& message);
   void set_source(uint32_t i, uint8_t tier);
+  // Raised while this thread copies experts the client waits for (the client polls then).
+  void set_copying(bool on) { header_->copying.store(on ? 1 : 0, std::memory_order_release); }
   // Every complete record since the last drain, in order. A malformed record (a length that
   // does not fit the ring, an unknown type, counts beyond the record) ends the drain: the rest
   // of the ring is skipped and `*corrupt` is set.

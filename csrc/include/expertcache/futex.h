@@ -113,17 +113,26 @@ inline void cpu_relax() {
 #endif
 }
 
-// Polls `*word` for up to `spin_s` seconds (a waiter whose answer usually comes within tens of
-// microseconds from a thread on another core: no sleep, and the waker makes no wake syscall);
-// true as soon as it differs from `seen`.
-inline bool spin_until_changed(std::atomic<uint32_t>* word, uint32_t seen, double spin_s) {
+// Polls `*word` without sleeping while it equals `seen`: for `grace_s`, and past that only while
+// `worth()` holds (the thread that will change it is at work on another core: no sleep, and the
+// waker makes no wake syscall), `spin_s` in all (at most 1 ms). True as soon as it differs.
+template <class Worth>
+inline bool poll_while_worth(std::atomic<uint32_t>* word, uint32_t seen, double spin_s, double grace_s,
+                             Worth worth) {
   if (!(spin_s > 0)) return false;
   using clock = std::chrono::steady_clock;
-  const auto until = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                        std::chrono::duration<double>(std::min(spin_s, 1e-3)));
+  auto seconds = [](double s) {
+    return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+  };
+  const auto start = clock::now();
+  const auto until = start + seconds(std::min(spin_s, 1e-3));
+  const auto grace_until = std::min(until, start + seconds(std::max(grace_s, 0.0)));
   for (unsigned i = 0;; ++i) {
     if (word->load(std::memory_order_acquire) != seen) return true;
-    if ((i & 63) == 63 && clock::now() >= until) return false;
+    if ((i & 63) == 63) {
+      const auto now = clock::now();
+      if (now >= until || (now >= grace_until && !worth())) return false;
+    }
     cpu_relax();
   }
 }

@@ -118,6 +118,28 @@ def test_a_demand_pins_into_the_ledger_and_reports_each_source(make):
     assert stats.pinned == 0 and value(h.metrics.demands) == 4
 
 
+def test_the_channel_says_copying_while_its_thread_copies_from_the_host_tier(make, monkeypatch):
+    """Compute polls for landings only while this is raised (a store read it sleeps through)."""
+    h = make(slots=4, host_slots=8)
+    client, _ = h.attach()
+    seen_while_copying: list[bool] = []
+    copy_in = h.arena.copy_in
+
+    def watched(slot, src):
+        seen_while_copying.append(client.channel.copying)
+        return copy_in(slot, src)
+
+    monkeypatch.setattr(h.arena, "copy_in", watched)
+    for layer in (L1, L3, L1):  # L1 from the store, evicted by L3, then copied from the host tier
+        assert client.demand(layer, [0, 1, 2, 3]) == (codes.STATUS_OK, "")
+        client.wait_resident(layer, [0, 1, 2, 3])
+        client.release(layer, [0, 1, 2, 3])
+    assert [client.channel.source(i) for i in range(4)] == [codes.SOURCE_HOST] * 4
+    copies_from_host = seen_while_copying[-4:]
+    assert copies_from_host == [True] * 4
+    wait_for(lambda: not client.channel.copying, "copying lowered once the copies are done")
+
+
 def test_a_bad_demand_is_refused_with_its_status_and_nothing_pinned(make):
     h = make(slots=2)
     client, _ = h.attach()
