@@ -113,6 +113,7 @@ from bench.e2e_report import (  # noqa: E402
     judge,
     print_disk_time,
     print_gap_shares,
+    print_memory,
     print_systems,
     print_tiers_and_ceilings,
     write_e2e_png,
@@ -380,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
     parser.add_argument(
+        "--cgroups",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each system in a memory cgroup of its own, limited to its measured baseline + its "
+        "budget + headroom (page cache charged); where none can be made the run goes on without",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -508,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         print_disk_time(results, store_reads)
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
+    verdicts["memory"] = print_memory(results)
     verdicts.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, args.precision))
     reference = simulated_reference(args, manifest, budget, results)
     if reference is not None:

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.confine import HEADROOM_BYTES, Confinement  # noqa: E402
 from bench.gpt_oss import PROMPT  # noqa: E402
 from bench.report import MIB, say  # noqa: E402
 
@@ -47,6 +48,22 @@ def drop_page_cache(roots: list[Path]) -> int:
                 os.close(fd)
             count += 1
     return count
+
+
+def hold_to_budget(headroom_bytes: int) -> dict | None:
+    """Once loaded (loading streams every weight through memory, beyond any budget): the memory
+    cgroup this process runs in, if a benchmark's, limited to its anonymous memory now + headroom.
+    Its offloaded weights are file pages outside that: they must come from storage at each use,
+    as they would on a machine with this much memory. What was set, or None."""
+    from devtools.memory_cgroup import MemoryCgroup
+
+    group = MemoryCgroup.of_process() if headroom_bytes else None
+    if group is None:
+        return None
+    anon = group.anon_bytes
+    group.set_limit(anon + headroom_bytes)
+    group.reset_peak()  # the peak reported is the one under the limit
+    return {"anon_bytes": anon, "limit_bytes": anon + headroom_bytes}
 
 
 def storage_read_bytes() -> int:
@@ -109,6 +126,8 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
     latencies: list[float] = []
     read_bytes: list[int] = []
     runs = []
+    memory: list[dict] = []
+    cgroups = getattr(args, "cgroups", False)
     for r in range(args.accelerate_requests):
         cmd = [
             sys.executable,
@@ -129,7 +148,20 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
             "--threads",
             str(args.threads),
         ]
-        proc = subprocess.run(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600)
+        # Its own memory cgroup, which it limits itself once loaded (``hold_to_budget``).
+        confined = Confinement("accelerate", enabled=cgroups)
+        if confined.cgroup is not None:
+            cmd += ["--memory-headroom-bytes", str(HEADROOM_BYTES)]
+        try:
+            proc = subprocess.run(
+                cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600, preexec_fn=confined.preexec
+            )
+            if confined.cgroup is not None and proc.returncode == 0:
+                held = json.loads(out.read_text())["memory_after_load"]
+                confined.held(held["anon_bytes"] - cpu_bytes, cpu_bytes)
+            memory.append(confined.report())
+        finally:
+            confined.remove()
         progress = [line for line in proc.stderr.splitlines() if line.startswith("  accelerate token")]
         for line in progress[-3:]:
             say(f"  [accelerate] request {r + 1}: {line.strip()}")
@@ -148,6 +180,20 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
         "page_cache_files_dropped": runs[0]["page_cache_files"],
         "page_cache_drop_s_mean": statistics.fmean(run["drop_s_mean"] for run in runs),
         "cpu_budget_bytes": cpu_bytes,
+        "memory": peak_of(memory),
+    }
+
+
+def peak_of(reports: list[dict]) -> dict:
+    """One memory report for several runs of one system: the first's limit, the highest peak,
+    every OOM kill."""
+    if not reports or reports[0].get("cgroup") is None:
+        return reports[0] if reports else {"cgroup": None, "note": "no runs"}
+    peaks = [r["peak_bytes"] for r in reports if r.get("peak_bytes") is not None]
+    return {
+        **reports[0],
+        "peak_bytes": max(peaks) if peaks else None,
+        "oom_kills": sum(r["oom_kills"] for r in reports),
     }
 
 
@@ -160,6 +206,7 @@ def merge_accelerate(runs: list[dict]) -> dict:
     out["load_s"] = [x for run in runs for x in run["load_s"]]
     per_token = [run["bytes_per_token"] for run in runs if run["bytes_per_token"] is not None]
     out["bytes_per_token"] = statistics.fmean(per_token) if per_token else None
+    out["memory"] = peak_of([run["memory"] for run in runs])
     return out
 
 
@@ -173,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument(
+        "--memory-headroom-bytes",
+        type=int,
+        default=0,
+        help="in a benchmark's memory cgroup: once loaded, limit it to this process's anonymous "
+        "memory (its baseline + the weights it keeps, at most --cpu-budget-bytes) + this",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -198,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for device in getattr(model, "hf_device_map", {}).values():
         placement[str(device)] = placement.get(str(device), 0) + 1
     files = drop_page_cache(roots)
+    memory = hold_to_budget(args.memory_headroom_bytes)
     prompt = torch.tensor([[int(t) for t in args.prompt.split(",")]])
     streamer = TimingStreamer(roots, args.progress)
     streamer.start()
@@ -218,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "read_bytes": streamer.read_bytes,
         "drop_s_mean": sum(streamer.drop_s) / max(1, len(streamer.drop_s)),
         "torch_threads": torch.get_num_threads(),
+        "memory_after_load": memory,
     }
     Path(args.out).write_text(json.dumps(result))
     return 0

@@ -233,6 +233,37 @@ def print_systems(results: dict, systems: list[str]) -> None:
             say(f"{system} prefetch: {r['prefetch']}")
 
 
+def print_memory(results: dict) -> dict:
+    """Each system's memory cgroup (limit = baseline + budget + headroom), its peak and its OOM
+    kills, printed; Accelerate must have read from storage (bytes > 0), or it ran on more memory
+    than its budget. The verdicts."""
+    verdicts: dict = {}
+    confined = {name: r["memory"] for name, r in results.items() if r.get("memory", {}).get("cgroup")}
+    for name, r in results.items():
+        memory = r.get("memory") or {"note": "not measured"}
+        if memory.get("cgroup") is None:
+            say(f"  memory {name:<12} {memory.get('note', 'not confined')}")
+            continue
+        peak = memory["peak_bytes"]
+        say(
+            f"  memory {name:<12} limit {memory['limit_bytes'] / MIB:8.0f} MiB (baseline "
+            f"{memory['baseline_bytes'] / MIB:.0f} + budget {memory['budget_bytes'] / MIB:.0f} + headroom "
+            f"{memory['headroom_bytes'] / MIB:.0f}), peak {fmt(peak / MIB if peak is not None else None, '.0f')} MiB, "
+            f"OOM kills {memory['oom_kills']}"
+        )
+    if confined:
+        verdicts["every_system_confined"] = sorted(confined) == sorted(results)
+        verdicts["oom_kills"] = {name: m["oom_kills"] for name, m in confined.items()}
+    if "accelerate" in results:
+        read = results["accelerate"].get("bytes_per_token") or 0.0
+        verdict = "PASS" if read > 0 else "FAIL"
+        verdicts["accelerate_reads_storage"] = {"bytes_per_token": read, "verdict": verdict}
+        say(
+            f"accelerate read {read / MIB:.2f} MiB per token from storage (must be > 0: held to its budget) {verdict}"
+        )
+    return verdicts
+
+
 def print_disk_time(results: dict, store_reads: dict) -> None:
     """Each daemon-backed system's disk time per token (``add_disk_time``) and its share of the
     system's p50."""

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.confine import Confinement  # noqa: E402
 from bench.report import MIB, say  # noqa: E402
 from bench.usage import ask_line_process, end_line_process, record_answer  # noqa: E402
 
@@ -413,8 +414,12 @@ class LlamaCppSystem:
         tokens: int,
         prompt: tuple[int, ...],
         root: Path | None = None,
+        memory: Confinement | None = None,
     ) -> None:
+        """``memory``: the cgroup it runs in, its budget the GGUF's bytes (mapped, and paged in
+        by the warm-up request)."""
         self.tokens, self.prompt, self.gguf, self.summary = tokens, prompt, gguf, summary
+        self.memory = memory or Confinement(SYSTEM, enabled=False)
         self.threads = threads
         say(
             f"[{SYSTEM}] {gguf.name} by llama.cpp (llama-cpp-python {VERSION}'s), CPU, {threads} thread(s), "
@@ -428,8 +433,10 @@ class LlamaCppSystem:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            preexec_fn=self.memory.preexec,
         )
         hello = self._read()
+        self.memory.limit(summary["file_bytes"])
         self.system_info = hello.get("system_info", "")
         self.latencies: list[float] = []
         self.first_token: list[float] = []
@@ -469,11 +476,13 @@ class LlamaCppSystem:
             "threads": self.threads,
             "system_info": self.system_info,
             "llama_cpp_python": VERSION,
+            "memory": self.memory.report(),
         }
 
     def stop(self, dump_logs: bool = False) -> None:
         del dump_logs
         end_line_process(self.proc)
+        self.memory.remove()
 
 
 # -- reporting -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.confine import Confinement  # noqa: E402
 from bench.usage import ask_line_process, end_line_process, record_answer  # noqa: E402
 
 
@@ -113,9 +114,12 @@ class TransformersSystem:
         tokens: int,
         prompt: tuple[int, ...],
         dtype: str = "bfloat16",
+        memory: Confinement | None = None,
     ) -> None:
         """``dtype``: what the child computes in (the benchmarks' system: bfloat16, as the
-        checkpoint is; ``bench.llama_cpp``'s greedy check also runs float32)."""
+        checkpoint is; ``bench.llama_cpp``'s greedy check also runs float32). ``memory``: the
+        cgroup it runs in, limited once the model is loaded (every expert in memory)."""
+        self.memory = memory or Confinement(self.system, enabled=False)
         self.tokens, self.prompt = tokens, prompt
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(
@@ -136,8 +140,10 @@ class TransformersSystem:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=self.memory.preexec,
         )
         hello = self._read()
+        self.memory.limit(0)  # loaded: every expert is in its baseline
         self.experts_implementation = hello.get("experts_implementation")
         self.latencies: list[float] = []
         self.first_token: list[float] = []
@@ -170,11 +176,13 @@ class TransformersSystem:
             "cpu_s_per_token": {"transformers": self.cpu_s / max(1, self.generated)},
             "experts_implementation": self.experts_implementation,
             "greedy_tokens": getattr(self, "reference", {}).get("tokens", []),
+            "memory": self.memory.report(),
         }
 
     def stop(self, dump_logs: bool = False) -> None:
         del dump_logs
         end_line_process(self.proc)
+        self.memory.remove()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from bench import llama_cpp
+from bench.confine import Confinement
 from bench.e2e_accelerate import drop_page_cache
 from bench.gpt_oss import PROMPT
 from bench.plain_transformers import TransformersSystem
@@ -41,12 +42,12 @@ def start_peer(
     system: str, checkpoint: Path, gguf: tuple | None, args: argparse.Namespace
 ) -> TransformersSystem | llama_cpp.LlamaCppSystem:
     """One of ``PEERS`` on ``checkpoint`` (llama.cpp on its ``gguf``), ``args.tokens`` per request
-    on ``args.threads`` threads."""
+    on ``args.threads`` threads; in a memory cgroup of its own with ``args.cgroups``."""
+    memory = Confinement(system, enabled=getattr(args, "cgroups", False))
+    run = {"threads": args.threads, "tokens": args.tokens, "prompt": PROMPT, "memory": memory}
     if system == "transformers":
-        return TransformersSystem(
-            checkpoint, device=args.device, threads=args.threads, tokens=args.tokens, prompt=PROMPT
-        )
-    return llama_cpp.LlamaCppSystem(*gguf, threads=args.threads, tokens=args.tokens, prompt=PROMPT)
+        return TransformersSystem(checkpoint, device=args.device, **run)
+    return llama_cpp.LlamaCppSystem(*gguf, **run)
 
 
 @contextmanager
@@ -173,6 +174,8 @@ class ProcessSystem:
         named ``label`` (default ``system``) in what is printed and in its request ids."""
         self.system, self.args = system, args
         self.label = label or system
+        # Daemon and compute in one memory cgroup (bench.e2e --cgroups), held to the budget.
+        self.memory = Confinement(self.label, enabled=getattr(args, "cgroups", False))
         ours = system in ("ours", "ours-transitions", "ours-resident")
         # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
         self.resident = system in ("resident", "ours-resident")
@@ -224,6 +227,7 @@ class ProcessSystem:
             host_budget_bytes=self.host_bytes,
             extra=daemon_extra,
             checkout=checkout,
+            cgroup=self.memory.cgroup,
         )
         self.compute = None
         try:
@@ -234,9 +238,11 @@ class ProcessSystem:
                 extra=compute_extra,
                 module="replay.forced_compute",
                 checkout=checkout,
+                cgroup=self.memory.cgroup,
             )
             drop_page_cache([store / manifest.dense_file])  # read once by compute at start-up
             self.io_mode = get_stats(self.daemon.address).store_io_mode
+            self.memory.limit(self.device_bytes + self.host_bytes)  # idle now: its baseline
         except BaseException:
             self.stop(dump_logs=True)
             raise
@@ -347,6 +353,7 @@ class ProcessSystem:
             "host_bytes": self.host_bytes,
             "policy": after.config.eviction_policy,
             "prefetch_on": after.config.prefetch,
+            "memory": self.memory.report(),
         }
 
     def stop(self, dump_logs: bool = False) -> None:
@@ -362,6 +369,7 @@ class ProcessSystem:
         if self.daemon is not None:
             self.daemon.stop()
             self.daemon = None
+        self.memory.remove()
 
 
 def measure_link(manifest: StoreManifest, device: str, copies: int = 64) -> dict:

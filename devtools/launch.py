@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devtools.memory_cgroup import MemoryCgroup
 from expertcache.paths import MAX_DAEMON_SOCKET_PATH_BYTES, RUNTIME_DIR, ensure_private_dir
 
 REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run from here
@@ -150,20 +151,25 @@ def start(
     credentials: grpc.ChannelCredentials | None = None,
     checkout: Path | None = None,
     open_files: int | None = None,
+    cgroup: MemoryCgroup | None = None,
 ) -> Proc:
     """``python -m module args`` from this checkout, or from ``checkout`` (another one, with its
     own ``.venv``: a benchmark's baseline), waited on until healthy at ``address``;
-    ``open_files``: the process's limit on open descriptors (``ulimit -n``)."""
+    ``open_files``: the process's limit on open descriptors (``ulimit -n``); ``cgroup``: the
+    memory cgroup it runs in from its first instruction on."""
     python, cwd = (sys.executable, REPO) if checkout is None else (checkout_python(checkout), Path(checkout))
     log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    limit = None
-    if open_files is not None:
+    preexec = None
+    if open_files is not None or cgroup is not None:
 
-        def limit() -> None:
-            resource.setrlimit(
-                resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-            )
+        def preexec() -> None:
+            if open_files is not None:
+                resource.setrlimit(
+                    resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+                )
+            if cgroup is not None:
+                cgroup.enter()
 
     popen = subprocess.Popen(
         [str(python), "-m", module, *args],
@@ -171,7 +177,7 @@ def start(
         stderr=subprocess.STDOUT,
         cwd=cwd,
         env=full_env,
-        preexec_fn=limit,
+        preexec_fn=preexec,
     )
     try:
         wait_healthy(address, popen, log_path, credentials=credentials)
@@ -191,6 +197,7 @@ def start_daemon(
     host_budget_bytes: int = 0,
     extra: list[str] | None = None,
     checkout: Path | None = None,
+    cgroup: MemoryCgroup | None = None,
 ) -> Proc:
     """``python -m cache_daemon`` on ``work_dir/daemon.sock`` (``daemon_socket_path``). ``device`` (``cpu``, ``cuda``,
     ``cuda:<n>`` or ``auto``) is required: the daemon's own default, ``auto``, takes a GPU
@@ -211,7 +218,9 @@ def start_daemon(
     ]
     owned = sock.parent if sock.parent != work_dir else None
     try:
-        proc = start("cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log", checkout=checkout)
+        proc = start(
+            "cache_daemon", args, f"unix://{sock}", work_dir / "daemon.log", checkout=checkout, cgroup=cgroup
+        )
     except BaseException:
         if owned is not None:
             shutil.rmtree(owned, ignore_errors=True)
@@ -231,6 +240,7 @@ def start_compute(
     module: str = "compute_svc",
     checkout: Path | None = None,
     open_files: int | None = None,
+    cgroup: MemoryCgroup | None = None,
 ) -> Proc:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -251,6 +261,7 @@ def start_compute(
         credentials=credentials,
         checkout=checkout,
         open_files=open_files,
+        cgroup=cgroup,
     )
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from bench import e2e
 from devtools.launch import REPO
+from devtools.memory_cgroup import MemoryCgroup
 from tests.procs import start_daemon
 
 pytestmark = pytest.mark.integration
@@ -129,7 +130,26 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
         "ours_bytes_vs_bf16",
         "belady_share",
         "resident_vs_transformers",
+        "memory",
     }
+    # Every system in a memory cgroup of its own, held to its budget, where this machine can make
+    # one (root, a memory controller); said so in each system's report where it cannot.
+    confined = MemoryCgroup.make("smoke-probe")[0]
+    for name, r in systems.items():
+        memory = r["memory"]
+        if confined is None:
+            assert memory["cgroup"] is None and "no memory cgroup" in memory["note"]
+            continue
+        assert memory["oom_kills"] == 0 and 0 < memory["peak_bytes"] <= memory["limit_bytes"], (name, memory)
+        assert (
+            memory["limit_bytes"]
+            == memory["baseline_bytes"] + memory["budget_bytes"] + memory["headroom_bytes"]
+        )
+    if confined is not None:
+        confined.remove()
+        assert report["verdicts"]["memory"]["every_system_confined"]
+        assert systems["ours"]["memory"]["budget_bytes"] == report["budget_bytes"]  # arena + host tier
+    assert report["verdicts"]["memory"]["accelerate_reads_storage"]["verdict"] == "PASS"
     # The same routing simulated (bench.e2e_reference): trace requests 5..8, the slots of the
     # budget; the simulated LRU loads what the real one did, Belady fewer. At this shape the
     # cpu-e2e timing model is not calibrated: bytes only.
