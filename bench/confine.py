@@ -2,8 +2,9 @@
 their own (``devtools.memory_cgroup``) from their first instruction on, page cache included.
 
 The limit is measured, not guessed: once a system is up and idle (imports done, dense weights
-loaded, no expert cached yet) its group's usage is its own baseline; the limit is that baseline
-+ the system's expert budget + ``HEADROOM_BYTES`` for what requests allocate while they run.
+loaded, no expert cached yet) its group's usage, less the shared memory of its tiers, is its own
+baseline; the limit is that baseline + the system's expert budget + ``HEADROOM_BYTES`` for what
+requests allocate while they run.
 A process that loads per run (Accelerate, whose loading streams every weight through memory)
 limits its own group once loaded, to its anonymous memory then (its baseline + the weights it
 keeps) + headroom. Where no cgroup can be made the run goes on without, and says so.
@@ -42,14 +43,16 @@ class Confinement:
     def preexec(self):
         return self.enter if self.cgroup is not None else None
 
-    def limit(self, budget_bytes: int, baseline_bytes: int | None = None) -> None:
-        """Hold the group to its baseline (``baseline_bytes``, or what it uses now: the system
-        idle) + ``budget_bytes`` + ``HEADROOM_BYTES``, and print it."""
+    def limit(self, budget_bytes: int, budget_kinds: tuple[str, ...] = ("shmem",)) -> None:
+        """Hold the group to its baseline (what it uses now, the system idle, but for the kinds of
+        memory that are the budget's: ``budget_kinds`` of ``memory.stat``, by default shared
+        memory, the tiers' memfd pages allocated up front) + ``budget_bytes`` +
+        ``HEADROOM_BYTES``, and print it."""
         if self.cgroup is None:
             if self.wanted:
                 say(f"[{self.label}] memory: {self.note}; it runs without")
             return
-        self.baseline_bytes = self.cgroup.usage_bytes if baseline_bytes is None else baseline_bytes
+        self.baseline_bytes = self.cgroup.usage_bytes - sum(self.cgroup.stat(k) for k in budget_kinds)
         self.budget_bytes = budget_bytes
         limit = self.baseline_bytes + budget_bytes + HEADROOM_BYTES
         self.cgroup.set_limit(limit)

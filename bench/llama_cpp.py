@@ -436,7 +436,7 @@ class LlamaCppSystem:
             preexec_fn=self.memory.preexec,
         )
         hello = self._read()
-        self.memory.limit(summary["file_bytes"])
+        self.memory.limit(summary["file_bytes"], ("shmem", "mapped_file"))  # the GGUF mapped so far
         self.system_info = hello.get("system_info", "")
         self.latencies: list[float] = []
         self.first_token: list[float] = []

@@ -97,15 +97,18 @@ class MemoryCgroup:
         peak = self._file("peak")
         return int(peak.read_text()) if peak.is_file() else None
 
-    @property
-    def anon_bytes(self) -> int:
-        """Anonymous memory charged to the group (the processes' own, without page cache)."""
-        key = "rss" if self.version == 1 else "anon"
+    def stat(self, key: str) -> int:
+        """One figure of the group's ``memory.stat`` (bytes)."""
         for line in (self.path / "memory.stat").read_text().splitlines():
             name, _, value = line.partition(" ")
             if name == key:
                 return int(value)
         raise ValueError(f"{self.path / 'memory.stat'} has no {key!r}")
+
+    @property
+    def anon_bytes(self) -> int:
+        """Anonymous memory charged to the group (the processes' own, without page cache)."""
+        return self.stat("rss" if self.version == 1 else "anon")
 
     @classmethod
     def of_process(cls, pid: int | str = "self") -> MemoryCgroup | None:

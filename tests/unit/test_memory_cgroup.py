@@ -31,14 +31,24 @@ def test_a_v1_group_reads_and_writes_its_files(tmp_path):
         ("memory.max_usage_in_bytes", "2097152\n"),
         ("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"),
         ("cgroup.procs", ""),
+        ("memory.stat", "cache 4096\nrss 8192\nshmem 12288\n"),
     ):
         (group.path / name).write_text(text)
     assert (group.usage_bytes, group.peak_bytes, group.oom_kills) == (MIB, 2 * MIB, 3)
+    assert (group.anon_bytes, group.stat("shmem")) == (8192, 12288)
+    with pytest.raises(ValueError, match="no 'swap'"):
+        group.stat("swap")
     group.set_limit(5 * MIB)
     assert group.limit_bytes == 5 * MIB
     group.add(1234)
     assert group.pids() == [1234]
-    for name in ("memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control", "cgroup.procs"):
+    for name in (
+        "memory.usage_in_bytes",
+        "memory.max_usage_in_bytes",
+        "memory.oom_control",
+        "cgroup.procs",
+        "memory.stat",
+    ):
         (group.path / name).unlink()
     (group.path / "memory.limit_in_bytes").unlink()
     group.remove()
