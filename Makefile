@@ -22,7 +22,7 @@ BUILD_INPUTS := CMakeLists.txt pyproject.toml $(shell find csrc proto -type f 2>
 OPTIONAL_FOUND := $(wildcard /usr/include/liburing.h /usr/include/isa-l/crc.h $(shell command -v nvcc 2>/dev/null))
 
 .PHONY: install native gen-proto wheel lint test test-unit test-integration test-soak demo clean helm test-deploy values-schema \
-        llama-cpp bench-predict bench-io bench-decode bench-kernels bench-replay bench-e2e bench-serve bench-load bench-overhead bench-hostile bench
+        llama-cpp bench-predict bench-io bench-decode bench-kernels bench-replay bench-e2e bench-sweep bench-serve bench-load bench-overhead bench-hostile bench
 
 install: $(STAMP)
 
@@ -184,6 +184,13 @@ bench-e2e: install
 	-@$(MAKE) --no-print-directory llama-cpp || echo "make llama-cpp failed: bench.e2e runs without llama.cpp"
 	$(PY) -m bench.e2e --precision bf16 --out bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
 	$(PY) -m bench.e2e --precision $(BENCH_E2E_PRECISION) --compare-with bench/results/e2e-bf16.json $(BENCH_E2E_ARGS)
+
+# Budget sweep: ours vs lru with MXFP4 experts at 10%, 25% and 50% of the experts' bytes, one
+# whole bench.e2e run per share (each in memory cgroups); writes bench/results/e2e-sweep.json and
+# .png, each share's run beside them.
+BENCH_SWEEP_SHARES ?= 0.1,0.25,0.5
+bench-sweep: install
+	$(PY) -m bench.e2e --precision mxfp4 --systems ours,lru --budget-share $(BENCH_SWEEP_SHARES) --out bench/results/e2e-sweep.json $(BENCH_SWEEP_ARGS)
 
 # The fixed costs of serving through the cache: ours (every expert resident; and LRU with 25% in
 # the arena, every expert in a host tier) beside plain transformers, at arithmetic-free sizes

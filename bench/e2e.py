@@ -118,6 +118,7 @@ from bench.e2e_report import (  # noqa: E402
     print_tiers_and_ceilings,
     write_e2e_png,
 )
+from bench.e2e_sweep import parse_shares, run_sweep  # noqa: E402
 from bench.e2e_tracing import tracing_costs  # noqa: E402
 from bench.gpt_oss import DEFAULT_TRACE, PROMPT, add_model_arguments, build_from_args, use_torch_threads  # noqa: E402
 from bench.io_bench import random_expert_reads  # noqa: E402
@@ -318,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerate-requests", type=int, default=1)
     parser.add_argument(
         "--budget-share",
-        type=float,
-        default=0.25,
-        help="expert memory budget of every system, as a share of the expert total in encoded bytes",
+        default="0.25",
+        help="expert memory budget of every system, as a share of the expert total in encoded bytes; "
+        "a comma-separated list (0.1,0.25,0.5) runs the benchmark at each and prints ours vs lru per share",
     )
     parser.add_argument(
         "--budget-mib",
@@ -401,6 +402,16 @@ def main(argv: list[str] | None = None) -> int:
         "sampling (OTLP/gRPC to an in-process receiver); prints the per-token p50 of each",
     )
     args = parser.parse_args(argv)
+    try:
+        shares = parse_shares(args.budget_share)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len(shares) > 1:
+        if args.budget_mib is not None:
+            parser.error("--budget-mib fixes one budget: it cannot go with a list of --budget-share")
+        # Each run takes the sweep's own arguments; its --budget-share and --out come last (and win).
+        return run_sweep(list(sys.argv[1:] if argv is None else argv), shares, args.out, main)
+    args.budget_share = shares[0]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS))
     if unknown or not systems:
@@ -419,8 +430,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--host-share {args.host_share} is out of range [0, 1)")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
-    if not 0.0 < args.budget_share <= 1.0:
-        parser.error(f"--budget-share {args.budget_share} is out of range (0, 1]")
     baseline = None
     if args.compare_with is not None:
         try:
