@@ -56,6 +56,7 @@ class Confinement:
         self.budget_bytes = budget_bytes
         limit = self.baseline_bytes + budget_bytes + HEADROOM_BYTES
         self.cgroup.set_limit(limit)
+        self.cgroup.reset_peak()  # the peak reported is the one under the limit (not the loading's)
         say(
             f"[{self.label}] memory: {self.note}, limit {limit / MIB:.0f} MiB = baseline "
             f"{self.baseline_bytes / MIB:.0f} + budget {budget_bytes / MIB:.0f} + headroom {HEADROOM_BYTES / MIB:.0f}"
