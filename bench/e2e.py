@@ -1,7 +1,7 @@
 """End-to-end decode latency: ours vs plain LRU on-demand vs HF Accelerate, same memory budget.
 
     python -m bench.e2e [--precision mxfp4] [--tokens 96] [--requests 3] [--repeats 1] ...
-                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate,llama.cpp]
+                        [--budget-share 0.25] [--systems ours,lru,resident,accelerate,llama.cpp,...]
                         [--compare-with bench/results/e2e-bf16.json]
     make bench-e2e [BENCH_E2E_ARGS="--tokens 96"]   # a bf16 run, then an mxfp4 run printed beside it
 
@@ -39,6 +39,14 @@ MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
    p50 and p99, its GGUF's bytes beside the store's, resident / llama.cpp in per-token p50, and
    its first ``--check-tokens`` greedy tokens against transformers' on the same checkpoint (or
    why they cannot agree).
+7. llama.cpp-budget: the same GGUF and build held to the experts' budget of the others, as a
+   user without the memory for the model runs it: its weights used where the GGUF is mapped (no
+   repacked copy in anonymous memory), in a memory cgroup of the GGUF's dense bytes + the budget
+   (+ its idle baseline and the headroom), so that experts beyond the budget are paged in from the
+   file as its own router picks them (random weights: no skew in its routing, unlike the trace
+   ours and lru are forced to). Its GGUF leaves the page cache before it starts. Printed: its
+   p50 and p99, the MiB read from storage per token (/proc/PID/io), and ours against it (goal
+   ours >= 2x).
 
 Interleaved: every system's daemon and compute are up at once, and they take turns request by
 request (ours, lru, resident, ours, ...; accelerate, a process per run, once per repeat), the
@@ -151,7 +159,7 @@ from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 RESULTS = RESULTS_DIR / "e2e.json"
 # resident: every expert fits (the compute-bound floor of this machine); a warm-up request, not
 # measured, loads them first.
-SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate", llama_cpp.SYSTEM)
+SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate", *llama_cpp.SYSTEMS)
 # ours with the routing transitions in place of the learned next-visit model (the daemon without
 # a next_visit_model file): what the model is worth, side by side in one run.
 EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions",)
@@ -318,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--accelerate-requests", type=int, default=1)
     parser.add_argument(
+        "--llama-budget-tokens",
+        type=int,
+        default=24,
+        help="tokens per request for llama.cpp-budget (it pages its GGUF from the disk: about a second a token here)",
+    )
+    parser.add_argument(
         "--budget-share",
         default="0.25",
         help="expert memory budget of every system, as a share of the expert total in encoded bytes; "
@@ -424,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--layer-ahead-depth must be in [1, 64] (0: compute's default), got {args.layer_ahead_depth}"
         )
+    if not 2 <= args.llama_budget_tokens <= 100_000:
+        parser.error(f"--llama-budget-tokens must be in [2, 100000], got {args.llama_budget_tokens}")
     if args.repeats < 1 or args.requests < 1:
         parser.error(f"--repeats and --requests must be >= 1, got {args.repeats} and {args.requests}")
     if args.host_share is not None and not 0.0 <= args.host_share < 1.0:
@@ -492,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"[transformers] {checkpoint} loaded by transformers on {args.device}, every expert in memory"
                     )
                 if system in PEERS:
-                    started_systems[system] = start_peer(system, checkpoint, gguf, args)
+                    started_systems[system] = start_peer(system, checkpoint, gguf, args, budget)
                 elif system != "accelerate":
                     proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
                     started_systems[system] = proc
@@ -570,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved": True,
         "tokens": args.tokens,
         "accelerate_tokens": args.accelerate_tokens,
+        "llama_budget_tokens": args.llama_budget_tokens,
         "layer_ahead_accuracy_modelled": args.layer_ahead_accuracy,
         "layer_ahead_depth": args.layer_ahead_depth or ComputeConfig().layer_ahead_depth,
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "

@@ -56,6 +56,10 @@ from bench.report import MIB, say  # noqa: E402
 from bench.usage import ask_line_process, end_line_process, record_answer  # noqa: E402
 
 SYSTEM = "llama.cpp"
+# The same GGUF run by llama.cpp from its memory map (no repacked copy), held to the experts'
+# budget of the cache's systems: it pages experts in from the file as its routers pick them.
+BUDGETED = "llama.cpp-budget"
+SYSTEMS = (SYSTEM, BUDGETED)
 VERSION = "0.3.36"  # llama-cpp-python's sdist
 DEFAULT_DIR = REPO / ".tools" / "llama.cpp"
 DIR_ENV = "EXPERTCACHE_LLAMA_CPP_DIR"
@@ -159,14 +163,14 @@ def status(root: Path | None = None) -> str | None:
 
 
 def choose(systems: list[str], root: Path | None = None) -> tuple[list[str], str | None]:
-    """``systems`` as they can run: without llama.cpp where it cannot (with the line that says
-    why), unchanged otherwise (None)."""
-    if SYSTEM not in systems:
+    """``systems`` as they can run: without llama.cpp (``SYSTEMS``) where it cannot (with the line
+    that says why), unchanged otherwise (None)."""
+    if not set(SYSTEMS) & set(systems):
         return systems, None
     reason = status(root)
     if reason is None:
         return systems, None
-    return [s for s in systems if s != SYSTEM], f"{SYSTEM}: not run: {reason}"
+    return [s for s in systems if s not in SYSTEMS], f"{SYSTEM}: not run: {reason}"
 
 
 # -- building ----------------------------------------------------------------------------------------
@@ -399,11 +403,25 @@ def bytes_line(summary: dict, store_bytes: int, store_expert_bytes: int) -> str:
 # -- running -------------------------------------------------------------------------------------
 
 
+def read_ahead_text(path: Path) -> str:
+    """The read-ahead of the block device holding ``path`` (what a page fault on a mapped file
+    reads around the page), as the kernel sets it, or why it is not known."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return "not known"
+    queue = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for candidate in (queue / "queue" / "read_ahead_kb", queue / ".." / "queue" / "read_ahead_kb"):
+        try:
+            return f"{int(candidate.read_text())} KiB ({candidate.resolve().parent.parent.name})"
+        except (OSError, ValueError):
+            continue
+    return "not known"
+
+
 class LlamaCppSystem:
     """llama.cpp's driver on the GGUF, started once and kept up; ``measure`` runs one request in
     it. The interface of ``bench.systems.ProcessSystem`` (begin / measure / finish / stop)."""
-
-    system = SYSTEM
 
     def __init__(
         self,
@@ -415,20 +433,36 @@ class LlamaCppSystem:
         prompt: tuple[int, ...],
         root: Path | None = None,
         memory: Confinement | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
-        """``memory``: the cgroup it runs in, its budget the GGUF's bytes (mapped, and paged in
-        by the warm-up request)."""
+        """``memory``: the cgroup it runs in. Its budget is the GGUF's bytes (repacked into
+        memory at load, or mapped and paged in by the warm-up request); with ``budget_bytes``
+        (``BUDGETED``) the GGUF's dense bytes + ``budget_bytes`` of experts, the weights used
+        where they are mapped, so that the experts beyond it are paged in from the file."""
+        self.system = SYSTEM if budget_bytes is None else BUDGETED
         self.tokens, self.prompt, self.gguf, self.summary = tokens, prompt, gguf, summary
-        self.memory = memory or Confinement(SYSTEM, enabled=False)
+        self.memory = memory or Confinement(self.system, enabled=False)
         self.threads = threads
+        if budget_bytes is None:
+            how = "every expert in memory (mmap, paged in by a warm-up request)"
+            budget = summary["file_bytes"]
+        else:
+            dense = summary["file_bytes"] - summary["expert_bytes"]
+            how = (
+                f"from its memory map (no repacking), held to the GGUF's dense {dense / MIB:.1f} MiB + the "
+                f"experts' budget {budget_bytes / MIB:.0f} MiB: experts beyond it page in from the file "
+                f"(read-ahead per fault: {read_ahead_text(gguf)}), {tokens} tokens a request"
+            )
+            budget = dense + budget_bytes
         say(
-            f"[{SYSTEM}] {gguf.name} by llama.cpp (llama-cpp-python {VERSION}'s), CPU, {threads} thread(s), "
-            "every expert in memory (mmap, paged in by a warm-up request), greedy, its own router"
+            f"[{self.system}] {gguf.name} by llama.cpp (llama-cpp-python {VERSION}'s), CPU, {threads} thread(s), "
+            f"{how}, greedy, its own router"
         )
         n_ctx = -(-(len(prompt) + tokens) // 256) * 256
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        cmd = [str(paths(root).driver), str(gguf), str(threads), str(n_ctx)]
         self.proc = subprocess.Popen(
-            [str(paths(root).driver), str(gguf), str(threads), str(n_ctx)],
+            cmd if budget_bytes is None else [*cmd, "mapped"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -436,13 +470,14 @@ class LlamaCppSystem:
             preexec_fn=self.memory.preexec,
         )
         hello = self._read()
-        self.memory.limit(summary["file_bytes"], ("shmem", "mapped_file"))  # the GGUF mapped so far
+        self.memory.limit(budget, ("shmem", "mapped_file"))  # the GGUF mapped so far is the budget's
         self.system_info = hello.get("system_info", "")
         self.latencies: list[float] = []
         self.first_token: list[float] = []
         self.by_repeat: dict[int, list[float]] = {}
         self.picked: list[list[int]] = []
         self.cpu_s, self.generated = 0.0, 0
+        self.read_bytes = 0
 
     def _read(self) -> dict:
         return ask_line_process(self.proc, None, "the llama.cpp driver")
@@ -453,20 +488,33 @@ class LlamaCppSystem:
 
     def begin(self) -> None:
         self.picked.append(self.generate()["tokens"])  # warm-up, not measured (pages the GGUF in)
-        self.cpu_s, self.generated = 0.0, 0
+        self.cpu_s, self.generated, self.read_bytes = 0.0, 0, 0
 
     def measure(self, repeat: int, r: int) -> None:
         del r
+        before = self._read_bytes()
         got = self.generate()
         record_answer(self, got, repeat)
         self.picked.append(got["tokens"])
+        self.read_bytes += self._read_bytes() - before
+
+    def _read_bytes(self) -> int:
+        """The bytes the driver has had read from storage (``read_bytes`` of /proc/PID/io: its
+        page faults on the mapped GGUF and their readahead); 0 where the kernel does not say."""
+        try:
+            with open(f"/proc/{self.proc.pid}/io") as f:
+                return next((int(line.split()[1]) for line in f if line.startswith("read_bytes:")), 0)
+        except OSError:
+            return 0
 
     def finish(self) -> dict:
         return {
             "latencies_s": self.latencies,
             "latencies_by_repeat_s": [self.by_repeat[k] for k in sorted(self.by_repeat)],
             "first_token_s": self.first_token,
-            "cpu_s_per_token": {SYSTEM: self.cpu_s / max(1, self.generated)},
+            "cpu_s_per_token": {self.system: self.cpu_s / max(1, self.generated)},
+            # read from storage per generated token (the prompt's included): the paging of the GGUF
+            "bytes_per_token": self.read_bytes / max(1, self.generated),
             "greedy_tokens": self.picked[0] if self.picked else [],
             "same_tokens_every_request": all(p == self.picked[0] for p in self.picked),
             "gguf": str(self.gguf),
@@ -586,15 +634,20 @@ def report(results: dict, *, precision: str, references: dict | None, check_toke
     and its greedy tokens against transformers'. Adds ``p50_ms`` / ``p99_ms`` to its entry."""
     from bench.stats import repeat_ratios, spread_text
 
-    r = results[SYSTEM]
-    r["p50_ms"] = r["p50_s"] * 1e3 if r.get("p50_s") is not None else None
-    r["p99_ms"] = r["p99_s"] * 1e3 if r.get("p99_s") is not None else None
     out: dict = {}
-    say(
-        f"{SYSTEM}: per-token p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms over {r['tokens']} decode tokens "
-        f"({r['threads']} thread(s), CPU {r['cpu_s_per_token'][SYSTEM] * 1e3:.1f} ms per token); GGUF "
-        f"{r['gguf_bytes'] / MIB:.1f} MiB"
-    )
+    for system in SYSTEMS:
+        if system in results:
+            r = results[system]
+            r["p50_ms"] = r["p50_s"] * 1e3 if r.get("p50_s") is not None else None
+            r["p99_ms"] = r["p99_s"] * 1e3 if r.get("p99_s") is not None else None
+            say(
+                f"{system}: per-token p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms over {r['tokens']} decode "
+                f"tokens ({r['threads']} thread(s), CPU {r['cpu_s_per_token'][system] * 1e3:.1f} ms per token); "
+                f"GGUF {r['gguf_bytes'] / MIB:.1f} MiB"
+            )
+    if SYSTEM not in results:
+        return out
+    r = results[SYSTEM]
     if "resident" in results and r.get("p50_s") and results["resident"].get("p50_s"):
         value = results["resident"]["p50_s"] / r["p50_s"]
         per = repeat_ratios(results["resident"], r)
@@ -631,13 +684,13 @@ def convert_or_drop(
     """The GGUF of ``checkpoint`` when llama.cpp is among ``systems`` (its bytes printed beside the
     store's); where it cannot be converted, one line says why and llama.cpp leaves ``systems``
     (a parser error when nothing is left)."""
-    if SYSTEM not in systems:
+    if not set(SYSTEMS) & set(systems):
         return None
     try:
         gguf = convert(checkpoint, precision)
     except Unavailable as exc:
         say(f"{SYSTEM}: not run: {exc}")
-        systems.remove(SYSTEM)
+        systems[:] = [s for s in systems if s not in SYSTEMS]
         if not systems:
             parser.error(f"--systems {args.systems!r}: nothing left to run without {SYSTEM}")
         return None
@@ -659,7 +712,7 @@ def check_and_report(
     """``report``, with transformers' greedy tokens made first when ``check_tokens`` asks for them
     (``references``; ``have``: the benchmark's own transformers' answer, where it ran)."""
     refs = None
-    if check_tokens:
+    if check_tokens and SYSTEM in results:
         refs = references(
             checkpoint, have, device=device, threads=threads, tokens=check_tokens, prompt=prompt
         )

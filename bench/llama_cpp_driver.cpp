@@ -8,7 +8,11 @@
 // previous token and the pick of the next), timed one by one; tokens: every token picked, the
 // first included; cpu_s: the process's CPU seconds over the request.
 //
-//   expertcache-llama-driver MODEL.gguf THREADS N_CTX
+//   expertcache-llama-driver MODEL.gguf THREADS N_CTX [mapped]
+//
+// With "mapped" the weights are used where the GGUF is memory-mapped (no repacked copies in
+// anonymous memory): held to less memory than the model, llama.cpp then pages its experts in from
+// the file as the routers pick them, which is what it does for a user without the RAM to hold them.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -46,8 +50,9 @@ static int pick(llama_context* ctx, int n_vocab) {
 }
 
 int main(int argc, char** argv) {
-    if (argc != 4) {
-        std::fprintf(stderr, "usage: %s MODEL.gguf THREADS N_CTX\n", argv[0]);
+    const bool mapped = argc == 5 && std::string(argv[4]) == "mapped";
+    if (argc != 4 && !mapped) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf THREADS N_CTX [mapped]\n", argv[0]);
         return 2;
     }
     const int threads = std::atoi(argv[2]);
@@ -59,6 +64,10 @@ int main(int argc, char** argv) {
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = 0;
     mparams.progress_callback = [](float, void*) { return true; };  // no progress dots
+    if (mapped) {
+        mparams.load_mode = LLAMA_LOAD_MODE_MMAP;  // pages of the file, reclaimable under a limit
+        mparams.use_extra_bufts = false;           // no repacked copy of the weights
+    }
     llama_model* model = llama_model_load_from_file(argv[1], mparams);
     if (model == nullptr) {
         std::fprintf(stderr, "llama.cpp could not load %s\n", argv[1]);

@@ -29,7 +29,7 @@ from devtools.launch import start_compute, start_daemon
 from expertcache.manifest import StoreManifest
 
 # The systems that run in a process of their own beside the daemon's, every expert in memory.
-PEERS = ("transformers", llama_cpp.SYSTEM)
+PEERS = ("transformers", *llama_cpp.SYSTEMS)
 
 
 def rotation(systems: list[str], repeat: int) -> list[str]:
@@ -39,14 +39,26 @@ def rotation(systems: list[str], repeat: int) -> list[str]:
 
 
 def start_peer(
-    system: str, checkpoint: Path, gguf: tuple | None, args: argparse.Namespace
+    system: str,
+    checkpoint: Path,
+    gguf: tuple | None,
+    args: argparse.Namespace,
+    budget_bytes: int | None = None,
 ) -> TransformersSystem | llama_cpp.LlamaCppSystem:
     """One of ``PEERS`` on ``checkpoint`` (llama.cpp on its ``gguf``), ``args.tokens`` per request
-    on ``args.threads`` threads; in a memory cgroup of its own with ``args.cgroups``."""
+    on ``args.threads`` threads; in a memory cgroup of its own with ``args.cgroups``. The budgeted
+    llama.cpp is held to ``budget_bytes`` of experts; its GGUF leaves the page cache first, so that
+    the pages it maps are charged to its own group (a page cached by another is charged to that one)."""
     memory = Confinement(system, enabled=getattr(args, "cgroups", False))
     run = {"threads": args.threads, "tokens": args.tokens, "prompt": PROMPT, "memory": memory}
     if system == "transformers":
         return TransformersSystem(checkpoint, device=args.device, **run)
+    if system == llama_cpp.BUDGETED:
+        if budget_bytes is None:
+            raise ValueError(f"{system} needs the experts' budget")
+        drop_page_cache([gguf[0]])
+        run["tokens"] = getattr(args, "llama_budget_tokens", args.tokens)
+        return llama_cpp.LlamaCppSystem(*gguf, budget_bytes=budget_bytes, **run)
     return llama_cpp.LlamaCppSystem(*gguf, **run)
 
 
@@ -93,7 +105,7 @@ def llama_cpp_figures(
 ) -> dict:
     """``llama_cpp.check_and_report`` where llama.cpp ran (``have``: transformers' greedy tokens),
     else nothing."""
-    if llama_cpp.SYSTEM not in results:
+    if not set(llama_cpp.SYSTEMS) & set(results):
         return {}
     return llama_cpp.check_and_report(
         results,

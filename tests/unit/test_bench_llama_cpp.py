@@ -4,12 +4,14 @@ No real build: the sdist given is not a tarball, and the benchmarks stop at the 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from bench import e2e, llama_cpp, overhead
+from bench.confine import Confinement
 from devtools.launch import REPO
 
 
@@ -122,3 +124,85 @@ def test_greedy_check_says_where_and_why_tokens_differ(capsys):
     steady = {"bfloat16": bf16, "float32": {"tokens": [5, 6, 7, 8]}}
     assert "may differ from the checkpoint" in llama_cpp.greedy_check([5, 9, 7, 8], steady, "bf16", 4)["why"]
     assert llama_cpp.greedy_check([5], None, "bf16", 4) == {"checked": False}
+
+
+FAKE_DRIVER = """#!{python}
+import json, sys
+with open({argv_file!r}, "w") as f:
+    json.dump(sys.argv[1:], f)
+print(json.dumps({{"ready": True, "n_vocab": 8, "system_info": "fake"}}), flush=True)
+for line in sys.stdin:
+    n = int(line.split()[0])
+    print(json.dumps({{"first_s": 0.01, "latencies_s": [0.002] * (n - 1), "tokens": [1] * n, "cpu_s": 0.05}}), flush=True)
+"""
+
+
+class RecordedLimit(Confinement):
+    """No cgroup: records the budget each ``limit`` was asked for."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label, enabled=False)
+        self.limits: list[tuple[int, tuple[str, ...]]] = []
+
+    def limit(self, budget_bytes: int, budget_kinds: tuple[str, ...] = ("shmem",)) -> None:
+        self.limits.append((budget_bytes, budget_kinds))
+
+
+@pytest.mark.parametrize("budget", [None, 5 << 20])
+def test_the_budgeted_llama_cpp_runs_from_its_map_held_to_the_experts_budget(tmp_path, budget):
+    argv_file = tmp_path / "argv.json"
+    driver = llama_cpp.paths(tmp_path).driver
+    driver.parent.mkdir(parents=True)
+    driver.write_text(FAKE_DRIVER.format(python=sys.executable, argv_file=str(argv_file)))
+    driver.chmod(0o755)
+    summary = {"file_bytes": 40 << 20, "expert_bytes": 32 << 20, "expert_bytes_by_type": {"MXFP4": 32 << 20}}
+    memory = RecordedLimit("x")
+    system = llama_cpp.LlamaCppSystem(
+        tmp_path / "m.gguf",
+        summary,
+        threads=1,
+        tokens=4,
+        prompt=(1, 2),
+        root=tmp_path,
+        memory=memory,
+        budget_bytes=budget,
+    )
+    try:
+        system.begin()
+        system.measure(0, 0)
+        got = system.finish()
+    finally:
+        system.stop()
+    args = json.loads(argv_file.read_text())
+    if budget is None:
+        assert system.system == llama_cpp.SYSTEM and args[-1] != "mapped"
+        assert memory.limits == [(40 << 20, ("shmem", "mapped_file"))]  # the whole GGUF
+    else:
+        assert system.system == llama_cpp.BUDGETED and args[-1] == "mapped"
+        # the GGUF's dense bytes + the experts' budget, the mapped GGUF counted as the budget's
+        assert memory.limits == [((8 << 20) + budget, ("shmem", "mapped_file"))]
+    assert list(got["cpu_s_per_token"]) == [system.system]
+    assert got["cpu_s_per_token"][system.system] == pytest.approx(0.05 / 4)
+    assert got["bytes_per_token"] >= 0 and len(got["latencies_s"]) == 3
+
+
+def test_the_budgeted_llama_cpp_needs_a_budget_and_is_judged_against_ours(tmp_path, capsys):
+    from argparse import Namespace
+
+    from bench import e2e_report, systems
+
+    args = Namespace(threads=1, tokens=4, device="cpu", cgroups=False)
+    with pytest.raises(ValueError, match="needs the experts' budget"):
+        systems.start_peer(llama_cpp.BUDGETED, tmp_path, (tmp_path / "m.gguf", {}), args)
+    assert llama_cpp.BUDGETED in e2e.SYSTEMS and llama_cpp.BUDGETED in systems.PEERS
+    assert llama_cpp.choose(["ours", llama_cpp.BUDGETED], tmp_path / "nothing")[0] == ["ours"]
+
+    def ran(p50_s: float) -> dict:
+        return {"p50_s": p50_s, "latencies_by_repeat_s": [[p50_s]]}
+
+    verdicts = e2e_report.judge({"ours": ran(0.05), llama_cpp.BUDGETED: ran(0.2)}, "mxfp4")
+    assert verdicts[f"ours_vs_{llama_cpp.BUDGETED}"]["p50_speedup"] == pytest.approx(4.0)
+    assert verdicts[f"ours_vs_{llama_cpp.BUDGETED}"]["verdict"] == "PASS"
+    assert f"ours vs {llama_cpp.BUDGETED}: 4.00x faster per token" in capsys.readouterr().out
+    verdicts = e2e_report.judge({"ours": ran(0.15), llama_cpp.BUDGETED: ran(0.2)}, "mxfp4")
+    assert verdicts[f"ours_vs_{llama_cpp.BUDGETED}"]["verdict"] == "FAIL"
