@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -216,18 +216,19 @@ class PrefetchConfig:
                 raise ValueError(f"PrefetchConfig.{name} must be in [{lo}, {hi}], got {value!r}")
 
 
-@dataclass(frozen=True, order=True)
-class Candidate:
-    """An expert the scheduler would like in the tier; ordered by (deadline, -confidence, -score):
-    ``confidence`` is its use probability at that visit, ``score`` the router's probability
-    (lookahead) or the policy's score (EAMC), which orders experts of equal confidence."""
+class Candidate(NamedTuple):
+    """An expert the scheduler would like in the tier; ordered by (deadline, -confidence, -score,
+    entry): ``confidence`` is its use probability at that visit, ``score`` the router's
+    probability (lookahead) or the policy's score (EAMC), which orders experts of equal
+    confidence. A candidate list names each entry once, so ``cls`` and ``depth`` never decide the
+    order. A tuple: a decision sorts dozens of them per routed layer, compared in C."""
 
     deadline: int  # MoE layers until its layer is visited
     neg_confidence: float
     neg_score: float
     entry: int
-    cls: PrefetchClass = field(compare=False)
-    depth: int = field(compare=False, default=0)
+    cls: PrefetchClass
+    depth: int = 0
 
     @property
     def confidence(self) -> float:
@@ -352,12 +353,13 @@ class PrefetchScheduler:
                 ok = np.flatnonzero((dist <= horizon) & (score > 0.0))
                 if self.policy.prefetch_order == "score":
                     ok = ok[np.argsort(-score[ok], kind="stable")]
-                for e in ok.tolist():
+                # Whole columns to Python at once: dozens of candidates a decision.
+                for e, d, pe, se in zip(
+                    ok.tolist(), dist[ok].tolist(), p[ok].tolist(), score[ok].tolist(), strict=True
+                ):
                     if e not in seen:
                         seen.add(e)
-                        eamc.append(
-                            Candidate(int(dist[e]), -float(p[e]), -float(score[e]), e, PrefetchClass.EAMC)
-                        )
+                        eamc.append(Candidate(d, -pe, -se, e, PrefetchClass.EAMC))
         if self.policy.prefetch_order == "score":
             out.sort()
             return out + eamc  # the policy's order for its own candidates

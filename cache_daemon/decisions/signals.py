@@ -269,12 +269,14 @@ class ActivationSignals(UseEstimates):
             sc = np.asarray(pred.scores, dtype=np.float32).reshape(-1)
             if ex.shape != sc.shape:
                 raise ValueError(f"lookahead experts {ex.shape} and scores {sc.shape} differ in length")
-            if ex.size and (ex.min() < 0 or ex.max() >= grid.num_experts):
-                raise ValueError(f"lookahead experts {ex.tolist()} outside 0..{grid.num_experts - 1}")
+            listed = ex.tolist()  # a few experts: Python's min and max beat numpy's calls here
+            if listed and (min(listed) < 0 or max(listed) >= grid.num_experts):
+                raise ValueError(f"lookahead experts {listed} outside 0..{grid.num_experts - 1}")
             if self._passed(req, int(token), layer):
                 continue
             entries = layer * grid.num_experts + ex
-            keys = entries.tolist()
+            base = layer * grid.num_experts
+            keys = [base + e for e in listed]
             buckets = req.prior_buckets(keys, cfg.long_history_weight, cfg.transition_weight > 0.0)
             la = Lookahead(int(token), int(pred.depth), entries, sc, keys, buckets)
             scoring = req.scoring.setdefault(layer, [])
