@@ -44,7 +44,9 @@ MiB per token as a fraction of that run's (goal <= 0.3 at mxfp4).
    repacked copy in anonymous memory), in a memory cgroup of the GGUF's dense bytes + the budget
    (+ its idle baseline and the headroom), so that experts beyond the budget are paged in from the
    file as its own router picks them (random weights: no skew in its routing, unlike the trace
-   ours and lru are forced to). Its GGUF leaves the page cache before it starts. Printed: its
+   ours and lru are forced to). Its GGUF leaves the page cache before it starts, and its warm-up
+   and its requests come after every other system's (at hundreds of MiB a token it would slow the
+   disk for the systems after it), ``--llama-budget-tokens`` a request. Printed: its
    p50 and p99, the MiB read from storage per token (/proc/PID/io), and ours against it (goal
    ours >= 2x).
 
@@ -514,8 +516,13 @@ def main(argv: list[str] | None = None) -> int:
                     started_systems[system] = proc
                     if not proc.io_mode.lower().startswith("o_direct"):
                         say(f"  WARNING: the daemon reads the store as {proc.io_mode!r}, not O_DIRECT")
-            for proc in started_systems.values():
-                proc.begin()
+            # llama.cpp-budget pages its GGUF from the disk, hundreds of MiB a token: it would slow
+            # the disk for whoever comes after it, so its warm-up and its turns follow everyone's.
+            last = [system for system in systems if system == llama_cpp.BUDGETED]
+            turns = [system for system in systems if system not in last]
+            for system, proc in started_systems.items():  # accelerate starts a process per run
+                if system not in last:
+                    proc.begin()
 
             def measure(system: str, repeat: int, r: int) -> None:
                 if system != "accelerate":
@@ -527,7 +534,13 @@ def main(argv: list[str] | None = None) -> int:
 
             # Interleaved: request r of every system before request r + 1 of any, the order of the
             # systems rotated each repeat, so that drift of the machine and the disk hits all alike.
-            take_turns(systems, args, measure)
+            if turns:
+                take_turns(turns, args, measure)
+            if last:
+                say(f"{', '.join(last)}: after the others (it pages from the disk they read)")
+                for system in last:
+                    started_systems[system].begin()
+                take_turns(last, args, measure)
             # transformers_answer: its greedy tokens, where it ran, for llama.cpp's
             results, transformers_answer = finish_all(started_systems)
         if accelerate_runs:
