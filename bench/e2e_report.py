@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import llama_cpp
 from bench.report import MIB, fmt, p50_bars, pyplot, save_figure, say
 from bench.stats import repeat_p50s, repeat_ratios, spread_text
 
@@ -18,7 +19,7 @@ GOAL_VS_LRU = 1.3
 # llama.cpp held to the same expert memory (its GGUF mapped, experts paged in from the file).
 GOAL_VS_LLAMA_CPP_BUDGET = 2.0
 # The systems that run without the cache (each expert in its own memory, or its own paging).
-UNCACHED = ("transformers", "llama.cpp", "llama.cpp-budget")
+UNCACHED = ("transformers", *llama_cpp.SYSTEMS)
 GOAL_BYTES_VS_LRU = 0.8  # ours' MiB read per token / LRU's
 GOAL_BYTES_VS_BF16 = 0.3  # ours' MiB read per token, mxfp4 run / bf16 run
 
@@ -210,8 +211,8 @@ def print_systems(results: dict, systems: list[str]) -> None:
             "store_io_mode",
             {
                 "accelerate": "buffered+fadvise(DONTNEED) per token",
-                "llama.cpp": "GGUF mmap, every expert in memory",
-                "llama.cpp-budget": "GGUF mmap, no repacking, paged from the file",
+                llama_cpp.SYSTEM: "GGUF mmap, every expert in memory",
+                llama_cpp.BUDGETED: "GGUF mmap, no repacking, paged from the file",
             }.get(system, "-"),
         )
         say(
@@ -304,7 +305,7 @@ def judge(results: dict, precision: str) -> dict:
         for other, goal in (
             ("accelerate", goal_accelerate),
             ("lru", GOAL_VS_LRU),
-            ("llama.cpp-budget", GOAL_VS_LLAMA_CPP_BUDGET),
+            (llama_cpp.BUDGETED, GOAL_VS_LLAMA_CPP_BUDGET),
         ):
             if other in results and results[other]["p50_s"] and results["ours"]["p50_s"]:
                 speedup = results[other]["p50_s"] / results["ours"]["p50_s"]

@@ -28,7 +28,8 @@ from bench.usage import cpu_seconds
 from devtools.launch import start_compute, start_daemon
 from expertcache.manifest import StoreManifest
 
-# The systems that run in a process of their own beside the daemon's, every expert in memory.
+# The systems that run in a process of their own beside the daemon's: every expert in memory,
+# but llama.cpp-budget (held to the experts' budget, paging its GGUF).
 PEERS = ("transformers", *llama_cpp.SYSTEMS)
 
 
@@ -57,7 +58,7 @@ def start_peer(
         if budget_bytes is None:
             raise ValueError(f"{system} needs the experts' budget")
         drop_page_cache([gguf[0]])
-        run["tokens"] = getattr(args, "llama_budget_tokens", args.tokens)
+        run["tokens"] = args.llama_budget_tokens
         return llama_cpp.LlamaCppSystem(*gguf, budget_bytes=budget_bytes, **run)
     return llama_cpp.LlamaCppSystem(*gguf, **run)
 
