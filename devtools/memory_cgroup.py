@@ -27,6 +27,8 @@ _FILES = {
     },
     2: {"usage": "memory.current", "peak": "memory.peak", "limit": "memory.max", "events": "memory.events"},
 }
+# ``memory.stat`` figures are named as v1 names them; v2 calls some of them otherwise.
+_V2_STAT = {"rss": "anon", "mapped_file": "file_mapped", "cache": "file"}
 
 
 def _version(v1_root: Path, v2_root: Path) -> int | None:
@@ -98,7 +100,10 @@ class MemoryCgroup:
         return int(peak.read_text()) if peak.is_file() else None
 
     def stat(self, key: str) -> int:
-        """One figure of the group's ``memory.stat`` (bytes)."""
+        """One figure of the group's ``memory.stat`` (bytes), named as v1 names it (``rss``,
+        ``mapped_file``, ``shmem``, ...): a v2 group answers with its own name for it."""
+        if self.version == 2:
+            key = _V2_STAT.get(key, key)
         for line in (self.path / "memory.stat").read_text().splitlines():
             name, _, value = line.partition(" ")
             if name == key:
@@ -108,7 +113,7 @@ class MemoryCgroup:
     @property
     def anon_bytes(self) -> int:
         """Anonymous memory charged to the group (the processes' own, without page cache)."""
-        return self.stat("rss" if self.version == 1 else "anon")
+        return self.stat("rss")
 
     @classmethod
     def of_process(cls, pid: int | str = "self") -> MemoryCgroup | None:
