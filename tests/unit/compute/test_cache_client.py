@@ -620,7 +620,7 @@ def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
     client.begin_request("req-9")
     client.routed("req-9", 0, 0, [1])
     client.layer_ahead("req-9", 0, [Prediction(1, (2,), (0.5,))])
-    assert time.monotonic() - started < 0.5  # nothing waited for a stream or a reply
+    assert time.monotonic() - started < 2.5  # nothing waited for a stream or a reply (5 s here)
     assert (client.signals_sent, client.signals_dropped) == (0, 3)
     assert servicer.streams == 0
     # The first acquire opens a stream, which is told the running request before anything else.
