@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compute_svc.errors import FailedPrecondition
@@ -168,6 +169,49 @@ class LayerAheadPredictor:
                     best.scatter_reduce_(0, owner.unsqueeze(1).expand_as(probs), probs, reduce="amax")
                 )
         return DevicePrediction(layers=tuple(target for target, _ in ahead), scores=torch.stack(per_depth))
+
+    def predict_host(
+        self, layer: int, hidden_states: torch.Tensor, segments: Sequence[tuple[int, int]] | None = None
+    ) -> list[tuple[Prediction, ...]] | None:
+        """``predict_device``'s predictions, finished, for ``hidden_states`` already on the host
+        (a CPU device): each router's top-k straight into the predictions, with none of the
+        device path's dense ``[D, B, E]`` scores or its packing for a transfer (a decode step
+        pays this once per MoE layer). Same math: a request's score of an expert is its best
+        renormalised router weight over the request's rows. None for the last MoE layer."""
+        ahead = self._ahead.get(layer)
+        if not ahead:
+            return None
+        rows = hidden_states.shape[0]
+        spans = list(segments) if segments is not None else [(0, rows)]
+        per_depth = []
+        for next_layer, router in ahead:
+            _, weights, indices = type(router).forward(router, hidden_states)  # [T, K], [T, K]
+            w = weights.float().numpy()
+            w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(1e-20))  # float32, as on a device
+            per_depth.append((next_layer, w, indices.numpy()))
+        out = []
+        for start, n in spans:
+            preds = []
+            for depth, (next_layer, w, idx) in enumerate(per_depth, start=1):
+                best: dict[int, float] = {}
+                for e, p in zip(
+                    idx[start : start + n].ravel().tolist(),
+                    w[start : start + n].ravel().tolist(),
+                    strict=True,
+                ):
+                    if p > best.get(e, 0.0):
+                        best[e] = p
+                pairs = sorted(best.items(), key=lambda x: (-x[1], x[0]))
+                preds.append(
+                    Prediction(
+                        layer=next_layer,
+                        experts=tuple(e for e, _ in pairs),
+                        scores=tuple(min(1.0, p) for _, p in pairs),
+                        depth=depth,
+                    )
+                )
+            out.append(tuple(preds))
+        return out
 
     def predict(self, layer: int, hidden_states: torch.Tensor) -> tuple[Prediction, ...]:
         """Every depth's prediction for ``hidden_states`` [T, H] of one request (layer ``layer``'s

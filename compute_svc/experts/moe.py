@@ -6,6 +6,7 @@ or the native ``fused``/``slots`` paths) and releases. Stages and signals: docs/
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -316,17 +317,23 @@ class ExpertRuntime:
             top_k_index, top_k_weights = self.routing_override.routing(
                 self.segments, layer, top_k_index, top_k_weights
             )
-        # Layer-ahead runs on the device before the transfer, so that its result travels with it.
+        # Layer-ahead runs on the device before the transfer, so that its result travels with it;
+        # on the host it is finished at once (no transfer to share).
         pending = None
+        host_predictions = None
         if self.layer_ahead is not None:
             started = time.perf_counter()
-            pending = self.layer_ahead.predict_device(
-                layer, hidden_states, [(g.start, g.rows) for g in self.segments]
-            )
+            segments = [(g.start, g.rows) for g in self.segments]
+            if hidden_states.device.type == "cpu":
+                host_predictions = self.layer_ahead.predict_host(layer, hidden_states, segments)
+            else:
+                pending = self.layer_ahead.predict_device(layer, hidden_states, segments)
             self.counters.layer_ahead_s += time.perf_counter() - started
         fetched = self._fetch(
             top_k_index, top_k_weights if self.routing_observer is not None else None, pending
         )
+        if host_predictions is not None:
+            fetched = dataclasses.replace(fetched, predictions=host_predictions)
         # That transfer waited for every kernel queued before it: the previous layer's experts too.
         self._release_unreleased()
         if self.routing_observer is not None:
@@ -338,7 +345,7 @@ class ExpertRuntime:
             routing = route(top_k_index, top_k_weights, fetched.index.numpy())
             combiner = Combiner(routing, hidden_states)
             experts, fused = routing.experts, self._fused_layer(module, routing, hidden_states, combiner)
-        self._send_signals(layer, experts, pending, fetched)
+        self._send_signals(layer, experts, fetched)
         layer_span = None
         if self.trace_parent is not None:
             layer_span = telemetry.tracer().start_span(
@@ -460,12 +467,10 @@ class ExpertRuntime:
             self.provider.release(layer, wave)
             self._unreleased.pop(0)
 
-    def _send_signals(
-        self, layer: int, experts: tuple[int, ...], pending: DevicePrediction | None, fetched: _Fetched
-    ) -> None:
+    def _send_signals(self, layer: int, experts: tuple[int, ...], fetched: _Fetched) -> None:
         """Tell the daemon, per request of the step, what layer ``layer`` routed it to and, before
         the experts run, what the next layers will likely need (one prediction per lookahead
-        depth, brought to the host with the routing in one transfer). One-way messages, held for
+        depth, brought to the host with the routing in one transfer on a device). One-way messages, held for
         the layer's first acquire (``with_acquire``): they travel in its Acquire when it has
         misses, so the daemon takes one message and starts the demand loads first."""
         provider = self.provider
@@ -477,7 +482,7 @@ class ExpertRuntime:
             for seg in self.segments:
                 experts = np.unique(index[seg.start : seg.start + seg.rows].numpy()).tolist()
                 provider.routed(seg.request_id, seg.last_position, layer, tuple(experts), with_acquire=True)
-        if pending is None or fetched.predictions is None:
+        if fetched.predictions is None:
             return
         for seg, predictions in zip(self.segments, fetched.predictions, strict=True):
             if self.routing_override is not None:

@@ -100,6 +100,36 @@ def test_prediction_is_the_next_layers_own_router(arch, tiny_store):
         LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=0)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_host_path_predicts_what_the_device_path_does(arch, tiny_store):
+    # On a CPU device compute takes predict_host (no dense scores, no packing for a transfer):
+    # per request and depth, the same experts in the same order with the same scores as
+    # predict_device's finished predictions, for a decode step of 3 requests and for a step whose
+    # requests have several rows (the union over their rows).
+    tiny = tiny_store(arch)
+    loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
+    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=2)
+    layers = [layer for layer, _ in loaded.experts_modules]
+    torch.manual_seed(2)
+    for rows, segments in ((3, [(0, 1), (1, 1), (2, 1)]), (7, [(0, 4), (4, 1), (5, 2)])):
+        x = torch.randn(rows, loaded.config.hidden_size)
+        for layer in layers:
+            with torch.inference_mode():
+                host = predictor.predict_host(layer, x, segments)
+                pending = predictor.predict_device(layer, x, segments)
+            if pending is None:
+                assert host is None and layer == layers[-1]
+                continue
+            device = pending.finish(pending.scores.numpy())
+            assert len(host) == len(device) == len(segments)
+            for got, want in zip(host, device, strict=True):
+                assert [(p.layer, p.depth, p.experts) for p in got] == [
+                    (p.layer, p.depth, p.experts) for p in want
+                ]
+                for p, q in zip(got, want, strict=True):
+                    assert p.scores == pytest.approx(q.scores, rel=1e-6, abs=1e-7)
+
+
 def test_two_router_candidates_are_refused():
     experts = torch.nn.Module()
     experts.num_experts = 4
