@@ -34,14 +34,9 @@ class Confinement:
         self.baseline_bytes: int | None = None
         self.budget_bytes = 0
 
-    def enter(self) -> None:
-        """A child's ``preexec_fn``: into the group, if there is one."""
-        if self.cgroup is not None:
-            self.cgroup.enter()
-
-    @property
-    def preexec(self):
-        return self.enter if self.cgroup is not None else None
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside the group, if there is one (``MemoryCgroup.command``)."""
+        return argv if self.cgroup is None else self.cgroup.command(argv)
 
     def limit(self, budget_bytes: int, budget_kinds: tuple[str, ...] = ("shmem",)) -> None:
         """Hold the group to its baseline (what it uses now, the system idle, but for the kinds of

@@ -154,7 +154,7 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
             cmd += ["--memory-headroom-bytes", str(HEADROOM_BYTES)]
         try:
             proc = subprocess.run(
-                cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600, preexec_fn=confined.preexec
+                confined.command(cmd), cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=3600
             )
             if confined.cgroup is not None and proc.returncode == 0:
                 held = json.loads(out.read_text())["memory_after_load"]

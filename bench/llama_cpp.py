@@ -462,12 +462,11 @@ class LlamaCppSystem:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         cmd = [str(paths(root).driver), str(gguf), str(threads), str(n_ctx)]
         self.proc = subprocess.Popen(
-            cmd if budget_bytes is None else [*cmd, "mapped"],
+            self.memory.command(cmd if budget_bytes is None else [*cmd, "mapped"]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=self.memory.preexec,
         )
         hello = self._read()
         self.memory.limit(budget, ("shmem", "mapped_file"))  # the GGUF mapped so far is the budget's

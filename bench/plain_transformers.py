@@ -123,24 +123,25 @@ class TransformersSystem:
         self.tokens, self.prompt = tokens, prompt
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.plain_transformers",
-                str(checkpoint),
-                "--device",
-                device,
-                "--threads",
-                str(threads),
-                "--dtype",
-                dtype,
-            ],
+            self.memory.command(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.plain_transformers",
+                    str(checkpoint),
+                    "--device",
+                    device,
+                    "--threads",
+                    str(threads),
+                    "--dtype",
+                    dtype,
+                ]
+            ),
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=self.memory.preexec,
         )
         hello = self._read()
         self.memory.limit(0)  # loaded: every expert is in its baseline

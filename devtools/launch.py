@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import resource
 import shutil
 import signal
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from devtools.memory_cgroup import MemoryCgroup
+from devtools.memory_cgroup import MemoryCgroup, confined_command
 from expertcache.paths import MAX_DAEMON_SOCKET_PATH_BYTES, RUNTIME_DIR, ensure_private_dir
 
 REPO = Path(__file__).resolve().parents[1]  # repository root: the processes run from here
@@ -160,25 +159,9 @@ def start(
     python, cwd = (sys.executable, REPO) if checkout is None else (checkout_python(checkout), Path(checkout))
     log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    preexec = None
-    if open_files is not None or cgroup is not None:
-
-        def preexec() -> None:
-            if open_files is not None:
-                resource.setrlimit(
-                    resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-                )
-            if cgroup is not None:
-                cgroup.enter()
-
-    popen = subprocess.Popen(
-        [str(python), "-m", module, *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=cwd,
-        env=full_env,
-        preexec_fn=preexec,
-    )
+    # No preexec_fn: the limit and the group are a shell's, which then execs the module.
+    argv = confined_command([str(python), "-m", module, *args], cgroup=cgroup, open_files=open_files)
+    popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env)
     try:
         wait_healthy(address, popen, log_path, credentials=credentials)
     except BaseException:

@@ -1,5 +1,5 @@
-"""Memory cgroups for benchmarked processes: a process started in one (``enter`` as its
-``preexec_fn``) is charged for every page it touches from its first instruction on, the page
+"""Memory cgroups for benchmarked processes: a process started in one (its command wrapped by
+``command``) is charged for every page it touches from its first instruction on, the page
 cache it reads included, and is held to the group's limit. cgroup v1 (``memory`` controller
 mounted at /sys/fs/cgroup/memory) and v2 (the unified hierarchy) are both handled; where neither
 can be written (not root, no such mount) ``MemoryCgroup.make`` says why and returns None.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +75,9 @@ class MemoryCgroup:
     def _file(self, what: str) -> Path:
         return self.path / _FILES[self.version][what]
 
-    def enter(self) -> None:
-        """Move the calling process into the group: a child's ``preexec_fn`` (plain system
-        calls only: it runs between fork and exec)."""
-        fd = os.open(self.path / "cgroup.procs", os.O_WRONLY)
-        try:
-            os.write(fd, str(os.getpid()).encode())
-        finally:
-            os.close(fd)
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside the group from its first instruction on (``confined_command``)."""
+        return confined_command(argv, cgroup=self)
 
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
@@ -170,4 +166,24 @@ class MemoryCgroup:
                 time.sleep(0.05)
 
 
-__all__ = ["PARENT", "MemoryCgroup"]
+def confined_command(
+    argv: Sequence[str], *, cgroup: MemoryCgroup | None = None, open_files: int | None = None
+) -> list[str]:
+    """``argv`` as it is with neither, else run by a shell that sets the soft limit of
+    ``open_files`` descriptors, writes its own pid into ``cgroup`` and ``exec``s ``argv`` under
+    that pid: charged to the group from its first instruction on. The spawning process then runs
+    no code of its own between fork and exec. A ``preexec_fn`` does, and in a process with
+    threads that child can wait forever on a lock another thread held at the fork (a benchmark
+    hung so, spawning a daemon)."""
+    steps = []
+    if open_files is not None:
+        steps.append(f"ulimit -Sn {int(open_files)}")
+    if cgroup is not None:
+        steps.append('echo $$ > "$0"')
+    if not steps:
+        return list(argv)
+    procs = str(cgroup.path / "cgroup.procs") if cgroup is not None else "sh"
+    return ["/bin/sh", "-c", " && ".join([*steps, 'exec "$@"']), procs, *argv]
+
+
+__all__ = ["PARENT", "MemoryCgroup", "confined_command"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from devtools.memory_cgroup import PARENT, MemoryCgroup
+from devtools.memory_cgroup import PARENT, MemoryCgroup, confined_command
 
 MIB = 1 << 20
 
@@ -89,6 +89,22 @@ def test_where_no_group_can_be_made_it_says_why(tmp_path):
         root.chmod(0o700)
 
 
+def test_a_confined_command_keeps_its_pid_and_takes_the_descriptor_limit():
+    # The shell execs the command: the process started is the command itself (its pid, its exit
+    # status), with the soft limit of open descriptors asked for; nothing to do: argv as it is.
+    argv = [
+        sys.executable,
+        "-c",
+        "import os, resource; print(os.getpid(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])",
+    ]
+    assert confined_command(argv) == argv
+    proc = subprocess.Popen(confined_command(argv, open_files=77), stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split() == [str(proc.pid), "77"]
+    failing = confined_command([sys.executable, "-c", "raise SystemExit(3)"], open_files=77)
+    assert subprocess.run(failing, timeout=60).returncode == 3
+
+
 @pytest.fixture
 def real_group():
     group, note = MemoryCgroup.make("test")
@@ -100,7 +116,7 @@ def real_group():
 
 def _allocate(group: MemoryCgroup, mib: int) -> subprocess.CompletedProcess:
     code = f"b = bytearray({mib} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1"
-    return subprocess.run([sys.executable, "-c", code], preexec_fn=group.enter, timeout=120)
+    return subprocess.run(group.command([sys.executable, "-c", code]), timeout=120)
 
 
 def test_a_child_is_charged_from_its_start_and_held_to_the_limit(real_group):
@@ -112,4 +128,21 @@ def test_a_child_is_charged_from_its_start_and_held_to_the_limit(real_group):
     killed = _allocate(real_group, 400)
     assert killed.returncode == -9 and real_group.oom_kills >= 1
     assert real_group.peak_bytes <= 160 * MIB
+    assert real_group.pids() == []
+
+
+def test_a_command_started_in_the_group_is_there_under_its_pid(real_group):
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    proc = subprocess.Popen(
+        real_group.command([sys.executable, "-c", code]),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert real_group.pids() == [proc.pid]
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
     assert real_group.pids() == []
