@@ -59,6 +59,13 @@ def signal_engine(tiny, *, layer_ahead=True, depth=1):
     return GenerationEngine(loaded, runtime, max_new_tokens_limit=64), provider
 
 
+def depth_two_predictor(tiny):
+    """The tiny model loaded on the CPU, a predictor of depth 2 over it, and its MoE layers."""
+    loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
+    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=2)
+    return loaded, predictor, [layer for layer, _ in loaded.experts_modules]
+
+
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
@@ -67,9 +74,7 @@ def test_prediction_is_the_next_layers_own_router(arch, tiny_store):
     # find_router picks the sibling with a [E, H] weight; the prediction must equal calling the
     # next block's router exactly as the model does (bias, correction bias, groups included).
     tiny = tiny_store(arch)
-    loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
-    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=2)
-    layers = [layer for layer, _ in loaded.experts_modules]
+    loaded, predictor, layers = depth_two_predictor(tiny)
     assert predictor.layers == tuple(layers[:-1])
     assert predictor.next_layer(layers[-1]) is None
     assert predictor.ahead(layers[0]) == tuple(layers[1:3]) and predictor.ahead(layers[-2]) == (layers[-1],)
@@ -107,9 +112,7 @@ def test_the_host_path_predicts_what_the_device_path_does(arch, tiny_store):
     # predict_device's finished predictions, for a decode step of 3 requests and for a step whose
     # requests have several rows (the union over their rows).
     tiny = tiny_store(arch)
-    loaded = load_model(tiny.store, tiny.manifest, torch.device("cpu"))
-    predictor = LayerAheadPredictor(loaded.model, loaded.experts_modules, depth=2)
-    layers = [layer for layer, _ in loaded.experts_modules]
+    loaded, predictor, layers = depth_two_predictor(tiny)
     torch.manual_seed(2)
     for rows, segments in ((3, [(0, 1), (1, 1), (2, 1)]), (7, [(0, 4), (4, 1), (5, 2)])):
         x = torch.randn(rows, loaded.config.hidden_size)
