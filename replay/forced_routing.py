@@ -195,10 +195,18 @@ class ForcedRouting:
         k = top_k_index.shape[-1]
         if len(segments) == 1:  # one request (a decode step or a prompt chunk): its row for every token
             seg = segments[0]
-            index, weights = self._tensors(seg.request_id, device, dtype)
-            at = self.row(seg.request_id, seg.step) - self._live[seg.request_id].start
+            replay = self._live.get(seg.request_id)
+            rows = None if replay is None else replay.step_rows
+            if rows is None or rows[0] != (seg.step, device, dtype):
+                # The forward's first MoE layer: its trace row, for every layer of the forward.
+                index, weights = self._tensors(seg.request_id, device, dtype)
+                replay = self._live[seg.request_id]
+                at = self.row(seg.request_id, seg.step) - replay.start
+                rows = replay.step_rows = ((seg.step, device, dtype), index[at], weights[at])
+            if top_k_index.shape[0] == 1:  # a decode step: the row as [1, K], one view each
+                return rows[1][j : j + 1], rows[2][j : j + 1]
             shape = tuple(top_k_index.shape)
-            return index[at, j].expand(shape), weights[at, j].expand(shape)
+            return rows[1][j].expand(shape), rows[2][j].expand(shape)
         parts_i, parts_w = [], []
         for seg in segments:
             index, weights = self._tensors(seg.request_id, device, dtype)
@@ -276,3 +284,6 @@ class _Replay:
     end: int
     wrapped: bool = False
     tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # see ForcedRouting._tensors
+    # ((step, device, dtype), expert ids [layers, K], weights [layers, K]): the trace row of the
+    # forward being run (ForcedRouting.routing), views of ``tensors``
+    step_rows: tuple | None = None

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from compute_svc.engine.kv_cache import SequenceKV
 from compute_svc.experts.fused import storage_view
-from compute_svc.experts.moe import RUNTIME_ATTR
+from compute_svc.experts.moe import IMPLEMENTATION, LAYER_ATTR, RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,21 @@ class DecodeStep:
         # GPT-OSS's MLP (router, then experts) taken apart: the router's logits come with the
         # native call, then topk and softmax as its router does, then our experts forward.
         self.routers = _gpt_oss_routers(self.layers)
+        # (experts module, its layer, its runtime, top-k) per GPT-OSS layer: where the module
+        # dispatches to our runtime and has no hooks, the runtime is called straight, without the
+        # module call and transformers' dispatching wrapper around it (``forward``).
+        self._experts = [
+            (
+                layer.mlp.experts,
+                getattr(layer.mlp.experts, LAYER_ATTR),
+                getattr(layer.mlp.experts, RUNTIME_ATTR)
+                if getattr(getattr(layer.mlp.experts, "config", None), "_experts_implementation", None)
+                == IMPLEMENTATION
+                else None,
+                router.top_k,
+            )
+            for layer, router in zip(self.layers, self.routers, strict=False)  # [] unless GPT-OSS
+        ]
         self.head_dim = int(first.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.hidden = int(config.hidden_size)
@@ -166,10 +182,13 @@ class DecodeStep:
             for i, layer in enumerate(self.layers):
                 attention.run(i)
                 if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
-                    top, index = torch.topk(logits, self.routers[i].top_k, dim=-1)
-                    scores = torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
-                    # The experts module itself (not its forward function): its hooks still run.
-                    h.add_(layer.mlp.experts(mlp_in, index, scores))
+                    experts, at, runtime, top_k = self._experts[i]
+                    top, index = torch.topk(logits, top_k, dim=-1)
+                    scores = torch.softmax(top, 1)  # the router's softmax(top, dim=1, dtype=top.dtype)
+                    if runtime is None or _hooked(experts):  # the module itself: its hooks run
+                        h.add_(experts(mlp_in, index, scores))
+                    else:
+                        h.add_(runtime.forward(experts, at, mlp_in, index, scores))
                     continue
                 out = layer.mlp(mlp_view)
                 if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
@@ -178,6 +197,21 @@ class DecodeStep:
         finally:
             attention.end_step()
         return self.head(self.final_norm(flat))[0]
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks (its own or global ones): what ``Module.__call__``
+    checks before it goes straight to ``forward``."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _module_hooks._global_forward_hooks
+        or _module_hooks._global_forward_pre_hooks
+        or _module_hooks._global_backward_hooks
+        or _module_hooks._global_backward_pre_hooks
+    )
 
 
 def _gpt_oss_routers(layers) -> list:

@@ -248,14 +248,19 @@ class RoutedLayer:
         self._top_k = top_k_index.shape[1]
         # Host tensors, possibly expanded views (forced routing): numpy reads them as they are.
         self._ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
-        self.experts = tuple(np.unique(self._ids).tolist())
+        self.experts = tuple(sorted(set(self._ids.tolist())))  # np.unique's, without its sort of S
         self._weights = float_array(top_k_weights).reshape(-1)  # [S] float32
         self._x = owner.view_of(self._hidden)
         self._pairs = np.empty((self._ids.size, hidden_states.shape[-1]), dtype=np.float32)
+        self._ran = 0  # experts run so far (each comes in one batch)
+        self._out: np.ndarray | None = None  # the combined result, once the last batch ran
 
     def run(self, slots: Sequence[int], experts: Sequence[int]) -> None:
-        """The batch ``experts`` (pinned in ``slots``, in the same order) into the pair rows."""
+        """The batch ``experts`` (pinned in ``slots``, in the same order) into the pair rows; the
+        last batch also combines them (``result``) in the same native call."""
         self._owner.calls += 1
+        self._ran += len(experts)
+        out = self._combined() if self._ran == len(self.experts) else None
         self._ffn.run_routed(
             self._owner.arena,
             np.array(slots, dtype=np.int64),
@@ -264,16 +269,23 @@ class RoutedLayer:
             self._weights,
             self._x,
             self._pairs,
+            out,
         )
+        self._out = out
 
     def result(self) -> torch.Tensor:
         """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums them."""
-        hidden = self._hidden
-        two_bytes = hidden.element_size() == 2
-        out = np.empty(tuple(hidden.shape), dtype=np.int16 if two_bytes else np.float32)
-        self._ffn.combine(self._pairs, self._top_k, out)
+        out = self._out
+        if out is None:  # not every expert ran: the pairs combined as they stand
+            out = self._combined()
+            self._ffn.combine(self._pairs, self._top_k, out)
         result = torch.from_numpy(out)
-        return result.view(hidden.dtype) if two_bytes else result
+        return result.view(self._hidden.dtype) if out.dtype == np.int16 else result
+
+    def _combined(self) -> np.ndarray:
+        """A buffer for the result: [T, H] of the compute dtype's storage (2-byte dtypes as int16)."""
+        hidden = self._hidden
+        return np.empty(tuple(hidden.shape), dtype=np.int16 if hidden.element_size() == 2 else np.float32)
 
 
 def float_array(t: torch.Tensor) -> np.ndarray:

@@ -426,11 +426,11 @@ class ExpertRuntime:
         """The one device→host transfer of a MoE layer: the routing (with its weights when they
         are observed) and the layer-ahead candidates, packed into one float64 tensor (expert ids
         are exact in float64)."""
-        if pending is None and top_k_index.device.type == "cpu":
+        if pending is None and top_k_index.is_cpu:
             # Already on the host: nothing to transfer (one "transfer" per layer all the same).
             self.host_transfers += 1
             self.counters.host_transfers += 1
-            index = top_k_index.to(torch.int64)
+            index = top_k_index if top_k_index.dtype == torch.int64 else top_k_index.to(torch.int64)
             weights = top_k_weights.to(torch.float32) if top_k_weights is not None else None
             return _Fetched(index, weights, None)
         parts = [top_k_index.reshape(-1).to(torch.float64)]

@@ -102,6 +102,23 @@ py::array_t<T> vector_arg(const py::object& obj, const char* name, const char* w
   return a;
 }
 
+// out[t] = the sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype.
+void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype compute, uint8_t* o) {
+  for (size_t t = 0; t < T; ++t)
+    for (size_t h = 0; h < H; ++h) {
+      float sum = p[(t * top_k) * H + h];
+      for (size_t k = 1; k < top_k; ++k) sum += p[(t * top_k + k) * H + h];
+      sum = expertcache::ffn_round(sum, compute);
+      if (compute == FfnDtype::kFloat32) {
+        std::memcpy(o + 4 * (t * H + h), &sum, 4);
+      } else {
+        const uint16_t bits = compute == FfnDtype::kBFloat16 ? uint16_t(expertcache::bits_of(sum) >> 16)
+                                                             : expertcache::float_to_fp16(sum);
+        std::memcpy(o + 2 * (t * H + h), &bits, 2);
+      }
+    }
+}
+
 }  // namespace
 
 void bind_expert_ffn(py::module_& m) {
@@ -211,7 +228,7 @@ void bind_expert_ffn(py::module_& m) {
           "run_routed",
           [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
              const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
-             const py::object& pairs_obj) {
+             const py::object& pairs_obj, const py::object& out_obj) {
             const FfnSpec& s = f.ffn->spec();
             if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
             py::array arena = arena_obj.cast<py::array>();
@@ -234,6 +251,9 @@ void bind_expert_ffn(py::module_& m) {
             if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
             const size_t K = S / T;
             py::array x = storage_arg(x_obj, s.compute, T * H, "x", false);
+            // With `out`, this batch completes the pairs: they are combined into it at once.
+            py::array out;
+            if (!out_obj.is_none()) out = storage_arg(out_obj, s.compute, T * H, "out", true);
             for (size_t e = 0; e < n; ++e)
               if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
                 fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
@@ -260,14 +280,17 @@ void bind_expert_ffn(py::module_& m) {
             for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(xs, s.compute, i);
             const auto* a = static_cast<const uint8_t*>(arena.data());
             float* op = pairs.mutable_data();
+            auto* o = out_obj.is_none() ? nullptr : static_cast<uint8_t*>(out.mutable_data());
             py::gil_scoped_release release;
             f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
                        f.x.data(), op);
+            if (o != nullptr) combine_into(op, T, K, H, s.compute, o);
           },
           py::arg("arena"), py::arg("slots"), py::arg("experts"), py::arg("ids"), py::arg("weights"), py::arg("x"),
-          py::arg("pairs"),
+          py::arg("pairs"), py::arg("out") = py::none(),
           "pairs[r] = weights[r] * ffn(x[r // K]) for every pair r whose expert ids[r] is in `experts` (pinned in "
-          "`slots`, same order); x [T, H] holds the compute dtype's values, K = len(ids) / T")
+          "`slots`, same order); x [T, H] holds the compute dtype's values, K = len(ids) / T. With `out` (the "
+          "last batch of the pairs), then out = combine(pairs, K) at once")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {
@@ -278,21 +301,7 @@ void bind_expert_ffn(py::module_& m) {
               fail("pairs must be float32 [T * top_k, " + std::to_string(H) + "]");
             const size_t T = size_t(pairs.shape(0)) / top_k;
             py::array out = storage_arg(out_obj, s.compute, T * H, "out", true);
-            const float* p = pairs.data();
-            auto* o = static_cast<uint8_t*>(out.mutable_data());
-            for (size_t t = 0; t < T; ++t)
-              for (size_t h = 0; h < H; ++h) {
-                float sum = p[(t * top_k) * H + h];
-                for (size_t k = 1; k < top_k; ++k) sum += p[(t * top_k + k) * H + h];
-                sum = expertcache::ffn_round(sum, s.compute);
-                if (s.compute == FfnDtype::kFloat32) {
-                  std::memcpy(o + 4 * (t * H + h), &sum, 4);
-                } else {
-                  const uint16_t bits = s.compute == FfnDtype::kBFloat16 ? uint16_t(expertcache::bits_of(sum) >> 16)
-                                                                          : expertcache::float_to_fp16(sum);
-                  std::memcpy(o + 2 * (t * H + h), &bits, 2);
-                }
-              }
+            combine_into(pairs.data(), T, top_k, H, s.compute, static_cast<uint8_t*>(out.mutable_data()));
           },
           py::arg("pairs"), py::arg("top_k"), py::arg("out"),
           "out[t] = sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype");

@@ -187,6 +187,21 @@ def test_routed_runs_and_combine_equal_grouped_runs_and_a_sum_over_k(dtype):
     out = torch.empty(3, H, dtype=dtype)
     ffn.combine(pairs, 2, out.view(torch.int16).numpy() if dtype == torch.bfloat16 else out.numpy())
     assert torch.equal(out, torch.from_numpy(pairs).view(3, 2, H).sum(dim=1).to(dtype))
+    # The last batch given `out` combines the pairs in the same call: the same result.
+    at_once = torch.full((3, H), float("nan"), dtype=dtype)
+    again = np.full((6, H), np.nan, dtype=np.float32)
+    for batch, last in (([0, 2], None), ([3], at_once)):
+        slots = np.array([slot_of[e] for e in batch], dtype=np.int64)
+        into = (
+            None
+            if last is None
+            else last.view(torch.int16).numpy()
+            if dtype == torch.bfloat16
+            else last.numpy()
+        )
+        ffn.run_routed(arena, slots, np.array(batch, dtype=np.int64), ids, weights, storage, again, into)
+    assert torch.equal(torch.from_numpy(again).view(torch.int32), want.view(torch.int32))
+    assert torch.equal(at_once, out)
 
 
 @pytest.mark.parametrize(
@@ -199,6 +214,8 @@ def test_routed_runs_and_combine_equal_grouped_runs_and_a_sum_over_k(dtype):
         (dict(x=np.ones((3, H), dtype=np.float32)), "ids must hold T \\* K values"),
         (dict(x=np.ones((2, H), dtype=np.float64)), "x must hold the compute dtype"),
         (dict(pairs=np.zeros((4, H + 1), dtype=np.float32)), "pairs must be a writable float32"),
+        (dict(out=np.zeros((3, H), dtype=np.float32)), "out must hold 128 values"),
+        (dict(out=np.zeros((2, H), dtype=np.float64)), "out must hold the compute dtype"),
     ],
 )
 def test_routed_arguments_are_refused_by_name(change, message):

@@ -77,3 +77,31 @@ def test_models_it_does_not_cover_decode_through_transformers(arch, local_engine
     engine, _, tiny = local_engine(arch)
     assert engine.decode_step is None
     assert greedy(engine, PROMPT, 4) == plain_greedy(tiny.checkpoint, PROMPT, 4)
+
+
+def test_a_hookless_experts_module_is_bypassed_and_a_hooked_one_still_runs_its_hooks(local_engine):
+    # GPT-OSS decode steps call the runtime straight where the experts module has no hooks (the
+    # module call and transformers' dispatch cost a MoE layer more than its kernel at small sizes).
+    engine, _, tiny = local_engine("gpt_oss", dtype=torch.bfloat16)
+    experts = engine.decode_step.layers[1].mlp.experts
+    forwards = []
+    original = experts.forward
+
+    def forward(*args, **kwargs):
+        forwards.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    experts.forward = forward
+    try:
+        want = greedy(engine, PROMPT, 6)  # the prompt's forward, then 5 decode steps
+        assert forwards == [len(PROMPT)]
+        hooked = []
+        handle = experts.register_forward_pre_hook(lambda _m, args: hooked.append(args[0].shape[0]))
+        try:
+            assert greedy(engine, PROMPT, 6) == want
+        finally:
+            handle.remove()
+        assert hooked == [len(PROMPT)] + [1] * 5
+        assert forwards == [len(PROMPT)] * 2 + [1] * 5
+    finally:
+        del experts.forward
