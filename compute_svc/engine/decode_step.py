@@ -188,7 +188,7 @@ class DecodeStep:
                     if runtime is None or _hooked(experts):  # the module itself: its hooks run
                         h.add_(experts(mlp_in, index, scores))
                     else:
-                        h.add_(runtime.forward(experts, at, mlp_in, index, scores))
+                        runtime.forward(experts, at, mlp_in, index, scores, residual=h)
                     continue
                 out = layer.mlp(mlp_view)
                 if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores

@@ -156,17 +156,21 @@ class FusedExperts:
         self._by_module: dict[tuple[int, torch.dtype], FusedKernel | None] = {}
         self._by_spec: dict[str, FusedKernel] = {}
         self.calls = 0  # batches run by the kernel
-        # The last hidden states' numpy view (a decode step passes the same buffer to every layer);
-        # holding the tensor keeps its memory, so a match is the same memory.
-        self._viewed: tuple[torch.Tensor, np.ndarray] | None = None
+        # The numpy views of the last two buffers viewed (a decode step passes the same hidden
+        # states and residual to every layer); holding the tensors keeps their memory, so a match
+        # is the same memory.
+        self._viewed: list[tuple[torch.Tensor, np.ndarray]] = []
 
     def view_of(self, hidden: torch.Tensor) -> np.ndarray:
-        """``storage_view(hidden)``, made once per buffer in a row."""
+        """``storage_view(hidden)``, made once per buffer while it is one of the last two viewed."""
         viewed = self._viewed
-        if viewed is not None and viewed[0] is hidden:
-            return viewed[1]
+        for tensor, view in viewed:
+            if tensor is hidden:
+                return view
         view = storage_view(hidden)
-        self._viewed = (hidden, view)
+        viewed.append((hidden, view))
+        if len(viewed) > 2:
+            del viewed[0]
         return view
 
     @staticmethod
@@ -219,20 +223,27 @@ class FusedExperts:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
     ) -> RoutedLayer | None:
         """A decode step's layer straight from its routing (no ``Routing``, no ``Combiner``), or
         None where ``RoutedLayer`` does not apply: more tokens than the kernel's rows per expert,
-        or hidden states not of its compute dtype."""
+        or hidden states not of its compute dtype. ``residual``: see ``RoutedLayer``."""
         if top_k_index.shape[0] > kernel.max_rows or hidden_states.dtype != kernel.compute:
             return None
-        return RoutedLayer(self, kernel, top_k_index, top_k_weights, hidden_states)
+        if residual is not None and (
+            residual.shape != hidden_states.shape or residual.dtype != kernel.compute
+        ):
+            residual = None  # added by the caller
+        return RoutedLayer(self, kernel, top_k_index, top_k_weights, hidden_states, residual)
 
 
 class RoutedLayer:
     """One decode step's MoE layer through the fused kernel, with the route and combine stages
     native too: the kernel groups the (token, k) pairs by expert itself (``run_routed``) and sums
     them over k into the compute dtype (``combine``), so the layer costs a few Python calls.
-    T tokens of at most ``max_rows`` rows per expert (each token picks an expert once)."""
+    T tokens of at most ``max_rows`` rows per expert (each token picks an expert once). With a
+    ``residual`` [T, H] (contiguous, the compute dtype) the result is added into it in place, as
+    ``residual.add_(result)`` would, and ``result`` is the residual."""
 
     def __init__(
         self,
@@ -241,10 +252,14 @@ class RoutedLayer:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
     ) -> None:
         self._owner = owner
         self._ffn = kernel.ffn
         self._hidden = hidden_states.contiguous()
+        self._residual_in = residual
+        # Added into natively where contiguous (else by torch in ``result``).
+        self._residual = residual if residual is not None and residual.is_contiguous() else None
         self._top_k = top_k_index.shape[1]
         # Host tensors, possibly expanded views (forced routing): numpy reads them as they are.
         self._ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
@@ -260,7 +275,9 @@ class RoutedLayer:
         last batch also combines them (``result``) in the same native call."""
         self._owner.calls += 1
         self._ran += len(experts)
-        out = self._combined() if self._ran == len(self.experts) else None
+        out = None
+        if self._ran == len(self.experts):  # the last batch
+            out = self._combined() if self._residual is None else self._owner.view_of(self._residual)
         self._ffn.run_routed(
             self._owner.arena,
             np.array(slots, dtype=np.int64),
@@ -270,17 +287,24 @@ class RoutedLayer:
             self._x,
             self._pairs,
             out,
+            self._residual is not None,
         )
         self._out = out
 
     def result(self) -> torch.Tensor:
-        """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums them."""
+        """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums
+        them (or the residual they were added into)."""
         out = self._out
+        if out is not None and self._residual is not None:
+            return self._residual
         if out is None:  # not every expert ran: the pairs combined as they stand
             out = self._combined()
             self._ffn.combine(self._pairs, self._top_k, out)
         result = torch.from_numpy(out)
-        return result.view(self._hidden.dtype) if out.dtype == np.int16 else result
+        result = result.view(self._hidden.dtype) if out.dtype == np.int16 else result
+        if self._residual_in is not None:
+            return self._residual_in.add_(result)
+        return result
 
     def _combined(self) -> np.ndarray:
         """A buffer for the result: [T, H] of the compute dtype's storage (2-byte dtypes as int16)."""

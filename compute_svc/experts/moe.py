@@ -310,8 +310,12 @@ class ExpertRuntime:
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
+        *,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]."""
+        """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]; with a
+        ``residual`` [T, H] the result is added into it in place (in the native combine where the
+        layer runs there) and the residual is returned."""
         self.counters.layers += 1
         if self.routing_override is not None:
             top_k_index, top_k_weights = self.routing_override.routing(
@@ -338,7 +342,9 @@ class ExpertRuntime:
         self._release_unreleased()
         if self.routing_observer is not None:
             self.routing_observer(layer, fetched.index, fetched.weights)
-        routed = self._routed_layer(module, layer, fetched.index, top_k_index, top_k_weights, hidden_states)
+        routed = self._routed_layer(
+            module, layer, fetched.index, top_k_index, top_k_weights, hidden_states, residual
+        )
         if routed is not None:  # a decode step's layer: route, compute and combine native
             experts, routing, combiner, fused = routed.experts, None, None, routed
         else:
@@ -366,7 +372,13 @@ class ExpertRuntime:
         finally:
             if layer_span is not None:
                 layer_span.end()
-        return routed.result() if routed is not None else combiner.result()
+        if routed is not None:
+            result = routed.result()
+            if residual is not None and result is not residual:  # a slotted layer's result
+                residual.add_(result)
+                return residual
+            return result
+        return combiner.result() if residual is None else residual.add_(combiner.result())
 
     def _routed_layer(
         self,
@@ -376,6 +388,7 @@ class ExpertRuntime:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
     ) -> RoutedLayer | SlotLayer | None:
         """The layer through the fused kernel with its route and combine stages native (a
         decode step on a CPU arena), or by slot index in one fixed sequence of kernels (a decode
@@ -393,7 +406,7 @@ class ExpertRuntime:
         kernel = fused.kernel(module, top_k_weights.dtype)
         if kernel is None:
             return None
-        return fused.routed(kernel, index, top_k_weights, hidden_states)
+        return fused.routed(kernel, index, top_k_weights, hidden_states, residual)
 
     def _fused_layer(
         self, module: torch.nn.Module, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner

@@ -102,19 +102,22 @@ py::array_t<T> vector_arg(const py::object& obj, const char* name, const char* w
   return a;
 }
 
-// out[t] = the sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype.
-void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype compute, uint8_t* o) {
+// out[t] = the sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype;
+// with `add`, out[t] += that rounded sum, rounded again (torch's residual add in the compute dtype).
+void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype compute, uint8_t* o, bool add) {
   for (size_t t = 0; t < T; ++t)
     for (size_t h = 0; h < H; ++h) {
       float sum = p[(t * top_k) * H + h];
       for (size_t k = 1; k < top_k; ++k) sum += p[(t * top_k + k) * H + h];
       sum = expertcache::ffn_round(sum, compute);
+      uint8_t* at = o + (compute == FfnDtype::kFloat32 ? 4 : 2) * (t * H + h);
+      if (add) sum = expertcache::ffn_round(sum + expertcache::ffn_load(o, compute, t * H + h), compute);
       if (compute == FfnDtype::kFloat32) {
-        std::memcpy(o + 4 * (t * H + h), &sum, 4);
+        std::memcpy(at, &sum, 4);
       } else {
         const uint16_t bits = compute == FfnDtype::kBFloat16 ? uint16_t(expertcache::bits_of(sum) >> 16)
                                                              : expertcache::float_to_fp16(sum);
-        std::memcpy(o + 2 * (t * H + h), &bits, 2);
+        std::memcpy(at, &bits, 2);
       }
     }
 }
@@ -228,7 +231,7 @@ void bind_expert_ffn(py::module_& m) {
           "run_routed",
           [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
              const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
-             const py::object& pairs_obj, const py::object& out_obj) {
+             const py::object& pairs_obj, const py::object& out_obj, bool add) {
             const FfnSpec& s = f.ffn->spec();
             if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
             py::array arena = arena_obj.cast<py::array>();
@@ -284,13 +287,14 @@ void bind_expert_ffn(py::module_& m) {
             py::gil_scoped_release release;
             f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
                        f.x.data(), op);
-            if (o != nullptr) combine_into(op, T, K, H, s.compute, o);
+            if (o != nullptr) combine_into(op, T, K, H, s.compute, o, add);
           },
           py::arg("arena"), py::arg("slots"), py::arg("experts"), py::arg("ids"), py::arg("weights"), py::arg("x"),
-          py::arg("pairs"), py::arg("out") = py::none(),
+          py::arg("pairs"), py::arg("out") = py::none(), py::arg("add") = false,
           "pairs[r] = weights[r] * ffn(x[r // K]) for every pair r whose expert ids[r] is in `experts` (pinned in "
           "`slots`, same order); x [T, H] holds the compute dtype's values, K = len(ids) / T. With `out` (the "
-          "last batch of the pairs), then out = combine(pairs, K) at once")
+          "last batch of the pairs), then out = combine(pairs, K) at once, or with `add` out += it (rounded as "
+          "torch's add in the compute dtype)")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {
@@ -301,7 +305,7 @@ void bind_expert_ffn(py::module_& m) {
               fail("pairs must be float32 [T * top_k, " + std::to_string(H) + "]");
             const size_t T = size_t(pairs.shape(0)) / top_k;
             py::array out = storage_arg(out_obj, s.compute, T * H, "out", true);
-            combine_into(pairs.data(), T, top_k, H, s.compute, static_cast<uint8_t*>(out.mutable_data()));
+            combine_into(pairs.data(), T, top_k, H, s.compute, static_cast<uint8_t*>(out.mutable_data()), false);
           },
           py::arg("pairs"), py::arg("top_k"), py::arg("out"),
           "out[t] = sum over k of pairs[t * top_k + k] (k in order, in float32), rounded to the compute dtype");

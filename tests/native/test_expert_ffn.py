@@ -202,6 +202,15 @@ def test_routed_runs_and_combine_equal_grouped_runs_and_a_sum_over_k(dtype):
         ffn.run_routed(arena, slots, np.array(batch, dtype=np.int64), ids, weights, storage, again, into)
     assert torch.equal(torch.from_numpy(again).view(torch.int32), want.view(torch.int32))
     assert torch.equal(at_once, out)
+    # With `add`, the combined result goes into `out` as torch's residual add would put it.
+    residual = torch.randn(3, H, generator=gen).to(dtype)
+    into = residual.clone()
+    slots = np.array([slot_of[e] for e in (0, 2, 3)], dtype=np.int64)
+    view = into.view(torch.int16).numpy() if dtype == torch.bfloat16 else into.numpy()
+    ffn.run_routed(
+        arena, slots, np.array([0, 2, 3], dtype=np.int64), ids, weights, storage, again, view, True
+    )
+    assert torch.equal(into, residual + out)
 
 
 @pytest.mark.parametrize(
