@@ -266,6 +266,44 @@ class DaemonClient(ExpertProvider):
             if not finished:
                 link.drop(stream)
 
+    def run_resident(
+        self, layer: int, experts: Sequence[int], run: Callable[[object, list[int]], int]
+    ) -> bool:
+        """Where every one of ``experts`` of ``layer`` is resident in the shared slot table, the
+        whole layer in one call: ``run(table, entries)`` pins them, computes and unpins (the fused
+        kernel's ``run_resident``, which returns 1 when it ran, 0 when one was not resident and
+        it pinned and ran nothing, -1 when it ran but the daemon took the pins back meanwhile).
+        The signals held for the layer's acquire are sent first. False where this does not apply
+        (no slot table, an expert not resident, a ledger the daemon took back): ``acquire_batches``
+        then serves the layer as before. ``DaemonUnavailable`` as ``release`` raises it."""
+        link = self._link
+        with link.lock:
+            table = link.table
+            if table is None:
+                return False
+            manifest = link.attachment.manifest
+            num_experts = manifest.num_experts
+            if not 0 <= layer < manifest.num_layers or any(not 0 <= e < num_experts for e in experts):
+                return False  # outside the table: the daemon answers the Demand with the precise error
+            entries = [layer * num_experts + e for e in experts]
+            if min(table.resident_slots(entries)) < 0:
+                return False  # a miss: the signals travel with its demand
+            stream = link.open_locked()
+            self._transport().no_demand_locked()
+            try:
+                ran = run(table, entries)
+            except StaleClient:
+                # The daemon ended our stream (and took back the ledger) before we read that it did.
+                link.drop_locked(stream)
+                return False
+            if ran < 0:
+                link.held.clear()
+                raise DaemonUnavailable(
+                    f"cache daemon at {link.address} took back the pins of experts {list(experts)} of layer "
+                    f"{layer} while they were in use (its Demand stream ended)"
+                )
+            return ran > 0
+
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).
 

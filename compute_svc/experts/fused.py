@@ -291,6 +291,29 @@ class RoutedLayer:
         )
         self._out = out
 
+    def run_resident(self, table, entries: list[int]) -> int:
+        """The whole layer in one native call where all its experts are resident: the kernel's
+        ``run_resident`` over ``table`` (compute's slot table handle) and ``entries`` (one per
+        expert of ``experts``, same order); what it returns (1: ran)."""
+        out = self._combined() if self._residual is None else self._owner.view_of(self._residual)
+        ran = self._ffn.run_resident(
+            table,
+            np.array(entries, dtype=np.int64),
+            self._owner.arena,
+            np.array(self.experts, dtype=np.int64),
+            self._ids,
+            self._weights,
+            self._x,
+            self._pairs,
+            out,
+            self._residual is not None,
+        )
+        if ran > 0:
+            self._owner.calls += 1
+            self._ran = len(self.experts)
+            self._out = out
+        return ran
+
     def result(self) -> torch.Tensor:
         """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums
         them (or the residual they were added into)."""

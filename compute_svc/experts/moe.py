@@ -61,6 +61,9 @@ class ExpertProvider(Protocol):
     ``routed``, ``layer_ahead``) do nothing here: a provider that subclasses this without them
     simply sends none. ``with_acquire=True``: an acquire follows at once, and the message may
     travel with it.
+
+    Optional (looked up, not required): ``run_resident(layer, experts, run) -> bool``, a whole
+    layer in one call where every expert is resident (see ``DaemonClient.run_resident``).
     """
 
     def acquire(
@@ -352,6 +355,8 @@ class ExpertRuntime:
             combiner = Combiner(routing, hidden_states)
             experts, fused = routing.experts, self._fused_layer(module, routing, hidden_states, combiner)
         self._send_signals(layer, experts, fetched)
+        if self._ran_resident(layer, routed):
+            return self._routed_result(routed, residual)
         layer_span = None
         if self.trace_parent is not None:
             layer_span = telemetry.tracer().start_span(
@@ -373,12 +378,32 @@ class ExpertRuntime:
             if layer_span is not None:
                 layer_span.end()
         if routed is not None:
-            result = routed.result()
-            if residual is not None and result is not residual:  # a slotted layer's result
-                residual.add_(result)
-                return residual
-            return result
+            return self._routed_result(routed, residual)
         return combiner.result() if residual is None else residual.add_(combiner.result())
+
+    def _ran_resident(self, layer: int, routed: RoutedLayer | SlotLayer | None) -> bool:
+        """The fused kernel's layer in one native call (pins, computes, unpins) where the provider
+        can pin all its experts at once (``DaemonClient.run_resident``); untraced layers only."""
+        if not isinstance(routed, RoutedLayer) or self.trace_parent is not None or self._unreleased:
+            return False
+        run_resident = getattr(self.provider, "run_resident", None)
+        if run_resident is None or len(routed.experts) > self.num_slots:
+            return False
+        if not run_resident(layer, routed.experts, routed.run_resident):
+            return False
+        counters = self.counters
+        for _ in routed.experts:
+            counters.record(Tier.DEVICE)
+        counters.acquire_waits.append(0.0)
+        return True
+
+    @staticmethod
+    def _routed_result(routed: RoutedLayer | SlotLayer, residual: torch.Tensor | None) -> torch.Tensor:
+        result = routed.result()
+        if residual is not None and result is not residual:  # a slotted layer's result
+            residual.add_(result)
+            return residual
+        return result
 
     def _routed_layer(
         self,

@@ -17,12 +17,14 @@
 #include "expertcache/decode.h"
 #include "expertcache/expert_ffn.h"
 #include "expertcache/float_bits.h"
+#include "expertcache/slot_table.h"
 
 namespace py = pybind11;
 using expertcache::ExpertFfn;
 using expertcache::FfnDtype;
 using expertcache::FfnProjection;
 using expertcache::FfnSpec;
+using expertcache::SlotTable;
 
 namespace {
 
@@ -120,6 +122,69 @@ void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype com
         std::memcpy(at, &bits, 2);
       }
     }
+}
+
+// run_routed: pairs[r] = weights[r] * ffn(x[r // K]) for the pairs of `experts` (pinned in `slots`), and
+// with `out` the pairs combined into it (added with `add`).
+void run_routed(Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
+                const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
+                const py::object& pairs_obj, const py::object& out_obj, bool add) {
+  const FfnSpec& s = f.ffn->spec();
+  if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
+  py::array arena = arena_obj.cast<py::array>();
+  if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
+    fail("arena must be a contiguous numpy uint8 array");
+  const size_t num_slots = size_t(arena.size()) / s.slot_bytes, H = f.ffn->hidden();
+  auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
+  auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
+  auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
+  auto weights = vector_arg<float>(weights_obj, "weights", "float32 [T * K]");
+  auto pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
+  const size_t n = size_t(slots.size()), S = size_t(ids.size());
+  if (size_t(experts.size()) != n) fail("experts and slots must have the same length");
+  if (size_t(weights.size()) != S) fail("weights must hold one value per pair (ids)");
+  if (pairs.ndim() != 2 || size_t(pairs.shape(0)) != S || size_t(pairs.shape(1)) != H || !pairs.writeable())
+    fail("pairs must be a writable float32 [" + std::to_string(S) + ", " + std::to_string(H) + "]");
+  if (!py::isinstance<py::array>(x_obj) || x_obj.cast<py::array>().ndim() != 2)
+    fail("x must be [T, " + std::to_string(H) + "]");
+  const size_t T = size_t(x_obj.cast<py::array>().shape(0));
+  if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
+  const size_t K = S / T;
+  py::array x = storage_arg(x_obj, s.compute, T * H, "x", false);
+  // With `out`, this batch completes the pairs: they are combined into it at once.
+  py::array out;
+  if (!out_obj.is_none()) out = storage_arg(out_obj, s.compute, T * H, "out", true);
+  for (size_t e = 0; e < n; ++e)
+    if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
+      fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
+  std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
+  if (!lock.owns_lock()) fail("run_routed called while another run of the same object is in progress");
+  // The batch's pairs grouped by expert, rows ascending within each.
+  f.bounds.assign(1, 0);
+  f.rows.clear();
+  f.tokens.clear();
+  f.weights.clear();
+  for (size_t e = 0; e < n; ++e) {
+    for (size_t r = 0; r < S; ++r)
+      if (ids.data()[r] == experts.data()[e]) {
+        f.rows.push_back(int64_t(r));
+        f.tokens.push_back(int64_t(r / K));
+        f.weights.push_back(weights.data()[r]);
+      }
+    if (int64_t(f.rows.size()) == f.bounds.back())
+      fail("expert " + std::to_string(experts.data()[e]) + " has no pair in ids");
+    f.bounds.push_back(int64_t(f.rows.size()));
+  }
+  f.x.resize(T * H);
+  const auto* xs = static_cast<const uint8_t*>(x.data());
+  for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(xs, s.compute, i);
+  const auto* a = static_cast<const uint8_t*>(arena.data());
+  float* op = pairs.mutable_data();
+  auto* o = out_obj.is_none() ? nullptr : static_cast<uint8_t*>(out.mutable_data());
+  py::gil_scoped_release release;
+  f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
+             f.x.data(), op);
+  if (o != nullptr) combine_into(op, T, K, H, s.compute, o, add);
 }
 
 }  // namespace
@@ -232,62 +297,7 @@ void bind_expert_ffn(py::module_& m) {
           [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
              const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
              const py::object& pairs_obj, const py::object& out_obj, bool add) {
-            const FfnSpec& s = f.ffn->spec();
-            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
-            py::array arena = arena_obj.cast<py::array>();
-            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
-              fail("arena must be a contiguous numpy uint8 array");
-            const size_t num_slots = size_t(arena.size()) / s.slot_bytes, H = f.ffn->hidden();
-            auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
-            auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
-            auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
-            auto weights = vector_arg<float>(weights_obj, "weights", "float32 [T * K]");
-            auto pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
-            const size_t n = size_t(slots.size()), S = size_t(ids.size());
-            if (size_t(experts.size()) != n) fail("experts and slots must have the same length");
-            if (size_t(weights.size()) != S) fail("weights must hold one value per pair (ids)");
-            if (pairs.ndim() != 2 || size_t(pairs.shape(0)) != S || size_t(pairs.shape(1)) != H || !pairs.writeable())
-              fail("pairs must be a writable float32 [" + std::to_string(S) + ", " + std::to_string(H) + "]");
-            if (!py::isinstance<py::array>(x_obj) || x_obj.cast<py::array>().ndim() != 2)
-              fail("x must be [T, " + std::to_string(H) + "]");
-            const size_t T = size_t(x_obj.cast<py::array>().shape(0));
-            if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
-            const size_t K = S / T;
-            py::array x = storage_arg(x_obj, s.compute, T * H, "x", false);
-            // With `out`, this batch completes the pairs: they are combined into it at once.
-            py::array out;
-            if (!out_obj.is_none()) out = storage_arg(out_obj, s.compute, T * H, "out", true);
-            for (size_t e = 0; e < n; ++e)
-              if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
-                fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
-            std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
-            if (!lock.owns_lock()) fail("run_routed called while another run of the same object is in progress");
-            // The batch's pairs grouped by expert, rows ascending within each.
-            f.bounds.assign(1, 0);
-            f.rows.clear();
-            f.tokens.clear();
-            f.weights.clear();
-            for (size_t e = 0; e < n; ++e) {
-              for (size_t r = 0; r < S; ++r)
-                if (ids.data()[r] == experts.data()[e]) {
-                  f.rows.push_back(int64_t(r));
-                  f.tokens.push_back(int64_t(r / K));
-                  f.weights.push_back(weights.data()[r]);
-                }
-              if (int64_t(f.rows.size()) == f.bounds.back())
-                fail("expert " + std::to_string(experts.data()[e]) + " has no pair in ids");
-              f.bounds.push_back(int64_t(f.rows.size()));
-            }
-            f.x.resize(T * H);
-            const auto* xs = static_cast<const uint8_t*>(x.data());
-            for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(xs, s.compute, i);
-            const auto* a = static_cast<const uint8_t*>(arena.data());
-            float* op = pairs.mutable_data();
-            auto* o = out_obj.is_none() ? nullptr : static_cast<uint8_t*>(out.mutable_data());
-            py::gil_scoped_release release;
-            f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
-                       f.x.data(), op);
-            if (o != nullptr) combine_into(op, T, K, H, s.compute, o, add);
+            run_routed(f, arena_obj, slots_obj, experts_obj, ids_obj, weights_obj, x_obj, pairs_obj, out_obj, add);
           },
           py::arg("arena"), py::arg("slots"), py::arg("experts"), py::arg("ids"), py::arg("weights"), py::arg("x"),
           py::arg("pairs"), py::arg("out") = py::none(), py::arg("add") = false,
@@ -295,6 +305,54 @@ void bind_expert_ffn(py::module_& m) {
           "`slots`, same order); x [T, H] holds the compute dtype's values, K = len(ids) / T. With `out` (the "
           "last batch of the pairs), then out = combine(pairs, K) at once, or with `add` out += it (rounded as "
           "torch's add in the compute dtype)")
+      .def(
+          "run_resident",
+          [](Ffn& f, SlotTable& table, const py::object& entries_obj, const py::object& arena_obj,
+             const py::object& experts_obj, const py::object& ids_obj, const py::object& weights_obj,
+             const py::object& x_obj, const py::object& pairs_obj, const py::object& out_obj, bool add) {
+            auto entries = vector_arg<int64_t>(entries_obj, "entries", "int64");
+            auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
+            const size_t n = size_t(entries.size());
+            if (size_t(experts.size()) != n) fail("experts and entries must have the same length");
+            if (out_obj.is_none()) fail("out is needed: every expert of the layer runs in this call");
+            const std::vector<int64_t> keys(entries.data(), entries.data() + n);
+            // All or none: pins taken while another of the layer's experts is not resident go again.
+            const std::vector<int32_t> got = table.try_pin_many(keys);
+            std::vector<int64_t> pinned;
+            pinned.reserve(n);
+            py::array_t<int64_t> slots(static_cast<py::ssize_t>(n));
+            for (size_t e = 0; e < n; ++e) {
+              if (got[e] >= 0) pinned.push_back(keys[e]);
+              slots.mutable_data()[e] = got[e];
+            }
+            if (pinned.size() != n) {
+              table.unpin_many(pinned);
+              return 0;
+            }
+            try {
+              run_routed(f, arena_obj, slots, experts_obj, ids_obj, weights_obj, x_obj, pairs_obj, out_obj, add);
+            } catch (...) {
+              try {
+                table.unpin_many(pinned);
+              } catch (const expertcache::StaleClient&) {
+                // the pins went with the ledger: the computation's own error is the one to tell
+              }
+              throw;
+            }
+            try {
+              table.unpin_many(pinned);
+            } catch (const expertcache::StaleClient&) {
+              return -1;  // the daemon took the pins back while they were in use
+            }
+            return 1;
+          },
+          py::arg("table"), py::arg("entries"), py::arg("arena"), py::arg("experts"), py::arg("ids"),
+          py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"), py::arg("add") = false,
+          "A whole layer whose experts are all resident, in one call: pins slot-table `entries` (one per expert "
+          "of `experts`, same order) through `table` (compute's handle), runs run_routed on their slots with "
+          "`out` (and `add`) and unpins them: 1. 0, with nothing pinned or run, where one of them is not "
+          "resident; -1 when it ran but the daemon took the pins back meanwhile (the slots may have been "
+          "overwritten); StaleClient, with nothing run, as try_pin_many raises it")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {

@@ -78,6 +78,15 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
     try:
         assert client.num_slots * 4 <= tiny.manifest.num_blobs
         engine = build_engine(str(tiny.store), client.attachment, client)
+        # Which decode layers ran in one native call with every expert resident (and which not).
+        resident = []
+        run_resident = client.run_resident
+
+        def counted(layer, experts, run):
+            resident.append(run_resident(layer, experts, run))
+            return resident[-1]
+
+        client.run_resident = counted
         torch.testing.assert_close(engine.forward_logits(PROMPT), want_logits, **tol)
         prepared = engine.requests.prepare(
             GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS)
@@ -88,6 +97,7 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         assert sum(1 for e in decode if e.cache.misses) >= len(decode) // 2, (
             "expected eviction on most tokens"
         )
+        assert True in resident and False in resident  # both ways, and the tokens still equal
 
         compute = starting.result()
         replies = generate_replies(compute.address, PROMPT, NEW_TOKENS)

@@ -245,3 +245,63 @@ def test_routed_arguments_are_refused_by_name(change, message):
         out = np.zeros((2, H), dtype=np.float32)
         out.flags.writeable = False
         ffn.combine(np.zeros((4, H), dtype=np.float32), 2, out)
+
+
+def test_a_resident_layer_runs_in_one_call_through_the_slot_table_and_leaves_no_pin():
+    # run_resident: the layer's experts pinned through compute's slot-table handle, run as
+    # run_routed runs them into `out` (added with `add`), unpinned; nothing pinned or run where one
+    # is not resident, where the ledger was taken back, or where an argument is wrong.
+    from expertcache.native import SlotTable, StaleClient
+    from tests.slot_tables import claim_and_attach
+
+    gen = torch.Generator().manual_seed(5)
+    layout = ExpertLayout(H, INTER, "mxfp4", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
+    arena = layout.arena(slots=4)
+    table = SlotTable.create(f"ffn-resident-{np.random.randint(1 << 30)}", 8, 4, num_clients=1)
+    slot_of = {0: 1, 2: 3, 3: 0}  # entry (expert) -> slot; entry 1 stays absent
+    for entry, slot in slot_of.items():
+        table.begin_load(entry, slot)
+        table.finish_load(entry)
+    handle = claim_and_attach(table, 0)
+    ffn = _native.ExpertFfn(layout.spec)
+    x = torch.randn(3, H, generator=gen).to(torch.bfloat16)
+    storage = x.view(torch.int16).numpy()
+    ids = np.array([2, 0, 0, 3, 3, 2], dtype=np.int64)  # T = 3 tokens, K = 2
+    weights = np.array([0.5, 0.25, 0.75, 0.5, 0.125, 0.875], dtype=np.float32)
+    experts = np.array([0, 2, 3], dtype=np.int64)
+    want_pairs = np.full((6, H), np.nan, dtype=np.float32)
+    want = torch.empty(3, H, dtype=torch.bfloat16)
+    slots = np.array([slot_of[e] for e in experts.tolist()], dtype=np.int64)
+    ffn.run_routed(arena, slots, experts, ids, weights, storage, want_pairs, want.view(torch.int16).numpy())
+
+    def run(entries, out, add=False, pairs=None):
+        pairs = np.full((6, H), np.nan, dtype=np.float32) if pairs is None else pairs
+        got = ffn.run_resident(
+            handle, np.array(entries, dtype=np.int64), arena, experts, ids, weights, storage, pairs, out, add
+        )
+        assert [table.pins(e) for e in range(8)] == [0] * 8
+        return got, pairs
+
+    out = torch.full((3, H), float("nan"), dtype=torch.bfloat16)
+    got, pairs = run([0, 2, 3], out.view(torch.int16).numpy())
+    assert got == 1
+    assert np.array_equal(pairs.view(np.int32), want_pairs.view(np.int32))
+    assert torch.equal(out, want)
+    residual = torch.randn(3, H, generator=gen).to(torch.bfloat16)
+    into = residual.clone()
+    assert run([0, 2, 3], into.view(torch.int16).numpy(), add=True)[0] == 1
+    assert torch.equal(into, residual + want)
+    # Entry 1 is not resident: nothing pinned, nothing run.
+    untouched = torch.full((3, H), float("nan"), dtype=torch.bfloat16)
+    got, pairs = run([0, 1, 3], untouched.view(torch.int16).numpy())
+    assert got == 0 and torch.isnan(untouched).all() and np.isnan(pairs).all()
+    # A wrong argument is refused with the pins given back.
+    with pytest.raises(ValueError, match="pairs must be a writable float32"):
+        run([0, 2, 3], out.view(torch.int16).numpy(), pairs=np.zeros((5, H), dtype=np.float32))
+    with pytest.raises(ValueError, match="experts and entries must have the same length"):
+        run([0, 2], out.view(torch.int16).numpy())
+    # The daemon took the ledger back (a new region for it): the handle is stale, nothing runs.
+    table.claim_channel(0)
+    with pytest.raises(StaleClient):
+        run([0, 2, 3], untouched.view(torch.int16).numpy())
+    assert torch.isnan(untouched).all()
