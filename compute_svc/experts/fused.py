@@ -275,19 +275,9 @@ class RoutedLayer:
         last batch also combines them (``result``) in the same native call."""
         self._owner.calls += 1
         self._ran += len(experts)
-        out = None
-        if self._ran == len(self.experts):  # the last batch
-            out = self._combined() if self._residual is None else self._owner.view_of(self._residual)
+        out = self._last_out() if self._ran == len(self.experts) else None
         self._ffn.run_routed(
-            self._owner.arena,
-            np.array(slots, dtype=np.int64),
-            np.array(experts, dtype=np.int64),
-            self._ids,
-            self._weights,
-            self._x,
-            self._pairs,
-            out,
-            self._residual is not None,
+            self._owner.arena, np.array(slots, dtype=np.int64), *self._pair_args(experts, out)
         )
         self._out = out
 
@@ -295,24 +285,23 @@ class RoutedLayer:
         """The whole layer in one native call where all its experts are resident: the kernel's
         ``run_resident`` over ``table`` (compute's slot table handle) and ``entries`` (one per
         expert of ``experts``, same order); what it returns (1: ran)."""
-        out = self._combined() if self._residual is None else self._owner.view_of(self._residual)
-        ran = self._ffn.run_resident(
-            table,
-            np.array(entries, dtype=np.int64),
-            self._owner.arena,
-            np.array(self.experts, dtype=np.int64),
-            self._ids,
-            self._weights,
-            self._x,
-            self._pairs,
-            out,
-            self._residual is not None,
-        )
+        out = self._last_out()
+        entries = np.array(entries, dtype=np.int64)
+        ran = self._ffn.run_resident(table, entries, self._owner.arena, *self._pair_args(self.experts, out))
         if ran > 0:
             self._owner.calls += 1
             self._ran = len(self.experts)
             self._out = out
         return ran
+
+    def _last_out(self) -> np.ndarray:
+        """Where the last batch combines the pairs: a new buffer, or the residual's storage."""
+        return self._combined() if self._residual is None else self._owner.view_of(self._residual)
+
+    def _pair_args(self, experts: Sequence[int], out: np.ndarray | None) -> tuple:
+        """The kernel's arguments from ``experts`` on (run_routed's and run_resident's)."""
+        experts = np.array(experts, dtype=np.int64)
+        return (experts, self._ids, self._weights, self._x, self._pairs, out, self._residual is not None)
 
     def result(self) -> torch.Tensor:
         """[T, H] in the compute dtype: the pairs summed over k in order, as transformers sums
