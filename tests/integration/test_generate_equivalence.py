@@ -26,6 +26,7 @@ from compute_svc.daemon.client import DaemonClient
 from compute_svc.engine.generation import build_engine
 from compute_svc.engine.requests import GenerationRequest
 from devtools.tiny import SUPPORTED_ARCHS
+from tests.decoding import plain_greedy
 from tests.inference import generate_replies
 from tests.procs import start_compute, start_daemon
 
@@ -118,10 +119,7 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
     # layer's experts resident, and every such layer runs in one native call (pin, kernel,
     # combine into the residual, unpin: DaemonClient.run_resident); the tokens equal transformers'.
     tiny = tiny_store("gpt_oss")
-    plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()
-    with torch.no_grad():
-        want = plain.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    want = want[0, len(PROMPT) :].tolist()
+    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS)
     manifest = tiny.manifest
     daemon = start_daemon(
         tiny.store, tmp_path, device="cpu", device_budget_bytes=manifest.num_blobs * manifest.blob_bytes
