@@ -32,8 +32,9 @@ def parse_shares(text: str) -> list[float]:
 
 
 def share_out(out: Path, share: float) -> Path:
-    """Where the run at ``share`` writes its JSON: beside ``out``, the share in its name."""
-    return out.with_name(f"{out.stem}-share{share:g}{out.suffix}")
+    """Where the run at ``share`` writes its JSON: beside ``out``, the share in its name (and
+    ``.json`` where ``out`` has no suffix, so that each run's PNG beside it keeps the share)."""
+    return out.with_name(f"{out.stem}-share{share:g}{out.suffix or '.json'}")
 
 
 def run_sweep(argv: list[str], shares: list[float], out: Path, run: Callable[[list[str]], int]) -> int:

@@ -70,6 +70,9 @@ def test_a_sweep_runs_each_share_and_judges_ours_against_lru_at_every_one(tmp_pa
         ["--budget-share", "0.5", "--out", str(share_out(out, 0.5)), "--min-ratio", "1"],
     ]
     assert share_out(out, 0.1).name == "sweep-share0.1.json"
+    # Without a suffix each share still gets a PNG of its own beside its JSON (not "...-share0.png").
+    bare = [share_out(tmp_path / "sweep", s).with_suffix(".png").name for s in (0.1, 0.25)]
+    assert bare == ["sweep-share0.1.png", "sweep-share0.25.png"]
     report = json.loads(out.read_text())
     rows = {row["share"]: row for row in report["rows"]}
     assert rows[0.1]["ours_vs_lru"] == pytest.approx(1.25) and rows[0.1]["verdict"] == "PASS"
