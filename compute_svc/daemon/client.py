@@ -281,13 +281,9 @@ class DaemonClient(ExpertProvider):
             table = link.table
             if table is None:
                 return False
-            manifest = link.attachment.manifest
-            num_experts = manifest.num_experts
-            if not 0 <= layer < manifest.num_layers or any(not 0 <= e < num_experts for e in experts):
-                return False  # outside the table: the daemon answers the Demand with the precise error
-            entries = [layer * num_experts + e for e in experts]
-            if min(table.resident_slots(entries)) < 0:
-                return False  # a miss: the signals travel with its demand
+            entries = self._table_entries(layer, experts)
+            if entries is None or min(table.resident_slots(entries)) < 0:
+                return False  # a miss (its signals travel with its demand), or not the table's to take
             stream = link.open_locked()
             self._transport().no_demand_locked()
             try:
@@ -335,17 +331,24 @@ class DaemonClient(ExpertProvider):
             if demand:
                 self._transport().release_locked(layer, demand)
 
+    def _table_entries(self, layer: int, experts: Sequence[int]) -> list[int] | None:
+        """The slot-table entries of ``experts`` of ``layer``, or None where the table cannot take
+        them: outside it, or an expert twice (the daemon answers the Demand with the precise error)."""
+        manifest = self._link.attachment.manifest
+        num_experts = manifest.num_experts
+        if not 0 <= layer < manifest.num_layers or any(not 0 <= e < num_experts for e in experts):
+            return None
+        if len(set(experts)) != len(experts):
+            return None
+        return [layer * num_experts + e for e in experts]
+
     def _pin_resident(
         self, stream: DemandStream, layer: int, experts: list[int]
     ) -> tuple[DemandStream, list[ReadyExpert]]:
         """Pin the resident ``experts`` through the slot table (no RPC); their ReadyExperts."""
-        manifest = self._link.attachment.manifest
-        num_experts = manifest.num_experts
-        if not 0 <= layer < manifest.num_layers or any(not 0 <= e < num_experts for e in experts):
-            return stream, []  # outside the table: the daemon answers the Demand with the precise error
-        if len(set(experts)) != len(experts):
-            return stream, []  # a duplicate: likewise
-        entries = [layer * num_experts + e for e in experts]
+        entries = self._table_entries(layer, experts)
+        if entries is None:
+            return stream, []
         try:
             slots = self._link.table.try_pin_many(entries)
         except StaleClient:
