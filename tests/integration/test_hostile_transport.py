@@ -130,7 +130,9 @@ def test_unread_streams_are_cut_and_release_their_requests_and_pins(served):
     its share of the batch and queue (8 running + 32 waiting), the rest is refused at once, and
     another host's short Generate is served while the attack lasts, never refused."""
     daemon, compute, channel = served
-    request = inference_pb2.GenerateRequest(text="hello there", max_new_tokens=400, ignore_eos=True)
+    # 2,000 tokens: far more than an unread stream's buffers take (a stream's send buffer takes
+    # some hundreds of these small events; a request that fits there whole ends "length", uncut).
+    request = inference_pb2.GenerateRequest(text="hello there", max_new_tokens=2000, ignore_eos=True)
     reference_s = health_reference_s(channel)
     started = time.monotonic()
     assert len(short_generate(channel)) == 3
