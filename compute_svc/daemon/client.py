@@ -300,6 +300,35 @@ class DaemonClient(ExpertProvider):
                 )
             return ran > 0
 
+    def run_layer(self, layer: int, run: Callable[[object, int], int]) -> int:
+        """A decode layer whose experts the daemon wants no signals of, in one call that finds
+        them itself: ``run(table, num_experts)`` pins the experts of its routing through the
+        shared slot table at ``layer * num_experts + e``, all or none, computes and unpins (the
+        fused kernel's ``run_layer``): the number of experts it ran, 0 where one was not
+        resident (nothing pinned or run), -1 where the daemon took the pins back meanwhile.
+        Returns that number, or 0 where this does not apply: no slot table or channel, or the
+        daemon uses routes and lookaheads now (``signals_wanted``: the layer's signals then go
+        with ``run_resident`` or its acquire). ``DaemonUnavailable`` as ``release`` raises it."""
+        link = self._link
+        with link.lock:
+            table = link.table
+            if table is None or link.shm_channel is None or table.signals_wanted:
+                return 0
+            stream = link.open_locked()
+            try:
+                ran = run(table, link.attachment.manifest.num_experts)
+            except StaleClient:
+                # The daemon ended our stream (and took back the ledger) before we read that it did.
+                link.drop_locked(stream)
+                return 0
+            if ran < 0:
+                link.held.clear()
+                raise DaemonUnavailable(
+                    f"cache daemon at {link.address} took back the pins of layer {layer}'s experts while "
+                    "they were in use (its Demand stream ended)"
+                )
+            return ran
+
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin ``experts`` of ``layer`` (acquired earlier on the current stream).
 

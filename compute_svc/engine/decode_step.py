@@ -187,7 +187,7 @@ class DecodeStep:
                     scores = torch.softmax(top, 1)  # the router's softmax(top, dim=1, dtype=top.dtype)
                     if runtime is None or _hooked(experts):  # the module itself: its hooks run
                         h.add_(experts(mlp_in, index, scores))
-                    else:
+                    elif not runtime.resident_layer(experts, at, index, scores, mlp_in, h):
                         runtime.forward(experts, at, mlp_in, index, scores, residual=h)
                     continue
                 out = layer.mlp(mlp_view)

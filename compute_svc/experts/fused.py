@@ -6,7 +6,7 @@ math it does not have keeps the torch path (``fused_spec`` is None). Why: docs/c
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -160,6 +160,7 @@ class FusedExperts:
         # states and residual to every layer); holding the tensors keeps their memory, so a match
         # is the same memory.
         self._viewed: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._pairs: np.ndarray | None = None  # layer_runner's pair rows (scratch), reused per shape
 
     def view_of(self, hidden: torch.Tensor) -> np.ndarray:
         """``storage_view(hidden)``, made once per buffer while it is one of the last two viewed."""
@@ -210,6 +211,51 @@ class FusedExperts:
                 )
             self._by_module[key] = ffn
         return self._by_module[key]
+
+    def layer_runner(
+        self,
+        kernel: FusedKernel,
+        layer: int,
+        max_experts: int,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> Callable[[object, int], int] | None:
+        """A decode step's layer as one call of the kernel's ``run_layer`` (the provider's
+        ``run_layer`` gives it the slot table and the experts per layer), adding the result into
+        ``residual`` [T, H]; None where that does not apply: more tokens than the kernel's rows
+        per expert, or ``hidden_states`` / ``residual`` not contiguous [T, H] of its compute
+        dtype."""
+        rows = top_k_index.shape[0]
+        if (
+            rows > kernel.max_rows
+            or hidden_states.dtype != kernel.compute
+            or residual.dtype != kernel.compute
+            or top_k_weights.dtype not in (torch.float32, kernel.compute)
+            or residual.shape != hidden_states.shape
+            or not (hidden_states.is_contiguous() and residual.is_contiguous())
+        ):
+            return None
+        ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
+        weights = np.ascontiguousarray(
+            top_k_weights.numpy() if top_k_weights.dtype == torch.float32 else storage_view(top_k_weights)
+        ).reshape(-1)
+        x, out = self.view_of(hidden_states), self.view_of(residual)
+        pairs = self._pairs
+        if pairs is None or pairs.shape != (ids.size, x.shape[-1]):
+            pairs = self._pairs = np.empty((ids.size, x.shape[-1]), dtype=np.float32)
+        ffn, arena = kernel.ffn, self.arena
+
+        def run(table: object, num_experts: int) -> int:
+            ran = ffn.run_layer(
+                table, layer, num_experts, max_experts, arena, ids, weights, x, pairs, out, True
+            )
+            if ran > 0:
+                self.calls += 1
+            return ran
+
+        return run
 
     def layer(
         self, kernel: FusedKernel, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner

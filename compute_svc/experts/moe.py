@@ -381,6 +381,50 @@ class ExpertRuntime:
             return self._routed_result(routed, residual)
         return combiner.result() if residual is None else residual.add_(combiner.result())
 
+    def resident_layer(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> bool:
+        """``forward(..., residual=residual)`` of a CPU decode step's layer in one native call, where
+        every expert of it is resident and nothing else needs the layer: no layer-ahead, no trace,
+        no signals the daemon wants (the provider's ``run_layer``). True when it ran (the result
+        is added into ``residual``, counted as ``forward`` counts it); False when nothing was done
+        (``forward`` serves the layer, which routes it again)."""
+        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+            return False
+        run_layer = getattr(self.provider, "run_layer", None)
+        fused = self.reader.fused
+        if run_layer is None or fused is None:
+            return False
+        if self.routing_override is not None:
+            top_k_index, top_k_weights = self.routing_override.routing(
+                self.segments, layer, top_k_index, top_k_weights
+            )
+        kernel = fused.kernel(module, top_k_weights.dtype)
+        if kernel is None:
+            return False
+        run = fused.layer_runner(
+            kernel, layer, self.num_slots, top_k_index, top_k_weights, hidden_states, residual
+        )
+        ran = 0 if run is None else run_layer(layer, run)
+        if ran <= 0:
+            return False
+        counters = self.counters
+        counters.layers += 1
+        self.host_transfers += 1  # the layer's one "transfer", as ``_fetch`` counts it on the host
+        counters.host_transfers += 1
+        counters.hits += ran
+        counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + ran
+        counters.acquire_waits.append(0.0)
+        if self.routing_observer is not None:
+            self.routing_observer(layer, top_k_index, top_k_weights)
+        return True
+
     def _ran_resident(self, layer: int, routed: RoutedLayer | SlotLayer | None) -> bool:
         """The fused kernel's layer in one native call (pins, computes, unpins) where the provider
         can pin all its experts at once (``DaemonClient.run_resident``); untraced layers only."""

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -124,39 +125,15 @@ void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype com
     }
 }
 
-// run_routed: pairs[r] = weights[r] * ffn(x[r // K]) for the pairs of `experts` (pinned in `slots`), and
-// with `out` the pairs combined into it (added with `add`).
-void run_routed(Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
-                const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
-                const py::object& pairs_obj, const py::object& out_obj, bool add) {
+// The pairs of `experts` (pinned in `slots`, n of them) computed from their arena slots:
+// pairs[r] = weights[r] * ffn(x[r // K]) for each pair r of ids [S] whose expert is one of them
+// (each has one at least), and with `out` the pairs combined into it (added with `add`). x [T, H]
+// holds the compute dtype's storage. Every index is checked by the caller.
+void routed_core(Ffn& f, const uint8_t* arena, const int64_t* slots, const int64_t* experts, size_t n,
+                 const int64_t* ids, const float* weights, size_t S, const uint8_t* x, size_t T, float* pairs,
+                 uint8_t* out, bool add) {
   const FfnSpec& s = f.ffn->spec();
-  if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
-  py::array arena = arena_obj.cast<py::array>();
-  if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
-    fail("arena must be a contiguous numpy uint8 array");
-  const size_t num_slots = size_t(arena.size()) / s.slot_bytes, H = f.ffn->hidden();
-  auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
-  auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
-  auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
-  auto weights = vector_arg<float>(weights_obj, "weights", "float32 [T * K]");
-  auto pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
-  const size_t n = size_t(slots.size()), S = size_t(ids.size());
-  if (size_t(experts.size()) != n) fail("experts and slots must have the same length");
-  if (size_t(weights.size()) != S) fail("weights must hold one value per pair (ids)");
-  if (pairs.ndim() != 2 || size_t(pairs.shape(0)) != S || size_t(pairs.shape(1)) != H || !pairs.writeable())
-    fail("pairs must be a writable float32 [" + std::to_string(S) + ", " + std::to_string(H) + "]");
-  if (!py::isinstance<py::array>(x_obj) || x_obj.cast<py::array>().ndim() != 2)
-    fail("x must be [T, " + std::to_string(H) + "]");
-  const size_t T = size_t(x_obj.cast<py::array>().shape(0));
-  if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
-  const size_t K = S / T;
-  py::array x = storage_arg(x_obj, s.compute, T * H, "x", false);
-  // With `out`, this batch completes the pairs: they are combined into it at once.
-  py::array out;
-  if (!out_obj.is_none()) out = storage_arg(out_obj, s.compute, T * H, "out", true);
-  for (size_t e = 0; e < n; ++e)
-    if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
-      fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
+  const size_t H = f.ffn->hidden(), K = S / T;
   std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
   if (!lock.owns_lock()) fail("run_routed called while another run of the same object is in progress");
   // The batch's pairs grouped by expert, rows ascending within each.
@@ -166,25 +143,112 @@ void run_routed(Ffn& f, const py::object& arena_obj, const py::object& slots_obj
   f.weights.clear();
   for (size_t e = 0; e < n; ++e) {
     for (size_t r = 0; r < S; ++r)
-      if (ids.data()[r] == experts.data()[e]) {
+      if (ids[r] == experts[e]) {
         f.rows.push_back(int64_t(r));
         f.tokens.push_back(int64_t(r / K));
-        f.weights.push_back(weights.data()[r]);
+        f.weights.push_back(weights[r]);
       }
     if (int64_t(f.rows.size()) == f.bounds.back())
-      fail("expert " + std::to_string(experts.data()[e]) + " has no pair in ids");
+      fail("expert " + std::to_string(experts[e]) + " has no pair in ids");
     f.bounds.push_back(int64_t(f.rows.size()));
   }
   f.x.resize(T * H);
-  const auto* xs = static_cast<const uint8_t*>(x.data());
-  for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(xs, s.compute, i);
-  const auto* a = static_cast<const uint8_t*>(arena.data());
-  float* op = pairs.mutable_data();
-  auto* o = out_obj.is_none() ? nullptr : static_cast<uint8_t*>(out.mutable_data());
+  for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(x, s.compute, i);
   py::gil_scoped_release release;
-  f.ffn->run(a, slots.data(), n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(),
-             f.x.data(), op);
-  if (o != nullptr) combine_into(op, T, K, H, s.compute, o, add);
+  f.ffn->run(arena, slots, n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(), f.x.data(),
+             pairs);
+  if (out != nullptr) combine_into(pairs, T, K, H, s.compute, out, add);
+}
+
+// The arena argument checked: its bytes and its number of slots.
+std::pair<const uint8_t*, size_t> arena_arg(const Ffn& f, const py::object& arena_obj) {
+  if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
+  py::array arena = arena_obj.cast<py::array>();
+  if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
+    fail("arena must be a contiguous numpy uint8 array");
+  return {static_cast<const uint8_t*>(arena.data()), size_t(arena.size()) / f.ffn->spec().slot_bytes};
+}
+
+// The rows arguments of a routed call checked: x [T, H] (T from x), `pairs` float32 [S, H] and
+// `out` (none, or T * H of the compute dtype); returns T.
+size_t rows_args(const Ffn& f, size_t S, const py::object& x_obj, const py::object& pairs_obj,
+                 const py::object& out_obj, py::array& x, py::array_t<float>& pairs, py::array& out) {
+  const FfnSpec& s = f.ffn->spec();
+  const size_t H = f.ffn->hidden();
+  pairs = vector_arg<float>(pairs_obj, "pairs", "float32 [T * K, H]");
+  if (pairs.ndim() != 2 || size_t(pairs.shape(0)) != S || size_t(pairs.shape(1)) != H || !pairs.writeable())
+    fail("pairs must be a writable float32 [" + std::to_string(S) + ", " + std::to_string(H) + "]");
+  if (!py::isinstance<py::array>(x_obj) || x_obj.cast<py::array>().ndim() != 2)
+    fail("x must be [T, " + std::to_string(H) + "]");
+  const size_t T = size_t(x_obj.cast<py::array>().shape(0));
+  if (T == 0 || S % T) fail("ids must hold T * K values for x's T rows");
+  x = storage_arg(x_obj, s.compute, T * H, "x", false);
+  // With `out`, this batch completes the pairs: they are combined into it at once.
+  if (!out_obj.is_none()) out = storage_arg(out_obj, s.compute, T * H, "out", true);
+  return T;
+}
+
+// run_routed: pairs[r] = weights[r] * ffn(x[r // K]) for the pairs of `experts` (pinned in `slots`), and
+// with `out` the pairs combined into it (added with `add`).
+void run_routed(Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& experts_obj,
+                const py::object& ids_obj, const py::object& weights_obj, const py::object& x_obj,
+                const py::object& pairs_obj, const py::object& out_obj, bool add) {
+  const auto [arena, num_slots] = arena_arg(f, arena_obj);
+  auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
+  auto experts = vector_arg<int64_t>(experts_obj, "experts", "int64");
+  auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
+  auto weights = vector_arg<float>(weights_obj, "weights", "float32 [T * K]");
+  const size_t n = size_t(slots.size()), S = size_t(ids.size());
+  if (size_t(experts.size()) != n) fail("experts and slots must have the same length");
+  if (size_t(weights.size()) != S) fail("weights must hold one value per pair (ids)");
+  py::array x, out;
+  py::array_t<float> pairs;
+  const size_t T = rows_args(f, S, x_obj, pairs_obj, out_obj, x, pairs, out);
+  for (size_t e = 0; e < n; ++e)
+    if (slots.data()[e] < 0 || size_t(slots.data()[e]) >= num_slots)
+      fail("slot " + std::to_string(slots.data()[e]) + " is outside the arena's " + std::to_string(num_slots));
+  routed_core(f, arena, slots.data(), experts.data(), n, ids.data(), weights.data(), S,
+              static_cast<const uint8_t*>(x.data()), T, pairs.mutable_data(),
+              out_obj.is_none() ? nullptr : static_cast<uint8_t*>(out.mutable_data()), add);
+}
+
+// `experts` pinned through `table` all at once, or none: their slots, or an empty vector (one of
+// them not resident: what was pinned is unpinned).
+std::vector<int64_t> pin_all(SlotTable& table, const std::vector<int64_t>& entries) {
+  const std::vector<int32_t> got = table.try_pin_many(entries);
+  std::vector<int64_t> pinned, slots;
+  for (size_t e = 0; e < entries.size(); ++e)
+    if (got[e] >= 0) {
+      pinned.push_back(entries[e]);
+      slots.push_back(got[e]);
+    }
+  if (pinned.size() != entries.size()) {
+    table.unpin_many(pinned);
+    return {};
+  }
+  return slots;
+}
+
+// Runs `run` over the pinned `entries`, then unpins them: 1, or -1 where the daemon took the pins
+// back meanwhile. An error of `run` is raised after the unpin.
+template <class Run>
+int run_pinned(SlotTable& table, const std::vector<int64_t>& entries, Run&& run) {
+  try {
+    run();
+  } catch (...) {
+    try {
+      table.unpin_many(entries);
+    } catch (const expertcache::StaleClient&) {
+      // the pins went with the ledger: the computation's own error is the one to tell
+    }
+    throw;
+  }
+  try {
+    table.unpin_many(entries);
+  } catch (const expertcache::StaleClient&) {
+    return -1;  // the daemon took the pins back while they were in use
+  }
+  return 1;
 }
 
 }  // namespace
@@ -317,34 +381,13 @@ void bind_expert_ffn(py::module_& m) {
             if (out_obj.is_none()) fail("out is needed: every expert of the layer runs in this call");
             const std::vector<int64_t> keys(entries.data(), entries.data() + n);
             // All or none: pins taken while another of the layer's experts is not resident go again.
-            const std::vector<int32_t> got = table.try_pin_many(keys);
-            std::vector<int64_t> pinned;
-            pinned.reserve(n);
+            const std::vector<int64_t> got = pin_all(table, keys);
+            if (got.size() != n) return 0;
             py::array_t<int64_t> slots(static_cast<py::ssize_t>(n));
-            for (size_t e = 0; e < n; ++e) {
-              if (got[e] >= 0) pinned.push_back(keys[e]);
-              slots.mutable_data()[e] = got[e];
-            }
-            if (pinned.size() != n) {
-              table.unpin_many(pinned);
-              return 0;
-            }
-            try {
+            std::copy(got.begin(), got.end(), slots.mutable_data());
+            return run_pinned(table, keys, [&] {
               run_routed(f, arena_obj, slots, experts_obj, ids_obj, weights_obj, x_obj, pairs_obj, out_obj, add);
-            } catch (...) {
-              try {
-                table.unpin_many(pinned);
-              } catch (const expertcache::StaleClient&) {
-                // the pins went with the ledger: the computation's own error is the one to tell
-              }
-              throw;
-            }
-            try {
-              table.unpin_many(pinned);
-            } catch (const expertcache::StaleClient&) {
-              return -1;  // the daemon took the pins back while they were in use
-            }
-            return 1;
+            });
           },
           py::arg("table"), py::arg("entries"), py::arg("arena"), py::arg("experts"), py::arg("ids"),
           py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"), py::arg("add") = false,
@@ -353,6 +396,68 @@ void bind_expert_ffn(py::module_& m) {
           "`out` (and `add`) and unpins them: 1. 0, with nothing pinned or run, where one of them is not "
           "resident; -1 when it ran but the daemon took the pins back meanwhile (the slots may have been "
           "overwritten); StaleClient, with nothing run, as try_pin_many raises it")
+      .def(
+          "run_layer",
+          [](Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts, size_t max_experts,
+             const py::object& arena_obj, const py::object& ids_obj, const py::object& weights_obj,
+             const py::object& x_obj, const py::object& pairs_obj, const py::object& out_obj, bool add) -> int64_t {
+            const FfnSpec& s = f.ffn->spec();
+            if (layer < 0) fail("layer must be >= 0, got " + std::to_string(layer));
+            if (num_experts < 1) fail("num_experts must be >= 1, got " + std::to_string(num_experts));
+            if (out_obj.is_none()) fail("out is needed: every expert of the layer runs in this call");
+            const auto [arena, num_slots] = arena_arg(f, arena_obj);
+            auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
+            const size_t S = size_t(ids.size());
+            // The routing weights as float32 (2-byte values of the compute dtype widened exactly).
+            if (!py::isinstance<py::array>(weights_obj)) fail("weights must be a numpy array");
+            py::array w = weights_obj.cast<py::array>();
+            if (!(w.flags() & py::array::c_style) || size_t(w.size()) != S)
+              fail("weights must be a contiguous array of one value per pair (ids)");
+            std::vector<float> widened(S);
+            if (w.dtype().kind() == 'f' && w.itemsize() == 4) {
+              std::memcpy(widened.data(), w.data(), S * sizeof(float));
+            } else if (w.itemsize() == 2 && s.compute != FfnDtype::kFloat32) {
+              for (size_t r = 0; r < S; ++r)
+                widened[r] = expertcache::ffn_load(static_cast<const uint8_t*>(w.data()), s.compute, r);
+            } else {
+              fail("weights must hold float32 values or the compute dtype's 2-byte values");
+            }
+            py::array x, out;
+            py::array_t<float> pairs;
+            const size_t T = rows_args(f, S, x_obj, pairs_obj, out_obj, x, pairs, out);
+            // The layer's experts, ascending, each once; their slot-table entries.
+            std::vector<int64_t> experts;
+            for (size_t r = 0; r < S; ++r) {
+              const int64_t e = ids.data()[r];
+              if (e < 0 || e >= num_experts)
+                fail("expert " + std::to_string(e) + " is outside the layer's " + std::to_string(num_experts));
+              const auto at = std::lower_bound(experts.begin(), experts.end(), e);
+              if (at == experts.end() || *at != e) experts.insert(at, e);
+            }
+            if (experts.size() > max_experts) return 0;
+            std::vector<int64_t> entries(experts.size());
+            for (size_t e = 0; e < experts.size(); ++e) entries[e] = layer * num_experts + experts[e];
+            const std::vector<int64_t> slots = pin_all(table, entries);
+            if (slots.size() != experts.size()) return 0;
+            const int ran = run_pinned(table, entries, [&] {
+              for (int64_t slot : slots)  // the table's slots beyond `arena`: not this arena's table
+                if (slot >= int64_t(num_slots))
+                  fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(num_slots));
+              routed_core(f, arena, slots.data(), experts.data(), experts.size(), ids.data(), widened.data(), S,
+                          static_cast<const uint8_t*>(x.data()), T, pairs.mutable_data(),
+                          static_cast<uint8_t*>(out.mutable_data()), add);
+            });
+            return ran < 0 ? -1 : int64_t(experts.size());
+          },
+          py::arg("table"), py::arg("layer"), py::arg("num_experts"), py::arg("max_experts"), py::arg("arena"),
+          py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"), py::arg("add") = false,
+          "A decode layer straight from its routing, in one call: the experts of `ids` [T * K] (each of "
+          "0 .. num_experts - 1), ascending, pinned through `table` (compute's handle) at entries "
+          "layer * num_experts + e, all or none; run_routed over their slots with `weights` (float32, or the "
+          "compute dtype's 2-byte values) into `out` (added with `add`), then unpinned. The number of experts "
+          "run; 0, with nothing pinned or run, where one is not resident or they are more than `max_experts`; "
+          "-1 when it ran but the daemon took the pins back meanwhile; StaleClient, with nothing run, as "
+          "try_pin_many raises it")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {

@@ -13,6 +13,7 @@ of the same checkpoint on CPU, which dequantises it.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -112,36 +113,59 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         daemon.stop()
 
 
+@pytest.mark.parametrize(
+    ("daemon_extra", "path"),
+    [
+        # ours: the daemon wants the layers' signals, sent before each layer runs
+        (["--eviction-policy", "activation-aware", "--prefetch"], "run_resident"),
+        # plain LRU wants none: the kernel finds the layer's experts itself
+        (["--eviction-policy", "lru", "--no-prefetch"], "run_layer"),
+    ],
+    ids=["signals", "no-signals"],
+)
 def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_plain_model(
-    tiny_store, tmp_path
+    tiny_store, tmp_path, daemon_extra, path
 ):
     # An arena that holds every expert: the second generation of the same prompt finds each decode
     # layer's experts resident, and every such layer runs in one native call (pin, kernel,
-    # combine into the residual, unpin: DaemonClient.run_resident); the tokens equal transformers'.
+    # combine into the residual, unpin: DaemonClient.run_resident, or DaemonClient.run_layer where
+    # the daemon wants no signals); the tokens equal transformers'.
     tiny = tiny_store("gpt_oss")
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS)
     manifest = tiny.manifest
     daemon = start_daemon(
-        tiny.store, tmp_path, device="cpu", device_budget_bytes=manifest.num_blobs * manifest.blob_bytes
+        tiny.store,
+        tmp_path,
+        device="cpu",
+        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
+        extra=daemon_extra,
     )
     client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
     try:
         engine = build_engine(str(tiny.store), client.attachment, client)
-        resident = []
-        run_resident = client.run_resident
+        calls = {"run_resident": [], "run_layer": []}
+        for name, results in calls.items():
+            original = getattr(client, name)
 
-        def counted(layer, experts, run):
-            resident.append(run_resident(layer, experts, run))
-            return resident[-1]
+            def counted(*args, original=original, results=results):
+                results.append(original(*args))
+                return results[-1]
 
-        client.run_resident = counted
+            setattr(client, name, counted)
         for _ in range(2):  # the second finds every expert resident
-            resident.clear()
+            for results in calls.values():
+                results.clear()
             request = GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS)
             events = list(engine.generate(engine.requests.prepare(request)))
             assert [e.token_id for e in events] == want
-        assert len(resident) >= (NEW_TOKENS - 1) * manifest.num_layers and all(resident)
+        resident = calls[path]
+        assert len(resident) >= (NEW_TOKENS - 1) * manifest.num_layers and all(resident), calls
+        if path == "run_resident":
+            assert not any(calls["run_layer"])  # tried, and refused: the daemon wants signals
         assert all(e.cache.misses == 0 for e in events[1:])
+        # Each decode token counts its layers' experts as hits, whichever call ran them.
+        top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
+        assert {e.cache.hits for e in events[1:]} == {manifest.num_layers * top_k}
     finally:
         client.close()
         daemon.stop()

@@ -305,3 +305,79 @@ def test_a_resident_layer_runs_in_one_call_through_the_slot_table_and_leaves_no_
     with pytest.raises(StaleClient):
         run([0, 2, 3], untouched.view(torch.int16).numpy())
     assert torch.isnan(untouched).all()
+
+
+def test_a_layer_from_its_routing_finds_its_experts_pins_them_all_or_none_and_leaves_no_pin():
+    # run_layer: the experts of the routing (each once, ascending) pinned at layer * E + e through
+    # compute's slot-table handle, run as run_routed runs them and added into `out`, unpinned: the
+    # number of experts. 0, with nothing pinned or run, where one is not resident or they are more
+    # than max_experts; refused by name where an argument is wrong, with no pin left behind.
+    from expertcache.native import SlotTable, StaleClient
+    from tests.slot_tables import claim_and_attach
+
+    gen = torch.Generator().manual_seed(6)
+    layout = ExpertLayout(H, INTER, "mxfp4", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
+    arena = layout.arena(slots=4)
+    table = SlotTable.create(f"ffn-layer-{np.random.randint(1 << 30)}", 8, 4, num_clients=1)  # 2 layers x 4
+    slot_of = {0: 1, 2: 3, 3: 0}  # layer 1's expert -> slot; expert 1 stays absent
+    for expert, slot in slot_of.items():
+        table.begin_load(4 + expert, slot)
+        table.finish_load(4 + expert)
+    handle = claim_and_attach(table, 0)
+    ffn = _native.ExpertFfn(layout.spec)
+    x = torch.randn(3, H, generator=gen).to(torch.bfloat16)
+    storage = x.view(torch.int16).numpy()
+    ids = np.array([2, 0, 0, 3, 3, 2], dtype=np.int64)  # T = 3 tokens, K = 2
+    scores = torch.tensor([0.5, 0.25, 0.75, 0.5, 0.125, 0.875]).to(torch.bfloat16)
+    experts = np.array([0, 2, 3], dtype=np.int64)
+    residual = torch.randn(3, H, generator=gen).to(torch.bfloat16)
+    want = residual.clone()
+    slots = np.array([slot_of[e] for e in experts.tolist()], dtype=np.int64)
+    ffn.run_routed(
+        arena, slots, experts, ids, scores.float().numpy(), storage,
+        np.empty((6, H), dtype=np.float32), want.view(torch.int16).numpy(), True,
+    )  # fmt: skip
+
+    def run(ids=ids, weights=scores.view(torch.int16).numpy(), layer=1, max_experts=4, num_experts=4):
+        into = residual.clone()
+        got = ffn.run_layer(
+            handle, layer, num_experts, max_experts, arena, ids, weights, storage,
+            np.full((6, H), np.nan, dtype=np.float32), into.view(torch.int16).numpy(), True,
+        )  # fmt: skip
+        assert [table.pins(e) for e in range(8)] == [0] * 8
+        return got, into
+
+    got, into = run()
+    assert got == 3 and torch.equal(into, want)
+    # float32 weights: the same (the bf16 values widened exactly)
+    got, into = run(weights=scores.float().numpy())
+    assert got == 3 and torch.equal(into, want)
+    # Expert 1 is not resident, or 3 experts are more than 2: nothing pinned, nothing run.
+    for kwargs in (dict(ids=np.array([2, 0, 1, 3, 3, 2], dtype=np.int64)), dict(max_experts=2)):
+        got, into = run(**kwargs)
+        assert got == 0 and torch.equal(into, residual)
+    # Layer 0 holds none of them.
+    assert run(layer=0)[0] == 0
+    for kwargs, error, message in (
+        (
+            dict(ids=np.array([2, 0, 4, 3, 3, 2], dtype=np.int64)),
+            ValueError,
+            "expert 4 is outside the layer's 4",
+        ),
+        (dict(weights=scores.double().numpy()), ValueError, "weights must hold float32 values"),
+        (dict(weights=np.ones(4, dtype=np.float32)), ValueError, "one value per pair"),
+        (dict(layer=-1), ValueError, "layer must be >= 0"),
+        (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
+        (dict(layer=2), IndexError, "entry 8 out of range"),  # entries beyond the table's
+    ):
+        with pytest.raises(error, match=message):
+            run(**kwargs)
+    # The daemon took the ledger back (a new region for it): the handle is stale, nothing runs.
+    table.claim_channel(0)
+    into = residual.clone()
+    with pytest.raises(StaleClient):
+        ffn.run_layer(
+            handle, 1, 4, 4, arena, ids, scores.float().numpy(), storage,
+            np.empty((6, H), dtype=np.float32), into.view(torch.int16).numpy(), True,
+        )  # fmt: skip
+    assert torch.equal(into, residual)

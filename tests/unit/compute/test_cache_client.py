@@ -581,6 +581,43 @@ def test_a_release_after_the_ledger_went_with_its_stream_sends_nothing(daemon, t
     client.close()
 
 
+def test_a_layer_runs_in_one_call_only_while_the_daemon_wants_no_signals(daemon, tmp_path):
+    """run_layer hands the slot table and the experts per layer to the layer's one call while the
+    daemon wants no routes (the call finds the experts itself, so none would be sent); else, or
+    without a slot table, it does nothing and says 0."""
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address)
+    calls = []
+
+    def run(returns):
+        def call(handle, num_experts):
+            calls.append(num_experts)
+            if isinstance(returns, Exception):
+                raise returns
+            return returns
+
+        return call
+
+    table.signals_wanted = True
+    assert client.run_layer(1, run(2)) == 0 and calls == []  # its signals go with run_resident
+    table.signals_wanted = False
+    assert client.run_layer(1, run(2)) == 2 and calls == [4]
+    assert client.run_layer(1, run(0)) == 0  # a miss: the acquire serves the layer
+    with pytest.raises(
+        DaemonUnavailable, match="took back the pins of layer 1's experts while they were in use"
+    ):
+        client.run_layer(1, run(-1))
+    # The ledger went with a stream that ended before we read so: the stream is dropped, 0.
+    stream = client._link.stream
+    assert client.run_layer(1, run(daemon_client.StaleClient("stale"))) == 0
+    assert stream is not None and client._link.stream is None
+    client.close()
+    plain = connect(address, fast_path=False)  # no slot table
+    assert plain.run_layer(1, run(2)) == 0 and calls == [4, 4, 4, 4]
+    plain.close()
+
+
 # -- one-way prediction messages: queued on the Demand stream, never answered, never waited for ---
 def wait_signals(servicer: ScriptedCache, n: int) -> list[tuple]:
     deadline = time.monotonic() + 5
