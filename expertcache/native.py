@@ -214,6 +214,9 @@ __all__ += ["ExpertFfn", "expert_ffn"]
 # ``DecodeAttention(spec)``: the dense half of a decoder layer for decode steps on the CPU
 # (``add_layer``, ``begin_step``, ``run(layer)``, ``end_step``); the spec is
 # compute_svc.engine.decode_step's. See csrc/include/expertcache/decode_attention.h.
+# ``router_top_k_supported(dtype, k)``: whether its spec may ask for the router's top k (and
+# softmax) for ``dtype``, computed as torch computes them.
 DecodeAttention = _native.DecodeAttention
+router_top_k_supported = _native.router_top_k_supported
 
-__all__ += ["DecodeAttention"]
+__all__ += ["DecodeAttention", "router_top_k_supported"]

@@ -90,6 +90,10 @@ class DecodeStep:
             )
             for layer, router in zip(self.layers, self.routers, strict=False)  # [] unless GPT-OSS
         ]
+        # The routers' topk and softmax in the native call too, where it computes them as torch
+        # does (a 2-byte dtype, top-k < 8); else by torch after it.
+        top_k = self.routers[0].top_k if self.routers else 0
+        self.top_k = top_k if top_k and native.router_top_k_supported(_DTYPES[dtype], top_k) else 0
         self.head_dim = int(first.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.hidden = int(config.hidden_size)
@@ -105,6 +109,7 @@ class DecodeStep:
                 "norm": norm,
                 "softmax": softmax,
                 "router_outputs": self.routers[0].weight.shape[0] if self.routers else 0,
+                "router_top_k": self.top_k,
             }
         )
         for layer in self.layers:
@@ -165,6 +170,14 @@ class DecodeStep:
         logits = (
             torch.empty(rows, self.routers[0].weight.shape[0], dtype=self.dtype) if self.routers else None
         )
+        routes = None  # per layer (index [R, K], scores [R, K]) where the native call routes
+        top_ids = top_scores = None
+        if self.top_k:
+            # One pair of tensors per layer (views of two): the routing observer keeps each layer's.
+            ids_all = torch.empty(layers, rows, self.top_k, dtype=torch.int64)
+            scores_all = torch.empty(layers, rows, self.top_k, dtype=self.dtype)
+            routes = list(zip(ids_all.unbind(0), scores_all.unbind(0), strict=True))
+            top_ids, top_scores = ids_all.numpy(), storage_view(scores_all)
         attention.begin_step(
             storage_view(h),
             storage_view(mlp_in),
@@ -175,6 +188,8 @@ class DecodeStep:
             capacity,
             length,
             None if logits is None else storage_view(logits),
+            top_ids,
+            top_scores,
         )
         try:
             mlp_view = mlp_in.view(1, rows, self.hidden)
@@ -183,8 +198,11 @@ class DecodeStep:
                 attention.run(i)
                 if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
                     experts, at, runtime, top_k = self._experts[i]
-                    top, index = torch.topk(logits, top_k, dim=-1)
-                    scores = torch.softmax(top, 1)  # the router's softmax(top, dim=1, dtype=top.dtype)
+                    if routes is not None:
+                        index, scores = routes[i]
+                    else:
+                        top, index = torch.topk(logits, top_k, dim=-1)
+                        scores = torch.softmax(top, 1)  # the router's softmax(top, dim=1, dtype=top.dtype)
                     if runtime is None or _hooked(experts):  # the module itself: its hooks run
                         h.add_(experts(mlp_in, index, scores))
                     elif not runtime.resident_layer(experts, at, index, scores, mlp_in, h):

@@ -3,7 +3,9 @@
 //
 //   att = DecodeAttention(spec)            sizes, dtype, eps, scaling, norm, softmax
 //   att.add_layer(weights, window)         numpy views of the layer's tensors, kept alive here
-//   att.begin_step(h, mlp_in, cos, sin, keys, values, capacity, length, logits=None)
+//   att.begin_step(h, mlp_in, cos, sin, keys, values, capacity, length, logits=None,
+//                  top_ids=None, top_scores=None)  [layers, rows, k] with spec router_top_k
+//   native.router_top_k_supported(dtype, k)
 //   att.run(layer)                         once per layer of the step, without the GIL
 //
 // Arrays hold the compute dtype's storage: 2-byte items for bf16 / fp16 (numpy int16, uint16 or
@@ -66,6 +68,8 @@ struct Step {
   size_t rows = 0;
   py::array h, mlp_in, cos, sin, logits;
   py::array_t<int64_t> keys, values, capacity, length;
+  py::array_t<int64_t> top_ids;  // [layers, rows, k] with router_top_k
+  py::array top_scores;          // [layers, rows, k] of the dtype
   std::vector<uint8_t*> key_ptrs, value_ptrs;  // [layers * rows]
 };
 
@@ -79,6 +83,16 @@ struct Attention {
 }  // namespace
 
 void bind_decode_attention(py::module_& m) {
+  m.def(
+      "router_top_k_supported",
+      [](const std::string& dtype, size_t k) {
+        if (dtype == "float32") return expertcache::router_top_k_supported(FfnDtype::kFloat32, k);
+        if (dtype == "bfloat16") return expertcache::router_top_k_supported(FfnDtype::kBFloat16, k);
+        if (dtype == "float16") return expertcache::router_top_k_supported(FfnDtype::kFloat16, k);
+        fail("dtype '" + dtype + "' is not float32, bfloat16 or float16");
+      },
+      py::arg("dtype"), py::arg("k"),
+      "Whether DecodeAttention computes a router's top k and softmax as torch does for `dtype` (spec router_top_k)");
   py::class_<Attention>(m, "DecodeAttention")
       .def(py::init([](const py::dict& spec) {
              AttentionSpec s;
@@ -102,12 +116,14 @@ void bind_decode_attention(py::module_& m) {
              else if (softmax == "fused") s.softmax = expertcache::AttnSoftmax::kFused;
              else fail("spec['softmax'] '" + softmax + "' is not eager or fused");
              if (spec.contains("router_outputs")) s.router_outputs = spec["router_outputs"].cast<size_t>();
+             if (spec.contains("router_top_k")) s.router_top_k = spec["router_top_k"].cast<size_t>();
              auto a = std::make_unique<Attention>();
              a->att = std::make_unique<DecodeAttention>(s);
              return a;
            }),
            py::arg("spec"))
       .def_property_readonly("layers", [](const Attention& a) { return a.att->layers(); })
+      .def_property_readonly("router_top_k", [](const Attention& a) { return a.att->spec().router_top_k; })
       .def_property_readonly("path", [](const Attention& a) { return std::string(a.att->path()); })
       .def(
           "add_layer",
@@ -149,7 +165,7 @@ void bind_decode_attention(py::module_& m) {
           "begin_step",
           [](Attention& a, const py::object& h, const py::object& mlp_in, const py::object& cos, const py::object& sin,
              const py::object& keys, const py::object& values, const py::object& capacity, const py::object& length,
-             const py::object& logits) {
+             const py::object& logits, const py::object& top_ids, const py::object& top_scores) {
             const AttentionSpec& s = a.att->spec();
             const size_t L = a.att->layers();
             if (!py::isinstance<py::array>(h) || h.cast<py::array>().ndim() != 2) fail("h must be [rows, hidden]");
@@ -171,6 +187,16 @@ void bind_decode_attention(py::module_& m) {
             } else if (!logits.is_none()) {
               fail("logits given, but the layers have no router");
             }
+            const size_t K = s.router_top_k;
+            if (K > 0) {
+              if (top_ids.is_none() || top_scores.is_none())
+                fail("top_ids and top_scores are needed: the spec asks for the router's top k");
+              step->top_ids = int64s(top_ids, L * rows * K, "top_ids");
+              if (!step->top_ids.writeable()) fail("top_ids must be writable");
+              step->top_scores = storage(top_scores, s.dtype, L * rows * K, "top_scores", true);
+            } else if (!top_ids.is_none() || !top_scores.is_none()) {
+              fail("top_ids / top_scores given, but the spec asks for no top k");
+            }
             for (size_t i = 0; i < L * rows; ++i) {
               const int64_t len = step->length.data()[i % rows], cap = step->capacity.data()[i];
               if (len < 0 || len >= cap)
@@ -186,7 +212,8 @@ void bind_decode_attention(py::module_& m) {
             a.step = std::move(step);
           },
           py::arg("h"), py::arg("mlp_in"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"),
-          py::arg("capacity"), py::arg("length"), py::arg("logits") = py::none())
+          py::arg("capacity"), py::arg("length"), py::arg("logits") = py::none(), py::arg("top_ids") = py::none(),
+          py::arg("top_scores") = py::none())
       .def(
           "run",
           [](Attention& a, size_t layer) {
@@ -200,10 +227,13 @@ void bind_decode_attention(py::module_& m) {
             auto* mlp_in = static_cast<uint8_t*>(st.mlp_in.mutable_data());
             auto* logits =
                 a.att->spec().router_outputs > 0 ? static_cast<uint8_t*>(st.logits.mutable_data()) : nullptr;
+            const size_t K = a.att->spec().router_top_k, item = a.att->spec().dtype == FfnDtype::kFloat32 ? 4 : 2;
+            int64_t* ids = K > 0 ? st.top_ids.mutable_data() + at * K : nullptr;
+            uint8_t* scores = K > 0 ? static_cast<uint8_t*>(st.top_scores.mutable_data()) + at * K * item : nullptr;
             py::gil_scoped_release release;
             a.att->run(layer, st.rows, h, mlp_in, static_cast<const uint8_t*>(st.cos.data()),
                        static_cast<const uint8_t*>(st.sin.data()), st.key_ptrs.data() + at, st.value_ptrs.data() + at,
-                       st.capacity.data() + at, st.length.data(), logits);
+                       st.capacity.data() + at, st.length.data(), logits, ids, scores);
           },
           py::arg("layer"))
       .def("end_step", [](Attention& a) {

@@ -87,6 +87,11 @@ DecodeAttention::DecodeAttention(const AttentionSpec& spec) : spec_(spec) {
   if (!spec.hidden || !spec.heads || !spec.kv_heads || !spec.head_dim) bad("a size is 0");
   if (spec.heads % spec.kv_heads) bad("heads are not a multiple of the key/value heads");
   if (spec.head_dim % 2) bad("head_dim is odd: the rotation needs halves");
+  if (spec.router_top_k > 0) {
+    if (spec.router_top_k > spec.router_outputs) bad("router_top_k is more than the router's outputs");
+    if (!router_top_k_supported(spec.dtype, spec.router_top_k))
+      bad("router_top_k needs a 2-byte dtype and k < 8 (where torch's softmax is scalar code)");
+  }
   avx2_ = ffn_cpu_has_avx2();
 }
 
@@ -182,7 +187,7 @@ void DecodeAttention::attend(const AttentionWeights& w, const float* q, const ui
 
 void DecodeAttention::run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in, const uint8_t* cos,
                           const uint8_t* sin, uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity,
-                          const int64_t* length, uint8_t* logits) {
+                          const int64_t* length, uint8_t* logits, int64_t* top_ids, uint8_t* top_scores) {
   if (layer >= layers_.size()) throw std::out_of_range("decode attention: no layer " + std::to_string(layer));
   const AttentionWeights& w = layers_[layer];
   const FfnDtype d = spec_.dtype;
@@ -247,6 +252,45 @@ void DecodeAttention::run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in
     q_.resize(std::max(q_.size(), rows * E));
     linear(w.router, w.router_bias, y_.data(), rows, H, E, q_.data());
     for (size_t i = 0; i < rows * E; ++i) store(logits, d, i, q_[i]);
+    if (spec_.router_top_k > 0 && top_ids != nullptr && top_scores != nullptr) route(q_.data(), rows, top_ids, top_scores);
+  }
+}
+
+bool router_top_k_supported(FfnDtype dtype, size_t k) { return dtype != FfnDtype::kFloat32 && k >= 1 && k < 8; }
+
+// torch.topk(logits, k, dim=-1) on the CPU: (value as float, index) pairs ordered by a comparator
+// that puts NaN first, then greater values; std::partial_sort where k * 64 <= E, else
+// std::nth_element at k - 1 and std::sort of the k - 1 before it (so ties fall as there). Then
+// torch.softmax(top, dim=1) of a 2-byte dtype with k < 8, which torch computes in scalar code: the
+// max by std::max from -inf, std::exp(x - max) summed in order from 0, times 1 / sum, rounded.
+void DecodeAttention::route(const float* logits, size_t rows, int64_t* ids, uint8_t* scores) {
+  const size_t E = spec_.router_outputs, k = spec_.router_top_k;
+  const FfnDtype d = spec_.dtype;
+  using Elem = std::pair<float, int64_t>;
+  const auto before = [](const Elem& x, const Elem& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+  };
+  queue_.resize(E);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t j = 0; j < E; ++j) queue_[j] = {logits[r * E + j], int64_t(j)};
+    if (k * 64 <= E) {
+      std::partial_sort(queue_.begin(), queue_.begin() + k, queue_.end(), before);
+    } else {
+      std::nth_element(queue_.begin(), queue_.begin() + k - 1, queue_.end(), before);
+      std::sort(queue_.begin(), queue_.begin() + k - 1, before);
+    }
+    float max = -std::numeric_limits<float>::infinity();
+    for (size_t j = 0; j < k; ++j) max = std::max(max, queue_[j].first);
+    float e[8], sum = 0.0f;
+    for (size_t j = 0; j < k; ++j) {
+      e[j] = std::exp(queue_[j].first - max);
+      sum += e[j];
+    }
+    sum = 1 / sum;
+    for (size_t j = 0; j < k; ++j) {
+      ids[r * k + j] = queue_[j].second;
+      store(scores, d, r * k + j, ffn_round(e[j] * sum, d));
+    }
   }
 }
 

@@ -136,3 +136,102 @@ def test_a_router_needs_its_spec_and_its_logits():
     np.testing.assert_allclose(logits[0], args["mlp_in"][0].sum() + np.arange(4), rtol=1e-5)
     with pytest.raises(ValueError, match="no router"):
         attention().begin_step(**args, logits=logits)
+
+
+def test_a_router_top_k_needs_a_2_byte_dtype_a_small_k_and_its_buffers():
+    from expertcache.native import router_top_k_supported
+
+    for spec, message in (
+        (dict(router_outputs=4, router_top_k=2), "router_top_k needs a 2-byte dtype and k < 8"),
+        (dict(dtype="bfloat16", router_outputs=16, router_top_k=8), "k < 8"),
+        (dict(dtype="bfloat16", router_outputs=4, router_top_k=5), "more than the router's outputs"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DecodeAttention({**SPEC, **spec})
+    assert router_top_k_supported("bfloat16", 4) and router_top_k_supported("float16", 7)
+    assert not router_top_k_supported("float32", 4) and not router_top_k_supported("bfloat16", 8)
+    args, _ = step_args()
+    att = attention()
+    with pytest.raises(ValueError, match="the spec asks for no top k"):
+        att.begin_step(**args, top_ids=np.zeros(2, np.int64), top_scores=np.zeros(2, np.float32))
+    att = router_attention("bfloat16", 8, 2)
+    args, _cache = two_byte_step_args()
+    with pytest.raises(ValueError, match="top_ids and top_scores are needed"):
+        att.begin_step(**args, logits=np.zeros((1, 8), np.int16))
+    with pytest.raises(ValueError, match="top_ids must hold 2 values"):
+        att.begin_step(
+            **args,
+            logits=np.zeros((1, 8), np.int16),
+            top_ids=np.zeros(3, np.int64),
+            top_scores=np.zeros(2, np.int16),
+        )
+
+
+def router_attention(dtype: str, experts: int, k: int, bias: np.ndarray | None = None) -> DecodeAttention:
+    """One layer of ``dtype`` whose router has zero weights: its logits are its bias exactly."""
+    import torch
+
+    att = DecodeAttention({**SPEC, "dtype": dtype, "router_outputs": experts, "router_top_k": k})
+    tdtype = getattr(torch, dtype)
+    weights = {
+        name: torch.from_numpy(np.ascontiguousarray(value)).to(tdtype).view(torch.int16).numpy()
+        for name, value in layer().items()
+    }
+    weights["router"] = np.zeros((experts, H), np.int16)
+    weights["router_bias"] = np.zeros(experts, np.int16) if bias is None else bias
+    att.add_layer(weights)
+    return att
+
+
+def two_byte_step_args() -> tuple[dict, list]:
+    """``step_args`` with 2-byte rows (zeros); the caches, which the caller keeps alive."""
+    args, cache = step_args()
+    two_byte = {
+        name: np.zeros(value.shape, np.int16) for name, value in args.items() if value.dtype == np.float32
+    }
+    return {**args, **two_byte}, cache
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("experts", "k"), [(32, 4), (32, 1), (8, 7), (128, 2)])
+def test_the_routers_top_k_and_softmax_equal_torchs_bit_for_bit(dtype, experts, k):
+    # GPT-OSS's router after its logits: torch.topk(logits, k), then torch.softmax(top, dim=1) in
+    # the dtype. Ties (logits from a few values), infinities and NaN are where an order could
+    # differ: the indices and the scores' bits must be torch's. (128 experts, k 2: torch's
+    # partial_sort branch.)
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    bias = np.zeros(experts, np.int16)  # the logits, changed in place between steps
+    att = router_attention(dtype, experts, k, bias)
+    args, _cache = two_byte_step_args()
+    rng = np.random.default_rng(experts * 10 + k)
+    ids = np.zeros((1, 1, k), np.int64)
+    scores = torch.zeros(1, 1, k, dtype=tdtype)
+    logits = np.zeros((1, experts), np.int16)
+    att.begin_step(**args, logits=logits, top_ids=ids, top_scores=scores.view(torch.int16).numpy())
+    for case in range(3000):
+        kind = case % 4
+        if kind == 0:
+            values = rng.standard_normal(experts) * 4
+        elif kind == 1:
+            values = rng.integers(-2, 2, experts).astype(np.float64)  # many ties
+        elif kind == 2:
+            values = rng.standard_normal(experts) * 0.01 + 1  # ties once rounded
+        else:
+            values = rng.standard_normal(experts)
+            values[rng.integers(0, experts, 3)] = rng.choice([np.nan, np.inf, -np.inf], 3)
+        want_logits = torch.from_numpy(values).to(tdtype)
+        bias[:] = want_logits.view(torch.int16).numpy()
+        for name in ("h", "mlp_in"):
+            args[name][:] = 0
+        att.run(0)
+        got_logits = torch.from_numpy(logits.copy()).view(tdtype)[0]
+        same = (got_logits == want_logits) | (torch.isnan(got_logits) & torch.isnan(want_logits))
+        assert bool(same.all()), case  # the bias itself (NaN's bits aside)
+        top, index = torch.topk(got_logits[None], k, dim=-1)
+        want_scores = torch.softmax(top, 1)
+        assert ids[0].tolist() == index.tolist(), (case, values)
+        same = (scores[0] == want_scores) | (torch.isnan(scores[0]) & torch.isnan(want_scores))
+        assert bool(same.all()), (case, values, scores[0], want_scores)
+    att.end_step()

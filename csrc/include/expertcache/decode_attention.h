@@ -9,6 +9,7 @@
 //   h       = h + (a Wo^T + bo)                   the residual, in place
 //   mlp_in  = post_norm(h)
 //   logits  = mlp_in Wr^T + br                    the router's logits, where the spec asks for them
+//   ids, scores = topk(logits, k), softmax(top)   its top k, where the spec asks for them too
 //
 // which is the part of every decoder layer of GPT-OSS, Mixtral, Qwen2-MoE and Qwen3-MoE before its
 // MLP; the MLP (router, experts, shared experts) stays the model's own module. Values are the
@@ -28,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "expertcache/expert_ffn.h"
@@ -45,7 +47,14 @@ struct AttentionSpec {
   AttnNorm norm = AttnNorm::kCastThenWeight;
   AttnSoftmax softmax = AttnSoftmax::kFused;
   size_t router_outputs = 0;  // the router's experts (0: the caller routes)
+  // The router's top k and their softmax after the logits (0: the caller takes them). Only for a
+  // 2-byte dtype and k < 8 (router_top_k_supported): there torch's CPU softmax is scalar code
+  // (std::exp, a sum in order, x * (1 / sum), rounded), which is what `run` computes.
+  size_t router_top_k = 0;
 };
+
+// Whether DecodeAttention computes the router's top k for `dtype` as torch does (see router_top_k).
+bool router_top_k_supported(FfnDtype dtype, size_t k);
 
 // One layer's tensors (of the compute dtype), nullptr where the model has none.
 struct AttentionWeights {
@@ -71,10 +80,12 @@ class DecodeAttention {
 
   // Rows r < rows: h and mlp_in [rows, hidden], cos/sin [rows, head_dim / 2]; keys[r], values[r]
   // the layer's cache of row r, capacity[r] > length[r] positions; logits [rows, router_outputs]
-  // (nullptr without a router). The caller checks every size.
+  // (nullptr without a router); with router_top_k, top_ids [rows, k] and top_scores [rows, k] of
+  // the dtype: torch.topk(logits, k) (its indices) and torch.softmax of its values. The caller
+  // checks every size.
   void run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in, const uint8_t* cos, const uint8_t* sin,
            uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length,
-           uint8_t* logits);
+           uint8_t* logits, int64_t* top_ids = nullptr, uint8_t* top_scores = nullptr);
 
  private:
   void norm(const uint8_t* weight, const float* x, size_t n, float* out) const;
@@ -82,6 +93,7 @@ class DecodeAttention {
               float* y);
   void attend(const AttentionWeights& w, const float* q, const uint8_t* keys, const uint8_t* values,
               size_t capacity, size_t length, float* out);
+  void route(const float* logits, size_t rows, int64_t* ids, uint8_t* scores);
 
   AttentionSpec spec_;
   bool avx2_ = false;
@@ -89,6 +101,7 @@ class DecodeAttention {
   // Scratch, grown to the largest call: the normed rows, q, k, v, the attention output, one
   // projection's sums, one head's scores.
   std::vector<float> x_, q_, k_, v_, a_, y_, s_;
+  std::vector<std::pair<float, int64_t>> queue_;  // one row's (logit, expert), for the top k
 };
 
 }  // namespace expertcache
