@@ -135,6 +135,15 @@ class DecodeStep:
                 {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
                 attention_window(config, attn) or 0,
             )
+        # The rotary embedding's (cos, sin) [P, head_dim / 2] at positions 0 .. P-1 (``rotation``),
+        # where its frequencies do not depend on the positions asked for: transformers updates
+        # them with the sequence length for the "dynamic" and "longrope" types.
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        self._rotation_table = (
+            isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        )
         # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
         self._like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=dtype)
         logger.info(
@@ -143,6 +152,30 @@ class DecodeStep:
             self.attention.path,
             softmax,
         )
+
+    def rotation(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's (cos, sin) [R, head_dim / 2] of the compute dtype at
+        ``position_ids`` [1, R], from a table of the model's own ``rotary_emb`` over positions
+        0 .. P-1, grown (doubling, up to the model's maximum positions) when a position is past
+        it. The same values as calling it per step: each is a product of one frequency and one
+        position, then elementwise (checked bit for bit in tests/unit/compute/test_decode_step.py),
+        without its dozen torch calls per step. Without a table (frequencies that change with
+        the positions), the model's call itself."""
+        if not self._rotation_table:
+            cos, sin = self.rotary(h, position_ids)  # [1, R, head_dim] or [1, R, head_dim / 2]
+            half = self.head_dim // 2
+            rows = position_ids.shape[-1]
+            return cos.reshape(rows, -1)[:, :half].contiguous(), sin.reshape(rows, -1)[:, :half].contiguous()
+        flat = position_ids.reshape(-1)
+        need = int(flat.max()) + 1
+        table = self._rotation
+        if table is None or table[0].shape[0] < need:
+            have = 0 if table is None else table[0].shape[0]
+            size = max(need, min(max(2 * have, 256), self._max_positions))
+            cos, sin = self.rotary(h, torch.arange(size).unsqueeze(0))  # [1, P, head_dim or head_dim / 2]
+            half = self.head_dim // 2
+            table = self._rotation = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
+        return table[0].index_select(0, flat), table[1].index_select(0, flat)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SequenceKV]
@@ -162,10 +195,7 @@ class DecodeStep:
             length[r] = kv.length
         h = self.embed(input_ids).view(rows, self.hidden).contiguous()  # [R, H], the residual stream
         mlp_in = torch.empty_like(h)
-        cos, sin = self.rotary(h, position_ids)  # [1, R, head_dim] or [1, R, head_dim / 2]
-        half = self.head_dim // 2
-        cos = cos.reshape(rows, -1)[:, :half].contiguous()
-        sin = sin.reshape(rows, -1)[:, :half].contiguous()
+        cos, sin = self.rotation(h, position_ids)
         attention = self.attention
         logits = (
             torch.empty(rows, self.routers[0].weight.shape[0], dtype=self.dtype) if self.routers else None

@@ -105,3 +105,42 @@ def test_a_hookless_experts_module_is_bypassed_and_a_hooked_one_still_runs_its_h
         assert forwards == [len(PROMPT)] * 2 + [1] * 5
     finally:
         del experts.forward
+
+
+@pytest.mark.parametrize("arch", COVERED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rotation_table_equals_the_models_rotary_embedding_bit_for_bit(arch, dtype, local_engine):
+    # DecodeStep.rotation reads (cos, sin) from a table of the model's rotary_emb over positions,
+    # grown when a position is past it: the same bits as the call it replaces, per row.
+    engine, _, _tiny = local_engine(arch, dtype=dtype)
+    step = engine.decode_step
+    h = torch.zeros(3, step.hidden, dtype=dtype)
+    half = step.head_dim // 2
+    for positions in ([5, 0, 255], [256, 3, 1000], [2047, 17, 600]):  # the second and third grow it
+        position_ids = torch.tensor([positions])
+        cos, sin = step.rotation(h, position_ids)
+        want_cos, want_sin = step.rotary(h, position_ids)
+        assert cos.dtype == dtype and cos.is_contiguous() and tuple(cos.shape) == (3, half)
+        assert torch.equal(cos, want_cos.reshape(3, -1)[:, :half])
+        assert torch.equal(sin, want_sin.reshape(3, -1)[:, :half])
+    assert step._rotation[0].shape[0] == 2048  # grown by doubling, up to the maximum positions
+
+
+def test_a_rotary_embedding_whose_frequencies_follow_the_positions_is_called_every_step(local_engine):
+    # "dynamic" (and "longrope") rescale their frequencies by the longest position asked for: no
+    # table is made; each step calls the model's rotary embedding with the step's positions.
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    engine, _, _tiny = local_engine("qwen2_moe", dtype=torch.bfloat16, rope_parameters=rope)
+    step = engine.decode_step
+    assert step.rotary.rope_type == "dynamic" and not step._rotation_table
+    calls = []
+    rotary = step.rotary
+    step.rotary = lambda h, position_ids: calls.append(position_ids.tolist()) or rotary(h, position_ids)
+    h = torch.zeros(2, step.hidden, dtype=torch.bfloat16)
+    cos, sin = step.rotation(h, torch.tensor([[3000, 7]]))  # past the model's 2048 positions
+    want_cos, want_sin = rotary(h, torch.tensor([[3000, 7]]))
+    half = step.head_dim // 2
+    assert torch.equal(cos, want_cos.reshape(2, -1)[:, :half]) and torch.equal(
+        sin, want_sin.reshape(2, -1)[:, :half]
+    )
+    assert calls == [[[3000, 7]]] and step._rotation is None
