@@ -194,19 +194,11 @@ class ForcedRouting:
         device, dtype = top_k_weights.device, top_k_weights.dtype
         k = top_k_index.shape[-1]
         if len(segments) == 1:  # one request (a decode step or a prompt chunk): its row for every token
-            seg = segments[0]
-            replay = self._live.get(seg.request_id)
-            rows = None if replay is None else replay.step_rows
-            if rows is None or rows[0] != (seg.step, device, dtype):
-                # The forward's first MoE layer: its trace row, for every layer of the forward.
-                index, weights = self._tensors(seg.request_id, device, dtype)
-                replay = self._live[seg.request_id]
-                at = self.row(seg.request_id, seg.step) - replay.start
-                rows = replay.step_rows = ((seg.step, device, dtype), index[at], weights[at])
+            index, weights = self._forward_rows(segments[0], device, dtype)
             if top_k_index.shape[0] == 1:  # a decode step: the row as [1, K], one view each
-                return rows[1][j : j + 1], rows[2][j : j + 1]
+                return index[j : j + 1], weights[j : j + 1]
             shape = tuple(top_k_index.shape)
-            return rows[1][j].expand(shape), rows[2][j].expand(shape)
+            return index[j].expand(shape), weights[j].expand(shape)
         parts_i, parts_w = [], []
         for seg in segments:
             index, weights = self._tensors(seg.request_id, device, dtype)
@@ -214,6 +206,31 @@ class ForcedRouting:
             parts_i.append(index[at, j].expand(seg.rows, k))
             parts_w.append(weights[at, j].expand(seg.rows, k))
         return torch.cat(parts_i), torch.cat(parts_w)
+
+    def step_routing(
+        self, segments: Sequence, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A one-token forward's routing of every MoE layer at once, as ``routing`` gives it layer
+        by layer: (expert ids [L, 1, K] int64, weights [L, 1, K] of ``dtype``), views; None
+        unless ``segments`` is one request's one row (a decode step of one request)."""
+        if len(segments) != 1 or segments[0].rows != 1:
+            return None
+        index, weights = self._forward_rows(segments[0], device, dtype)
+        return index.unsqueeze(1), weights.unsqueeze(1)
+
+    def _forward_rows(
+        self, seg, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trace row of ``seg``'s forward for every MoE layer (ids [L, K], weights [L, K]),
+        looked up at its first layer and kept for the others."""
+        replay = self._live.get(seg.request_id)
+        rows = None if replay is None else replay.step_rows
+        if rows is None or rows[0] != (seg.step, device, dtype):
+            index, weights = self._tensors(seg.request_id, device, dtype)
+            replay = self._live[seg.request_id]
+            at = self.row(seg.request_id, seg.step) - replay.start
+            rows = replay.step_rows = ((seg.step, device, dtype), index[at], weights[at])
+        return rows[1], rows[2]
 
     def _tensors(
         self, request_id: str, device: torch.device, dtype: torch.dtype

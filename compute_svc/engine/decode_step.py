@@ -94,6 +94,13 @@ class DecodeStep:
         # does (a 2-byte dtype, top-k < 8); else by torch after it.
         top_k = self.routers[0].top_k if self.routers else 0
         self.top_k = top_k if top_k and native.router_top_k_supported(_DTYPES[dtype], top_k) else 0
+        # The one runtime every GPT-OSS layer's experts run through, if one does.
+        runtimes = {id(r): r for _, _, r, _ in self._experts if r is not None}
+        self._runtime = (
+            next(iter(runtimes.values()))
+            if len(runtimes) == 1 and all(r is not None for _, _, r, _ in self._experts)
+            else None
+        )
         self.head_dim = int(first.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.hidden = int(config.hidden_size)
@@ -201,13 +208,17 @@ class DecodeStep:
             torch.empty(rows, self.routers[0].weight.shape[0], dtype=self.dtype) if self.routers else None
         )
         routes = None  # per layer (index [R, K], scores [R, K]) where the native call routes
-        top_ids = top_scores = None
+        top_ids = top_scores = resident = None
         if self.top_k:
             # One pair of tensors per layer (views of two): the routing observer keeps each layer's.
             ids_all = torch.empty(layers, rows, self.top_k, dtype=torch.int64)
             scores_all = torch.empty(layers, rows, self.top_k, dtype=self.dtype)
             routes = list(zip(ids_all.unbind(0), scores_all.unbind(0), strict=True))
             top_ids, top_scores = ids_all.numpy(), storage_view(scores_all)
+            # Every layer's experts through one runtime: its resident layers with the step's
+            # buffers bound once (the routing rows are filled as each layer's dense half runs).
+            if self._runtime is not None:
+                resident = self._runtime.resident_layers(ids_all, scores_all, mlp_in, h)
         attention.begin_step(
             storage_view(h),
             storage_view(mlp_in),
@@ -235,6 +246,9 @@ class DecodeStep:
                         scores = torch.softmax(top, 1)  # the router's softmax(top, dim=1, dtype=top.dtype)
                     if runtime is None or _hooked(experts):  # the module itself: its hooks run
                         h.add_(experts(mlp_in, index, scores))
+                    elif resident is not None:
+                        if not resident.run(experts, i, at):
+                            runtime.forward(experts, at, mlp_in, index, scores, residual=h)
                     elif not runtime.resident_layer(experts, at, index, scores, mlp_in, h):
                         runtime.forward(experts, at, mlp_in, index, scores, residual=h)
                     continue
@@ -244,6 +258,8 @@ class DecodeStep:
                 flat.add_(out)
         finally:
             attention.end_step()
+            if resident is not None:
+                resident.finish()
         return self.head(self.final_norm(flat))[0]
 
 

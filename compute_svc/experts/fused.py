@@ -212,6 +212,27 @@ class FusedExperts:
             self._by_module[key] = ffn
         return self._by_module[key]
 
+    @staticmethod
+    def takes(
+        kernel: FusedKernel,
+        rows: int,
+        weights_dtype: torch.dtype,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> bool:
+        """Whether ``kernel``'s ``run_layer`` takes a layer of ``rows`` tokens with routing
+        weights of ``weights_dtype``: at most its rows per expert, ``hidden_states`` and
+        ``residual`` contiguous [T, H] of its compute dtype, weights float32 or of that dtype."""
+        return (
+            rows <= kernel.max_rows
+            and hidden_states.dtype == kernel.compute
+            and residual.dtype == kernel.compute
+            and weights_dtype in (torch.float32, kernel.compute)
+            and residual.shape == hidden_states.shape
+            and hidden_states.is_contiguous()
+            and residual.is_contiguous()
+        )
+
     def layer_runner(
         self,
         kernel: FusedKernel,
@@ -224,18 +245,8 @@ class FusedExperts:
     ) -> Callable[[object, int], int] | None:
         """A decode step's layer as one call of the kernel's ``run_layer`` (the provider's
         ``run_layer`` gives it the slot table and the experts per layer), adding the result into
-        ``residual`` [T, H]; None where that does not apply: more tokens than the kernel's rows
-        per expert, or ``hidden_states`` / ``residual`` not contiguous [T, H] of its compute
-        dtype."""
-        rows = top_k_index.shape[0]
-        if (
-            rows > kernel.max_rows
-            or hidden_states.dtype != kernel.compute
-            or residual.dtype != kernel.compute
-            or top_k_weights.dtype not in (torch.float32, kernel.compute)
-            or residual.shape != hidden_states.shape
-            or not (hidden_states.is_contiguous() and residual.is_contiguous())
-        ):
+        ``residual`` [T, H]; None where ``takes`` says it does not apply."""
+        if not self.takes(kernel, top_k_index.shape[0], top_k_weights.dtype, hidden_states, residual):
             return None
         ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
         weights = np.ascontiguousarray(

@@ -19,7 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.experts.arena import Arena
-from compute_svc.experts.fused import FusedExperts, FusedLayer, RoutedLayer, decode_sized
+from compute_svc.experts.fused import FusedExperts, FusedLayer, RoutedLayer, decode_sized, storage_view
 from compute_svc.experts.slots import MAX_TOKENS as SLOT_MAX_TOKENS
 from compute_svc.experts.slots import SlotExperts, SlotLayer
 from compute_svc.experts.stages import Combiner, ExpertsPass, Routing, route, waves
@@ -137,7 +137,11 @@ class RoutingOverride(Protocol):
 
     The service never makes one: a benchmark entry point installs it (``replay.forced_compute``
     takes the experts from a recorded trace). Called from the generation thread only; the router
-    still runs, so its cost stays real."""
+    still runs, so its cost stays real.
+
+    Optional (looked up): ``step_routing(segments, device, dtype)``, every MoE layer's routing of
+    a one-token forward at once ((ids [L, 1, K], weights [L, 1, K]) as ``routing`` gives them
+    layer by layer, or None), which ``ExpertRuntime.resident_layers`` takes."""
 
     def begin_request(self, request_id: str) -> object: ...
 
@@ -217,6 +221,84 @@ class ArenaReader:
     def remapped(self, arena: Arena) -> ArenaReader:
         """The same reader over ``arena`` (a restarted daemon's; same layout and device)."""
         return ArenaReader(arena, self.layouts, fused=self.fused_enabled, slotted=self.slotted_enabled)
+
+
+class ResidentLayers:
+    """One CPU decode step's MoE layers through the fused kernel's ``run_layer``, the step's
+    buffers bound once (``ExpertRuntime.resident_layers``): per layer, one call of the
+    provider's ``run_layer`` with the layer's routing rows. ``finish`` counts what ran."""
+
+    def __init__(
+        self,
+        runtime: ExpertRuntime,
+        run_layer: Callable[[int, Callable[[object, int], int]], int],
+        fused: FusedExperts,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> None:
+        self._runtime = runtime
+        self._run_layer = run_layer
+        self._fused = fused
+        self._index, self._weights = index, weights  # [L, R, K]
+        self._hidden, self._residual = hidden_states, residual
+        self._ids = index.numpy()  # numpy views of the same memory
+        self._w = weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)
+        self._kernel: tuple[object, Callable | None] | None = None  # (its FusedKernel, its call)
+        self._layers = 0  # layers run, and their experts
+        self._experts = 0
+
+    def run(self, module: torch.nn.Module, i: int, layer: int) -> bool:
+        """Row ``i`` of the step's routing as decoder layer ``layer`` of ``module``: True when it
+        ran (its result added into the residual); False when nothing was done (a miss, or the
+        kernel does not take it: ``ExpertRuntime.forward`` serves it)."""
+        kernel = self._fused.kernel(module, self._weights.dtype)
+        if kernel is None:
+            return False
+        cached = self._kernel
+        if cached is None or cached[0] is not kernel:
+            cached = self._kernel = (kernel, self._bind(kernel))
+        call = cached[1]
+        if call is None:
+            return False
+        ids, weights = self._ids[i].reshape(-1), self._w[i].reshape(-1)
+        ran = self._run_layer(layer, lambda table, num_experts: call(table, layer, num_experts, ids, weights))
+        if ran <= 0:
+            return False
+        self._layers += 1
+        self._experts += ran
+        observer = self._runtime.routing_observer
+        if observer is not None:
+            observer(layer, self._index[i], self._weights[i])
+        return True
+
+    def _bind(self, kernel) -> Callable | None:
+        """``kernel``'s run_layer with this step's buffers, or None where it does not take them
+        (``FusedExperts.takes``)."""
+        fused = self._fused
+        if not fused.takes(kernel, self._index.shape[1], self._weights.dtype, self._hidden, self._residual):
+            return None
+        ffn, max_experts = kernel.ffn, self._runtime.num_slots
+        x, out = fused.view_of(self._hidden), fused.view_of(self._residual)
+        pairs = np.empty((self._ids[0].size, x.shape[-1]), dtype=np.float32)
+        arena = fused.arena
+
+        def call(table: object, layer: int, num_experts: int, ids: np.ndarray, weights: np.ndarray) -> int:
+            ran = ffn.run_layer(
+                table, layer, num_experts, max_experts, arena, ids, weights, x, pairs, out, True
+            )
+            if ran > 0:
+                fused.calls += 1
+            return ran
+
+        return call
+
+    def finish(self) -> None:
+        """Count the layers that ran (once, at the end of the step's layers)."""
+        if self._layers:
+            self._runtime.count_resident(self._layers, self._experts)
+            self._layers = self._experts = 0
 
 
 class ExpertRuntime:
@@ -381,6 +463,35 @@ class ExpertRuntime:
             return self._routed_result(routed, residual)
         return combiner.result() if residual is None else residual.add_(combiner.result())
 
+    def resident_layers(
+        self,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> ResidentLayers | None:
+        """A CPU decode step's MoE layers, each in one native call where all its experts are
+        resident, with the step's buffers bound once: ``index`` [L, R, K] int64 and ``weights``
+        [L, R, K] are the routers' picks of every layer (the native dense half computes them
+        before each layer runs), ``hidden_states`` [R, H] the experts' input and ``residual``
+        [R, H] what their result is added into, the same tensors at every layer. None where
+        ``resident_layer`` would never apply this step, or the routing override cannot give the
+        step's routing at once; ``ResidentLayers.run`` says per layer."""
+        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+            return None
+        run_layer = getattr(self.provider, "run_layer", None)
+        fused = self.reader.fused
+        if run_layer is None or fused is None:
+            return None
+        override = self.routing_override
+        if override is not None:
+            step_routing = getattr(override, "step_routing", None)
+            got = None if step_routing is None else step_routing(self.segments, index.device, weights.dtype)
+            if got is None or got[0].shape != index.shape:
+                return None
+            index, weights = got
+        return ResidentLayers(self, run_layer, fused, index, weights, hidden_states, residual)
+
     def resident_layer(
         self,
         module: torch.nn.Module,
@@ -414,16 +525,22 @@ class ExpertRuntime:
         ran = 0 if run is None else run_layer(layer, run)
         if ran <= 0:
             return False
-        counters = self.counters
-        counters.layers += 1
-        self.host_transfers += 1  # the layer's one "transfer", as ``_fetch`` counts it on the host
-        counters.host_transfers += 1
-        counters.hits += ran
-        counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + ran
-        counters.acquire_waits.append(0.0)
+        self.count_resident(1, ran)
         if self.routing_observer is not None:
             self.routing_observer(layer, top_k_index, top_k_weights)
         return True
+
+    def count_resident(self, layers: int, experts: int) -> None:
+        """``layers`` MoE layers ran in one call each, ``experts`` experts in all, every one of
+        them resident: counted as ``forward`` counts such layers (one host "transfer" and one
+        acquire without a wait per layer, a hit per expert)."""
+        counters = self.counters
+        counters.layers += layers
+        self.host_transfers += layers
+        counters.host_transfers += layers
+        counters.hits += experts
+        counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + experts
+        counters.acquire_waits.extend([0.0] * layers)
 
     def _ran_resident(self, layer: int, routed: RoutedLayer | SlotLayer | None) -> bool:
         """The fused kernel's layer in one native call (pins, computes, unpins) where the provider

@@ -113,25 +113,32 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         daemon.stop()
 
 
+OURS = ["--eviction-policy", "activation-aware", "--prefetch"]
+PLAIN_LRU = ["--eviction-policy", "lru", "--no-prefetch"]
+
+
 @pytest.mark.parametrize(
-    ("daemon_extra", "path"),
+    ("daemon_extra", "dtype", "path"),
     [
         # ours: the daemon wants the layers' signals, sent before each layer runs
-        (["--eviction-policy", "activation-aware", "--prefetch"], "run_resident"),
-        # plain LRU wants none: the kernel finds the layer's experts itself
-        (["--eviction-policy", "lru", "--no-prefetch"], "run_layer"),
+        (OURS, torch.float32, "run_resident"),
+        # plain LRU wants none: the kernel finds the layer's experts itself, layer by layer
+        # (ExpertRuntime.resident_layer), or at bf16, where the dense half routes natively, with
+        # the step's buffers bound once (ExpertRuntime.resident_layers)
+        (PLAIN_LRU, torch.float32, "run_layer"),
+        (PLAIN_LRU, torch.bfloat16, "run_layer"),
     ],
-    ids=["signals", "no-signals"],
+    ids=["signals", "no-signals", "no-signals-bf16"],
 )
 def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_plain_model(
-    tiny_store, tmp_path, daemon_extra, path
+    tiny_store, tmp_path, daemon_extra, dtype, path
 ):
     # An arena that holds every expert: the second generation of the same prompt finds each decode
     # layer's experts resident, and every such layer runs in one native call (pin, kernel,
     # combine into the residual, unpin: DaemonClient.run_resident, or DaemonClient.run_layer where
     # the daemon wants no signals); the tokens equal transformers'.
-    tiny = tiny_store("gpt_oss")
-    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS)
+    tiny = tiny_store("gpt_oss") if dtype == torch.float32 else tiny_store("gpt_oss", dtype=dtype)
+    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, dtype)
     manifest = tiny.manifest
     daemon = start_daemon(
         tiny.store,
@@ -152,6 +159,9 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
                 return results[-1]
 
             setattr(client, name, counted)
+        per_layer = []  # ExpertRuntime.resident_layer: the layer-by-layer way
+        resident_layer = engine.runtime.resident_layer
+        engine.runtime.resident_layer = lambda *args: per_layer.append(1) or resident_layer(*args)
         for _ in range(2):  # the second finds every expert resident
             for results in calls.values():
                 results.clear()
@@ -162,6 +172,8 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
         assert len(resident) >= (NEW_TOKENS - 1) * manifest.num_layers and all(resident), calls
         if path == "run_resident":
             assert not any(calls["run_layer"])  # tried, and refused: the daemon wants signals
+        # bf16: the step's way only (the dense half's routing rows, bound once per step)
+        assert (dtype == torch.bfloat16) == (not per_layer)
         assert all(e.cache.misses == 0 for e in events[1:])
         # Each decode token counts its layers' experts as hits, whichever call ran them.
         top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]

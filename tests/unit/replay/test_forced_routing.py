@@ -75,6 +75,28 @@ def test_requests_cycle_and_rows_wrap(tmp_path):
     assert forced.request_of("a") == 2  # a new request of that id takes the next one
 
 
+def test_a_decode_steps_routing_at_once_is_what_each_layer_is_given(tmp_path):
+    # step_routing: a one-request, one-token forward's rows of every MoE layer [L, 1, K], the
+    # same values routing() gives layer by layer; None for several requests or several tokens.
+    trace = load_trace(write_trace(tmp_path / "t.npz", [3, 2, 4], decode_start=[0, 2, 1]))
+    forced = ForcedRouting(trace, [0, 1, 2], 8, 2)
+    forced.begin_request("a")
+    router_index = torch.zeros(1, 2, dtype=torch.int64)
+    router_weights = torch.zeros(1, 2, dtype=torch.bfloat16)
+    for step in range(4):
+        seg = StepSegment("a", 0, 1, 10 + step, step)
+        index, weights = forced.step_routing([seg], torch.device("cpu"), torch.bfloat16)
+        assert tuple(index.shape) == tuple(weights.shape) == (3, 1, 2) and weights.dtype == torch.bfloat16
+        for layer in range(3):
+            want_index, want_weights = forced.routing([seg], layer, router_index, router_weights)
+            assert torch.equal(index[layer], want_index) and torch.equal(weights[layer], want_weights)
+        assert index[:, 0].tolist() == trace.expert_ids[forced.row("a", step)].tolist()
+    forced.begin_request("b")
+    two = [StepSegment("a", 0, 1, 20, 4), StepSegment("b", 1, 1, 5, 0)]
+    assert forced.step_routing(two, torch.device("cpu"), torch.bfloat16) is None
+    assert forced.step_routing([StepSegment("a", 0, 2, 20, 0)], torch.device("cpu"), torch.bfloat16) is None
+
+
 def test_modelled_layer_ahead_keeps_the_stated_share(tmp_path):
     trace = load_trace(write_trace(tmp_path / "t.npz", [200], experts=8, top_k=2))
     router = Prediction(layer=1, experts=(0, 1), scores=(0.6, 0.4))
