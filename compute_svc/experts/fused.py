@@ -246,19 +246,40 @@ class FusedExperts:
         """A decode step's layer as one call of the kernel's ``run_layer`` (the provider's
         ``run_layer`` gives it the slot table and the experts per layer), adding the result into
         ``residual`` [T, H]; None where ``takes`` says it does not apply."""
-        if not self.takes(kernel, top_k_index.shape[0], top_k_weights.dtype, hidden_states, residual):
+        call = self.layer_call(
+            kernel, max_experts, top_k_index.shape[0], top_k_weights.dtype, hidden_states, residual
+        )
+        if call is None:
             return None
         ids = np.ascontiguousarray(top_k_index.numpy()).reshape(-1)  # [S] int64
         weights = np.ascontiguousarray(
             top_k_weights.numpy() if top_k_weights.dtype == torch.float32 else storage_view(top_k_weights)
         ).reshape(-1)
+        return lambda table, num_experts: call(table, layer, num_experts, ids, weights)
+
+    def layer_call(
+        self,
+        kernel: FusedKernel,
+        max_experts: int,
+        rows: int,
+        weights_dtype: torch.dtype,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> Callable[[object, int, int, np.ndarray, np.ndarray], int] | None:
+        """The kernel's ``run_layer`` bound to a step's buffers: ``call(table, layer, num_experts,
+        ids, weights)`` runs a layer of ``rows`` tokens from its routing ([rows * K] int64 ids,
+        [rows * K] weights: float32 or the compute dtype's storage) and adds its result into
+        ``residual``; the number of experts it ran (0: a miss). None where ``takes`` says the
+        kernel does not take such layers."""
+        if not self.takes(kernel, rows, weights_dtype, hidden_states, residual):
+            return None
         x, out = self.view_of(hidden_states), self.view_of(residual)
-        pairs = self._pairs
-        if pairs is None or pairs.shape != (ids.size, x.shape[-1]):
-            pairs = self._pairs = np.empty((ids.size, x.shape[-1]), dtype=np.float32)
         ffn, arena = kernel.ffn, self.arena
 
-        def run(table: object, num_experts: int) -> int:
+        def call(table: object, layer: int, num_experts: int, ids: np.ndarray, weights: np.ndarray) -> int:
+            pairs = self._pairs
+            if pairs is None or pairs.shape != (ids.size, x.shape[-1]):
+                pairs = self._pairs = np.empty((ids.size, x.shape[-1]), dtype=np.float32)
             ran = ffn.run_layer(
                 table, layer, num_experts, max_experts, arena, ids, weights, x, pairs, out, True
             )
@@ -266,7 +287,7 @@ class FusedExperts:
                 self.calls += 1
             return ran
 
-        return run
+        return call
 
     def layer(
         self, kernel: FusedKernel, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner

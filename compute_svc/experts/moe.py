@@ -19,7 +19,14 @@ from transformers.integrations.moe import ExpertsInterface
 
 from compute_svc.errors import ExpertCacheError, FailedPrecondition
 from compute_svc.experts.arena import Arena
-from compute_svc.experts.fused import FusedExperts, FusedLayer, RoutedLayer, decode_sized, storage_view
+from compute_svc.experts.fused import (
+    FusedExperts,
+    FusedKernel,
+    FusedLayer,
+    RoutedLayer,
+    decode_sized,
+    storage_view,
+)
 from compute_svc.experts.slots import MAX_TOKENS as SLOT_MAX_TOKENS
 from compute_svc.experts.slots import SlotExperts, SlotLayer
 from compute_svc.experts.stages import Combiner, ExpertsPass, Routing, route, waves
@@ -245,7 +252,7 @@ class ResidentLayers:
         self._hidden, self._residual = hidden_states, residual
         self._ids = index.numpy()  # numpy views of the same memory
         self._w = weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)
-        self._kernel: tuple[object, Callable | None] | None = None  # (its FusedKernel, its call)
+        self._kernel: tuple[FusedKernel, Callable | None] | None = None  # (a kernel, its call)
         self._layers = 0  # layers run, and their experts
         self._experts = 0
 
@@ -273,26 +280,17 @@ class ResidentLayers:
             observer(layer, self._index[i], self._weights[i])
         return True
 
-    def _bind(self, kernel) -> Callable | None:
+    def _bind(self, kernel: FusedKernel) -> Callable | None:
         """``kernel``'s run_layer with this step's buffers, or None where it does not take them
-        (``FusedExperts.takes``)."""
-        fused = self._fused
-        if not fused.takes(kernel, self._index.shape[1], self._weights.dtype, self._hidden, self._residual):
-            return None
-        ffn, max_experts = kernel.ffn, self._runtime.num_slots
-        x, out = fused.view_of(self._hidden), fused.view_of(self._residual)
-        pairs = np.empty((self._ids[0].size, x.shape[-1]), dtype=np.float32)
-        arena = fused.arena
-
-        def call(table: object, layer: int, num_experts: int, ids: np.ndarray, weights: np.ndarray) -> int:
-            ran = ffn.run_layer(
-                table, layer, num_experts, max_experts, arena, ids, weights, x, pairs, out, True
-            )
-            if ran > 0:
-                fused.calls += 1
-            return ran
-
-        return call
+        (``FusedExperts.layer_call``)."""
+        return self._fused.layer_call(
+            kernel,
+            self._runtime.num_slots,
+            self._index.shape[1],
+            self._weights.dtype,
+            self._hidden,
+            self._residual,
+        )
 
     def finish(self) -> None:
         """Count the layers that ran (once, at the end of the step's layers)."""
@@ -477,12 +475,10 @@ class ExpertRuntime:
         [R, H] what their result is added into, the same tensors at every layer. None where
         ``resident_layer`` would never apply this step, or the routing override cannot give the
         step's routing at once; ``ResidentLayers.run`` says per layer."""
-        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+        way = self._resident_way()
+        if way is None:
             return None
-        run_layer = getattr(self.provider, "run_layer", None)
-        fused = self.reader.fused
-        if run_layer is None or fused is None:
-            return None
+        run_layer, fused = way
         override = self.routing_override
         if override is not None:
             step_routing = getattr(override, "step_routing", None)
@@ -506,12 +502,10 @@ class ExpertRuntime:
         no signals the daemon wants (the provider's ``run_layer``). True when it ran (the result
         is added into ``residual``, counted as ``forward`` counts it); False when nothing was done
         (``forward`` serves the layer, which routes it again)."""
-        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+        way = self._resident_way()
+        if way is None:
             return False
-        run_layer = getattr(self.provider, "run_layer", None)
-        fused = self.reader.fused
-        if run_layer is None or fused is None:
-            return False
+        run_layer, fused = way
         if self.routing_override is not None:
             top_k_index, top_k_weights = self.routing_override.routing(
                 self.segments, layer, top_k_index, top_k_weights
@@ -529,6 +523,18 @@ class ExpertRuntime:
         if self.routing_observer is not None:
             self.routing_observer(layer, top_k_index, top_k_weights)
         return True
+
+    def _resident_way(self) -> tuple[Callable, FusedExperts] | None:
+        """(the provider's ``run_layer``, the fused kernels) where a layer may run through
+        ``run_layer`` at all: a CPU arena's fused kernel, a provider that has it, and nothing
+        else that needs the layer (layer-ahead, a trace, pins of an earlier wave)."""
+        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+            return None
+        run_layer = getattr(self.provider, "run_layer", None)
+        fused = self.reader.fused
+        if run_layer is None or fused is None:
+            return None
+        return run_layer, fused
 
     def count_resident(self, layers: int, experts: int) -> None:
         """``layers`` MoE layers ran in one call each, ``experts`` experts in all, every one of
