@@ -27,7 +27,7 @@ from compute_svc.daemon.client import DaemonClient
 from compute_svc.engine.generation import build_engine
 from compute_svc.engine.requests import GenerationRequest
 from devtools.tiny import SUPPORTED_ARCHS
-from tests.decoding import plain_greedy
+from tests.decoding import greedy, plain_greedy, prepare
 from tests.inference import generate_replies
 from tests.procs import start_compute, start_daemon
 
@@ -178,6 +178,47 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
         # Each decode token counts its layers' experts as hits, whichever call ran them.
         top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
         assert {e.cache.hits for e in events[1:]} == {manifest.num_layers * top_k}
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as_each_alone(
+    tiny_store, tmp_path
+):
+    # Three requests decoded in the same steps (3 rows a step) through the real daemon with every
+    # expert resident and no signals wanted: each layer of a step is one run_layer call over the
+    # three rows, and each request's tokens are what it decodes alone.
+    tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    manifest = tiny.manifest
+    daemon = start_daemon(
+        tiny.store,
+        tmp_path,
+        device="cpu",
+        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
+        extra=PLAIN_LRU,
+    )
+    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
+    try:
+        engine = build_engine(str(tiny.store), client.attachment, client)
+        prompts = [PROMPT, [3, 8, 1, 44, 21, 6, 6, 9, 12, 30, 2], [19, 4]]
+        alone = [greedy(engine, p, 6) for p in prompts]  # every expert they use is resident after
+        runs = []
+        run_layer = client.run_layer
+        client.run_layer = lambda layer, run: runs.append(run_layer(layer, run)) or runs[-1]
+        seqs = [engine.start(prepare(engine, p, 6)) for p in prompts]
+        got = [[] for _ in prompts]
+        for i, seq in enumerate(seqs):  # prefill each, then decode all three in the same steps
+            for _, event in engine.step([(seq, len(seq.pending))]):
+                got[i].append(event.token_id)
+        runs.clear()
+        while not all(seq.done for seq in seqs):
+            for s, event in engine.step([(seq, 1) for seq in seqs if not seq.done]):
+                got[seqs.index(s)].append(event.token_id)
+        for seq in seqs:
+            engine.finish(seq, "length")
+        assert got == alone
+        assert len(runs) == 5 * manifest.num_layers and all(runs), runs  # 5 steps of 3 rows
     finally:
         client.close()
         daemon.stop()
