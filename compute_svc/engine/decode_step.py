@@ -67,41 +67,15 @@ class DecodeStep:
         self.model = model
         self.layers = list(inner.layers)
         self.embed = inner.embed_tokens
-        self.rotary = inner.rotary_emb
         self.final_norm = inner.norm
         self.head = model.lm_head
         self.dtype = dtype
         first = self.layers[0].self_attn
-        # GPT-OSS's MLP (router, then experts) taken apart: the router's logits come with the
-        # native call, then topk and softmax as its router does, then our experts forward.
-        self.routers = _gpt_oss_routers(self.layers)
-        # (experts module, its layer, its runtime, top-k) per GPT-OSS layer: where the module
-        # dispatches to our runtime and has no hooks, the runtime is called straight, without the
-        # module call and transformers' dispatching wrapper around it (``forward``).
-        self._experts = [
-            (
-                layer.mlp.experts,
-                getattr(layer.mlp.experts, LAYER_ATTR),
-                getattr(layer.mlp.experts, RUNTIME_ATTR)
-                if getattr(getattr(layer.mlp.experts, "config", None), "_experts_implementation", None)
-                == IMPLEMENTATION
-                else None,
-                router.top_k,
-            )
-            for layer, router in zip(self.layers, self.routers, strict=False)  # [] unless GPT-OSS
-        ]
-        # The routers' topk and softmax in the native call too, where it computes them as torch
-        # does (a 2-byte dtype, top-k < 8); else by torch after it.
-        top_k = self.routers[0].top_k if self.routers else 0
-        self.top_k = top_k if top_k and native.router_top_k_supported(_DTYPES[dtype], top_k) else 0
-        # The one runtime every GPT-OSS layer's experts run through, if one does.
-        runtimes = {id(r): r for _, _, r, _ in self._experts if r is not None}
-        self._runtime = (
-            next(iter(runtimes.values()))
-            if len(runtimes) == 1 and all(r is not None for _, _, r, _ in self._experts)
-            else None
-        )
+        self.mlps = RoutedMlps(self.layers, native, dtype)
         self.head_dim = int(first.head_dim)
+        self.rotation = RotaryTable(
+            inner.rotary_emb, self.head_dim, int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+        )
         self.kv_heads = int(config.num_key_value_heads)
         self.hidden = int(config.hidden_size)
         self.attention = native.DecodeAttention(
@@ -115,8 +89,8 @@ class DecodeStep:
                 "scaling": float(first.scaling),
                 "norm": norm,
                 "softmax": softmax,
-                "router_outputs": self.routers[0].weight.shape[0] if self.routers else 0,
-                "router_top_k": self.top_k,
+                "router_outputs": self.mlps.outputs,
+                "router_top_k": self.mlps.top_k,
             }
         )
         for layer in self.layers:
@@ -135,22 +109,13 @@ class DecodeStep:
                 "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
                 "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
                 "sinks": getattr(attn, "sinks", None),
-                "router": layer.mlp.router.weight if self.routers else None,
-                "router_bias": layer.mlp.router.bias if self.routers else None,
+                "router": layer.mlp.router.weight if self.mlps.routers else None,
+                "router_bias": layer.mlp.router.bias if self.mlps.routers else None,
             }
             self.attention.add_layer(
                 {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
                 attention_window(config, attn) or 0,
             )
-        # The rotary embedding's (cos, sin) [P, head_dim / 2] at positions 0 .. P-1 (``rotation``),
-        # where its frequencies do not depend on the positions asked for: transformers updates
-        # them with the sequence length for the "dynamic" and "longrope" types.
-        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
-        rope_type = getattr(self.rotary, "rope_type", "default")
-        self._rotation_table = (
-            isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
-        )
         # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
         self._like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=dtype)
         logger.info(
@@ -159,30 +124,6 @@ class DecodeStep:
             self.attention.path,
             softmax,
         )
-
-    def rotation(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's (cos, sin) [R, head_dim / 2] of the compute dtype at
-        ``position_ids`` [1, R], from a table of the model's own ``rotary_emb`` over positions
-        0 .. P-1, grown (doubling, up to the model's maximum positions) when a position is past
-        it. The same values as calling it per step: each is a product of one frequency and one
-        position, then elementwise (checked bit for bit in tests/unit/compute/test_decode_step.py),
-        without its dozen torch calls per step. Without a table (frequencies that change with
-        the positions), the model's call itself."""
-        if not self._rotation_table:
-            cos, sin = self.rotary(h, position_ids)  # [1, R, head_dim] or [1, R, head_dim / 2]
-            half = self.head_dim // 2
-            rows = position_ids.shape[-1]
-            return cos.reshape(rows, -1)[:, :half].contiguous(), sin.reshape(rows, -1)[:, :half].contiguous()
-        flat = position_ids.reshape(-1)
-        need = int(flat.max()) + 1
-        table = self._rotation
-        if table is None or table[0].shape[0] < need:
-            have = 0 if table is None else table[0].shape[0]
-            size = max(need, min(max(2 * have, 256), self._max_positions))
-            cos, sin = self.rotary(h, torch.arange(size).unsqueeze(0))  # [1, P, head_dim or head_dim / 2]
-            half = self.head_dim // 2
-            table = self._rotation = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
-        return table[0].index_select(0, flat), table[1].index_select(0, flat)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SequenceKV]
@@ -204,21 +145,20 @@ class DecodeStep:
         mlp_in = torch.empty_like(h)
         cos, sin = self.rotation(h, position_ids)
         attention = self.attention
-        logits = (
-            torch.empty(rows, self.routers[0].weight.shape[0], dtype=self.dtype) if self.routers else None
-        )
+        mlps = self.mlps
+        logits = torch.empty(rows, mlps.outputs, dtype=self.dtype) if mlps.routers else None
         routes = None  # per layer (index [R, K], scores [R, K]) where the native call routes
         top_ids = top_scores = resident = None
-        if self.top_k:
+        if mlps.top_k:
             # One pair of tensors per layer (views of two): the routing observer keeps each layer's.
-            ids_all = torch.empty(layers, rows, self.top_k, dtype=torch.int64)
-            scores_all = torch.empty(layers, rows, self.top_k, dtype=self.dtype)
+            ids_all = torch.empty(layers, rows, mlps.top_k, dtype=torch.int64)
+            scores_all = torch.empty(layers, rows, mlps.top_k, dtype=self.dtype)
             routes = list(zip(ids_all.unbind(0), scores_all.unbind(0), strict=True))
             top_ids, top_scores = ids_all.numpy(), storage_view(scores_all)
             # Every layer's experts through one runtime: its resident layers with the step's
             # buffers bound once (the routing rows are filled as each layer's dense half runs).
-            if self._runtime is not None:
-                resident = self._runtime.resident_layers(ids_all, scores_all, mlp_in, h)
+            if mlps.runtime is not None:
+                resident = mlps.runtime.resident_layers(ids_all, scores_all, mlp_in, h)
         attention.begin_step(
             storage_view(h),
             storage_view(mlp_in),
@@ -238,7 +178,7 @@ class DecodeStep:
             for i, layer in enumerate(self.layers):
                 attention.run(i)
                 if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
-                    experts, at, runtime, top_k = self._experts[i]
+                    experts, at, runtime, top_k = mlps.experts[i]
                     if routes is not None:
                         index, scores = routes[i]
                     else:
@@ -261,6 +201,76 @@ class DecodeStep:
             if resident is not None:
                 resident.finish()
         return self.head(self.final_norm(flat))[0]
+
+
+class RoutedMlps:
+    """GPT-OSS's MLP of every layer taken apart (router, then experts): the router's logits come
+    with the native dense half, then its top-k and softmax (in the native call too where it
+    computes them as torch does: a 2-byte dtype, top-k < 8; else by torch after it), then our
+    experts. Empty (``routers`` []) for the other models, whose MLP is their own module."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], native, dtype: torch.dtype) -> None:
+        self.routers = _gpt_oss_routers(layers)
+        # (experts module, its layer, its runtime, top-k) per GPT-OSS layer: where the module
+        # dispatches to our runtime and has no hooks, the runtime is called straight, without the
+        # module call and transformers' dispatching wrapper around it (``forward``).
+        self.experts = [
+            (
+                layer.mlp.experts,
+                getattr(layer.mlp.experts, LAYER_ATTR),
+                getattr(layer.mlp.experts, RUNTIME_ATTR)
+                if getattr(getattr(layer.mlp.experts, "config", None), "_experts_implementation", None)
+                == IMPLEMENTATION
+                else None,
+                router.top_k,
+            )
+            for layer, router in zip(layers, self.routers, strict=False)  # [] unless GPT-OSS
+        ]
+        self.outputs = self.routers[0].weight.shape[0] if self.routers else 0  # the router's experts
+        top_k = self.routers[0].top_k if self.routers else 0
+        self.top_k = top_k if top_k and native.router_top_k_supported(_DTYPES[dtype], top_k) else 0
+        # The one runtime every layer's experts run through, if one does.
+        runtimes = {id(r): r for _, _, r, _ in self.experts if r is not None}
+        self.runtime = (
+            next(iter(runtimes.values()))
+            if len(runtimes) == 1 and all(r is not None for _, _, r, _ in self.experts)
+            else None
+        )
+
+
+class RotaryTable:
+    """The rotary embedding's (cos, sin) [R, head_dim / 2] of the compute dtype at a step's
+    positions, from a table of the model's own ``rotary_emb`` over positions 0 .. P-1, grown
+    (doubling, up to the model's maximum positions) when a position is past it. The same values
+    as calling it per step: each is a product of one frequency and one position, then
+    elementwise (checked bit for bit in tests/unit/compute/test_decode_step.py), without its dozen
+    torch calls per step. Rotary types whose frequencies transformers updates with the positions
+    asked for ("dynamic", "longrope") have no table: the model's call itself, every step."""
+
+    def __init__(self, rotary: torch.nn.Module, head_dim: int, max_positions: int) -> None:
+        self.rotary = rotary
+        self._half = head_dim // 2
+        self._max_positions = max_positions
+        rope_type = getattr(rotary, "rope_type", "default")
+        self.tabled = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [R, head_dim / 2] at ``position_ids`` [1, R]; ``h`` gives dtype and device."""
+        half = self._half
+        if not self.tabled:
+            cos, sin = self.rotary(h, position_ids)  # [1, R, head_dim] or [1, R, head_dim / 2]
+            rows = position_ids.shape[-1]
+            return cos.reshape(rows, -1)[:, :half].contiguous(), sin.reshape(rows, -1)[:, :half].contiguous()
+        flat = position_ids.reshape(-1)
+        need = int(flat.max()) + 1
+        table = self._table
+        if table is None or table[0].shape[0] < need:
+            have = 0 if table is None else table[0].shape[0]
+            size = max(need, min(max(2 * have, 256), self._max_positions))
+            cos, sin = self.rotary(h, torch.arange(size).unsqueeze(0))  # [1, P, head_dim or head_dim / 2]
+            table = self._table = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
+        return table[0].index_select(0, flat), table[1].index_select(0, flat)
 
 
 def _hooked(module: torch.nn.Module) -> bool:

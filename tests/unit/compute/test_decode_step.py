@@ -119,11 +119,11 @@ def test_the_rotation_table_equals_the_models_rotary_embedding_bit_for_bit(arch,
     for positions in ([5, 0, 255], [256, 3, 1000], [2047, 17, 600]):  # the second and third grow it
         position_ids = torch.tensor([positions])
         cos, sin = step.rotation(h, position_ids)
-        want_cos, want_sin = step.rotary(h, position_ids)
+        want_cos, want_sin = step.rotation.rotary(h, position_ids)
         assert cos.dtype == dtype and cos.is_contiguous() and tuple(cos.shape) == (3, half)
         assert torch.equal(cos, want_cos.reshape(3, -1)[:, :half])
         assert torch.equal(sin, want_sin.reshape(3, -1)[:, :half])
-    assert step._rotation[0].shape[0] == 2048  # grown by doubling, up to the maximum positions
+    assert step.rotation._table[0].shape[0] == 2048  # grown by doubling, up to the maximum positions
 
 
 def test_a_rotary_embedding_whose_frequencies_follow_the_positions_is_called_every_step(local_engine):
@@ -132,10 +132,12 @@ def test_a_rotary_embedding_whose_frequencies_follow_the_positions_is_called_eve
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     engine, _, _tiny = local_engine("qwen2_moe", dtype=torch.bfloat16, rope_parameters=rope)
     step = engine.decode_step
-    assert step.rotary.rope_type == "dynamic" and not step._rotation_table
+    assert step.rotation.rotary.rope_type == "dynamic" and not step.rotation.tabled
     calls = []
-    rotary = step.rotary
-    step.rotary = lambda h, position_ids: calls.append(position_ids.tolist()) or rotary(h, position_ids)
+    rotary = step.rotation.rotary
+    step.rotation.rotary = lambda h, position_ids: (
+        calls.append(position_ids.tolist()) or rotary(h, position_ids)
+    )
     h = torch.zeros(2, step.hidden, dtype=torch.bfloat16)
     cos, sin = step.rotation(h, torch.tensor([[3000, 7]]))  # past the model's 2048 positions
     want_cos, want_sin = rotary(h, torch.tensor([[3000, 7]]))
@@ -143,4 +145,4 @@ def test_a_rotary_embedding_whose_frequencies_follow_the_positions_is_called_eve
     assert torch.equal(cos, want_cos.reshape(2, -1)[:, :half]) and torch.equal(
         sin, want_sin.reshape(2, -1)[:, :half]
     )
-    assert calls == [[[3000, 7]]] and step._rotation is None
+    assert calls == [[[3000, 7]]] and step.rotation._table is None
