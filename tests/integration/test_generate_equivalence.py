@@ -13,6 +13,7 @@ of the same checkpoint on CPU, which dequantises it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,6 +114,26 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
         daemon.stop()
 
 
+@contextlib.contextmanager
+def resident_engine(tiny, tmp_path, daemon_extra):
+    """A daemon whose arena holds every expert of ``tiny`` (run with ``daemon_extra``), a client
+    of it and an engine through that client: (engine, client, manifest)."""
+    manifest = tiny.manifest
+    daemon = start_daemon(
+        tiny.store,
+        tmp_path,
+        device="cpu",
+        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
+        extra=daemon_extra,
+    )
+    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
+    try:
+        yield build_engine(str(tiny.store), client.attachment, client), client, manifest
+    finally:
+        client.close()
+        daemon.stop()
+
+
 OURS = ["--eviction-policy", "activation-aware", "--prefetch"]
 PLAIN_LRU = ["--eviction-policy", "lru", "--no-prefetch"]
 
@@ -139,17 +160,7 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
     # the daemon wants no signals); the tokens equal transformers'.
     tiny = tiny_store("gpt_oss") if dtype == torch.float32 else tiny_store("gpt_oss", dtype=dtype)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, dtype)
-    manifest = tiny.manifest
-    daemon = start_daemon(
-        tiny.store,
-        tmp_path,
-        device="cpu",
-        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
-        extra=daemon_extra,
-    )
-    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
-    try:
-        engine = build_engine(str(tiny.store), client.attachment, client)
+    with resident_engine(tiny, tmp_path, daemon_extra) as (engine, client, manifest):
         calls = {"run_resident": [], "run_layer": []}
         for name, results in calls.items():
             original = getattr(client, name)
@@ -178,9 +189,6 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
         # Each decode token counts its layers' experts as hits, whichever call ran them.
         top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
         assert {e.cache.hits for e in events[1:]} == {manifest.num_layers * top_k}
-    finally:
-        client.close()
-        daemon.stop()
 
 
 def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as_each_alone(
@@ -190,17 +198,7 @@ def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as
     # expert resident and no signals wanted: each layer of a step is one run_layer call over the
     # three rows, and each request's tokens are what it decodes alone.
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
-    manifest = tiny.manifest
-    daemon = start_daemon(
-        tiny.store,
-        tmp_path,
-        device="cpu",
-        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
-        extra=PLAIN_LRU,
-    )
-    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
-    try:
-        engine = build_engine(str(tiny.store), client.attachment, client)
+    with resident_engine(tiny, tmp_path, PLAIN_LRU) as (engine, client, manifest):
         prompts = [PROMPT, [3, 8, 1, 44, 21, 6, 6, 9, 12, 30, 2], [19, 4]]
         alone = [greedy(engine, p, 6) for p in prompts]  # every expert they use is resident after
         runs = []
@@ -219,6 +217,3 @@ def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as
             engine.finish(seq, "length")
         assert got == alone
         assert len(runs) == 5 * manifest.num_layers and all(runs), runs  # 5 steps of 3 rows
-    finally:
-        client.close()
-        daemon.stop()
