@@ -49,6 +49,7 @@ class ChannelPort:
 
     admit: Callable[[ChannelServer, int, list[int], list[tuple[str, object]]], list[Load]]
     run_deferred: Callable[[list[Load]], None]  # host-tier copies in this thread, outside the lock
+    copies_from_host: Callable[[list[Load]], bool]  # whether run_deferred would copy any (not only read)
     close_session: Callable[[Session], None]
     closing: Callable[[], bool]  # the daemon shuts down: the thread ends
     intake: SignalIntake
@@ -196,26 +197,30 @@ class ChannelServer:
         # pool. Small experts: copied before the answer, so that the client wakes once to find
         # them all. Large ones: answered first, each announced as it lands.
         # (Never answered once the client is gone: its channel may soon be another client's.)
+        # The channel's ``copying`` is raised only where the host tier holds some of them: the
+        # client polls while it is up, which pays for a copy of microseconds, not for a read.
+        copying = bool(deferred) and self._port.copies_from_host(deferred)
         if self.gather:
-            self._copy(deferred)
+            self._copy(deferred, copying)
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
         else:
-            if deferred:
+            if copying:
                 self.channel.copying = True  # before the answer: the client polls for the copies
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
-            self._copy(deferred)
+            self._copy(deferred, copying)
         metrics.acquire_wait.observe(time.monotonic() - started)
 
-    def _copy(self, deferred: list[Load]) -> None:
-        """Run the demand's deferred loads here, with the channel's ``copying`` raised meanwhile:
-        the client polls for what lands rather than sleeping (each copy takes microseconds)."""
+    def _copy(self, deferred: list[Load], copying: bool) -> None:
+        """Run the demand's deferred loads here, with the channel's ``copying`` raised meanwhile
+        when some come from the host tier: the client polls for what lands rather than sleeping
+        (each copy takes microseconds; a store read, submitted here, milliseconds)."""
         if not deferred:
             return
-        self.channel.copying = True
+        self.channel.copying = copying
         try:
             self._port.run_deferred(deferred)
         finally:

@@ -187,6 +187,7 @@ class Residency:
         self._channel_port = ChannelPort(
             admit=admission.admit_for_client,
             run_deferred=loads.run_deferred,
+            copies_from_host=loads.copies_from_host,
             close_session=sessions.close_session,
             closing=lambda: sessions.closing,
             intake=self.intake,

@@ -111,6 +111,12 @@ class Loader:
         """Run ``load`` in the calling thread (outside the lock), as an I/O thread would."""
         self._run(load)
 
+    def holds_any(self, loads: list[Load]) -> bool:
+        """Whether the host tier holds any of ``loads`` now (``copy_from_host`` would copy it in
+        the calling thread rather than read the store)."""
+        host = self._host
+        return host is not None and any(host.contains(load.key) for load in loads)
+
     def copy_from_host(self, loads: list[Load], *, publish_each: bool) -> None:
         """Copy, in the calling thread (outside the lock), each of ``loads`` that the host tier
         holds into its arena slot: the hot path of a demand miss on a node with ample RAM, with

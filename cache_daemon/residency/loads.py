@@ -126,6 +126,11 @@ class Loads:
             # (their reads start at once); the others are copied here.
             self._loader.copy_from_host(loads, publish_each=self._publish_each)
 
+    def copies_from_host(self, loads: list[Load]) -> bool:
+        """Whether ``run_deferred(loads)`` would copy any of them from the host tier in the calling
+        thread (microseconds each), rather than only submit store reads (milliseconds)."""
+        return self._loader.holds_any(loads)
+
     def shutdown(self) -> None:
         """Stop the I/O threads (queued loads are dropped; running ones finish)."""
         self._loader.shutdown()

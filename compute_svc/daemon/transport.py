@@ -31,9 +31,10 @@ from expertcache.protocol import Tier, encode_trace_context
 if TYPE_CHECKING:
     from compute_svc.experts.layer_ahead import Prediction
 
-# How long a wait for the daemon's answer polls the client channel before it sleeps on its futex,
-# while the daemon's thread has the demand in hand (it runs, on another CPU); and how long it polls
-# for that thread to take the demand up at all: one that does not may be waiting for this CPU.
+# A wait for the daemon's answer polls the client channel this long (grace) before it sleeps on its
+# futex, and up to CHANNEL_SPIN_S only while the daemon's thread copies host-tier experts for it
+# (``copying``): an admission that reads the store, or applies the layer's signals first, takes
+# hundreds of microseconds, and polling through it takes a CPU from the daemon's threads.
 CHANNEL_SPIN_S = 300e-6
 CHANNEL_GRACE_S = 20e-6
 # A wait for admitted experts to land polls this long, and longer only while the daemon's thread

@@ -252,8 +252,10 @@ bool ClientChannel::wait_reply(uint32_t seq, uint32_t seen, double timeout_s, do
   const bool forever = timeout_s < 0;
   const auto deadline = forever ? clock::time_point::max() : start + seconds(timeout_s);
   if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
-  // Poll while it pays: the daemon's thread took the demand up (it runs, on another CPU), or for
-  // a short grace while it wakes.
+  // Poll for a short grace (an answer from a thread already at work comes in microseconds), and
+  // past it only while the daemon's thread copies for this client: an admission that reads the
+  // store, or applies a layer's signals first, takes hundreds of microseconds, which polling would
+  // take from the daemon's own threads on a small node.
   const auto spin_until = std::min(deadline, start + seconds(std::min(spin_s, 1e-3)));
   const auto grace_until = std::min(spin_until, start + seconds(grace_s));
   for (unsigned i = 0;; ++i) {
@@ -262,7 +264,7 @@ bool ClientChannel::wait_reply(uint32_t seq, uint32_t seen, double timeout_s, do
     if ((i & 63) == 63) {
       const auto now = clock::now();
       if (now >= spin_until) break;
-      if (now >= grace_until && header_->taken_seq.load(std::memory_order_acquire) != seq) break;
+      if (now >= grace_until && !copying()) break;
     }
     cpu_relax();
   }
@@ -295,7 +297,6 @@ void ClientChannel::reset() {
   header_->ring_tail.store(0);
   header_->fail_seq.store(0);
   header_->fail_status = 0;
-  header_->taken_seq.store(0);
   header_->copying.store(0);
   header_->reply_message[0] = '\0';
   header_->fail_message[0] = '\0';
@@ -311,7 +312,6 @@ bool ClientChannel::take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer,
                                 std::vector<uint32_t>* experts, std::string* trace) {
   const uint32_t s = header_->demand_seq.load(std::memory_order_acquire);
   if (s == taken) return false;
-  header_->taken_seq.store(s, std::memory_order_release);
   const uint32_t count = header_->demand_count;
   *seq = s;
   *layer = header_->demand_layer;

@@ -288,6 +288,41 @@ def test_a_wait_for_landings_polls_only_while_the_daemon_copies_for_it(table, ha
     assert not compute.copying
 
 
+def _cpu_of_reply_waits(
+    channel, seq: int, waits: int, timeout_s: float, spin_s: float, grace_s: float
+) -> float:
+    """CPU seconds one thread spent in `waits` unanswered ``wait_reply`` calls."""
+    spent: list[float] = []
+
+    def wait() -> None:
+        started = time.thread_time()
+        for _ in range(waits):
+            assert not channel.wait_reply(seq, channel.notify_seq, timeout_s, spin_s, grace_s)
+        spent.append(time.thread_time() - started)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join()
+    return spent[0]
+
+
+def test_a_wait_for_the_reply_polls_past_its_grace_only_while_the_daemon_copies_for_it(table, handle):
+    compute, daemon = handle.channel(1), table.channel(1)
+    seq = compute.post_demand(0, [1])
+    taken = daemon.take_demand(0)
+    assert taken is not None and taken[0] == seq
+    # Taken up, nothing being copied (an admission reading the store, or applying signals): a
+    # grace of microseconds, then asleep. Polling for the whole spin would cost 40 x 1 ms.
+    assert _cpu_of_reply_waits(compute, seq, 40, 5e-3, 1e-3, 5e-6) < 10e-3
+    # Copying for it: polls through the spin, and sees the reply without sleeping.
+    daemon.copying = True
+    assert _cpu_of_reply_waits(compute, seq, 4, 5e-3, 1e-3, 5e-6) >= 1e-3  # of 4 ms: room for a busy CPU
+    seen = compute.notify_seq
+    threading.Timer(0.0, lambda: daemon.reply(seq, 0, "admitted")).start()
+    assert compute.wait_reply(seq, seen, 30.0, 1e-3, 5e-6)
+    daemon.copying = False
+
+
 def test_wait_reply_ends_at_the_reply_a_notify_after_seen_or_the_timeout(table, handle):
     compute, daemon = handle.channel(1), table.channel(1)
     seen = compute.notify_seq

@@ -64,7 +64,6 @@ struct alignas(64) ChannelHeader {
   std::atomic<uint64_t> ring_tail;  // bytes consumed so far
   std::atomic<uint32_t> fail_seq;   // bumped when fail_message is written (a failed load)
   int32_t fail_status;
-  std::atomic<uint32_t> taken_seq;  // the demand the daemon's thread took up (it is running)
   std::atomic<uint32_t> copying;    // nonzero while the daemon's thread copies experts for this client
   alignas(64) char reply_message[kChannelMessageBytes];
   char fail_message[kChannelMessageBytes];
@@ -130,10 +129,11 @@ class ClientChannel {
   bool wait_notify(uint32_t seen, double timeout_s, double spin_s = 0.0, double grace_s = 0.0);
   // Waits until demand `seq` is answered (true) or timeout_s passes (false), waking also on any
   // notify after `seen` (read notify_seq() *before* checking for an interrupt or the stream's
-  // end, so that one arriving after the check is not slept through: the caller checks again). Polls without sleeping while the
-  // daemon's thread has taken the demand up (for up to spin_s), but only `grace_s` for it to take
-  // it: a daemon thread that does not run soon may share this CPU, which polling would keep
-  // from it. Then sleeps on the notify word.
+  // end, so that one arriving after the check is not slept through: the caller checks again).
+  // Polls without sleeping for `grace_s`, and for up to spin_s (at most 1 ms) while the daemon's
+  // thread copies for this client (`copying`, as wait_notify): an admission that reads the store
+  // or applies the layer's signals takes far longer than a poll is worth on a node whose CPUs the
+  // daemon's threads share. Then sleeps on the notify word.
   bool wait_reply(uint32_t seq, uint32_t seen, double timeout_s, double spin_s, double grace_s);
   // The source tier the daemon recorded for demand position `i` (0 until it knows).
   uint8_t source(uint32_t i) const;

@@ -140,6 +140,28 @@ def test_the_channel_says_copying_while_its_thread_copies_from_the_host_tier(mak
     wait_for(lambda: not client.channel.copying, "copying lowered once the copies are done")
 
 
+def test_the_channel_never_says_copying_for_misses_it_only_reads_from_the_store(make, monkeypatch):
+    """A store read takes milliseconds: compute sleeps through it rather than poll a CPU away."""
+    from cache_daemon.residency.loader import Loader
+
+    h = make(slots=4)  # no host tier: every miss is a store read
+    client, _ = h.attach()
+    seen_at_submit: list[bool] = []
+    submit = Loader.submit
+
+    def watched(self, load):
+        seen_at_submit.append(client.channel.copying)
+        return submit(self, load)
+
+    monkeypatch.setattr(Loader, "submit", watched)
+    assert client.demand(L1, [0, 1, 2]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [0, 1, 2])
+    client.release(L1, [0, 1, 2])
+    assert [client.channel.source(i) for i in range(3)] == [codes.SOURCE_STORE] * 3
+    assert seen_at_submit == [False] * 3
+    assert not client.channel.copying
+
+
 def test_a_bad_demand_is_refused_with_its_status_and_nothing_pinned(make):
     h = make(slots=2)
     client, _ = h.attach()
