@@ -31,6 +31,8 @@ void bind_eamc_match(pybind11::module_& m);
 void bind_transitions(pybind11::module_& m);
 // NextVisitLogistic: the learned next-visit model of cache_daemon/decisions/next_visit.py.
 void bind_next_visit(pybind11::module_& m);
+// request_estimates / next_use_layers: the signals' per-version estimates (use_estimates.py).
+void bind_use_estimates(pybind11::module_& m);
 // Defines CUDA_BUILT (bool) always; the CUDA classes only in a build with EXPERTCACHE_WITH_CUDA.
 void bind_cuda(pybind11::module_& m);
 // ExpertFfn: one MoE layer's experts fused on the CPU, from their stored encoding.

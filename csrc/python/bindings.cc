@@ -11,7 +11,7 @@
 void bind_decode(pybind11::module_& m);
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model, expert decode, fused CPU expert FFN";
+  m.doc() = "ExpertCache native core: slot table, host pool, O_DIRECT reader, CUDA arena and copies, EAMC match, routing transitions, next-visit model, use estimates, expert decode, fused CPU expert FFN";
   // The optional features this build was compiled with (CMakeLists.txt): what expertcache.native
   // reports at start, and what tests/build checks for each forced-off configuration.
   std::vector<std::string> features;
@@ -31,6 +31,7 @@ PYBIND11_MODULE(_native, m) {
   bind_eamc_match(m);
   bind_transitions(m);
   bind_next_visit(m);
+  bind_use_estimates(m);
   bind_decode(m);
   bind_expert_ffn(m);
   bind_decode_attention(m);

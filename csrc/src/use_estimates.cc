@@ -1,0 +1,59 @@
+// See csrc/include/expertcache/use_estimates.h. Each expression names the numpy one it mirrors.
+#include "expertcache/use_estimates.h"
+
+#include <algorithm>
+
+namespace expertcache {
+
+void request_estimates(size_t n, const RequestRows& r, const EstimateWeights& w, float* out_long,
+                       float* out_next) {
+  // (np.float32(1.0) - w) * history + w * history_long, w = np.float32(long_weight)
+  const float keep_short = 1.0f - w.long_weight;
+  // with_hints: (1.0 - weight) * p + weight * h; a Python float meets a float32 row as float32
+  const bool hints = w.hint_weight > 0.0 && r.has_hints;
+  const float keep_p = static_cast<float>(1.0 - w.hint_weight);
+  const float take_h = static_cast<float>(w.hint_weight);
+  // tw * next_p + (np.float32(1.0) - tw) * hist, tw = np.float32(transition_weight)
+  const float tw = w.transition_weight;
+  const float keep_hist = 1.0f - tw;
+  for (size_t i = 0; i < n; ++i) {
+    const float a = keep_short * r.history[i];
+    const float b = w.long_weight * r.history_long[i];
+    const float hist = a + b;
+    // fresh_hints: where((token - hint_token) <= ttl, hints, 0)
+    const float h = hints && (r.token - r.hint_token[i]) <= w.hint_ttl_tokens ? r.hints[i] : 0.0f;
+    auto with_hints = [&](float p) {
+      if (!(h > 0.0f)) return p;
+      const float x = keep_p * p;
+      const float y = take_h * h;
+      return x + y;
+    };
+    const float long_run = hints ? with_hints(hist) : hist;
+    out_long[i] = long_run;
+    if (out_next == nullptr) continue;
+    const float np_ = r.next_p[i];
+    const float c = tw * np_;
+    const float d = keep_hist * hist;
+    const float blend = c + d;
+    if (w.learned)
+      out_next[i] = np_ >= 0.0f ? blend : long_run;  // where(next_p >= 0, blend, with_hints(hist))
+    else
+      out_next[i] = hints ? with_hints(np_ >= 0.0f ? blend : hist) : (np_ >= 0.0f ? blend : hist);
+  }
+}
+
+void next_use_layers(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
+                     int64_t moe_layers, double floor, double* out) {
+  const double m = static_cast<double>(moe_layers);
+  for (size_t i = 0; i < n; ++i) {
+    // np.maximum(p_long.astype(float64), floor): NaN stays NaN
+    const double pl = static_cast<double>(p_long[i]);
+    const double kept = pl < floor ? floor : pl;
+    // distance.astype(float64) + M * (1.0 - p_next) / p_long
+    const double miss = 1.0 - static_cast<double>(p_next[i]);
+    const double steps = m * miss;
+    out[i] = static_cast<double>(distance[i]) + steps / kept;
+  }
+}
+
+}  // namespace expertcache
