@@ -42,6 +42,19 @@ class SignalsGrid:
         self.num_moe = layer_map.num_moe
         self.rank = layer_map.ranks()  # [num_layers] MoE index per layer, -1 dense
         self.rank_of = np.repeat(self.rank, num_experts)  # [N] the rank of each entry's layer
+        self._distances: dict[int, np.ndarray] = {}  # position layer -> distance_from(layer)
+
+    def distance_from(self, layer: int) -> np.ndarray:
+        """int64 [N] MoE layers from a position at ``layer`` until each entry's layer is visited
+        next, in ``1..M`` (dense layers, never visited: M + 1); read-only, made once per layer."""
+        d = self._distances.get(layer)
+        if d is None:
+            M, rank_of = self.num_moe, self.rank_of
+            d = (rank_of - self.rank[layer] - 1) % M + 1
+            d = np.where(rank_of >= 0, d, M + 1)
+            d.flags.writeable = False
+            self._distances[layer] = d
+        return d
 
 
 class DerivedValues:
@@ -243,13 +256,7 @@ class UseEstimates:
         """int64 [N] MoE layers until each entry's layer is visited next, in ``1..M`` (dense
         layers, never visited: M + 1)."""
 
-        def compute() -> np.ndarray:
-            grid = self.grid
-            M, rank_of = grid.num_moe, grid.rank_of
-            d = (rank_of - grid.rank[self._position[1]] - 1) % M + 1
-            return np.where(rank_of >= 0, d, M + 1)
-
-        return self._cached("distance", compute)
+        return self.grid.distance_from(self._position[1])
 
     def request_probabilities(self) -> list[np.ndarray]:
         """Per live request, float32 [N] its per-visit use probability beyond the next visit:
@@ -344,11 +351,18 @@ class UseEstimates:
             if not la:
                 return p
             p = p.copy()
-            E = self.grid.num_experts
-            for (layer, depth, entries, _scores), conf in zip(la, self.lookahead_confidence(), strict=True):
-                sl = slice(layer * E, (layer + 1) * E)
-                p[sl] *= 1.0 - self.precision(depth)
-                p[entries] = np.maximum(p[entries], conf)
+            # Per prediction, in order: p[layer's row] *= 1 - precision(depth); p[entries] =
+            # maximum(p[entries], conf), in one native pass.
+            native.apply_lookahead(
+                p,
+                self.grid.num_experts,
+                [
+                    (layer, 1.0 - self.precision(depth), entries, conf)
+                    for (layer, depth, entries, _scores), conf in zip(
+                        la, self.lookahead_confidence(), strict=True
+                    )
+                ],
+            )
             return p
 
         return self._cached("use_p", compute)

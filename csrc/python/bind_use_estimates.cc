@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bind.h"
 #include "expertcache/use_estimates.h"
@@ -73,6 +74,55 @@ void bind_use_estimates(py::module_& m) {
       "One request's estimates in one pass (float32 [n] rows; hint_token int64): writes its per-visit "
       "use estimate beyond the next visit into out_long and, unless out_next is None, its next-visit "
       "estimate into out_next, element for element as UseEstimates' numpy expressions.");
+  m.def(
+      "apply_lookahead",
+      [](py::array& p, size_t num_experts, const py::list& predictions) {
+        if (p.ndim() != 1) throw std::invalid_argument("use_estimates: p must be 1-D");
+        const auto n = static_cast<size_t>(p.shape(0));
+        check_row(p, n, "p", true);
+        if (num_experts < 1 || n % num_experts != 0)
+          throw std::invalid_argument("use_estimates: num_experts must divide the " + std::to_string(n) + " entries");
+        const size_t layers = n / num_experts;
+        // Every prediction checked before anything is written.
+        struct Item {
+          size_t layer;
+          double keep;
+          py::array_t<int64_t> entries;
+          py::array_t<double> confidence;
+        };
+        std::vector<Item> items;
+        items.reserve(predictions.size());
+        for (const auto& obj : predictions) {
+          const auto t = obj.cast<py::tuple>();
+          if (t.size() != 4)
+            throw std::invalid_argument("use_estimates: a prediction is (layer, keep, entries, confidence)");
+          const auto layer = t[0].cast<int64_t>();
+          if (layer < 0 || static_cast<size_t>(layer) >= layers)
+            throw std::invalid_argument("use_estimates: predicted layer " + std::to_string(layer) + " outside 0.." +
+                                        std::to_string(layers - 1));
+          const auto keep = t[1].cast<double>();
+          const auto entries = t[2].cast<py::array>();
+          const auto confidence = t[3].cast<py::array>();
+          if (entries.ndim() != 1) throw std::invalid_argument("use_estimates: entries must be 1-D");
+          const auto k = static_cast<size_t>(entries.shape(0));
+          check_typed_row<int64_t>(entries, k, "entries", "int64", false);
+          check_typed_row<double>(confidence, k, "confidence", "float64", false);
+          const auto* e = static_cast<const int64_t*>(entries.data());
+          for (size_t j = 0; j < k; ++j)
+            if (e[j] < 0 || static_cast<size_t>(e[j]) >= n)
+              throw std::invalid_argument("use_estimates: entry " + std::to_string(e[j]) + " outside 0.." +
+                                          std::to_string(n - 1));
+          items.push_back({static_cast<size_t>(layer), keep, py::array_t<int64_t>(entries), py::array_t<double>(confidence)});
+        }
+        auto* out = static_cast<float*>(p.mutable_data());
+        for (const auto& it : items)
+          expertcache::apply_lookahead(out, num_experts, it.layer, it.keep, it.entries.data(), it.confidence.data(),
+                                       static_cast<size_t>(it.entries.size()));
+      },
+      py::arg("p"), py::arg("num_experts"), py::arg("predictions"),
+      "Each predicted layer's override of the next-visit estimate p (float32 [n], in place), in order: "
+      "predictions is a list of (layer, keep, entries int64, confidence float64); the layer's row is "
+      "scaled by keep, then each entry raised to at least its confidence, as UseEstimates.use_probability.");
   m.def(
       "next_use_layers",
       [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,

@@ -1,7 +1,8 @@
 // See csrc/include/expertcache/use_estimates.h. Each expression names the numpy one it mirrors.
 #include "expertcache/use_estimates.h"
 
-#include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace expertcache {
 
@@ -40,6 +41,22 @@ void request_estimates(size_t n, const RequestRows& r, const EstimateWeights& w,
     else
       out_next[i] = hints ? with_hints(np_ >= 0.0f ? blend : hist) : (np_ >= 0.0f ? blend : hist);
   }
+}
+
+void apply_lookahead(float* p, size_t num_experts, size_t layer, double keep, const int64_t* entries,
+                     const double* confidence, size_t n) {
+  // p[sl] *= 1.0 - precision: a Python float meets a float32 row as float32
+  const float k = static_cast<float>(keep);
+  float* row = p + layer * num_experts;
+  for (size_t i = 0; i < num_experts; ++i) row[i] = row[i] * k;
+  // p[entries] = np.maximum(p[entries], conf): every value read, then written in order
+  std::vector<float> raised(n);
+  for (size_t j = 0; j < n; ++j) {
+    const double a = static_cast<double>(p[entries[j]]);
+    const double c = confidence[j];
+    raised[j] = static_cast<float>(std::isnan(a) || a >= c ? a : c);
+  }
+  for (size_t j = 0; j < n; ++j) p[entries[j]] = raised[j];
 }
 
 void next_use_layers(size_t n, const int64_t* distance, const float* p_next, const float* p_long,

@@ -115,6 +115,48 @@ def test_next_use_layers_is_the_numpy_expression_bit_for_bit():
     assert got.tobytes() == want.tobytes()
 
 
+def test_apply_lookahead_is_the_numpy_loop_bit_for_bit():
+    rng = np.random.default_rng(3)
+    E = 32
+    p = rng.random(N, dtype=np.float32)
+    p[5] = np.nan
+    predictions = []
+    for layer, precision in ((3, 0.8), (4, 0.61), (3, 0.3), (20, 1.0)):  # layer 3 twice: in order
+        entries = layer * E + rng.choice(E, 4, replace=False).astype(np.int64)
+        conf = rng.random(4)
+        conf[0] = np.nan if layer == 20 else conf[0]
+        predictions.append((layer, 1.0 - precision, entries, conf))
+    entries = np.array([5, 7, 7, 9], np.int64)  # an entry twice: numpy reads both, the last write wins
+    predictions.append((0, 1.0 - 0.5, entries, np.array([0.9, 0.2, 0.95, 0.0])))
+    want = p.copy()
+    for layer, keep, entries, conf in predictions:
+        want[layer * E : (layer + 1) * E] *= keep
+        want[entries] = np.maximum(want[entries], conf)
+    got = p.copy()
+    native.apply_lookahead(got, E, predictions)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("predictions", "message"),
+    [
+        ([(24, 0.5, np.array([0]), np.array([0.5]))], "predicted layer 24 outside 0..23"),
+        ([(1, 0.5, np.array([N]), np.array([0.5]))], "entry 768 outside 0..767"),
+        ([(1, 0.5, np.array([0], np.int32), np.array([0.5]))], "entries must be a contiguous int64"),
+        ([(1, 0.5, np.array([0, 1]), np.array([0.5]))], "confidence must be a contiguous float64 array of 2"),
+        ([(1, 0.5, np.array([0]))], "a prediction is \\(layer, keep, entries, confidence\\)"),
+    ],
+)
+def test_apply_lookahead_refuses_bad_predictions_before_writing(predictions, message):
+    p = np.ones(N, np.float32)
+    good = (2, 0.5, np.array([64]), np.array([0.9]))
+    with pytest.raises(ValueError, match=message):
+        native.apply_lookahead(p, 32, [good, *predictions])
+    assert (p == 1.0).all()  # the good one before it was not applied either
+    with pytest.raises(ValueError, match="num_experts must divide the 768 entries"):
+        native.apply_lookahead(p, 50, [good])
+
+
 def _args(**over):
     rows = dict(
         zip(("history", "history_long", "next_p", "hints", "hint_token"), request_rows(0), strict=True)

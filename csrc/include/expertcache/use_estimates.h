@@ -40,6 +40,14 @@ struct EstimateWeights {
 void request_estimates(size_t n, const RequestRows& rows, const EstimateWeights& w, float* out_long,
                        float* out_next);
 
+// One predicted layer's override of the next-visit estimate (UseEstimates.use_probability): the
+// layer's row scaled by `keep` (1 - the depth's precision), then each predicted entry raised to at
+// least its confidence: p[layer * E : (layer + 1) * E] *= keep; p[entries] = maximum(p[entries],
+// confidence) (float64 maximum, NaN kept, rounded back to float32; the entries' values are read
+// before any is written, as numpy's fancy indexing does).
+void apply_lookahead(float* p, size_t num_experts, size_t layer, double keep, const int64_t* entries,
+                     const double* confidence, size_t n);
+
 // out[i] = distance[i] + moe_layers * (1 - p_next[i]) / max(p_long[i], floor), in float64
 // (UseEstimates.next_use_layers before the entries in use are zeroed).
 void next_use_layers(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
