@@ -124,6 +124,24 @@ void bind_use_estimates(py::module_& m) {
       "predictions is a list of (layer, keep, entries int64, confidence float64); the layer's row is "
       "scaled by keep, then each entry raised to at least its confidence, as UseEstimates.use_probability.");
   m.def(
+      "victim_order",
+      [](const py::array& resident, const py::array& next_use, const py::array& stamp) {
+        if (resident.ndim() != 1) throw std::invalid_argument("use_estimates: resident must be 1-D");
+        const auto n = static_cast<size_t>(resident.shape(0));
+        check_typed_row<bool>(resident, n, "resident", "bool", false);
+        check_typed_row<double>(next_use, n, "next_use", "float64", false);
+        check_typed_row<int64_t>(stamp, n, "stamp", "int64", false);
+        py::array_t<int64_t> out(static_cast<py::ssize_t>(n));
+        const size_t count =
+            expertcache::victim_order(n, static_cast<const bool*>(resident.data()), static_cast<const double*>(next_use.data()),
+                                      static_cast<const int64_t*>(stamp.data()), out.mutable_data());
+        out.resize({static_cast<py::ssize_t>(count)});
+        return out;
+      },
+      py::arg("resident"), py::arg("next_use"), py::arg("stamp"),
+      "The resident entries (int64), best victim first: by -next_use, then by stamp, stably, NaN last, "
+      "as np.lexsort((stamp.astype(float64), -next_use)) over np.flatnonzero(resident).");
+  m.def(
       "next_use_layers",
       [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,
          double floor, py::array& out) {

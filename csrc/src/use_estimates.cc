@@ -1,6 +1,7 @@
 // See csrc/include/expertcache/use_estimates.h. Each expression names the numpy one it mirrors.
 #include "expertcache/use_estimates.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -71,6 +72,21 @@ void next_use_layers(size_t n, const int64_t* distance, const float* p_next, con
     const double steps = m * miss;
     out[i] = static_cast<double>(distance[i]) + steps / kept;
   }
+}
+
+size_t victim_order(size_t n, const bool* resident, const double* next_use, const int64_t* stamp, int64_t* out) {
+  size_t count = 0;
+  for (size_t e = 0; e < n; ++e)
+    if (resident[e]) out[count++] = static_cast<int64_t>(e);
+  // a before b under numpy's float order: NaN after every number, NaNs equal
+  auto less = [](double a, double b) { return std::isnan(a) ? false : (std::isnan(b) || a < b); };
+  std::stable_sort(out, out + count, [&](int64_t a, int64_t b) {
+    const double ka = -next_use[a], kb = -next_use[b];
+    if (less(ka, kb)) return true;
+    if (less(kb, ka)) return false;
+    return less(static_cast<double>(stamp[a]), static_cast<double>(stamp[b]));
+  });
+  return count;
 }
 
 }  // namespace expertcache

@@ -235,3 +235,37 @@ def test_next_use_layers_refuses_bad_arguments_by_name(over, message):
     args.update(over)
     with pytest.raises(ValueError, match=message):
         native.next_use_layers(**args)
+
+
+def test_victim_order_is_numpy_lexsort_over_the_resident_entries():
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        resident = rng.random(N) < 0.3
+        next_use = rng.integers(0, 30, N).astype(np.float64)  # many ties: the stamp decides
+        next_use[rng.random(N) < 0.05] = 0.0  # in use now (-0.0 against 0.0 keeps the stamp's order)
+        if trial % 2:
+            next_use[rng.random(N) < 0.02] = np.nan
+        stamp = rng.integers(0, 50, N).astype(np.int64)  # ties here too: ascending entries decide
+        entries = np.flatnonzero(resident)
+        want = entries[np.lexsort((stamp[entries].astype(np.float64), -next_use[entries]))]
+        got = native.victim_order(resident, next_use, stamp)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert native.victim_order(np.zeros(N, bool), np.zeros(N), np.zeros(N, np.int64)).size == 0
+
+
+@pytest.mark.parametrize(
+    ("resident", "next_use", "stamp", "message"),
+    [
+        (np.zeros(N, np.uint8), np.zeros(N), np.zeros(N, np.int64), "resident must be a contiguous bool"),
+        (
+            np.zeros(N, bool),
+            np.zeros(N - 1),
+            np.zeros(N, np.int64),
+            "next_use must be a contiguous float64 array of 768",
+        ),
+        (np.zeros(N, bool), np.zeros(N), np.zeros(N, np.int32), "stamp must be a contiguous int64"),
+    ],
+)
+def test_victim_order_refuses_bad_arguments_by_name(resident, next_use, stamp, message):
+    with pytest.raises(ValueError, match=message):
+        native.victim_order(resident, next_use, stamp)

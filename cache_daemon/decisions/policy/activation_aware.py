@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cache_daemon.decisions.policy.base import PolicyShape, ShapedPolicy
+from expertcache import native
 
 if TYPE_CHECKING:
     from cache_daemon.decisions.signals import ActivationSignals
@@ -56,6 +57,10 @@ class ActivationAwarePolicy(ShapedPolicy):
 
     def _tiebreak(self, entries: np.ndarray) -> np.ndarray:
         return self._stamp[entries].astype(np.float64)
+
+    def _ordered_resident(self) -> np.ndarray:
+        # The base's order (-next_use, then the stamp, stably) in one native pass.
+        return native.victim_order(self._resident, self.next_use(), self._stamp)
 
     def prefetch_scores(self) -> np.ndarray:
         """float64 [N] ``1 / (1 + next_use)`` for entries with use probability at their next visit

@@ -211,11 +211,17 @@ class ShapedPolicy(EvictionPolicy):
         cached = self._order_cache
         if cached is not None and cached[0] == self._changes and cached[1] == version:
             return cached[2]
+        entries = self._ordered_resident()
+        entries.flags.writeable = False
+        self._order_cache = (self._changes, version, entries)
+        return entries
+
+    def _ordered_resident(self) -> np.ndarray:
+        """int64 [resident] the resident entries sorted by keep-score, then tiebreak (stably, from
+        ascending entries); a policy may compute the same order faster."""
         entries = np.flatnonzero(self._resident)
         if entries.size:
             entries = entries[np.lexsort((self._tiebreak(entries), self._keep_scores(entries)))]
-        entries.flags.writeable = False
-        self._order_cache = (self._changes, version, entries)
         return entries
 
     def choose_victims(self, n: int, evictable: Callable[[ExpertKey], bool]) -> list[ExpertKey]:

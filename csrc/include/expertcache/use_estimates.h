@@ -53,4 +53,10 @@ void apply_lookahead(float* p, size_t num_experts, size_t layer, double keep, co
 void next_use_layers(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
                      int64_t moe_layers, double floor, double* out);
 
+// The resident entries, best victim first (ShapedPolicy.victim_order for the activation-aware
+// policy): entries with resident[e] set, in ascending order, stably sorted by keep score
+// -next_use[e] and then by tiebreak (double)stamp[e], NaN last for each key as numpy's lexsort
+// orders them. Writes them to out (room for every entry) and returns their number.
+size_t victim_order(size_t n, const bool* resident, const double* next_use, const int64_t* stamp, int64_t* out);
+
 }  // namespace expertcache
