@@ -163,8 +163,10 @@ RESULTS = RESULTS_DIR / "e2e.json"
 # measured, loads them first.
 SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate", *llama_cpp.SYSTEMS)
 # ours with the routing transitions in place of the learned next-visit model (the daemon without
-# a next_visit_model file): what the model is worth, side by side in one run.
-EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions",)
+# a next_visit_model file): what the model is worth, side by side in one run. ours-eviction: ours'
+# policy on ours' signals with no prefetch and no lookahead: what the eviction alone is worth, and
+# what prefetch's reads and decisions add or cost.
+EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions", "ours-eviction")
 
 
 def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path | None, str]:

@@ -226,7 +226,7 @@ def print_systems(results: dict, systems: list[str]) -> None:
             f"transformers: CPU per token {cpu * 1e3:.0f} ms; experts implementation "
             f"{results['transformers'].get('experts_implementation')}"
         )
-    for system in ("ours", "ours-transitions", "lru", "resident"):
+    for system in ("ours", "ours-transitions", "ours-eviction", "lru", "resident"):
         if system in results:
             r = results[system]
             cpu = ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in r["cpu_s_per_token"].items())
@@ -290,7 +290,7 @@ def print_disk_time(results: dict, store_reads: dict) -> None:
 def judge(results: dict, precision: str) -> dict:
     """The verdicts on the systems that ran against the goals, printed: resident against
     transformers, ours against accelerate and lru, the learned next-visit model against the
-    routing transitions, and ours' bytes against lru's."""
+    routing transitions, ours' bytes against lru's, and ours' eviction alone against lru."""
     verdicts = {}
     if "resident" in results and "transformers" in results:
         vs_plain = results["resident"]["p50_s"] / results["transformers"]["p50_s"]
@@ -342,6 +342,21 @@ def judge(results: dict, precision: str) -> dict:
             verdict = "PASS" if share <= GOAL_BYTES_VS_LRU else "FAIL"
             verdicts["ours_bytes_vs_lru"] = {"ratio": share, "goal": GOAL_BYTES_VS_LRU, "verdict": verdict}
             say(f"ours reads {share:.3f}x lru's MiB per token (goal <= {GOAL_BYTES_VS_LRU:g}x) {verdict}")
+    eviction = results.get("ours-eviction")
+    lru = results.get("lru")
+    if eviction is not None and lru is not None and eviction["p50_s"] and lru["p50_s"]:
+        speedup = lru["p50_s"] / eviction["p50_s"]
+        per_repeat = repeat_ratios(lru, eviction)
+        bytes_ratio = eviction["bytes_per_token"] / lru["bytes_per_token"]
+        verdicts["ours_eviction_vs_lru"] = {
+            "p50_speedup": speedup,
+            "per_repeat": per_repeat,
+            "bytes_ratio": bytes_ratio,
+        }
+        say(
+            f"ours-eviction vs lru (ours' eviction alone: no prefetch, no lookahead): {speedup:.2f}x faster "
+            f"per token (p50), per repeat {spread_text(per_repeat)}; {bytes_ratio:.3f}x the MiB per token"
+        )
     return verdicts
 
 

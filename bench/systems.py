@@ -189,7 +189,9 @@ class ProcessSystem:
         self.label = label or system
         # Daemon and compute in one memory cgroup (bench.e2e --cgroups), held to the budget.
         self.memory = Confinement(self.label, enabled=getattr(args, "cgroups", False))
-        ours = system in ("ours", "ours-transitions", "ours-resident")
+        ours = system in ("ours", "ours-transitions", "ours-resident", "ours-eviction")
+        # ours-eviction: ours' policy on ours' signals (routes), without prefetch or lookahead
+        prefetch = ours and system != "ours-eviction"
         # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
         self.resident = system in ("resident", "ours-resident")
         self.blob_bytes = manifest.blob_bytes
@@ -204,9 +206,9 @@ class ProcessSystem:
         daemon_extra = [
             "--eviction-policy",
             "activation-aware" if ours else "lru",
-            "--prefetch" if ours else "--no-prefetch",
+            "--prefetch" if prefetch else "--no-prefetch",
         ]
-        if system == "ours" and args.next_visit_path is not None:
+        if system in ("ours", "ours-eviction") and args.next_visit_path is not None:
             daemon_extra += ["--next-visit-model", str(args.next_visit_path)]
         compute_extra = [
             "--force-routing-path",
@@ -215,10 +217,10 @@ class ProcessSystem:
             str(args.request),
             "--force-routing-layer-ahead-accuracy",
             str(args.layer_ahead_accuracy),
-            "--layer-ahead" if ours else "--no-layer-ahead",
+            "--layer-ahead" if prefetch else "--no-layer-ahead",
             *(
                 ["--layer-ahead-depth", str(args.layer_ahead_depth)]
-                if ours and args.layer_ahead_depth
+                if prefetch and args.layer_ahead_depth
                 else []
             ),
             "--max-new-tokens-limit",
@@ -227,9 +229,9 @@ class ProcessSystem:
         ]
         work.mkdir(parents=True, exist_ok=True)
         say(
-            f"[{self.label}] daemon: policy {daemon_extra[1]}, {'prefetch' if ours else 'no prefetch'}, arena "
+            f"[{self.label}] daemon: policy {daemon_extra[1]}, {'prefetch' if prefetch else 'no prefetch'}, arena "
             f"{self.device_bytes / MIB:.0f} MiB ({self.device_bytes // manifest.blob_bytes} slots) + host tier "
-            f"{self.host_bytes / MIB:.0f} MiB; compute: layer-ahead {'on' if ours else 'off'}, routing forced "
+            f"{self.host_bytes / MIB:.0f} MiB; compute: layer-ahead {'on' if prefetch else 'off'}, routing forced "
             f"from the trace from request {args.request} on (each Generate takes the next)"
         )
         self.daemon = start_daemon(

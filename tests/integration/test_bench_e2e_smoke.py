@@ -48,12 +48,26 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
     ]  # fmt: skip
     bf16 = tmp_path / "e2e-bf16.json"
     assert (
-        e2e.main([*common, "--precision", "bf16", "--systems", "ours,ours-transitions", "--out", str(bf16)])
+        e2e.main(
+            [
+                *common,
+                "--precision",
+                "bf16",
+                "--systems",
+                "ours,ours-transitions,ours-eviction",
+                "--out",
+                str(bf16),
+            ]
+        )
         == 0
     )
     # Ours without the learned next-visit model, side by side with ours.
     beside = json.loads(bf16.read_text())["verdicts"]["ours_vs_ours_transitions"]
     assert beside["p50_speedup"] > 0 and beside["bytes_ratio"] > 0 and len(beside["per_repeat"]) == 1
+    # Ours' eviction alone: ours' policy, no prefetch started.
+    evict = json.loads(bf16.read_text())["systems"]["ours-eviction"]
+    assert evict["policy"] == "activation-aware" and not evict["prefetch_on"]
+    assert sum(c["started"] for c in evict["prefetch"].values()) == 0
     out = tmp_path / "e2e.json"
     rc = e2e.main(
         [
