@@ -42,13 +42,6 @@ class RequestSignals:
         fresh = (self.token - self.hint_token) <= ttl_tokens
         return np.where(fresh, self.hints, np.float32(0.0))
 
-    def with_hints(self, p: np.ndarray, weight: float, ttl_tokens: int) -> np.ndarray:
-        """``p`` (float32 [N]) blended with the fresh hints by ``weight``."""
-        if weight > 0.0 and self.has_hints:
-            h = self.fresh_hints(ttl_tokens)
-            p = np.where(h > 0.0, (1.0 - weight) * p + weight * h, p).astype(np.float32)
-        return p
-
     def prior_buckets(self, entries: list[int], long_weight: float, use_next: bool) -> list[int]:
         """The ``PRIOR_BUCKET_EDGES`` bucket of each entry's next-visit estimate (its transition
         estimate when ``use_next`` and there is one, else its history), before any lookahead."""
