@@ -125,7 +125,9 @@ class ChannelServer:
             while not self.session.closed and not port.closing():
                 seen = channel.doorbell_seq
                 ops = self._drain_signals()
-                demand = channel.take_demand(self._taken)
+                # With no signals to apply first, the admission answers within microseconds: the
+                # take raises the channel's ``copying`` at once, so that compute polls for it.
+                demand = channel.take_demand(self._taken, copying=not ops)
                 # A flood of records is applied in bounded holds of the lock: one client's ring
                 # never keeps the others' admissions waiting for long.
                 while len(ops) > MAX_OPS_PER_HOLD:
@@ -170,8 +172,21 @@ class ChannelServer:
     def _serve(self, seq: int, layer: int, experts: list[int], ops: list[Op], trace: bytes = b"") -> None:
         self._taken = seq
         self._serving = seq
-        started = time.monotonic()
         self._trace.end()  # the previous demand's, if some of it never landed
+        # The channel's ``copying`` tells the client that an answer or a landing is microseconds
+        # away, so that it polls rather than sleep: up while a demand with no signals to apply
+        # first is admitted (raised by the take), and while host-tier experts are copied; down
+        # while a layer's signals are applied, or store reads are waited for (hundreds of
+        # microseconds, or milliseconds, that polling would take from the daemon's threads).
+        try:
+            self._admit_and_answer(seq, layer, experts, ops, trace)
+        finally:
+            self.channel.copying = False
+
+    def _admit_and_answer(
+        self, seq: int, layer: int, experts: list[int], ops: list[Op], trace: bytes
+    ) -> None:
+        started = time.monotonic()
         try:
             if experts and experts[-1] == _EXPERT_OVERFLOW:
                 raise InvalidArgument(
@@ -197,34 +212,24 @@ class ChannelServer:
         # pool. Small experts: copied before the answer, so that the client wakes once to find
         # them all. Large ones: answered first, each announced as it lands.
         # (Never answered once the client is gone: its channel may soon be another client's.)
-        # The channel's ``copying`` is raised only where the host tier holds some of them: the
-        # client polls while it is up, which pays for a copy of microseconds, not for a read.
         copying = bool(deferred) and self._port.copies_from_host(deferred)
+        if copying:
+            self.channel.copying = True  # the client polls for the copies (and the answer)
         if self.gather:
-            self._copy(deferred, copying)
+            if deferred:
+                self._port.run_deferred(deferred)
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
         else:
-            if copying:
-                self.channel.copying = True  # before the answer: the client polls for the copies
             if not self.session.closed:
                 self.channel.reply(seq, STATUS_OK, "")
             self._serving = None
-            self._copy(deferred, copying)
+            # Lowered after the answer (polled for while it is up), unless copies follow it.
+            self.channel.copying = copying
+            if deferred:
+                self._port.run_deferred(deferred)
         metrics.acquire_wait.observe(time.monotonic() - started)
-
-    def _copy(self, deferred: list[Load], copying: bool) -> None:
-        """Run the demand's deferred loads here, with the channel's ``copying`` raised meanwhile
-        when some come from the host tier: the client polls for what lands rather than sleeping
-        (each copy takes microseconds; a store read, submitted here, milliseconds)."""
-        if not deferred:
-            return
-        self.channel.copying = copying
-        try:
-            self._port.run_deferred(deferred)
-        finally:
-            self.channel.copying = False
 
     def _drain_signals(self) -> list[Op]:
         """The ring's records since the last drain, checked: ops for ``SignalIntake.apply_ops``."""

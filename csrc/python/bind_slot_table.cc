@@ -129,15 +129,16 @@ void bind_slot_table(py::module_& m) {
             py::gil_scoped_release nogil;
             return c.channel.wait_doorbell(seen, timeout_s);
           }, py::arg("seen"), py::arg("timeout_s") = -1.0)
-      .def("take_demand", [](PyChannel& c, uint32_t taken) -> py::object {
+      .def("take_demand", [](PyChannel& c, uint32_t taken, bool copying) -> py::object {
             uint32_t seq = 0, layer = 0;
             std::vector<uint32_t> experts;
             std::string trace;
-            if (!c.channel.take_demand(taken, &seq, &layer, &experts, &trace)) return py::none();
+            if (!c.channel.take_demand(taken, &seq, &layer, &experts, &trace, copying)) return py::none();
             return py::make_tuple(seq, layer, experts, py::bytes(trace));
-          }, py::arg("taken"),
+          }, py::arg("taken"), py::arg("copying") = false,
           "The posted demand newer than `taken`: (seq, layer, experts, trace), or None. An expert "
-          "of 4294967295 marks a count beyond the mailbox; trace is b'' for an untraced demand.")
+          "of 4294967295 marks a count beyond the mailbox; trace is b'' for an untraced demand. "
+          "Taking one sets `copying` to `copying` in the same call.")
       .def("reply", [](PyChannel& c, uint32_t seq, int32_t status, const std::string& message) {
             c.channel.reply(seq, status, message);
           }, py::arg("seq"), py::arg("status"), py::arg("message") = "")

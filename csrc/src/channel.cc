@@ -309,9 +309,10 @@ bool ClientChannel::wait_doorbell(uint32_t seen, double timeout_s) {
 }
 
 bool ClientChannel::take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer,
-                                std::vector<uint32_t>* experts, std::string* trace) {
+                                std::vector<uint32_t>* experts, std::string* trace, bool copying) {
   const uint32_t s = header_->demand_seq.load(std::memory_order_acquire);
   if (s == taken) return false;
+  set_copying(copying);
   const uint32_t count = header_->demand_count;
   *seq = s;
   *layer = header_->demand_layer;

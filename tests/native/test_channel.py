@@ -323,6 +323,15 @@ def test_a_wait_for_the_reply_polls_past_its_grace_only_while_the_daemon_copies_
     daemon.copying = False
 
 
+def test_taking_a_demand_sets_copying_in_the_same_call(table, handle):
+    compute, daemon = handle.channel(1), table.channel(1)
+    assert daemon.take_demand(0, copying=True) is None and not compute.copying  # nothing taken: unchanged
+    seq = compute.post_demand(0, [1])
+    assert daemon.take_demand(0, copying=True)[0] == seq and compute.copying
+    seq = compute.post_demand(0, [2])
+    assert daemon.take_demand(seq - 1)[0] == seq and not compute.copying  # the default lowers it
+
+
 def test_wait_reply_ends_at_the_reply_a_notify_after_seen_or_the_timeout(table, handle):
     compute, daemon = handle.channel(1), table.channel(1)
     seen = compute.notify_seq

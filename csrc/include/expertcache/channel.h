@@ -151,9 +151,11 @@ class ClientChannel {
   uint32_t doorbell_seq() const { return header_->doorbell.load(); }
   // Sleeps while the doorbell equals `seen` (timeout_s < 0: no limit); true when it changed.
   bool wait_doorbell(uint32_t seen, double timeout_s);
-  // The posted demand newer than `taken`, if any: (seq, layer, experts, trace); marks it taken up.
+  // The posted demand newer than `taken`, if any: (seq, layer, experts, trace). Taking one sets
+  // `copying` to `copying` at once (the answer is microseconds away: compute, waiting for it,
+  // keeps polling rather than sleep), with no gap between the take and the flag.
   bool take_demand(uint32_t taken, uint32_t* seq, uint32_t* layer, std::vector<uint32_t>* experts,
-                   std::string* trace);
+                   std::string* trace, bool copying = false);
   // Answers demand `seq` (status 0: admitted) and notifies compute.
   void reply(uint32_t seq, int32_t status, const std::string& message);
   // Records that a load compute waits for failed (message kept for compute), and notifies.

@@ -140,10 +140,13 @@ def test_the_channel_says_copying_while_its_thread_copies_from_the_host_tier(mak
     wait_for(lambda: not client.channel.copying, "copying lowered once the copies are done")
 
 
-def test_the_channel_never_says_copying_for_misses_it_only_reads_from_the_store(make, monkeypatch):
-    """A store read takes milliseconds: compute sleeps through it rather than poll a CPU away."""
+def test_the_channel_does_not_say_copying_while_misses_it_answered_are_read_from_the_store(make, monkeypatch):
+    """A store read takes milliseconds: compute sleeps through it rather than poll a CPU away.
+    (Large experts: the answer goes first, then the reads are submitted.)"""
+    from cache_daemon.residency import channel as channel_module
     from cache_daemon.residency.loader import Loader
 
+    monkeypatch.setattr(channel_module, "GATHER_BELOW_BYTES", 0)  # every expert is "large"
     h = make(slots=4)  # no host tier: every miss is a store read
     client, _ = h.attach()
     seen_at_submit: list[bool] = []
@@ -160,6 +163,34 @@ def test_the_channel_never_says_copying_for_misses_it_only_reads_from_the_store(
     assert [client.channel.source(i) for i in range(3)] == [codes.SOURCE_STORE] * 3
     assert seen_at_submit == [False] * 3
     assert not client.channel.copying
+
+
+def test_the_channel_says_copying_while_it_admits_a_demand_with_no_signals_to_apply_first(make, monkeypatch):
+    """Such an admission answers in microseconds (compute polls for it); one that applies a
+    layer's signals first takes hundreds (compute sleeps), and both lower it after."""
+    from cache_daemon.residency.admission import Admission
+
+    h = make(slots=4)
+    client, _ = h.attach()
+    seen_while_admitting: list[bool] = []
+    admit = Admission._admit
+
+    def watched(self, *args, **kwargs):
+        seen_while_admitting.append(client.channel.copying)
+        return admit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Admission, "_admit", watched)
+    assert client.demand(L1, [0]) == (codes.STATUS_OK, "")  # nothing in the ring before it
+    client.wait_resident(L1, [0])
+    client.release(L1, [0])
+    client.channel.signal_begin(1, "req-a")
+    client.channel.signal_route(1, 0, L3, [1])  # applied in the admission's hold, first
+    assert client.demand(L3, [1]) == (codes.STATUS_OK, "")
+    client.wait_resident(L3, [1])
+    client.release(L3, [1])
+    assert seen_while_admitting == [True, False]
+    assert value(h.metrics.signals, "route") == 1
+    wait_for(lambda: not client.channel.copying, "copying lowered once the demands were served")
 
 
 def test_a_bad_demand_is_refused_with_its_status_and_nothing_pinned(make):
