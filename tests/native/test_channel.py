@@ -251,18 +251,18 @@ def test_waits_end_at_a_notify_a_doorbell_or_the_timeout(table, handle):
         compute.wait_notify(compute.notify_seq, float("nan"))
 
 
-def _cpu_of_waits(channel, seen: int, waits: int, timeout_s: float, spin_s: float, grace_s: float) -> float:
-    """CPU seconds one thread spent in `waits` calls of ``wait_notify`` (asleep in the futex costs
-    none), measured on a thread of its own."""
+def _cpu_of(waits: int, wait) -> float:
+    """CPU seconds one thread spent in `waits` calls of ``wait()`` (asleep in a futex costs none),
+    measured on a thread of its own."""
     spent: list[float] = []
 
-    def wait() -> None:
+    def run() -> None:
         started = time.thread_time()
         for _ in range(waits):
-            channel.wait_notify(seen, timeout_s, spin_s, grace_s)
+            wait()
         spent.append(time.thread_time() - started)
 
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread(target=run)
     waiter.start()
     waiter.join()
     return spent[0]
@@ -274,7 +274,8 @@ def test_a_wait_for_landings_polls_only_while_the_daemon_copies_for_it(table, ha
     # Nothing being copied: a few microseconds of grace, then asleep. Polling for the whole spin
     # would cost 40 x 1 ms of CPU; a bound of a quarter of that leaves room for a loaded machine's
     # accounting noise (a single wait's 0.5 ms bound failed there).
-    assert _cpu_of_waits(compute, compute.notify_seq, 40, 5e-3, 1e-3, 5e-6) < 10e-3
+    seen = compute.notify_seq
+    assert _cpu_of(40, lambda: compute.wait_notify(seen, 5e-3, 1e-3, 5e-6)) < 10e-3
     # Copying for it: polls, and sees the landing without sleeping.
     daemon.copying = True
     assert compute.copying
@@ -288,35 +289,21 @@ def test_a_wait_for_landings_polls_only_while_the_daemon_copies_for_it(table, ha
     assert not compute.copying
 
 
-def _cpu_of_reply_waits(
-    channel, seq: int, waits: int, timeout_s: float, spin_s: float, grace_s: float
-) -> float:
-    """CPU seconds one thread spent in `waits` unanswered ``wait_reply`` calls."""
-    spent: list[float] = []
-
-    def wait() -> None:
-        started = time.thread_time()
-        for _ in range(waits):
-            assert not channel.wait_reply(seq, channel.notify_seq, timeout_s, spin_s, grace_s)
-        spent.append(time.thread_time() - started)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    waiter.join()
-    return spent[0]
-
-
 def test_a_wait_for_the_reply_polls_past_its_grace_only_while_the_daemon_copies_for_it(table, handle):
     compute, daemon = handle.channel(1), table.channel(1)
     seq = compute.post_demand(0, [1])
     taken = daemon.take_demand(0)
     assert taken is not None and taken[0] == seq
+
     # Taken up, nothing being copied (an admission reading the store, or applying signals): a
     # grace of microseconds, then asleep. Polling for the whole spin would cost 40 x 1 ms.
-    assert _cpu_of_reply_waits(compute, seq, 40, 5e-3, 1e-3, 5e-6) < 10e-3
+    def unanswered() -> None:
+        assert not compute.wait_reply(seq, compute.notify_seq, 5e-3, 1e-3, 5e-6)
+
+    assert _cpu_of(40, unanswered) < 10e-3
     # Copying for it: polls through the spin, and sees the reply without sleeping.
     daemon.copying = True
-    assert _cpu_of_reply_waits(compute, seq, 4, 5e-3, 1e-3, 5e-6) >= 1e-3  # of 4 ms: room for a busy CPU
+    assert _cpu_of(4, unanswered) >= 1e-3  # of 4 ms: room for a busy CPU
     seen = compute.notify_seq
     threading.Timer(0.0, lambda: daemon.reply(seq, 0, "admitted")).start()
     assert compute.wait_reply(seq, seen, 30.0, 1e-3, 5e-6)
