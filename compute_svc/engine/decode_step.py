@@ -175,7 +175,27 @@ class DecodeStep:
         try:
             mlp_view = mlp_in.view(1, rows, self.hidden)
             flat = h.view(1, rows, self.hidden)
-            for i, layer in enumerate(self.layers):
+            # Spans of layers in one native call each (dense half and experts, without the GIL)
+            # where every layer's experts run through the resident kernel and nothing hooks them.
+            span = (
+                resident is not None
+                and routes is not None
+                and not any(_hooked(experts) for experts, _, _, _ in mlps.experts)
+                and resident.spans([(experts, at) for experts, at, _, _ in mlps.experts])
+            )
+            i = 0
+            while i < layers:
+                if span:
+                    i, attended = resident.run_from(attention, i)
+                    if i == layers:
+                        break
+                    if attended:  # its dense half ran; not all its experts are resident
+                        experts, at, runtime, _ = mlps.experts[i]
+                        index, scores = routes[i]
+                        runtime.forward(experts, at, mlp_in, index, scores, residual=h)
+                        i += 1
+                        continue
+                    span = False  # the provider takes no layers now: one by one from here
                 attention.run(i)
                 if logits is not None:  # GPT-OSS: its router's topk and softmax, then the experts
                     experts, at, runtime, top_k = mlps.experts[i]
@@ -191,11 +211,12 @@ class DecodeStep:
                             runtime.forward(experts, at, mlp_in, index, scores, residual=h)
                     elif not runtime.resident_layer(experts, at, index, scores, mlp_in, h):
                         runtime.forward(experts, at, mlp_in, index, scores, residual=h)
-                    continue
-                out = layer.mlp(mlp_view)
-                if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
-                    out = out[0]
-                flat.add_(out)
+                else:
+                    out = self.layers[i].mlp(mlp_view)
+                    if isinstance(out, tuple):  # GPT-OSS's MLP also returns its router scores
+                        out = out[0]
+                    flat.add_(out)
+                i += 1
         finally:
             attention.end_step()
             if resident is not None:

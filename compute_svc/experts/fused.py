@@ -265,21 +265,26 @@ class FusedExperts:
         weights_dtype: torch.dtype,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
-    ) -> Callable[[object, int, int, np.ndarray, np.ndarray], int] | None:
+        *,
+        span: bool = False,
+    ) -> Callable | None:
         """The kernel's ``run_layer`` bound to a step's buffers: ``call(table, layer, num_experts,
         ids, weights)`` runs a layer of ``rows`` tokens from its routing ([rows * K] int64 ids,
         [rows * K] weights: float32 or the compute dtype's storage) and adds its result into
-        ``residual``; the number of experts it ran (0: a miss). None where ``takes`` says the
-        kernel does not take such layers."""
+        ``residual``; the number of experts it ran (0: a miss). With ``span``, its
+        ``run_layers``: ``call(attention, table, first, num_experts, ids, weights)`` runs the
+        step's layers from ``first`` on, each layer's dense half (``attention``, a begun
+        ``DecodeAttention``) then its experts, from ``ids`` / ``weights`` [L, rows * K], in one
+        native call without the GIL, up to the first layer whose experts do not run: (that layer
+        or L, experts run, why). None where ``takes`` says the kernel does not take such
+        layers."""
         if not self.takes(kernel, rows, weights_dtype, hidden_states, residual):
             return None
         x, out = self.view_of(hidden_states), self.view_of(residual)
         ffn, arena = kernel.ffn, self.arena
 
         def call(table: object, layer: int, num_experts: int, ids: np.ndarray, weights: np.ndarray) -> int:
-            pairs = self._pairs
-            if pairs is None or pairs.shape != (ids.size, x.shape[-1]):
-                pairs = self._pairs = np.empty((ids.size, x.shape[-1]), dtype=np.float32)
+            pairs = self._pairs_for(ids.size, x)
             ran = ffn.run_layer(
                 table, layer, num_experts, max_experts, arena, ids, weights, x, pairs, out, True
             )
@@ -287,7 +292,29 @@ class FusedExperts:
                 self.calls += 1
             return ran
 
-        return call
+        def call_span(
+            attention: object,
+            table: object,
+            first: int,
+            num_experts: int,
+            ids: np.ndarray,
+            weights: np.ndarray,
+        ) -> tuple[int, int, str]:
+            pairs = self._pairs_for(ids.shape[-1], x)
+            got = ffn.run_layers(
+                attention, table, first, num_experts, max_experts, arena, ids, weights, x, pairs, out
+            )
+            self.calls += got[0] - first
+            return got
+
+        return call_span if span else call
+
+    def _pairs_for(self, pairs: int, x: np.ndarray) -> np.ndarray:
+        """The pair rows' scratch [pairs, H] float32, reused while the shape is the same."""
+        scratch = self._pairs
+        if scratch is None or scratch.shape != (pairs, x.shape[-1]):
+            scratch = self._pairs = np.empty((pairs, x.shape[-1]), dtype=np.float32)
+        return scratch
 
     def layer(
         self, kernel: FusedKernel, routing: Routing, hidden_states: torch.Tensor, combiner: Combiner

@@ -31,7 +31,7 @@ from compute_svc.experts.slots import MAX_TOKENS as SLOT_MAX_TOKENS
 from compute_svc.experts.slots import SlotExperts, SlotLayer
 from compute_svc.experts.stages import Combiner, ExpertsPass, Routing, route, waves
 from compute_svc.experts.weights import ExpertDecoder
-from expertcache import telemetry
+from expertcache import native, telemetry
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
 from expertcache.protocol import GATHER_BELOW_BYTES, Tier
@@ -253,6 +253,11 @@ class ResidentLayers:
         self._ids = index.numpy()  # numpy views of the same memory
         self._w = weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)
         self._kernel: tuple[FusedKernel, Callable | None] | None = None  # (a kernel, its call)
+        # run_from's call (FusedExperts.layers_call), False where the step's layers cannot span,
+        # None until ``spans`` asks; the routing of every layer as [L, R * K] rows.
+        self._span: Callable | bool | None = None
+        self._ids_all = self._ids.reshape(self._ids.shape[0], -1)
+        self._w_all = self._w.reshape(self._w.shape[0], -1)
         self._layers = 0  # layers run, and their experts
         self._experts = 0
 
@@ -280,9 +285,52 @@ class ResidentLayers:
             observer(layer, self._index[i], self._weights[i])
         return True
 
-    def _bind(self, kernel: FusedKernel) -> Callable | None:
-        """``kernel``'s run_layer with this step's buffers, or None where it does not take them
-        (``FusedExperts.layer_call``)."""
+    def spans(self, modules: Sequence[tuple[torch.nn.Module, int]]) -> bool:
+        """Whether ``run_from`` may run this step's layers: ``modules`` (each decoder layer's
+        experts module and its layer number, in order) share one fused kernel that takes the
+        step, and layer ``i`` is MoE layer ``i``. Answered once per step."""
+        if self._span is None:
+            self._span = False
+            kernels = {id(self._fused.kernel(m, self._weights.dtype)) for m, _ in modules}
+            kernel = self._fused.kernel(modules[0][0], self._weights.dtype) if modules else None
+            if kernel is not None and len(kernels) == 1 and all(at == i for i, (_, at) in enumerate(modules)):
+                call = self._bind(kernel, span=True)
+                if call is not None:
+                    self._span = call
+        return self._span is not False
+
+    def run_from(self, attention: object, first: int) -> tuple[int, bool]:
+        """The step's layers from ``first`` on, each its dense half (``attention``, the step's
+        begun ``DecodeAttention``) then its experts, in one native call without the GIL (where
+        ``spans``), up to the first layer whose experts are not all resident: (that layer, True)
+        (its dense half ran: ``ExpertRuntime.forward`` serves its experts), (layers, True) when
+        every layer ran, or (first, False) when nothing ran (the provider does not take layers
+        now: the caller runs them one by one). The layers that ran are observed and counted as
+        ``run`` does."""
+        call = self._span
+        assert call, "run_from without spans"
+        got: list = [first, 0, ""]
+
+        def run(table: object, num_experts: int) -> int:
+            got[:] = call(attention, table, first, num_experts, self._ids_all, self._w_all)
+            if got[2] == "stale":
+                raise native.StaleClient(f"the daemon took this client's ledger back (layer {got[0]})")
+            return -1 if got[2] == "taken" else got[1]
+
+        self._run_layer(first, run)
+        stop, ran, why = got
+        if stop > first:
+            self._layers += stop - first
+            self._experts += ran
+            observer = self._runtime.routing_observer
+            if observer is not None:
+                for i in range(first, stop):
+                    observer(i, self._index[i], self._weights[i])
+        return stop, why != ""
+
+    def _bind(self, kernel: FusedKernel, *, span: bool = False) -> Callable | None:
+        """``kernel``'s run_layer (``span``: its run_layers) with this step's buffers, or None
+        where it does not take them (``FusedExperts.layer_call``)."""
         return self._fused.layer_call(
             kernel,
             self._runtime.num_slots,
@@ -290,6 +338,7 @@ class ResidentLayers:
             self._weights.dtype,
             self._hidden,
             self._residual,
+            span=span,
         )
 
     def finish(self) -> None:

@@ -8,6 +8,8 @@
 #include <pybind11/pybind11.h>
 
 #include <cstddef>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -39,3 +41,17 @@ void bind_cuda(pybind11::module_& m);
 void bind_expert_ffn(pybind11::module_& m);
 // DecodeAttention: the dense half of a decoder layer for decode steps on the CPU.
 void bind_decode_attention(pybind11::module_& m);
+
+// A DecodeAttention's begun step lent to another native call (ExpertFfn.run_layers): `run(layer)`
+// computes that layer's dense half for the step's rows, touching no Python object (call it without
+// the GIL). The attention's lock is held while the runner lives, so no other call of it can run.
+struct DecodeLayerRunner {
+  std::function<void(size_t)> run;
+  size_t layers = 0;
+  size_t rows = 0;
+  std::unique_lock<std::mutex> lock;
+};
+
+// `attention` (a DecodeAttention whose step has begun) as a runner, made with the GIL held;
+// std::invalid_argument where it is not one, no step has begun, or another call of it is running.
+DecodeLayerRunner decode_layer_runner(const pybind11::object& attention);

@@ -80,7 +80,52 @@ struct Attention {
   std::mutex busy;
 };
 
+// A begun step's buffers as raw pointers, taken with the GIL held: `run(layer)` then touches no
+// Python object. The caller holds the attention's lock and has checked that a step has begun.
+class StepLayers {
+ public:
+  explicit StepLayers(Attention& a) : att_(*a.att), st_(*a.step) {
+    const auto& spec = att_.spec();
+    h_ = static_cast<uint8_t*>(st_.h.mutable_data());
+    mlp_in_ = static_cast<uint8_t*>(st_.mlp_in.mutable_data());
+    logits_ = spec.router_outputs > 0 ? static_cast<uint8_t*>(st_.logits.mutable_data()) : nullptr;
+    k_ = spec.router_top_k;
+    item_ = spec.dtype == FfnDtype::kFloat32 ? 4 : 2;
+    ids_ = k_ > 0 ? st_.top_ids.mutable_data() : nullptr;
+    scores_ = k_ > 0 ? static_cast<uint8_t*>(st_.top_scores.mutable_data()) : nullptr;
+  }
+
+  // The dense half of `layer` (< the attention's layers) for every row of the step.
+  void run(size_t layer) const {
+    const size_t at = layer * st_.rows;
+    att_.run(layer, st_.rows, h_, mlp_in_, static_cast<const uint8_t*>(st_.cos.data()),
+             static_cast<const uint8_t*>(st_.sin.data()), st_.key_ptrs.data() + at, st_.value_ptrs.data() + at,
+             st_.capacity.data() + at, st_.length.data(), logits_, ids_ ? ids_ + at * k_ : nullptr,
+             scores_ ? scores_ + at * k_ * item_ : nullptr);
+  }
+
+ private:
+  DecodeAttention& att_;
+  Step& st_;
+  uint8_t *h_, *mlp_in_, *logits_, *scores_;
+  int64_t* ids_;
+  size_t k_, item_;
+};
+
 }  // namespace
+
+DecodeLayerRunner decode_layer_runner(const py::object& attention) {
+  if (!py::isinstance<Attention>(attention)) fail("attention must be a DecodeAttention");
+  Attention& a = attention.cast<Attention&>();
+  DecodeLayerRunner runner;
+  runner.lock = std::unique_lock<std::mutex>(a.busy, std::try_to_lock);
+  if (!runner.lock.owns_lock()) fail("lent while another call of the same object is in progress");
+  if (!a.step) fail("lent before begin_step");
+  runner.layers = a.att->layers();
+  runner.rows = a.step->rows;
+  runner.run = [layers = StepLayers(a)](size_t layer) { layers.run(layer); };
+  return runner;
+}
 
 void bind_decode_attention(py::module_& m) {
   m.def(
@@ -221,19 +266,9 @@ void bind_decode_attention(py::module_& m) {
             if (!lock.owns_lock()) fail("run called while another call of the same object is in progress");
             if (!a.step) fail("run before begin_step");
             if (layer >= a.att->layers()) fail("no layer " + std::to_string(layer));
-            Step& st = *a.step;
-            const size_t at = layer * st.rows;
-            auto* h = static_cast<uint8_t*>(st.h.mutable_data());
-            auto* mlp_in = static_cast<uint8_t*>(st.mlp_in.mutable_data());
-            auto* logits =
-                a.att->spec().router_outputs > 0 ? static_cast<uint8_t*>(st.logits.mutable_data()) : nullptr;
-            const size_t K = a.att->spec().router_top_k, item = a.att->spec().dtype == FfnDtype::kFloat32 ? 4 : 2;
-            int64_t* ids = K > 0 ? st.top_ids.mutable_data() + at * K : nullptr;
-            uint8_t* scores = K > 0 ? static_cast<uint8_t*>(st.top_scores.mutable_data()) + at * K * item : nullptr;
+            const StepLayers layers(a);
             py::gil_scoped_release release;
-            a.att->run(layer, st.rows, h, mlp_in, static_cast<const uint8_t*>(st.cos.data()),
-                       static_cast<const uint8_t*>(st.sin.data()), st.key_ptrs.data() + at, st.value_ptrs.data() + at,
-                       st.capacity.data() + at, st.length.data(), logits, ids, scores);
+            layers.run(layer);
           },
           py::arg("layer"))
       .def("end_step", [](Attention& a) {

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bind.h"
@@ -129,9 +131,10 @@ void combine_into(const float* p, size_t T, size_t top_k, size_t H, FfnDtype com
 // pairs[r] = weights[r] * ffn(x[r // K]) for each pair r of ids [S] whose expert is one of them
 // (each has one at least), and with `out` the pairs combined into it (added with `add`). x [T, H]
 // holds the compute dtype's storage. Every index is checked by the caller.
+// The GIL is released around the computation, unless `gil_held` is false (the caller released it).
 void routed_core(Ffn& f, const uint8_t* arena, const int64_t* slots, const int64_t* experts, size_t n,
                  const int64_t* ids, const float* weights, size_t S, const uint8_t* x, size_t T, float* pairs,
-                 uint8_t* out, bool add) {
+                 uint8_t* out, bool add, bool gil_held = true) {
   const FfnSpec& s = f.ffn->spec();
   const size_t H = f.ffn->hidden(), K = S / T;
   std::unique_lock<std::mutex> lock(f.busy, std::try_to_lock);
@@ -154,7 +157,8 @@ void routed_core(Ffn& f, const uint8_t* arena, const int64_t* slots, const int64
   }
   f.x.resize(T * H);
   for (size_t i = 0; i < T * H; ++i) f.x[i] = expertcache::ffn_load(x, s.compute, i);
-  py::gil_scoped_release release;
+  std::optional<py::gil_scoped_release> release;
+  if (gil_held) release.emplace();
   f.ffn->run(arena, slots, n, f.bounds.data(), f.rows.data(), f.tokens.data(), f.weights.data(), f.x.data(),
              pairs);
   if (out != nullptr) combine_into(pairs, T, K, H, s.compute, out, add);
@@ -249,6 +253,98 @@ int run_pinned(SlotTable& table, const std::vector<int64_t>& entries, Run&& run)
     return -1;  // the daemon took the pins back while they were in use
   }
   return 1;
+}
+
+// The arguments of a layer call checked (run_layer: one layer; run_layers: `layers` of them): the
+// arena, ids [layers * S] int64 and weights [layers * S] (float32, or the compute dtype's 2-byte
+// values), x / pairs / out as rows_args checks them (T from x). The ids' values are checked by
+// layer_core, layer by layer: run_layers' attention writes each layer's just before it runs.
+struct LayerArgs {
+  LayerArgs(const Ffn& f, int64_t num_experts, const py::object& arena_obj, const py::object& ids_obj,
+            const py::object& weights_obj, const py::object& x_obj, const py::object& pairs_obj,
+            const py::object& out_obj, size_t layers) {
+    const FfnSpec& s = f.ffn->spec();
+    if (num_experts < 1) fail("num_experts must be >= 1, got " + std::to_string(num_experts));
+    if (out_obj.is_none()) fail("out is needed: every expert of the layer runs in this call");
+    std::tie(arena, num_slots) = arena_arg(f, arena_obj);
+    ids_array = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
+    if (size_t(ids_array.size()) % layers) fail("ids must hold T * K values per layer");
+    S = size_t(ids_array.size()) / layers;
+    if (!py::isinstance<py::array>(weights_obj)) fail("weights must be a numpy array");
+    w = weights_obj.cast<py::array>();
+    if (!(w.flags() & py::array::c_style) || size_t(w.size()) != S * layers)
+      fail("weights must be a contiguous array of one value per pair (ids)");
+    f32 = w.dtype().kind() == 'f' && w.itemsize() == 4;
+    if (!f32 && !(w.itemsize() == 2 && s.compute != FfnDtype::kFloat32))
+      fail("weights must hold float32 values or the compute dtype's 2-byte values");
+    compute = s.compute;
+    T = rows_args(f, S, x_obj, pairs_obj, out_obj, x, pairs, out);
+    x_data = static_cast<const uint8_t*>(x.data());
+    pairs_data = pairs.mutable_data();
+    out_data = static_cast<uint8_t*>(out.mutable_data());
+    ids = ids_array.data();
+  }
+
+  // Row `layer`'s weights as float32 (2-byte values of the compute dtype widened exactly).
+  void widen(size_t layer, float* dst) const {
+    const auto* base = static_cast<const uint8_t*>(w.data());
+    if (f32) {
+      std::memcpy(dst, base + layer * S * 4, S * sizeof(float));
+    } else {
+      for (size_t r = 0; r < S; ++r) dst[r] = expertcache::ffn_load(base, compute, layer * S + r);
+    }
+  }
+
+  const uint8_t* arena = nullptr;
+  size_t num_slots = 0, S = 0, T = 0;
+  const int64_t* ids = nullptr;
+  const uint8_t* x_data = nullptr;
+  float* pairs_data = nullptr;
+  uint8_t* out_data = nullptr;
+  bool f32 = false;
+  FfnDtype compute = FfnDtype::kFloat32;
+  py::array_t<int64_t> ids_array;
+  py::array w, x, out;
+  py::array_t<float> pairs;
+};
+
+struct LayerScratch {
+  std::vector<int64_t> experts, entries;
+};
+
+// One decode layer from its routing `ids` [S] (each checked to be one of the layer's experts) and
+// float32 `weights` [S]: its experts,
+// ascending and each once, pinned through `table` at entries layer * num_experts + e, all or none,
+// run into args.out (added with `add`) and unpinned. The number of experts run; 0, with nothing
+// pinned or run, where one is not resident or they are more than `max_experts`; -1 where it ran
+// but the daemon took the pins back meanwhile. StaleClient, with nothing run, as try_pin_many
+// raises it. `gil_held`: as routed_core takes it.
+int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts, size_t max_experts,
+                   const LayerArgs& args, const int64_t* ids, const float* weights, bool add, bool gil_held,
+                   LayerScratch& scratch) {
+  std::vector<int64_t>& experts = scratch.experts;
+  experts.clear();
+  for (size_t r = 0; r < args.S; ++r) {
+    const int64_t e = ids[r];
+    if (e < 0 || e >= num_experts)
+      fail("expert " + std::to_string(e) + " is outside the layer's " + std::to_string(num_experts));
+    const auto at = std::lower_bound(experts.begin(), experts.end(), e);
+    if (at == experts.end() || *at != e) experts.insert(at, e);
+  }
+  if (experts.size() > max_experts) return 0;
+  std::vector<int64_t>& entries = scratch.entries;
+  entries.resize(experts.size());
+  for (size_t e = 0; e < experts.size(); ++e) entries[e] = layer * num_experts + experts[e];
+  const std::vector<int64_t> slots = pin_all(table, entries);
+  if (slots.size() != experts.size()) return 0;
+  const int ran = run_pinned(table, entries, [&] {
+    for (int64_t slot : slots)  // the table's slots beyond the arena: not this arena's table
+      if (slot >= int64_t(args.num_slots))
+        fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(args.num_slots));
+    routed_core(f, args.arena, slots.data(), experts.data(), experts.size(), ids, weights, args.S,
+                args.x_data, args.T, args.pairs_data, args.out_data, add, gil_held);
+  });
+  return ran < 0 ? -1 : int64_t(experts.size());
 }
 
 }  // namespace
@@ -401,53 +497,13 @@ void bind_expert_ffn(py::module_& m) {
           [](Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts, size_t max_experts,
              const py::object& arena_obj, const py::object& ids_obj, const py::object& weights_obj,
              const py::object& x_obj, const py::object& pairs_obj, const py::object& out_obj, bool add) -> int64_t {
-            const FfnSpec& s = f.ffn->spec();
             if (layer < 0) fail("layer must be >= 0, got " + std::to_string(layer));
-            if (num_experts < 1) fail("num_experts must be >= 1, got " + std::to_string(num_experts));
-            if (out_obj.is_none()) fail("out is needed: every expert of the layer runs in this call");
-            const auto [arena, num_slots] = arena_arg(f, arena_obj);
-            auto ids = vector_arg<int64_t>(ids_obj, "ids", "int64 [T * K]");
-            const size_t S = size_t(ids.size());
-            // The routing weights as float32 (2-byte values of the compute dtype widened exactly).
-            if (!py::isinstance<py::array>(weights_obj)) fail("weights must be a numpy array");
-            py::array w = weights_obj.cast<py::array>();
-            if (!(w.flags() & py::array::c_style) || size_t(w.size()) != S)
-              fail("weights must be a contiguous array of one value per pair (ids)");
-            std::vector<float> widened(S);
-            if (w.dtype().kind() == 'f' && w.itemsize() == 4) {
-              std::memcpy(widened.data(), w.data(), S * sizeof(float));
-            } else if (w.itemsize() == 2 && s.compute != FfnDtype::kFloat32) {
-              for (size_t r = 0; r < S; ++r)
-                widened[r] = expertcache::ffn_load(static_cast<const uint8_t*>(w.data()), s.compute, r);
-            } else {
-              fail("weights must hold float32 values or the compute dtype's 2-byte values");
-            }
-            py::array x, out;
-            py::array_t<float> pairs;
-            const size_t T = rows_args(f, S, x_obj, pairs_obj, out_obj, x, pairs, out);
-            // The layer's experts, ascending, each once; their slot-table entries.
-            std::vector<int64_t> experts;
-            for (size_t r = 0; r < S; ++r) {
-              const int64_t e = ids.data()[r];
-              if (e < 0 || e >= num_experts)
-                fail("expert " + std::to_string(e) + " is outside the layer's " + std::to_string(num_experts));
-              const auto at = std::lower_bound(experts.begin(), experts.end(), e);
-              if (at == experts.end() || *at != e) experts.insert(at, e);
-            }
-            if (experts.size() > max_experts) return 0;
-            std::vector<int64_t> entries(experts.size());
-            for (size_t e = 0; e < experts.size(); ++e) entries[e] = layer * num_experts + experts[e];
-            const std::vector<int64_t> slots = pin_all(table, entries);
-            if (slots.size() != experts.size()) return 0;
-            const int ran = run_pinned(table, entries, [&] {
-              for (int64_t slot : slots)  // the table's slots beyond `arena`: not this arena's table
-                if (slot >= int64_t(num_slots))
-                  fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(num_slots));
-              routed_core(f, arena, slots.data(), experts.data(), experts.size(), ids.data(), widened.data(), S,
-                          static_cast<const uint8_t*>(x.data()), T, pairs.mutable_data(),
-                          static_cast<uint8_t*>(out.mutable_data()), add);
-            });
-            return ran < 0 ? -1 : int64_t(experts.size());
+            const LayerArgs args(f, num_experts, arena_obj, ids_obj, weights_obj, x_obj, pairs_obj, out_obj, 1);
+            std::vector<float> widened(args.S);
+            args.widen(0, widened.data());
+            LayerScratch scratch;
+            return layer_core(f, table, layer, num_experts, max_experts, args, args.ids, widened.data(), add,
+                              true, scratch);
           },
           py::arg("table"), py::arg("layer"), py::arg("num_experts"), py::arg("max_experts"), py::arg("arena"),
           py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"), py::arg("add") = false,
@@ -458,6 +514,60 @@ void bind_expert_ffn(py::module_& m) {
           "run; 0, with nothing pinned or run, where one is not resident or they are more than `max_experts`; "
           "-1 when it ran but the daemon took the pins back meanwhile; StaleClient, with nothing run, as "
           "try_pin_many raises it")
+      .def(
+          "run_layers",
+          [](Ffn& f, const py::object& attention, SlotTable& table, size_t first, int64_t num_experts,
+             size_t max_experts, const py::object& arena_obj, const py::object& ids_obj,
+             const py::object& weights_obj, const py::object& x_obj, const py::object& pairs_obj,
+             const py::object& out_obj) -> py::tuple {
+            DecodeLayerRunner runner = decode_layer_runner(attention);
+            const size_t L = runner.layers;
+            if (first >= L) fail("first must be below the attention's " + std::to_string(L) + " layers");
+            const LayerArgs args(f, num_experts, arena_obj, ids_obj, weights_obj, x_obj, pairs_obj, out_obj, L);
+            if (args.T != runner.rows)
+              fail("x has " + std::to_string(args.T) + " rows but the attention's step has " +
+                   std::to_string(runner.rows));
+            std::vector<float> widened(args.S);
+            LayerScratch scratch;
+            size_t layer = first;
+            int64_t ran = 0;
+            const char* stop = "done";
+            {
+              py::gil_scoped_release release;
+              for (; layer < L; ++layer) {
+                runner.run(layer);  // writes the layer's routing (where the attention routes) and x
+                args.widen(layer, widened.data());
+                int64_t got;
+                try {
+                  got = layer_core(f, table, int64_t(layer), num_experts, max_experts, args,
+                                   args.ids + layer * args.S, widened.data(), true, false, scratch);
+                } catch (const expertcache::StaleClient&) {
+                  stop = "stale";
+                  break;
+                }
+                if (got == 0) {
+                  stop = "miss";
+                  break;
+                }
+                if (got < 0) {
+                  stop = "taken";
+                  break;
+                }
+                ran += got;
+              }
+            }
+            return py::make_tuple(layer, ran, stop);
+          },
+          py::arg("attention"), py::arg("table"), py::arg("first"), py::arg("num_experts"), py::arg("max_experts"),
+          py::arg("arena"), py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"),
+          "A decode step's layers from `first` on, in one call without the GIL: per layer, the dense half of "
+          "`attention` (a DecodeAttention whose step has begun), then the layer's experts as run_layer runs "
+          "them (with `add`), from row `layer` of `ids` / `weights` [layers, T * K]. Stops at the first layer "
+          "whose experts do not run. Returns (layer, experts, why): `layer` the first layer whose experts did "
+          "not run (its dense half did) or the number of layers; `experts` the experts run; `why` 'done', "
+          "'miss' (one not resident, or more than `max_experts`: nothing of it pinned or run), 'stale' "
+          "(try_pin_many raised StaleClient: nothing of it pinned or run) or 'taken' (it ran but the daemon "
+          "took the pins back meanwhile)")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {

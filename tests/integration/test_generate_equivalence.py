@@ -180,22 +180,59 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
             events = list(engine.generate(engine.requests.prepare(request)))
             assert [e.token_id for e in events] == want
         resident = calls[path]
-        assert len(resident) >= (NEW_TOKENS - 1) * manifest.num_layers and all(resident), calls
+        top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
+        if dtype == torch.bfloat16:  # one call a decode step: every layer of it, attention and experts
+            assert len(resident) >= NEW_TOKENS - 1, calls
+            assert set(resident) == {manifest.num_layers * top_k}, calls
+        else:
+            assert len(resident) >= (NEW_TOKENS - 1) * manifest.num_layers and all(resident), calls
         if path == "run_resident":
             assert not any(calls["run_layer"])  # tried, and refused: the daemon wants signals
         # bf16: the step's way only (the dense half's routing rows, bound once per step)
         assert (dtype == torch.bfloat16) == (not per_layer)
         assert all(e.cache.misses == 0 for e in events[1:])
         # Each decode token counts its layers' experts as hits, whichever call ran them.
-        top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
         assert {e.cache.hits for e in events[1:]} == {manifest.num_layers * top_k}
+
+
+def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_go_on(tiny_store, tmp_path):
+    # bf16 GPT-OSS, a quarter of the experts in the arena and a daemon that wants no signals: each
+    # decode step's layers run in native spans (dense half and experts, DaemonClient.run_layer),
+    # a span stops at a layer with a miss, whose experts the acquire serves, and the next span
+    # starts after it. The tokens equal transformers'.
+    tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
+    manifest = tiny.manifest
+    daemon = start_daemon(
+        tiny.store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest), extra=PLAIN_LRU
+    )
+    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
+    try:
+        engine = build_engine(str(tiny.store), client.attachment, client)
+        firsts = []
+        run_layer = client.run_layer
+        client.run_layer = lambda layer, run: firsts.append(layer) or run_layer(layer, run)
+        observed = []  # every layer's routing is observed once a forward, in order, whoever ran it
+        engine.runtime.routing_observer = lambda layer, index, weights: observed.append(layer)
+        events = list(
+            engine.generate(
+                engine.requests.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS))
+            )
+        )
+        assert [e.token_id for e in events] == want
+        assert sum(e.cache.misses for e in events[1:]) > 0
+        assert 0 in firsts and any(first > 0 for first in firsts), firsts  # spans resumed past a miss
+        assert observed == list(range(manifest.num_layers)) * NEW_TOKENS
+    finally:
+        client.close()
+        daemon.stop()
 
 
 def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as_each_alone(
     tiny_store, tmp_path
 ):
     # Three requests decoded in the same steps (3 rows a step) through the real daemon with every
-    # expert resident and no signals wanted: each layer of a step is one run_layer call over the
+    # expert resident and no signals wanted: each step's layers are one run_layer call over the
     # three rows, and each request's tokens are what it decodes alone.
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     with resident_engine(tiny, tmp_path, PLAIN_LRU) as (engine, client, manifest):
@@ -216,4 +253,4 @@ def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as
         for seq in seqs:
             engine.finish(seq, "length")
         assert got == alone
-        assert len(runs) == 5 * manifest.num_layers and all(runs), runs  # 5 steps of 3 rows
+        assert len(runs) == 5 and all(runs), runs  # 5 steps of 3 rows

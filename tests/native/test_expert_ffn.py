@@ -381,3 +381,119 @@ def test_a_layer_from_its_routing_finds_its_experts_pins_them_all_or_none_and_le
             np.empty((6, H), dtype=np.float32), into.view(torch.int16).numpy(), True,
         )  # fmt: skip
     assert torch.equal(into, residual)
+
+
+def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_not_resident():
+    # run_layers: per layer, the attention's dense half, then the layer's experts as run_layer
+    # runs them (added into the residual), from the layer's row of the routing; stops at the first
+    # layer whose experts do not all run (its dense half did): (that layer, experts run, why). The
+    # residual equals one-by-one calls bit for bit, and no pin is left behind.
+    from expertcache.native import DecodeAttention, SlotTable
+    from tests.native.test_decode_attention import SPEC
+    from tests.native.test_decode_attention import layer as attention_layer
+    from tests.slot_tables import claim_and_attach
+
+    gen = torch.Generator().manual_seed(7)
+    layout = ExpertLayout(H, INTER, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.float32, gen)
+    arena = layout.arena(slots=6)
+    table = SlotTable.create(f"ffn-layers-{np.random.randint(1 << 30)}", 8, 6, num_clients=1)  # 2 layers x 4
+    slot_of = {0: 1, 2: 3, 3: 0, 4: 2, 5: 5, 7: 4}  # entry -> slot: layer 0's 1 and layer 1's 2 absent
+    for entry, slot in slot_of.items():
+        table.begin_load(entry, slot)
+        table.finish_load(entry)
+    handle = claim_and_attach(table, 0)
+    ffn = _native.ExpertFfn(layout.spec)
+    spec = {**SPEC, "hidden": H, "heads": 4, "head_dim": 16}
+    att = DecodeAttention(spec)
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        att.add_layer(
+            attention_layer(
+                input_norm=np.ones(H, np.float32),
+                post_norm=np.ones(H, np.float32),
+                q=rng.standard_normal((64, H), dtype=np.float32) * 0.1,
+                k=rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                v=rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                o=rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
+            )
+        )
+    T, K = 2, 2
+    weights = np.array([[0.5, 0.25, 0.75, 0.5], [0.125, 0.875, 0.5, 0.5]], np.float32)
+    h0 = rng.standard_normal((T, H), dtype=np.float32)
+
+    def begin(h):
+        caches = [np.zeros((1, 8, 16), np.float32) for _ in range(4 * T)]
+        address = np.array([c.ctypes.data for c in caches], np.int64).reshape(2, 2 * T)
+        mlp_in = np.zeros((T, H), np.float32)
+        att.begin_step(
+            h, mlp_in, np.ones((T, 8), np.float32), np.zeros((T, 8), np.float32),
+            address[:, :T].copy(), address[:, T:].copy(), np.full((2, T), 8, np.int64), np.full(T, 3, np.int64),
+        )  # fmt: skip
+        return mlp_in, caches
+
+    def one_by_one(ids, stop):
+        h = h0.copy()
+        mlp_in, _caches = begin(h)
+        for layer in range(2):
+            att.run(layer)
+            if layer == stop:
+                break
+            got = ffn.run_layer(
+                handle,
+                layer,
+                4,
+                6,
+                arena,
+                ids[layer],
+                weights[layer],
+                mlp_in,
+                np.empty((T * K, H), np.float32),
+                h,
+                True,
+            )
+            assert got > 0
+        att.end_step()
+        return h
+
+    def in_one_call(ids, first=0, h=None):
+        h = h0.copy() if h is None else h
+        mlp_in, _caches = begin(h)
+        try:
+            got = ffn.run_layers(
+                att, handle, first, 4, 6, arena, ids, weights, mlp_in, np.empty((T * K, H), np.float32), h
+            )
+        finally:
+            att.end_step()
+            assert [table.pins(e) for e in range(8)] == [0] * 8
+        return got, h
+
+    resident = np.array([[0, 2, 3, 0], [1, 3, 0, 0]], np.int64)  # entries 0, 2, 3 and 5, 7, 4
+    got, h = in_one_call(resident)
+    assert got == (2, 6, "done") and np.array_equal(h, one_by_one(resident, None))
+    assert not np.array_equal(h, h0)
+    # Layer 1 names expert 2 (entry 6, absent): layer 0 runs whole, layer 1 its dense half only.
+    missing = np.array([[0, 2, 3, 0], [1, 2, 0, 0]], np.int64)
+    got, h = in_one_call(missing)
+    assert got == (1, 3, "miss") and np.array_equal(h, one_by_one(missing, 1))
+    # From layer 1 with all of it resident: only layer 1.
+    got, _ = in_one_call(resident, first=1)
+    assert got == (2, 3, "done")
+    for kwargs, message in (
+        (dict(first=2), "first must be below the attention's 2 layers"),
+        (dict(ids=np.array([[0, 2, 3, 0], [1, 9, 0, 0]], np.int64)), "expert 9 is outside the layer's 4"),
+        (dict(ids=resident[:1].copy()), "weights must be a contiguous array of one value per pair"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            in_one_call(**{"ids": resident, **kwargs})
+    with pytest.raises(ValueError, match="lent before begin_step"):
+        ffn.run_layers(
+            att, handle, 0, 4, 6, arena, resident, weights, h0.copy(), np.empty((4, H), np.float32), h0.copy()
+        )
+    with pytest.raises(ValueError, match="attention must be a DecodeAttention"):
+        ffn.run_layers(
+            ffn, handle, 0, 4, 6, arena, resident, weights, h0.copy(), np.empty((4, H), np.float32), h0.copy()
+        )
+    # The daemon took the ledger back: layer 0's dense half ran, none of its experts.
+    table.claim_channel(0)
+    got, _ = in_one_call(resident)
+    assert got == (0, 0, "stale")
