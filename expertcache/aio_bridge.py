@@ -454,38 +454,45 @@ class Bridge(grpc.aio.ServerInterceptor):
     async def _stream(self, behavior, request, context, sync: SyncContext, method: str, loop) -> None:
         feed = LoopFeed(self._pool, loop, lambda: behavior(request, sync), sync.is_active)
         stall = self.accounting.limits.stream_stall_timeout_s
-        while True:
-            try:
-                item = await feed.next(_END)
-            except Aborted:
-                if sync.aborted is None:
-                    raise
-                _set_status(context, *sync.aborted)
-                return
-            except CallEnded:
-                return
-            if item is _END:
-                return
-            if stall <= 0:
+        watch = (
+            _WriteWatch(loop, stall, lambda: self._stalled(context, sync, method, stall))
+            if stall > 0
+            else None
+        )
+        try:
+            while True:
+                try:
+                    item = await feed.next(_END)
+                except Aborted:
+                    if sync.aborted is None:
+                        raise
+                    _set_status(context, *sync.aborted)
+                    return
+                except CallEnded:
+                    return
+                if item is _END:
+                    return
+                if watch is None:
+                    await context.write(item)
+                    continue
+                watch.writing()
                 await context.write(item)
-                continue
-            write = asyncio.ensure_future(context.write(item))
-            # A write the call's end leaves behind (its connection lost) fails quietly.
-            write.add_done_callback(_retrieved)
-            done, _ = await asyncio.wait({write}, timeout=stall)
-            if not done:
-                await self._stalled(write, context, sync, method, stall)
-                return
-            write.result()
+                if watch.written():  # it took the client longer than the stall bound
+                    _end(
+                        context,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
+                    )
+        finally:
+            if watch is not None:
+                watch.close()
 
-    async def _stalled(
-        self, write: asyncio.Future, context, sync: SyncContext, method: str, stall: float
-    ) -> None:
+    def _stalled(self, context, sync: SyncContext, method: str, stall: float) -> None:
         """The client has not taken a response for ``stall`` seconds: release what its call holds
         (for Generate: its request leaves the batch, its pins go), so that nothing else waits for
         it. No status can pass the responses it has not read, so the call stays counted (against
-        the bounds of its address) until the client reads, cancels or loses its connection; it
-        holds no thread meanwhile."""
+        the bounds of its address) until the client reads, cancels or loses its connection (the
+        write in progress then ends, and the call with it); it holds no thread meanwhile."""
         self.stats.cut.labels("stall").inc()
         self._log.log(
             logging.WARNING,
@@ -496,19 +503,46 @@ class Bridge(grpc.aio.ServerInterceptor):
             stall,
         )
         sync.end_soon()
-        await write
-        _end(
-            context,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the client took no response for {stall:g} s (stream_stall_timeout_s): the stream was cancelled",
-        )
 
 
-def _retrieved(future: asyncio.Future) -> None:
-    """Mark ``future``'s outcome as seen: a write that failed because its call ended is not an
-    error to report ("Task exception was never retrieved")."""
-    if not future.cancelled():
-        future.exception()
+class _WriteWatch:
+    """The stall bound of one response stream, with one timer for the whole stream rather than a
+    task and a timeout per response: ``writing`` before each write, ``written`` after it (True
+    when the bound passed meanwhile: ``on_stall`` was called once, at the bound)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stall: float, on_stall: Callable[[], None]) -> None:
+        self._loop = loop
+        self._stall = stall
+        self._on_stall = on_stall
+        self._since: float | None = None  # loop time the write in progress began
+        self._stalled = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def writing(self) -> None:
+        self._since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self._stall, self._check)
+
+    def written(self) -> bool:
+        self._since = None
+        return self._stalled
+
+    def _check(self) -> None:
+        self._timer = None
+        since = self._since
+        if since is None:  # no write in progress: the next one arms it again
+            return
+        due = since + self._stall
+        if self._loop.time() >= due:
+            self._stalled = True
+            self._on_stall()
+        else:  # a later write than the one it was armed for
+            self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:

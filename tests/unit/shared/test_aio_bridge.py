@@ -5,6 +5,7 @@ handler thread."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -233,3 +234,27 @@ def test_stopping_the_server_ends_open_streams(server):
     assert servicer.ended.wait(5)
     with pytest.raises(grpc.RpcError):
         next(responses)
+
+
+def test_the_stall_bound_is_per_write_with_one_timer_for_the_stream():
+    # _WriteWatch: writes each shorter than the bound never stall, however long the stream; a
+    # write longer than it calls on_stall once, at the bound, and is reported when it ends.
+    from expertcache.aio_bridge import _WriteWatch
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        stalls = []
+        watch = _WriteWatch(loop, 0.05, lambda: stalls.append(loop.time()))
+        for _ in range(8):  # 8 x 20 ms of writing, 160 ms in all: no stall
+            watch.writing()
+            await asyncio.sleep(0.02)
+            assert not watch.written()
+        await asyncio.sleep(0.08)  # idle past the bound: no stall either
+        assert stalls == []
+        watch.writing()
+        began = loop.time()
+        await asyncio.sleep(0.12)
+        assert watch.written() and len(stalls) == 1 and stalls[0] - began >= 0.05
+        watch.close()
+
+    asyncio.run(scenario())
