@@ -389,8 +389,6 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     # layer whose experts do not all run (its dense half did): (that layer, experts run, why). The
     # residual equals one-by-one calls bit for bit, and no pin is left behind.
     from expertcache.native import DecodeAttention, SlotTable
-    from tests.native.test_decode_attention import SPEC
-    from tests.native.test_decode_attention import layer as attention_layer
     from tests.slot_tables import claim_and_attach
 
     gen = torch.Generator().manual_seed(7)
@@ -403,19 +401,23 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
         table.finish_load(entry)
     handle = claim_and_attach(table, 0)
     ffn = _native.ExpertFfn(layout.spec)
-    spec = {**SPEC, "hidden": H, "heads": 4, "head_dim": 16}
-    att = DecodeAttention(spec)
+    att = DecodeAttention(
+        dict(
+            hidden=H, heads=4, kv_heads=1, head_dim=16, dtype="float32", eps=1e-6, scaling=0.25,
+            norm="cast_then_weight", softmax="fused",
+        )
+    )  # fmt: skip
     rng = np.random.default_rng(3)
     for _ in range(2):
         att.add_layer(
-            attention_layer(
-                input_norm=np.ones(H, np.float32),
-                post_norm=np.ones(H, np.float32),
-                q=rng.standard_normal((64, H), dtype=np.float32) * 0.1,
-                k=rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                v=rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                o=rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
-            )
+            {
+                "input_norm": np.ones(H, np.float32),
+                "post_norm": np.ones(H, np.float32),
+                "q": rng.standard_normal((64, H), dtype=np.float32) * 0.1,
+                "k": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "v": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "o": rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
+            }
         )
     T, K = 2, 2
     weights = np.array([[0.5, 0.25, 0.75, 0.5], [0.125, 0.875, 0.5, 0.5]], np.float32)
