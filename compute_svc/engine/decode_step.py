@@ -180,8 +180,8 @@ class DecodeStep:
             span = (
                 resident is not None
                 and routes is not None
-                and not any(_hooked(experts) for experts, _, _, _ in mlps.experts)
-                and resident.spans([(experts, at) for experts, at, _, _ in mlps.experts])
+                and not any(_hooked(experts) for experts, _ in mlps.modules)
+                and resident.spans(mlps.modules)
             )
             i = 0
             while i < layers:
@@ -247,6 +247,7 @@ class RoutedMlps:
             )
             for layer, router in zip(layers, self.routers, strict=False)  # [] unless GPT-OSS
         ]
+        self.modules = [(experts, at) for experts, at, _, _ in self.experts]  # (experts module, its layer)
         self.outputs = self.routers[0].weight.shape[0] if self.routers else 0  # the router's experts
         top_k = self.routers[0].top_k if self.routers else 0
         self.top_k = top_k if top_k and native.router_top_k_supported(_DTYPES[dtype], top_k) else 0

@@ -231,9 +231,10 @@ class ArenaReader:
 
 
 class ResidentLayers:
-    """One CPU decode step's MoE layers through the fused kernel's ``run_layer``, the step's
-    buffers bound once (``ExpertRuntime.resident_layers``): per layer, one call of the
-    provider's ``run_layer`` with the layer's routing rows. ``finish`` counts what ran."""
+    """One CPU decode step's MoE layers through the fused kernel, the step's buffers bound once
+    (``ExpertRuntime.resident_layers``): spans of layers in one call each (``run_from``), or one
+    layer at a time (``run``), each through the provider's ``run_layer``. ``finish`` counts what
+    ran."""
 
     def __init__(
         self,
@@ -253,8 +254,8 @@ class ResidentLayers:
         self._ids = index.numpy()  # numpy views of the same memory
         self._w = weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)
         self._kernel: tuple[FusedKernel, Callable | None] | None = None  # (a kernel, its call)
-        # run_from's call (FusedExperts.layers_call), False where the step's layers cannot span,
-        # None until ``spans`` asks; the routing of every layer as [L, R * K] rows.
+        # run_from's call (FusedExperts.layer_call with span), False where the step's layers
+        # cannot span, None until ``spans`` asks; the routing of every layer as [L, R * K] rows.
         self._span: Callable | bool | None = None
         self._ids_all = self._ids.reshape(self._ids.shape[0], -1)
         self._w_all = self._w.reshape(self._w.shape[0], -1)
@@ -278,11 +279,7 @@ class ResidentLayers:
         ran = self._run_layer(layer, lambda table, num_experts: call(table, layer, num_experts, ids, weights))
         if ran <= 0:
             return False
-        self._layers += 1
-        self._experts += ran
-        observer = self._runtime.routing_observer
-        if observer is not None:
-            observer(layer, self._index[i], self._weights[i])
+        self._ran(i, range(layer, layer + 1), ran)
         return True
 
     def spans(self, modules: Sequence[tuple[torch.nn.Module, int]]) -> bool:
@@ -291,9 +288,13 @@ class ResidentLayers:
         step, and layer ``i`` is MoE layer ``i``. Answered once per step."""
         if self._span is None:
             self._span = False
-            kernels = {id(self._fused.kernel(m, self._weights.dtype)) for m, _ in modules}
-            kernel = self._fused.kernel(modules[0][0], self._weights.dtype) if modules else None
-            if kernel is not None and len(kernels) == 1 and all(at == i for i, (_, at) in enumerate(modules)):
+            kernels = [self._fused.kernel(m, self._weights.dtype) for m, _ in modules]
+            kernel = kernels[0] if kernels else None
+            if (
+                kernel is not None
+                and all(k is kernel for k in kernels)
+                and all(at == i for i, (_, at) in enumerate(modules))
+            ):
                 call = self._bind(kernel, span=True)
                 if call is not None:
                     self._span = call
@@ -320,13 +321,18 @@ class ResidentLayers:
         self._run_layer(first, run)
         stop, ran, why = got
         if stop > first:
-            self._layers += stop - first
-            self._experts += ran
-            observer = self._runtime.routing_observer
-            if observer is not None:
-                for i in range(first, stop):
-                    observer(i, self._index[i], self._weights[i])
+            self._ran(first, range(first, stop), ran)
         return stop, why != ""
+
+    def _ran(self, row: int, layers: range, experts: int) -> None:
+        """``layers`` ran from the step's routing rows ``row`` on (``experts`` experts in all):
+        counted, and each handed to the routing observer with its row, in order."""
+        self._layers += len(layers)
+        self._experts += experts
+        observer = self._runtime.routing_observer
+        if observer is not None:
+            for i, layer in enumerate(layers, start=row):
+                observer(layer, self._index[i], self._weights[i])
 
     def _bind(self, kernel: FusedKernel, *, span: bool = False) -> Callable | None:
         """``kernel``'s run_layer (``span``: its run_layers) with this step's buffers, or None

@@ -278,6 +278,7 @@ struct LayerArgs {
     if (!f32 && !(w.itemsize() == 2 && s.compute != FfnDtype::kFloat32))
       fail("weights must hold float32 values or the compute dtype's 2-byte values");
     compute = s.compute;
+    w_data = static_cast<const uint8_t*>(w.data());
     T = rows_args(f, S, x_obj, pairs_obj, out_obj, x, pairs, out);
     x_data = static_cast<const uint8_t*>(x.data());
     pairs_data = pairs.mutable_data();
@@ -285,13 +286,13 @@ struct LayerArgs {
     ids = ids_array.data();
   }
 
-  // Row `layer`'s weights as float32 (2-byte values of the compute dtype widened exactly).
+  // Row `layer`'s weights as float32 (2-byte values of the compute dtype widened exactly). Touches
+  // no Python object: run_layers calls it without the GIL.
   void widen(size_t layer, float* dst) const {
-    const auto* base = static_cast<const uint8_t*>(w.data());
     if (f32) {
-      std::memcpy(dst, base + layer * S * 4, S * sizeof(float));
+      std::memcpy(dst, w_data + layer * S * 4, S * sizeof(float));
     } else {
-      for (size_t r = 0; r < S; ++r) dst[r] = expertcache::ffn_load(base, compute, layer * S + r);
+      for (size_t r = 0; r < S; ++r) dst[r] = expertcache::ffn_load(w_data, compute, layer * S + r);
     }
   }
 
@@ -299,6 +300,7 @@ struct LayerArgs {
   size_t num_slots = 0, S = 0, T = 0;
   const int64_t* ids = nullptr;
   const uint8_t* x_data = nullptr;
+  const uint8_t* w_data = nullptr;
   float* pairs_data = nullptr;
   uint8_t* out_data = nullptr;
   bool f32 = false;
@@ -313,9 +315,8 @@ struct LayerScratch {
 };
 
 // One decode layer from its routing `ids` [S] (each checked to be one of the layer's experts) and
-// float32 `weights` [S]: its experts,
-// ascending and each once, pinned through `table` at entries layer * num_experts + e, all or none,
-// run into args.out (added with `add`) and unpinned. The number of experts run; 0, with nothing
+// float32 `weights` [S]: its experts, ascending and each once, pinned through `table` at entries
+// layer * num_experts + e, all or none, run into args.out (added with `add`) and unpinned. The number of experts run; 0, with nothing
 // pinned or run, where one is not resident or they are more than `max_experts`; -1 where it ran
 // but the daemon took the pins back meanwhile. StaleClient, with nothing run, as try_pin_many
 // raises it. `gil_held`: as routed_core takes it.
