@@ -230,21 +230,32 @@ EXPERTCACHE_FFN_AVX2 void dot_plain_avx2(const uint8_t* w0, size_t C, const floa
   }
 }
 
-// Twice the E2M1 values as bf16 bits (the scales are halved: see kE8m0Half), split into low and high bytes for pshufb (both 128-bit lanes).
-EXPERTCACHE_FFN_AVX2 inline void fp4_tables(__m256i& lo, __m256i& hi) {
-  alignas(16) static const uint8_t kLo[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40,
-                                              0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40};
-  alignas(16) static const uint8_t kHi[16] = {0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41,
-                                              0x80, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0, 0xC1, 0xC1};
-  lo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLo)));
-  hi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHi)));
-}
+// Each E8M0 scale's 16 E2M1 values, v * 2**(s - 127), as bf16 bits split into low and high bytes
+// (16 each, for pshufb). Every such value has at most two significant bits, so its bf16 is exact
+// wherever it is finite; where it is not (|v| * 2**(s - 127) >= 2**128), it is +-inf, as in
+// transformers' own decode of the same weights into bf16. Folding the scale into the table leaves
+// one FMA per 8 weights.
+struct Fp4ScaledTables {
+  alignas(64) uint8_t bytes[256][32];
+  Fp4ScaledTables() {
+    for (int s = 0; s < 256; ++s)
+      for (int c = 0; c < 16; ++c) {
+        const uint32_t u = bits_of(2.0f * kFp4[c] * kE8m0Half.value[s]);  // exact, or +-inf; 0 stays 0
+        bytes[s][c] = uint8_t(u >> 16);
+        bytes[s][16 + c] = uint8_t(u >> 24);
+      }
+  }
+};
+const Fp4ScaledTables kFp4Scaled;
 
-// One group's 32 values as 4 x 8 floats, in mxfp4_position order, with 4 shuffles: the 16 bytes
-// loaded into both lanes, low nibbles kept in lane 0 and high nibbles in lane 1 (a shift per
-// lane), the bf16 bits' low and high bytes looked up (pshufb) and interleaved into words, whose
-// even and odd words become floats by a shift and a mask.
-EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, __m256i tlo, __m256i thi, __m256 v[4]) {
+// One group's 32 values times its scale as 4 x 8 floats, in mxfp4_position order: the 16 bytes
+// loaded into both lanes, low nibbles kept in lane 0 and high nibbles in lane 1 (a shift per lane),
+// the scale's bf16 low and high bytes looked up (pshufb) and interleaved into words, whose even and
+// odd words become floats by a shift and a mask.
+EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, uint8_t scale, __m256 v[4]) {
+  const uint8_t* t = kFp4Scaled.bytes[scale];
+  const __m256i tlo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  const __m256i thi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t + 16)));
   const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
   const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                                          _mm256_set1_epi8(0x0F));
@@ -257,48 +268,34 @@ EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, __m256i tlo, __
   v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
 }
 
-// MXFP4 dot rows: one row at a time (its groups decoded once) against NR <= 4 input rows, whose
-// values are in mxfp4_position order.
-template <int NR>
-EXPERTCACHE_FFN_AVX2 inline void mxfp4_group_rows(const __m256 v[4], __m256 scale, const float* x, size_t C,
-                                                  __m256* acc) {
-  for (int r = 0; r < NR; ++r) {
-    const float* xr = x + r * C;
-    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
-    __m256 u = _mm256_mul_ps(v[1], _mm256_loadu_ps(xr + 8));
-    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), t);
-    u = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), u);
-    acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t, u), scale, acc[r]);
-  }
-}
-
+// MXFP4 dot rows, one weight row at a time (each group decoded once, its scale folded in) against
+// NR <= 4 input rows, whose values are in mxfp4_position order. K accumulators per input row (4 for
+// up to two input rows, 2 beyond) keep enough independent FMA chains without spilling registers.
 template <int NR>
 EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                          size_t i1, float* h) {
+  constexpr int K = NR <= 2 ? 4 : 2;
   const size_t C = p.inputs, groups = C / kGroup;
-  __m256i tlo, thi;
-  fp4_tables(tlo, thi);
   for (size_t i = i0; i < i1; ++i) {
     const uint8_t* b = slot + p.weight_offset + i * groups * kGroupBytes;
     const uint8_t* s = slot + p.scale_offset + i * groups;
-    // Two accumulators per input row (even and odd groups): two dependency chains.
-    __m256 even[NR], odd[NR];
-    for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    size_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + g * kGroupBytes) + kPrefetchBytes, _MM_HINT_T0);
-      __m256 v[4], w[4];
-      fp4_group(b + g * kGroupBytes, tlo, thi, v);
-      fp4_group(b + (g + 1) * kGroupBytes, tlo, thi, w);
-      mxfp4_group_rows<NR>(v, _mm256_broadcast_ss(&kE8m0Half.value[s[g]]), x + g * kGroup, C, even);
-      mxfp4_group_rows<NR>(w, _mm256_broadcast_ss(&kE8m0Half.value[s[g + 1]]), x + (g + 1) * kGroup, C, odd);
-    }
-    if (g < groups) {
+    __m256 acc[NR][K];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < K; ++k) acc[r][k] = _mm256_setzero_ps();
+    for (size_t g = 0; g < groups; ++g) {
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(b + g * kGroupBytes) + kPrefetchBytes, _MM_HINT_T0);
       __m256 v[4];
-      fp4_group(b + g * kGroupBytes, tlo, thi, v);
-      mxfp4_group_rows<NR>(v, _mm256_broadcast_ss(&kE8m0Half.value[s[g]]), x + g * kGroup, C, even);
+      fp4_group(b + g * kGroupBytes, s[g], v);
+      for (int r = 0; r < NR; ++r) {
+        const float* xr = x + r * C + g * kGroup;
+        for (int j = 0; j < 4; ++j) acc[r][j % K] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % K]);
+      }
     }
-    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(_mm256_add_ps(even[r], odd[r]));
+    for (int r = 0; r < NR; ++r) {
+      __m256 sum = acc[r][0];
+      for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[r][k]);
+      h[r * p.outputs + i] = hsum(sum);
+    }
   }
 }
 

@@ -85,6 +85,47 @@ def test_equals_transformers_math(case, dtype, rows):
     assert ffn.path in ("avx2", "portable")
 
 
+def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.ndarray, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    layout = ExpertLayout(H, INTER, "mxfp4", "mxfp4", "gpt_oss", True, dtype, gen)
+    arena = layout.arena(slots=1)
+    return layout, arena, layout.parts(arena, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
+    """The AVX2 kernel folds each E8M0 scale into its group's 16 values. At scales 0-2 they are
+    float32 (and bfloat16) subnormals, still exact: with no bias and inputs near 2**100, the
+    first projection's outputs are normal numbers that only those products make."""
+    layout, arena, parts = scaled_mxfp4_case(50 + rows, dtype)
+    scales = parts["gate_up_proj_scales"]
+    scales[:] = torch.randint(
+        0, 3, scales.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(rows)
+    )
+    parts["gate_up_proj_bias"].zero_()
+    parts["down_proj_bias"].zero_()
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(7)).to(dtype) * 2.0**100
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want.abs().max() > 2.0**-40  # the products reached the output
+    torch.testing.assert_close(got, want, rtol=TOL[dtype]["rtol"], atol=want.abs().max().item() * 1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_mxfp4_zero_group_at_scale_255_adds_zero(rows):
+    """Scale 255 is 2**128, beyond float32: a group of zero codes under it adds 0, not NaN (0 x
+    inf), as the encodings module decodes it."""
+    layout, arena, parts = scaled_mxfp4_case(60 + rows, torch.float32)
+    parts["gate_up_proj_blocks"][:, 1] = 0
+    parts["gate_up_proj_scales"][:, 1] = 255
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(8))
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_give_the_same_bits(threads):
     gen = torch.Generator().manual_seed(0)
