@@ -7,7 +7,7 @@ apply. Why: docs/compute.md."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -126,11 +126,17 @@ class DecodeStep:
         )
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[SequenceKV]
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        caches: Sequence[SequenceKV],
+        before_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Logits [R, V] of R requests' next tokens: ``input_ids``/``position_ids`` [1, R], one
         token per request, whose KV (``caches``, in row order) holds everything before it. The new
-        keys and values are written past each cache's length; ``commit`` is the caller's."""
+        keys and values are written past each cache's length; ``commit`` is the caller's.
+        ``before_layers`` is called once the step is begun, just before its first layer (its
+        first native call without the GIL)."""
         rows = input_ids.shape[1]
         layers = len(self.layers)
         keys = np.empty((layers, rows), dtype=np.int64)
@@ -183,6 +189,8 @@ class DecodeStep:
                 and not any(_hooked(experts) for experts, _ in mlps.modules)
                 and resident.spans(mlps.modules)
             )
+            if before_layers is not None:
+                before_layers()
             i = 0
             while i < layers:
                 if span:

@@ -347,12 +347,18 @@ class GenerationEngine:
 
     @torch.inference_mode()
     def step(
-        self, plan: Sequence[tuple[RunningRequest, int]], *, deadline: float | None = None
+        self,
+        plan: Sequence[tuple[RunningRequest, int]],
+        *,
+        deadline: float | None = None,
+        before_layers: Callable[[], None] | None = None,
     ) -> list[tuple[RunningRequest, TokenEvent]]:
         """One forward over ``plan`` (each request with how many of its pending tokens to feed:
         all of a decode token, or a chunk of its prompt); returns a token event for every request
         whose input is then all fed. A failure leaves every request's KV as it was. ``deadline``
-        (``time.monotonic()``): no wait for experts goes beyond it (``DeadlineExceeded``)."""
+        (``time.monotonic()``): no wait for experts goes beyond it (``DeadlineExceeded``).
+        ``before_layers`` is called once the step's inputs are made, just before its layers run
+        (the scheduler hands the last step's tokens to their readers there)."""
         device = self.loaded.device
         ids: list[int] = []
         positions: list[int] = []
@@ -389,12 +395,16 @@ class GenerationEngine:
         try:
             caches = [s.kv for s in segments]
             if self.graph_step is not None and t == len(plan) and self.graph_step.covers(caches):
+                if before_layers is not None:
+                    before_layers()
                 step_logits = self.graph_step.forward(input_ids, position_ids, caches)
                 logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
             elif self.decode_step is not None and t == len(plan):  # one token per request
-                step_logits = self.decode_step.forward(input_ids, position_ids, caches)
+                step_logits = self.decode_step.forward(input_ids, position_ids, caches, before_layers)
                 logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
             else:
+                if before_layers is not None:
+                    before_layers()
                 with packed_forward(segments) as cache:
                     out = self.loaded.model(
                         input_ids=input_ids,

@@ -71,6 +71,7 @@ class RequestHandle:
         self._cancelled = threading.Event()
         self._wake = wake
         self.seq: RunningRequest | None = None  # set by the worker once admitted
+        self._unsent: object | None = None  # a token event the worker holds back (``hold``)
 
     @property
     def request_id(self) -> str:
@@ -94,7 +95,19 @@ class RequestHandle:
         return self.deadline is not None and now >= self.deadline
 
     def _put(self, item: object) -> None:
+        self.send()
         self._events.put(item)
+
+    def hold(self, event: TokenEvent) -> None:
+        """Keep ``event`` until ``send`` (the worker's thread only): see ``Scheduler._step``."""
+        self.send()
+        self._unsent = event
+
+    def send(self) -> None:
+        """Hand the event held back, if any, to the reader."""
+        event, self._unsent = self._unsent, None
+        if event is not None:
+            self._events.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
@@ -251,6 +264,8 @@ class Scheduler:
             plan = self._plan()
             if plan:
                 self._step(plan)
+            else:
+                self._send_held()
         for handle in list(self._running):
             self._leave(handle, "error", self._stopped_error(handle))
 
@@ -351,7 +366,7 @@ class Scheduler:
         with self._cond:
             self._stepping = stepping
         try:
-            events = self.engine.step(plan, deadline=step_deadline)
+            events = self.engine.step(plan, deadline=step_deadline, before_layers=self._send_held)
         except DaemonUnavailable as exc:
             logger.warning("cache daemon lost during a step of %d requests: %s", len(stepping), exc)
             # While draining, the request will not be taken up again here: it is to be retried elsewhere.
@@ -387,11 +402,23 @@ class Scheduler:
         finally:
             with self._cond:
                 self._stepping = ()
+        # A token that is not its request's last is held back until the next step reaches its
+        # layers (``before_layers``), where the worker lets go of the GIL for long: handing it over
+        # now would wake the stream's threads while the worker runs the next step's Python, and
+        # each torch op there would wait for them to let go of the GIL (the step, about a third
+        # longer). The reader gets it when those threads would have got the GIL anyway.
         for seq, event in events:
             handle = by_seq[id(seq)]
-            handle._put(event)
-            if event.finish_reason is not None:
+            if event.finish_reason is None:
+                handle.hold(event)
+            else:
+                handle._put(event)
                 self._leave(handle, event.finish_reason.value, None)
+
+    def _send_held(self) -> None:
+        """Every running request's held-back token to its reader (``_step``)."""
+        for handle in self._running:
+            handle.send()
 
     def _leave(self, handle: RequestHandle, outcome: str, error: BaseException | None) -> None:
         """``handle`` leaves the batch: the engine forgets it, its caller gets ``error`` or the end."""

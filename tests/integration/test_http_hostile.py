@@ -40,7 +40,7 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.integration
 
 HEADER_TIMEOUT_S = 1.0
-STALL_S = 2.0
+STALL_S = 1.0
 MAX_CONNECTIONS = 200  # per client host: max(64, 0.5 x 200) = 100
 ATTACKER = "127.0.0.2"
 CLIENT = "127.0.0.1"
@@ -93,11 +93,13 @@ def completes(served, source: str = CLIENT) -> tuple[int, float]:
 
 
 def long_stream(served) -> dict:
-    """A streamed completion of 1,500 tokens: far more than an unread stream's buffers take."""
+    """A streamed completion of 2,000 tokens (as many as the tiny model's 2,048 positions allow):
+    far more than an unread stream's buffers take, and seconds of generation (about 2 ms a token
+    here), so an unread one is cut (``STALL_S`` after its buffers fill) before it could finish."""
     return {
         "model": model(served),
         "prompt": [5, 6, 7],
-        "max_tokens": 1500,
+        "max_tokens": 2000,
         "ignore_eos": True,
         "stream": True,
     }
@@ -211,14 +213,14 @@ def test_an_unread_stream_is_cut_on_what_its_client_has_not_taken(served):
             "the unread stream cut",
             timeout_s=120,
         )
-        # Its request is cancelled before its 1,500 tokens (its batch place and pins go).
+        # Its request is cancelled before its 2,000 tokens (its batch place and pins go).
         line = wait_for(
             lambda: [x for x in compute.log().splitlines() if "stopped (cancelled)" in x],
             "the cut request stopped",
             timeout_s=30,
         )[-1]
         generated = int(line.split("after ")[1].split(" generated")[0])
-        assert generated < 1500, line
+        assert generated < 2000, line
     finally:
         sock.close()
     assert completes(served)[0] == 200

@@ -138,6 +138,43 @@ def test_a_long_prompt_is_chunked_and_does_not_hold_back_the_others(batching):
     assert all(("r0", 1) in p and sum(n for _, n in p) <= 8 for p in prefill)
 
 
+def test_a_token_reaches_its_reader_when_the_next_step_reaches_its_layers(batching):
+    """The worker holds a step's tokens back until the next step's layers begin (where it lets go
+    of the GIL for long), and hands a request's last token over at once."""
+    scheduler, engine, _, log = batching()
+    timeline: list[str] = []
+    real = log._step
+
+    def step(plan, *, before_layers=None, **kwargs):
+        def layers():
+            timeline.append(f"layers {len(log.plans) - 1}")
+            before_layers()
+
+        return real(plan, before_layers=layers, **kwargs)
+
+    log._step = step
+    log.gate = threading.Event()  # no step runs before the reader's queue is watched
+    handle = scheduler.submit(request(0, n=4))
+    put = handle._events.put
+    handle._events.put = lambda item: (
+        timeline.append(f"token {item.index}" if hasattr(item, "index") else "end"),
+        put(item),
+    )
+    log.gate.set()
+    assert [e.index for e in handle] == [0, 1, 2, 3]
+    assert timeline == [
+        "layers 0",
+        "layers 1",
+        "token 0",
+        "layers 2",
+        "token 1",
+        "layers 3",
+        "token 2",
+        "token 3",
+        "end",
+    ], timeline
+
+
 def test_cancelling_one_request_leaves_the_others_untouched(batching):
     scheduler, engine, provider, log = batching()
     reqs = [request(i, n=10) for i in range(3)]
