@@ -116,6 +116,16 @@ class DecodeStep:
                 {k: None if v is None else storage_view(v.detach()) for k, v in weights.items()},
                 attention_window(config, attn) or 0,
             )
+        self.native_head = _native_head(self.final_norm, self.head, self.layers[0].input_layernorm, dtype)
+        if self.native_head:
+            self.attention.set_head(
+                {
+                    "norm": storage_view(self.final_norm.weight.detach()),
+                    "weight": storage_view(self.head.weight.detach()),
+                    "bias": None if self.head.bias is None else storage_view(self.head.bias.detach()),
+                },
+                float(self.final_norm.variance_epsilon),
+            )
         # One [1, kv_heads, 1, head_dim] tensor of the cache's dtype: the template of new buffers.
         self._like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=dtype)
         logger.info(
@@ -225,6 +235,10 @@ class DecodeStep:
                         out = out[0]
                     flat.add_(out)
                 i += 1
+            if self.native_head and not (_hooked(self.final_norm) or _hooked(self.head)):
+                logits_out = torch.empty(rows, attention.vocab, dtype=self.dtype)
+                attention.head(storage_view(logits_out))
+                return logits_out
         finally:
             attention.end_step()
             if resident is not None:
@@ -301,6 +315,30 @@ class RotaryTable:
             cos, sin = self.rotary(h, torch.arange(size).unsqueeze(0))  # [1, P, head_dim or head_dim / 2]
             table = self._table = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
         return table[0].index_select(0, flat), table[1].index_select(0, flat)
+
+
+# The most weights [vocab, hidden] the native head takes while torch may use more than one thread:
+# the native head is one thread's GEMV, the torch one splits a large head over its threads.
+NATIVE_HEAD_WEIGHTS = 1 << 22
+
+
+def _native_head(norm: torch.nn.Module, head: torch.nn.Module, layer_norm: torch.nn.Module, dtype) -> bool:
+    """Whether ``DecodeAttention.head`` computes ``head(norm(h))`` as the modules do: the final
+    norm is the layers' own RMSNorm class (the rounding the spec names), the head a plain Linear of
+    the dtype, and the head is one thread's work (``NATIVE_HEAD_WEIGHTS``) or torch has one."""
+    weight = getattr(head, "weight", None)
+    return (
+        type(norm) is type(layer_norm)
+        and isinstance(getattr(norm, "weight", None), torch.Tensor)
+        and getattr(norm, "variance_epsilon", None) is not None
+        and type(head) is torch.nn.Linear
+        and weight is not None
+        and weight.dtype == dtype
+        and weight.is_contiguous()
+        and norm.weight.dtype == dtype
+        and (head.bias is None or head.bias.dtype == dtype)
+        and (weight.numel() <= NATIVE_HEAD_WEIGHTS or torch.get_num_threads() == 1)
+    )
 
 
 def _hooked(module: torch.nn.Module) -> bool:

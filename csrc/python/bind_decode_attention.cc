@@ -7,6 +7,9 @@
 //                  top_ids=None, top_scores=None)  [layers, rows, k] with spec router_top_k
 //   native.router_top_k_supported(dtype, k)
 //   att.run(layer)                         once per layer of the step, without the GIL
+//   att.set_head(weights, eps)             the final norm and the LM head: {"norm", "weight", "bias"}
+//   att.head(logits)                       after the layers: logits [rows, vocab] of the begun step's h,
+//                                          without the GIL
 //
 // Arrays hold the compute dtype's storage: 2-byte items for bf16 / fp16 (numpy int16, uint16 or
 // float16 views of torch tensors), float32 for fp32. Every size is checked (ValueError naming the
@@ -206,6 +209,51 @@ void bind_decode_attention(py::module_& m) {
             a.att->add_layer(w);
           },
           py::arg("weights"), py::arg("window") = 0)
+      .def(
+          "set_head",
+          [](Attention& a, const py::dict& weights, float eps) {
+            const AttentionSpec& s = a.att->spec();
+            const auto has = [&](const char* name) { return weights.contains(name) && !weights[name].is_none(); };
+            if (!has("norm") || !has("weight")) fail("the head needs 'norm' and 'weight'");
+            py::array norm = storage(weights["norm"], s.dtype, s.hidden, "norm");
+            py::array w = weights["weight"].cast<py::array>();
+            if (w.ndim() != 2 || size_t(w.shape(1)) != s.hidden || w.shape(0) < 1)
+              fail("weight must be [vocab, hidden " + std::to_string(s.hidden) + "]");
+            const size_t vocab = size_t(w.shape(0));
+            w = storage(weights["weight"], s.dtype, vocab * s.hidden, "weight");
+            expertcache::HeadWeights head;
+            head.norm = static_cast<const uint8_t*>(norm.data());
+            head.weight = static_cast<const uint8_t*>(w.data());
+            head.eps = eps;
+            head.vocab = vocab;
+            a.kept.push_back(norm);
+            a.kept.push_back(w);
+            if (has("bias")) {
+              py::array bias = storage(weights["bias"], s.dtype, vocab, "bias");
+              head.bias = static_cast<const uint8_t*>(bias.data());
+              a.kept.push_back(bias);
+            }
+            std::lock_guard<std::mutex> lock(a.busy);
+            a.att->set_head(head);
+          },
+          py::arg("weights"), py::arg("eps"))
+      .def_property_readonly("vocab", [](const Attention& a) { return a.att->vocab(); })
+      .def(
+          "head",
+          [](Attention& a, const py::object& logits) {
+            std::unique_lock<std::mutex> lock(a.busy, std::try_to_lock);
+            if (!lock.owns_lock()) fail("head called while another call of the same object is in progress");
+            if (!a.att->has_head()) fail("head before set_head");
+            if (!a.step) fail("head before begin_step");
+            const AttentionSpec& s = a.att->spec();
+            const size_t rows = a.step->rows;
+            py::array out = storage(logits, s.dtype, rows * a.att->vocab(), "logits", true);
+            const uint8_t* h = static_cast<const uint8_t*>(a.step->h.data());
+            uint8_t* o = static_cast<uint8_t*>(out.mutable_data());
+            py::gil_scoped_release release;
+            a.att->head(rows, h, o);
+          },
+          py::arg("logits"))
       .def(
           "begin_step",
           [](Attention& a, const py::object& h, const py::object& mlp_in, const py::object& cos, const py::object& sin,

@@ -105,12 +105,31 @@ void DecodeAttention::add_layer(const AttentionWeights& w) {
   layers_.push_back(w);
 }
 
+void DecodeAttention::set_head(const HeadWeights& w) {
+  if (!w.norm || !w.weight || !w.vocab) throw std::invalid_argument("decode attention: the head lacks its norm or weight");
+  head_ = w;
+}
+
+void DecodeAttention::head(size_t rows, const uint8_t* h, uint8_t* out) {
+  if (!has_head()) throw std::logic_error("decode attention: head before set_head");
+  const FfnDtype d = spec_.dtype;
+  const size_t H = spec_.hidden, V = head_.vocab;
+  x_.resize(std::max(x_.size(), rows * H));
+  y_.resize(std::max(y_.size(), std::max(H, rows * V)));
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t i = 0; i < H; ++i) y_[i] = ffn_load(h, d, r * H + i);
+    norm(head_.norm, y_.data(), H, x_.data() + r * H, head_.eps);
+  }
+  linear(head_.weight, head_.bias, x_.data(), rows, H, V, y_.data());
+  for (size_t i = 0; i < rows * V; ++i) store(out, d, i, y_[i]);
+}
+
 // RMSNorm of x [n] (values of the compute dtype) into out, rounded as the spec's norm rounds.
-void DecodeAttention::norm(const uint8_t* weight, const float* x, size_t n, float* out) const {
+void DecodeAttention::norm(const uint8_t* weight, const float* x, size_t n, float* out, float eps) const {
   const FfnDtype d = spec_.dtype;
   float sq = 0.0f;
   for (size_t i = 0; i < n; ++i) sq += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(sq / float(n) + spec_.eps);
+  const float r = 1.0f / std::sqrt(sq / float(n) + eps);
   for (size_t i = 0; i < n; ++i) {
     const float w = ffn_load(weight, d, i);
     out[i] = spec_.norm == AttnNorm::kWeightThenCast ? ffn_round(w * (x[i] * r), d)

@@ -235,3 +235,35 @@ def test_the_routers_top_k_and_softmax_equal_torchs_bit_for_bit(dtype, experts, 
         same = (scores[0] == want_scores) | (torch.isnan(scores[0]) & torch.isnan(want_scores))
         assert bool(same.all()), (case, values, scores[0], want_scores)
     att.end_step()
+
+
+def test_the_head_is_the_final_norm_then_the_lm_head_and_is_refused_until_set_and_begun():
+    V = 24
+    rng = np.random.default_rng(5)
+    norm = rng.standard_normal(H, dtype=np.float32)
+    weight = rng.standard_normal((V, H), dtype=np.float32)
+    bias = rng.standard_normal(V, dtype=np.float32)
+    att = attention()
+    args, _ = step_args(rows=2)
+    logits = np.zeros((2, V), np.float32)
+    with pytest.raises(ValueError, match="head before set_head"):
+        att.head(logits)
+    with pytest.raises(ValueError, match="the head needs 'norm' and 'weight'"):
+        att.set_head({"weight": weight}, 1e-5)
+    with pytest.raises(ValueError, match="weight must be \\[vocab, hidden 16\\]"):
+        att.set_head({"norm": norm, "weight": weight[:, :8].copy()}, 1e-5)
+    with pytest.raises(ValueError, match="bias must hold 24 values"):
+        att.set_head({"norm": norm, "weight": weight, "bias": bias[:4].copy()}, 1e-5)
+    att.set_head({"norm": norm, "weight": weight, "bias": bias}, 1e-5)
+    assert att.vocab == V
+    with pytest.raises(ValueError, match="head before begin_step"):
+        att.head(logits)
+    args["h"] = rng.standard_normal((2, H), dtype=np.float32)
+    att.begin_step(**args)
+    with pytest.raises(ValueError, match="logits must hold 48 values"):
+        att.head(np.zeros((1, V), np.float32))
+    att.head(logits)
+    att.end_step()
+    h = args["h"].astype(np.float64)
+    normed = norm * (h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5))  # cast_then_weight, float32 compute
+    np.testing.assert_allclose(logits, normed @ weight.T + bias, rtol=1e-4, atol=1e-4)

@@ -68,6 +68,15 @@ struct AttentionWeights {
   size_t window = 0;                                    // keys within the last `window` (0: all)
 };
 
+// The model's head after the last layer: logits = h RMSNorm(norm, eps) W^T (+ bias), W [vocab, hidden].
+struct HeadWeights {
+  const uint8_t* norm = nullptr;    // [hidden]
+  float eps = 1e-6f;
+  const uint8_t* weight = nullptr;  // [vocab, hidden]
+  const uint8_t* bias = nullptr;    // [vocab] or nullptr
+  size_t vocab = 0;
+};
+
 class DecodeAttention {
  public:
   // std::invalid_argument naming what is inconsistent.
@@ -77,6 +86,9 @@ class DecodeAttention {
   size_t layers() const { return layers_.size(); }
   const char* path() const { return avx2_ ? "avx2" : "portable"; }
   void add_layer(const AttentionWeights& w);
+  void set_head(const HeadWeights& w);
+  bool has_head() const { return head_.weight != nullptr; }
+  size_t vocab() const { return head_.vocab; }
 
   // Rows r < rows: h and mlp_in [rows, hidden], cos/sin [rows, head_dim / 2]; keys[r], values[r]
   // the layer's cache of row r, capacity[r] > length[r] positions; logits [rows, router_outputs]
@@ -87,8 +99,13 @@ class DecodeAttention {
            uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length,
            uint8_t* logits, int64_t* top_ids = nullptr, uint8_t* top_scores = nullptr);
 
+  // After the last layer: out [rows, vocab] (the dtype's storage) = the head (set_head) of h [rows,
+  // hidden], the norm rounded as the layers' norms round and each logit once (as addmm rounds).
+  void head(size_t rows, const uint8_t* h, uint8_t* out);
+
  private:
-  void norm(const uint8_t* weight, const float* x, size_t n, float* out) const;
+  void norm(const uint8_t* weight, const float* x, size_t n, float* out) const { norm(weight, x, n, out, spec_.eps); }
+  void norm(const uint8_t* weight, const float* x, size_t n, float* out, float eps) const;
   void linear(const uint8_t* w, const uint8_t* bias, const float* x, size_t rows, size_t in, size_t out,
               float* y);
   void attend(const AttentionWeights& w, const float* q, const uint8_t* keys, const uint8_t* values,
@@ -98,6 +115,7 @@ class DecodeAttention {
   AttentionSpec spec_;
   bool avx2_ = false;
   std::vector<AttentionWeights> layers_;
+  HeadWeights head_;
   // Scratch, grown to the largest call: the normed rows, q, k, v, the attention output, one
   // projection's sums, one head's scores.
   std::vector<float> x_, q_, k_, v_, a_, y_, s_;

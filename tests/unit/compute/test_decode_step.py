@@ -23,6 +23,7 @@ COVERED = ["gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
 def test_greedy_decode_through_the_native_dense_half_matches_generate(arch, dtype, local_engine):
     engine, _, tiny = local_engine(arch, dtype=dtype)
     assert engine.decode_step is not None
+    assert engine.decode_step.native_head  # the final norm and the LM head in the native call too
     calls = counting(engine.decode_step)
     assert greedy(engine, PROMPT, 12) == plain_greedy(tiny.checkpoint, PROMPT, 12, dtype)
     assert len(calls) == 11  # every token after the prompt's first
