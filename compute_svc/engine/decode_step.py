@@ -236,7 +236,7 @@ class DecodeStep:
                     flat.add_(out)
                 i += 1
             if self.native_head and not (_hooked(self.final_norm) or _hooked(self.head)):
-                logits_out = torch.empty(rows, attention.vocab, dtype=self.dtype)
+                logits_out = torch.empty(rows, self.head.out_features, dtype=self.dtype)
                 attention.head(storage_view(logits_out))
                 return logits_out
         finally:
