@@ -394,17 +394,17 @@ class GenerationEngine:
         failed = True
         try:
             caches = [s.kv for s in segments]
-            if self.graph_step is not None and t == len(plan) and self.graph_step.covers(caches):
-                if before_layers is not None:
-                    before_layers()
+            graph = self.graph_step is not None and t == len(plan) and self.graph_step.covers(caches)
+            native = not graph and self.decode_step is not None and t == len(plan)  # one token per request
+            if before_layers is not None and not native:  # the native step calls it at its first layer
+                before_layers()
+            if graph:
                 step_logits = self.graph_step.forward(input_ids, position_ids, caches)
                 logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
-            elif self.decode_step is not None and t == len(plan):  # one token per request
+            elif native:
                 step_logits = self.decode_step.forward(input_ids, position_ids, caches, before_layers)
                 logits = step_logits.index_select(0, keep) if logits_rows else None  # [rows, V]
             else:
-                if before_layers is not None:
-                    before_layers()
                 with packed_forward(segments) as cache:
                     out = self.loaded.model(
                         input_ids=input_ids,

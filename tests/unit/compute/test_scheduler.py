@@ -150,7 +150,7 @@ def test_a_token_reaches_its_reader_when_the_next_step_reaches_its_layers(batchi
             timeline.append(f"layers {len(log.plans) - 1}")
             before_layers()
 
-        return real(plan, before_layers=layers, **kwargs)
+        return real(plan, before_layers=layers if before_layers is not None else None, **kwargs)
 
     log._step = step
     log.gate = threading.Event()  # no step runs before the reader's queue is watched
