@@ -268,34 +268,69 @@ EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, uint8_t scale, 
   v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
 }
 
-// MXFP4 dot rows, one weight row at a time (each group decoded once, its scale folded in) against
-// NR <= 4 input rows, whose values are in mxfp4_position order. K accumulators per input row (4 for
-// up to two input rows, 2 beyond) keep enough independent FMA chains without spilling registers.
+// Eight rows' partial sums (one ymm each) as one ymm of their 8 totals, each added in hsum's
+// order (lanes j and j + 4, then those pairs' 0 + 2 and 1 + 3, then the two): the rows' results
+// are hsum's to the bit, at a third of the shuffles and with no chain from row to row.
+EXPERTCACHE_FFN_AVX2 inline __m256 hsum8(const __m256 r[8]) {
+  __m256 a[4];
+  for (int q = 0; q < 4; ++q)
+    a[q] = _mm256_add_ps(_mm256_permute2f128_ps(r[2 * q], r[2 * q + 1], 0x20),
+                         _mm256_permute2f128_ps(r[2 * q], r[2 * q + 1], 0x31));
+  const __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(a[0], a[1], 0x44), _mm256_shuffle_ps(a[0], a[1], 0xEE));
+  const __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(a[2], a[3], 0x44), _mm256_shuffle_ps(a[2], a[3], 0xEE));
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x88), _mm256_shuffle_ps(w0, w1, 0xDD));
+  return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// One MXFP4 weight row against NR <= 4 input rows (values in mxfp4_position order): each group
+// decoded once, its scale folded in; out[r] is input row r's partial sum, still to be added across.
+// K accumulators per input row (4 for up to two input rows, 2 beyond) keep enough independent FMA
+// chains without spilling registers.
+template <int NR>
+EXPERTCACHE_FFN_AVX2 inline void mxfp4_row_avx2(const uint8_t* b, const uint8_t* s, const float* x, size_t C,
+                                                __m256 out[NR]) {
+  constexpr int K = NR <= 2 ? 4 : 2;
+  const size_t groups = C / kGroup;
+  __m256 acc[NR][K];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < K; ++k) acc[r][k] = _mm256_setzero_ps();
+  for (size_t g = 0; g < groups; ++g) {
+    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(b + g * kGroupBytes) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 v[4];
+    fp4_group(b + g * kGroupBytes, s[g], v);
+    for (int r = 0; r < NR; ++r) {
+      const float* xr = x + r * C + g * kGroup;
+      for (int j = 0; j < 4; ++j) acc[r][j % K] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % K]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    __m256 sum = acc[r][0];
+    for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[r][k]);
+    out[r] = sum;
+  }
+}
+
+// MXFP4 dot rows, a weight row at a time, their sums added across eight rows at a time (hsum8).
 template <int NR>
 EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                          size_t i1, float* h) {
-  constexpr int K = NR <= 2 ? 4 : 2;
-  const size_t C = p.inputs, groups = C / kGroup;
-  for (size_t i = i0; i < i1; ++i) {
-    const uint8_t* b = slot + p.weight_offset + i * groups * kGroupBytes;
-    const uint8_t* s = slot + p.scale_offset + i * groups;
-    __m256 acc[NR][K];
-    for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < K; ++k) acc[r][k] = _mm256_setzero_ps();
-    for (size_t g = 0; g < groups; ++g) {
-      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(b + g * kGroupBytes) + kPrefetchBytes, _MM_HINT_T0);
-      __m256 v[4];
-      fp4_group(b + g * kGroupBytes, s[g], v);
-      for (int r = 0; r < NR; ++r) {
-        const float* xr = x + r * C + g * kGroup;
-        for (int j = 0; j < 4; ++j) acc[r][j % K] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % K]);
-      }
+  const size_t C = p.inputs, row_bytes = C / kGroup * kGroupBytes, row_scales = C / kGroup;
+  const uint8_t* b = slot + p.weight_offset;
+  const uint8_t* s = slot + p.scale_offset;
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    __m256 part[NR][8];
+    for (int q = 0; q < 8; ++q) {
+      __m256 out[NR];
+      mxfp4_row_avx2<NR>(b + (i + q) * row_bytes, s + (i + q) * row_scales, x, C, out);
+      for (int r = 0; r < NR; ++r) part[r][q] = out[r];
     }
-    for (int r = 0; r < NR; ++r) {
-      __m256 sum = acc[r][0];
-      for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[r][k]);
-      h[r * p.outputs + i] = hsum(sum);
-    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(h + r * p.outputs + i, hsum8(part[r]));
+  }
+  for (; i < i1; ++i) {
+    __m256 out[NR];
+    mxfp4_row_avx2<NR>(b + i * row_bytes, s + i * row_scales, x, C, out);
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(out[r]);
   }
 }
 

@@ -85,6 +85,21 @@ def test_equals_transformers_math(case, dtype, rows):
     assert ffn.path in ("avx2", "portable")
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_mxfp4_rows_past_the_last_block_of_eight(rows):
+    # The MXFP4 dot adds its rows' sums eight rows at a time; an intermediate of 99 gives the
+    # first projection 198 outputs, whose last work item (16 rows each) ends 6 rows past a block.
+    gen = torch.Generator().manual_seed(70 + rows)
+    layout = ExpertLayout(H, 99, "mxfp4", "plain-dot", "glu_halves", True, torch.float32, gen)
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, H, generator=gen)
+    experts = [(1, [(t, 0, 0.5 + 0.25 * t) for t in range(rows)])]
+    got, _ = run(layout, arena, experts, x, top_k=1)
+    for t in range(rows):
+        want = reference(layout, arena, 1, x[t : t + 1], torch.tensor([[0.5 + 0.25 * t]]))
+        torch.testing.assert_close(got[t : t + 1], want, **TOL[torch.float32])
+
+
 def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.ndarray, dict]:
     gen = torch.Generator().manual_seed(seed)
     layout = ExpertLayout(H, INTER, "mxfp4", "mxfp4", "gpt_oss", True, dtype, gen)
