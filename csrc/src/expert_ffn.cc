@@ -270,7 +270,8 @@ EXPERTCACHE_FFN_AVX2 inline void fp4_group(const uint8_t* bytes, uint8_t scale, 
 
 // Eight rows' partial sums (one ymm each) as one ymm of their 8 totals, each added in hsum's
 // order (lanes j and j + 4, then those pairs' 0 + 2 and 1 + 3, then the two): the rows' results
-// are hsum's to the bit, at a third of the shuffles and with no chain from row to row.
+// are hsum's to the bit, with 15 shuffles for the eight rows where hsum takes 24, and no chain of
+// dependent adds at the end of each row.
 EXPERTCACHE_FFN_AVX2 inline __m256 hsum8(const __m256 r[8]) {
   __m256 a[4];
   for (int q = 0; q < 4; ++q)
