@@ -337,28 +337,63 @@ EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* 
 
 // 8 FP8 weights times their block's scale, rounded to the compute dtype R (as decoded by
 // transformers). e4m3 -> fp16 bits (magnitude << 7, sign << 8) is exact times 2**-8, which the
-// scale takes (256 * scale); NaN codes stay NaN.
-template <FfnDtype R>
+// scale takes (256 * scale): the code shifted by 7 puts the magnitude in place and the sign in bit
+// 14, and adding bit 14 to itself carries it into bit 15. kNan: NaN codes stay NaN, and NaN
+// products (a scale that is not finite) are kept as they are; without it, the codes and the scale
+// are known to have none.
+template <FfnDtype R, bool kNan>
 EXPERTCACHE_FFN_AVX2 inline __m256 fp8_load8(const uint8_t* p, __m256 scale256) {
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), sign);
-  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
-  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));  // fp16 NaN
+  const __m128i t = _mm_slli_epi16(b, 7);
+  __m128i h = _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000)));
+  if constexpr (kNan) {
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F));
+    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));  // fp16 NaN
+  }
   __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), scale256);
   if constexpr (R == FfnDtype::kBFloat16) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
     r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
-    v = _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if constexpr (kNan)
+      v = _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    else
+      v = _mm256_castsi256_ps(r);  // finite or +-inf: the rounding carries into inf, as round_to does
   } else if constexpr (R == FfnDtype::kFloat16) {
     v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   return v;
 }
 
+// Whether bytes [p, p + n) hold an e4m3 NaN code (0x7F or 0xFF).
+EXPERTCACHE_FFN_AVX2 inline bool fp8_has_nan(const uint8_t* p, size_t n) {
+  const __m256i m = _mm256_set1_epi8(0x7F);
+  __m256i any = _mm256_setzero_si256();
+  size_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_and_si256(b, m), m));
+  }
+  bool found = !_mm256_testz_si256(any, any);
+  for (; c < n; ++c) found |= (p[c] & 0x7F) == 0x7F;
+  return found;
+}
+
+// The 8-wide part of one row's block of columns [c0, c1): returns the first column not done.
+template <FfnDtype R, int NR, bool kNan>
+EXPERTCACHE_FFN_AVX2 inline size_t fp8_segment(const uint8_t* v, const float* x, size_t C, size_t c0, size_t c1,
+                                               __m256 s256, __m256 acc[NR]) {
+  size_t c = c0;
+  for (; c + 8 <= c1; c += 8) {
+    const __m256 w = fp8_load8<R, kNan>(v + c, s256);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * C + c), acc[r]);
+  }
+  return c;
+}
+
+// FP8 dot rows. Each row's block of columns takes the decode without NaN handling unless its codes
+// hold a NaN or its scale is not finite (checked per block: a few ops per 32 bytes).
 template <FfnDtype R, int NR>
 EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                        size_t i1, float* h) {
@@ -374,11 +409,9 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
       const size_t c1 = std::min(C, c0 + bn);
       const float s = srow[c0 / bn];
       const __m256 s256 = _mm256_set1_ps(s * 256.0f);
-      size_t c = c0;
-      for (; c + 8 <= c1; c += 8) {
-        const __m256 w = fp8_load8<R>(v + c, s256);
-        for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * C + c), acc[r]);
-      }
+      const bool special = !std::isfinite(s) || fp8_has_nan(v + c0, c1 - c0);
+      size_t c = special ? fp8_segment<R, NR, true>(v, x, C, c0, c1, s256, acc)
+                         : fp8_segment<R, NR, false>(v, x, C, c0, c1, s256, acc);
       for (; c < c1; ++c) {
         const float w = round_to(e4m3_value(v[c]) * s, R);
         for (int r = 0; r < NR; ++r) tail[r] += w * x[r * C + c];

@@ -141,6 +141,30 @@ def test_mxfp4_zero_group_at_scale_255_adds_zero(rows):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_nan_codes_and_infinite_scales_decode_as_transformers(dtype, rows):
+    """A block of FP8 columns is decoded without NaN handling unless its codes hold a NaN (0x7F,
+    0xFF) or its scale is not finite: a NaN code still makes its output NaN, an infinite scale
+    +-inf or NaN (0 x inf), and the other outputs stay as they were."""
+    gen = torch.Generator().manual_seed(80 + rows)
+    # Blocks 48 columns wide: the NaN check reads 32 bytes at a time, then one by one.
+    layout = ExpertLayout(H, INTER, "fp8", "fp8", "glu_halves", False, dtype, gen, fp8_block=(16, 48))
+    arena = layout.arena(slots=1)
+    parts = layout.parts(arena, 0)
+    codes = parts["down_proj"].view(torch.uint8)
+    codes[3, 5] = 0x7F  # NaN codes in output rows 3 and 9: among the first 32 bytes of a block,
+    codes[9, 40] = 0xFF  # and past them
+    parts["down_proj_scale_inv"][2, 1] = float("inf")  # output rows 32..47, columns 48..95
+    x = torch.randn(rows, H, generator=gen).to(dtype)
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want[:, [3, 9]].isnan().all()
+    assert not want[:, 32:48].isfinite().any()
+    assert want[:, 48:].isfinite().all()
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_give_the_same_bits(threads):
     gen = torch.Generator().manual_seed(0)
