@@ -37,7 +37,8 @@ process spawns inherits them.
 The server reads each request within ``timeout_s`` of accepting it (a silent or trickling
 client is cut then), serves at most ``max_connections`` connections at once on a pool of
 threads (a connection beyond that is refused with ``RESOURCE_EXHAUSTED`` and closed at once,
-from the accept thread, without blocking), and logs each kind of failure at most once per
+from the accept thread, without blocking; a connection stops counting when its reply starts
+out, so a client asking one request after another is never refused), and logs each kind of failure at most once per
 ``expertcache.logs.REFUSAL_LOG_INTERVAL_S`` (no traceback for what a client caused).
 """
 
@@ -216,7 +217,8 @@ class HandoffServer:
         self._log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL_S)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as connections finish
-        self._active: set[socket.socket] = set()
+        # Admitted, not yet closed → whether its reply is going out (it then no longer counts).
+        self._active: dict[socket.socket, bool] = {}
         self._closing = threading.Event()  # close() began
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="handoff")
@@ -372,9 +374,10 @@ class HandoffServer:
 
     def _admit(self, conn: socket.socket) -> None:
         with self._lock:
-            full = self._closing.is_set() or len(self._active) >= self._max_connections
+            busy = sum(1 for replying in self._active.values() if not replying)
+            full = self._closing.is_set() or busy >= self._max_connections
             if not full:
-                self._active.add(conn)
+                self._active[conn] = False
         if full:
             self._refuse_now(conn)
             return
@@ -407,9 +410,19 @@ class HandoffServer:
                 self._max_connections,
             )
 
+    def _release_slot(self, conn: socket.socket) -> None:
+        """``conn``'s reply is about to go out: it no longer counts against max_connections.
+        Released before the send, so that a client that connects again as soon as it has its
+        reply never finds its own previous connection still counted (the handler may close
+        its descriptors and socket later than that). A pool thread still serves ``conn`` until
+        ``_finish``, so at most 2 * max_connections sockets are open at once."""
+        with self._lock:
+            if conn in self._active:
+                self._active[conn] = True
+
     def _finish(self, conn: socket.socket) -> None:
         with self._idle:
-            self._active.discard(conn)
+            self._active.pop(conn, None)
             self._idle.notify_all()
         conn.close()
 
@@ -529,6 +542,7 @@ class HandoffServer:
             payload = bytes(grant.payload)
             message = _reply(STATUS_GRANTED, len(fds), b"", payload)
             conn.settimeout(self._timeout_s)
+            self._release_slot(conn)
             try:
                 if fds:
                     sent = conn.sendmsg(
@@ -576,6 +590,7 @@ class HandoffServer:
                 refusal.code,
                 refusal.message,
             )
+        self._release_slot(conn)
         try:
             conn.settimeout(0)  # a reply is small: it goes out now or not at all
             conn.send(_refusal_reply(refusal.code, refusal.message))

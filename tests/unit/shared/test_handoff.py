@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from expertcache import errors
+from expertcache import errors, handoff
 from expertcache.handoff import (
     HANDOFF_TOKEN_BYTES,
     MAX_GRANT_FDS,
@@ -456,6 +456,27 @@ def test_connections_beyond_max_connections_are_refused_at_once(serve):
             sock.close()
     # ... and the server serves again (the handlers free their places just after replying).
     wait_for(lambda: _served(server.path), "a grant after the idle connections were cut")
+
+
+def test_a_client_asking_again_after_its_reply_is_not_refused_while_the_handler_finishes(serve, monkeypatch):
+    # The handler closes the grant's descriptors and its socket after the reply went out; here
+    # it is slow at that. A client that asks again at once must not find its own previous
+    # connection still counted against max_connections.
+    close_fds = handoff._close_fds
+
+    def slow_close_fds(fds):
+        time.sleep(0.3)
+        close_fds(fds)
+
+    monkeypatch.setattr(handoff, "_close_fds", slow_close_fds)
+    server = serve(token_grant(lambda: [memfd(b"a")]), max_connections=1)
+    for _ in range(3):
+        payload, fds = receive(server.path, TOKEN)
+        assert (payload, len(fds)) == (b"{}", 1)
+        for fd in fds:
+            os.close(fd)
+        with pytest.raises(errors.FailedPrecondition, match="unknown handoff token"):
+            receive(server.path, WRONG)
 
 
 def _served(path: str) -> bool:
