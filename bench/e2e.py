@@ -65,7 +65,11 @@ does not change its cost: it streams whole offloaded modules, every expert of th
 Ours' daemon runs the learned next-visit model (``--next-visit-model``), fitted on the 64 trace
 requests after the measured ones (held out, as a served model's is fitted on earlier traffic).
 On an MXFP4 checkpoint transformers dequantises the experts to bf16 when it loads (no Triton or
-kernels on CPU), so Accelerate holds and offloads bf16 experts within the same byte budget.
+kernels on CPU), so Accelerate holds and offloads bf16 experts within the same byte budget. On
+the block-FP8 checkpoint its GPT-OSS loader does not: it drops the ``*_scale_inv`` tensors and
+reads the e4m3 values as the weights, so transformers' and Accelerate's figures there are timings
+of a model whose output is not the checkpoint's (tests/integration/test_generate_equivalence.py
+dequantises those experts itself for its reference).
 
 Budget: ours/lru get it all as the daemon's arena (this machine has no GPU: the "device" arena
 is CPU shared memory, so a host tier below it would only hold a second copy; ``--host-share``

@@ -1,7 +1,7 @@
 """Expert FFN kernels: one expert's whole FFN from its stored bytes, beside a memcpy of those bytes
 (``make bench-kernels``).
 
-    python -m bench.kernels [--shapes e2e,gpt-oss-20b] [--dtype bfloat16|float32] [--layouts plain,plain-t,mxfp4,fp8]
+    python -m bench.kernels [--shapes e2e,gpt-oss-20b] [--dtype bfloat16|float32] [--layouts plain,plain-t,mxfp4,fp8,fp8-t]
                             [--rows 1,4,16] [--threads 1] [--repeats 5] [--out bench/results/kernels.json]
 
 A decode step reads every routed expert's weights once, so an expert's FFN is bound by memory
@@ -19,7 +19,8 @@ Shapes (GPT-OSS's experts, x @ W with gate_up [H, 2I] and down [I, H]; -20b and 
 
 Layouts: ``plain-t`` plain weights of the compute dtype stored transposed ([in, out], as GPT-OSS's
 bf16 checkpoints), ``plain`` the same [out, in] (Mixtral, Qwen-MoE, DeepSeek), ``mxfp4`` (as GPT-OSS ships), ``fp8``
-e4m3 with 128 x 128 blocks (DeepSeek-V3, Qwen3 FP8); compute in ``--dtype`` (bfloat16). The experts rotate
+e4m3 with 128 x 128 blocks (DeepSeek-V3, Qwen3 FP8), ``fp8-t`` the same stored [in, out] (GPT-OSS's
+projections in block FP8); compute in ``--dtype`` (bfloat16). The experts rotate
 through at least 256 MiB of slots, so every expert comes from memory, not from a warm cache; each
 round times every method in turn, rotated per round; figures are medians over ``--repeats``.
 """
@@ -44,6 +45,7 @@ LAYOUTS = {
     "plain": ("plain-dot", "plain-dot", "glu_halves"),
     "mxfp4": ("mxfp4", "mxfp4", "gpt_oss"),
     "fp8": ("fp8", "fp8", "glu_halves"),
+    "fp8-t": ("fp8-axpy", "fp8-axpy", "gpt_oss"),
 }
 ROTATE_BYTES = 256 * MIB
 

@@ -18,7 +18,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 class ExpertLayout:
     """One expert's parts at fixed offsets in every slot: the first projection (``gate_up_proj``,
     or ``up_proj`` without a gate) and ``down_proj``, each ``plain-dot`` ([out, in]),
-    ``plain-axpy`` ([in, out]), ``mxfp4`` or ``fp8``; biases when ``bias``."""
+    ``plain-axpy`` ([in, out]), ``mxfp4``, ``fp8`` ([out, in]) or ``fp8-axpy`` ([in, out]);
+    biases when ``bias``."""
 
     def __init__(
         self, hidden, inter, first, down, gate, bias, dtype, gen, *, scale=None, fp8_block=FP8_BLOCK
@@ -56,9 +57,10 @@ class ExpertLayout:
                 (name + "_scales", torch.uint8, (outputs, inputs // 32)),
             ]
         bm, bn = self.fp8_block
+        rows, cols = (inputs, outputs) if kind == "fp8-axpy" else (outputs, inputs)
         return [
-            (name, torch.float8_e4m3fn, (outputs, inputs)),
-            (name + "_scale_inv", torch.float32, (-(-outputs // bm), -(-inputs // bn))),
+            (name, torch.float8_e4m3fn, (rows, cols)),
+            (name + "_scale_inv", torch.float32, (-(-rows // bm), -(-cols // bn))),
         ]
 
     @property
@@ -68,7 +70,7 @@ class ExpertLayout:
             inputs, outputs = self.shapes[name]
             p = dict(
                 encoding=kind.split("-")[0],
-                form="axpy" if kind == "plain-axpy" else "dot",
+                form="axpy" if kind.endswith("-axpy") else "dot",
                 weight_dtype=DTYPE_NAMES[self.dtype],
                 inputs=inputs,
                 outputs=outputs,
@@ -76,7 +78,7 @@ class ExpertLayout:
             )
             if kind == "mxfp4":
                 p["scale_offset"] = self.offsets[name + "_scales"][0]
-            if kind == "fp8":
+            if kind.startswith("fp8"):
                 p.update(
                     scale_offset=self.offsets[name + "_scale_inv"][0],
                     block_rows=self.fp8_block[0],
@@ -154,7 +156,8 @@ class ExpertLayout:
             return parts[name]
         if kind == "mxfp4":
             return dequantize_mxfp4(parts[name + "_blocks"], parts[name + "_scales"], self.dtype).t()
-        return dequantize_fp8(parts[name], parts[name + "_scale_inv"], self.fp8_block, self.dtype).t()
+        w = dequantize_fp8(parts[name], parts[name + "_scale_inv"], self.fp8_block, self.dtype)
+        return w if kind == "fp8-axpy" else w.t()
 
 
 def reference(layout: ExpertLayout, arena: np.ndarray, slot: int, x: torch.Tensor, weight: torch.Tensor):

@@ -83,15 +83,16 @@ def _projection(tensors: dict[str, ExpertTensor], name: str, inputs: int, output
             return None
         spec = dict(encoding="mxfp4", form="dot", weight_offset=blocks.offset, scale_offset=scales.offset)
     elif t.encoding == "fp8":
-        if t.transposed or transposed:
+        # Values [R, C] are the runtime parameter itself: [in, out] (x @ param) when transposed.
+        if t.transposed:
             return None
         values, scale = parts[name], parts[name + "_scale_inv"]
-        if tuple(values.shape) != (outputs, inputs):
+        if tuple(values.shape) != ((inputs, outputs) if transposed else (outputs, inputs)):
             return None
         bm, bn = t.block_size
         spec = dict(
             encoding="fp8",
-            form="dot",
+            form="axpy" if transposed else "dot",
             weight_offset=values.offset,
             scale_offset=scale.offset,
             block_rows=bm,

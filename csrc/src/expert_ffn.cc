@@ -153,15 +153,24 @@ void dot_portable(const FfnProjection& p, const uint8_t* slot, const float* x, s
   }
 }
 
-// h[r][j] for j in [j0, j1): sum over inputs of x[r][k] * M[k][j] (plain M [inputs, outputs]).
+// h[r][j] for j in [j0, j1): sum over inputs of x[r][k] * M[k][j] (M [inputs, outputs]: plain, or
+// FP8 with its block's scale, rounded to the compute dtype).
 void axpy_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t j0, size_t j1,
-                   float* h) {
-  const size_t C = p.outputs, R = p.inputs, bytes = dtype_bytes(p.weight_dtype);
+                   float* h, FfnDtype compute) {
+  const size_t C = p.outputs, R = p.inputs;
   const uint8_t* w = slot + p.weight_offset;
+  const float* scale = reinterpret_cast<const float*>(slot + p.scale_offset);
+  const bool fp8 = p.encoding == FfnEncoding::kFp8;
+  const size_t bytes = fp8 ? 1 : dtype_bytes(p.weight_dtype), grid_cols = fp8 ? (C + p.block_cols - 1) / p.block_cols : 0;
   for (size_t r = 0; r < nr; ++r)
     for (size_t j = j0; j < j1; ++j) {
       float acc = 0.0f;
-      for (size_t k = 0; k < R; ++k) acc += x[r * R + k] * load_value(w + k * C * bytes, p.weight_dtype, j);
+      for (size_t k = 0; k < R; ++k) {
+        const uint8_t* row = w + k * C * bytes;
+        const float m = fp8 ? round_to(e4m3_value(row[j]) * scale[(k / p.block_rows) * grid_cols + j / p.block_cols], compute)
+                            : load_value(row, p.weight_dtype, j);
+        acc += x[r * R + k] * m;
+      }
       h[r * C + j] = acc;
     }
 }
@@ -421,28 +430,63 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
   }
 }
 
-// One block of 4 weight rows (k .. k + 3) into the partial sums of NR <= 2 input rows.
-template <FfnDtype W, int NR>
-EXPERTCACHE_FFN_AVX2 inline void axpy_block4(const uint8_t* r0, size_t stride, const float* x, size_t R, size_t k,
-                                             size_t j0, size_t body, float* h, size_t C, bool prefetch) {
-  constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
-  __m256 xb[NR][4];
+// Axpy weight rows, 8 columns at a time: load(row, q, j) is columns j .. j + 7 of row q of a block
+// (row points at its column 0) as float32, as transformers decodes them.
+// kInputRows: input rows a block is applied to at once (the more, the fewer loads of its weights,
+// but a plain block's broadcast inputs stay in registers only for 2).
+template <FfnDtype W>
+struct PlainRows {
+  static constexpr size_t kBytes = W == FfnDtype::kFloat32 ? 4 : 2;
+  static constexpr int kInputRows = 2;
+  EXPERTCACHE_FFN_AVX2 __m256 load(const uint8_t* row, int, size_t j) const { return load8<W>(row + j * kBytes); }
+};
+
+// FP8 rows: each times its block's scale (scale256[q], 256 * scale_inv: see fp8_load8), rounded to R.
+template <FfnDtype R, bool kNan>
+struct Fp8Rows {
+  static constexpr size_t kBytes = 1;
+  static constexpr int kInputRows = 4;  // a decode costs more than the broadcasts' loads
+  __m256 scale256[4];
+  EXPERTCACHE_FFN_AVX2 __m256 load(const uint8_t* row, int q, size_t j) const {
+    return fp8_load8<R, kNan>(row + j, scale256[q]);
+  }
+};
+
+// One block of Q <= 4 weight rows (k .. k + Q - 1), columns [j0, body), into the partial sums of
+// NR <= 4 input rows.
+template <int Q, int NR, class Rows>
+EXPERTCACHE_FFN_AVX2 inline void axpy_block(const Rows& rows, const uint8_t* r0, size_t stride, const float* x,
+                                            size_t R, size_t k, size_t j0, size_t body, float* h, size_t C,
+                                            bool prefetch) {
+  constexpr size_t B = Rows::kBytes;
+  __m256 xb[NR][Q];
   for (int r = 0; r < NR; ++r)
-    for (int q = 0; q < 4; ++q) xb[r][q] = _mm256_broadcast_ss(x + r * R + k + q);
-  const uint8_t* next = r0 + 8 * stride;  // the block after next: its rows prefetched a line at a time
+    for (int q = 0; q < Q; ++q) xb[r][q] = _mm256_broadcast_ss(x + r * R + k + q);
+  const uint8_t* next = r0 + 2 * Q * stride;  // the block after next: its rows prefetched a line at a time
   for (size_t j = j0; j < body; j += 8) {
     if (prefetch && ((j * B) & 63) == 0)
-      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + j * B), _MM_HINT_T0);
-    const __m256 w0 = load8<W>(r0 + j * B), w1 = load8<W>(r0 + stride + j * B);
-    const __m256 w2 = load8<W>(r0 + 2 * stride + j * B), w3 = load8<W>(r0 + 3 * stride + j * B);
+      for (int q = 0; q < Q; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + j * B), _MM_HINT_T0);
+    __m256 w[Q];
+    for (int q = 0; q < Q; ++q) w[q] = rows.load(r0 + q * stride, q, j);
     for (int r = 0; r < NR; ++r) {
       float* hr = h + r * C + j;
-      __m256 a = _mm256_fmadd_ps(w0, xb[r][0], _mm256_loadu_ps(hr));
-      a = _mm256_fmadd_ps(w1, xb[r][1], a);
-      a = _mm256_fmadd_ps(w2, xb[r][2], a);
-      _mm256_storeu_ps(hr, _mm256_fmadd_ps(w3, xb[r][3], a));
+      __m256 a = _mm256_fmadd_ps(w[0], xb[r][0], _mm256_loadu_ps(hr));
+      for (int q = 1; q < Q; ++q) a = _mm256_fmadd_ps(w[q], xb[r][q], a);
+      _mm256_storeu_ps(hr, a);
     }
   }
+}
+
+// Block rows k .. k + Q - 1 into the partial sums of every input row, Rows::kInputRows at a time.
+template <int Q, class Rows>
+EXPERTCACHE_FFN_AVX2 inline void axpy_rows(const Rows& rows, const uint8_t* r0, size_t stride, const float* x,
+                                           size_t nr, size_t R, size_t k, size_t j0, size_t body, float* h, size_t C,
+                                           bool ahead) {
+  size_t r = 0;  // the first input rows prefetch
+  if constexpr (Rows::kInputRows == 4)
+    for (; r + 4 <= nr; r += 4) axpy_block<Q, 4>(rows, r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
+  for (; r + 2 <= nr; r += 2) axpy_block<Q, 2>(rows, r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
+  if (r < nr) axpy_block<Q, 1>(rows, r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
 }
 
 // Plain axpy columns [j0, j1) for nr input rows: the weight rows streamed in blocks of 4 (four
@@ -451,7 +495,7 @@ EXPERTCACHE_FFN_AVX2 inline void axpy_block4(const uint8_t* r0, size_t stride, c
 template <FfnDtype W>
 EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr,
                                           size_t j0, size_t j1, float* h) {
-  constexpr size_t B = W == FfnDtype::kFloat32 ? 4 : 2;
+  constexpr size_t B = PlainRows<W>::kBytes;
   const size_t C = p.outputs, R = p.inputs, stride = C * B;
   const uint8_t* w = slot + p.weight_offset;
   const size_t body = j0 + ((j1 - j0) & ~size_t(7));
@@ -459,23 +503,55 @@ EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t*
   size_t k = 0;
   for (; k + 4 <= R; k += 4) {
     const uint8_t* r0 = w + k * stride;
-    size_t r = 0;
-    const bool ahead = k + 12 <= R;  // the first pair of rows prefetches two blocks ahead
-    for (; r + 2 <= nr; r += 2) axpy_block4<W, 2>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
-    if (r < nr) axpy_block4<W, 1>(r0, stride, x + r * R, R, k, j0, body, h + r * C, C, ahead && r == 0);
+    axpy_rows<4>(PlainRows<W>{}, r0, stride, x, nr, R, k, j0, body, h, C, k + 12 <= R);
     for (size_t j = body; j < j1; ++j)
       for (size_t i = 0; i < nr; ++i)
         for (int q = 0; q < 4; ++q) h[i * C + j] += x[i * R + k + q] * load_value(r0 + q * stride, W, j);
   }
   for (; k < R; ++k) {
     const uint8_t* row = w + k * stride;
-    for (size_t r = 0; r < nr; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * R + k);
-      size_t j = j0;
-      for (; j < body; j += 8)
-        _mm256_storeu_ps(h + r * C + j, _mm256_fmadd_ps(load8<W>(row + j * B), xv, _mm256_loadu_ps(h + r * C + j)));
-      for (; j < j1; ++j) h[r * C + j] += x[r * R + k] * load_value(row, W, j);
+    axpy_rows<1>(PlainRows<W>{}, row, stride, x, nr, R, k, j0, body, h, C, false);
+    for (size_t j = body; j < j1; ++j)
+      for (size_t i = 0; i < nr; ++i) h[i * C + j] += x[i * R + k] * load_value(row, W, j);
+  }
+}
+
+// FP8 axpy columns [j0, j1) (M [inputs, outputs] FP8, as GPT-OSS lays out its projections): as the
+// plain axpy, in blocks of 4 weight rows, each cut at the scale blocks' column edges. A block's
+// piece takes the decode without NaN handling unless its codes hold a NaN or a scale is not finite.
+template <FfnDtype Rd>
+EXPERTCACHE_FFN_AVX2 void axpy_fp8_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr,
+                                        size_t j0, size_t j1, float* h) {
+  const size_t C = p.outputs, R = p.inputs, bm = p.block_rows, bn = p.block_cols, grid_cols = (C + bn - 1) / bn;
+  const uint8_t* w = slot + p.weight_offset;
+  const float* scale = reinterpret_cast<const float*>(slot + p.scale_offset);
+  for (size_t r = 0; r < nr; ++r) std::memset(h + r * C + j0, 0, (j1 - j0) * sizeof(float));
+  for (size_t k = 0; k < R;) {
+    const int rows = k + 4 <= R ? 4 : 1;
+    const uint8_t* r0 = w + k * C;
+    const bool ahead = k + 12 <= R;
+    for (size_t c0 = j0 / bn * bn; c0 < j1; c0 += bn) {
+      const size_t a = std::max(j0, c0), b = std::min(j1, c0 + bn), body = a + ((b - a) & ~size_t(7));
+      float s[4] = {};
+      bool special = false;
+      for (int q = 0; q < rows; ++q) {
+        s[q] = scale[((k + q) / bm) * grid_cols + c0 / bn];
+        special |= !std::isfinite(s[q]) || fp8_has_nan(r0 + q * C + a, b - a);
+      }
+      Fp8Rows<Rd, true> with_nan;
+      for (int q = 0; q < 4; ++q) with_nan.scale256[q] = _mm256_set1_ps(s[q] * 256.0f);
+      const Fp8Rows<Rd, false> plain{{with_nan.scale256[0], with_nan.scale256[1], with_nan.scale256[2], with_nan.scale256[3]}};
+      if (rows == 4 && special) axpy_rows<4>(with_nan, r0, C, x, nr, R, k, a, body, h, C, ahead);
+      else if (rows == 4) axpy_rows<4>(plain, r0, C, x, nr, R, k, a, body, h, C, ahead);
+      else if (special) axpy_rows<1>(with_nan, r0, C, x, nr, R, k, a, body, h, C, false);
+      else axpy_rows<1>(plain, r0, C, x, nr, R, k, a, body, h, C, false);
+      for (size_t j = body; j < b; ++j)
+        for (int q = 0; q < rows; ++q) {
+          const float m = round_to(e4m3_value(r0[q * C + j]) * s[q], Rd);
+          for (size_t i = 0; i < nr; ++i) h[i * C + j] += x[i * R + k + q] * m;
+        }
     }
+    k += size_t(rows);
   }
 }
 
@@ -504,6 +580,13 @@ EXPERTCACHE_FFN_AVX2 void project_avx2_nr(const FfnProjection& p, const uint8_t*
 
 void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                   float* h, FfnDtype compute) {
+  if (p.form == FfnForm::kAxpy && p.encoding == FfnEncoding::kFp8) {  // every input row at once
+    switch (compute) {
+      case FfnDtype::kBFloat16: return axpy_fp8_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, o0, o1, h);
+      case FfnDtype::kFloat16: return axpy_fp8_avx2<FfnDtype::kFloat16>(p, slot, x, nr, o0, o1, h);
+      default: return axpy_fp8_avx2<FfnDtype::kFloat32>(p, slot, x, nr, o0, o1, h);
+    }
+  }
   if (p.form == FfnForm::kAxpy) {  // every input row at once: the weights are streamed once
     switch (p.weight_dtype) {
       case FfnDtype::kBFloat16: return axpy_plain_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, o0, o1, h);
@@ -637,7 +720,7 @@ void weigh8(const float*, float*, size_t, size_t, float, FfnDtype) {}
 void project_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                       float* h, FfnDtype compute) {
   if (p.form == FfnForm::kAxpy)
-    axpy_portable(p, slot, x, nr, o0, o1, h);
+    axpy_portable(p, slot, x, nr, o0, o1, h, compute);
   else
     dot_portable(p, slot, x, nr, o0, o1, h, compute);
 }
@@ -656,8 +739,8 @@ size_t items_of(const FfnProjection& p, int threads) {
 void check_projection(const FfnProjection& p, const char* name, size_t slot_bytes) {
   const std::string what = std::string("expert ffn: ") + name + " ";
   if (p.inputs == 0 || p.outputs == 0) throw std::invalid_argument(what + "has no inputs or outputs");
-  if (p.form == FfnForm::kAxpy && p.encoding != FfnEncoding::kPlain)
-    throw std::invalid_argument(what + "is encoded: only plain weights can be read transposed (axpy)");
+  if (p.form == FfnForm::kAxpy && p.encoding == FfnEncoding::kMxfp4)
+    throw std::invalid_argument(what + "is MXFP4: only plain and FP8 weights can be read transposed (axpy)");
   if (p.encoding == FfnEncoding::kMxfp4 && p.inputs % kGroup)
     throw std::invalid_argument(what + "is MXFP4 with inputs not a multiple of 32");
   if (p.encoding == FfnEncoding::kFp8 && (p.block_rows == 0 || p.block_cols == 0))
@@ -679,7 +762,7 @@ size_t FfnProjection::extent() const {
       break;
     }
     case FfnEncoding::kFp8: {
-      const size_t R = outputs, C = inputs;  // dot form: M [outputs, inputs]
+      const size_t R = form == FfnForm::kDot ? outputs : inputs, C = form == FfnForm::kDot ? inputs : outputs;
       const size_t grid = ((R + block_rows - 1) / block_rows) * ((C + block_cols - 1) / block_cols);
       end = std::max(weight_offset + R * C, scale_offset + grid * 4);
       break;

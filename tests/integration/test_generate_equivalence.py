@@ -8,7 +8,11 @@ the gRPC Generate stream.
 
 Quantized checkpoints in their published layout (GPT-OSS MXFP4, DeepSeek-V3 block-FP8) are
 served with their experts kept encoded in every tier; the reference is transformers' own load
-of the same checkpoint on CPU, which dequantises it.
+of the same checkpoint on CPU, which dequantises it. GPT-OSS in block FP8 (transformers' own
+quantiser's layout, ``<param>_scale_inv`` beside each stacked expert parameter) is the one its
+loader does not dequantise (it reads the e4m3 values and drops the scales): there the reference
+is that model with each expert parameter replaced by transformers' ``Fp8Dequantize`` of the
+checkpoint's own tensors.
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ def test_offloaded_model_equals_plain_model(arch, tiny_store, tmp_path):
     [
         ("gpt_oss", dict(quantization="mxfp4", intermediate_size=64, dtype=torch.bfloat16)),
         ("deepseek_v3", dict(quantization="fp8", dtype=torch.bfloat16)),
+        # GPT-OSS's projections are [in, out]: block FP8 read by the fused kernel's axpy form
+        ("gpt_oss", dict(quantization="fp8", intermediate_size=64, dtype=torch.bfloat16)),
     ],
-    ids=["gpt_oss-mxfp4", "deepseek_v3-fp8"],
+    ids=["gpt_oss-mxfp4", "deepseek_v3-fp8", "gpt_oss-fp8"],
 )
 def test_quantized_checkpoint_served_encoded_equals_transformers(arch, config, tiny_store, tmp_path):
     tiny = tiny_store(arch, **config)
@@ -64,8 +70,33 @@ def test_quantized_checkpoint_served_encoded_equals_transformers(arch, config, t
     check_offloaded_equals_plain(tiny, tmp_path, dict(rtol=1.6e-2, atol=1e-5))  # bf16 default
 
 
+def stacked_fp8_dequantized(model, checkpoint) -> None:
+    """Every stacked expert parameter of ``model`` that ``checkpoint`` stores in block FP8
+    (``<param>`` + ``<param>_scale_inv``) set to transformers' Fp8Dequantize of it."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    raw = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        raw.update(load_file(shard))
+    params = dict(model.named_parameters())
+    replaced = 0
+    for name, values in raw.items():
+        scales = raw.get(name + "_scale_inv")
+        if scales is None or values.dim() != 3:
+            continue
+        param = params[name]
+        with torch.no_grad():
+            for e in range(values.shape[0]):
+                param[e] = Fp8Dequantize(None)._dequantize_one(values[e], scales[e], output_dtype=param.dtype)
+        replaced += 1
+    assert replaced, "no stacked FP8 expert parameter in the checkpoint"
+
+
 def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
     plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint).eval()
+    if tiny.manifest.source.get("expert_format") == "stacked,stacked-fp8":
+        stacked_fp8_dequantized(plain, tiny.checkpoint)
     with torch.no_grad():
         want_logits = plain(input_ids=torch.tensor([PROMPT])).logits[0]
         want_tokens = plain.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -18,6 +18,8 @@ from expertcache.encodings import dequantize_fp8, dequantize_mxfp4
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
+# A float32 NaN whose payload is all ones: rounded to bfloat16 by adding 0x7FFF it would wrap to -0.
+NAN_ALL_ONES = np.array([0x7FFFFFFF], dtype=np.uint32).view(np.float32)[0].item()
 
 
 def run(layout: ExpertLayout, arena: np.ndarray, experts, x: torch.Tensor, top_k: int, threads: int = 1):
@@ -30,7 +32,7 @@ def run(layout: ExpertLayout, arena: np.ndarray, experts, x: torch.Tensor, top_k
     rows = np.array([t * top_k + k for t, k, _ in pairs], dtype=np.int64)
     tokens = np.array([t for t, _, _ in pairs], dtype=np.int64)
     weights = np.array([w for _, _, w in pairs], dtype=np.float32)
-    out = np.full((x.shape[0] * top_k, H), np.nan, dtype=np.float32)
+    out = np.full((x.shape[0] * top_k, layout.hidden), np.nan, dtype=np.float32)
     ffn.run(arena, slots, bounds, rows, tokens, weights, x.float().numpy(), out)
     return torch.from_numpy(out), ffn
 
@@ -59,6 +61,7 @@ CASES = [
     ("plain-axpy", "plain-axpy", "gpt_oss", True),  # GPT-OSS bf16
     ("mxfp4", "mxfp4", "gpt_oss", True),  # GPT-OSS as it ships
     ("fp8", "fp8", "glu_halves", False),  # DeepSeek-V3 / Qwen3 FP8
+    ("fp8-axpy", "fp8-axpy", "gpt_oss", True),  # GPT-OSS in block FP8
     ("plain-dot", "plain-dot", "plain", False),  # experts without a gate
     ("plain-dot", "plain-axpy", "glu_halves", True),
 ]
@@ -156,12 +159,60 @@ def test_fp8_nan_codes_and_infinite_scales_decode_as_transformers(dtype, rows):
     codes[3, 5] = 0x7F  # NaN codes in output rows 3 and 9: among the first 32 bytes of a block,
     codes[9, 40] = 0xFF  # and past them
     parts["down_proj_scale_inv"][2, 1] = float("inf")  # output rows 32..47, columns 48..95
+    parts["down_proj_scale_inv"][3, 0] = NAN_ALL_ONES  # output rows 48..63, columns 0..47
     x = torch.randn(rows, H, generator=gen).to(dtype)
     got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
     want = reference(layout, arena, 0, x, torch.ones(rows, 1))
     assert want[:, [3, 9]].isnan().all()
     assert not want[:, 32:48].isfinite().any()
-    assert want[:, 48:].isfinite().all()
+    assert want[:, 48:].isnan().all()
+    assert want[:, [c for c in range(32) if c not in (3, 9)]].isfinite().all()
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_axpy_with_blocks_and_rows_cut_anywhere(dtype, threads, rows):
+    # [in, out] FP8 with 5 x 20 blocks: a block of 4 weight rows straddles a scale block's rows,
+    # 20 columns are cut at 16 (8 wide) with a tail of 4, an intermediate of 99 leaves 3 weight
+    # rows of down_proj past the blocks of 4 and gives gate_up 198 outputs (threads' shares and
+    # scale blocks end anywhere), and the last scale blocks are partial.
+    gen = torch.Generator().manual_seed(90 + rows)
+    layout = ExpertLayout(H, 99, "fp8-axpy", "fp8-axpy", "gpt_oss", True, dtype, gen, fp8_block=(5, 20))
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, H, generator=gen).to(dtype)
+    weights = [0.5 + 0.25 * t for t in range(rows)]
+    got, _ = run(layout, arena, [(1, [(t, 0, weights[t]) for t in range(rows)])], x, top_k=1, threads=threads)
+    want = reference(layout, arena, 1, x, torch.tensor(weights).unsqueeze(1))
+    assert want.isfinite().all()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_axpy_nan_codes_and_infinite_scales_decode_as_transformers(dtype, rows):
+    """As test_fp8_nan_codes_and_infinite_scales_decode_as_transformers for [in, out] FP8: a NaN
+    code makes its output column NaN, a scale that is not finite its block's columns."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    hidden = 128  # output column blocks [0, 40), [40, 80), [80, 120), [120, 128)
+    layout = ExpertLayout(
+        hidden, INTER, "fp8-axpy", "fp8-axpy", "gpt_oss", False, dtype, gen, fp8_block=(16, 40)
+    )
+    arena = layout.arena(slots=1)
+    parts = layout.parts(arena, 0)
+    codes = parts["down_proj"].view(torch.uint8)  # [INTER, hidden]
+    codes[3, 5] = 0x7F  # NaN codes in output columns 5 (a block's first 32 bytes) and 76 (past them)
+    codes[40, 76] = 0xFF
+    parts["down_proj_scale_inv"][2, 2] = float("inf")  # input rows 32..47, output columns 80..119
+    parts["down_proj_scale_inv"][5, 3] = NAN_ALL_ONES  # input rows 80..95, output columns 120..127
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want[:, [5, 76]].isnan().all()
+    assert not want[:, 80:120].isfinite().any()
+    assert want[:, 120:].isnan().all()
+    assert want[:, [c for c in range(80) if c not in (5, 76)]].isfinite().all()
     torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
 
 
@@ -239,7 +290,7 @@ def test_an_encoded_matrix_cannot_be_read_transposed():
     gen = torch.Generator().manual_seed(4)
     layout = ExpertLayout(H, INTER, "mxfp4", "plain-dot", "glu_halves", False, torch.float32, gen)
     spec = dict(layout.spec, first=dict(layout.spec["first"], form="axpy"))
-    with pytest.raises(ValueError, match="only plain weights can be read transposed"):
+    with pytest.raises(ValueError, match="only plain and FP8 weights can be read transposed"):
         _native.ExpertFfn(spec)
 
 

@@ -11,8 +11,9 @@
 // A projection reads its matrix M [R, C] (row-major, as stored) in one of two ways:
 //   dot    out[i] = sum_c M[i, c] * in[c]  (R outputs): plain [out, in] weights (transformers'
 //          is_transposed=False), every MXFP4 tensor (its blocks' rows are output features) and
-//          block-FP8 tensors that are not transposed
-//   axpy   out[j] = sum_r in[r] * M[r, j]  (C outputs): plain transposed weights [in, out]
+//          block-FP8 [out, in] (DeepSeek-V3, Qwen3 FP8)
+//   axpy   out[j] = sum_r in[r] * M[r, j]  (C outputs): plain or block-FP8 weights [in, out]
+//          (transformers' is_transposed=True: GPT-OSS); the scale blocks are of M [in, out]
 // Weights: plain bfloat16 / float16 / float32, MXFP4 (E2M1 codes by look-up, one E8M0 scale per 32),
 // block FP8 e4m3 (decoded and multiplied by its block's scale_inv, rounded to the compute dtype
 // as transformers' dequantisation does).
