@@ -516,6 +516,18 @@ EXPERTCACHE_FFN_AVX2 void axpy_plain_avx2(const FfnProjection& p, const uint8_t*
   }
 }
 
+// FP8 weight rows k .. k + rows - 1 (4 or 1), columns [a, body), with their scales s256.
+template <FfnDtype Rd, bool kNan>
+EXPERTCACHE_FFN_AVX2 inline void axpy_fp8_rows(const __m256 s256[4], int rows, const uint8_t* r0, size_t C,
+                                               const float* x, size_t nr, size_t R, size_t k, size_t a, size_t body,
+                                               float* h, bool ahead) {
+  const Fp8Rows<Rd, kNan> fp8{{s256[0], s256[1], s256[2], s256[3]}};
+  if (rows == 4)
+    axpy_rows<4>(fp8, r0, C, x, nr, R, k, a, body, h, C, ahead);
+  else
+    axpy_rows<1>(fp8, r0, C, x, nr, R, k, a, body, h, C, false);
+}
+
 // FP8 axpy columns [j0, j1) (M [inputs, outputs] FP8, as GPT-OSS lays out its projections): as the
 // plain axpy, in blocks of 4 weight rows, each cut at the scale blocks' column edges. A block's
 // piece takes the decode without NaN handling unless its codes hold a NaN or a scale is not finite.
@@ -533,18 +545,19 @@ EXPERTCACHE_FFN_AVX2 void axpy_fp8_avx2(const FfnProjection& p, const uint8_t* s
     for (size_t c0 = j0 / bn * bn; c0 < j1; c0 += bn) {
       const size_t a = std::max(j0, c0), b = std::min(j1, c0 + bn), body = a + ((b - a) & ~size_t(7));
       float s[4] = {};
+      __m256 s256[4];
       bool special = false;
-      for (int q = 0; q < rows; ++q) {
-        s[q] = scale[((k + q) / bm) * grid_cols + c0 / bn];
-        special |= !std::isfinite(s[q]) || fp8_has_nan(r0 + q * C + a, b - a);
+      for (int q = 0; q < 4; ++q) {
+        if (q < rows) {
+          s[q] = scale[((k + q) / bm) * grid_cols + c0 / bn];
+          special |= !std::isfinite(s[q]) || fp8_has_nan(r0 + q * C + a, b - a);
+        }
+        s256[q] = _mm256_set1_ps(s[q] * 256.0f);
       }
-      Fp8Rows<Rd, true> with_nan;
-      for (int q = 0; q < 4; ++q) with_nan.scale256[q] = _mm256_set1_ps(s[q] * 256.0f);
-      const Fp8Rows<Rd, false> plain{{with_nan.scale256[0], with_nan.scale256[1], with_nan.scale256[2], with_nan.scale256[3]}};
-      if (rows == 4 && special) axpy_rows<4>(with_nan, r0, C, x, nr, R, k, a, body, h, C, ahead);
-      else if (rows == 4) axpy_rows<4>(plain, r0, C, x, nr, R, k, a, body, h, C, ahead);
-      else if (special) axpy_rows<1>(with_nan, r0, C, x, nr, R, k, a, body, h, C, false);
-      else axpy_rows<1>(plain, r0, C, x, nr, R, k, a, body, h, C, false);
+      if (special)
+        axpy_fp8_rows<Rd, true>(s256, rows, r0, C, x, nr, R, k, a, body, h, ahead);
+      else
+        axpy_fp8_rows<Rd, false>(s256, rows, r0, C, x, nr, R, k, a, body, h, ahead);
       for (size_t j = body; j < b; ++j)
         for (int q = 0; q < rows; ++q) {
           const float m = round_to(e4m3_value(r0[q * C + j]) * s[q], Rd);
