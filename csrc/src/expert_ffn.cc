@@ -344,6 +344,15 @@ EXPERTCACHE_FFN_AVX2 void dot_mxfp4_avx2(const FfnProjection& p, const uint8_t* 
   }
 }
 
+// 8 floats rounded to bf16 (to nearest, ties to even) as floats: finite values and +-inf as
+// round_to gives them; a NaN's result is not defined here (the callers choose what a NaN becomes).
+EXPERTCACHE_FFN_AVX2 inline __m256 bf16_nearest_even(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
 // 8 FP8 weights times their block's scale, rounded to the compute dtype R (as decoded by
 // transformers). e4m3 -> fp16 bits (magnitude << 7, sign << 8) is exact times 2**-8, which the
 // scale takes (256 * scale): the code shifted by 7 puts the magnitude in place and the sign in bit
@@ -361,14 +370,11 @@ EXPERTCACHE_FFN_AVX2 inline __m256 fp8_load8(const uint8_t* p, __m256 scale256) 
   }
   __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), scale256);
   if constexpr (R == FfnDtype::kBFloat16) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
+    const __m256 r = bf16_nearest_even(v);
     if constexpr (kNan)
-      v = _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      v = _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     else
-      v = _mm256_castsi256_ps(r);  // finite or +-inf: the rounding carries into inf, as round_to does
+      v = r;  // finite or +-inf: the rounding carries into inf, as round_to does
   } else if constexpr (R == FfnDtype::kFloat16) {
     v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
@@ -387,6 +393,12 @@ EXPERTCACHE_FFN_AVX2 inline bool fp8_has_nan(const uint8_t* p, size_t n) {
   bool found = !_mm256_testz_si256(any, any);
   for (; c < n; ++c) found |= (p[c] & 0x7F) == 0x7F;
   return found;
+}
+
+// Whether a block's piece of a row, bytes [p, p + n) under scale s, needs the decode with NaN
+// handling: its codes hold a NaN or its scale is not finite.
+EXPERTCACHE_FFN_AVX2 inline bool fp8_special(const uint8_t* p, size_t n, float s) {
+  return !std::isfinite(s) || fp8_has_nan(p, n);
 }
 
 // The 8-wide part of one row's block of columns [c0, c1): returns the first column not done.
@@ -418,7 +430,7 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
       const size_t c1 = std::min(C, c0 + bn);
       const float s = srow[c0 / bn];
       const __m256 s256 = _mm256_set1_ps(s * 256.0f);
-      const bool special = !std::isfinite(s) || fp8_has_nan(v + c0, c1 - c0);
+      const bool special = fp8_special(v + c0, c1 - c0, s);
       size_t c = special ? fp8_segment<R, NR, true>(v, x, C, c0, c1, s256, acc)
                          : fp8_segment<R, NR, false>(v, x, C, c0, c1, s256, acc);
       for (; c < c1; ++c) {
@@ -550,7 +562,7 @@ EXPERTCACHE_FFN_AVX2 void axpy_fp8_avx2(const FfnProjection& p, const uint8_t* s
       for (int q = 0; q < 4; ++q) {
         if (q < rows) {
           s[q] = scale[((k + q) / bm) * grid_cols + c0 / bn];
-          special |= !std::isfinite(s[q]) || fp8_has_nan(r0 + q * C + a, b - a);
+          special |= fp8_special(r0 + q * C + a, b - a, s[q]);
         }
         s256[q] = _mm256_set1_ps(s[q] * 256.0f);
       }
@@ -623,14 +635,9 @@ void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, s
 
 // round_to for 8 values.
 EXPERTCACHE_FFN_AVX2 inline __m256 round8(__m256 v, FfnDtype d) {
-  if (d == FfnDtype::kBFloat16) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
-    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u))),
+  if (d == FfnDtype::kBFloat16)
+    return _mm256_blendv_ps(bf16_nearest_even(v), _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u))),
                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
   if (d == FfnDtype::kFloat16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   return v;
 }
