@@ -251,6 +251,13 @@ def test_waits_end_at_a_notify_a_doorbell_or_the_timeout(table, handle):
         compute.wait_notify(compute.notify_seq, float("nan"))
 
 
+def _least_cpu_of(waits: int, wait, tries: int = 3) -> float:
+    """The least of ``tries`` measures of ``_cpu_of(waits, wait)``. On a busy virtual machine a
+    sleeping wait is at times charged the time its CPU was taken away (22 ms of 200 in one CI run);
+    a wait that polls is charged its polling every time, so the least measure still shows it."""
+    return min(_cpu_of(waits, wait) for _ in range(tries))
+
+
 def _cpu_of(waits: int, wait) -> float:
     """CPU seconds one thread spent in `waits` calls of ``wait()`` (asleep in a futex costs none),
     measured on a thread of its own."""
@@ -275,7 +282,7 @@ def test_a_wait_for_landings_polls_only_while_the_daemon_copies_for_it(table, ha
     # would cost 40 x 1 ms of CPU; a bound of a quarter of that leaves room for a loaded machine's
     # accounting noise (a single wait's 0.5 ms bound failed there).
     seen = compute.notify_seq
-    assert _cpu_of(40, lambda: compute.wait_notify(seen, 5e-3, 1e-3, 5e-6)) < 10e-3
+    assert _least_cpu_of(40, lambda: compute.wait_notify(seen, 5e-3, 1e-3, 5e-6)) < 10e-3
     # Copying for it: polls, and sees the landing without sleeping.
     daemon.copying = True
     assert compute.copying
@@ -300,7 +307,7 @@ def test_a_wait_for_the_reply_polls_past_its_grace_only_while_the_daemon_copies_
     def unanswered() -> None:
         assert not compute.wait_reply(seq, compute.notify_seq, 5e-3, 1e-3, 5e-6)
 
-    assert _cpu_of(40, unanswered) < 10e-3
+    assert _least_cpu_of(40, unanswered) < 10e-3
     # Copying for it: polls through the spin, and sees the reply without sleeping.
     daemon.copying = True
     assert _cpu_of(4, unanswered) >= 1e-3  # of 4 ms: room for a busy CPU
