@@ -2,7 +2,8 @@
 (``make bench-kernels``).
 
     python -m bench.kernels [--shapes e2e,gpt-oss-20b] [--dtype bfloat16|float32] [--layouts plain,plain-t,mxfp4,fp8,fp8-t]
-                            [--rows 1,4,16] [--threads 1] [--repeats 5] [--out bench/results/kernels.json]
+                            [--rows 1,4,16] [--threads 1] [--repeats 5] [--paths auto|avx512,avx2,...]
+                            [--out bench/results/kernels.json]
 
 A decode step reads every routed expert's weights once, so an expert's FFN is bound by memory
 bandwidth, and the best a kernel can do is a memcpy of the same bytes on the same threads. Per
@@ -23,6 +24,9 @@ e4m3 with 128 x 128 blocks (DeepSeek-V3, Qwen3 FP8), ``fp8-t`` the same stored [
 projections in block FP8); compute in ``--dtype`` (bfloat16). The experts rotate
 through at least 256 MiB of slots, so every expert comes from memory, not from a warm cache; each
 round times every method in turn, rotated per round; figures are medians over ``--repeats``.
+``--paths`` times the fused kernel on each of the named SIMD paths of this CPU
+(``expertcache._native.FFN_PATHS``; ``auto``, the default, is the fastest, as compute runs it), a
+line each, in the same rounds.
 """
 
 from __future__ import annotations
@@ -73,9 +77,11 @@ def stored_bytes(layout: ExpertLayout) -> int:
 class Methods:
     """The three ways to run one expert for ``rows`` rows, each rotating through the slots."""
 
-    def __init__(self, layout: ExpertLayout, arena: np.ndarray, slots: int, rows: int, threads: int) -> None:
+    def __init__(
+        self, layout: ExpertLayout, arena: np.ndarray, slots: int, rows: int, threads: int, path: str = "auto"
+    ) -> None:
         self.layout, self.arena, self.slots, self.rows = layout, arena, slots, rows
-        self.ffn = native.expert_ffn(layout.spec, threads=threads)
+        self.ffn = native.expert_ffn({**layout.spec, "path": path}, threads=threads)
         hidden = layout.hidden
         self.x = np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32)
         self.x = torch.from_numpy(self.x).to(layout.dtype).float().numpy()
@@ -138,8 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(DTYPES),
         help="compute dtype (plain weights are stored in it)",
     )
+    parser.add_argument(
+        "--paths",
+        default="auto",
+        help=f"the fused kernel's SIMD paths, comma-separated: auto or of {', '.join(native.FFN_PATHS)} (this CPU's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "kernels.json")
     args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    bad_paths = sorted(set(paths) - {"auto", *native.FFN_PATHS})
+    if bad_paths or not paths:
+        parser.error(
+            f"--paths: {', '.join(bad_paths) or 'empty list'} not a path of this CPU; choose from auto, "
+            f"{', '.join(native.FFN_PATHS)}"
+        )
     shapes = [s for s in args.shapes.split(",") if s]
     layouts = [s for s in args.layouts.split(",") if s]
     try:
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{ROTATE_BYTES // MIB} MiB, median of {args.repeats} rounds"
     )
     say(
-        f"{'shape':12} {'layout':7} {'rows':>4} {'MiB':>6} {'fused ms':>9} {'GB/s':>6} {'memcpy ms':>9} "
+        f"{'shape':12} {'layout':7} {'rows':>4} {'path':8} {'MiB':>6} {'fused ms':>9} {'GB/s':>6} {'memcpy ms':>9} "
         f"{'GB/s':>6} {'vs memcpy':>9} {'torch ms':>9} {'fused x torch':>13}"
     )
     results = []
@@ -169,38 +187,53 @@ def main(argv: list[str] | None = None) -> int:
             layout, arena, slots = build(layout_name, shape, DTYPES[args.dtype])
             nbytes = stored_bytes(layout)
             for rows in rows_list:
-                m = Methods(layout, arena, slots, rows, args.threads)
-                names = ["fused", "memcpy"] + ([] if args.no_torch else ["torch"])
+                # One Methods per path (each its own ExpertFfn), the memcpy and torch of the first.
+                ms = {p: Methods(layout, arena, slots, rows, args.threads, p) for p in paths}
+                m = ms[paths[0]]
+                calls_of = {f"fused:{p}": ms[p].fused for p in paths}
+                calls_of["memcpy"] = m.memcpy
+                if not args.no_torch:
+                    calls_of["torch"] = m.torch
+                names = list(calls_of)
                 times: dict[str, list[float]] = {n: [] for n in names}
                 calls = max(4, min(slots, int(2e9 // max(nbytes, 1)) // 64))
-                m.fused(2)  # warm the scratch
+                for each in ms.values():
+                    each.fused(2)  # warm the scratch
                 for repeat in range(args.repeats):
                     order = names[repeat % len(names) :] + names[: repeat % len(names)]
                     for name in order:
                         n = calls if name != "torch" else max(2, calls // 8)
-                        times[name].append(time_per_call(getattr(m, name), n))
+                        times[name].append(time_per_call(calls_of[name], n))
                 med = {n: statistics.median(v) for n, v in times.items()}
-                row = dict(
-                    shape=shape,
-                    layout=layout_name,
-                    rows=rows,
-                    stored_bytes=nbytes,
-                    path=m.ffn.path,
-                    fused_ms=med["fused"] * 1e3,
-                    fused_gbps=nbytes / med["fused"] / 1e9,
-                    memcpy_ms=med["memcpy"] * 1e3,
-                    memcpy_gbps=nbytes / med["memcpy"] / 1e9,
-                    torch_ms=med["torch"] * 1e3 if "torch" in med else None,
-                )
-                row["vs_memcpy"] = row["fused_gbps"] / row["memcpy_gbps"]
-                row["fused_x_torch"] = row["torch_ms"] / row["fused_ms"] if row["torch_ms"] else None
-                results.append(row)
-                say(
-                    f"{shape:12} {layout_name:7} {rows:4d} {nbytes / MIB:6.2f} {row['fused_ms']:9.3f} "
-                    f"{row['fused_gbps']:6.1f} {row['memcpy_ms']:9.3f} {row['memcpy_gbps']:6.1f} "
-                    f"{row['vs_memcpy']:9.2f} {fmt(row['torch_ms'], '9.3f'):>9} {fmt(row['fused_x_torch'], '13.1f'):>13}"
-                )
-    goal = [r for r in results if r["layout"] in ("plain", "plain-t", "mxfp4") and r["rows"] in (1, 4)]
+                for p in paths:
+                    fused = med[f"fused:{p}"]
+                    row = dict(
+                        shape=shape,
+                        layout=layout_name,
+                        rows=rows,
+                        stored_bytes=nbytes,
+                        path=ms[p].ffn.path,
+                        fused_ms=fused * 1e3,
+                        fused_gbps=nbytes / fused / 1e9,
+                        memcpy_ms=med["memcpy"] * 1e3,
+                        memcpy_gbps=nbytes / med["memcpy"] / 1e9,
+                        torch_ms=med["torch"] * 1e3 if "torch" in med else None,
+                    )
+                    row["vs_memcpy"] = row["fused_gbps"] / row["memcpy_gbps"]
+                    row["fused_x_torch"] = row["torch_ms"] / row["fused_ms"] if row["torch_ms"] else None
+                    results.append(row)
+                    say(
+                        f"{shape:12} {layout_name:7} {rows:4d} {row['path']:8} {nbytes / MIB:6.2f} "
+                        f"{row['fused_ms']:9.3f} {row['fused_gbps']:6.1f} {row['memcpy_ms']:9.3f} "
+                        f"{row['memcpy_gbps']:6.1f} {row['vs_memcpy']:9.2f} {fmt(row['torch_ms'], '9.3f'):>9} "
+                        f"{fmt(row['fused_x_torch'], '13.1f'):>13}"
+                    )
+    fastest = native.FFN_PATHS[0]
+    goal = [
+        r
+        for r in results
+        if r["layout"] in ("plain", "plain-t", "mxfp4") and r["rows"] in (1, 4) and r["path"] == fastest
+    ]
     if goal and args.dtype == "bfloat16":
         worst = min(goal, key=lambda r: r["vs_memcpy"])
         ok = worst["vs_memcpy"] >= 0.7

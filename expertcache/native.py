@@ -211,8 +211,12 @@ def cuda_available() -> bool:
 
 # ``ExpertFfn(spec)``: one MoE layer's experts fused on the CPU from their stored encoding
 # (``run(arena, slots, bounds, rows, tokens, weights, x, out)``, ``set_threads``, ``path``); the spec
-# is compute_svc.experts.fused.fused_spec's. See csrc/include/expertcache/expert_ffn.h.
+# is compute_svc.experts.fused.fused_spec's; its optional "path" names the SIMD path ("auto", the
+# default, is the fastest). ``FFN_PATHS``: the paths this CPU runs, fastest first ("avx512": the
+# AVX-512 kernels where there are some and the AVX2 ones elsewhere, "avx2", "portable"). See
+# csrc/include/expertcache/expert_ffn.h.
 ExpertFfn = _native.ExpertFfn
+FFN_PATHS: tuple[str, ...] = tuple(_native.FFN_PATHS)
 
 
 def expert_ffn(spec: dict, threads: int = 1) -> ExpertFfn:
@@ -222,7 +226,7 @@ def expert_ffn(spec: dict, threads: int = 1) -> ExpertFfn:
     return ffn
 
 
-__all__ += ["ExpertFfn", "expert_ffn"]
+__all__ += ["FFN_PATHS", "ExpertFfn", "expert_ffn"]
 
 # ``DecodeAttention(spec)``: the dense half of a decoder layer for decode steps on the CPU
 # (``add_layer``, ``begin_step``, ``run(layer)``, ``end_step``); the spec is

@@ -351,6 +351,10 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
 }  // namespace
 
 void bind_expert_ffn(py::module_& m) {
+  std::vector<std::string> paths;
+  for (expertcache::FfnPath p : expertcache::ffn_paths()) paths.emplace_back(expertcache::ffn_path_name(p));
+  // The SIMD paths this CPU runs, fastest first; the first is what spec['path'] "auto" runs.
+  m.attr("FFN_PATHS") = paths;
   py::class_<Ffn>(m, "ExpertFfn")
       .def(py::init([](const py::dict& spec) {
              FfnSpec s;
@@ -381,6 +385,17 @@ void bind_expert_ffn(py::module_& m) {
              s.compute = dtype_of(get<std::string>(spec, "compute", "spec"), "spec['compute']");
              s.round_weighted = get_or<bool>(spec, "round_weighted", false);
              s.slot_bytes = get<size_t>(spec, "slot_bytes", "spec");
+             const auto path = get_or<std::string>(spec, "path", "auto");
+             if (path == "auto")
+               s.path = expertcache::FfnPath::kAuto;
+             else if (path == "avx512")
+               s.path = expertcache::FfnPath::kAvx512;
+             else if (path == "avx2")
+               s.path = expertcache::FfnPath::kAvx2;
+             else if (path == "portable")
+               s.path = expertcache::FfnPath::kPortable;
+             else
+               fail("spec['path'] '" + path + "' is not auto, avx512, avx2 or portable");
              if (s.first.inputs != s.down.outputs)
                fail("the first projection reads " + std::to_string(s.first.inputs) + " features, the down "
                     "projection writes " + std::to_string(s.down.outputs));

@@ -1,6 +1,6 @@
 // One MoE layer's experts, fused, from their stored encoding (csrc/include/expertcache/expert_ffn.h).
-// The AVX2 + FMA + F16C path is compiled with function-level target attributes and chosen at run
-// time; the portable path is the reference it is tested against.
+// The AVX2 + FMA + F16C and AVX-512 (F, BW, VL) paths are compiled with function-level target
+// attributes and chosen at run time; the portable path is the reference they are tested against.
 #include "expertcache/expert_ffn.h"
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #define EXPERTCACHE_FFN_X86 1
 #include <immintrin.h>
 #define EXPERTCACHE_FFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define EXPERTCACHE_FFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #endif
 
 namespace expertcache {
@@ -113,6 +114,25 @@ inline size_t mxfp4_position(size_t c) {
   const size_t half = k / 16, q = k % 16;
   const size_t v = 2 * half + ((q & 3) >= 2 ? 1 : 0), lane = q & 1, m = q >> 2;
   return g * kGroup + v * 8 + lane * 4 + m;
+}
+
+// Where input c of an MXFP4 dot row of C inputs sits in the AVX-512 path's order: the row's groups
+// are decoded in pairs (fp4_pair_avx512: vector k holds elements 4d + k of both groups, d < 8, the
+// first group's in lanes 0 .. 7), and a last group without a pair alone (fp4_one_avx512: vector k
+// holds its elements 4d + k).
+inline size_t mxfp4_position_avx512(size_t c, size_t C) {
+  const size_t g = c / kGroup, e = c % kGroup, k = e % 4, d = e / 4;
+  if (g < C / kGroup / 2 * 2) return g / 2 * 2 * kGroup + k * 16 + g % 2 * 8 + d;
+  return g * kGroup + k * 8 + d;
+}
+
+// Where input c of an MXFP4 dot row of C inputs sits for the kernels of `path`.
+inline size_t mxfp4_input_position(FfnPath path, size_t c, size_t C) {
+  switch (path) {
+    case FfnPath::kAvx512: return mxfp4_position_avx512(c, C);
+    case FfnPath::kAvx2: return mxfp4_position(c);
+    default: return c;
+  }
 }
 
 // -- portable kernels (the reference) -----------------------------------------------------------------
@@ -631,6 +651,130 @@ void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, s
   }
 }
 
+// -- AVX-512 (F, BW, VL): MXFP4 dot rows; every other projection runs the AVX2 kernels ----------------
+
+// Each E8M0 scale's 16 E2M1 values times the scale, as bf16 words (Fp4ScaledTables' values).
+struct Fp4ScaledWords {
+  alignas(32) uint16_t w[256][16];
+  Fp4ScaledWords() {
+    for (int s = 0; s < 256; ++s)
+      for (int c = 0; c < 16; ++c)
+        w[s][c] = uint16_t(kFp4Scaled.bytes[s][c] | unsigned(kFp4Scaled.bytes[s][16 + c]) << 8);
+  }
+};
+const Fp4ScaledWords kFp4Words;
+
+// Two groups' 64 values (32 bytes, scales s0 and s1) times their scales as 4 x 16 floats, in
+// mxfp4_position_avx512 order. The bytes widen to words; a word's low 5 bits index one table of
+// both scales' 16 values (vpermw): the low nibble, or the high one shifted down, plus 16 for the
+// second group. The looked-up bf16 words become floats by a shift (even words) and a mask (odd).
+EXPERTCACHE_FFN_AVX512 inline void fp4_pair_avx512(const uint8_t* bytes, uint8_t s0, uint8_t s1, __m512 v[4]) {
+  const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  const __m512i table = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[s0]))),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[s1])), 1);
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  // (z & 0x0F) | second: ternary-logic table 0xEA is (A & B) | C.
+  const __m512i lo_index = _mm512_ternarylogic_epi32(z, _mm512_set1_epi16(0x0F), second, 0xEA);
+  const __m512i lo = _mm512_permutexvar_epi16(lo_index, table);
+  const __m512i hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(z, 4), second), table);
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+  v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+  v[2] = _mm512_castsi512_ps(_mm512_and_si512(lo, high));
+  v[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, high));
+}
+
+// One group's 32 values times its scale as 4 x 8 floats (a row's last group, when its groups are
+// odd in number), in mxfp4_position_avx512 order: as fp4_pair_avx512 with a 16-word table.
+EXPERTCACHE_FFN_AVX512 inline void fp4_one_avx512(const uint8_t* bytes, uint8_t scale, __m256 v[4]) {
+  const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[scale]));
+  const __m256i lo = _mm256_permutexvar_epi16(z, table);  // an index's low 4 bits: the low nibble
+  const __m256i hi = _mm256_permutexvar_epi16(_mm256_srli_epi16(z, 4), table);
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+  v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+  v[2] = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+  v[3] = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+}
+
+// One MXFP4 weight row against NR <= 4 input rows (values in mxfp4_position_avx512 order): two
+// groups decoded at a time, four accumulators per input row (the 32 registers hold them all);
+// out[r] is input row r's partial sum, still to be added across.
+template <int NR>
+EXPERTCACHE_FFN_AVX512 inline void mxfp4_row_avx512(const uint8_t* b, const uint8_t* s, const float* x, size_t C,
+                                                    __m256 out[NR]) {
+  const size_t groups = C / kGroup, pairs = groups / 2;
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+  for (size_t q = 0; q < pairs; ++q) {
+    const uint8_t* bq = b + q * 2 * kGroupBytes;
+    if ((q & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bq) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 v[4];
+    fp4_pair_avx512(bq, s[2 * q], s[2 * q + 1], v);
+    for (int r = 0; r < NR; ++r) {
+      const float* xr = x + r * C + q * 2 * kGroup;
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(v[k], _mm512_loadu_ps(xr + 16 * k), acc[r][k]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+    out[r] = _mm256_add_ps(_mm512_castps512_ps256(sum),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
+  }
+  if (groups % 2) {
+    __m256 v[4];
+    fp4_one_avx512(b + (groups - 1) * kGroupBytes, s[groups - 1], v);
+    for (int r = 0; r < NR; ++r) {
+      const float* xr = x + r * C + (groups - 1) * kGroup;
+      __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
+      for (int k = 1; k < 4; ++k) t = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(xr + 8 * k), t);
+      out[r] = _mm256_add_ps(out[r], t);
+    }
+  }
+}
+
+// MXFP4 dot rows, as dot_mxfp4_avx2 with the AVX-512 row.
+template <int NR>
+EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
+                                             size_t i1, float* h) {
+  const size_t C = p.inputs, row_bytes = C / kGroup * kGroupBytes, row_scales = C / kGroup;
+  const uint8_t* b = slot + p.weight_offset;
+  const uint8_t* s = slot + p.scale_offset;
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    __m256 part[NR][8];
+    for (int q = 0; q < 8; ++q) {
+      __m256 out[NR];
+      mxfp4_row_avx512<NR>(b + (i + q) * row_bytes, s + (i + q) * row_scales, x, C, out);
+      for (int r = 0; r < NR; ++r) part[r][q] = out[r];
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(h + r * p.outputs + i, hsum8(part[r]));
+  }
+  for (; i < i1; ++i) {
+    __m256 out[NR];
+    mxfp4_row_avx512<NR>(b + i * row_bytes, s + i * row_scales, x, C, out);
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(out[r]);
+  }
+}
+
+void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
+                    float* h, FfnDtype compute) {
+  if (p.encoding != FfnEncoding::kMxfp4) return project_avx2(p, slot, x, nr, o0, o1, h, compute);
+  for (size_t r = 0; r < nr; r += 4) {
+    const float* xr = x + r * p.inputs;
+    float* hr = h + r * p.outputs;
+    switch (std::min<size_t>(4, nr - r)) {
+      case 1: dot_mxfp4_avx512<1>(p, slot, xr, o0, o1, hr); break;
+      case 2: dot_mxfp4_avx512<2>(p, slot, xr, o0, o1, hr); break;
+      case 3: dot_mxfp4_avx512<3>(p, slot, xr, o0, o1, hr); break;
+      default: dot_mxfp4_avx512<4>(p, slot, xr, o0, o1, hr); break;
+    }
+  }
+}
+
 // -- the element-wise stages, 8 values at a time ------------------------------------------------------
 
 // round_to for 8 values.
@@ -729,9 +873,16 @@ bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
 #else
 bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
 void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
+void project_avx512(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
 void finish8(float*, size_t, const uint8_t*, FfnDtype, size_t, FfnDtype) {}
 void activate8(const FfnSpec&, const float*, size_t, float*, size_t& done) { done = 0; }
 void weigh8(const float*, float*, size_t, size_t, float, FfnDtype) {}
@@ -743,6 +894,16 @@ void project_portable(const FfnProjection& p, const uint8_t* slot, const float* 
     axpy_portable(p, slot, x, nr, o0, o1, h, compute);
   else
     dot_portable(p, slot, x, nr, o0, o1, h, compute);
+}
+
+// h[r][o] for o in [o0, o1), r < nr: the projection by the kernels of `path`.
+void project(FfnPath path, const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0,
+             size_t o1, float* h, FfnDtype compute) {
+  switch (path) {
+    case FfnPath::kAvx512: return project_avx512(p, slot, x, nr, o0, o1, h, compute);
+    case FfnPath::kAvx2: return project_avx2(p, slot, x, nr, o0, o1, h, compute);
+    default: return project_portable(p, slot, x, nr, o0, o1, h, compute);
+  }
 }
 
 // Outputs per work item: a few rows of a dot matrix (each row its own stream), or a thread's share
@@ -797,6 +958,23 @@ float ffn_round(float v, FfnDtype dtype) { return round_to(v, dtype); }
 float ffn_load(const uint8_t* p, FfnDtype dtype, size_t i) { return load_value(p, dtype, i); }
 
 bool ffn_cpu_has_avx2() { return cpu_has_avx2(); }
+
+std::vector<FfnPath> ffn_paths() {
+  std::vector<FfnPath> out;
+  if (cpu_has_avx512()) out.push_back(FfnPath::kAvx512);
+  if (cpu_has_avx2()) out.push_back(FfnPath::kAvx2);
+  out.push_back(FfnPath::kPortable);
+  return out;
+}
+
+const char* ffn_path_name(FfnPath path) {
+  switch (path) {
+    case FfnPath::kAvx512: return "avx512";
+    case FfnPath::kAvx2: return "avx2";
+    case FfnPath::kPortable: return "portable";
+    default: return "auto";
+  }
+}
 
 void ffn_plain_dot(const uint8_t* w, FfnDtype wdtype, size_t inputs, size_t outputs, const float* x, size_t rows,
                    float* out, bool avx2) {
@@ -906,12 +1084,22 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
     throw std::invalid_argument("expert ffn: the first projection has " + std::to_string(spec.first.outputs) +
                                 " outputs, the activation needs " + std::to_string(want) + " for " +
                                 std::to_string(inter) + " intermediate features");
-  avx2_ = cpu_has_avx2();
+  const std::vector<FfnPath> paths = ffn_paths();
+  if (spec.path == FfnPath::kAuto) {
+    path_ = paths.front();
+  } else if (std::find(paths.begin(), paths.end(), spec.path) != paths.end()) {
+    path_ = spec.path;
+  } else {
+    std::string runs;
+    for (FfnPath p : paths) runs += std::string(runs.empty() ? "" : ", ") + ffn_path_name(p);
+    throw std::invalid_argument(std::string("expert ffn: path '") + ffn_path_name(spec.path) +
+                                "' does not run on this CPU (it runs " + runs + ")");
+  }
 }
 
 ExpertFfn::~ExpertFfn() = default;
 
-const char* ExpertFfn::path() const { return avx2_ ? "avx2" : "portable"; }
+const char* ExpertFfn::path() const { return ffn_path_name(path_); }
 
 void ExpertFfn::set_threads(int threads) {
   threads = std::max(1, threads);
@@ -931,16 +1119,13 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* x = xin_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * p.outputs;
-    if (avx2_)
-      project_avx2(p, slot, x, nr, o0, o1, h, spec_.compute);
-    else
-      project_portable(p, slot, x, nr, o0, o1, h, spec_.compute);
+    project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
     // The projection's output and bias add, rounded as transformers' are.
     const FfnDtype d = spec_.compute;
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
     for (size_t r = 0; r < nr; ++r) {
       float* hr = h + r * p.outputs + o0;
-      if (avx2_) {
+      if (path_ != FfnPath::kPortable) {
         finish8(hr, o1 - o0, bias, p.bias_dtype, o0, d);
         continue;
       }
@@ -965,17 +1150,14 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* a = act_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
-    if (avx2_)
-      project_avx2(p, slot, a, nr, o0, o1, h, d);
-    else
-      project_portable(p, slot, a, nr, o0, o1, h, d);
+    project(path_, p, slot, a, nr, o0, o1, h, d);
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
     for (size_t r = 0; r < nr; ++r) {
       const float w = t.weights[r0 + r];
       float* dst = t.out + size_t(t.rows[r0 + r]) * H;
       float* hr = h + r * H;
       size_t o = o0;
-      if (avx2_) {
+      if (path_ != FfnPath::kPortable) {
         finish8(hr + o0, o1 - o0, bias, p.bias_dtype, o0, d);
         weigh8(hr, dst, o0, o1, w, spec_.round_weighted ? d : FfnDtype::kFloat32);
         continue;
@@ -1004,12 +1186,12 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   if (act_.size() < total * inter) act_.resize(total * inter);
   if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
   // Inputs gathered by token, in the order the first projection's kernel reads them.
-  const bool permute_first = avx2_ && first.encoding == FfnEncoding::kMxfp4;
+  const bool permute_first = path_ != FfnPath::kPortable && first.encoding == FfnEncoding::kMxfp4;
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
     float* dst = xin_.data() + r * H;
     if (permute_first)
-      for (size_t c = 0; c < H; ++c) dst[mxfp4_position(c)] = src[c];
+      for (size_t c = 0; c < H; ++c) dst[mxfp4_input_position(path_, c, H)] = src[c];
     else
       std::memcpy(dst, src, H * sizeof(float));
   }
@@ -1024,14 +1206,14 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   };
   parallel(n * t.items1, [&](size_t b, size_t e) { first_items(t, b, e); });
   // The activation, each op rounded as transformers' is; written in the down kernel's order.
-  const bool permute_down = avx2_ && down.encoding == FfnEncoding::kMxfp4;
+  const bool permute_down = path_ != FfnPath::kPortable && down.encoding == FfnEncoding::kMxfp4;
   auto activate = [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const float* h = h1_.data() + r * first.outputs;
       // Natural order into `a`, or into the row's own scratch when the down kernel permutes.
       float* a = (permute_down ? nat_.data() : act_.data()) + r * inter;
       size_t start = 0;
-      if (avx2_) activate8(spec_, h, inter, a, start);
+      if (path_ != FfnPath::kPortable) activate8(spec_, h, inter, a, start);
       for (size_t i = start; i < inter; ++i) {
         float v;
         if (spec_.gate == FfnGate::kGluHalves) {
@@ -1053,7 +1235,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
       }
       if (permute_down) {
         float* dst = act_.data() + r * inter;
-        for (size_t i = 0; i < inter; ++i) dst[mxfp4_position(i)] = a[i];
+        for (size_t i = 0; i < inter; ++i) dst[mxfp4_input_position(path_, i, inter)] = a[i];
       }
     }
   };

@@ -8,6 +8,9 @@ rounding flipped by them (bfloat16). Every argument a caller can get wrong is re
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,17 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e
 H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
 # A float32 NaN whose payload is all ones: rounded to bfloat16 by adding 0x7FFF it would wrap to -0.
 NAN_ALL_ONES = np.array([0x7FFFFFFF], dtype=np.uint32).view(np.float32)[0].item()
+
+
+@pytest.fixture(autouse=True, params=_native.FFN_PATHS)
+def ffn_path(request, monkeypatch) -> str:
+    """Every test runs on every SIMD path this CPU has (``FFN_PATHS``; the portable one is the
+    reference the others are held to): the layouts' specs name it."""
+    spec = ExpertLayout.spec
+    monkeypatch.setattr(
+        ExpertLayout, "spec", property(lambda self: {**spec.fget(self), "path": request.param})
+    )
+    return request.param
 
 
 def run(layout: ExpertLayout, arena: np.ndarray, experts, x: torch.Tensor, top_k: int, threads: int = 1):
@@ -70,7 +84,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
-def test_equals_transformers_math(case, dtype, rows):
+def test_equals_transformers_math(case, dtype, rows, ffn_path):
     first, down, gate, bias = case
     gen = torch.Generator().manual_seed(rows)
     layout = ExpertLayout(H, INTER, first, down, gate, bias, dtype, gen)
@@ -85,7 +99,7 @@ def test_equals_transformers_math(case, dtype, rows):
         for t, k, w in pairs:
             want = reference(layout, arena, slot, x[t : t + 1], torch.tensor([[w]], dtype=torch.float32))
             torch.testing.assert_close(got[t * 2 + k : t * 2 + k + 1], want, **TOL[dtype])
-    assert ffn.path in ("avx2", "portable")
+    assert ffn.path == ffn_path
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -110,6 +124,7 @@ def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.n
     return layout, arena, layout.parts(arena, 0)
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
@@ -125,7 +140,10 @@ def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
     parts["down_proj_bias"].zero_()
     x = torch.randn(rows, H, generator=torch.Generator().manual_seed(7)).to(dtype) * 2.0**100
     got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
-    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    # The reference's bfloat16 matmul without oneDNN: on a CPU with AVX-512 BF16 or AMX, oneDNN's
+    # kernels flush bfloat16 subnormals to zero, which torch's own GEMM does not.
+    with torch.backends.mkldnn.flags(enabled=False):
+        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
     assert want.abs().max() > 2.0**-40  # the products reached the output
     torch.testing.assert_close(got, want, rtol=TOL[dtype]["rtol"], atol=want.abs().max().item() * 1e-3)
 
@@ -222,7 +240,7 @@ def test_threads_give_the_same_bits(threads):
     layout = ExpertLayout(H, INTER, "mxfp4", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
     arena = layout.arena(slots=4)
     x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
-    experts = [(s, [(t, s % 2, 0.5) for t in range(5)]) for s in (3, 1)]
+    experts = [(s, [(t, k, 0.5) for t in range(5)]) for k, s in enumerate((3, 1))]  # one expert per (t, k)
     one, _ = run(layout, arena, experts, x, top_k=2)
     many, ffn = run(layout, arena, experts, x, top_k=2, threads=threads)
     assert ffn.threads == threads
@@ -278,12 +296,37 @@ def test_bad_arguments_are_refused_by_name(change, message):
         (dict(gate="swish"), "spec\\['gate'\\]"),
         (dict(act="tanh"), "spec\\['act'\\]"),
         (dict(compute="int8"), "dtype 'int8'"),
+        (dict(path="sse"), "spec\\['path'\\] 'sse' is not auto, avx512, avx2 or portable"),
     ],
 )
 def test_bad_specs_are_refused_by_name(change, message):
     layout = plain_layout(3)
     with pytest.raises(ValueError, match=message):
         _native.ExpertFfn({**layout.spec, **change})
+
+
+def test_paths_follow_the_cpu():
+    paths = list(_native.FFN_PATHS)
+    assert paths[-1] == "portable" and set(paths) <= {"avx512", "avx2", "portable"}
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert paths == ["portable"]
+        return
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    assert ("avx2" in paths) == ({"avx2", "fma", "f16c"} <= flags)
+    assert ("avx512" in paths) == ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"} <= flags)
+    assert _native.ExpertFfn({**plain_layout(3).spec, "path": "auto"}).path == paths[0]
+
+
+@pytest.mark.skipif(
+    not {"avx512", "avx2"} - set(_native.FFN_PATHS), reason="this CPU runs every SIMD path of the kernel"
+)
+def test_a_path_this_cpu_does_not_run_is_refused_by_name():
+    missing = sorted({"avx512", "avx2"} - set(_native.FFN_PATHS))[0]
+    with pytest.raises(ValueError, match=f"path '{missing}' does not run on this CPU \\(it runs "):
+        _native.ExpertFfn({**plain_layout(3).spec, "path": missing})
 
 
 def test_an_encoded_matrix_cannot_be_read_transposed():

@@ -62,6 +62,10 @@ struct FfnProjection {
   size_t extent() const;
 };
 
+// The SIMD path of an ExpertFfn. kAvx512 runs AVX-512 kernels where it has them (MXFP4 dot rows) and
+// the AVX2 ones elsewhere; kAuto is the fastest this CPU runs (ffn_paths()[0]).
+enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512 };
+
 struct FfnSpec {
   FfnProjection first;  // gate_up (2I outputs) or up (I outputs)
   FfnProjection down;   // I -> H
@@ -71,7 +75,12 @@ struct FfnSpec {
   FfnDtype compute = FfnDtype::kBFloat16;
   bool round_weighted = false;  // the routing weights have the compute dtype: round the product
   size_t slot_bytes = 0;
+  FfnPath path = FfnPath::kAuto;  // one this CPU runs (ffn_paths()), else std::invalid_argument
 };
+
+// The paths this CPU runs, fastest first; their names ("avx512", "avx2", "portable").
+std::vector<FfnPath> ffn_paths();
+const char* ffn_path_name(FfnPath path);
 
 struct FfnPool;
 
@@ -87,7 +96,7 @@ class ExpertFfn {
   const FfnSpec& spec() const { return spec_; }
   size_t hidden() const { return spec_.down.outputs; }
   size_t intermediate() const { return spec_.down.inputs; }
-  // The SIMD path in use: "avx2" or "portable".
+  // The SIMD path in use: "avx512", "avx2" or "portable".
   const char* path() const;
   void set_threads(int threads);
   int threads() const { return threads_; }
@@ -103,7 +112,7 @@ class ExpertFfn {
   void down_items(const Task& t, size_t begin, size_t end);
 
   FfnSpec spec_;
-  bool avx2_ = false;
+  FfnPath path_ = FfnPath::kPortable;  // never kAuto
   int threads_ = 1;
   std::unique_ptr<FfnPool> pool_;
   // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
