@@ -677,31 +677,37 @@ def test_client_prediction_methods_never_wait_and_count_drops(lone):
     assert client.signals_dropped == 1
 
 
+def replace_text(path: Path, text: str) -> None:
+    """``path`` holds ``text`` from one instant to the next (a rename, as a ConfigMap volume swaps
+    its files): the daemon watches the file, and an in-place write could be read empty in between,
+    i.e. as all defaults (a SIGHUP test once failed so, its reload by the watcher reading it so)."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(text)
+    os.replace(staged, path)
+
+
 def test_sighup_reloads_live_fields_and_refuses_the_rest(tmp_path):
     config = tmp_path / "daemon.yaml"
     config.write_text("eviction_policy: lru\n")
     d = launch(tmp_path, extra=["--config-file", str(config)])
     try:
         assert d.stats().config.eviction_policy == "lru"
-        config.write_text("eviction_policy: lfu\nprefetch: false\n")
+        replace_text(config, "eviction_policy: lfu\nprefetch: false\n")
         d.proc.popen.send_signal(signal.SIGHUP)
         wait_for(lambda: d.stats().config.eviction_policy == "lfu")
         assert not d.stats().config.prefetch
-        config.write_text("eviction_policy: moe-infinity\nio_threads: 2\n")  # io_threads is not live
+        replace_text(config, "eviction_policy: moe-infinity\nio_threads: 2\n")  # io_threads is not live
         d.proc.popen.send_signal(signal.SIGHUP)
         wait_for(lambda: d.stats().config.eviction_policy == "moe-infinity")
         assert "config field 'io_threads' changed in file" in d.proc.log()
         assert "applies only at start: not applied until the service restarts" in d.proc.log()
-        config.write_text("eviction_policy: fifo\n")  # invalid: refused whole
+        replace_text(config, "eviction_policy: fifo\n")  # invalid: refused whole
         d.proc.popen.send_signal(signal.SIGHUP)
         wait_for(lambda: "refused, the running config stays" in d.proc.log())
         assert "'eviction_policy' = 'fifo' is not one of" in d.proc.log()
         assert d.stats().config.eviction_policy == "moe-infinity"
-        # A ConfigMap volume changes the file with no signal, and atomically (a rename: an in-place
-        # write could be read empty, i.e. all defaults): the daemon notices by itself.
-        staged = tmp_path / "daemon.yaml.new"
-        staged.write_text("eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
-        os.replace(staged, config)
+        # A ConfigMap volume changes the file with no signal: the daemon notices by itself.
+        replace_text(config, "eviction_policy: activation-aware\nprefetch: true\nhint_ttl_tokens: 9\n")
         wait_for(lambda: d.stats().config.hint_ttl_tokens == 9)
         assert d.stats().config.eviction_policy == "activation-aware" and d.stats().config.prefetch
     finally:
