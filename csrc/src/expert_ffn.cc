@@ -736,7 +736,9 @@ EXPERTCACHE_FFN_AVX512 inline void mxfp4_row_avx512(const uint8_t* b, const uint
   }
 }
 
-// MXFP4 dot rows, as dot_mxfp4_avx2 with the AVX-512 row.
+// MXFP4 dot rows, as dot_mxfp4_avx2 with the AVX-512 row. The same loop, written twice: a target
+// attribute holds for a whole function, and the AVX2 one must not be compiled with AVX-512 allowed
+// (it runs where there is none), nor this one call its row through a pointer per weight row.
 template <int NR>
 EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                              size_t i1, float* h) {
