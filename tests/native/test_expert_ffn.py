@@ -148,6 +148,36 @@ def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
     torch.testing.assert_close(got, want, rtol=TOL[dtype]["rtol"], atol=want.abs().max().item() * 1e-3)
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
+@pytest.mark.parametrize("which", ["inputs", "activations"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_mxfp4_subnormal_inputs_count(rows, which):
+    """bfloat16 inputs of a projection that are all subnormal (the layer's inputs, or the
+    activations the down projection reads), against weights scaled up to meet them: the products
+    are normal numbers, which a kernel that reads subnormals as zero (vdpbf16ps, oneDNN's bf16
+    GEMM here) would lose."""
+    layout, arena, parts = scaled_mxfp4_case(80 + rows, torch.bfloat16)
+    parts["gate_up_proj_bias"].zero_()
+    parts["down_proj_bias"].zero_()
+    gen = torch.Generator().manual_seed(9)
+    sign = torch.randint(0, 2, (rows, H), generator=gen) * 2 - 1
+    if which == "inputs":  # in [2**-130, 2**-129]
+        parts["gate_up_proj_scales"][:] = 127 + 100
+        x = (sign * (1 + torch.rand(rows, H, generator=gen)) * 2.0**-130).to(torch.bfloat16)
+        assert ((x != 0) & (x.abs() < 2.0**-126)).all()
+    else:  # the first projection's outputs near 2**-132, and so the activations
+        parts["gate_up_proj_scales"][:] = 0
+        parts["down_proj_scales"][:] = 127 + 100
+        x = (sign * (1 + torch.rand(rows, H, generator=gen)) * 2.0**-10).to(torch.bfloat16)
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN reads bfloat16 subnormals as zero too
+        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want.abs().max() > 2.0**-60  # the products reached the output
+    torch.testing.assert_close(
+        got, want, rtol=TOL[torch.bfloat16]["rtol"], atol=want.abs().max().item() * 1e-3
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_mxfp4_zero_group_at_scale_255_adds_zero(rows):
     """Scale 255 is 2**128, beyond float32: a group of zero codes under it adds 0, not NaN (0 x
@@ -321,7 +351,8 @@ def test_paths_follow_the_cpu():
 
 
 @pytest.mark.skipif(
-    not {"avx512", "avx2"} - set(_native.FFN_PATHS), reason="this CPU runs every SIMD path of the kernel"
+    not {"avx512", "avx2"} - set(_native.FFN_PATHS),
+    reason="this CPU runs every SIMD path of the kernel",
 )
 def test_a_path_this_cpu_does_not_run_is_refused_by_name():
     missing = sorted({"avx512", "avx2"} - set(_native.FFN_PATHS))[0]
