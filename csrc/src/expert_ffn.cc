@@ -651,7 +651,7 @@ void project_avx2(const FfnProjection& p, const uint8_t* slot, const float* x, s
   }
 }
 
-// -- AVX-512 (F, BW, VL): MXFP4 dot rows; every other projection runs the AVX2 kernels ----------------
+// -- AVX-512 (F, BW, VL): MXFP4 and FP8 dot rows; every other projection runs the AVX2 kernels --------
 
 // Each E8M0 scale's 16 E2M1 values times the scale, as bf16 words (Fp4ScaledTables' values).
 struct Fp4ScaledWords {
@@ -762,17 +762,108 @@ EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8
   }
 }
 
+// 16 floats rounded to bf16, as bf16_nearest_even.
+EXPERTCACHE_FFN_AVX512 inline __m512 bf16_nearest_even16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// 16 FP8 weights times their block's scale, rounded to the compute dtype R: fp8_load8's decode,
+// 16 at a time.
+template <FfnDtype R, bool kNan>
+EXPERTCACHE_FFN_AVX512 inline __m512 fp8_load16(const uint8_t* p, __m512 scale256) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i t = _mm256_slli_epi16(b, 7);
+  __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+  if constexpr (kNan) {
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
+    h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));  // fp16 NaN
+  }
+  __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), scale256);
+  if constexpr (R == FfnDtype::kBFloat16) {
+    const __m512 r = bf16_nearest_even16(v);
+    if constexpr (kNan)
+      v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, v);
+    else
+      v = r;
+  } else if constexpr (R == FfnDtype::kFloat16) {
+    v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return v;
+}
+
+// The 16-wide part of one row's block of columns [c0, c1), then its 8-wide part (fp8_segment):
+// returns the first column not done.
+template <FfnDtype R, int NR, bool kNan>
+EXPERTCACHE_FFN_AVX512 inline size_t fp8_segment16(const uint8_t* v, const float* x, size_t C, size_t c0, size_t c1,
+                                                   __m512 s256, __m512 acc[NR], __m256 acc8[NR]) {
+  size_t c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    const __m512 w = fp8_load16<R, kNan>(v + c, s256);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * C + c), acc[r]);
+  }
+  return fp8_segment<R, NR, kNan>(v, x, C, c, c1, _mm512_castps512_ps256(s256), acc8);
+}
+
+// FP8 dot rows, as dot_fp8_avx2 with 16 weights a step.
+template <FfnDtype R, int NR>
+EXPERTCACHE_FFN_AVX512 void dot_fp8_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
+                                           size_t i1, float* h) {
+  const size_t C = p.inputs, bn = p.block_cols, grid_cols = (C + bn - 1) / bn;
+  const float* scale = reinterpret_cast<const float*>(slot + p.scale_offset);
+  for (size_t i = i0; i < i1; ++i) {
+    const uint8_t* v = slot + p.weight_offset + i * C;
+    const float* srow = scale + (i / p.block_rows) * grid_cols;
+    __m512 acc[NR];
+    __m256 acc8[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps(), acc8[r] = _mm256_setzero_ps();
+    float tail[NR] = {};
+    for (size_t c0 = 0; c0 < C; c0 += bn) {
+      const size_t c1 = std::min(C, c0 + bn);
+      const float s = srow[c0 / bn];
+      const __m512 s256 = _mm512_set1_ps(s * 256.0f);
+      const bool special = fp8_special(v + c0, c1 - c0, s);
+      size_t c = special ? fp8_segment16<R, NR, true>(v, x, C, c0, c1, s256, acc, acc8)
+                         : fp8_segment16<R, NR, false>(v, x, C, c0, c1, s256, acc, acc8);
+      for (; c < c1; ++c) {
+        const float w = round_to(e4m3_value(v[c]) * s, R);
+        for (int r = 0; r < NR; ++r) tail[r] += w * x[r * C + c];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256 both = _mm256_add_ps(acc8[r], _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                                                   _mm512_castps_pd(acc[r]), 1))));
+      h[r * p.outputs + i] = hsum(both) + tail[r];
+    }
+  }
+}
+
+template <int NR>
+void dot_fp8_avx512_nr(const FfnProjection& p, const uint8_t* slot, const float* x, size_t o0, size_t o1, float* h,
+                       FfnDtype compute) {
+  switch (compute) {
+    case FfnDtype::kBFloat16: return dot_fp8_avx512<FfnDtype::kBFloat16, NR>(p, slot, x, o0, o1, h);
+    case FfnDtype::kFloat16: return dot_fp8_avx512<FfnDtype::kFloat16, NR>(p, slot, x, o0, o1, h);
+    default: return dot_fp8_avx512<FfnDtype::kFloat32, NR>(p, slot, x, o0, o1, h);
+  }
+}
+
 void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                     float* h, FfnDtype compute) {
-  if (p.encoding != FfnEncoding::kMxfp4) return project_avx2(p, slot, x, nr, o0, o1, h, compute);
+  const bool mxfp4 = p.encoding == FfnEncoding::kMxfp4;
+  if (!mxfp4 && !(p.encoding == FfnEncoding::kFp8 && p.form == FfnForm::kDot))
+    return project_avx2(p, slot, x, nr, o0, o1, h, compute);
   for (size_t r = 0; r < nr; r += 4) {
     const float* xr = x + r * p.inputs;
     float* hr = h + r * p.outputs;
     switch (std::min<size_t>(4, nr - r)) {
-      case 1: dot_mxfp4_avx512<1>(p, slot, xr, o0, o1, hr); break;
-      case 2: dot_mxfp4_avx512<2>(p, slot, xr, o0, o1, hr); break;
-      case 3: dot_mxfp4_avx512<3>(p, slot, xr, o0, o1, hr); break;
-      default: dot_mxfp4_avx512<4>(p, slot, xr, o0, o1, hr); break;
+      case 1: mxfp4 ? dot_mxfp4_avx512<1>(p, slot, xr, o0, o1, hr) : dot_fp8_avx512_nr<1>(p, slot, xr, o0, o1, hr, compute); break;
+      case 2: mxfp4 ? dot_mxfp4_avx512<2>(p, slot, xr, o0, o1, hr) : dot_fp8_avx512_nr<2>(p, slot, xr, o0, o1, hr, compute); break;
+      case 3: mxfp4 ? dot_mxfp4_avx512<3>(p, slot, xr, o0, o1, hr) : dot_fp8_avx512_nr<3>(p, slot, xr, o0, o1, hr, compute); break;
+      default: mxfp4 ? dot_mxfp4_avx512<4>(p, slot, xr, o0, o1, hr) : dot_fp8_avx512_nr<4>(p, slot, xr, o0, o1, hr, compute); break;
     }
   }
 }

@@ -219,6 +219,23 @@ def test_fp8_nan_codes_and_infinite_scales_decode_as_transformers(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_fp8_dot_with_blocks_cut_anywhere(dtype, rows):
+    # [out, in] FP8 with 5 x 28 blocks: a row's 28 columns of a block are cut into 16 (AVX-512),
+    # 8 (AVX2) and a scalar tail of 4, an intermediate of 99 leaves down_proj's last block 15
+    # columns (8 + 7), and 5 rows are a block of 4 input rows and one more.
+    gen = torch.Generator().manual_seed(100 + rows)
+    layout = ExpertLayout(H, 99, "fp8", "fp8", "glu_halves", False, dtype, gen, fp8_block=(5, 28))
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, H, generator=gen).to(dtype)
+    weights = [0.5 + 0.25 * t for t in range(rows)]
+    got, _ = run(layout, arena, [(1, [(t, 0, weights[t]) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 1, x, torch.tensor(weights).unsqueeze(1))
+    assert want.isfinite().all()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fp8_axpy_with_blocks_and_rows_cut_anywhere(dtype, threads, rows):

@@ -62,8 +62,8 @@ struct FfnProjection {
   size_t extent() const;
 };
 
-// The SIMD path of an ExpertFfn. kAvx512 runs AVX-512 kernels where it has them (MXFP4 dot rows) and
-// the AVX2 ones elsewhere; kAuto is the fastest this CPU runs (ffn_paths()[0]).
+// The SIMD path of an ExpertFfn. kAvx512 runs AVX-512 kernels where it has them (MXFP4 and FP8 dot
+// rows) and the AVX2 ones elsewhere; kAuto is the fastest this CPU runs (ffn_paths()[0]).
 enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512 };
 
 struct FfnSpec {
