@@ -807,7 +807,8 @@ EXPERTCACHE_FFN_AVX512 inline size_t fp8_segment16(const uint8_t* v, const float
   return fp8_segment<R, NR, kNan>(v, x, C, c, c1, _mm512_castps512_ps256(s256), acc8);
 }
 
-// FP8 dot rows, as dot_fp8_avx2 with 16 weights a step.
+// FP8 dot rows, as dot_fp8_avx2 with 16 weights a step (its loop written again, for the reason
+// dot_mxfp4_avx512 gives).
 template <FfnDtype R, int NR>
 EXPERTCACHE_FFN_AVX512 void dot_fp8_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t i0,
                                            size_t i1, float* h) {
