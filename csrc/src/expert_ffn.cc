@@ -1189,6 +1189,16 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
     throw std::invalid_argument(std::string("expert ffn: path '") + ffn_path_name(spec.path) +
                                 "' does not run on this CPU (it runs " + runs + ")");
   }
+  // Where each input of an MXFP4 projection goes for this path's kernel, once (empty: as it is).
+  auto order = [&](const FfnProjection& p) {
+    std::vector<uint32_t> at;
+    if (path_ == FfnPath::kPortable || p.encoding != FfnEncoding::kMxfp4) return at;
+    at.resize(p.inputs);
+    for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(mxfp4_input_position(path_, c, p.inputs));
+    return at;
+  };
+  first_order_ = order(spec.first);
+  down_order_ = order(spec.down);
 }
 
 ExpertFfn::~ExpertFfn() = default;
@@ -1280,12 +1290,12 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   if (act_.size() < total * inter) act_.resize(total * inter);
   if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
   // Inputs gathered by token, in the order the first projection's kernel reads them.
-  const bool permute_first = path_ != FfnPath::kPortable && first.encoding == FfnEncoding::kMxfp4;
+  const uint32_t* first_at = first_order_.empty() ? nullptr : first_order_.data();
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
     float* dst = xin_.data() + r * H;
-    if (permute_first)
-      for (size_t c = 0; c < H; ++c) dst[mxfp4_input_position(path_, c, H)] = src[c];
+    if (first_at)
+      for (size_t c = 0; c < H; ++c) dst[first_at[c]] = src[c];
     else
       std::memcpy(dst, src, H * sizeof(float));
   }
@@ -1300,7 +1310,8 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   };
   parallel(n * t.items1, [&](size_t b, size_t e) { first_items(t, b, e); });
   // The activation, each op rounded as transformers' is; written in the down kernel's order.
-  const bool permute_down = path_ != FfnPath::kPortable && down.encoding == FfnEncoding::kMxfp4;
+  const uint32_t* down_at = down_order_.empty() ? nullptr : down_order_.data();
+  const bool permute_down = down_at != nullptr;
   auto activate = [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const float* h = h1_.data() + r * first.outputs;
@@ -1329,7 +1340,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
       }
       if (permute_down) {
         float* dst = act_.data() + r * inter;
-        for (size_t i = 0; i < inter; ++i) dst[mxfp4_input_position(path_, i, inter)] = a[i];
+        for (size_t i = 0; i < inter; ++i) dst[down_at[i]] = a[i];
       }
     }
   };

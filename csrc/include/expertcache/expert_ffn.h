@@ -113,6 +113,9 @@ class ExpertFfn {
 
   FfnSpec spec_;
   FfnPath path_ = FfnPath::kPortable;  // never kAuto
+  // Per input of an MXFP4 projection, its place in the order path_'s kernel reads (empty where the
+  // inputs are read as they are): derived once from path_ and the projection's inputs.
+  std::vector<uint32_t> first_order_, down_order_;
   int threads_ = 1;
   std::unique_ptr<FfnPool> pool_;
   // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
