@@ -23,7 +23,10 @@ region read-write; ``StaleClient`` once its ledger was reclaimed); ``try_pin(e) 
 (the hit path), ``wait_resident(e, timeout_s) -> bool`` (releases the GIL),
 ``resident_slots(entries)`` (slot, -1 loading, -2 absent). Client channels (compute's demands and
 signals in its region, csrc/include/expertcache/channel.h): ``channel(c) -> ClientChannel``;
-``signals_wanted`` (read by compute, set by the daemon).
+``signals_wanted`` (read by compute, set by the daemon). ``LayerSignals(channel, handles, tokens,
+top_k, layers, depth, ahead)``: a decode step's route and lookahead records, written natively per
+layer by ``ExpertFfn.run_layers`` (csrc/include/expertcache/layer_signals.h); ``written``,
+``dropped``.
 
 ``HostPool(num_slots, slot_bytes, pin=False)``: 4 KiB-aligned slots, registered with CUDA when
 ``pin`` (``RuntimeError`` when it cannot be); ``alloc() -> int``, ``free(i)``, ``view(i) ->
@@ -67,6 +70,7 @@ def build_summary() -> str:
 
 SlotTable = _native.SlotTable
 ClientChannel = _native.ClientChannel
+LayerSignals = _native.LayerSignals
 StaleClient = _native.StaleClient
 MAX_REQUEST_ID_BYTES: int = _native.MAX_REQUEST_ID_BYTES
 HostPool = _native.HostPool
@@ -87,6 +91,7 @@ __all__ = [
     "MAX_REQUEST_ID_BYTES",
     "ClientChannel",
     "HostPool",
+    "LayerSignals",
     "TableState",
     "SlotTable",
     "StaleClient",

@@ -26,9 +26,11 @@ Lookahead under forced routing: the later layers' routers still run, but they pr
 random routers would pick, which says nothing of the trace. Each prediction sent to the daemon
 is therefore modelled: each of the trace's top-k experts of the predicted layer is kept with the
 accuracy of its depth, ``layer_ahead_accuracy - (depth - 1) * accuracy_drop_per_depth`` (stated
-parameters, seeded per request, step, layer and depth), and otherwise replaced by the router's
-highest-scored expert outside the trace's set — the same model of lookahead the trace replay
-uses (``replay.simulator``), made concrete in a real process.
+parameters, seeded per request, step, layer and depth), and otherwise replaced by an expert
+outside the trace's set, drawn with the same seed — the model of lookahead the trace replay uses
+(``replay.simulator``), made concrete in a real process. The wrong picks are not the router's own
+(a random router's picks are no better than a draw), so a forward's every prediction is known
+before it runs (``step_lookahead``): decode layers that run natively in one span send them.
 """
 
 from __future__ import annotations
@@ -256,40 +258,51 @@ class ForcedRouting:
 
     def layer_ahead(self, segment, predicted: Prediction) -> Prediction:
         """The modelled prediction of ``segment``'s request for ``predicted.layer`` at its depth
-        (see the module doc)."""
-        row, j = self.row(segment.request_id, segment.step), self._layers.moe_index(predicted.layer)
+        (see the module doc); the router's own picks play no part."""
+        experts, scores = self._modelled(segment, predicted.layer, predicted.depth)
+        return Prediction(layer=predicted.layer, experts=experts, scores=scores, depth=predicted.depth)
+
+    def step_lookahead(
+        self, segments: Sequence, ahead: Sequence[int], depth: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """``layer_ahead``'s predictions of a one-token forward's every layer at once: for the
+        layers ``ahead`` [L * depth] names (-1: none), ids [L, depth, K] int64 and scores [L,
+        depth, K] float32, each as ``layer_ahead`` gives it; None unless ``segments`` is one
+        request's one row (as ``step_routing``)."""
+        if len(segments) != 1 or segments[0].rows != 1 or depth < 1 or len(ahead) % depth:
+            return None
+        layers, k = len(ahead) // depth, self.trace.expert_ids.shape[-1]
+        ids = np.zeros((layers, depth, k), dtype=np.int64)
+        scores = np.zeros((layers, depth, k), dtype=np.float32)
+        for i, target in enumerate(ahead):
+            if target >= 0:
+                experts, got = self._modelled(segments[0], target, i % depth + 1)
+                ids[i // depth, i % depth] = experts
+                scores[i // depth, i % depth] = got
+        return ids, scores
+
+    def _modelled(self, segment, layer: int, depth: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """(experts, scores) of the modelled prediction for ``layer`` at ``depth``, best first."""
+        row, j = self.row(segment.request_id, segment.step), self._layers.moe_index(layer)
         truth = self.trace.expert_ids[row, j].tolist()
         truth_weights = self.trace.gate_weights[row, j].tolist()
-        request = self.request_of(segment.request_id)
-        accuracy = self.accuracy(predicted.depth)
-        key = (self._seed, request, segment.step, predicted.layer, predicted.depth)
-        keep = [uniform(key, k) < accuracy for k in range(len(truth))]
-        substitutes: list[int] | None = None
+        accuracy = self.accuracy(depth)
+        key = (self._seed, self.request_of(segment.request_id), segment.step, layer, depth)
+        others: list[int] | None = None
         experts: list[int] = []
         scores: list[float] = []
-        for expert, weight, kept in zip(truth, truth_weights, keep, strict=True):
-            if kept:
+        for k, (expert, weight) in enumerate(zip(truth, truth_weights, strict=True)):
+            scores.append(min(1.0, max(0.0, weight)))
+            if uniform(key, k) < accuracy:
                 experts.append(expert)
-                scores.append(min(1.0, max(0.0, weight)))
                 continue
-            if substitutes is None:
-                # The router's own picks outside the trace's set, best first, then any other expert.
+            if others is None:
                 truth_set = set(truth)
-                substitutes = [e for e in predicted.experts if e not in truth_set]
-                substitutes += [
-                    e for e in range(self.trace.num_experts) if e not in truth_set and e not in substitutes
-                ]
-                router_scores = dict(zip(predicted.experts, predicted.scores, strict=True))
-            sub = substitutes.pop(0)
-            experts.append(sub)
-            scores.append(min(1.0, max(0.0, router_scores.get(sub, weight))))
+                others = [e for e in range(self.trace.num_experts) if e not in truth_set]
+            # A wrong pick: any expert outside the trace's set, drawn with the key (none left: kept).
+            experts.append(others.pop(int(uniform(key, len(truth) + k) * len(others))) if others else expert)
         order = sorted(range(len(experts)), key=lambda i: -scores[i])
-        return Prediction(
-            layer=predicted.layer,
-            experts=tuple(experts[i] for i in order),
-            scores=tuple(scores[i] for i in order),
-            depth=predicted.depth,
-        )
+        return tuple(experts[i] for i in order), tuple(scores[i] for i in order)
 
 
 @dataclass

@@ -27,6 +27,8 @@ from expertcache.protocol import Tier
 
 if TYPE_CHECKING:
     from compute_svc.experts.layer_ahead import Prediction
+    from compute_svc.experts.moe import SpanSignals
+    from expertcache import native
 
 logger = logging.getLogger(__name__)
 
@@ -300,27 +302,42 @@ class DaemonClient(ExpertProvider):
                 )
             return ran > 0
 
-    def run_layer(self, layer: int, run: Callable[[object, int], int]) -> int:
-        """A decode layer whose experts the daemon wants no signals of, in one call that finds
-        them itself: ``run(table, num_experts)`` pins the experts of its routing through the
+    def run_layer(
+        self,
+        layer: int,
+        run: Callable[[object, int, native.LayerSignals | None], int],
+        signals: SpanSignals | None = None,
+    ) -> int:
+        """A decode layer (or a span of them) in one call that finds its experts itself:
+        ``run(table, num_experts, layer_signals)`` pins the experts of its routing through the
         shared slot table at ``layer * num_experts + e``, all or none, computes and unpins (the
-        fused kernel's ``run_layer``): the number of experts it ran, 0 where one was not
-        resident (nothing pinned or run), -1 where the daemon took the pins back meanwhile.
-        Returns that number, or 0 where this does not apply: no slot table or channel, or the
-        daemon uses routes and lookaheads now (``signals_wanted``: the layer's signals then go
-        with ``run_resident`` or its acquire). ``DaemonUnavailable`` as ``release`` raises it."""
+        fused kernel's ``run_layer`` / ``run_layers``): the number of experts it ran, 0 where one
+        was not resident (nothing pinned or run), -1 where the daemon took the pins back
+        meanwhile. Returns that number, or 0 where this does not apply: no slot table or channel,
+        or the daemon uses routes and lookaheads now (``signals_wanted``) and they cannot go with
+        the call. They can where ``signals`` (the step's rows and lookahead) is given and a daemon
+        thread serves the channel: ``layer_signals`` is then the ``native.LayerSignals`` the call
+        writes each layer's records with (else None). ``DaemonUnavailable`` as ``release`` raises it."""
         link = self._link
         with link.lock:
             table = link.table
-            if table is None or link.shm_channel is None or table.signals_wanted:
+            if table is None or link.shm_channel is None or (table.signals_wanted and signals is None):
                 return 0
             stream = link.open_locked()
+            layer_signals = None
+            if table.signals_wanted:
+                layer_signals = self._channel_transport.layer_signals_locked(*signals)
+                if layer_signals is None:
+                    return 0
             try:
-                ran = run(table, link.attachment.manifest.num_experts)
+                ran = run(table, link.attachment.manifest.num_experts, layer_signals)
             except StaleClient:
                 # The daemon ended our stream (and took back the ledger) before we read that it did.
                 link.drop_locked(stream)
                 return 0
+            finally:
+                if layer_signals is not None:
+                    self._channel_transport.count_layer_signals(layer_signals)
             if ran < 0:
                 link.held.clear()
                 raise DaemonUnavailable(

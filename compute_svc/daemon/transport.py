@@ -173,6 +173,34 @@ class ChannelTransport:
                 )
                 self._written_locked(with_acquire)
 
+    def layer_signals_locked(
+        self,
+        request_ids: Sequence[str],
+        tokens: Sequence[int],
+        top_k: int,
+        layers: int,
+        depth: int,
+        ahead: Sequence[int],
+    ) -> native.LayerSignals | None:
+        """The step's signals for layers run natively (``native.LayerSignals``: each such layer's
+        ``routed`` and ``layer_ahead`` records, written by ``ExpertFfn.run_layers``): row r is
+        ``request_ids[r]``'s token ``tokens[r]``; ``ahead`` [layers * depth] the layer predicted at
+        each depth from each layer (-1: none). None while the daemon wants no signals or no daemon
+        thread serves the channel (``routed`` would drop them): such layers run in Python.
+        ``count_layer_signals`` once they ran."""
+        stream = self._link.stream
+        if not self._wanted_locked() or self._link.shm_channel is None or stream is None or stream.ended:
+            return None  # not counted as dropped: the layers' own signals will be, in Python
+        handles = [self._handle_locked(request_id) for request_id in request_ids]
+        return native.LayerSignals(
+            self._link.shm_channel, handles, list(tokens), top_k, layers, depth, list(ahead)
+        )
+
+    def count_layer_signals(self, signals: native.LayerSignals) -> None:
+        """What ``signals`` wrote and dropped, counted as ``routed`` counts its records."""
+        self._counts.sent += signals.written
+        self._counts.dropped += signals.dropped
+
     def reannounce_locked(self, stream: DemandStream) -> None:
         """A new stream: its daemon thread knows none of our handles, so begin them afresh."""
         self._handles.clear()

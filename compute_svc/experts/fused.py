@@ -243,7 +243,7 @@ class FusedExperts:
         top_k_weights: torch.Tensor,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
-    ) -> Callable[[object, int], int] | None:
+    ) -> Callable[[object, int, object], int] | None:
         """A decode step's layer as one call of the kernel's ``run_layer`` (the provider's
         ``run_layer`` gives it the slot table and the experts per layer), adding the result into
         ``residual`` [T, H]; None where ``takes`` says it does not apply."""
@@ -256,7 +256,7 @@ class FusedExperts:
         weights = np.ascontiguousarray(
             top_k_weights.numpy() if top_k_weights.dtype == torch.float32 else storage_view(top_k_weights)
         ).reshape(-1)
-        return lambda table, num_experts: call(table, layer, num_experts, ids, weights)
+        return lambda table, num_experts, _signals: call(table, layer, num_experts, ids, weights)
 
     def layer_call(
         self,
@@ -277,7 +277,8 @@ class FusedExperts:
         step's layers from ``first`` on, each layer's dense half (``attention``, a begun
         ``DecodeAttention``) then its experts, from ``ids`` / ``weights`` [L, rows * K], in one
         native call without the GIL, up to the first layer whose experts do not run: (that layer
-        or L, experts run, why). None where ``takes`` says the kernel does not take such
+        or L, experts run, why); its ``signals`` (a ``native.LayerSignals``) and ``ahead`` (the
+        lookahead as given, ids and scores [L, depth, rows * K]) as ``run_layers`` takes them. None where ``takes`` says the kernel does not take such
         layers."""
         if not self.takes(kernel, rows, weights_dtype, hidden_states, residual):
             return None
@@ -300,11 +301,14 @@ class FusedExperts:
             num_experts: int,
             ids: np.ndarray,
             weights: np.ndarray,
+            signals: object = None,
+            ahead: tuple[np.ndarray, np.ndarray] | None = None,
         ) -> tuple[int, int, str]:
             pairs = self._pairs_for(ids.shape[-1], x)
             got = ffn.run_layers(
-                attention, table, first, num_experts, max_experts, arena, ids, weights, x, pairs, out
-            )
+                attention, table, first, num_experts, max_experts, arena, ids, weights, x, pairs, out,
+                signals, *(ahead if ahead is not None else (None, None)),
+            )  # fmt: skip
             self.calls += got[0] - first
             return got
 

@@ -84,6 +84,7 @@ class LayerAheadPredictor:
         }
         for _, router in routers[:1]:
             self._check_contract(router)
+        self._tables: dict[int, tuple[int, ...]] = {}  # ``table``'s, by layers
 
     @staticmethod
     def _check_contract(router: torch.nn.Module) -> None:
@@ -115,6 +116,18 @@ class LayerAheadPredictor:
     def ahead(self, layer: int) -> tuple[int, ...]:
         """The layers predicted inside ``layer``, depth 1 first."""
         return tuple(target for target, _ in self._ahead.get(layer, ()))
+
+    def table(self, layers: int) -> tuple[int, ...]:
+        """[layers * depth]: the layer predicted at depth d + 1 inside layer l (l < ``layers``), -1
+        where none is (past the last MoE layer, or a layer that predicts nothing)."""
+        got = self._tables.get(layers)
+        if got is None:
+            rows: list[int] = []
+            for layer in range(layers):
+                targets = list(self.ahead(layer))
+                rows.extend(targets + [-1] * (self.depth - len(targets)))
+            got = self._tables[layers] = tuple(rows)
+        return got
 
     def scores(
         self, layer: int, hidden_states: torch.Tensor, depth: int = 1

@@ -139,6 +139,20 @@ class StepSegment:
         return self.position + self.rows - 1
 
 
+class SpanSignals(NamedTuple):
+    """What a span of natively run decode layers needs to tell the daemon each layer's route and
+    lookahead itself (``DaemonClient.run_layer``): row r of the step is ``request_ids[r]``'s token
+    at position ``tokens[r]``; ``ahead`` [layers * depth] is the layer predicted at depth d + 1
+    from layer l (-1: none), depth 0 where nothing is predicted."""
+
+    request_ids: tuple[str, ...]
+    tokens: tuple[int, ...]
+    top_k: int
+    layers: int
+    depth: int
+    ahead: tuple[int, ...]
+
+
 class RoutingOverride(Protocol):
     """Replaces the router's choice before the route stage (``ExpertRuntime.routing_override``).
 
@@ -148,7 +162,11 @@ class RoutingOverride(Protocol):
 
     Optional (looked up): ``step_routing(segments, device, dtype)``, every MoE layer's routing of
     a one-token forward at once ((ids [L, 1, K], weights [L, 1, K]) as ``routing`` gives them
-    layer by layer, or None), which ``ExpertRuntime.resident_layers`` takes."""
+    layer by layer, or None), which ``ExpertRuntime.resident_layers`` takes; with layer-ahead on,
+    also ``step_lookahead(segments, ahead, depth)``, what ``layer_ahead`` makes of every layer's
+    predictions of such a forward at once (ids [L, depth, K] int64, scores [L, depth, K] float32,
+    each prediction as ``layer_ahead`` returns it, for the layers ``ahead`` [L * depth] names; or
+    None), without the router's own picks, which a span of native layers does not hand out."""
 
     def begin_request(self, request_id: str) -> object: ...
 
@@ -239,16 +257,19 @@ class ResidentLayers:
     def __init__(
         self,
         runtime: ExpertRuntime,
-        run_layer: Callable[[int, Callable[[object, int], int]], int],
+        run_layer: Callable[..., int],
         fused: FusedExperts,
         index: torch.Tensor,
         weights: torch.Tensor,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
+        signals: tuple[SpanSignals, tuple[np.ndarray, np.ndarray] | None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._run_layer = run_layer
         self._fused = fused
+        # (what spans tell the daemon, the override's lookahead as given or None); None: nothing.
+        self._signals = signals
         self._index, self._weights = index, weights  # [L, R, K]
         self._hidden, self._residual = hidden_states, residual
         self._ids = index.numpy()  # numpy views of the same memory
@@ -276,7 +297,9 @@ class ResidentLayers:
         if call is None:
             return False
         ids, weights = self._ids[i].reshape(-1), self._w[i].reshape(-1)
-        ran = self._run_layer(layer, lambda table, num_experts: call(table, layer, num_experts, ids, weights))
+        ran = self._run_layer(
+            layer, lambda table, num_experts, _: call(table, layer, num_experts, ids, weights)
+        )
         if ran <= 0:
             return False
         self._ran(i, range(layer, layer + 1), ran)
@@ -311,14 +334,18 @@ class ResidentLayers:
         call = self._span
         assert call, "run_from without spans"
         got: list = [first, 0, ""]
+        spec, given = self._signals if self._signals is not None else (None, None)
 
-        def run(table: object, num_experts: int) -> int:
-            got[:] = call(attention, table, first, num_experts, self._ids_all, self._w_all)
+        def run(table: object, num_experts: int, layer_signals: native.LayerSignals | None) -> int:
+            got[:] = call(
+                attention, table, first, num_experts, self._ids_all, self._w_all, layer_signals,
+                given if layer_signals is not None else None,
+            )  # fmt: skip
             if got[2] == "stale":
                 raise native.StaleClient(f"the daemon took this client's ledger back (layer {got[0]})")
             return -1 if got[2] == "taken" else got[1]
 
-        self._run_layer(first, run)
+        self._run_layer(first, run, spec)
         stop, ran, why = got
         if stop > first:
             self._ran(first, range(first, stop), ran)
@@ -530,7 +557,7 @@ class ExpertRuntime:
         [R, H] what their result is added into, the same tensors at every layer. None where
         ``resident_layer`` would never apply this step, or the routing override cannot give the
         step's routing at once; ``ResidentLayers.run`` says per layer."""
-        way = self._resident_way()
+        way = self._resident_way(spans=True)
         if way is None:
             return None
         run_layer, fused = way
@@ -541,7 +568,41 @@ class ExpertRuntime:
             if got is None or got[0].shape != index.shape:
                 return None
             index, weights = got
-        return ResidentLayers(self, run_layer, fused, index, weights, hidden_states, residual)
+        signals = self._span_signals(index.shape[0], index.shape[-1])
+        if self.layer_ahead is not None and signals is None:
+            return None
+        return ResidentLayers(self, run_layer, fused, index, weights, hidden_states, residual, signals)
+
+    def _span_signals(
+        self, layers: int, top_k: int
+    ) -> tuple[SpanSignals, tuple[np.ndarray, np.ndarray] | None] | None:
+        """What a span of this step's ``layers`` decode layers tells the daemon (``SpanSignals``)
+        and the routing override's lookahead of them as given (None: the routers' own, computed
+        natively); None where a span cannot tell it: a step whose requests are not one row each
+        in row order, or layer-ahead under an override without ``step_lookahead``."""
+        segments = self.segments
+        if not segments or any(g.rows != 1 or g.start != r for r, g in enumerate(segments)):
+            return None
+        depth, ahead = 0, ()
+        predictor = self.layer_ahead
+        if predictor is not None:
+            depth = predictor.depth
+            ahead = predictor.table(layers)
+        given = None
+        if predictor is not None and self.routing_override is not None:
+            step_lookahead = getattr(self.routing_override, "step_lookahead", None)
+            given = None if step_lookahead is None else step_lookahead(segments, ahead, depth)
+            if given is None:
+                return None
+        spec = SpanSignals(
+            tuple(g.request_id for g in segments),
+            tuple(g.last_position for g in segments),
+            top_k,
+            layers,
+            depth,
+            ahead,
+        )
+        return spec, given
 
     def resident_layer(
         self,
@@ -557,7 +618,7 @@ class ExpertRuntime:
         no signals the daemon wants (the provider's ``run_layer``). True when it ran (the result
         is added into ``residual``, counted as ``forward`` counts it); False when nothing was done
         (``forward`` serves the layer, which routes it again)."""
-        way = self._resident_way()
+        way = self._resident_way(spans=False)
         if way is None:
             return False
         run_layer, fused = way
@@ -579,11 +640,12 @@ class ExpertRuntime:
             self.routing_observer(layer, top_k_index, top_k_weights)
         return True
 
-    def _resident_way(self) -> tuple[Callable, FusedExperts] | None:
+    def _resident_way(self, *, spans: bool) -> tuple[Callable, FusedExperts] | None:
         """(the provider's ``run_layer``, the fused kernels) where a layer may run through
         ``run_layer`` at all: a CPU arena's fused kernel, a provider that has it, and nothing
-        else that needs the layer (layer-ahead, a trace, pins of an earlier wave)."""
-        if self.layer_ahead is not None or self.trace_parent is not None or self._unreleased:
+        else that needs the layer (a trace, pins of an earlier wave; layer-ahead, unless the
+        layers run in ``spans``, which tell the daemon their lookahead natively)."""
+        if (self.layer_ahead is not None and not spans) or self.trace_parent is not None or self._unreleased:
             return None
         run_layer = getattr(self.provider, "run_layer", None)
         fused = self.reader.fused

@@ -42,11 +42,25 @@ void bind_expert_ffn(pybind11::module_& m);
 // DecodeAttention: the dense half of a decoder layer for decode steps on the CPU.
 void bind_decode_attention(pybind11::module_& m);
 
+namespace expertcache {
+class LayerSignals;
+}
+
+// The expertcache::LayerSignals of a Python LayerSignals (bound in bind_slot_table.cc, beside the
+// channel it writes to, which it keeps alive); std::invalid_argument naming `what` otherwise.
+expertcache::LayerSignals& layer_signals_of(const pybind11::object& obj, const char* what);
+
 // A DecodeAttention's begun step lent to another native call (ExpertFfn.run_layers): `run(layer)`
 // computes that layer's dense half for the step's rows, touching no Python object (call it without
 // the GIL). The attention's lock is held while the runner lives, so no other call of it can run.
 struct DecodeLayerRunner {
   std::function<void(size_t)> run;
+  // Layer-ahead (also without the GIL): `route_ahead(layer, ids, scores)` runs `layer`'s router on
+  // the step's mlp_in (the MoE input of the layer that ran last), as `run` routes a layer: its top
+  // k, ids [rows, top_k] and softmax scores [rows, top_k] widened to float. Null where the attention
+  // routes no layer (top_k 0).
+  std::function<void(size_t, int64_t*, float*)> route_ahead;
+  size_t top_k = 0;
   size_t layers = 0;
   size_t rows = 0;
   std::unique_lock<std::mutex> lock;

@@ -98,6 +98,15 @@ class StepLayers {
     scores_ = k_ > 0 ? static_cast<uint8_t*>(st_.top_scores.mutable_data()) : nullptr;
   }
 
+  // `layer`'s router on the step's mlp_in: ids and scores [rows, k], the scores as floats.
+  void route_ahead(size_t layer, int64_t* ids, float* scores) const {
+    const size_t n = st_.rows * k_;
+    if (ahead_scores_.size() < n * item_) ahead_scores_.resize(n * item_);
+    att_.route_with(layer, st_.rows, mlp_in_, ids, ahead_scores_.data());
+    const FfnDtype d = att_.spec().dtype;
+    for (size_t i = 0; i < n; ++i) scores[i] = expertcache::ffn_load(ahead_scores_.data(), d, i);
+  }
+
   // The dense half of `layer` (< the attention's layers) for every row of the step.
   void run(size_t layer) const {
     const size_t at = layer * st_.rows;
@@ -113,6 +122,7 @@ class StepLayers {
   uint8_t *h_, *mlp_in_, *logits_, *scores_;
   int64_t* ids_;
   size_t k_, item_;
+  mutable std::vector<uint8_t> ahead_scores_;  // route_ahead's scores in the dtype
 };
 
 }  // namespace
@@ -126,7 +136,11 @@ DecodeLayerRunner decode_layer_runner(const py::object& attention) {
   if (!a.step) fail("lent before begin_step");
   runner.layers = a.att->layers();
   runner.rows = a.step->rows;
-  runner.run = [layers = StepLayers(a)](size_t layer) { layers.run(layer); };
+  auto layers = std::make_shared<StepLayers>(a);
+  runner.run = [layers](size_t layer) { layers->run(layer); };
+  runner.top_k = a.att->spec().router_top_k;
+  if (runner.top_k > 0)
+    runner.route_ahead = [layers](size_t layer, int64_t* ids, float* scores) { layers->route_ahead(layer, ids, scores); };
   return runner;
 }
 

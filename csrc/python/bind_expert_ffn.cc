@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "expertcache/decode.h"
 #include "expertcache/expert_ffn.h"
 #include "expertcache/float_bits.h"
+#include "expertcache/layer_signals.h"
 #include "expertcache/slot_table.h"
 
 namespace py = pybind11;
@@ -322,7 +324,7 @@ struct LayerScratch {
 // raises it. `gil_held`: as routed_core takes it.
 int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts, size_t max_experts,
                    const LayerArgs& args, const int64_t* ids, const float* weights, bool add, bool gil_held,
-                   LayerScratch& scratch) {
+                   LayerScratch& scratch, const std::function<void()>& on_pinned = {}) {
   std::vector<int64_t>& experts = scratch.experts;
   experts.clear();
   for (size_t r = 0; r < args.S; ++r) {
@@ -339,6 +341,7 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
   const std::vector<int64_t> slots = pin_all(table, entries);
   if (slots.size() != experts.size()) return 0;
   const int ran = run_pinned(table, entries, [&] {
+    if (on_pinned) on_pinned();  // all of the layer is pinned: it runs here
     for (int64_t slot : slots)  // the table's slots beyond the arena: not this arena's table
       if (slot >= int64_t(args.num_slots))
         fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(args.num_slots));
@@ -347,6 +350,80 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
   });
   return ran < 0 ? -1 : int64_t(experts.size());
 }
+
+// run_layers' signals: per layer that runs, its lookahead (the attention's routers of the layers
+// ahead on its MoE input, or the caller's predictions as given) and the LayerSignals write.
+class SpanAhead {
+ public:
+  SpanAhead(const py::object& signals_obj, const py::object& ids_obj, const py::object& scores_obj,
+            const DecodeLayerRunner& runner, size_t S, size_t L) {
+    if (signals_obj.is_none()) {
+      if (!ids_obj.is_none() || !scores_obj.is_none()) fail("ahead_ids and ahead_scores go with signals");
+      return;
+    }
+    signals_ = &layer_signals_of(signals_obj, "signals");
+    const size_t D = signals_->depth();
+    if (signals_->layers() != L || signals_->rows() * signals_->top_k() != S)
+      fail("signals are for " + std::to_string(signals_->layers()) + " layers of " +
+           std::to_string(signals_->rows() * signals_->top_k()) + " pairs, the step has " + std::to_string(L) +
+           " of " + std::to_string(S));
+    if (ids_obj.is_none() != scores_obj.is_none()) fail("ahead_ids and ahead_scores go together");
+    if (!ids_obj.is_none()) {
+      given_ids_ = vector_arg<int64_t>(ids_obj, "ahead_ids", "int64 [layers, depth, T * K]");
+      given_scores_ = vector_arg<float>(scores_obj, "ahead_scores", "float32 [layers, depth, T * K]");
+      if (size_t(given_ids_.size()) != L * D * S || size_t(given_scores_.size()) != L * D * S)
+        fail("ahead_ids and ahead_scores must hold layers x depth x T * K = " + std::to_string(L * D * S) + " values");
+      as_given_ = true;
+    } else if (D > 0 && !runner.route_ahead) {
+      fail("signals with a lookahead need an attention that routes (router_top_k) or ahead_ids / ahead_scores");
+    } else if (D > 0 && runner.top_k != signals_->top_k()) {
+      fail("the attention routes a top " + std::to_string(runner.top_k) + ", the signals' is " +
+           std::to_string(signals_->top_k()));
+    }
+    ids_.resize(D * S);
+    scores_.resize(D * S);
+    pid_.resize(D);
+    psc_.resize(D);
+    S_ = S;
+  }
+
+  // Layer `layer`'s lookahead, after its dense half ran (its MoE input is the attention's mlp_in).
+  void predict(size_t layer, const DecodeLayerRunner& runner) {
+    if (signals_ == nullptr) return;
+    const size_t D = signals_->depth();
+    for (size_t d = 1; d <= D; ++d) {
+      const int64_t target = signals_->ahead(layer, d);
+      if (target < 0) {
+        pid_[d - 1] = nullptr;
+        psc_[d - 1] = nullptr;
+      } else if (as_given_) {
+        pid_[d - 1] = given_ids_.data() + (layer * D + d - 1) * S_;
+        psc_[d - 1] = given_scores_.data() + (layer * D + d - 1) * S_;
+      } else {
+        runner.route_ahead(size_t(target), ids_.data() + (d - 1) * S_, scores_.data() + (d - 1) * S_);
+        pid_[d - 1] = ids_.data() + (d - 1) * S_;
+        psc_[d - 1] = scores_.data() + (d - 1) * S_;
+      }
+    }
+  }
+
+  // What layer_core calls once the layer is pinned: its signals written.
+  std::function<void()> writer(size_t layer, const int64_t* ids) {
+    if (signals_ == nullptr) return {};
+    return [this, layer, ids] { signals_->write(layer, ids, pid_, psc_, as_given_); };
+  }
+
+ private:
+  expertcache::LayerSignals* signals_ = nullptr;
+  py::array_t<int64_t> given_ids_;
+  py::array_t<float> given_scores_;
+  bool as_given_ = false;
+  size_t S_ = 0;
+  std::vector<int64_t> ids_;
+  std::vector<float> scores_;
+  std::vector<const int64_t*> pid_;
+  std::vector<const float*> psc_;
+};
 
 }  // namespace
 
@@ -535,7 +612,8 @@ void bind_expert_ffn(py::module_& m) {
           [](Ffn& f, const py::object& attention, SlotTable& table, size_t first, int64_t num_experts,
              size_t max_experts, const py::object& arena_obj, const py::object& ids_obj,
              const py::object& weights_obj, const py::object& x_obj, const py::object& pairs_obj,
-             const py::object& out_obj) -> py::tuple {
+             const py::object& out_obj, const py::object& signals_obj, const py::object& ahead_ids_obj,
+             const py::object& ahead_scores_obj) -> py::tuple {
             DecodeLayerRunner runner = decode_layer_runner(attention);
             const size_t L = runner.layers;
             if (first >= L) fail("first must be below the attention's " + std::to_string(L) + " layers");
@@ -545,6 +623,7 @@ void bind_expert_ffn(py::module_& m) {
                    std::to_string(runner.rows));
             std::vector<float> widened(args.S);
             LayerScratch scratch;
+            SpanAhead ahead(signals_obj, ahead_ids_obj, ahead_scores_obj, runner, args.S, L);
             size_t layer = first;
             int64_t ran = 0;
             const char* stop = "done";
@@ -553,10 +632,12 @@ void bind_expert_ffn(py::module_& m) {
               for (; layer < L; ++layer) {
                 runner.run(layer);  // writes the layer's routing (where the attention routes) and x
                 args.widen(layer, widened.data());
+                ahead.predict(layer, runner);
                 int64_t got;
                 try {
                   got = layer_core(f, table, int64_t(layer), num_experts, max_experts, args,
-                                   args.ids + layer * args.S, widened.data(), true, false, scratch);
+                                   args.ids + layer * args.S, widened.data(), true, false, scratch,
+                                   ahead.writer(layer, args.ids + layer * args.S));
                 } catch (const expertcache::StaleClient&) {
                   stop = "stale";
                   break;
@@ -576,10 +657,14 @@ void bind_expert_ffn(py::module_& m) {
           },
           py::arg("attention"), py::arg("table"), py::arg("first"), py::arg("num_experts"), py::arg("max_experts"),
           py::arg("arena"), py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"),
+          py::arg("signals") = py::none(), py::arg("ahead_ids") = py::none(), py::arg("ahead_scores") = py::none(),
           "A decode step's layers from `first` on, in one call without the GIL: per layer, the dense half of "
           "`attention` (a DecodeAttention whose step has begun), then the layer's experts as run_layer runs "
-          "them (with `add`), from row `layer` of `ids` / `weights` [layers, T * K]. Stops at the first layer "
-          "whose experts do not run. Returns (layer, experts, why): `layer` the first layer whose experts did "
+          "them (with `add`), from row `layer` of `ids` / `weights` [layers, T * K]. With `signals` (a "
+          "LayerSignals of the step's rows), each layer whose experts all run writes its signals once they "
+          "are pinned, before they run: its routing, and its lookahead from the later layers' routers on its "
+          "MoE input (the attention's), or from `ahead_ids` / `ahead_scores` [layers, depth, T * K] as given. "
+          "Stops at the first layer whose experts do not run. Returns (layer, experts, why): `layer` the first layer whose experts did "
           "not run (its dense half did) or the number of layers; `experts` the experts run; `why` 'done', "
           "'miss' (one not resident, or more than `max_experts`: nothing of it pinned or run), 'stale' "
           "(try_pin_many raised StaleClient: nothing of it pinned or run) or 'taken' (it ran but the daemon "

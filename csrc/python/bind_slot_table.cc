@@ -4,6 +4,7 @@
 
 #include "bind.h"
 #include "expertcache/channel.h"
+#include "expertcache/layer_signals.h"
 #include "expertcache/slot_table.h"
 
 namespace py = pybind11;
@@ -19,6 +20,12 @@ namespace {
 struct PyChannel {
   ClientChannel channel;
   py::object table;
+};
+
+// A LayerSignals writes to a channel: the Python object keeps that channel (and its table) alive.
+struct PyLayerSignals {
+  std::unique_ptr<expertcache::LayerSignals> signals;
+  py::object channel;
 };
 
 py::object record_to_py(const SignalRecord& r) {
@@ -51,6 +58,11 @@ py::object record_to_py(const SignalRecord& r) {
 }
 
 }  // namespace
+
+expertcache::LayerSignals& layer_signals_of(const py::object& obj, const char* what) {
+  if (!py::isinstance<PyLayerSignals>(obj)) throw std::invalid_argument(std::string(what) + " must be a LayerSignals");
+  return *obj.cast<PyLayerSignals&>().signals;
+}
 
 void bind_slot_table(py::module_& m) {
   m.attr("ABSENT") = static_cast<uint32_t>(TableState::kAbsent);
@@ -159,6 +171,66 @@ void bind_slot_table(py::module_& m) {
           "token, [(layer, depth, experts int64, scores float32)]), and whether a malformed record "
           "ended the drain (the rest was skipped)")
       .def("reset", [](PyChannel& c) { c.channel.reset(); });
+
+  py::class_<PyLayerSignals>(m, "LayerSignals")
+      .def(py::init([](const py::object& channel, const std::vector<int64_t>& handles,
+                       const std::vector<int64_t>& tokens, size_t top_k, size_t layers, size_t depth,
+                       const std::vector<int64_t>& ahead) {
+             if (!py::isinstance<PyChannel>(channel)) throw std::invalid_argument("channel must be a ClientChannel");
+             const auto u32 = [](const std::vector<int64_t>& v, const char* what) {
+               std::vector<uint32_t> out;
+               for (int64_t x : v) {
+                 if (x < 0 || x > int64_t(UINT32_MAX))
+                   throw std::invalid_argument(std::string(what) + " " + std::to_string(x) + " is outside 0 .. 2**32 - 1");
+                 out.push_back(uint32_t(x));
+               }
+               return out;
+             };
+             for (int64_t a : ahead)
+               if (a < -1 || a >= int64_t(layers))
+                 throw std::invalid_argument("lookahead layer " + std::to_string(a) + " is outside -1 .. " +
+                                             std::to_string(layers - 1));
+             auto out = std::make_unique<PyLayerSignals>();
+             out->signals = std::make_unique<expertcache::LayerSignals>(
+                 channel.cast<PyChannel&>().channel, u32(handles, "handle"), u32(tokens, "token"), top_k, layers,
+                 depth, ahead);
+             out->channel = channel;
+             return out;
+           }),
+           py::arg("channel"), py::arg("handles"), py::arg("tokens"), py::arg("top_k"), py::arg("layers"),
+           py::arg("depth"), py::arg("ahead"),
+           "A decode step's signals for the layers ExpertFfn.run_layers runs (layer_signals.h): per row its "
+           "request's channel `handles` and `tokens`; `ahead` [layers * depth] the layer predicted at depth "
+           "d + 1 from layer l (-1: none)")
+      .def_property_readonly("written", [](const PyLayerSignals& s) { return s.signals->written(); })
+      .def_property_readonly("dropped", [](const PyLayerSignals& s) { return s.signals->dropped(); })
+      .def(
+          "write",
+          [](PyLayerSignals& s, size_t layer, const py::array_t<int64_t, py::array::c_style>& ids,
+             const py::object& ahead_ids, const py::object& ahead_scores, bool as_given) {
+            const size_t n = s.signals->rows() * s.signals->top_k();
+            if (size_t(ids.size()) != n)
+              throw std::invalid_argument("ids must hold rows * top_k = " + std::to_string(n) + " values");
+            std::vector<py::array_t<int64_t, py::array::c_style>> keep_ids;
+            std::vector<py::array_t<float, py::array::c_style>> keep_scores;
+            std::vector<const int64_t*> pid;
+            std::vector<const float*> psc;
+            for (const auto& a : ahead_ids) keep_ids.push_back(a.cast<py::array_t<int64_t, py::array::c_style>>());
+            for (const auto& a : ahead_scores) keep_scores.push_back(a.cast<py::array_t<float, py::array::c_style>>());
+            if (keep_ids.size() != keep_scores.size() || keep_ids.size() > s.signals->depth())
+              throw std::invalid_argument("ahead_ids and ahead_scores need one array each per depth");
+            for (size_t d = 0; d < keep_ids.size(); ++d) {
+              if (size_t(keep_ids[d].size()) != n || size_t(keep_scores[d].size()) != n)
+                throw std::invalid_argument("each depth's ahead_ids and ahead_scores hold as many values as ids");
+              pid.push_back(keep_ids[d].data());
+              psc.push_back(keep_scores[d].data());
+            }
+            if (layer >= s.signals->layers()) throw std::invalid_argument("layer is outside the signals' layers");
+            s.signals->write(layer, ids.data(), pid, psc, as_given);
+          },
+          py::arg("layer"), py::arg("ids"), py::arg("ahead_ids"), py::arg("ahead_scores"), py::arg("as_given") = false,
+          "One layer's records (what run_layers writes for a layer it runs): `ids` [rows * top_k], and per "
+          "depth `ahead_ids` / `ahead_scores` [rows * top_k] (router weights, or final scores `as_given`)");
 
   py::class_<SlotTable>(m, "SlotTable")
       .def_static("create", &SlotTable::create, py::arg("name"), py::arg("num_entries"),

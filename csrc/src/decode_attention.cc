@@ -275,6 +275,19 @@ void DecodeAttention::run(size_t layer, size_t rows, uint8_t* h, uint8_t* mlp_in
   }
 }
 
+void DecodeAttention::route_with(size_t layer, size_t rows, const uint8_t* x, int64_t* ids, uint8_t* scores) {
+  if (layer >= layers_.size() || layers_[layer].router == nullptr || spec_.router_top_k == 0)
+    throw std::invalid_argument("decode attention: route_with needs a layer with a router and router_top_k");
+  const size_t H = spec_.hidden, E = spec_.router_outputs;
+  const FfnDtype d = spec_.dtype;
+  ahead_x_.resize(std::max(ahead_x_.size(), rows * H));
+  ahead_logits_.resize(std::max(ahead_logits_.size(), rows * E));
+  for (size_t i = 0; i < rows * H; ++i) ahead_x_[i] = ffn_load(x, d, i);
+  const AttentionWeights& w = layers_[layer];
+  linear(w.router, w.router_bias, ahead_x_.data(), rows, H, E, ahead_logits_.data());
+  route(ahead_logits_.data(), rows, ids, scores);
+}
+
 bool router_top_k_supported(FfnDtype dtype, size_t k) { return dtype != FfnDtype::kFloat32 && k >= 1 && k < 8; }
 
 // torch.topk(logits, k, dim=-1) on the CPU: (value as float, index) pairs ordered by a comparator

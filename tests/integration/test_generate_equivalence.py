@@ -226,6 +226,46 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
         assert {e.cache.hits for e in events[1:]} == {manifest.num_layers * top_k}
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_spans_tell_a_daemon_that_wants_signals_each_layers_route_and_lookahead(tiny_store, tmp_path, depth):
+    # bf16 GPT-OSS with every expert resident and a daemon that wants signals (ours): each decode
+    # step's layers still run in one native span (DaemonClient.run_layer), which writes every
+    # layer's route and, with layer-ahead on, its lookahead from the next layers' routers, as
+    # ExpertRuntime.forward would send them: one route per layer and one lookahead per layer that
+    # has a layer ahead, per decode token. The tokens equal transformers'.
+    from compute_svc.experts.layer_ahead import LayerAheadPredictor
+
+    tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
+    with resident_engine(tiny, tmp_path, OURS) as (engine, client, manifest):
+        if depth:
+            engine.runtime.layer_ahead = LayerAheadPredictor(
+                engine.loaded.model, engine.loaded.experts_modules, depth=depth
+            )
+        spans = []
+        run_layer = client.run_layer
+        client.run_layer = lambda layer, *args: spans.append((layer, run_layer(layer, *args))) or spans[-1][1]
+        forwards = []
+        forward = engine.runtime.forward
+        engine.runtime.forward = lambda *args, **kw: forwards.append(1) or forward(*args, **kw)
+        for _ in range(2):  # the second finds every expert resident
+            spans.clear()
+            forwards.clear()
+            sent = client.signals_sent
+            request = GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS)
+            events = list(engine.generate(engine.requests.prepare(request)))
+            assert [e.token_id for e in events] == want
+        layers = manifest.num_layers
+        top_k = json.loads((tiny.checkpoint / "config.json").read_text())["num_experts_per_tok"]
+        assert spans == [(0, layers * top_k)] * (NEW_TOKENS - 1), spans
+        assert len(forwards) == layers  # the prefill's: no decode layer went through Python
+        aheads = layers - 1 if depth else 0  # every layer but the last predicts
+        # per decode token: a route per layer, a lookahead per layer with one ahead; the prefill
+        # (Python's) sends the same, and the request's begin and end once each
+        assert client.signals_sent - sent == NEW_TOKENS * (layers + aheads) + 2
+        assert client.signals_dropped == 0
+
+
 def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_go_on(tiny_store, tmp_path):
     # bf16 GPT-OSS, a quarter of the experts in the arena and a daemon that wants no signals: each
     # decode step's layers run in native spans (dense half and experts, DaemonClient.run_layer),
@@ -242,7 +282,7 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         engine = build_engine(str(tiny.store), client.attachment, client)
         firsts = []
         run_layer = client.run_layer
-        client.run_layer = lambda layer, run: firsts.append(layer) or run_layer(layer, run)
+        client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
         observed = []  # every layer's routing is observed once a forward, in order, whoever ran it
         engine.runtime.routing_observer = lambda layer, index, weights: observed.append(layer)
         events = list(
@@ -271,7 +311,7 @@ def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as
         alone = [greedy(engine, p, 6) for p in prompts]  # every expert they use is resident after
         runs = []
         run_layer = client.run_layer
-        client.run_layer = lambda layer, run: runs.append(run_layer(layer, run)) or runs[-1]
+        client.run_layer = lambda *args: runs.append(run_layer(*args)) or runs[-1]
         seqs = [engine.start(prepare(engine, p, 6)) for p in prompts]
         got = [[] for _ in prompts]
         for i, seq in enumerate(seqs):  # prefill each, then decode all three in the same steps

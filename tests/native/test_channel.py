@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from expertcache.native import MAX_REQUEST_ID_BYTES, SlotTable, StaleClient, TableState
+from expertcache.native import MAX_REQUEST_ID_BYTES, LayerSignals, SlotTable, StaleClient, TableState
 from tests.slot_tables import claim_and_attach, spawn_holding
 from tests.waiting import wait_for
 
@@ -474,3 +474,82 @@ def test_reset_empties_the_channel(table, handle):
     assert (compute.fail_seq, compute.fail_status, compute.fail_message) == (0, 0, "")
     assert daemon.take_demand(0) is None and daemon.drain() == ([], False)
     assert compute.notify_seq == notify  # sleepers compare against what they read: it keeps counting
+
+
+def _records(daemon):
+    records, corrupt = daemon.drain()
+    assert not corrupt
+    out = []
+    for r in records:
+        if r[0] == "route":
+            out.append(("route", r[1], r[2], r[3], r[4].tolist()))
+        else:
+            out.append(("ahead", r[1], r[2], [(la, d, e.tolist(), s.tolist()) for la, d, e, s in r[3]]))
+    return out
+
+
+def test_layer_signals_write_a_layers_routes_then_its_lookahead_per_row(table, handle):
+    # LayerSignals (what a natively run decode layer tells the daemon): per row, the row's experts
+    # ascending and once; then per row its predictions, each depth's router weights renormalised
+    # to sum to 1 (float32), best first, ties by the lower expert, a weight of 0 left out, a depth
+    # with no layer ahead (-1) left out; as predict_host gives them. Then the doorbell rings.
+    compute, daemon = handle.channel(1), table.channel(1)
+    layers, depth = 3, 2
+    ahead = [1, 2, 2, -1, -1, -1]  # layer 0 predicts 1 and 2, layer 1 only 2, layer 2 nothing
+    signals = LayerSignals(compute, [11, 12], [40, 7], 3, layers, depth, ahead)
+    bell = daemon.doorbell_seq
+    ids = np.array([5, 1, 5, 3, 2, 0], np.int64)  # row 0 names expert 5 twice
+    d1_ids = np.array([4, 0, 6, 1, 2, 3], np.int64)
+    d1_w = np.array([0.5, 0.5, 1.0, 0.0, 0.25, 0.25], np.float32)  # row 0: a tie; row 1: a 0
+    d2_ids = np.array([7, 3, 2, 6, 5, 4], np.int64)
+    d2_w = np.array([2.0, 1.0, 1.0, 1.0, 1.0, 2.0], np.float32)
+    signals.write(0, ids, [d1_ids, d2_ids], [d1_w, d2_w])
+    assert daemon.doorbell_seq != bell
+    assert _records(daemon) == [
+        ("route", 11, 40, 0, [1, 5]),
+        ("route", 12, 7, 0, [0, 2, 3]),
+        ("ahead", 11, 40, [(1, 1, [6, 0, 4], [0.5, 0.25, 0.25]), (2, 2, [7, 2, 3], [0.5, 0.25, 0.25])]),
+        ("ahead", 12, 7, [(1, 1, [2, 3], [0.5, 0.5]), (2, 2, [4, 5, 6], [0.5, 0.25, 0.25])]),
+    ]
+    signals.write(1, ids, [d1_ids, d2_ids], [d1_w, d2_w])  # depth 2 of layer 1 names no layer
+    assert [r[3] for r in _records(daemon) if r[0] == "ahead"] == [
+        [(2, 1, [6, 0, 4], [0.5, 0.25, 0.25])],
+        [(2, 1, [2, 3], [0.5, 0.5])],
+    ]
+    signals.write(2, ids, [d1_ids, d2_ids], [d1_w, d2_w])  # the last layer: routes only
+    assert [r[0] for r in _records(daemon)] == ["route", "route"]
+    # As given (a benchmark's modelled predictions): the order kept, only capped at 1.
+    signals.write(0, ids, [d1_ids, d2_ids], [d1_w, d2_w], as_given=True)
+    got = [r for r in _records(daemon) if r[0] == "ahead"]
+    assert got[0][3][1] == (2, 2, [7, 3, 2], [1.0, 1.0, 1.0])
+    assert got[1][3][0] == (1, 1, [1, 2, 3], [0.0, 0.25, 0.25])
+    assert (signals.written, signals.dropped) == (4 + 4 + 2 + 4, 0)
+
+
+def test_layer_signals_count_what_the_ring_drops_and_refuse_bad_shapes(table, handle):
+    compute, daemon = handle.channel(1), table.channel(1)
+    signals = LayerSignals(compute, [1], [0], 2, 1, 0, [])
+    while compute.signal_route(1, 0, 0, list(range(20))):  # fill the ring
+        pass
+    signals.write(0, np.array([0, 1], np.int64), [], [])
+    assert (signals.written, signals.dropped) == (0, 1)
+    daemon.drain()
+    signals.write(0, np.array([0, 1], np.int64), [], [])
+    assert (signals.written, signals.dropped) == (1, 1)
+    for args, message in (
+        (([1, 2], [0], 2, 1, 0, []), "2 handles but 1 tokens"),
+        (([1], [0], 2, 2, 1, [1]), "the lookahead table holds 1 layers, not layers x depth = 2"),
+        (([1], [0], 2, 2, 1, [5, -1]), "lookahead layer 5 is outside -1 .. 1"),
+        (([-1], [0], 2, 1, 0, []), "handle -1 is outside"),
+        (([1], [0], 0, 1, 0, []), "need rows, a top k and layers"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LayerSignals(compute, *args)
+    with pytest.raises(ValueError, match="must be a ClientChannel"):
+        LayerSignals(table, [1], [0], 2, 1, 0, [])
+    with pytest.raises(ValueError, match="ids must hold rows \\* top_k = 2 values"):
+        signals.write(0, np.array([0, 1, 2], np.int64), [], [])
+    with pytest.raises(ValueError, match="one array each per depth"):
+        signals.write(0, np.array([0, 1], np.int64), [np.array([0, 1], np.int64)], [])
+    with pytest.raises(ValueError, match="outside the signals' layers"):
+        signals.write(1, np.array([0, 1], np.int64), [], [])

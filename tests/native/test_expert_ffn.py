@@ -610,7 +610,7 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     # runs them (added into the residual), from the layer's row of the routing; stops at the first
     # layer whose experts do not all run (its dense half did): (that layer, experts run, why). The
     # residual equals one-by-one calls bit for bit, and no pin is left behind.
-    from expertcache.native import DecodeAttention, SlotTable
+    from expertcache.native import DecodeAttention, LayerSignals, SlotTable
     from tests.slot_tables import claim_and_attach
 
     gen = torch.Generator().manual_seed(7)
@@ -679,12 +679,23 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
         att.end_step()
         return h
 
-    def in_one_call(ids, first=0, h=None):
+    def in_one_call(ids, first=0, h=None, **extra):
         h = h0.copy() if h is None else h
         mlp_in, _caches = begin(h)
         try:
             got = ffn.run_layers(
-                att, handle, first, 4, 6, arena, ids, weights, mlp_in, np.empty((T * K, H), np.float32), h
+                att,
+                handle,
+                first,
+                4,
+                6,
+                arena,
+                ids,
+                weights,
+                mlp_in,
+                np.empty((T * K, H), np.float32),
+                h,
+                **extra,
             )
         finally:
             att.end_step()
@@ -702,6 +713,38 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     # From layer 1 with all of it resident: only layer 1.
     got, _ = in_one_call(resident, first=1)
     assert got == (2, 3, "done")
+    # With signals, each layer that runs writes its routes and lookahead (here as given: this
+    # attention routes nothing) once its experts are pinned; the layer with a miss writes none
+    # (ExpertRuntime.forward sends its signals with its acquire). The residual is the same.
+    channel, daemon_side = handle.channel(0), table.channel(0)
+    daemon_side.drain()
+    signals = LayerSignals(channel, [5, 6], [10, 11], K, 2, 1, [1, -1])
+    ahead_ids = np.array([[[3, 1, 0, 2]], [[0, 1, 2, 3]]], np.int64)  # [layers, depth, T * K]
+    ahead_scores = np.array([[[0.5, 0.5, 2.0, 0.25]], [[1, 1, 1, 1]]], np.float32)
+    got, h = in_one_call(missing, signals=signals, ahead_ids=ahead_ids, ahead_scores=ahead_scores)
+    assert got == (1, 3, "miss") and np.array_equal(h, one_by_one(missing, 1))
+    records, corrupt = daemon_side.drain()
+    assert not corrupt
+    assert [(r[0], r[1], r[2], r[3], r[4].tolist()) for r in records[:2]] == [
+        ("route", 5, 10, 0, [0, 2]),
+        ("route", 6, 11, 0, [0, 3]),
+    ]
+    assert [(r[1], [(la, d, e.tolist(), sc.tolist()) for la, d, e, sc in r[3]]) for r in records[2:]] == [
+        (5, [(1, 1, [3, 1], [0.5, 0.5])]),
+        (6, [(1, 1, [0, 2], [1.0, 0.25])]),
+    ]
+    assert (signals.written, signals.dropped) == (4, 0)
+    for extra, message in (
+        (dict(signals=LayerSignals(channel, [5], [10], K, 2, 0, [])), "signals are for 2 layers of 2 pairs"),
+        (dict(ahead_ids=ahead_ids, ahead_scores=ahead_scores), "ahead_ids and ahead_scores go with signals"),
+        (dict(signals=signals), "signals with a lookahead need an attention that routes"),
+        (
+            dict(signals=signals, ahead_ids=ahead_ids[:1].copy(), ahead_scores=ahead_scores),
+            "must hold layers x",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            in_one_call(resident, **extra)
     for kwargs, message in (
         (dict(first=2), "first must be below the attention's 2 layers"),
         (dict(ids=np.array([[0, 2, 3, 0], [1, 9, 0, 0]], np.int64)), "expert 9 is outside the layer's 4"),

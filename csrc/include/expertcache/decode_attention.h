@@ -99,6 +99,12 @@ class DecodeAttention {
            uint8_t* const* keys, uint8_t* const* values, const int64_t* capacity, const int64_t* length,
            uint8_t* logits, int64_t* top_ids = nullptr, uint8_t* top_scores = nullptr);
 
+  // Layer-ahead: the router of `layer` on `rows` rows of x [rows, hidden] (the dtype's values; a
+  // step's mlp_in, another layer's MoE input): its top k, ids [rows, k] and scores [rows, k] of the
+  // dtype, computed as `run` computes a layer's own (the logits rounded, topk, softmax). Needs
+  // the layer's router and router_top_k (std::invalid_argument otherwise).
+  void route_with(size_t layer, size_t rows, const uint8_t* x, int64_t* ids, uint8_t* scores);
+
   // After the last layer: out [rows, vocab] (the dtype's storage) = the head (set_head) of h [rows,
   // hidden], the norm rounded as the layers' norms round and each logit once (as addmm rounds).
   void head(size_t rows, const uint8_t* h, uint8_t* out);
@@ -119,7 +125,8 @@ class DecodeAttention {
   // Scratch, grown to the largest call: the normed rows, q, k, v, the attention output, one
   // projection's sums, one head's scores.
   std::vector<float> x_, q_, k_, v_, a_, y_, s_;
-  std::vector<std::pair<float, int64_t>> queue_;  // one row's (logit, expert), for the top k
+  std::vector<std::pair<float, int64_t>> queue_;
+  std::vector<float> ahead_x_, ahead_logits_;  // route_with's rows as floats, and their logits  // one row's (logit, expert), for the top k
 };
 
 }  // namespace expertcache

@@ -25,8 +25,8 @@ from compute_svc.errors import (
 )
 from compute_svc.experts.arena import ArenaKind
 from compute_svc.experts.layer_ahead import Prediction
-from compute_svc.experts.moe import ReadyExpert
-from expertcache import memfd
+from compute_svc.experts.moe import ReadyExpert, SpanSignals
+from expertcache import memfd, native
 from expertcache import protocol as codes
 from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer
 from expertcache.native import SlotTable, TableState
@@ -591,17 +591,28 @@ def test_a_layer_runs_in_one_call_only_while_the_daemon_wants_no_signals(daemon,
     calls = []
 
     def run(returns):
-        def call(handle, num_experts):
+        def call(handle, num_experts, layer_signals):
             calls.append(num_experts)
+            given.append(layer_signals)
             if isinstance(returns, Exception):
                 raise returns
             return returns
 
         return call
 
+    given = []
     table.signals_wanted = True
     assert client.run_layer(1, run(2)) == 0 and calls == []  # its signals go with run_resident
+    # With the step's rows and lookahead, the call gets the LayerSignals it writes them with, and
+    # what that wrote is counted as sent.
+    spec = SpanSignals(("a", "b"), (3, 9), 2, 2, 1, (1, -1))
+    sent = client.signals_sent
+    assert client.run_layer(1, run(2), spec) == 2 and calls == [4]
+    assert isinstance(given[-1], native.LayerSignals) and client.signals_sent == sent + 2  # begins
+    calls.clear()
     table.signals_wanted = False
+    assert client.run_layer(1, run(2), spec) == 2 and calls == [4] and given[-1] is None
+    calls.clear()
     assert client.run_layer(1, run(2)) == 2 and calls == [4]
     assert client.run_layer(1, run(0)) == 0  # a miss: the acquire serves the layer
     with pytest.raises(
