@@ -197,9 +197,12 @@ class ChannelTransport:
         )
 
     def count_layer_signals(self, signals: native.LayerSignals) -> None:
-        """What ``signals`` wrote and dropped, counted as ``routed`` counts its records."""
+        """What ``signals`` wrote and dropped, counted as ``routed`` counts its records; records
+        it left unrung (a layer with a miss) ring with what follows, as ``with_acquire`` ones."""
         self._counts.sent += signals.written
         self._counts.dropped += signals.dropped
+        if signals.unrung:
+            self._doorbell_due = True
 
     def reannounce_locked(self, stream: DemandStream) -> None:
         """A new stream: its daemon thread knows none of our handles, so begin them afresh."""

@@ -323,20 +323,23 @@ class ResidentLayers:
                     self._span = call
         return self._span is not False
 
-    def run_from(self, attention: object, first: int) -> tuple[int, bool]:
+    def run_from(self, attention: object, first: int) -> tuple[int, bool, bool]:
         """The step's layers from ``first`` on, each its dense half (``attention``, the step's
         begun ``DecodeAttention``) then its experts, in one native call without the GIL (where
         ``spans``), up to the first layer whose experts are not all resident: (that layer, True)
         (its dense half ran: ``ExpertRuntime.forward`` serves its experts), (layers, True) when
         every layer ran, or (first, False) when nothing ran (the provider does not take layers
-        now: the caller runs them one by one). The layers that ran are observed and counted as
+        now: the caller runs them one by one); third, whether the span already told the daemon
+        that layer's signals (its route and lookahead: ``forward(..., signalled=True)``). The layers that ran are observed and counted as
         ``run`` does."""
         call = self._span
         assert call, "run_from without spans"
         got: list = [first, 0, ""]
         spec, given = self._signals if self._signals is not None else (None, None)
+        wrote: list = [False]  # LayerSignals went with the call (a miss layer's then written)
 
         def run(table: object, num_experts: int, layer_signals: native.LayerSignals | None) -> int:
+            wrote[0] = layer_signals is not None
             got[:] = call(
                 attention, table, first, num_experts, self._ids_all, self._w_all, layer_signals,
                 given if layer_signals is not None else None,
@@ -349,7 +352,7 @@ class ResidentLayers:
         stop, ran, why = got
         if stop > first:
             self._ran(first, range(first, stop), ran)
-        return stop, why != ""
+        return stop, why != "", why == "miss" and wrote[0]
 
     def _ran(self, row: int, layers: range, experts: int) -> None:
         """``layers`` ran from the step's routing rows ``row`` on (``experts`` experts in all):
@@ -477,10 +480,13 @@ class ExpertRuntime:
         top_k_weights: torch.Tensor,
         *,
         residual: torch.Tensor | None = None,
+        signalled: bool = False,
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] int64, top_k_weights [T, K] → [T, H]; with a
         ``residual`` [T, H] the result is added into it in place (in the native combine where the
-        layer runs there) and the residual is returned."""
+        layer runs there) and the residual is returned. ``signalled``: the layer's route and
+        lookahead were sent already (a native span that stopped at it, ``ResidentLayers.run_from``),
+        so neither is made nor sent here."""
         self.counters.layers += 1
         if self.routing_override is not None:
             top_k_index, top_k_weights = self.routing_override.routing(
@@ -490,7 +496,7 @@ class ExpertRuntime:
         # on the host it is finished at once (no transfer to share).
         pending = None
         host_predictions = None
-        if self.layer_ahead is not None:
+        if self.layer_ahead is not None and not signalled:
             started = time.perf_counter()
             segments = [(g.start, g.rows) for g in self.segments]
             if hidden_states.device.type == "cpu":
@@ -516,7 +522,8 @@ class ExpertRuntime:
             routing = route(top_k_index, top_k_weights, fetched.index.numpy())
             combiner = Combiner(routing, hidden_states)
             experts, fused = routing.experts, self._fused_layer(module, routing, hidden_states, combiner)
-        self._send_signals(layer, experts, fetched)
+        if not signalled:
+            self._send_signals(layer, experts, fetched)
         if self._ran_resident(layer, routed):
             return self._routed_result(routed, residual)
         layer_span = None

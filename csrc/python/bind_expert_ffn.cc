@@ -413,6 +413,11 @@ class SpanAhead {
     return [this, layer, ids] { signals_->write(layer, ids, pid_, psc_, as_given_); };
   }
 
+  // The layer the span stops at for a miss: its signals written, the doorbell left to its demand.
+  void missed(size_t layer, const int64_t* ids) {
+    if (signals_ != nullptr) signals_->write(layer, ids, pid_, psc_, as_given_, false);
+  }
+
  private:
   expertcache::LayerSignals* signals_ = nullptr;
   py::array_t<int64_t> given_ids_;
@@ -643,6 +648,7 @@ void bind_expert_ffn(py::module_& m) {
                   break;
                 }
                 if (got == 0) {
+                  ahead.missed(layer, args.ids + layer * args.S);
                   stop = "miss";
                   break;
                 }
@@ -664,7 +670,8 @@ void bind_expert_ffn(py::module_& m) {
           "LayerSignals of the step's rows), each layer whose experts all run writes its signals once they "
           "are pinned, before they run: its routing, and its lookahead from the later layers' routers on its "
           "MoE input (the attention's), or from `ahead_ids` / `ahead_scores` [layers, depth, T * K] as given. "
-          "Stops at the first layer whose experts do not run. Returns (layer, experts, why): `layer` the first layer whose experts did "
+          "Stops at the first layer whose experts do not run; for a miss, that layer's signals are written too, "
+          "without the doorbell (signals.unrung: the layer's demand rings it). Returns (layer, experts, why): `layer` the first layer whose experts did "
           "not run (its dense half did) or the number of layers; `experts` the experts run; `why` 'done', "
           "'miss' (one not resident, or more than `max_experts`: nothing of it pinned or run), 'stale' "
           "(try_pin_many raised StaleClient: nothing of it pinned or run) or 'taken' (it ran but the daemon "

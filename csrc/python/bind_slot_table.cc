@@ -204,10 +204,12 @@ void bind_slot_table(py::module_& m) {
            "d + 1 from layer l (-1: none)")
       .def_property_readonly("written", [](const PyLayerSignals& s) { return s.signals->written(); })
       .def_property_readonly("dropped", [](const PyLayerSignals& s) { return s.signals->dropped(); })
+      .def_property_readonly("unrung", [](const PyLayerSignals& s) { return s.signals->unrung(); },
+                             "Records were written since the doorbell last rang (a miss layer's: its demand rings)")
       .def(
           "write",
           [](PyLayerSignals& s, size_t layer, const py::array_t<int64_t, py::array::c_style>& ids,
-             const py::object& ahead_ids, const py::object& ahead_scores, bool as_given) {
+             const py::object& ahead_ids, const py::object& ahead_scores, bool as_given, bool ring) {
             const size_t n = s.signals->rows() * s.signals->top_k();
             if (size_t(ids.size()) != n)
               throw std::invalid_argument("ids must hold rows * top_k = " + std::to_string(n) + " values");
@@ -226,9 +228,10 @@ void bind_slot_table(py::module_& m) {
               psc.push_back(keep_scores[d].data());
             }
             if (layer >= s.signals->layers()) throw std::invalid_argument("layer is outside the signals' layers");
-            s.signals->write(layer, ids.data(), pid, psc, as_given);
+            s.signals->write(layer, ids.data(), pid, psc, as_given, ring);
           },
           py::arg("layer"), py::arg("ids"), py::arg("ahead_ids"), py::arg("ahead_scores"), py::arg("as_given") = false,
+          py::arg("ring") = true,
           "One layer's records (what run_layers writes for a layer it runs): `ids` [rows * top_k], and per "
           "depth `ahead_ids` / `ahead_scores` [rows * top_k] (router weights, or final scores `as_given`)");
 

@@ -28,7 +28,11 @@ LayerSignals::LayerSignals(ClientChannel& channel, std::vector<uint32_t> handles
 }
 
 void LayerSignals::write(size_t layer, const int64_t* ids, const std::vector<const int64_t*>& ahead_ids,
-                         const std::vector<const float*>& ahead_scores, bool as_given) {
+                         const std::vector<const float*>& ahead_scores, bool as_given, bool ring) {
+  const auto done = [&] {
+    if (ring) channel_.ring_doorbell();
+    unrung_ = !ring;
+  };
   const size_t K = top_k_;
   for (size_t r = 0; r < rows(); ++r) {
     experts_.assign(ids + r * K, ids + (r + 1) * K);
@@ -37,7 +41,7 @@ void LayerSignals::write(size_t layer, const int64_t* ids, const std::vector<con
     count(channel_.signal_route(handles_[r], tokens_[r], uint32_t(layer), experts_));
   }
   if (depth_ == 0) {
-    channel_.ring_doorbell();
+    done();
     return;
   }
   ahead_experts_.resize(depth_);
@@ -90,7 +94,7 @@ void LayerSignals::write(size_t layer, const int64_t* ids, const std::vector<con
     const std::vector<std::vector<float>> sc(ahead_out_.begin(), ahead_out_.begin() + n);
     count(channel_.signal_ahead(handles_[r], tokens_[r], layers_out_, depths_out_, ex, sc));
   }
-  channel_.ring_doorbell();
+  done();
 }
 
 }  // namespace expertcache

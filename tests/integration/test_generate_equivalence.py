@@ -299,6 +299,51 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         daemon.stop()
 
 
+def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tiny_store, tmp_path):
+    # bf16 GPT-OSS, a quarter of the experts in the arena, a daemon that wants signals (ours) and
+    # layer-ahead on: a span stops at a layer with a miss having written that layer's route and
+    # lookahead too, so ExpertRuntime.forward neither predicts nor sends them for a decode layer
+    # (only the prefill, which runs no span, does); the next span starts after it. The tokens
+    # equal transformers', and the daemon got every layer's signals: one route per layer and one
+    # lookahead per layer with a layer ahead, per token.
+    from compute_svc.experts.layer_ahead import LayerAheadPredictor
+
+    tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
+    manifest = tiny.manifest
+    daemon = start_daemon(
+        tiny.store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest), extra=OURS
+    )
+    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
+    try:
+        engine = build_engine(str(tiny.store), client.attachment, client)
+        runtime = engine.runtime
+        runtime.layer_ahead = LayerAheadPredictor(engine.loaded.model, engine.loaded.experts_modules)
+        firsts, predicted, sent_by_python = [], [], []
+        run_layer = client.run_layer
+        client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
+        predict_host = runtime.layer_ahead.predict_host
+        runtime.layer_ahead.predict_host = lambda *args: predicted.append(1) or predict_host(*args)
+        send_signals = runtime._send_signals
+        runtime._send_signals = lambda *args: sent_by_python.append(1) or send_signals(*args)
+        sent = client.signals_sent
+        events = list(
+            engine.generate(
+                engine.requests.prepare(GenerationRequest(token_ids=tuple(PROMPT), max_new_tokens=NEW_TOKENS))
+            )
+        )
+        assert [e.token_id for e in events] == want
+        assert sum(e.cache.misses for e in events[1:]) > 0
+        assert any(first > 0 for first in firsts), firsts  # spans resumed past a miss
+        layers = manifest.num_layers
+        assert len(predicted) == len(sent_by_python) == layers  # the prefill's layers only
+        assert client.signals_sent - sent == NEW_TOKENS * (layers + layers - 1) + 2
+        assert client.signals_dropped == 0
+    finally:
+        client.close()
+        daemon.stop()
+
+
 def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as_each_alone(
     tiny_store, tmp_path
 ):

@@ -492,7 +492,8 @@ def test_layer_signals_write_a_layers_routes_then_its_lookahead_per_row(table, h
     # LayerSignals (what a natively run decode layer tells the daemon): per row, the row's experts
     # ascending and once; then per row its predictions, each depth's router weights renormalised
     # to sum to 1 (float32), best first, ties by the lower expert, a weight of 0 left out, a depth
-    # with no layer ahead (-1) left out; as predict_host gives them. Then the doorbell rings.
+    # with no layer ahead (-1) left out; as predict_host gives them. Then the doorbell rings, unless
+    # the layer's demand is to ring it.
     compute, daemon = handle.channel(1), table.channel(1)
     layers, depth = 3, 2
     ahead = [1, 2, 2, -1, -1, -1]  # layer 0 predicts 1 and 2, layer 1 only 2, layer 2 nothing
@@ -518,12 +519,19 @@ def test_layer_signals_write_a_layers_routes_then_its_lookahead_per_row(table, h
     ]
     signals.write(2, ids, [d1_ids, d2_ids], [d1_w, d2_w])  # the last layer: routes only
     assert [r[0] for r in _records(daemon)] == ["route", "route"]
+    assert not signals.unrung
+    # A layer with a miss: its records, and the doorbell left to its demand.
+    bell = daemon.doorbell_seq
+    signals.write(2, ids, [d1_ids, d2_ids], [d1_w, d2_w], ring=False)
+    assert daemon.doorbell_seq == bell and signals.unrung
+    assert [r[0] for r in _records(daemon)] == ["route", "route"]
     # As given (a benchmark's modelled predictions): the order kept, only capped at 1.
     signals.write(0, ids, [d1_ids, d2_ids], [d1_w, d2_w], as_given=True)
+    assert daemon.doorbell_seq != bell and not signals.unrung
     got = [r for r in _records(daemon) if r[0] == "ahead"]
     assert got[0][3][1] == (2, 2, [7, 3, 2], [1.0, 1.0, 1.0])
     assert got[1][3][0] == (1, 1, [1, 2, 3], [0.0, 0.25, 0.25])
-    assert (signals.written, signals.dropped) == (4 + 4 + 2 + 4, 0)
+    assert (signals.written, signals.dropped) == (4 + 4 + 2 + 2 + 4, 0)
 
 
 def test_layer_signals_count_what_the_ring_drops_and_refuse_bad_shapes(table, handle):

@@ -714,8 +714,9 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     got, _ = in_one_call(resident, first=1)
     assert got == (2, 3, "done")
     # With signals, each layer that runs writes its routes and lookahead (here as given: this
-    # attention routes nothing) once its experts are pinned; the layer with a miss writes none
-    # (ExpertRuntime.forward sends its signals with its acquire). The residual is the same.
+    # attention routes nothing) once its experts are pinned; the layer with a miss writes its own
+    # too, leaving the doorbell to its demand (ExpertRuntime.forward posts it). The residual is the
+    # same.
     channel, daemon_side = handle.channel(0), table.channel(0)
     daemon_side.drain()
     signals = LayerSignals(channel, [5, 6], [10, 11], K, 2, 1, [1, -1])
@@ -729,11 +730,16 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
         ("route", 5, 10, 0, [0, 2]),
         ("route", 6, 11, 0, [0, 3]),
     ]
-    assert [(r[1], [(la, d, e.tolist(), sc.tolist()) for la, d, e, sc in r[3]]) for r in records[2:]] == [
+    assert [(r[1], [(la, d, e.tolist(), sc.tolist()) for la, d, e, sc in r[3]]) for r in records[2:4]] == [
         (5, [(1, 1, [3, 1], [0.5, 0.5])]),
         (6, [(1, 1, [0, 2], [1.0, 0.25])]),
     ]
-    assert (signals.written, signals.dropped) == (4, 0)
+    # layer 1 (the miss): its routes, and no lookahead (it predicts no layer)
+    assert [(r[0], r[1], r[3], r[4].tolist()) for r in records[4:]] == [
+        ("route", 5, 1, [1, 2]),
+        ("route", 6, 1, [0]),
+    ]
+    assert (signals.written, signals.dropped, signals.unrung) == (6, 0, True)
     for extra, message in (
         (dict(signals=LayerSignals(channel, [5], [10], K, 2, 0, [])), "signals are for 2 layers of 2 pairs"),
         (dict(ahead_ids=ahead_ids, ahead_scores=ahead_scores), "ahead_ids and ahead_scores go with signals"),

@@ -42,12 +42,15 @@ class LayerSignals {
 
   // Layer `layer`'s records: `ids` [rows * top_k] its routing; for each depth d with a layer
   // ahead, `ahead_ids[d - 1]` / `ahead_scores[d - 1]` [rows * top_k] its prediction (router
-  // weights, or the scores as given with `as_given`). Then rings the doorbell.
+  // weights, or the scores as given with `as_given`). Then rings the doorbell, or with `ring`
+  // false leaves that to what follows (a demand posted for the layer rings for both): `unrung`.
   void write(size_t layer, const int64_t* ids, const std::vector<const int64_t*>& ahead_ids,
-             const std::vector<const float*>& ahead_scores, bool as_given);
+             const std::vector<const float*>& ahead_scores, bool as_given, bool ring = true);
 
   size_t written() const { return written_; }
   size_t dropped() const { return dropped_; }
+  // Records were written since the doorbell last rang.
+  bool unrung() const { return unrung_; }
 
  private:
   void count(bool ok) { ok ? ++written_ : ++dropped_; }
@@ -57,6 +60,7 @@ class LayerSignals {
   size_t top_k_, layers_, depth_;
   std::vector<int64_t> ahead_;
   size_t written_ = 0, dropped_ = 0;
+  bool unrung_ = false;
   // Scratch of one row's records.
   std::vector<int64_t> experts_;
   std::vector<uint32_t> layers_out_, depths_out_;
