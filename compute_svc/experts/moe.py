@@ -272,14 +272,15 @@ class ResidentLayers:
         self._signals = signals
         self._index, self._weights = index, weights  # [L, R, K]
         self._hidden, self._residual = hidden_states, residual
-        self._ids = index.numpy()  # numpy views of the same memory
-        self._w = weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)
+        # numpy views of the same memory: the routing of every layer as [L, R * K] rows
+        self._ids = index.numpy().reshape(index.shape[0], -1)
+        self._w = (weights.numpy() if weights.dtype == torch.float32 else storage_view(weights)).reshape(
+            weights.shape[0], -1
+        )
         self._kernel: tuple[FusedKernel, Callable | None] | None = None  # (a kernel, its call)
         # run_from's call (FusedExperts.layer_call with span), False where the step's layers
-        # cannot span, None until ``spans`` asks; the routing of every layer as [L, R * K] rows.
+        # cannot span, None until ``spans`` asks.
         self._span: Callable | bool | None = None
-        self._ids_all = self._ids.reshape(self._ids.shape[0], -1)
-        self._w_all = self._w.reshape(self._w.shape[0], -1)
         self._layers = 0  # layers run, and their experts
         self._experts = 0
 
@@ -296,7 +297,7 @@ class ResidentLayers:
         call = cached[1]
         if call is None:
             return False
-        ids, weights = self._ids[i].reshape(-1), self._w[i].reshape(-1)
+        ids, weights = self._ids[i], self._w[i]
         ran = self._run_layer(
             layer, lambda table, num_experts, _: call(table, layer, num_experts, ids, weights)
         )
@@ -341,7 +342,7 @@ class ResidentLayers:
         def run(table: object, num_experts: int, layer_signals: native.LayerSignals | None) -> int:
             wrote[0] = layer_signals is not None
             got[:] = call(
-                attention, table, first, num_experts, self._ids_all, self._w_all, layer_signals,
+                attention, table, first, num_experts, self._ids, self._w, layer_signals,
                 given if layer_signals is not None else None,
             )  # fmt: skip
             if got[2] == "stale":
