@@ -333,6 +333,29 @@ void bind_decode_attention(py::module_& m) {
             layers.run(layer);
           },
           py::arg("layer"))
+      .def(
+          "route_with",
+          [](Attention& a, size_t layer, const py::object& x_obj, const py::object& ids_obj,
+             const py::object& scores_obj) {
+            const auto& s = a.att->spec();
+            if (s.router_top_k == 0) fail("route_with needs a spec with router_top_k");
+            if (layer >= a.att->layers()) fail("no layer " + std::to_string(layer));
+            if (!py::isinstance<py::array>(x_obj)) fail("x must be a numpy array");
+            const size_t n = size_t(x_obj.cast<py::array>().size());
+            if (n == 0 || n % s.hidden) fail("x must hold rows of " + std::to_string(s.hidden) + " values");
+            const size_t rows = n / s.hidden, k = s.router_top_k;
+            py::array x = storage(x_obj, s.dtype, n, "x");
+            auto ids = int64s(ids_obj, rows * k, "ids");
+            if (!ids.writeable()) fail("ids must be writable");
+            py::array scores = storage(scores_obj, s.dtype, rows * k, "scores", true);
+            std::unique_lock<std::mutex> lock(a.busy, std::try_to_lock);
+            if (!lock.owns_lock()) fail("route_with called while another call of the same object is in progress");
+            a.att->route_with(layer, rows, static_cast<const uint8_t*>(x.data()), ids.mutable_data(),
+                              static_cast<uint8_t*>(scores.mutable_data()));
+          },
+          py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("scores"),
+          "Layer-ahead: layer `layer`'s router on x [rows, hidden] (the dtype's values): its top k into ids "
+          "[rows, k] and its softmax scores into scores [rows, k] (the dtype's storage), as a step routes a layer")
       .def("end_step", [](Attention& a) {
         std::lock_guard<std::mutex> lock(a.busy);
         a.step.reset();

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +148,29 @@ def test_a_rotary_embedding_whose_frequencies_follow_the_positions_is_called_eve
         sin, want_sin.reshape(2, -1)[:, :half]
     )
     assert calls == [[[3000, 7]]] and step.rotation._table is None
+
+
+def test_layer_ahead_routes_a_later_layer_as_its_router_module_does(local_engine):
+    # DecodeAttention.route_with: layer j's router on another layer's MoE input, what a native
+    # span's lookahead sends: the same top-k experts and softmax weights, bit for bit, as the
+    # GPT-OSS router module (LayerAheadPredictor.predict_host's input) on the same rows.
+    dtype = torch.bfloat16
+    engine, _, _ = local_engine("gpt_oss", dtype=dtype)
+    step = engine.decode_step
+    attention, top_k = step.attention, step.mlps.top_k
+    assert top_k > 0
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, step.hidden, generator=gen) * 2).to(dtype)  # 3 rows
+    storage = x.view(torch.int16).numpy()
+    for j, layer in enumerate(step.layers):
+        ids = np.empty((3, top_k), np.int64)
+        scores = torch.empty(3, top_k, dtype=dtype)
+        attention.route_with(j, storage, ids, scores.view(torch.int16).numpy())
+        router = layer.mlp.router
+        _, want_scores, want_ids = type(router).forward(router, x)
+        assert ids.tolist() == want_ids.tolist(), j
+        assert torch.equal(scores, want_scores.to(dtype)), j
+    with pytest.raises(ValueError, match="no layer 99"):
+        attention.route_with(99, storage, ids, scores.view(torch.int16).numpy())
+    with pytest.raises(ValueError, match=f"ids must hold {2 * top_k} values, not {3 * top_k}"):
+        attention.route_with(0, storage[:2], ids, scores.view(torch.int16).numpy())
