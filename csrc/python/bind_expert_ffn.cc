@@ -219,9 +219,10 @@ void run_routed(Ffn& f, const py::object& arena_obj, const py::object& slots_obj
 }
 
 // `experts` pinned through `table` all at once, or none: their slots, or an empty vector (one of
-// them not resident: what was pinned is unpinned).
+// them not resident: what was pinned is unpinned). Hits are counted only when all were pinned
+// (else the layer's acquire pins and counts them).
 std::vector<int64_t> pin_all(SlotTable& table, const std::vector<int64_t>& entries) {
-  const std::vector<int32_t> got = table.try_pin_many(entries);
+  const std::vector<int32_t> got = table.try_pin_many(entries, false);
   std::vector<int64_t> pinned, slots;
   for (size_t e = 0; e < entries.size(); ++e)
     if (got[e] >= 0) {
@@ -232,6 +233,7 @@ std::vector<int64_t> pin_all(SlotTable& table, const std::vector<int64_t>& entri
     table.unpin_many(pinned);
     return {};
   }
+  table.count_hits(pinned.size());
   return slots;
 }
 

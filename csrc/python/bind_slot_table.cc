@@ -277,7 +277,8 @@ void bind_slot_table(py::module_& m) {
       .def("resident_slots", &SlotTable::resident_slots, py::arg("entries"))
       .def_property_readonly("bound_client", &SlotTable::bound_client)
       .def("try_pin", &SlotTable::try_pin, py::arg("entry"))
-      .def("try_pin_many", &SlotTable::try_pin_many, py::arg("entries"))
+      .def("try_pin_many", [](SlotTable& t, const std::vector<int64_t>& entries) { return t.try_pin_many(entries); },
+           py::arg("entries"))
       .def("unpin", &SlotTable::unpin, py::arg("entry"))
       .def("unpin_many", &SlotTable::unpin_many, py::arg("entries"))
       .def("client_epoch", &SlotTable::client_epoch, py::arg("client"))

@@ -352,7 +352,7 @@ std::optional<int32_t> SlotTable::try_pin(int64_t entry) {
   return slots[0];
 }
 
-std::vector<int32_t> SlotTable::try_pin_many(const std::vector<int64_t>& entries) {
+std::vector<int32_t> SlotTable::try_pin_many(const std::vector<int64_t>& entries, bool count) {
   if (owner_ || !own_) throw std::logic_error("slot table: try_pin is compute's (an attached handle)");
   for (int64_t entry : entries) check_entry(entry);
   std::vector<int32_t> slots(entries.size(), -1);
@@ -376,8 +376,13 @@ std::vector<int32_t> SlotTable::try_pin_many(const std::vector<int64_t>& entries
     r.stamps[e].store(now, std::memory_order_relaxed);
     ++hits;
   }
-  if (hits) r.header->hits.fetch_add(hits, std::memory_order_relaxed);
+  if (hits && count) r.header->hits.fetch_add(hits, std::memory_order_relaxed);
   return slots;
+}
+
+void SlotTable::count_hits(uint64_t n) {
+  if (owner_ || !own_) throw std::logic_error("slot table: count_hits is compute's (an attached handle)");
+  if (n) own_->header->hits.fetch_add(n, std::memory_order_relaxed);
 }
 
 void SlotTable::unpin(int64_t entry) { unpin_many({entry}); }

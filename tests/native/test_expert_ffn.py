@@ -708,7 +708,11 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     assert not np.array_equal(h, h0)
     # Layer 1 names expert 2 (entry 6, absent): layer 0 runs whole, layer 1 its dense half only.
     missing = np.array([[0, 2, 3, 0], [1, 2, 0, 0]], np.int64)
+    hits = handle.hits
     got, h = in_one_call(missing)
+    # Hits counted (the daemon reports them): layer 0's three, not layer 1's two that were pinned
+    # and given back because its third is absent (the layer's acquire pins and counts them).
+    assert handle.hits - hits == 3
     assert got == (1, 3, "miss") and np.array_equal(h, one_by_one(missing, 1))
     # From layer 1 with all of it resident: only layer 1.
     got, _ = in_one_call(resident, first=1)

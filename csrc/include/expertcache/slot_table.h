@@ -166,12 +166,15 @@ class SlotTable {
   // Pins a RESIDENT entry and returns its slot; nullopt if it is not (or stops being) resident.
   std::optional<int32_t> try_pin(int64_t entry);
   // try_pin for each entry (one ledger check for the batch): slot or -1 per entry. All indexes
-  // are checked before anything is pinned.
-  std::vector<int32_t> try_pin_many(const std::vector<int64_t>& entries);
+  // are checked before anything is pinned. Each pin counts as a hit (`hits`), unless `count` is
+  // false: an all-or-none pin counts its hits (count_hits) only once it has them all.
+  std::vector<int32_t> try_pin_many(const std::vector<int64_t>& entries, bool count = true);
   // Drops one pin; on the owner's handle, one of the daemon's holds. Throws if there is none.
   void unpin(int64_t entry);
   // unpin for each entry; all are checked (index, own pin) before anything is unpinned.
   void unpin_many(const std::vector<int64_t>& entries);
+  // Counts `n` hits of this client (compute side): pins try_pin_many took uncounted.
+  void count_hits(uint64_t n);
   // Blocks while the entry is LOADING; true iff it is RESIDENT on return. timeout_s >= 0.
   bool wait_resident(int64_t entry, double timeout_s);
   // Per entry: its slot if RESIDENT, -1 while LOADING, -2 otherwise (ABSENT / EVICTING).
