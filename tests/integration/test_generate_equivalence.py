@@ -146,15 +146,16 @@ def check_offloaded_equals_plain(tiny, tmp_path, tol) -> None:
 
 
 @contextlib.contextmanager
-def resident_engine(tiny, tmp_path, daemon_extra):
-    """A daemon whose arena holds every expert of ``tiny`` (run with ``daemon_extra``), a client
-    of it and an engine through that client: (engine, client, manifest)."""
+def resident_engine(tiny, tmp_path, daemon_extra, budget_bytes=None):
+    """A daemon whose arena holds every expert of ``tiny`` (or ``budget_bytes`` of them; run with
+    ``daemon_extra``), a client of it and an engine through that client: (engine, client,
+    manifest)."""
     manifest = tiny.manifest
     daemon = start_daemon(
         tiny.store,
         tmp_path,
         device="cpu",
-        device_budget_bytes=manifest.num_blobs * manifest.blob_bytes,
+        device_budget_bytes=budget_bytes or manifest.num_blobs * manifest.blob_bytes,
         extra=daemon_extra,
     )
     client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
@@ -273,13 +274,8 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
     # starts after it. The tokens equal transformers'.
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
-    manifest = tiny.manifest
-    daemon = start_daemon(
-        tiny.store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest), extra=PLAIN_LRU
-    )
-    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
-    try:
-        engine = build_engine(str(tiny.store), client.attachment, client)
+    quarter = quarter_of_experts(tiny.manifest)
+    with resident_engine(tiny, tmp_path, PLAIN_LRU, quarter) as (engine, client, manifest):
         firsts = []
         run_layer = client.run_layer
         client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
@@ -294,9 +290,6 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         assert sum(e.cache.misses for e in events[1:]) > 0
         assert 0 in firsts and any(first > 0 for first in firsts), firsts  # spans resumed past a miss
         assert observed == list(range(manifest.num_layers)) * NEW_TOKENS
-    finally:
-        client.close()
-        daemon.stop()
 
 
 def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tiny_store, tmp_path):
@@ -310,13 +303,8 @@ def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tin
 
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
-    manifest = tiny.manifest
-    daemon = start_daemon(
-        tiny.store, tmp_path, device="cpu", device_budget_bytes=quarter_of_experts(manifest), extra=OURS
-    )
-    client = DaemonClient.connect(daemon.address, connect_timeout_s=10, acquire_timeout_s=60)
-    try:
-        engine = build_engine(str(tiny.store), client.attachment, client)
+    quarter = quarter_of_experts(tiny.manifest)
+    with resident_engine(tiny, tmp_path, OURS, quarter) as (engine, client, manifest):
         runtime = engine.runtime
         runtime.layer_ahead = LayerAheadPredictor(engine.loaded.model, engine.loaded.experts_modules)
         firsts, predicted, sent_by_python = [], [], []
@@ -339,9 +327,6 @@ def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tin
         assert len(predicted) == len(sent_by_python) == layers  # the prefill's layers only
         assert client.signals_sent - sent == NEW_TOKENS * (layers + layers - 1) + 2
         assert client.signals_dropped == 0
-    finally:
-        client.close()
-        daemon.stop()
 
 
 def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as_each_alone(
