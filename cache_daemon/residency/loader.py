@@ -89,12 +89,33 @@ class Loader:
 
     # -- under the residency lock ------------------------------------------------------------------
     def submit(self, load: Load) -> None:
-        """Queue ``load`` on its class's pool (a failure to queue fails the load)."""
+        """Queue ``load`` on its class's pool (a failure to queue fails the load).
+
+        A load read from the store straight into its arena slot (no host tier, and the slot is
+        host memory) has its read submitted here, in the calling thread, so the disk starts on it
+        at once rather than when an I/O thread gets the interpreter (0.2-0.5 ms on a busy node);
+        the I/O thread then only waits for the read and publishes it."""
         pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
+        run = self._run
+        if self._host is None and not load.started and not load.cancelled:
+            direct = self._arena.host_buffer(load.slot)
+            if direct is not None:
+                with self._cond:  # a reentrant lock: most callers hold it already
+                    try:
+                        load.handle = self._store.submit(load.key, direct, load.priority)
+                    except BaseException as exc:  # noqa: BLE001 - the load fails, the caller goes on
+                        logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+                        self._on_failed(load, exc)
+                        return
+                    load.started = True
+                run = self._finish_read
         try:
-            pool.submit(self._run, load)
+            pool.submit(run, load)
         except RuntimeError as exc:  # the I/O pool is shut down
-            if not load.started and not load.done:
+            if load.handle is not None and run is self._finish_read:
+                load.handle.cancel()  # its issued chunks land; then the slot is free
+                self._finish_read(load)
+            elif not load.started and not load.done:
                 self._on_failed(load, ShuttingDown(f"cannot load expert {load.key}: {exc}"))
 
     def promote(self, load: Load) -> None:
@@ -204,25 +225,42 @@ class Loader:
             logger.warning("the late copy into slot %d landed: the slot is free again", load.slot)
             return
         except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
-            with self._cond:
-                if load.cancelled:
-                    self._on_cancelled(load)
-                    return
-                logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
-                self._on_failed(load, exc)
+            self._settle_failure(load, exc)
             return
         self._metrics.tier["device"].bytes_in.inc(self._arena.slot_bytes)
         with self._cond:
             self._on_done(load, source)
+
+    def _finish_read(self, load: Load) -> None:
+        """The I/O thread's part of a load whose store read ``submit`` started: wait, publish."""
+        try:
+            self._wait_read(load)
+        except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
+            self._settle_failure(load, exc)
+            return
+        self._metrics.tier["device"].bytes_in.inc(self._arena.slot_bytes)
+        with self._cond:
+            self._on_done(load, Tier.STORE)
+
+    def _settle_failure(self, load: Load, exc: BaseException) -> None:
+        with self._cond:
+            if load.cancelled:
+                self._on_cancelled(load)
+                return
+            logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+            self._on_failed(load, exc)
 
     def _read(self, load: Load, out: torch.Tensor | memoryview) -> None:
         """Read ``load.key``'s blob into ``out`` at the load's priority, cancellable meanwhile."""
         with self._cond:
             if load.cancelled:
                 raise ReadCancelled(f"prefetch of {load.key} cancelled")
-            handle = load.handle = self._store.submit(load.key, out, load.priority)
+            load.handle = self._store.submit(load.key, out, load.priority)
+        self._wait_read(load)
+
+    def _wait_read(self, load: Load) -> None:
         try:
-            handle.wait()
+            load.handle.wait()
         finally:
             with self._cond:
                 load.handle = None

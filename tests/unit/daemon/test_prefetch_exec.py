@@ -218,6 +218,40 @@ def test_demand_joins_a_queued_prefetch_and_promotes_it_to_demand_priority(make)
     r.close_session(s)
 
 
+def test_a_prefetch_read_reaches_the_reader_from_the_thread_that_decided_it(make):
+    """No hop to an I/O thread before the disk starts: while the residency's lock is held (no I/O
+    thread can take a load then), the decision's reads are already in the native reader's queue."""
+    h = make(slots=4)
+    r = h.residency
+    h.store.pause()
+    with r._cond:  # the residency's lock: every I/O thread's step takes it
+        r.intake.observe("req", 0, L1, [0])
+        ahead(r, 0, L3, [4, 5], [0.9, 0.8])
+        r.run_prefetch()
+        assert h.count(h.metrics.prefetch_started) == 2
+        assert h.store.reader_stats()["submitted"] == 2
+        assert {r.describe(ExpertKey(L3, e)).load_priority for e in (4, 5)} == {Priority.LAYER_AHEAD}
+    h.store.resume()
+    wait_for(lambda: h.state(L3, 4) is TableState.RESIDENT and h.state(L3, 5) is TableState.RESIDENT)
+    for e in (4, 5):
+        key = ExpertKey(L3, e)
+        assert h.slot_bytes(r.describe(key).slot) == h.blob(key)
+    assert h.store.reader_stats()["completed"] == 2
+
+
+def test_a_prefetch_whose_read_cannot_be_submitted_frees_its_slot(make):
+    h = make(slots=4)
+    r = h.residency
+    h.store.close()  # the reader refuses every read from now on
+    r.intake.observe("req", 0, L1, [0])
+    ahead(r, 0, L3, [4], [0.9])
+    r.run_prefetch()
+    wait_for(lambda: h.count(h.metrics.prefetch_started) == 1)
+    wait_for(lambda: h.state(L3, 4) is TableState.ABSENT)
+    assert h.table.state(entry(h, ExpertKey(L3, 4))) == TableState.ABSENT
+    assert r.slots.free == 4  # nothing left LOADING: the slot is free again
+
+
 def test_demand_short_of_slots_cancels_queued_prefetches(make):
     h = make(slots=2)
     r = h.residency
