@@ -134,7 +134,7 @@ class ChannelServer:
                     port.intake.apply_ops(ops[:MAX_OPS_PER_HOLD])
                     ops = ops[MAX_OPS_PER_HOLD:]
                 if demand is not None:
-                    # The layer's signals go in the admission's hold of the lock, just before it:
+                    # The layer's signals go in the admission's hold of the lock, just after it:
                     # its demand loads are started before any prefetch they trigger.
                     seq, layer, experts, trace = demand
                     self._serve(seq, layer, experts, ops, trace)

@@ -74,6 +74,8 @@ class Loader:
         self._arena = arena
         self._store = store
         self._host = host if host is not None and host.enabled else None
+        # No host tier and host-memory slots: ``submit`` submits the store read itself.
+        self.reads_directly = self._host is None and arena.num_slots > 0 and arena.host_buffer(0) is not None
         self._metrics = metrics
         self._on_done = on_done
         self._on_failed = on_failed
@@ -97,7 +99,7 @@ class Loader:
         the I/O thread then only waits for the read and publishes it."""
         pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
         run = self._run
-        if self._host is None and not load.started and not load.cancelled:
+        if self.reads_directly and not load.started and not load.cancelled:
             direct = self._arena.host_buffer(load.slot)
             if direct is not None:
                 with self._cond:  # a reentrant lock: most callers hold it already

@@ -76,6 +76,12 @@ class Loads:
             self._loader.submit(load)  # type: ignore[arg-type]
         return load  # type: ignore[return-value]
 
+    @property
+    def reads_directly(self) -> bool:
+        """Whether a load's store read is submitted by the thread that starts it
+        (``Loader.reads_directly``): a demand load then need not be left to the admitting thread."""
+        return self._loader.reads_directly
+
     def submit(self, load: Load) -> None:
         """Queue ``load`` on its class's I/O pool."""
         self._loader.submit(load)

@@ -142,26 +142,22 @@ def test_the_channel_says_copying_while_its_thread_copies_from_the_host_tier(mak
 
 def test_the_channel_does_not_say_copying_while_misses_it_answered_are_read_from_the_store(make, monkeypatch):
     """A store read takes milliseconds: compute sleeps through it rather than poll a CPU away.
-    (Large experts: the answer goes first, then the reads are submitted.)"""
+    (Large experts: the answer goes first; the reads were submitted by the admission.)"""
     from cache_daemon.residency import channel as channel_module
-    from cache_daemon.residency.loader import Loader
 
     monkeypatch.setattr(channel_module, "GATHER_BELOW_BYTES", 0)  # every expert is "large"
     h = make(slots=4)  # no host tier: every miss is a store read
     client, _ = h.attach()
-    seen_at_submit: list[bool] = []
-    submit = Loader.submit
-
-    def watched(self, load):
-        seen_at_submit.append(client.channel.copying)
-        return submit(self, load)
-
-    monkeypatch.setattr(Loader, "submit", watched)
-    assert client.demand(L1, [0, 1, 2]) == (codes.STATUS_OK, "")
+    h.store.pause()  # the reads stay queued in the reader until resumed
+    try:
+        assert client.demand(L1, [0, 1, 2]) == (codes.STATUS_OK, "")
+        assert h.store.reader_stats()["queued"] == 3  # submitted before the answer
+        assert not client.channel.copying  # answered, the reads pending: compute may sleep
+    finally:
+        h.store.resume()
     client.wait_resident(L1, [0, 1, 2])
     client.release(L1, [0, 1, 2])
     assert [client.channel.source(i) for i in range(3)] == [codes.SOURCE_STORE] * 3
-    assert seen_at_submit == [False] * 3
     assert not client.channel.copying
 
 
@@ -184,7 +180,7 @@ def test_the_channel_says_copying_while_it_admits_a_demand_with_no_signals_to_ap
     client.wait_resident(L1, [0])
     client.release(L1, [0])
     client.channel.signal_begin(1, "req-a")
-    client.channel.signal_route(1, 0, L3, [1])  # applied in the admission's hold, first
+    client.channel.signal_route(1, 0, L3, [1])  # applied in the admission's hold, after it
     assert client.demand(L3, [1]) == (codes.STATUS_OK, "")
     client.wait_resident(L3, [1])
     client.release(L3, [1])
@@ -252,9 +248,40 @@ def test_a_demand_that_never_fits_times_out_with_deadline_exceeded(make):
     client, _ = h.attach()
     assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
     client.wait_resident(L1, [0, 1])
+    client.channel.signal_begin(1, "req-a")
+    client.channel.signal_route(1, 0, L3, [0])  # comes with the demand: applied all the same
     status, message = client.demand(L3, [0], timeout_s=10)  # its own pins hold every slot
     assert codes.STATUS_NAMES[status] == "DEADLINE_EXCEEDED" and "acquire_timeout_s" in message
+    assert value(h.metrics.signals, "route") == 1
     client.release(L1, [0, 1])
+
+
+def test_a_demands_reads_start_before_the_signals_that_came_with_it_are_applied(make, monkeypatch):
+    """The admission comes first in its hold of the lock: its victims are chosen on the estimates
+    the last decision computed, and its reads are in the reader before the signals (which change
+    those estimates) are applied; they are applied all the same."""
+    from cache_daemon.decisions.intake import SignalIntake
+
+    h = make(slots=4)
+    client, _ = h.attach()
+    submitted_when_applied: list[int] = []
+    apply = SignalIntake.apply_ops_locked
+
+    def watched(self, ops):
+        ops = list(ops)
+        if ops:
+            submitted_when_applied.append(h.store.reader_stats()["submitted"])
+        return apply(self, ops)
+
+    monkeypatch.setattr(SignalIntake, "apply_ops_locked", watched)
+    client.channel.signal_begin(1, "req-a")
+    client.channel.signal_route(1, 0, L1, [0, 1])
+    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    client.wait_resident(L1, [0, 1])
+    client.release(L1, [0, 1])
+    assert submitted_when_applied == [2]
+    assert value(h.metrics.signals, "route") == 1
+    assert h.residency.signals.live_requests == ("req-a",)
 
 
 def test_signals_are_applied_in_order_and_malformed_ones_rejected(make):
