@@ -150,7 +150,7 @@ class Admission:
 
         ``signals`` (checked by ``intake.check_route`` / ``check_layer_ahead``: compute sends a layer's
         Route and LayerAhead with its Acquire) are applied in the same hold of the lock as the
-        admission, just after it (``_admit_then_apply``).
+        admission, just after it (``_admit``).
 
         Already-resident experts come first (in request order), then the others as their loads
         complete. Each Ready is one pin the session holds until ``release`` or
@@ -193,10 +193,18 @@ class Admission:
         keys: list[ExpertKey],
         deadline: float,
         timeout: float,
+        apply_signals: Callable[[], None],
         client: ChannelServer | None = None,
     ) -> Admitted:
         """Admission under the lock, waiting for slots (woken by releases, loads, unpins) until
-        ``deadline`` → ``AcquireTimeout``."""
+        ``deadline`` → ``AcquireTimeout``; then ``apply_signals()``, the signals that came with the
+        demand, whatever the admission's outcome. In this order the demand's victims are chosen on
+        the estimates the last decision already computed, and its reads start before the
+        estimates are brought up to the new signals (a few hundred microseconds of Python on a
+        busy node, most of a store read). The demanded experts are pinned either way; the layer's
+        route and lookahead then steer the prefetch decision that follows. Measured end to end
+        (mxfp4, the e2e shape, with the demand's reads submitted here too): 2-9% less time per
+        token, the wait for experts down 1-4 ms a token, at 0.5-1 more misses a token."""
         waiting = False
         try:
             while True:
@@ -222,6 +230,7 @@ class Admission:
                 if not self.demand_waiting:
                     self._watcher.unwatch()
                 self._prefetcher.kick()
+            apply_signals()
 
     def _acquire(
         self,
@@ -233,7 +242,7 @@ class Admission:
         signals: tuple[RouteSignal | LookaheadSignal, ...],
     ) -> Iterator[Ready]:
         with self._cond:
-            admitted = self._admit_then_apply(
+            admitted = self._admit(
                 session, layer, keys, deadline, timeout, lambda: self._intake.apply_locked(signals)
             )
         ready, pending, prefetched = admitted.ready, admitted.pending, admitted.prefetched
@@ -293,7 +302,7 @@ class Admission:
             raise
         self._metrics.demands.inc()
         with self._cond:
-            admitted = self._admit_then_apply(
+            admitted = self._admit(
                 client.session,
                 layer,
                 keys,
@@ -308,29 +317,6 @@ class Admission:
             if admitted.pending:
                 self._sessions.wait_for_loads(client, admitted.pending, position)
         return [load for load in admitted.pending.values() if load.deferred]
-
-    def _admit_then_apply(
-        self,
-        session: Session,
-        layer: int,
-        keys: list[ExpertKey],
-        deadline: float,
-        timeout: float,
-        apply_signals: Callable[[], None],
-        client: ChannelServer | None = None,
-    ) -> Admitted:
-        """Under the lock: the demand's admission, then the signals that came with it (applied
-        whatever the admission's outcome). In this order the demand's victims are chosen on the
-        estimates the last decision already computed, and its reads start before the estimates
-        are brought up to the new signals (a few hundred microseconds of Python on a busy node,
-        most of a store read). The demanded experts are pinned either way; the layer's route and
-        lookahead then steer the prefetch decision that follows. Measured end to end (mxfp4, the
-        e2e shape, with the demand's reads submitted here too): 2-9% less time per token, the
-        wait for experts down 1-4 ms a token, at 0.5-1 more misses a token."""
-        try:
-            return self._admit(session, layer, keys, deadline, timeout, client)
-        finally:
-            apply_signals()
 
     def _try_admit(
         self, session: Session, layer: int, keys: list[ExpertKey], client: ChannelServer | None = None
