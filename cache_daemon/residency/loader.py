@@ -98,24 +98,23 @@ class Loader:
         at once rather than when an I/O thread gets the interpreter (0.2-0.5 ms on a busy node);
         the I/O thread then only waits for the read and publishes it."""
         pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
-        run = self._run
-        if self.reads_directly and not load.started and not load.cancelled:
-            direct = self._arena.host_buffer(load.slot)
-            if direct is not None:
-                with self._cond:  # a reentrant lock: most callers hold it already
-                    try:
-                        load.handle = self._store.submit(load.key, direct, load.priority)
-                    except BaseException as exc:  # noqa: BLE001 - the load fails, the caller goes on
-                        logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
-                        self._on_failed(load, exc)
-                        return
-                    load.started = True
-                run = self._finish_read
+        submitted = self.reads_directly and not load.started and not load.cancelled
+        if submitted:
+            with self._cond:  # a reentrant lock: most callers hold it already
+                try:
+                    load.handle = self._store.submit(
+                        load.key, self._arena.host_buffer(load.slot), load.priority
+                    )
+                except BaseException as exc:  # noqa: BLE001 - the load fails, the caller goes on
+                    logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
+                    self._on_failed(load, exc)
+                    return
+                load.started = True
         try:
-            pool.submit(run, load)
+            pool.submit(self._finish_read if submitted else self._run, load)
         except RuntimeError as exc:  # the I/O pool is shut down
-            if load.handle is not None and run is self._finish_read:
-                load.handle.cancel()  # its issued chunks land; then the slot is free
+            if submitted:
+                load.handle.cancel()  # its issued chunks land, then the load fails and frees its slot
                 self._finish_read(load)
             elif not load.started and not load.done:
                 self._on_failed(load, ShuttingDown(f"cannot load expert {load.key}: {exc}"))

@@ -252,6 +252,29 @@ def test_a_prefetch_whose_read_cannot_be_submitted_frees_its_slot(make):
     assert r.slots.free == 4  # nothing left LOADING: the slot is free again
 
 
+def test_a_prefetch_read_submitted_when_its_pool_is_shut_down_frees_its_slot(make):
+    """The read is in the reader before the I/O pool refuses the wait for it: it is cut short and
+    the load fails once its issued chunks land (or it lands whole); nothing stays LOADING."""
+    h = make(slots=4)
+    r = h.residency
+    r._loads._loader._prefetch_pool.shutdown(wait=True)  # the daemon shutting down, its worker not yet
+    with r._cond:  # the worker cannot try again meanwhile: this decision is the only one
+        r.intake.observe("req", 0, L1, [0])
+        ahead(r, 0, L3, [4], [0.9])
+        r.run_prefetch()  # the refusal is settled in this call
+        assert h.count(h.metrics.prefetch_started) == 1
+        # Cut short (the load failed, its slot free) or, every chunk already issued, landed whole.
+        state = h.state(L3, 4)
+        assert state in (TableState.ABSENT, TableState.RESIDENT)
+        assert h.table.state(entry(h, ExpertKey(L3, 4))) == state
+        if state is TableState.RESIDENT:
+            assert h.slot_bytes(r.describe(ExpertKey(L3, 4)).slot) == h.blob(ExpertKey(L3, 4))
+        else:
+            assert r.slots.free == 4
+        assert h.store.reader_stats()["in_flight"] == 0
+        r.configure_prefetch(enabled=False, max_inflight_bytes=0)
+
+
 def test_demand_short_of_slots_cancels_queued_prefetches(make):
     h = make(slots=2)
     r = h.residency
