@@ -92,6 +92,8 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
     assert (
         list(systems) == ["ours", "lru", "resident", "transformers", "accelerate"] and report["repeats"] == 2
     )
+    # The spare, started before them and never measured, takes the first start's place.
+    assert printed.index("[spare] started first") < printed.index("[ours] daemon:")
     for name in ("ours", "lru", "resident"):
         r = systems[name]
         assert r["tokens"] == 2 * 2 * 3  # decode tokens: the first of each request (prefill) left out
