@@ -217,8 +217,10 @@ def cuda_available() -> bool:
 # ``ExpertFfn(spec)``: one MoE layer's experts fused on the CPU from their stored encoding
 # (``run(arena, slots, bounds, rows, tokens, weights, x, out)``, ``set_threads``, ``path``); the spec
 # is compute_svc.experts.fused.fused_spec's; its optional "path" names the SIMD path ("auto", the
-# default, is the fastest). ``FFN_PATHS``: the paths this CPU runs, fastest first ("avx512": the
-# AVX-512 kernels where there are some and the AVX2 ones elsewhere, "avx2", "portable"). See
+# default, is the fastest). ``FFN_PATHS``: the paths this CPU runs, fastest first ("amx": "avx512"
+# but MXFP4 in bfloat16 on AMX tiles from 5 rows an expert; "avx512": the AVX-512 kernels where
+# there are some and the AVX2 ones elsewhere, "avx2", "portable"); ``ExpertFfn.amx_items``: the
+# work items (16 output rows of one expert) run on AMX so far. See
 # csrc/include/expertcache/expert_ffn.h.
 ExpertFfn = _native.ExpertFfn
 FFN_PATHS: tuple[str, ...] = tuple(_native.FFN_PATHS)

@@ -474,12 +474,14 @@ void bind_expert_ffn(py::module_& m) {
                s.path = expertcache::FfnPath::kAuto;
              else if (path == "avx512")
                s.path = expertcache::FfnPath::kAvx512;
+             else if (path == "amx")
+               s.path = expertcache::FfnPath::kAmx;
              else if (path == "avx2")
                s.path = expertcache::FfnPath::kAvx2;
              else if (path == "portable")
                s.path = expertcache::FfnPath::kPortable;
              else
-               fail("spec['path'] '" + path + "' is not auto, avx512, avx2 or portable");
+               fail("spec['path'] '" + path + "' is not auto, amx, avx512, avx2 or portable");
              if (s.first.inputs != s.down.outputs)
                fail("the first projection reads " + std::to_string(s.first.inputs) + " features, the down "
                     "projection writes " + std::to_string(s.down.outputs));
@@ -491,6 +493,7 @@ void bind_expert_ffn(py::module_& m) {
       .def_property_readonly("path", [](const Ffn& f) { return std::string(f.ffn->path()); })
       .def_property_readonly("hidden", [](const Ffn& f) { return f.ffn->hidden(); })
       .def_property_readonly("threads", [](const Ffn& f) { return f.ffn->threads(); })
+      .def_property_readonly("amx_items", [](const Ffn& f) { return f.ffn->amx_items(); })
       .def(
           "set_threads",
           [](Ffn& f, int threads) {

@@ -18,9 +18,18 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define EXPERTCACHE_FFN_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define EXPERTCACHE_FFN_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define EXPERTCACHE_FFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define EXPERTCACHE_FFN_HAS_AMX 1  // the compiler has AMX's intrinsics
+#define EXPERTCACHE_FFN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#endif
 #endif
 
 namespace expertcache {
@@ -31,6 +40,10 @@ constexpr size_t kGroupBytes = 16;  // their bytes
 constexpr size_t kDotChunk = 16;    // output rows per work item (dot)
 constexpr size_t kAxpyChunk = 64;   // least output columns per work item (axpy)
 constexpr size_t kPrefetchBytes = 1024;  // how far ahead a dot row stream is prefetched
+// Rows per expert from which the AMX kernel is faster than the AVX-512 one (bench.kernels, MXFP4,
+// 1 thread: at 4 rows about even, at 8 rows 1.7-2.2x, at 16 rows 3-5x; at 1 row 1.7-2x slower, its
+// cost the same for 1 row as for 16).
+constexpr size_t kAmxMinRows = 5;
 
 constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -57,6 +70,10 @@ inline float round_to(float v, FfnDtype dtype) {
     default: return v;
   }
 }
+
+// v as a bfloat16 word (rounded as round_to), and whether a word is a subnormal number.
+inline uint16_t bf16_word(float v) { return uint16_t(bits_of(round_to(v, FfnDtype::kBFloat16)) >> 16); }
+inline bool subnormal_word(uint16_t w) { return (w & 0x7F80u) == 0 && (w & 0x7Fu) != 0; }
 
 float load_value(const uint8_t* p, FfnDtype dtype, size_t i) {
   switch (dtype) {
@@ -126,9 +143,25 @@ inline size_t mxfp4_position_avx512(size_t c, size_t C) {
   return g * kGroup + k * 8 + d;
 }
 
+// Where input c of an MXFP4 dot row of C inputs sits as a bfloat16 word for the AMX kernel
+// (project_mxfp4_amx): a pair of groups is decoded into two chunks of 32 words, `lo` (each byte's
+// low nibble: the groups' even elements, the first group's in words 0 .. 15) and `hi` (their odd
+// elements); a last group without a pair into one chunk, its even elements then its odd ones.
+inline size_t mxfp4_position_bf16(size_t c, size_t C) {
+  const size_t g = c / kGroup, e = c % kGroup, odd = e % 2, j = e / 2;
+  if (g < C / kGroup / 2 * 2) return g / 2 * 2 * kGroup + odd * kGroup + g % 2 * 16 + j;
+  return g * kGroup + odd * 16 + j;
+}
+
+// Where word w (mxfp4_position_bf16) of input row n of a block of 16 input rows sits in the AMX
+// kernel's inputs: per chunk of 32 words, [16 dwords][16 rows] (a tile B of tdpbf16ps), i.e. dword
+// w / 2 of every row, row by row.
+inline size_t amx_input_index(size_t w, size_t n) { return 2 * ((w / 2) * 16 + n) + w % 2; }
+
 // Where input c of an MXFP4 dot row of C inputs sits for the kernels of `path`.
 inline size_t mxfp4_input_position(FfnPath path, size_t c, size_t C) {
   switch (path) {
+    case FfnPath::kAmx:
     case FfnPath::kAvx512: return mxfp4_position_avx512(c, C);
     case FfnPath::kAvx2: return mxfp4_position(c);
     default: return c;
@@ -665,10 +698,12 @@ struct Fp4ScaledWords {
 const Fp4ScaledWords kFp4Words;
 
 // Two groups' 64 values (32 bytes, scales s0 and s1) times their scales as 4 x 16 floats, in
-// mxfp4_position_avx512 order. The bytes widen to words; a word's low 5 bits index one table of
-// both scales' 16 values (vpermw): the low nibble, or the high one shifted down, plus 16 for the
-// second group. The looked-up bf16 words become floats by a shift (even words) and a mask (odd).
-EXPERTCACHE_FFN_AVX512 inline void fp4_pair_avx512(const uint8_t* bytes, uint8_t s0, uint8_t s1, __m512 v[4]) {
+// mxfp4_position_avx512 order (fp4_pair_avx512). fp4_pair_words: as bfloat16 words, `lo` the
+// bytes' low nibbles (the groups' even elements), `hi` their high ones, the first group's in words
+// 0 .. 15. The bytes widen to words; a word's low 5 bits index one table of both scales' 16 values
+// (vpermw): the low nibble, or the high one shifted down, plus 16 for the second group.
+EXPERTCACHE_FFN_AVX512 inline void fp4_pair_words(const uint8_t* bytes, uint8_t s0, uint8_t s1, __m512i& lo,
+                                                  __m512i& hi) {
   const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
   const __m512i table = _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[s0]))),
@@ -676,8 +711,15 @@ EXPERTCACHE_FFN_AVX512 inline void fp4_pair_avx512(const uint8_t* bytes, uint8_t
   const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
   // (z & 0x0F) | second: ternary-logic table 0xEA is (A & B) | C.
   const __m512i lo_index = _mm512_ternarylogic_epi32(z, _mm512_set1_epi16(0x0F), second, 0xEA);
-  const __m512i lo = _mm512_permutexvar_epi16(lo_index, table);
-  const __m512i hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(z, 4), second), table);
+  lo = _mm512_permutexvar_epi16(lo_index, table);
+  hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(z, 4), second), table);
+}
+
+// The same 64 values as 4 x 16 floats: the looked-up words become floats by a shift (even words)
+// and a mask (odd words).
+EXPERTCACHE_FFN_AVX512 inline void fp4_pair_avx512(const uint8_t* bytes, uint8_t s0, uint8_t s1, __m512 v[4]) {
+  __m512i lo, hi;
+  fp4_pair_words(bytes, s0, s1, lo, hi);
   const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
   v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
@@ -963,6 +1005,110 @@ EXPERTCACHE_FFN_AVX2 void activate8(const FfnSpec& s, const float* h, size_t int
   done = i;
 }
 
+
+#ifdef EXPERTCACHE_FFN_HAS_AMX
+// -- AMX BF16: MXFP4 dot rows for a bfloat16 compute dtype, 16 weight rows at a time ---------------
+//
+// C[16 weight rows][N input rows] += A[16][32 words] . B[16 dwords][N]: tdpbf16ps multiplies pairs of
+// bfloat16 words (exact products, float32 sums, rounded to nearest even). A tile holds 16 weight
+// rows' decoded words of one K-chunk of 32 (fp4_pair_words' `lo` or `hi` of a pair of groups, or a
+// last group's lo and hi); B the same chunk's inputs, as bfloat16 words in mxfp4_position_bf16 order,
+// laid out per chunk as [16 dwords][N rows] (amx_input_index). AMX reads subnormal operands as zero
+// and flushes subnormal sums: a call whose inputs hold a subnormal number, or whose weight rows
+// have a scale that makes values subnormal, is left to the AVX-512 kernel (project_mxfp4_amx
+// returns false).
+
+constexpr uint8_t kMinNormalScale = 2;  // 0.5 x 2**(s - 127) >= 2**-126: an E2M1 value times it is normal
+constexpr size_t kAmxRows = 16;         // weight rows per tile (M) and input rows per B tile (N) at most
+constexpr size_t kAmxPairs = 8;         // pairs of groups decoded per round (16 KiB of staging)
+
+// The tiles of project_mxfp4_amx: tmm0 C [16][16] float; tmm1, tmm2 A [16][32 words]; tmm3, tmm4 B
+// [16][16 dwords] (64 bytes a row each). A constant in memory: the compiler does not see
+// ldtilecfg read the stores of a local one, and drops them.
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+constexpr AmxConfig kAmxConfig = {1, 0, {}, {64, 64, 64, 64, 64}, {16, 16, 16, 16, 16}};
+
+// Configures the calling thread's tiles until amx_release (per batch of calls, not kept: torch's
+// oneDNN kernels configure and release the tiles of the same threads).
+EXPERTCACHE_FFN_AMX void amx_configure() { _tile_loadconfig(&kAmxConfig); }
+EXPERTCACHE_FFN_AMX void amx_release() { _tile_release(); }
+
+
+// True where every scale of weight rows [o0, o1) is at least kMinNormalScale.
+inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
+  uint8_t least = 255;
+  for (const uint8_t* p = s + o0 * row_scales; p < s + o1 * row_scales; ++p) least = std::min(least, *p);
+  return least >= kMinNormalScale;
+}
+
+// An MXFP4 projection's weight rows [o0, o1) (at most 16) against nr input rows whose words are at
+// xv, in blocks of 16 rows (amx_input_index; a block's rows past nr are read, their sums dropped):
+// h[r * outputs + i]. The tiles are configured (amx_configure). False, nothing written, where a
+// scale of those rows makes values subnormal.
+EXPERTCACHE_FFN_AMX bool project_mxfp4_amx(const FfnProjection& p, const uint8_t* slot, const uint16_t* xv,
+                                           size_t nr, size_t o0, size_t o1, float* h) {
+  const size_t C = p.inputs, groups = C / kGroup, pairs = groups / 2, row_bytes = groups * kGroupBytes;
+  const uint8_t* b = slot + p.weight_offset;
+  const uint8_t* s = slot + p.scale_offset;
+  if (!scales_normal(s, groups, o0, o1)) return false;
+  const size_t rows = o1 - o0;
+  alignas(64) uint16_t stage[kAmxPairs][2][kAmxRows][32];
+  alignas(64) float c[kAmxRows * kAmxRows];
+  for (size_t n0 = 0; n0 < nr; n0 += kAmxRows) {
+    const size_t n = std::min(kAmxRows, nr - n0);
+    const uint16_t* x = xv + n0 * C;  // this block of input rows: per chunk, [16 dwords][16 rows]
+    constexpr size_t chunk_words = 32 * kAmxRows;
+    _tile_zero(0);
+    for (size_t q0 = 0; q0 < pairs; q0 += kAmxPairs) {
+      const size_t qn = std::min(kAmxPairs, pairs - q0);
+      for (size_t m = 0; m < kAmxRows; ++m) {
+        const uint8_t* row = b + (o0 + std::min(m, rows - 1)) * row_bytes;  // a missing row repeats the last
+        const uint8_t* rs = s + (o0 + std::min(m, rows - 1)) * groups;
+        for (size_t q = 0; q < qn; ++q) {
+          __m512i lo, hi;
+          fp4_pair_words(row + (q0 + q) * 2 * kGroupBytes, rs[2 * (q0 + q)], rs[2 * (q0 + q) + 1], lo, hi);
+          _mm512_store_si512(stage[q][0][m], lo);
+          _mm512_store_si512(stage[q][1][m], hi);
+        }
+      }
+      for (size_t q = 0; q < qn; ++q) {
+        const size_t chunk = 2 * (q0 + q);
+        _tile_loadd(1, stage[q][0], 64);
+        _tile_loadd(2, stage[q][1], 64);
+        _tile_loadd(3, x + chunk * chunk_words, 64);
+        _tile_loadd(4, x + (chunk + 1) * chunk_words, 64);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_dpbf16ps(0, 2, 4);
+      }
+    }
+    if (groups % 2) {  // the last group alone: its lo and hi words make one chunk
+      const size_t g = groups - 1;
+      for (size_t m = 0; m < kAmxRows; ++m) {
+        const size_t i = o0 + std::min(m, rows - 1);
+        const __m256i z =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i * row_bytes + g * kGroupBytes)));
+        const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[s[i * groups + g]]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stage[0][0][m]), _mm256_permutexvar_epi16(z, table));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stage[0][0][m] + 16),
+                           _mm256_permutexvar_epi16(_mm256_srli_epi16(z, 4), table));
+      }
+      _tile_loadd(1, stage[0][0], 64);
+      _tile_loadd(3, x + g * chunk_words, 64);
+      _tile_dpbf16ps(0, 1, 3);
+    }
+    _tile_stored(0, c, 64);
+    for (size_t m = 0; m < rows; ++m)
+      for (size_t r = 0; r < n; ++r) h[(n0 + r) * p.outputs + o0 + m] = c[m * kAmxRows + r];
+  }
+  return true;
+}
+#endif  // EXPERTCACHE_FFN_HAS_AMX
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -972,6 +1118,23 @@ bool cpu_has_avx512() {
   return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+#ifdef EXPERTCACHE_FFN_HAS_AMX
+// AMX with BF16 on this CPU, and the tile data this process may use (Linux asks for it once).
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!cpu_has_avx512() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx = (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+#if defined(__linux__)
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return amx && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ready;
+}
+#endif
 #else
 bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
@@ -982,6 +1145,15 @@ void activate8(const FfnSpec&, const float*, size_t, float*, size_t& done) { don
 void weigh8(const float*, float*, size_t, size_t, float, FfnDtype) {}
 #endif
 
+#ifndef EXPERTCACHE_FFN_HAS_AMX  // no AMX kernel: no AMX path
+bool amx_ready() { return false; }
+void amx_configure() {}
+void amx_release() {}
+bool project_mxfp4_amx(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
+  return false;
+}
+#endif
+
 void project_portable(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                       float* h, FfnDtype compute) {
   if (p.form == FfnForm::kAxpy)
@@ -990,10 +1162,41 @@ void project_portable(const FfnProjection& p, const uint8_t* slot, const float* 
     dot_portable(p, slot, x, nr, o0, o1, h, compute);
 }
 
+// The calling thread's AMX tiles, configured at the first `use` and released when it goes.
+class AmxTiles {
+ public:
+  AmxTiles() = default;
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+  ~AmxTiles() {
+    if (configured_) amx_release();
+  }
+  void use() {
+    if (!configured_) amx_configure();
+    configured_ = true;
+  }
+  size_t items = 0;  // run by the AMX kernel
+
+ private:
+  bool configured_ = false;
+};
+
+// An MXFP4 projection in bfloat16 by the AMX kernel where `amx` holds (the ExpertFfn's path and
+// inputs allow it) and it has the rows for it; false where it is left to `project`.
+bool project_amx(bool amx, AmxTiles& tiles, const FfnProjection& p, const uint8_t* slot, const uint16_t* xv,
+                 size_t nr, size_t o0, size_t o1, float* h) {
+  if (!amx || nr < kAmxMinRows) return false;
+  tiles.use();
+  const bool ran = project_mxfp4_amx(p, slot, xv, nr, o0, o1, h);
+  tiles.items += ran;
+  return ran;
+}
+
 // h[r][o] for o in [o0, o1), r < nr: the projection by the kernels of `path`.
 void project(FfnPath path, const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0,
              size_t o1, float* h, FfnDtype compute) {
   switch (path) {
+    case FfnPath::kAmx:  // its own kernel is project_mxfp4_amx's, for MXFP4 in bfloat16
     case FfnPath::kAvx512: return project_avx512(p, slot, x, nr, o0, o1, h, compute);
     case FfnPath::kAvx2: return project_avx2(p, slot, x, nr, o0, o1, h, compute);
     default: return project_portable(p, slot, x, nr, o0, o1, h, compute);
@@ -1055,6 +1258,7 @@ bool ffn_cpu_has_avx2() { return cpu_has_avx2(); }
 
 std::vector<FfnPath> ffn_paths() {
   std::vector<FfnPath> out;
+  if (amx_ready()) out.push_back(FfnPath::kAmx);
   if (cpu_has_avx512()) out.push_back(FfnPath::kAvx512);
   if (cpu_has_avx2()) out.push_back(FfnPath::kAvx2);
   out.push_back(FfnPath::kPortable);
@@ -1063,6 +1267,7 @@ std::vector<FfnPath> ffn_paths() {
 
 const char* ffn_path_name(FfnPath path) {
   switch (path) {
+    case FfnPath::kAmx: return "amx";
     case FfnPath::kAvx512: return "avx512";
     case FfnPath::kAvx2: return "avx2";
     case FfnPath::kPortable: return "portable";
@@ -1167,6 +1372,10 @@ struct ExpertFfn::Task {
   const float* weights;
   float* out;
   size_t items1, items2;  // work items per expert, first and down projection
+  // AMX: the first's / the down projection's inputs hold a subnormal number (AVX-512 then); per
+  // expert, its first row in the kernel's inputs, whose blocks of 16 rows are padded to 16.
+  bool subnormal1 = false, subnormal2 = false;
+  const uint32_t* padded = nullptr;
 };
 
 ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
@@ -1199,6 +1408,17 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
   };
   first_order_ = order(spec.first);
   down_order_ = order(spec.down);
+  // AMX: MXFP4 in a bfloat16 compute dtype, its inputs also as bfloat16 words (exact: values of the
+  // compute dtype) in the AMX kernel's order.
+  auto words = [&](const FfnProjection& p) {
+    std::vector<uint32_t> at;
+    if (path_ != FfnPath::kAmx || spec.compute != FfnDtype::kBFloat16 || p.encoding != FfnEncoding::kMxfp4) return at;
+    at.resize(p.inputs);
+    for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(mxfp4_position_bf16(c, p.inputs));
+    return at;
+  };
+  first_words_ = words(spec.first);
+  down_words_ = words(spec.down);
 }
 
 ExpertFfn::~ExpertFfn() = default;
@@ -1216,6 +1436,8 @@ void ExpertFfn::set_threads(int threads) {
 void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.first;
   const size_t chunk = chunk_of(p, threads_);
+  const bool amx = !first_words_.empty() && !t.subnormal1;
+  AmxTiles tiles;
   for (size_t item = begin; item < end; ++item) {
     const size_t e = item / t.items1, part = item % t.items1;
     const size_t o0 = part * chunk, o1 = std::min(p.outputs, o0 + chunk);
@@ -1223,7 +1445,9 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* x = xin_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * p.outputs;
-    project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
+    const uint16_t* words = amx ? xv_.data() + size_t(t.padded[e]) * p.inputs : nullptr;
+    if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
+      project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
     // The projection's output and bias add, rounded as transformers' are.
     const FfnDtype d = spec_.compute;
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
@@ -1240,11 +1464,14 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
       }
     }
   }
+  if (tiles.items) amx_items_.fetch_add(tiles.items, std::memory_order_relaxed);
 }
 
 void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.down;
   const size_t chunk = chunk_of(p, threads_), H = p.outputs;
+  const bool amx = !down_words_.empty() && !t.subnormal2;
+  AmxTiles tiles;
   const FfnDtype d = spec_.compute;
   // The rows' products land in a per-call scratch row block, then weighted into out.
   for (size_t item = begin; item < end; ++item) {
@@ -1254,7 +1481,9 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* a = act_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
-    project(path_, p, slot, a, nr, o0, o1, h, d);
+    const uint16_t* words = amx ? av_.data() + size_t(t.padded[e]) * p.inputs : nullptr;
+    if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
+      project(path_, p, slot, a, nr, o0, o1, h, d);
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
     for (size_t r = 0; r < nr; ++r) {
       const float w = t.weights[r0 + r];
@@ -1274,6 +1503,7 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
       }
     }
   }
+  if (tiles.items) amx_items_.fetch_add(tiles.items, std::memory_order_relaxed);
 }
 
 void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const int64_t* bounds, const int64_t* rows,
@@ -1289,10 +1519,39 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
     h1_.resize(total * std::max(first.outputs, down.outputs));
   if (act_.size() < total * inter) act_.resize(total * inter);
   if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
+  // AMX: each expert's rows in blocks of 16, the last one padded (amx_padded_), and each row's
+  // block (its first row there) and place in it (amx_rows_).
+  const bool amx = !first_words_.empty() || !down_words_.empty();
+  if (amx) {
+    if (amx_rows_.size() < total) amx_rows_.resize(total);
+    if (amx_padded_.size() < n) amx_padded_.resize(n);
+    size_t at = 0;
+    for (size_t e = 0; e < n; ++e) {
+      amx_padded_[e] = uint32_t(at);
+      for (size_t r = size_t(bounds[e]); r < size_t(bounds[e + 1]); ++r) {
+        const size_t i = r - size_t(bounds[e]);
+        amx_rows_[r] = {uint32_t(at + i / 16 * 16), uint32_t(i % 16)};
+      }
+      at += (size_t(bounds[e + 1]) - size_t(bounds[e]) + 15) / 16 * 16;
+    }
+    if (!first_words_.empty() && xv_.size() < at * H) xv_.resize(at * H);
+    if (!down_words_.empty() && av_.size() < at * inter) av_.resize(at * inter);
+  }
+  // Row r's value of input c (as a bfloat16 word) into `dst`, a projection's AMX inputs; true where
+  // it is subnormal.
+  auto put_word = [&](uint16_t* dst, const std::vector<uint32_t>& at, size_t C, size_t r, size_t c, float v) {
+    const AmxRow& row = amx_rows_[r];
+    const uint16_t w = bf16_word(v);
+    dst[size_t(row.first) * C + amx_input_index(at[c], row.n)] = w;
+    return subnormal_word(w);
+  };
   // Inputs gathered by token, in the order the first projection's kernel reads them.
   const uint32_t* first_at = first_order_.empty() ? nullptr : first_order_.data();
+  bool subnormal1 = false;
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
+    if (!first_words_.empty())
+      for (size_t c = 0; c < H; ++c) subnormal1 |= put_word(xv_.data(), first_words_, H, r, c, src[c]);
     float* dst = xin_.data() + r * H;
     if (first_at)
       for (size_t c = 0; c < H; ++c) dst[first_at[c]] = src[c];
@@ -1300,6 +1559,8 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
       std::memcpy(dst, src, H * sizeof(float));
   }
   Task t{arena, slots, n, bounds, rows, weights, out, items_of(first, threads_), items_of(down, threads_)};
+  t.subnormal1 = subnormal1;
+  t.padded = amx_padded_.data();
   auto parallel = [&](size_t items, auto&& body) {
     if (pool_ && items > 1) {
       const std::function<void(size_t)> fn = [&](size_t i) { body(i, i + 1); };
@@ -1312,6 +1573,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   // The activation, each op rounded as transformers' is; written in the down kernel's order.
   const uint32_t* down_at = down_order_.empty() ? nullptr : down_order_.data();
   const bool permute_down = down_at != nullptr;
+  std::atomic<bool> subnormal2{false};
   auto activate = [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const float* h = h1_.data() + r * first.outputs;
@@ -1342,9 +1604,15 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
         float* dst = act_.data() + r * inter;
         for (size_t i = 0; i < inter; ++i) dst[down_at[i]] = a[i];
       }
+      if (!down_words_.empty()) {
+        bool subnormal = false;
+        for (size_t i = 0; i < inter; ++i) subnormal |= put_word(av_.data(), down_words_, inter, r, i, a[i]);
+        if (subnormal) subnormal2.store(true, std::memory_order_relaxed);
+      }
     }
   };
   parallel(total, activate);
+  t.subnormal2 = subnormal2.load(std::memory_order_relaxed);
   parallel(n * t.items2, [&](size_t b, size_t e) { down_items(t, b, e); });
 }
 

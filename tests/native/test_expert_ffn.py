@@ -83,7 +83,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 21])
 def test_equals_transformers_math(case, dtype, rows, ffn_path):
     first, down, gate, bias = case
     gen = torch.Generator().manual_seed(rows)
@@ -126,11 +126,12 @@ def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.n
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 6])
 def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
     """The AVX2 kernel folds each E8M0 scale into its group's 16 values. At scales 0-2 they are
     float32 (and bfloat16) subnormals, still exact: with no bias and inputs near 2**100, the
-    first projection's outputs are normal numbers that only those products make."""
+    first projection's outputs are normal numbers that only those products make (the AMX kernel,
+    which would read them as zero, leaves such rows to the AVX-512 one)."""
     layout, arena, parts = scaled_mxfp4_case(50 + rows, dtype)
     scales = parts["gate_up_proj_scales"]
     scales[:] = torch.randint(
@@ -150,7 +151,7 @@ def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
 @pytest.mark.parametrize("which", ["inputs", "activations"])
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 6])
 def test_mxfp4_subnormal_inputs_count(rows, which):
     """bfloat16 inputs of a projection that are all subnormal (the layer's inputs, or the
     activations the down projection reads), against weights scaled up to meet them: the products
@@ -294,6 +295,26 @@ def test_threads_give_the_same_bits(threads):
     assert torch.equal(one.view(torch.int32), many.view(torch.int32))  # unwritten rows: NaN in both
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_takes_mxfp4_in_bfloat16_from_five_rows_an_expert(ffn_path, threads):
+    """On the AMX path an MXFP4 projection in bfloat16 runs on AMX tiles where an expert has five
+    rows or more (below, the AVX-512 kernel is faster), every 16 output rows a work item; its
+    outputs are held to the reference by test_equals_transformers_math. No other path, encoding or
+    compute dtype uses it."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float32):
+        layout = ExpertLayout(H, INTER, "mxfp4", "mxfp4", "gpt_oss", True, dtype, gen)
+        arena = layout.arena(slots=2)
+        x = torch.randn(5, H, generator=gen).to(dtype)
+        items = {}
+        for rows in (4, 5):
+            _, ffn = run(layout, arena, [(1, [(t, 0, 0.5) for t in range(rows)])], x[:rows], 1, threads)
+            items[rows] = ffn.amx_items
+        amx = ffn_path == "amx" and dtype == torch.bfloat16
+        # first: 2 x INTER outputs, down: H outputs, 16 a work item
+        assert items == {4: 0, 5: (2 * INTER + H) // 16 if amx else 0}
+
+
 def test_decoded_weights_match_the_encodings_module():
     """The layouts the reference reads are the encodings module's own decode."""
     gen = torch.Generator().manual_seed(1)
@@ -343,7 +364,7 @@ def test_bad_arguments_are_refused_by_name(change, message):
         (dict(gate="swish"), "spec\\['gate'\\]"),
         (dict(act="tanh"), "spec\\['act'\\]"),
         (dict(compute="int8"), "dtype 'int8'"),
-        (dict(path="sse"), "spec\\['path'\\] 'sse' is not auto, avx512, avx2 or portable"),
+        (dict(path="sse"), "spec\\['path'\\] 'sse' is not auto, amx, avx512, avx2 or portable"),
     ],
 )
 def test_bad_specs_are_refused_by_name(change, message):
@@ -354,7 +375,7 @@ def test_bad_specs_are_refused_by_name(change, message):
 
 def test_paths_follow_the_cpu():
     paths = list(_native.FFN_PATHS)
-    assert paths[-1] == "portable" and set(paths) <= {"avx512", "avx2", "portable"}
+    assert paths[-1] == "portable" and set(paths) <= {"amx", "avx512", "avx2", "portable"}
     if platform.machine() not in ("x86_64", "AMD64"):
         assert paths == ["portable"]
         return
@@ -363,16 +384,19 @@ def test_paths_follow_the_cpu():
         pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
     flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
     assert ("avx2" in paths) == ({"avx2", "fma", "f16c"} <= flags)
-    assert ("avx512" in paths) == ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"} <= flags)
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+    assert ("avx512" in paths) == (avx512 <= flags)
+    # AMX needs the kernel's leave too (asked for at import): where the flags are, it may be refused.
+    assert "amx" not in paths or avx512 | {"amx_tile", "amx_bf16"} <= flags
     assert _native.ExpertFfn({**plain_layout(3).spec, "path": "auto"}).path == paths[0]
 
 
 @pytest.mark.skipif(
-    not {"avx512", "avx2"} - set(_native.FFN_PATHS),
+    not {"amx", "avx512", "avx2"} - set(_native.FFN_PATHS),
     reason="this CPU runs every SIMD path of the kernel",
 )
 def test_a_path_this_cpu_does_not_run_is_refused_by_name():
-    missing = sorted({"avx512", "avx2"} - set(_native.FFN_PATHS))[0]
+    missing = sorted({"amx", "avx512", "avx2"} - set(_native.FFN_PATHS))[0]
     with pytest.raises(ValueError, match=f"path '{missing}' does not run on this CPU \\(it runs "):
         _native.ExpertFfn({**plain_layout(3).spec, "path": missing})
 

@@ -33,6 +33,7 @@
 // largest call seen.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -63,8 +64,11 @@ struct FfnProjection {
 };
 
 // The SIMD path of an ExpertFfn. kAvx512 runs AVX-512 kernels where it has them (MXFP4 and FP8 dot
-// rows) and the AVX2 ones elsewhere; kAuto is the fastest this CPU runs (ffn_paths()[0]).
-enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512 };
+// rows) and the AVX2 ones elsewhere. kAmx is kAvx512 but for MXFP4 projections in a bfloat16 compute
+// dtype, which it multiplies 16 weight rows at a time by AMX tiles (tdpbf16ps), but where an input
+// or a scaled weight is subnormal (which AMX reads as zero): the AVX-512 kernel's then. kAuto is the
+// fastest this CPU runs (ffn_paths()[0]).
+enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512, kAmx };
 
 struct FfnSpec {
   FfnProjection first;  // gate_up (2I outputs) or up (I outputs)
@@ -78,7 +82,8 @@ struct FfnSpec {
   FfnPath path = FfnPath::kAuto;  // one this CPU runs (ffn_paths()), else std::invalid_argument
 };
 
-// The paths this CPU runs, fastest first; their names ("avx512", "avx2", "portable").
+// The paths this CPU runs, fastest first; their names ("amx", "avx512", "avx2", "portable"). "amx" needs
+// the CPU's AMX-TILE and AMX-BF16 and the kernel's leave to use the tile data (Linux, asked once).
 std::vector<FfnPath> ffn_paths();
 const char* ffn_path_name(FfnPath path);
 
@@ -96,10 +101,12 @@ class ExpertFfn {
   const FfnSpec& spec() const { return spec_; }
   size_t hidden() const { return spec_.down.outputs; }
   size_t intermediate() const { return spec_.down.inputs; }
-  // The SIMD path in use: "avx512", "avx2" or "portable".
+  // The SIMD path in use: "amx", "avx512", "avx2" or "portable".
   const char* path() const;
   void set_threads(int threads);
   int threads() const { return threads_; }
+  // Work items (a projection's 16 output rows for one expert's rows) the AMX kernel has run.
+  uint64_t amx_items() const { return amx_items_.load(std::memory_order_relaxed); }
 
   // The layer's experts (see the header comment). `slots`, `bounds` [n + 1] (bounds[0] = 0),
   // `rows`, `tokens`, `weights` [bounds[n]]. The caller checks every index (the binding does).
@@ -116,12 +123,24 @@ class ExpertFfn {
   // Per input of an MXFP4 projection, its place in the order path_'s kernel reads (empty where the
   // inputs are read as they are): derived once from path_ and the projection's inputs.
   std::vector<uint32_t> first_order_, down_order_;
+  // kAmx, per input of an MXFP4 projection in bfloat16, its word in the AMX kernel's order (empty:
+  // the projection does not run on AMX); per expert row, its block of 16 input rows (AmxRow); per
+  // expert, its first row in the AMX inputs, its blocks padded to 16 rows.
+  std::vector<uint32_t> first_words_, down_words_;
+  struct AmxRow {
+    uint32_t first, n;  // the block's first row in the AMX inputs, this row's place in it
+  };
+  std::vector<AmxRow> amx_rows_;
+  std::vector<uint32_t> amx_padded_;
   int threads_ = 1;
+  std::atomic<uint64_t> amx_items_{0};
   std::unique_ptr<FfnPool> pool_;
   // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
   // order), the first projection's outputs, the activations (and in natural order, nat_, when the
   // down kernel reads them permuted).
   std::vector<float> xin_, h1_, act_, nat_;
+  // The AMX kernel's inputs as bfloat16 words, first and down projection.
+  std::vector<uint16_t> xv_, av_;
 };
 
 // Shared with the dense part of a decode step (decode_attention.h):
