@@ -155,7 +155,7 @@ inline size_t mxfp4_position_bf16(size_t c, size_t C) {
 
 // Where word w (mxfp4_position_bf16) of input row n of a block of 16 input rows sits in the AMX
 // kernel's inputs: per chunk of 32 words, [16 dwords][16 rows] (a tile B of tdpbf16ps), i.e. dword
-// w / 2 of every row, row by row.
+// w / 2 of every row, row by row (row n: row 0's index + 2n).
 inline size_t amx_input_index(size_t w, size_t n) { return 2 * ((w / 2) * 16 + n) + w % 2; }
 
 // Where input c of an MXFP4 dot row of C inputs sits for the kernels of `path`.
@@ -1040,10 +1040,17 @@ EXPERTCACHE_FFN_AMX void amx_release() { _tile_release(); }
 
 
 // True where every scale of weight rows [o0, o1) is at least kMinNormalScale.
-inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
-  uint8_t least = 255;
-  for (const uint8_t* p = s + o0 * row_scales; p < s + o1 * row_scales; ++p) least = std::min(least, *p);
-  return least >= kMinNormalScale;
+EXPERTCACHE_FFN_AMX inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
+  const uint8_t* p = s + o0 * row_scales;
+  const uint8_t* end = s + o1 * row_scales;
+  const __m512i least = _mm512_set1_epi8(char(kMinNormalScale));
+  __mmask64 below = 0;
+  for (; p + 64 <= end; p += 64) below |= _mm512_cmplt_epu8_mask(_mm512_loadu_si512(p), least);
+  if (p < end) {
+    const __mmask64 tail = ~0ULL >> (64 - (end - p));
+    below |= _mm512_mask_cmplt_epu8_mask(tail, _mm512_maskz_loadu_epi8(tail, p), least);
+  }
+  return below == 0;
 }
 
 // An MXFP4 projection's weight rows [o0, o1) (at most 16) against nr input rows whose words are at
@@ -1070,8 +1077,10 @@ EXPERTCACHE_FFN_AMX bool project_mxfp4_amx(const FfnProjection& p, const uint8_t
         const uint8_t* row = b + (o0 + std::min(m, rows - 1)) * row_bytes;  // a missing row repeats the last
         const uint8_t* rs = s + (o0 + std::min(m, rows - 1)) * groups;
         for (size_t q = 0; q < qn; ++q) {
+          const uint8_t* bq = row + (q0 + q) * 2 * kGroupBytes;
+          if ((q & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bq) + kPrefetchBytes, _MM_HINT_T0);
           __m512i lo, hi;
-          fp4_pair_words(row + (q0 + q) * 2 * kGroupBytes, rs[2 * (q0 + q)], rs[2 * (q0 + q) + 1], lo, hi);
+          fp4_pair_words(bq, rs[2 * (q0 + q)], rs[2 * (q0 + q) + 1], lo, hi);
           _mm512_store_si512(stage[q][0][m], lo);
           _mm512_store_si512(stage[q][1][m], hi);
         }
@@ -1414,7 +1423,7 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
     std::vector<uint32_t> at;
     if (path_ != FfnPath::kAmx || spec.compute != FfnDtype::kBFloat16 || p.encoding != FfnEncoding::kMxfp4) return at;
     at.resize(p.inputs);
-    for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(mxfp4_position_bf16(c, p.inputs));
+    for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(amx_input_index(mxfp4_position_bf16(c, p.inputs), 0));
     return at;
   };
   first_words_ = words(spec.first);
@@ -1537,13 +1546,19 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
     if (!first_words_.empty() && xv_.size() < at * H) xv_.resize(at * H);
     if (!down_words_.empty() && av_.size() < at * inter) av_.resize(at * inter);
   }
-  // Row r's value of input c (as a bfloat16 word) into `dst`, a projection's AMX inputs; true where
-  // it is subnormal.
-  auto put_word = [&](uint16_t* dst, const std::vector<uint32_t>& at, size_t C, size_t r, size_t c, float v) {
+  // Row r's C values (as bfloat16 words) into `dst`, a projection's AMX inputs (`at`: each input's
+  // index there for the first row of a block); true where one is subnormal.
+  auto put_words = [&](uint16_t* dst, const std::vector<uint32_t>& at, size_t C, size_t r, const float* v) {
     const AmxRow& row = amx_rows_[r];
-    const uint16_t w = bf16_word(v);
-    dst[size_t(row.first) * C + amx_input_index(at[c], row.n)] = w;
-    return subnormal_word(w);
+    uint16_t* block = dst + size_t(row.first) * C + 2 * size_t(row.n);
+    const uint32_t* index = at.data();
+    bool subnormal = false;
+    for (size_t c = 0; c < C; ++c) {
+      const uint16_t w = bf16_word(v[c]);
+      subnormal |= subnormal_word(w);
+      block[index[c]] = w;
+    }
+    return subnormal;
   };
   // Inputs gathered by token, in the order the first projection's kernel reads them.
   const uint32_t* first_at = first_order_.empty() ? nullptr : first_order_.data();
@@ -1551,7 +1566,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
     if (!first_words_.empty())
-      for (size_t c = 0; c < H; ++c) subnormal1 |= put_word(xv_.data(), first_words_, H, r, c, src[c]);
+      subnormal1 |= put_words(xv_.data(), first_words_, H, r, src);
     float* dst = xin_.data() + r * H;
     if (first_at)
       for (size_t c = 0; c < H; ++c) dst[first_at[c]] = src[c];
@@ -1605,9 +1620,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
         for (size_t i = 0; i < inter; ++i) dst[down_at[i]] = a[i];
       }
       if (!down_words_.empty()) {
-        bool subnormal = false;
-        for (size_t i = 0; i < inter; ++i) subnormal |= put_word(av_.data(), down_words_, inter, r, i, a[i]);
-        if (subnormal) subnormal2.store(true, std::memory_order_relaxed);
+        if (put_words(av_.data(), down_words_, inter, r, a)) subnormal2.store(true, std::memory_order_relaxed);
       }
     }
   };

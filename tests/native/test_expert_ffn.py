@@ -117,9 +117,11 @@ def test_mxfp4_rows_past_the_last_block_of_eight(rows):
         torch.testing.assert_close(got[t : t + 1], want, **TOL[torch.float32])
 
 
-def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.ndarray, dict]:
+def scaled_mxfp4_case(
+    seed: int, dtype: torch.dtype, hidden: int = H
+) -> tuple[ExpertLayout, np.ndarray, dict]:
     gen = torch.Generator().manual_seed(seed)
-    layout = ExpertLayout(H, INTER, "mxfp4", "mxfp4", "gpt_oss", True, dtype, gen)
+    layout = ExpertLayout(hidden, INTER, "mxfp4", "mxfp4", "gpt_oss", True, dtype, gen)
     arena = layout.arena(slots=1)
     return layout, arena, layout.parts(arena, 0)
 
@@ -127,19 +129,25 @@ def scaled_mxfp4_case(seed: int, dtype: torch.dtype) -> tuple[ExpertLayout, np.n
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 4, 6])
-def test_mxfp4_subnormal_scales_stay_exact(dtype, rows):
+@pytest.mark.parametrize("hidden", [H, 160])
+def test_mxfp4_subnormal_scales_stay_exact(dtype, rows, hidden):
     """The AVX2 kernel folds each E8M0 scale into its group's 16 values. At scales 0-2 they are
     float32 (and bfloat16) subnormals, still exact: with no bias and inputs near 2**100, the
     first projection's outputs are normal numbers that only those products make (the AMX kernel,
-    which would read them as zero, leaves such rows to the AVX-512 one)."""
-    layout, arena, parts = scaled_mxfp4_case(50 + rows, dtype)
+    which would read them as zero, leaves such rows to the AVX-512 one: hidden 160 gives a work
+    item's 16 rows 80 scales to check, more than one vector of them)."""
+    layout, arena, parts = scaled_mxfp4_case(50 + rows, dtype, hidden)
     scales = parts["gate_up_proj_scales"]
     scales[:] = torch.randint(
         0, 3, scales.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(rows)
     )
+    if (
+        hidden == 160
+    ):  # past a work item's first 64 scales all normal: only the check's vector part sees the others
+        scales.view(-1, 16 * scales.shape[1])[:, 64:] = 2
     parts["gate_up_proj_bias"].zero_()
     parts["down_proj_bias"].zero_()
-    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(7)).to(dtype) * 2.0**100
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7)).to(dtype) * 2.0**100
     got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
     # The reference's bfloat16 matmul without oneDNN: on a CPU with AVX-512 BF16 or AMX, oneDNN's
     # kernels flush bfloat16 subnormals to zero, which torch's own GEMM does not.

@@ -123,9 +123,10 @@ class ExpertFfn {
   // Per input of an MXFP4 projection, its place in the order path_'s kernel reads (empty where the
   // inputs are read as they are): derived once from path_ and the projection's inputs.
   std::vector<uint32_t> first_order_, down_order_;
-  // kAmx, per input of an MXFP4 projection in bfloat16, its word in the AMX kernel's order (empty:
-  // the projection does not run on AMX); per expert row, its block of 16 input rows (AmxRow); per
-  // expert, its first row in the AMX inputs, its blocks padded to 16 rows.
+  // kAmx, per input of an MXFP4 projection in bfloat16, its word's index in a block of the AMX
+  // kernel's inputs, for the block's first row (empty: the projection does not run on AMX); per
+  // expert row, its block of 16 input rows (AmxRow); per expert, its first row in the AMX inputs,
+  // its blocks padded to 16 rows.
   std::vector<uint32_t> first_words_, down_words_;
   struct AmxRow {
     uint32_t first, n;  // the block's first row in the AMX inputs, this row's place in it
