@@ -20,9 +20,31 @@ from expertcache.manifest import ExpertTensor
 logger = logging.getLogger(__name__)
 
 # Rows per expert up to which the fused kernel beats the torch path (decode + GEMMs), per compute
-# dtype: measured by bench.kernels at the e2e shape, 1 thread (float32: even at 32 rows, MKL's
-# GEMM ahead beyond; bfloat16: the fused kernel still 2-5x ahead at 64 rows, beyond unmeasured).
+# dtype (float32: even at 32 rows, MKL's GEMM ahead beyond; measured at the e2e shape), and in
+# bfloat16 per weight layout (encoding, form) of a projection, a layer taking the smaller of its
+# two: measured by bench.kernels on 1 thread at the e2e and gpt-oss-20b shapes, the largest row
+# count at which the fused kernel is at least as fast at both (torch's bf16 GEMMs run on oneDNN,
+# AMX where the CPU has it). Torch / fused at gpt-oss-20b's shape: MXFP4 1.5 at 64 rows (the AMX
+# path from 5 rows); plain [in, out] 1.0 at 8, 0.5 at 16; plain [out, in] 1.0 at 2, 0.7 at 4;
+# FP8 1.7 at 8, 0.5 at 16; FP8 [in, out] 1.0 at 8, 0.5 at 16.
 MAX_FUSED_ROWS = {"float32": 32, "bfloat16": 64, "float16": 64}
+MAX_FUSED_ROWS_BF16 = {
+    ("mxfp4", "dot"): 64,
+    ("plain", "axpy"): 8,
+    ("plain", "dot"): 2,
+    ("fp8", "dot"): 8,
+    ("fp8", "axpy"): 8,
+}
+
+
+def max_fused_rows(spec: dict) -> int:
+    """Rows per expert up to which the fused kernel runs a layer of ``spec`` (0: never)."""
+    rows = MAX_FUSED_ROWS.get(spec["compute"], 0)
+    if spec["compute"] == "bfloat16":
+        for projection in (spec["first"], spec["down"]):
+            rows = min(rows, MAX_FUSED_ROWS_BF16.get((projection["encoding"], projection["form"]), rows))
+    return rows
+
 
 _ACTS = (
     ((activations.SiLUActivation, torch.nn.SiLU), "silu"),
@@ -195,9 +217,7 @@ class FusedExperts:
                 ffn = self._by_spec.get(text)
                 if ffn is None:
                     native_ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
-                    ffn = FusedKernel(
-                        native_ffn, MAX_FUSED_ROWS.get(spec["compute"], 0), getattr(torch, spec["compute"])
-                    )
+                    ffn = FusedKernel(native_ffn, max_fused_rows(spec), getattr(torch, spec["compute"]))
                     self._by_spec[text] = ffn
                     logger.info(
                         "experts of %s run by the fused CPU kernel up to %d rows per expert (%s path, %d threads)",

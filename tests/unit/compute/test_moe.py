@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_svc.experts.fused import max_fused_rows
 from compute_svc.experts.moe import IMPLEMENTATION
 from compute_svc.experts.stages import route, waves
 from devtools.tiny import SUPPORTED_ARCHS, make_config
@@ -154,7 +155,8 @@ def test_quantized_experts_match_transformers_dequantised_model(arch, quantizati
 
 
 # -- decode-sized layers through the fused CPU kernel (compute_svc.experts.fused) ----------------
-SHORT = [5, 17, 33]  # 3 tokens: every expert has at most 3 rows, so every layer is fused
+# 2 tokens: every expert has at most 2 rows, so every layer is fused (max_fused_rows)
+SHORT = [5, 17]
 FUSED = [
     *(pytest.param(arch, {}, TOL, id=arch) for arch in SUPPORTED_ARCHS),
     *(pytest.param(arch, {"dtype": torch.bfloat16}, BF16_TOL, id=f"{arch}-bf16") for arch in SUPPORTED_ARCHS),
@@ -172,6 +174,17 @@ def test_fused_kernel_matches_transformers_at_decode_sizes(arch, config, tol, lo
     want = plain_logits(tiny.checkpoint, SHORT)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got, local_engine(arch, fused=False, **config)[0].forward_logits(SHORT), **tol)
+
+
+def test_a_layer_is_fused_up_to_the_rows_measured_for_both_its_projections_layouts():
+    mxfp4, plain_t, plain = (
+        {"encoding": e, "form": f} for e, f in (("mxfp4", "dot"), ("plain", "axpy"), ("plain", "dot"))
+    )
+    assert max_fused_rows({"compute": "bfloat16", "first": mxfp4, "down": mxfp4}) == 64
+    assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain_t}) == 8
+    assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain}) == 2
+    assert max_fused_rows({"compute": "float32", "first": plain, "down": plain}) == 32
+    assert max_fused_rows({"compute": "int8", "first": plain, "down": plain}) == 0
 
 
 def test_greedy_decode_through_the_fused_kernel_matches_generate(local_engine):
