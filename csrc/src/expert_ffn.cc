@@ -1005,7 +1005,6 @@ EXPERTCACHE_FFN_AVX2 void activate8(const FfnSpec& s, const float* h, size_t int
   done = i;
 }
 
-
 #ifdef EXPERTCACHE_FFN_HAS_AMX
 // -- AMX BF16: MXFP4 dot rows for a bfloat16 compute dtype, 16 weight rows at a time ---------------
 //
@@ -1037,7 +1036,6 @@ constexpr AmxConfig kAmxConfig = {1, 0, {}, {64, 64, 64, 64, 64}, {16, 16, 16, 1
 // oneDNN kernels configure and release the tiles of the same threads).
 EXPERTCACHE_FFN_AMX void amx_configure() { _tile_loadconfig(&kAmxConfig); }
 EXPERTCACHE_FFN_AMX void amx_release() { _tile_release(); }
-
 
 // True where every scale of weight rows [o0, o1) is at least kMinNormalScale.
 EXPERTCACHE_FFN_AMX inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
@@ -1381,9 +1379,10 @@ struct ExpertFfn::Task {
   const float* weights;
   float* out;
   size_t items1, items2;  // work items per expert, first and down projection
-  // AMX: the first's / the down projection's inputs hold a subnormal number (AVX-512 then); per
-  // expert, its first row in the kernel's inputs, whose blocks of 16 rows are padded to 16.
-  bool subnormal1 = false, subnormal2 = false;
+  // AMX: its inputs prepared (an expert has the rows for it); the first's / the down projection's
+  // inputs hold a subnormal number (AVX-512 then); per expert, its first row in the kernel's
+  // inputs, whose blocks of 16 rows are padded to 16.
+  bool amx = false, subnormal1 = false, subnormal2 = false;
   const uint32_t* padded = nullptr;
 };
 
@@ -1445,7 +1444,7 @@ void ExpertFfn::set_threads(int threads) {
 void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.first;
   const size_t chunk = chunk_of(p, threads_);
-  const bool amx = !first_words_.empty() && !t.subnormal1;
+  const bool amx = t.amx && !first_words_.empty() && !t.subnormal1;
   AmxTiles tiles;
   for (size_t item = begin; item < end; ++item) {
     const size_t e = item / t.items1, part = item % t.items1;
@@ -1479,7 +1478,7 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
 void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.down;
   const size_t chunk = chunk_of(p, threads_), H = p.outputs;
-  const bool amx = !down_words_.empty() && !t.subnormal2;
+  const bool amx = t.amx && !down_words_.empty() && !t.subnormal2;
   AmxTiles tiles;
   const FfnDtype d = spec_.compute;
   // The rows' products land in a per-call scratch row block, then weighted into out.
@@ -1528,9 +1527,12 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
     h1_.resize(total * std::max(first.outputs, down.outputs));
   if (act_.size() < total * inter) act_.resize(total * inter);
   if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
-  // AMX: each expert's rows in blocks of 16, the last one padded (amx_padded_), and each row's
-  // block (its first row there) and place in it (amx_rows_).
-  const bool amx = !first_words_.empty() || !down_words_.empty();
+  // AMX, where a projection runs on it and an expert has the rows for it (a decode step of one
+  // request has not: none of this then): each expert's rows in blocks of 16, the last one padded
+  // (amx_padded_), and each row's block (its first row there) and place in it (amx_rows_).
+  size_t most_rows = 0;
+  for (size_t e = 0; e < n; ++e) most_rows = std::max(most_rows, size_t(bounds[e + 1] - bounds[e]));
+  const bool amx = (!first_words_.empty() || !down_words_.empty()) && most_rows >= kAmxMinRows;
   if (amx) {
     if (amx_rows_.size() < total) amx_rows_.resize(total);
     if (amx_padded_.size() < n) amx_padded_.resize(n);
@@ -1565,7 +1567,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   bool subnormal1 = false;
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
-    if (!first_words_.empty())
+    if (amx && !first_words_.empty())
       subnormal1 |= put_words(xv_.data(), first_words_, H, r, src);
     float* dst = xin_.data() + r * H;
     if (first_at)
@@ -1574,6 +1576,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
       std::memcpy(dst, src, H * sizeof(float));
   }
   Task t{arena, slots, n, bounds, rows, weights, out, items_of(first, threads_), items_of(down, threads_)};
+  t.amx = amx;
   t.subnormal1 = subnormal1;
   t.padded = amx_padded_.data();
   auto parallel = [&](size_t items, auto&& body) {
@@ -1619,7 +1622,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
         float* dst = act_.data() + r * inter;
         for (size_t i = 0; i < inter; ++i) dst[down_at[i]] = a[i];
       }
-      if (!down_words_.empty()) {
+      if (amx && !down_words_.empty()) {
         if (put_words(av_.data(), down_words_, inter, r, a)) subnormal2.store(true, std::memory_order_relaxed);
       }
     }
