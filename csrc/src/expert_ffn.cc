@@ -1380,10 +1380,8 @@ struct ExpertFfn::Task {
   float* out;
   size_t items1, items2;  // work items per expert, first and down projection
   // AMX: its inputs prepared (an expert has the rows for it); the first's / the down projection's
-  // inputs hold a subnormal number (AVX-512 then); per expert, its first row in the kernel's
-  // inputs, whose blocks of 16 rows are padded to 16.
+  // inputs hold a subnormal number (AVX-512 then).
   bool amx = false, subnormal1 = false, subnormal2 = false;
-  const uint32_t* padded = nullptr;
 };
 
 ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
@@ -1453,7 +1451,7 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* x = xin_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * p.outputs;
-    const uint16_t* words = amx ? xv_.data() + size_t(t.padded[e]) * p.inputs : nullptr;
+    const uint16_t* words = amx ? xv_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
     if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
     // The projection's output and bias add, rounded as transformers' are.
@@ -1489,7 +1487,7 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     const uint8_t* slot = t.arena + size_t(t.slots[e]) * spec_.slot_bytes;
     const float* a = act_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
-    const uint16_t* words = amx ? av_.data() + size_t(t.padded[e]) * p.inputs : nullptr;
+    const uint16_t* words = amx ? av_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
     if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, a, nr, o0, o1, h, d);
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
@@ -1528,17 +1526,16 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   if (act_.size() < total * inter) act_.resize(total * inter);
   if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
   // AMX, where a projection runs on it and an expert has the rows for it (a decode step of one
-  // request has not: none of this then): each expert's rows in blocks of 16, the last one padded
-  // (amx_padded_), and each row's block (its first row there) and place in it (amx_rows_).
+  // request has not: none of this then): each expert's rows in blocks of 16, the last one padded,
+  // and each row's block (its first row there) and place in it (amx_rows_; an expert's first row's
+  // block starts its rows).
   size_t most_rows = 0;
   for (size_t e = 0; e < n; ++e) most_rows = std::max(most_rows, size_t(bounds[e + 1] - bounds[e]));
   const bool amx = (!first_words_.empty() || !down_words_.empty()) && most_rows >= kAmxMinRows;
   if (amx) {
     if (amx_rows_.size() < total) amx_rows_.resize(total);
-    if (amx_padded_.size() < n) amx_padded_.resize(n);
     size_t at = 0;
     for (size_t e = 0; e < n; ++e) {
-      amx_padded_[e] = uint32_t(at);
       for (size_t r = size_t(bounds[e]); r < size_t(bounds[e + 1]); ++r) {
         const size_t i = r - size_t(bounds[e]);
         amx_rows_[r] = {uint32_t(at + i / 16 * 16), uint32_t(i % 16)};
@@ -1578,7 +1575,6 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   Task t{arena, slots, n, bounds, rows, weights, out, items_of(first, threads_), items_of(down, threads_)};
   t.amx = amx;
   t.subnormal1 = subnormal1;
-  t.padded = amx_padded_.data();
   auto parallel = [&](size_t items, auto&& body) {
     if (pool_ && items > 1) {
       const std::function<void(size_t)> fn = [&](size_t i) { body(i, i + 1); };

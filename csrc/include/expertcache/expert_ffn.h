@@ -125,14 +125,13 @@ class ExpertFfn {
   std::vector<uint32_t> first_order_, down_order_;
   // kAmx, per input of an MXFP4 projection in bfloat16, its word's index in a block of the AMX
   // kernel's inputs, for the block's first row (empty: the projection does not run on AMX); per
-  // expert row, its block of 16 input rows (AmxRow); per expert, its first row in the AMX inputs,
-  // its blocks padded to 16 rows.
+  // expert row, its block of 16 input rows in the AMX inputs (AmxRow), an expert's blocks padded
+  // to 16 rows.
   std::vector<uint32_t> first_words_, down_words_;
   struct AmxRow {
     uint32_t first, n;  // the block's first row in the AMX inputs, this row's place in it
   };
   std::vector<AmxRow> amx_rows_;
-  std::vector<uint32_t> amx_padded_;
   int threads_ = 1;
   std::atomic<uint64_t> amx_items_{0};
   std::unique_ptr<FfnPool> pool_;
