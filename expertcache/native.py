@@ -104,7 +104,9 @@ __all__ = [
 # demand first: no LAYER_AHEAD or PREFETCH chunk is issued while a demand is queued or in flight,
 # and at most ``background_depth`` of theirs are in flight (0: half the backend's concurrency);
 # ``open_file``, ``submit``, ``wait`` (raises ``ReadError``, an ``OSError``; ``TimeoutError``),
-# ``poll``, ``cancel``, ``promote``, ``event_fd``, ``pause``/``resume``, ``stats``, ``close``.
+# ``poll`` (``(id, tag, None or its ReadError, nbytes, elapsed_s)`` of requests submitted with
+# ``pollable=True``, the default; the others are left to ``wait``), ``cancel``, ``promote``,
+# ``event_fd`` (readable while ``poll`` has completions), ``pause``/``resume``, ``stats``, ``close``.
 # See csrc/include/expertcache/reader.h.
 Reader = _native.Reader
 ReadError = _native.ReadError

@@ -82,8 +82,10 @@ class Residency:
     """The device tier: the slot table over a ``DeviceArena``, the demand logic and the prefetcher.
 
     All state is guarded by one lock, held through the condition ``_cond`` that admissions and
-    acquires wait on (the parts share it); loads run on a private pool of ``io_threads`` threads
-    (prefetch loads on a second pool of as many) and take the lock only to publish their result.
+    acquires wait on (the parts share it). A load read from the store straight into its slot is
+    published by the worker thread (``PrefetchWorker``, which also starts the prefetches) when its
+    read completes; other loads run on a private pool of ``io_threads`` threads (prefetch loads on
+    a second pool of as many). Both take the lock only to publish their results.
     """
 
     def __init__(
@@ -123,9 +125,10 @@ class Residency:
                 f"expected {table_entries(manifest)} entries and {arena.num_slots} slots"
             )
         layers = LayerMap(tuple(manifest.moe_layers), manifest.num_layers)
-        # One lock; waiters on three conditions of it, so that a change wakes only who needs it:
-        # admissions and acquires waiting for slots or loads (``_cond``), the unpin watcher, the
-        # prefetch worker (woken by ``Prefetcher.kick``).
+        # One lock; waiters on two conditions of it, so that a change wakes only who needs it:
+        # admissions and acquires waiting for slots or loads (``_cond``), the unpin watcher. The
+        # worker thread sleeps outside it, on ``Prefetcher.wake_fd`` (``kick``) and the store's
+        # completions.
         lock = threading.RLock()
         self._cond = cond = threading.Condition(lock)
         self._table = table
@@ -147,7 +150,7 @@ class Residency:
             max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
             config=prefetch_config,
         )
-        self._prefetcher = prefetcher = Prefetcher(cond, threading.Condition(lock), scheduler, metrics)
+        self._prefetcher = prefetcher = Prefetcher(cond, scheduler, metrics)
         recency = Recency(table, slots)
         self._sessions = sessions = Sessions(cond, table, slots, metrics, prefetcher.kick)
         self._loads = loads = Loads(
@@ -178,7 +181,9 @@ class Residency:
             manifest,
             timeout_s=acquire_timeout_s,
         )
-        self._worker = PrefetchWorker(cond, prefetcher, admission, slots, recency, loads.start)
+        self._worker = PrefetchWorker(
+            cond, prefetcher, admission, slots, recency, loads.start, loads.reap, loads.reap_fd
+        )
         prefetcher.enabled = prefetch
         self._switches = LiveSwitches(
             cond, table, slots, recency, prefetcher, self.signals, manifest.blob_bytes

@@ -1,6 +1,8 @@
 """Loads: an expert's blob from the host tier or the store into its arena slot, on I/O threads
-(a demand pool and a prefetch pool, so a demand load never queues behind a prefetch). Results go
-back through the callbacks of ``Loads``, under the residency lock (docs/residency.md, "Loads").
+(a demand pool and a prefetch pool, so a demand load never queues behind a prefetch), or, read
+from the store straight into a host-memory slot, by the native reader alone, its completion
+published by the residency's worker thread (``reap``). Results go back through the callbacks of
+``Loads``, under the residency lock (docs/residency.md, "Loads").
 """
 
 from __future__ import annotations
@@ -88,36 +90,64 @@ class Loader:
         self._prefetch_pool = ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="expertcache-prefetch"
         )
+        self._reaping: dict[int, Load] = {}  # store request id -> its load, for ``reap``
 
     # -- under the residency lock ------------------------------------------------------------------
     def submit(self, load: Load) -> None:
-        """Queue ``load`` on its class's pool (a failure to queue fails the load).
+        """Start ``load``: its store read, or its run on its class's pool (a failure to start
+        fails the load).
 
         A load read from the store straight into its arena slot (no host tier, and the slot is
         host memory) has its read submitted here, in the calling thread, so the disk starts on it
         at once rather than when an I/O thread gets the interpreter (0.2-0.5 ms on a busy node);
-        the I/O thread then only waits for the read and publishes it."""
-        pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
-        submitted = self.reads_directly and not load.started and not load.cancelled
-        if submitted:
+        no I/O thread then waits for it: the residency's worker thread publishes it when it
+        completes (``reap``), with the other reads that completed meanwhile."""
+        if self.reads_directly and not load.started and not load.cancelled:
             with self._cond:  # a reentrant lock: most callers hold it already
                 try:
                     load.handle = self._store.submit(
-                        load.key, self._arena.host_buffer(load.slot), load.priority
+                        load.key, self._arena.host_buffer(load.slot), load.priority, reaped=True
                     )
                 except BaseException as exc:  # noqa: BLE001 - the load fails, the caller goes on
                     logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
                     self._on_failed(load, exc)
                     return
                 load.started = True
+                self._reaping[load.handle.request_id] = load
+            return
+        pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
         try:
-            pool.submit(self._finish_read if submitted else self._run, load)
+            pool.submit(self._run, load)
         except RuntimeError as exc:  # the I/O pool is shut down
-            if submitted:
-                load.handle.cancel()  # its issued chunks land, then the load fails and frees its slot
-                self._finish_read(load)
-            elif not load.started and not load.done:
+            if not load.started and not load.done:
                 self._on_failed(load, ShuttingDown(f"cannot load expert {load.key}: {exc}"))
+
+    @property
+    def reap_fd(self) -> int | None:
+        """A descriptor readable while ``reap`` has loads to publish; None when no load is reaped
+        (they run on the I/O pools)."""
+        return self._store.event_fd if self.reads_directly else None
+
+    def reap(self) -> int:
+        """Publish the loads whose store reads (submitted by ``submit``) completed, under one hold
+        of the lock; returns how many. The worker thread's part of a load; never waits."""
+        if not self.reads_directly:
+            return 0
+        published = 0
+        while finished := self._store.reap():
+            ok = sum(1 for _handle, error in finished if error is None)
+            if ok:
+                self._metrics.tier["device"].bytes_in.inc(ok * self._arena.slot_bytes)
+            with self._cond:
+                for handle, error in finished:
+                    load = self._reaping.pop(handle.request_id)
+                    load.handle = None
+                    if error is None:
+                        self._on_done(load, Tier.STORE)
+                    else:
+                        self._settle_failure(load, error)
+            published += len(finished)
+        return published
 
     def promote(self, load: Load) -> None:
         """A demand joined ``load``: read it at demand priority from now on."""
@@ -232,17 +262,6 @@ class Loader:
         with self._cond:
             self._on_done(load, source)
 
-    def _finish_read(self, load: Load) -> None:
-        """The I/O thread's part of a load whose store read ``submit`` started: wait, publish."""
-        try:
-            self._wait_read(load)
-        except BaseException as exc:  # noqa: BLE001 - every failure must free the slot and wake waiters
-            self._settle_failure(load, exc)
-            return
-        self._metrics.tier["device"].bytes_in.inc(self._arena.slot_bytes)
-        with self._cond:
-            self._on_done(load, Tier.STORE)
-
     def _settle_failure(self, load: Load, exc: BaseException) -> None:
         with self._cond:
             if load.cancelled:
@@ -320,10 +339,12 @@ class Loader:
         return Tier.STORE
 
     def shutdown(self) -> None:
-        """Stop the I/O threads (queued loads are dropped; running ones finish)."""
+        """Stop the I/O threads (queued loads are dropped; running ones finish) and publish the
+        reaped loads that completed by now (the worker thread has stopped)."""
         self._prefetch_pool.shutdown(wait=True, cancel_futures=True)
         if self._owns_pool:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self.reap()
 
 
 __all__ = ["PRIORITY", "Load", "Loader", "ReadCancelled"]

@@ -25,7 +25,7 @@ from expertcache.protocol import GATHER_BELOW_BYTES
 
 class Loads:
     """Every load in flight (``queue``) and the I/O that runs them. Called under the residency
-    lock (``cond``), but ``run_deferred`` and ``shutdown``."""
+    lock (``cond``), but ``run_deferred``, ``reap`` and ``shutdown``."""
 
     def __init__(
         self,
@@ -83,8 +83,17 @@ class Loads:
         return self._loader.reads_directly
 
     def submit(self, load: Load) -> None:
-        """Queue ``load`` on its class's I/O pool."""
+        """Start ``load`` (``Loader.submit``)."""
         self._loader.submit(load)
+
+    @property
+    def reap_fd(self) -> int | None:
+        """Readable while ``reap`` has loads to publish (``Loader.reap_fd``)."""
+        return self._loader.reap_fd
+
+    def reap(self) -> int:
+        """Publish the loads whose store reads completed (``Loader.reap``; outside the lock)."""
+        return self._loader.reap()
 
     def promote(self, load: Load) -> None:
         """A demand joined ``load``: from now on it is a demand load, read at demand priority."""
@@ -159,7 +168,9 @@ class Loads:
         self._slots.abort_load(key, load.slot, free_slot=not keep_slot)
         self._prefetcher.gone(key, evicted=False)
         load.error, load.done = error, True
-        self._prefetcher.kick()
+        # A failed prefetch that no demand joined is not decided again at once (it would be
+        # started again, in a loop while the failure lasts): the next change retries it.
+        self._prefetcher.kick(decide=load.cls is PrefetchClass.DEMAND)
 
     def _slot_settled(self, slot: int) -> None:
         """The late copy into ``slot`` landed: it is free for loads again."""

@@ -1,12 +1,15 @@
 """Prefetch: ``Prefetcher`` holds the scheduler (and so the eviction policy), the prefetches not
-used yet and the worker's wake-up; ``PrefetchWorker`` is the thread that starts the loads the
-scheduler decides. Split so the parts that report changes need no reference to the worker, which
-needs them (docs/residency.md, "Prefetch").
+used yet and the worker's wake-up; ``PrefetchWorker`` is the residency's worker thread: it
+publishes the store reads that completed and starts the loads the scheduler decides. Split so the
+parts that report changes need no reference to the worker, which needs them (docs/residency.md,
+"Prefetch").
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,25 +42,21 @@ class PrefetchTarget(TierState, Protocol):
 
 class Prefetcher:
     """The scheduler, whether prefetch is on, and what prefetch started and was not used yet.
-    Everything here runs under the residency lock (``cond``'s); ``wake`` is the worker's own
-    condition on that lock."""
+    Everything here runs under the residency lock (``cond``'s) but ``close``; ``wake_fd`` is the
+    worker's wake-up (an eventfd it sleeps on with the store's completions, ``PrefetchWorker``)."""
 
     def __init__(
-        self,
-        cond: threading.Condition,
-        wake: threading.Condition,
-        scheduler: PrefetchScheduler,
-        metrics: DaemonMetrics,
+        self, cond: threading.Condition, scheduler: PrefetchScheduler, metrics: DaemonMetrics
     ) -> None:
         self._cond = cond  # the residency's: its waiters are woken by every change
-        self._wake = wake
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.scheduler = scheduler
         self._metrics = metrics
         self.enabled = False
         self.closing = False
         self._dirty = True  # something the scheduler reads changed since its last decide
-        self._sleeping = False  # the worker waits on _wake (under the lock)
-        self._woken = False  # and was notified since it began to
+        self._sleeping = False  # the worker sleeps on wake_fd (set under the lock)
+        self._woken = False  # and wake_fd was written since it began to
         # prefetched, resident or loading, not used yet: its class and lookahead depth
         self._unused: dict[ExpertKey, tuple[PrefetchClass, int]] = {}
 
@@ -66,16 +65,23 @@ class Prefetcher:
         """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
         return self.scheduler.policy
 
-    def kick(self) -> None:
+    def kick(self, *, decide: bool = True) -> None:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
-        every waiting admission (a slot, a load or a pin may have come free)."""
-        self._dirty = True
-        # One wake-up per sleep: kicks that come before the worker runs add nothing (each costs
-        # the kicking thread a hand-off of the interpreter otherwise, on every layer's signals).
-        if self.enabled and self._sleeping and not self._woken:
-            self._woken = True
-            self._wake.notify()
+        every waiting admission (a slot, a load or a pin may have come free). ``decide=False``:
+        the admissions only (a failed prefetch freed its slot; deciding again at once would only
+        start the same load again, in a loop while the failure lasts: the next change retries it)."""
+        if decide:
+            self._dirty = True
+            # One wake-up per sleep: kicks that come before the worker runs add nothing (each
+            # costs the kicking thread a wake-up of the worker otherwise, on every layer's signals).
+            if self.enabled and self._sleeping and not self._woken:
+                self._wake()
         self._cond.notify_all()
+
+    def _wake(self) -> None:
+        self._woken = True
+        if self.wake_fd >= 0:  # not closed (a second shutdown)
+            os.eventfd_write(self.wake_fd, 1)
 
     def started(self, start: PrefetchStart) -> None:
         self._unused[start.key] = (start.cls, start.depth)
@@ -112,30 +118,46 @@ class Prefetcher:
     def is_unused_prefetch(self, key: ExpertKey) -> bool:
         return key in self._unused
 
-    def await_work(self, tier: PrefetchTarget) -> bool:
-        """The worker's wait (under the lock): until something changed while prefetch is on and
-        no admission waits for slots. False once closing."""
-        while not self.closing and not (self._dirty and self.enabled and not tier.demand_waiting):
-            self._sleeping, self._woken = True, False
-            try:
-                self._wake.wait()  # no timeout: every change kicks
-            finally:
-                self._sleeping = False
-        if self.closing:
+    def take_work(self, tier: PrefetchTarget) -> bool:
+        """The worker's check (under the lock): whether to decide now, that is something changed
+        while prefetch is on and no admission waits for slots (the change is then taken)."""
+        if self.closing or not (self._dirty and self.enabled and not tier.demand_waiting):
             return False
         self._dirty = False
         return True
 
+    def begin_sleep(self) -> None:
+        """Under the lock, before the worker sleeps on ``wake_fd`` (outside it): the next kick
+        (or ``stop``) writes it."""
+        self._sleeping, self._woken = True, False
+
+    def end_sleep(self) -> None:
+        """Under the lock, after the worker woke: kicks no longer write ``wake_fd`` (emptied)."""
+        self._sleeping = False
+        try:
+            os.eventfd_read(self.wake_fd)
+        except BlockingIOError:  # woken by the store's completions only
+            pass
+
     def stop(self) -> None:
         """Under the lock: the worker ends at its next check."""
         self.closing = True
-        self._wake.notify_all()
+        self._wake()
+
+    def close(self) -> None:
+        """Once the worker has ended: release ``wake_fd`` (idempotent; under the lock)."""
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
 
 
 @dataclass(eq=False, repr=False)
 class PrefetchWorker:
-    """The thread that runs ``scheduler.decide`` over ``tier`` whenever the ``Prefetcher`` is
-    kicked, and starts the loads it decides (``start_load``) in free or evicted slots."""
+    """The residency's worker thread: it publishes the loads whose store reads completed
+    (``reap``, readable ``reap_fd``) and runs ``scheduler.decide`` over ``tier`` whenever the
+    ``Prefetcher`` is kicked, starting the loads it decides (``start_load``) in free or evicted
+    slots. One thread for both: a completed read usually frees what the next prefetch needs (a
+    slot, bytes in flight), so its publication and the decision it allows cost one wake-up."""
 
     _cond: threading.Condition
     _prefetcher: Prefetcher
@@ -143,10 +165,12 @@ class PrefetchWorker:
     _slots: Slots
     _recency: Recency
     _start_load: Callable[[ExpertKey, PrefetchClass, float, int], Load]
+    _reap: Callable[[], int] = lambda: 0
+    _reap_fd: int | None = None
     _thread: threading.Thread = field(init=False)
 
     def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="expertcache-prefetcher", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="expertcache-residency", daemon=True)
         self._thread.start()
 
     def run(self) -> int:
@@ -177,14 +201,29 @@ class PrefetchWorker:
         return True
 
     def _loop(self) -> None:
+        prefetcher = self._prefetcher
+        waker = select.poll()
+        waker.register(prefetcher.wake_fd, select.POLLIN)
+        if self._reap_fd is not None:
+            waker.register(self._reap_fd, select.POLLIN)
         while True:
+            try:
+                self._reap()  # outside the lock; publishes under it
+            except Exception:  # noqa: BLE001 - a bug here must not stop the thread
+                logger.exception("publishing completed loads failed")
             with self._cond:
-                if not self._prefetcher.await_work(self._tier):
+                if prefetcher.closing:
                     return
-                try:
-                    self.run()
-                except Exception:  # noqa: BLE001 - a scheduling bug must not stop serving demands
-                    logger.exception("prefetch decision failed; demands are unaffected")
+                if prefetcher.take_work(self._tier):
+                    try:
+                        self.run()
+                    except Exception:  # noqa: BLE001 - a scheduling bug must not stop serving demands
+                        logger.exception("prefetch decision failed; demands are unaffected")
+                    continue  # what the decision changed is looked at before sleeping
+                prefetcher.begin_sleep()
+            waker.poll()  # no timeout: every kick, completion and stop writes a descriptor
+            with self._cond:
+                prefetcher.end_sleep()
 
     def close(self) -> None:
         """Stop the worker (called with the lock *not* held)."""
@@ -192,6 +231,8 @@ class PrefetchWorker:
             self._prefetcher.stop()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            with self._cond:
+                self._prefetcher.close()
 
 
 __all__ = ["PREFETCH_KINDS", "PrefetchTarget", "PrefetchWorker", "Prefetcher"]

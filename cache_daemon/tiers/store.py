@@ -90,6 +90,7 @@ class StoreReadHandle:
     _bounce: mmap.mmap | None  # page-aligned stand-in for an unaligned ``out`` of a direct file
     request_id: int
     priority: Priority
+    reaped: bool = False  # finished by ``StoreReader.reap``, never by ``wait``
     _start: float = field(default_factory=time.perf_counter, init=False)
     _finished: bool = field(default=False, init=False)
 
@@ -123,16 +124,25 @@ class StoreReadHandle:
 
         Raises ``TimeoutError`` (the read goes on; call ``wait`` again), ``ShortRead`` or
         ``ChecksumMismatch`` (DATA_LOSS; the buffer then holds garbage), ``ShuttingDown`` if the
-        store reader was closed first.
+        store reader was closed first. Not for a read submitted ``reaped`` (``StoreReader.reap``
+        finishes it).
         """
         if self._finished:
             raise FailedPrecondition(f"the read of expert {self.key} was already waited for")
+        if self.reaped:
+            raise FailedPrecondition(f"the read of expert {self.key} is finished by StoreReader.reap")
         try:
             self._store._reader.wait(self.request_id, timeout_s)
         except ReadError as exc:
-            self._finish()
-            raise self._store._translate(self.key, self._lf, self._offset, exc) from None
+            self._settle(exc)
+        self._settle(None)
+
+    def _settle(self, error: ReadError | None) -> None:
+        """The read's completion, consumed: raise the daemon's error for ``error``, or finish the
+        blob (the bounce copy, the page-cache hint, the metrics)."""
         self._finish()
+        if error is not None:
+            raise self._store._translate(self.key, self._lf, self._offset, error) from None
         nbytes = len(self._out)
         if self._bounce is not None:
             self._out[:] = memoryview(self._bounce)[:nbytes]
@@ -252,10 +262,11 @@ class StoreReader(MemoryTier):
         self._reader.resume()
 
     def submit(
-        self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND
+        self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND, *, reaped: bool = False
     ) -> StoreReadHandle:
         """Start reading ``key``'s blob into the first ``blob_bytes`` of ``out`` (a contiguous CPU
-        uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it."""
+        uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it, or
+        with ``reaped`` ``reap`` does, in whichever thread reaps (``event_fd`` tells when)."""
         if self._closed:
             raise ShuttingDown(f"the store reader is closed: cannot read expert {key}")
         rel, offset = self._manifest.blob_location(key)
@@ -273,11 +284,37 @@ class StoreReader(MemoryTier):
         expected = self._manifest.checksums[key.layer][key.expert]
         with self._lock:
             request_id = self._reader.submit(
-                lf.file_id, offset, nbytes, address, int(priority), expected_crc=expected
+                lf.file_id, offset, nbytes, address, int(priority), expected_crc=expected, pollable=reaped
             )
-            handle = StoreReadHandle(self, key, lf, offset, view, bounce, request_id, Priority(priority))
+            handle = StoreReadHandle(
+                self, key, lf, offset, view, bounce, request_id, Priority(priority), reaped
+            )
             self._outstanding[request_id] = handle
         return handle
+
+    @property
+    def event_fd(self) -> int:
+        """A descriptor readable while ``reap`` has reads to finish (sleep on it with poll)."""
+        return self._reader.event_fd
+
+    def reap(self, max_n: int = 64) -> list[tuple[StoreReadHandle, Exception | None]]:
+        """Finish up to ``max_n`` of the ``reaped`` reads that have completed, in completion order,
+        without waiting: each with ``None`` (the blob is in its buffer, verified) or the error
+        ``wait`` would have raised (``ShortRead``, ``ChecksumMismatch``, ``ShuttingDown``)."""
+        out: list[tuple[StoreReadHandle, Exception | None]] = []
+        for request_id, _tag, error, _nbytes, _elapsed_s in self._reader.poll(max_n, 0.0):
+            with self._lock:
+                handle = self._outstanding.get(request_id)
+            if handle is None:  # cannot happen: every pollable read has its handle until settled
+                logger.error("the store reader reaped request %d, which no handle holds", request_id)
+                continue
+            try:
+                handle._settle(error)
+            except Exception as exc:  # noqa: BLE001 - the reaper hands each read's error to its owner
+                out.append((handle, exc))
+            else:
+                out.append((handle, None))
+        return out
 
     def read_into(self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND) -> None:
         """Read ``key``'s blob into the first ``blob_bytes`` of ``out`` and verify its checksum.

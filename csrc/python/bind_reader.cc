@@ -32,7 +32,9 @@ const char* kind_name(ReadErrorKind k) {
   return "unknown";
 }
 
-[[noreturn]] void raise_read_error(const ReadCompletion& c) {
+// The ReadError of a failed completion: its message, kind, request_id, nbytes, actual_crc (a
+// checksum mismatch) and errno (an I/O error).
+py::object read_error(const ReadCompletion& c) {
   py::object cls = py::reinterpret_borrow<py::object>(g_read_error);
   py::object exc = cls(c.error);
   exc.attr("kind") = kind_name(c.kind);
@@ -41,13 +43,18 @@ const char* kind_name(ReadErrorKind k) {
   exc.attr("actual_crc") = c.kind == ReadErrorKind::kChecksum ? py::object(py::int_(c.actual_crc))
                                                               : py::object(py::none());
   if (c.kind == ReadErrorKind::kIo) exc.attr("errno") = c.err;
-  PyErr_SetObject(g_read_error, exc.ptr());
+  return exc;
+}
+
+[[noreturn]] void raise_read_error(const ReadCompletion& c) {
+  PyErr_SetObject(g_read_error, read_error(c).ptr());
   throw py::error_already_set();
 }
 
+// (id, tag, None or its ReadError, nbytes, elapsed_s)
 py::tuple completion_tuple(const ReadCompletion& c) {
-  return py::make_tuple(c.id, c.tag, c.ok() ? py::object(py::none()) : py::object(py::str(c.error)),
-                        c.nbytes, c.elapsed_s);
+  return py::make_tuple(c.id, c.tag, c.ok() ? py::object(py::none()) : read_error(c), c.nbytes,
+                        c.elapsed_s);
 }
 
 }  // namespace
@@ -119,7 +126,7 @@ void bind_reader(py::module_& m) {
       .def("close_file", &Reader::close_file, py::arg("file_id"))
       .def("submit", &Reader::submit, py::arg("file_id"), py::arg("offset"), py::arg("length"),
            py::arg("dest_address"), py::arg("priority"), py::arg("expected_crc") = py::none(),
-           py::arg("tag") = 0)
+           py::arg("tag") = 0, py::arg("pollable") = true)
       .def("cancel", &Reader::cancel, py::arg("request_id"))
       .def("promote", &Reader::promote, py::arg("request_id"), py::arg("priority"))
       // {"priority", "queued", "done"} of a request not yet consumed, else None.

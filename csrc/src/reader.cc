@@ -55,6 +55,7 @@ struct Request {
   uint8_t* dest;
   bool has_crc;
   uint32_t crc;
+  bool pollable;  // its completion is queued for poll() (else only wait(id) consumes it)
   Clock::time_point submitted;
 
   uint64_t next_issue = 0;  // offset (relative) of the next chunk to issue
@@ -86,8 +87,8 @@ struct Reader::Impl {
   std::condition_variable finish_cv;  // io_uring finishers: a request needs its CRC
   std::deque<std::shared_ptr<Request>> queues[kNumReadPriorities];
   std::unordered_map<uint64_t, std::shared_ptr<Request>> pending;  // submitted, not consumed
-  std::deque<uint64_t> completed_order;  // published ids, consumed ones skipped lazily
-  size_t unconsumed = 0;
+  std::deque<uint64_t> completed_order;  // published pollable ids, consumed ones skipped lazily
+  size_t unconsumed = 0;                 // published pollable completions not yet consumed
   std::deque<std::shared_ptr<Request>> finish_queue;
   std::unordered_map<int64_t, std::shared_ptr<FileEntry>> files;
   int64_t next_file = 1;
@@ -212,15 +213,19 @@ struct Reader::Impl {
     }
     r->done = true;
     r->file.reset();  // the descriptor may close now if close_file() was called
-    completed_order.push_back(r->id);
-    if (unconsumed++ == 0) signal_event();
+    if (r->pollable) {
+      completed_order.push_back(r->id);
+      if (unconsumed++ == 0) signal_event();
+    }
     done_cv.notify_all();
   }
 
   // Consumes a published completion (mu held).
   void consume(uint64_t id) {
-    pending.erase(id);
-    if (--unconsumed == 0) drain_event();
+    auto it = pending.find(id);
+    const bool pollable = it->second->pollable;
+    pending.erase(it);
+    if (pollable && --unconsumed == 0) drain_event();
   }
 
   void signal_event() {
@@ -538,7 +543,8 @@ void Reader::close_file(int64_t file_id) {
 }
 
 uint64_t Reader::submit(int64_t file_id, uint64_t offset, uint64_t length, uintptr_t dest,
-                        int priority, std::optional<uint32_t> expected_crc, uint64_t tag) {
+                        int priority, std::optional<uint32_t> expected_crc, uint64_t tag,
+                        bool pollable) {
   if (priority < 0 || priority >= kNumReadPriorities)
     throw std::invalid_argument("reader: priority " + std::to_string(priority) +
                                 " is not one of DEMAND=0, LAYER_AHEAD=1, PREFETCH=2");
@@ -572,6 +578,7 @@ uint64_t Reader::submit(int64_t file_id, uint64_t offset, uint64_t length, uintp
   r->dest = reinterpret_cast<uint8_t*>(dest);
   r->has_crc = expected_crc.has_value();
   r->crc = expected_crc.value_or(0);
+  r->pollable = pollable;
   r->submitted = Clock::now();
   r->queued = true;
   im.queues[priority].push_back(r);

@@ -262,7 +262,9 @@ def test_cancel_and_promote(tmp_path, backend):
         order = collect(reader, 4)
         # The cancelled request completes at once (while paused), then the promoted one first.
         assert [c[0] for c in order] == [dropped, promoted, keep, late]
-        assert order[0][2] == "cancelled"
+        error = order[0][2]
+        assert isinstance(error, ReadError) and error.kind == "cancelled" and str(error) == "cancelled"
+        assert error.request_id == dropped
         assert reader.cancel(keep) is False and reader.promote(keep, Reader.DEMAND) is False  # consumed
         assert reader.query(keep) is None
         stats = reader.stats()
@@ -420,6 +422,28 @@ def test_event_fd_is_readable_while_completions_are_unconsumed(tmp_path, backend
         assert select.select([fd], [], [], 10.0)[0] == [fd]
         assert [x[0] for x in reader.poll()] == [c]
         assert select.select([fd], [], [], 0)[0] == []
+
+
+def test_poll_leaves_requests_not_pollable_to_their_waiters(tmp_path, backend):
+    """One thread reaps the pollable reads while others wait for their own: ``poll`` neither returns
+    nor consumes a request submitted with ``pollable=False``, and the event fd ignores it."""
+    with one_thread_reader(tmp_path, backend, 16 * KIB) as (reader, fid, _, buf):
+        fd = reader.event_fd
+        address = ctypes.addressof(buf)
+        waited = reader.submit(fid, 0, 8 * KIB, address, Reader.DEMAND, pollable=False)
+        deadline = time.monotonic() + 10.0
+        while not reader.query(waited)["done"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert select.select([fd], [], [], 0)[0] == [] and reader.poll(timeout_s=0.05) == []
+        reaped = reader.submit(fid, 8 * KIB, 8 * KIB, address + 8 * KIB, Reader.DEMAND)
+        assert [x[0] for x in collect(reader, 1)] == [reaped]
+        assert select.select([fd], [], [], 0)[0] == []
+        assert reader.wait(waited, 10.0) is None  # still there for its waiter
+        failed = reader.submit(fid, 12 * KIB, 8 * KIB, address, Reader.DEMAND, expected_crc=0, pollable=False)
+        with pytest.raises(ReadError) as info:
+            reader.wait(failed, 10.0)
+        assert info.value.kind in ("checksum", "short_read") and reader.poll() == []
 
 
 def test_close_cancels_queued_work_and_is_idempotent(tmp_path, backend):

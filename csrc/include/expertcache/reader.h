@@ -2,7 +2,7 @@
 // classes, chunk-level pre-emption, optional CRC-32 verification and two backends (io_uring, or a
 // thread pool of pread workers).
 //
-//   submit(file, offset, length, dest, priority, crc?, tag)
+//   submit(file, offset, length, dest, priority, crc?, tag, pollable)
 //        │
 //        ▼
 //   Request ──split──▶ chunks of chunk_bytes (issued lazily, one at a time, never all at once)
@@ -25,7 +25,9 @@
 //        │                 (zlib's crc32, expertcache/crc32.h; pread workers / io_uring finishers)
 //        ▼
 //   completions not yet consumed: wait(id) or poll() consumes each exactly once; event_fd() is
-//   readable while any exist, so an event loop can sleep on it.
+//   readable while any poll() would return exist, so an event loop can sleep on it. A request
+//   submitted with pollable=false is left to wait(id): poll() never returns (nor consumes) it, so
+//   one thread can reap the pollable requests while others wait for their own.
 //
 // Ownership: dest must stay valid and untouched until the request's completion is observed.
 // Failures of the API are exceptions (std::invalid_argument for bad arguments, std::out_of_range
@@ -103,7 +105,7 @@ class Reader {
   void close_file(int64_t file_id);
 
   uint64_t submit(int64_t file_id, uint64_t offset, uint64_t length, uintptr_t dest, int priority,
-                  std::optional<uint32_t> expected_crc, uint64_t tag);
+                  std::optional<uint32_t> expected_crc, uint64_t tag, bool pollable = true);
   // True if the request still had unissued chunks: they are dropped and it completes with error
   // "cancelled" (after its in-flight chunks land). False if it is complete or fully issued.
   bool cancel(uint64_t id);
@@ -121,7 +123,8 @@ class Reader {
   // Blocks until the request completes (or timeout_s passes: WaitTimeout; < 0 waits forever) and
   // consumes its completion. Throws std::out_of_range for an unknown or already consumed id.
   ReadCompletion wait(uint64_t id, double timeout_s);
-  // Up to max_n unconsumed completions in completion order, waiting up to timeout_s for the first.
+  // Up to max_n unconsumed completions of pollable requests in completion order, waiting up to
+  // timeout_s for the first.
   std::vector<ReadCompletion> poll(size_t max_n, double timeout_s);
   int event_fd() const { return event_fd_; }
 

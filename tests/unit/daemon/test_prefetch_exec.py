@@ -19,6 +19,7 @@ import pytest
 
 from cache_daemon.decisions.policy import PolicyShape, make_policy
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
+from cache_daemon.errors import ChecksumMismatch
 from cache_daemon.hints import Hint, HintBatch, HintBoard
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import Residency, table_entries
@@ -33,7 +34,7 @@ from expertcache.prom import value
 from tests import waiting
 from tests.residencies import harnesses
 from tests.slot_tables import compute_handle
-from tests.stores import blob_of, write_store
+from tests.stores import blob_of, corrupt, write_store
 from tests.threads import run_in_threads
 
 L1, L3 = 1, 3  # the synthetic store's MoE layers (6 experts each); layer 3 is 2 steps after layer 1
@@ -244,35 +245,40 @@ def test_a_prefetch_whose_read_cannot_be_submitted_frees_its_slot(make):
     r = h.residency
     h.store.close()  # the reader refuses every read from now on
     r.intake.observe("req", 0, L1, [0])
-    ahead(r, 0, L3, [4], [0.9])
-    r.run_prefetch()
+    ahead(r, 0, L3, [4], [0.9])  # the worker decides it
     wait_for(lambda: h.count(h.metrics.prefetch_started) == 1)
     wait_for(lambda: h.state(L3, 4) is TableState.ABSENT)
     assert h.table.state(entry(h, ExpertKey(L3, 4))) == TableState.ABSENT
     assert r.slots.free == 4  # nothing left LOADING: the slot is free again
+    time.sleep(0.2)
+    assert h.count(h.metrics.prefetch_started) == 1  # not started again and again while it fails
+    ahead(r, 0, L3, [4], [0.9])  # the next change of the signals tries it again, once
+    wait_for(lambda: h.count(h.metrics.prefetch_started) == 2)
+    time.sleep(0.2)
+    assert h.count(h.metrics.prefetch_started) == 2 and r.slots.free == 4
 
 
-def test_a_prefetch_read_submitted_when_its_pool_is_shut_down_frees_its_slot(make):
-    """The read is in the reader before the I/O pool refuses the wait for it: it is cut short and
-    the load fails once its issued chunks land (or it lands whole); nothing stays LOADING."""
+def test_store_reads_into_their_slots_are_published_by_the_worker_without_io_threads(make):
+    """A load read from the store straight into its slot needs no I/O thread: with both pools shut
+    down, a prefetch and a demand still land, published by the worker thread when their reads
+    complete, and a read that fails its checksum fails its load and frees its slot."""
     h = make(slots=4)
     r = h.residency
-    r._loads._loader._prefetch_pool.shutdown(wait=True)  # the daemon shutting down, its worker not yet
-    with r._cond:  # the worker cannot try again meanwhile: this decision is the only one
-        r.intake.observe("req", 0, L1, [0])
-        ahead(r, 0, L3, [4], [0.9])
-        r.run_prefetch()  # the refusal is settled in this call
-        assert h.count(h.metrics.prefetch_started) == 1
-        # Cut short (the load failed, its slot free) or, every chunk already issued, landed whole.
-        state = h.state(L3, 4)
-        assert state in (TableState.ABSENT, TableState.RESIDENT)
-        assert h.table.state(entry(h, ExpertKey(L3, 4))) == state
-        if state is TableState.RESIDENT:
-            assert h.slot_bytes(r.describe(ExpertKey(L3, 4)).slot) == h.blob(ExpertKey(L3, 4))
-        else:
-            assert r.slots.free == 4
-        assert h.store.reader_stats()["in_flight"] == 0
-        r.configure_prefetch(enabled=False, max_inflight_bytes=0)
+    r._loads._loader._prefetch_pool.shutdown(wait=True)
+    r._loads._loader._pool.shutdown(wait=True)
+    r.intake.observe("req", 0, L1, [0])
+    ahead(r, 0, L3, [4], [0.9])
+    wait_for(lambda: h.state(L3, 4) is TableState.RESIDENT, "the prefetch published")
+    assert h.slot_bytes(r.describe(ExpertKey(L3, 4)).slot) == h.blob(ExpertKey(L3, 4))
+    s = r.open_session("compute")
+    (ready,) = list(r.acquire(s, L1, [2]))
+    assert h.slot_bytes(ready.slot) == h.blob(ExpertKey(L1, 2))
+    r.release(s, [ExpertKey(L1, 2)])
+    corrupt(h.root, h.manifest, ExpertKey(L1, 3))
+    with pytest.raises(ChecksumMismatch, match=f"expert {ExpertKey(L1, 3)}"):
+        list(r.acquire(s, L1, [3]))
+    assert h.state(L1, 3) is TableState.ABSENT and r.stats().loading == 0
+    assert value(h.metrics.checksum_failures) == 1
 
 
 def test_demand_short_of_slots_cancels_queued_prefetches(make):

@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,19 +39,16 @@ L1 = 1  # a MoE layer of the synthetic store (layers 1 and 3, 6 experts each)
 
 
 class Harness(ResidencyHarness):
-    """``single_io_thread``: one I/O thread, which ``hold_io`` can hold."""
+    """A Residency whose store reads ``hold_reads`` can hold."""
 
-    def __init__(self, tmp_path: Path, *, slots: int, host_slots: int = 0, single_io_thread: bool = False):
-        super().__init__(
-            tmp_path, slots=slots, host_slots=host_slots, io_threads=1 if single_io_thread else 4
-        )
+    def __init__(self, tmp_path: Path, *, slots: int, host_slots: int = 0):
+        super().__init__(tmp_path, slots=slots, host_slots=host_slots)
 
-    def hold_io(self) -> threading.Event:
-        """Block the (single) I/O thread until the returned event is set: loads stay LOADING."""
-        release, started = threading.Event(), threading.Event()
-        self.executor.submit(lambda: (started.set(), release.wait(10)))
-        assert started.wait(5)
-        return release
+    def hold_reads(self) -> SimpleNamespace:
+        """Hold the store's reads (the native reader starts none) until the returned gate's
+        ``set()``: loads from the store stay LOADING."""
+        self.store.pause()
+        return SimpleNamespace(set=self.store.resume)
 
     def check_served(self, session, readies: list[Ready]) -> None:
         for ready in readies:
@@ -248,10 +246,10 @@ def test_no_deadlock_between_partial_acquires(make):
 
 
 def test_concurrent_demand_of_the_same_key_loads_once(make):
-    h = make(slots=2, single_io_thread=True)
+    h = make(slots=2)
     r = h.residency
     sessions = [r.open_session(f"s{i}") for i in range(4)]
-    gate = h.hold_io()
+    gate = h.hold_reads()
     results: dict[int, list] = {}
     threads = [
         threading.Thread(target=lambda i=i, s=s: results.setdefault(i, list(r.acquire(s, L1, [4]))))
@@ -276,11 +274,11 @@ def test_concurrent_demand_of_the_same_key_loads_once(make):
 
 
 def test_checksum_mismatch_frees_the_slot_and_fails_every_waiter(make):
-    h = make(slots=2, single_io_thread=True)
+    h = make(slots=2)
     corrupt(h.root, h.manifest, ExpertKey(L1, 3))
     r = h.residency
     a, b = r.open_session("a"), r.open_session("b")
-    gate = h.hold_io()
+    gate = h.hold_reads()
     failures: list[BaseException] = []
 
     def demand_b():
@@ -456,9 +454,9 @@ def load(h: Harness, *experts: int) -> list[Ready]:
 
 
 def test_transitions_are_mirrored_in_the_shared_table(make):
-    h = make(slots=2, single_io_thread=True)
+    h = make(slots=2)
     r, t = h.residency, h.table
-    gate = h.hold_io()
+    gate = h.hold_reads()
     s = r.open_session("a")
     it = r.acquire(s, L1, [0])
     waiter = ThreadPoolExecutor(1).submit(list, it)
