@@ -99,9 +99,10 @@ Where that time is most of the p50, the disk bounds the token and only fewer byt
 Belady's reference: MIN needs the future, so it runs in the replay's simulator instead, on the very
 routing ours and lru were forced to and the same slots (``bench.e2e_reference``): the simulated
 LRU's bytes printed beside the measured ones (they agree), Belady's bytes and, with the ``cpu-e2e``
-timing model where it is calibrated (bf16 experts of the default shape), its speed-up over LRU;
-then ours' share of Belady's gain, (ours - 1) / (belady - 1), in speed (ours measured) and in
-bytes saved against LRU. The replay's prediction for ours is printed beside it.
+timing model calibrated on this run (the store reads measured first, the compute's CPU per token),
+its speed-up over LRU; then ours' share of Belady's gain, (ours - 1) / (belady - 1), in speed
+(ours measured) and in bytes saved against LRU. The replay's prediction for ours and LRU is
+printed beside their measured mean per token, and judged (within 10%, the same order).
 Every process runs ``--threads`` torch threads (default 1: see ``main``). Default sizes (3 x 96
 tokens for ours and lru, 16 for accelerate) take about 4 minutes here on 2 cores once the model is
 built (about 1.5 minutes, once); the first ~50 tokens of a request are its cold start (the trace's
@@ -124,7 +125,7 @@ if str(REPO) not in sys.path:
 
 from bench import llama_cpp  # noqa: E402
 from bench.e2e_accelerate import merge_accelerate, run_accelerate  # noqa: E402
-from bench.e2e_reference import forced_routes, is_calibrated, simulate  # noqa: E402
+from bench.e2e_reference import fit_link, forced_routes, measured_timing, simulate, timing_errors  # noqa: E402
 from bench.e2e_reference import shares as belady_shares  # noqa: E402
 from bench.e2e_report import (  # noqa: E402
     compare_runs,
@@ -242,12 +243,14 @@ def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dic
 
 
 def simulated_reference(
-    args: argparse.Namespace, manifest: StoreManifest, budget: int, results: dict
+    args: argparse.Namespace, manifest: StoreManifest, budget: int, results: dict, store_reads: dict | None
 ) -> dict | None:
     """Belady's MIN and the replay's prediction on the routing ours and lru were forced to
     (``bench.e2e_reference``), printed beside the measurement; None unless lru ran. Ours' share
     of Belady's gain: (ours - 1) / (belady - 1) in speed-up over lru (ours measured, Belady
-    simulated), and in bytes saved against lru."""
+    simulated), and in bytes saved against lru. Times are simulated under the timing model
+    calibrated on this run (``measured_timing``: the store reads measured first, the compute's
+    CPU per token of lru and ours), and each is compared with the measured mean per token."""
     if "lru" not in results:
         return None
     routes = forced_routes(args.trace, manifest, args.request, args.repeats * args.requests, args.tokens)
@@ -256,27 +259,43 @@ def simulated_reference(
         ours["ours"] = args.next_visit_path
     if "ours-transitions" in results:
         ours["ours-transitions"] = None
-    calibrated = is_calibrated(manifest)
+    # A token's compute: its time less its wait for experts (mean per decode token), lru's and ours'.
+    compute = [
+        1.0 / results[name]["tokens_per_s"] - results[name]["stall_s_per_decode_token"]
+        for name in ("lru", *ours)
+        if results[name].get("tokens_per_s") and results[name].get("stall_s_per_decode_token") is not None
+    ]
+    compute = [c for c in compute if c > 0]
+    slots = budget // manifest.blob_bytes
+    started = time.perf_counter()
+    timing = None
+    if store_reads and compute and results["lru"].get("tokens_per_s"):
+        timing = measured_timing(
+            manifest,
+            link_bytes_per_s=store_reads["four_in_flight"]["gb_per_s"] * 1e9,
+            compute_s_per_token=sum(compute) / len(compute),
+        )
+        timing = fit_link(routes, manifest, slots, timing, 1e3 / results["lru"]["tokens_per_s"])
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
     drop = ForcedRoutingConfig().force_routing_accuracy_drop_per_depth
     accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))
-    slots = budget // manifest.blob_bytes
-    started = time.perf_counter()
-    simulated = simulate(
-        routes, manifest, slots, ours=ours, lookahead_accuracy=accuracy, calibrated=calibrated
-    )
+    simulated = simulate(routes, manifest, slots, ours=ours, lookahead_accuracy=accuracy, timing=timing)
     say("")
     say(
         f"simulated on the same routing (trace requests {routes.requests[0]}..{routes.requests[-1]}, {args.tokens} "
         f"tokens each, {slots} slots; replay.simulator, "
         + (
-            "timing model cpu-e2e"
-            if calibrated
-            else "bytes only: the cpu-e2e timing model is calibrated for bf16 experts of the default shape"
+            "timing model cpu-e2e calibrated on this run: " + "; ".join(timing.notes)
+            if timing is not None
+            else "bytes only: no store reads measured (--store-reads 0) or no decode times to calibrate its timing "
+            "model on"
         )
         + f"; {time.perf_counter() - started:.1f} s):"
     )
-    say(f"  {'system':<18}{'MiB/tok':>9}{'measured':>10}{'x lru':>8}{'ms/tok':>9}{'x lru':>7}")
+    measured_ms = {name: 1e3 / r["tokens_per_s"] for name, r in results.items() if r.get("tokens_per_s")}
+    say(
+        f"  {'system':<18}{'MiB/tok':>9}{'measured':>10}{'x lru':>8}{'ms/tok':>9}{'measured':>10}{'x lru':>7}"
+    )
     sim_lru = simulated["lru"]
     for system, sim in simulated.items():
         measured = results.get(system, {}).get("bytes_per_token")
@@ -285,7 +304,8 @@ def simulated_reference(
         say(
             f"  {system:<18}{sim['bytes_per_token'] / MIB:>9.1f}{fmt(measured and measured / MIB, '>10.1f'):>10}"
             f"{sim['bytes_per_token'] / sim_lru['bytes_per_token']:>8.3f}"
-            f"{fmt(lat, '>9.1f'):>9}{fmt(speedup, '>7.2f'):>7}"
+            f"{fmt(lat, '>9.1f'):>9}{fmt(measured_ms.get(system) if lat else None, '>10.1f'):>10}"
+            f"{fmt(speedup, '>7.2f'):>7}"
             + {
                 "belady": "   (demand fetching with the future known: the fewest bytes)",
                 "oracle-next-token": "   (ours' eviction told the next token's routing, demand fetching)",
@@ -304,10 +324,25 @@ def simulated_reference(
                 f"{share['bytes_share']:.2f} (ours {share['bytes_ratio']:.3f}x lru's bytes measured, belady "
                 f"{share['belady_bytes_ratio']:.3f}x simulated)"
             )
+    errors = timing_errors({k: {"ms_per_token": v} for k, v in measured_ms.items()}, simulated)
+    if errors is not None:
+        verdict = "PASS" if errors["within_tolerance"] and errors["same_order"] else "FAIL"
+        say(
+            "the simulator against the measurement (mean ms per decode token): "
+            + ", ".join(
+                f"{name} {r['simulated_ms']:.1f} vs {r['measured_ms']:.1f} ({r['error']:+.0%})"
+                for name, r in errors["systems"].items()
+            )
+            + f"; {'the same order' if errors['same_order'] else 'NOT the measured order'} "
+            f"(goal: each within {errors['tolerance']:.0%}, the same order) {verdict}"
+        )
+        errors["verdict"] = verdict
     return {
         "requests": list(routes.requests),
         "slots": slots,
-        "calibrated": calibrated,
+        "calibrated": timing is not None,
+        "timing": None if timing is None else {"name": timing.name, "notes": list(timing.notes)},
+        "timing_errors": errors,
         "lookahead_accuracy": list(accuracy),
         "systems": simulated,
         "shares": share,
@@ -583,9 +618,11 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = judge(results, args.precision)
     verdicts["memory"] = print_memory(results)
     verdicts.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, args.precision))
-    reference = simulated_reference(args, manifest, budget, results)
+    reference = simulated_reference(args, manifest, budget, results, store_reads)
     if reference is not None:
         verdicts["belady_share"] = reference["shares"]
+        if reference["timing_errors"] is not None:
+            verdicts["simulator"] = reference["timing_errors"]
     shares = gap_shares(results)
     if shares:
         verdicts["share_of_lru_resident_gap"] = shares

@@ -16,10 +16,13 @@ with the same number of slots:
   lookahead modelled at the e2e's accuracy per depth, ``DEFAULT_INFLIGHT_BLOBS`` in flight): the
   replay's prediction of what the e2e measures.
 
-Times come from the ``cpu-e2e`` timing model (``simulator.cpu_e2e_timing``, calibrated on this
-machine for the bf16 experts of the e2e's default shape); at another precision or shape only the
-bytes are a reference (``calibrated`` False), since the model's compute and blob times are not
-that run's. Byte counts of demand-only policies do not depend on the timing at all.
+Times come from the ``cpu-e2e`` timing model (``simulator.cpu_e2e_timing``) calibrated on the
+run itself (``measured_timing``): the store's blob, a token's compute as the systems measured it
+(its time less its wait for experts; the per-layer and per-token parts in the model's
+proportions), and the link's rate fitted so that the simulated LRU takes the measured LRU's time
+(``fit_link``, from the disk's rate with 4 reads in flight): LRU is the calibration point, ours
+is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of demand-only policies do not depend on the timing at
+all. ``timing_errors`` compares the simulated time per token with the measured one.
 
 Example: 3 Generates of 96 tokens from trace request 0, 192 slots of 768 → the routes of rows
 0..95 of requests 0, 1, 2; lru simulated 148.0 MiB per token (measured 148.0), belady 72.4.
@@ -37,7 +40,7 @@ from cache_daemon.decisions.next_visit import read as read_next_visit
 from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS
 from expertcache.manifest import StoreManifest
 from replay.forced_routing import ForcedRouting, load_trace
-from replay.simulator import CPU_E2E_EXPERT_BYTES, Simulation, cpu_e2e_timing
+from replay.simulator import Simulation, TimingModel, cpu_e2e_timing
 
 MIB = 1 << 20
 
@@ -87,18 +90,21 @@ def simulate(
     *,
     ours: dict[str, Path | None],
     lookahead_accuracy: tuple[float, ...],
-    calibrated: bool,
+    timing: TimingModel | None,
 ) -> dict[str, dict]:
     """Per simulated system (``lru``, ``belady``, ``oracle-next-token``, then each of ``ours``:
     name → its next-visit model file or None for the transitions) its ``bytes_per_token``,
-    ``hit_rate``, ``latency_ms_per_token`` (None unless ``calibrated``) and
+    ``hit_rate``, ``latency_ms_per_token`` (under ``timing``; None without one: bytes only) and
     ``prefetches_per_token``. The oracle estimates beyond the next token as ``ours`` does (with
     its model, the first of ``ours`` given)."""
     n = manifest.num_blobs
     if not 1 <= slots <= n:
         raise ValueError(f"slots must be in [1, {n}], got {slots}")
-    timing = cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k)
-    timing = replace(timing, expert_bytes=manifest.blob_bytes)
+    calibrated = timing is not None
+    if timing is None:  # the decisions need a clock; the bytes do not depend on it
+        timing = replace(
+            cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k), expert_bytes=manifest.blob_bytes
+        )
     models = {name: None if path is None else read_next_visit(path) for name, path in ours.items()}
     runs: list[tuple[str, str, NextVisitModel | None, tuple[float, ...] | None]] = [
         ("lru", "lru", None, None),
@@ -109,19 +115,7 @@ def simulate(
         runs.append((name, "activation-aware", model, lookahead_accuracy))
     out: dict[str, dict] = {}
     for name, policy, model, lookahead in runs:
-        sim = Simulation(
-            routes.expert_ids,
-            routes.gate_weights,
-            routes.offsets,
-            manifest.num_experts,
-            timing,
-            policy,
-            slots / n,
-            lookahead_accuracy=lookahead,
-            next_visit_model=model,
-            max_inflight_bytes=DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
-        )
-        s = sim.run().summary(timing)
+        s = _summary(routes, manifest, slots, timing, policy, model, lookahead)
         out[name] = {
             "policy": policy,
             "bytes_per_token": s["bytes_per_token"],
@@ -133,10 +127,134 @@ def simulate(
     return out
 
 
-def is_calibrated(manifest: StoreManifest) -> bool:
-    """Whether the ``cpu-e2e`` timing model is this store's: bf16 experts of the e2e's default
-    shape (the blob is the experts' bytes plus the store's alignment)."""
-    return manifest.encodings == ("plain",) and abs(manifest.blob_bytes - CPU_E2E_EXPERT_BYTES) < 64 * 1024
+def _summary(
+    routes: ForcedRoutes,
+    manifest: StoreManifest,
+    slots: int,
+    timing: TimingModel,
+    policy: str,
+    model: NextVisitModel | None = None,
+    lookahead: tuple[float, ...] | None = None,
+) -> dict:
+    sim = Simulation(
+        routes.expert_ids,
+        routes.gate_weights,
+        routes.offsets,
+        manifest.num_experts,
+        timing,
+        policy,
+        slots / manifest.num_blobs,
+        lookahead_accuracy=lookahead,
+        next_visit_model=model,
+        max_inflight_bytes=DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
+    )
+    return sim.run().summary(timing)
+
+
+def measured_timing(
+    manifest: StoreManifest, *, link_bytes_per_s: float, compute_s_per_token: float
+) -> TimingModel:
+    """The ``cpu-e2e`` timing model calibrated on an e2e run: ``manifest``'s blob over a link of
+    ``link_bytes_per_s`` (the store's reads, 4 in flight; ``fit_link`` refines it), and one
+    token's compute taking ``compute_s_per_token`` (a token's time less its wait for experts, as
+    measured), split per layer (attention, each expert, overhead) and per token in the proportions
+    of the model's own constants."""
+    if link_bytes_per_s <= 0 or compute_s_per_token <= 0:
+        raise ValueError(
+            f"the link's rate and the compute per token must be > 0, got {link_bytes_per_s} and {compute_s_per_token}"
+        )
+    base = cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k)
+    f = compute_s_per_token / base.all_resident_token_s
+    return replace(
+        base,
+        expert_bytes=manifest.blob_bytes,
+        link_bytes_per_s=link_bytes_per_s,
+        attention_s=base.attention_s * f,
+        expert_s=base.expert_s * f,
+        layer_overhead_s=base.layer_overhead_s * f,
+        token_overhead_s=base.token_overhead_s * f,
+        name="cpu-e2e, measured",
+        notes=(
+            f"expert: the store's blob, {manifest.blob_bytes} bytes",
+            f"link: the store's reads, 4 in flight, {link_bytes_per_s / 1e9:.2f} GB/s (measured before the systems ran)",
+            f"compute: {compute_s_per_token * 1e3:.1f} ms a token (measured: a token's time less its wait for experts), split as "
+            f"cpu-e2e's constants: per layer {base.layer_s * f * 1e3:.3f} ms, per token "
+            f"{base.token_overhead_s * f * 1e3:.2f} ms",
+        ),
+    )
+
+
+def fit_link(
+    routes: ForcedRoutes,
+    manifest: StoreManifest,
+    slots: int,
+    timing: TimingModel,
+    lru_ms_per_token: float,
+    *,
+    steps: int = 12,
+) -> TimingModel:
+    """``timing`` with the link rate at which the simulated LRU takes ``lru_ms_per_token`` (the
+    measured one): the link as the daemon delivers a demand miss, its read, checksum, publication
+    and compute's wake-up included, which the disk's rate alone leaves out. Bisection on the rate
+    between 1/8 and 8 times ``timing``'s (LRU's time falls as the rate rises); at a bound, the
+    bound. LRU is then the calibration point, and the other systems are predicted."""
+    if lru_ms_per_token <= 0:
+        raise ValueError(f"lru_ms_per_token must be > 0, got {lru_ms_per_token}")
+    lo, hi = timing.link_bytes_per_s / 8, timing.link_bytes_per_s * 8
+
+    def lru_ms(rate: float) -> float:
+        return _summary(routes, manifest, slots, replace(timing, link_bytes_per_s=rate), "lru")[
+            "latency_ms_per_token"
+        ]
+
+    if lru_ms(hi) >= lru_ms_per_token:
+        rate = hi  # slower than the model at its fastest link: the compute part is short
+    elif lru_ms(lo) <= lru_ms_per_token:
+        rate = lo
+    else:
+        for _ in range(steps):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if lru_ms(mid) > lru_ms_per_token else (lo, mid)
+        rate = (lo * hi) ** 0.5
+    return replace(
+        timing,
+        link_bytes_per_s=rate,
+        notes=(
+            *timing.notes,
+            f"link fitted to lru's measured {lru_ms_per_token:.1f} ms a token: {rate / 1e9:.2f} GB/s "
+            f"({rate / timing.link_bytes_per_s:.2f}x the disk's rate)",
+        ),
+    )
+
+
+# The simulator predicts the measured time per token this closely, or it is not trusted.
+TIMING_TOLERANCE = 0.10
+
+
+def timing_errors(measured: dict[str, dict], simulated: dict[str, dict]) -> dict | None:
+    """How far the simulated time per token is from the measured one, for each system simulated
+    and measured (``ms_per_token``: the measured mean, every token of its Generates), and whether
+    the simulator orders them as measured: ``{"systems": {name: {"measured_ms", "simulated_ms",
+    "error"}}, "same_order", "within_tolerance"}``; None without two such systems."""
+    rows = {}
+    for name, sim in simulated.items():
+        got = measured.get(name, {}).get("ms_per_token")
+        if got and sim.get("latency_ms_per_token"):
+            rows[name] = {
+                "measured_ms": got,
+                "simulated_ms": sim["latency_ms_per_token"],
+                "error": sim["latency_ms_per_token"] / got - 1.0,
+            }
+    if len(rows) < 2:
+        return None
+    by_measured = sorted(rows, key=lambda k: rows[k]["measured_ms"])
+    by_simulated = sorted(rows, key=lambda k: rows[k]["simulated_ms"])
+    return {
+        "systems": rows,
+        "same_order": by_measured == by_simulated,
+        "within_tolerance": all(abs(r["error"]) <= TIMING_TOLERANCE for r in rows.values()),
+        "tolerance": TIMING_TOLERANCE,
+    }
 
 
 def shares(measured: dict[str, dict], simulated: dict[str, dict], system: str = "ours") -> dict | None:
@@ -164,4 +282,13 @@ def shares(measured: dict[str, dict], simulated: dict[str, dict], system: str = 
     return out
 
 
-__all__ = ["ForcedRoutes", "forced_routes", "is_calibrated", "shares", "simulate"]
+__all__ = [
+    "TIMING_TOLERANCE",
+    "ForcedRoutes",
+    "fit_link",
+    "forced_routes",
+    "measured_timing",
+    "shares",
+    "simulate",
+    "timing_errors",
+]

@@ -7,12 +7,20 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from bench.e2e_reference import forced_routes, is_calibrated, shares, simulate
+from bench.e2e_reference import (
+    TIMING_TOLERANCE,
+    fit_link,
+    forced_routes,
+    measured_timing,
+    shares,
+    simulate,
+    timing_errors,
+)
 from expertcache.manifest import StoreManifest, plan_blob
 from expertcache.trace import read_trace
 from replay.forced_routing import ForcedRouting, load_trace
 from replay.learn_next_visit import fit_trace, write
-from replay.simulator import CPU_E2E_EXPERT_BYTES
+from replay.simulator import cpu_e2e_timing
 from tests.traces import write_trace  # 3 layers x 8 experts, top-2
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
@@ -113,7 +121,7 @@ def test_simulated_lru_and_belady_load_what_they_must(tmp_path):
     m = manifest()
     routes = forced_routes(path, m, 0, 2, 30)
     slots = 6
-    out = simulate(routes, m, slots, ours={}, lookahead_accuracy=(), calibrated=False)
+    out = simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=None)
     assert set(out) == {"lru", "belady", "oracle-next-token"}
     tokens = len(routes.expert_ids)
     assert out["lru"]["bytes_per_token"] * tokens == pytest.approx(
@@ -123,7 +131,7 @@ def test_simulated_lru_and_belady_load_what_they_must(tmp_path):
         belady_loads(routes.expert_ids, slots) * m.blob_bytes
     )
     assert out["belady"]["bytes_per_token"] < out["lru"]["bytes_per_token"]
-    assert out["lru"]["latency_ms_per_token"] is None  # not calibrated: bytes only
+    assert out["lru"]["latency_ms_per_token"] is None  # no timing model: bytes only
     assert out["lru"]["slots"] == slots
 
 
@@ -139,7 +147,7 @@ def test_simulated_ours_runs_the_daemon_decisions_with_and_without_a_model(tmp_p
         8,
         ours={"ours": model_path, "ours-transitions": None},
         lookahead_accuracy=(1.0,),
-        calibrated=True,
+        timing=measured_timing(m, link_bytes_per_s=1e6, compute_s_per_token=0.02),
     )
     assert list(out) == ["lru", "belady", "oracle-next-token", "ours", "ours-transitions"]
     # told the next token, eviction alone loads no more than LRU and no fewer than Belady
@@ -161,7 +169,7 @@ def test_simulate_refuses_slots_outside_the_table(tmp_path):
     routes = forced_routes(path, m, 0, 1, 5)
     for slots in (0, LAYERS * EXPERTS + 1):
         with pytest.raises(ValueError, match="slots must be in"):
-            simulate(routes, m, slots, ours={}, lookahead_accuracy=(), calibrated=False)
+            simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=None)
 
 
 def test_shares_of_belady_gain():
@@ -187,7 +195,56 @@ def test_shares_of_belady_gain():
     assert shares({"lru": measured["lru"]}, simulated) is None  # ours did not run
 
 
-def test_calibrated_only_for_the_default_bf16_shape():
-    assert not is_calibrated(manifest())
-    rows = (CPU_E2E_EXPERT_BYTES - 4 * 4 * 2) // (4 * 2)
-    assert is_calibrated(manifest(blob_shape=(rows, 4), dtype="bfloat16"))
+def test_the_measured_timing_takes_the_runs_blob_link_and_compute():
+    m = manifest()
+    timing = measured_timing(m, link_bytes_per_s=2e9, compute_s_per_token=0.03)
+    base = cpu_e2e_timing(LAYERS, TOP_K)
+    assert timing.expert_bytes == m.blob_bytes and timing.link_bytes_per_s == 2e9
+    assert timing.all_resident_token_s == pytest.approx(0.03)
+    # the parts in the model's own proportions
+    assert timing.attention_s / timing.expert_s == pytest.approx(base.attention_s / base.expert_s)
+    assert timing.token_overhead_s / timing.layer_s == pytest.approx(base.token_overhead_s / base.layer_s)
+    for link, compute in ((0.0, 0.03), (2e9, 0.0), (-1.0, 0.03)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            measured_timing(m, link_bytes_per_s=link, compute_s_per_token=compute)
+
+
+def test_the_link_is_fitted_so_that_the_simulated_lru_takes_the_measured_time(tmp_path):
+    path = write_trace(tmp_path / "t.npz", [40, 30], seed=3)
+    m = manifest(blob_shape=(4096, 64))  # blobs of 1 MiB: the link matters
+    routes = forced_routes(path, m, 0, 2, 30)
+    slots = 8
+    timing = measured_timing(m, link_bytes_per_s=1e9, compute_s_per_token=0.01)
+
+    def lru_ms(t) -> float:
+        return simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=t)["lru"][
+            "latency_ms_per_token"
+        ]
+
+    slower = lru_ms(timing) * 1.3  # as if the daemon delivered misses slower than the disk reads
+    fitted = fit_link(routes, m, slots, timing, slower)
+    assert fitted.link_bytes_per_s < timing.link_bytes_per_s
+    assert lru_ms(fitted) == pytest.approx(slower, rel=0.01)
+    assert "link fitted to lru's measured" in fitted.notes[-1]
+    # beyond what any rate within 8x explains: the bound
+    assert fit_link(routes, m, slots, timing, 1e-3).link_bytes_per_s == pytest.approx(8e9)
+    assert fit_link(routes, m, slots, timing, 1e6).link_bytes_per_s == pytest.approx(1e9 / 8)
+    with pytest.raises(ValueError, match="lru_ms_per_token must be > 0"):
+        fit_link(routes, m, slots, timing, 0.0)
+
+
+def test_timing_errors_judge_each_system_and_the_order():
+    simulated = {
+        "lru": {"latency_ms_per_token": 60.0},
+        "belady": {"latency_ms_per_token": 40.0},  # not measured: not judged
+        "ours": {"latency_ms_per_token": 46.0},
+    }
+    got = timing_errors({"lru": {"ms_per_token": 60.0}, "ours": {"ms_per_token": 50.0}}, simulated)
+    assert set(got["systems"]) == {"lru", "ours"}
+    assert got["systems"]["ours"]["error"] == pytest.approx(-0.08)
+    assert got["same_order"] and got["within_tolerance"] and got["tolerance"] == TIMING_TOLERANCE
+    far = timing_errors({"lru": {"ms_per_token": 60.0}, "ours": {"ms_per_token": 52.0}}, simulated)
+    assert far["same_order"] and not far["within_tolerance"]  # -11.5%
+    swapped = timing_errors({"lru": {"ms_per_token": 45.0}, "ours": {"ms_per_token": 50.0}}, simulated)
+    assert not swapped["same_order"]
+    assert timing_errors({"lru": {"ms_per_token": 60.0}}, simulated) is None  # nothing to compare
