@@ -102,6 +102,11 @@ class ActivationSignals(UseEstimates):
             )
         )
         self._model_latest = 0  # per request, the model's view of every layer's latest routing
+        # Every entry's key, made once: the scheduler and the policies ask for keys by entry
+        # thousands of times a second (a fresh ExpertKey each was 6% of a replay's time).
+        self._keys = tuple(
+            ExpertKey(layer, expert) for layer in range(num_layers) for expert in range(num_experts)
+        )
         self.set_next_visit_model(next_visit_model)
         if estimator is not None:
             estimator.attach(self)
@@ -137,6 +142,8 @@ class ActivationSignals(UseEstimates):
 
     def key_of(self, entry: int) -> ExpertKey:
         """The key of entry index ``entry``."""
+        if 0 <= entry < self.num_entries:
+            return self._keys[entry]
         return ExpertKey.of_entry(entry, self.num_experts)
 
     # -- requests ----------------------------------------------------------------------------------
