@@ -165,8 +165,8 @@ class PrefetchWorker:
     _slots: Slots
     _recency: Recency
     _start_load: Callable[[ExpertKey, PrefetchClass, float, int], Load]
-    _reap: Callable[[], int] = lambda: 0
-    _reap_fd: int | None = None
+    _reap: Callable[[], int]
+    _reap_fd: int | None  # None: no load is reaped (they run on the I/O pools)
     _thread: threading.Thread = field(init=False)
 
     def __post_init__(self) -> None:
