@@ -21,8 +21,9 @@ run itself (``measured_timing``): the store's blob, a token's compute as the sys
 (its time less its wait for experts; the per-layer and per-token parts in the model's
 proportions), and the link's rate fitted so that the simulated LRU takes the measured LRU's time
 (``fit_link``, from the disk's rate with 4 reads in flight): LRU is the calibration point, ours
-is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of demand-only policies do not depend on the timing at
-all. ``timing_errors`` compares the simulated time per token with the measured one.
+is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of
+demand-only policies do not depend on the timing at all. ``timing_errors`` compares the
+simulated time per token with the measured one.
 
 Example: 3 Generates of 96 tokens from trace request 0, 192 slots of 768 → the routes of rows
 0..95 of requests 0, 1, 2; lru simulated 148.0 MiB per token (measured 148.0), belady 72.4.

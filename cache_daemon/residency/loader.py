@@ -90,7 +90,6 @@ class Loader:
         self._prefetch_pool = ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="expertcache-prefetch"
         )
-        self._reaping: dict[int, Load] = {}  # store request id -> its load, for ``reap``
 
     # -- under the residency lock ------------------------------------------------------------------
     def submit(self, load: Load) -> None:
@@ -106,14 +105,13 @@ class Loader:
             with self._cond:  # a reentrant lock: most callers hold it already
                 try:
                     load.handle = self._store.submit(
-                        load.key, self._arena.host_buffer(load.slot), load.priority, reaped=True
+                        load.key, self._arena.host_buffer(load.slot), load.priority, owner=load
                     )
                 except BaseException as exc:  # noqa: BLE001 - the load fails, the caller goes on
                     logger.warning("loading expert %s into slot %d failed: %s", load.key, load.slot, exc)
                     self._on_failed(load, exc)
                     return
                 load.started = True
-                self._reaping[load.handle.request_id] = load
             return
         pool = self._pool if load.cls is PrefetchClass.DEMAND else self._prefetch_pool
         try:
@@ -140,7 +138,7 @@ class Loader:
                 self._metrics.tier["device"].bytes_in.inc(ok * self._arena.slot_bytes)
             with self._cond:
                 for handle, error in finished:
-                    load = self._reaping.pop(handle.request_id)
+                    load = handle.owner
                     load.handle = None
                     if error is None:
                         self._on_done(load, Tier.STORE)

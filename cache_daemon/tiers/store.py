@@ -90,7 +90,7 @@ class StoreReadHandle:
     _bounce: mmap.mmap | None  # page-aligned stand-in for an unaligned ``out`` of a direct file
     request_id: int
     priority: Priority
-    reaped: bool = False  # finished by ``StoreReader.reap``, never by ``wait``
+    owner: object = None  # a reaped read's owner: ``StoreReader.reap`` finishes it, never ``wait``
     _start: float = field(default_factory=time.perf_counter, init=False)
     _finished: bool = field(default=False, init=False)
 
@@ -129,7 +129,7 @@ class StoreReadHandle:
         """
         if self._finished:
             raise FailedPrecondition(f"the read of expert {self.key} was already waited for")
-        if self.reaped:
+        if self.owner is not None:
             raise FailedPrecondition(f"the read of expert {self.key} is finished by StoreReader.reap")
         try:
             self._store._reader.wait(self.request_id, timeout_s)
@@ -262,11 +262,12 @@ class StoreReader(MemoryTier):
         self._reader.resume()
 
     def submit(
-        self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND, *, reaped: bool = False
+        self, key: ExpertKey, out: BlobBuffer, priority: Priority = Priority.DEMAND, *, owner: object = None
     ) -> StoreReadHandle:
         """Start reading ``key``'s blob into the first ``blob_bytes`` of ``out`` (a contiguous CPU
-        uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it, or
-        with ``reaped`` ``reap`` does, in whichever thread reaps (``event_fd`` tells when)."""
+        uint8 buffer, ideally 4 KiB-aligned) at ``priority``; ``handle.wait()`` finishes it, or,
+        for a read with an ``owner``, ``reap`` does, in whichever thread reaps (``event_fd`` tells
+        when), and hands it back with its ``owner``."""
         if self._closed:
             raise ShuttingDown(f"the store reader is closed: cannot read expert {key}")
         rel, offset = self._manifest.blob_location(key)
@@ -284,10 +285,16 @@ class StoreReader(MemoryTier):
         expected = self._manifest.checksums[key.layer][key.expert]
         with self._lock:
             request_id = self._reader.submit(
-                lf.file_id, offset, nbytes, address, int(priority), expected_crc=expected, pollable=reaped
+                lf.file_id,
+                offset,
+                nbytes,
+                address,
+                int(priority),
+                expected_crc=expected,
+                pollable=owner is not None,
             )
             handle = StoreReadHandle(
-                self, key, lf, offset, view, bounce, request_id, Priority(priority), reaped
+                self, key, lf, offset, view, bounce, request_id, Priority(priority), owner
             )
             self._outstanding[request_id] = handle
         return handle
@@ -298,9 +305,10 @@ class StoreReader(MemoryTier):
         return self._reader.event_fd
 
     def reap(self, max_n: int = 64) -> list[tuple[StoreReadHandle, Exception | None]]:
-        """Finish up to ``max_n`` of the ``reaped`` reads that have completed, in completion order,
-        without waiting: each with ``None`` (the blob is in its buffer, verified) or the error
-        ``wait`` would have raised (``ShortRead``, ``ChecksumMismatch``, ``ShuttingDown``)."""
+        """Finish up to ``max_n`` of the reads with an owner that have completed, in completion
+        order, without waiting: each handle (``handle.owner``: the read's) with ``None`` (the blob
+        is in its buffer, verified) or the error ``wait`` would have raised (``ShortRead``,
+        ``ChecksumMismatch``, ``ShuttingDown``)."""
         out: list[tuple[StoreReadHandle, Exception | None]] = []
         for request_id, _tag, error, _nbytes, _elapsed_s in self._reader.poll(max_n, 0.0):
             with self._lock:
