@@ -27,6 +27,10 @@ round times every method in turn, rotated per round; figures are medians over ``
 ``--paths`` times the fused kernel on each of the named SIMD paths of this CPU
 (``expertcache._native.FFN_PATHS``; ``auto``, the default, is the fastest, as compute runs it), a
 line each, in the same rounds.
+
+For MXFP4 on the avx512 and amx paths, a ``decode only`` line times the kernels' decode of the same
+weights into bfloat16 words with nothing multiplied (``ExpertFfn.decode_only``), in the first rows'
+rounds: a bound no kernel that decodes as they do can pass, whatever it computes.
 """
 
 from __future__ import annotations
@@ -103,6 +107,11 @@ class Methods:
             self.ffn.run(
                 self.arena, slot, self.bounds, self.rows_ix, self.rows_ix, self.weights, self.x, self.out
             )
+
+    def decode(self, n: int) -> None:
+        """The MXFP4 weights decoded as the avx512 and amx kernels decode them, nothing computed."""
+        for _ in range(n):
+            self.ffn.decode_only(self.arena, self._next())
 
     def memcpy(self, n: int) -> None:
         size = self.layout.slot_bytes
@@ -182,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'GB/s':>6} {'vs memcpy':>9} {'torch ms':>9} {'fused x torch':>13}"
     )
     results = []
+    floors = []
     for shape in shapes:
         for layout_name in layouts:
             layout, arena, slots = build(layout_name, shape, DTYPES[args.dtype])
@@ -192,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 m = ms[paths[0]]
                 calls_of = {f"fused:{p}": ms[p].fused for p in paths}
                 calls_of["memcpy"] = m.memcpy
+                decode_path = next((p for p in paths if ms[p].ffn.path in ("avx512", "amx")), None)
+                decodes = layout_name == "mxfp4" and decode_path is not None and rows == rows_list[0]
+                if decodes:
+                    calls_of["decode"] = ms[decode_path].decode
                 if not args.no_torch:
                     calls_of["torch"] = m.torch
                 names = list(calls_of)
@@ -228,6 +242,23 @@ def main(argv: list[str] | None = None) -> int:
                         f"{row['memcpy_gbps']:6.1f} {row['vs_memcpy']:9.2f} {fmt(row['torch_ms'], '9.3f'):>9} "
                         f"{fmt(row['fused_x_torch'], '13.1f'):>13}"
                     )
+                if decodes:
+                    floor = dict(
+                        shape=shape,
+                        path=ms[decode_path].ffn.path,
+                        stored_bytes=nbytes,
+                        decode_ms=med["decode"] * 1e3,
+                        decode_gbps=nbytes / med["decode"] / 1e9,
+                        memcpy_gbps=nbytes / med["memcpy"] / 1e9,
+                    )
+                    floor["vs_memcpy"] = floor["decode_gbps"] / floor["memcpy_gbps"]
+                    floors.append(floor)
+                    say(
+                        f"{shape:12} {layout_name:7} {'-':>4} {'decode':8} {nbytes / MIB:6.2f} "
+                        f"{floor['decode_ms']:9.3f} {floor['decode_gbps']:6.1f} {med['memcpy'] * 1e3:9.3f} "
+                        f"{floor['memcpy_gbps']:6.1f} {floor['vs_memcpy']:9.2f}   (decode only, nothing multiplied: "
+                        f"the bound of the {floor['path']} kernels)"
+                    )
     fastest = native.FFN_PATHS[0]
     goal = [
         r
@@ -241,7 +272,17 @@ def main(argv: list[str] | None = None) -> int:
             f"goal: bf16 and MXFP4 at 1 and 4 rows >= 0.7x memcpy bandwidth: worst {worst['vs_memcpy']:.2f} "
             f"({worst['shape']} {worst['layout']} {worst['rows']} rows) {'PASS' if ok else 'FAIL'}"
         )
-    write_json(args.out, dict(threads=args.threads, repeats=args.repeats, dtype=args.dtype, results=results))
+    for floor in floors:
+        say(
+            f"MXFP4 decode alone ({floor['shape']}, {floor['path']}): {floor['vs_memcpy']:.2f}x memcpy bandwidth, "
+            "before any multiply"
+        )
+    write_json(
+        args.out,
+        dict(
+            threads=args.threads, repeats=args.repeats, dtype=args.dtype, results=results, decode_only=floors
+        ),
+    )
     say(f"wrote {args.out}")
     return 0
 

@@ -495,6 +495,24 @@ void bind_expert_ffn(py::module_& m) {
       .def_property_readonly("threads", [](const Ffn& f) { return f.ffn->threads(); })
       .def_property_readonly("amx_items", [](const Ffn& f) { return f.ffn->amx_items(); })
       .def(
+          "decode_only",
+          [](Ffn& f, const py::object& arena_obj, int64_t slot) {
+            const FfnSpec& s = f.ffn->spec();
+            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
+            py::array arena = arena_obj.cast<py::array>();
+            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
+              fail("arena must be a contiguous numpy uint8 array");
+            const size_t num_slots = size_t(arena.size()) / s.slot_bytes;
+            if (slot < 0 || size_t(slot) >= num_slots)
+              fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(num_slots));
+            const auto* a = static_cast<const uint8_t*>(arena.data()) + size_t(slot) * s.slot_bytes;
+            py::gil_scoped_release release;
+            return f.ffn->decode_only(a);
+          },
+          py::arg("arena"), py::arg("slot"),
+          "the MXFP4 weights of the expert in `slot` decoded as the avx512 and amx kernels decode them, nothing "
+          "computed (their words' xor): what a kernel that multiplies nothing costs")
+      .def(
           "set_threads",
           [](Ffn& f, int threads) {
             if (threads < 1 || threads > 1024) fail("threads must be 1 .. 1024, got " + std::to_string(threads));

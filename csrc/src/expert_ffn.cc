@@ -894,6 +894,42 @@ void dot_fp8_avx512_nr(const FfnProjection& p, const uint8_t* slot, const float*
   }
 }
 
+// Every weight of an MXFP4 projection decoded into bfloat16 words with its scale, as the AVX-512 and
+// AMX kernels decode them (fp4_pair_words, fp4_one_avx512's table), prefetched as they are, and
+// nothing else: the words' xor. The cost of a kernel that multiplies nothing (bench.kernels).
+EXPERTCACHE_FFN_AVX512 uint64_t decode_mxfp4_avx512(const FfnProjection& p, const uint8_t* slot) {
+  const size_t groups = p.inputs / kGroup, pairs = groups / 2, row_bytes = groups * kGroupBytes;
+  const uint8_t* b = slot + p.weight_offset;
+  const uint8_t* s = slot + p.scale_offset;
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0;
+  __m256i tail = _mm256_setzero_si256();
+  for (size_t i = 0; i < p.outputs; ++i) {
+    const uint8_t* row = b + i * row_bytes;
+    const uint8_t* rs = s + i * groups;
+    for (size_t q = 0; q < pairs; ++q) {
+      const uint8_t* bq = row + q * 2 * kGroupBytes;
+      if ((q & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bq) + kPrefetchBytes, _MM_HINT_T0);
+      __m512i lo, hi;
+      fp4_pair_words(bq, rs[2 * q], rs[2 * q + 1], lo, hi);
+      acc0 = _mm512_xor_si512(acc0, lo);
+      acc1 = _mm512_xor_si512(acc1, hi);
+    }
+    if (groups % 2) {
+      const __m256i z = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (groups - 1) * kGroupBytes)));
+      const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[rs[groups - 1]]));
+      tail = _mm256_xor_si256(tail, _mm256_xor_si256(_mm256_permutexvar_epi16(z, table),
+                                                     _mm256_permutexvar_epi16(_mm256_srli_epi16(z, 4), table)));
+    }
+  }
+  const __m512i all = _mm512_xor_si512(_mm512_xor_si512(acc0, acc1), _mm512_castsi256_si512(tail));
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, all);
+  uint64_t out = 0;
+  for (uint64_t v : lanes) out ^= v;
+  return out;
+}
+
 void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                     float* h, FfnDtype compute) {
   const bool mxfp4 = p.encoding == FfnEncoding::kMxfp4;
@@ -1147,6 +1183,7 @@ bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
 void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
 void project_avx512(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
+uint64_t decode_mxfp4_avx512(const FfnProjection&, const uint8_t*) { return 0; }
 void finish8(float*, size_t, const uint8_t*, FfnDtype, size_t, FfnDtype) {}
 void activate8(const FfnSpec&, const float*, size_t, float*, size_t& done) { done = 0; }
 void weigh8(const float*, float*, size_t, size_t, float, FfnDtype) {}
@@ -1430,6 +1467,21 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
 ExpertFfn::~ExpertFfn() = default;
 
 const char* ExpertFfn::path() const { return ffn_path_name(path_); }
+
+uint64_t ExpertFfn::decode_only(const uint8_t* slot) const {
+  if (path_ != FfnPath::kAvx512 && path_ != FfnPath::kAmx)
+    throw std::invalid_argument(std::string("expert ffn: decode_only runs on the avx512 and amx paths, not '") +
+                                ffn_path_name(path_) + "'");
+  uint64_t out = 0;
+  bool any = false;
+  for (const FfnProjection* p : {&spec_.first, &spec_.down}) {
+    if (p->encoding != FfnEncoding::kMxfp4) continue;
+    out ^= decode_mxfp4_avx512(*p, slot);
+    any = true;
+  }
+  if (!any) throw std::invalid_argument("expert ffn: decode_only needs an MXFP4 projection; this expert has none");
+  return out;
+}
 
 void ExpertFfn::set_threads(int threads) {
   threads = std::max(1, threads);

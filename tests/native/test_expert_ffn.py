@@ -323,6 +323,59 @@ def test_amx_takes_mxfp4_in_bfloat16_from_five_rows_an_expert(ffn_path, threads)
         assert items == {4: 0, 5: (2 * INTER + H) // 16 if amx else 0}
 
 
+def expected_decode_xor(layout: ExpertLayout, arena: np.ndarray, slot: int) -> int:
+    """What ``decode_only`` returns for the expert in ``slot``: every MXFP4 weight's bfloat16 word
+    (the encodings module's decode), xor-ed per word of a 64-bit lane. The kernels' decode puts
+    element e of a group (32 values) in word (e // 2) % 4 of its lane, for both nibbles."""
+    parts = layout.parts(arena, slot)
+    out = 0
+    for name in ("gate_up_proj", "down_proj"):
+        blocks = parts.get(f"{name}_blocks")
+        if blocks is None:
+            continue
+        w = dequantize_mxfp4(blocks, parts[f"{name}_scales"], torch.float32).to(torch.bfloat16)
+        words = w.view(torch.int16).numpy().astype(np.uint16).astype(np.uint64)
+        lane_word = (np.arange(words.shape[1]) % 32 // 2) % 4
+        for k in range(4):
+            out ^= int(np.bitwise_xor.reduce(words[:, lane_word == k], axis=None)) << (16 * k)
+    return out
+
+
+@pytest.mark.parametrize("hidden", [H, 96])  # 96: each down row ends in a group without a pair
+def test_decode_only_decodes_every_mxfp4_weight_as_the_encodings_module(ffn_path, hidden):
+    """``decode_only`` (bench.kernels' bound of the MXFP4 kernels) decodes every weight of the
+    expert's MXFP4 projections, and only those, into the words the kernels multiply."""
+    gen = torch.Generator().manual_seed(12)
+    for down in ("mxfp4", "plain-dot"):
+        layout = ExpertLayout(hidden, INTER, "mxfp4", down, "gpt_oss", True, torch.bfloat16, gen)
+        arena = layout.arena(slots=2)
+        ffn = _native.ExpertFfn(layout.spec)
+        if ffn_path not in ("avx512", "amx"):
+            with pytest.raises(
+                ValueError, match=f"decode_only runs on the avx512 and amx paths, not '{ffn_path}'"
+            ):
+                ffn.decode_only(arena, 1)
+            continue
+        assert ffn.decode_only(arena, 1) == expected_decode_xor(layout, arena, 1)
+        assert ffn.decode_only(arena, 0) == expected_decode_xor(layout, arena, 0)
+
+
+def test_decode_only_refuses_what_it_cannot_decode(ffn_path):
+    gen = torch.Generator().manual_seed(13)
+    layout = ExpertLayout(H, INTER, "mxfp4", "mxfp4", "gpt_oss", True, torch.bfloat16, gen)
+    ffn = _native.ExpertFfn(layout.spec)
+    arena = layout.arena(slots=2)
+    for slot in (2, -1):
+        with pytest.raises(ValueError, match=f"slot {slot} is outside the arena's 2"):
+            ffn.decode_only(arena, slot)
+    with pytest.raises(ValueError, match="arena must be a contiguous numpy uint8 array"):
+        ffn.decode_only(arena.view(np.int8), 0)
+    if ffn_path in ("avx512", "amx"):
+        plain = _native.ExpertFfn(plain_layout(3).spec)
+        with pytest.raises(ValueError, match="decode_only needs an MXFP4 projection; this expert has none"):
+            plain.decode_only(plain_layout(3).arena(slots=1), 0)
+
+
 def test_decoded_weights_match_the_encodings_module():
     """The layouts the reference reads are the encodings module's own decode."""
     gen = torch.Generator().manual_seed(1)

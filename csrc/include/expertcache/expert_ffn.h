@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,22 @@ const char* ffn_path_name(FfnPath path);
 
 struct FfnPool;
 
+// Arrays on cache lines: a kernel's 64-byte loads of an input row (whose length is a multiple of 16
+// floats wherever a vector kernel reads it) then never straddle two lines.
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+
 class ExpertFfn {
  public:
   // std::invalid_argument naming what is inconsistent (sizes, a form an encoding cannot take, a
@@ -105,6 +122,10 @@ class ExpertFfn {
   const char* path() const;
   void set_threads(int threads);
   int threads() const { return threads_; }
+  // The MXFP4 projections of the expert in `slot` (slot_bytes from it) decoded into bfloat16 words as
+  // the avx512 and amx paths' kernels decode them, and nothing computed: their xor. What a kernel that
+  // multiplies nothing costs (bench.kernels); std::invalid_argument on another path or without MXFP4.
+  uint64_t decode_only(const uint8_t* slot) const;
   // Work items (a projection's 16 output rows for one expert's rows) the AMX kernel has run.
   uint64_t amx_items() const { return amx_items_.load(std::memory_order_relaxed); }
 
@@ -138,9 +159,9 @@ class ExpertFfn {
   // Scratch, grown to the largest call: per expert row, the inputs (in the first projection's
   // order), the first projection's outputs, the activations (and in natural order, nat_, when the
   // down kernel reads them permuted).
-  std::vector<float> xin_, h1_, act_, nat_;
+  std::vector<float, CacheLineAllocator<float>> xin_, h1_, act_, nat_;
   // The AMX kernel's inputs as bfloat16 words, first and down projection.
-  std::vector<uint16_t> xv_, av_;
+  std::vector<uint16_t, CacheLineAllocator<uint16_t>> xv_, av_;
 };
 
 // Shared with the dense part of a decode step (decode_attention.h):
