@@ -263,6 +263,9 @@ class PrefetchScheduler:
         self._demanded: set[int] = set()  # entries demanded at _demand_step
         self._demand_step = signals.step
         self._cand_cache: tuple[int, int, PrefetchConfig, list[Candidate]] | None = None
+        # The last decide went through every candidate and lost none to its victim: each was
+        # resident, loading, demanded, of a depth not useful enough, or started.
+        self.settled = False
         # depth -> [used, outcomes, signals version of the last decay]: prefetch outcomes, decayed
         self._outcomes: dict[int, list[float]] = {}
 
@@ -381,7 +384,10 @@ class PrefetchScheduler:
         return out
 
     def decide(self, state: TierState) -> list[PrefetchStart]:
-        """The loads to start now, in order; the tier records each in its queue when it starts it."""
+        """The loads to start now, in order; the tier records each in its queue when it starts it.
+        Sets ``settled``: whether this call went through every candidate and lost none to its
+        victim (then more room in flight alone would start nothing more)."""
+        self.settled = False
         queue = state.queue
         budget = self.max_inflight_bytes - queue.inflight_bytes
         room = min(budget // self.blob_bytes, self.config.max_starts)
@@ -432,6 +438,8 @@ class PrefetchScheduler:
                     continue  # the policy would rather keep the victim
                 taken.add(victim)
             starts.append(PrefetchStart(key, cand.cls, cand.score, victim, cand.depth))
+        else:
+            self.settled = not rejects
         return starts
 
     def _sync_step(self) -> None:

@@ -157,7 +157,7 @@ class Loads:
         self._prefetcher.policy.on_insert(load.key)
         load.source, load.done = source, True
         self._sessions.load_landed(load.key, source)
-        self._prefetcher.kick()
+        self._prefetcher.kick(landed=True)
 
     def _load_failed(self, load: Load, error: BaseException, keep_slot: bool = False) -> None:
         """Back to ABSENT: free the slot (unless ``keep_slot``: a late copy may still write it),

@@ -57,6 +57,9 @@ class Prefetcher:
         self._dirty = True  # something the scheduler reads changed since its last decide
         self._sleeping = False  # the worker sleeps on wake_fd (set under the lock)
         self._woken = False  # and wake_fd was written since it began to
+        # The last decision went through all its candidates, and every start it decided was made
+        # (scheduler.settled, and no victim pinned meanwhile): room in flight alone adds nothing.
+        self.settled = False
         # prefetched, resident or loading, not used yet: its class and lookahead depth
         self._unused: dict[ExpertKey, tuple[PrefetchClass, int]] = {}
 
@@ -65,12 +68,16 @@ class Prefetcher:
         """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
         return self.scheduler.policy
 
-    def kick(self, *, decide: bool = True) -> None:
+    def kick(self, *, decide: bool = True, landed: bool = False) -> None:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
         every waiting admission (a slot, a load or a pin may have come free). ``decide=False``:
         the admissions only (a failed prefetch freed its slot; deciding again at once would only
-        start the same load again, in a loop while the failure lasts: the next change retries it)."""
-        if decide:
+        start the same load again, in a loop while the failure lasts: the next change retries it).
+        ``landed``: only a load landed, which leaves the candidates as they were and frees room in
+        flight: the worker decides only if the last decision stopped short of its candidates
+        (``settled`` false); otherwise it would start nothing (two of three decisions at the e2e
+        shape, every one a Python pass over the candidates)."""
+        if decide and not (landed and self.settled):
             self._dirty = True
             # One wake-up per sleep: kicks that come before the worker runs add nothing (each
             # costs the kicking thread a wake-up of the worker otherwise, on every layer's signals).
@@ -181,8 +188,10 @@ class PrefetchWorker:
             return 0
         started = 0
         self._recency.sync(prefetcher.scheduler.policy, prefetcher.used)
-        for start in prefetcher.scheduler.decide(self._tier):
+        decided = prefetcher.scheduler.decide(self._tier)
+        for start in decided:
             started += self.start(start)
+        prefetcher.settled = prefetcher.scheduler.settled and started == len(decided)
         return started
 
     def start(self, start: PrefetchStart) -> bool:

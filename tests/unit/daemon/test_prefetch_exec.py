@@ -281,6 +281,43 @@ def test_store_reads_into_their_slots_are_published_by_the_worker_without_io_thr
     assert value(h.metrics.checksum_failures) == 1
 
 
+def count_decisions(r: Residency) -> list[int]:
+    """Counts the scheduler's decide calls from now on (a one-element list)."""
+    calls, decide = [0], r.scheduler.decide
+
+    def counted(state):
+        calls[0] += 1
+        return decide(state)
+
+    r.scheduler.decide = counted
+    return calls
+
+
+def test_a_landed_load_decides_again_only_when_the_last_decision_lacked_room(make):
+    """A load landing frees room in flight and changes no candidate: after a decision that went
+    through all its candidates the worker does not decide again for it; after one cut short by
+    the room in flight (one blob here), it does, and starts the next candidate."""
+    h = make(slots=4)
+    r = h.residency
+    r.configure_prefetch(enabled=True, max_inflight_bytes=h.manifest.blob_bytes)  # one load in flight
+    prefetcher = r._prefetcher
+
+    def idle() -> bool:  # the worker sleeps with nothing to decide
+        return prefetcher._sleeping and not prefetcher._dirty
+
+    r.intake.observe("req", 0, L1, [0])
+    wait_for(idle)  # its decision taken
+    calls = count_decisions(r)
+    ahead(r, 0, L3, [2, 4], [0.8, 0.6])
+    wait_for(lambda: h.state(L3, 2) is TableState.RESIDENT and h.state(L3, 4) is TableState.RESIDENT)
+    wait_for(idle)
+    time.sleep(0.1)
+    # the signal's decision (room for L3E2 only), the landing of L3E2's (starts L3E4); L3E4's
+    # landing finds the last decision settled: no third
+    assert calls[0] == 2
+    assert h.count(h.metrics.prefetch_started) == 2
+
+
 def test_demand_short_of_slots_cancels_queued_prefetches(make):
     h = make(slots=2)
     r = h.residency
