@@ -497,15 +497,10 @@ void bind_expert_ffn(py::module_& m) {
       .def(
           "decode_only",
           [](Ffn& f, const py::object& arena_obj, int64_t slot) {
-            const FfnSpec& s = f.ffn->spec();
-            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
-            py::array arena = arena_obj.cast<py::array>();
-            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
-              fail("arena must be a contiguous numpy uint8 array");
-            const size_t num_slots = size_t(arena.size()) / s.slot_bytes;
+            const auto [arena, num_slots] = arena_arg(f, arena_obj);
             if (slot < 0 || size_t(slot) >= num_slots)
               fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(num_slots));
-            const auto* a = static_cast<const uint8_t*>(arena.data()) + size_t(slot) * s.slot_bytes;
+            const uint8_t* a = arena + size_t(slot) * f.ffn->spec().slot_bytes;
             py::gil_scoped_release release;
             return f.ffn->decode_only(a);
           },
