@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compute_svc.engine.kv_cache import cache_keyword
 from compute_svc.engine.requests import GenerationRequest
 from compute_svc.errors import InvalidArgument
 from compute_svc.experts.layer_ahead import Prediction
@@ -157,7 +158,7 @@ def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
     with torch.no_grad():
         for step, ids in enumerate(ids_per_step):
             state["step"] = step
-            out = model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_keyword(model): past})
             past = out.past_key_values
             outputs.append(out.logits[0, -1])
     return outputs
