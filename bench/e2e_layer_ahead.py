@@ -28,6 +28,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from compute_svc.engine.kv_cache import cache_keyword  # noqa: E402
 from compute_svc.experts.layer_ahead import LayerAheadPredictor, accuracy  # noqa: E402
 from devtools.tiny import SUPPORTED_ARCHS, make_config  # noqa: E402
 from expertcache.model_structure import find_experts_sites  # noqa: E402
@@ -69,17 +70,18 @@ def measure(
         module.register_forward_pre_hook(hook(layer), with_kwargs=True)
     scores, costs = [], []
     ids = torch.tensor([[5, 9, 17, 33, 2]])
-    past = None
+    past, keyword = None, cache_keyword(model)
     with torch.no_grad():
         for _ in range(tokens):
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=ids, use_cache=True, **{keyword: past})
+            past = out[keyword]  # the output names the cache as the forward's keyword does
             ids = out.logits[:, -1:].argmax(-1)
             for layer in predictor.layers:
                 started = time.perf_counter()
-                prediction = predictor.predict(layer, inputs[layer])
+                predictions = predictor.predict(layer, inputs[layer])  # depth 1 first
                 costs.append(time.perf_counter() - started)
-                scores.append(accuracy(prediction.experts, routed[prediction.layer].tolist()))
+                nearest = predictions[0]  # the next MoE layer's
+                scores.append(accuracy(nearest.experts, routed[nearest.layer].tolist()))
     top_k = int(routed[sites[0][0]].numel())
     num_experts = int(sites[0][1].num_experts)
     return {
@@ -100,9 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--archs", default=",".join(SUPPORTED_ARCHS))
     args = parser.parse_args(argv)
+    archs = [a for a in args.archs.split(",") if a]
+    unknown = sorted(set(archs) - set(SUPPORTED_ARCHS))
+    if unknown or not archs:
+        parser.error(
+            f"--archs: {', '.join(unknown) or 'empty list'}; choose from {', '.join(SUPPORTED_ARCHS)}"
+        )
+    if args.tokens < 1 or args.layers < 2:
+        parser.error("--tokens must be >= 1 and --layers >= 2 (a layer predicts the next one)")
     torch.set_num_threads(1)
     print(f"{'arch':<12}{'accuracy':>10}{'chance':>8}{'predict p50 us':>16}{'n':>6}", flush=True)
-    for arch in args.archs.split(","):
+    for arch in archs:
         r = measure(arch, args.tokens, args.hidden, args.layers, experts=args.experts, top_k=args.top_k)
         print(
             f"{r['arch']:<12}{r['accuracy']:>10.3f}{r['chance']:>8.3f}{r['predict_us_p50']:>16.1f}{r['predictions']:>6}",

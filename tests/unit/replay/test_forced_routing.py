@@ -154,12 +154,12 @@ def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
             return logits, w.expand(tokens, -1), index
 
         router.forward = forward
-    outputs, past = [], None
+    outputs, past, keyword = [], None, cache_keyword(model)
     with torch.no_grad():
         for step, ids in enumerate(ids_per_step):
             state["step"] = step
-            out = model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_keyword(model): past})
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, **{keyword: past})
+            past = out[keyword]  # the output names the cache as the forward's keyword does
             outputs.append(out.logits[0, -1])
     return outputs
 
