@@ -16,6 +16,7 @@ import grpc
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 from tqdm import tqdm
 
+from expertcache.grpc_client import wait_ready
 from expertcache.trace import RoutingTrace
 
 
@@ -82,10 +83,8 @@ def feed(
         grpc.insecure_channel(address) as channel,
         tqdm(total=total_tokens, unit="tok", disable=not show_progress, file=sys.stderr) as progress,
     ):
-        try:
-            grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise FeedError(f"no predictor answers at {address} after {connect_timeout_s:g}s") from None
+        if not wait_ready(channel, connect_timeout_s):
+            raise FeedError(f"no predictor answers at {address} after {connect_timeout_s:g}s")
         stub = predictor_pb2_grpc.PredictorStub(channel)
         try:  # the predictor takes shapes only from its model catalog
             stub.RegisterModel(

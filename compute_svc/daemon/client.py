@@ -23,6 +23,7 @@ from compute_svc.daemon.transport import ChannelTransport, SignalCounts, StreamT
 from compute_svc.daemon.wire import Attachment, attachment_from_pb, error_from_rpc
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
 from compute_svc.experts.moe import ExpertProvider, ReadyExpert
+from expertcache.grpc_client import wait_ready
 from expertcache.protocol import Tier
 
 if TYPE_CHECKING:
@@ -132,9 +133,7 @@ class DaemonClient(ExpertProvider):
             ],
         )
         started = time.monotonic()
-        try:
-            grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
-        except grpc.FutureTimeoutError:
+        if not wait_ready(channel, connect_timeout_s):
             channel.close()
             raise DaemonUnavailable(
                 f"cache daemon at {address} is not reachable after {connect_timeout_s:g}s: "

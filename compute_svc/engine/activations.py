@@ -18,7 +18,13 @@ import grpc
 import torch
 from moe.predictor.v1 import predictor_pb2, predictor_pb2_grpc
 
-from expertcache.grpc_client import RECONNECT_INITIAL_S, RECONNECT_MAX_S, next_backoff, reconnecting_channel
+from expertcache.grpc_client import (
+    RECONNECT_INITIAL_S,
+    RECONNECT_MAX_S,
+    next_backoff,
+    reconnecting_channel,
+    wait_ready,
+)
 from expertcache.layers import LayerMap
 from expertcache.security import ClientSecurity
 
@@ -404,9 +410,7 @@ class ActivationReporter:
                 return
             # Start a stream only on a connected channel: a call on a dead one would still pull
             # (and lose) messages from the queue, which must keep them, or drop and count them.
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=backoff)
-            except grpc.FutureTimeoutError:
+            if not wait_ready(self._channel, backoff):
                 self._outage("not connected")
                 if outbox.closing():
                     return
