@@ -1,7 +1,8 @@
 """Settings shared by the long-lived background gRPC clients (compute's activation reporter,
 the daemon's hint subscriber): both keep one stream to the predictor open across its restarts
 and outages, and neither may ever block the request path while doing so. And ``wait_ready``,
-the wait for a channel to connect that every client here uses.
+the wait for a server to answer that the project's gRPC clients share (the reporter,
+``DaemonClient.connect``, ``feed_trace``).
 """
 
 from __future__ import annotations
