@@ -72,16 +72,43 @@ def load_trace(path: str | Path) -> RoutingTrace:
 _MASK64 = (1 << 64) - 1
 
 
+def _mix(x: int, v: int) -> int:
+    """One field of ``uniform``'s splitmix64 hash (Python ints, masked to 64 bits)."""
+    x = (x ^ (int(v) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 29)
+
+
+_START = 0x9E3779B97F4A7C15
+
+
 def uniform(key: tuple[int, ...], k: int) -> float:
     """A uniform draw in [0, 1) fixed by ``key`` and ``k`` (splitmix64 over the fields): the
     modelled lookahead's coin for one expert, the same in every run, and cheap enough to draw
     at every MoE layer of every token (a seeded numpy generator costs ~20 us to make)."""
-    x = 0x9E3779B97F4A7C15
+    x = _START
     for v in (*key, k):
-        x = (x ^ (int(v) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 29
+        x = _mix(x, v)
     return (x >> 11) / float(1 << 53)
+
+
+def uniform_many(prefix: tuple[int, ...], fields: np.ndarray) -> np.ndarray:
+    """``uniform`` of many draws at once, each ``uniform((*prefix, *fields[i, :-1]), fields[i, -1])``
+    exactly: ``prefix`` holds the key fields all share, ``fields`` [N, F] the rest of each key
+    followed by its ``k`` (non-negative integers). [N] float64; the same splitmix64, in wrapping
+    uint64 arithmetic."""
+    x = _START
+    for v in prefix:
+        x = _mix(x, v)
+    cols = np.asarray(fields).astype(np.uint64, copy=False)
+    state = np.full(cols.shape[0], x, dtype=np.uint64)
+    m1, m2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+    with np.errstate(over="ignore"):
+        for v in cols.T:
+            state = (state ^ v) * m1
+            state = (state ^ (state >> np.uint64(31))) * m2
+            state ^= state >> np.uint64(29)
+    return (state >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def modelled_accuracy(layer_ahead_accuracy: float, drop_per_depth: float, depth: int) -> float:
@@ -272,37 +299,60 @@ class ForcedRouting:
         if len(segments) != 1 or segments[0].rows != 1 or depth < 1 or len(ahead) % depth:
             return None
         layers, k = len(ahead) // depth, self.trace.expert_ids.shape[-1]
-        ids = np.zeros((layers, depth, k), dtype=np.int64)
-        scores = np.zeros((layers, depth, k), dtype=np.float32)
-        for i, target in enumerate(ahead):
-            if target >= 0:
-                experts, got = self._modelled(segments[0], target, i % depth + 1)
-                ids[i // depth, i % depth] = experts
-                scores[i // depth, i % depth] = got
-        return ids, scores
+        ids = np.zeros((layers * depth, k), dtype=np.int64)
+        scores = np.zeros((layers * depth, k), dtype=np.float32)
+        targets = np.asarray(ahead, dtype=np.int64)
+        at = np.flatnonzero(targets >= 0)
+        if len(at):
+            ids[at], scores[at] = self._modelled_many(segments[0], targets[at], at % depth + 1)
+        return ids.reshape(layers, depth, k), scores.reshape(layers, depth, k)
 
     def _modelled(self, segment, layer: int, depth: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """(experts, scores) of the modelled prediction for ``layer`` at ``depth``, best first."""
-        row, j = self.row(segment.request_id, segment.step), self._layers.moe_index(layer)
-        truth = self.trace.expert_ids[row, j].tolist()
-        truth_weights = self.trace.gate_weights[row, j].tolist()
-        accuracy = self.accuracy(depth)
-        key = (self._seed, self.request_of(segment.request_id), segment.step, layer, depth)
-        others: list[int] | None = None
-        experts: list[int] = []
-        scores: list[float] = []
-        for k, (expert, weight) in enumerate(zip(truth, truth_weights, strict=True)):
-            scores.append(min(1.0, max(0.0, weight)))
-            if uniform(key, k) < accuracy:
-                experts.append(expert)
+        ids, scores = self._modelled_many(segment, np.array([layer]), np.array([depth]))
+        return tuple(ids[0].tolist()), tuple(scores[0].tolist())
+
+    def _modelled_many(
+        self, segment, layers: np.ndarray, depths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The modelled predictions for ``layers[i]`` at ``depths[i]`` ([N] each) of ``segment``'s
+        forward, at once: (experts [N, K] int64, scores [N, K] float64), each row best first.
+
+        Per row (the model of the module doc): each of the trace's top-k experts is kept when its
+        coin ``uniform(key, k)`` is below its depth's accuracy, and otherwise replaced by the
+        expert at ``int(uniform(key, K + k) * n)`` among the ``n`` not yet taken outside the trace's
+        set (kept when none is), in k order; scores are the trace's weights clamped to [0, 1];
+        the row is ordered by score, stable. ``key`` = (seed, trace request, step, layer, depth).
+        """
+        row = self.row(segment.request_id, segment.step)
+        j = np.array([self._layers.moe_index(int(layer)) for layer in layers.tolist()], dtype=np.int64)
+        truth = self.trace.expert_ids[row, j].astype(np.int64)  # [N, K]
+        weights = self.trace.gate_weights[row, j].astype(np.float64)
+        n, k = truth.shape
+        accuracy = np.array([self.accuracy(int(d)) for d in depths.tolist()])
+        fields = np.empty((n, 2 * k, 3), dtype=np.uint64)
+        fields[:, :, 0] = layers.astype(np.uint64)[:, None]
+        fields[:, :, 1] = depths.astype(np.uint64)[:, None]
+        fields[:, :, 2] = np.arange(2 * k, dtype=np.uint64)
+        prefix = (self._seed, self.request_of(segment.request_id), segment.step)
+        draws = uniform_many(prefix, fields.reshape(-1, 3)).reshape(n, 2 * k)
+        experts = truth.copy()
+        others = np.ones((n, self.trace.num_experts), dtype=bool)  # not in the trace's set, not taken
+        np.put_along_axis(others, truth, False, axis=1)
+        rows = np.arange(n)
+        for i in range(k):
+            left = others.sum(axis=1)
+            wrong = (draws[:, i] >= accuracy) & (left > 0)
+            if not wrong.any():
                 continue
-            if others is None:
-                truth_set = set(truth)
-                others = [e for e in range(self.trace.num_experts) if e not in truth_set]
-            # A wrong pick: any expert outside the trace's set, drawn with the key (none left: kept).
-            experts.append(others.pop(int(uniform(key, len(truth) + k) * len(others))) if others else expert)
-        order = sorted(range(len(experts)), key=lambda i: -scores[i])
-        return tuple(experts[i] for i in order), tuple(scores[i] for i in order)
+            at = (draws[:, k + i] * left).astype(np.int64)  # < left: the draw is below 1
+            picked = np.argmax(others & (np.cumsum(others, axis=1) == (at + 1)[:, None]), axis=1)
+            experts[wrong, i] = picked[wrong]
+            others[rows[wrong], picked[wrong]] = False
+        kept = np.where(weights > 0.0, weights, 0.0)
+        scores = np.where(kept < 1.0, kept, 1.0)
+        order = np.argsort(-scores, axis=1, kind="stable")
+        return np.take_along_axis(experts, order, axis=1), np.take_along_axis(scores, order, axis=1)
 
 
 @dataclass

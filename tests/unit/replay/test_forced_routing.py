@@ -14,7 +14,7 @@ from compute_svc.engine.requests import GenerationRequest
 from compute_svc.errors import InvalidArgument
 from compute_svc.experts.layer_ahead import Prediction
 from compute_svc.experts.moe import StepSegment
-from replay.forced_routing import ForcedRouting, load_trace
+from replay.forced_routing import ForcedRouting, load_trace, uniform, uniform_many
 from tests.traces import write_trace
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -132,6 +132,71 @@ def test_modelled_lookahead_loses_accuracy_by_depth(tmp_path):
             assert p.depth == depth and p.layer == 2
             kept[depth].append(len(set(forced.experts("r", step, 2).tolist()) & set(p.experts)) / 2)
     assert 0.85 <= np.mean(kept[1]) <= 0.95 and 0.42 <= np.mean(kept[2]) <= 0.58
+
+
+def test_uniform_many_draws_what_uniform_draws():
+    rng = np.random.default_rng(1)
+    fields = rng.integers(0, 1 << 62, size=(64, 3), dtype=np.int64)
+    fields[0] = (0, 0, 0)
+    fields[1] = ((1 << 62) + 5, 1, 7)
+    prefix = (3, 1 << 63, 17)
+    got = uniform_many(prefix, fields)
+    want = [uniform((*prefix, *row[:-1]), row[-1]) for row in fields.tolist()]
+    assert got.dtype == np.float64 and got.tolist() == want
+    assert uniform_many((), fields[:, 2:]).tolist() == [uniform((), int(k)) for k in fields[:, 2]]
+
+
+def modelled_reference(forced, trace, request, step, row, moe_index, layer, depth, seed):
+    """The modelled prediction drawn one expert at a time, as the module doc states it."""
+    truth = trace.expert_ids[row, moe_index].tolist()
+    weights = trace.gate_weights[row, moe_index].tolist()
+    key = (seed, request, step, layer, depth)
+    others = [e for e in range(trace.num_experts) if e not in set(truth)]
+    experts = []
+    for k, expert in enumerate(truth):
+        if uniform(key, k) < forced.accuracy(depth) or not others:
+            experts.append(expert)
+        else:
+            experts.append(others.pop(int(uniform(key, len(truth) + k) * len(others))))
+    scores = [min(1.0, max(0.0, w)) for w in weights]
+    order = sorted(range(len(truth)), key=lambda i: -scores[i])
+    return [experts[i] for i in order], [scores[i] for i in order]
+
+
+@pytest.mark.parametrize("accuracy, drop", [(0.6, 0.2), (0.0, 0.0), (1.0, 0.0)])
+def test_a_steps_lookahead_at_once_is_each_prediction_drawn_alone(tmp_path, accuracy, drop):
+    layers, depth = 5, 3
+    trace = load_trace(write_trace(tmp_path / "t.npz", [40, 30], layers=layers, experts=9, top_k=3, seed=4))
+    moe_layers = [1, 3, 4, 6, 8]  # decoder layers; the trace's are MoE indices
+    forced = ForcedRouting(
+        trace, moe_layers, 9, 3, layer_ahead_accuracy=accuracy, accuracy_drop_per_depth=drop, seed=11
+    )
+    ahead = []
+    for j in range(layers):
+        ahead += [moe_layers[j + d] if j + d < layers else -1 for d in range(1, depth + 1)]
+    wrong = 0
+    for request_id in ("a", "b"):
+        request = forced.begin_request(request_id)
+        for step in range(0, 45, 4):
+            segment = StepSegment(request_id, 0, 1, step, step)
+            ids, scores = forced.step_lookahead([segment], ahead, depth)
+            assert ids.shape == scores.shape == (layers, depth, 3) and scores.dtype == np.float32
+            row = forced.row(request_id, step)
+            for i, target in enumerate(ahead):
+                got_ids, got_scores = ids[i // depth, i % depth], scores[i // depth, i % depth]
+                if target < 0:
+                    assert not got_ids.any() and not got_scores.any()
+                    continue
+                d = i % depth + 1
+                want_ids, want_scores = modelled_reference(
+                    forced, trace, request, step, row, moe_layers.index(target), target, d, 11
+                )
+                assert got_ids.tolist() == want_ids
+                assert got_scores.tolist() == np.float32(want_scores).tolist()
+                single = forced.layer_ahead(segment, Prediction(layer=target, experts=(), scores=(), depth=d))
+                assert list(single.experts) == want_ids and list(single.scores) == want_scores
+                wrong += len(set(want_ids) - set(trace.expert_ids[row, moe_layers.index(target)].tolist()))
+    assert (wrong == 0) == (accuracy == 1.0)
 
 
 def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
