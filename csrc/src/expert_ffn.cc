@@ -149,6 +149,15 @@ inline size_t mxfp4_position_avx512(size_t c, size_t C) {
   return g * kGroup + k * 8 + d;
 }
 
+// Where input c of a bfloat16 dot row of C inputs sits in the AVX-512 path's order (dot_bf16_avx512):
+// per block of 32 inputs (one 64-byte load of weights), the even ones first, then the odd ones (a
+// dword's low word becomes a float by a shift, its high word by a mask); the inputs past the last
+// whole block stay where they are.
+inline size_t bf16_position_avx512(size_t c, size_t C) {
+  if (c >= C / 32 * 32) return c;
+  return c / 32 * 32 + c % 2 * 16 + c % 32 / 2;
+}
+
 // Where input c of an MXFP4 dot row of C inputs sits as a bfloat16 word for the AMX kernel
 // (project_mxfp4_amx): a pair of groups is decoded into two chunks of 32 words, `lo` (each byte's
 // low nibble: the groups' even elements, the first group's in words 0 .. 15) and `hi` (their odd
@@ -163,6 +172,12 @@ inline size_t mxfp4_position_bf16(size_t c, size_t C) {
 // kernel's inputs: per chunk of 32 words, [16 dwords][16 rows] (a tile B of tdpbf16ps), i.e. dword
 // w / 2 of every row, row by row (row n: row 0's index + 2n).
 inline size_t amx_input_index(size_t w, size_t n) { return 2 * ((w / 2) * 16 + n) + w % 2; }
+
+// Whether the AVX-512 path runs projection `p` by dot_bf16_avx512 (plain bfloat16 weights read as dot
+// rows), its inputs then in bf16_position_avx512 order.
+inline bool bf16_dot_avx512(const FfnProjection& p) {
+  return p.encoding == FfnEncoding::kPlain && p.form == FfnForm::kDot && p.weight_dtype == FfnDtype::kBFloat16;
+}
 
 // Where input c of an MXFP4 dot row of C inputs sits for the kernels of `path`.
 inline size_t mxfp4_input_position(FfnPath path, size_t c, size_t C) {
@@ -811,6 +826,54 @@ EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8
   }
 }
 
+// Q plain bfloat16 weight rows from row i against NR <= 4 input rows (inputs in bf16_position_avx512
+// order): each 64-byte load of a row split into its even and odd words as floats (a shift, a mask:
+// no conversion), each into its own accumulator.
+template <int NR, int Q>
+EXPERTCACHE_FFN_AVX512 inline void bf16_rows_avx512(const uint8_t* w0, size_t C, const float* x, size_t i, float* h,
+                                                    size_t H) {
+  const size_t body = C / 32 * 32;
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const uint8_t* a = w0 + i * C * 2;
+  __m512 even[Q][NR], odd[Q][NR];
+  for (int q = 0; q < Q; ++q)
+    for (int r = 0; r < NR; ++r) even[q][r] = odd[q][r] = _mm512_setzero_ps();
+  for (size_t c = 0; c < body; c += 32) {
+    __m512 lo[Q], hi[Q];
+    for (int q = 0; q < Q; ++q) {
+      const uint8_t* at = a + (q * C + c) * 2;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(at);
+      lo[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      hi[q] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 xe = _mm512_loadu_ps(x + r * C + c), xo = _mm512_loadu_ps(x + r * C + c + 16);
+      for (int q = 0; q < Q; ++q) {
+        even[q][r] = _mm512_fmadd_ps(lo[q], xe, even[q][r]);
+        odd[q][r] = _mm512_fmadd_ps(hi[q], xo, odd[q][r]);
+      }
+    }
+  }
+  for (int q = 0; q < Q; ++q)
+    for (int r = 0; r < NR; ++r) {
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[q][r], odd[q][r]));
+      for (size_t c = body; c < C; ++c) sum += load_value(a + q * C * 2, FfnDtype::kBFloat16, c) * x[r * C + c];
+      h[r * H + i + q] = sum;
+    }
+}
+
+// Plain bfloat16 dot rows [i0, i1) against NR <= 4 input rows: 4 weight rows at a time for one input
+// row, 2 for more (bf16_rows_avx512).
+template <int NR>
+EXPERTCACHE_FFN_AVX512 void dot_bf16_avx512(const uint8_t* w0, size_t C, const float* x, size_t i0, size_t i1,
+                                            float* h, size_t H) {
+  constexpr int RB = NR == 1 ? 4 : 2;
+  size_t i = i0;
+  for (; i + RB <= i1; i += RB) bf16_rows_avx512<NR, RB>(w0, C, x, i, h, H);
+  for (; i < i1; ++i) bf16_rows_avx512<NR, 1>(w0, C, x, i, h, H);
+}
+
 // 16 floats rounded to bf16, as bf16_nearest_even.
 EXPERTCACHE_FFN_AVX512 inline __m512 bf16_nearest_even16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -940,6 +1003,20 @@ EXPERTCACHE_FFN_AVX512 uint64_t decode_mxfp4_avx512(const FfnProjection& p, cons
 void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                     float* h, FfnDtype compute) {
   const bool mxfp4 = p.encoding == FfnEncoding::kMxfp4;
+  if (bf16_dot_avx512(p)) {
+    const uint8_t* w = slot + p.weight_offset;
+    for (size_t r = 0; r < nr; r += 4) {
+      const float* xr = x + r * p.inputs;
+      float* hr = h + r * p.outputs;
+      switch (std::min<size_t>(4, nr - r)) {
+        case 1: dot_bf16_avx512<1>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        case 2: dot_bf16_avx512<2>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        case 3: dot_bf16_avx512<3>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        default: dot_bf16_avx512<4>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+      }
+    }
+    return;
+  }
   if (!mxfp4 && !(p.encoding == FfnEncoding::kFp8 && p.form == FfnForm::kDot))
     return project_avx2(p, slot, x, nr, o0, o1, h, compute);
   for (size_t r = 0; r < nr; r += 4) {
@@ -1448,9 +1525,16 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
     throw std::invalid_argument(std::string("expert ffn: path '") + ffn_path_name(spec.path) +
                                 "' does not run on this CPU (it runs " + runs + ")");
   }
-  // Where each input of an MXFP4 projection goes for this path's kernel, once (empty: as it is).
+  // Where each input of an MXFP4 projection, or of a bfloat16 dot one on the AVX-512 kernels, goes
+  // for this path's kernel, once (empty: as it is).
+  const bool avx512 = path_ == FfnPath::kAvx512 || path_ == FfnPath::kAmx;
   auto order = [&](const FfnProjection& p) {
     std::vector<uint32_t> at;
+    if (avx512 && bf16_dot_avx512(p)) {
+      at.resize(p.inputs);
+      for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(bf16_position_avx512(c, p.inputs));
+      return at;
+    }
     if (path_ == FfnPath::kPortable || p.encoding != FfnEncoding::kMxfp4) return at;
     at.resize(p.inputs);
     for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(mxfp4_input_position(path_, c, p.inputs));
@@ -1583,7 +1667,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   if (h1_.size() < total * std::max(first.outputs, down.outputs))
     h1_.resize(total * std::max(first.outputs, down.outputs));
   if (act_.size() < total * inter) act_.resize(total * inter);
-  if (down.encoding == FfnEncoding::kMxfp4 && nat_.size() < total * inter) nat_.resize(total * inter);
+  if (!down_order_.empty() && nat_.size() < total * inter) nat_.resize(total * inter);
   // AMX, where a projection runs on it and an expert has the rows for it (a decode step of one
   // request has not: none of this then): each expert's rows in blocks of 16, the last one padded,
   // and each row's block (its first row there) and place in it (amx_rows_; an expert's first row's

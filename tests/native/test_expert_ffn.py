@@ -227,6 +227,24 @@ def test_fp8_nan_codes_and_infinite_scales_decode_as_transformers(dtype, rows):
     torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_bf16_dot_rows_with_inputs_past_the_last_block_of_32(rows):
+    # bfloat16 [out, in] weights: the AVX-512 kernel reads 32 inputs a load, evens then odds. Hidden
+    # 66 leaves the first projection 2 inputs past its last such block and an intermediate of 56
+    # the down projection 24; the down projection's 66 outputs end in a work item of 2 weight rows,
+    # fewer than the 4 it takes at a time for one input row.
+    gen = torch.Generator().manual_seed(120 + rows)
+    layout = ExpertLayout(66, 56, "plain-dot", "plain-dot", "glu_halves", False, torch.bfloat16, gen)
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, 66, generator=gen).to(torch.bfloat16)
+    weights = [0.5 + 0.25 * t for t in range(rows)]
+    experts = [(1, [(t, 0, weights[t]) for t in range(rows)]), (0, [(t, 1, 1.0) for t in range(rows)])]
+    got, _ = run(layout, arena, experts, x, top_k=2)
+    for slot, k, w in ((1, 0, torch.tensor(weights)), (0, 1, torch.ones(rows))):
+        want = reference(layout, arena, slot, x, w.unsqueeze(1))
+        torch.testing.assert_close(got[k::2], want, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_fp8_dot_with_blocks_cut_anywhere(dtype, rows):
