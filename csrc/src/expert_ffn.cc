@@ -476,6 +476,12 @@ EXPERTCACHE_FFN_AVX2 inline bool fp8_special(const uint8_t* p, size_t n, float s
   return !std::isfinite(s) || fp8_has_nan(p, n);
 }
 
+// Whether a finite block scale `s` is too large for the vector decode, which multiplies the codes'
+// values / 256 by s * 256 (above about 1.3e36 that is infinite, where each value * s may not be:
+// a 0 code would give NaN, a small one inf). Such a block is decoded one value at a time, as
+// transformers' float32 `value * scale`.
+inline bool fp8_scale_overflows(float s) { return std::isfinite(s) && !std::isfinite(s * 256.0f); }
+
 // The 8-wide part of one row's block of columns [c0, c1): returns the first column not done.
 template <FfnDtype R, int NR, bool kNan>
 EXPERTCACHE_FFN_AVX2 inline size_t fp8_segment(const uint8_t* v, const float* x, size_t C, size_t c0, size_t c1,
@@ -506,8 +512,9 @@ EXPERTCACHE_FFN_AVX2 void dot_fp8_avx2(const FfnProjection& p, const uint8_t* sl
       const float s = srow[c0 / bn];
       const __m256 s256 = _mm256_set1_ps(s * 256.0f);
       const bool special = fp8_special(v + c0, c1 - c0, s);
-      size_t c = special ? fp8_segment<R, NR, true>(v, x, C, c0, c1, s256, acc)
-                         : fp8_segment<R, NR, false>(v, x, C, c0, c1, s256, acc);
+      size_t c = fp8_scale_overflows(s) ? c0
+                 : special              ? fp8_segment<R, NR, true>(v, x, C, c0, c1, s256, acc)
+                                        : fp8_segment<R, NR, false>(v, x, C, c0, c1, s256, acc);
       for (; c < c1; ++c) {
         const float w = round_to(e4m3_value(v[c]) * s, R);
         for (int r = 0; r < NR; ++r) tail[r] += w * x[r * C + c];
@@ -630,18 +637,22 @@ EXPERTCACHE_FFN_AVX2 void axpy_fp8_avx2(const FfnProjection& p, const uint8_t* s
     const uint8_t* r0 = w + k * C;
     const bool ahead = k + 12 <= R;
     for (size_t c0 = j0 / bn * bn; c0 < j1; c0 += bn) {
-      const size_t a = std::max(j0, c0), b = std::min(j1, c0 + bn), body = a + ((b - a) & ~size_t(7));
+      const size_t a = std::max(j0, c0), b = std::min(j1, c0 + bn);
+      size_t body = a + ((b - a) & ~size_t(7));
       float s[4] = {};
       __m256 s256[4];
-      bool special = false;
+      bool special = false, huge = false;
       for (int q = 0; q < 4; ++q) {
         if (q < rows) {
           s[q] = scale[((k + q) / bm) * grid_cols + c0 / bn];
           special |= fp8_special(r0 + q * C + a, b - a, s[q]);
+          huge |= fp8_scale_overflows(s[q]);
         }
         s256[q] = _mm256_set1_ps(s[q] * 256.0f);
       }
-      if (special)
+      if (huge)
+        body = a;  // every column of the piece one value at a time, below
+      else if (special)
         axpy_fp8_rows<Rd, true>(s256, rows, r0, C, x, nr, R, k, a, body, h, ahead);
       else
         axpy_fp8_rows<Rd, false>(s256, rows, r0, C, x, nr, R, k, a, body, h, ahead);
@@ -938,8 +949,9 @@ EXPERTCACHE_FFN_AVX512 void dot_fp8_avx512(const FfnProjection& p, const uint8_t
       const float s = srow[c0 / bn];
       const __m512 s256 = _mm512_set1_ps(s * 256.0f);
       const bool special = fp8_special(v + c0, c1 - c0, s);
-      size_t c = special ? fp8_segment16<R, NR, true>(v, x, C, c0, c1, s256, acc, acc8)
-                         : fp8_segment16<R, NR, false>(v, x, C, c0, c1, s256, acc, acc8);
+      size_t c = fp8_scale_overflows(s) ? c0
+                 : special              ? fp8_segment16<R, NR, true>(v, x, C, c0, c1, s256, acc, acc8)
+                                        : fp8_segment16<R, NR, false>(v, x, C, c0, c1, s256, acc, acc8);
       for (; c < c1; ++c) {
         const float w = round_to(e4m3_value(v[c]) * s, R);
         for (int r = 0; r < NR; ++r) tail[r] += w * x[r * C + c];

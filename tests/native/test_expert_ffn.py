@@ -246,6 +246,31 @@ def test_bf16_dot_rows_with_inputs_past_the_last_block_of_32(rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("first", ["fp8", "fp8-axpy"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_scales_past_float32_over_256_decode_as_transformers(dtype, first, rows):
+    """A finite block scale above float32's largest / 256 (about 1.3e36): the vector decode's
+    value / 256 * (scale * 256) would be infinite (a 0 code NaN); transformers' value * scale is
+    finite for the codes here (|value| <= 64, the scale 2e36), zeros included."""
+    gen = torch.Generator().manual_seed(90 + rows)
+    layout = ExpertLayout(H, INTER, first, "fp8", "glu_halves", False, dtype, gen, fp8_block=(16, 48))
+    arena = layout.arena(slots=1)
+    parts = layout.parts(arena, 0)
+    codes = parts["gate_up_proj"].view(torch.uint8)
+    values = parts["gate_up_proj"].float()
+    codes[values.abs() > 64] = 0x38  # 1.0
+    codes.view(-1)[::7] = 0  # zeros in every block
+    parts["gate_up_proj_scale_inv"][:] = 2e36
+    x = (torch.randn(rows, H, generator=gen) * 2.0**-120).to(dtype)
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want.isfinite().all() and want.abs().max() > 1e-3
+    # Sums of products up to ~1e2 that cancel: the tolerance is relative to the largest output.
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_fp8_dot_with_blocks_cut_anywhere(dtype, rows):
     # [out, in] FP8 with 5 x 28 blocks: a row's 28 columns of a block are cut into 16 (AVX-512),
