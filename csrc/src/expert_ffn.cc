@@ -885,6 +885,75 @@ EXPERTCACHE_FFN_AVX512 void dot_bf16_avx512(const uint8_t* w0, size_t C, const f
   for (; i < i1; ++i) bf16_rows_avx512<NR, 1>(w0, C, x, i, h, H);
 }
 
+// One block of Q <= 4 bfloat16 axpy weight rows (k .. k + Q - 1), columns [j0, body) in steps of 16,
+// into the partial sums of NR <= 4 input rows: axpy_block's sums (the same order per column: the
+// results are the AVX2 kernel's bit for bit), 16 columns a step, and with 32 registers the
+// broadcast inputs of 4 input rows held at once (each weight decoded once for them).
+template <int Q, int NR>
+EXPERTCACHE_FFN_AVX512 inline void bf16_axpy_block(const uint8_t* r0, size_t stride, const float* x, size_t R,
+                                                   size_t k, size_t j0, size_t body, float* h, size_t C,
+                                                   bool prefetch) {
+  __m512 xb[NR][Q];
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < Q; ++q) xb[r][q] = _mm512_set1_ps(x[r * R + k + q]);
+  const uint8_t* next = r0 + 2 * Q * stride;  // the block after next, as axpy_block
+  for (size_t j = j0; j < body; j += 16) {
+    if (prefetch && ((j * 2) & 63) == 0)
+      for (int q = 0; q < Q; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + j * 2), _MM_HINT_T0);
+    __m512 w[Q];
+    for (int q = 0; q < Q; ++q) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + q * stride + j * 2));
+      w[q] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+    }
+    for (int r = 0; r < NR; ++r) {
+      float* hr = h + r * C + j;
+      __m512 a = _mm512_fmadd_ps(w[0], xb[r][0], _mm512_loadu_ps(hr));
+      for (int q = 1; q < Q; ++q) a = _mm512_fmadd_ps(w[q], xb[r][q], a);
+      _mm512_storeu_ps(hr, a);
+    }
+  }
+}
+
+// Block rows k .. k + Q - 1 of a bfloat16 axpy into every input row's sums: columns [j0, body16) 16
+// at a time, 4 input rows at a time (then 2, then 1); [body16, body8) by the AVX2 block.
+template <int Q>
+EXPERTCACHE_FFN_AVX512 inline void bf16_axpy_rows(const uint8_t* r0, size_t stride, const float* x, size_t nr,
+                                                  size_t R, size_t k, size_t j0, size_t body16, size_t body8,
+                                                  float* h, size_t C, bool ahead) {
+  size_t r = 0;
+  for (; r + 4 <= nr; r += 4) bf16_axpy_block<Q, 4>(r0, stride, x + r * R, R, k, j0, body16, h + r * C, C, ahead && r == 0);
+  for (; r + 2 <= nr; r += 2) bf16_axpy_block<Q, 2>(r0, stride, x + r * R, R, k, j0, body16, h + r * C, C, ahead && r == 0);
+  if (r < nr) bf16_axpy_block<Q, 1>(r0, stride, x + r * R, R, k, j0, body16, h + r * C, C, ahead && r == 0);
+  if (body8 > body16) axpy_rows<Q>(PlainRows<FfnDtype::kBFloat16>{}, r0, stride, x, nr, R, k, body16, body8, h, C, false);
+}
+
+// Plain bfloat16 axpy columns [j0, j1) (M [inputs, outputs], as GPT-OSS's bf16 checkpoints): as
+// axpy_plain_avx2, 16 columns a step. One input row stays on the AVX2 kernel: it streams its
+// weights at memory speed either way, and was 2-7% slower here with 512-bit FMAs (bench.kernels,
+// gpt-oss-20b, 3 rounds; 4 rows: 5.2-5.4 -> 3.8-3.9 ms).
+EXPERTCACHE_FFN_AVX512 void axpy_bf16_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr,
+                                             size_t j0, size_t j1, float* h) {
+  if (nr < 2) return axpy_plain_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, j0, j1, h);
+  const size_t C = p.outputs, R = p.inputs, stride = C * 2;
+  const uint8_t* w = slot + p.weight_offset;
+  const size_t body16 = j0 + ((j1 - j0) & ~size_t(15)), body8 = j0 + ((j1 - j0) & ~size_t(7));
+  for (size_t r = 0; r < nr; ++r) std::memset(h + r * C + j0, 0, (j1 - j0) * sizeof(float));
+  size_t k = 0;
+  for (; k + 4 <= R; k += 4) {
+    const uint8_t* r0 = w + k * stride;
+    bf16_axpy_rows<4>(r0, stride, x, nr, R, k, j0, body16, body8, h, C, k + 12 <= R);
+    for (size_t j = body8; j < j1; ++j)
+      for (size_t i = 0; i < nr; ++i)
+        for (int q = 0; q < 4; ++q) h[i * C + j] += x[i * R + k + q] * load_value(r0 + q * stride, FfnDtype::kBFloat16, j);
+  }
+  for (; k < R; ++k) {
+    const uint8_t* row = w + k * stride;
+    bf16_axpy_rows<1>(row, stride, x, nr, R, k, j0, body16, body8, h, C, false);
+    for (size_t j = body8; j < j1; ++j)
+      for (size_t i = 0; i < nr; ++i) h[i * C + j] += x[i * R + k] * load_value(row, FfnDtype::kBFloat16, j);
+  }
+}
+
 // 16 floats rounded to bf16, as bf16_nearest_even.
 EXPERTCACHE_FFN_AVX512 inline __m512 bf16_nearest_even16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -1015,6 +1084,8 @@ EXPERTCACHE_FFN_AVX512 uint64_t decode_mxfp4_avx512(const FfnProjection& p, cons
 void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
                     float* h, FfnDtype compute) {
   const bool mxfp4 = p.encoding == FfnEncoding::kMxfp4;
+  if (p.encoding == FfnEncoding::kPlain && p.form == FfnForm::kAxpy && p.weight_dtype == FfnDtype::kBFloat16)
+    return axpy_bf16_avx512(p, slot, x, nr, o0, o1, h);
   if (bf16_dot_avx512(p)) {
     const uint8_t* w = slot + p.weight_offset;
     for (size_t r = 0; r < nr; r += 4) {

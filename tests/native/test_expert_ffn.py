@@ -245,6 +245,39 @@ def test_bf16_dot_rows_with_inputs_past_the_last_block_of_32(rows):
         torch.testing.assert_close(got[k::2], want, **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+def test_bf16_axpy_columns_past_the_last_step_of_16(rows, ffn_path):
+    # bfloat16 [in, out] weights (GPT-OSS): the AVX-512 kernel takes 16 columns a step, the AVX2 one
+    # 8. An intermediate of 60 gives the first projection 120 outputs (7 steps of 16, then 8),
+    # hidden 66 the down projection 66 (4 steps, then 2 columns one at a time) and 66 inputs (16
+    # blocks of 4 weight rows, then 2 rows alone); 7 input rows are 4 + 2 + 1.
+    gen = torch.Generator().manual_seed(130 + rows)
+    layout = ExpertLayout(66, 60, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, 66, generator=gen).to(torch.bfloat16)
+    experts = [(1, [(t, 0, 1.0) for t in range(rows)])]
+    got, _ = run(layout, arena, experts, x, top_k=1)
+    want = reference(layout, arena, 1, x, torch.ones(rows, 1))
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    if ffn_path in ("avx512", "amx"):  # per column the same sums in the same order as AVX2's
+        spec = {**layout.spec, "path": "avx2"}
+        ffn = _native.ExpertFfn(spec)
+        out = np.full((rows, 66), np.nan, dtype=np.float32)
+        ones = np.ones(rows, dtype=np.float32)
+        index = np.arange(rows, dtype=np.int64)
+        ffn.run(
+            arena,
+            np.array([1], np.int64),
+            np.array([0, rows], np.int64),
+            index,
+            index,
+            ones,
+            x.float().numpy(),
+            out,
+        )
+        np.testing.assert_array_equal(got.numpy(), out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("first", ["fp8", "fp8-axpy"])
 @pytest.mark.parametrize("rows", [1, 4])
