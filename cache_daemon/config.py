@@ -88,6 +88,15 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
         4, "Threads that read the store and copy experts into the arena.", min=1, max=256
     )
 
+    store_chunk_bytes: int = setting(
+        1 << 20,
+        "Store reads are issued in chunks of this many bytes (a multiple of 4096): a demand waits "
+        "behind at most the prefetch chunks already in flight, so smaller chunks let it overtake "
+        "sooner, at more I/Os per expert.",
+        min=4096,
+        max=1 << 30,
+    )
+
     acquire_timeout_s: float = setting(
         60.0,
         "Seconds an Acquire may wait for free slots and loads before DEADLINE_EXCEEDED.",
@@ -170,6 +179,11 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
         if not self.store_dir:
             raise InvalidArgument(
                 f"config field 'store_dir' is required (--store-dir or {ENV_PREFIX}STORE_DIR)"
+            )
+        if self.store_chunk_bytes % 4096:
+            raise InvalidArgument(
+                f"config field 'store_chunk_bytes' = {self.store_chunk_bytes} is not a multiple of 4096 "
+                "(O_DIRECT reads are aligned to it)"
             )
         if not self.socket_path:
             raise InvalidArgument("config field 'socket_path' must not be empty")

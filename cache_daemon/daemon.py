@@ -305,7 +305,13 @@ class CacheDaemon:
         signals = make_signals(config, manifest)  # before any memory is taken: a bad model file stops here
         daemon_id = daemon_id or uuid.uuid4().hex[:16]
         metrics = DaemonMetrics()
-        store = StoreReader(config.store_dir, manifest, metrics, io_threads=config.io_threads)
+        store = StoreReader(
+            config.store_dir,
+            manifest,
+            metrics,
+            io_threads=config.io_threads,
+            chunk_bytes=config.store_chunk_bytes,
+        )
         arena = host = table = None
         try:
             arena = create_arena(config.device, num_slots, blob, daemon_id=daemon_id)

@@ -249,6 +249,12 @@ class StoreReader(MemoryTier):
     def blob_bytes(self) -> int:
         return self._manifest.blob_bytes
 
+    @property
+    def chunk_bytes(self) -> int:
+        """The bytes a read issues at once, the pre-emption granularity (a demand waits behind at
+        most the other classes' chunks already in flight)."""
+        return self._reader.chunk_bytes
+
     def reader_stats(self) -> dict[str, int]:
         """The native Reader's counters (submitted, completed, failed, cancelled, bytes_read,
         chunks, preemptions, in_flight, queued)."""

@@ -80,6 +80,11 @@ def test_unknown_field_in_config_file(tmp_path):
         ({"device_budget_bytes": "-1"}, r"'device_budget_bytes' = -1 is below its minimum 1"),
         ({"host_budget_bytes": -4096}, r"'host_budget_bytes' = -4096 is below its minimum 0"),
         ({"io_threads": 0}, r"'io_threads' = 0 is below its minimum 1"),
+        ({"store_chunk_bytes": 2048}, r"'store_chunk_bytes' = 2048 is below its minimum 4096"),
+        (
+            {"store_chunk_bytes": 4096 * 64 + 512},
+            r"'store_chunk_bytes' = 262656 is not a multiple of 4096 \(O_DIRECT reads are aligned to it\)",
+        ),
         ({"acquire_timeout_s": "-0.5"}, r"'acquire_timeout_s' = -0.5 is below its minimum"),
         ({"device": "tpu"}, r"'device' = 'tpu' is not one of auto, cpu, cuda, cuda:<ordinal>"),
         ({"device": "cpu:1"}, r"'device' = 'cpu:1' is not one of auto, cpu, cuda, cuda:<ordinal>"),
@@ -165,6 +170,18 @@ def test_budgets_larger_than_the_model_are_capped(tmp_path):
         assert daemon.arena.size_bytes == manifest.num_blobs * manifest.blob_bytes
     finally:
         daemon.close()
+
+
+def test_store_reads_are_issued_in_the_configured_chunks(tmp_path):
+    store = tmp_path / "store"
+    write_store(store)
+    for chunk, want in ((None, 1 << 20), (8192, 8192)):
+        extra = {} if chunk is None else {"store_chunk_bytes": chunk}
+        daemon = CacheDaemon.start(daemon_config(store, tmp_path, **extra))
+        try:
+            assert daemon.store.chunk_bytes == want
+        finally:
+            daemon.close()
 
 
 def test_missing_or_incomplete_store(tmp_path):
