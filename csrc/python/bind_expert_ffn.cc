@@ -520,12 +520,7 @@ void bind_expert_ffn(py::module_& m) {
           [](Ffn& f, const py::object& arena_obj, const py::object& slots_obj, const py::object& bounds_obj,
              const py::object& rows_obj, const py::object& tokens_obj, const py::object& weights_obj,
              const py::object& x_obj, const py::object& out_obj) {
-            const FfnSpec& s = f.ffn->spec();
-            if (!py::isinstance<py::array>(arena_obj)) fail("arena must be a numpy uint8 array");
-            py::array arena = arena_obj.cast<py::array>();
-            if (arena.dtype().kind() != 'u' || arena.itemsize() != 1 || !(arena.flags() & py::array::c_style))
-              fail("arena must be a contiguous numpy uint8 array");
-            const size_t num_slots = size_t(arena.size()) / s.slot_bytes;
+            const auto [a, num_slots] = arena_arg(f, arena_obj);
             auto slots = vector_arg<int64_t>(slots_obj, "slots", "int64");
             auto bounds = vector_arg<int64_t>(bounds_obj, "bounds", "int64");
             auto rows = vector_arg<int64_t>(rows_obj, "rows", "int64");
@@ -555,7 +550,6 @@ void bind_expert_ffn(py::module_& m) {
               if (rows.data()[r] < 0 || rows.data()[r] >= P)
                 fail("row " + std::to_string(rows.data()[r]) + " is outside out's " + std::to_string(P) + " rows");
             }
-            const auto* a = static_cast<const uint8_t*>(arena.data());
             const int64_t *sp = slots.data(), *rp = rows.data(), *tp = tokens.data();
             const float *wp = weights.data(), *xp = x.data();
             float* op = out.mutable_data();
