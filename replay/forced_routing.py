@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +156,7 @@ class ForcedRouting:
             )
         self.trace = trace
         self._layers = LayerMap(tuple(moe_layers))  # trace layers are MoE layer indices
+        self._moe_rows = self._layers.ranks()  # decoder layer -> its MoE index (-1: dense)
         self._next_request = first_request
         self._live: dict[str, _Replay] = {}  # request id -> its trace request
         self.layer_ahead_accuracy = layer_ahead_accuracy
@@ -302,15 +303,37 @@ class ForcedRouting:
         ids = np.zeros((layers * depth, k), dtype=np.int64)
         scores = np.zeros((layers * depth, k), dtype=np.float32)
         targets = np.asarray(ahead, dtype=np.int64)
-        at = np.flatnonzero(targets >= 0)
-        if len(at):
-            ids[at], scores[at] = self._modelled_many(segments[0], targets[at], at % depth + 1)
+        for d in range(1, depth + 1):
+            at = np.arange(d - 1, len(targets), depth)
+            at = at[targets[at] >= 0]
+            if len(at):
+                step_ids, step_scores = self._step_predictions(segments[0], d)
+                rows = self._moe_rows[targets[at]]
+                if (rows < 0).any():
+                    bad = int(targets[at][rows < 0][0])
+                    raise InvalidArgument(f"step_lookahead names layer {bad}, which is not a MoE layer")
+                ids[at], scores[at] = step_ids[rows], step_scores[rows]
         return ids.reshape(layers, depth, k), scores.reshape(layers, depth, k)
 
     def _modelled(self, segment, layer: int, depth: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """(experts, scores) of the modelled prediction for ``layer`` at ``depth``, best first."""
-        ids, scores = self._modelled_many(segment, np.array([layer]), np.array([depth]))
-        return tuple(ids[0].tolist()), tuple(scores[0].tolist())
+        ids, scores = self._step_predictions(segment, depth)
+        row = self._layers.moe_index(layer)
+        return tuple(ids[row].tolist()), tuple(scores[row].tolist())
+
+    def _step_predictions(self, segment, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The modelled predictions at ``depth`` of every MoE layer (in MoE order) for ``segment``'s
+        forward, drawn at once on first use and kept for the forward's other layers: a step's
+        lookahead (``step_lookahead``) and each layer's (``layer_ahead``) read the same draws."""
+        self.request_of(segment.request_id)
+        replay = self._live[segment.request_id]
+        if replay.predicted_step != segment.step:
+            replay.predicted_step, replay.predicted = segment.step, {}
+        got = replay.predicted.get(depth)
+        if got is None:
+            moe = np.asarray(self._layers.moe_layers, dtype=np.int64)
+            got = replay.predicted[depth] = self._modelled_many(segment, moe, np.full(moe.shape, depth))
+        return got
 
     def _modelled_many(
         self, segment, layers: np.ndarray, depths: np.ndarray
@@ -325,7 +348,7 @@ class ForcedRouting:
         the row is ordered by score, stable. ``key`` = (seed, trace request, step, layer, depth).
         """
         row = self.row(segment.request_id, segment.step)
-        j = np.array([self._layers.moe_index(int(layer)) for layer in layers.tolist()], dtype=np.int64)
+        j = self._moe_rows[layers]
         truth = self.trace.expert_ids[row, j].astype(np.int64)  # [N, K]
         weights = self.trace.gate_weights[row, j].astype(np.float64)
         n, k = truth.shape
@@ -367,3 +390,6 @@ class _Replay:
     # ((step, device, dtype), expert ids [layers, K], weights [layers, K]): the trace row of the
     # forward being run (ForcedRouting.routing), views of ``tensors``
     step_rows: tuple | None = None
+    # ForcedRouting._step_predictions' draws of forward ``predicted_step``, by depth
+    predicted_step: int = -1
+    predicted: dict = field(default_factory=dict)

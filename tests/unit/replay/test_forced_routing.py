@@ -197,6 +197,23 @@ def test_a_steps_lookahead_at_once_is_each_prediction_drawn_alone(tmp_path, accu
                 assert list(single.experts) == want_ids and list(single.scores) == want_scores
                 wrong += len(set(want_ids) - set(trace.expert_ids[row, moe_layers.index(target)].tolist()))
     assert (wrong == 0) == (accuracy == 1.0)
+    with pytest.raises(InvalidArgument, match="step_lookahead names layer 2, which is not a MoE layer"):
+        forced.step_lookahead([StepSegment("a", 0, 1, 50, 50)], [3, 2, -1], 1)
+
+
+def test_a_request_id_begun_again_draws_for_its_new_trace_request(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.npz", [10, 10], layers=3, experts=9, top_k=3, seed=5))
+    forced = ForcedRouting(trace, [0, 1, 2], 9, 3, layer_ahead_accuracy=0.5, seed=2)
+    segment = StepSegment("a", 0, 1, 4, 4)
+    drawn = []
+    for _ in range(2):  # the same id, step and layer, for trace requests 0 then 1
+        request = forced.begin_request("a")
+        got = forced.layer_ahead(segment, Prediction(layer=2, experts=(), scores=(), depth=1))
+        want, _ = modelled_reference(forced, trace, request, 4, forced.row("a", 4), 2, 2, 1, 2)
+        assert list(got.experts) == want
+        drawn.append(want)
+        forced.end_request("a")
+    assert drawn[0] != drawn[1]
 
 
 def plain_forced_logits(checkpoint, ids_per_step, trace, request, moe_layers):
