@@ -93,7 +93,10 @@ class SignalIntake:
                 raise InvalidArgument(f"LayerAhead names depth {pred.depth} twice")
             depths.add(int(pred.depth))
             ex = self._check_prediction(what, pred.layer, pred.experts, unique=False)
-            sc = np.asarray(list(pred.scores), dtype=np.float32)
+            scores = pred.scores
+            if not isinstance(scores, np.ndarray):
+                scores = list(scores)
+            sc = np.asarray(scores, dtype=np.float32)
             if sc.shape != ex.shape:
                 raise InvalidArgument(
                     f"{what} for layer {pred.layer} has {ex.size} experts but {sc.size} scores: they must pair up"
@@ -114,15 +117,23 @@ class SignalIntake:
                 f"{what} names layer {layer}, which is not a MoE layer of the store "
                 f"(MoE layers: {list(self._layers.moe_layers)})"
             )
-        ex = np.asarray([int(e) for e in experts], dtype=np.int64)
-        bad = ex[(ex < 0) | (ex >= self._num_experts)]
-        if bad.size:
+        # A few experts a layer: Python's ints, min, max and set beat numpy's calls here (a route
+        # and a lookahead are checked at every layer of every token).
+        if isinstance(experts, np.ndarray) and experts.ndim == 1 and experts.dtype.kind in "iu":
+            listed = experts.tolist()  # the shared-memory channel's records
+        else:
+            listed = [int(e) for e in experts]
+        if listed and (min(listed) < 0 or max(listed) >= self._num_experts):
+            bad = next(e for e in listed if e < 0 or e >= self._num_experts)
             raise InvalidArgument(
-                f"{what} for layer {layer} names expert {int(bad[0])}; the store has experts 0..{self._num_experts - 1}"
+                f"{what} for layer {layer} names expert {bad}; the store has experts 0..{self._num_experts - 1}"
             )
-        if not unique and np.unique(ex).size != ex.size:
-            raise InvalidArgument(f"{what} for layer {layer} names an expert twice: {ex.tolist()}")
-        return np.unique(ex) if unique else ex
+        distinct = set(listed)
+        if unique:
+            return np.array(sorted(distinct), np.int64)
+        if len(distinct) != len(listed):
+            raise InvalidArgument(f"{what} for layer {layer} names an expert twice: {listed}")
+        return np.array(listed, np.int64)
 
     # -- applying (each takes the lock; the *_locked halves run under the caller's hold) ------------
     def observe(self, request_id: str, token: int, layer: int, experts: Iterable[int]) -> None:

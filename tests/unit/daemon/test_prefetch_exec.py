@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cache_daemon.decisions.policy import PolicyShape, make_policy
@@ -406,6 +407,39 @@ def test_policy_switch_at_runtime_keeps_residents_pins_and_hits(make):
             make_policy("moe-infinity", PolicyShape(h.manifest.num_layers, 6), ActivationSignals(4, 6))
         )
     r.close_session(a)
+
+
+def test_the_channels_arrays_are_checked_as_lists_are(make):
+    """The shared-memory channel's records carry int64 / float32 arrays (read without numpy calls
+    per expert): checked as the Demand stream's lists are, to the same values and messages."""
+    intake = make(slots=2).residency.intake
+    for experts in ([4, 2, 4], np.array([4, 2, 4], np.int64), np.array([4, 2, 4], np.uint8)):
+        got = intake.check_route("r1", 7, L1, experts)
+        assert (got.experts.dtype, got.experts.tolist()) == (np.int64, [2, 4])
+        # The first expert out of range in the record's order is the one named.
+        bad = type(experts)([3, 7, 9]) if isinstance(experts, list) else np.array([3, 7, 9], experts.dtype)
+        with pytest.raises(
+            InvalidArgument, match=r"Route for layer 1 names expert 7; the store has experts 0..5$"
+        ):
+            intake.check_route("r1", 7, L1, bad)
+    with pytest.raises(InvalidArgument, match=r"names expert -1; "):
+        intake.check_route("r1", 7, L1, np.array([2, -1, 9], np.int64))
+    for experts, scores in (
+        ([5, 0], [0.5, 1.5]),
+        (np.array([5, 0], np.int64), np.array([0.5, 1.5], np.float32)),
+    ):
+        [pred] = intake.check_layer_ahead(7, [LayerPrediction(L3, 1, experts, scores)]).predictions
+        assert (pred.experts.dtype, pred.experts.tolist(), pred.scores.dtype, pred.scores.tolist()) == (
+            np.int64,
+            [5, 0],  # in the prediction's order
+            np.float32,
+            [0.5, 1.0],
+        )
+        twice = np.array([5, 5], np.int64) if isinstance(experts, np.ndarray) else [5, 5]
+        with pytest.raises(InvalidArgument, match=r"for layer 3 names an expert twice: \[5, 5\]"):
+            intake.check_layer_ahead(7, [LayerPrediction(L3, 1, twice, scores)])
+    # A float array is read as the lists are (each value through int()).
+    assert intake.check_route("r1", 7, L1, np.array([3.0, 1.0])).experts.tolist() == [1, 3]
 
 
 def test_prediction_messages_reach_the_signals_and_bad_ones_name_the_value(make):
