@@ -204,13 +204,23 @@ class DecodeStep:
             i = 0
             while i < layers:
                 if span:
-                    i, attended, signalled = resident.run_from(attention, i)
+                    stop = resident.run_from(attention, i)
+                    i = stop.layer
                     if i == layers:
                         break
-                    if attended:  # its dense half ran; not all its experts are resident
+                    if stop.attended:  # its dense half ran; not all its experts are resident
                         experts, at, runtime, _ = mlps.experts[i]
                         index, scores = routes[i]
-                        runtime.forward(experts, at, mlp_in, index, scores, residual=h, signalled=signalled)
+                        runtime.forward(
+                            experts,
+                            at,
+                            mlp_in,
+                            index,
+                            scores,
+                            residual=h,
+                            signalled=stop.signalled,
+                            missed=stop.missed,
+                        )
                         i += 1
                         continue
                     span = False  # the provider takes no layers now: one by one from here

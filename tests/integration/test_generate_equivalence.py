@@ -270,8 +270,9 @@ def test_spans_tell_a_daemon_that_wants_signals_each_layers_route_and_lookahead(
 def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_go_on(tiny_store, tmp_path):
     # bf16 GPT-OSS, a quarter of the experts in the arena and a daemon that wants no signals: each
     # decode step's layers run in native spans (dense half and experts, DaemonClient.run_layer),
-    # a span stops at a layer with a miss, whose experts the acquire serves, and the next span
-    # starts after it. The tokens equal transformers'.
+    # a span stops at a layer with a miss, whose experts the acquire serves (at once: trying the
+    # layer resident first would meet the same miss), and the next span starts after it. The
+    # tokens equal transformers'.
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
     quarter = quarter_of_experts(tiny.manifest)
@@ -279,6 +280,20 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         firsts = []
         run_layer = client.run_layer
         client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
+        missed = []  # per forward of a layer a span stopped at: whether it tried run_resident
+        forward, run_resident = engine.runtime.forward, client.run_resident
+
+        def forward_of_a_miss(*args, **kw):
+            if kw.get("missed"):
+                missed.append(False)
+            return forward(*args, **kw)
+
+        def tried(*args):
+            if missed:
+                missed[-1] = True
+            return run_resident(*args)
+
+        engine.runtime.forward, client.run_resident = forward_of_a_miss, tried
         observed = []  # every layer's routing is observed once a forward, in order, whoever ran it
         engine.runtime.routing_observer = lambda layer, index, weights: observed.append(layer)
         events = list(
@@ -289,6 +304,7 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         assert [e.token_id for e in events] == want
         assert sum(e.cache.misses for e in events[1:]) > 0
         assert 0 in firsts and any(first > 0 for first in firsts), firsts  # spans resumed past a miss
+        assert missed and not any(missed), missed
         assert observed == list(range(manifest.num_layers)) * NEW_TOKENS
 
 
