@@ -408,12 +408,14 @@ class CacheDaemon:
         m = self.metrics
         r = self.residency.stats()
 
-        def tier_stats(tier: Tier, capacity: int, resident: int, extra_hits: int = 0) -> TierStats:
+        def tier_stats(
+            tier: Tier, capacity: int, resident: int, extra_hits: int = 0, extra_misses: int = 0
+        ) -> TierStats:
             label = tier.value
             return TierStats(
                 tier=tier,
                 hits=int(prom.value(m.hits, label)) + extra_hits,
-                misses=int(prom.value(m.misses, label)),
+                misses=int(prom.value(m.misses, label)) + extra_misses,
                 bytes_in=int(prom.value(m.bytes_in, label)),
                 capacity_slots=capacity,
                 resident=resident,
@@ -423,8 +425,11 @@ class CacheDaemon:
         num_blobs = self.manifest.num_blobs
         return CacheStats(
             tiers=(
-                # Device hits include the pins compute took through the slot table (no Demand).
-                tier_stats(Tier.DEVICE, r.num_slots, r.resident, extra_hits=r.shm_hits),
+                # Device hits include the pins compute took through the slot table (no Demand),
+                # and misses the experts it waited for in flight and then pinned there.
+                tier_stats(
+                    Tier.DEVICE, r.num_slots, r.resident, extra_hits=r.shm_hits, extra_misses=r.shm_waited
+                ),
                 tier_stats(Tier.HOST, self.host.limit, self.host.resident_count()),
                 tier_stats(Tier.STORE, num_blobs, num_blobs),
             ),

@@ -23,7 +23,7 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     STORE = "store"
-    UNKNOWN = "unknown"  # compute's name for a code the daemon did not send
+    UNKNOWN = "unknown"  # a source compute was not told: a code the daemon did not send, or an expert in flight a native span waited for itself
 
 
 # Where a demanded expert was when the daemon found it (ClientChannel.set_source / source).

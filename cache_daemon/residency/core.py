@@ -67,6 +67,7 @@ class ResidencyStats:
     pinned: int  # keys with at least one pin (Demand or shm)
     sessions: int
     shm_hits: int  # pins compute took through the shared slot table (hits without RPC)
+    shm_waited: int = 0  # experts in flight compute waited for and pinned there (misses without RPC)
     prefetching: int = 0  # prefetch loads in flight that no demand has joined
     inflight_bytes: int = 0  # bytes of every load in flight (prefetch adds only below the bound)
     demands_waiting: int = 0  # admissions waiting for slots (prefetch stands aside meanwhile)
@@ -359,6 +360,7 @@ class Residency:
                 pinned=sum(1 for k, _s in occupied.values() if self.slots.pins(k) > 0),
                 sessions=self._sessions.count,
                 shm_hits=self._table.hits,
+                shm_waited=self._table.waited,
                 prefetching=queue.prefetching(),
                 inflight_bytes=queue.inflight_bytes,
                 demands_waiting=self._admission.demand_waiting,

@@ -297,9 +297,11 @@ class FusedExperts:
         step's layers from ``first`` on, each layer's dense half (``attention``, a begun
         ``DecodeAttention``) then its experts, from ``ids`` / ``weights`` [L, rows * K], in one
         native call without the GIL, up to the first layer whose experts do not run: (that layer
-        or L, experts run, why); its ``signals`` (a ``native.LayerSignals``) and ``ahead`` (the
-        lookahead as given, ids and scores [L, depth, rows * K]) as ``run_layers`` takes them. None where ``takes`` says the kernel does not take such
-        layers."""
+        or L, experts run, why, waited, waits, lost_s) as ``run_layers`` returns them; its
+        ``signals`` (a ``native.LayerSignals``), ``ahead`` (the lookahead as given, ids and scores
+        [L, depth, rows * K]) and ``loading_wait_s`` (how long a layer whose experts are in flight
+        waits for them) as ``run_layers`` takes them. None where ``takes`` says the kernel does
+        not take such layers."""
         if not self.takes(kernel, rows, weights_dtype, hidden_states, residual):
             return None
         x, out = self.view_of(hidden_states), self.view_of(residual)
@@ -323,11 +325,12 @@ class FusedExperts:
             weights: np.ndarray,
             signals: object = None,
             ahead: tuple[np.ndarray, np.ndarray] | None = None,
-        ) -> tuple[int, int, str]:
+            loading_wait_s: float = 0.0,
+        ) -> tuple[int, int, str, int, list[float], float]:
             pairs = self._pairs_for(ids.shape[-1], x)
             got = ffn.run_layers(
                 attention, table, first, num_experts, max_experts, arena, ids, weights, x, pairs, out,
-                signals, *(ahead if ahead is not None else (None, None)),
+                signals, *(ahead if ahead is not None else (None, None)), loading_wait_s,
             )  # fmt: skip
             self.calls += got[0] - first
             return got

@@ -45,6 +45,15 @@ IMPLEMENTATION = "expertcache"  # the key in transformers' ExpertsInterface
 LAYER_ATTR = "expertcache_layer"  # decoder layer index tagged on each experts module
 RUNTIME_ATTR = "expertcache_runtime"  # the ExpertRuntime tagged on each experts module
 
+SPAN_LOADING_WAIT_S = 0.02
+"""How long a native span waits, in all, for the experts of a layer that are in flight (LOADING:
+the daemon prefetched them) and none absent, before it leaves the layer to its demand
+(``ExpertFfn.run_layers``' ``loading_wait_s``). Such a layer then stays in the span: no return to
+Python, no demand for the daemon to admit; measured at the e2e shape (mxfp4, 25%), 38% of the
+layers a span stopped at were of this kind (1,220 of 3,182). A load that has not landed by then
+waits behind something else: the demand promotes it (its unissued chunks go first), and the wait
+can be interrupted there. A read of one expert takes about 1 ms on this machine's disk."""
+
 
 # -- acquire stage: what the cache daemon hands out ----------------------------------------------
 class ReadyExpert(NamedTuple):
@@ -264,6 +273,17 @@ class SpanStop(NamedTuple):
     """It stopped for an expert that was not resident (``forward(..., missed=True)``)."""
 
 
+@dataclass
+class _StepCounts:
+    """What a step's native layers ran, counted at its end (``ExpertRuntime.count_resident``)."""
+
+    layers: int = 0
+    experts: int = 0
+    waited: int = 0  # of the experts, the ones in flight a span waited for (misses)
+    waits: list[float] = field(default_factory=list)  # each such layer's wait
+    lost_s: float = 0.0  # a span's wait in vain at the layer it stopped at
+
+
 class ResidentLayers:
     """One CPU decode step's MoE layers through the fused kernel, the step's buffers bound once
     (``ExpertRuntime.resident_layers``): spans of layers in one call each (``run_from``), or one
@@ -297,8 +317,7 @@ class ResidentLayers:
         # run_from's call (FusedExperts.layer_call with span), False where the step's layers
         # cannot span, None until ``spans`` asks.
         self._span: Callable | bool | None = None
-        self._layers = 0  # layers run, and their experts
-        self._experts = 0
+        self._counts = _StepCounts()
 
     def run(self, module: torch.nn.Module, i: int, layer: int) -> bool:
         """Row ``i`` of the step's routing as decoder layer ``layer`` of ``module``: True when it
@@ -347,7 +366,7 @@ class ResidentLayers:
         layers that ran are observed and counted as ``run`` does."""
         call = self._span
         assert call, "run_from without spans"
-        got: list = [first, 0, ""]
+        got: list = [first, 0, "", 0, [], 0.0]
         spec, given = self._signals if self._signals is not None else (None, None)
         wrote: list = [False]  # LayerSignals went with the call (a miss layer's then written)
 
@@ -355,23 +374,27 @@ class ResidentLayers:
             wrote[0] = layer_signals is not None
             got[:] = call(
                 attention, table, first, num_experts, self._ids, self._w, layer_signals,
-                given if layer_signals is not None else None,
+                given if layer_signals is not None else None, SPAN_LOADING_WAIT_S,
             )  # fmt: skip
             if got[2] == "stale":
                 raise native.StaleClient(f"the daemon took this client's ledger back (layer {got[0]})")
             return -1 if got[2] == "taken" else got[1]
 
         self._run_layer(first, run, spec)
-        stop, ran, why = got
+        stop, ran, why, waited, waits, lost_s = got
         if stop > first:
             self._ran(first, range(first, stop), ran)
+        counts = self._counts
+        counts.waited += waited
+        counts.waits.extend(waits)
+        counts.lost_s += lost_s
         return SpanStop(stop, why != "", why == "miss" and wrote[0], why == "miss")
 
     def _ran(self, row: int, layers: range, experts: int) -> None:
         """``layers`` ran from the step's routing rows ``row`` on (``experts`` experts in all):
         counted, and each handed to the routing observer with its row, in order."""
-        self._layers += len(layers)
-        self._experts += experts
+        self._counts.layers += len(layers)
+        self._counts.experts += experts
         observer = self._runtime.routing_observer
         if observer is not None:
             for i, layer in enumerate(layers, start=row):
@@ -392,9 +415,12 @@ class ResidentLayers:
 
     def finish(self) -> None:
         """Count the layers that ran (once, at the end of the step's layers)."""
-        if self._layers:
-            self._runtime.count_resident(self._layers, self._experts)
-            self._layers = self._experts = 0
+        counts = self._counts
+        if counts.layers or counts.lost_s:
+            self._runtime.count_resident(
+                counts.layers, counts.experts, waited=counts.waited, waits=counts.waits, lost_s=counts.lost_s
+            )
+            self._counts = _StepCounts()
 
 
 class ExpertRuntime:
@@ -676,17 +702,34 @@ class ExpertRuntime:
             return None
         return run_layer, fused
 
-    def count_resident(self, layers: int, experts: int) -> None:
-        """``layers`` MoE layers ran in one call each, ``experts`` experts in all, every one of
-        them resident: counted as ``forward`` counts such layers (one host "transfer" and one
-        acquire without a wait per layer, a hit per expert)."""
+    def count_resident(
+        self,
+        layers: int,
+        experts: int,
+        *,
+        waited: int = 0,
+        waits: Sequence[float] = (),
+        lost_s: float = 0.0,
+    ) -> None:
+        """``layers`` MoE layers ran in one call each, ``experts`` experts in all: counted as
+        ``forward`` counts such layers (one host "transfer" and one acquire per layer, a hit per
+        expert resident when its layer came). ``waited`` of the experts were in flight then, and
+        the span waited for them itself (``SPAN_LOADING_WAIT_S``): misses, of a tier compute was
+        not told (``Tier.UNKNOWN``), and ``waits`` the waits of their layers (one each); ``lost_s``
+        a span's wait in vain for the layer it stopped at. Every wait is stall time."""
         counters = self.counters
         counters.layers += layers
         self.host_transfers += layers
         counters.host_transfers += layers
-        counters.hits += experts
-        counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + experts
-        counters.acquire_waits.extend([0.0] * layers)
+        hits = experts - waited
+        counters.hits += hits
+        counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + hits
+        if waited:
+            counters.misses += waited
+            counters.by_tier[Tier.UNKNOWN] = counters.by_tier.get(Tier.UNKNOWN, 0) + waited
+        counters.acquire_waits.extend([0.0] * (layers - len(waits)))
+        counters.acquire_waits.extend(waits)
+        counters.stall_s += sum(waits) + lost_s
 
     def _ran_resident(self, layer: int, routed: RoutedLayer | SlotLayer | None) -> bool:
         """The fused kernel's layer in one native call (pins, computes, unpins) where the provider

@@ -8,6 +8,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -353,6 +355,109 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
   return ran < 0 ? -1 : int64_t(experts.size());
 }
 
+// What run_in_flight did with a layer.
+struct InFlight {
+  bool applies = false;  // none of its experts was absent: it was run here, or waited for in vain
+  int64_t ran = 0;       // its experts, where it ran; 0 where not (nothing pinned, nothing added
+                         // into out); -1 where it ran but the daemon took the pins back meanwhile
+  size_t loading = 0;    // its experts that were in flight (LOADING) when it came
+  double wait_s = 0;     // the seconds it waited for them
+};
+
+// A layer layer_core found not all resident (its experts and entries in `scratch`, valid where
+// they were at most max_experts), where none of its experts is absent, only some in flight
+// (LOADING: prefetched, or another client's load): pins its resident experts and runs them into
+// their pair rows, waits for the others (at most `wait_s` in all), pins and runs them and
+// combines the whole layer into out (with `add`), then unpins; counts the first as hits and the
+// others as waited. Where one does not land in time or is gone meanwhile, it unpins what it
+// pinned and adds nothing into out (ran 0). StaleClient as try_pin_many raises it, nothing left
+// pinned and nothing added into out.
+InFlight run_in_flight(Ffn& f, SlotTable& table, const LayerArgs& args, const int64_t* ids, const float* weights,
+                       const LayerScratch& scratch, size_t max_experts, double wait_s) {
+  InFlight r;
+  const std::vector<int64_t>& experts = scratch.experts;
+  const std::vector<int64_t>& entries = scratch.entries;
+  if (!(wait_s > 0) || experts.empty() || experts.size() > max_experts || entries.size() != experts.size())
+    return r;
+  for (int32_t s : table.resident_slots(entries))
+    if (s == -2) return r;  // absent: the layer's demand loads it
+  r.applies = true;
+  std::vector<int64_t> pinned, slots, ran_experts, late;  // late: indices of the experts in flight
+  const std::vector<int32_t> got = table.try_pin_many(entries, false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] >= 0) {
+      pinned.push_back(entries[i]);
+      slots.push_back(got[i]);
+      ran_experts.push_back(experts[i]);
+    } else {
+      late.push_back(i);
+    }
+  }
+  const size_t hits = pinned.size();
+  r.loading = late.size();
+  const auto unpin = [&] {
+    try {
+      table.unpin_many(pinned);
+    } catch (const expertcache::StaleClient&) {
+      // the pins went with the ledger
+    }
+  };
+  const auto check_slots = [&](size_t from) {
+    for (size_t i = from; i < slots.size(); ++i)  // the table's slots beyond the arena: not this arena's table
+      if (slots[i] >= int64_t(args.num_slots))
+        fail("slot " + std::to_string(slots[i]) + " is outside the arena's " + std::to_string(args.num_slots));
+  };
+  try {
+    check_slots(0);
+    if (!late.empty()) {
+      // The resident ones first, into their pair rows, while the others are still in flight.
+      if (hits)
+        routed_core(f, args.arena, slots.data(), ran_experts.data(), hits, ids, weights, args.S, args.x_data,
+                    args.T, args.pairs_data, nullptr, true, false);
+      using clock = std::chrono::steady_clock;
+      const auto started = clock::now();
+      const auto deadline = started + std::chrono::duration<double>(wait_s);
+      bool landed = true;
+      for (size_t i = 0; i < late.size() && landed; ++i) {
+        const double left = std::chrono::duration<double>(deadline - clock::now()).count();
+        landed = left > 0 && table.wait_resident(entries[late[i]], left);
+      }
+      r.wait_s = std::chrono::duration<double>(clock::now() - started).count();
+      std::vector<int64_t> late_entries;
+      for (size_t i : late) late_entries.push_back(entries[i]);
+      const std::vector<int32_t> got_late =
+          landed ? table.try_pin_many(late_entries, false) : std::vector<int32_t>(late.size(), -1);
+      for (size_t i = 0; i < late.size(); ++i) {
+        if (got_late[i] < 0) continue;
+        pinned.push_back(late_entries[i]);
+        slots.push_back(got_late[i]);
+        ran_experts.push_back(experts[late[i]]);
+      }
+      if (pinned.size() != experts.size()) {  // not landed in time, or gone meanwhile
+        unpin();
+        return r;
+      }
+      check_slots(hits);
+    }
+    routed_core(f, args.arena, slots.data() + (late.empty() ? 0 : hits),
+                ran_experts.data() + (late.empty() ? 0 : hits), late.empty() ? hits : late.size(), ids, weights,
+                args.S, args.x_data, args.T, args.pairs_data, args.out_data, true, false);
+  } catch (...) {
+    unpin();
+    throw;
+  }
+  try {
+    table.unpin_many(pinned);
+  } catch (const expertcache::StaleClient&) {
+    r.ran = -1;  // the daemon took the pins back while they were in use
+    return r;
+  }
+  table.count_hits(hits);
+  table.count_waited(r.loading);
+  r.ran = int64_t(experts.size());
+  return r;
+}
+
 // run_layers' signals: per layer that runs, its lookahead (the attention's routers of the layers
 // ahead on its MoE input, or the caller's predictions as given) and the LayerSignals write.
 class SpanAhead {
@@ -418,6 +523,11 @@ class SpanAhead {
   // The layer the span stops at for a miss: its signals written, the doorbell left to its demand.
   void missed(size_t layer, const int64_t* ids) {
     if (signals_ != nullptr) signals_->write(layer, ids, pid_, psc_, as_given_, false);
+  }
+
+  // The doorbell for what `missed` wrote (the span waits for the layer's experts in flight).
+  void ring() {
+    if (signals_ != nullptr) signals_->ring();
   }
 
  private:
@@ -630,7 +740,9 @@ void bind_expert_ffn(py::module_& m) {
              size_t max_experts, const py::object& arena_obj, const py::object& ids_obj,
              const py::object& weights_obj, const py::object& x_obj, const py::object& pairs_obj,
              const py::object& out_obj, const py::object& signals_obj, const py::object& ahead_ids_obj,
-             const py::object& ahead_scores_obj) -> py::tuple {
+             const py::object& ahead_scores_obj, double loading_wait_s) -> py::tuple {
+            if (!std::isfinite(loading_wait_s) || loading_wait_s < 0)
+              fail("loading_wait_s must be finite and >= 0, got " + std::to_string(loading_wait_s));
             DecodeLayerRunner runner = decode_layer_runner(attention);
             const size_t L = runner.layers;
             if (first >= L) fail("first must be below the attention's " + std::to_string(L) + " layers");
@@ -644,25 +756,53 @@ void bind_expert_ffn(py::module_& m) {
             size_t layer = first;
             int64_t ran = 0;
             const char* stop = "done";
+            size_t waited = 0;         // experts in flight the span waited for, and ran
+            std::vector<double> waits;  // per layer that ran after such a wait, its seconds
+            double lost_s = 0;         // the wait of the layer it stopped at, where that wait was in vain
             {
               py::gil_scoped_release release;
               for (; layer < L; ++layer) {
                 runner.run(layer);  // writes the layer's routing (where the attention routes) and x
                 args.widen(layer, widened.data());
                 ahead.predict(layer, runner);
+                const int64_t* ids = args.ids + layer * args.S;
                 int64_t got;
                 try {
-                  got = layer_core(f, table, int64_t(layer), num_experts, max_experts, args,
-                                   args.ids + layer * args.S, widened.data(), true, false, scratch,
-                                   ahead.writer(layer, args.ids + layer * args.S));
+                  got = layer_core(f, table, int64_t(layer), num_experts, max_experts, args, ids, widened.data(),
+                                   true, false, scratch, ahead.writer(layer, ids));
                 } catch (const expertcache::StaleClient&) {
                   stop = "stale";
                   break;
                 }
                 if (got == 0) {
-                  ahead.missed(layer, args.ids + layer * args.S);
-                  stop = "miss";
-                  break;
+                  // Its signals go now, whatever follows: the daemon learns the route and the
+                  // lookahead (its prefetch for the layers ahead) before anything waits.
+                  ahead.missed(layer, ids);
+                  InFlight in_flight;
+                  try {
+                    in_flight = run_in_flight(f, table, args, ids, widened.data(), scratch, max_experts,
+                                              loading_wait_s);
+                  } catch (const expertcache::StaleClient&) {
+                    stop = "stale";
+                    break;
+                  }
+                  if (in_flight.applies) {
+                    ahead.ring();
+                    if (in_flight.ran > 0) {
+                      ran += in_flight.ran;
+                      if (in_flight.loading) {
+                        waited += in_flight.loading;
+                        waits.push_back(in_flight.wait_s);
+                      }
+                      continue;
+                    }
+                    lost_s = in_flight.wait_s;
+                    got = in_flight.ran;
+                  }
+                  if (got == 0) {
+                    stop = "miss";
+                    break;
+                  }
                 }
                 if (got < 0) {
                   stop = "taken";
@@ -671,23 +811,30 @@ void bind_expert_ffn(py::module_& m) {
                 ran += got;
               }
             }
-            return py::make_tuple(layer, ran, stop);
+            return py::make_tuple(layer, ran, stop, waited, py::cast(waits), lost_s);
           },
           py::arg("attention"), py::arg("table"), py::arg("first"), py::arg("num_experts"), py::arg("max_experts"),
           py::arg("arena"), py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"),
           py::arg("signals") = py::none(), py::arg("ahead_ids") = py::none(), py::arg("ahead_scores") = py::none(),
+          py::arg("loading_wait_s") = 0.0,
           "A decode step's layers from `first` on, in one call without the GIL: per layer, the dense half of "
           "`attention` (a DecodeAttention whose step has begun), then the layer's experts as run_layer runs "
           "them (with `add`), from row `layer` of `ids` / `weights` [layers, T * K]. With `signals` (a "
           "LayerSignals of the step's rows), each layer whose experts all run writes its signals once they "
           "are pinned, before they run: its routing, and its lookahead from the later layers' routers on its "
           "MoE input (the attention's), or from `ahead_ids` / `ahead_scores` [layers, depth, T * K] as given. "
-          "Stops at the first layer whose experts do not run; for a miss, that layer's signals are written too, "
-          "without the doorbell (signals.unrung: the layer's demand rings it). Returns (layer, experts, why): `layer` the first layer whose experts did "
+          "A layer whose experts are not all resident, none absent but some in flight (LOADING: prefetched), "
+          "writes its signals and rings, runs its resident experts, waits for the others (for at most "
+          "`loading_wait_s` in all; 0: never), runs them and combines the layer (table.hits counts the "
+          "first, table.waited the others). Stops at the first layer whose experts do not run; for a miss, that layer's signals are "
+          "written too, without the doorbell where it did not wait (signals.unrung: the layer's demand rings "
+          "it). Returns (layer, experts, why, waited, waits, lost_s): `layer` the first layer whose experts did "
           "not run (its dense half did) or the number of layers; `experts` the experts run; `why` 'done', "
           "'miss' (one not resident, or more than `max_experts`: nothing of it pinned or run), 'stale' "
           "(try_pin_many raised StaleClient: nothing of it pinned or run) or 'taken' (it ran but the daemon "
-          "took the pins back meanwhile)")
+          "took the pins back meanwhile); `waited` the experts of `experts` that were in flight when their "
+          "layer came; `waits` the seconds each layer that waited for them waited; `lost_s` the seconds the "
+          "layer it stopped at waited in vain (0.0 where it did not)")
       .def(
           "combine",
           [](Ffn& f, const py::object& pairs_obj, size_t top_k, const py::object& out_obj) {

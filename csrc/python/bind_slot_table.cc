@@ -288,6 +288,13 @@ void bind_slot_table(py::module_& m) {
       .def("accessed_since", &SlotTable::accessed_since, py::arg("since"),
            "(entries pinned through the regions with a stamp in (since, until], in stamp order; until)")
       .def_property_readonly("hits", &SlotTable::hits)
+      .def_property_readonly("waited", &SlotTable::waited,
+                             "Experts in flight compute waited for and pinned itself (misses no demand "
+                             "told the daemon of): this client's (compute side), every client's so far "
+                             "(daemon side)")
+      .def("count_waited", &SlotTable::count_waited, py::arg("n"),
+           "Counts `n` experts this client waited for in flight and pinned itself (compute side; "
+           "ExpertFfn.run_layers counts its own)")
       .def_property_readonly("num_clients", &SlotTable::num_clients)
       .def("begin_load", &SlotTable::begin_load, py::arg("entry"), py::arg("slot"))
       .def("finish_load", &SlotTable::finish_load, py::arg("entry"))

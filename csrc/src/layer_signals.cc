@@ -27,6 +27,11 @@ LayerSignals::LayerSignals(ClientChannel& channel, std::vector<uint32_t> handles
                                 " layers, not layers x depth = " + std::to_string(layers_ * depth_));
 }
 
+void LayerSignals::ring() {
+  if (unrung_) channel_.ring_doorbell();
+  unrung_ = false;
+}
+
 void LayerSignals::write(size_t layer, const int64_t* ids, const std::vector<const int64_t*>& ahead_ids,
                          const std::vector<const float*>& ahead_scores, bool as_given, bool ring) {
   const auto done = [&] {

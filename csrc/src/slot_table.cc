@@ -385,6 +385,11 @@ void SlotTable::count_hits(uint64_t n) {
   if (n) own_->header->hits.fetch_add(n, std::memory_order_relaxed);
 }
 
+void SlotTable::count_waited(uint64_t n) {
+  if (owner_ || !own_) throw std::logic_error("slot table: count_waited is compute's (an attached handle)");
+  if (n) own_->header->waited.fetch_add(n, std::memory_order_relaxed);
+}
+
 void SlotTable::unpin(int64_t entry) { unpin_many({entry}); }
 
 void SlotTable::unpin_many(const std::vector<int64_t>& entries) {
@@ -531,6 +536,7 @@ uint32_t SlotTable::claim_channel(int64_t client) {
     std::lock_guard<std::mutex> g(regions_mu_);
     if (regions_[client]) {
       retired_hits_.fetch_add(regions_[client]->header->hits.load(std::memory_order_relaxed));
+      retired_waited_.fetch_add(regions_[client]->header->waited.load(std::memory_order_relaxed));
       regions_[client]->header->epoch.store(kDetachedEpoch);  // its holder's calls throw StaleClient
     }
     regions_[client] = std::move(r);
@@ -610,6 +616,7 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
   {
     std::lock_guard<std::mutex> g(regions_mu_);
     retired_hits_.fetch_add(h.hits.load(std::memory_order_relaxed));
+    retired_waited_.fetch_add(h.waited.load(std::memory_order_relaxed));
     regions_[client].reset();  // detached: nothing it holds counts any more
   }
   notify_unpinned();
@@ -731,6 +738,15 @@ uint64_t SlotTable::hits() const {
   std::lock_guard<std::mutex> g(regions_mu_);
   for (const auto& r : regions_)
     if (r) n += r->header->hits.load(std::memory_order_relaxed);
+  return n;
+}
+
+uint64_t SlotTable::waited() const {
+  if (!owner_) return own_ ? own_->header->waited.load() : 0;
+  uint64_t n = retired_waited_.load();
+  std::lock_guard<std::mutex> g(regions_mu_);
+  for (const auto& r : regions_)
+    if (r) n += r->header->waited.load(std::memory_order_relaxed);
   return n;
 }
 

@@ -256,6 +256,23 @@ def test_second_pass_over_resident_experts_sends_no_demand(daemon):
         client.close()
 
 
+def test_experts_compute_waited_for_in_flight_count_as_device_misses(daemon):
+    # A native span that waits for a layer's experts in flight pins them itself, with no demand
+    # (ExpertFfn.run_layers): it counts them in its ledger, and GetStats counts them as device
+    # misses, as if demanded.
+    client = fast_client(daemon)
+    try:
+        table = client._link.table  # this client's handle of the shared slot table
+        was = tiers(daemon.stats())
+        table.count_waited(3)
+        now = tiers(daemon.stats())
+        device = cache_pb2.TIER_DEVICE
+        assert (now[device].misses - was[device].misses, now[device].hits - was[device].hits) == (3, 0)
+        assert table.waited == 3
+    finally:
+        client.close()
+
+
 def test_slow_path_client_demands_every_acquire(daemon):
     from expertcache.protocol import Tier
 

@@ -9,6 +9,7 @@ rounding flipped by them (bfloat16). Every argument a caller can get wrong is re
 from __future__ import annotations
 
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -865,7 +866,7 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
 
     resident = np.array([[0, 2, 3, 0], [1, 3, 0, 0]], np.int64)  # entries 0, 2, 3 and 5, 7, 4
     got, h = in_one_call(resident)
-    assert got == (2, 6, "done") and np.array_equal(h, one_by_one(resident, None))
+    assert got == (2, 6, "done", 0, [], 0.0) and np.array_equal(h, one_by_one(resident, None))
     assert not np.array_equal(h, h0)
     # Layer 1 names expert 2 (entry 6, absent): layer 0 runs whole, layer 1 its dense half only.
     missing = np.array([[0, 2, 3, 0], [1, 2, 0, 0]], np.int64)
@@ -874,10 +875,10 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     # Hits counted (the daemon reports them): layer 0's three, not layer 1's two that were pinned
     # and given back because its third is absent (the layer's acquire pins and counts them).
     assert handle.hits - hits == 3
-    assert got == (1, 3, "miss") and np.array_equal(h, one_by_one(missing, 1))
+    assert got == (1, 3, "miss", 0, [], 0.0) and np.array_equal(h, one_by_one(missing, 1))
     # From layer 1 with all of it resident: only layer 1.
     got, _ = in_one_call(resident, first=1)
-    assert got == (2, 3, "done")
+    assert got == (2, 3, "done", 0, [], 0.0)
     # With signals, each layer that runs writes its routes and lookahead (here as given: this
     # attention routes nothing) once its experts are pinned; the layer with a miss writes its own
     # too, leaving the doorbell to its demand (ExpertRuntime.forward posts it). The residual is the
@@ -888,7 +889,7 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     ahead_ids = np.array([[[3, 1, 0, 2]], [[0, 1, 2, 3]]], np.int64)  # [layers, depth, T * K]
     ahead_scores = np.array([[[0.5, 0.5, 2.0, 0.25]], [[1, 1, 1, 1]]], np.float32)
     got, h = in_one_call(missing, signals=signals, ahead_ids=ahead_ids, ahead_scores=ahead_scores)
-    assert got == (1, 3, "miss") and np.array_equal(h, one_by_one(missing, 1))
+    assert got == (1, 3, "miss", 0, [], 0.0) and np.array_equal(h, one_by_one(missing, 1))
     records, corrupt = daemon_side.drain()
     assert not corrupt
     assert [(r[0], r[1], r[2], r[3], r[4].tolist()) for r in records[:2]] == [
@@ -905,6 +906,55 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
         ("route", 6, 1, [0]),
     ]
     assert (signals.written, signals.dropped, signals.unrung) == (6, 0, True)
+    # An expert in flight (LOADING: entry 6, into the slot entry 7 left) and none absent: with
+    # loading_wait_s the span writes the layer's signals and rings, waits for it and runs the layer
+    # (the residual as one by one once it landed); it reports the expert as waited for, and the
+    # layer's wait. It stops at the layer as before where the load does not land in time (the wait
+    # in vain reported), is aborted meanwhile, or another expert of the layer is absent; and with
+    # loading_wait_s 0 it never waits.
+    assert table.try_evict(7)
+    in_flight = np.array([[0, 2, 3, 0], [1, 2, 0, 0]], np.int64)  # entries 0, 2, 3 and 5, 6, 4
+    table.begin_load(6, 4)
+    got, _ = in_one_call(in_flight, loading_wait_s=0.0)
+    assert got == (1, 3, "miss", 0, [], 0.0)
+    hits, waited = handle.hits, handle.waited
+    got, h = in_one_call(in_flight, loading_wait_s=0.05)
+    assert got[:4] == (1, 3, "miss", 0) and got[4] == [] and 0.04 < got[5] < 1.0, got
+    assert (handle.hits - hits, handle.waited - waited) == (3, 0)  # layer 0's; layer 1 counts nothing
+    assert np.array_equal(h, one_by_one(in_flight, 1))
+    threading.Timer(0.05, table.abort_load, (6,)).start()
+    got, _ = in_one_call(in_flight, loading_wait_s=30.0)
+    assert got[:4] == (1, 3, "miss", 0) and 0.04 < got[5] < 10.0, got  # woken by the abort
+    table.begin_load(6, 4)
+    daemon_side.drain()
+    signals = LayerSignals(channel, [5, 6], [10, 11], K, 2, 1, [1, -1])
+    threading.Timer(0.05, table.finish_load, (6,)).start()
+    hits, waited = handle.hits, handle.waited
+    got, h = in_one_call(
+        in_flight, signals=signals, ahead_ids=ahead_ids, ahead_scores=ahead_scores, loading_wait_s=30.0
+    )
+    assert got[:4] == (2, 6, "done", 1) and len(got[4]) == 1 and 0.04 < got[4][0] < 10.0 and got[5] == 0.0, (
+        got
+    )
+    # Hits: layer 0's three and layer 1's two resident ones; the one in flight counts as waited, for
+    # the daemon's misses (table.waited: every ledger's).
+    assert (handle.hits - hits, handle.waited - waited) == (3 + 2, 1)
+    assert table.waited == handle.waited
+    # Its two resident experts ran before the wait, the one in flight after it, then the combine:
+    # the residual as one call over the layer makes it.
+    assert np.array_equal(h, one_by_one(in_flight, None))
+    records, _ = daemon_side.drain()
+    assert [(r[0], r[3]) for r in records if r[0] == "route"] == [("route", 0)] * 2 + [("route", 1)] * 2
+    assert (signals.written, signals.unrung) == (6, False)  # written once each, and rung
+    # Entry 6 resident now; entry 7 absent beside entry 4 in flight: no wait.
+    assert table.try_evict(4)
+    table.begin_load(4, 2)
+    got, _ = in_one_call(np.array([[0, 2, 3, 0], [3, 0, 0, 0]], np.int64), loading_wait_s=30.0)
+    assert got == (1, 3, "miss", 0, [], 0.0)
+    table.finish_load(4)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="loading_wait_s must be finite and >= 0"):
+            in_one_call(resident, loading_wait_s=bad)
     for extra, message in (
         (dict(signals=LayerSignals(channel, [5], [10], K, 2, 0, [])), "signals are for 2 layers of 2 pairs"),
         (dict(ahead_ids=ahead_ids, ahead_scores=ahead_scores), "ahead_ids and ahead_scores go with signals"),
@@ -934,4 +984,4 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     # The daemon took the ledger back: layer 0's dense half ran, none of its experts.
     table.claim_channel(0)
     got, _ = in_one_call(resident)
-    assert got == (0, 0, "stale")
+    assert got == (0, 0, "stale", 0, [], 0.0)

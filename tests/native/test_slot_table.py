@@ -581,8 +581,14 @@ def test_client_ledger_tracks_and_reclaims_pins():
     with pytest.raises(RuntimeError, match="unpin of entry 2 which this client has not pinned"):
         compute.unpin(2)
     hits = t.hits
+    compute.count_waited(2)  # experts in flight it waited for and pinned itself
+    other.count_waited(1)
+    assert (compute.waited, other.waited, t.waited) == (2, 1, 3)
+    with pytest.raises(RuntimeError, match="count_waited is compute's"):
+        t.count_waited(1)
     assert t.reclaim_client(1) == 2  # entry 0 and one pin of entry 1
     assert t.hits == hits  # a detached region's hits still count
+    assert t.waited == 3  # and its waited
     assert [t.pins(e) for e in range(4)] == [0, 0, 1, 0]
     assert [t.client_pins(1, e) for e in range(4)] == [0] * 4
     assert t.client_epoch(1) == epoch + 1

@@ -47,6 +47,10 @@ class LayerSignals {
   void write(size_t layer, const int64_t* ids, const std::vector<const int64_t*>& ahead_ids,
              const std::vector<const float*>& ahead_scores, bool as_given, bool ring = true);
 
+  // Rings the doorbell for records written unrung (a miss layer's, whose span then waits for its
+  // experts in flight instead of demanding them); nothing when none are.
+  void ring();
+
   size_t written() const { return written_; }
   size_t dropped() const { return dropped_; }
   // Records were written since the doorbell last rang.

@@ -99,6 +99,9 @@ struct alignas(64) ClientHeader {
   uint32_t reserved;
   alignas(64) std::atomic<uint64_t> hits;     // successful pins of this client
   std::atomic<uint32_t> unpin_seq;            // bumped when one of its pin counts reaches 0
+  // Experts in flight (LOADING) when this client's layer came, which it waited for and pinned
+  // itself, without a demand: misses the daemon's admissions never saw.
+  std::atomic<uint64_t> waited;
 };
 static_assert(sizeof(ClientHeader) == 128, "client header must be two cache lines");
 
@@ -175,6 +178,8 @@ class SlotTable {
   void unpin_many(const std::vector<int64_t>& entries);
   // Counts `n` hits of this client (compute side): pins try_pin_many took uncounted.
   void count_hits(uint64_t n);
+  // Counts `n` experts this client waited for in flight and pinned itself (compute side; misses).
+  void count_waited(uint64_t n);
   // Blocks while the entry is LOADING; true iff it is RESIDENT on return. timeout_s >= 0.
   bool wait_resident(int64_t entry, double timeout_s);
   // Per entry: its slot if RESIDENT, -1 while LOADING, -2 otherwise (ABSENT / EVICTING).
@@ -248,6 +253,8 @@ class SlotTable {
   uint32_t generation(int64_t entry) const;
   // Successful pins: of this client (compute side), of every client so far (daemon side).
   uint64_t hits() const;
+  // count_waited's counts, as hits() sums hits.
+  uint64_t waited() const;
 
   uint32_t num_entries() const { return num_entries_; }
   uint32_t num_slots() const { return num_slots_; }
@@ -287,6 +294,7 @@ class SlotTable {
   mutable std::mutex regions_mu_;                 // regions_ (short holds: a pointer copy, a scan)
   std::unique_ptr<std::mutex[]> client_locks_;    // per ledger: hold/unhold vs claim and reclaim
   std::atomic<uint64_t> retired_hits_{0};         // hits of detached regions
+  std::atomic<uint64_t> retired_waited_{0};       // waited of detached regions
   // Compute side: the bound ledger and its region.
   int64_t client_ = -1;
   uint32_t epoch_ = 0;
