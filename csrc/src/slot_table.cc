@@ -535,8 +535,7 @@ uint32_t SlotTable::claim_channel(int64_t client) {
   {
     std::lock_guard<std::mutex> g(regions_mu_);
     if (regions_[client]) {
-      retired_hits_.fetch_add(regions_[client]->header->hits.load(std::memory_order_relaxed));
-      retired_waited_.fetch_add(regions_[client]->header->waited.load(std::memory_order_relaxed));
+      retire_counts(*regions_[client]->header);
       regions_[client]->header->epoch.store(kDetachedEpoch);  // its holder's calls throw StaleClient
     }
     regions_[client] = std::move(r);
@@ -615,8 +614,7 @@ uint64_t SlotTable::reclaim_client(int64_t client) {
   for (uint32_t i = 0; i < num_entries_; ++i) removed += r->pins[i].load(std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> g(regions_mu_);
-    retired_hits_.fetch_add(h.hits.load(std::memory_order_relaxed));
-    retired_waited_.fetch_add(h.waited.load(std::memory_order_relaxed));
+    retire_counts(h);
     regions_[client].reset();  // detached: nothing it holds counts any more
   }
   notify_unpinned();
@@ -732,22 +730,23 @@ uint32_t SlotTable::generation(int64_t entry) const {
   return owner_ ? generation_[entry] : entries_[entry].generation.load();
 }
 
-uint64_t SlotTable::hits() const {
-  if (!owner_) return own_ ? own_->header->hits.load() : 0;
-  uint64_t n = retired_hits_.load();
+uint64_t SlotTable::ledger_count(std::atomic<uint64_t> ClientHeader::*count,
+                                 const std::atomic<uint64_t>& retired) const {
+  if (!owner_) return own_ ? (own_->header->*count).load() : 0;
+  uint64_t n = retired.load();
   std::lock_guard<std::mutex> g(regions_mu_);
   for (const auto& r : regions_)
-    if (r) n += r->header->hits.load(std::memory_order_relaxed);
+    if (r) n += (r->header->*count).load(std::memory_order_relaxed);
   return n;
 }
 
-uint64_t SlotTable::waited() const {
-  if (!owner_) return own_ ? own_->header->waited.load() : 0;
-  uint64_t n = retired_waited_.load();
-  std::lock_guard<std::mutex> g(regions_mu_);
-  for (const auto& r : regions_)
-    if (r) n += r->header->waited.load(std::memory_order_relaxed);
-  return n;
+void SlotTable::retire_counts(const ClientHeader& h) {
+  retired_hits_.fetch_add(h.hits.load(std::memory_order_relaxed));
+  retired_waited_.fetch_add(h.waited.load(std::memory_order_relaxed));
 }
+
+uint64_t SlotTable::hits() const { return ledger_count(&ClientHeader::hits, retired_hits_); }
+
+uint64_t SlotTable::waited() const { return ledger_count(&ClientHeader::waited, retired_waited_); }
 
 }  // namespace expertcache

@@ -266,6 +266,11 @@ class SlotTable {
   static uint32_t default_max_demand(uint32_t num_entries);
 
  private:
+  // A ledger counter (ClientHeader::hits or ::waited): this client's (compute side), or every
+  // region's plus `retired`, the detached ones' (daemon side).
+  uint64_t ledger_count(std::atomic<uint64_t> ClientHeader::*count, const std::atomic<uint64_t>& retired) const;
+  // A region leaves (reclaimed or claimed over): its counts go to the retired ones.
+  void retire_counts(const ClientHeader& h);
   struct Region;  // a client region mapped by the daemon, with its parts
   SlotTable() = default;
   void check_entry(int64_t entry) const;
