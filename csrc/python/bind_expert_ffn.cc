@@ -316,6 +316,13 @@ struct LayerArgs {
   py::array_t<float> pairs;
 };
 
+// Pinned slots beyond the arena: the table is not this arena's.
+void check_arena_slots(const int64_t* slots, size_t n, size_t num_slots) {
+  for (size_t i = 0; i < n; ++i)
+    if (slots[i] >= int64_t(num_slots))
+      fail("slot " + std::to_string(slots[i]) + " is outside the arena's " + std::to_string(num_slots));
+}
+
 struct LayerScratch {
   std::vector<int64_t> experts, entries;
 };
@@ -346,9 +353,7 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
   if (slots.size() != experts.size()) return 0;
   const int ran = run_pinned(table, entries, [&] {
     if (on_pinned) on_pinned();  // all of the layer is pinned: it runs here
-    for (int64_t slot : slots)  // the table's slots beyond the arena: not this arena's table
-      if (slot >= int64_t(args.num_slots))
-        fail("slot " + std::to_string(slot) + " is outside the arena's " + std::to_string(args.num_slots));
+    check_arena_slots(slots.data(), slots.size(), args.num_slots);
     routed_core(f, args.arena, slots.data(), experts.data(), experts.size(), ids, weights, args.S,
                 args.x_data, args.T, args.pairs_data, args.out_data, add, gil_held);
   });
@@ -402,13 +407,9 @@ InFlight run_in_flight(Ffn& f, SlotTable& table, const LayerArgs& args, const in
       // the pins went with the ledger
     }
   };
-  const auto check_slots = [&](size_t from) {
-    for (size_t i = from; i < slots.size(); ++i)  // the table's slots beyond the arena: not this arena's table
-      if (slots[i] >= int64_t(args.num_slots))
-        fail("slot " + std::to_string(slots[i]) + " is outside the arena's " + std::to_string(args.num_slots));
-  };
+  size_t first = 0;  // the experts the last run takes (from there on), with the combine
   try {
-    check_slots(0);
+    check_arena_slots(slots.data(), hits, args.num_slots);
     if (!late.empty()) {
       // The resident ones first, into their pair rows, while the others are still in flight.
       if (hits)
@@ -437,11 +438,11 @@ InFlight run_in_flight(Ffn& f, SlotTable& table, const LayerArgs& args, const in
         unpin();
         return r;
       }
-      check_slots(hits);
+      check_arena_slots(slots.data() + hits, late.size(), args.num_slots);
+      first = hits;
     }
-    routed_core(f, args.arena, slots.data() + (late.empty() ? 0 : hits),
-                ran_experts.data() + (late.empty() ? 0 : hits), late.empty() ? hits : late.size(), ids, weights,
-                args.S, args.x_data, args.T, args.pairs_data, args.out_data, true, false);
+    routed_core(f, args.arena, slots.data() + first, ran_experts.data() + first, slots.size() - first, ids,
+                weights, args.S, args.x_data, args.T, args.pairs_data, args.out_data, true, false);
   } catch (...) {
     unpin();
     throw;
