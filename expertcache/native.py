@@ -26,7 +26,9 @@ signals in its region, csrc/include/expertcache/channel.h): ``channel(c) -> Clie
 ``signals_wanted`` (read by compute, set by the daemon). ``LayerSignals(channel, handles, tokens,
 top_k, layers, depth, ahead)``: a decode step's route and lookahead records, written natively per
 layer by ``ExpertFfn.run_layers`` (csrc/include/expertcache/layer_signals.h); ``written``,
-``dropped``.
+``dropped``. ``SpanDemand(channel, timeout_s, deadline_s, spin_s, reply_grace_s, landing_grace_s,
+gather)``: the demands a span of ``ExpertFfn.run_layers`` posts and waits for itself
+(csrc/python/span_demand.h); ``stop()`` (another thread), ``sources``, ``waits``, ``handed_back``.
 
 ``HostPool(num_slots, slot_bytes, pin=False)``: 4 KiB-aligned slots, registered with CUDA when
 ``pin`` (``RuntimeError`` when it cannot be); ``alloc() -> int``, ``free(i)``, ``view(i) ->
@@ -71,6 +73,7 @@ def build_summary() -> str:
 SlotTable = _native.SlotTable
 ClientChannel = _native.ClientChannel
 LayerSignals = _native.LayerSignals
+SpanDemand = _native.SpanDemand
 StaleClient = _native.StaleClient
 MAX_REQUEST_ID_BYTES: int = _native.MAX_REQUEST_ID_BYTES
 HostPool = _native.HostPool
@@ -94,6 +97,7 @@ __all__ = [
     "LayerSignals",
     "TableState",
     "SlotTable",
+    "SpanDemand",
     "StaleClient",
     "build_summary",
 ]

@@ -18,7 +18,7 @@ import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 
 from compute_svc.daemon.demand_stream import DemandStream
-from compute_svc.daemon.link import DaemonLink, StaleClient
+from compute_svc.daemon.link import DaemonLink, HandedBack, StaleClient
 from compute_svc.daemon.transport import ChannelTransport, SignalCounts, StreamTransport, Transport
 from compute_svc.daemon.wire import Attachment, attachment_from_pb, error_from_rpc
 from compute_svc.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
@@ -29,7 +29,6 @@ from expertcache.protocol import Tier
 if TYPE_CHECKING:
     from compute_svc.experts.layer_ahead import Prediction
     from compute_svc.experts.moe import SpanSignals
-    from expertcache import native
 
 logger = logging.getLogger(__name__)
 
@@ -244,18 +243,29 @@ class DaemonClient(ExpertProvider):
         experts = list(experts)
         hits: list[ReadyExpert] = []
         link = self._link
-        with link.lock:
-            stream = link.open_locked()
-            if link.table is not None:
-                stream, hits = self._pin_resident(stream, layer, experts)
-            pinned = {h.expert for h in hits}
-            misses = [e for e in experts if e not in pinned]
-            transport = self._transport()
-            if misses:
-                waiting = transport.post_locked(stream, layer, misses, trace_context)
-            else:
-                transport.no_demand_locked()
         limit = time.monotonic() + self._acquire_timeout_s
+        with link.lock:
+            back = self._take_handed_back_locked(layer, experts)
+            if back is not None:  # a native span pinned the hits and posted the demand already
+                stream, misses = back.stream, back.misses
+                for e, slot in zip(back.hits, back.slots, strict=True):
+                    link.held[(layer, e)] = link.held.get((layer, e), 0) + 1
+                    hits.append(ReadyExpert(e, slot, Tier.DEVICE))
+                waiting = self._channel_transport.posted_locked(
+                    stream, layer, misses, back.seq, back.fail_seen
+                )
+                limit -= back.elapsed_s
+            else:
+                stream = link.open_locked()
+                if link.table is not None:
+                    stream, hits = self._pin_resident(stream, layer, experts)
+                pinned = {h.expert for h in hits}
+                misses = [e for e in experts if e not in pinned]
+                transport = self._transport()
+                if misses:
+                    waiting = transport.post_locked(stream, layer, misses, trace_context)
+                else:
+                    transport.no_demand_locked()
         finished = False
         try:
             if hits:
@@ -304,8 +314,11 @@ class DaemonClient(ExpertProvider):
     def run_layer(
         self,
         layer: int,
-        run: Callable[[object, int, native.LayerSignals | None], int],
+        run: Callable[..., int],
         signals: SpanSignals | None = None,
+        *,
+        demand: bool = False,
+        deadline: float | None = None,
     ) -> int:
         """A decode layer (or a span of them) in one call that finds its experts itself:
         ``run(table, num_experts, layer_signals)`` pins the experts of its routing through the
@@ -316,27 +329,52 @@ class DaemonClient(ExpertProvider):
         or the daemon uses routes and lookaheads now (``signals_wanted``) and they cannot go with
         the call. They can where ``signals`` (the step's rows and lookahead) is given and a daemon
         thread serves the channel: ``layer_signals`` is then the ``native.LayerSignals`` the call
-        writes each layer's records with (else None). ``DaemonUnavailable`` as ``release`` raises it."""
+        writes each layer's records with (else None).
+
+        With ``demand`` (a span), ``run`` takes a fourth argument: the ``native.SpanDemand`` with which
+        a layer with a miss posts its demand and waits for it within the call (each wait at most
+        acquire_timeout_s, none past ``deadline``; an interrupt or the stream's end stops it), or None
+        where no daemon thread serves the channel. A layer it hands back is the next acquire's
+        (``acquire_batches`` of that layer adopts its pins and its demand).
+        ``DaemonUnavailable`` as ``release`` raises it."""
         link = self._link
         with link.lock:
             table = link.table
             if table is None or link.shm_channel is None or (table.signals_wanted and signals is None):
                 return 0
+            if link.spans.handed_back is not None:  # never adopted (its layer's forward failed)
+                link.drop_locked(link.spans.handed_back.stream)
             stream = link.open_locked()
             layer_signals = None
             if table.signals_wanted:
                 layer_signals = self._channel_transport.layer_signals_locked(*signals)
                 if layer_signals is None:
                     return 0
+            args: tuple = (table, link.attachment.manifest.num_experts, layer_signals)
+            span_demand = None
+            if demand:
+                span_demand = self._channel_transport.span_demand_locked(self._acquire_timeout_s, deadline)
+                link.spans.running = span_demand
+                if self._interrupted and span_demand is not None:
+                    span_demand.stop()  # interrupted before the span could be told
+                args += (span_demand,)
             try:
-                ran = run(table, link.attachment.manifest.num_experts, layer_signals)
+                ran = run(*args)
             except StaleClient:
                 # The daemon ended our stream (and took back the ledger) before we read that it did.
                 link.drop_locked(stream)
                 return 0
+            except BaseException:
+                if span_demand is not None and span_demand.handed_back is not None:
+                    link.drop_locked(stream)  # pins and a demand of a layer nobody will adopt
+                raise
             finally:
+                link.spans.running = None
                 if layer_signals is not None:
                     self._channel_transport.count_layer_signals(layer_signals)
+            back = None if span_demand is None else span_demand.handed_back
+            if back is not None:
+                link.spans.handed_back = HandedBack(stream, *back)
             if ran < 0:
                 link.held.clear()
                 raise DaemonUnavailable(
@@ -376,6 +414,23 @@ class DaemonClient(ExpertProvider):
             if demand:
                 self._transport().release_locked(layer, demand)
 
+    def _take_handed_back_locked(self, layer: int, experts: list[int]) -> HandedBack | None:
+        """The layer a native span handed back, where this acquire is its (the same layer and
+        experts, on the open stream); one that is not is dropped with its stream, which releases
+        its pins and its demand."""
+        link = self._link
+        back, link.spans.handed_back = link.spans.handed_back, None
+        if back is None:
+            return None
+        if (
+            back.stream is link.stream
+            and back.layer == layer
+            and sorted(back.hits + back.misses) == sorted(experts)
+        ):
+            return back
+        link.drop_locked(back.stream)
+        return None
+
     def _table_entries(self, layer: int, experts: Sequence[int]) -> list[int] | None:
         """The slot-table entries of ``experts`` of ``layer``, or None where the table cannot take
         them: outside it, or an expert twice (the daemon answers the Demand with the precise error)."""
@@ -411,8 +466,14 @@ class DaemonClient(ExpertProvider):
 
     # -- steps: interruption ------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """A new step starts: an interrupt of an earlier one no longer applies."""
+        """A new step starts: an interrupt of an earlier one no longer applies, nor a layer an
+        earlier step's span handed back and never adopted (dropped with its stream)."""
         self._interrupted = False
+        link = self._link
+        if link.spans.handed_back is not None:
+            with link.lock:
+                if link.spans.handed_back is not None:
+                    link.drop_locked(link.spans.handed_back.stream)
 
     def interrupt(self) -> None:
         """Wake a wait for experts of the current step (its requests are all gone): it raises

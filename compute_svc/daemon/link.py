@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -32,6 +33,39 @@ from expertcache.protocol import CLIENT_EPOCH_KEY, CLIENT_INDEX_KEY
 logger = logging.getLogger(__name__)
 
 StaleClient = native.StaleClient  # RuntimeError: the daemon reclaimed our ledger
+
+
+class HandedBack(NamedTuple):
+    """A layer a native span handed back (``native.SpanDemand.handed_back``): on ``stream``, its
+    resident experts ``hits`` pinned in the ledger at ``slots`` (not yet in ``held``) and demand
+    ``seq`` posted for ``misses`` (the channel's ``fail_seq`` was ``fail_seen`` then), waited for
+    ``elapsed_s`` already. The layer's acquire adopts it (``DaemonClient.acquire_batches``)."""
+
+    stream: DemandStream
+    layer: int
+    seq: int
+    fail_seen: int
+    hits: list[int]
+    slots: list[int]
+    misses: list[int]
+    elapsed_s: float
+
+
+class SpanDemands:
+    """What native spans' demands leave on the link: the ``native.SpanDemand`` of the span running
+    now (``running``: stopped by ``DaemonLink.wake_channel``, an interrupt or the stream's end) and
+    the layer one handed back (``handed_back``) until its acquire adopts it."""
+
+    __slots__ = ("handed_back", "running")
+
+    def __init__(self) -> None:
+        self.running: native.SpanDemand | None = None
+        self.handed_back: HandedBack | None = None
+
+    def stop(self) -> None:
+        running = self.running
+        if running is not None:
+            running.stop()
 
 
 class DaemonLink:
@@ -53,6 +87,7 @@ class DaemonLink:
         self._stub = cache_pb2_grpc.ExpertCacheStub(channel)
         self.stream: DemandStream | None = None
         self._streams_opened = 0
+        self.spans = SpanDemands()
         # Told when the Demand stream ends on its own (the daemon died or ended it), so the
         # service can stop serving and re-attach without waiting for a request to fail.
         self.on_stream_end: Callable[[str], None] | None = None
@@ -186,6 +221,7 @@ class DaemonLink:
             self._take_handoff(answered, reply.handoff_socket, reply.handoff_token)
 
     def wake_channel(self) -> None:
+        self.spans.stop()  # a span's own wait hands its layer back to the checks below
         channel = self.shm_channel
         if channel is not None:
             channel.notify()  # a wait for the daemon's answer sees the stream ended (or an interrupt)
@@ -200,6 +236,8 @@ class DaemonLink:
 
     def drop_locked(self, stream: DemandStream) -> None:
         stream.close()
+        if self.spans.handed_back is not None and self.spans.handed_back.stream is stream:
+            self.spans.handed_back = None  # its pins and its demand go with the ledger
         if self.stream is stream:
             self.stream = None
             self.held.clear()  # the daemon reclaims the stream's ledger with its shm pins
@@ -237,5 +275,6 @@ class DaemonLink:
             if self.stream is not None:
                 self.stream.close()
                 self.stream = None
+            self.spans.handed_back = None
             self.shm_channel = None  # nothing serves it any more: later signals are dropped
         self._channel.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -221,7 +222,35 @@ class ChannelTransport:
         fail_seen = channel.fail_seq
         seq = channel.post_demand(layer, misses, encode_trace_context(trace_context))
         self._ring_locked(due=True)
+        return self.posted_locked(stream, layer, misses, seq, fail_seen)
+
+    def posted_locked(
+        self, stream: DemandStream, layer: int, misses: list[int], seq: int, fail_seen: int
+    ) -> Callable[[AcquireWait], Iterator[list[ReadyExpert]]]:
+        """The wait for demand ``seq``, posted already for ``misses`` of ``layer`` (by
+        ``post_locked``, or by a native span that handed the layer back) while the channel's
+        ``fail_seq`` was ``fail_seen``."""
+        channel = self._link.shm_channel
         return lambda wait: self._wait(wait, stream, channel, seq, fail_seen, layer, misses)
+
+    def span_demand_locked(self, timeout_s: float, deadline: float | None) -> native.SpanDemand | None:
+        """The demands a native span may post and wait for itself (``native.SpanDemand``), each
+        wait at most ``timeout_s`` and none past ``deadline`` (``time.monotonic()``), polling as
+        ``_wait`` does; None while no daemon thread serves the channel."""
+        channel = self._link.shm_channel
+        stream = self._link.stream
+        if channel is None or stream is None or stream.ended:
+            return None
+        deadline_s = 1e9 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return native.SpanDemand(
+            channel,
+            timeout_s,
+            deadline_s,
+            CHANNEL_SPIN_S,
+            CHANNEL_GRACE_S,
+            CHANNEL_LANDING_GRACE_S,
+            self._link.attachment.slot_bytes < GATHER_MISSES_BELOW_BYTES,
+        )
 
     def release_locked(self, layer: int, experts: list[int]) -> None:
         """Experts not pinned in our ledger: their pins went with a ledger the daemon took back

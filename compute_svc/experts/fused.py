@@ -299,8 +299,9 @@ class FusedExperts:
         native call without the GIL, up to the first layer whose experts do not run: (that layer
         or L, experts run, why, waited, waits, lost_s) as ``run_layers`` returns them; its
         ``signals`` (a ``native.LayerSignals``), ``ahead`` (the lookahead as given, ids and scores
-        [L, depth, rows * K]) and ``loading_wait_s`` (how long a layer whose experts are in flight
-        waits for them) as ``run_layers`` takes them. None where ``takes`` says the kernel does
+        [L, depth, rows * K]), ``loading_wait_s`` (how long a layer whose experts are in flight
+        waits for them) and ``demand`` (a ``native.SpanDemand``: a layer with a miss demands its
+        experts and waits for them within the call) as ``run_layers`` takes them. None where ``takes`` says the kernel does
         not take such layers."""
         if not self.takes(kernel, rows, weights_dtype, hidden_states, residual):
             return None
@@ -326,11 +327,12 @@ class FusedExperts:
             signals: object = None,
             ahead: tuple[np.ndarray, np.ndarray] | None = None,
             loading_wait_s: float = 0.0,
+            demand: object = None,
         ) -> tuple[int, int, str, int, list[float], float]:
             pairs = self._pairs_for(ids.shape[-1], x)
             got = ffn.run_layers(
                 attention, table, first, num_experts, max_experts, arena, ids, weights, x, pairs, out,
-                signals, *(ahead if ahead is not None else (None, None)), loading_wait_s,
+                signals, *(ahead if ahead is not None else (None, None)), loading_wait_s, demand,
             )  # fmt: skip
             self.calls += got[0] - first
             return got

@@ -34,7 +34,7 @@ from compute_svc.experts.weights import ExpertDecoder
 from expertcache import native, telemetry
 from expertcache.keys import ExpertKey
 from expertcache.manifest import ExpertTensor
-from expertcache.protocol import GATHER_BELOW_BYTES, Tier
+from expertcache.protocol import GATHER_BELOW_BYTES, TIER_OF_CHANNEL_CODE, Tier
 
 if TYPE_CHECKING:
     from compute_svc.experts.layer_ahead import DevicePrediction, LayerAheadPredictor, Prediction
@@ -47,7 +47,7 @@ RUNTIME_ATTR = "expertcache_runtime"  # the ExpertRuntime tagged on each experts
 
 SPAN_LOADING_WAIT_S = 0.02
 """How long a native span waits, in all, for the experts of a layer that are in flight (LOADING:
-the daemon prefetched them) and none absent, before it leaves the layer to its demand
+the daemon prefetched them) and none absent, before it demands the layer's misses
 (``ExpertFfn.run_layers``' ``loading_wait_s``). Such a layer then stays in the span: no return to
 Python, no demand for the daemon to admit; measured at the e2e shape (mxfp4, 25%), 38% of the
 layers a span stopped at were of this kind (1,220 of 3,182), and their waits took 0.25 ms at the
@@ -270,7 +270,9 @@ class SpanStop(NamedTuple):
     """The span already told the daemon that layer's signals (its route and lookahead):
     ``forward(..., signalled=True)``."""
     missed: bool
-    """It stopped for an expert that was not resident (``forward(..., missed=True)``)."""
+    """It stopped for an expert that was not resident (``forward(..., missed=True)``): with no
+    demand of its own, or one whose wait did not end well (handed back: the layer's acquire adopts
+    its pins and its demand, ``DaemonClient.acquire_batches``)."""
 
 
 @dataclass
@@ -280,7 +282,8 @@ class _StepCounts:
     layers: int = 0
     experts: int = 0
     waited: int = 0  # of the experts, the ones in flight a span waited for (misses)
-    waits: list[float] = field(default_factory=list)  # each such layer's wait
+    demanded: list[Tier] = field(default_factory=list)  # of the experts, those a span demanded: sources
+    waits: list[float] = field(default_factory=list)  # each layer's wait for either
     lost_s: float = 0.0  # a span's wait in vain at the layer it stopped at
 
 
@@ -362,26 +365,37 @@ class ResidentLayers:
     def run_from(self, attention: object, first: int) -> SpanStop:
         """The step's layers from ``first`` on, each its dense half (``attention``, the step's
         begun ``DecodeAttention``) then its experts, in one native call without the GIL (where
-        ``spans``), up to the first layer whose experts do not run: one absent, or one in flight
-        that did not land within ``SPAN_LOADING_WAIT_S`` (``SpanStop``). The layers that ran are
-        observed and counted as ``run`` does."""
+        ``spans``), up to the first layer whose experts do not run (``SpanStop``). A layer with
+        experts in flight and none absent waits for them (``SPAN_LOADING_WAIT_S``); one with an
+        expert absent, or in flight past that wait, demands its misses and waits for them within
+        the call, where the provider gives the span a ``native.SpanDemand``, and stops there
+        where that wait does not end well (or there is none). The layers that ran are observed and
+        counted as ``run`` does: the demanded experts as misses of their tiers."""
         call = self._span
         assert call, "run_from without spans"
         got: list = [first, 0, "", 0, [], 0.0]
         spec, given = self._signals if self._signals is not None else (None, None)
         wrote: list = [False]  # LayerSignals went with the call (a miss layer's then written)
 
-        def run(table: object, num_experts: int, layer_signals: native.LayerSignals | None) -> int:
+        demanded: list = [None]  # the span's demands (native.SpanDemand), where it could post any
+
+        def run(
+            table: object,
+            num_experts: int,
+            layer_signals: native.LayerSignals | None,
+            demand: native.SpanDemand | None = None,
+        ) -> int:
             wrote[0] = layer_signals is not None
+            demanded[0] = demand
             got[:] = call(
                 attention, table, first, num_experts, self._ids, self._w, layer_signals,
-                given if layer_signals is not None else None, SPAN_LOADING_WAIT_S,
+                given if layer_signals is not None else None, SPAN_LOADING_WAIT_S, demand,
             )  # fmt: skip
             if got[2] == "stale":
                 raise native.StaleClient(f"the daemon took this client's ledger back (layer {got[0]})")
             return -1 if got[2] == "taken" else got[1]
 
-        self._run_layer(first, run, spec)
+        self._run_layer(first, run, spec, demand=True, deadline=self._runtime.deadline)
         stop, ran, why, waited, waits, lost_s = got
         if stop > first:
             self._ran(first, range(first, stop), ran)
@@ -389,7 +403,12 @@ class ResidentLayers:
         counts.waited += waited
         counts.waits.extend(waits)
         counts.lost_s += lost_s
-        return SpanStop(stop, why != "", why == "miss" and wrote[0], why == "miss")
+        demand = demanded[0]
+        if demand is not None:
+            counts.demanded.extend(TIER_OF_CHANNEL_CODE.get(code, Tier.UNKNOWN) for code in demand.sources)
+            counts.waits.extend(demand.waits)
+        missed = why in ("miss", "demand")
+        return SpanStop(stop, why != "", missed and wrote[0], missed)
 
     def _ran(self, row: int, layers: range, experts: int) -> None:
         """``layers`` ran from the step's routing rows ``row`` on (``experts`` experts in all):
@@ -419,7 +438,12 @@ class ResidentLayers:
         counts = self._counts
         if counts.layers or counts.lost_s:
             self._runtime.count_resident(
-                counts.layers, counts.experts, waited=counts.waited, waits=counts.waits, lost_s=counts.lost_s
+                counts.layers,
+                counts.experts,
+                waited=counts.waited,
+                demanded=counts.demanded,
+                waits=counts.waits,
+                lost_s=counts.lost_s,
             )
             self._counts = _StepCounts()
 
@@ -709,6 +733,7 @@ class ExpertRuntime:
         experts: int,
         *,
         waited: int = 0,
+        demanded: Sequence[Tier] = (),
         waits: Sequence[float] = (),
         lost_s: float = 0.0,
     ) -> None:
@@ -716,18 +741,21 @@ class ExpertRuntime:
         ``forward`` counts such layers (one host "transfer" and one acquire per layer, a hit per
         expert resident when its layer came). ``waited`` of the experts were in flight then, and
         the span waited for them itself (``SPAN_LOADING_WAIT_S``): misses, of a tier compute was
-        not told (``Tier.UNKNOWN``), and ``waits`` the waits of their layers (one each); ``lost_s``
+        not told (``Tier.UNKNOWN``); ``demanded`` the sources of those the span demanded itself
+        (misses, each of its tier); ``waits`` the waits of the layers of either (one each); ``lost_s``
         a span's wait in vain for the layer it stopped at. Every wait is stall time."""
         counters = self.counters
         counters.layers += layers
         self.host_transfers += layers
         counters.host_transfers += layers
-        hits = experts - waited
+        hits = experts - waited - len(demanded)
         counters.hits += hits
         counters.by_tier[Tier.DEVICE] = counters.by_tier.get(Tier.DEVICE, 0) + hits
         if waited:
             counters.misses += waited
             counters.by_tier[Tier.UNKNOWN] = counters.by_tier.get(Tier.UNKNOWN, 0) + waited
+        for source in demanded:
+            counters.record(source)
         counters.acquire_waits.extend([0.0] * (layers - len(waits)))
         counters.acquire_waits.extend(waits)
         counters.stall_s += sum(waits) + lost_s

@@ -45,10 +45,14 @@ void bind_decode_attention(pybind11::module_& m);
 namespace expertcache {
 class LayerSignals;
 }
+struct SpanDemand;
 
 // The expertcache::LayerSignals of a Python LayerSignals (bound in bind_slot_table.cc, beside the
 // channel it writes to, which it keeps alive); std::invalid_argument naming `what` otherwise.
 expertcache::LayerSignals& layer_signals_of(const pybind11::object& obj, const char* what);
+// The SpanDemand (span_demand.h) of a Python SpanDemand (bound in bind_slot_table.cc, beside the
+// channel it posts on, which it keeps alive); std::invalid_argument naming `what` otherwise.
+SpanDemand& span_demand_of(const pybind11::object& obj, const char* what);
 
 // A DecodeAttention's begun step lent to another native call (ExpertFfn.run_layers): `run(layer)`
 // computes that layer's dense half for the step's rows, touching no Python object (call it without

@@ -25,6 +25,7 @@
 #include "expertcache/float_bits.h"
 #include "expertcache/layer_signals.h"
 #include "expertcache/slot_table.h"
+#include "span_demand.h"
 
 namespace py = pybind11;
 using expertcache::ExpertFfn;
@@ -531,6 +532,11 @@ class SpanAhead {
     if (signals_ != nullptr) signals_->ring();
   }
 
+  // What `missed` wrote went with the doorbell of the layer's demand (run_demanded).
+  void covered() {
+    if (signals_ != nullptr) signals_->covered();
+  }
+
  private:
   expertcache::LayerSignals* signals_ = nullptr;
   py::array_t<int64_t> given_ids_;
@@ -542,6 +548,158 @@ class SpanAhead {
   std::vector<const int64_t*> pid_;
   std::vector<const float*> psc_;
 };
+
+// What run_demanded did with a layer.
+struct Demanded {
+  bool posted = false;  // a demand went for its experts that were not resident (or none was
+                        // needed any more: all were pinned, and it ran)
+  int64_t ran = 0;      // its experts, where it ran (their result combined into out); 0 where not
+                        // (handed back: `demand.pending`); -1 where it ran but the daemon took the
+                        // pins back meanwhile
+};
+
+// A layer layer_core found not all resident (its experts and entries in `scratch`), with an expert
+// absent or one in flight past the span's wait: pins its resident experts (counted as hits), posts a
+// demand for the others on `demand`'s channel and rings (for the layer's signals written unrung
+// too), runs the resident ones into their pair rows, waits for the daemon's answer and for the
+// misses to land (each run as it lands, or together with `gather`), combines the whole layer into
+// out (added) and unpins everything: its source tiers and its wait go to `demand`'s results. Where
+// the wait does not end well (an error reply, a failed load, a miss dropped, the time limit, `stop`)
+// the layer is handed back: `demand.pending`, with its pins and its demand, nothing added into out.
+// Where every expert is resident by then, the layer just runs. Nothing is posted (nothing pinned)
+// where there are more experts than max_experts or misses than the channel takes, or the demand was
+// stopped. StaleClient, with nothing pinned, as try_pin_many raises it. Another error after the post
+// leaves the layer pending (the caller drops the stream).
+Demanded run_demanded(Ffn& f, SlotTable& table, SpanDemand& demand, int64_t layer, const LayerArgs& args,
+                      const int64_t* ids, const float* weights, const LayerScratch& scratch, size_t max_experts,
+                      SpanAhead& ahead) {
+  using clock = SpanDemand::clock;
+  Demanded r;
+  const std::vector<int64_t>& experts = scratch.experts;
+  const std::vector<int64_t>& entries = scratch.entries;
+  if (demand.is_stopped() || demand.pending || experts.empty() || experts.size() > max_experts ||
+      entries.size() != experts.size())
+    return r;
+  expertcache::ClientChannel& channel = demand.channel;
+  std::vector<int64_t> pinned, slots, ran_experts, misses, miss_entries;
+  const std::vector<int32_t> got = table.try_pin_many(entries, false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] >= 0) {
+      pinned.push_back(entries[i]);
+      slots.push_back(got[i]);
+      ran_experts.push_back(experts[i]);
+    } else {
+      misses.push_back(experts[i]);
+      miss_entries.push_back(entries[i]);
+    }
+  }
+  if (misses.size() > channel.max_demand()) {  // a demand the channel cannot take: the acquire's
+    try {
+      table.unpin_many(pinned);
+    } catch (const expertcache::StaleClient&) {
+      // the pins went with the ledger
+    }
+    return r;
+  }
+  table.count_hits(pinned.size());
+  if (misses.empty()) {  // every one landed since layer_core looked: the layer runs as it would have
+    r.posted = true;
+    r.ran = run_pinned(table, pinned, [&] {
+      check_arena_slots(slots.data(), slots.size(), args.num_slots);
+      routed_core(f, args.arena, slots.data(), ran_experts.data(), slots.size(), ids, weights, args.S,
+                  args.x_data, args.T, args.pairs_data, args.out_data, true, false);
+    });
+    if (r.ran > 0) r.ran = int64_t(experts.size());
+    return r;
+  }
+  const uint32_t fail_seen = channel.fail_seq();
+  const uint32_t seq = channel.post_demand(uint32_t(layer), misses);
+  channel.ring_doorbell();
+  ahead.covered();
+  const auto posted_at = clock::now();
+  r.posted = true;
+  demand.pending = true;  // until it ran: an error or a hand back leaves it to the caller
+  demand.layer = uint32_t(layer);
+  demand.seq = seq;
+  demand.fail_seen = fail_seen;
+  demand.hit_experts = ran_experts;
+  demand.hit_slots = slots;
+  demand.misses = misses;
+  const auto until = demand.until(posted_at);
+  const auto left = [&] { return std::chrono::duration<double>(until - clock::now()).count(); };
+  const auto hand_back = [&] {
+    demand.elapsed_s = std::chrono::duration<double>(clock::now() - posted_at).count();
+    return r;
+  };
+  double computed_s = 0;  // of the time since the post, the experts' runs: not waits
+  const auto timed = [&](auto&& run) {
+    const auto started = clock::now();
+    run();
+    computed_s += std::chrono::duration<double>(clock::now() - started).count();
+  };
+  check_arena_slots(slots.data(), slots.size(), args.num_slots);
+  // The resident ones first, into their pair rows, while the daemon admits and loads the others.
+  if (!slots.empty())
+    timed([&] {
+      routed_core(f, args.arena, slots.data(), ran_experts.data(), slots.size(), ids, weights, args.S, args.x_data,
+                  args.T, args.pairs_data, nullptr, true, false);
+    });
+  while (channel.reply_seq() != seq) {
+    const uint32_t seen = channel.notify_seq();  // before the checks: a stop after them wakes the wait
+    if (channel.reply_seq() == seq) break;
+    if (demand.is_stopped() || left() <= 0) return hand_back();
+    channel.wait_reply(seq, seen, left(), demand.spin_s, demand.reply_grace_s);
+  }
+  if (channel.reply_status() != 0) return hand_back();
+  // Admitted: every miss is pinned in this client's ledger; each runs once it is resident.
+  std::vector<size_t> waiting(misses.size());
+  for (size_t i = 0; i < waiting.size(); ++i) waiting[i] = i;
+  std::vector<int64_t> waiting_entries, landed_slots, landed_experts;
+  std::vector<size_t> still;
+  while (!waiting.empty()) {
+    const uint32_t seen = channel.notify_seq();  // before the checks: a landing after them wakes the wait
+    if (channel.fail_seq() != fail_seen) return hand_back();
+    waiting_entries.clear();
+    for (size_t i : waiting) waiting_entries.push_back(miss_entries[i]);
+    const std::vector<int32_t> state = table.resident_slots(waiting_entries);
+    landed_slots.clear();
+    landed_experts.clear();
+    still.clear();
+    for (size_t k = 0; k < waiting.size(); ++k) {
+      if (state[k] == -2) return hand_back();  // dropped: the daemon's stream ended
+      if (state[k] >= 0) {
+        landed_slots.push_back(state[k]);
+        landed_experts.push_back(misses[waiting[k]]);
+      } else {
+        still.push_back(waiting[k]);
+      }
+    }
+    if (!landed_slots.empty() && (still.empty() || !demand.gather)) {
+      check_arena_slots(landed_slots.data(), landed_slots.size(), args.num_slots);
+      timed([&] {
+        routed_core(f, args.arena, landed_slots.data(), landed_experts.data(), landed_slots.size(), ids, weights,
+                    args.S, args.x_data, args.T, args.pairs_data, still.empty() ? args.out_data : nullptr, true,
+                    false);
+      });
+      waiting.swap(still);
+      continue;
+    }
+    if (demand.is_stopped() || left() <= 0) return hand_back();
+    channel.wait_notify(seen, left(), demand.spin_s, demand.landing_grace_s);
+  }
+  demand.pending = false;
+  pinned.insert(pinned.end(), miss_entries.begin(), miss_entries.end());
+  try {
+    table.unpin_many(pinned);
+  } catch (const expertcache::StaleClient&) {
+    r.ran = -1;  // the daemon took the pins back while they were in use
+    return r;
+  }
+  for (size_t i = 0; i < misses.size(); ++i) demand.sources.push_back(channel.source(uint32_t(i)));
+  demand.waits.push_back(std::chrono::duration<double>(clock::now() - posted_at).count() - computed_s);
+  r.ran = int64_t(experts.size());
+  return r;
+}
 
 }  // namespace
 
@@ -741,9 +899,12 @@ void bind_expert_ffn(py::module_& m) {
              size_t max_experts, const py::object& arena_obj, const py::object& ids_obj,
              const py::object& weights_obj, const py::object& x_obj, const py::object& pairs_obj,
              const py::object& out_obj, const py::object& signals_obj, const py::object& ahead_ids_obj,
-             const py::object& ahead_scores_obj, double loading_wait_s) -> py::tuple {
+             const py::object& ahead_scores_obj, double loading_wait_s, const py::object& demand_obj) -> py::tuple {
             if (!std::isfinite(loading_wait_s) || loading_wait_s < 0)
               fail("loading_wait_s must be finite and >= 0, got " + std::to_string(loading_wait_s));
+            SpanDemand* demand = demand_obj.is_none() ? nullptr : &span_demand_of(demand_obj, "demand");
+            if (demand != nullptr && demand->pending)
+              fail("demand holds a layer handed back (DaemonClient adopts it before the next span)");
             DecodeLayerRunner runner = decode_layer_runner(attention);
             const size_t L = runner.layers;
             if (first >= L) fail("first must be below the attention's " + std::to_string(L) + " layers");
@@ -800,6 +961,24 @@ void bind_expert_ffn(py::module_& m) {
                     lost_s = in_flight.wait_s;
                     got = in_flight.ran;
                   }
+                  if (got == 0 && demand != nullptr) {
+                    Demanded demanded;
+                    try {
+                      demanded = run_demanded(f, table, *demand, int64_t(layer), args, ids, widened.data(), scratch,
+                                              max_experts, ahead);
+                    } catch (const expertcache::StaleClient&) {
+                      stop = "stale";
+                      break;
+                    }
+                    if (demanded.posted) {
+                      if (demanded.ran > 0) {
+                        ran += demanded.ran;
+                        continue;
+                      }
+                      stop = demanded.ran < 0 ? "taken" : "demand";
+                      break;
+                    }
+                  }
                   if (got == 0) {
                     stop = "miss";
                     break;
@@ -817,7 +996,7 @@ void bind_expert_ffn(py::module_& m) {
           py::arg("attention"), py::arg("table"), py::arg("first"), py::arg("num_experts"), py::arg("max_experts"),
           py::arg("arena"), py::arg("ids"), py::arg("weights"), py::arg("x"), py::arg("pairs"), py::arg("out"),
           py::arg("signals") = py::none(), py::arg("ahead_ids") = py::none(), py::arg("ahead_scores") = py::none(),
-          py::arg("loading_wait_s") = 0.0,
+          py::arg("loading_wait_s") = 0.0, py::arg("demand") = py::none(),
           "A decode step's layers from `first` on, in one call without the GIL: per layer, the dense half of "
           "`attention` (a DecodeAttention whose step has begun), then the layer's experts as run_layer runs "
           "them (with `add`), from row `layer` of `ids` / `weights` [layers, T * K]. With `signals` (a "
@@ -827,12 +1006,16 @@ void bind_expert_ffn(py::module_& m) {
           "A layer whose experts are not all resident, none absent but some in flight (LOADING: prefetched), "
           "writes its signals and rings, runs its resident experts, waits for the others (for at most "
           "`loading_wait_s` in all; 0: never), runs them and combines the layer (table.hits counts the "
-          "first, table.waited the others). Stops at the first layer whose experts do not run; for a miss, that layer's signals are "
+          "first, table.waited the others). With `demand` (a SpanDemand), a layer with an expert absent (or in flight "
+          "past that wait) pins its resident experts, posts a demand for the others, runs them as they land and "
+          "combines (run_demanded; `demand` has their sources and waits); where that wait does not end well the "
+          "layer is handed back (`demand.handed_back`: its pins and demand stay) and the call stops there "
+          "('demand'). Stops at the first layer whose experts do not run; for a miss, that layer's signals are "
           "written too, without the doorbell where it did not wait (signals.unrung: the layer's demand rings "
           "it). Returns (layer, experts, why, waited, waits, lost_s): `layer` the first layer whose experts did "
           "not run (its dense half did) or the number of layers; `experts` the experts run; `why` 'done', "
           "'miss' (one not resident, or more than `max_experts`: nothing of it pinned or run), 'stale' "
-          "(try_pin_many raised StaleClient: nothing of it pinned or run) or 'taken' (it ran but the daemon "
+          "(try_pin_many raised StaleClient: nothing of it pinned or run), 'demand' (handed back) or 'taken' (it ran but the daemon "
           "took the pins back meanwhile); `waited` the experts of `experts` that were in flight when their "
           "layer came; `waits` the seconds each layer that waited for them waited; `lost_s` the seconds the "
           "layer it stopped at waited in vain (0.0 where it did not)")

@@ -6,6 +6,7 @@
 #include "expertcache/channel.h"
 #include "expertcache/layer_signals.h"
 #include "expertcache/slot_table.h"
+#include "span_demand.h"
 
 namespace py = pybind11;
 using expertcache::ClientChannel;
@@ -25,6 +26,12 @@ struct PyChannel {
 // A LayerSignals writes to a channel: the Python object keeps that channel (and its table) alive.
 struct PyLayerSignals {
   std::unique_ptr<expertcache::LayerSignals> signals;
+  py::object channel;
+};
+
+// A SpanDemand posts on a channel: the Python object keeps that channel (and its table) alive.
+struct PySpanDemand {
+  std::unique_ptr<SpanDemand> demand;
   py::object channel;
 };
 
@@ -62,6 +69,11 @@ py::object record_to_py(const SignalRecord& r) {
 expertcache::LayerSignals& layer_signals_of(const py::object& obj, const char* what) {
   if (!py::isinstance<PyLayerSignals>(obj)) throw std::invalid_argument(std::string(what) + " must be a LayerSignals");
   return *obj.cast<PyLayerSignals&>().signals;
+}
+
+SpanDemand& span_demand_of(const py::object& obj, const char* what) {
+  if (!py::isinstance<PySpanDemand>(obj)) throw std::invalid_argument(std::string(what) + " must be a SpanDemand");
+  return *obj.cast<PySpanDemand&>().demand;
 }
 
 void bind_slot_table(py::module_& m) {
@@ -171,6 +183,52 @@ void bind_slot_table(py::module_& m) {
           "token, [(layer, depth, experts int64, scores float32)]), and whether a malformed record "
           "ended the drain (the rest was skipped)")
       .def("reset", [](PyChannel& c) { c.channel.reset(); });
+
+  py::class_<PySpanDemand>(m, "SpanDemand")
+      .def(py::init([](const py::object& channel, double timeout_s, double deadline_s, double spin_s,
+                       double reply_grace_s, double landing_grace_s, bool gather) {
+             if (!py::isinstance<PyChannel>(channel)) throw std::invalid_argument("channel must be a ClientChannel");
+             const auto check = [](double v, const char* what) {
+               if (!(v >= 0))
+                 throw std::invalid_argument(std::string(what) + " must be >= 0, got " + std::to_string(v));
+             };
+             check(timeout_s, "timeout_s");
+             check(deadline_s, "deadline_s");
+             check(spin_s, "spin_s");
+             check(reply_grace_s, "reply_grace_s");
+             check(landing_grace_s, "landing_grace_s");
+             auto out = std::make_unique<PySpanDemand>();
+             out->demand = std::make_unique<SpanDemand>(channel.cast<PyChannel&>().channel, timeout_s, deadline_s,
+                                                        spin_s, reply_grace_s, landing_grace_s, gather);
+             out->channel = channel;
+             return out;
+           }),
+           py::arg("channel"), py::arg("timeout_s"), py::arg("deadline_s"), py::arg("spin_s") = 0.0,
+           py::arg("reply_grace_s") = 0.0, py::arg("landing_grace_s") = 0.0, py::arg("gather") = false,
+           "A native span's demands on `channel` (ExpertFfn.run_layers' `demand`): a layer with an expert not "
+           "resident pins the resident ones, posts a demand for the others and waits for them there, each wait "
+           "at most `timeout_s` and none past `deadline_s` from now (>= 1e9: none), polling as "
+           "ClientChannel.wait_reply (`reply_grace_s`) and wait_notify (`landing_grace_s`) do, `spin_s` while the "
+           "daemon copies; with `gather`, misses run once all landed. A wait that does not end well hands the "
+           "layer back (`handed_back`)")
+      .def("stop", [](PySpanDemand& d) { d.demand->stop(); },
+           "Ends a wait in progress (another thread: an interrupt, the stream's end): its layer is handed back, "
+           "and no later layer of the call posts a demand")
+      .def_property_readonly("stopped", [](const PySpanDemand& d) { return d.demand->is_stopped(); })
+      .def_property_readonly("sources", [](const PySpanDemand& d) {
+            return std::vector<int>(d.demand->sources.begin(), d.demand->sources.end());
+          }, "Per expert demanded and run in the call, in order, its source tier (the channel's codes)")
+      .def_property_readonly("waits", [](const PySpanDemand& d) { return d.demand->waits; },
+                             "Per layer demanded and run in the call, the seconds it waited for its misses (from its post until "
+                             "it ran, less its experts' runs)")
+      .def_property_readonly("handed_back", [](const PySpanDemand& d) -> py::object {
+            const SpanDemand& x = *d.demand;
+            if (!x.pending) return py::none();
+            return py::make_tuple(x.layer, x.seq, x.fail_seen, x.hit_experts, x.hit_slots, x.misses, x.elapsed_s);
+          },
+          "The layer the call handed back, or None: (layer, seq, fail_seen, hit experts, their slots, misses, "
+          "elapsed_s): its resident experts pinned (uncounted in held), demand `seq` posted for the misses "
+          "(the channel's fail_seq was fail_seen then), waited for elapsed_s");
 
   py::class_<PyLayerSignals>(m, "LayerSignals")
       .def(py::init([](const py::object& channel, const std::vector<int64_t>& handles,

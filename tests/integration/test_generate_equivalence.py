@@ -197,8 +197,8 @@ def test_layers_with_every_expert_resident_run_in_one_call_and_still_equal_the_p
         for name, results in calls.items():
             original = getattr(client, name)
 
-            def counted(*args, original=original, results=results):
-                results.append(original(*args))
+            def counted(*args, original=original, results=results, **kwargs):
+                results.append(original(*args, **kwargs))
                 return results[-1]
 
             setattr(client, name, counted)
@@ -245,7 +245,9 @@ def test_spans_tell_a_daemon_that_wants_signals_each_layers_route_and_lookahead(
             )
         spans = []
         run_layer = client.run_layer
-        client.run_layer = lambda layer, *args: spans.append((layer, run_layer(layer, *args))) or spans[-1][1]
+        client.run_layer = lambda layer, *args, **kw: (
+            spans.append((layer, run_layer(layer, *args, **kw))) or spans[-1][1]
+        )
         forwards = []
         forward = engine.runtime.forward
         engine.runtime.forward = lambda *args, **kw: forwards.append(1) or forward(*args, **kw)
@@ -267,26 +269,62 @@ def test_spans_tell_a_daemon_that_wants_signals_each_layers_route_and_lookahead(
         assert client.signals_dropped == 0
 
 
-def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_go_on(tiny_store, tmp_path):
+@pytest.mark.parametrize("span_demands", ["posted", "handed-back", "none"])
+def test_a_steps_layers_in_one_call_demand_their_misses_or_hand_them_to_the_acquire(
+    tiny_store, tmp_path, monkeypatch, span_demands
+):
     # bf16 GPT-OSS, a quarter of the experts in the arena and a daemon that wants no signals: each
-    # decode step's layers run in native spans (dense half and experts, DaemonClient.run_layer),
-    # a span stops at a layer with a miss, whose experts the acquire serves (at once: trying the
-    # layer resident first would meet the same miss), and the next span starts after it. The
-    # tokens equal transformers'.
+    # decode step's layers run in native spans (dense half and experts, DaemonClient.run_layer).
+    # - "posted": a layer with a miss posts its demand and waits for it within the span, which goes
+    #   on: one span per decode step, no layer left to ExpertRuntime.forward.
+    # - "handed-back": every such wait ends at once (a time limit of 0), so the span hands the layer
+    #   back with its hits pinned and its demand posted; the layer's acquire adopts them (one demand
+    #   per such layer, no second) and the next span starts after it.
+    # - "none" (no SpanDemand: no daemon thread serves the channel): the span stops at the miss and
+    #   the acquire serves the layer.
+    # A layer handed to forward goes straight to its acquire (trying it resident first would meet
+    # the same miss). The tokens equal transformers' in every case.
+    from compute_svc.daemon import transport
+
+    make = transport.ChannelTransport.span_demand_locked
+    if span_demands == "handed-back":
+        monkeypatch.setattr(
+            transport.ChannelTransport,
+            "span_demand_locked",
+            lambda self, timeout_s, deadline: make(self, 0.0, deadline),
+        )
+    elif span_demands == "none":
+        monkeypatch.setattr(
+            transport.ChannelTransport, "span_demand_locked", lambda self, timeout_s, deadline: None
+        )
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
     quarter = quarter_of_experts(tiny.manifest)
     with resident_engine(tiny, tmp_path, PLAIN_LRU, quarter) as (engine, client, manifest):
         firsts = []
         run_layer = client.run_layer
-        client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
+        client.run_layer = lambda layer, *args, **kw: firsts.append(layer) or run_layer(layer, *args, **kw)
         missed = []  # per forward of a layer a span stopped at: whether it tried run_resident
         forward, run_resident = engine.runtime.forward, client.run_resident
+        posted = []  # demands posted on the channel by Python (not by a span)
+        post_locked = transport.ChannelTransport.post_locked
+        monkeypatch.setattr(
+            transport.ChannelTransport,
+            "post_locked",
+            lambda self, *a: posted.append(a[1]) or post_locked(self, *a),
+        )
+
+        posts = []  # per forward of a layer a span stopped at: the demands Python posted for it
 
         def forward_of_a_miss(*args, **kw):
-            if kw.get("missed"):
-                missed.append(False)
-            return forward(*args, **kw)
+            if not kw.get("missed"):
+                return forward(*args, **kw)
+            missed.append(False)
+            before = len(posted)
+            try:
+                return forward(*args, **kw)
+            finally:
+                posts.append(len(posted) - before)
 
         def tried(*args):
             if missed:
@@ -303,19 +341,37 @@ def test_a_steps_layers_in_one_call_hand_a_layer_with_a_miss_to_the_acquire_and_
         )
         assert [e.token_id for e in events] == want
         assert sum(e.cache.misses for e in events[1:]) > 0
-        assert 0 in firsts and any(first > 0 for first in firsts), firsts  # spans resumed past a miss
-        assert missed and not any(missed), missed
+        if span_demands == "posted":
+            assert firsts == [0] * (NEW_TOKENS - 1) and missed == [], (firsts, missed)  # one span a step
+        else:
+            assert 0 in firsts and any(first > 0 for first in firsts), firsts  # spans resumed past a miss
+            assert missed and not any(missed), missed
+            # Handed back: demanded once, by the span (the acquire adopts it); else by the acquire.
+            assert posts == [0 if span_demands == "handed-back" else 1] * len(missed), posts
         assert observed == list(range(manifest.num_layers)) * NEW_TOKENS
 
 
-def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tiny_store, tmp_path):
+@pytest.mark.parametrize("span_demands", ["posted", "handed-back"])
+def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(
+    tiny_store, tmp_path, monkeypatch, span_demands
+):
     # bf16 GPT-OSS, a quarter of the experts in the arena, a daemon that wants signals (ours) and
-    # layer-ahead on: a span stops at a layer with a miss having written that layer's route and
-    # lookahead too, so ExpertRuntime.forward neither predicts nor sends them for a decode layer
-    # (only the prefill, which runs no span, does); the next span starts after it. The tokens
-    # equal transformers', and the daemon got every layer's signals: one route per layer and one
-    # lookahead per layer with a layer ahead, per token.
+    # layer-ahead on: a span demands a layer's misses having written that layer's route and
+    # lookahead, and goes on ("posted"); where it hands the layer back ("handed-back": every wait
+    # of a span ends at once), it stops there with them written, so ExpertRuntime.forward neither
+    # predicts nor sends them for a decode layer (only the prefill, which runs no span, does); the
+    # next span starts after it. The tokens equal transformers', and the daemon got every layer's
+    # signals: one route per layer and one lookahead per layer with a layer ahead, per token.
+    from compute_svc.daemon import transport
     from compute_svc.experts.layer_ahead import LayerAheadPredictor
+
+    if span_demands == "handed-back":
+        make = transport.ChannelTransport.span_demand_locked
+        monkeypatch.setattr(
+            transport.ChannelTransport,
+            "span_demand_locked",
+            lambda self, timeout_s, deadline: make(self, 0.0, deadline),
+        )
 
     tiny = tiny_store("gpt_oss", dtype=torch.bfloat16)
     want = plain_greedy(tiny.checkpoint, PROMPT, NEW_TOKENS, torch.bfloat16)
@@ -325,7 +381,7 @@ def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tin
         runtime.layer_ahead = LayerAheadPredictor(engine.loaded.model, engine.loaded.experts_modules)
         firsts, predicted, sent_by_python = [], [], []
         run_layer = client.run_layer
-        client.run_layer = lambda layer, *args: firsts.append(layer) or run_layer(layer, *args)
+        client.run_layer = lambda layer, *args, **kw: firsts.append(layer) or run_layer(layer, *args, **kw)
         predict_host = runtime.layer_ahead.predict_host
         runtime.layer_ahead.predict_host = lambda *args: predicted.append(1) or predict_host(*args)
         send_signals = runtime._send_signals
@@ -338,7 +394,10 @@ def test_a_span_that_stops_at_a_miss_has_told_the_daemon_that_layers_signals(tin
         )
         assert [e.token_id for e in events] == want
         assert sum(e.cache.misses for e in events[1:]) > 0
-        assert any(first > 0 for first in firsts), firsts  # spans resumed past a miss
+        if span_demands == "posted":
+            assert firsts == [0] * (NEW_TOKENS - 1), firsts  # one span a step
+        else:
+            assert any(first > 0 for first in firsts), firsts  # spans resumed past a miss
         layers = manifest.num_layers
         assert len(predicted) == len(sent_by_python) == layers  # the prefill's layers only
         assert client.signals_sent - sent == NEW_TOKENS * (layers + layers - 1) + 2
@@ -357,7 +416,7 @@ def test_a_batch_of_resident_requests_runs_each_layer_in_one_call_and_decodes_as
         alone = [greedy(engine, p, 6) for p in prompts]  # every expert they use is resident after
         runs = []
         run_layer = client.run_layer
-        client.run_layer = lambda *args: runs.append(run_layer(*args)) or runs[-1]
+        client.run_layer = lambda *args, **kw: runs.append(run_layer(*args, **kw)) or runs[-1]
         seqs = [engine.start(prepare(engine, p, 6)) for p in prompts]
         got = [[] for _ in prompts]
         for i, seq in enumerate(seqs):  # prefill each, then decode all three in the same steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -985,3 +986,203 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     table.claim_channel(0)
     got, _ = in_one_call(resident)
     assert got == (0, 0, "stale", 0, [], 0.0)
+
+
+class SpanDaemon:
+    """The daemon's side of a client channel for ``run_layers``' demands: each demand is recorded;
+    then, as scripted by ``mode``, refused, never answered, or admitted (every expert held in the
+    client's ledger), its loads landing after ``delay`` s into the free slots ("land"), or one
+    failing ("fail")."""
+
+    def __init__(self, table, client: int, free_slots: list[int], mode: str = "land", delay: float = 0.02):
+        from expertcache import protocol as codes
+
+        self.codes, self.table, self.client, self.free = codes, table, client, list(free_slots)
+        self.channel = table.channel(client)
+        self.mode, self.delay = mode, delay
+        self.demands: list[tuple[int, list[int]]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.channel.ring_doorbell()
+        self.thread.join(5)
+
+    def run(self) -> None:
+        taken = 0
+        while not self.stopped.is_set():
+            seen = self.channel.doorbell_seq
+            self.channel.drain()
+            demand = self.channel.take_demand(taken)
+            if demand is None:
+                self.channel.wait_doorbell(seen, 1.0)
+                continue
+            taken, layer, experts, _ = demand
+            self.demands.append((layer, list(experts)))
+            self.serve(taken, layer, list(experts))
+
+    def serve(self, seq: int, layer: int, experts: list[int]) -> None:
+        table, channel, codes = self.table, self.channel, self.codes
+        if self.mode == "refuse":
+            # Refused, though the experts are resident by then (another client's loads): this
+            # client holds no pin of them, so its span must not run them.
+            for entry in [layer * 4 + e for e in experts]:
+                table.begin_load(entry, self.free.pop(0))
+                table.finish_load(entry)
+            channel.reply(seq, codes.status_of("RESOURCE_EXHAUSTED"), "no slot free for L1E2")
+            return
+        if self.mode == "hang":
+            return
+        epoch = table.client_epoch(self.client)
+        entries = [layer * 4 + e for e in experts]
+        for entry in entries:
+            table.begin_load(entry, self.free.pop(0))
+            assert table.hold_for_client(self.client, epoch, entry)
+        channel.reply(seq, codes.STATUS_OK, "")
+        time.sleep(self.delay)
+        for i, entry in enumerate(entries):
+            if self.mode == "fail":
+                table.unhold_for_client(self.client, epoch, entry)
+                channel.fail(
+                    codes.status_of("DATA_LOSS"), f"loading expert {entry} failed: checksum mismatch"
+                )
+                table.abort_load(entry)
+                continue
+            table.finish_load(entry)
+            channel.set_source(i, codes.SOURCE_STORE)
+            channel.notify()
+
+
+def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_not_end_well():
+    # run_layers with a SpanDemand: a layer with an absent expert pins its resident ones (hits),
+    # posts the demand for the others on the channel, runs them as they land and combines, then
+    # goes on to the next layer: the residual equals the layers run one by one with every expert
+    # resident, no pin is left, the demanded experts' sources and the layer's wait are reported.
+    # Where the wait does not end well (refused, never answered past the time limit, a failed
+    # load, stopped) the layer is handed back with its hits pinned and its demand posted (the
+    # caller's acquire adopts them), nothing of it added into the residual.
+    from expertcache import protocol as codes
+    from expertcache.native import DecodeAttention, SlotTable, SpanDemand
+    from tests.slot_tables import claim_and_attach
+
+    gen = torch.Generator().manual_seed(11)
+    layout = ExpertLayout(H, INTER, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.float32, gen)
+    arena = layout.arena(slots=8)
+    ffn = _native.ExpertFfn(layout.spec)
+    att = DecodeAttention(
+        dict(
+            hidden=H, heads=4, kv_heads=1, head_dim=16, dtype="float32", eps=1e-6, scaling=0.25,
+            norm="cast_then_weight", softmax="fused",
+        )
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        att.add_layer(
+            {
+                "input_norm": np.ones(H, np.float32),
+                "post_norm": np.ones(H, np.float32),
+                "q": rng.standard_normal((64, H), dtype=np.float32) * 0.1,
+                "k": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "v": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "o": rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
+            }
+        )
+    T, K = 2, 2
+    ids = np.array([[0, 2, 3, 0], [1, 2, 0, 3]], np.int64)  # layer 0: entries 0, 2, 3; layer 1: 4, 5, 6, 7
+    weights = np.array([[0.5, 0.25, 0.75, 0.5], [0.125, 0.875, 0.5, 0.5]], np.float32)
+    h0 = rng.standard_normal((T, H), dtype=np.float32)
+
+    def fresh(absent=(6, 7)):
+        """The table with every entry the routing names resident but ``absent``, and slots for them."""
+        table = SlotTable.create(f"ffn-demand-{np.random.randint(1 << 30)}", 8, 8, num_clients=1)
+        used = 0
+        for entry in (0, 2, 3, 4, 5, 6, 7):
+            if entry not in absent:
+                table.begin_load(entry, used)
+                table.finish_load(entry)
+                used += 1
+        return table, claim_and_attach(table, 0), list(range(used, 8))
+
+    def in_one_call(handle, demand, h=None):
+        h = h0.copy() if h is None else h
+        caches = [np.zeros((1, 8, 16), np.float32) for _ in range(4 * T)]
+        address = np.array([c.ctypes.data for c in caches], np.int64).reshape(2, 2 * T)
+        mlp_in = np.zeros((T, H), np.float32)
+        att.begin_step(
+            h, mlp_in, np.ones((T, 8), np.float32), np.zeros((T, 8), np.float32),
+            address[:, :T].copy(), address[:, T:].copy(), np.full((2, T), 8, np.int64), np.full(T, 3, np.int64),
+        )  # fmt: skip
+        try:
+            got = ffn.run_layers(
+                att, handle, 0, 4, 8, arena, ids, weights, mlp_in, np.empty((T * K, H), np.float32), h,
+                demand=demand,
+            )  # fmt: skip
+        finally:
+            att.end_step()
+        return got, h
+
+    table, handle, _ = fresh(absent=())
+    want_got, want = in_one_call(handle, None)  # every expert resident: the reference
+    assert want_got == (2, 7, "done", 0, [], 0.0)
+
+    # Admitted, landing 20 ms later: the span goes through layer 1 and the residual is the same.
+    table, handle, free = fresh()
+    daemon = SpanDaemon(table, 0, free)
+    demand = SpanDemand(handle.channel(0), 5.0, 1e9, 0.0, 20e-6, 5e-6, False)
+    hits = handle.hits
+    got, h = in_one_call(handle, demand)
+    daemon.close()
+    assert got == (2, 7, "done", 0, [], 0.0) and np.array_equal(h, want)
+    assert daemon.demands == [(1, [2, 3])]  # only the two absent experts
+    assert [table.pins(e) for e in range(8)] == [0] * 8 and table.client_pins(0, 6) == 0
+    assert handle.hits - hits == 3 + 2  # layer 0's three, layer 1's two resident ones
+    assert demand.sources == [codes.SOURCE_STORE] * 2 and demand.handed_back is None
+    assert len(demand.waits) == 1 and 0.015 < demand.waits[0] < 5.0
+    # Gathered (small experts): the same residual.
+    table, handle, free = fresh()
+    daemon = SpanDaemon(table, 0, free)
+    got, h = in_one_call(handle, SpanDemand(handle.channel(0), 5.0, 1e9, 0.0, 20e-6, 5e-6, True))
+    daemon.close()
+    assert got[:3] == (2, 7, "done") and np.array_equal(h, want)
+
+    def handed_back(mode, timeout_s=5.0, deadline_s=1e9, stop_after=None):
+        table, handle, free = fresh()
+        daemon = SpanDaemon(table, 0, free, mode=mode)
+        demand = SpanDemand(handle.channel(0), timeout_s, deadline_s, 0.0, 20e-6, 5e-6, False)
+        if stop_after is not None:
+            threading.Timer(stop_after, demand.stop).start()
+        started = time.monotonic()
+        got, h = in_one_call(handle, demand)
+        elapsed = time.monotonic() - started
+        daemon.close()
+        assert got == (1, 3, "demand", 0, [], 0.0), got
+        layer, seq, fail_seen, hit_experts, hit_slots, misses, waited = demand.handed_back
+        assert (layer, seq, hit_experts, misses) == (1, 1, [0, 1], [2, 3])  # the channel's first demand
+        assert hit_slots == [table.slot(4), table.slot(5)]
+        assert table.client_pins(0, 4) == table.client_pins(0, 5) == 1  # the hits stay pinned: adopted later
+        assert fail_seen == 0 and 0 <= waited <= elapsed
+        assert demand.sources == [] and demand.waits == []
+        # Nothing of layer 1 in the residual: it is layer 0's alone, as a span stopping there leaves it.
+        return h, elapsed, demand, handle
+
+    stopped_at_1 = in_one_call(fresh(absent=(4, 5, 6, 7))[1], None)[1]  # a miss at layer 1, no demand
+    h, _, demand, handle = handed_back("refuse")
+    assert np.array_equal(h, stopped_at_1) and handle.channel(0).reply_status != codes.STATUS_OK
+    h, elapsed, _, _ = handed_back("hang", timeout_s=0.1)
+    assert np.array_equal(h, stopped_at_1) and 0.09 < elapsed < 3
+    _, elapsed, _, _ = handed_back("hang", deadline_s=0.1)
+    assert 0.09 < elapsed < 3
+    _, elapsed, demand, _ = handed_back("hang", stop_after=0.1)
+    assert 0.09 < elapsed < 3 and demand.stopped
+    h, _, _, handle = handed_back("fail")
+    assert np.array_equal(h, stopped_at_1) and handle.channel(0).fail_seq > 0
+    # A call with a layer handed back and not adopted is refused; so are bad limits.
+    with pytest.raises(ValueError, match="demand holds a layer handed back"):
+        in_one_call(handle, demand)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be >= 0"):
+            SpanDemand(handle.channel(0), bad, 1e9)
+    with pytest.raises(ValueError, match="demand must be a SpanDemand"):
+        in_one_call(handle, "a demand")

@@ -50,6 +50,9 @@ class LayerSignals {
   // Rings the doorbell for records written unrung (a miss layer's, whose span then waits for its
   // experts in flight instead of demanding them); nothing when none are.
   void ring();
+  // The records written unrung were covered by a doorbell rung for what followed them (the
+  // demand a native span posted for the layer): nothing left to ring.
+  void covered() { unrung_ = false; }
 
   size_t written() const { return written_; }
   size_t dropped() const { return dropped_; }

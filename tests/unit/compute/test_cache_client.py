@@ -629,6 +629,96 @@ def test_a_layer_runs_in_one_call_only_while_the_daemon_wants_no_signals(daemon,
     plain.close()
 
 
+def hand_back(client: DaemonClient, layer: int, hits: list[int], misses: list[int], elapsed_s: float = 0.0):
+    """What a native span leaves when it hands a layer back (``native.SpanDemand.handed_back``): its
+    resident experts pinned in the ledger, a demand posted for the others, recorded on the link."""
+    link = client._link
+    with link.lock:
+        stream = link.open_locked()
+        slots = link.table.try_pin_many([layer * 4 + e for e in hits])
+        channel = link.shm_channel
+        fail_seen = channel.fail_seq
+        seq = channel.post_demand(layer, misses)
+        channel.ring_doorbell()
+        link.spans.handed_back = daemon_client.HandedBack(
+            stream, layer, seq, fail_seen, hits, slots, misses, elapsed_s
+        )
+    return stream
+
+
+def test_a_layer_a_span_handed_back_is_adopted_by_its_acquire(daemon, tmp_path):
+    """The layer's acquire takes over the span's pins and its posted demand (no second demand, no
+    second pin): the hits first, then the misses as they land, released as its own; an acquire of
+    another layer, or a new step, drops the stream instead (its pins and demand go with it)."""
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    client = connect(address, acquire_timeout_s=0.5)
+    hand_back(client, 1, [3], [2])
+    assert list(client.acquire_batches(1, [2, 3])) == [
+        [ReadyExpert(3, 1, Tier.DEVICE)],
+        [ReadyExpert(2, 0, Tier.STORE)],
+    ]
+    assert servicer.acquired == [(1, [2])] and client._link.spans.handed_back is None
+    assert table.client_pins(0, 7) == table.client_pins(0, 6) == 1
+    client.release(1, [2, 3])
+    assert table.pins(7) == table.pins(6) == 0
+    # Handed back after waiting: the acquire's time limit counts that wait.
+    servicer.hang_next = True
+    hand_back(client, 0, [], [1], elapsed_s=0.4)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"experts \[1\] of layer 0 within 0.5s"):
+        list(client.acquire(0, [1]))
+    assert time.monotonic() - started < 0.35
+    # Not this acquire's (other experts): dropped with its stream; the acquire serves itself on a
+    # new one. A hand back no acquire took is dropped by the next step the same way.
+    stream = hand_back(client, 1, [3], [2])
+    streams = servicer.streams
+    assert list(client.acquire(1, [2])) == [ReadyExpert(2, 0, Tier.DEVICE)]
+    assert client._link.stream is not stream and servicer.streams == streams + 1
+    client.release(1, [2])
+    stream = hand_back(client, 1, [3], [2])
+    client.begin_step()
+    assert client._link.spans.handed_back is None and client._link.stream is None
+    client.close()
+
+
+def test_a_spans_demands_are_stopped_by_an_interrupt_and_by_the_streams_end(daemon, tmp_path):
+    """run_layer with ``demand`` hands the span a SpanDemand bound to this client's channel; an
+    interrupt (before the span or during it) and the stream's end stop it, so that a wait of the
+    span hands its layer back to the acquire, whose checks raise what ended it."""
+    servicer, address = daemon
+    table = offer_table(servicer, tmp_path)
+    table.signals_wanted = False
+    client = connect(address)
+    seen = []
+
+    def run(then=None):
+        def call(handle, num_experts, layer_signals, demand):
+            seen.append((isinstance(demand, native.SpanDemand), demand.stopped))
+            if then is not None:
+                then()
+                seen.append(demand.stopped)
+            return 2
+
+        return call
+
+    assert client.run_layer(1, run(), demand=True) == 2 and seen == [(True, False)]
+    assert client._link.spans.running is None  # only while the span runs
+    seen.clear()
+    assert client.run_layer(1, run(client.interrupt), demand=True) == 2 and seen == [(True, False), True]
+    seen.clear()
+    assert client.run_layer(1, run(), demand=True) == 2 and seen == [(True, True)]  # interrupted before it
+    client.begin_step()
+    seen.clear()
+    assert client.run_layer(1, run(client._link.wake_channel), demand=True) == 2 and seen == [
+        (True, False),
+        True,
+    ]
+    # Without ``demand`` the call takes three arguments, as before.
+    assert client.run_layer(1, lambda handle, num_experts, layer_signals: 1) == 1
+    client.close()
+
+
 # -- one-way prediction messages: queued on the Demand stream, never answered, never waited for ---
 def wait_signals(servicer: ScriptedCache, n: int) -> list[tuple]:
     deadline = time.monotonic() + 5

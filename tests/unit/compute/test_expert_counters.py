@@ -1,5 +1,6 @@
 """What a decode step's native layers count (``ExpertRuntime.count_resident``): hits, and the
-experts a span waited for in flight, which are misses, with their waits as stall time."""
+experts a span waited for in flight or demanded itself, which are misses, with their waits as stall
+time."""
 
 from __future__ import annotations
 
@@ -29,3 +30,10 @@ def test_a_span_counts_the_experts_it_waited_for_in_flight_as_misses_and_their_w
     assert counters.acquire_waits == [0.0, 0.0, 0.0, 0.0, 0.004]
     assert counters.stall_s == pytest.approx(0.006)
     assert runtime.host_transfers == counters.host_transfers == 5
+    # 2 layers, 8 experts: 3 demanded by the span itself (2 read from the store, 1 from the host
+    # tier), in two layers that waited 3 and 5 ms for them: misses of their tiers, the waits stall.
+    runtime.count_resident(2, 8, demanded=[Tier.STORE, Tier.HOST, Tier.STORE], waits=[0.003, 0.005])
+    assert (counters.layers, counters.hits, counters.misses) == (7, 19, 5)
+    assert counters.by_tier == {Tier.DEVICE: 19, Tier.UNKNOWN: 2, Tier.STORE: 2, Tier.HOST: 1}
+    assert counters.acquire_waits[-2:] == [0.003, 0.005] and len(counters.acquire_waits) == 7
+    assert counters.stall_s == pytest.approx(0.014)
