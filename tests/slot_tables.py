@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 from expertcache.native import SlotTable
 
@@ -42,3 +43,42 @@ def spawn_holding(code: str, fds: tuple[int, ...], args: tuple, *, stdin: bool =
     finally:
         for fd in fds:
             os.close(fd)
+
+
+class ChannelServer:
+    """A thread serving a client channel as the daemon's does, scripted by the subclass: every
+    signal record drained goes to ``records`` and every demand to ``serve(seq, layer, experts,
+    trace)``, in order; ``stop`` ends it."""
+
+    def __init__(self, table: SlotTable, client: int) -> None:
+        self.table = table
+        self.client = client
+        self.channel = table.channel(client)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.channel.ring_doorbell()
+        self.thread.join(5)
+
+    def run(self) -> None:
+        taken = 0
+        while not self.stopped.is_set():
+            seen = self.channel.doorbell_seq
+            records, corrupt = self.channel.drain()
+            assert not corrupt
+            self.records(records)
+            demand = self.channel.take_demand(taken)
+            if demand is not None:
+                taken = demand[0]
+                self.serve(*demand)
+                continue
+            self.channel.wait_doorbell(seen, 1.0)
+
+    def records(self, records: list) -> None:
+        """The signal records drained (``ClientChannel.drain``'s tuples); nothing by default."""
+
+    def serve(self, seq: int, layer: int, experts: list[int], trace: bytes) -> None:
+        raise NotImplementedError

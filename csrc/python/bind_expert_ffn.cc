@@ -361,6 +361,28 @@ int64_t layer_core(Ffn& f, SlotTable& table, int64_t layer, int64_t num_experts,
   return ran < 0 ? -1 : int64_t(experts.size());
 }
 
+// A layer's experts (`scratch`) pinned where resident (uncounted): the pinned ones' entries, slots
+// and experts, and the indices of the others.
+struct Pinned {
+  std::vector<int64_t> entries, slots, experts;
+  std::vector<size_t> others;
+};
+
+Pinned pin_resident(SlotTable& table, const LayerScratch& scratch) {
+  Pinned p;
+  const std::vector<int32_t> got = table.try_pin_many(scratch.entries, false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] >= 0) {
+      p.entries.push_back(scratch.entries[i]);
+      p.slots.push_back(got[i]);
+      p.experts.push_back(scratch.experts[i]);
+    } else {
+      p.others.push_back(i);
+    }
+  }
+  return p;
+}
+
 // What run_in_flight did with a layer.
 struct InFlight {
   bool applies = false;  // none of its experts was absent: it was run here, or waited for in vain
@@ -388,17 +410,11 @@ InFlight run_in_flight(Ffn& f, SlotTable& table, const LayerArgs& args, const in
   for (int32_t s : table.resident_slots(entries))
     if (s == -2) return r;  // absent: the layer's demand loads it
   r.applies = true;
-  std::vector<int64_t> pinned, slots, ran_experts, late;  // late: indices of the experts in flight
-  const std::vector<int32_t> got = table.try_pin_many(entries, false);
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] >= 0) {
-      pinned.push_back(entries[i]);
-      slots.push_back(got[i]);
-      ran_experts.push_back(experts[i]);
-    } else {
-      late.push_back(i);
-    }
-  }
+  Pinned got = pin_resident(table, scratch);
+  std::vector<int64_t>& pinned = got.entries;
+  std::vector<int64_t>& slots = got.slots;
+  std::vector<int64_t>& ran_experts = got.experts;
+  const std::vector<size_t>& late = got.others;  // the experts in flight
   const size_t hits = pinned.size();
   r.loading = late.size();
   const auto unpin = [&] {
@@ -581,17 +597,14 @@ Demanded run_demanded(Ffn& f, SlotTable& table, SpanDemand& demand, int64_t laye
       entries.size() != experts.size())
     return r;
   expertcache::ClientChannel& channel = demand.channel;
-  std::vector<int64_t> pinned, slots, ran_experts, misses, miss_entries;
-  const std::vector<int32_t> got = table.try_pin_many(entries, false);
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] >= 0) {
-      pinned.push_back(entries[i]);
-      slots.push_back(got[i]);
-      ran_experts.push_back(experts[i]);
-    } else {
-      misses.push_back(experts[i]);
-      miss_entries.push_back(entries[i]);
-    }
+  Pinned got = pin_resident(table, scratch);
+  std::vector<int64_t>& pinned = got.entries;
+  std::vector<int64_t>& slots = got.slots;
+  std::vector<int64_t>& ran_experts = got.experts;
+  std::vector<int64_t> misses, miss_entries;
+  for (size_t i : got.others) {
+    misses.push_back(experts[i]);
+    miss_entries.push_back(entries[i]);
   }
   if (misses.size() > channel.max_demand()) {  // a demand the channel cannot take: the acquire's
     try {

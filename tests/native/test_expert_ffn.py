@@ -20,6 +20,7 @@ import torch
 from devtools.expert_ffn_cases import ExpertLayout, reference
 from expertcache import _native
 from expertcache.encodings import dequantize_fp8, dequantize_mxfp4
+from tests.slot_tables import ChannelServer
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
@@ -768,12 +769,53 @@ def test_a_layer_from_its_routing_finds_its_experts_pins_them_all_or_none_and_le
     assert torch.equal(into, residual)
 
 
+def two_layer_attention(seed: int):
+    """A float32 DecodeAttention of two layers (unit norms, random projections) for the span tests,
+    and the generator that made them (the tests draw on from it)."""
+    from expertcache.native import DecodeAttention
+
+    att = DecodeAttention(
+        dict(
+            hidden=H, heads=4, kv_heads=1, head_dim=16, dtype="float32", eps=1e-6, scaling=0.25,
+            norm="cast_then_weight", softmax="fused",
+        )
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        att.add_layer(
+            {
+                "input_norm": np.ones(H, np.float32),
+                "post_norm": np.ones(H, np.float32),
+                "q": rng.standard_normal((64, H), dtype=np.float32) * 0.1,
+                "k": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "v": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
+                "o": rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
+            }
+        )
+    return att, rng
+
+
+def begin_step(att, h: np.ndarray):
+    """Begins a decode step of ``att`` for the rows of ``h`` (position 3, empty caches of 8):
+    (the MoE input it writes, the caches, which must outlive the step)."""
+    rows = h.shape[0]
+    caches = [np.zeros((1, 8, 16), np.float32) for _ in range(4 * rows)]
+    address = np.array([c.ctypes.data for c in caches], np.int64).reshape(2, 2 * rows)
+    mlp_in = np.zeros((rows, H), np.float32)
+    att.begin_step(
+        h, mlp_in, np.ones((rows, 8), np.float32), np.zeros((rows, 8), np.float32),
+        address[:, :rows].copy(), address[:, rows:].copy(), np.full((2, rows), 8, np.int64),
+        np.full(rows, 3, np.int64),
+    )  # fmt: skip
+    return mlp_in, caches
+
+
 def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_not_resident():
     # run_layers: per layer, the attention's dense half, then the layer's experts as run_layer
     # runs them (added into the residual), from the layer's row of the routing; stops at the first
     # layer whose experts do not all run (its dense half did): (that layer, experts run, why). The
     # residual equals one-by-one calls bit for bit, and no pin is left behind.
-    from expertcache.native import DecodeAttention, LayerSignals, SlotTable
+    from expertcache.native import LayerSignals, SlotTable
     from tests.slot_tables import claim_and_attach
 
     gen = torch.Generator().manual_seed(7)
@@ -786,37 +828,13 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
         table.finish_load(entry)
     handle = claim_and_attach(table, 0)
     ffn = _native.ExpertFfn(layout.spec)
-    att = DecodeAttention(
-        dict(
-            hidden=H, heads=4, kv_heads=1, head_dim=16, dtype="float32", eps=1e-6, scaling=0.25,
-            norm="cast_then_weight", softmax="fused",
-        )
-    )  # fmt: skip
-    rng = np.random.default_rng(3)
-    for _ in range(2):
-        att.add_layer(
-            {
-                "input_norm": np.ones(H, np.float32),
-                "post_norm": np.ones(H, np.float32),
-                "q": rng.standard_normal((64, H), dtype=np.float32) * 0.1,
-                "k": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                "v": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                "o": rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
-            }
-        )
+    att, rng = two_layer_attention(3)
     T, K = 2, 2
     weights = np.array([[0.5, 0.25, 0.75, 0.5], [0.125, 0.875, 0.5, 0.5]], np.float32)
     h0 = rng.standard_normal((T, H), dtype=np.float32)
 
     def begin(h):
-        caches = [np.zeros((1, 8, 16), np.float32) for _ in range(4 * T)]
-        address = np.array([c.ctypes.data for c in caches], np.int64).reshape(2, 2 * T)
-        mlp_in = np.zeros((T, H), np.float32)
-        att.begin_step(
-            h, mlp_in, np.ones((T, 8), np.float32), np.zeros((T, 8), np.float32),
-            address[:, :T].copy(), address[:, T:].copy(), np.full((2, T), 8, np.int64), np.full(T, 3, np.int64),
-        )  # fmt: skip
-        return mlp_in, caches
+        return begin_step(att, h)
 
     def one_by_one(ids, stop):
         h = h0.copy()
@@ -988,43 +1006,22 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     assert got == (0, 0, "stale", 0, [], 0.0)
 
 
-class SpanDaemon:
+class SpanDaemon(ChannelServer):
     """The daemon's side of a client channel for ``run_layers``' demands: each demand is recorded;
     then, as scripted by ``mode``, refused, never answered, or admitted (every expert held in the
     client's ledger), its loads landing after ``delay`` s into the free slots ("land"), or one
     failing ("fail")."""
 
     def __init__(self, table, client: int, free_slots: list[int], mode: str = "land", delay: float = 0.02):
+        self.free, self.mode, self.delay = list(free_slots), mode, delay
+        self.demands: list[tuple[int, list[int]]] = []
+        super().__init__(table, client)
+
+    def serve(self, seq: int, layer: int, experts: list[int], trace: bytes) -> None:
         from expertcache import protocol as codes
 
-        self.codes, self.table, self.client, self.free = codes, table, client, list(free_slots)
-        self.channel = table.channel(client)
-        self.mode, self.delay = mode, delay
-        self.demands: list[tuple[int, list[int]]] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.channel.ring_doorbell()
-        self.thread.join(5)
-
-    def run(self) -> None:
-        taken = 0
-        while not self.stopped.is_set():
-            seen = self.channel.doorbell_seq
-            self.channel.drain()
-            demand = self.channel.take_demand(taken)
-            if demand is None:
-                self.channel.wait_doorbell(seen, 1.0)
-                continue
-            taken, layer, experts, _ = demand
-            self.demands.append((layer, list(experts)))
-            self.serve(taken, layer, list(experts))
-
-    def serve(self, seq: int, layer: int, experts: list[int]) -> None:
-        table, channel, codes = self.table, self.channel, self.codes
+        table, channel = self.table, self.channel
+        self.demands.append((layer, list(experts)))
         if self.mode == "refuse":
             # Refused, though the experts are resident by then (another client's loads): this
             # client holds no pin of them, so its span must not run them.
@@ -1064,31 +1061,14 @@ def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_n
     # load, stopped) the layer is handed back with its hits pinned and its demand posted (the
     # caller's acquire adopts them), nothing of it added into the residual.
     from expertcache import protocol as codes
-    from expertcache.native import DecodeAttention, SlotTable, SpanDemand
+    from expertcache.native import SlotTable, SpanDemand
     from tests.slot_tables import claim_and_attach
 
     gen = torch.Generator().manual_seed(11)
     layout = ExpertLayout(H, INTER, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.float32, gen)
     arena = layout.arena(slots=8)
     ffn = _native.ExpertFfn(layout.spec)
-    att = DecodeAttention(
-        dict(
-            hidden=H, heads=4, kv_heads=1, head_dim=16, dtype="float32", eps=1e-6, scaling=0.25,
-            norm="cast_then_weight", softmax="fused",
-        )
-    )  # fmt: skip
-    rng = np.random.default_rng(5)
-    for _ in range(2):
-        att.add_layer(
-            {
-                "input_norm": np.ones(H, np.float32),
-                "post_norm": np.ones(H, np.float32),
-                "q": rng.standard_normal((64, H), dtype=np.float32) * 0.1,
-                "k": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                "v": rng.standard_normal((16, H), dtype=np.float32) * 0.1,
-                "o": rng.standard_normal((H, 64), dtype=np.float32) * 0.1,
-            }
-        )
+    att, rng = two_layer_attention(5)
     T, K = 2, 2
     ids = np.array([[0, 2, 3, 0], [1, 2, 0, 3]], np.int64)  # layer 0: entries 0, 2, 3; layer 1: 4, 5, 6, 7
     weights = np.array([[0.5, 0.25, 0.75, 0.5], [0.125, 0.875, 0.5, 0.5]], np.float32)
@@ -1107,13 +1087,7 @@ def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_n
 
     def in_one_call(handle, demand, h=None):
         h = h0.copy() if h is None else h
-        caches = [np.zeros((1, 8, 16), np.float32) for _ in range(4 * T)]
-        address = np.array([c.ctypes.data for c in caches], np.int64).reshape(2, 2 * T)
-        mlp_in = np.zeros((T, H), np.float32)
-        att.begin_step(
-            h, mlp_in, np.ones((T, 8), np.float32), np.zeros((T, 8), np.float32),
-            address[:, :T].copy(), address[:, T:].copy(), np.full((2, T), 8, np.int64), np.full(T, 3, np.int64),
-        )  # fmt: skip
+        mlp_in, _caches = begin_step(att, h)
         try:
             got = ffn.run_layers(
                 att, handle, 0, 4, 8, arena, ids, weights, mlp_in, np.empty((T * K, H), np.float32), h,
@@ -1133,7 +1107,7 @@ def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_n
     demand = SpanDemand(handle.channel(0), 5.0, 1e9, 0.0, 20e-6, 5e-6, False)
     hits = handle.hits
     got, h = in_one_call(handle, demand)
-    daemon.close()
+    daemon.stop()
     assert got == (2, 7, "done", 0, [], 0.0) and np.array_equal(h, want)
     assert daemon.demands == [(1, [2, 3])]  # only the two absent experts
     assert [table.pins(e) for e in range(8)] == [0] * 8 and table.client_pins(0, 6) == 0
@@ -1144,7 +1118,7 @@ def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_n
     table, handle, free = fresh()
     daemon = SpanDaemon(table, 0, free)
     got, h = in_one_call(handle, SpanDemand(handle.channel(0), 5.0, 1e9, 0.0, 20e-6, 5e-6, True))
-    daemon.close()
+    daemon.stop()
     assert got[:3] == (2, 7, "done") and np.array_equal(h, want)
 
     def handed_back(mode, timeout_s=5.0, deadline_s=1e9, stop_after=None):
@@ -1156,7 +1130,7 @@ def test_a_span_demands_a_layers_misses_itself_and_hands_back_a_wait_that_does_n
         started = time.monotonic()
         got, h = in_one_call(handle, demand)
         elapsed = time.monotonic() - started
-        daemon.close()
+        daemon.stop()
         assert got == (1, 3, "demand", 0, [], 0.0), got
         layer, seq, fail_seen, hit_experts, hit_slots, misses, waited = demand.handed_back
         assert (layer, seq, hit_experts, misses) == (1, 1, [0, 1], [2, 3])  # the channel's first demand

@@ -31,6 +31,7 @@ from expertcache import protocol as codes
 from expertcache.handoff import HANDOFF_TOKEN_BYTES, Grant, HandoffServer
 from expertcache.native import SlotTable, TableState
 from expertcache.protocol import Tier
+from tests.slot_tables import ChannelServer
 from tests.stores import two_layer_manifest
 
 MANIFEST = two_layer_manifest(
@@ -41,7 +42,7 @@ MANIFEST = two_layer_manifest(
 BLOB = MANIFEST.blob_bytes
 
 
-class ChannelResponder:
+class ChannelResponder(ChannelServer):
     """The daemon's side of a client channel, scripted like ``ScriptedCache``'s Acquires: signals
     are recorded as the stream's would be; a demand pins every expert into the client's ledger
     (RESIDENT ones as they are, the others loaded into a free slot), is answered, and then its
@@ -49,34 +50,10 @@ class ChannelResponder:
 
     def __init__(self, servicer: ScriptedCache, table: SlotTable, client: int) -> None:
         self.servicer = servicer
-        self.table = table
-        self.client = client
-        self.channel = table.channel(client)
         self.requests: dict[int, str] = {}
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
+        super().__init__(table, client)
 
-    def stop(self) -> None:
-        self.stopped.set()
-        self.channel.ring_doorbell()
-        self.thread.join(5)
-
-    def run(self) -> None:
-        taken = 0
-        while not self.stopped.is_set():
-            seen = self.channel.doorbell_seq
-            self.record_signals()
-            demand = self.channel.take_demand(taken)
-            if demand is not None:
-                taken = demand[0]
-                self.serve(*demand)
-                continue
-            self.channel.wait_doorbell(seen, 1.0)
-
-    def record_signals(self) -> None:
-        records, corrupt = self.channel.drain()
-        assert not corrupt
+    def records(self, records: list) -> None:
         for record in records:
             kind, handle = record[0], record[1]
             if kind == "begin":
