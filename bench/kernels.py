@@ -28,7 +28,7 @@ round times every method in turn, rotated per round; figures are medians over ``
 (``expertcache._native.FFN_PATHS``; ``auto``, the default, is the fastest, as compute runs it), a
 line each, in the same rounds.
 
-For MXFP4 on the avx512 and amx paths, a ``decode only`` line times the kernels' decode of the same
+For MXFP4 on the avx512, avx512-bf16 and amx paths, a ``decode only`` line times the kernels' decode of the same
 weights into bfloat16 words with nothing multiplied (``ExpertFfn.decode_only``), in the first rows'
 rounds: a bound no kernel that decodes as they do can pass, whatever it computes.
 """
@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                 m = ms[paths[0]]
                 calls_of = {f"fused:{p}": ms[p].fused for p in paths}
                 calls_of["memcpy"] = m.memcpy
-                decode_path = next((p for p in paths if ms[p].ffn.path in ("avx512", "amx")), None)
+                decode_path = next(
+                    (p for p in paths if ms[p].ffn.path in ("avx512", "avx512-bf16", "amx")), None
+                )
                 decodes = layout_name == "mxfp4" and decode_path is not None and rows == rows_list[0]
                 if decodes:
                     calls_of["decode"] = ms[decode_path].decode

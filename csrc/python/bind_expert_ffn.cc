@@ -758,12 +758,14 @@ void bind_expert_ffn(py::module_& m) {
                s.path = expertcache::FfnPath::kAvx512;
              else if (path == "amx")
                s.path = expertcache::FfnPath::kAmx;
+             else if (path == "avx512-bf16")
+               s.path = expertcache::FfnPath::kAvx512Bf16;
              else if (path == "avx2")
                s.path = expertcache::FfnPath::kAvx2;
              else if (path == "portable")
                s.path = expertcache::FfnPath::kPortable;
              else
-               fail("spec['path'] '" + path + "' is not auto, amx, avx512, avx2 or portable");
+               fail("spec['path'] '" + path + "' is not auto, amx, avx512-bf16, avx512, avx2 or portable");
              if (s.first.inputs != s.down.outputs)
                fail("the first projection reads " + std::to_string(s.first.inputs) + " features, the down "
                     "projection writes " + std::to_string(s.down.outputs));

@@ -26,6 +26,10 @@
 #endif
 #define EXPERTCACHE_FFN_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define EXPERTCACHE_FFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define EXPERTCACHE_FFN_HAS_BF16 1  // the compiler has AVX-512 BF16's intrinsics
+#define EXPERTCACHE_FFN_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#endif
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define EXPERTCACHE_FFN_HAS_AMX 1  // the compiler has AMX's intrinsics
 #define EXPERTCACHE_FFN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -40,6 +44,8 @@ constexpr size_t kGroupBytes = 16;  // their bytes
 constexpr size_t kDotChunk = 16;    // output rows per work item (dot)
 constexpr size_t kAxpyChunk = 64;   // least output columns per work item (axpy)
 constexpr size_t kPrefetchBytes = 1024;  // how far ahead a dot row stream is prefetched
+constexpr size_t kByRowsBytes = 1024;    // bfloat16 axpy rows this short are streamed row by row (wide)
+constexpr size_t kByRowsMostRows = 2;    // ... for at most this many input rows (more: blocks of rows)
 // How far ahead an MXFP4 dot row against NR input rows is prefetched: a kernel for one input row
 // streams its weights faster than for more, so it looks further ahead (bench.kernels, 1 thread, 3
 // rounds each, 2 KiB against 1 at 1 row: median 0.146 -> 0.128 ms an expert at the e2e shape, 1.59
@@ -183,6 +189,7 @@ inline bool bf16_dot_avx512(const FfnProjection& p) {
 inline size_t mxfp4_input_position(FfnPath path, size_t c, size_t C) {
   switch (path) {
     case FfnPath::kAmx:
+    case FfnPath::kAvx512Bf16:
     case FfnPath::kAvx512: return mxfp4_position_avx512(c, C);
     case FfnPath::kAvx2: return mxfp4_position(c);
     default: return c;
@@ -837,6 +844,118 @@ EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8
   }
 }
 
+// -- AVX-512 BF16: MXFP4 dot rows for a bfloat16 compute dtype by vdpbf16ps ------------------------
+//
+// The avx512-bf16 path's kernel: the decoded words of a pair of groups (fp4_pair_words: each value
+// times its scale, exact in bfloat16) are multiplied with the inputs as bfloat16 words (exact:
+// values of the compute dtype) in mxfp4_position_bf16 order, `lo` against the chunk's first 32
+// words and `hi` against the next, by vdpbf16ps: 32 products an instruction where an fma makes 16,
+// and no widening of the words to floats. On AMD Zen 4 it issues at the fma's rate (bench.kernels:
+// MXFP4 at 4 rows twice as fast). vdpbf16ps reads subnormal operands as zero and flushes subnormal
+// results: a call whose inputs hold a subnormal number, or whose weight rows have a scale that makes
+// values subnormal, is left to the AVX-512 kernel (project_mxfp4_bf16 returns false), as AMX's.
+
+constexpr uint8_t kMinNormalScale = 2;  // 0.5 x 2**(s - 127) >= 2**-126: an E2M1 value times it is normal
+
+// True where every scale of weight rows [o0, o1) is at least kMinNormalScale.
+EXPERTCACHE_FFN_AVX512 inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
+  const uint8_t* p = s + o0 * row_scales;
+  const uint8_t* end = s + o1 * row_scales;
+  const __m512i least = _mm512_set1_epi8(char(kMinNormalScale));
+  __mmask64 below = 0;
+  for (; p + 64 <= end; p += 64) below |= _mm512_cmplt_epu8_mask(_mm512_loadu_si512(p), least);
+  if (p < end) {
+    const __mmask64 tail = ~0ULL >> (64 - (end - p));
+    below |= _mm512_mask_cmplt_epu8_mask(tail, _mm512_maskz_loadu_epi8(tail, p), least);
+  }
+  return below == 0;
+}
+
+#ifdef EXPERTCACHE_FFN_HAS_BF16
+// One MXFP4 weight row against NR <= 4 input rows of words (mxfp4_position_bf16 order): two
+// accumulators per input row; out[r] is input row r's partial sum, still to be added across.
+template <int NR>
+EXPERTCACHE_FFN_BF16 inline void mxfp4_row_bf16(const uint8_t* b, const uint8_t* s, const uint16_t* x, size_t C,
+                                                __m256 out[NR]) {
+  const size_t groups = C / kGroup, pairs = groups / 2;
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (size_t q = 0; q < pairs; ++q) {
+    const uint8_t* bq = b + q * 2 * kGroupBytes;
+    if ((q & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bq) + kMxfp4Ahead<NR>, _MM_HINT_T0);
+    __m512i lo, hi;
+    fp4_pair_words(bq, s[2 * q], s[2 * q + 1], lo, hi);
+    for (int r = 0; r < NR; ++r) {
+      const uint16_t* xr = x + r * C + q * 2 * kGroup;
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xr));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xr + kGroup));
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
+    out[r] = _mm256_add_ps(_mm512_castps512_ps256(sum),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
+  }
+  if (groups % 2) {  // the last group alone: its even elements' words, then its odd ones'
+    const size_t g = groups - 1;
+    const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + g * kGroupBytes)));
+    const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4Words.w[s[g]]));
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permutexvar_epi16(z, table)),
+                                         _mm256_permutexvar_epi16(_mm256_srli_epi16(z, 4), table), 1);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 t =
+          _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w, (__m512bh)_mm512_loadu_si512(x + r * C + g * kGroup));
+      out[r] = _mm256_add_ps(out[r], _mm256_add_ps(_mm512_castps512_ps256(t),
+                                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
+    }
+  }
+}
+
+// MXFP4 dot rows from words, as dot_mxfp4_avx512 with the BF16 row.
+template <int NR>
+EXPERTCACHE_FFN_BF16 void dot_mxfp4_bf16(const FfnProjection& p, const uint8_t* slot, const uint16_t* x, size_t i0,
+                                         size_t i1, float* h) {
+  const size_t C = p.inputs, row_bytes = C / kGroup * kGroupBytes, row_scales = C / kGroup;
+  const uint8_t* b = slot + p.weight_offset;
+  const uint8_t* s = slot + p.scale_offset;
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    __m256 part[NR][8];
+    for (int q = 0; q < 8; ++q) {
+      __m256 out[NR];
+      mxfp4_row_bf16<NR>(b + (i + q) * row_bytes, s + (i + q) * row_scales, x, C, out);
+      for (int r = 0; r < NR; ++r) part[r][q] = out[r];
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(h + r * p.outputs + i, hsum8(part[r]));
+  }
+  for (; i < i1; ++i) {
+    __m256 out[NR];
+    mxfp4_row_bf16<NR>(b + i * row_bytes, s + i * row_scales, x, C, out);
+    for (int r = 0; r < NR; ++r) h[r * p.outputs + i] = hsum(out[r]);
+  }
+}
+
+// An MXFP4 projection's weight rows [o0, o1) against nr input rows of words at xw (C words a row,
+// mxfp4_position_bf16 order): h[r * outputs + i]. False, nothing written, where a scale of those
+// rows makes values subnormal.
+EXPERTCACHE_FFN_BF16 bool project_mxfp4_bf16(const FfnProjection& p, const uint8_t* slot, const uint16_t* xw,
+                                             size_t nr, size_t o0, size_t o1, float* h) {
+  const size_t groups = p.inputs / kGroup;
+  if (!scales_normal(slot + p.scale_offset, groups, o0, o1)) return false;
+  for (size_t r = 0; r < nr; r += 4) {
+    const uint16_t* xr = xw + r * p.inputs;
+    float* hr = h + r * p.outputs;
+    switch (std::min<size_t>(4, nr - r)) {
+      case 1: dot_mxfp4_bf16<1>(p, slot, xr, o0, o1, hr); break;
+      case 2: dot_mxfp4_bf16<2>(p, slot, xr, o0, o1, hr); break;
+      case 3: dot_mxfp4_bf16<3>(p, slot, xr, o0, o1, hr); break;
+      default: dot_mxfp4_bf16<4>(p, slot, xr, o0, o1, hr); break;
+    }
+  }
+  return true;
+}
+#endif  // EXPERTCACHE_FFN_HAS_BF16
+
 // Q plain bfloat16 weight rows from row i against NR <= 4 input rows (inputs in bf16_position_avx512
 // order): each 64-byte load of a row split into its even and odd words as floats (a shift, a mask:
 // no conversion), each into its own accumulator.
@@ -885,18 +1004,23 @@ EXPERTCACHE_FFN_AVX512 void dot_bf16_avx512(const uint8_t* w0, size_t C, const f
   for (; i < i1; ++i) bf16_rows_avx512<NR, 1>(w0, C, x, i, h, H);
 }
 
-// One block of Q <= 4 bfloat16 axpy weight rows (k .. k + Q - 1), columns [j0, body) in steps of 16,
-// into the partial sums of NR <= 4 input rows: axpy_block's sums (the same order per column: the
-// results are the AVX2 kernel's bit for bit), 16 columns a step, and with 32 registers the
-// broadcast inputs of 4 input rows held at once (each weight decoded once for them).
+// One block of Q (4 or 16) bfloat16 axpy weight rows (k .. k + Q - 1), columns [j0, body) in steps
+// of 16, into the partial sums of NR <= 4 input rows: axpy_block's sums (the same order per column:
+// the results are the AVX2 kernel's bit for bit), 16 columns a step, and with 32 registers the
+// broadcast inputs of 4 input rows held at once where they fit beside the block's weights (each
+// weight decoded once for them; else each FMA broadcasts its input from memory).
 template <int Q, int NR>
 EXPERTCACHE_FFN_AVX512 inline void bf16_axpy_block(const uint8_t* r0, size_t stride, const float* x, size_t R,
                                                    size_t k, size_t j0, size_t body, float* h, size_t C,
                                                    bool prefetch) {
-  __m512 xb[NR][Q];
-  for (int r = 0; r < NR; ++r)
-    for (int q = 0; q < Q; ++q) xb[r][q] = _mm512_set1_ps(x[r * R + k + q]);
-  const uint8_t* next = r0 + 2 * Q * stride;  // the block after next, as axpy_block
+  constexpr bool kHeld = Q * (NR + 1) <= 24;
+  __m512 xb[kHeld ? NR : 1][kHeld ? Q : 1];
+  if constexpr (kHeld)
+    for (int r = 0; r < NR; ++r)
+      for (int q = 0; q < Q; ++q) xb[r][q] = _mm512_set1_ps(x[r * R + k + q]);
+#define EXPERTCACHE_AXPY_INPUT(r, q) (kHeld ? xb[kHeld ? (r) : 0][kHeld ? (q) : 0] : _mm512_set1_ps(x[(r) * R + k + (q)]))
+  // The block after next, as axpy_block; a block of 16 rows: the next one.
+  const uint8_t* next = r0 + (Q == 16 ? 1 : 2) * Q * stride;
   for (size_t j = j0; j < body; j += 16) {
     if (prefetch && ((j * 2) & 63) == 0)
       for (int q = 0; q < Q; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + j * 2), _MM_HINT_T0);
@@ -907,11 +1031,12 @@ EXPERTCACHE_FFN_AVX512 inline void bf16_axpy_block(const uint8_t* r0, size_t str
     }
     for (int r = 0; r < NR; ++r) {
       float* hr = h + r * C + j;
-      __m512 a = _mm512_fmadd_ps(w[0], xb[r][0], _mm512_loadu_ps(hr));
-      for (int q = 1; q < Q; ++q) a = _mm512_fmadd_ps(w[q], xb[r][q], a);
+      __m512 a = _mm512_fmadd_ps(w[0], EXPERTCACHE_AXPY_INPUT(r, 0), _mm512_loadu_ps(hr));
+      for (int q = 1; q < Q; ++q) a = _mm512_fmadd_ps(w[q], EXPERTCACHE_AXPY_INPUT(r, q), a);
       _mm512_storeu_ps(hr, a);
     }
   }
+#undef EXPERTCACHE_AXPY_INPUT
 }
 
 // Block rows k .. k + Q - 1 of a bfloat16 axpy into every input row's sums: columns [j0, body16) 16
@@ -927,18 +1052,70 @@ EXPERTCACHE_FFN_AVX512 inline void bf16_axpy_rows(const uint8_t* r0, size_t stri
   if (body8 > body16) axpy_rows<Q>(PlainRows<FfnDtype::kBFloat16>{}, r0, stride, x, nr, R, k, body16, body8, h, C, false);
 }
 
+// A bfloat16 axpy of short rows, row by row: each weight row k's columns [j0, j1) into every input
+// row's sums before row k + 1's (the same operations per column in the same order as
+// axpy_plain_avx2: FMAs, 16 then 8 columns a step, and the columns past the last 8 by a multiply
+// and an add), so the weights stream in order, where a block of rows read a column step at a time
+// cuts a short row's stream into pieces the hardware's prefetch does not follow.
+EXPERTCACHE_FFN_AVX512 void bf16_axpy_by_rows(const uint8_t* w, size_t stride, const float* x, size_t nr, size_t R,
+                                              size_t j0, size_t body16, size_t body8, size_t j1, float* h, size_t C) {
+  for (size_t k = 0; k < R; ++k) {
+    const uint8_t* row = w + k * stride;
+    size_t j = j0;
+    for (; j < body16; j += 16) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 2));
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+      for (size_t r = 0; r < nr; ++r) {
+        float* hr = h + r * C + j;
+        _mm512_storeu_ps(hr, _mm512_fmadd_ps(v, _mm512_set1_ps(x[r * R + k]), _mm512_loadu_ps(hr)));
+      }
+    }
+    for (; j < body8; j += 8) {
+      const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j * 2));
+      const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+      for (size_t r = 0; r < nr; ++r) {
+        float* hr = h + r * C + j;
+        _mm256_storeu_ps(hr, _mm256_fmadd_ps(v, _mm256_set1_ps(x[r * R + k]), _mm256_loadu_ps(hr)));
+      }
+    }
+    for (; j < j1; ++j)
+      for (size_t r = 0; r < nr; ++r) h[r * C + j] += x[r * R + k] * load_value(row, FfnDtype::kBFloat16, j);
+  }
+}
+
 // Plain bfloat16 axpy columns [j0, j1) (M [inputs, outputs], as GPT-OSS's bf16 checkpoints): as
-// axpy_plain_avx2, 16 columns a step. One input row stays on the AVX2 kernel: it streams its
-// weights at memory speed either way, and was 2-7% slower here with 512-bit FMAs (bench.kernels,
-// gpt-oss-20b, 3 rounds; 4 rows: 5.2-5.4 -> 3.8-3.9 ms).
+// axpy_plain_avx2, 16 columns a step. Not `wide` (the avx512 and amx paths, measured on an Intel
+// Xeon), blocks of 4 weight rows, and one input row stays on the AVX2 kernel: it streamed its
+// weights at memory speed either way, and was 2-7% slower there with 512-bit FMAs (bench.kernels,
+// gpt-oss-20b, 3 rounds; 4 rows: 5.2-5.4 -> 3.8-3.9 ms). `wide` (the avx512-bf16 path: AMD Zen 4),
+// blocks of 16 weight rows, one input row included: 16 streams in flight and the sums loaded and
+// stored once a block, where blocks of 4 streamed one input row at 14-17 GB/s against a read's 21.
+// One input row prefetches nothing ahead (beside 16 streams the hardware's prefetch does better:
+// gpt-oss-20b 24-25 GB/s without, 20 with); more prefetch the next block (the block after next:
+// 18 GB/s there, the next 21). bench.kernels, 1 thread, 5 rounds, against the avx512 path in the
+// same rounds: one row 1.13x at the e2e shape and 1.41x at gpt-oss-20b's, two 1.11x / 1.40x, four
+// 1.18x / 1.33x. Rows of at most kByRowsBytes (the e2e shape's down projection, 1 KiB) for one or
+// two input rows: row by row (bf16_axpy_by_rows; a micro-benchmark of that projection alone, one
+// input row: 18.6 GB/s against 10.6 in blocks of 16, at 2 KiB rows 14.7 against 16.1; the e2e
+// shape's whole expert, 4 experts a call: one row 178-183 us against 267-277, two rows 213-241
+// against 272-280, four rows 332-338 against 304-311, hence at most two).
 EXPERTCACHE_FFN_AVX512 void axpy_bf16_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr,
-                                             size_t j0, size_t j1, float* h) {
-  if (nr < 2) return axpy_plain_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, j0, j1, h);
+                                             size_t j0, size_t j1, float* h, bool wide) {
+  if (!wide && nr < 2) return axpy_plain_avx2<FfnDtype::kBFloat16>(p, slot, x, nr, j0, j1, h);
   const size_t C = p.outputs, R = p.inputs, stride = C * 2;
   const uint8_t* w = slot + p.weight_offset;
   const size_t body16 = j0 + ((j1 - j0) & ~size_t(15)), body8 = j0 + ((j1 - j0) & ~size_t(7));
   for (size_t r = 0; r < nr; ++r) std::memset(h + r * C + j0, 0, (j1 - j0) * sizeof(float));
+  if (wide && nr <= kByRowsMostRows && (j1 - j0) * 2 <= kByRowsBytes) return bf16_axpy_by_rows(w, stride, x, nr, R, j0, body16, body8, j1, h, C);
   size_t k = 0;
+  for (; wide && k + 16 <= R; k += 16) {
+    const uint8_t* r0 = w + k * stride;
+    bf16_axpy_rows<16>(r0, stride, x, nr, R, k, j0, body16, body8, h, C, nr > 1 && k + 32 <= R);
+    for (size_t j = body8; j < j1; ++j)
+      for (size_t i = 0; i < nr; ++i)
+        for (int q = 0; q < 16; ++q)
+          h[i * C + j] += x[i * R + k + q] * load_value(r0 + q * stride, FfnDtype::kBFloat16, j);
+  }
   for (; k + 4 <= R; k += 4) {
     const uint8_t* r0 = w + k * stride;
     bf16_axpy_rows<4>(r0, stride, x, nr, R, k, j0, body16, body8, h, C, k + 12 <= R);
@@ -1082,10 +1259,10 @@ EXPERTCACHE_FFN_AVX512 uint64_t decode_mxfp4_avx512(const FfnProjection& p, cons
 }
 
 void project_avx512(const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0, size_t o1,
-                    float* h, FfnDtype compute) {
+                    float* h, FfnDtype compute, bool wide) {
   const bool mxfp4 = p.encoding == FfnEncoding::kMxfp4;
   if (p.encoding == FfnEncoding::kPlain && p.form == FfnForm::kAxpy && p.weight_dtype == FfnDtype::kBFloat16)
-    return axpy_bf16_avx512(p, slot, x, nr, o0, o1, h);
+    return axpy_bf16_avx512(p, slot, x, nr, o0, o1, h, wide);
   if (bf16_dot_avx512(p)) {
     const uint8_t* w = slot + p.weight_offset;
     for (size_t r = 0; r < nr; r += 4) {
@@ -1220,7 +1397,6 @@ EXPERTCACHE_FFN_AVX2 void activate8(const FfnSpec& s, const float* h, size_t int
 // have a scale that makes values subnormal, is left to the AVX-512 kernel (project_mxfp4_amx
 // returns false).
 
-constexpr uint8_t kMinNormalScale = 2;  // 0.5 x 2**(s - 127) >= 2**-126: an E2M1 value times it is normal
 constexpr size_t kAmxRows = 16;         // weight rows per tile (M) and input rows per B tile (N) at most
 constexpr size_t kAmxPairs = 8;         // pairs of groups decoded per round (16 KiB of staging)
 
@@ -1239,20 +1415,6 @@ constexpr AmxConfig kAmxConfig = {1, 0, {}, {64, 64, 64, 64, 64}, {16, 16, 16, 1
 // oneDNN kernels configure and release the tiles of the same threads).
 EXPERTCACHE_FFN_AMX void amx_configure() { _tile_loadconfig(&kAmxConfig); }
 EXPERTCACHE_FFN_AMX void amx_release() { _tile_release(); }
-
-// True where every scale of weight rows [o0, o1) is at least kMinNormalScale.
-EXPERTCACHE_FFN_AMX inline bool scales_normal(const uint8_t* s, size_t row_scales, size_t o0, size_t o1) {
-  const uint8_t* p = s + o0 * row_scales;
-  const uint8_t* end = s + o1 * row_scales;
-  const __m512i least = _mm512_set1_epi8(char(kMinNormalScale));
-  __mmask64 below = 0;
-  for (; p + 64 <= end; p += 64) below |= _mm512_cmplt_epu8_mask(_mm512_loadu_si512(p), least);
-  if (p < end) {
-    const __mmask64 tail = ~0ULL >> (64 - (end - p));
-    below |= _mm512_mask_cmplt_epu8_mask(tail, _mm512_maskz_loadu_epi8(tail, p), least);
-  }
-  return below == 0;
-}
 
 // An MXFP4 projection's weight rows [o0, o1) (at most 16) against nr input rows whose words are at
 // xv, in blocks of 16 rows (amx_input_index; a block's rows past nr are read, their sums dropped):
@@ -1328,6 +1490,17 @@ bool cpu_has_avx512() {
   return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+#ifdef EXPERTCACHE_FFN_HAS_BF16
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+#else  // no vdpbf16ps kernel: no avx512-bf16 path
+bool cpu_has_avx512_bf16() { return false; }
+bool project_mxfp4_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
+  return false;
+}
+#endif
 #ifdef EXPERTCACHE_FFN_HAS_AMX
 // AMX with BF16 on this CPU, and the tile data this process may use (Linux asks for it once).
 bool amx_ready() {
@@ -1348,8 +1521,13 @@ bool amx_ready() {
 #else
 bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
+bool cpu_has_avx512_bf16() { return false; }
+bool project_mxfp4_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
+  return false;
+}
 void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
-void project_avx512(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
+void project_avx512(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype,
+                    bool) {}
 uint64_t decode_mxfp4_avx512(const FfnProjection&, const uint8_t*) { return 0; }
 void finish8(float*, size_t, const uint8_t*, FfnDtype, size_t, FfnDtype) {}
 void activate8(const FfnSpec&, const float*, size_t, float*, size_t& done) { done = 0; }
@@ -1407,8 +1585,10 @@ bool project_amx(bool amx, AmxTiles& tiles, const FfnProjection& p, const uint8_
 void project(FfnPath path, const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0,
              size_t o1, float* h, FfnDtype compute) {
   switch (path) {
+    case FfnPath::kAvx512Bf16:  // its own kernel is project_mxfp4_bf16's, for MXFP4 in bfloat16
+      return project_avx512(p, slot, x, nr, o0, o1, h, compute, true);
     case FfnPath::kAmx:  // its own kernel is project_mxfp4_amx's, for MXFP4 in bfloat16
-    case FfnPath::kAvx512: return project_avx512(p, slot, x, nr, o0, o1, h, compute);
+    case FfnPath::kAvx512: return project_avx512(p, slot, x, nr, o0, o1, h, compute, false);
     case FfnPath::kAvx2: return project_avx2(p, slot, x, nr, o0, o1, h, compute);
     default: return project_portable(p, slot, x, nr, o0, o1, h, compute);
   }
@@ -1469,7 +1649,10 @@ bool ffn_cpu_has_avx2() { return cpu_has_avx2(); }
 
 std::vector<FfnPath> ffn_paths() {
   std::vector<FfnPath> out;
+  // AMX first where it runs (Intel, where vdpbf16ps measured no faster than the fma kernels below
+  // the 5 rows AMX takes over from); else avx512-bf16 where the CPU has AVX-512 BF16 (AMD Zen 4).
   if (amx_ready()) out.push_back(FfnPath::kAmx);
+  if (cpu_has_avx512_bf16()) out.push_back(FfnPath::kAvx512Bf16);
   if (cpu_has_avx512()) out.push_back(FfnPath::kAvx512);
   if (cpu_has_avx2()) out.push_back(FfnPath::kAvx2);
   out.push_back(FfnPath::kPortable);
@@ -1479,6 +1662,7 @@ std::vector<FfnPath> ffn_paths() {
 const char* ffn_path_name(FfnPath path) {
   switch (path) {
     case FfnPath::kAmx: return "amx";
+    case FfnPath::kAvx512Bf16: return "avx512-bf16";
     case FfnPath::kAvx512: return "avx512";
     case FfnPath::kAvx2: return "avx2";
     case FfnPath::kPortable: return "portable";
@@ -1583,9 +1767,10 @@ struct ExpertFfn::Task {
   const float* weights;
   float* out;
   size_t items1, items2;  // work items per expert, first and down projection
-  // AMX: its inputs prepared (an expert has the rows for it); the first's / the down projection's
-  // inputs hold a subnormal number (AVX-512 then).
-  bool amx = false, subnormal1 = false, subnormal2 = false;
+  // AMX: its inputs prepared (an expert has the rows for it); dp: the avx512-bf16 kernel's inputs
+  // prepared (a row's words at row * inputs); the first's / the down projection's inputs hold a
+  // subnormal number (AVX-512 then).
+  bool amx = false, dp = false, subnormal1 = false, subnormal2 = false;
 };
 
 ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
@@ -1610,7 +1795,7 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
   }
   // Where each input of an MXFP4 projection, or of a bfloat16 dot one on the AVX-512 kernels, goes
   // for this path's kernel, once (empty: as it is).
-  const bool avx512 = path_ == FfnPath::kAvx512 || path_ == FfnPath::kAmx;
+  const bool avx512 = path_ == FfnPath::kAvx512 || path_ == FfnPath::kAvx512Bf16 || path_ == FfnPath::kAmx;
   auto order = [&](const FfnProjection& p) {
     std::vector<uint32_t> at;
     if (avx512 && bf16_dot_avx512(p)) {
@@ -1625,13 +1810,19 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
   };
   first_order_ = order(spec.first);
   down_order_ = order(spec.down);
-  // AMX: MXFP4 in a bfloat16 compute dtype, its inputs also as bfloat16 words (exact: values of the
-  // compute dtype) in the AMX kernel's order.
+  // AMX and avx512-bf16: MXFP4 in a bfloat16 compute dtype, its inputs also as bfloat16 words (exact:
+  // values of the compute dtype) in the kernel's order.
+  const bool amx = path_ == FfnPath::kAmx;
   auto words = [&](const FfnProjection& p) {
     std::vector<uint32_t> at;
-    if (path_ != FfnPath::kAmx || spec.compute != FfnDtype::kBFloat16 || p.encoding != FfnEncoding::kMxfp4) return at;
+    if ((!amx && path_ != FfnPath::kAvx512Bf16) || spec.compute != FfnDtype::kBFloat16 ||
+        p.encoding != FfnEncoding::kMxfp4)
+      return at;
     at.resize(p.inputs);
-    for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(amx_input_index(mxfp4_position_bf16(c, p.inputs), 0));
+    for (size_t c = 0; c < p.inputs; ++c) {
+      const size_t w = mxfp4_position_bf16(c, p.inputs);
+      at[c] = uint32_t(amx ? amx_input_index(w, 0) : w);
+    }
     return at;
   };
   first_words_ = words(spec.first);
@@ -1643,8 +1834,8 @@ ExpertFfn::~ExpertFfn() = default;
 const char* ExpertFfn::path() const { return ffn_path_name(path_); }
 
 uint64_t ExpertFfn::decode_only(const uint8_t* slot) const {
-  if (path_ != FfnPath::kAvx512 && path_ != FfnPath::kAmx)
-    throw std::invalid_argument(std::string("expert ffn: decode_only runs on the avx512 and amx paths, not '") +
+  if (path_ != FfnPath::kAvx512 && path_ != FfnPath::kAvx512Bf16 && path_ != FfnPath::kAmx)
+    throw std::invalid_argument(std::string("expert ffn: decode_only runs on the avx512, avx512-bf16 and amx paths, not '") +
                                 ffn_path_name(path_) + "'");
   uint64_t out = 0;
   bool any = false;
@@ -1669,6 +1860,7 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.first;
   const size_t chunk = chunk_of(p, threads_);
   const bool amx = t.amx && !first_words_.empty() && !t.subnormal1;
+  const bool dp = t.dp && !first_words_.empty() && !t.subnormal1;
   AmxTiles tiles;
   for (size_t item = begin; item < end; ++item) {
     const size_t e = item / t.items1, part = item % t.items1;
@@ -1678,7 +1870,8 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     const float* x = xin_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * p.outputs;
     const uint16_t* words = amx ? xv_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
-    if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
+    if (!(dp && project_mxfp4_bf16(p, slot, xv_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
+        !project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
     // The projection's output and bias add, rounded as transformers' are.
     const FfnDtype d = spec_.compute;
@@ -1703,6 +1896,7 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
   const FfnProjection& p = spec_.down;
   const size_t chunk = chunk_of(p, threads_), H = p.outputs;
   const bool amx = t.amx && !down_words_.empty() && !t.subnormal2;
+  const bool dp = t.dp && !down_words_.empty() && !t.subnormal2;
   AmxTiles tiles;
   const FfnDtype d = spec_.compute;
   // The rows' products land in a per-call scratch row block, then weighted into out.
@@ -1714,7 +1908,8 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     const float* a = act_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
     const uint16_t* words = amx ? av_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
-    if (!project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
+    if (!(dp && project_mxfp4_bf16(p, slot, av_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
+        !project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, a, nr, o0, o1, h, d);
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;
     for (size_t r = 0; r < nr; ++r) {
@@ -1757,7 +1952,14 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   // block starts its rows).
   size_t most_rows = 0;
   for (size_t e = 0; e < n; ++e) most_rows = std::max(most_rows, size_t(bounds[e + 1] - bounds[e]));
-  const bool amx = (!first_words_.empty() || !down_words_.empty()) && most_rows >= kAmxMinRows;
+  const bool words = !first_words_.empty() || !down_words_.empty();
+  const bool amx = path_ == FfnPath::kAmx && words && most_rows >= kAmxMinRows;
+  // avx512-bf16: every call, a row's words at row * inputs.
+  const bool dp = path_ == FfnPath::kAvx512Bf16 && words;
+  if (dp) {
+    if (!first_words_.empty() && xv_.size() < total * H) xv_.resize(total * H);
+    if (!down_words_.empty() && av_.size() < total * inter) av_.resize(total * inter);
+  }
   if (amx) {
     if (amx_rows_.size() < total) amx_rows_.resize(total);
     size_t at = 0;
@@ -1772,10 +1974,10 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
     if (!down_words_.empty() && av_.size() < at * inter) av_.resize(at * inter);
   }
   // Row r's C values (as bfloat16 words) into `dst`, a projection's AMX inputs (`at`: each input's
-  // index there for the first row of a block); true where one is subnormal.
+  // index there for the first row of a block) or avx512-bf16 ones (each input's index in its row,
+  // row r at r * C); true where one is subnormal.
   auto put_words = [&](uint16_t* dst, const std::vector<uint32_t>& at, size_t C, size_t r, const float* v) {
-    const AmxRow& row = amx_rows_[r];
-    uint16_t* block = dst + size_t(row.first) * C + 2 * size_t(row.n);
+    uint16_t* block = dp ? dst + r * C : dst + size_t(amx_rows_[r].first) * C + 2 * size_t(amx_rows_[r].n);
     const uint32_t* index = at.data();
     bool subnormal = false;
     for (size_t c = 0; c < C; ++c) {
@@ -1790,7 +1992,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   bool subnormal1 = false;
   for (size_t r = 0; r < total; ++r) {
     const float* src = x + size_t(tokens[r]) * H;
-    if (amx && !first_words_.empty())
+    if ((amx || dp) && !first_words_.empty())
       subnormal1 |= put_words(xv_.data(), first_words_, H, r, src);
     float* dst = xin_.data() + r * H;
     if (first_at)
@@ -1800,6 +2002,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
   }
   Task t{arena, slots, n, bounds, rows, weights, out, items_of(first, threads_), items_of(down, threads_)};
   t.amx = amx;
+  t.dp = dp;
   t.subnormal1 = subnormal1;
   auto parallel = [&](size_t items, auto&& body) {
     if (pool_ && items > 1) {
@@ -1844,7 +2047,7 @@ void ExpertFfn::run(const uint8_t* arena, const int64_t* slots, size_t n, const 
         float* dst = act_.data() + r * inter;
         for (size_t i = 0; i < inter; ++i) dst[down_at[i]] = a[i];
       }
-      if (amx && !down_words_.empty()) {
+      if ((amx || dp) && !down_words_.empty()) {
         if (put_words(av_.data(), down_words_, inter, r, a)) subnormal2.store(true, std::memory_order_relaxed);
       }
     }

@@ -24,6 +24,7 @@ from tests.slot_tables import ChannelServer
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
+AVX512_PATHS = ("avx512", "avx512-bf16", "amx")  # the paths of the AVX-512 kernels
 # A float32 NaN whose payload is all ones: rounded to bfloat16 by adding 0x7FFF it would wrap to -0.
 NAN_ALL_ONES = np.array([0x7FFFFFFF], dtype=np.uint32).view(np.float32)[0].item()
 
@@ -248,21 +249,25 @@ def test_bf16_dot_rows_with_inputs_past_the_last_block_of_32(rows):
         torch.testing.assert_close(got[k::2], want, **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("inter", [60, 524])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
-def test_bf16_axpy_columns_past_the_last_step_of_16(rows, ffn_path):
+def test_bf16_axpy_columns_past_the_last_step_of_16(rows, inter, ffn_path):
     # bfloat16 [in, out] weights (GPT-OSS): the AVX-512 kernel takes 16 columns a step, the AVX2 one
     # 8. An intermediate of 60 gives the first projection 120 outputs (7 steps of 16, then 8),
     # hidden 66 the down projection 66 (4 steps, then 2 columns one at a time) and 66 inputs (16
-    # blocks of 4 weight rows, then 2 rows alone); 7 input rows are 4 + 2 + 1.
-    gen = torch.Generator().manual_seed(130 + rows)
-    layout = ExpertLayout(66, 60, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
+    # blocks of 4 weight rows, then 2 rows alone); 7 input rows are 4 + 2 + 1. avx512-bf16 streams
+    # rows of at most 1 KiB row by row for one or two input rows: an intermediate of 524 gives the
+    # first projection rows of 2096 bytes (65 steps of 16, then 8), in blocks of 16 weight rows at
+    # every row count, and the down projection 524 inputs (32 blocks of 16, then 3 of 4).
+    gen = torch.Generator().manual_seed(130 + rows + inter)
+    layout = ExpertLayout(66, inter, "plain-axpy", "plain-axpy", "gpt_oss", True, torch.bfloat16, gen)
     arena = layout.arena(slots=2)
     x = torch.randn(rows, 66, generator=gen).to(torch.bfloat16)
     experts = [(1, [(t, 0, 1.0) for t in range(rows)])]
     got, _ = run(layout, arena, experts, x, top_k=1)
     want = reference(layout, arena, 1, x, torch.ones(rows, 1))
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
-    if ffn_path in ("avx512", "amx"):  # per column the same sums in the same order as AVX2's
+    if ffn_path in AVX512_PATHS:  # per column the same sums in the same order as AVX2's
         spec = {**layout.spec, "path": "avx2"}
         ffn = _native.ExpertFfn(spec)
         out = np.full((rows, 66), np.nan, dtype=np.float32)
@@ -429,9 +434,10 @@ def test_decode_only_decodes_every_mxfp4_weight_as_the_encodings_module(ffn_path
         layout = ExpertLayout(hidden, INTER, "mxfp4", down, "gpt_oss", True, torch.bfloat16, gen)
         arena = layout.arena(slots=2)
         ffn = _native.ExpertFfn(layout.spec)
-        if ffn_path not in ("avx512", "amx"):
+        if ffn_path not in AVX512_PATHS:
             with pytest.raises(
-                ValueError, match=f"decode_only runs on the avx512 and amx paths, not '{ffn_path}'"
+                ValueError,
+                match=f"decode_only runs on the avx512, avx512-bf16 and amx paths, not '{ffn_path}'",
             ):
                 ffn.decode_only(arena, 1)
             continue
@@ -449,7 +455,7 @@ def test_decode_only_refuses_what_it_cannot_decode(ffn_path):
             ffn.decode_only(arena, slot)
     with pytest.raises(ValueError, match="arena must be a contiguous numpy uint8 array"):
         ffn.decode_only(arena.view(np.int8), 0)
-    if ffn_path in ("avx512", "amx"):
+    if ffn_path in AVX512_PATHS:
         plain = _native.ExpertFfn(plain_layout(3).spec)
         with pytest.raises(ValueError, match="decode_only needs an MXFP4 projection; this expert has none"):
             plain.decode_only(plain_layout(3).arena(slots=1), 0)
@@ -504,7 +510,7 @@ def test_bad_arguments_are_refused_by_name(change, message):
         (dict(gate="swish"), "spec\\['gate'\\]"),
         (dict(act="tanh"), "spec\\['act'\\]"),
         (dict(compute="int8"), "dtype 'int8'"),
-        (dict(path="sse"), "spec\\['path'\\] 'sse' is not auto, amx, avx512, avx2 or portable"),
+        (dict(path="sse"), "spec\\['path'\\] 'sse' is not auto, amx, avx512-bf16, avx512, avx2 or portable"),
     ],
 )
 def test_bad_specs_are_refused_by_name(change, message):
@@ -515,7 +521,7 @@ def test_bad_specs_are_refused_by_name(change, message):
 
 def test_paths_follow_the_cpu():
     paths = list(_native.FFN_PATHS)
-    assert paths[-1] == "portable" and set(paths) <= {"amx", "avx512", "avx2", "portable"}
+    assert paths[-1] == "portable" and set(paths) <= {"amx", *AVX512_PATHS, "avx2", "portable"}
     if platform.machine() not in ("x86_64", "AMD64"):
         assert paths == ["portable"]
         return
@@ -526,17 +532,18 @@ def test_paths_follow_the_cpu():
     assert ("avx2" in paths) == ({"avx2", "fma", "f16c"} <= flags)
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
     assert ("avx512" in paths) == (avx512 <= flags)
+    assert ("avx512-bf16" in paths) == (avx512 | {"avx512_bf16"} <= flags)
     # AMX needs the kernel's leave too (asked for at import): where the flags are, it may be refused.
     assert "amx" not in paths or avx512 | {"amx_tile", "amx_bf16"} <= flags
     assert _native.ExpertFfn({**plain_layout(3).spec, "path": "auto"}).path == paths[0]
 
 
 @pytest.mark.skipif(
-    not {"amx", "avx512", "avx2"} - set(_native.FFN_PATHS),
+    not {"amx", "avx512-bf16", "avx512", "avx2"} - set(_native.FFN_PATHS),
     reason="this CPU runs every SIMD path of the kernel",
 )
 def test_a_path_this_cpu_does_not_run_is_refused_by_name():
-    missing = sorted({"amx", "avx512", "avx2"} - set(_native.FFN_PATHS))[0]
+    missing = sorted({"amx", "avx512-bf16", "avx512", "avx2"} - set(_native.FFN_PATHS))[0]
     with pytest.raises(ValueError, match=f"path '{missing}' does not run on this CPU \\(it runs "):
         _native.ExpertFfn({**plain_layout(3).spec, "path": missing})
 

@@ -67,9 +67,12 @@ struct FfnProjection {
 // The SIMD path of an ExpertFfn. kAvx512 runs AVX-512 kernels where it has them (MXFP4 and FP8 dot
 // rows) and the AVX2 ones elsewhere. kAmx is kAvx512 but for MXFP4 projections in a bfloat16 compute
 // dtype, which it multiplies 16 weight rows at a time by AMX tiles (tdpbf16ps), but where an input
-// or a scaled weight is subnormal (which AMX reads as zero): the AVX-512 kernel's then. kAuto is the
-// fastest this CPU runs (ffn_paths()[0]).
-enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512, kAmx };
+// or a scaled weight is subnormal (which AMX reads as zero): the AVX-512 kernel's then. kAvx512Bf16
+// is kAvx512 but for MXFP4 projections in a bfloat16 compute dtype, which it multiplies with the
+// inputs as bfloat16 words by vdpbf16ps (AVX-512 BF16), at every row count, with the same fallback
+// as kAmx, and bfloat16 axpy projections 16 weight rows a block, or row by row where a row is at
+// most 1 KiB and the input rows one or two (the tuning of a CPU without AMX, AMD Zen 4). kAuto is the fastest this CPU runs (ffn_paths()[0]).
+enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512, kAmx, kAvx512Bf16 };
 
 struct FfnSpec {
   FfnProjection first;  // gate_up (2I outputs) or up (I outputs)
@@ -145,7 +148,8 @@ class ExpertFfn {
   // inputs are read as they are): derived once from path_ and the projection's inputs.
   std::vector<uint32_t> first_order_, down_order_;
   // kAmx, per input of an MXFP4 projection in bfloat16, its word's index in a block of the AMX
-  // kernel's inputs, for the block's first row (empty: the projection does not run on AMX); per
+  // kernel's inputs, for the block's first row (kAvx512Bf16: in its row of the vdpbf16ps kernel's
+  // inputs; empty: the projection runs on neither); per
   // expert row, its block of 16 input rows in the AMX inputs (AmxRow), an expert's blocks padded
   // to 16 rows.
   std::vector<uint32_t> first_words_, down_words_;
@@ -160,7 +164,7 @@ class ExpertFfn {
   // order), the first projection's outputs, the activations (and in natural order, nat_, when the
   // down kernel reads them permuted).
   std::vector<float, CacheLineAllocator<float>> xin_, h1_, act_, nat_;
-  // The AMX kernel's inputs as bfloat16 words, first and down projection.
+  // The AMX or vdpbf16ps kernel's inputs as bfloat16 words, first and down projection.
   std::vector<uint16_t, CacheLineAllocator<uint16_t>> xv_, av_;
 };
 
