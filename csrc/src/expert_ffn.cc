@@ -853,7 +853,7 @@ EXPERTCACHE_FFN_AVX512 void dot_mxfp4_avx512(const FfnProjection& p, const uint8
 // and no widening of the words to floats. On AMD Zen 4 it issues at the fma's rate (bench.kernels:
 // MXFP4 at 4 rows twice as fast). vdpbf16ps reads subnormal operands as zero and flushes subnormal
 // results: a call whose inputs hold a subnormal number, or whose weight rows have a scale that makes
-// values subnormal, is left to the AVX-512 kernel (project_mxfp4_bf16 returns false), as AMX's.
+// values subnormal, is left to the AVX-512 kernel (project_words_bf16 returns false), as AMX's.
 
 constexpr uint8_t kMinNormalScale = 2;  // 0.5 x 2**(s - 127) >= 2**-126: an E2M1 value times it is normal
 
@@ -935,11 +935,70 @@ EXPERTCACHE_FFN_BF16 void dot_mxfp4_bf16(const FfnProjection& p, const uint8_t* 
   }
 }
 
-// An MXFP4 projection's weight rows [o0, o1) against nr input rows of words at xw (C words a row,
-// mxfp4_position_bf16 order): h[r * outputs + i]. False, nothing written, where a scale of those
-// rows makes values subnormal.
-EXPERTCACHE_FFN_BF16 bool project_mxfp4_bf16(const FfnProjection& p, const uint8_t* slot, const uint16_t* xw,
+// -- AVX-512 BF16: plain bfloat16 dot rows by vdpbf16ps -------------------------------------------
+//
+// The avx512-bf16 path's kernel for plain bfloat16 [out, in] weights (Mixtral, Qwen-MoE, OLMoE,
+// DeepSeek) in a bfloat16 compute dtype: a 64-byte load of a weight row is 32 words, multiplied with
+// 32 input words (exact: values of the compute dtype) by one vdpbf16ps, where the avx512 kernel
+// widens them to floats by a shift and a mask and takes two fmas; the inputs past the last block of
+// 32, and the weights beside them, by masked loads (zero words add nothing). One weight row at a time,
+// so that the weights stream in order: a row of a decode step's experts is 1-6 KiB, and rows read
+// side by side (the avx512 kernel's 4) cut that stream into pieces too short for the hardware's
+// prefetch (AMD Zen 4, bench.kernels' plain layout at the e2e shape: 11 GB/s 4 rows a time, 24-26
+// one at a time, at 1 input row; 7.8 and 16-17 at 4). Each sum is rounded once per product, a pair's
+// odd product first, as the avx512 kernel's fmas round, in another order; vdpbf16ps reads subnormal
+// operands as zero and flushes subnormal sums: a call whose inputs hold a subnormal number is left to
+// the avx512 kernel (as AMX's), and a subnormal weight, below 2**-126, moves a sum by less than
+// 2**-126 times an input.
+template <int NR>
+EXPERTCACHE_FFN_BF16 inline void bf16_row_dp(const uint8_t* a, size_t C, const uint16_t* x, size_t i, float* h,
+                                            size_t H) {
+  const size_t body = C / 64 * 64;
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  size_t c = 0;
+  for (; c < body; c += 64) {  // two accumulators a row: two chains of vdpbf16ps
+    const __m512i v0 = _mm512_loadu_si512(a + c * 2), v1 = _mm512_loadu_si512(a + c * 2 + 64);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)v0, (__m512bh)_mm512_loadu_si512(x + r * C + c));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)v1, (__m512bh)_mm512_loadu_si512(x + r * C + c + 32));
+    }
+  }
+  for (; c < C; c += 32) {
+    const __mmask32 m = C - c >= 32 ? ~__mmask32(0) : __mmask32((1ULL << (C - c)) - 1);
+    const __m512i v = _mm512_maskz_loadu_epi16(m, a + c * 2);
+    for (int r = 0; r < NR; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)v, (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * C + c));
+  }
+  for (int r = 0; r < NR; ++r) h[r * H + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// Plain bfloat16 dot rows [i0, i1) against NR <= 4 input rows of words (bf16_row_dp).
+template <int NR>
+EXPERTCACHE_FFN_BF16 void dot_bf16_dp(const uint8_t* w0, size_t C, const uint16_t* x, size_t i0, size_t i1, float* h,
+                                      size_t H) {
+  for (size_t i = i0; i < i1; ++i) bf16_row_dp<NR>(w0 + i * C * 2, C, x, i, h, H);
+}
+
+// An MXFP4 or plain bfloat16 dot projection's weight rows [o0, o1) against nr input rows of words
+// at xw (C words a row; MXFP4: in mxfp4_position_bf16 order): h[r * outputs + i]. False, nothing
+// written, where an MXFP4 scale of those rows makes values subnormal.
+EXPERTCACHE_FFN_BF16 bool project_words_bf16(const FfnProjection& p, const uint8_t* slot, const uint16_t* xw,
                                              size_t nr, size_t o0, size_t o1, float* h) {
+  if (bf16_dot_avx512(p)) {
+    const uint8_t* w = slot + p.weight_offset;
+    for (size_t r = 0; r < nr; r += 4) {
+      const uint16_t* xr = xw + r * p.inputs;
+      float* hr = h + r * p.outputs;
+      switch (std::min<size_t>(4, nr - r)) {
+        case 1: dot_bf16_dp<1>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        case 2: dot_bf16_dp<2>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        case 3: dot_bf16_dp<3>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+        default: dot_bf16_dp<4>(w, p.inputs, xr, o0, o1, hr, p.outputs); break;
+      }
+    }
+    return true;
+  }
   const size_t groups = p.inputs / kGroup;
   if (!scales_normal(slot + p.scale_offset, groups, o0, o1)) return false;
   for (size_t r = 0; r < nr; r += 4) {
@@ -1497,7 +1556,7 @@ bool cpu_has_avx512_bf16() {
 }
 #else  // no vdpbf16ps kernel: no avx512-bf16 path
 bool cpu_has_avx512_bf16() { return false; }
-bool project_mxfp4_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
+bool project_words_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
   return false;
 }
 #endif
@@ -1522,7 +1581,7 @@ bool amx_ready() {
 bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
 bool cpu_has_avx512_bf16() { return false; }
-bool project_mxfp4_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
+bool project_words_bf16(const FfnProjection&, const uint8_t*, const uint16_t*, size_t, size_t, size_t, float*) {
   return false;
 }
 void project_avx2(const FfnProjection&, const uint8_t*, const float*, size_t, size_t, size_t, float*, FfnDtype) {}
@@ -1585,7 +1644,7 @@ bool project_amx(bool amx, AmxTiles& tiles, const FfnProjection& p, const uint8_
 void project(FfnPath path, const FfnProjection& p, const uint8_t* slot, const float* x, size_t nr, size_t o0,
              size_t o1, float* h, FfnDtype compute) {
   switch (path) {
-    case FfnPath::kAvx512Bf16:  // its own kernel is project_mxfp4_bf16's, for MXFP4 in bfloat16
+    case FfnPath::kAvx512Bf16:  // its own kernels are project_words_bf16's (MXFP4, bf16 dot rows; bfloat16)
       return project_avx512(p, slot, x, nr, o0, o1, h, compute, true);
     case FfnPath::kAmx:  // its own kernel is project_mxfp4_amx's, for MXFP4 in bfloat16
     case FfnPath::kAvx512: return project_avx512(p, slot, x, nr, o0, o1, h, compute, false);
@@ -1811,13 +1870,18 @@ ExpertFfn::ExpertFfn(const FfnSpec& spec) : spec_(spec) {
   first_order_ = order(spec.first);
   down_order_ = order(spec.down);
   // AMX and avx512-bf16: MXFP4 in a bfloat16 compute dtype, its inputs also as bfloat16 words (exact:
-  // values of the compute dtype) in the kernel's order.
+  // values of the compute dtype) in the kernel's order; avx512-bf16 also plain bfloat16 dot rows,
+  // their words in natural order.
   const bool amx = path_ == FfnPath::kAmx;
   auto words = [&](const FfnProjection& p) {
     std::vector<uint32_t> at;
-    if ((!amx && path_ != FfnPath::kAvx512Bf16) || spec.compute != FfnDtype::kBFloat16 ||
-        p.encoding != FfnEncoding::kMxfp4)
+    if ((!amx && path_ != FfnPath::kAvx512Bf16) || spec.compute != FfnDtype::kBFloat16) return at;
+    if (path_ == FfnPath::kAvx512Bf16 && bf16_dot_avx512(p)) {
+      at.resize(p.inputs);
+      for (size_t c = 0; c < p.inputs; ++c) at[c] = uint32_t(c);
       return at;
+    }
+    if (p.encoding != FfnEncoding::kMxfp4) return at;
     at.resize(p.inputs);
     for (size_t c = 0; c < p.inputs; ++c) {
       const size_t w = mxfp4_position_bf16(c, p.inputs);
@@ -1870,7 +1934,7 @@ void ExpertFfn::first_items(const Task& t, size_t begin, size_t end) {
     const float* x = xin_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * p.outputs;
     const uint16_t* words = amx ? xv_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
-    if (!(dp && project_mxfp4_bf16(p, slot, xv_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
+    if (!(dp && project_words_bf16(p, slot, xv_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
         !project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, x, nr, o0, o1, h, spec_.compute);
     // The projection's output and bias add, rounded as transformers' are.
@@ -1908,7 +1972,7 @@ void ExpertFfn::down_items(const Task& t, size_t begin, size_t end) {
     const float* a = act_.data() + r0 * p.inputs;
     float* h = h1_.data() + r0 * H;  // reused: the first projection's outputs are consumed
     const uint16_t* words = amx ? av_.data() + size_t(amx_rows_[r0].first) * p.inputs : nullptr;
-    if (!(dp && project_mxfp4_bf16(p, slot, av_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
+    if (!(dp && project_words_bf16(p, slot, av_.data() + r0 * p.inputs, nr, o0, o1, h)) &&
         !project_amx(amx, tiles, p, slot, words, nr, o0, o1, h))
       project(path_, p, slot, a, nr, o0, o1, h, d);
     const uint8_t* bias = p.bias_offset >= 0 ? slot + p.bias_offset : nullptr;

@@ -191,6 +191,38 @@ def test_mxfp4_subnormal_inputs_count(rows, which):
     )
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
+@pytest.mark.parametrize("which", ["inputs", "activations"])
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_bf16_dot_subnormal_inputs_count(rows, which):
+    """As test_mxfp4_subnormal_inputs_count, for plain bfloat16 [out, in] weights (the avx512-bf16
+    path multiplies them by vdpbf16ps, which reads subnormals as zero): subnormal inputs of the
+    first projection, or activations of the down one, against weights scaled up to meet them."""
+    gen = torch.Generator().manual_seed(140 + rows)
+    layout = ExpertLayout(H, INTER, "plain-dot", "plain-dot", "glu_halves", False, torch.bfloat16, gen)
+    arena = layout.arena(slots=1)
+    parts = layout.parts(arena, 0)
+    sign = torch.randint(0, 2, (rows, H), generator=gen) * 2 - 1
+    if which == "inputs":  # in [2**-130, 2**-129], the weights near 2**100
+        parts["gate_up_proj"].mul_(2.0**100)
+        x = (sign * (1 + torch.rand(rows, H, generator=gen)) * 2.0**-130).to(torch.bfloat16)
+        assert ((x != 0) & (x.abs() < 2.0**-126)).all()
+    else:  # the first projection's outputs near 2**-64, so silu(gate) * up near 2**-129
+        parts["gate_up_proj"].mul_(2.0**-66)
+        parts["down_proj"].mul_(2.0**100)
+        x = (sign * (1 + torch.rand(rows, H, generator=gen))).to(torch.bfloat16)
+        h = (x.float() @ parts["gate_up_proj"].float().T).to(torch.bfloat16)
+        act = (torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]).float()
+        assert ((act != 0) & (act.abs() < 2.0**-126)).float().mean() > 0.5
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN reads bfloat16 subnormals as zero too
+        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want.abs().max() > 2.0**-60  # the products reached the output
+    torch.testing.assert_close(
+        got, want, rtol=TOL[torch.bfloat16]["rtol"], atol=want.abs().max().item() * 1e-3
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_mxfp4_zero_group_at_scale_255_adds_zero(rows):
     """Scale 255 is 2**128, beyond float32: a group of zero codes under it adds 0, not NaN (0 x

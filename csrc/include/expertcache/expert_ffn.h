@@ -70,8 +70,9 @@ struct FfnProjection {
 // or a scaled weight is subnormal (which AMX reads as zero): the AVX-512 kernel's then. kAvx512Bf16
 // is kAvx512 but for MXFP4 projections in a bfloat16 compute dtype, which it multiplies with the
 // inputs as bfloat16 words by vdpbf16ps (AVX-512 BF16), at every row count, with the same fallback
-// as kAmx, and bfloat16 axpy projections 16 weight rows a block, or row by row where a row is at
-// most 1 KiB and the input rows one or two (the tuning of a CPU without AMX, AMD Zen 4). kAuto is the fastest this CPU runs (ffn_paths()[0]).
+// as kAmx, plain bfloat16 dot rows by vdpbf16ps too (one weight row at a time), and bfloat16 axpy
+// projections 16 weight rows a block, or row by row where a row is at most 1 KiB and the input rows
+// one or two (the tuning of a CPU without AMX, AMD Zen 4). kAuto is the fastest this CPU runs (ffn_paths()[0]).
 enum class FfnPath { kAuto, kPortable, kAvx2, kAvx512, kAmx, kAvx512Bf16 };
 
 struct FfnSpec {
@@ -148,8 +149,8 @@ class ExpertFfn {
   // inputs are read as they are): derived once from path_ and the projection's inputs.
   std::vector<uint32_t> first_order_, down_order_;
   // kAmx, per input of an MXFP4 projection in bfloat16, its word's index in a block of the AMX
-  // kernel's inputs, for the block's first row (kAvx512Bf16: in its row of the vdpbf16ps kernel's
-  // inputs; empty: the projection runs on neither); per
+  // kernel's inputs, for the block's first row (kAvx512Bf16, MXFP4 and plain bfloat16 dot rows in
+  // bfloat16: in its row of the vdpbf16ps kernel's inputs; empty: the projection runs on neither); per
   // expert row, its block of 16 input rows in the AMX inputs (AmxRow), an expert's blocks padded
   // to 16 rows.
   std::vector<uint32_t> first_words_, down_words_;
