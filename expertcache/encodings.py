@@ -149,6 +149,8 @@ class ExpertTensor:
         how = self.encoding
         if self.encoding != "plain":
             how += f" (blocks {'x'.join(map(str, self.block_size))}, {self.scale_layout} scales)"
+        elif self.transposed:
+            how += " (stored transposed, as rows)"
         return f"{self.name} {how} → {self.dtype} {list(self.shape)}"
 
 
@@ -290,20 +292,35 @@ class Encoding(ABC):
 
 
 class Plain(Encoding):
-    """The runtime parameter as it is: bf16/fp16/fp32 checkpoints, biases."""
+    """The runtime parameter as it is: bf16/fp16/fp32 checkpoints, biases. ``transposed``: a 2-D
+    parameter stored transposed, [out, in] rows for a module that computes x @ W with W [in, out]
+    (GPT-OSS), as its MXFP4 blocks are: the CPU kernels read a row of weights as one stream
+    (docs/internals.md); the runtime parameter is the transposed view (no copy)."""
 
     name: ClassVar[str] = "plain"
 
-    def plan(self, name, dtype, shape, *, block_size=()):
+    def plan(self, name, dtype, shape, *, block_size=(), transposed=False):
         if block_size:
             raise ValueError(f"plain tensor {name!r} has no blocks (got block size {list(block_size)})")
-        return ExpertTensor(name, dtype, tuple(shape), parts=(TensorLayout(name, dtype, tuple(shape), 0),))
+        if transposed and len(shape) != 2:
+            raise ValueError(
+                f"plain tensor {name!r}: only a 2-D parameter is stored transposed, got {list(shape)}"
+            )
+        tensor = ExpertTensor(name, dtype, tuple(shape), parts=(), transposed=transposed)
+        ((part_dtype, part_shape),) = self.part_shapes(tensor).values()
+        return replace(tensor, parts=(TensorLayout(name, part_dtype, part_shape, 0),))
 
     def part_shapes(self, tensor):
+        if tensor.transposed:
+            if len(tensor.shape) != 2:
+                raise ValueError(
+                    f"plain tensor {tensor.name!r} is transposed but {list(tensor.shape)} is not 2-D"
+                )
+            return {tensor.name: (tensor.dtype, tuple(tensor.shape[::-1]))}
         return {tensor.name: (tensor.dtype, tensor.shape)}
 
     def decode(self, tensor, parts, scratch=None):
-        return parts[tensor.name]
+        return parts[tensor.name].t() if tensor.transposed else parts[tensor.name]
 
 
 # -- MXFP4 --------------------------------------------------------------------------------------

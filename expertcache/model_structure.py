@@ -35,6 +35,7 @@ class ExpertsSite:
     path: str  # e.g. "model.layers.3.mlp.experts"
     num_experts: int
     tensors: tuple[ExpertTensorSpec, ...]
+    transposed: bool = False  # the module computes x @ W (W [in, out]: GPT-OSS), not x @ W.T
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -104,7 +105,13 @@ def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
             if param.dim() >= 2 and param.shape[0] == num_experts
         )
         sites.append(
-            ExpertsSite(layer=int(match.group(1)), path=path, num_experts=num_experts, tensors=tensors)
+            ExpertsSite(
+                layer=int(match.group(1)),
+                path=path,
+                num_experts=num_experts,
+                tensors=tensors,
+                transposed=bool(module.is_transposed),
+            )
         )
     return sorted(sites, key=lambda s: s.layer)
 

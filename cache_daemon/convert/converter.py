@@ -214,6 +214,10 @@ def _expert_tensors(
                     f"{sites[0].layer} as {first[i].encoding} ({first[i].describe(0)}): one store layout needs "
                     "one encoding per expert tensor; convert with --dequantize"
                 )
+        if tensor.encoding == "plain" and sites[0].transposed and len(spec.shape) == 2:
+            # x @ W with W [in, out] (GPT-OSS): stored as [out, in] rows, as its MXFP4 blocks are,
+            # which the CPU kernels stream a row at a time (expertcache.encodings.Plain).
+            tensor = get_encoding("plain").plan(spec.name, dtype, spec.shape, transposed=True)
         tensors.append(tensor)
     return tensors
 

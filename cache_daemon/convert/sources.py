@@ -219,9 +219,11 @@ class ExpertRecipe:
                 raise InvalidArgument(f"{self.describe(expert)} cannot be stored as {tensor.encoding}")
             source = self.encoded(tensor.dtype)
             self._check(expert, source, parts)
-            parts = {tensor.name: decode(source, parts).contiguous()}
+            parts = {tensor.name: decode(source, parts)}
         elif self.encoding == "plain":
             parts = {name: t.to(torch_dtype(tensor.dtype)) for name, t in parts.items()}
+        if tensor.encoding == "plain" and tensor.transposed:  # the runtime [in, out] stored as rows
+            parts = {name: t.t() for name, t in parts.items()}
         self._check(expert, tensor, parts)
         return {name: t.contiguous() for name, t in parts.items()}
 

@@ -35,14 +35,21 @@ MAX_FUSED_ROWS_BF16 = {
     ("fp8", "dot"): 8,
     ("fp8", "axpy"): 8,
 }
+# The same, where the native kernel runs another path than the Xeon's above: avx512-bf16 (AMD
+# Zen 4) multiplies plain [out, in] rows by vdpbf16ps. Torch / fused there (bench.kernels, 1 thread,
+# 3 rounds): plain [out, in] at gpt-oss-20b's shape 1.0 at 8 rows, 0.9 at 16 (the e2e shape 2.3 at
+# 8); plain [in, out] 1.6 at 8, 1.0 at 16.
+MAX_FUSED_ROWS_BF16_BY_PATH = {"avx512-bf16": {("plain", "dot"): 8, ("plain", "axpy"): 16}}
 
 
-def max_fused_rows(spec: dict) -> int:
-    """Rows per expert up to which the fused kernel runs a layer of ``spec`` (0: never)."""
+def max_fused_rows(spec: dict, path: str = "") -> int:
+    """Rows per expert up to which the fused kernel runs a layer of ``spec`` (0: never) on the
+    native kernel's SIMD ``path`` (``ExpertFfn.path``)."""
     rows = MAX_FUSED_ROWS.get(spec["compute"], 0)
     if spec["compute"] == "bfloat16":
+        table = {**MAX_FUSED_ROWS_BF16, **MAX_FUSED_ROWS_BF16_BY_PATH.get(path, {})}
         for projection in (spec["first"], spec["down"]):
-            rows = min(rows, MAX_FUSED_ROWS_BF16.get((projection["encoding"], projection["form"]), rows))
+            rows = min(rows, table.get((projection["encoding"], projection["form"]), rows))
     return rows
 
 
@@ -83,15 +90,18 @@ def _projection(tensors: dict[str, ExpertTensor], name: str, inputs: int, output
         return None
     parts = {p.name: p for p in t.parts}
     if t.encoding == "plain":
+        # Stored transposed (rows of the module's [in, out] parameter, expertcache.encodings.Plain):
+        # [out, in], read as dot rows.
         part = parts[name]
-        if part.dtype not in _DTYPES:
+        if part.dtype not in _DTYPES or (t.transposed and not transposed):
             return None
-        want = (inputs, outputs) if transposed else (outputs, inputs)
+        axpy = transposed and not t.transposed
+        want = (inputs, outputs) if axpy else (outputs, inputs)
         if tuple(part.shape) != want:
             return None
         spec = dict(
             encoding="plain",
-            form="axpy" if transposed else "dot",
+            form="axpy" if axpy else "dot",
             weight_dtype=part.dtype,
             weight_offset=part.offset,
         )
@@ -217,7 +227,9 @@ class FusedExperts:
                 ffn = self._by_spec.get(text)
                 if ffn is None:
                     native_ffn = self._native.expert_ffn(spec, threads=torch.get_num_threads())
-                    ffn = FusedKernel(native_ffn, max_fused_rows(spec), getattr(torch, spec["compute"]))
+                    ffn = FusedKernel(
+                        native_ffn, max_fused_rows(spec, native_ffn.path), getattr(torch, spec["compute"])
+                    )
                     self._by_spec[text] = ffn
                     logger.info(
                         "experts of %s run by the fused CPU kernel up to %d rows per expert (%s path, %d threads)",

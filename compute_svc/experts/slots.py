@@ -87,7 +87,9 @@ class SlotExperts:
         for t in layouts:
             for p in t.parts:
                 raw = slots[:, p.offset : p.offset + p.nbytes]
-                self.views[p.name] = raw.view(getattr(torch, p.dtype)).unflatten(1, tuple(p.shape))
+                view = raw.view(getattr(torch, p.dtype)).unflatten(1, tuple(p.shape))
+                # a transposed plain tensor: its [out, in] rows seen as the runtime [in, out]
+                self.views[p.name] = view.transpose(1, 2) if t.transposed else view
         self._plans: dict[tuple[int, int], _Plan] = {}
         self._slot_host: dict[int, torch.Tensor] = {}  # layer -> [E] int64 (page-locked on a GPU)
         self.calls = 0  # layers computed

@@ -45,17 +45,13 @@ class ExpertDecoder:
         """``{parameter name: tensor of the runtime shape and compute dtype}`` for one expert.
 
         ``parts``: stored part name → typed view of the slot (``Arena.slot_views``). Plain
-        tensors come back as those views; encoded ones as views of this decoder's scratch.
+        tensors come back as those views (transposed ones as their transposed view); encoded ones
+        as views of this decoder's scratch.
         """
-        if not self.encoded:
-            return dict(parts)
         return {t.name: decode(t, parts, self.scratch) for t in self.tensors}
 
     def param(self, name: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One runtime parameter of one expert (``weights(parts)[name]``, decoding only it): a view
         of the slot when plain, else a view of this decoder's scratch for that tensor, valid until
         the same tensor of another expert is decoded."""
-        tensor = self._by_name[name]
-        if tensor.encoding == "plain":
-            return parts[name]
-        return decode(tensor, parts, self.scratch)
+        return decode(self._by_name[name], parts, self.scratch)

@@ -183,6 +183,10 @@ def test_a_layer_is_fused_up_to_the_rows_measured_for_both_its_projections_layou
     assert max_fused_rows({"compute": "bfloat16", "first": mxfp4, "down": mxfp4}) == 64
     assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain_t}) == 8
     assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain}) == 2
+    # avx512-bf16 (vdpbf16ps dot rows): its own crossovers
+    assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain}, "avx512-bf16") == 8
+    assert max_fused_rows({"compute": "bfloat16", "first": plain_t, "down": plain_t}, "avx512-bf16") == 16
+    assert max_fused_rows({"compute": "bfloat16", "first": mxfp4, "down": plain}, "avx2") == 2
     assert max_fused_rows({"compute": "float32", "first": plain, "down": plain}) == 32
     assert max_fused_rows({"compute": "int8", "first": plain, "down": plain}) == 0
 

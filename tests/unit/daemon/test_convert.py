@@ -26,7 +26,7 @@ from cache_daemon.convert.sources import SUPPORTED_MODEL_TYPES
 from devtools.tiny import SUPPORTED_ARCHS, make_checkpoint, make_config
 from expertcache.errors import FailedPrecondition, InvalidArgument, NotFound, Unsupported
 from expertcache.manifest import read_manifest
-from tests.stores import assert_store_matches, assert_store_matches_model, model_tensors
+from tests.stores import assert_store_matches, assert_store_matches_model, bits, model_tensors, read_parts
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -89,6 +89,28 @@ def test_bf16_checkpoint_round_trip(tmp_path):
     manifest = convert(src, tmp_path / "store", progress=False)
     assert {t.dtype for t in manifest.tensors} == {"bfloat16"}
     assert manifest.dense_dtype == "bfloat16"
+    assert_store_matches_model(tmp_path / "store", src)
+
+
+@pytest.mark.parametrize(("arch", "transposed"), [("gpt_oss", True), ("mixtral", False)])
+def test_plain_experts_of_a_module_computing_x_at_w_are_stored_as_rows(arch, transposed, tmp_path):
+    # GPT-OSS computes x @ W with W [in, out]: its bf16 expert weights are stored transposed, as
+    # [out, in] rows (as its MXFP4 blocks are), which the CPU kernels stream a row at a time;
+    # Mixtral's [out, in] weights stay as they are. The biases stay 1-D and as they are.
+    src = make_checkpoint(arch, tmp_path / "ckpt", dtype=torch.bfloat16, with_tokenizer=False)
+    manifest = convert(src, tmp_path / "store", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    experts, _ = model_tensors(model)
+    layer = sorted(experts)[0]
+    parts = read_parts(tmp_path / "store", manifest, layer, 1)
+    for t in manifest.tensors:
+        param = experts[layer][t.name][1]
+        if param.dim() != 2:
+            assert not t.transposed, t.name
+            continue
+        assert (t.encoding, t.transposed) == ("plain", transposed), t.name
+        assert t.parts[0].shape == (param.shape[::-1] if transposed else param.shape), t.name
+        assert torch.equal(bits(parts[t.name]), bits(param.t() if transposed else param)), t.name
     assert_store_matches_model(tmp_path / "store", src)
 
 

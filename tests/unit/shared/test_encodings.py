@@ -61,6 +61,18 @@ def test_mxfp4_encoding_decodes_to_the_transposed_runtime_parameter():
     assert torch.equal(bits(out), bits(want))
 
 
+def test_plain_transposed_decodes_to_the_runtime_parameter_as_a_view_of_its_rows():
+    tensor = get_encoding("plain").plan("gate_up_proj", "bfloat16", (64, 96), transposed=True)
+    check_tensor(tensor)
+    assert tensor.transposed and tensor.parts[0].shape == (96, 64)  # stored [out, in] rows
+    rows = torch.randn(96, 64).to(torch.bfloat16)
+    out = decode(tensor, {"gate_up_proj": rows})
+    assert out.shape == (64, 96) and out.data_ptr() == rows.data_ptr()  # runtime [H, 2I], no copy
+    assert torch.equal(out, rows.t())
+    with pytest.raises(ValueError, match="'b'.*only a 2-D parameter is stored transposed"):
+        get_encoding("plain").plan("b", "bfloat16", (96,), transposed=True)
+
+
 def all_e4m3_values() -> torch.Tensor:
     """float8_e4m3fn [48, 64]: every e4m3 byte (NaNs included) in every 16 x 16 block."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16).repeat(3, 4)
@@ -226,6 +238,16 @@ def test_registry_refuses_unknown_names_listing_the_valid_ones():
         (
             ExpertTensor("w", "int8", (4, 4), parts=(TensorLayout("w", "int8", (4, 4), 0),)),
             "decodes to 'int8'",
+        ),
+        (
+            ExpertTensor("w", "bfloat16", (64, 96), parts=(TensorLayout("w", "bfloat16", (64, 96), 0),),
+                         transposed=True),
+            "expert tensor 'w'.*has stored parts",
+        ),  # transposed: the rows [96, 64] are stored
+        (
+            ExpertTensor("w", "bfloat16", (4, 8, 2), parts=(TensorLayout("w", "bfloat16", (2, 8, 4), 0),),
+                         transposed=True),
+            "plain tensor 'w' is transposed but \\[4, 8, 2\\] is not 2-D",
         ),
         (
             ExpertTensor("w", "bfloat16", (32, 32), parts=(TensorLayout("w", "float8_e4m3fn", (32, 32), 0),
