@@ -911,7 +911,8 @@ EXPERTCACHE_FFN_BF16 inline void mxfp4_row_bf16(const uint8_t* b, const uint8_t*
   }
 }
 
-// MXFP4 dot rows from words, as dot_mxfp4_avx512 with the BF16 row.
+// MXFP4 dot rows from words, as dot_mxfp4_avx512 with the BF16 row (its loop written a third time,
+// for the reason dot_mxfp4_avx512 gives: a target attribute holds for a whole function).
 template <int NR>
 EXPERTCACHE_FFN_BF16 void dot_mxfp4_bf16(const FfnProjection& p, const uint8_t* slot, const uint16_t* x, size_t i0,
                                          size_t i1, float* h) {

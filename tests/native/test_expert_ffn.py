@@ -161,6 +161,18 @@ def test_mxfp4_subnormal_scales_stay_exact(dtype, rows, hidden):
     torch.testing.assert_close(got, want, rtol=TOL[dtype]["rtol"], atol=want.abs().max().item() * 1e-3)
 
 
+def assert_products_of_subnormals_count(layout: ExpertLayout, arena: np.ndarray, x: torch.Tensor) -> None:
+    """Slot 0 over every row of x [rows, H] equals transformers' (subnormals read as they are)."""
+    rows = x.shape[0]
+    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
+    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN reads bfloat16 subnormals as zero too
+        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
+    assert want.abs().max() > 2.0**-60  # the products reached the output
+    torch.testing.assert_close(
+        got, want, rtol=TOL[torch.bfloat16]["rtol"], atol=want.abs().max().item() * 1e-3
+    )
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
 @pytest.mark.parametrize("which", ["inputs", "activations"])
 @pytest.mark.parametrize("rows", [1, 4, 6])
@@ -182,13 +194,7 @@ def test_mxfp4_subnormal_inputs_count(rows, which):
         parts["gate_up_proj_scales"][:] = 0
         parts["down_proj_scales"][:] = 127 + 100
         x = (sign * (1 + torch.rand(rows, H, generator=gen)) * 2.0**-10).to(torch.bfloat16)
-    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
-    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN reads bfloat16 subnormals as zero too
-        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
-    assert want.abs().max() > 2.0**-60  # the products reached the output
-    torch.testing.assert_close(
-        got, want, rtol=TOL[torch.bfloat16]["rtol"], atol=want.abs().max().item() * 1e-3
-    )
+    assert_products_of_subnormals_count(layout, arena, x)
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on mkldnn.flags
@@ -214,13 +220,7 @@ def test_bf16_dot_subnormal_inputs_count(rows, which):
         h = (x.float() @ parts["gate_up_proj"].float().T).to(torch.bfloat16)
         act = (torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]).float()
         assert ((act != 0) & (act.abs() < 2.0**-126)).float().mean() > 0.5
-    got, _ = run(layout, arena, [(0, [(t, 0, 1.0) for t in range(rows)])], x, top_k=1)
-    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN reads bfloat16 subnormals as zero too
-        want = reference(layout, arena, 0, x, torch.ones(rows, 1))
-    assert want.abs().max() > 2.0**-60  # the products reached the output
-    torch.testing.assert_close(
-        got, want, rtol=TOL[torch.bfloat16]["rtol"], atol=want.abs().max().item() * 1e-3
-    )
+    assert_products_of_subnormals_count(layout, arena, x)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
