@@ -302,10 +302,6 @@ class Plain(Encoding):
     def plan(self, name, dtype, shape, *, block_size=(), transposed=False):
         if block_size:
             raise ValueError(f"plain tensor {name!r} has no blocks (got block size {list(block_size)})")
-        if transposed and len(shape) != 2:
-            raise ValueError(
-                f"plain tensor {name!r}: only a 2-D parameter is stored transposed, got {list(shape)}"
-            )
         tensor = ExpertTensor(name, dtype, tuple(shape), parts=(), transposed=transposed)
         ((part_dtype, part_shape),) = self.part_shapes(tensor).values()
         return replace(tensor, parts=(TensorLayout(name, part_dtype, part_shape, 0),))

@@ -224,8 +224,8 @@ def cuda_available() -> bool:
 # (``run(arena, slots, bounds, rows, tokens, weights, x, out)``, ``set_threads``, ``path``); the spec
 # is compute_svc.experts.fused.fused_spec's; its optional "path" names the SIMD path ("auto", the
 # default, is the fastest). ``FFN_PATHS``: the paths this CPU runs, fastest first ("amx": "avx512"
-# but MXFP4 in bfloat16 on AMX tiles from 5 rows an expert; "avx512-bf16": "avx512" but MXFP4 in
-# bfloat16 by vdpbf16ps at every row count; "avx512": the AVX-512 kernels where
+# but MXFP4 in bfloat16 on AMX tiles from 5 rows an expert; "avx512-bf16": "avx512" but MXFP4 and
+# plain bf16 [out, in] rows in bfloat16 by vdpbf16ps at every row count; "avx512": the AVX-512 kernels where
 # there are some and the AVX2 ones elsewhere, "avx2", "portable"); ``ExpertFfn.amx_items``: the
 # work items (16 output rows of one expert) run on AMX so far. See
 # csrc/include/expertcache/expert_ffn.h.

@@ -69,7 +69,7 @@ def test_plain_transposed_decodes_to_the_runtime_parameter_as_a_view_of_its_rows
     out = decode(tensor, {"gate_up_proj": rows})
     assert out.shape == (64, 96) and out.data_ptr() == rows.data_ptr()  # runtime [H, 2I], no copy
     assert torch.equal(out, rows.t())
-    with pytest.raises(ValueError, match="'b'.*only a 2-D parameter is stored transposed"):
+    with pytest.raises(ValueError, match="plain tensor 'b' is transposed but \\[96\\] is not 2-D"):
         get_encoding("plain").plan("b", "bfloat16", (96,), transposed=True)
 
 
