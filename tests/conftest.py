@@ -7,10 +7,11 @@ converter). Equal arguments share one directory for the whole session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -72,15 +73,24 @@ class TinyStore:
 def tiny_store(tmp_path_factory):
     built: dict[str, TinyStore] = {}
 
-    def get(arch: str, **config) -> TinyStore:
-        key = f"{arch}-{json.dumps(config, sort_keys=True, default=str)}"
+    def get(arch: str, *, columns: bool = False, **config) -> TinyStore:
+        """``columns``: plain [in, out] expert parameters stored as the checkpoint has them, as
+        stores converted before they were stored as rows (``expertcache.encodings.Plain``)."""
+        key = f"{arch}-{columns}-{json.dumps(config, sort_keys=True, default=str)}"
         if key not in built:
-            from cache_daemon.convert import convert
+            from unittest import mock
+
+            from cache_daemon.convert import convert, converter
             from devtools.tiny import make_checkpoint
 
             root = tmp_path_factory.mktemp(arch)
             checkpoint = make_checkpoint(arch, root / "checkpoint", **config)
-            convert(checkpoint, root / "store")
+            sites = converter.find_experts_sites
+            as_columns = mock.patch.object(
+                converter, "find_experts_sites", lambda m: [replace(s, transposed=False) for s in sites(m)]
+            )
+            with as_columns if columns else contextlib.nullcontext():
+                convert(checkpoint, root / "store")
             built[key] = TinyStore(checkpoint, root / "store", read_manifest(root / "store"))
         return built[key]
 

@@ -176,6 +176,19 @@ def test_fused_kernel_matches_transformers_at_decode_sizes(arch, config, tol, lo
     torch.testing.assert_close(got, local_engine(arch, fused=False, **config)[0].forward_logits(SHORT), **tol)
 
 
+def test_a_store_converted_before_rows_is_read_by_the_axpy_kernel(local_engine):
+    # GPT-OSS's bf16 [in, out] weights as a store converted before they were stored as rows holds
+    # them: served as they are, read as axpy, and equal to transformers.
+    engine, _, tiny = local_engine("gpt_oss", dtype=torch.bfloat16, columns=True)
+    assert not any(t.transposed for t in tiny.manifest.tensors)
+    got = engine.forward_logits(SHORT)
+    fused = engine.runtime.reader.fused
+    assert fused is not None and fused.calls > 0, "the fused kernel did not run"
+    assert all(k is not None for k in fused._by_module.values()), "a layer fell back to the torch path"
+    assert all("'form': 'axpy'" in text for text in fused._by_spec), list(fused._by_spec)
+    torch.testing.assert_close(got, plain_logits(tiny.checkpoint, SHORT), **BF16_TOL)
+
+
 def test_a_layer_is_fused_up_to_the_rows_measured_for_both_its_projections_layouts():
     mxfp4, plain_t, plain = (
         {"encoding": e, "form": f} for e, f in (("mxfp4", "dot"), ("plain", "axpy"), ("plain", "dot"))
