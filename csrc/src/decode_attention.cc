@@ -93,6 +93,7 @@ DecodeAttention::DecodeAttention(const AttentionSpec& spec) : spec_(spec) {
       bad("router_top_k needs a 2-byte dtype and k < 8 (where torch's softmax is scalar code)");
   }
   avx2_ = ffn_cpu_has_avx2();
+  dp_ = spec.dtype == FfnDtype::kBFloat16 && ffn_cpu_has_avx512_bf16();
 }
 
 void DecodeAttention::add_layer(const AttentionWeights& w) {
@@ -141,7 +142,7 @@ void DecodeAttention::norm(const uint8_t* weight, const float* x, size_t n, floa
 void DecodeAttention::linear(const uint8_t* w, const uint8_t* bias, const float* x, size_t rows, size_t in,
                              size_t out, float* y) {
   const FfnDtype d = spec_.dtype;
-  ffn_plain_dot(w, d, in, out, x, rows, y, avx2_);
+  if (!(dp_ && ffn_plain_dot_bf16(w, in, out, x, rows, y, words_))) ffn_plain_dot(w, d, in, out, x, rows, y, avx2_);
   for (size_t r = 0; r < rows; ++r)
     for (size_t i = 0; i < out; ++i) {
       float v = y[r * out + i];

@@ -1014,6 +1014,21 @@ EXPERTCACHE_FFN_BF16 bool project_words_bf16(const FfnProjection& p, const uint8
   }
   return true;
 }
+
+// ffn_plain_dot_bf16's kernel: plain bfloat16 W [outputs, inputs] against `rows` rows of words.
+EXPERTCACHE_FFN_BF16 void plain_dot_words_bf16(const uint8_t* w, size_t inputs, size_t outputs, const uint16_t* xw,
+                                               size_t rows, float* out) {
+  for (size_t r = 0; r < rows; r += 4) {
+    const uint16_t* xr = xw + r * inputs;
+    float* hr = out + r * outputs;
+    switch (std::min<size_t>(4, rows - r)) {
+      case 1: dot_bf16_dp<1>(w, inputs, xr, 0, outputs, hr, outputs); break;
+      case 2: dot_bf16_dp<2>(w, inputs, xr, 0, outputs, hr, outputs); break;
+      case 3: dot_bf16_dp<3>(w, inputs, xr, 0, outputs, hr, outputs); break;
+      default: dot_bf16_dp<4>(w, inputs, xr, 0, outputs, hr, outputs); break;
+    }
+  }
+}
 #endif  // EXPERTCACHE_FFN_HAS_BF16
 
 // Q plain bfloat16 weight rows from row i against NR <= 4 input rows (inputs in bf16_position_avx512
@@ -1741,6 +1756,30 @@ void ffn_plain_dot(const uint8_t* w, FfnDtype wdtype, size_t inputs, size_t outp
   else
     project_portable(p, w, x, rows, 0, outputs, out, wdtype);
 }
+
+bool ffn_plain_dot_bf16(const uint8_t* w, size_t inputs, size_t outputs, const float* x, size_t rows, float* out,
+                        std::vector<uint16_t>& words) {
+#ifdef EXPERTCACHE_FFN_HAS_BF16
+  static const bool has = cpu_has_avx512_bf16();
+  if (!has) return false;
+  const size_t n = rows * inputs;
+  if (words.size() < n) words.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    // Only a bfloat16 value is a word as it is; vdpbf16ps reads a subnormal one as zero.
+    if ((bits & 0xFFFFu) || ((bits & 0x7F800000u) == 0 && (bits & 0x007F0000u))) return false;
+    words[i] = uint16_t(bits >> 16);
+  }
+  plain_dot_words_bf16(w, inputs, outputs, words.data(), rows, out);
+  return true;
+#else
+  (void)w, (void)inputs, (void)outputs, (void)x, (void)rows, (void)out, (void)words;
+  return false;
+#endif
+}
+
+bool ffn_cpu_has_avx512_bf16() { return cpu_has_avx512_bf16(); }
 
 // -- a small pool: the caller and threads - 1 workers take items of one job until none is left ----------
 struct FfnPool {

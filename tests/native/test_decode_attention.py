@@ -267,3 +267,51 @@ def test_the_head_is_the_final_norm_then_the_lm_head_and_is_refused_until_set_an
     h = args["h"].astype(np.float64)
     normed = norm * (h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5))  # cast_then_weight, float32 compute
     np.testing.assert_allclose(logits, normed @ weight.T + bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("hidden", [16, 80])  # 80: a last block of 16 inputs past the 64s
+def test_bfloat16_projections_equal_float64_math_on_this_cpus_kernel(rows, hidden):
+    """In bfloat16 the projections run on vdpbf16ps rows where the CPU has AVX-512 BF16 (the path
+    says so), on the AVX2 kernel otherwise: the head's logits (the final norm, then the head's
+    projection) are float64 math's within one bfloat16 rounding, for every row of a call of 1 to 9
+    rows (the kernel takes rows 4 at a time)."""
+    import torch
+
+    from expertcache import native
+
+    V = 40
+    rng = np.random.default_rng(rows * 100 + hidden)
+    att = DecodeAttention({**SPEC, "hidden": hidden, "dtype": "bfloat16"})
+    want_path = "avx512-bf16" if "avx512-bf16" in native.FFN_PATHS else "avx2"
+    assert att.path == want_path
+
+    def bf16(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16)
+
+    norm = bf16(rng.uniform(0.5, 1.5, hidden))
+    weight = bf16(rng.standard_normal((V, hidden)))
+    att.set_head({"norm": norm.view(torch.int16).numpy(), "weight": weight.view(torch.int16).numpy()}, 1e-5)
+    args, _ = step_args(rows=rows)
+    h = bf16(rng.standard_normal((rows, hidden)))
+    args = {
+        **args,
+        "h": h.view(torch.int16).numpy(),
+        "mlp_in": np.zeros((rows, hidden), np.int16),
+        "cos": np.zeros((rows, D // 2), np.int16),
+        "sin": np.zeros((rows, D // 2), np.int16),
+        "keys": np.zeros((0, rows), np.int64),  # no layers: the head alone
+        "values": np.zeros((0, rows), np.int64),
+        "capacity": np.zeros((0, rows), np.int64),
+    }
+    logits = np.zeros((rows, V), np.int16)
+    att.begin_step(**args)
+    att.head(logits)
+    att.end_step()
+    got = torch.from_numpy(logits).view(torch.bfloat16).double()
+    # cast_then_weight, as the kernel rounds: the normed row in bfloat16, then weight times it.
+    x = h.double()
+    normed = (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    normed = (norm.double() * normed.double()).to(torch.bfloat16).double()
+    want = normed @ weight.double().T
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

@@ -84,7 +84,9 @@ class DecodeAttention {
 
   const AttentionSpec& spec() const { return spec_; }
   size_t layers() const { return layers_.size(); }
-  const char* path() const { return avx2_ ? "avx2" : "portable"; }
+  // The projections' kernel: "avx512-bf16" (vdpbf16ps rows: a bfloat16 dtype on a CPU with AVX-512
+  // BF16; a call whose inputs hold a subnormal number runs "avx2"), "avx2" or "portable".
+  const char* path() const { return dp_ ? "avx512-bf16" : avx2_ ? "avx2" : "portable"; }
   void add_layer(const AttentionWeights& w);
   void set_head(const HeadWeights& w);
   bool has_head() const { return head_.weight != nullptr; }
@@ -120,6 +122,8 @@ class DecodeAttention {
 
   AttentionSpec spec_;
   bool avx2_ = false;
+  bool dp_ = false;             // the projections by ffn_plain_dot_bf16 where their inputs allow
+  std::vector<uint16_t> words_;  // their inputs as bfloat16 words (grown to the largest call)
   std::vector<AttentionWeights> layers_;
   HeadWeights head_;
   // Scratch, grown to the largest call: the normed rows, q, k, v, the attention output, one

@@ -180,5 +180,12 @@ float ffn_load(const uint8_t* p, FfnDtype dtype, size_t i);
 void ffn_plain_dot(const uint8_t* w, FfnDtype wdtype, size_t inputs, size_t outputs, const float* x, size_t rows,
                    float* out, bool avx2);
 bool ffn_cpu_has_avx2();
+// The same for plain bfloat16 W by vdpbf16ps (the avx512-bf16 path's dot rows: one weight row at a
+// time, float32 sums in their order), where this CPU has AVX-512 BF16 and every x is a bfloat16
+// value that is not subnormal: x as words in `words` (grown to rows * inputs). False, nothing
+// written, otherwise: the caller runs ffn_plain_dot.
+bool ffn_plain_dot_bf16(const uint8_t* w, size_t inputs, size_t outputs, const float* x, size_t rows, float* out,
+                        std::vector<uint16_t>& words);
+bool ffn_cpu_has_avx512_bf16();
 
 }  // namespace expertcache
