@@ -1015,20 +1015,6 @@ EXPERTCACHE_FFN_BF16 bool project_words_bf16(const FfnProjection& p, const uint8
   return true;
 }
 
-// ffn_plain_dot_bf16's kernel: plain bfloat16 W [outputs, inputs] against `rows` rows of words.
-EXPERTCACHE_FFN_BF16 void plain_dot_words_bf16(const uint8_t* w, size_t inputs, size_t outputs, const uint16_t* xw,
-                                               size_t rows, float* out) {
-  for (size_t r = 0; r < rows; r += 4) {
-    const uint16_t* xr = xw + r * inputs;
-    float* hr = out + r * outputs;
-    switch (std::min<size_t>(4, rows - r)) {
-      case 1: dot_bf16_dp<1>(w, inputs, xr, 0, outputs, hr, outputs); break;
-      case 2: dot_bf16_dp<2>(w, inputs, xr, 0, outputs, hr, outputs); break;
-      case 3: dot_bf16_dp<3>(w, inputs, xr, 0, outputs, hr, outputs); break;
-      default: dot_bf16_dp<4>(w, inputs, xr, 0, outputs, hr, outputs); break;
-    }
-  }
-}
 #endif  // EXPERTCACHE_FFN_HAS_BF16
 
 // Q plain bfloat16 weight rows from row i against NR <= 4 input rows (inputs in bf16_position_avx512
@@ -1771,8 +1757,13 @@ bool ffn_plain_dot_bf16(const uint8_t* w, size_t inputs, size_t outputs, const f
     if ((bits & 0xFFFFu) || ((bits & 0x7F800000u) == 0 && (bits & 0x007F0000u))) return false;
     words[i] = uint16_t(bits >> 16);
   }
-  plain_dot_words_bf16(w, inputs, outputs, words.data(), rows, out);
-  return true;
+  FfnProjection p;  // the FFN's plain bfloat16 dot rows, the weights at w
+  p.encoding = FfnEncoding::kPlain;
+  p.form = FfnForm::kDot;
+  p.weight_dtype = FfnDtype::kBFloat16;
+  p.inputs = inputs;
+  p.outputs = outputs;
+  return project_words_bf16(p, w, words.data(), rows, 0, outputs, out);
 #else
   (void)w, (void)inputs, (void)outputs, (void)x, (void)rows, (void)out, (void)words;
   return false;
