@@ -163,6 +163,8 @@ class Loads:
         """Back to ABSENT: free the slot (unless ``keep_slot``: a late copy may still write it),
         drop every pin on the key, wake the waiters with ``error``."""
         key = load.key
+        # The waiting clients hear why before the slot goes absent: a client that sees it absent
+        # first would take it for a dropped stream (ChannelTransport._wait, SpanDemand).
         self._sessions.load_failed(key, error)
         self.queue.remove(key)
         self._slots.abort_load(key, load.slot, free_slot=not keep_slot)

@@ -303,6 +303,10 @@ class ChannelTransport:
                 yield batch
                 continue
             if any(slot == -2 for slot in slots):
+                # A failed load is posted (fail_seq) before its slot goes absent: a failure posted
+                # since the check above is why, not an ended stream.
+                if channel.fail_seq != fail_seen:
+                    raise error_from_status(channel.fail_status, channel.fail_message, link.address)
                 raise DaemonUnavailable(
                     f"cache daemon at {link.address} dropped experts of layer {layer} it had admitted "
                     "(its stream ended)"

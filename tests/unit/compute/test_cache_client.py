@@ -748,3 +748,45 @@ def test_prediction_messages_without_a_stream_are_dropped_and_counted(daemon):
     client.close()
     client.routed("req-9", 2, 0, [1])  # after close: dropped, never raised
     assert client.signals_dropped == 4
+
+
+class _FailingLoadChannel:
+    """A channel whose demand was admitted and whose one miss then failed to load: the daemon
+    posts the failure (``fail_seq``) before the slot goes absent, and the failure lands between
+    the wait's check of ``fail_seq`` and its read of the slots (``fail_seq`` reads 0, then 1)."""
+
+    reply_seq = 7
+    notify_seq = 0
+    reply_status = codes.STATUS_OK
+    fail_status = codes.status_of("DATA_LOSS")
+    fail_message = "loading expert L0E3 failed: checksum mismatch"
+
+    def __init__(self) -> None:
+        self.fail_reads = 0
+
+    @property
+    def fail_seq(self) -> int:
+        self.fail_reads += 1
+        return 0 if self.fail_reads == 1 else 1
+
+    def wait_notify(self, *_args) -> None:
+        raise AssertionError("nothing to wait for: the slot is absent")
+
+
+def test_a_miss_whose_load_failed_is_the_loads_error_even_when_its_slot_is_seen_absent_first():
+    """The slot reads absent (-2, as after an ended stream) just after the failure was posted: the
+    wait raises the load's error (DATA_LOSS naming the expert), not DaemonUnavailable."""
+    from types import SimpleNamespace
+
+    from compute_svc.daemon.transport import ChannelTransport, SignalCounts
+
+    table = SimpleNamespace(resident_slots=lambda entries: [-2] * len(entries))
+    attachment = SimpleNamespace(manifest=SimpleNamespace(num_experts=8), slot_bytes=1 << 20)
+    link = SimpleNamespace(
+        address="unix:///d.sock", lock=threading.Lock(), held={}, attachment=attachment, table=table
+    )
+    transport = ChannelTransport(link, SignalCounts())
+    channel = _FailingLoadChannel()
+    with pytest.raises(DataLoss, match="L0E3"):
+        next(transport._wait(None, None, channel, 7, 0, 0, [3]))
+    assert channel.fail_reads == 2
