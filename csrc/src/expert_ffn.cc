@@ -1014,7 +1014,6 @@ EXPERTCACHE_FFN_BF16 bool project_words_bf16(const FfnProjection& p, const uint8
   }
   return true;
 }
-
 #endif  // EXPERTCACHE_FFN_HAS_BF16
 
 // Q plain bfloat16 weight rows from row i against NR <= 4 input rows (inputs in bf16_position_avx512
