@@ -242,6 +242,14 @@ def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dic
     return {"alone": alone, "four_in_flight": four}
 
 
+def prefetch_start_delay_s(system: dict) -> float:
+    """A system's mean lag of a prefetch start behind the change that asked for its decision
+    (GetStats' ``start_delay_seconds`` over ``started``, every class); 0 when it started none."""
+    classes = (system.get("prefetch") or {}).values()
+    started = sum(c["started"] for c in classes)
+    return sum(c.get("start_delay_s", 0.0) for c in classes) / started if started else 0.0
+
+
 def simulated_reference(
     args: argparse.Namespace, manifest: StoreManifest, budget: int, results: dict, store_reads: dict | None
 ) -> dict | None:
@@ -274,12 +282,23 @@ def simulated_reference(
             manifest,
             link_bytes_per_s=store_reads["four_in_flight"]["gb_per_s"] * 1e9,
             compute_s_per_token=sum(compute) / len(compute),
+            read_latency_s=store_reads["alone"]["latency_ms_p50"] / 1e3,
+            decision_lag_s=prefetch_start_delay_s(results.get("ours", {})),
         )
         timing = fit_link(routes, manifest, slots, timing, 1e3 / results["lru"]["tokens_per_s"])
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
     drop = ForcedRoutingConfig().force_routing_accuracy_drop_per_depth
     accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))
-    simulated = simulate(routes, manifest, slots, ours=ours, lookahead_accuracy=accuracy, timing=timing)
+    eviction_only = {"ours-eviction": args.next_visit_path} if "ours-eviction" in results else {}
+    simulated = simulate(
+        routes,
+        manifest,
+        slots,
+        ours=ours,
+        lookahead_accuracy=accuracy,
+        timing=timing,
+        eviction_only=eviction_only,
+    )
     say("")
     say(
         f"simulated on the same routing (trace requests {routes.requests[0]}..{routes.requests[-1]}, {args.tokens} "

@@ -19,9 +19,12 @@ with the same number of slots:
 Times come from the ``cpu-e2e`` timing model (``simulator.cpu_e2e_timing``) calibrated on the
 run itself (``measured_timing``): the store's blob, a token's compute as the systems measured it
 (its time less its wait for experts; the per-layer and per-token parts in the model's
-proportions), and the link's rate fitted so that the simulated LRU takes the measured LRU's time
-(``fit_link``, from the disk's rate with 4 reads in flight): LRU is the calibration point, ours
-is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of
+proportions), a load's latency (a lone store read's, measured before the systems ran), ours'
+lag of a prefetch behind its signal (the daemon's ``start_delay_seconds``), and the link's rate
+fitted so that the simulated LRU takes the measured LRU's time (``fit_link``, from the disk's
+rate with 4 reads in flight; where even its fastest link leaves LRU slower, the latency is fitted
+down): LRU is the calibration point, ours (and ours' eviction alone, ``ours-eviction``, when it
+ran) is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of
 demand-only policies do not depend on the timing at all. ``timing_errors`` compares the
 simulated time per token with the measured one.
 
@@ -38,7 +41,7 @@ import numpy as np
 
 from cache_daemon.decisions.next_visit import NextVisitModel
 from cache_daemon.decisions.next_visit import read as read_next_visit
-from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS
+from cache_daemon.decisions.scheduler import DEFAULT_INFLIGHT_BLOBS, PrefetchConfig
 from expertcache.manifest import StoreManifest
 from replay.forced_routing import ForcedRouting, load_trace
 from replay.simulator import Simulation, TimingModel, cpu_e2e_timing
@@ -92,12 +95,14 @@ def simulate(
     ours: dict[str, Path | None],
     lookahead_accuracy: tuple[float, ...],
     timing: TimingModel | None,
+    eviction_only: dict[str, Path | None] | None = None,
 ) -> dict[str, dict]:
     """Per simulated system (``lru``, ``belady``, ``oracle-next-token``, then each of ``ours``:
-    name → its next-visit model file or None for the transitions) its ``bytes_per_token``,
-    ``hit_rate``, ``latency_ms_per_token`` (under ``timing``; None without one: bytes only) and
-    ``prefetches_per_token``. The oracle estimates beyond the next token as ``ours`` does (with
-    its model, the first of ``ours`` given)."""
+    name → its next-visit model file or None for the transitions, then each of
+    ``eviction_only``: ours' eviction with that model, demand fetching only) its
+    ``bytes_per_token``, ``hit_rate``, ``latency_ms_per_token`` (under ``timing``; None without
+    one: bytes only) and ``prefetches_per_token``. The oracle estimates beyond the next token as
+    ``ours`` does (with its model, the first of ``ours`` given)."""
     n = manifest.num_blobs
     if not 1 <= slots <= n:
         raise ValueError(f"slots must be in [1, {n}], got {slots}")
@@ -107,16 +112,18 @@ def simulate(
             cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k), expert_bytes=manifest.blob_bytes
         )
     models = {name: None if path is None else read_next_visit(path) for name, path in ours.items()}
-    runs: list[tuple[str, str, NextVisitModel | None, tuple[float, ...] | None]] = [
-        ("lru", "lru", None, None),
-        ("belady", "belady", None, None),
-        ("oracle-next-token", "oracle-next-token", next(iter(models.values()), None), None),
+    runs: list[tuple[str, str, NextVisitModel | None, tuple[float, ...] | None, bool]] = [
+        ("lru", "lru", None, None, False),
+        ("belady", "belady", None, None, False),
+        ("oracle-next-token", "oracle-next-token", next(iter(models.values()), None), None, False),
     ]
     for name, model in models.items():
-        runs.append((name, "activation-aware", model, lookahead_accuracy))
+        runs.append((name, "activation-aware", model, lookahead_accuracy, True))
+    for name, path in (eviction_only or {}).items():
+        runs.append((name, "activation-aware", None if path is None else read_next_visit(path), None, False))
     out: dict[str, dict] = {}
-    for name, policy, model, lookahead in runs:
-        s = _summary(routes, manifest, slots, timing, policy, model, lookahead)
+    for name, policy, model, lookahead, prefetch in runs:
+        s = _summary(routes, manifest, slots, timing, policy, model, lookahead, prefetch=prefetch)
         out[name] = {
             "policy": policy,
             "bytes_per_token": s["bytes_per_token"],
@@ -136,7 +143,10 @@ def _summary(
     policy: str,
     model: NextVisitModel | None = None,
     lookahead: tuple[float, ...] | None = None,
+    *,
+    prefetch: bool = True,
 ) -> dict:
+    """One simulated run; ``prefetch`` False: demand fetching only (no lookahead, no EAMC)."""
     sim = Simulation(
         routes.expert_ids,
         routes.gate_weights,
@@ -148,21 +158,34 @@ def _summary(
         lookahead_accuracy=lookahead,
         next_visit_model=model,
         max_inflight_bytes=DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
+        prefetch_config=None if prefetch else PrefetchConfig(layer_ahead=False, eamc=False),
     )
     return sim.run().summary(timing)
 
 
 def measured_timing(
-    manifest: StoreManifest, *, link_bytes_per_s: float, compute_s_per_token: float
+    manifest: StoreManifest,
+    *,
+    link_bytes_per_s: float,
+    compute_s_per_token: float,
+    read_latency_s: float = 0.0,
+    decision_lag_s: float = 0.0,
 ) -> TimingModel:
     """The ``cpu-e2e`` timing model calibrated on an e2e run: ``manifest``'s blob over a link of
-    ``link_bytes_per_s`` (the store's reads, 4 in flight; ``fit_link`` refines it), and one
-    token's compute taking ``compute_s_per_token`` (a token's time less its wait for experts, as
-    measured), split per layer (attention, each expert, overhead) and per token in the proportions
-    of the model's own constants."""
+    ``link_bytes_per_s`` (the store's reads, 4 in flight; ``fit_link`` refines it), each load
+    usable no sooner than ``read_latency_s`` after its start (a lone read's latency, measured;
+    loads in flight together overlap it), prefetches starting ``decision_lag_s`` after the change
+    that asked for them (ours' daemon, measured), and one token's compute taking
+    ``compute_s_per_token`` (a token's time less its wait for experts, as measured), split per
+    layer (attention, each expert, overhead) and per token in the proportions of the model's own
+    constants."""
     if link_bytes_per_s <= 0 or compute_s_per_token <= 0:
         raise ValueError(
             f"the link's rate and the compute per token must be > 0, got {link_bytes_per_s} and {compute_s_per_token}"
+        )
+    if read_latency_s < 0 or decision_lag_s < 0:
+        raise ValueError(
+            f"the read latency and the decision lag must be >= 0, got {read_latency_s} and {decision_lag_s}"
         )
     base = cpu_e2e_timing(len(manifest.moe_layers), manifest.top_k)
     f = compute_s_per_token / base.all_resident_token_s
@@ -174,10 +197,15 @@ def measured_timing(
         expert_s=base.expert_s * f,
         layer_overhead_s=base.layer_overhead_s * f,
         token_overhead_s=base.token_overhead_s * f,
+        read_latency_s=read_latency_s,
+        decision_lag_s=decision_lag_s,
         name="cpu-e2e, measured",
         notes=(
             f"expert: the store's blob, {manifest.blob_bytes} bytes",
             f"link: the store's reads, 4 in flight, {link_bytes_per_s / 1e9:.2f} GB/s (measured before the systems ran)",
+            f"a load usable no sooner than {read_latency_s * 1e3:.2f} ms after its start (a lone read's latency, "
+            "measured; loads in flight together overlap it)",
+            f"a prefetch starts {decision_lag_s * 1e3:.3f} ms after the change that asked for it (ours' daemon, measured)",
             f"compute: {compute_s_per_token * 1e3:.1f} ms a token (measured: a token's time less its wait for experts), split as "
             f"cpu-e2e's constants: per layer {base.layer_s * f * 1e3:.3f} ms, per token "
             f"{base.token_overhead_s * f * 1e3:.2f} ms",
@@ -198,16 +226,34 @@ def fit_link(
     measured one): the link as the daemon delivers a demand miss, its read, checksum, publication
     and compute's wake-up included, which the disk's rate alone leaves out. Bisection on the rate
     between 1/8 and 8 times ``timing``'s (LRU's time falls as the rate rises); at a bound, the
-    bound. LRU is then the calibration point, and the other systems are predicted."""
+    bound. Where even the fastest link leaves the simulated LRU slower than measured and
+    ``timing`` has a read latency, the latency is bisected down instead (the lone read measured
+    before the systems ran was slower than their reads). LRU is then the calibration point, and
+    the other systems are predicted."""
     if lru_ms_per_token <= 0:
         raise ValueError(f"lru_ms_per_token must be > 0, got {lru_ms_per_token}")
     lo, hi = timing.link_bytes_per_s / 8, timing.link_bytes_per_s * 8
 
-    def lru_ms(rate: float) -> float:
-        return _summary(routes, manifest, slots, replace(timing, link_bytes_per_s=rate), "lru")[
-            "latency_ms_per_token"
-        ]
+    def lru_ms(rate: float, latency: float = timing.read_latency_s) -> float:
+        t = replace(timing, link_bytes_per_s=rate, read_latency_s=latency)
+        return _summary(routes, manifest, slots, t, "lru")["latency_ms_per_token"]
 
+    if lru_ms(hi) >= lru_ms_per_token and timing.read_latency_s > 0 and lru_ms(hi, 0.0) < lru_ms_per_token:
+        lat_lo, lat_hi = 0.0, timing.read_latency_s
+        for _ in range(steps):
+            mid = (lat_lo + lat_hi) / 2
+            lat_lo, lat_hi = (lat_lo, mid) if lru_ms(hi, mid) > lru_ms_per_token else (mid, lat_hi)
+        latency = (lat_lo + lat_hi) / 2
+        return replace(
+            timing,
+            link_bytes_per_s=hi,
+            read_latency_s=latency,
+            notes=(
+                *timing.notes,
+                f"link fitted to lru's measured {lru_ms_per_token:.1f} ms a token: {hi / 1e9:.2f} GB/s (the bound, "
+                f"{hi / timing.link_bytes_per_s:.2f}x the disk's rate) and the read latency down to {latency * 1e3:.2f} ms",
+            ),
+        )
     if lru_ms(hi) >= lru_ms_per_token:
         rate = hi  # slower than the model at its fastest link: the compute part is short
     elif lru_ms(lo) <= lru_ms_per_token:

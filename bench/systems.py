@@ -335,6 +335,7 @@ class ProcessSystem:
                 "wasted": p.wasted,
                 "cancelled": p.cancelled,
                 "promoted": p.promoted,
+                "start_delay_s": p.start_delay_seconds,
             }
             for p in after.prefetch
         }

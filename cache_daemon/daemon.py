@@ -80,6 +80,7 @@ class PrefetchStats:
     wasted: int  # evicted unused
     cancelled: int  # queued reads cancelled for a demand
     promoted: int  # joined by a demand
+    start_delay_seconds: float = 0.0  # summed: from the change that asked for a decision to each start
 
 
 @dataclass(frozen=True)
@@ -449,6 +450,7 @@ class CacheDaemon:
                     wasted=int(prom.value(m.prefetch_wasted, kind)),
                     cancelled=int(prom.value(m.prefetch_cancelled, kind)),
                     promoted=int(prom.value(m.prefetch_promoted, kind)),
+                    start_delay_seconds=float(prom.value(m.prefetch_start_delay_seconds, kind)),
                 )
                 for cls, kind in PREFETCH_KINDS.items()
             ),

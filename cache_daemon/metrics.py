@@ -76,6 +76,12 @@ class DaemonMetrics:
             "Queued prefetch reads cancelled to give their slot to a demand.",
             ("kind",),
         )
+        self.prefetch_start_delay_seconds = c(
+            "moe_cache_prefetch_start_delay_seconds_total",
+            "Seconds from the change that asked for a prefetch decision to each prefetch load's start, "
+            "summed over the loads started (over moe_cache_prefetch_started_total: the mean lag).",
+            ("kind",),
+        )
         self.prefetch_promoted = c(
             "moe_cache_prefetch_promoted_total",
             "Prefetch loads joined by a demand and promoted to demand priority.",

@@ -12,7 +12,10 @@ the clock are simulated. The tier's slots are global (not per layer): a budget o
 quarter of all (layer, expert) blobs.
 
 Timing model (``TimingModel``, every figure printed by ``bench.replay``): one link moving blobs
-in chunks; a demand pre-empts prefetch at chunk boundaries; per layer, attention runs, the router
+in chunks; a demand pre-empts prefetch at chunk boundaries; a load is usable no sooner than
+``read_latency_s`` after its start (loads in flight together overlap it: on fast storage a
+layer's misses cost about one read's latency, not one read each), and a prefetch starts
+``decision_lag_s`` after the decision that chose it (a demand at once); per layer, attention runs, the router
 picks experts, resident experts compute first and the others as they arrive (reordered
 execution); transfers overlap compute. A layer stalls until its experts are resident. Latency
 per token is simulated time. Two named models: ``gpu`` (gpt-oss-20b bf16 over PCIe 4.0 x16 with
@@ -83,6 +86,14 @@ class TimingModel:
     num_layers: int
     name: str = "gpu"
     notes: tuple[str, ...] = field(default=())
+    # The least time from a load's start to its blob being usable, however idle the link: a
+    # read's access latency and its bookkeeping, which loads in flight together overlap (the
+    # link's rate alone charges a layer's misses one after another). 0: the link's rate only.
+    read_latency_s: float = 0.0
+    # From the change that asks for a prefetch decision (a layer's signals, a landed load) to the
+    # decided loads' start: the daemon's hop to its decision thread and the decision itself. A
+    # demand's load starts at once.
+    decision_lag_s: float = 0.0
 
     @property
     def layer_s(self) -> float:
@@ -261,6 +272,7 @@ class SimLoad(QueuedLoad):
     entry: int = 0
     remaining: int = 0
     seq: int = 0
+    issued: float = 0.0  # simulated time of its start (``read_latency_s`` counts from it)
 
 
 class SimTier:
@@ -430,6 +442,10 @@ class Simulation:
         )
         self.stats = RunStats(policy, budget, slots, bool(self.accuracy))
         self.link_t = 0.0
+        self.issue_t = 0.0  # the simulated time at which a load started now is started
+        # Per entry, when its last load became usable (its link transfer and ``read_latency_s``
+        # after its start, whichever is later): a use before then waits.
+        self.ready_t = np.zeros(n, np.float64)
         self.seq = 0
         self.prefetched_unused: dict[int, tuple[PrefetchClass, int]] = {}  # entry -> (class, depth)
 
@@ -459,11 +475,14 @@ class Simulation:
         self.tier.queue.remove(ld.key)
         self.tier.resident[ld.entry] = True
         self.tier.n_resident += 1
+        self.ready_t[ld.entry] = max(self.link_t, ld.issued + self.timing.read_latency_s)
         self.policy.on_insert(ld.key)
         self.stats.loads += 1
         if ld.prefetch is not None and ld.cls != PrefetchClass.DEMAND:
             self.prefetched_unused[ld.entry] = (ld.prefetch, ld.depth)
-        self._prefetch()
+        issue_t, self.issue_t = self.issue_t, max(self.issue_t, self.link_t)
+        self._prefetch()  # decided as the load lands
+        self.issue_t = issue_t
         return ld.entry
 
     def _advance(self, until: float) -> None:
@@ -480,7 +499,7 @@ class Simulation:
         key = self.signals.key_of(entry)
         while key in self.tier.queue:
             self._chunk()
-        return max(self.link_t, now)
+        return max(self.link_t, now, float(self.ready_t[entry]))
 
     # tier -------------------------------------------------------------------------------------
 
@@ -494,10 +513,20 @@ class Simulation:
             self.sched.record_outcome(wasted[1], used=False)
 
     def _start(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> None:
+        issued = self.issue_t if cls is PrefetchClass.DEMAND else self.issue_t + self.timing.decision_lag_s
         self.seq += 1
         entry = key.entry(self.E)
         self.tier.queue.add(
-            SimLoad(key, cls, score, depth, entry=entry, remaining=self.timing.expert_bytes, seq=self.seq)
+            SimLoad(
+                key,
+                cls,
+                score,
+                depth,
+                entry=entry,
+                remaining=self.timing.expert_bytes,
+                seq=self.seq,
+                issued=issued,
+            )
         )
 
     def _used(self, entry: int) -> None:
@@ -621,6 +650,7 @@ class Simulation:
                     self._advance(now)
                     experts = self.routes[g, layer]
                     entries = [layer * self.E + int(x) for x in experts]
+                    self.issue_t = now  # the layer's demands and decisions start their loads now
                     if measure_depths:
                         self._measure_next_visit(g, layer, g == lo)
                     self.signals.observe(layer, experts, g)
@@ -636,7 +666,7 @@ class Simulation:
                             st.hits += 1
                             self.policy.on_access(self.signals.key_of(e))
                             self._used(e)
-                            ready.append((0.0, e))
+                            ready.append((float(self.ready_t[e]), e))  # in the past unless just landed
                         else:
                             self._demand(e)
                     self._prefetch()

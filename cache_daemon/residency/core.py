@@ -287,6 +287,7 @@ class Residency:
         woken); returns the number of loads started. Nothing while prefetch is off or a demand
         waits for slots."""
         with self._cond:
+            self._prefetcher.begin_decision()
             return self._worker.run()
 
     def set_slot_limit(self, limit: int) -> int:

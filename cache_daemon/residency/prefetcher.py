@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -55,6 +56,10 @@ class Prefetcher:
         self.enabled = False
         self.closing = False
         self._dirty = True  # something the scheduler reads changed since its last decide
+        # When the change the next decision answers came (the first kick since the worker took
+        # its last work; time.monotonic): a start's delay counts from it.
+        self._asked_at = time.monotonic()
+        self._deciding_since = self._asked_at  # the asking time of the decision being run
         self._sleeping = False  # the worker sleeps on wake_fd (set under the lock)
         self._woken = False  # and wake_fd was written since it began to
         # The last decision went through all its candidates, and every start it decided was made
@@ -78,6 +83,8 @@ class Prefetcher:
         (``settled`` false); otherwise it would start nothing (two of three decisions at the e2e
         shape, every one a Python pass over the candidates)."""
         if decide and not (landed and self.settled):
+            if not self._dirty:
+                self._asked_at = time.monotonic()
             self._dirty = True
             # One wake-up per sleep: kicks that come before the worker runs add nothing (each
             # costs the kicking thread a wake-up of the worker otherwise, on every layer's signals).
@@ -92,7 +99,11 @@ class Prefetcher:
 
     def started(self, start: PrefetchStart) -> None:
         self._unused[start.key] = (start.cls, start.depth)
-        self._metrics.prefetch_started.labels(PREFETCH_KINDS[start.cls]).inc()
+        kind = PREFETCH_KINDS[start.cls]
+        self._metrics.prefetch_started.labels(kind).inc()
+        self._metrics.prefetch_start_delay_seconds.labels(kind).inc(
+            max(0.0, time.monotonic() - self._deciding_since)
+        )
 
     def used(self, key: ExpertKey) -> str | None:
         """``key`` was used (acquired, joined, pinned by compute): a prefetch of it paid off.
@@ -130,8 +141,14 @@ class Prefetcher:
         while prefetch is on and no admission waits for slots (the change is then taken)."""
         if self.closing or not (self._dirty and self.enabled and not tier.demand_waiting):
             return False
+        self.begin_decision()
         self._dirty = False
         return True
+
+    def begin_decision(self) -> None:
+        """A decision starts now (under the lock): the starts it makes are delayed from the change
+        that asked for it, or from now when nothing did."""
+        self._deciding_since = self._asked_at if self._dirty else time.monotonic()
 
     def begin_sleep(self) -> None:
         """Under the lock, before the worker sleeps on ``wake_fd`` (outside it): the next kick

@@ -537,6 +537,11 @@ def test_prediction_messages_drive_prefetch_without_replies(lone):
             )
 
         wait_for(lambda: prefetched() == 2 and lone.stats().tiers[0].resident == 2)
+        # Each start's lag behind the signal it follows, summed (GetStats carries it).
+        (layer_ahead,) = (
+            p for p in lone.stats().prefetch if p.prediction == cache_pb2.PREFETCH_CLASS_LAYER_AHEAD
+        )
+        assert layer_ahead.start_delay_seconds > 0
         # No reply was sent for any of them: the next answer on the stream is this acquire's.
         readies, _ = stream.acquire(7, 3, [3, 2])
         assert {r.source for r in readies} == {cache_pb2.TIER_DEVICE}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -248,3 +249,65 @@ def test_timing_errors_judge_each_system_and_the_order():
     swapped = timing_errors({"lru": {"ms_per_token": 45.0}, "ours": {"ms_per_token": 50.0}}, simulated)
     assert not swapped["same_order"]
     assert timing_errors({"lru": {"ms_per_token": 60.0}}, simulated) is None  # nothing to compare
+
+
+def test_the_measured_timing_carries_the_read_latency_and_the_decision_lag():
+    m = manifest()
+    timing = measured_timing(
+        m, link_bytes_per_s=2e9, compute_s_per_token=0.03, read_latency_s=4e-4, decision_lag_s=2e-4
+    )
+    assert (timing.read_latency_s, timing.decision_lag_s) == (4e-4, 2e-4)
+    assert any("0.40 ms after its start" in n for n in timing.notes)
+    assert any("0.200 ms after the change" in n for n in timing.notes)
+    assert measured_timing(m, link_bytes_per_s=2e9, compute_s_per_token=0.03).read_latency_s == 0.0
+    for latency, lag in ((-1e-3, 0.0), (0.0, -1e-3)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            measured_timing(
+                m, link_bytes_per_s=2e9, compute_s_per_token=0.03, read_latency_s=latency, decision_lag_s=lag
+            )
+
+
+def test_a_read_latency_that_alone_outlasts_the_measured_lru_is_fitted_down(tmp_path):
+    path = write_trace(tmp_path / "t.npz", [40, 30], seed=3)
+    m = manifest(blob_shape=(4096, 64))
+    routes = forced_routes(path, m, 0, 2, 30)
+    slots = 8
+    timing = measured_timing(m, link_bytes_per_s=1e9, compute_s_per_token=0.01)
+
+    def lru_ms(t) -> float:
+        return simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=t)["lru"][
+            "latency_ms_per_token"
+        ]
+
+    # Measured faster than the fastest link allows with a 20 ms read latency, slower than without.
+    target = (lru_ms(replace(timing, link_bytes_per_s=8e9)) + lru_ms(timing)) / 2
+    fitted = fit_link(routes, m, slots, replace(timing, read_latency_s=0.02), target)
+    assert fitted.link_bytes_per_s == pytest.approx(8e9)
+    assert 0 < fitted.read_latency_s < 0.02
+    assert lru_ms(fitted) == pytest.approx(target, rel=0.01)
+    assert "read latency down to" in fitted.notes[-1]
+    # A latency the measured lru has room for stays as measured; the rate is fitted.
+    kept = fit_link(routes, m, slots, replace(timing, read_latency_s=1e-4), lru_ms(timing) * 1.3)
+    assert kept.read_latency_s == 1e-4 and kept.link_bytes_per_s < 1e9
+
+
+def test_ours_eviction_alone_is_simulated_demand_only(tmp_path):
+    path = write_trace(tmp_path / "t.npz", [60, 60, 60], seed=5)
+    m = manifest()
+    model_path = tmp_path / "nv.safetensors"
+    write(fit_trace(read_trace(path).decode_only(), range(2, 3)), model_path)
+    routes = forced_routes(path, m, 0, 2, 40)
+    out = simulate(
+        routes,
+        m,
+        8,
+        ours={"ours": model_path},
+        lookahead_accuracy=(1.0,),
+        timing=measured_timing(m, link_bytes_per_s=1e6, compute_s_per_token=0.02),
+        eviction_only={"ours-eviction": model_path},
+    )
+    assert list(out)[-1] == "ours-eviction"
+    evict = out["ours-eviction"]
+    assert evict["policy"] == "activation-aware" and evict["prefetches_per_token"] == 0
+    assert out["ours"]["prefetches_per_token"] > 0
+    assert out["belady"]["bytes_per_token"] <= evict["bytes_per_token"]
