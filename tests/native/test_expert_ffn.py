@@ -23,6 +23,9 @@ from expertcache.encodings import dequantize_fp8, dequantize_mxfp4
 from tests.slot_tables import ChannelServer
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+# Rows of up to 512 products, added in another order than transformers' matmul: float32 sums whose
+# terms cancel keep about 1e-4 of their largest term.
+TOL_LONG = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: TOL[torch.bfloat16]}
 H, INTER = 64, 96  # hidden, intermediate: MXFP4 needs multiples of 32
 AVX512_PATHS = ("avx512", "avx512-bf16", "amx")  # the paths of the AVX-512 kernels
 # A float32 NaN whose payload is all ones: rounded to bfloat16 by adding 0x7FFF it would wrap to -0.
@@ -104,6 +107,28 @@ def test_equals_transformers_math(case, dtype, rows, ffn_path):
             want = reference(layout, arena, slot, x[t : t + 1], torch.tensor([[w]], dtype=torch.float32))
             torch.testing.assert_close(got[t * 2 + k : t * 2 + k + 1], want, **TOL[dtype])
     assert ffn.path == ffn_path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize(("hidden", "inter"), [(192, 160), (512, 96)])
+def test_long_rows_equal_transformers_math(case, dtype, rows, hidden, inter, ffn_path):
+    """Rows of many MXFP4 groups (and long plain rows) against transformers' math: a kernel
+    that steps two or four groups at a time, with several accumulators, reads each step's own
+    inputs. Hidden 192 is 6 groups (three pairs: a step of two pairs, then one pair), hidden 512
+    16 (four steps of two pairs); an intermediate of 160 gives the down rows 5 groups (a step,
+    then the last group alone)."""
+    first, down, gate, bias = case
+    gen = torch.Generator().manual_seed(70 + rows + hidden)
+    layout = ExpertLayout(hidden, inter, first, down, gate, bias, dtype, gen)
+    arena = layout.arena(slots=2)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    experts = [(1, [(t, 0, 0.5 + 0.25 * t) for t in range(rows)])]
+    got, _ = run(layout, arena, experts, x, top_k=1)
+    for t, _k, w in experts[0][1]:
+        want = reference(layout, arena, 1, x[t : t + 1], torch.tensor([[w]], dtype=torch.float32))
+        torch.testing.assert_close(got[t : t + 1], want, **TOL_LONG[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
