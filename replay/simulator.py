@@ -13,8 +13,9 @@ quarter of all (layer, expert) blobs.
 
 Timing model (``TimingModel``, every figure printed by ``bench.replay``): one link moving blobs
 in chunks; a demand pre-empts prefetch at chunk boundaries; a load is usable no sooner than
-``read_latency_s`` after its start (loads in flight together overlap it: on fast storage a
-layer's misses cost about one read's latency, not one read each), and a prefetch starts
+``read_latency_s`` after its start and holds its slot and its room in flight until then (loads
+in flight together overlap it: on fast storage a layer's misses cost about one read's latency,
+not one read each), and a prefetch starts
 ``decision_lag_s`` after the decision that chose it (a demand at once); per layer, attention runs, the router
 picks experts, resident experts compute first and the others as they arrive (reordered
 execution); transfers overlap compute. A layer stalls until its experts are resident. Latency
@@ -33,6 +34,7 @@ and what the next-visit estimate alone predicts for a layer from its previous vi
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -273,6 +275,7 @@ class SimLoad(QueuedLoad):
     remaining: int = 0
     seq: int = 0
     issued: float = 0.0  # simulated time of its start (``read_latency_s`` counts from it)
+    ready_at: float | None = None  # moved, usable then: still in flight (its slot, its room) until
 
 
 class SimTier:
@@ -446,6 +449,9 @@ class Simulation:
         # Per entry, when its last load became usable (its link transfer and ``read_latency_s``
         # after its start, whichever is later): a use before then waits.
         self.ready_t = np.zeros(n, np.float64)
+        # Loads whose bytes have moved but whose latency has not passed: (usable at, seq, load).
+        # They stay in the queue until then, holding their slot and their room in flight.
+        self._landing: list[tuple[float, int, SimLoad]] = []
         self.seq = 0
         self.prefetched_unused: dict[int, tuple[PrefetchClass, int]] = {}  # entry -> (class, depth)
 
@@ -455,13 +461,17 @@ class Simulation:
         best = None
         for ld in self.tier.queue:
             assert isinstance(ld, SimLoad)
+            if ld.ready_at is not None:
+                continue  # moved: waiting out its latency
             k = (int(ld.cls), ld.seq)
             if best is None or k < best[0]:
                 best = (k, ld)
         return None if best is None else best[1]
 
     def _chunk(self) -> int | None:
-        """Move one chunk of the highest-priority load; returns the entry if it completed."""
+        """Move one chunk of the highest-priority load; returns the entry if it completed (-1 when
+        a chunk moved but its load is not usable yet, None when nothing is left to move)."""
+        self._land_until(self.link_t)
         ld = self._next_load()
         if ld is None:
             return None
@@ -472,34 +482,55 @@ class Simulation:
         self.stats.bytes_loaded += c
         if ld.remaining > 0:
             return -1
+        usable = ld.issued + self.timing.read_latency_s
+        if usable > self.link_t:
+            ld.ready_at = usable
+            heapq.heappush(self._landing, (usable, ld.seq, ld))
+            return -1
+        self._land(ld, self.link_t)
+        return ld.entry
+
+    def _land(self, ld: SimLoad, t: float) -> None:
+        """``ld`` is usable at ``t``: resident, and what it frees is decided on then."""
         self.tier.queue.remove(ld.key)
         self.tier.resident[ld.entry] = True
         self.tier.n_resident += 1
-        self.ready_t[ld.entry] = max(self.link_t, ld.issued + self.timing.read_latency_s)
+        self.ready_t[ld.entry] = t
         self.policy.on_insert(ld.key)
         self.stats.loads += 1
         if ld.prefetch is not None and ld.cls != PrefetchClass.DEMAND:
             self.prefetched_unused[ld.entry] = (ld.prefetch, ld.depth)
-        issue_t, self.issue_t = self.issue_t, max(self.issue_t, self.link_t)
+        issue_t, self.issue_t = self.issue_t, max(self.issue_t, t)
         self._prefetch()  # decided as the load lands
         self.issue_t = issue_t
-        return ld.entry
+
+    def _land_until(self, until: float) -> None:
+        """Land the moved loads whose latency has passed by ``until`` (in time order)."""
+        while self._landing and self._landing[0][0] <= until:
+            t, _seq, ld = heapq.heappop(self._landing)
+            if self.tier.queue.get(ld.key) is ld:  # not cancelled meanwhile
+                self._land(ld, t)
 
     def _advance(self, until: float) -> None:
-        """Run the link up to ``until`` (a chunk in progress finishes past it)."""
+        """Run the link up to ``until`` (a chunk in progress finishes past it), landing the loads
+        usable by then."""
         while self.link_t < until:
-            if not len(self.tier.queue):
+            if self._chunk() is None:
                 self.link_t = until
-                return
-            self._chunk()
+                break
+        self._land_until(until)
 
     def _wait_for(self, entry: int, now: float) -> float:
         """Time at which ``entry`` is resident (running the link as needed)."""
         self._advance(now)
         key = self.signals.key_of(entry)
-        while key in self.tier.queue:
-            self._chunk()
-        return max(self.link_t, now, float(self.ready_t[entry]))
+        while (ld := self.tier.queue.get(key)) is not None:
+            assert isinstance(ld, SimLoad)
+            if ld.ready_at is not None:
+                self._advance(ld.ready_at)  # the link moves others meanwhile
+            else:
+                self._chunk()
+        return max(now, float(self.ready_t[entry]))
 
     # tier -------------------------------------------------------------------------------------
 

@@ -81,3 +81,36 @@ def test_a_prefetch_starts_its_decision_lag_after_the_decision_and_a_demand_at_o
     # The lag never touches a demand: without prefetch each layer waits its 1 ms latency.
     demand, _ = run(replace(t, decision_lag_s=20 * MS), routes, lookahead=(1.0,), prefetch=False)
     assert demand == pytest.approx(22 * MS, abs=0.05 * MS)
+
+
+def test_a_load_holds_its_room_in_flight_until_it_is_usable():
+    # Attention 1 ms a layer; loads usable 5 ms after their start, whatever the link's rate.
+    routes = np.asarray([[[0, 1], [2, 3]]], np.int64)
+    t = timing(attention_s=1 * MS, link_bytes_per_s=BLOB / (0.01 * MS), read_latency_s=5 * MS)
+
+    def with_room(blobs: int) -> Simulation:
+        sim = Simulation(
+            routes,
+            np.full(routes.shape, 0.5, np.float32),
+            np.array([0, 1]),
+            4,
+            t,
+            "activation-aware",
+            1.0,
+            lookahead_accuracy=(1.0,),
+            max_inflight_bytes=blobs * BLOB,
+        )
+        sim.run()
+        return sim
+
+    # Room for four: layer 1's experts are prefetched with layer 0's demands at 1 ms, usable at
+    # 6; layer 0 ends at 6, layer 1 starts at 7 and finds them: the token takes 7 ms.
+    roomy = with_room(4)
+    assert roomy.stats.prefetches == 2 and roomy.stats.late_prefetch_hits == 0
+    assert roomy.stats.time_s == pytest.approx(7 * MS, abs=0.05 * MS)
+    # Room for one: layer 0's demands hold it until they are usable at 6 (their bytes moved long
+    # before), so one prefetch starts then, usable at 11, and holds the room in turn: layer 1 (at
+    # 7) joins it and demands the other (usable at 12), and waits for both.
+    tight = with_room(1)
+    assert tight.stats.prefetches == 1 and tight.stats.late_prefetch_hits == 1
+    assert tight.stats.time_s == pytest.approx(12 * MS, abs=0.05 * MS)
