@@ -78,7 +78,8 @@ class DaemonMetrics:
         )
         self.prefetch_start_delay_seconds = c(
             "moe_cache_prefetch_start_delay_seconds_total",
-            "Seconds from the change that asked for a prefetch decision to each prefetch load's start, "
+            "Seconds from the change that asked for a prefetch decision (compute's signals: from when the "
+            "daemon read them) to each prefetch load's start, "
             "summed over the loads started (over moe_cache_prefetch_started_total: the mean lag).",
             ("kind",),
         )

@@ -6,8 +6,9 @@ worker is woken once per batch (``docs/daemon.md``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from threading import Condition
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ class RouteSignal:
     token: int
     layer: int
     experts: np.ndarray
+    arrived: float = field(default_factory=lambda: time.monotonic())  # when it was checked
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +43,7 @@ class LookaheadSignal:
     token: int
     predictions: tuple[LayerPrediction, ...]
     request_id: str | None
+    arrived: float = field(default_factory=lambda: time.monotonic())  # when it was checked
 
 
 class SignalIntake:
@@ -48,15 +51,16 @@ class SignalIntake:
 
     ``layers``: the store's layers (a signal for another is refused), its experts those of
     ``signals``. ``lock`` is the one that guards ``signals`` (the residency's); ``on_change`` runs
-    under it after every applied batch (wakes the prefetch worker); ``counter`` counts the signals
-    applied by kind (``moe_cache_signals_total``)."""
+    under it after every applied batch (wakes the prefetch worker; given ``asked_at``, the arrival
+    of the batch's first signal where it held compute's signals, else None); ``counter`` counts the
+    signals applied by kind (``moe_cache_signals_total``)."""
 
     def __init__(
         self,
         signals: ActivationSignals,
         layers: LayerMap,
         lock: Condition,
-        on_change: Callable[[], None],
+        on_change: Callable[..., None],
         counter: Counter,
     ) -> None:
         self.signals = signals
@@ -168,7 +172,9 @@ class SignalIntake:
 
     def apply_locked(self, signals: Iterable[RouteSignal | LookaheadSignal], kick: bool = True) -> None:
         applied = False
+        first = None  # the first signal's arrival
         for sig in signals:
+            first = sig.arrived if first is None else min(first, sig.arrived)
             if isinstance(sig, RouteSignal):
                 self.signals.observe(sig.layer, sig.experts, sig.token, sig.request_id)
                 self._routes.inc()
@@ -177,7 +183,7 @@ class SignalIntake:
                 self._lookaheads.inc()
             applied = True
         if applied and kick:
-            self._on_change()
+            self._on_change(asked_at=first)
 
     def apply_ops(self, ops: Iterable[tuple[str, object]]) -> None:
         """A client channel's drained records, in order, in one hold of the lock: ``("begin",
@@ -189,8 +195,12 @@ class SignalIntake:
         """Under the lock: the prefetch worker's kick takes effect once the lock is released."""
         counts: dict[str, int] = {}
         applied = False
+        first = None  # the first signal's arrival
         for op, value in ops:
             applied = True
+            if op == "signal":
+                arrived = value.arrived  # type: ignore[attr-defined]
+                first = arrived if first is None else min(first, arrived)
             if op == "begin":
                 self.signals.begin_request(value)  # type: ignore[arg-type]
                 kind = "request_begin"
@@ -202,7 +212,7 @@ class SignalIntake:
                 continue
             counts[kind] = counts.get(kind, 0) + 1
         if applied:
-            self._on_change()
+            self._on_change(asked_at=first)
         for kind, n in counts.items():
             self._counter.labels(kind).inc(n)
 

@@ -73,7 +73,7 @@ class Prefetcher:
         """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
         return self.scheduler.policy
 
-    def kick(self, *, decide: bool = True, landed: bool = False) -> None:
+    def kick(self, *, decide: bool = True, landed: bool = False, asked_at: float | None = None) -> None:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
         every waiting admission (a slot, a load or a pin may have come free). ``decide=False``:
         the admissions only (a failed prefetch freed its slot; deciding again at once would only
@@ -81,10 +81,12 @@ class Prefetcher:
         ``landed``: only a load landed, which leaves the candidates as they were and frees room in
         flight: the worker decides only if the last decision stopped short of its candidates
         (``settled`` false); otherwise it would start nothing (two of three decisions at the e2e
-        shape, every one a Python pass over the candidates)."""
+        shape, every one a Python pass over the candidates). ``asked_at``: when the change came
+        (``time.monotonic``; compute's signals: when the daemon read them), default now: the
+        start delay of what the next decision starts counts from the first such change."""
         if decide and not (landed and self.settled):
             if not self._dirty:
-                self._asked_at = time.monotonic()
+                self._asked_at = time.monotonic() if asked_at is None else asked_at
             self._dirty = True
             # One wake-up per sleep: kicks that come before the worker runs add nothing (each
             # costs the kicking thread a wake-up of the worker otherwise, on every layer's signals).

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
+from cache_daemon.decisions import intake as intake_module
+from cache_daemon.decisions.intake import SignalIntake
 from cache_daemon.decisions.scheduler import PrefetchClass, PrefetchStart
+from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction
 from cache_daemon.metrics import DaemonMetrics
 from cache_daemon.residency import prefetcher as prefetcher_module
 from cache_daemon.residency.prefetcher import Prefetcher
 from expertcache.keys import ExpertKey
+from expertcache.layers import LayerMap
 from expertcache.prom import value
 
 
@@ -33,6 +38,7 @@ class Tier:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(prefetcher_module.time, "monotonic", c)
+    monkeypatch.setattr(intake_module.time, "monotonic", c)
     return c
 
 
@@ -93,3 +99,40 @@ def test_a_decision_nothing_asked_for_counts_from_its_own_start(clock):
         clock.now = 150.5
         p.started(start(3))
     assert value(metrics.prefetch_start_delay_seconds, "layer_ahead") == pytest.approx(0.5)
+
+
+def test_a_start_counts_from_when_the_daemon_read_the_signals_it_follows(clock):
+    p, metrics = make_prefetcher()
+    with p._cond:
+        assert p.take_work(Tier())
+        clock.now = 120.0
+        p.kick(asked_at=117.5)  # the signals were read at 117.5 and applied now
+        clock.now = 121.0
+        p.kick(asked_at=120.5)  # a later batch before the worker ran: the first counts
+        assert p.take_work(Tier())
+        clock.now = 122.0
+        p.started(start(4))
+    assert value(metrics.prefetch_start_delay_seconds, "layer_ahead") == pytest.approx(4.5)
+
+
+def test_the_intake_tells_the_prefetcher_when_a_batchs_first_signal_arrived(clock):
+    calls = []
+    signals = ActivationSignals(4, 6)
+    intake = SignalIntake(
+        signals,
+        LayerMap.dense(4),
+        threading.Condition(),
+        lambda **kw: calls.append(kw),
+        DaemonMetrics().signals,
+    )
+    clock.now = 200.0
+    route = intake.check_route("r", 0, 1, [0, 2])  # read at 200
+    clock.now = 203.0
+    ahead = intake.check_layer_ahead(0, [LayerPrediction(2, 1, np.array([1, 3]), np.array([0.9, 0.5]))], "r")
+    clock.now = 205.0
+    intake.apply_ops_locked([("begin", "r"), ("signal", route), ("signal", ahead)])
+    assert calls == [{"asked_at": 200.0}]
+    intake.apply_locked([ahead])  # an Acquire's carried signals
+    assert calls[-1] == {"asked_at": 203.0}
+    intake.apply_ops_locked([("end", "r")])  # no signal: the change is now
+    assert calls[-1] == {"asked_at": None}
