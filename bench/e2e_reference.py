@@ -205,7 +205,8 @@ def measured_timing(
             f"link: the store's reads, 4 in flight, {link_bytes_per_s / 1e9:.2f} GB/s (measured before the systems ran)",
             f"a load usable no sooner than {read_latency_s * 1e3:.2f} ms after its start (a lone read's latency, "
             "measured; loads in flight together overlap it)",
-            f"a prefetch starts {decision_lag_s * 1e3:.3f} ms after the change that asked for it (ours' daemon, measured)",
+            f"a prefetch decision runs {decision_lag_s * 1e3:.3f} ms after the change that asked for it (ours' daemon: "
+            "its mean start delay, measured)",
             f"compute: {compute_s_per_token * 1e3:.1f} ms a token (measured: a token's time less its wait for experts), split as "
             f"cpu-e2e's constants: per layer {base.layer_s * f * 1e3:.3f} ms, per token "
             f"{base.token_overhead_s * f * 1e3:.2f} ms",

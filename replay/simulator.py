@@ -15,8 +15,8 @@ Timing model (``TimingModel``, every figure printed by ``bench.replay``): one li
 in chunks; a demand pre-empts prefetch at chunk boundaries; a load is usable no sooner than
 ``read_latency_s`` after its start and holds its slot and its room in flight until then (loads
 in flight together overlap it: on fast storage a layer's misses cost about one read's latency,
-not one read each), and a prefetch starts
-``decision_lag_s`` after the decision that chose it (a demand at once); per layer, attention runs, the router
+not one read each), and a prefetch decision runs ``decision_lag_s`` after the change that asked
+for it, on the state at its time (a demand starts at once); per layer, attention runs, the router
 picks experts, resident experts compute first and the others as they arrive (reordered
 execution); transfers overlap compute. A layer stalls until its experts are resident. Latency
 per token is simulated time. Two named models: ``gpu`` (gpt-oss-20b bf16 over PCIe 4.0 x16 with
@@ -93,8 +93,8 @@ class TimingModel:
     # link's rate alone charges a layer's misses one after another). 0: the link's rate only.
     read_latency_s: float = 0.0
     # From the change that asks for a prefetch decision (a layer's signals, a landed load) to the
-    # decided loads' start: the daemon's hop to its decision thread and the decision itself. A
-    # demand's load starts at once.
+    # decision, which then reads the state of its time: the daemon's hop to its decision thread and
+    # the decision itself. A demand's load starts at once.
     decision_lag_s: float = 0.0
 
     @property
@@ -453,6 +453,7 @@ class Simulation:
         # They stay in the queue until then, holding their slot and their room in flight.
         self._landing: list[tuple[float, int, SimLoad]] = []
         self.seq = 0
+        self._decide_at: float | None = None  # when the pending (lagged) decision runs
         self.prefetched_unused: dict[int, tuple[PrefetchClass, int]] = {}  # entry -> (class, depth)
 
     # link -------------------------------------------------------------------------------------
@@ -472,6 +473,7 @@ class Simulation:
         """Move one chunk of the highest-priority load; returns the entry if it completed (-1 when
         a chunk moved but its load is not usable yet, None when nothing is left to move)."""
         self._land_until(self.link_t)
+        self._decide_until(self.link_t)
         ld = self._next_load()
         if ld is None:
             return None
@@ -513,10 +515,16 @@ class Simulation:
 
     def _advance(self, until: float) -> None:
         """Run the link up to ``until`` (a chunk in progress finishes past it), landing the loads
-        usable by then."""
-        while self.link_t < until:
-            if self._chunk() is None:
-                self.link_t = until
+        usable by then and running the decision due by then (at its time: the link first runs up
+        to it)."""
+        while True:
+            step = until if self._decide_at is None else min(until, self._decide_at)
+            while self.link_t < step:
+                if self._chunk() is None:
+                    self.link_t = step
+                    break
+            self._land_until(step)
+            if not self._decide_until(step) or step >= until:
                 break
         self._land_until(until)
 
@@ -544,7 +552,7 @@ class Simulation:
             self.sched.record_outcome(wasted[1], used=False)
 
     def _start(self, key: ExpertKey, cls: PrefetchClass, score: float = 0.0, depth: int = 0) -> None:
-        issued = self.issue_t if cls is PrefetchClass.DEMAND else self.issue_t + self.timing.decision_lag_s
+        issued = self.issue_t
         self.seq += 1
         entry = key.entry(self.E)
         self.tier.queue.add(
@@ -575,6 +583,28 @@ class Simulation:
             st.used_by_depth[depth] = st.used_by_depth.get(depth, 0) + 1
 
     def _prefetch(self) -> None:
+        """Something the scheduler reads changed at ``issue_t``: decide now, or with a decision
+        lag at ``issue_t + decision_lag_s``, on the state then (one decision answers every change
+        before it, as the daemon's worker does; what was demanded meanwhile is not prefetched)."""
+        lag = self.timing.decision_lag_s
+        if lag <= 0:
+            self._decide()
+            return
+        at = self.issue_t + lag
+        self._decide_at = at if self._decide_at is None else min(self._decide_at, at)
+
+    def _decide_until(self, until: float) -> bool:
+        """Run the decision due by ``until``, if any (its loads start at its time)."""
+        at = self._decide_at
+        if at is None or at > until:
+            return False
+        self._decide_at = None
+        issue_t, self.issue_t = self.issue_t, at
+        self._decide()
+        self.issue_t = issue_t
+        return True
+
+    def _decide(self) -> None:
         st = self.stats
         for s in self.sched.decide(self.tier):
             if s.victim is not None:

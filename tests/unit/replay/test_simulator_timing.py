@@ -1,7 +1,8 @@
 """The replay's clock: a load is usable no sooner than ``read_latency_s`` after its start (loads
 in flight together overlap that latency; the link's rate still moves their bytes one after the
-other), and a prefetch starts ``decision_lag_s`` after the decision that chose it, where a demand
-starts at once. Hand-sized runs whose times are worked out in the comments."""
+other) and holds its room in flight until then, and a prefetch decision runs ``decision_lag_s``
+after the change that asked for it, on the state at its time, where a demand starts at once.
+Hand-sized runs whose times are worked out in the comments."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_a_layers_misses_overlap_their_read_latency_and_share_the_links_rate():
     assert short == pytest.approx(4 * MS)
 
 
-def test_a_prefetch_starts_its_decision_lag_after_the_decision_and_a_demand_at_once():
+def test_a_lagged_decision_decides_on_the_state_at_its_time_and_a_demand_starts_at_once():
     routes = [[[0, 1], [2, 3]]]
     # Each layer's attention takes 10 ms; reads 1 ms of latency on a link this fast.
     t = timing(attention_s=10 * MS, link_bytes_per_s=BLOB / (0.01 * MS), read_latency_s=1 * MS)
@@ -74,10 +75,15 @@ def test_a_prefetch_starts_its_decision_lag_after_the_decision_and_a_demand_at_o
     on_time, sim = run(t, routes, lookahead=(1.0,))
     assert sim.stats.prefetches == 2 and sim.stats.hits == 2
     assert on_time == pytest.approx(21 * MS, abs=0.05 * MS)
-    # Decided at 10 ms but started 20 ms later: usable at 31, so layer 1 waits 10 ms for them.
-    lagged, sim = run(replace(t, decision_lag_s=20 * MS), routes, lookahead=(1.0,))
-    assert sim.stats.prefetches == 2
-    assert lagged == pytest.approx(31 * MS, abs=0.05 * MS)
+    # Decided 5 ms later (15 ms): started then, usable at 16, still before layer 1.
+    lagged, sim = run(replace(t, decision_lag_s=5 * MS), routes, lookahead=(1.0,))
+    assert sim.stats.prefetches == 2 and sim.stats.hits == 2
+    assert lagged == pytest.approx(21 * MS, abs=0.05 * MS)
+    # Decided 20 ms later (30 ms): layer 1 demanded its experts at 21 (usable at 22), so the
+    # decision, on the state at its time, finds nothing left to prefetch.
+    late, sim = run(replace(t, decision_lag_s=20 * MS), routes, lookahead=(1.0,))
+    assert sim.stats.prefetches == 0 and sim.stats.hits == 0
+    assert late == pytest.approx(22 * MS, abs=0.05 * MS)
     # The lag never touches a demand: without prefetch each layer waits its 1 ms latency.
     demand, _ = run(replace(t, decision_lag_s=20 * MS), routes, lookahead=(1.0,), prefetch=False)
     assert demand == pytest.approx(22 * MS, abs=0.05 * MS)
