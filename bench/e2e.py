@@ -90,8 +90,10 @@ tokens in ``generate``'s streamer. Bytes per token: ours/lru the daemon's store 
 Where the time goes, ours/lru: compute's wait for experts per decode token (each MoE layer's
 acquire wait, summed; the server's per-token ``cache.stall_s``) and its experts not resident when
 asked for (``cache.misses``: loads it waited for, a prefetch still in flight included).
-The disk under them: before the systems start, ``--store-reads`` random experts are read the
-daemon's way (``bench.io_bench.random_expert_reads``: the native reader, O_DIRECT, CRC-checked),
+The disk under them: before the systems start, every blob of the store is read once
+(``--store-pass``: on a virtual machine the disk's host cache lies beneath O_DIRECT, and the first
+system to read a cold store ran its first tokens up to 15x slower than the second), then
+``--store-reads`` random experts are read the daemon's way (``bench.io_bench.random_expert_reads``: the native reader, O_DIRECT, CRC-checked),
 one at a time (what a lone demand miss waits) and then 4 in flight; the MiB per token of ours,
 lru and resident over that throughput is their disk time per token, printed beside the p50 and
 marked on the plot (not accelerate's: it reads its offload files buffered and in order).
@@ -141,7 +143,7 @@ from bench.e2e_report import (  # noqa: E402
 from bench.e2e_sweep import parse_shares, run_sweep  # noqa: E402
 from bench.e2e_tracing import tracing_costs  # noqa: E402
 from bench.gpt_oss import DEFAULT_TRACE, PROMPT, add_model_arguments, build_from_args, use_torch_threads  # noqa: E402
-from bench.io_bench import random_expert_reads  # noqa: E402
+from bench.io_bench import random_expert_reads, store_pass  # noqa: E402
 from bench.report import GIB, MIB, RESULTS_DIR, fmt, say, write_json  # noqa: E402
 from bench.stats import summarise  # noqa: E402
 from bench.systems import (  # noqa: E402
@@ -463,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
         help="random expert reads that measure the disk before the systems run, one at a time and "
         "then 4 in flight (the disk time per token is printed from them); 0 = skip",
     )
+    parser.add_argument(
+        "--store-pass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read every blob of the store once before the systems run, so that the storage's own "
+        "caches beneath O_DIRECT (a virtual disk's host cache) favour none of them (on a VM here the "
+        "first system to read a cold store ran its first tokens up to 15x slower)",
+    )
     parser.add_argument("--min-ratio", type=float, default=4.0, help="required expert total / budget")
     parser.add_argument(
         "--cgroups",
@@ -572,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     gguf = llama_cpp.convert_or_drop(
         parser, args, systems, checkpoint, args.precision, total + manifest.dense_bytes, total
     )
+    passed = None
+    if args.store_pass:
+        passed = store_pass(store, manifest)
+        say(
+            f"store pass: every blob read once before the systems (O_DIRECT, 4 in flight), "
+            f"{passed['bytes'] / GIB:.2f} GiB in {passed['seconds']:.1f} s ({passed['gb_per_s']:.2f} GB/s): "
+            "the storage's own caches beneath O_DIRECT start alike for every system"
+        )
     store_reads = measure_store_reads(store, manifest, args.store_reads)
     link = measure_link(manifest, args.device)
 
@@ -687,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "layer_ahead_depth": args.layer_ahead_depth or ComputeConfig().layer_ahead_depth,
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
         "checkpoint after load and after every token; compute dense file after start-up",
+        "store_pass": passed,
         "store_reads": store_reads,
         "link": link,
         "cpu_count": os.cpu_count(),

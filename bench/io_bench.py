@@ -232,6 +232,26 @@ def native_store_read(
     return stats["bytes_read"], elapsed, stats
 
 
+def store_pass(store: Path, manifest: StoreManifest, *, in_flight: int = 4, threads: int = 4) -> dict:
+    """Every blob of the store read once, layer by layer, the daemon's way (the native ``Reader``,
+    O_DIRECT, CRC-checked), ``in_flight`` at a time. What lies beneath O_DIRECT (a virtual disk's
+    host cache, a drive's own cache) then starts from the same state for every system measured
+    after it, instead of favouring whichever reads second. Returns ``{"blobs", "bytes",
+    "seconds", "gb_per_s"}``."""
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    keys = manifest.all_keys()
+    reader = Reader(threads=threads, queue_depth=64, chunk_bytes=MIB)
+    try:
+        seconds, _latencies = read_blobs(
+            reader, store, manifest, keys, min(in_flight, len(keys)), Reader.DEMAND
+        )
+    finally:
+        reader.close()
+    nbytes = len(keys) * manifest.blob_bytes
+    return {"blobs": len(keys), "bytes": nbytes, "seconds": seconds, "gb_per_s": gbps(nbytes, seconds)}
+
+
 def random_expert_reads(
     store: Path,
     manifest: StoreManifest,

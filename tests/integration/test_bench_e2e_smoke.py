@@ -55,12 +55,14 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
                 "bf16",
                 "--systems",
                 "ours,ours-transitions,ours-eviction",
+                "--no-store-pass",
                 "--out",
                 str(bf16),
             ]
         )
         == 0
     )
+    assert json.loads(bf16.read_text())["store_pass"] is None  # --no-store-pass: none made
     # Ours without the learned next-visit model, side by side with ours.
     beside = json.loads(bf16.read_text())["verdicts"]["ours_vs_ours_transitions"]
     assert beside["p50_speedup"] > 0 and beside["bytes_ratio"] > 0 and len(beside["per_repeat"]) == 1
@@ -102,6 +104,12 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["hits"] + r["misses"] > 0
         assert r["p50_s"] > 0 and r["p99_s"] >= r["p50_s"]
         assert r["bytes_per_token"] > 0
+    # Every blob of the store read once before the systems, so that what lies beneath O_DIRECT
+    # starts alike for each of them.
+    passed = report["store_pass"]
+    assert passed["blobs"] == report["model"]["layers"] * report["model"]["experts"]
+    assert passed["bytes"] == passed["blobs"] * report["model"]["blob_bytes"] and passed["gb_per_s"] > 0
+    assert "store pass: every blob read once before the systems" in printed
     reads = report["store_reads"]  # the disk, measured before the systems ran
     assert reads["alone"]["in_flight"] == 1 and reads["alone"]["reads"] == 128
     assert reads["four_in_flight"]["in_flight"] == 4 and reads["four_in_flight"]["reads"] == 256
