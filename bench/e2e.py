@@ -93,8 +93,8 @@ asked for (``cache.misses``: loads it waited for, a prefetch still in flight inc
 The disk under them: before the systems start, every blob of the store is read once
 (``--store-pass``: on a virtual machine the disk's host cache lies beneath O_DIRECT, and the first
 system to read a cold store ran its first tokens up to 15x slower than the second), then
-``--store-reads`` random experts are read the daemon's way (``bench.io_bench.random_expert_reads``: the native reader, O_DIRECT, CRC-checked),
-one at a time (what a lone demand miss waits) and then 4 in flight; the MiB per token of ours,
+``--store-reads`` random experts are read the daemon's way (``bench.io_bench.random_expert_reads``:
+the native reader, O_DIRECT, CRC-checked), one at a time (what a lone demand miss waits) and then 4 in flight; the MiB per token of ours,
 lru and resident over that throughput is their disk time per token, printed beside the p50 and
 marked on the plot (not accelerate's: it reads its offload files buffered and in order).
 Where that time is most of the p50, the disk bounds the token and only fewer bytes make it faster.

@@ -232,6 +232,25 @@ def native_store_read(
     return stats["bytes_read"], elapsed, stats
 
 
+def demand_reads(
+    store: Path,
+    manifest: StoreManifest,
+    keys,
+    in_flight: int,
+    *,
+    threads: int = 4,
+    queue_depth: int = 64,
+    chunk_bytes: int = MIB,
+) -> tuple[float, list[float]]:
+    """``read_blobs`` of ``keys`` at demand priority through a native ``Reader`` of its own (the
+    daemon's defaults), closed after."""
+    reader = Reader(threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes)
+    try:
+        return read_blobs(reader, store, manifest, keys, in_flight, Reader.DEMAND)
+    finally:
+        reader.close()
+
+
 def store_pass(store: Path, manifest: StoreManifest, *, in_flight: int = 4, threads: int = 4) -> dict:
     """Every blob of the store read once, layer by layer, the daemon's way (the native ``Reader``,
     O_DIRECT, CRC-checked), ``in_flight`` at a time. What lies beneath O_DIRECT (a virtual disk's
@@ -241,13 +260,7 @@ def store_pass(store: Path, manifest: StoreManifest, *, in_flight: int = 4, thre
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     keys = manifest.all_keys()
-    reader = Reader(threads=threads, queue_depth=64, chunk_bytes=MIB)
-    try:
-        seconds, _latencies = read_blobs(
-            reader, store, manifest, keys, min(in_flight, len(keys)), Reader.DEMAND
-        )
-    finally:
-        reader.close()
+    seconds, _latencies = demand_reads(store, manifest, keys, min(in_flight, len(keys)), threads=threads)
     nbytes = len(keys) * manifest.blob_bytes
     return {"blobs": len(keys), "bytes": nbytes, "seconds": seconds, "gb_per_s": gbps(nbytes, seconds)}
 
@@ -277,11 +290,9 @@ def random_expert_reads(
     keys = manifest.all_keys()
     picks = [keys[i] for i in np.random.default_rng(seed).integers(0, len(keys), size=reads)]
     blob = manifest.blob_bytes
-    reader = Reader(threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes)
-    try:
-        seconds, latencies = read_blobs(reader, store, manifest, picks, in_flight, Reader.DEMAND)
-    finally:
-        reader.close()
+    seconds, latencies = demand_reads(
+        store, manifest, picks, in_flight, threads=threads, queue_depth=queue_depth, chunk_bytes=chunk_bytes
+    )
     return {
         "reads": reads,
         "in_flight": in_flight,
