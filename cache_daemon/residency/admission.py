@@ -193,18 +193,19 @@ class Admission:
         keys: list[ExpertKey],
         deadline: float,
         timeout: float,
-        apply_signals: Callable[[], None],
+        apply_signals: Callable[[], None] | None,
         client: ChannelServer | None = None,
     ) -> Admitted:
         """Admission under the lock, waiting for slots (woken by releases, loads, unpins) until
-        ``deadline`` → ``AcquireTimeout``; then ``apply_signals()``, the signals that came with the
-        demand, whatever the admission's outcome. In this order the demand's victims are chosen on
-        the estimates the last decision already computed, and its reads start before the
-        estimates are brought up to the new signals (a few hundred microseconds of Python on a
-        busy node, most of a store read). The demanded experts are pinned either way; the layer's
-        route and lookahead then steer the prefetch decision that follows. Measured end to end
-        (mxfp4, the e2e shape, with the demand's reads submitted here too): 2-9% less time per
-        token, the wait for experts down 1-4 ms a token, at 0.5-1 more misses a token."""
+        ``deadline`` → ``AcquireTimeout``; then ``apply_signals()`` (an Acquire's carried
+        signals; the channel applies its own once the demand is answered), whatever the
+        admission's outcome. In this order the demand's victims are chosen on the estimates the
+        last decision already computed, and its reads start before the estimates are brought up
+        to the new signals (a few hundred microseconds of Python on a busy node, most of a store
+        read). The demanded experts are pinned either way; the layer's route and lookahead then
+        steer the prefetch decision that follows. Measured end to end (mxfp4, the e2e shape, with
+        the demand's reads submitted here too): 2-9% less time per token, the wait for experts
+        down 1-4 ms a token, at 0.5-1 more misses a token."""
         waiting = False
         try:
             while True:
@@ -230,7 +231,8 @@ class Admission:
                 if not self.demand_waiting:
                     self._watcher.unwatch()
                 self._prefetcher.kick()
-            apply_signals()
+            if apply_signals is not None:
+                apply_signals()
 
     def _acquire(
         self,
@@ -286,20 +288,14 @@ class Admission:
                         self._sessions.drop_pin(session, key)
                     self._cond.notify_all()
 
-    def admit_for_client(
-        self, client: ChannelServer, layer: int, experts: Iterable[int], ops: list[tuple[str, object]] = ()
-    ) -> list[Load]:
+    def admit_for_client(self, client: ChannelServer, layer: int, experts: Iterable[int]) -> list[Load]:
         """A demand posted on ``client``'s channel: admit it (all or nothing, waiting for slots
         up to ``acquire_timeout_s``), pinning every expert into the client's ledger. Resident ones
         get source DEVICE at once; the client is told as each missing one lands (or fails).
-        ``ops`` (the channel's signals that came with it, ``SignalIntake.apply_ops``) are applied in the
-        same hold of the lock, just after the admission, as an Acquire's carried signals are.
-        Returns the loads to run in the calling thread (``Loads.run_deferred``, outside the lock)."""
-        try:
-            layer, keys = self._check_demand("a demand", layer, experts)
-        except BaseException:
-            self._intake.apply_ops(ops)
-            raise
+        The signals that came with it are not applied here: the channel applies them once the
+        demand is answered (``ChannelServer``). Returns the loads to run in the calling thread
+        (``Loads.run_deferred``, outside the lock)."""
+        layer, keys = self._check_demand("a demand", layer, experts)
         self._metrics.demands.inc()
         with self._cond:
             admitted = self._admit(
@@ -308,7 +304,7 @@ class Admission:
                 keys,
                 time.monotonic() + self.timeout_s,
                 self.timeout_s,
-                lambda: self._intake.apply_ops_locked(ops),
+                None,
                 client,
             )
             position = {key: i for i, key in enumerate(keys)}

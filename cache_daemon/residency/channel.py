@@ -47,7 +47,7 @@ class ChannelPort:
     """What a channel server uses of the residency, one per residency: the callables are its
     parts' bound methods (no hop through the residency on a demand)."""
 
-    admit: Callable[[ChannelServer, int, list[int], list[tuple[str, object]]], list[Load]]
+    admit: Callable[[ChannelServer, int, list[int]], list[Load]]  # signals are the caller's to apply
     run_deferred: Callable[[list[Load]], None]  # host-tier copies in this thread, outside the lock
     copies_from_host: Callable[[list[Load]], bool]  # whether run_deferred would copy any (not only read)
     close_session: Callable[[Session], None]
@@ -125,19 +125,26 @@ class ChannelServer:
             while not self.session.closed and not port.closing():
                 seen = channel.doorbell_seq
                 ops = self._drain_signals()
-                # With no signals to apply first, the admission answers within microseconds: the
-                # take raises the channel's ``copying`` at once, so that compute polls for it.
-                demand = channel.take_demand(self._taken, copying=not ops)
+                # The admission answers within microseconds: the take raises the channel's
+                # ``copying`` at once, so that compute polls for it (unless a flood of records is
+                # applied first).
+                demand = channel.take_demand(self._taken, copying=len(ops) <= MAX_OPS_PER_HOLD)
                 # A flood of records is applied in bounded holds of the lock: one client's ring
                 # never keeps the others' admissions waiting for long.
                 while len(ops) > MAX_OPS_PER_HOLD:
                     port.intake.apply_ops(ops[:MAX_OPS_PER_HOLD])
                     ops = ops[MAX_OPS_PER_HOLD:]
                 if demand is not None:
-                    # The layer's signals go in the admission's hold of the lock, just after it:
-                    # its demand loads are started before any prefetch they trigger.
+                    # The layer's signals are applied once its demand is answered (admitted, its
+                    # reads submitted, the hits' sources set): they cost a hundred microseconds
+                    # of Python that compute would otherwise wait out, and the prefetch decision
+                    # they steer follows them either way.
                     seq, layer, experts, trace = demand
-                    self._serve(seq, layer, experts, ops, trace)
+                    try:
+                        self._serve(seq, layer, experts, trace)
+                    finally:
+                        if ops:
+                            port.intake.apply_ops(ops)
                     continue
                 if ops:
                     port.intake.apply_ops(ops)
@@ -169,23 +176,21 @@ class ChannelServer:
             )
         self._port.close_session(self.session)  # this thread: close skips joining itself
 
-    def _serve(self, seq: int, layer: int, experts: list[int], ops: list[Op], trace: bytes = b"") -> None:
+    def _serve(self, seq: int, layer: int, experts: list[int], trace: bytes = b"") -> None:
         self._taken = seq
         self._serving = seq
         self._trace.end()  # the previous demand's, if some of it never landed
         # The channel's ``copying`` tells the client that an answer or a landing is microseconds
-        # away, so that it polls rather than sleep: up while a demand with no signals to apply
-        # first is admitted (raised by the take), and while host-tier experts are copied; down
-        # while a layer's signals are applied, or store reads are waited for (hundreds of
+        # away, so that it polls rather than sleep: up while a demand is admitted (raised by the
+        # take, unless a flood of signals went first), and while host-tier experts are copied;
+        # down while a layer's signals are applied, or store reads are waited for (hundreds of
         # microseconds, or milliseconds, that polling would take from the daemon's threads).
         try:
-            self._admit_and_answer(seq, layer, experts, ops, trace)
+            self._admit_and_answer(seq, layer, experts, trace)
         finally:
             self.channel.copying = False
 
-    def _admit_and_answer(
-        self, seq: int, layer: int, experts: list[int], ops: list[Op], trace: bytes
-    ) -> None:
+    def _admit_and_answer(self, seq: int, layer: int, experts: list[int], trace: bytes) -> None:
         started = time.monotonic()
         try:
             if experts and experts[-1] == _EXPERT_OVERFLOW:
@@ -198,7 +203,7 @@ class ChannelServer:
                     layer,
                     experts,
                 )
-            deferred = self._port.admit(self, layer, experts, ops)
+            deferred = self._port.admit(self, layer, experts)
         except (SessionClosed, ShuttingDown):
             raise
         except ExpertCacheError as exc:

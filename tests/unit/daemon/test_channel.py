@@ -161,9 +161,10 @@ def test_the_channel_does_not_say_copying_while_misses_it_answered_are_read_from
     assert not client.channel.copying
 
 
-def test_the_channel_says_copying_while_it_admits_a_demand_with_no_signals_to_apply_first(make, monkeypatch):
-    """Such an admission answers in microseconds (compute polls for it); one that applies a
-    layer's signals first takes hundreds (compute sleeps), and both lower it after."""
+def test_the_channel_says_copying_while_admitting_but_not_after_a_flood_of_signals(make, monkeypatch):
+    """An admission answers in microseconds, the signals that came with it waiting until it has
+    (compute polls for the answer); a flood of records applied first takes far longer (compute
+    sleeps). Both lower it after."""
     from cache_daemon.residency.admission import Admission
 
     h = make(slots=4)
@@ -180,12 +181,18 @@ def test_the_channel_says_copying_while_it_admits_a_demand_with_no_signals_to_ap
     client.wait_resident(L1, [0])
     client.release(L1, [0])
     client.channel.signal_begin(1, "req-a")
-    client.channel.signal_route(1, 0, L3, [1])  # applied in the admission's hold, after it
+    client.channel.signal_route(1, 0, L3, [1])  # applied once the demand is answered
     assert client.demand(L3, [1]) == (codes.STATUS_OK, "")
     client.wait_resident(L3, [1])
     client.release(L3, [1])
-    assert seen_while_admitting == [True, False]
-    assert value(h.metrics.signals, "route") == 1
+    floods = MAX_OPS_PER_HOLD + 1
+    for token in range(floods):
+        assert client.channel.signal_route(1, token + 1, L1, [token % 6])
+    assert client.demand(L3, [2]) == (codes.STATUS_OK, "")
+    client.wait_resident(L3, [2])
+    client.release(L3, [2])
+    assert seen_while_admitting == [True, True, False]
+    wait_for(lambda: value(h.metrics.signals, "route") == 1 + floods, "every route applied")
     wait_for(lambda: not client.channel.copying, "copying lowered once the demands were served")
 
 
@@ -256,32 +263,40 @@ def test_a_demand_that_never_fits_times_out_with_deadline_exceeded(make):
     client.release(L1, [0, 1])
 
 
-def test_a_demands_reads_start_before_the_signals_that_came_with_it_are_applied(make, monkeypatch):
-    """The admission comes first in its hold of the lock: its victims are chosen on the estimates
-    the last decision computed, and its reads are in the reader before the signals (which change
-    those estimates) are applied; they are applied all the same."""
+def test_a_demand_is_answered_before_the_signals_that_came_with_it_are_applied(make, monkeypatch):
+    """The admission comes first: its victims are chosen on the estimates the last decision
+    computed, its reads are in the reader and the client has its answer before the signals
+    (which change those estimates, in hundreds of microseconds) are applied; they are applied all
+    the same, after a refused demand too."""
     from cache_daemon.decisions.intake import SignalIntake
 
     h = make(slots=4)
     client, _ = h.attach()
-    submitted_when_applied: list[int] = []
+    when_applied: list[tuple[int, int]] = []  # (reads submitted, the channel's last answer)
     apply = SignalIntake.apply_ops_locked
 
     def watched(self, ops):
         ops = list(ops)
         if ops:
-            submitted_when_applied.append(h.store.reader_stats()["submitted"])
+            when_applied.append((h.store.reader_stats()["submitted"], client.channel.reply_seq))
         return apply(self, ops)
 
     monkeypatch.setattr(SignalIntake, "apply_ops_locked", watched)
     client.channel.signal_begin(1, "req-a")
     client.channel.signal_route(1, 0, L1, [0, 1])
     assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
+    answered = client.channel.reply_seq
     client.wait_resident(L1, [0, 1])
     client.release(L1, [0, 1])
-    assert submitted_when_applied == [2]
-    assert value(h.metrics.signals, "route") == 1
+    wait_for(lambda: value(h.metrics.signals, "route") == 1, "the route applied")
+    assert when_applied == [(2, answered)]
     assert h.residency.signals.live_requests == ("req-a",)
+
+    client.channel.signal_route(1, 1, L3, [0])
+    status, message = client.demand(L3, [0, 0])  # refused: named twice
+    assert codes.STATUS_NAMES[status] == "INVALID_ARGUMENT" and "more than once" in message
+    wait_for(lambda: value(h.metrics.signals, "route") == 2, "the refused demand's route applied")
+    assert when_applied[-1] == (2, client.channel.reply_seq)
 
 
 def test_signals_are_applied_in_order_and_malformed_ones_rejected(make):
@@ -392,9 +407,9 @@ def test_an_internal_error_answers_internal_and_ends_the_session(make, monkeypat
     def broken(*args, **kwargs):
         raise KeyError("a bug in admission")
 
-    # The first step of the demand's admission, under the lock (the server's port is bound to the
-    # admission's method at start, so it is patched one call down).
-    monkeypatch.setattr(h.residency.intake, "apply_ops_locked", broken)
+    # The demand's admission, under the lock (the server's port is bound to the admission's
+    # method at start, so it is patched one call down).
+    monkeypatch.setattr(h.residency._admission, "_try_admit", broken)
     status, message = client.demand(L1, [0])
     assert codes.STATUS_NAMES[status] == "INTERNAL" and "KeyError" in message
     wait_for(lambda: h.table.client_epoch(index) != epoch, "the failed channel's ledger reclaimed")
