@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal, SignalIntake
@@ -193,19 +193,10 @@ class Admission:
         keys: list[ExpertKey],
         deadline: float,
         timeout: float,
-        apply_signals: Callable[[], None] | None,
         client: ChannelServer | None = None,
     ) -> Admitted:
         """Admission under the lock, waiting for slots (woken by releases, loads, unpins) until
-        ``deadline`` → ``AcquireTimeout``; then ``apply_signals()`` (an Acquire's carried
-        signals; the channel applies its own once the demand is answered), whatever the
-        admission's outcome. In this order the demand's victims are chosen on the estimates the
-        last decision already computed, and its reads start before the estimates are brought up
-        to the new signals (a few hundred microseconds of Python on a busy node, most of a store
-        read). The demanded experts are pinned either way; the layer's route and lookahead then
-        steer the prefetch decision that follows. Measured end to end (mxfp4, the e2e shape, with
-        the demand's reads submitted here too): 2-9% less time per token, the wait for experts
-        down 1-4 ms a token, at 0.5-1 more misses a token."""
+        ``deadline`` → ``AcquireTimeout``."""
         waiting = False
         try:
             while True:
@@ -231,8 +222,6 @@ class Admission:
                 if not self.demand_waiting:
                     self._watcher.unwatch()
                 self._prefetcher.kick()
-            if apply_signals is not None:
-                apply_signals()
 
     def _acquire(
         self,
@@ -244,9 +233,19 @@ class Admission:
         signals: tuple[RouteSignal | LookaheadSignal, ...],
     ) -> Iterator[Ready]:
         with self._cond:
-            admitted = self._admit(
-                session, layer, keys, deadline, timeout, lambda: self._intake.apply_locked(signals)
-            )
+            # The signals that came with the demand are applied after its admission, in the same
+            # hold of the lock, whatever its outcome: its victims are chosen on the estimates the
+            # last decision already computed, and its reads start before the estimates are
+            # brought up to the new signals (a few hundred microseconds of Python on a busy node,
+            # most of a store read). The layer's route and lookahead then steer the prefetch
+            # decision that follows. Measured end to end (mxfp4, the e2e shape, with the demand's
+            # reads submitted here too): 2-9% less time per token, the wait for experts down
+            # 1-4 ms a token, at 0.5-1 more misses a token. (The channel applies its signals
+            # once the demand is answered: ChannelServer.)
+            try:
+                admitted = self._admit(session, layer, keys, deadline, timeout)
+            finally:
+                self._intake.apply_locked(signals)
         ready, pending, prefetched = admitted.ready, admitted.pending, admitted.prefetched
         unyielded = {item.key for item in ready} | set(pending)
         deferred = [load for load in pending.values() if load.deferred]
@@ -304,7 +303,6 @@ class Admission:
                 keys,
                 time.monotonic() + self.timeout_s,
                 self.timeout_s,
-                None,
                 client,
             )
             position = {key: i for i, key in enumerate(keys)}
