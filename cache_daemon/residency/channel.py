@@ -134,21 +134,18 @@ class ChannelServer:
                 while len(ops) > MAX_OPS_PER_HOLD:
                     port.intake.apply_ops(ops[:MAX_OPS_PER_HOLD])
                     ops = ops[MAX_OPS_PER_HOLD:]
-                if demand is not None:
-                    # The layer's signals are applied once its demand is answered (admitted, its
-                    # reads submitted, the hits' sources set): they cost a hundred microseconds
-                    # of Python that compute would otherwise wait out, and the prefetch decision
-                    # they steer follows them either way.
-                    seq, layer, experts, trace = demand
-                    try:
-                        self._serve(seq, layer, experts, trace)
-                    finally:
-                        if ops:
-                            port.intake.apply_ops(ops)
-                    continue
-                if ops:
-                    port.intake.apply_ops(ops)
-                channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
+                # The layer's signals are applied once its demand is answered (admitted, its
+                # reads submitted, the hits' sources set): they cost a hundred microseconds of
+                # Python that compute would otherwise wait out, and the prefetch decision they
+                # steer follows them either way.
+                try:
+                    if demand is not None:
+                        self._serve(*demand)
+                finally:
+                    if ops:
+                        port.intake.apply_ops(ops)
+                if demand is None:
+                    channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
         except (SessionClosed, ShuttingDown):
             pass
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the daemon down silently
