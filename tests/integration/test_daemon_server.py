@@ -50,8 +50,11 @@ def launch(work: Path, *, extra: list[str] | None = None, corrupt_key: ExpertKey
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
+    # Short enough that the tests of a demand refused for pinned slots end soon, long enough
+    # for a first read on a 2-core machine under the parallel suite (0.5 s timed out once in
+    # three fresh-clone runs: "waiting for 3 expert(s) of layer 1 to load").
     d = launch(
-        tmp_path_factory.mktemp("daemon"), extra=["--acquire-timeout-s", "0.5"], corrupt_key=ExpertKey(3, 5)
+        tmp_path_factory.mktemp("daemon"), extra=["--acquire-timeout-s", "2"], corrupt_key=ExpertKey(3, 5)
     )
     yield d
     d.close()
