@@ -147,13 +147,16 @@ __all__ += ["TransitionTable"]
 # ``apply_lookahead(p, num_experts, predictions)`` and ``next_use_layers(distance, p_next, p_long,
 # moe_layers, floor, out)``: the activation signals' per-version estimates
 # (cache_daemon/decisions/use_estimates.py) in one pass each, bit for bit its numpy expressions;
+# ``idle_log_survival(distance, p_next, p_long, moe_layers, horizon, out)``: the activation-aware
+# policy's eviction key, the log-probability that each entry goes unused over the horizon;
 # ``victim_order(resident, next_use, stamp)``: the activation-aware policy's victims in order.
 # See csrc/include/expertcache/use_estimates.h.
 request_estimates = _native.request_estimates
 apply_lookahead = _native.apply_lookahead
 next_use_layers = _native.next_use_layers
+idle_log_survival = _native.idle_log_survival
 victim_order = _native.victim_order
-__all__ += ["apply_lookahead", "next_use_layers", "request_estimates", "victim_order"]
+__all__ += ["apply_lookahead", "idle_log_survival", "next_use_layers", "request_estimates", "victim_order"]
 
 # ``NextVisitLogistic(weights, bias, window)``: the learned next-visit model's arithmetic
 # (cache_daemon/decisions/next_visit.py); ``predict(layer, latest, short_history, long_history,

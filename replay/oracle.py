@@ -3,19 +3,20 @@
 A reference for trace replay only, like ``belady``: it answers "how much better could eviction
 get with perfect short-term prediction?" Entries used within the next ``horizon_tokens`` tokens
 (``horizon_tokens * num_layers`` layer steps from the position) get their exact next-use step
-from the trace (``FutureUses``); every other entry keeps activation-aware's estimate, pushed
-beyond the horizon (it is known not to be used before). Victims are chosen as by
-activation-aware: largest next use first. The replay runs it with demand fetching only, as
-Belady: the row measures eviction, not speculation.
+from the trace (``FutureUses``) and leave last, furthest next use first; every other entry is
+ranked by activation-aware's own eviction key, after them (it is known not to be used before).
+The replay runs it with demand fetching only, as Belady: the row measures eviction, not
+speculation.
 
 No online predictor (EAMC match, the request's history, layer-ahead) knows the next token's
 routing exactly, so on the same trace and budget an online policy is not expected to load fewer
 bytes than this row; the replay prints it beside Belady to show how much of the gap to Belady
 short-term prediction could close at all.
 
-Example (L = 24, horizon 1): at step 100 (token 4, layer 4) an entry used next at step 110 is
-kept for 10 steps; an entry not used before step 124 with activation-aware estimate 30 gets
-``30 + 24 = 54``.
+Example (L = 24, horizon 1): at step 100 (token 4, layer 4) entries used next at steps 110 and
+120 are kept, and of the two the one of step 120 leaves first; every entry not used before step
+124 leaves before either, in activation-aware's order. ``next_use`` (the prefetch's estimate)
+stays exact within the horizon and activation-aware's estimate plus the horizon beyond it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from replay.belady import FuturePolicy, FutureUses
 
 if TYPE_CHECKING:
     from cache_daemon.decisions.signals import ActivationSignals
+
+
+KNOWN_USE = 1e12
+"""Subtracted from the exact next use of the entries used within the horizon: activation-aware's
+key of any other entry (a log-probability, or a next-use estimate with a plugged-in estimator)
+lies far above, so they all leave first."""
 
 
 class NextTokenOraclePolicy(FuturePolicy, ActivationAwarePolicy):
@@ -58,3 +65,12 @@ class NextTokenOraclePolicy(FuturePolicy, ActivationAwarePolicy):
         horizon = self.horizon_tokens * self.shape.num_layers
         estimate = super().next_use()
         return np.where(exact <= horizon, exact.astype(np.float64), estimate + horizon)
+
+    def eviction_key(self) -> np.ndarray:
+        """float64 [N] higher leaves first: the entries used within the horizon after every other,
+        furthest next use first; the others by activation-aware's own key."""
+        assert self.signals is not None
+        step = max(self.signals.step, 0)
+        exact = self.future.next_use(step) - step
+        horizon = self.horizon_tokens * self.shape.num_layers
+        return np.where(exact <= horizon, exact.astype(np.float64) - KNOWN_USE, super().eviction_key())

@@ -57,6 +57,14 @@ class SignalsConfig:
     precision_half_life: float = field(default=64.0, metadata={"min": 1.0, "max": 1e9})
     """Half-life, in scored predictions, of each depth's running precision estimate."""
 
+    eviction_horizon_tokens: float = field(default=2.0, metadata={"min": 0.05, "max": 1e6})
+    """Horizon, in tokens, over which the activation-aware policy weighs each resident entry's
+    chance of being used: the entry likeliest to go unused over the next ``horizon * M`` layer
+    steps leaves first. On the tuning window of the shared trace at 25% (``bench.replay_tune
+    --depths 0 --min-probabilities 0.7 --signals eviction_horizon_tokens=1,1.5,2,3,4,8``, requests
+    32..35, Belady 207.4 MiB a token) horizons 1 / 1.5 / 2 / 3 / 4 / 8 load 350.5 / 346.8 / 346.9
+    / 348.7 / 351.0 / 355.1 MiB a token."""
+
     probability_floor: float = field(default=1e-3, metadata={"min": 1e-9, "max": 1.0})
     """Lower bound on a long-run use probability (keeps next-use estimates finite)."""
 

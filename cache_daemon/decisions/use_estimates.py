@@ -390,6 +390,29 @@ class UseEstimates:
 
         return self._cached("next_use", compute)
 
+    def idle_log_survival(self) -> np.ndarray:
+        """float64 [N] the log of the probability that each entry goes unused over the next
+        ``eviction_horizon_tokens * M`` layer steps: used at its layer's next visit with
+        ``use_probability`` and at each later visit within the horizon with
+        ``long_run_probability``, independently (0 where the next visit is beyond the horizon);
+        the entries in use now get -inf. The activation-aware policy evicts the highest first."""
+
+        def compute() -> np.ndarray:
+            t = np.empty(self.grid.num_entries, np.float64)
+            native.idle_log_survival(
+                self.layer_distance(),
+                self.use_probability(),
+                self.long_run_probability(),
+                self.grid.num_moe,
+                self.config.eviction_horizon_tokens * self.grid.num_moe,
+                t,
+            )
+            if self._needed.size:
+                t[self._needed] = -np.inf
+            return t
+
+        return self._cached("idle_log_survival", compute)
+
     def _passed(self, req: RequestSignals, token: int, layer: int) -> bool:
         """Whether ``(token, layer)`` is at or before the request's position (visit order)."""
         if token != req.token:

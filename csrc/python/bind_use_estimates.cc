@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -141,6 +142,29 @@ void bind_use_estimates(py::module_& m) {
       py::arg("resident"), py::arg("next_use"), py::arg("stamp"),
       "The resident entries (int64), best victim first: by -next_use, then by stamp, stably, NaN last, "
       "as np.lexsort((stamp.astype(float64), -next_use)) over np.flatnonzero(resident).");
+  m.def(
+      "idle_log_survival",
+      [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,
+         double horizon, py::array& out) {
+        if (distance.ndim() != 1) throw std::invalid_argument("use_estimates: distance must be 1-D");
+        const auto n = static_cast<size_t>(distance.shape(0));
+        check_typed_row<int64_t>(distance, n, "distance", "int64", false);
+        check_row(p_next, n, "p_next", false);
+        check_row(p_long, n, "p_long", false);
+        check_typed_row<double>(out, n, "out", "float64", true);
+        if (moe_layers < 1) throw std::invalid_argument("use_estimates: moe_layers must be >= 1");
+        if (!(horizon > 0.0) || !std::isfinite(horizon))
+          throw std::invalid_argument("use_estimates: horizon must be > 0 and finite");
+        expertcache::idle_log_survival(n, static_cast<const int64_t*>(distance.data()),
+                                       static_cast<const float*>(p_next.data()),
+                                       static_cast<const float*>(p_long.data()), moe_layers, horizon,
+                                       static_cast<double*>(out.mutable_data()));
+      },
+      py::arg("distance"), py::arg("p_next"), py::arg("p_long"), py::arg("moe_layers"), py::arg("horizon"),
+      py::arg("out"),
+      "Log-probability that each entry goes unused over the next horizon layer steps (float64 [n] into "
+      "out): 0 where distance > horizon, else log1p(-p_next) + (horizon - distance) / moe_layers * "
+      "log1p(-p_long), probabilities taken in [0, 1 - 1e-9], as UseEstimates.idle_log_survival.");
   m.def(
       "next_use_layers",
       [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,

@@ -74,6 +74,25 @@ void next_use_layers(size_t n, const int64_t* distance, const float* p_next, con
   }
 }
 
+void idle_log_survival(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
+                       int64_t moe_layers, double horizon, double* out) {
+  constexpr double kMaxP = 1.0 - 1e-9;  // a certain use would be log(0)
+  auto log_miss = [](float p) {
+    const double q = static_cast<double>(p);
+    if (std::isnan(q)) return q;
+    return std::log1p(-(q < 0.0 ? 0.0 : (q > kMaxP ? kMaxP : q)));
+  };
+  const double m = static_cast<double>(moe_layers);
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(distance[i]);
+    if (d > horizon) {
+      out[i] = 0.0;  // not visited within the horizon: certainly idle
+      continue;
+    }
+    out[i] = log_miss(p_next[i]) + (horizon - d) / m * log_miss(p_long[i]);
+  }
+}
+
 size_t victim_order(size_t n, const bool* resident, const double* next_use, const int64_t* stamp, int64_t* out) {
   size_t count = 0;
   for (size_t e = 0; e < n; ++e)

@@ -1,6 +1,7 @@
 """The signals' per-version estimates in native code (``request_estimates``, ``next_use_layers``,
-csrc/src/use_estimates.cc) against the numpy expressions they replace in
-cache_daemon/decisions/use_estimates.py, bit for bit: with and without hints (fresh, stale, a
+``idle_log_survival``, csrc/src/use_estimates.cc) against the numpy expressions they replace in
+cache_daemon/decisions/use_estimates.py, bit for bit (``idle_log_survival`` to 1e-14: libm's
+``log1p`` and numpy's may differ in the last bit): with and without hints (fresh, stale, a
 weight of 0), with the routing transitions and with the learned model, where a next-visit estimate
 exists and where it does not; and every argument a caller can get wrong is refused by name.
 """
@@ -113,6 +114,75 @@ def test_next_use_layers_is_the_numpy_expression_bit_for_bit():
     got = np.empty(N, np.float64)
     native.next_use_layers(distance, p_next, p_long, M, floor, got)
     assert got.tobytes() == want.tobytes()
+
+
+def idle_log_survival_numpy(distance, p_next, p_long, M, horizon):
+    """UseEstimates.idle_log_survival's arithmetic in numpy (before the entries in use)."""
+
+    def log_miss(p):
+        return np.log1p(-np.clip(p.astype(np.float64), 0.0, 1.0 - 1e-9))
+
+    d = distance.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        within = log_miss(p_next) + (horizon - d) / M * log_miss(p_long)
+    return np.where(d > horizon, 0.0, within)
+
+
+def test_idle_log_survival_is_the_numpy_expression():
+    rng = np.random.default_rng(11)
+    M, horizon = 24, 48.0
+    distance = rng.integers(1, M + 2, N).astype(np.int64)  # M + 1: a dense layer's entries
+    p_next = rng.random(N, dtype=np.float32)
+    p_long = rng.random(N, dtype=np.float32)
+    p_next[:4] = [0.0, 1.0, np.nan, -0.5]
+    p_long[4:8] = [0.0, 1.0, np.nan, 2.0]
+    want = idle_log_survival_numpy(distance, p_next, p_long, M, horizon)
+    got = np.empty(N, np.float64)
+    native.idle_log_survival(distance, p_next, p_long, M, horizon, got)
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=0.0)
+    assert np.isnan(got[2]) and np.isnan(got[6])
+    assert np.isfinite(got[1]) and got[1] < -20.0  # a certain use is capped, not -inf
+    assert got[0] == (horizon - distance[0]) / M * np.log1p(-np.float64(p_long[0]))
+
+
+def test_idle_log_survival_ranks_a_likely_or_near_use_as_less_idle():
+    M = 24
+    distance = np.array([1, 23, 1, 1, 30], np.int64)
+    p_next = np.array([0.5, 0.5, 0.1, 0.5, 0.9], np.float32)
+    p_long = np.full(5, 0.5, np.float32)
+    got = np.empty(5, np.float64)
+    native.idle_log_survival(distance, p_next, p_long, M, 24.0, got)
+    # the same chances, but layer 1 is visited twice within the horizon and layer 23 once
+    assert got[0] < got[1]
+    assert got[3] < got[2]  # likelier at the next visit
+    assert got[4] == 0.0  # next visited beyond the horizon
+    # 1 visit at p 0.5, then 23/24 of a visit at p 0.5
+    assert got[0] == pytest.approx(np.log(0.5) * (1 + 23 / 24))
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"distance": np.zeros(N, np.int32)}, "distance must be a contiguous int64"),
+        ({"p_next": np.zeros(N - 1, np.float32)}, "p_next must be a contiguous float32 array of 768"),
+        ({"out": np.zeros(N, np.float32)}, "out must be a contiguous float64"),
+        ({"moe_layers": 0}, "moe_layers must be >= 1"),
+        ({"horizon": 0.0}, "horizon must be > 0 and finite"),
+        ({"horizon": float("inf")}, "horizon must be > 0 and finite"),
+    ],
+)
+def test_idle_log_survival_refuses_bad_arguments_by_name(over, message):
+    args = {
+        "distance": np.ones(N, np.int64),
+        "p_next": np.zeros(N, np.float32),
+        "p_long": np.ones(N, np.float32),
+        "moe_layers": 24,
+        "horizon": 48.0,
+        "out": np.zeros(N, np.float64),
+    }
+    args.update(over)
+    with pytest.raises(ValueError, match=message):
+        native.idle_log_survival(**args)
 
 
 def test_apply_lookahead_is_the_numpy_loop_bit_for_bit():

@@ -1,6 +1,7 @@
 """Activation-aware eviction (ours, the default): an online approximation of Belady. The resident
-entry whose next use ``ActivationSignals`` estimates furthest away leaves first; ties go to the
-least recently used. The estimate, with an example, is in ``docs/daemon.md``.
+entry that ``ActivationSignals`` deems likeliest to go unused over the next few tokens
+(``SignalsConfig.eviction_horizon_tokens``) leaves first; ties go to the least recently used. The
+estimate, with an example, is in ``docs/daemon.md``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ if TYPE_CHECKING:
 MIN_PREFETCH_PROBABILITY = 0.7
 """Speculative prefetch only for entries at least this likely to be used at their next visit: a
 wasted prefetch costs the link as much as a demand fetch, and its victim. Measured on the shared
-trace at 25% without lookahead (requests 64..69, ``bench.replay``): with the learned next-visit
-model, thresholds 0.3 / 0.5 / 0.7 load 1.722 / 1.600 / 1.567 x Belady's bytes (prefetch accuracy
-0.56 / 0.76 / 0.89) at 27.6 / 27.9 / 28.2 ms per token; with the routing transitions, 1.647 /
-1.664 / 1.663 x at 28.7 / 28.6 / 28.6 ms. Where the link is the bottleneck bytes are time, so the
-bar is the high one."""
+trace at 25% without lookahead (requests 64..69, ``bench.replay``, eviction then by expected next
+use): with the learned next-visit model, thresholds 0.3 / 0.5 / 0.7 load 1.722 / 1.600 / 1.567 x
+Belady's bytes (prefetch accuracy 0.56 / 0.76 / 0.89) at 27.6 / 27.9 / 28.2 ms per token; with
+the routing transitions, 1.647 / 1.664 / 1.663 x at 28.7 / 28.6 / 28.6 ms. Where the link is the
+bottleneck bytes are time, so the bar is the high one."""
 
 
 class ActivationAwarePolicy(ShapedPolicy):
@@ -52,15 +53,24 @@ class ActivationAwarePolicy(ShapedPolicy):
         assert self.signals is not None
         return self.signals.next_use_layers()
 
+    def eviction_key(self) -> np.ndarray:
+        """float64 [N] higher leaves first: the log-probability that each entry goes unused over
+        the horizon (``UseEstimates.idle_log_survival``); with a plugged-in estimator (the
+        replay's), which estimates only next uses, the expected next use."""
+        assert self.signals is not None
+        if self.signals.estimator is not None:
+            return self.next_use()
+        return self.signals.idle_log_survival()
+
     def _keep_scores(self, entries: np.ndarray) -> np.ndarray:
-        return -self.next_use()[entries]
+        return -self.eviction_key()[entries]
 
     def _tiebreak(self, entries: np.ndarray) -> np.ndarray:
         return self._stamp[entries].astype(np.float64)
 
     def _ordered_resident(self) -> np.ndarray:
-        # The base's order (-next_use, then the stamp, stably) in one native pass.
-        return native.victim_order(self._resident, self.next_use(), self._stamp)
+        # The base's order (-eviction_key, then the stamp, stably) in one native pass.
+        return native.victim_order(self._resident, self.eviction_key(), self._stamp)
 
     def prefetch_scores(self) -> np.ndarray:
         """float64 [N] ``1 / (1 + next_use)`` for entries with use probability at their next visit

@@ -53,6 +53,15 @@ void apply_lookahead(float* p, size_t num_experts, size_t layer, double keep, co
 void next_use_layers(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
                      int64_t moe_layers, double floor, double* out);
 
+// out[i] = log of the probability that entry i goes unused over the next horizon layer steps
+// (UseEstimates.idle_log_survival before the entries in use get -inf), in float64: 0 where its
+// next visit is beyond the horizon (distance[i] > horizon), else
+//   log1p(-p_next[i]) + (horizon - distance[i]) / moe_layers * log1p(-p_long[i])
+// with each probability taken in [0, 1 - 1e-9] (used at its next visit, then at each later
+// visit within the horizon, independently); NaN stays NaN.
+void idle_log_survival(size_t n, const int64_t* distance, const float* p_next, const float* p_long,
+                       int64_t moe_layers, double horizon, double* out);
+
 // The resident entries, best victim first (ShapedPolicy.victim_order for the activation-aware
 // policy): entries with resident[e] set, in ascending order, stably sorted by keep score
 // -next_use[e] and then by tiebreak (double)stamp[e], NaN last for each key as numpy's lexsort

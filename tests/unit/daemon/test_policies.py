@@ -252,7 +252,7 @@ def test_oracle_next_token_exact_within_the_horizon_estimate_beyond():
     assert far.next_use()[[1, 2]].tolist() == [2.0, 4.0]
 
 
-def test_activation_aware_evicts_the_latest_expected_use():
+def test_activation_aware_evicts_the_least_likely_used_soon():
     sig = ActivationSignals(L, E, config=SignalsConfig(history_half_life_tokens=1.0))
     pol = ActivationAwarePolicy(SHAPE, sig)
     sig.begin_request("r")
@@ -269,6 +269,29 @@ def test_activation_aware_evicts_the_latest_expected_use():
     assert pol.prefetch_scores()[E] > 0 and pol.prefetch_scores()[E + 5] == 0
     with pytest.raises(ValueError, match=r"min_probability must be in \[0, 1\], got 2"):
         ActivationAwarePolicy(SHAPE, sig, min_probability=2)
+
+
+def test_activation_aware_evicts_the_likeliest_idle_not_the_latest_expected_use():
+    sig = ActivationSignals(L, E)
+    pol = ActivationAwarePolicy(SHAPE, sig)
+    sig.begin_request("r")
+    sig.observe(0, [0, 1], token=0)
+    keys = [ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(2, 0)]
+    for k in keys:
+        pol.on_insert(k)
+    # A: likely at its next visit, then rarely (expected next use far off, but used soon);
+    # B: unlikely at its next visit, then often (expected next use nearer, but idle for now).
+    a, b, c = (k.entry(E) for k in keys)
+    idle = np.zeros(L * E)
+    idle[a], idle[b], idle[c] = np.log(0.5), np.log(0.9), np.log(0.2)
+    next_use = np.zeros(L * E)
+    next_use[a], next_use[b], next_use[c] = 600.0, 80.0, 10.0
+    sig.idle_log_survival = lambda: idle  # the signals' two estimates, disagreeing
+    sig.next_use_layers = lambda: next_use
+    assert pol.choose_victims(3, lambda k: True) == [keys[1], keys[0], keys[2]]
+    assert pol.keep_value([keys[0], keys[1]]).tolist() == [-np.log(0.5), -np.log(0.9)]
+    # Speculative prefetch still goes soonest expected use first.
+    assert pol.next_use()[a] == 600.0
 
 
 @pytest.mark.parametrize("name", POLICIES)

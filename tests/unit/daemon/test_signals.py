@@ -184,6 +184,36 @@ def test_next_use_orders_like_belady_would_guess():
         assert np.all(np.isfinite(nu))
 
 
+def test_idle_log_survival_is_the_chance_of_going_unused_over_the_horizon():
+    s = make(prior_weight=0.0, eviction_horizon_tokens=1.5)  # 1.5 * L layer steps
+    s.begin_request("r")
+    for t in range(3):
+        for layer in range(L):
+            s.observe(layer, [1, 2], token=t)
+    s.observe(1, [1, 3], token=3)  # position (3, 1)
+    idle = s.idle_log_survival()
+    assert idle[E + 1] == -np.inf and idle[E + 3] == -np.inf  # in use now
+    p_next, p_long, d = s.use_probability(), s.long_run_probability(), s.layer_distance()
+    horizon = 1.5 * L
+    for entry in (2 * E + 2, 0 * E + 2, 2 * E + 5):
+        want = np.log1p(-float(p_next[entry])) + (horizon - d[entry]) / L * np.log1p(-float(p_long[entry]))
+        assert idle[entry] == pytest.approx(want, rel=1e-12)
+    # A habitually used entry is likelier used soon than one never used, so less idle.
+    assert idle[2 * E + 2] < idle[2 * E + 5]
+    assert np.all(idle <= 0.0)
+    # An entry whose next visit lies beyond the horizon is idle for certain (log 1 = 0).
+    short = make(prior_weight=0.0, eviction_horizon_tokens=0.5)  # 2 of the 4 layers ahead
+    short.begin_request("r")
+    for layer in range(L):
+        short.observe(layer, [1, 2], token=0)
+    short.observe(0, [1, 2], token=1)
+    near = short.idle_log_survival()
+    assert near[1 * E + 1] < 0.0 and near[2 * E + 1] < 0.0  # 1 and 2 layers ahead
+    assert near[3 * E + 1] == 0.0  # 3 layers ahead
+    with pytest.raises(ValueError, match=r"SignalsConfig.eviction_horizon_tokens must be in"):
+        SignalsConfig(eviction_horizon_tokens=0.0)
+
+
 def test_requests_have_their_own_state_and_combine():
     s = make(prior_weight=0.5, history_half_life_tokens=1.0)
     s.begin_request("a")
