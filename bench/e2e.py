@@ -165,9 +165,12 @@ from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
 from replay.forced_routing import modelled_accuracy  # noqa: E402
+from replay.learn_next_visit import (  # noqa: E402
+    DEFAULT_HORIZON_VISITS,
+    fit_trace,
+)
 from replay.learn_next_visit import DEFAULT_ITERATIONS as DEFAULT_FIT_ITERATIONS  # noqa: E402
 from replay.learn_next_visit import MAX_ITERATIONS as MAX_FIT_ITERATIONS  # noqa: E402
-from replay.learn_next_visit import fit_trace  # noqa: E402
 from replay.learn_next_visit import write as write_next_visit  # noqa: E402
 
 RESULTS = RESULTS_DIR / "e2e.json"
@@ -213,8 +216,15 @@ def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     iterations = (
         "" if args.next_visit_iterations == DEFAULT_FIT_ITERATIONS else f"-it{args.next_visit_iterations}"
     )
-    path = args.data_dir / f"next_visit-{args.trace.stem}-{learn.start}-{learn.stop}{iterations}.safetensors"
-    note = f"the learned model, fitted on trace requests {learn.start}..{learn.stop - 1} (after the measured ones)"
+    head = f"-h{DEFAULT_HORIZON_VISITS}"  # a file of before the horizon head is not reused
+    path = (
+        args.data_dir
+        / f"next_visit-{args.trace.stem}-{learn.start}-{learn.stop}{iterations}{head}.safetensors"
+    )
+    note = (
+        f"the learned model with its horizon head ({DEFAULT_HORIZON_VISITS} visits), fitted on trace "
+        f"requests {learn.start}..{learn.stop - 1} (after the measured ones)"
+    )
     try:
         read_next_visit(path)
         return path, f"{note}, cached in {path}"

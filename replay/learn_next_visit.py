@@ -4,6 +4,7 @@
 
     python -m replay.learn_next_visit --trace TRACE.npz --out next_visit.safetensors
                                       [--requests A:B] [--window W] [--l2 L2] [--iterations N]
+                                      [--horizon-visits H]
 
 ``TRACE.npz`` is a routing trace (``expertcache.trace``: compute's recorder writes one from
 served requests, ``record_trace_path`` in compute's config); its decode rows are learned from
@@ -11,9 +12,12 @@ served requests, ``record_trace_path`` in compute's config); its decode rows are
 (``cache_daemon.decisions.next_visit``) learns, per MoE layer, which experts the layer routes at
 a request's next token from every layer's latest routing and the request's histories of the
 layer: one L2-regularised logistic regression per layer, fitted with L-BFGS (torch, on the CPU;
-about 2.5 s per layer on 26 K tokens of gpt-oss-20b on 2 cores). The daemon reads the file named
-by its ``next_visit_model`` config field at start (``cache_daemon.decisions.next_visit.read``) and
-then uses it in place of the routing transitions; a file fitted for another model shape or other history half-lives is refused at
+about 2.5 s per layer on 26 K tokens of gpt-oss-20b on 2 cores), and beside it, on the same
+features, the horizon head: which experts the layer routes within the request's next
+``--horizon-visits`` tokens (the eviction policy's chance of use after the next visit). The
+daemon reads the file named by its ``next_visit_model`` config field at start
+(``cache_daemon.decisions.next_visit.read``) and then uses it in place of the routing
+transitions; a file fitted for another model shape or other history half-lives is refused at
 start with a message that says so.
 
 Exit status: 0 written, 2 for bad arguments or an unreadable trace (the message names it).
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cache_daemon.decisions.next_visit import MAX_WEIGHTS, NextVisitModel, window_start
+from cache_daemon.decisions.next_visit import MAX_HORIZON_VISITS, MAX_WEIGHTS, NextVisitModel, window_start
 from cache_daemon.decisions.signals import SignalsConfig
 
 if TYPE_CHECKING:
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_L2 = 1e-4
+DEFAULT_HORIZON_VISITS = 4
 DEFAULT_ITERATIONS = 60
 MAX_ITERATIONS = 10_000
 
@@ -87,6 +92,18 @@ def features(
     return x, y[1:, layer]
 
 
+def within(y: np.ndarray, layer: int, visits: int) -> np.ndarray:
+    """float32 [T - 1, E] the horizon head's targets for ``features``' examples: whether each
+    expert of MoE layer ``layer`` is routed at any of the next ``visits`` tokens (those the
+    request has: near its end, fewer)."""
+    T = len(y)
+    out = np.zeros((T - 1, y.shape[2]), np.float32)
+    for k in range(1, visits + 1):
+        if k < T:
+            np.maximum(out[: T - k], y[k:, layer], out=out[: T - k])
+    return out
+
+
 def fit(
     requests: Sequence[np.ndarray],
     num_experts: int,
@@ -97,11 +114,14 @@ def fit(
     config: SignalsConfig | None = None,
     trained_on: str = "",
     progress: Callable[[int, int], None] | None = None,
+    horizon_visits: int = DEFAULT_HORIZON_VISITS,
 ) -> NextVisitModel:
     """The next-visit model of ``requests`` (each int [T, M, K]: a request's routed experts per
     token and MoE layer; requests of one token teach nothing). ``window``: input layers per
     layer (default all M). The histories follow ``config``'s half-lives (the signals' that will
-    run it). ``progress(layer, num_layers)`` is called after each layer."""
+    run it). ``progress(layer, num_layers)`` is called after each layer. ``horizon_visits`` (2 or
+    more; 0: none) fits the horizon head beside it, on the same features: each expert's chance of
+    use within that many visits (both heads in one L-BFGS run per layer, their losses summed)."""
     import torch
 
     cfg = config or SignalsConfig()
@@ -118,6 +138,8 @@ def fit(
         raise ValueError(
             f"l2 must be >= 0 and iterations in [1, {MAX_ITERATIONS}], got {l2} and {iterations}"
         )
+    if horizon_visits != 0 and not 2 <= horizon_visits <= MAX_HORIZON_VISITS:
+        raise ValueError(f"horizon_visits must be 0 or in [2, {MAX_HORIZON_VISITS}], got {horizon_visits}")
     if num_layers * (window + 2) * num_experts * num_experts > MAX_WEIGHTS:
         raise ValueError(
             f"{num_layers} layers x window {window} x {num_experts} experts is over {MAX_WEIGHTS} weights"
@@ -129,14 +151,18 @@ def fit(
     )
     hist = [histories(y, start, decays) for y in ys]
     E = num_experts
-    weights = np.zeros((num_layers, (window + 2) * E, E), np.float32)
-    bias = np.zeros((num_layers, E), np.float32)
+    heads = 2 if horizon_visits else 1
+    weights = np.zeros((heads, num_layers, (window + 2) * E, E), np.float32)
+    bias = np.zeros((heads, num_layers, E), np.float32)
     for j in range(num_layers):
         pairs = [features(y, ha, hb, j, window) for y, (ha, hb) in zip(ys, hist, strict=True)]
         x = torch.from_numpy(np.concatenate([p[0] for p in pairs]))
-        target = torch.from_numpy(np.concatenate([p[1] for p in pairs]))
-        r = np.clip(rate[j], 1e-4, 1 - 1e-4)
-        w = torch.zeros(x.shape[1], E, requires_grad=True)
+        targets = [np.concatenate([p[1] for p in pairs])]
+        if horizon_visits:
+            targets.append(np.concatenate([within(y, j, horizon_visits) for y in ys]))
+        target = torch.from_numpy(np.concatenate(targets, 1))  # [n, heads * E]
+        r = np.clip(target.numpy().mean(0), 1e-4, 1 - 1e-4)  # each head's base rate: the start
+        w = torch.zeros(x.shape[1], heads * E, requires_grad=True)
         b = torch.tensor(np.log(r / (1 - r)), dtype=torch.float32, requires_grad=True)
         opt = torch.optim.LBFGS(
             [w, b], lr=1.0, max_iter=iterations, history_size=20, line_search_fn="strong_wolfe"
@@ -144,24 +170,28 @@ def fit(
 
         def closure(x=x, target=target, w=w, b=b, opt=opt):
             opt.zero_grad()
-            loss = (
-                torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, target) + l2 * (w * w).sum()
-            )
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, target, reduction="none")
+            loss = bce.mean(0).view(heads, E).mean(1).sum() + l2 * (w * w).sum()  # each head's mean, summed
             loss.backward()
             return loss
 
         opt.step(closure)
-        weights[j], bias[j] = w.detach().numpy(), b.detach().numpy()
+        fitted_w, fitted_b = w.detach().numpy(), b.detach().numpy()
+        for h in range(heads):
+            weights[h, j], bias[h, j] = fitted_w[:, h * E : (h + 1) * E], fitted_b[h * E : (h + 1) * E]
         if progress is not None:
             progress(j + 1, num_layers)
     return NextVisitModel(
-        weights,
-        bias,
+        weights[0],
+        bias[0],
         window,
         cfg.history_half_life_tokens,
         cfg.long_history_half_life_tokens,
         cfg.prior_weight,
         trained_on=trained_on,
+        horizon_weights=weights[1] if horizon_visits else None,
+        horizon_bias=bias[1] if horizon_visits else None,
+        horizon_visits=horizon_visits,
     )
 
 
@@ -224,6 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--l2", type=float, default=DEFAULT_L2, help=f"L2 penalty (default {DEFAULT_L2})")
     ap.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="L-BFGS iterations per layer")
+    ap.add_argument(
+        "--horizon-visits",
+        type=int,
+        default=DEFAULT_HORIZON_VISITS,
+        help="also fit the horizon head: each expert's chance of use within this many visits "
+        f"(default {DEFAULT_HORIZON_VISITS}; 0: none)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -249,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             window=args.window,
             l2=args.l2,
             iterations=args.iterations,
+            horizon_visits=args.horizon_visits,
             progress=lambda j, n: print(
                 f"  layer {j}/{n} ({time.perf_counter() - started:.0f} s)", flush=True
             ),

@@ -22,7 +22,21 @@ FORMAT = "expertcache-next-visit/1"
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 12
 MAX_WEIGHTS = 1 << 28  # floats (1 GiB)
-MAX_FILE_BYTES = MAX_WEIGHTS * 4 + (1 << 20)
+MAX_FILE_BYTES = 2 * MAX_WEIGHTS * 4 + (1 << 20)  # the model and its horizon head
+MAX_HORIZON_VISITS = 64
+
+
+def tail_probability(p_next: np.ndarray, within: np.ndarray, visits: int) -> np.ndarray:
+    """float32 per-visit chance of use at each visit after the next one, from the chance of use at
+    the next visit ``p_next`` and within the next ``visits`` visits ``within`` (the horizon
+    head), the later visits taken alike and independent:
+    ``1 - within = (1 - p_next) * (1 - tail) ** (visits - 1)``. Example: ``p_next = 0.5``,
+    ``within = 0.75`` over 3 visits: ``(1 - tail) ** 2 = 0.5``, ``tail = 0.29``. 0 where the
+    head says no more than ``p_next`` (the two are fitted apart and may disagree). The daemon
+    runs the native ``NextVisitLogistic.tail``, the same arithmetic."""
+    miss = np.maximum(1.0 - p_next.astype(np.float64), 1e-12)
+    stay = np.clip((1.0 - within.astype(np.float64)) / miss, 0.0, 1.0)
+    return (1.0 - stay ** (1.0 / (visits - 1))).astype(np.float32)
 
 
 class NextVisitModelError(ValueError):
@@ -56,6 +70,9 @@ class NextVisitModel:
     long_half_life_tokens: float
     history_start: float
     trained_on: str = ""
+    horizon_weights: np.ndarray | None = None
+    horizon_bias: np.ndarray | None = None
+    horizon_visits: int = 0
 
     def __post_init__(self) -> None:
         w, b = self.weights, self.bias
@@ -96,6 +113,46 @@ class NextVisitModel:
         object.__setattr__(self, "weights", w)
         object.__setattr__(self, "bias", b)
         object.__setattr__(self, "_native", NextVisitLogistic(w, b, self.window))
+        self._check_horizon()
+
+    def _check_horizon(self) -> None:
+        """Validates the optional horizon head (``horizon_weights``, ``horizon_bias``,
+        ``horizon_visits``: all three or none) and builds its native evaluator."""
+        hw, hb, h = self.horizon_weights, self.horizon_bias, self.horizon_visits
+        if hw is None and hb is None and h == 0:
+            object.__setattr__(self, "_native_horizon", None)
+            return
+        if hw is None or hb is None:
+            raise NextVisitModelError("horizon head: horizon_weights and horizon_bias come together")
+        if not isinstance(h, int) or not 2 <= h <= MAX_HORIZON_VISITS:
+            raise NextVisitModelError(
+                f"horizon_visits must be an integer in [2, {MAX_HORIZON_VISITS}], got {h!r}"
+            )
+        if hw.shape != self.weights.shape or hb.shape != self.bias.shape:
+            raise NextVisitModelError(
+                f"horizon head {hw.shape} / {hb.shape} does not match the model's {self.weights.shape} / "
+                f"{self.bias.shape}"
+            )
+        for name, a in (("horizon_weights", hw), ("horizon_bias", hb)):
+            if a.dtype != np.float32:
+                raise NextVisitModelError(f"{name} must be float32, got {a.dtype}")
+            if not np.isfinite(a).all():
+                raise NextVisitModelError(f"{name} holds non-finite values")
+        hw = bfloat16_round(hw)
+        if not np.isfinite(hw).all():
+            raise NextVisitModelError("horizon_weights overflow bfloat16")
+        hb = hb.copy()
+        hw.flags.writeable = False
+        hb.flags.writeable = False
+        object.__setattr__(self, "horizon_weights", hw)
+        object.__setattr__(self, "horizon_bias", hb)
+        object.__setattr__(self, "_native_horizon", NextVisitLogistic(hw, hb, self.window))
+
+    @property
+    def has_horizon(self) -> bool:
+        """Whether the model has the horizon head (the chance of use within ``horizon_visits``
+        visits), from which ``step`` derives the per-visit chance beyond the next visit."""
+        return self._native_horizon is not None
 
     @property
     def num_layers(self) -> int:
@@ -121,14 +178,28 @@ class NextVisitModel:
         short: np.ndarray,
         long: np.ndarray,
         out: np.ndarray,
+        tail: np.ndarray | None = None,
     ) -> None:
         """MoE layer ``layer`` routed ``experts`` (int64): records them in ``latest`` (float32
         [M * E], the request's one-hot latest routing of every layer), then writes the
         probabilities of the layer's experts at its next visit into ``out`` (float32 [E]) from
         ``latest``'s window and the request's histories of the layer ``short``, ``long`` (float32
         [E]); all contiguous. The daemon's hot path: the native ``NextVisitLogistic`` sums only the
-        routed rows (about 2 µs a call for gpt-oss-20b)."""
+        routed rows (about 2 µs a call for gpt-oss-20b). With the horizon head and ``tail``
+        (float32 [E]), also writes there each expert's per-visit chance of use at the visits
+        after the next one (``tail_probability``)."""
         self._native.step(layer, experts, latest, short, long, out)
+        if tail is not None and self._native_horizon is not None:
+            self._native_horizon.tail(layer, latest, short, long, out, self.horizon_visits, tail)
+
+    def predict_within(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """float32 [..., E] the horizon head's chance of use within ``horizon_visits`` visits,
+        from features ``x`` (as ``predict``); ``NextVisitModelError`` without the head."""
+        if self.horizon_weights is None or self.horizon_bias is None:
+            raise NextVisitModelError("this next-visit model has no horizon head")
+        z = x @ self.horizon_weights[layer] + self.horizon_bias[layer]
+        with np.errstate(over="ignore"):  # exp(-z) of a very negative z: inf, and the chance 0
+            return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
 
     def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
         """float32 [..., E] next-visit probabilities from features ``x`` (float32 [..., w * E + 2E])."""
@@ -138,17 +209,20 @@ class NextVisitModel:
     # -- bytes -------------------------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        return st_save(
-            {"weights": np.ascontiguousarray(self.weights), "bias": np.ascontiguousarray(self.bias)},
-            metadata={
-                "format": FORMAT,
-                "window": str(self.window),
-                "short_half_life_tokens": repr(float(self.short_half_life_tokens)),
-                "long_half_life_tokens": repr(float(self.long_half_life_tokens)),
-                "history_start": repr(float(self.history_start)),
-                "trained_on": self.trained_on,
-            },
-        )
+        tensors = {"weights": np.ascontiguousarray(self.weights), "bias": np.ascontiguousarray(self.bias)}
+        metadata = {
+            "format": FORMAT,
+            "window": str(self.window),
+            "short_half_life_tokens": repr(float(self.short_half_life_tokens)),
+            "long_half_life_tokens": repr(float(self.long_half_life_tokens)),
+            "history_start": repr(float(self.history_start)),
+            "trained_on": self.trained_on,
+        }
+        if self.horizon_weights is not None and self.horizon_bias is not None:
+            tensors["horizon_weights"] = np.ascontiguousarray(self.horizon_weights)
+            tensors["horizon_bias"] = np.ascontiguousarray(self.horizon_bias)
+            metadata["horizon_visits"] = str(self.horizon_visits)
+        return st_save(tensors, metadata=metadata)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> NextVisitModel:
@@ -175,6 +249,17 @@ class NextVisitModel:
             raise NextVisitModelError(f"metadata: {exc}") from None
         if numbers["window"] != int(numbers["window"]):
             raise NextVisitModelError(f"metadata window must be an integer, got {meta['window']!r}")
+        head = [k for k in ("horizon_weights", "horizon_bias") if k in tensors]
+        if head and len(head) != 2:
+            raise NextVisitModelError("horizon head: horizon_weights and horizon_bias come together")
+        horizon_visits = 0
+        if head:
+            text = meta.get("horizon_visits")
+            if text is None or not text.isdigit():
+                raise NextVisitModelError(
+                    f"metadata horizon_visits must be an integer beside the horizon head, got {text!r}"
+                )
+            horizon_visits = int(text)
         return cls(
             weights=tensors["weights"],
             bias=tensors["bias"],
@@ -183,6 +268,9 @@ class NextVisitModel:
             long_half_life_tokens=numbers["long_half_life_tokens"],
             history_start=numbers["history_start"],
             trained_on=meta.get("trained_on", ""),
+            horizon_weights=tensors.get("horizon_weights"),
+            horizon_bias=tensors.get("horizon_bias"),
+            horizon_visits=horizon_visits,
         )
 
 
@@ -220,5 +308,6 @@ __all__ = [
     "NextVisitModel",
     "NextVisitModelError",
     "read",
+    "tail_probability",
     "window_start",
 ]

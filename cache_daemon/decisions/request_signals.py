@@ -22,6 +22,8 @@ class RequestSignals:
         self.history_long = history.copy()  # float32 [N]: the same with the long half-life
         self.last_routed: dict[int, np.ndarray] = {}  # layer → experts (int64) of its last visit
         self.next_p = np.full(n, -1.0, np.float32)  # next-visit estimate (model or transitions); -1: none
+        # Per-visit chance of use after the next visit, from the learned model's horizon head; -1: none.
+        self.tail_p = np.full(n, -1.0, np.float32)
         # For the learned next-visit model: the latest routing of every MoE layer, one-hot in
         # visit order (float32 [M * E]; empty without a model).
         self.latest = np.zeros(model_latest, np.float32)

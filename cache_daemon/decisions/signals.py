@@ -125,6 +125,7 @@ class ActivationSignals(UseEstimates):
         for req in self._requests.values():
             req.latest = np.zeros(self._model_latest, np.float32)
             req.next_p[:] = -1.0
+            req.tail_p[:] = -1.0
         self._bump()
 
     def _check_model(self, m: NextVisitModel) -> None:
@@ -231,7 +232,9 @@ class ActivationSignals(UseEstimates):
         hl[ex] += 1.0 - long_decay
         model = self.next_visit_model
         if model is not None and cfg.transition_weight > 0.0:
-            model.step(rank, ex, req.latest, h, hl, req.next_p[sl])
+            model.step(
+                rank, ex, req.latest, h, hl, req.next_p[sl], req.tail_p[sl] if model.has_horizon else None
+            )
         elif cfg.transition_weight > 0.0:
             self.transitions.step(
                 layer, req.last_routed.get(layer), ex, h, hl, cfg.long_history_weight, req.next_p[sl]

@@ -339,6 +339,30 @@ class UseEstimates:
 
         return self._cached("long_run", lambda: self._any_of(self.request_probabilities()))
 
+    def tail_probability(self) -> np.ndarray:
+        """float32 [N] per-visit probability that any live request uses each entry at the visits
+        after its layer's next one: the learned model's horizon head where it has estimated the
+        entry (``NextVisitModel.step``'s ``tail``), else ``long_run_probability``. Without a model
+        with a horizon head (or with a plugged-in estimator), ``long_run_probability`` itself."""
+        model = self.next_visit_model
+        if (
+            model is None
+            or not model.has_horizon
+            or self.estimator is not None
+            or self.config.transition_weight == 0.0
+            or not self._requests
+        ):
+            return self.long_run_probability()
+
+        def compute() -> np.ndarray:
+            rows = [
+                np.where(req.tail_p >= 0.0, req.tail_p, long_run)
+                for req, long_run in zip(self._requests.values(), self.request_probabilities(), strict=True)
+            ]
+            return self._any_of(rows)
+
+        return self._cached("tail", compute)
+
     def use_probability(self) -> np.ndarray:
         """float32 [N] estimated probability that each entry is used at its layer's next visit:
         the requests' next-visit estimates (``request_next_probabilities``) combined, overridden
@@ -394,7 +418,7 @@ class UseEstimates:
         """float64 [N] the log of the probability that each entry goes unused over the next
         ``eviction_horizon_tokens * M`` layer steps: used at its layer's next visit with
         ``use_probability`` and at each later visit within the horizon with
-        ``long_run_probability``, independently (0 where the next visit is beyond the horizon);
+        ``tail_probability``, independently (0 where the next visit is beyond the horizon);
         the entries in use now get -inf. The activation-aware policy evicts the highest first."""
 
         def compute() -> np.ndarray:
@@ -402,7 +426,7 @@ class UseEstimates:
             native.idle_log_survival(
                 self.layer_distance(),
                 self.use_probability(),
-                self.long_run_probability(),
+                self.tail_probability(),
                 self.grid.num_moe,
                 self.config.eviction_horizon_tokens * self.grid.num_moe,
                 t,

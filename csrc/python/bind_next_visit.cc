@@ -58,6 +58,24 @@ void bind_next_visit(py::module_& m) {
           "request's one-hot latest routing of every layer), then writes the layer's next-visit "
           "probabilities (float32 [E]) into `out` from `latest`'s window and the histories (float32 [E] each).")
       .def(
+          "tail",
+          [](const NextVisitLogistic& t, size_t layer, const py::array& latest, const py::array& short_history,
+             const py::array& long_history, const py::array& p_next, size_t visits, py::array& out) {
+            check_row(latest, t.layers() * t.experts(), "latest", false);
+            check_row(short_history, t.experts(), "short_history", false);
+            check_row(long_history, t.experts(), "long_history", false);
+            check_row(p_next, t.experts(), "p_next", false);
+            check_row(out, t.experts(), "out", true);
+            t.tail(layer, static_cast<const float*>(latest.data()), static_cast<const float*>(short_history.data()),
+                   static_cast<const float*>(long_history.data()), static_cast<const float*>(p_next.data()), visits,
+                   static_cast<float*>(out.mutable_data()));
+          },
+          py::arg("layer"), py::arg("latest"), py::arg("short_history"), py::arg("long_history"), py::arg("p_next"),
+          py::arg("visits"), py::arg("out"),
+          "As a horizon head (chance of use within `visits` visits): writes each expert's per-visit chance of "
+          "use after its next visit (float32 [E]) into `out`, from `latest` (float32 [layers * E], as step left "
+          "it), the histories and the next-visit chances `p_next` (float32 [E] each).")
+      .def(
           "predict",
           [](const NextVisitLogistic& t, size_t layer, const py::array& latest, const py::array& short_history,
              const py::array& long_history, py::array& out) {

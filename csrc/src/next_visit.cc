@@ -95,4 +95,26 @@ void NextVisitLogistic::predict(size_t layer, const float* latest, const float* 
   for (size_t e = 0; e < E; ++e) out[e] = 1.0f / (1.0f + std::exp(-z[e]));
 }
 
+void NextVisitLogistic::tail(size_t layer, const float* latest, const float* short_history,
+                             const float* long_history, const float* p_next, size_t visits, float* out) const {
+  if (layer >= layers_)
+    throw std::invalid_argument("NextVisitLogistic: layer " + std::to_string(layer) + " outside 0.." +
+                                std::to_string(layers_ - 1));
+  if (visits < 2) throw std::invalid_argument("NextVisitLogistic: visits must be >= 2, got " + std::to_string(visits));
+  float within[kMaxExperts];
+  predict(layer, latest + window_start(layer) * experts_, short_history, long_history, within);
+  tail_probability(experts_, p_next, within, visits, out);
+}
+
+void tail_probability(size_t n, const float* p_next, const float* within, size_t visits, float* out) {
+  const double inv = 1.0 / static_cast<double>(visits - 1);
+  for (size_t i = 0; i < n; ++i) {
+    double miss = 1.0 - static_cast<double>(p_next[i]);
+    if (!(miss >= 1e-12)) miss = 1e-12;  // np.maximum(., 1e-12)
+    double stay = (1.0 - static_cast<double>(within[i])) / miss;
+    stay = stay < 0.0 ? 0.0 : (stay > 1.0 ? 1.0 : stay);  // np.clip(., 0, 1)
+    out[i] = static_cast<float>(1.0 - std::pow(stay, inv));
+  }
+}
+
 }  // namespace expertcache

@@ -44,6 +44,13 @@ class NextVisitLogistic {
   void predict(size_t layer, const float* window_latest, const float* short_history, const float* long_history,
                float* out) const;
 
+  // As a horizon head (its outputs: each expert's chance of use within `visits` >= 2 visits), from
+  // `latest`, the request's latest routing of every layer (float [layers * E], as `step` leaves
+  // it), and the histories: writes to out[0..E) each expert's per-visit chance of use at the
+  // visits after the next one, given its next-visit chance p_next[0..E) (tail_probability).
+  void tail(size_t layer, const float* latest, const float* short_history, const float* long_history,
+            const float* p_next, size_t visits, float* out) const;
+
   // First layer of `layer`'s input window.
   size_t window_start(size_t layer) const;
 
@@ -52,5 +59,12 @@ class NextVisitLogistic {
   std::vector<uint16_t> weights_;  // bfloat16: half the bytes a call touches (cache misses dominate it)
   std::vector<float> bias_;
 };
+
+// The per-visit chance of use at the visits after the next one, taken alike and independent, from
+// the chance at the next visit p_next[i] and within the next `visits` (>= 2) visits within[i]:
+//   1 - within = (1 - p_next) * (1 - out) ^ (visits - 1)
+// in float64 as cache_daemon/decisions/next_visit.py's tail_probability: stay = clip((1 - within)
+// / max(1 - p_next, 1e-12), 0, 1), out = 1 - stay ^ (1 / (visits - 1)).
+void tail_probability(size_t n, const float* p_next, const float* within, size_t visits, float* out);
 
 }  // namespace expertcache

@@ -15,12 +15,13 @@ from cache_daemon.decisions.next_visit import (
     NextVisitModelError,
     bfloat16_round,
     read,
+    tail_probability,
     window_start,
 )
 from cache_daemon.decisions.signals import ActivationSignals, SignalsConfig
 from expertcache.layers import LayerMap
 from replay import learn_next_visit as learn
-from replay.learn_next_visit import features, histories, one_hot
+from replay.learn_next_visit import features, histories, one_hot, within
 
 CFG = SignalsConfig()
 
@@ -118,6 +119,149 @@ def test_bytes_round_trip():
     )
     assert back.trained_on == "t.npz requests 0:4"
     assert not back.weights.flags.writeable
+
+
+def _with_head(m: NextVisitModel, rng, visits=3) -> NextVisitModel:
+    hw = rng.normal(0, 0.5, size=m.weights.shape).astype(np.float32)
+    hb = rng.normal(0, 0.5, size=m.bias.shape).astype(np.float32) + 1.0
+    keep = {k: getattr(m, k) for k in ("short_half_life_tokens", "long_half_life_tokens", "history_start")}
+    return NextVisitModel(
+        m.weights, m.bias, m.window, **keep, horizon_weights=hw, horizon_bias=hb, horizon_visits=visits
+    )
+
+
+def test_tail_probability_inverts_the_chance_within_the_horizon():
+    p = np.array([0.5, 0.0, 0.9, 0.5, 1.0], np.float32)
+    w = np.array([0.75, 0.5, 0.9, 0.2, 1.0], np.float32)
+    t = tail_probability(p, w, 3)
+    assert t[0] == pytest.approx(1 - 0.5**0.5)  # (1 - 0.75) = 0.5 * (1 - t) ** 2
+    assert t[1] == pytest.approx(1 - 0.5**0.5)
+    assert t[2] == pytest.approx(0.0, abs=1e-6) and t[3] == 0.0  # no more than p_next: nothing after
+    assert 0.0 <= t[4] <= 1.0  # a certain next use says nothing of the later ones, and stays a chance
+    assert t.dtype == np.float32
+    back = 1 - (1 - p[:2]) * (1 - t[:2]) ** 2
+    np.testing.assert_allclose(back, w[:2], rtol=1e-6)
+
+
+def test_the_horizon_head_gives_the_tail_from_the_same_window():
+    rng = np.random.default_rng(4)
+    m = _with_head(_model(rng, window=3), rng)
+    assert m.has_horizon and not _model(rng).has_horizon
+    L, E = m.num_layers, m.num_experts
+    latest = np.zeros(L * E, np.float32)
+    for layer in range(L):
+        ex = rng.choice(E, 2, replace=False).astype(np.int64)
+        short, long = rng.random(E, dtype=np.float32), rng.random(E, dtype=np.float32)
+        out, tail = np.zeros(E, np.float32), np.full(E, -1.0, np.float32)
+        m.step(layer, ex, latest, short, long, out, tail)
+        lo = m.window_start(layer)
+        x = np.concatenate([latest[lo * E : (lo + m.window) * E], short, long])
+        want = tail_probability(m.predict(layer, x), m.predict_within(layer, x), 3)
+        np.testing.assert_allclose(tail, want, rtol=1e-4, atol=1e-5)
+        assert ((tail >= 0) & (tail <= 1)).all()
+    with pytest.raises(ValueError, match="visits must be >= 2, got 1"):
+        m._native_horizon.tail(0, latest, short, long, out, 1, tail)
+    with pytest.raises(ValueError, match="p_next must be a contiguous float32 array of 6 values"):
+        m._native_horizon.tail(0, latest, short, long, out[:-1], 3, tail)
+    back = NextVisitModel.from_bytes(m.to_bytes())
+    assert back.horizon_visits == 3 and np.array_equal(back.horizon_weights, m.horizon_weights)
+    assert np.array_equal(back.horizon_bias, m.horizon_bias)
+    without = NextVisitModel.from_bytes(_model(rng).to_bytes())  # a file of before the head
+    assert not without.has_horizon and without.horizon_visits == 0
+    with pytest.raises(NextVisitModelError, match="this next-visit model has no horizon head"):
+        without.predict_within(0, np.zeros(5 * 6))
+    tail = np.full(6, -1.0, np.float32)
+    without.step(
+        0,
+        np.array([1]),
+        np.zeros(30, np.float32),
+        np.zeros(6, np.float32),
+        np.zeros(6, np.float32),
+        np.zeros(6, np.float32),
+        tail,
+    )
+    assert (tail == -1.0).all()  # no head: no tail written
+
+
+def test_signals_take_the_tail_from_the_horizon_head_where_it_has_one():
+    rng = np.random.default_rng(12)
+    L, E = 5, 6
+    headed = _with_head(_model(rng, layers=L, experts=E, window=3), rng)
+    s = ActivationSignals(L, E, next_visit_model=headed)
+    s.begin_request("r")
+    routes = _routes(rng, 3, L, E)
+    for t in range(2):
+        for layer in range(L):
+            s.observe(layer, routes[t, layer], token=t)
+    s.observe(0, routes[2, 0], token=2)
+    req_tail = s._current.tail_p
+    tail, long_run = s.tail_probability(), s.long_run_probability()
+    assert (req_tail >= 0).all()  # every layer estimated once routed
+    np.testing.assert_array_equal(tail, req_tail)
+    assert not np.array_equal(tail, long_run)
+    p_next, d = s.use_probability(), s.layer_distance()
+    idle = s.idle_log_survival()
+    e = 2 * E + 1
+    want = np.log1p(-float(p_next[e])) + (2 * L - d[e]) / L * np.log1p(-float(tail[e]))
+    assert idle[e] == pytest.approx(want, rel=1e-9)
+    # A new request: no layer estimated yet, so its long-run estimate stands in.
+    s.begin_request("q")
+    s.observe(0, routes[0, 0], token=0, request_id="q")
+    rows = s.request_probabilities()
+    q_tail = s.tail_probability()
+    assert q_tail[3 * E] == pytest.approx(1 - (1 - req_tail[3 * E]) * (1 - rows[1][3 * E]), rel=1e-5)
+    # Without the head (or without a model) the tail is the long-run estimate itself.
+    plain = ActivationSignals(L, E, next_visit_model=_model(rng, layers=L, experts=E, window=3))
+    plain.begin_request("r")
+    plain.observe(0, routes[0, 0], token=0)
+    assert plain.tail_probability() is plain.long_run_probability()
+    s.set_next_visit_model(None)
+    assert (s._requests["r"].tail_p == -1.0).all()  # the old model's estimates dropped
+
+
+def test_a_malformed_horizon_head_is_refused_by_name():
+    rng = np.random.default_rng(8)
+    m = _model(rng)
+    keep = {k: getattr(m, k) for k in ("short_half_life_tokens", "long_half_life_tokens", "history_start")}
+    w, b = m.weights.copy(), m.bias.copy()
+    cases = [
+        ({"horizon_weights": w}, "horizon_weights and horizon_bias come together"),
+        (
+            {"horizon_weights": w, "horizon_bias": b, "horizon_visits": 1},
+            r"horizon_visits must be an integer in \[2, 64\], got 1",
+        ),
+        ({"horizon_weights": w, "horizon_bias": b, "horizon_visits": 65}, "got 65"),
+        (
+            {"horizon_weights": w[:2], "horizon_bias": b, "horizon_visits": 4},
+            r"horizon head \(2, 30, 6\) / \(5, 6\) does not match the model.s \(5, 30, 6\)",
+        ),
+        (
+            {"horizon_weights": w.astype(np.float64), "horizon_bias": b, "horizon_visits": 4},
+            "horizon_weights must be float32",
+        ),
+        (
+            {"horizon_weights": w, "horizon_bias": np.full_like(b, np.inf), "horizon_visits": 4},
+            "horizon_bias holds non-finite",
+        ),
+    ]
+    for kw, message in cases:
+        with pytest.raises(NextVisitModelError, match=message):
+            NextVisitModel(m.weights, m.bias, m.window, **keep, **kw)
+    W2, B2 = np.zeros((2, 3 * 4, 4), np.float32), np.zeros((2, 4), np.float32)
+    base = {"weights": W2, "bias": B2}
+    with pytest.raises(NextVisitModelError, match="horizon_weights and horizon_bias come together"):
+        NextVisitModel.from_bytes(st_save({**base, "horizon_bias": B2}, metadata=_meta(horizon_visits="4")))
+    with pytest.raises(
+        NextVisitModelError,
+        match="metadata horizon_visits must be an integer beside the horizon head, got None",
+    ):
+        NextVisitModel.from_bytes(
+            st_save({**base, "horizon_weights": W2, "horizon_bias": B2}, metadata=_meta())
+        )
+    with pytest.raises(NextVisitModelError, match="got '-3'"):
+        NextVisitModel.from_bytes(
+            st_save({**base, "horizon_weights": W2, "horizon_bias": B2}, metadata=_meta(horizon_visits="-3"))
+        )
 
 
 def _meta(**kw) -> dict:
@@ -274,6 +418,30 @@ def test_fit_learns_what_another_layer_tells():
     assert hits / total > 0.9  # a layer's own history says 1 in 8
 
 
+def test_fit_learns_the_horizon_head_beside_the_next_visit():
+    # Top-1, 1 layer x 8 experts: each request cycles through 3 experts, one a token, so the
+    # next visit routes the next of the cycle and the next 3 visits all three.
+    rng = np.random.default_rng(2)
+    reqs = []
+    for _ in range(8):
+        cycle = rng.choice(8, 3, replace=False)
+        reqs.append(np.array([[[cycle[t % 3]]] for t in range(40)]))
+    model = learn.fit(reqs, 8, l2=0.0, iterations=80, horizon_visits=3)
+    assert model.has_horizon and model.horizon_visits == 3
+    y = one_hot(reqs[0], 8)
+    ha, hb = histories(y, np.full((1, 8), CFG.prior_weight / 8, np.float32), model.decays())
+    x, _ = features(y, ha, hb, 0, model.window)
+    cycle = set(reqs[0][:3, 0, 0].tolist())
+    q = model.predict_within(0, x[5:30])
+    inside = q[:, sorted(cycle)].mean()
+    outside = np.delete(q, sorted(cycle), axis=1).mean()
+    assert inside > 0.8 and outside < 0.2
+    assert within(y, 0, 3)[0].sum() == 3 and within(y, 0, 3)[-1].sum() == 1  # the request's end: 1 token left
+    assert not learn.fit(reqs[:2], 8, iterations=2, horizon_visits=0).has_horizon
+    with pytest.raises(ValueError, match=r"horizon_visits must be 0 or in \[2, 64\], got 1"):
+        learn.fit(reqs[:2], 8, horizon_visits=1)
+
+
 def test_fit_refuses_what_it_cannot_learn_from():
     with pytest.raises(ValueError, match="no request of 2 tokens or more"):
         learn.fit([np.zeros((1, 2, 1), np.int64)], 4)
@@ -309,7 +477,14 @@ def test_cli_fits_a_trace_and_writes_a_model_the_signals_take(tmp_path, capsys):
     model = read(out)
     assert (model.num_layers, model.num_experts, model.window) == (3, 8, 3)
     assert model.trained_on == "t.npz requests 1:4"
+    assert model.horizon_visits == learn.DEFAULT_HORIZON_VISITS
     ActivationSignals(3, 8, next_visit_model=model)  # fits the signals it was fitted for
+    plain = tmp_path / "plain.safetensors"
+    assert (
+        learn.main(["--trace", str(trace), "--out", str(plain), "--iterations", "2", "--horizon-visits", "0"])
+        == 0
+    )
+    assert not read(plain).has_horizon
 
 
 @pytest.mark.parametrize(
@@ -319,6 +494,7 @@ def test_cli_fits_a_trace_and_writes_a_model_the_signals_take(tmp_path, capsys):
         (["--requests", "x"], r"--requests must be A:B \(request indices\), got 'x'"),
         (["--window", "4"], r"window must be in \[1, 3\] layers, got 4"),
         (["--iterations", "0"], r"iterations in \[1, 10000\]"),
+        (["--horizon-visits", "1"], r"horizon_visits must be 0 or in \[2, 64\], got 1"),
     ],
 )
 def test_cli_refuses_bad_arguments_with_exit_2(tmp_path, capsys, args, message):
