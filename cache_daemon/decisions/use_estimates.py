@@ -341,9 +341,11 @@ class UseEstimates:
 
     def tail_probability(self) -> np.ndarray:
         """float32 [N] per-visit probability that any live request uses each entry at the visits
-        after its layer's next one: the learned model's horizon head where it has estimated the
-        entry (``NextVisitModel.step``'s ``tail``), else ``long_run_probability``. Without a model
-        with a horizon head (or with a plugged-in estimator), ``long_run_probability`` itself."""
+        after its layer's next one: per request, the larger of the learned model's horizon head
+        (``NextVisitModel.step``'s ``tail``, where it has estimated the entry) and the request's
+        long-run estimate. The larger: the head alone underestimates what a request keeps using
+        (docs/daemon.md, "The horizon head", has the replay's figures). Without a model with a
+        horizon head (or with a plugged-in estimator), ``long_run_probability`` itself."""
         model = self.next_visit_model
         if (
             model is None
@@ -355,8 +357,8 @@ class UseEstimates:
             return self.long_run_probability()
 
         def compute() -> np.ndarray:
-            rows = [
-                np.where(req.tail_p >= 0.0, req.tail_p, long_run)
+            rows = [  # tail_p is -1 where the model has not estimated the entry
+                np.maximum(req.tail_p, long_run)
                 for req, long_run in zip(self._requests.values(), self.request_probabilities(), strict=True)
             ]
             return self._any_of(rows)
