@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from bench import e2e
+from cache_daemon.decisions.next_visit import read as read_next_visit
 from devtools.launch import REPO
 from devtools.memory_cgroup import MemoryCgroup
 from tests.procs import start_daemon
@@ -122,10 +123,13 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
             systems[name]["bytes_per_token"] / (reads["four_in_flight"]["gb_per_s"] * 1e9)
         )
     assert systems["ours"]["policy"] == "activation-aware" and systems["ours"]["prefetch_on"]
-    # Ours' daemon ran the learned next-visit model, fitted on the two requests after the measured
-    # ones (5..8) and cached for the next run with the same range.
-    assert report["next_visit_model"].startswith("the learned model, fitted on trace requests 9..10 (after")
-    assert (tmp_path / f"next_visit-{TRACE.stem}-9-11-it3.safetensors").is_file()
+    # Ours' daemon ran the learned next-visit model with its horizon head, fitted on the two
+    # requests after the measured ones (5..8) and cached for the next run with the same range.
+    assert report["next_visit_model"].startswith(
+        "the learned model with its horizon head (4 visits), fitted on trace requests 9..10 (after"
+    )
+    cached = tmp_path / f"next_visit-{TRACE.stem}-9-11-it3-h4.safetensors"
+    assert cached.is_file() and read_next_visit(cached).horizon_visits == 4
     assert systems["lru"]["policy"] == "lru" and not systems["lru"]["prefetch_on"]
     assert sum(c["started"] for c in systems["lru"]["prefetch"].values()) == 0
     assert systems["resident"]["device_bytes"] == report["model"]["total_expert_bytes"]
