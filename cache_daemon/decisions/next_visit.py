@@ -56,6 +56,26 @@ def bfloat16_round(a: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
+def _regression(
+    prefix: str, w: np.ndarray, b: np.ndarray, window: int
+) -> tuple[np.ndarray, np.ndarray, NextVisitLogistic]:
+    """One regression's arrays as the model holds them (weights rounded to bfloat16, bias copied,
+    both read-only) and its native evaluator; ``NextVisitModelError`` naming ``prefix`` +
+    ``weights`` / ``bias`` for a wrong dtype or a non-finite value."""
+    for name, a in ((f"{prefix}weights", w), (f"{prefix}bias", b)):
+        if a.dtype != np.float32:
+            raise NextVisitModelError(f"{name} must be float32, got {a.dtype}")
+        if not np.isfinite(a).all():
+            raise NextVisitModelError(f"{name} holds non-finite values")
+    w = bfloat16_round(w)
+    if not np.isfinite(w).all():
+        raise NextVisitModelError(f"{prefix}weights overflow bfloat16")
+    b = b.copy()
+    w.flags.writeable = False
+    b.flags.writeable = False
+    return w, b, NextVisitLogistic(w, b, window)
+
+
 @dataclass(frozen=True, eq=False)
 class NextVisitModel:
     """One logistic model per MoE layer (see the module docstring). Arrays are float32 and
@@ -99,20 +119,10 @@ class NextVisitModel:
                 raise NextVisitModelError(f"{name} must be > 0 and finite, got {v}")
         if not 0.0 <= self.history_start <= 1.0:
             raise NextVisitModelError(f"history_start must be in [0, 1], got {self.history_start}")
-        for name, a in (("weights", w), ("bias", b)):
-            if a.dtype != np.float32:
-                raise NextVisitModelError(f"{name} must be float32, got {a.dtype}")
-            if not np.isfinite(a).all():
-                raise NextVisitModelError(f"{name} holds non-finite values")
-        w = bfloat16_round(w)
-        if not np.isfinite(w).all():
-            raise NextVisitModelError("weights overflow bfloat16")
-        b = b.copy()
-        w.flags.writeable = False
-        b.flags.writeable = False
+        w, b, native = _regression("", w, b, self.window)
         object.__setattr__(self, "weights", w)
         object.__setattr__(self, "bias", b)
-        object.__setattr__(self, "_native", NextVisitLogistic(w, b, self.window))
+        object.__setattr__(self, "_native", native)
         self._check_horizon()
 
     def _check_horizon(self) -> None:
@@ -133,20 +143,10 @@ class NextVisitModel:
                 f"horizon head {hw.shape} / {hb.shape} does not match the model's {self.weights.shape} / "
                 f"{self.bias.shape}"
             )
-        for name, a in (("horizon_weights", hw), ("horizon_bias", hb)):
-            if a.dtype != np.float32:
-                raise NextVisitModelError(f"{name} must be float32, got {a.dtype}")
-            if not np.isfinite(a).all():
-                raise NextVisitModelError(f"{name} holds non-finite values")
-        hw = bfloat16_round(hw)
-        if not np.isfinite(hw).all():
-            raise NextVisitModelError("horizon_weights overflow bfloat16")
-        hb = hb.copy()
-        hw.flags.writeable = False
-        hb.flags.writeable = False
+        hw, hb, native = _regression("horizon_", hw, hb, self.window)
         object.__setattr__(self, "horizon_weights", hw)
         object.__setattr__(self, "horizon_bias", hb)
-        object.__setattr__(self, "_native_horizon", NextVisitLogistic(hw, hb, self.window))
+        object.__setattr__(self, "_native_horizon", native)
 
     @property
     def has_horizon(self) -> bool:

@@ -34,6 +34,21 @@ void check_weight(double w, const char* name) {
     throw std::invalid_argument(std::string("use_estimates: ") + name + " must be in [0, 1], got " + std::to_string(w));
 }
 
+// The rows that next_use_layers and idle_log_survival read and write, checked by name: distance
+// (int64), p_next and p_long (float32), out (float64, writable), all of one length (returned),
+// and moe_layers >= 1.
+size_t check_estimate_rows(const py::array& distance, const py::array& p_next, const py::array& p_long,
+                           int64_t moe_layers, const py::array& out) {
+  if (distance.ndim() != 1) throw std::invalid_argument("use_estimates: distance must be 1-D");
+  const auto n = static_cast<size_t>(distance.shape(0));
+  check_typed_row<int64_t>(distance, n, "distance", "int64", false);
+  check_row(p_next, n, "p_next", false);
+  check_row(p_long, n, "p_long", false);
+  check_typed_row<double>(out, n, "out", "float64", true);
+  if (moe_layers < 1) throw std::invalid_argument("use_estimates: moe_layers must be >= 1");
+  return n;
+}
+
 }  // namespace
 
 void bind_use_estimates(py::module_& m) {
@@ -146,13 +161,7 @@ void bind_use_estimates(py::module_& m) {
       "idle_log_survival",
       [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,
          double horizon, py::array& out) {
-        if (distance.ndim() != 1) throw std::invalid_argument("use_estimates: distance must be 1-D");
-        const auto n = static_cast<size_t>(distance.shape(0));
-        check_typed_row<int64_t>(distance, n, "distance", "int64", false);
-        check_row(p_next, n, "p_next", false);
-        check_row(p_long, n, "p_long", false);
-        check_typed_row<double>(out, n, "out", "float64", true);
-        if (moe_layers < 1) throw std::invalid_argument("use_estimates: moe_layers must be >= 1");
+        const size_t n = check_estimate_rows(distance, p_next, p_long, moe_layers, out);
         if (!(horizon > 0.0) || !std::isfinite(horizon))
           throw std::invalid_argument("use_estimates: horizon must be > 0 and finite");
         expertcache::idle_log_survival(n, static_cast<const int64_t*>(distance.data()),
@@ -169,13 +178,7 @@ void bind_use_estimates(py::module_& m) {
       "next_use_layers",
       [](const py::array& distance, const py::array& p_next, const py::array& p_long, int64_t moe_layers,
          double floor, py::array& out) {
-        if (distance.ndim() != 1) throw std::invalid_argument("use_estimates: distance must be 1-D");
-        const auto n = static_cast<size_t>(distance.shape(0));
-        check_typed_row<int64_t>(distance, n, "distance", "int64", false);
-        check_row(p_next, n, "p_next", false);
-        check_row(p_long, n, "p_long", false);
-        check_typed_row<double>(out, n, "out", "float64", true);
-        if (moe_layers < 1) throw std::invalid_argument("use_estimates: moe_layers must be >= 1");
+        const size_t n = check_estimate_rows(distance, p_next, p_long, moe_layers, out);
         if (!(floor > 0.0)) throw std::invalid_argument("use_estimates: floor must be > 0");
         expertcache::next_use_layers(n, static_cast<const int64_t*>(distance.data()),
                                      static_cast<const float*>(p_next.data()), static_cast<const float*>(p_long.data()),
