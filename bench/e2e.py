@@ -144,6 +144,7 @@ from bench.e2e_sweep import parse_shares, run_sweep  # noqa: E402
 from bench.e2e_tracing import tracing_costs  # noqa: E402
 from bench.gpt_oss import DEFAULT_TRACE, PROMPT, add_model_arguments, build_from_args, use_torch_threads  # noqa: E402
 from bench.io_bench import random_expert_reads, store_pass  # noqa: E402
+from bench.profile import print_profiles  # noqa: E402
 from bench.report import GIB, MIB, RESULTS_DIR, fmt, say, write_json  # noqa: E402
 from bench.stats import summarise  # noqa: E402
 from bench.systems import (  # noqa: E402
@@ -506,6 +507,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_check_tokens_argument(parser)
     parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record the daemon and compute of ours, lru and resident with py-spy over the measured "
+        "requests (raw stacks under DIR) and print where each spends its CPU (bench/profile.py)",
+    )
+    parser.add_argument(
         "--tracing-costs",
         action="store_true",
         help="instead of the systems: ours with tracing off, on at the default layer ratio, on at full "
@@ -659,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             r.update(summarise(r))
 
     print_systems(results, systems)
+    print_profiles(results)
     if store_reads:
         print_disk_time(results, store_reads)
     print_tiers_and_ceilings(results, store_reads, link)

@@ -18,7 +18,7 @@ import grpc
 from moe.cache.v1 import cache_pb2, cache_pb2_grpc
 from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from bench import llama_cpp
+from bench import llama_cpp, profile
 from bench.confine import Confinement
 from bench.e2e_accelerate import drop_page_cache
 from bench.gpt_oss import PROMPT
@@ -269,6 +269,7 @@ class ProcessSystem:
         self.latencies: list[float] = []
         self.first_token: list[float] = []
         self.by_repeat: dict[int, list[float]] = {}
+        self.recordings: list[profile.Recording] = []  # --profile: py-spy on both, from begin
 
     def generate(self, label: str) -> tuple[list[float], float]:
         """One Generate of ``--tokens`` tokens: (decode latencies, first-token latency)."""
@@ -296,9 +297,19 @@ class ProcessSystem:
         return decode, first
 
     def begin(self) -> None:
-        """Start counting: what ``finish`` reports is what happened after this."""
+        """Start counting: what ``finish`` reports is what happened after this (and, with
+        ``--profile``, start recording both processes)."""
         if self.resident:  # the warm-up request that loads every expert, not measured
             self.generate(f"{self.label}-warm-up")
+        out = getattr(self.args, "profile", None)
+        self.recordings = (
+            []
+            if out is None
+            else [
+                profile.start(f"{self.label}-{name}", proc.popen.pid, out)
+                for name, proc in (("daemon", self.daemon), ("compute", self.compute))
+            ]
+        )
         self.before = get_stats(self.daemon.address)
         self.cpu_before = {
             "daemon": cpu_seconds(self.daemon.popen.pid),
@@ -319,6 +330,8 @@ class ProcessSystem:
 
     def finish(self) -> dict:
         after = get_stats(self.daemon.address)
+        for rec in self.recordings:
+            rec.stop()
         cpu = {
             "daemon": cpu_seconds(self.daemon.popen.pid) - self.cpu_before["daemon"],
             "compute": cpu_seconds(self.compute.popen.pid) - self.cpu_before["compute"],
@@ -370,9 +383,23 @@ class ProcessSystem:
             "policy": after.config.eviction_policy,
             "prefetch_on": after.config.prefetch,
             "memory": self.memory.report(),
+            **({"profile": self._profiles(tokens)} if self.recordings else {}),
         }
 
+    def _profiles(self, tokens: int) -> dict[str, dict]:
+        """The recordings ``begin`` started, summed up (``bench.profile``), by process."""
+        out = {}
+        for rec in self.recordings:
+            process = rec.label.rsplit("-", 1)[1]
+            if rec.error or not rec.path.is_file():
+                out[process] = {"error": rec.error or f"no recording at {rec.path}"}
+            else:
+                out[process] = profile.summarize(rec.label, rec.path).as_dict(top=12, tokens=tokens)
+        return out
+
     def stop(self, dump_logs: bool = False) -> None:
+        for rec in self.recordings:
+            rec.stop()
         if getattr(self, "channel", None) is not None:
             self.channel.close()
             self.channel = None
