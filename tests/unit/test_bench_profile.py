@@ -98,5 +98,7 @@ def test_a_real_process_is_recorded_and_its_busy_function_found(tmp_path):
     prof = profile.summarize("busy-daemon", rec.path)
     assert prof.samples > 20
     assert prof.threads.most_common(1)[0][0] == "busy-worker"
-    top = prof.inclusive.most_common()
-    assert any(name.startswith("spin_in_a_named_function") for name, _ in top[:3]), top[:5]
+    spin = {name: n for name, n in prof.inclusive.items() if name.startswith("spin_in_a_named_function")}
+    assert len(spin) == 1, prof.inclusive
+    # on the stack of (nearly) every sample: the thread does nothing else
+    assert next(iter(spin.values())) >= 0.9 * prof.samples, prof.inclusive
