@@ -133,6 +133,7 @@ from bench.e2e_report import (  # noqa: E402
     compare_runs,
     gap_shares,
     judge,
+    print_baseline,
     print_disk_time,
     print_gap_shares,
     print_memory,
@@ -162,6 +163,7 @@ from bench.systems import (  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
+from devtools.launch import checkout_python  # noqa: E402
 from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
@@ -185,6 +187,8 @@ SYSTEMS = ("ours", "lru", "resident", "transformers", "accelerate", *llama_cpp.S
 EXTRA_SYSTEMS: tuple[str, ...] = ("ours-transitions", "ours-eviction")
 # The label of ``--spare``'s system (not one of the systems: it is never measured nor reported).
 SPARE = "spare"
+# ``--baseline DIR``'s system: that checkout's ours, in the same rounds as this one's.
+BASELINE = "baseline-ours"
 
 
 def next_visit_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path | None, str]:
@@ -507,6 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_check_tokens_argument(parser)
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"another checkout of this project (with its .venv: make install there) whose ours runs "
+        f"beside this one's as {BASELINE!r}, taking turns in the same rounds: a change measured side by "
+        "side on the same disk and CPU, which drift from one run to the next by more than most changes",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -536,6 +549,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not systems:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     systems = llama_cpp.checked_systems(parser, args, systems)
+    if args.baseline is not None:
+        try:
+            checkout_python(args.baseline)
+        except (FileNotFoundError, ValueError) as exc:
+            parser.error(f"--baseline: {exc}")
+        if not (args.baseline / "replay" / "forced_compute.py").is_file():
+            parser.error(
+                f"--baseline {args.baseline} has no replay/forced_compute.py: not a checkout of this project"
+            )
+        systems.append(BASELINE)
     args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:
         parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
@@ -629,6 +652,19 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if system in PEERS:
                     started_systems[system] = start_peer(system, checkpoint, gguf, args, budget)
+                elif system == BASELINE:
+                    say(f"[{BASELINE}] ours of the checkout {args.baseline}")
+                    proc = ProcessSystem(
+                        "ours",
+                        store,
+                        manifest,
+                        Path(tmp) / system,
+                        args,
+                        budget,
+                        checkout=args.baseline,
+                        label=system,
+                    )
+                    started_systems[system] = proc
                 elif system != "accelerate":
                     proc = ProcessSystem(system, store, manifest, Path(tmp) / system, args, budget)
                     started_systems[system] = proc
@@ -673,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         print_disk_time(results, store_reads)
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
+    if BASELINE in results:
+        verdicts["ours_vs_baseline"] = print_baseline(results, BASELINE, args.baseline)
     verdicts["memory"] = print_memory(results)
     verdicts.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, args.precision))
     reference = simulated_reference(args, manifest, budget, results, store_reads)

@@ -287,6 +287,23 @@ def print_disk_time(results: dict, store_reads: dict) -> None:
             )
 
 
+def print_baseline(results: dict, baseline: str, checkout) -> dict:
+    """This checkout's ours against ``baseline`` (another checkout's ours, in the same rounds):
+    p50 ratio with its spread over the repeats, bytes, misses, and the daemon's CPU per token."""
+    ours, base = results["ours"], results[baseline]
+    speedup = base["p50_s"] / ours["p50_s"] if ours["p50_s"] and base["p50_s"] else None
+    per_repeat = repeat_ratios(base, ours)
+    cpu = {name: r["cpu_s_per_token"]["daemon"] for name, r in (("ours", ours), (baseline, base))}
+    say(
+        f"ours vs {baseline} ({checkout}): {fmt(speedup, '.3f')}x faster per token (p50), per repeat "
+        f"{spread_text(per_repeat, '.3f')}; MiB in per token {ours['bytes_per_token'] / MIB:.1f} vs "
+        f"{base['bytes_per_token'] / MIB:.1f}; misses per decode token {ours['misses_per_decode_token']:.1f} vs "
+        f"{base['misses_per_decode_token']:.1f}; daemon CPU per token {cpu['ours'] * 1e3:.1f} vs "
+        f"{cpu[baseline] * 1e3:.1f} ms"
+    )
+    return {"p50_speedup": speedup, "per_repeat": per_repeat, "daemon_cpu_s_per_token": cpu}
+
+
 def judge(results: dict, precision: str) -> dict:
     """The verdicts on the systems that ran against the goals, printed: resident against
     transformers, ours against accelerate and lru, the learned next-visit model against the
