@@ -191,9 +191,8 @@ class SignalIntake:
         with self._lock:
             self.apply_ops_locked(ops)
 
-    def apply_ops_locked(self, ops: Iterable[tuple[str, object]], *, wake: bool = True) -> None:
-        """Under the lock: the prefetch worker's kick takes effect once the lock is released.
-        ``wake=False``: the caller decides itself before releasing it (``on_change(wake=False)``)."""
+    def apply_ops_locked(self, ops: Iterable[tuple[str, object]]) -> None:
+        """Under the lock: the prefetch worker's kick takes effect once the lock is released."""
         counts: dict[str, int] = {}
         applied = False
         first = None  # the first signal's arrival
@@ -213,7 +212,7 @@ class SignalIntake:
                 continue
             counts[kind] = counts.get(kind, 0) + 1
         if applied:
-            self._on_change(asked_at=first, wake=wake)
+            self._on_change(asked_at=first)
         for kind, n in counts.items():
             self._counter.labels(kind).inc(n)
 

@@ -48,9 +48,6 @@ class ChannelPort:
     parts' bound methods (no hop through the residency on a demand)."""
 
     admit: Callable[[ChannelServer, int, list[int]], list[Load]]  # signals are the caller's to apply
-    # the signals that came with a demand, applied once it is answered, and the prefetch decision
-    # they ask for run in this thread (``Residency._apply_channel_signals``)
-    apply_signals: Callable[[list[Op]], None]
     run_deferred: Callable[[list[Load]], None]  # host-tier copies in this thread, outside the lock
     copies_from_host: Callable[[list[Load]], bool]  # whether run_deferred would copy any (not only read)
     close_session: Callable[[Session], None]
@@ -146,7 +143,7 @@ class ChannelServer:
                         self._serve(*demand)
                 finally:
                     if ops:
-                        port.apply_signals(ops)
+                        port.intake.apply_ops(ops)
                 if demand is None:
                     channel.wait_doorbell(seen)  # no timeout: a post, a reclaim or shutdown rings it
         except (SessionClosed, ShuttingDown):

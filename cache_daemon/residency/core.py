@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_daemon.client_messages import Op
 from cache_daemon.decisions.intake import LookaheadSignal, RouteSignal, SignalIntake
 from cache_daemon.decisions.policy import EvictionPolicy
 from cache_daemon.decisions.scheduler import (
@@ -195,7 +194,6 @@ class Residency:
             admit=admission.admit_for_client,
             run_deferred=loads.run_deferred,
             copies_from_host=loads.copies_from_host,
-            apply_signals=self._apply_channel_signals,
             close_session=sessions.close_session,
             closing=lambda: sessions.closing,
             intake=self.intake,
@@ -282,15 +280,6 @@ class Residency:
         """Under the lock: end the sessions of clients whose regions pin at will
         (``Sessions.audit_clients``)."""
         return self._sessions.audit_clients()
-
-    def _apply_channel_signals(self, ops: list[Op]) -> None:
-        """A client channel's signals, once its demand is answered: applied, and the prefetch
-        decision they ask for run in the channel's thread in the same hold of the lock, rather
-        than by the worker woken for it (a wake-up and a switch of threads at every layer of
-        every token, on a node whose cores compute needs)."""
-        with self._cond:
-            self.intake.apply_ops_locked(ops, wake=False)
-            self._worker.decide_here()
 
     # -- prefetch and live switches ----------------------------------------------------------
     def run_prefetch(self) -> int:

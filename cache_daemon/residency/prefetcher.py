@@ -73,9 +73,7 @@ class Prefetcher:
         """The eviction policy (held by the scheduler: one policy for eviction and prefetch)."""
         return self.scheduler.policy
 
-    def kick(
-        self, *, decide: bool = True, landed: bool = False, asked_at: float | None = None, wake: bool = True
-    ) -> None:
+    def kick(self, *, decide: bool = True, landed: bool = False, asked_at: float | None = None) -> None:
         """Something the scheduler reads changed: wake the worker (only while prefetch is on) and
         every waiting admission (a slot, a load or a pin may have come free). ``decide=False``:
         the admissions only (a failed prefetch freed its slot; deciding again at once would only
@@ -85,16 +83,14 @@ class Prefetcher:
         (``settled`` false); otherwise it would start nothing (two of three decisions at the e2e
         shape, every one a Python pass over the candidates). ``asked_at``: when the change came
         (``time.monotonic``; compute's signals: when the daemon read them), default now: the
-        start delay of what the next decision starts counts from the first such change.
-        ``wake=False``: the caller runs the decision itself before it lets go of the lock
-        (``decide_here``), so the worker is not woken for it."""
+        start delay of what the next decision starts counts from the first such change."""
         if decide and not (landed and self.settled):
             if not self._dirty:
                 self._asked_at = time.monotonic() if asked_at is None else asked_at
             self._dirty = True
             # One wake-up per sleep: kicks that come before the worker runs add nothing (each
             # costs the kicking thread a wake-up of the worker otherwise, on every layer's signals).
-            if wake and self.enabled and self._sleeping and not self._woken:
+            if self.enabled and self._sleeping and not self._woken:
                 self._wake()
         self._cond.notify_all()
 
@@ -216,20 +212,6 @@ class PrefetchWorker:
             started += self.start(start)
         prefetcher.settled = prefetcher.scheduler.settled and started == len(decided)
         return started
-
-    def decide_here(self) -> int:
-        """Under the lock, in a thread that has just changed what the scheduler reads (a client
-        channel's signals, applied with ``kick(wake=False)``): run the decision the worker would
-        have been woken for, here, sparing a wake-up of the worker and a switch of threads at
-        every layer. Nothing if there is nothing to decide (prefetch off, a demand waiting for
-        slots: its end wakes the worker). Returns the number of loads started."""
-        if not self._prefetcher.take_work(self._tier):
-            return 0
-        try:
-            return self.run()
-        except Exception:  # noqa: BLE001 - a scheduling bug must not stop serving demands
-            logger.exception("prefetch decision failed; demands are unaffected")
-            return 0
 
     def start(self, start: PrefetchStart) -> bool:
         """Execute one decision if the tier still allows it (a victim must still be evictable)."""

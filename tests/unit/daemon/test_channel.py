@@ -275,11 +275,11 @@ def test_a_demand_is_answered_before_the_signals_that_came_with_it_are_applied(m
     when_applied: list[tuple[int, int]] = []  # (reads submitted, the channel's last answer)
     apply = SignalIntake.apply_ops_locked
 
-    def watched(self, ops, **kw):
+    def watched(self, ops):
         ops = list(ops)
         if ops:
             when_applied.append((h.store.reader_stats()["submitted"], client.channel.reply_seq))
-        return apply(self, ops, **kw)
+        return apply(self, ops)
 
     monkeypatch.setattr(SignalIntake, "apply_ops_locked", watched)
     client.channel.signal_begin(1, "req-a")
@@ -331,13 +331,13 @@ def test_a_flood_of_signal_records_is_applied_in_bounded_holds_of_the_lock(make,
     client, _ = h.attach()
     intake = h.residency.intake
     holds: list[int] = []
-    real = intake.apply_ops_locked
+    real = intake.apply_ops
 
-    def counted(ops, **kw):
+    def counted(ops):
         holds.append(len(ops))
-        real(ops, **kw)
+        real(ops)
 
-    monkeypatch.setattr(intake, "apply_ops_locked", counted)
+    monkeypatch.setattr(intake, "apply_ops", counted)
     ch = client.channel
     ch.signal_begin(1, "req-flood")
     floods = 2000
@@ -346,43 +346,6 @@ def test_a_flood_of_signal_records_is_applied_in_bounded_holds_of_the_lock(make,
     ch.ring_doorbell()  # the channel's thread finds them all at once
     wait_for(lambda: value(h.metrics.signals, "route") == floods, "every route applied")
     assert sum(holds) == floods + 1 and max(holds) <= MAX_OPS_PER_HOLD, holds
-
-
-def test_the_prefetch_a_layers_signals_ask_for_is_decided_in_the_channels_thread(make, monkeypatch):
-    """The channel applies a layer's signals and runs the prefetch decision they ask for itself,
-    in the same hold of the lock: the worker is not woken for it (a wake-up and a switch of
-    threads at every layer of every token). Its decision starts the predicted expert's load."""
-    from cache_daemon.residency.prefetcher import Prefetcher, PrefetchWorker
-
-    h = make(slots=6)
-    h.residency.set_policy(make_policy("activation-aware", signals=h.residency.signals))
-    h.residency.configure_prefetch(enabled=True, max_inflight_bytes=0)
-    client, session = h.attach()
-    channel_thread = f"expertcache-channel-{session.ledger}"
-    deciders: list[str] = []
-    woken_by: list[str] = []
-    real_run, real_wake = PrefetchWorker.run, Prefetcher._wake
-
-    def run(self):
-        deciders.append(threading.current_thread().name)
-        return real_run(self)
-
-    def wake(self):
-        woken_by.append(threading.current_thread().name)
-        return real_wake(self)
-
-    monkeypatch.setattr(PrefetchWorker, "run", run)
-    monkeypatch.setattr(Prefetcher, "_wake", wake)
-    ch = client.channel
-    ch.signal_begin(1, "req-a")
-    ch.signal_route(1, 0, L1, [0, 1])
-    ch.signal_ahead(1, 0, [L3], [1], [[4]], [[0.95]])  # layer 3 will want expert 4
-    assert client.demand(L1, [0, 1]) == (codes.STATUS_OK, "")
-    wait_for(lambda: value(h.metrics.prefetch_started, "layer_ahead") == 1, "the lookahead's prefetch")
-    wait_for(lambda: h.residency.describe(ExpertKey(L3, 4)).state.name == "RESIDENT", "expert 4 landed")
-    assert channel_thread in deciders
-    assert channel_thread not in woken_by, woken_by
-    client.release(L1, [0, 1])
 
 
 def test_signals_wanted_follows_the_policy_and_prefetch(make):

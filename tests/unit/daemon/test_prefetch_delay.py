@@ -131,10 +131,8 @@ def test_the_intake_tells_the_prefetcher_when_a_batchs_first_signal_arrived(cloc
     ahead = intake.check_layer_ahead(0, [LayerPrediction(2, 1, np.array([1, 3]), np.array([0.9, 0.5]))], "r")
     clock.now = 205.0
     intake.apply_ops_locked([("begin", "r"), ("signal", route), ("signal", ahead)])
-    assert calls == [{"asked_at": 200.0, "wake": True}]
+    assert calls == [{"asked_at": 200.0}]
     intake.apply_locked([ahead])  # an Acquire's carried signals
     assert calls[-1] == {"asked_at": 203.0}
     intake.apply_ops_locked([("end", "r")])  # no signal: the change is now
-    assert calls[-1] == {"asked_at": None, "wake": True}
-    intake.apply_ops_locked([("end", "r")], wake=False)  # the caller decides itself
-    assert calls[-1] == {"asked_at": None, "wake": False}
+    assert calls[-1] == {"asked_at": None}
