@@ -152,7 +152,9 @@ def test_the_channel_does_not_say_copying_while_misses_it_answered_are_read_from
     try:
         assert client.demand(L1, [0, 1, 2]) == (codes.STATUS_OK, "")
         assert h.store.reader_stats()["queued"] == 3  # submitted before the answer
-        assert not client.channel.copying  # answered, the reads pending: compute may sleep
+        # lowered just after the answer, the reads still pending: compute may sleep
+        wait_for(lambda: not client.channel.copying, "copying lowered while the reads are pending")
+        assert h.store.reader_stats()["queued"] == 3
     finally:
         h.store.resume()
     client.wait_resident(L1, [0, 1, 2])
