@@ -154,6 +154,7 @@ from bench.systems import (  # noqa: E402
     add_check_tokens_argument,
     add_tier_arguments,
     all_stopped,
+    check_baseline,
     finish_all,
     llama_cpp_figures,
     measure_link,
@@ -163,7 +164,6 @@ from bench.systems import (  # noqa: E402
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
-from devtools.launch import checkout_python  # noqa: E402
 from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
 from replay.forced_compute import ForcedRoutingConfig  # noqa: E402
@@ -550,14 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     systems = llama_cpp.checked_systems(parser, args, systems)
     if args.baseline is not None:
-        try:
-            checkout_python(args.baseline)
-        except (FileNotFoundError, ValueError) as exc:
-            parser.error(f"--baseline: {exc}")
-        if not (args.baseline / "replay" / "forced_compute.py").is_file():
-            parser.error(
-                f"--baseline {args.baseline} has no replay/forced_compute.py: not a checkout of this project"
-            )
+        check_baseline(parser, args.baseline)
         systems.append(BASELINE)
     args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:

@@ -80,6 +80,7 @@ from bench.systems import (  # noqa: E402
     ProcessSystem,
     add_check_tokens_argument,
     all_stopped,
+    check_baseline,
     finish_all,
     get_stats,
     host_tier,
@@ -87,7 +88,7 @@ from bench.systems import (  # noqa: E402
     start_peer,
     take_turns,
 )
-from devtools.launch import checkout_python, free_port  # noqa: E402
+from devtools.launch import free_port  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overhead.json"
 SYSTEMS = ("resident", "lru", "transformers", llama_cpp.SYSTEM)
@@ -284,15 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace} does not exist")
     if args.baseline is not None:
-        try:
-            checkout_python(args.baseline)
-        except ValueError as exc:
-            parser.error(f"--baseline: {exc}")
-        if not (args.baseline / "replay" / "forced_compute.py").is_file():
-            parser.error(
-                f"--baseline {args.baseline} has no replay/forced_compute.py: a checkout of an older "
-                "revision cannot run as a baseline"
-            )
+        check_baseline(parser, args.baseline)
         if not set(BASELINE_SYSTEMS) & set(systems):
             parser.error(f"--baseline runs the other checkout's {' and '.join(BASELINE_SYSTEMS)}: choose one")
     # What ProcessSystem reads of bench.e2e's arguments: routing forced from the trace, no

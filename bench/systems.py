@@ -25,7 +25,7 @@ from bench.gpt_oss import PROMPT
 from bench.plain_transformers import TransformersSystem
 from bench.report import MIB, say
 from bench.usage import cpu_seconds
-from devtools.launch import start_compute, start_daemon
+from devtools.launch import checkout_python, start_compute, start_daemon
 from expertcache.manifest import StoreManifest
 
 # The systems that run in a process of their own beside the daemon's: every expert in memory,
@@ -37,6 +37,21 @@ def rotation(systems: list[str], repeat: int) -> list[str]:
     """The order the systems take turns in during ``repeat``: rotated by one each repeat, so
     that drift of the machine and the disk hits all alike."""
     return systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+
+
+def check_baseline(parser: argparse.ArgumentParser, checkout: Path) -> None:
+    """``--baseline DIR`` (bench.e2e, bench.overhead): another checkout of this project that can
+    run beside this one (its own ``.venv``, and ``replay/forced_compute.py``); a usage error
+    naming what is missing otherwise."""
+    try:
+        checkout_python(checkout)
+    except ValueError as exc:
+        parser.error(f"--baseline: {exc}")
+    if not (checkout / "replay" / "forced_compute.py").is_file():
+        parser.error(
+            f"--baseline {checkout} has no replay/forced_compute.py: a checkout of an older revision "
+            "cannot run as a baseline"
+        )
 
 
 def start_peer(
