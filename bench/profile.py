@@ -66,8 +66,8 @@ class Recording:
             self.proc.kill()
             _, err = self.proc.communicate()
         if not self.path.is_file():
-            self.error = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            self.error = f"py-spy wrote nothing for {self.label}: {self.error[0]}"
+            said = (err or b"").decode(errors="replace").strip().splitlines()
+            self.error = f"py-spy wrote nothing for {self.label}: {said[-1] if said else 'no output'}"
         self.proc = None
 
 

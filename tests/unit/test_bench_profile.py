@@ -102,3 +102,14 @@ def test_a_real_process_is_recorded_and_its_busy_function_found(tmp_path):
     assert len(spin) == 1, prof.inclusive
     # on the stack of (nearly) every sample: the thread does nothing else
     assert next(iter(spin.values())) >= 0.9 * prof.samples, prof.inclusive
+
+
+def test_a_recording_that_py_spy_could_not_make_says_why(tmp_path):
+    if profile.py_spy() is None:
+        pytest.skip("py-spy is not installed (the bench extra)")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    rec = profile.start("gone-daemon", gone.pid, tmp_path)
+    rec.stop()
+    assert rec.error.startswith("py-spy wrote nothing for gone-daemon: "), rec.error
+    assert not rec.path.exists()
