@@ -170,10 +170,10 @@ class StoreReader(MemoryTier):
     Store blobs are immutable files, so ``pin``/``unpin`` only check presence, and
     ``put``/``remove`` refuse.
 
-    ``io_threads``: pread workers (or CRC finishers with io_uring); ``queue_depth``: reads in flight
-    with io_uring; ``chunk_bytes``: the pre-emption granularity; ``backend``: ``"auto"``,
-    ``"io_uring"`` or ``"pread"`` (see ``expertcache.native.Reader``); ``direct=False`` reads
-    buffered (+ fadvise) even where O_DIRECT works.
+    ``io_threads``: pread workers (io_uring runs one thread, whatever it is); ``queue_depth``:
+    reads in flight with io_uring; ``chunk_bytes``: the pre-emption granularity; ``backend``:
+    ``"auto"``, ``"io_uring"`` or ``"pread"`` (see ``expertcache.native.Reader``);
+    ``direct=False`` reads buffered (+ fadvise) even where O_DIRECT works.
     """
 
     tier = Tier.STORE

@@ -1,6 +1,9 @@
 // Reader (see csrc/include/expertcache/reader.h for the request -> chunk -> queue -> backend ->
 // completion diagram). One mutex guards the queues, the requests and the completions; the read
-// system calls and the CRC run outside it.
+// system calls and the CRC run outside it. The CRC is taken chunk by chunk by the thread that
+// landed the chunk (a pread worker, or io_uring's dispatcher once it has handed the ring its next
+// reads), so it overlaps the request's other chunks, and the request completes with no hop to
+// another thread: its chunks' CRCs are combined in order (crc32_combine) when the last is back.
 #include "expertcache/reader.h"
 
 #include <fcntl.h>
@@ -18,6 +21,8 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+
+#include <zlib.h>
 
 #include "expertcache/crc32.h"
 
@@ -64,6 +69,9 @@ struct Request {
   bool queued = false;      // sits in a priority queue (has unissued chunks)
   bool done = false;        // completion published
   ReadCompletion result;    // kind/error filled as soon as known
+  // With has_crc: the CRC-32 of each chunk that landed whole, by its index (its relative offset
+  // / chunk_bytes; chunk_range gives every chunk's range), combined in order at completion.
+  std::vector<uint32_t> chunk_crcs;
 };
 
 struct Chunk {
@@ -73,6 +81,7 @@ struct Chunk {
   uint64_t len;
   uint8_t* dest;
   uint64_t done = 0;
+  uint32_t crc = 0;  // of its len bytes, once landed whole (io_uring: taken outside the lock)
 };
 
 }  // namespace
@@ -84,19 +93,16 @@ struct Reader::Impl {
   mutable std::mutex mu;
   std::condition_variable work_cv;    // pread workers: a chunk is ready or stopping
   std::condition_variable done_cv;    // waiters: a completion was published
-  std::condition_variable finish_cv;  // io_uring finishers: a request needs its CRC
   std::deque<std::shared_ptr<Request>> queues[kNumReadPriorities];
   std::unordered_map<uint64_t, std::shared_ptr<Request>> pending;  // submitted, not consumed
   std::deque<uint64_t> completed_order;  // published pollable ids, consumed ones skipped lazily
   size_t unconsumed = 0;                 // published pollable completions not yet consumed
-  std::deque<std::shared_ptr<Request>> finish_queue;
   std::unordered_map<int64_t, std::shared_ptr<FileEntry>> files;
   int64_t next_file = 1;
   uint64_t next_id = 1;
   bool paused = false;
   bool closed = false;    // no more submissions
   bool stopping = false;  // threads exit once their work drains
-  bool dispatcher_done = false;
   uint64_t in_flight_by_priority[kNumReadPriorities] = {};  // chunks issued, not yet back
   ReaderStats st;
 
@@ -143,6 +149,15 @@ struct Reader::Impl {
     r->queued = false;
   }
 
+  // The length of the chunk that starts with `left` bytes of its request still unissued: a
+  // chunk_bytes, or all of them when they are at most a quarter more (a blob a little over a chunk,
+  // such as 1 MiB of weights and 4 KiB of scales, is one read, not a read and a sliver). Every
+  // chunk but the last thus starts at a multiple of chunk_bytes.
+  uint64_t chunk_len(uint64_t left) const {
+    const uint64_t c = owner->chunk_bytes_;
+    return left <= c + c / 4 ? left : c;
+  }
+
   // The next chunk of the front request of class p (issuable_priority()).
   Chunk next_chunk(int p) {
     auto& q = queues[p];
@@ -159,7 +174,7 @@ struct Reader::Impl {
       if (overtakes) ++st.preemptions;
     }
     const uint64_t rel = r->next_issue;
-    const uint64_t len = std::min<uint64_t>(owner->chunk_bytes_, r->length - rel);
+    const uint64_t len = chunk_len(r->length - rel);
     r->next_issue += len;
     ++r->in_flight;
     if (r->next_issue == r->length) {
@@ -176,6 +191,8 @@ struct Reader::Impl {
   bool chunk_done(const Chunk& c, int err, bool eof) {
     Request& r = *c.req;
     --r.in_flight;
+    if (r.has_crc && err == 0 && !eof && c.done == c.len)
+      r.chunk_crcs[(c.offset - r.offset) / owner->chunk_bytes_] = c.crc;
     // The last demand chunk back: the background chunks held for it may go now (the pread
     // workers that found nothing to issue are asleep; io_uring's dispatcher looks again itself).
     if (--in_flight_by_priority[c.priority] == 0 && c.priority == kDemand && !uring)
@@ -242,12 +259,21 @@ struct Reader::Impl {
     while (n < 0 && errno == EINTR);
   }
 
-  // CRC (outside the lock) then publish. Called with lk held; returns with it held.
-  void finish(const std::shared_ptr<Request>& r, std::unique_lock<std::mutex>& lk) {
+  // The CRC-32 of the whole request from its chunks' (each landed whole).
+  uint32_t combined_crc(const Request& r) const {
+    uLong crc = 0;
+    for (uint64_t rel = 0; rel < r.length;) {
+      const uint64_t len = chunk_len(r.length - rel);
+      crc = ::crc32_combine(crc, r.chunk_crcs[rel / owner->chunk_bytes_], static_cast<z_off_t>(len));
+      rel += len;
+    }
+    return static_cast<uint32_t>(crc);
+  }
+
+  // Checks the request's CRC (from its chunks') and publishes it (mu held).
+  void finish(const std::shared_ptr<Request>& r) {
     if (r->result.kind == ReadErrorKind::kNone && r->has_crc) {
-      lk.unlock();
-      const uint32_t got = crc32(r->dest, r->length);
-      lk.lock();
+      const uint32_t got = combined_crc(*r);
       if (got != r->crc) {
         r->result.kind = ReadErrorKind::kChecksum;
         r->result.actual_crc = got;
@@ -310,8 +336,9 @@ struct Reader::Impl {
       int err;
       bool eof;
       read_chunk(c, &err, &eof);
+      if (err == 0 && !eof && c.req->has_crc) c.crc = crc32(c.dest, c.len);
       lk.lock();
-      if (chunk_done(c, err, eof)) finish(c.req, lk);
+      if (chunk_done(c, err, eof)) finish(c.req);
     }
   }
 
@@ -331,11 +358,15 @@ struct Reader::Impl {
     io_uring_sqe_set_data(sqe, c);
   }
 
+  // One thread keeps the ring: it issues chunks (at most queue_depth in flight), lands them, takes
+  // the CRC of each landed chunk (outside the lock, after handing the ring the reads that the
+  // landing allowed, so the device is busy meanwhile) and publishes the requests it completed.
   void uring_dispatcher() {
     const int depth = owner->queue_depth_;
     arm_wake();
     int to_submit = 1;
     std::vector<Chunk*> resubmit;
+    std::vector<Chunk*> verify;  // landed whole, their CRC to take (still counted in flight)
     for (;;) {
       {
         std::unique_lock<std::mutex> lk(mu);
@@ -352,8 +383,24 @@ struct Reader::Impl {
         ++to_submit;
       }
       resubmit.clear();
-      struct io_uring_cqe* cqe = nullptr;
       int rc;
+      if (!verify.empty()) {
+        if (to_submit > 0) {
+          rc = io_uring_submit(&ring);
+          if (rc >= 0) to_submit = 0;
+          else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY)
+            std::fprintf(stderr, "expertcache reader: io_uring submit failed: %s\n", std::strerror(-rc));
+        }
+        for (Chunk* c : verify) c->crc = crc32(c->dest, c->len);
+        std::lock_guard<std::mutex> g(mu);
+        for (Chunk* c : verify) {
+          std::unique_ptr<Chunk> owned(c);
+          if (chunk_done(*c, 0, false)) finish(c->req);
+        }
+        verify.clear();
+        continue;  // what landed meanwhile is taken before sleeping
+      }
+      struct io_uring_cqe* cqe = nullptr;
       if (to_submit > 0) {
         rc = io_uring_submit_and_wait(&ring, 1);
         if (rc >= 0) to_submit = 0;
@@ -402,30 +449,13 @@ struct Reader::Impl {
             }
           }
         }
-        std::unique_ptr<Chunk> owned(c);
-        if (chunk_done(*c, err, eof)) {
-          if (c->req->result.kind == ReadErrorKind::kNone && c->req->has_crc) {
-            finish_queue.push_back(c->req);
-            finish_cv.notify_one();
-          } else {
-            publish(c->req);
-          }
+        if (err == 0 && !eof && c->req->has_crc && c->req->result.kind == ReadErrorKind::kNone) {
+          verify.push_back(c);  // its CRC, then its completion, once the ring has its next reads
+          continue;
         }
+        std::unique_ptr<Chunk> owned(c);
+        if (chunk_done(*c, err, eof)) finish(c->req);
       }
-    }
-    std::lock_guard<std::mutex> g(mu);
-    dispatcher_done = true;
-    finish_cv.notify_all();
-  }
-
-  void uring_finisher() {
-    std::unique_lock<std::mutex> lk(mu);
-    for (;;) {
-      finish_cv.wait(lk, [&] { return !finish_queue.empty() || dispatcher_done; });
-      if (finish_queue.empty()) return;
-      std::shared_ptr<Request> r = std::move(finish_queue.front());
-      finish_queue.pop_front();
-      finish(r, lk);
     }
   }
 #endif
@@ -498,8 +528,6 @@ Reader::Reader(int threads, int queue_depth, size_t chunk_bytes, const std::stri
         throw OsError(-rc, std::string("reader: io_uring_queue_init: ") + std::strerror(-rc));
       impl_->ring_ready = true;
       impl_->dispatcher = std::thread([this] { impl_->uring_dispatcher(); });
-      for (int i = 0; i < threads; ++i)
-        impl_->threads.emplace_back([this] { impl_->uring_finisher(); });
     }
 #endif
     if (!use_uring)
@@ -579,6 +607,7 @@ uint64_t Reader::submit(int64_t file_id, uint64_t offset, uint64_t length, uintp
   r->has_crc = expected_crc.has_value();
   r->crc = expected_crc.value_or(0);
   r->pollable = pollable;
+  if (r->has_crc) r->chunk_crcs.resize((length + chunk_bytes_ - 1) / chunk_bytes_);
   r->submitted = Clock::now();
   r->queued = true;
   im.queues[priority].push_back(r);
@@ -717,12 +746,6 @@ void Reader::close() {
     im.work_cv.notify_all();
   }
   if (im.dispatcher.joinable()) im.dispatcher.join();
-  {
-    // pread workers exit at once; io_uring finishers once the dispatcher is done.
-    std::lock_guard<std::mutex> g(im.mu);
-    im.dispatcher_done = true;
-    im.finish_cv.notify_all();
-  }
   for (auto& t : im.threads)
     if (t.joinable()) t.join();
   im.threads.clear();

@@ -103,7 +103,9 @@ def test_multi_chunk_direct_reads_into_host_pool_slots(tmp_path, backend):
         assert stats["submitted"] == stats["completed"] == 4
         assert stats["failed"] == stats["cancelled"] == stats["in_flight"] == stats["queued"] == 0
         assert stats["bytes_read"] == sum(n for _, n in ranges)
-        assert stats["chunks"] == 5 + 1 + 4 + 2  # ceil(n / 512 KiB) each
+        # 512 KiB each, a last piece of at most a quarter chunk riding with the one before it:
+        # 2 MiB + 8 KiB is 4 reads (the 8 KiB rides with the fourth), not 5.
+        assert stats["chunks"] == 4 + 1 + 4 + 2
         with pytest.raises(IndexError, match=f"unknown request id {ids[0]}"):
             reader.wait(ids[0], 1.0)  # consumed once
 
@@ -323,6 +325,63 @@ def test_checksum_mismatch(tmp_path, backend):
         )
         assert info.value.kind == "checksum" and info.value.actual_crc == right
         assert reader.wait(reader.submit(fid, 4 * KIB, 64 * KIB, addr, 0, expected_crc=right), 10.0) is None
+
+
+def test_a_changed_byte_in_any_chunk_fails_the_whole_read(tmp_path, backend):
+    """Each chunk's CRC is taken as it lands and the request's is combined from them in order: a
+    byte changed in the first, a middle or the last chunk (a merged tail included) is caught,
+    and the CRC reported is the whole range's."""
+    path = tmp_path / "data.bin"
+    nbytes = 4 * 16 * KIB + 4 * KIB  # four 16 KiB chunks, the 4 KiB tail riding with the last
+    original = random_file(path, nbytes)
+    expected = zlib.crc32(original)
+    pool = HostPool(1, nbytes)
+    addr = pool.slot_address(pool.alloc())
+    with Reader(threads=2, queue_depth=4, chunk_bytes=16 * KIB, backend=backend) as reader:
+        fid = reader.open_file(str(path), direct=o_direct_ok(tmp_path))
+        assert reader.wait(reader.submit(fid, 0, nbytes, addr, Reader.DEMAND, expected_crc=expected), 10.0) is None
+        assert reader.stats()["chunks"] == 4
+        for where in (0, 40 * KIB + 7, nbytes - 1):
+            changed = bytearray(original)
+            changed[where] ^= 0x5A
+            path.write_bytes(changed)
+            rid = reader.submit(fid, 0, nbytes, addr, Reader.DEMAND, expected_crc=expected)
+            with pytest.raises(ReadError) as info:
+                reader.wait(rid, 10.0)
+            assert info.value.kind == "checksum", where
+            assert info.value.actual_crc == zlib.crc32(changed), where
+            assert bytes(pool.view(0)[:nbytes]) == bytes(changed)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "chunks"),
+    [(4 * KIB, 1), (64 * KIB, 1), (80 * KIB, 1), (84 * KIB, 2), (128 * KIB, 2), (144 * KIB, 2), (148 * KIB, 3)],
+)
+def test_a_last_piece_of_at_most_a_quarter_chunk_rides_with_the_chunk_before_it(tmp_path, nbytes, chunks):
+    path = tmp_path / "data.bin"
+    data = random_file(path, nbytes)
+    pool = HostPool(1, nbytes)
+    with Reader(threads=1, chunk_bytes=64 * KIB, backend="pread") as reader:
+        fid = reader.open_file(str(path), direct=o_direct_ok(tmp_path))
+        rid = reader.submit(fid, 0, nbytes, pool.slot_address(pool.alloc()), 0, expected_crc=zlib.crc32(data))
+        assert reader.wait(rid, 10.0) is None
+        assert reader.stats()["chunks"] == chunks
+        assert bytes(pool.view(0)[:nbytes]) == data
+
+
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not URING_OK, reason=f"io_uring unavailable: {URING_WHY}")
+def test_io_uring_completes_reads_in_its_one_thread():
+    """With io_uring no thread but the dispatcher touches a read (no hand-off to a CRC thread):
+    the reader starts one thread whatever ``threads`` says; pread starts ``threads`` workers.
+    (Threads are counted as those that appeared: one that other tests left may end meanwhile.)"""
+    for backend, threads, started in (("io_uring", 4, 1), ("pread", 3, 3)):
+        before = _tasks()
+        with Reader(threads=threads, backend=backend):
+            assert len(_tasks() - before) == started, backend
 
 
 def test_misaligned_direct_arguments_are_refused(tmp_path, backend):

@@ -5,7 +5,8 @@
 //   submit(file, offset, length, dest, priority, crc?, tag, pollable)
 //        │
 //        ▼
-//   Request ──split──▶ chunks of chunk_bytes (issued lazily, one at a time, never all at once)
+//   Request ──split──▶ chunks of chunk_bytes (issued lazily, one at a time, never all at once);
+//        │             a last piece of at most a quarter chunk rides with the chunk before it
 //        │
 //        ▼
 //   priority queues   [DEMAND] [LAYER_AHEAD] [PREFETCH]     FIFO within a class; the dispatcher
@@ -18,11 +19,14 @@
 //        │            more than background_depth chunks it did not ask for (parallel reads share
 //        │            the device's bandwidth: each one in flight slows the others)
 //        ▼
-//   backend           io_uring: one submitter thread keeps up to queue_depth chunks in the ring
+//   backend           io_uring: one dispatcher thread keeps up to queue_depth chunks in the ring
 //        │            pread:    `threads` workers, one chunk in flight each
 //        ▼
-//   all chunks back ──▶ CRC-32 of the whole dest range (if expected) ──▶ completion
-//        │                 (zlib's crc32, expertcache/crc32.h; pread workers / io_uring finishers)
+//   each chunk back ──▶ its CRC-32 (if expected), in the thread that landed it: the pread worker,
+//        │              or the dispatcher once the ring has its next reads (so it overlaps them)
+//        ▼
+//   all chunks back ──▶ their CRCs combined in order and checked ──▶ completion, published by
+//        │              that same thread (zlib's crc32, expertcache/crc32.h; no other thread)
 //        ▼
 //   completions not yet consumed: wait(id) or poll() consumes each exactly once; event_fd() is
 //   readable while any poll() would return exist, so an event loop can sleep on it. A request
@@ -90,6 +94,7 @@ class Reader {
   static constexpr size_t kAlignment = 4096;  // O_DIRECT alignment of offset, length and dest
 
   // backend: "auto" (io_uring when compiled in and usable, else pread), "io_uring", "pread".
+  // threads: the pread backend's workers (in [1, 256] either way; io_uring runs one dispatcher).
   // background_depth: LAYER_AHEAD and PREFETCH chunks in flight at most, in [1, the backend's
   // concurrency] (threads for pread, queue_depth for io_uring); 0 = half that, at least 1.
   Reader(int threads, int queue_depth, size_t chunk_bytes, const std::string& backend,
