@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -155,13 +156,25 @@ class MemfdArena(DeviceArena):
         except (OSError, memfd.MemfdError) as exc:
             os.close(self._fd)
             raise ArenaUnavailable(f"cannot map the CPU arena: {exc}") from None
+        started = time.perf_counter()
+        try:
+            memfd.populate(self._mmap, "the CPU arena")  # zeroed now, not at each slot's first fill
+        except memfd.MemfdError as exc:
+            self._mmap.close()
+            os.close(self._fd)
+            raise ArenaUnavailable(
+                f"{exc} (raise the daemon container's memory limit or lower device_budget_bytes)"
+            ) from None
+        populate_s = time.perf_counter() - started
         self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(num_slots, slot_bytes)
         self._base = self.slots.data_ptr()  # the mapping's address: copies go there by memmove
         self._views: dict[int, torch.Tensor] = {}  # slot -> its row of slots, made on first use
         self._local = _ThreadStaging()
         self._lock = threading.Lock()  # arena_fd against close
         self._closed = False
-        logger.info("arena: memfd, %d slots x %d bytes", num_slots, slot_bytes)
+        logger.info(
+            "arena: memfd, %d slots x %d bytes, faulted in in %.2f s", num_slots, slot_bytes, populate_s
+        )
 
     def arena_fd(self) -> int | None:
         with self._lock:
