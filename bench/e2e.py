@@ -154,6 +154,7 @@ from bench.systems import (  # noqa: E402
     add_check_tokens_argument,
     add_tier_arguments,
     all_stopped,
+    begin_paging,
     check_baseline,
     finish_all,
     llama_cpp_figures,
@@ -638,7 +639,11 @@ def main(argv: list[str] | None = None) -> int:
                 spare[SPARE] = ProcessSystem(
                     "lru", store, manifest, Path(tmp) / SPARE, args, budget, label=SPARE
                 )
-            for system in systems:  # all up at once: they take turns below
+            # All up at once, to take turns below; but llama.cpp-budget, which starts once the others
+            # are done (begin_paging).
+            for system in systems:
+                if system == llama_cpp.BUDGETED:
+                    continue
                 if system == "transformers":
                     say(
                         f"[transformers] {checkpoint} loaded by transformers on {args.device}, every expert in memory"
@@ -667,9 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             # the disk for whoever comes after it, so its warm-up and its turns follow everyone's.
             last = [system for system in systems if system == llama_cpp.BUDGETED]
             turns = [system for system in systems if system not in last]
-            for system, proc in started_systems.items():  # accelerate starts a process per run
-                if system not in last:
-                    proc.begin()
+            for proc in started_systems.values():  # accelerate starts a process per run
+                proc.begin()
 
             def measure(system: str, repeat: int, r: int) -> None:
                 if system != "accelerate":
@@ -683,13 +687,16 @@ def main(argv: list[str] | None = None) -> int:
             # systems rotated each repeat, so that drift of the machine and the disk hits all alike.
             if turns:
                 take_turns(turns, args, measure)
+            done: dict[str, dict] = {}
             if last:
                 say(f"{', '.join(last)}: after the others (it pages from the disk they read)")
-                for system in last:
-                    started_systems[system].begin()
+                done = begin_paging(
+                    started_systems, last, lambda system: start_peer(system, checkpoint, gguf, args, budget)
+                )
                 take_turns(last, args, measure)
             # transformers_answer: its greedy tokens, where it ran, for llama.cpp's
             results, transformers_answer = finish_all(started_systems)
+            results.update(done)
         if accelerate_runs:
             results["accelerate"] = merge_accelerate(accelerate_runs)
         results = {system: results[system] for system in systems}

@@ -36,18 +36,45 @@ from bench.report import MIB, say  # noqa: E402
 
 
 def drop_page_cache(roots: list[Path]) -> int:
-    """fadvise(DONTNEED) every file under ``roots``; returns how many files."""
+    """fadvise(DONTNEED) every file under ``roots``; returns how many files. Each is synced first:
+    the page cache keeps the dirty pages of a file just written (a GGUF just converted, an offload
+    folder just saved) whatever DONTNEED says."""
     count = 0
     for root in roots:
         paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             count += 1
     return count
+
+
+def page_cache_bytes(path: Path) -> int | None:
+    """How many bytes of ``path`` the page cache holds now (mincore over a mapping of it), or None
+    where it cannot be told (an empty file, or mincore failed)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = np.zeros(pages, np.uint8)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapping:
+        view = np.frombuffer(mapping, np.uint8)
+        failed = libc.mincore(view.ctypes.data, size, vec.ctypes.data) != 0
+        del view  # the mapping closes only once no view of it is left
+    if failed:
+        return None
+    return min(int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE, size)
 
 
 def hold_to_budget(headroom_bytes: int) -> dict | None:

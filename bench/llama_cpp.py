@@ -477,6 +477,7 @@ class LlamaCppSystem:
         self.picked: list[list[int]] = []
         self.cpu_s, self.generated = 0.0, 0
         self.read_bytes = 0
+        self.cached_at_start: int | None = None  # of the GGUF, as the budgeted one started
 
     def _read(self) -> dict:
         return ask_line_process(self.proc, None, "the llama.cpp driver")
@@ -520,6 +521,7 @@ class LlamaCppSystem:
             "gguf_bytes": self.summary["file_bytes"],
             "gguf_expert_bytes": self.summary["expert_bytes"],
             "gguf_expert_bytes_by_type": self.summary["expert_bytes_by_type"],
+            "gguf_cached_bytes_at_start": self.cached_at_start,
             "threads": self.threads,
             "system_info": self.system_info,
             "llama_cpp_python": VERSION,

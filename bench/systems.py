@@ -20,7 +20,7 @@ from moe.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from bench import llama_cpp, profile
 from bench.confine import Confinement
-from bench.e2e_accelerate import drop_page_cache
+from bench.e2e_accelerate import drop_page_cache, page_cache_bytes
 from bench.gpt_oss import PROMPT
 from bench.plain_transformers import TransformersSystem
 from bench.report import MIB, say
@@ -64,7 +64,8 @@ def start_peer(
     """One of ``PEERS`` on ``checkpoint`` (llama.cpp on its ``gguf``), ``args.tokens`` per request
     on ``args.threads`` threads; in a memory cgroup of its own with ``args.cgroups``. The budgeted
     llama.cpp is held to ``budget_bytes`` of experts; its GGUF leaves the page cache first, so that
-    the pages it maps are charged to its own group (a page cached by another is charged to that one)."""
+    the pages it maps are charged to its own group (a page cached by another is charged to that one);
+    what of the GGUF the cache still held then is its ``cached_at_start``."""
     memory = Confinement(system, enabled=getattr(args, "cgroups", False))
     run = {"threads": args.threads, "tokens": args.tokens, "prompt": PROMPT, "memory": memory}
     if system == "transformers":
@@ -73,8 +74,11 @@ def start_peer(
         if budget_bytes is None:
             raise ValueError(f"{system} needs the experts' budget")
         drop_page_cache([gguf[0]])
+        cached = page_cache_bytes(gguf[0])
         run["tokens"] = args.llama_budget_tokens
-        return llama_cpp.LlamaCppSystem(*gguf, budget_bytes=budget_bytes, **run)
+        proc = llama_cpp.LlamaCppSystem(*gguf, budget_bytes=budget_bytes, **run)
+        proc.cached_at_start = cached
+        return proc
     return llama_cpp.LlamaCppSystem(*gguf, **run)
 
 
@@ -98,6 +102,33 @@ def take_turns(labels: list[str], args: argparse.Namespace, measure: Callable[[s
         for r in range(args.requests):
             for label in order:
                 measure(label, repeat, r)
+
+
+def begin_paging(running: dict, last: list[str], start: Callable[[str], object]) -> dict[str, dict]:
+    """Start (``start``) and begin ``last``, the systems that page their weights from the disk
+    (llama.cpp-budget), once every other has had its turns. llama.cpp maps its GGUF with
+    MAP_POPULATE at load, so its pages are charged to whichever process's group first read them:
+    started beside llama.cpp's own process, the budgeted one would find the GGUF in memory charged
+    to that one, and read nothing from the disk. So llama.cpp is finished and stopped first (its
+    figures are returned: a page a live process maps stays cached whatever DONTNEED says), the
+    GGUF leaves the page cache, and what of it the cache still holds is printed and kept."""
+    done: dict[str, dict] = {}
+    if last and llama_cpp.SYSTEM in running:
+        proc = running.pop(llama_cpp.SYSTEM)
+        done[llama_cpp.SYSTEM] = proc.finish()
+        proc.stop()
+    for system in last:
+        running[system] = proc = start(system)  # it drops the GGUF from the page cache first
+        cached = proc.cached_at_start
+        size = proc.gguf.stat().st_size
+        held = (
+            "unknown (mincore failed)"
+            if cached is None
+            else f"{cached / MIB:.1f} MiB of its {size / MIB:.1f} MiB"
+        )
+        say(f"[{system}] its GGUF in the page cache as it started: {held}")
+        proc.begin()
+    return done
 
 
 def finish_all(running: dict) -> tuple[dict[str, dict], dict | None]:
