@@ -339,7 +339,10 @@ def test_a_changed_byte_in_any_chunk_fails_the_whole_read(tmp_path, backend):
     addr = pool.slot_address(pool.alloc())
     with Reader(threads=2, queue_depth=4, chunk_bytes=16 * KIB, backend=backend) as reader:
         fid = reader.open_file(str(path), direct=o_direct_ok(tmp_path))
-        assert reader.wait(reader.submit(fid, 0, nbytes, addr, Reader.DEMAND, expected_crc=expected), 10.0) is None
+        assert (
+            reader.wait(reader.submit(fid, 0, nbytes, addr, Reader.DEMAND, expected_crc=expected), 10.0)
+            is None
+        )
         assert reader.stats()["chunks"] == 4
         for where in (0, 40 * KIB + 7, nbytes - 1):
             changed = bytearray(original)
@@ -355,7 +358,15 @@ def test_a_changed_byte_in_any_chunk_fails_the_whole_read(tmp_path, backend):
 
 @pytest.mark.parametrize(
     ("nbytes", "chunks"),
-    [(4 * KIB, 1), (64 * KIB, 1), (80 * KIB, 1), (84 * KIB, 2), (128 * KIB, 2), (144 * KIB, 2), (148 * KIB, 3)],
+    [
+        (4 * KIB, 1),
+        (64 * KIB, 1),
+        (80 * KIB, 1),
+        (84 * KIB, 2),
+        (128 * KIB, 2),
+        (144 * KIB, 2),
+        (148 * KIB, 3),
+    ],
 )
 def test_a_last_piece_of_at_most_a_quarter_chunk_rides_with_the_chunk_before_it(tmp_path, nbytes, chunks):
     path = tmp_path / "data.bin"
