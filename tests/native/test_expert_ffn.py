@@ -1035,7 +1035,9 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     assert np.array_equal(h, one_by_one(in_flight, 1))
     threading.Timer(0.05, table.abort_load, (6,)).start()
     got, _ = in_one_call(in_flight, loading_wait_s=30.0)
-    assert got[:4] == (1, 3, "miss", 0) and 0.04 < got[5] < 10.0, got  # woken by the abort
+    # Woken by the abort (a wait > 0: the timer's 50 ms count from its start, and on a busy node the
+    # call may begin most of them later, so no lower bound but zero holds every time).
+    assert got[:4] == (1, 3, "miss", 0) and 0.0 < got[5] < 10.0, got
     table.begin_load(6, 4)
     daemon_side.drain()
     signals = LayerSignals(channel, [5, 6], [10, 11], K, 2, 1, [1, -1])
@@ -1044,9 +1046,8 @@ def test_a_steps_layers_run_in_one_call_as_they_run_one_by_one_up_to_the_first_n
     got, h = in_one_call(
         in_flight, signals=signals, ahead_ids=ahead_ids, ahead_scores=ahead_scores, loading_wait_s=30.0
     )
-    assert got[:4] == (2, 6, "done", 1) and len(got[4]) == 1 and 0.04 < got[4][0] < 10.0 and got[5] == 0.0, (
-        got
-    )
+    # "done" only once the timer landed the load: it waited (how long depends on when the call began).
+    assert got[:4] == (2, 6, "done", 1) and len(got[4]) == 1 and 0.0 < got[4][0] < 10.0 and got[5] == 0.0, got
     # Hits: layer 0's three and layer 1's two resident ones; the one in flight counts as waited, for
     # the daemon's misses (table.waited: every ledger's).
     assert (handle.hits - hits, handle.waited - waited) == (3 + 2, 1)
