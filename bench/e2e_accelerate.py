@@ -18,13 +18,17 @@ beyond the budget. Bytes read per token come from ``/proc/self/io`` (``read_byte
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -56,11 +60,6 @@ def drop_page_cache(roots: list[Path]) -> int:
 def page_cache_bytes(path: Path) -> int | None:
     """How many bytes of ``path`` the page cache holds now (mincore over a mapping of it), or None
     where it cannot be told (an empty file, or mincore failed)."""
-    import ctypes
-    import mmap
-
-    import numpy as np
-
     size = path.stat().st_size
     if size == 0:
         return None
