@@ -127,7 +127,7 @@ if str(REPO) not in sys.path:
 
 from bench import llama_cpp  # noqa: E402
 from bench.e2e_accelerate import merge_accelerate, run_accelerate  # noqa: E402
-from bench.e2e_reference import fit_link, forced_routes, measured_timing, simulate, timing_errors  # noqa: E402
+from bench.e2e_reference import fit_disk, forced_routes, measured_timing, simulate, timing_errors  # noqa: E402
 from bench.e2e_reference import shares as belady_shares  # noqa: E402
 from bench.e2e_report import (  # noqa: E402
     compare_runs,
@@ -303,7 +303,7 @@ def simulated_reference(
             read_latency_s=store_reads["alone"]["latency_ms_p50"] / 1e3,
             decision_lag_s=prefetch_start_delay_s(results.get("ours", {})),
         )
-        timing = fit_link(routes, manifest, slots, timing, 1e3 / results["lru"]["tokens_per_s"])
+        timing = fit_disk(routes, manifest, slots, timing, 1e3 / results["lru"]["tokens_per_s"])
     depth = args.layer_ahead_depth or ComputeConfig().layer_ahead_depth
     drop = ForcedRoutingConfig().force_routing_accuracy_drop_per_depth
     accuracy = tuple(modelled_accuracy(args.layer_ahead_accuracy, drop, d) for d in range(1, depth + 1))

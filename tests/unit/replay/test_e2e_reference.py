@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from bench.e2e_reference import (
+    DISK_FIT_BOUND,
     TIMING_TOLERANCE,
-    fit_link,
+    fit_disk,
     forced_routes,
     measured_timing,
     shares,
@@ -210,28 +210,35 @@ def test_the_measured_timing_takes_the_runs_blob_link_and_compute():
             measured_timing(m, link_bytes_per_s=link, compute_s_per_token=compute)
 
 
-def test_the_link_is_fitted_so_that_the_simulated_lru_takes_the_measured_time(tmp_path):
+def test_the_disk_is_fitted_as_a_whole_so_that_the_simulated_lru_takes_the_measured_time(tmp_path):
     path = write_trace(tmp_path / "t.npz", [40, 30], seed=3)
     m = manifest(blob_shape=(4096, 64))  # blobs of 1 MiB: the link matters
     routes = forced_routes(path, m, 0, 2, 30)
     slots = 8
-    timing = measured_timing(m, link_bytes_per_s=1e9, compute_s_per_token=0.01)
+    timing = measured_timing(m, link_bytes_per_s=1e9, compute_s_per_token=0.01, read_latency_s=2e-3)
 
     def lru_ms(t) -> float:
         return simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=t)["lru"][
             "latency_ms_per_token"
         ]
 
-    slower = lru_ms(timing) * 1.3  # as if the daemon delivered misses slower than the disk reads
-    fitted = fit_link(routes, m, slots, timing, slower)
-    assert fitted.link_bytes_per_s < timing.link_bytes_per_s
-    assert lru_ms(fitted) == pytest.approx(slower, rel=0.01)
-    assert "link fitted to lru's measured" in fitted.notes[-1]
-    # beyond what any rate within 8x explains: the bound
-    assert fit_link(routes, m, slots, timing, 1e-3).link_bytes_per_s == pytest.approx(8e9)
-    assert fit_link(routes, m, slots, timing, 1e6).link_bytes_per_s == pytest.approx(1e9 / 8)
+    for wanted in (lru_ms(timing) * 1.3, lru_ms(timing) * 0.8):  # a disk slower, then faster
+        fitted = fit_disk(routes, m, slots, timing, wanted)
+        factor = fitted.link_bytes_per_s / timing.link_bytes_per_s
+        assert (factor < 1) == (wanted > lru_ms(timing))
+        # the rate and the latency move together: the read latency divided by the same factor
+        assert fitted.read_latency_s == pytest.approx(timing.read_latency_s / factor)
+        assert lru_ms(fitted) == pytest.approx(wanted, rel=0.01)
+        assert "disk fitted to lru's measured" in fitted.notes[-1]
+        assert f"{factor:.2f}x as fast as measured" in fitted.notes[-1]
+    # beyond what any disk within 8x explains: the bound, said so
+    fast = fit_disk(routes, m, slots, timing, 1e-3)
+    assert fast.link_bytes_per_s == pytest.approx(1e9 * DISK_FIT_BOUND)
+    assert fast.read_latency_s == pytest.approx(2e-3 / DISK_FIT_BOUND)
+    assert "(the bound)" in fast.notes[-1]
+    assert fit_disk(routes, m, slots, timing, 1e6).link_bytes_per_s == pytest.approx(1e9 / DISK_FIT_BOUND)
     with pytest.raises(ValueError, match="lru_ms_per_token must be > 0"):
-        fit_link(routes, m, slots, timing, 0.0)
+        fit_disk(routes, m, slots, timing, 0.0)
 
 
 def test_timing_errors_judge_each_system_and_the_order():
@@ -265,30 +272,6 @@ def test_the_measured_timing_carries_the_read_latency_and_the_decision_lag():
             measured_timing(
                 m, link_bytes_per_s=2e9, compute_s_per_token=0.03, read_latency_s=latency, decision_lag_s=lag
             )
-
-
-def test_a_read_latency_that_alone_outlasts_the_measured_lru_is_fitted_down(tmp_path):
-    path = write_trace(tmp_path / "t.npz", [40, 30], seed=3)
-    m = manifest(blob_shape=(4096, 64))
-    routes = forced_routes(path, m, 0, 2, 30)
-    slots = 8
-    timing = measured_timing(m, link_bytes_per_s=1e9, compute_s_per_token=0.01)
-
-    def lru_ms(t) -> float:
-        return simulate(routes, m, slots, ours={}, lookahead_accuracy=(), timing=t)["lru"][
-            "latency_ms_per_token"
-        ]
-
-    # Measured faster than the fastest link allows with a 20 ms read latency, slower than without.
-    target = (lru_ms(replace(timing, link_bytes_per_s=8e9)) + lru_ms(timing)) / 2
-    fitted = fit_link(routes, m, slots, replace(timing, read_latency_s=0.02), target)
-    assert fitted.link_bytes_per_s == pytest.approx(8e9)
-    assert 0 < fitted.read_latency_s < 0.02
-    assert lru_ms(fitted) == pytest.approx(target, rel=0.01)
-    assert "read latency down to" in fitted.notes[-1]
-    # A latency the measured lru has room for stays as measured; the rate is fitted.
-    kept = fit_link(routes, m, slots, replace(timing, read_latency_s=1e-4), lru_ms(timing) * 1.3)
-    assert kept.read_latency_s == 1e-4 and kept.link_bytes_per_s < 1e9
 
 
 def test_ours_eviction_alone_is_simulated_demand_only(tmp_path):
