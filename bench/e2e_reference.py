@@ -23,8 +23,8 @@ proportions), a load's latency (a lone store read's, measured before the systems
 lag of a prefetch behind its signal (the daemon's ``start_delay_seconds``), and the disk
 (the rate of 4 reads in flight and a lone read's latency, both measured before the systems ran)
 sped up or slowed down as a whole so that the simulated LRU takes the measured LRU's time
-(``fit_disk``): LRU is the calibration point, ours (and ours' eviction alone, ``ours-eviction``, when it
-ran) is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of
+(``fit_disk``): LRU is the calibration point, ours (and ours' eviction alone,
+``ours-eviction``, when it ran) is predicted. Without those figures only the bytes are a reference (no timing). Byte counts of
 demand-only policies do not depend on the timing at all. ``timing_errors`` compares the
 simulated time per token with the measured one.
 
@@ -172,10 +172,10 @@ def measured_timing(
     decision_lag_s: float = 0.0,
 ) -> TimingModel:
     """The ``cpu-e2e`` timing model calibrated on an e2e run: ``manifest``'s blob over a link of
-    ``link_bytes_per_s`` (the store's reads, 4 in flight; ``fit_disk`` scales it with the latency), each load
-    usable no sooner than ``read_latency_s`` after its start (a lone read's latency, measured;
-    loads in flight together overlap it), prefetches starting ``decision_lag_s`` after the change
-    that asked for them (ours' daemon, measured), and one token's compute taking
+    ``link_bytes_per_s`` (the store's reads, 4 in flight; ``fit_disk`` scales it with the
+    latency), each load usable no sooner than ``read_latency_s`` after its start (a lone read's
+    latency, measured; loads in flight together overlap it), prefetches starting
+    ``decision_lag_s`` after the change that asked for them (ours' daemon, measured), and one token's compute taking
     ``compute_s_per_token`` (a token's time less its wait for experts, as measured), split per
     layer (attention, each expert, overhead) and per token in the proportions of the model's own
     constants."""

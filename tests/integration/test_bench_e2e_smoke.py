@@ -214,7 +214,7 @@ def test_e2e_harness_runs_every_system_interleaved(tmp_path, capsys, monkeypatch
     assert report["verdicts"]["ours_vs_accelerate"]["goal"] == 15.0  # at the checkpoint's precision
     assert report["verdicts"]["ours_vs_lru"]["goal"] == 1.3
     bytes_vs_lru = report["verdicts"]["ours_bytes_vs_lru"]
-    assert bytes_vs_lru["goal"] == 0.8
+    assert bytes_vs_lru["goal"] == 0.75
     assert bytes_vs_lru["ratio"] == pytest.approx(
         systems["ours"]["bytes_per_token"] / systems["lru"]["bytes_per_token"]
     )
