@@ -6,8 +6,8 @@ loaded, no expert cached yet) its group's usage, less the shared memory of its t
 baseline; the limit is that baseline + the system's expert budget + ``HEADROOM_BYTES`` for what
 requests allocate while they run.
 A process that loads per run (Accelerate, whose loading streams every weight through memory)
-limits its own group once loaded, to its anonymous memory then (its baseline + the weights it
-keeps) + headroom. Where no cgroup can be made the run goes on without, and says so.
+measures its own baseline before loading and limits its own group once loaded, to that baseline
++ its budget + headroom. Where no cgroup can be made the run goes on without, and says so.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Confinement:
         self.baseline_bytes, self.budget_bytes = baseline_bytes, budget_bytes
         say(
             f"[{self.label}] memory: {self.note}, limited once loaded to {self.cgroup.limit_bytes / MIB:.0f} MiB "
-            f"= its memory then {(baseline_bytes + budget_bytes) / MIB:.0f} (baseline + budget) + headroom "
+            f"= baseline {baseline_bytes / MIB:.0f} (before loading) + budget {budget_bytes / MIB:.0f} + headroom "
             f"{HEADROOM_BYTES / MIB:.0f}"
         )
 

@@ -76,20 +76,34 @@ def page_cache_bytes(path: Path) -> int | None:
     return min(int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE, size)
 
 
-def hold_to_budget(headroom_bytes: int) -> dict | None:
-    """Once loaded (loading streams every weight through memory, beyond any budget): the memory
-    cgroup this process runs in, if a benchmark's, limited to its anonymous memory now + headroom.
-    Its offloaded weights are file pages outside that: they must come from storage at each use,
-    as they would on a machine with this much memory. What was set, or None."""
+def idle_baseline() -> int | None:
+    """Before loading (imports done, no weight read yet): the anonymous memory of the benchmark's
+    memory cgroup this process runs in, its own baseline; None outside one."""
     from devtools.memory_cgroup import MemoryCgroup
 
-    group = MemoryCgroup.of_process() if headroom_bytes else None
+    group = MemoryCgroup.of_process()
+    return None if group is None else group.anon_bytes
+
+
+def hold_to_budget(baseline_bytes: int | None, budget_bytes: int, headroom_bytes: int) -> dict | None:
+    """Once loaded (loading streams every weight through memory, beyond any budget): the memory
+    cgroup this process runs in, if a benchmark's, limited to its idle baseline (``idle_baseline``)
+    + ``budget_bytes`` + headroom, as every system is. Accelerate may keep less than its budget in
+    memory (it places whole modules); its anonymous memory now + headroom is the floor of the
+    limit, so that the weights it placed stay. Its offloaded weights are file pages: they must
+    come from storage at each use, as they would on a machine with this much memory (the page
+    cache is dropped after every token). What was set, or None."""
+    from devtools.memory_cgroup import MemoryCgroup
+
+    group = MemoryCgroup.of_process() if headroom_bytes and baseline_bytes is not None else None
     if group is None:
         return None
     anon = group.anon_bytes
-    group.set_limit(anon + headroom_bytes)
+    baseline = max(baseline_bytes, anon - budget_bytes)
+    limit = baseline + budget_bytes + headroom_bytes
+    group.set_limit(limit)
     group.reset_peak()  # the peak reported is the one under the limit
-    return {"anon_bytes": anon, "limit_bytes": anon + headroom_bytes}
+    return {"baseline_bytes": baseline, "anon_bytes": anon, "limit_bytes": limit}
 
 
 def storage_read_bytes() -> int:
@@ -184,7 +198,7 @@ def run_accelerate(checkpoint: Path, work: Path, args: argparse.Namespace, cpu_b
             )
             if confined.cgroup is not None and proc.returncode == 0:
                 held = json.loads(out.read_text())["memory_after_load"]
-                confined.held(held["anon_bytes"] - cpu_bytes, cpu_bytes)
+                confined.held(held["baseline_bytes"], cpu_bytes)
             memory.append(confined.report())
         finally:
             confined.remove()
@@ -250,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-headroom-bytes",
         type=int,
         default=0,
-        help="in a benchmark's memory cgroup: once loaded, limit it to this process's anonymous "
-        "memory (its baseline + the weights it keeps, at most --cpu-budget-bytes) + this",
+        help="in a benchmark's memory cgroup: once loaded, limit it to this process's idle baseline "
+        "(measured before loading) + --cpu-budget-bytes + this",
     )
     args = parser.parse_args(argv)
 
@@ -264,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     offload = Path(args.offload_dir)
     offload.mkdir(parents=True, exist_ok=True)
     roots = [offload, checkpoint]
+    baseline = idle_baseline()
     drop_page_cache(roots)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for device in getattr(model, "hf_device_map", {}).values():
         placement[str(device)] = placement.get(str(device), 0) + 1
     files = drop_page_cache(roots)
-    memory = hold_to_budget(args.memory_headroom_bytes)
+    memory = hold_to_budget(baseline, args.cpu_budget_bytes, args.memory_headroom_bytes)
     prompt = torch.tensor([[int(t) for t in args.prompt.split(",")]])
     streamer = TimingStreamer(roots, args.progress)
     streamer.start()
