@@ -179,7 +179,13 @@ class PrefetchConfig:
     1.975 / 1.762 / 1.741 x Belady's bytes at 25.66 / 25.64 / 25.75 / 25.76 ms per token with the
     learned next-visit model (with the transitions, 0.3 / 0.7: 2.065 / 1.921 x at 25.91 / 25.97
     ms); end to end (bf16, this machine) ours read 0.876 x LRU's bytes at 0.7 against 0.90 x at
-    0.3, at the same speed within the runs' spread."""
+    0.3, at the same speed within the runs' spread. Raised to 0.85 together with the policy's
+    ``MIN_PREFETCH_PROBABILITY`` (alone it changes nothing: the guesses it drops come back as
+    class EAMC), ours read 5% fewer bytes end to end (0.773 x LRU's at mxfp4 and at bf16, against
+    0.815-0.822) at 0.97-0.98 x the speed (``bench.e2e --baseline``, three runs of 3-4 repeats;
+    two identical checkouts measured 0.965 x): the disk is the bottleneck at that shape, and a right
+    guess saves only part of a read's wait while a wrong one costs a whole blob. Kept at 0.7 for
+    the speed."""
 
     min_usefulness: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
     """A lookahead depth (and class EAMC, as depth 0) is prefetched only while at least this share
