@@ -152,3 +152,16 @@ def local_engine(tiny_store):
         return engine, provider, tiny
 
     return build
+
+
+@pytest.fixture
+def real_memory_group():
+    """A real memory cgroup of the benchmarks' (``devtools.memory_cgroup``), removed afterwards;
+    skips where this machine cannot make one (not root, no memory controller)."""
+    from devtools.memory_cgroup import MemoryCgroup
+
+    group, note = MemoryCgroup.make("test")
+    if group is None:
+        pytest.skip(note)
+    yield group
+    group.remove()

@@ -10,8 +10,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from bench.e2e_accelerate import hold_to_budget, idle_baseline
 from devtools.memory_cgroup import MemoryCgroup
 
@@ -29,15 +27,6 @@ print(json.dumps({"idle": baseline, "held": hold_to_budget(baseline, budget, hea
 """
 
 
-@pytest.fixture
-def real_group():
-    group, note = MemoryCgroup.make("test-accelerate")
-    if group is None:
-        pytest.skip(note)
-    yield group
-    group.remove()
-
-
 def _loaded(group: MemoryCgroup, kept_mib: int, budget_mib: int, headroom_mib: int = 64) -> dict:
     argv = [sys.executable, "-c", CHILD, str(kept_mib), str(budget_mib), str(headroom_mib)]
     proc = subprocess.run(group.command(argv), capture_output=True, text=True, timeout=120)
@@ -45,19 +34,19 @@ def _loaded(group: MemoryCgroup, kept_mib: int, budget_mib: int, headroom_mib: i
     return json.loads(proc.stdout)
 
 
-def test_keeping_less_than_its_budget_it_is_still_limited_to_baseline_plus_budget(real_group):
-    out = _loaded(real_group, kept_mib=32, budget_mib=200)
+def test_keeping_less_than_its_budget_it_is_still_limited_to_baseline_plus_budget(real_memory_group):
+    out = _loaded(real_memory_group, kept_mib=32, budget_mib=200)
     held = out["held"]
     assert held["baseline_bytes"] == out["idle"] > 0  # the baseline measured before loading
-    assert held["limit_bytes"] == out["idle"] + 200 * MIB + 64 * MIB == real_group.limit_bytes
+    assert held["limit_bytes"] == out["idle"] + 200 * MIB + 64 * MIB == real_memory_group.limit_bytes
     assert held["anon_bytes"] >= out["idle"] + 32 * MIB
 
 
-def test_keeping_more_than_its_budget_the_weights_it_placed_stay(real_group):
-    out = _loaded(real_group, kept_mib=96, budget_mib=16)
+def test_keeping_more_than_its_budget_the_weights_it_placed_stay(real_memory_group):
+    out = _loaded(real_memory_group, kept_mib=96, budget_mib=16)
     held = out["held"]
     assert held["baseline_bytes"] == held["anon_bytes"] - 16 * MIB > out["idle"]
-    assert held["limit_bytes"] == held["anon_bytes"] + 64 * MIB == real_group.limit_bytes
+    assert held["limit_bytes"] == held["anon_bytes"] + 64 * MIB == real_memory_group.limit_bytes
 
 
 def test_outside_a_benchmark_group_nothing_is_limited():

@@ -105,44 +105,35 @@ def test_a_confined_command_keeps_its_pid_and_takes_the_descriptor_limit():
     assert subprocess.run(failing, timeout=60).returncode == 3
 
 
-@pytest.fixture
-def real_group():
-    group, note = MemoryCgroup.make("test")
-    if group is None:
-        pytest.skip(note)
-    yield group
-    group.remove()
-
-
 def _allocate(group: MemoryCgroup, mib: int) -> subprocess.CompletedProcess:
     code = f"b = bytearray({mib} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1"
     return subprocess.run(group.command([sys.executable, "-c", code]), timeout=120)
 
 
-def test_a_child_is_charged_from_its_start_and_held_to_the_limit(real_group):
-    real_group.set_limit(160 * MIB)
-    assert real_group.limit_bytes == 160 * MIB
-    assert _allocate(real_group, 64).returncode == 0
-    assert real_group.peak_bytes >= 64 * MIB  # charged here, not where it was forked
-    assert real_group.oom_kills == 0
-    killed = _allocate(real_group, 400)
-    assert killed.returncode == -9 and real_group.oom_kills >= 1
-    assert real_group.peak_bytes <= 160 * MIB
-    assert real_group.pids() == []
+def test_a_child_is_charged_from_its_start_and_held_to_the_limit(real_memory_group):
+    real_memory_group.set_limit(160 * MIB)
+    assert real_memory_group.limit_bytes == 160 * MIB
+    assert _allocate(real_memory_group, 64).returncode == 0
+    assert real_memory_group.peak_bytes >= 64 * MIB  # charged here, not where it was forked
+    assert real_memory_group.oom_kills == 0
+    killed = _allocate(real_memory_group, 400)
+    assert killed.returncode == -9 and real_memory_group.oom_kills >= 1
+    assert real_memory_group.peak_bytes <= 160 * MIB
+    assert real_memory_group.pids() == []
 
 
-def test_a_command_started_in_the_group_is_there_under_its_pid(real_group):
+def test_a_command_started_in_the_group_is_there_under_its_pid(real_memory_group):
     code = "import sys; print('up', flush=True); sys.stdin.read()"
     proc = subprocess.Popen(
-        real_group.command([sys.executable, "-c", code]),
+        real_memory_group.command([sys.executable, "-c", code]),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "up"
-        assert real_group.pids() == [proc.pid]
+        assert real_memory_group.pids() == [proc.pid]
     finally:
         proc.stdin.close()
         proc.wait(60)
-    assert real_group.pids() == []
+    assert real_memory_group.pids() == []
