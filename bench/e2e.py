@@ -164,6 +164,7 @@ from bench.systems import (  # noqa: E402
 )
 from cache_daemon.decisions.next_visit import NextVisitModelError  # noqa: E402
 from cache_daemon.decisions.next_visit import read as read_next_visit  # noqa: E402
+from cache_daemon.decisions.scheduler import PrefetchConfig  # noqa: E402
 from compute_svc.config import ComputeConfig  # noqa: E402
 from expertcache.manifest import StoreManifest  # noqa: E402
 from expertcache.trace import read_trace  # noqa: E402
@@ -260,6 +261,16 @@ def measure_store_reads(store: Path, manifest: StoreManifest, reads: int) -> dic
     return {"alone": alone, "four_in_flight": four}
 
 
+def ours_bar(args: argparse.Namespace) -> float:
+    """The prefetch bar ours' daemon runs under (``--prefetch-min-probability``, else the daemon's
+    default)."""
+    return (
+        PrefetchConfig().min_probability
+        if args.prefetch_min_probability is None
+        else args.prefetch_min_probability
+    )
+
+
 def prefetch_start_delay_s(system: dict) -> float:
     """A system's mean lag of a prefetch start behind the change that asked for its decision
     (GetStats' ``start_delay_seconds`` over ``started``, every class); 0 when it started none."""
@@ -316,6 +327,9 @@ def simulated_reference(
         lookahead_accuracy=accuracy,
         timing=timing,
         eviction_only=eviction_only,
+        prefetch_config=None
+        if args.prefetch_min_probability is None
+        else PrefetchConfig(min_probability=args.prefetch_min_probability),
     )
     say("")
     say(
@@ -452,6 +466,15 @@ def main(argv: list[str] | None = None) -> int:
         help="ours' lookahead depth in MoE layers (default: compute's own default)",
     )
     parser.add_argument(
+        "--prefetch-min-probability",
+        type=float,
+        default=None,
+        metavar="BAR",
+        help="ours' prefetch bar (the daemon's live prefetch_min_probability, 0 to 1; default: the daemon's "
+        "own). The --baseline checkout keeps its own default, so that --baseline pointing at this same "
+        "checkout measures a bar against the default side by side: bytes read against misses hidden",
+    )
+    parser.add_argument(
         "--next-visit-model",
         default="fit",
         help="ours' learned next-visit model (the daemon's next_visit_model): 'fit' (default: fitted on the "
@@ -556,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:
         parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
+    if args.prefetch_min_probability is not None and not 0.0 <= args.prefetch_min_probability <= 1.0:
+        parser.error(f"--prefetch-min-probability must be in [0, 1], got {args.prefetch_min_probability}")
     if not 0 <= args.layer_ahead_depth <= 64:
         parser.error(
             f"--layer-ahead-depth must be in [1, 64] (0: compute's default), got {args.layer_ahead_depth}"
@@ -601,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         f"routing: ours/lru forced from {args.trace.name}, requests {args.request}.."
         f"{args.request + args.repeats * args.requests - 1} ({args.requests} per repeat), {args.tokens} tokens each (prompt {len(PROMPT)} tokens, prefill rows = the trace's first decode row); "
         f"layer-ahead accuracy modelled at {args.layer_ahead_accuracy:.2f}, ours' lookahead depth "
-        f"{args.layer_ahead_depth or ComputeConfig().layer_ahead_depth} MoE layers"
+        f"{args.layer_ahead_depth or ComputeConfig().layer_ahead_depth} MoE layers, ours' prefetch bar "
+        f"{ours_bar(args):g}"
+        + (" (the baseline checkout: its own default)" if args.baseline is not None else "")
     )
     say(
         f"threads: torch/OpenMP threads = {args.threads} in compute and in accelerate ({os.cpu_count()} CPUs)"
@@ -761,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         "llama_budget_tokens": args.llama_budget_tokens,
         "layer_ahead_accuracy_modelled": args.layer_ahead_accuracy,
         "layer_ahead_depth": args.layer_ahead_depth or ComputeConfig().layer_ahead_depth,
+        "prefetch_min_probability": ours_bar(args),
         "page_cache": "store: O_DIRECT; accelerate: posix_fadvise(POSIX_FADV_DONTNEED) on offload folder and "
         "checkpoint after load and after every token; compute dense file after start-up",
         "store_pass": passed,

@@ -96,13 +96,15 @@ def simulate(
     lookahead_accuracy: tuple[float, ...],
     timing: TimingModel | None,
     eviction_only: dict[str, Path | None] | None = None,
+    prefetch_config: PrefetchConfig | None = None,
 ) -> dict[str, dict]:
     """Per simulated system (``lru``, ``belady``, ``oracle-next-token``, then each of ``ours``:
     name → its next-visit model file or None for the transitions, then each of
     ``eviction_only``: ours' eviction with that model, demand fetching only) its
     ``bytes_per_token``, ``hit_rate``, ``latency_ms_per_token`` (under ``timing``; None without
     one: bytes only) and ``prefetches_per_token``. The oracle estimates beyond the next token as
-    ``ours`` does (with its model, the first of ``ours`` given)."""
+    ``ours`` does (with its model, the first of ``ours`` given). ``prefetch_config``: ours'
+    scheduler settings (None: the daemon's defaults), e.g. the bar the e2e's daemon ran under."""
     n = manifest.num_blobs
     if not 1 <= slots <= n:
         raise ValueError(f"slots must be in [1, {n}], got {slots}")
@@ -123,7 +125,17 @@ def simulate(
         runs.append((name, "activation-aware", None if path is None else read_next_visit(path), None, False))
     out: dict[str, dict] = {}
     for name, policy, model, lookahead, prefetch in runs:
-        s = _summary(routes, manifest, slots, timing, policy, model, lookahead, prefetch=prefetch)
+        s = _summary(
+            routes,
+            manifest,
+            slots,
+            timing,
+            policy,
+            model,
+            lookahead,
+            prefetch=prefetch,
+            config=prefetch_config,
+        )
         out[name] = {
             "policy": policy,
             "bytes_per_token": s["bytes_per_token"],
@@ -145,8 +157,10 @@ def _summary(
     lookahead: tuple[float, ...] | None = None,
     *,
     prefetch: bool = True,
+    config: PrefetchConfig | None = None,
 ) -> dict:
-    """One simulated run; ``prefetch`` False: demand fetching only (no lookahead, no EAMC)."""
+    """One simulated run; ``prefetch`` False: demand fetching only (no lookahead, no EAMC),
+    else under the scheduler's ``config`` (None: the defaults)."""
     sim = Simulation(
         routes.expert_ids,
         routes.gate_weights,
@@ -158,7 +172,7 @@ def _summary(
         lookahead_accuracy=lookahead,
         next_visit_model=model,
         max_inflight_bytes=DEFAULT_INFLIGHT_BLOBS * manifest.blob_bytes,
-        prefetch_config=None if prefetch else PrefetchConfig(layer_ahead=False, eamc=False),
+        prefetch_config=config if prefetch else PrefetchConfig(layer_ahead=False, eamc=False),
     )
     return sim.run().summary(timing)
 

@@ -37,7 +37,6 @@ from tqdm import tqdm
 
 from cache_daemon.decisions.next_visit import NextVisitModel, NextVisitModelError
 from cache_daemon.decisions.next_visit import read as read_model
-from cache_daemon.decisions.policy.activation_aware import MIN_PREFETCH_PROBABILITY
 from cache_daemon.decisions.scheduler import PrefetchConfig
 from cache_daemon.decisions.signals import ActivationSignals, LayerPrediction, SignalsConfig
 from expertcache.trace import RoutingTrace, TraceError, read_trace
@@ -62,14 +61,15 @@ DEFAULT_TRACE = (
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GOAL_BUDGET = 0.25
-SPECULATIVE_MIN_PROBABILITY = 0.2  # the ablation's lowered threshold of the EAMC class
+SPECULATIVE_MIN_PROBABILITY = 0.2  # the ablation's lowered prefetch bar (no lookahead: the EAMC class's)
+MIN_PROBABILITY = PrefetchConfig().min_probability  # the daemon's bar
 GOAL_BYTES_RATIO = 1.4  # activation-aware bytes / Belady bytes, at bf16 and mxfp4
 GOAL_FLOOR_RATIO = 1.6  # activation-aware latency / floor
 GOAL_OBSERVE_US = 20.0  # ActivationSignals.observe per routed layer
 # Modelled accuracy of compute's lookahead (router of layer l + d on layer l's state) at depth
 # d = 1, 2, ...: an assumption, not a measurement (the trace has no hidden states); the scheduler
 # measures each depth's precision and the share of its prefetches used online, and stops using a
-# depth that falls below min_precision or min_usefulness.
+# depth that falls below min_probability or min_usefulness.
 DEFAULT_LOOKAHEAD_ACCURACY = (0.9, 0.8, 0.7, 0.6)
 DEFAULT_LOOKAHEAD_DEPTH = 4
 
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             lookahead=lookahead if la else None,
             hints=hints if with_hints else None,
             max_inflight_bytes=max_inflight,
-            policy_kwargs={"min_probability": SPECULATIVE_MIN_PROBABILITY}
+            prefetch_config=PrefetchConfig(min_probability=SPECULATIVE_MIN_PROBABILITY)
             if group == "speculative"
             else None,
             signals_config=SignalsConfig(transition_weight=0.0) if group == "no-transitions" else None,
@@ -810,10 +810,10 @@ def main(argv: list[str] | None = None) -> int:
         base = next((r for r in ablation if r["group"] == "main" and not r["layer_ahead"]), None)
         base_eamc = base["prefetch_by_class"].get("eamc", {"started": 0}) if base else None
         print(
-            f"EAMC class at {GOAL_BUDGET:.0%} with its use-probability threshold lowered from "
-            f"{MIN_PREFETCH_PROBABILITY} to {SPECULATIVE_MIN_PROBABILITY} (no lookahead"
+            f"EAMC class at {GOAL_BUDGET:.0%} with the prefetch bar lowered from "
+            f"{MIN_PROBABILITY} to {SPECULATIVE_MIN_PROBABILITY} (no lookahead"
             + (
-                f"; at {MIN_PREFETCH_PROBABILITY} it started {base_eamc['started'] / max(base['tokens'], 1):.2f}/tok"
+                f"; at {MIN_PROBABILITY} it started {base_eamc['started'] / max(base['tokens'], 1):.2f}/tok"
                 if base
                 else ""
             )
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
             vs = (
                 f" ({r['bytes_per_token'] / base['bytes_per_token']:.3f}x the bytes, "
                 f"{r['latency_ms_per_token'] / base['latency_ms_per_token']:.3f}x the latency of "
-                f"threshold {MIN_PREFETCH_PROBABILITY} with hints)"
+                f"threshold {MIN_PROBABILITY} with hints)"
                 if base
                 else ""
             )

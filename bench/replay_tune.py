@@ -2,8 +2,8 @@
 
 ``python -m bench.replay_tune [--trace PATH] [--first-request 32] [--requests 4] [--budget 0.25]``
 runs the replay's ``Simulation`` for a small grid of the few generic parameters (history
-half-life in tokens, EAMC hint weight, prior weight, speculative-prefetch probability threshold,
-prefetch horizon, lookahead depth and the minimum precision a depth must keep, the estimator)
+half-life in tokens, EAMC hint weight, prior weight, the prefetch bar ``min_probability`` (of
+lookahead guesses and speculative prefetch alike), prefetch horizon, lookahead depth, the estimator)
 and prints bytes per token, hit rate and latency per setting, with Belady and LRU for scale. The
 reported replay (``bench.replay``) starts at request 64 by default, after this window.
 """
@@ -39,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--lookahead-accuracy", default=",".join(map(str, DEFAULT_LOOKAHEAD_ACCURACY)))
     ap.add_argument("--depths", default="0,1,2,3,4", help="lookahead depths to try (0: none)")
-    ap.add_argument("--min-precisions", default="0.3")
+    ap.add_argument(
+        "--min-probabilities", default="0.3", help="prefetch bars to try (PrefetchConfig.min_probability)"
+    )
     ap.add_argument("--half-lives", default=str(SignalsConfig.history_half_life_tokens))
     ap.add_argument("--hint-weights", default="0.3")
     ap.add_argument("--prior-weights", default="0.5")
-    ap.add_argument("--min-probabilities", default="0.3")
     ap.add_argument("--horizons", default="2")
     ap.add_argument("--inflight-experts", default="1")
     ap.add_argument("--estimators", default="ema", help="ema (the daemon's) and/or hazard (replay only)")
@@ -87,22 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         run(b, b, lookahead=None, max_inflight_bytes=timing.expert_bytes)
     grid = itertools.product(
         [int(x) for x in args.depths.split(",")],
-        [float(x) for x in args.min_precisions.split(",")],
+        [float(x) for x in args.min_probabilities.split(",")],
         [float(x) for x in args.half_lives.split(",")],
         [float(x) for x in args.hint_weights.split(",")],
         [float(x) for x in args.prior_weights.split(",")],
-        [float(x) for x in args.min_probabilities.split(",")],
         [int(x) for x in args.horizons.split(",")],
         [int(x) for x in args.inflight_experts.split(",")],
         [x for x in args.estimators.split(",") if x],
         *[values for _name, values in extra],
     )
-    for depth, mprec, hl, hw, pw, mp, hz, inflight, est, *more in grid:
+    for depth, bar, hl, hw, pw, hz, inflight, est, *more in grid:
         fields = {
             name: type(getattr(SignalsConfig, name))(v) for (name, _), v in zip(extra, more, strict=True)
         }
         sc = SignalsConfig(history_half_life_tokens=hl, hint_weight=hw, prior_weight=pw, **fields)
-        label = f"aa {est} d={depth} mprec={mprec:g} hl={hl:g} hw={hw:g} pw={pw:g} minp={mp:g} hz={hz} if={inflight}"
+        label = f"aa {est} d={depth} bar={bar:g} hl={hl:g} hw={hw:g} pw={pw:g} hz={hz} if={inflight}"
         label += "".join(f" {name}={v:g}" for name, v in fields.items())
         run(
             "activation-aware",
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             lookahead=accuracy[:depth] if depth else None,
             max_inflight_bytes=inflight * timing.expert_bytes,
             signals_config=sc,
-            prefetch_config=PrefetchConfig(horizon_layers=hz, min_precision=mprec),
-            policy_kwargs={"min_probability": mp},
+            prefetch_config=PrefetchConfig(horizon_layers=hz, min_probability=bar),
             estimator=HazardEstimator() if est == "hazard" else None,
         )
     if args.json:

@@ -209,6 +209,25 @@ def host_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
     return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_HOST)
 
 
+def daemon_args(system: str, args: argparse.Namespace, *, baseline: bool = False) -> list[str]:
+    """The daemon's options of ``system``: its policy, prefetch on (ours) or off, ours' learned
+    next-visit model, and ours' prefetch bar (``--prefetch-min-probability``; a ``baseline``
+    checkout runs under its own default, so that a bar is measured against it)."""
+    ours = system in ("ours", "ours-transitions", "ours-resident", "ours-eviction")
+    prefetch = ours and system != "ours-eviction"
+    out = [
+        "--eviction-policy",
+        "activation-aware" if ours else "lru",
+        "--prefetch" if prefetch else "--no-prefetch",
+    ]
+    if system in ("ours", "ours-eviction") and args.next_visit_path is not None:
+        out += ["--next-visit-model", str(args.next_visit_path)]
+    bar = getattr(args, "prefetch_min_probability", None)
+    if prefetch and not baseline and bar is not None:
+        out += ["--prefetch-min-probability", str(bar)]
+    return out
+
+
 class ProcessSystem:
     """One system served by real daemon + compute processes (ours, lru, resident), started once
     and kept up while the systems take turns request by request; ``stop`` ends both."""
@@ -249,13 +268,7 @@ class ProcessSystem:
             self.device_bytes = device_bytes
         if host_bytes is not None:
             self.host_bytes = host_bytes
-        daemon_extra = [
-            "--eviction-policy",
-            "activation-aware" if ours else "lru",
-            "--prefetch" if prefetch else "--no-prefetch",
-        ]
-        if system in ("ours", "ours-eviction") and args.next_visit_path is not None:
-            daemon_extra += ["--next-visit-model", str(args.next_visit_path)]
+        daemon_extra = daemon_args(system, args, baseline=checkout is not None)
         compute_extra = [
             "--force-routing-path",
             str(args.trace),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cache_daemon.budget import Budget
 from cache_daemon.decisions.policy import POLICIES
+from cache_daemon.decisions.scheduler import PrefetchConfig
 from expertcache.config_fields import (
     DEVICE_KINDS,
     ConfigMapFields,
@@ -137,6 +138,17 @@ class DaemonConfig(PredictorClientFields, ObservabilityFields, ConfigMapFields, 
 
     prefetch_horizon_layers: int = setting(
         2, "History/hint prefetch looks at most this many layers ahead (live).", live=True, min=1, max=1 << 16
+    )
+
+    prefetch_min_probability: float = setting(
+        PrefetchConfig.min_probability,
+        "A prefetch starts only for an expert estimated at least this likely to be used when its layer "
+        "comes: a layer-ahead guess by the precision measured for guesses like it, history and hints "
+        "by its use probability at its next visit. Higher reads fewer bytes, lower hides more misses "
+        "(live).",
+        live=True,
+        min=0.0,
+        max=1.0,
     )
 
     hint_ttl_tokens: int = setting(

@@ -149,7 +149,9 @@ def make_signals(config: DaemonConfig, manifest: StoreManifest) -> ActivationSig
 
 
 def prefetch_config(config: DaemonConfig) -> PrefetchConfig:
-    return PrefetchConfig(horizon_layers=config.prefetch_horizon_layers)
+    return PrefetchConfig(
+        horizon_layers=config.prefetch_horizon_layers, min_probability=config.prefetch_min_probability
+    )
 
 
 def device_policy(name: str, manifest: StoreManifest, signals: ActivationSignals) -> EvictionPolicy:

@@ -171,21 +171,25 @@ class PrefetchConfig:
     """Lookahead predictions deeper than this are not prefetched (they still update the
     precision estimate of their depth)."""
 
-    min_precision: float = field(default=0.7, metadata={"min": 0.0, "max": 1.0})
-    """A lookahead depth is prefetched only while its measured precision is at least this, and each
-    predicted expert only while the precision measured for its depth and prior bucket is: a
-    prefetch pays for its blob only if it is used often enough. Measured on the shared trace at
-    25% with lookahead (``bench.replay``, requests 64..69): 0.3 / 0.5 / 0.7 / 0.8 load 1.995 /
-    1.975 / 1.762 / 1.741 x Belady's bytes at 25.66 / 25.64 / 25.75 / 25.76 ms per token with the
-    learned next-visit model (with the transitions, 0.3 / 0.7: 2.065 / 1.921 x at 25.91 / 25.97
-    ms); end to end (bf16, this machine) ours read 0.876 x LRU's bytes at 0.7 against 0.90 x at
-    0.3, at the same speed within the runs' spread. Raised to 0.85 together with the policy's
-    ``MIN_PREFETCH_PROBABILITY`` (alone it changes nothing: the guesses it drops come back as
-    class EAMC), ours read 5% fewer bytes end to end (0.773 x LRU's at mxfp4 and at bf16, against
-    0.815-0.822) at 0.97-0.98 x the speed (``bench.e2e --baseline``, three runs of 3-4 repeats;
-    two identical checkouts measured 0.965 x): the disk is the bottleneck at that shape, and a right
-    guess saves only part of a read's wait while a wrong one costs a whole blob. Kept at 0.7 for
-    the speed."""
+    min_probability: float = field(default=0.7, metadata={"min": 0.0, "max": 1.0})
+    """The one bar a prefetch must pass: an expert is prefetched only while the estimate that it
+    will be used when its layer comes is at least this. For a lookahead guess that estimate is the
+    precision measured for its depth (the whole depth is cut below the bar) and for its depth and
+    prior bucket (``ActivationSignals.lookahead_confidence``); for class EAMC it is the policy's use
+    probability at the expert's next visit (``EvictionPolicy.prefetch_scores``). A prefetch pays
+    for its blob only if it is used often enough. It is one bar because the two classes trade the
+    same experts: a lookahead guess cut by a higher bar alone came back as class EAMC through a bar
+    left lower (6737 EAMC starts instead of about 600 end to end), and nothing changed.
+
+    Live as the daemon's ``prefetch_min_probability``: a higher bar reads fewer bytes, a lower one
+    hides more misses. Measured on the shared trace at 25% with lookahead (``bench.replay``,
+    requests 64..69): 0.3 / 0.5 / 0.7 / 0.8 for lookahead load 1.995 / 1.975 / 1.762 / 1.741 x
+    Belady's bytes at 25.66 / 25.64 / 25.75 / 25.76 ms per token with the learned next-visit model,
+    and without lookahead 0.3 / 0.5 / 0.7 for class EAMC load 1.722 / 1.600 / 1.567 x at 27.6 /
+    27.9 / 28.2 ms. End to end (``bench.e2e --baseline``, this 2-core machine, the disk the
+    bottleneck): 0.85 read 5-6% fewer bytes than 0.7 (0.773-0.775 x LRU's, against 0.815-0.822) at
+    0.94-0.98 x the speed (two identical checkouts measured 0.965 x): a right guess saves only part
+    of a read's wait, a wrong one costs a whole blob. 0.7 favours speed."""
 
     min_usefulness: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
     """A lookahead depth (and class EAMC, as depth 0) is prefetched only while at least this share
@@ -209,7 +213,7 @@ class PrefetchConfig:
         for name in (
             "horizon_layers",
             "max_depth",
-            "min_precision",
+            "min_probability",
             "min_usefulness",
             "usefulness_half_life",
             "max_starts",
@@ -314,7 +318,7 @@ class PrefetchScheduler:
     def depth_enabled(self, depth: int) -> bool:
         """Whether lookahead at ``depth`` is prefetched: within ``max_depth`` and measured precise
         enough to pay for its bytes."""
-        return depth <= self.config.max_depth and self.signals.precision(depth) >= self.config.min_precision
+        return depth <= self.config.max_depth and self.signals.precision(depth) >= self.config.min_probability
 
     def candidates(self) -> list[Candidate]:
         """What the scheduler would like in the tier, best first, before looking at the tier
@@ -334,7 +338,7 @@ class PrefetchScheduler:
         seen: set[int] = set()
         out: list[Candidate] = []
         if self.config.layer_ahead:
-            min_precision = self.config.min_precision
+            bar = self.config.min_probability
             for (layer, depth, entries, scores), conf in zip(
                 sig.lookahead(), sig.lookahead_confidence(), strict=True
             ):
@@ -342,7 +346,7 @@ class PrefetchScheduler:
                     continue
                 deadline = sig.layer_distance_of(layer)
                 for e, sc, c in zip(entries.tolist(), scores.tolist(), conf.tolist(), strict=True):
-                    if c < min_precision:
+                    if c < bar:
                         continue  # guesses like this one (depth, prior bucket) are mostly wrong
                     if e not in seen:
                         seen.add(e)
@@ -354,7 +358,7 @@ class PrefetchScheduler:
             # The policy's own speculative strategy (moe-infinity: the paper's p * (1 - (i - l)/L);
             # activation-aware: likely enough to be used at the next visit); None = the policy
             # prefetches nothing beyond lookahead.
-            custom = self.policy.prefetch_scores()
+            custom = self.policy.prefetch_scores(self.config.min_probability)
             if custom is not None:
                 score = np.asarray(custom, np.float64)
                 horizon = self.policy.prefetch_horizon_layers or self.config.horizon_layers

@@ -51,8 +51,9 @@ class SignalsConfig:
 
     lookahead_prior_precision: float = field(default=0.8, metadata={"min": 0.0, "max": 1.0})
     """Precision assumed for a lookahead depth before any of its predictions was scored: above
-    the scheduler's ``min_precision`` (0.7), so that a new depth is tried and then kept or cut by
-    what it measures."""
+    the scheduler's default bar ``min_probability`` (0.7), so that a new depth is tried and then kept
+    or cut by what it measures (a depth's predictions are scored whether or not it is prefetched,
+    so under a higher bar it starts cut and is taken up once it measures above it)."""
 
     precision_half_life: float = field(default=64.0, metadata={"min": 1.0, "max": 1e9})
     """Half-life, in scored predictions, of each depth's running precision estimate."""

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -496,6 +497,18 @@ def test_policy_switch_at_runtime_loses_nothing(lone):
             dict(prefetch_horizon_layers=0),
             r"config field 'prefetch_horizon_layers' = 0 is below its minimum 1",
         ),
+        (
+            dict(prefetch_min_probability=1.5),
+            r"config field 'prefetch_min_probability' = 1.5 is above its maximum 1.0",
+        ),
+        (
+            dict(prefetch_min_probability=-0.1),
+            r"config field 'prefetch_min_probability' = -0.1 is below its minimum 0.0",
+        ),
+        (
+            dict(prefetch_min_probability=float("nan")),
+            r"'prefetch_min_probability' = nan from UpdateConfig is not a finite number",
+        ),
         # One bad field refuses the whole update: the good one is not applied either.
         (
             dict(prefetch=False, hint_ttl_tokens=8, hint_stale_s=-1.0),
@@ -571,6 +584,46 @@ def test_prediction_messages_drive_prefetch_without_replies(lone):
         log = lone.proc.log()
         assert "dropping malformed route messages" in log
         assert "Route names layer 2, which is not a MoE layer of the store (MoE layers: [1, 3])" in log
+    finally:
+        stream.close()
+
+
+def test_the_prefetch_bar_is_live(lone):
+    """``prefetch_min_probability`` holds a prediction back while it is above the prediction's
+    estimated confidence (a new depth's prior precision, 0.8), and lowered again lets it start,
+    without a restart."""
+    assert lone.stats().config.prefetch_min_probability == pytest.approx(0.7)
+    reply = update(lone, prefetch_min_probability=0.9)
+    assert list(reply.changed) == ["prefetch_min_probability"]
+    assert reply.config.prefetch_min_probability == pytest.approx(0.9)
+    stream = DemandStream(lone.stub)
+    try:
+        send = stream._requests.put
+        send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
+        send(
+            cache_pb2.DemandRequest(
+                route=cache_pb2.Route(request_id="req-1", token=0, decoder_layer=1, experts=[0, 1])
+            )
+        )
+        prediction = cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[2, 3], scores=[0.9, 0.6])
+        send(cache_pb2.DemandRequest(layer_ahead=cache_pb2.LayerAhead(token=0, predictions=[prediction])))
+
+        def prefetched() -> int:
+            return sum(p.started for p in lone.stats().prefetch)
+
+        # A demand on the same stream is served after the signals before it were applied.
+        readies, _ = stream.acquire(7, 1, [4])
+        stream.release(1, [4])
+        time.sleep(0.5)  # the prefetch worker's pass after those signals
+        assert prefetched() == 0
+        assert lone.stats().tiers[0].resident == 1  # expert 4 of layer 1 alone
+        update(lone, prefetch_min_probability=0.7)  # the change itself wakes the worker
+        wait_for(lambda: prefetched() == 2 and lone.stats().tiers[0].resident == 3)
+        readies, _ = stream.acquire(8, 3, [3, 2])
+        assert {r.source for r in readies} == {cache_pb2.TIER_DEVICE}
+        for r in readies:
+            assert lone.slot_bytes(r.slot) == lone.blob(3, r.expert.expert)
+        stream.release(3, [2, 3])
     finally:
         stream.close()
 

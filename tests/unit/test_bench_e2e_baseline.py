@@ -46,3 +46,33 @@ def test_the_comparison_is_repeat_by_repeat(capsys):
     assert "ours vs baseline-ours (/work/base): 1.136x faster per token (p50)" in out  # 50 / 44 ms
     assert "median 1.100, min 1.000, max 1.250 over 3 repeats" in out
     assert "daemon CPU per token 20.0 vs 25.0 ms" in out
+
+
+def test_a_prefetch_bar_goes_to_this_checkouts_ours_alone():
+    """``--prefetch-min-probability``: ours' daemon runs under it; lru, ours without prefetch and
+    the baseline checkout's ours keep their own, so ``--baseline`` at this checkout measures the bar
+    against the default."""
+    from argparse import Namespace
+
+    from bench.systems import daemon_args
+
+    args = Namespace(next_visit_path=None, prefetch_min_probability=0.85)
+    assert daemon_args("ours", args) == [
+        "--eviction-policy",
+        "activation-aware",
+        "--prefetch",
+        "--prefetch-min-probability",
+        "0.85",
+    ]
+    assert "--prefetch-min-probability" not in daemon_args("ours", args, baseline=True)
+    assert daemon_args("lru", args) == ["--eviction-policy", "lru", "--no-prefetch"]
+    assert "--prefetch-min-probability" not in daemon_args("ours-eviction", args)
+    assert "--prefetch-min-probability" not in daemon_args("ours", Namespace(next_visit_path=None))
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-0.1"])
+def test_a_prefetch_bar_out_of_range_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(["--prefetch-min-probability", bad, "--systems", "ours,lru"])
+    assert exit_.value.code == 2
+    assert f"--prefetch-min-probability must be in [0, 1], got {float(bad)}" in capsys.readouterr().err

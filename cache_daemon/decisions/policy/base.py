@@ -98,9 +98,12 @@ class EvictionPolicy(ABC):
         for key in keys:
             self.on_insert(key)
 
-    def prefetch_scores(self) -> np.ndarray | None:
+    def prefetch_scores(self, min_probability: float) -> np.ndarray | None:
         """float64 [N] the policy's own speculative prefetch score per entry (0 = no), or None
-        when the policy prefetches nothing beyond layer-ahead predictions (the default)."""
+        when the policy prefetches nothing beyond layer-ahead predictions (the default). A policy
+        that estimates use probabilities scores only the entries at least ``min_probability``
+        likely to be used at their next visit (the scheduler's one bar,
+        ``PrefetchConfig.min_probability``)."""
         return None
 
     def keep_value(self, keys: Iterable[ExpertKey]) -> np.ndarray:

@@ -51,9 +51,10 @@ class MoEInfinityPolicy(ShapedPolicy):
     def _tiebreak(self, entries: np.ndarray) -> np.ndarray:
         return self._stamp[entries].astype(np.float64)
 
-    def prefetch_scores(self) -> np.ndarray:
+    def prefetch_scores(self, min_probability: float) -> np.ndarray:
         """float64 [N] the paper's prefetch score ``p * (1 - (i - l)/L)`` for the layers ``i``
-        after the current layer ``l`` of this token; 0 for the layers already passed."""
+        after the current layer ``l`` of this token; 0 for the layers already passed. The paper
+        prefetches by rank, not against a bar: ``min_probability`` is not used."""
         assert self.signals is not None
         L = self.shape.num_layers
         _token, layer = self.signals.position

@@ -190,7 +190,8 @@ def test_moe_infinity_formulas_exactly():
     assert pol.keep_value(keys) == pytest.approx(expect)
     assert pol.choose_victims(4, lambda k: True) == [keys[3], keys[1], keys[2], keys[0]]
     # Prefetch score of layer i > l (here l = 0): p * (1 - (i - l)/L); passed layers 0.
-    scores = pol.prefetch_scores()
+    scores = pol.prefetch_scores(0.7)
+    assert (scores == pol.prefetch_scores(1.0)).all()  # the paper's rank, not the bar
     assert scores[E + 3] == pytest.approx(0.2 * (1 - 1 / 3))
     assert scores[2 * E + 4] == pytest.approx(0.9 * (1 - 2 / 3))
     assert scores[2] == 0.0
@@ -266,9 +267,12 @@ def test_activation_aware_evicts_the_least_likely_used_soon():
     order = pol.choose_victims(3, lambda k: True)
     assert order[0] == cold_next  # never used in this request
     assert order.index(hot_far) < order.index(hot_next)  # same habit, layer 0 comes round last
-    assert pol.prefetch_scores()[E] > 0 and pol.prefetch_scores()[E + 5] == 0
-    with pytest.raises(ValueError, match=r"min_probability must be in \[0, 1\], got 2"):
-        ActivationAwarePolicy(SHAPE, sig, min_probability=2)
+    # Speculative prefetch: the entries at least as likely to be used as the scheduler's bar.
+    p = sig.use_probability()
+    assert p[E] > 0.7 > p[E + 5]
+    assert pol.prefetch_scores(0.7)[E] > 0 and pol.prefetch_scores(0.7)[E + 5] == 0
+    assert pol.prefetch_scores(float(p[E]) + 1e-6)[E] == 0  # the bar moved: not cached across bars
+    assert (pol.prefetch_scores(0.0) > 0).all()
 
 
 def test_activation_aware_evicts_the_likeliest_idle_not_the_latest_expected_use():

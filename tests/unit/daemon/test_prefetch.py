@@ -109,8 +109,34 @@ def test_nearest_layer_first_then_likeliest():
     assert all(s.victim is None for s in starts)  # free slots first
 
 
-def test_a_depth_below_min_precision_is_not_prefetched():
-    sig, pol, sched, tier = setup(min_precision=0.5)
+def _candidates_under(bar: float) -> set[tuple[int, PrefetchClass]]:
+    """The candidates under the bar ``bar`` when layer 1's lookahead guesses experts 0 and 5 with a
+    precision of 0.8 (its prior) and the request's habit is experts 0 and 1 at every layer (use
+    probability 0.94 at layers 2 and 3)."""
+    sig, _pol, sched, _tier = setup(horizon_layers=3, precision=0.8, min_probability=bar)
+    sig.begin_request("r")
+    for t in range(3):
+        for layer in range(L):
+            sig.observe(layer, [0, 1], t)
+    sig.observe(0, [0, 1], 3)
+    ahead(sig, 3, (1, 1, [0, 5], [0.6, 0.4]))
+    return {(c.entry, c.cls) for c in sched.candidates()}
+
+
+def test_one_bar_gates_lookahead_guesses_and_speculative_prefetch_alike():
+    la, eamc = PrefetchClass.LAYER_AHEAD, PrefetchClass.EAMC
+    habits = {(2 * E, eamc), (2 * E + 1, eamc), (3 * E, eamc), (3 * E + 1, eamc)}
+    assert _candidates_under(0.7) == {(E, la), (E + 5, la)} | habits
+    # Above the guesses' precision they go, and expert 0 of layer 1 (its use probability is its
+    # guess's, 0.8) does not come back as class EAMC: a bar of one class alone let it.
+    assert _candidates_under(0.85) == habits
+    assert _candidates_under(0.95) == set()  # above the habits' 0.94 too
+    # At 0 every entry of the layers ahead, each once (layer 1's guesses in their own class).
+    assert sorted(e for e, _cls in _candidates_under(0.0)) == list(range(E, L * E))
+
+
+def test_a_depth_below_min_probability_is_not_prefetched():
+    sig, pol, sched, tier = setup(min_probability=0.5)
     sig.observe(0, [0], 0)
     ahead(sig, 0, (2, 2, [3], [0.9]))
     assert [s.key for s in sched.decide(tier)] == [ExpertKey(2, 3)]
@@ -276,8 +302,8 @@ def test_policy_switch_and_errors():
         PrefetchScheduler(sig, pol, blob_bytes=1, max_inflight_bytes=-1)
     with pytest.raises(ValueError, match=r"PrefetchConfig.horizon_layers must be in \[1, 65536\], got 0"):
         PrefetchConfig(horizon_layers=0)
-    with pytest.raises(ValueError, match=r"PrefetchConfig.min_precision must be in \[0.0, 1.0\], got 2"):
-        PrefetchConfig(min_precision=2)
+    with pytest.raises(ValueError, match=r"PrefetchConfig.min_probability must be in \[0.0, 1.0\], got 2"):
+        PrefetchConfig(min_probability=2)
     with pytest.raises(ValueError, match=r"PrefetchConfig.min_usefulness must be in \[0.0, 1.0\], got -0.1"):
         PrefetchConfig(min_usefulness=-0.1)
     with pytest.raises(ValueError, match=r"PrefetchConfig.usefulness_half_life must be in \[1.0, "):

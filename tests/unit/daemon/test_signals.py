@@ -301,7 +301,7 @@ def test_transitions_learned_across_requests_sharpen_the_next_visit():
 def test_lookahead_precision_is_kept_per_prior_bucket():
     """Guesses of an expert the request was not expected to use (prior bucket 0) are wrong here,
     guesses of its habitual expert right: each bucket's precision is measured apart, a new guess
-    gets its bucket's as its confidence, and the scheduler drops guesses below min_precision."""
+    gets its bucket's as its confidence, and the scheduler drops guesses below min_probability."""
     s = make(prior_weight=0.0, transition_weight=0.0, long_history_weight=0.0, history_half_life_tokens=1.0)
     for t in range(40):
         s.observe(0, [1], token=t)  # layer 0 always routes expert 1: its history is high
@@ -317,11 +317,11 @@ def test_lookahead_precision_is_kept_per_prior_bucket():
     assert conf.tolist() == pytest.approx([s.precision(1, b_habit), s.precision(1, b_new)])
     p = s.use_probability()
     assert p[E + 1] > 0.9 and p[E + 6] < 0.1
-    # The scheduler (the depth's precision, 0.5, above its min_precision here) takes the habitual
-    # guess and drops the other (its bucket's precision below min_precision).
+    # The scheduler (the depth's precision, 0.5, above its min_probability here) takes the habitual
+    # guess and drops the other (its bucket's precision below min_probability).
     policy = LRUPolicy(PolicyShape(L, E))
     sched = PrefetchScheduler(
-        s, policy, blob_bytes=1, max_inflight_bytes=8, config=PrefetchConfig(eamc=False, min_precision=0.3)
+        s, policy, blob_bytes=1, max_inflight_bytes=8, config=PrefetchConfig(eamc=False, min_probability=0.3)
     )
     got = {(c.entry, c.cls) for c in sched.candidates()}
     assert got == {(E + 1, PrefetchClass.LAYER_AHEAD)}

@@ -36,6 +36,7 @@ DAEMON_LIVE_KEYS = {
     "prefetch",
     "max_inflight_bytes",
     "prefetch_horizon_layers",
+    "prefetch_min_probability",
     "hint_ttl_tokens",
     "hint_stale_s",
     "next_visit_model",
