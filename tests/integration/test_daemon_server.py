@@ -525,16 +525,23 @@ def test_invalid_update_config_is_invalid_argument_and_keeps_the_config(daemon, 
     assert daemon.stats().config == before
 
 
+def begin_routed(stream: DemandStream):
+    """Begin request ``req-1`` on ``stream`` with token 0 routed to experts 0 and 1 at layer 1;
+    the stream's one-way send."""
+    send = stream._requests.put
+    send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
+    send(
+        cache_pb2.DemandRequest(
+            route=cache_pb2.Route(request_id="req-1", token=0, decoder_layer=1, experts=[0, 1])
+        )
+    )
+    return send
+
+
 def test_prediction_messages_drive_prefetch_without_replies(lone):
     stream = DemandStream(lone.stub)
     try:
-        send = stream._requests.put
-        send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
-        send(
-            cache_pb2.DemandRequest(
-                route=cache_pb2.Route(request_id="req-1", token=0, decoder_layer=1, experts=[0, 1])
-            )
-        )
+        send = begin_routed(stream)
         send(
             cache_pb2.DemandRequest(
                 layer_ahead=cache_pb2.LayerAhead(
@@ -598,13 +605,7 @@ def test_the_prefetch_bar_is_live(lone):
     assert reply.config.prefetch_min_probability == pytest.approx(0.9)
     stream = DemandStream(lone.stub)
     try:
-        send = stream._requests.put
-        send(cache_pb2.DemandRequest(request_begin=cache_pb2.RequestBegin(request_id="req-1")))
-        send(
-            cache_pb2.DemandRequest(
-                route=cache_pb2.Route(request_id="req-1", token=0, decoder_layer=1, experts=[0, 1])
-            )
-        )
+        send = begin_routed(stream)
         prediction = cache_pb2.LayerPrediction(decoder_layer=3, depth=1, experts=[2, 3], scores=[0.9, 0.6])
         send(cache_pb2.DemandRequest(layer_ahead=cache_pb2.LayerAhead(token=0, predictions=[prediction])))
 
