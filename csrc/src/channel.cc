@@ -245,37 +245,26 @@ bool ClientChannel::wait_notify(uint32_t seen, double timeout_s, double spin_s, 
 bool ClientChannel::wait_reply(uint32_t seq, uint32_t seen, double timeout_s, double spin_s,
                                double grace_s) {
   using clock = std::chrono::steady_clock;
-  auto seconds = [](double s) {
-    return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
-  };
   const auto start = clock::now();
-  const bool forever = timeout_s < 0;
-  const auto deadline = forever ? clock::time_point::max() : start + seconds(timeout_s);
-  if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
+  auto answered = [this, seq] { return header_->reply_seq.load(std::memory_order_acquire) == seq; };
+  if (answered()) return true;
   // Poll for a short grace (an answer from a thread already at work comes in microseconds), and
   // past it only while the daemon's thread copies for this client: an admission that reads the
   // store, or applies a layer's signals first, takes hundreds of microseconds, which polling would
-  // take from the daemon's own threads on a small node.
-  const auto spin_until = std::min(deadline, start + seconds(std::min(spin_s, 1e-3)));
-  const auto grace_until = std::min(spin_until, start + seconds(grace_s));
-  for (unsigned i = 0;; ++i) {
-    if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
-    if (header_->notify.load(std::memory_order_relaxed) != seen) return false;  // something else: the caller checks
-    if ((i & 63) == 63) {
-      const auto now = clock::now();
-      if (now >= spin_until) break;
-      if (now >= grace_until && !copying()) break;
-    }
-    cpu_relax();
-  }
-  if (header_->reply_seq.load(std::memory_order_acquire) == seq) return true;
+  // take from the daemon's own threads on a small node. A notify after `seen` ends it too: the
+  // caller checks what came.
+  const double poll_s = timeout_s < 0 ? spin_s : std::min(spin_s, timeout_s);
+  auto notified = [this, seen] { return header_->notify.load(std::memory_order_relaxed) != seen; };
+  if (poll_while_worth([&] { return answered() || notified(); }, poll_s, grace_s, [this] { return copying(); }))
+    return answered();
+  if (answered()) return true;
   double left = -1.0;
-  if (!forever) {
-    left = std::chrono::duration<double>(deadline - clock::now()).count();
+  if (timeout_s >= 0) {
+    left = timeout_s - std::chrono::duration<double>(clock::now() - start).count();
     if (left <= 0) return false;
   }
   futex_wait_changed(&header_->notify, &header_->compute_sleeping, seen, left, where_ + " (notify)");
-  return header_->reply_seq.load(std::memory_order_acquire) == seq;
+  return answered();
 }
 
 uint8_t ClientChannel::source(uint32_t i) const {

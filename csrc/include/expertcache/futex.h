@@ -113,12 +113,12 @@ inline void cpu_relax() {
 #endif
 }
 
-// Polls `*word` without sleeping while it equals `seen`: for `grace_s`, and past that only while
-// `worth()` holds (the thread that will change it is at work on another core: no sleep, and the
-// waker makes no wake syscall), `spin_s` in all (at most 1 ms). True as soon as it differs.
-template <class Worth>
-inline bool poll_while_worth(std::atomic<uint32_t>* word, uint32_t seen, double spin_s, double grace_s,
-                             Worth worth) {
+// Polls until `done()` without sleeping: for `grace_s`, and past that only while `worth()` holds
+// (the thread that will make it done is at work on another core: no sleep, and the waker makes no
+// wake syscall), `spin_s` in all (at most 1 ms). True as soon as `done()`; false when the polling
+// stops short of it (then the caller sleeps).
+template <class Done, class Worth>
+inline bool poll_while_worth(Done done, double spin_s, double grace_s, Worth worth) {
   if (!(spin_s > 0)) return false;
   using clock = std::chrono::steady_clock;
   auto seconds = [](double s) {
@@ -128,13 +128,21 @@ inline bool poll_while_worth(std::atomic<uint32_t>* word, uint32_t seen, double 
   const auto until = start + seconds(std::min(spin_s, 1e-3));
   const auto grace_until = std::min(until, start + seconds(std::max(grace_s, 0.0)));
   for (unsigned i = 0;; ++i) {
-    if (word->load(std::memory_order_acquire) != seen) return true;
+    if (done()) return true;
     if ((i & 63) == 63) {
       const auto now = clock::now();
       if (now >= until || (now >= grace_until && !worth())) return false;
     }
     cpu_relax();
   }
+}
+
+// The same, polling `*word` while it equals `seen`: true as soon as it differs.
+template <class Worth>
+inline bool poll_while_worth(std::atomic<uint32_t>* word, uint32_t seen, double spin_s, double grace_s,
+                             Worth worth) {
+  return poll_while_worth([word, seen] { return word->load(std::memory_order_acquire) != seen; }, spin_s,
+                          grace_s, worth);
 }
 
 // Bumps `word` and wakes its sleepers, if any. A channel's words have one sleeper each (the
