@@ -56,8 +56,11 @@ order rotated each repeat, so that the machine's and the disk's drift hits all a
 A spare (``--spare``, the default) is started before them all and kept up, idle, to the end:
 an lru system that is never measured. The first daemon and compute started measured 5-12% slower
 per token than identical twins started after them, in every repeat, more CPU for the same work
-(A/A runs of three identical ours, 2026-11-30, cause not found); with the spare in that place
-the twins agree within the run-to-run noise (-2% to +5%).
+(A/A runs of three identical ours, 2026-11-30, cause not found). The spare takes the worst of
+it, not all: with ``--baseline`` at an identical checkout, this checkout's ours (started before
+the baseline's) measured 0.912-0.947x the baseline's, in either checkout, and 1.077x with
+``--baseline-first`` (2026-12-03). So an A/B is read as the geometric mean of a run in each
+start order.
 ``--repeats N`` runs N such rounds, each on the next trace requests; every ratio is printed with
 its spread over the rounds (median, min, max of the per-round p50 ratios), and
 bench/results/e2e.png plots the p50s with their spread and the shares of the gap.
@@ -544,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
         "side on the same disk and CPU, which drift from one run to the next by more than most changes",
     )
     parser.add_argument(
+        "--baseline-first",
+        action="store_true",
+        help=f"start {BASELINE!r} before this checkout's systems instead of after them: of two identical "
+        "checkouts, the one started first runs 5-9%% slower, so an A/B is read as the geometric mean "
+        "of a run in each order",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -575,7 +585,13 @@ def main(argv: list[str] | None = None) -> int:
     systems = llama_cpp.checked_systems(parser, args, systems)
     if args.baseline is not None:
         check_baseline(parser, args.baseline)
-        systems.append(BASELINE)
+        # Started (and first in the rotation) in this place: see --baseline-first.
+        if args.baseline_first:
+            systems.insert(0, BASELINE)
+        else:
+            systems.append(BASELINE)
+    elif args.baseline_first:
+        parser.error("--baseline-first needs --baseline")
     args.systems = ",".join(systems)
     if not 0 <= args.store_reads <= 100_000:
         parser.error(f"--store-reads must be in [0, 100000], got {args.store_reads}")
@@ -737,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tiers_and_ceilings(results, store_reads, link)
     verdicts = judge(results, args.precision)
     if BASELINE in results:
-        verdicts["ours_vs_baseline"] = print_baseline(results, BASELINE, args.baseline)
+        verdicts["ours_vs_baseline"] = print_baseline(results, BASELINE, args.baseline, args.baseline_first)
     verdicts["memory"] = print_memory(results)
     verdicts.update(llama_cpp_figures(results, args, checkpoint, transformers_answer, args.precision))
     reference = simulated_reference(args, manifest, budget, results, store_reads)
@@ -783,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "repeats": args.repeats,
         "interleaved": True,
+        "baseline_first": bool(args.baseline is not None and args.baseline_first),
         "tokens": args.tokens,
         "accelerate_tokens": args.accelerate_tokens,
         "llama_budget_tokens": args.llama_budget_tokens,

@@ -287,9 +287,10 @@ def print_disk_time(results: dict, store_reads: dict) -> None:
             )
 
 
-def print_baseline(results: dict, baseline: str, checkout) -> dict:
+def print_baseline(results: dict, baseline: str, checkout, baseline_first: bool = False) -> dict:
     """This checkout's ours against ``baseline`` (another checkout's ours, in the same rounds):
-    p50 ratio with its spread over the repeats, bytes, misses, and the daemon's CPU per token."""
+    p50 ratio with its spread over the repeats, bytes, misses, and the daemon's CPU per token,
+    and which of the two was started first (``baseline_first``: the baseline), which runs slower."""
     ours, base = results["ours"], results[baseline]
     speedup = base["p50_s"] / ours["p50_s"] if ours["p50_s"] and base["p50_s"] else None
     per_repeat = repeat_ratios(base, ours)
@@ -299,9 +300,15 @@ def print_baseline(results: dict, baseline: str, checkout) -> dict:
         f"{spread_text(per_repeat, '.3f')}; MiB in per token {ours['bytes_per_token'] / MIB:.1f} vs "
         f"{base['bytes_per_token'] / MIB:.1f}; misses per decode token {ours['misses_per_decode_token']:.1f} vs "
         f"{base['misses_per_decode_token']:.1f}; daemon CPU per token {cpu['ours'] * 1e3:.1f} vs "
-        f"{cpu[baseline] * 1e3:.1f} ms"
+        f"{cpu[baseline] * 1e3:.1f} ms; started first: {baseline if baseline_first else 'ours'} (the one "
+        "started first runs a few % slower: read an A/B as the geometric mean of both orders, --baseline-first)"
     )
-    return {"p50_speedup": speedup, "per_repeat": per_repeat, "daemon_cpu_s_per_token": cpu}
+    return {
+        "p50_speedup": speedup,
+        "per_repeat": per_repeat,
+        "daemon_cpu_s_per_token": cpu,
+        "started_first": baseline if baseline_first else "ours",
+    }
 
 
 def judge(results: dict, precision: str) -> dict:

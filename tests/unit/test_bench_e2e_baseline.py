@@ -76,3 +76,23 @@ def test_a_prefetch_bar_out_of_range_is_a_usage_error(bad, capsys):
         e2e.main(["--prefetch-min-probability", bad, "--systems", "ours,lru"])
     assert exit_.value.code == 2
     assert f"--prefetch-min-probability must be in [0, 1], got {float(bad)}" in capsys.readouterr().err
+
+
+def test_the_comparison_says_which_was_started_first(capsys):
+    results = {
+        "ours": result([40.0], 32.0, 27.0, 20.0),
+        "baseline-ours": result([44.0], 33.0, 28.0, 25.0),
+    }
+    assert print_baseline(results, "baseline-ours", "/b")["started_first"] == "ours"
+    assert "started first: ours" in capsys.readouterr().out
+    assert (
+        print_baseline(results, "baseline-ours", "/b", baseline_first=True)["started_first"]
+        == "baseline-ours"
+    )
+    assert "started first: baseline-ours" in capsys.readouterr().out
+
+
+def test_baseline_first_needs_a_baseline(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(["--baseline-first", "--systems", "ours,lru"])
+    assert exit_.value.code == 2 and "--baseline-first needs --baseline" in capsys.readouterr().err
