@@ -187,10 +187,11 @@ class PrefetchConfig:
     Belady's bytes at 25.66 / 25.64 / 25.75 / 25.76 ms per token with the learned next-visit model,
     and without lookahead 0.3 / 0.5 / 0.7 for class EAMC load 1.722 / 1.600 / 1.567 x at 27.6 /
     27.9 / 28.2 ms. End to end (``bench.e2e --baseline``, this 2-core machine, the disk the
-    bottleneck): 0.85 read 5-6% fewer bytes than 0.7 (0.773-0.775 x LRU's, against 0.815-0.822) at
-    0.94-0.98 x the speed (two identical checkouts measured 0.965 x), and 0.95 8% fewer (0.756 x)
-    at 0.87 x: a right guess saves only part of a read's wait, a wrong one costs a whole blob. No
-    bar reads less than ours' eviction alone (0.752 x, prefetch off). 0.7 favours speed."""
+    bottleneck): 0.85 read 6% fewer bytes than 0.7 (0.775 x LRU's, against 0.815-0.822) at 0.955 x
+    the speed, and 0.95 8% fewer (0.756 x) at 0.916 x (each the geometric mean of a run in both
+    start orders, ``--baseline-first``): a right guess saves only part of a read's wait, a wrong
+    one costs a whole blob. No bar reads less than ours' eviction alone (0.752 x, prefetch off).
+    0.7 favours speed."""
 
     min_usefulness: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
     """A lookahead depth (and class EAMC, as depth 0) is prefetched only while at least this share
