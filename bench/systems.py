@@ -209,12 +209,18 @@ def host_tier(stats: cache_pb2.CacheStats) -> cache_pb2.TierStats:
     return next(t for t in stats.tiers if t.tier == cache_pb2.TIER_HOST)
 
 
+def ours_and_prefetch(system: str) -> tuple[bool, bool]:
+    """Whether ``system`` runs ours' policy and signals, and whether it prefetches (ours-eviction:
+    ours' policy on ours' signals (routes), without prefetch or lookahead)."""
+    ours = system in ("ours", "ours-transitions", "ours-resident", "ours-eviction")
+    return ours, ours and system != "ours-eviction"
+
+
 def daemon_args(system: str, args: argparse.Namespace, *, baseline: bool = False) -> list[str]:
     """The daemon's options of ``system``: its policy, prefetch on (ours) or off, ours' learned
     next-visit model, and ours' prefetch bar (``--prefetch-min-probability``; a ``baseline``
     checkout runs under its own default, so that a bar is measured against it)."""
-    ours = system in ("ours", "ours-transitions", "ours-resident", "ours-eviction")
-    prefetch = ours and system != "ours-eviction"
+    ours, prefetch = ours_and_prefetch(system)
     out = [
         "--eviction-policy",
         "activation-aware" if ours else "lru",
@@ -254,9 +260,7 @@ class ProcessSystem:
         self.label = label or system
         # Daemon and compute in one memory cgroup (bench.e2e --cgroups), held to the budget.
         self.memory = Confinement(self.label, enabled=getattr(args, "cgroups", False))
-        ours = system in ("ours", "ours-transitions", "ours-resident", "ours-eviction")
-        # ours-eviction: ours' policy on ours' signals (routes), without prefetch or lookahead
-        prefetch = ours and system != "ours-eviction"
+        ours, prefetch = ours_and_prefetch(system)
         # resident: an arena that holds every expert (ours-resident: with ours' policy and signals)
         self.resident = system in ("resident", "ours-resident")
         self.blob_bytes = manifest.blob_bytes
